@@ -1,0 +1,127 @@
+"""Replay reference cases recorded from FlashInfer on a real GPU against our functions.
+
+A golden file (``torch.load``) is a list of cases: ``name``, ``fn`` (the reference
+function; ``prep`` = ``prepare_fp8_moe_layer_for_fi`` on a layer built from
+``lay_args = (is_act_and_mul, intermediate, hidden, weight_block_size, is_gated)``),
+``inputs`` (tensors stored as ``{"dtype", "u8"}`` byte views or ``{"dtype", "t"}``),
+``outputs`` and ``error`` (the reference's exception, when it raised). Outputs are
+compared byte for byte. A case the reference crashed on must succeed here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+
+from fimoe_lab import prepare
+
+__all__ = ["GoldenResult", "default_golden_paths", "load_cases", "run_case"]
+
+
+def default_golden_paths() -> list[Path]:
+    """Golden files: ``$FIMOE_GOLDENS`` (file or folder), else ``shared/goldens`` beside the checkout."""
+    env = os.environ.get("FIMOE_GOLDENS")
+    if env:
+        roots = [Path(env)]
+    else:
+        here = Path(__file__).resolve().parent.parent
+        roots = [here.parent / "shared" / "goldens", here / "shared" / "goldens"]
+    found: list[Path] = []
+    for root in roots:
+        if root.is_file():
+            found.append(root)
+        elif root.is_dir():
+            found.extend(sorted(root.glob("*.pt")))
+        if found:
+            break
+    return found
+
+
+def load_cases(path: Path | str) -> list[dict]:
+    """The cases of one golden file."""
+    return torch.load(path, weights_only=False, map_location="cpu")
+
+
+def decode(value: Any) -> Any:
+    """A stored value as a live object (tensors rebuilt with their dtype)."""
+    if isinstance(value, dict) and "dtype" in value and ("u8" in value or "t" in value):
+        dtype = getattr(torch, value["dtype"].replace("torch.", ""))
+        if "u8" in value:
+            return value["u8"].clone().view(dtype)
+        t = value["t"]
+        return t.clone() if isinstance(t, torch.Tensor) else t
+    return value
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8).reshape(-1)
+
+
+def _layer(lay_args) -> SimpleNamespace:
+    is_act_and_mul, intermediate, hidden, block, is_gated = lay_args
+    config = SimpleNamespace(is_act_and_mul=is_act_and_mul, intermediate_size_per_partition=intermediate, hidden_dim=hidden)
+    return SimpleNamespace(moe_config=config, weight_block_size=block, activation=SimpleNamespace(is_gated=is_gated))
+
+
+def call(case: dict) -> tuple:
+    """Run our implementation of ``case['fn']`` on the case's inputs; return its outputs."""
+    args = {k: decode(v) for k, v in case["inputs"].items()}
+    fn = case["fn"]
+    if fn == "prep":
+        layer = _layer(args.pop("lay_args"))
+        args.setdefault("w13_input_scale", None)
+        args.setdefault("w2_input_scale", None)
+        out = prepare.prepare_fp8_moe_layer_for_fi(layer, **args)
+        sizes = torch.tensor([layer.moe_config.intermediate_size_per_partition, layer.moe_config.hidden_dim])
+        return tuple(out) + (sizes,)
+    if fn == "convert_moe_weights_to_flashinfer_trtllm_block_layout":
+        return tuple(prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, **args))
+    if fn == "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe":
+        prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(**args)
+        return args["gemm1_weights"], args["gemm2_weights"]
+    out = getattr(prepare, fn)(**args)
+    return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+@dataclass
+class GoldenResult:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _same(ours: Any, ref: Any) -> Optional[str]:
+    ref = decode(ref)
+    if isinstance(ref, torch.Tensor):
+        if not isinstance(ours, torch.Tensor):
+            return f"expected a tensor, got {type(ours).__name__}"
+        if ours.dtype != ref.dtype or tuple(ours.shape) != tuple(ref.shape):
+            return f"expected {ref.dtype}{tuple(ref.shape)}, got {ours.dtype}{tuple(ours.shape)}"
+        a, b = _as_bytes(ours.cpu()), _as_bytes(ref)
+        bad = int((a != b).sum())
+        return f"{bad} of {b.numel()} bytes differ" if bad else None
+    return None if ours == ref else f"expected {ref!r}, got {ours!r}"
+
+
+def run_case(case: dict) -> GoldenResult:
+    """Our outputs vs the recorded ones; for a case the reference crashed on, ours must run."""
+    name = case["name"]
+    try:
+        ours = call(case)
+    except Exception as exc:  # reported, not raised: the caller prints a table of cases
+        return GoldenResult(name, False, f"raised {type(exc).__name__}: {exc}")
+    if case.get("error"):
+        return GoldenResult(name, True, f"reference raised ({case['error'][:60]}...); ours ran")
+    refs = case["outputs"]
+    if len(ours) != len(refs):
+        return GoldenResult(name, False, f"{len(ours)} outputs, reference has {len(refs)}")
+    for i, (o, r) in enumerate(zip(ours, refs)):
+        problem = _same(o, r)
+        if problem:
+            return GoldenResult(name, False, f"output {i}: {problem}")
+    return GoldenResult(name, True, "byte-exact")

@@ -1,0 +1,392 @@
+"""The index map: one expert's layout transform as a value.
+
+Every weight or scale preparation step that FlashInfer's fused-MoE kernels need is a
+pure gather on one expert's byte matrix, ``out[i] = in[src[i]]``, where ``src[i] < 0``
+means "fill" (padding). The map depends only on the per-expert shape and the step's
+parameters, so one map serves every expert of every layer of that shape.
+
+The map is stored over *cells*: runs of ``cell_bytes`` contiguous bytes that move
+together (a whole row for a row permutation, 128 bytes for block-major-K, one scale
+for the 128x4 swizzle). Two maps with different cell sizes are composed on the
+greatest common cell; :meth:`IndexMap.coarsened` finds the widest cell a map allows,
+which is what lets an executor move 8- or 16-byte words instead of single bytes.
+
+Fill codes: ``src[i] = -1 - k`` fills output cell ``i`` with byte ``fills[k]``
+repeated (0 for padded weights, 127 = UE8M0 1.0 for padded MXFP8 scales).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import reduce
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["IndexMap", "LayoutError", "Provenance", "compose"]
+
+
+class LayoutError(ValueError):
+    """A tensor or shape does not meet a kernel layout constraint.
+
+    The message names the constraint, the shapes involved and the fix.
+    """
+
+
+def _prod(shape: Iterable[int]) -> int:
+    return int(math.prod(shape))
+
+
+def _unravel(offset: int, shape: Sequence[int]) -> tuple[int, ...]:
+    coords = []
+    for dim in reversed(shape):
+        coords.append(offset % dim)
+        offset //= dim
+    return tuple(reversed(coords))
+
+
+@dataclass(frozen=True)
+class ProvenanceStage:
+    """Where one output byte sits before one step (``coords`` in bytes)."""
+
+    step: str
+    shape: tuple[int, ...]
+    coords: tuple[int, ...] | None
+    fill: int | None = None
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """The chain of positions of one output byte, from the output back to the input.
+
+    ``stages[0]`` is the position in the final output, ``stages[-1]`` the position in
+    the input (or the step that produced it as fill). Coordinates are in bytes; see
+    :meth:`in_elements` for element coordinates of a given dtype.
+    """
+
+    stages: tuple[ProvenanceStage, ...]
+
+    @property
+    def source(self) -> tuple[int, ...] | None:
+        """Byte coordinates in the input, or None when the byte is padding."""
+        return self.stages[-1].coords
+
+    @property
+    def is_fill(self) -> bool:
+        return self.stages[-1].fill is not None
+
+    def in_elements(self, itemsize: int) -> "Provenance":
+        """Same chain with the last coordinate divided by ``itemsize``."""
+
+        def conv(s: ProvenanceStage) -> ProvenanceStage:
+            if s.coords is None:
+                return s
+            shape = s.shape[:-1] + (s.shape[-1] // itemsize,)
+            return ProvenanceStage(s.step, shape, s.coords[:-1] + (s.coords[-1] // itemsize,), s.fill)
+
+        return Provenance(tuple(conv(s) for s in self.stages))
+
+    def __str__(self) -> str:
+        lines = []
+        for s in self.stages:
+            where = f"fill byte {s.fill:#04x}" if s.fill is not None else str(s.coords)
+            lines.append(f"{s.step:<44} {str(s.shape):<22} {where}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, eq=False)
+class IndexMap:
+    """``out[i] = in[src[i]]`` over cells of ``cell_bytes`` bytes, for one expert.
+
+    Attributes:
+        src: int64 CPU tensor of shape ``(n_out_cells,)``; ``src[i] >= 0`` is an input
+            cell, ``src[i] = -1 - k`` fills the cell with byte ``fills[k]``.
+        cell_bytes: bytes per cell.
+        in_shape / out_shape: the per-expert matrix shapes in **bytes** (last dim in
+            bytes). A tensor of dtype with itemsize ``s`` has last dim ``shape[-1] / s``.
+        fills: fill byte values referenced by negative codes.
+        name: what the step is, with its parameters.
+        parts: the primitive steps in application order (empty for a primitive).
+    """
+
+    src: torch.Tensor
+    cell_bytes: int
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    fills: tuple[int, ...] = ()
+    name: str = "map"
+    parts: tuple["IndexMap", ...] = ()
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.src.dtype != torch.int64 or self.src.ndim != 1 or self.src.device.type != "cpu":
+            raise TypeError(f"{self.name}: src must be a 1-D int64 CPU tensor, got {self.src.dtype} {tuple(self.src.shape)} on {self.src.device}")
+        if self.in_bytes % self.cell_bytes or self.out_bytes != self.src.numel() * self.cell_bytes:
+            raise ValueError(
+                f"{self.name}: shapes {self.in_shape} -> {self.out_shape} bytes do not tile into "
+                f"{self.src.numel()} cells of {self.cell_bytes} bytes"
+            )
+
+    # ---------------------------------------------------------------- sizes
+    @property
+    def in_bytes(self) -> int:
+        return _prod(self.in_shape)
+
+    @property
+    def out_bytes(self) -> int:
+        return _prod(self.out_shape)
+
+    @property
+    def n_in_cells(self) -> int:
+        return self.in_bytes // self.cell_bytes
+
+    @property
+    def n_out_cells(self) -> int:
+        return self.src.numel()
+
+    @property
+    def steps(self) -> tuple["IndexMap", ...]:
+        """The primitive steps, in application order (itself for a primitive)."""
+        return self.parts or (self,)
+
+    @property
+    def fill_mask(self) -> torch.Tensor:
+        """Bool ``(n_out_cells,)``: which output cells are padding."""
+        return self.src < 0
+
+    @property
+    def is_permutation(self) -> bool:
+        """True when the map moves every byte exactly once (no fill, same size)."""
+        if self.in_bytes != self.out_bytes or bool((self.src < 0).any()):
+            return False
+        return bool(torch.equal(torch.sort(self.src).values, torch.arange(self.n_out_cells)))
+
+    def __repr__(self) -> str:
+        chain = " >> ".join(p.name for p in self.steps)
+        pad = int((self.src < 0).sum()) * self.cell_bytes
+        return (
+            f"IndexMap({chain}: {self.in_shape} -> {self.out_shape} bytes, "
+            f"cell {self.cell_bytes} B, {pad} B fill)"
+        )
+
+    # ------------------------------------------------------------ granularity
+    def refined(self, cell_bytes: int) -> "IndexMap":
+        """The same map over smaller cells (``cell_bytes`` must divide the current size)."""
+        if cell_bytes == self.cell_bytes:
+            return self
+        if self.cell_bytes % cell_bytes:
+            raise ValueError(f"{self.name}: cannot refine {self.cell_bytes}-byte cells to {cell_bytes}")
+        f = self.cell_bytes // cell_bytes
+        sub = torch.arange(f, dtype=torch.int64)
+        src = torch.where(
+            (self.src >= 0)[:, None], self.src[:, None] * f + sub, self.src[:, None].expand(-1, f)
+        ).reshape(-1)
+        return IndexMap(src, cell_bytes, self.in_shape, self.out_shape, self.fills, self.name, self.parts)
+
+    def coarsened(self) -> "IndexMap":
+        """The same map over the widest cells it allows.
+
+        Output cells are grouped ``f`` at a time when every group copies ``f``
+        consecutive, ``f``-aligned input cells, or is all one fill: then the group moves
+        as one wide cell. ``f`` is the gcd of the cell counts, of every position where a
+        run of consecutive sources breaks, and of the source index at each break.
+        """
+        if "coarse" not in self._cache:
+            self._cache["coarse"] = self._coarsen()
+        return self._cache["coarse"]
+
+    def _coarsen(self) -> "IndexMap":
+        src = self.src.numpy()
+        n = src.size
+        if n == 0:
+            return self
+        prev, cur = src[:-1], src[1:]
+        cont = np.where(cur >= 0, (prev >= 0) & (cur == prev + 1), cur == prev)
+        breaks = np.flatnonzero(~cont) + 1
+        vals = src[np.concatenate([[0], breaks])]
+        g = reduce(math.gcd, [n, self.n_in_cells], 0)
+        if breaks.size:
+            g = math.gcd(g, int(np.gcd.reduce(breaks)))
+        pos = vals[vals >= 0]
+        if pos.size:
+            g = math.gcd(g, int(np.gcd.reduce(pos)))
+        if g <= 1:
+            return self
+        head = self.src.view(-1, g)[:, 0]
+        src_c = torch.where(head >= 0, head // g, head)
+        return IndexMap(src_c, self.cell_bytes * g, self.in_shape, self.out_shape, self.fills, self.name, self.parts)
+
+    # ------------------------------------------------------------ algebra
+    def then(self, other: "IndexMap") -> "IndexMap":
+        """The map that applies ``self`` and then ``other`` (one gather, not two)."""
+        if self.out_bytes != other.in_bytes:
+            raise LayoutError(
+                f"cannot compose {self.name} (out {self.out_shape} bytes) with {other.name} "
+                f"(in {other.in_shape} bytes): byte counts {self.out_bytes} != {other.in_bytes}"
+            )
+        cell = math.gcd(self.cell_bytes, other.cell_bytes)
+        a, b = self.refined(cell), other.refined(cell)
+        shifted_fill = b.src - len(a.fills)
+        src = torch.where(b.src >= 0, a.src[b.src.clamp(min=0)], shifted_fill)
+        fills = a.fills + b.fills
+        parts = self.steps + other.steps
+        name = " >> ".join(p.name for p in parts)
+        return IndexMap(src, cell, self.in_shape, other.out_shape, fills, name, parts)._deduped_fills()
+
+    def __rshift__(self, other: "IndexMap") -> "IndexMap":
+        return self.then(other)
+
+    def _deduped_fills(self) -> "IndexMap":
+        if len(set(self.fills)) == len(self.fills):
+            return self
+        unique = tuple(dict.fromkeys(self.fills))
+        remap = torch.tensor([-1 - unique.index(v) for v in self.fills], dtype=torch.int64)
+        src = torch.where(self.src >= 0, self.src, remap[(-1 - self.src).clamp(min=0)])
+        return IndexMap(src, self.cell_bytes, self.in_shape, self.out_shape, unique, self.name, self.parts)
+
+    def inverse(self) -> "IndexMap":
+        """The map from this map's output back to its input.
+
+        Exact on the non-fill part: ``m.inverse().apply(m.apply(x))`` equals ``x``
+        whenever every input cell appears exactly once in ``src``; padding is dropped.
+        """
+        valid = self.src >= 0
+        taken = self.src[valid]
+        counts = torch.bincount(taken, minlength=self.n_in_cells)
+        if bool((counts != 1).any()):
+            dropped = int((counts == 0).sum())
+            doubled = int((counts > 1).sum())
+            raise LayoutError(
+                f"{self.name} is not invertible: {dropped} input cells never reach the output and "
+                f"{doubled} are copied more than once; only maps that keep every input byte exactly once invert"
+            )
+        inv = torch.empty(self.n_in_cells, dtype=torch.int64)
+        inv[taken] = torch.nonzero(valid).flatten()
+        parts = tuple(p.inverse() for p in reversed(self.parts))
+        name = f"inverse({self.name})" if not parts else " >> ".join(p.name for p in parts)
+        return IndexMap(inv, self.cell_bytes, self.out_shape, self.in_shape, (), name, parts)
+
+    def __eq__(self, other: object) -> bool:
+        """Two maps are equal when they move every byte to the same place (and fill alike)."""
+        if not isinstance(other, IndexMap):
+            return NotImplemented
+        if self.in_shape != other.in_shape or self.out_shape != other.out_shape:
+            return False
+        cell = math.gcd(self.cell_bytes, other.cell_bytes)
+        a, b = self.refined(cell), other.refined(cell)
+        if not torch.equal(a.src >= 0, b.src >= 0):
+            return False
+        if not torch.equal(torch.where(a.src >= 0, a.src, 0), torch.where(b.src >= 0, b.src, 0)):
+            return False
+        fa = torch.tensor(a.fills or (0,), dtype=torch.int64)[(-1 - a.src).clamp(min=0)]
+        fb = torch.tensor(b.fills or (0,), dtype=torch.int64)[(-1 - b.src).clamp(min=0)]
+        mask = a.src < 0
+        return bool(torch.equal(fa[mask], fb[mask]))
+
+    __hash__ = object.__hash__
+
+    # ------------------------------------------------------------ inspection
+    def provenance(self, index: int | Sequence[int]) -> Provenance:
+        """Where output byte ``index`` comes from, through every step.
+
+        ``index`` is a flat byte offset into one expert's output or a coordinate tuple
+        in ``out_shape`` (bytes). Returns the positions before each step, last = input.
+        """
+        if isinstance(index, int):
+            pos = index
+        else:
+            if len(index) != len(self.out_shape) or any(not 0 <= c < d for c, d in zip(index, self.out_shape)):
+                raise LayoutError(f"coordinate {tuple(index)} is outside the output shape {self.out_shape} (bytes)")
+            pos = int(np.ravel_multi_index(tuple(index), self.out_shape))
+        if not 0 <= pos < self.out_bytes:
+            raise LayoutError(f"byte offset {pos} is outside the output of {self.out_bytes} bytes")
+        steps = self.steps
+        stages = [ProvenanceStage(f"output of {steps[-1].name}", steps[-1].out_shape, _unravel(pos, steps[-1].out_shape))]
+        for step in reversed(steps):
+            s = int(step.src[pos // step.cell_bytes])
+            if s < 0:
+                stages.append(ProvenanceStage(f"fill of {step.name}", step.out_shape, None, step.fills[-1 - s]))
+                break
+            pos = s * step.cell_bytes + pos % step.cell_bytes
+            stages.append(ProvenanceStage(f"input of {step.name}", step.in_shape, _unravel(pos, step.in_shape)))
+        return Provenance(tuple(stages))
+
+    def source_bytes(self) -> torch.Tensor:
+        """int64 ``out_shape`` tensor: the input byte offset of every output byte (-1 = fill)."""
+        m = self.refined(1)
+        return torch.where(m.src >= 0, m.src, -1).view(self.out_shape)
+
+    # ------------------------------------------------------------ execution
+    def src_on(self, device: torch.device | str) -> torch.Tensor:
+        """``src`` on ``device``, cached per device."""
+        key = ("src", str(torch.device(device)))
+        if key not in self._cache:
+            self._cache[key] = self.src.to(device)
+        return self._cache[key]
+
+    def check_input(self, x: torch.Tensor, what: str = "input") -> None:
+        """Raise :class:`LayoutError` unless ``x`` is ``(E, *in_shape)`` in bytes and contiguous."""
+        size = x.element_size()
+        got = tuple(x.shape[1:-1]) + (x.shape[-1] * size,) if x.ndim > 1 else ()
+        if got != self.in_shape:
+            raise LayoutError(
+                f"{what} has shape {tuple(x.shape)} ({x.dtype}, {size} B/element) = (experts, "
+                f"{', '.join(map(str, got))}) bytes per expert, but {self.name} expects (experts, "
+                f"{', '.join(map(str, self.in_shape))}) bytes per expert"
+            )
+        if not x.is_contiguous():
+            raise LayoutError(f"{what} of shape {tuple(x.shape)} is not contiguous; call .contiguous() first")
+
+    def out_elements(self, itemsize: int) -> tuple[int, ...]:
+        """Per-expert output shape in elements of ``itemsize`` bytes."""
+        if self.out_shape[-1] % itemsize:
+            raise LayoutError(
+                f"{self.name}: output last dim of {self.out_shape[-1]} bytes is not a whole number of "
+                f"{itemsize}-byte elements; apply it to a uint8 view"
+            )
+        return self.out_shape[:-1] + (self.out_shape[-1] // itemsize,)
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather all experts at once: ``(E, *in_shape) -> (E, *out_shape)`` (same dtype).
+
+        Works on any dtype (bytes move); CPU and CUDA. ``out`` may be given to write
+        into an existing buffer of the output shape and dtype.
+        """
+        from fimoe_lab.kernels import execute
+
+        self.check_input(x)
+        shape = (x.shape[0],) + self.out_elements(x.element_size())
+        if out is None:
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        elif tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
+            raise LayoutError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, got {tuple(out.shape)} {out.dtype}")
+        execute(self, x, out)
+        return out
+
+    def apply_(self, x: torch.Tensor, scratch_experts: int | None = None) -> torch.Tensor:
+        """Apply a size-preserving permutation in place with a scratch of a few experts.
+
+        Returns a view of ``x``'s storage with the output shape. Only maps that move
+        every byte exactly once (no padding) can run in place. The input is checked
+        fully before any byte moves; see :func:`fimoe_lab.kernels.execute_in_place` for
+        what is guaranteed if a chunk fails midway.
+        """
+        from fimoe_lab.kernels import execute_in_place
+
+        self.check_input(x)
+        if not self.is_permutation:
+            raise LayoutError(
+                f"{self.name} pads or drops bytes ({self.in_shape} -> {self.out_shape} bytes), so it "
+                f"cannot run in place; use apply() to get a new tensor"
+            )
+        execute_in_place(self, x, scratch_experts)
+        return x.view(x.shape[0], -1).view((x.shape[0],) + self.out_elements(x.element_size()))
+
+
+def compose(*maps: IndexMap) -> IndexMap:
+    """``compose(a, b, c)`` applies ``a`` then ``b`` then ``c`` as one map."""
+    if not maps:
+        raise ValueError("compose needs at least one map")
+    return reduce(IndexMap.then, maps)

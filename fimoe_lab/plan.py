@@ -1,0 +1,117 @@
+"""A layer plan: the index maps for the four tensors of one MoE layer, as one value.
+
+``w13`` is ``(E, P*I, H)`` (P = 2 for a fused gate/up, 1 otherwise), ``w2`` is
+``(E, H, I)``; their block scales follow the same rows. A plan knows the sizes it
+produces, applies to real tensors (any dtype, CPU or CUDA, scales 3-D or flattened
+``(E, rows*cols)``), and inverts: ``plan.inverse().apply(*plan.apply(...))`` returns the
+checkpoint layout byte for byte (padding dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from fimoe_lab.layout import IndexMap, LayoutError
+
+__all__ = ["LayerPlan", "apply_map", "check_same_device"]
+
+TENSOR_NAMES = ("w13", "w2", "w13_scale", "w2_scale")
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
+    """Raise :class:`LayoutError` when the given tensors live on different devices."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise LayoutError(f"tensors are on different devices ({listing}); move them to one device first")
+
+
+def apply_map(m: IndexMap, x: torch.Tensor, what: str, keep_flat: bool = True) -> torch.Tensor:
+    """Apply ``m`` to ``x`` whose per-expert bytes match ``m.in_shape``, in any per-expert shape.
+
+    A 2-D ``x`` of shape ``(E, rows*cols)`` (flattened scales) is read as the map's
+    matrix, and the result is flattened back to ``(E, -1)`` when ``keep_flat``.
+    """
+    if x.ndim < 2:
+        raise LayoutError(f"{what} has shape {tuple(x.shape)}; expected (experts, ...)")
+    per_expert = x[0].numel() * x.element_size() if x.shape[0] else 0
+    if per_expert != m.in_bytes or x.shape[0] == 0:
+        raise LayoutError(
+            f"{what} has shape {tuple(x.shape)} ({x.dtype}) = {per_expert} bytes per expert, but "
+            f"{m.name} expects {m.in_shape} bytes ({m.in_bytes}) per expert"
+        )
+    if not x.is_contiguous():
+        raise LayoutError(f"{what} of shape {tuple(x.shape)} is not contiguous; call .contiguous() first")
+    size = x.element_size()
+    if m.in_shape[-1] % size:
+        x = x.view(torch.uint8)
+        size = 1
+    shaped = x.reshape((x.shape[0],) + m.in_shape[:-1] + (m.in_shape[-1] // size,))
+    out = m.apply(shaped)
+    if x.ndim == 2 and keep_flat and len(m.out_shape) > 1:
+        out = out.reshape(x.shape[0], -1)
+    return out
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Index maps for ``w13``, ``w2`` and their scales (``None`` = left as is), and sizes.
+
+    ``intermediate``/``hidden`` are the checkpoint sizes, ``padded_*`` what the kernel
+    sees. ``description`` names the backend path (e.g. "MXFP8 TRT-LLM").
+    """
+
+    w13: Optional[IndexMap]
+    w2: Optional[IndexMap]
+    w13_scale: Optional[IndexMap]
+    w2_scale: Optional[IndexMap]
+    intermediate: int
+    hidden: int
+    padded_intermediate: int
+    padded_hidden: int
+    description: str = ""
+
+    def maps(self) -> dict[str, IndexMap]:
+        """The non-trivial maps by tensor name."""
+        return {n: getattr(self, n) for n in TENSOR_NAMES if getattr(self, n) is not None}
+
+    def check(self, **tensors: Optional[torch.Tensor]) -> None:
+        """Validate every given tensor against its map before any byte moves."""
+        check_same_device(**tensors)
+        for name, m in self.maps().items():
+            x = tensors.get(name)
+            if x is None:
+                raise LayoutError(f"{self.description}: {name} is required (its map is {m.name})")
+            per_expert = x[0].numel() * x.element_size() if x.ndim >= 2 and x.shape[0] else -1
+            if per_expert != m.in_bytes:
+                raise LayoutError(
+                    f"{self.description}: {name} has shape {tuple(x.shape)} ({x.dtype}), "
+                    f"{per_expert} bytes per expert; expected {m.in_shape} bytes per expert "
+                    f"for intermediate={self.intermediate}, hidden={self.hidden}"
+                )
+            if not x.is_contiguous():
+                raise LayoutError(f"{name} of shape {tuple(x.shape)} is not contiguous; call .contiguous() first")
+        experts = {n: t.shape[0] for n, t in tensors.items() if t is not None and t.ndim >= 1 and n in self.maps()}
+        if len(set(experts.values())) > 1:
+            raise LayoutError(f"{self.description}: expert counts differ: {experts}")
+
+    def apply(self, w13, w2, w13_scale=None, w2_scale=None) -> tuple:
+        """Return ``(w13, w2, w13_scale, w2_scale)`` in the kernel layout (new tensors)."""
+        given = dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
+        self.check(**given)
+        return tuple(
+            apply_map(getattr(self, n), given[n], n) if getattr(self, n) is not None else given[n]
+            for n in TENSOR_NAMES
+        )
+
+    def inverse(self) -> "LayerPlan":
+        """The plan that maps the kernel layout back to the checkpoint layout."""
+        inv = {n: (m.inverse() if m is not None else None) for n, m in ((n, getattr(self, n)) for n in TENSOR_NAMES)}
+        return replace(
+            self, **inv, intermediate=self.padded_intermediate, hidden=self.padded_hidden,
+            padded_intermediate=self.intermediate, padded_hidden=self.hidden,
+            description=f"inverse of {self.description}",
+        )

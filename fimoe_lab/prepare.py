@@ -1,0 +1,553 @@
+"""Drop-in replacements for vLLM's ``flashinfer_utils`` MoE preparation functions.
+
+Every function keeps the reference's name, arguments and results, and runs on CPU
+and CUDA with or without FlashInfer. Each one is a thin shell around a ``plan_*``
+function that returns the :class:`~fimoe_lab.plan.LayerPlan` (the index maps): the
+plan is what the executors run, the lab draws, and what ``plan.inverse()`` undoes.
+
+Shapes: ``w13`` ``(E, P*I, H)`` with P = 2 for fused gate/up (``is_act_and_mul``), else
+1; ``w2`` ``(E, H, I)``. FP8 weights are 1 byte, BF16 2 bytes, packed FP4 holds two
+values per byte (``(E, P*I, H/2)``, ``(E, H, I/2)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from fimoe_lab import steps
+from fimoe_lab.layout import IndexMap, LayoutError, compose
+from fimoe_lab.plan import LayerPlan, apply_map, check_same_device
+
+__all__ = [
+    "MoELayerSpec",
+    "NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE",
+    "FI_CUTLASS_MIN_BLOCK_SCALE",
+    "align_fp4_moe_weights_for_fi",
+    "align_moe_weights_for_fi",
+    "align_mxfp8_moe_weights_for_fi_trtllm",
+    "convert_moe_weights_to_flashinfer_trtllm_block_layout",
+    "prepare_fp8_moe_layer_for_fi",
+    "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe",
+    "shuffle_deepseek_fp8_moe_weights",
+    "shuffle_mxfp8_moe_weights",
+    "swap_w13_to_w31",
+    "trtllm_nvfp4_hidden_alignment",
+    "plan_align_moe_weights",
+    "plan_align_fp4_moe_weights",
+    "plan_align_mxfp8_moe_weights",
+    "plan_fp8_moe_layer",
+    "plan_trtllm_bf16_block_layout",
+    "plan_rotate_fp8_per_tensor",
+    "plan_shuffle_deepseek_fp8",
+    "plan_shuffle_mxfp8",
+]
+
+NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE = 1.0 / (448.0 * 6.0)
+"""Global scale FlashInfer's per-token NVFP4 activation quantizer starts from."""
+
+FI_CUTLASS_MIN_BLOCK_SCALE = 1e-10
+"""Floor for FP8 block scales: dead experts with ~1e-23 scales made the Hopper CUTLASS MoE emit NaN."""
+
+TRTLLM_EPILOGUE_TILE_M = 128
+DEEPSEEK_EPILOGUE_TILE_M = 64
+BLOCK_MAJOR_K_BYTES = 128
+MXFP8_INTERMEDIATE_ALIGNMENT = 128
+MXFP8_HIDDEN_ALIGNMENT = 256
+MXFP8_SCALE_PAD = 127  # UE8M0 exponent byte for 1.0
+
+
+# --------------------------------------------------------------------------- layers
+@dataclass
+class MoELayerSpec:
+    """The few facts about an MoE layer the preparation needs (our typed layer).
+
+    ``is_act_and_mul``: W13 stacks gate and up (``2I`` rows). ``is_gated``: the
+    activation is gated (SwiGLU; ReLU^2 is not). ``weight_block_size``: ``None`` for
+    per-tensor FP8, ``[128, 128]`` for DeepSeek FP8, ``[1, 32]`` for MXFP8.
+    Preparation updates ``intermediate_size_per_partition``/``hidden_dim`` in place.
+    """
+
+    intermediate_size_per_partition: int
+    hidden_dim: int
+    is_act_and_mul: bool = True
+    is_gated: bool = True
+    weight_block_size: Optional[list[int]] = None
+
+
+class _LayerAccess:
+    """Reads and writes the same facts on a :class:`MoELayerSpec` or a vLLM-like layer."""
+
+    def __init__(self, layer: Any):
+        self.layer = layer
+        if isinstance(layer, MoELayerSpec):
+            self.is_act_and_mul = layer.is_act_and_mul
+            self.is_gated = layer.is_gated
+            self.block_size = layer.weight_block_size
+            return
+        config = getattr(layer, "moe_config", None)
+        if config is None or not hasattr(config, "is_act_and_mul"):
+            raise LayoutError(
+                f"{type(layer).__name__} has no moe_config.is_act_and_mul; pass a vLLM FusedMoE layer "
+                f"or a fimoe_lab.prepare.MoELayerSpec"
+            )
+        activation = getattr(layer, "activation", None)
+        if activation is None or not hasattr(activation, "is_gated"):
+            raise LayoutError(f"{type(layer).__name__} has no activation.is_gated; cannot tell gated from non-gated")
+        self.is_act_and_mul = bool(config.is_act_and_mul)
+        self.is_gated = bool(activation.is_gated)
+        self.block_size = getattr(layer, "weight_block_size", None)
+
+    def set_sizes(self, intermediate: int, hidden: Optional[int] = None) -> None:
+        target = self.layer if isinstance(self.layer, MoELayerSpec) else self.layer.moe_config
+        target.intermediate_size_per_partition = intermediate
+        if hidden is not None:
+            target.hidden_dim = hidden
+
+
+# --------------------------------------------------------------------------- checks
+def _projections(is_act_and_mul: bool) -> int:
+    return 2 if is_act_and_mul else 1
+
+
+def _check_w13_w2(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool, what: str,
+                  packed_fp4: bool = False) -> tuple[int, int, int]:
+    """Return ``(E, intermediate, hidden)`` in values (not bytes); raise on mismatched shapes."""
+    check_same_device(w13=w13, w2=w2)
+    if w13.ndim != 3 or w2.ndim != 3:
+        raise LayoutError(f"{what}: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must both be 3-D (experts, rows, cols)")
+    per_byte = 2 if packed_fp4 else 1
+    num_experts, hidden, intermediate = w2.shape[0], w2.shape[1], w2.shape[2] * per_byte
+    p = _projections(is_act_and_mul)
+    expected = (num_experts, p * intermediate, hidden // per_byte)
+    if tuple(w13.shape) != expected:
+        layout = "[gate; up] stacked" if is_act_and_mul else "a single projection"
+        raise LayoutError(
+            f"{what}: w13 has shape {tuple(w13.shape)} but w2 {tuple(w2.shape)} implies {expected} "
+            f"(is_act_and_mul={is_act_and_mul}: {layout}, intermediate={intermediate}, hidden={hidden}"
+            f"{', two FP4 values per byte' if packed_fp4 else ''})"
+        )
+    return num_experts, intermediate, hidden
+
+
+def _check_itemsize(t: torch.Tensor, size: int, what: str, expectation: str) -> None:
+    if t.element_size() != size:
+        raise LayoutError(f"{what} must be {expectation} ({size}-byte elements), got {t.dtype}")
+
+
+def _scale_cols(scale: torch.Tensor, rows: int, what: str) -> int:
+    """Columns of a block-scale matrix given 3-D ``(E, rows, cols)`` or flattened ``(E, rows*cols)``."""
+    if scale.ndim not in (2, 3):
+        raise LayoutError(f"{what} has shape {tuple(scale.shape)}; expected (E, rows, cols) or flattened (E, rows*cols)")
+    if scale.ndim == 3 and scale.shape[1] != rows:
+        raise LayoutError(f"{what} has {scale.shape[1]} rows ({tuple(scale.shape)}), but its weight has {rows} rows")
+    per_expert = scale[0].numel() if scale.shape[0] else 0
+    if per_expert == 0 or per_expert % rows:
+        raise LayoutError(
+            f"{what} has shape {tuple(scale.shape)}: {per_expert} scales per expert is not a multiple of "
+            f"the weight's {rows} rows"
+        )
+    return per_expert // rows
+
+
+def _chain(*maps: Optional[IndexMap]) -> Optional[IndexMap]:
+    present = [m for m in maps if m is not None]
+    return compose(*present) if present else None
+
+
+# --------------------------------------------------------------------------- alignment
+def trtllm_nvfp4_hidden_alignment(per_token_activation: bool, is_act_and_mul: bool) -> int:
+    """Hidden-dim alignment for the TRTLLM-Gen NVFP4 MoE cubins: 512 for per-token
+    non-gated (its 256-aligned shapes left the default tactic with no valid config,
+    e.g. Nemotron hidden 2688 -> 2816), else 256."""
+    return 512 if per_token_activation and not is_act_and_mul else 256
+
+
+def plan_align_moe_weights(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bool,
+                           min_alignment: int = 16, hidden_alignment: int = 1,
+                           scale_block: Optional[int] = None, scale_fill: int = 0,
+                           w13_scale_cols: Optional[int] = None, w2_scale_cols: Optional[int] = None,
+                           values_per_byte: int = 1, description: str = "align") -> LayerPlan:
+    """Pad intermediate (each projection on its own) and hidden; optionally their block scales.
+
+    ``itemsize`` bytes per stored element, ``values_per_byte`` 2 for packed FP4.
+    Scales (one per ``scale_block`` values along the last dim) are padded with
+    ``scale_fill``; ``w13_scale_cols``/``w2_scale_cols`` are the checkpoint's scale columns.
+    """
+    p = _projections(is_act_and_mul)
+    ip = steps.round_up(intermediate, min_alignment)
+    hp = steps.round_up(hidden, hidden_alignment)
+    plan_kwargs = dict(intermediate=intermediate, hidden=hidden, padded_intermediate=ip, padded_hidden=hp,
+                       description=description)
+    if ip == intermediate and hp == hidden:
+        return LayerPlan(None, None, None, None, **plan_kwargs)
+
+    def cols(values: int) -> int:
+        if (values * itemsize) % values_per_byte:
+            raise LayoutError(f"{description}: {values} values do not fill whole bytes ({values_per_byte} per byte)")
+        return values * itemsize // values_per_byte
+
+    w13 = steps.pad_projections(p, intermediate, ip, cols(hidden), cols(hp))
+    w2 = steps.pad_projections(1, hidden, hp, cols(intermediate), cols(ip))
+    w13_s = w2_s = None
+    if scale_block is not None:
+        for size, name in ((hp, "hidden"), (ip, "intermediate")):
+            if size % scale_block:
+                raise LayoutError(
+                    f"{description}: padded {name} {size} is not a multiple of the scale block {scale_block}; "
+                    f"choose an alignment that is a multiple of {scale_block}"
+                )
+        w13_s = steps.pad_projections(p, intermediate, ip, w13_scale_cols, hp // scale_block, scale_fill)
+        w2_s = steps.pad_projections(1, hidden, hp, w2_scale_cols, ip // scale_block, scale_fill)
+    return LayerPlan(w13, w2, w13_s, w2_s, **plan_kwargs)
+
+
+def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool,
+                             min_alignment: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pad the intermediate size to a multiple of ``min_alignment`` (gate and up separately).
+
+    FlashInfer MoE kernels need the per-partition intermediate size divisible by 16
+    (gated) or 128 (non-gated); tensor parallelism often breaks that (e.g. 1856 / 8).
+    Returns ``(w13 (E, P*Ip, H), w2 (E, H, Ip), Ip)``; the inputs when already aligned.
+    """
+    _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul, "align_moe_weights_for_fi")
+    plan = plan_align_moe_weights(intermediate, hidden, w13.element_size(), is_act_and_mul, min_alignment,
+                                  description="align_moe_weights_for_fi")
+    out13, out2, _, _ = plan.apply(w13, w2)
+    return out13, out2, plan.padded_intermediate
+
+
+def plan_align_fp4_moe_weights(intermediate: int, hidden: int, is_act_and_mul: bool,
+                               min_alignment: int = 16) -> LayerPlan:
+    """Plan of :func:`align_fp4_moe_weights_for_fi` (packed FP4, FP8 scale per 16 values)."""
+    return plan_align_moe_weights(
+        intermediate, hidden, 1, is_act_and_mul, min_alignment, scale_block=16, scale_fill=0,
+        w13_scale_cols=hidden // 16, w2_scale_cols=intermediate // 16, values_per_byte=2,
+        description="align_fp4_moe_weights_for_fi",
+    )
+
+
+def align_fp4_moe_weights_for_fi(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                                 w2_scale: torch.Tensor, is_act_and_mul: bool, min_alignment: int = 16):
+    """Pad packed-FP4 weights and their per-16 block scales along the intermediate dim.
+
+    ``w13 (E, P*I, H/2)``, ``w13_scale (E, P*I, H/16)``, ``w2 (E, H, I/2)``,
+    ``w2_scale (E, H, I/16)``; padded weights and scales are 0. Returns
+    ``(w13, w13_scale, w2, w2_scale, Ip)``.
+    """
+    what = "align_fp4_moe_weights_for_fi"
+    _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul, what, packed_fp4=True)
+    check_same_device(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
+    p = _projections(is_act_and_mul)
+    for name, t, shape in (("w13_scale", w13_scale, (w13.shape[0], p * intermediate, hidden // 16)),
+                           ("w2_scale", w2_scale, (w2.shape[0], hidden, intermediate // 16))):
+        if tuple(t.shape) != shape:
+            raise LayoutError(f"{what}: {name} has shape {tuple(t.shape)}, expected {shape} (one scale per 16 FP4 values)")
+    plan = plan_align_fp4_moe_weights(intermediate, hidden, is_act_and_mul, min_alignment)
+    o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)
+    return o13, o13s, o2, o2s, plan.padded_intermediate
+
+
+def plan_align_mxfp8_moe_weights(intermediate: int, hidden: int, is_act_and_mul: bool, w13_scale_cols: int,
+                                 w2_scale_cols: int, min_alignment: int = MXFP8_INTERMEDIATE_ALIGNMENT,
+                                 hidden_alignment: int = MXFP8_HIDDEN_ALIGNMENT) -> LayerPlan:
+    """Plan of :func:`align_mxfp8_moe_weights_for_fi_trtllm`; scale block = hidden / scale cols."""
+    if w13_scale_cols < 1 or hidden % w13_scale_cols:
+        raise LayoutError(
+            f"align_mxfp8: hidden {hidden} is not a whole number of scale blocks for {w13_scale_cols} "
+            f"scale columns (MXFP8 has one UE8M0 scale per 32 values)"
+        )
+    return plan_align_moe_weights(
+        intermediate, hidden, 1, is_act_and_mul, min_alignment, hidden_alignment,
+        scale_block=hidden // w13_scale_cols, scale_fill=MXFP8_SCALE_PAD,
+        w13_scale_cols=w13_scale_cols, w2_scale_cols=w2_scale_cols,
+        description="align_mxfp8_moe_weights_for_fi_trtllm",
+    )
+
+
+def _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, is_act_and_mul, what) -> tuple[int, int]:
+    p = _projections(is_act_and_mul)
+    for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if t.dtype != torch.uint8:
+            raise LayoutError(f"{what}: {name} must be UE8M0 exponent bytes (torch.uint8), got {t.dtype}")
+        if t.shape[0] != w13.shape[0]:
+            raise LayoutError(f"{what}: {name} has {t.shape[0]} experts, weights have {w13.shape[0]}")
+    return (_scale_cols(w13_scale, p * w2.shape[2], f"{what}: w13_scale"),
+            _scale_cols(w2_scale, w2.shape[1], f"{what}: w2_scale"))
+
+
+def align_mxfp8_moe_weights_for_fi_trtllm(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                                          w2_scale: torch.Tensor, is_act_and_mul: bool, min_alignment: int,
+                                          hidden_alignment: int):
+    """Pad MXFP8 weights and UE8M0 scales for the TRT-LLM MoE kernel (intermediate and hidden).
+
+    Padded weights are 0 and padded scales 127 (UE8M0 1.0), so padded lanes add
+    nothing. Scales 3-D ``(E, rows, cols)`` or flattened ``(E, rows*cols)`` keep their
+    layout. Returns ``(w13, w2, w13_scale, w2_scale, Ip, Hp)``.
+    """
+    what = "align_mxfp8_moe_weights_for_fi_trtllm"
+    _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul, what)
+    check_same_device(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
+    c13, c2 = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, is_act_and_mul, what)
+    plan = plan_align_mxfp8_moe_weights(intermediate, hidden, is_act_and_mul, c13, c2, min_alignment, hidden_alignment)
+    o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)
+    return o13, o2, o13s, o2s, plan.padded_intermediate, plan.padded_hidden
+
+
+# --------------------------------------------------------------------------- swaps and shuffles
+def swap_w13_to_w31(x: torch.Tensor) -> torch.Tensor:
+    """``[gate; up] -> [up; gate]`` along the second-to-last dim (any leading dims), new tensor.
+
+    FlashInfer's gated kernels read W31; checkpoints store W13.
+    """
+    if x.ndim < 2:
+        raise LayoutError(f"swap_w13_to_w31 needs (..., 2*I, cols), got shape {tuple(x.shape)}")
+    rows, cols = x.shape[-2], x.shape[-1]
+    m = steps.swap_w13_to_w31_rows(rows, cols * x.element_size())
+    return apply_map(m, x.reshape(-1, rows, cols) if x.is_contiguous() else x, "swap_w13_to_w31 input").reshape(x.shape)
+
+
+def plan_shuffle_deepseek_fp8(w13_rows: int, hidden: int, intermediate: int) -> LayerPlan:
+    """Epilogue shuffle (tile 64) then BlockMajorK (128 B) for both FP8 weights, no swap."""
+
+    def to_block_major(rows: int, cols: int) -> IndexMap:
+        return steps.shuffle_rows_for_epilogue(rows, cols, DEEPSEEK_EPILOGUE_TILE_M) >> steps.block_major_k(
+            rows, cols, BLOCK_MAJOR_K_BYTES)
+
+    return LayerPlan(to_block_major(w13_rows, hidden), to_block_major(hidden, intermediate), None, None,
+                     intermediate, hidden, intermediate, hidden, "DeepSeek FP8 TRT-LLM shuffle")
+
+
+def shuffle_deepseek_fp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek FP8 block-scale weights into TRT-LLM's shuffled BlockMajorK layout.
+
+    ``(E, M, K) -> (E, K/128, M, 128)`` FP8 for each of w13 and w2 (rows shuffled for
+    epilogue tile 64, then 128-byte K blocks). Needs M % 16 == 0 and K % 128 == 0.
+    """
+    what = "shuffle_deepseek_fp8_moe_weights"
+    check_same_device(w13=w13, w2=w2)
+    for name, t in (("w13", w13), ("w2", w2)):
+        if t.ndim != 3:
+            raise LayoutError(f"{what}: {name} must be (experts, rows, cols), got {tuple(t.shape)}")
+        _check_itemsize(t, 1, f"{what}: {name}", "FP8 E4M3")
+    plan = plan_shuffle_deepseek_fp8(w13.shape[1], w2.shape[1], w2.shape[2])
+    o13, o2, _, _ = plan.apply(w13, w2)
+    return o13.view(torch.float8_e4m3fn), o2.view(torch.float8_e4m3fn)
+
+
+def plan_shuffle_mxfp8(w13_rows: int, hidden: int, intermediate: int, is_gated: bool,
+                       w13_scale_cols: int, w2_scale_cols: int) -> LayerPlan:
+    """Gated interleave (if gated), epilogue shuffle (tile 128), and for scales the 128x4 swizzle."""
+    etm = TRTLLM_EPILOGUE_TILE_M
+
+    def weight(rows: int, cols: int, interleave: bool) -> IndexMap:
+        first = steps.interleave_rows_for_gated_act(rows, cols) if interleave else None
+        return _chain(first, steps.shuffle_rows_for_epilogue(rows, cols, etm))
+
+    def scale(rows: int, cols: int, interleave: bool) -> IndexMap:
+        if rows % 128 or cols % 4:
+            raise LayoutError(
+                f"MXFP8 scales [{rows}, {cols}] cannot keep their shape through the 128x4 swizzle: rows must be a "
+                f"multiple of 128 and cols of 4; pad with align_mxfp8_moe_weights_for_fi_trtllm "
+                f"(intermediate 128, hidden 256) first"
+            )
+        return _chain(weight(rows, cols, interleave), steps.swizzle_scales_128x4(rows, cols))
+
+    return LayerPlan(
+        weight(w13_rows, hidden, is_gated), weight(hidden, intermediate, False),
+        scale(w13_rows, w13_scale_cols, is_gated), scale(hidden, w2_scale_cols, False),
+        intermediate, hidden, intermediate, hidden, "MXFP8 TRT-LLM shuffle",
+    )
+
+
+def shuffle_mxfp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                              w2_scale: torch.Tensor, is_gated: bool):
+    """MXFP8 weights and UE8M0 scales into the TRT-LLM layout (no padding, no swap).
+
+    Weights: gated interleave (if ``is_gated``) + epilogue shuffle (tile 128). Scales:
+    the same rows, then the 128x4 swizzle, returned in the input's shape (3-D or
+    flattened; the reference mis-indexes flattened scales, this does not).
+    """
+    what = "shuffle_mxfp8_moe_weights"
+    if w13.ndim != 3 or w2.ndim != 3:
+        raise LayoutError(f"{what}: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be 3-D")
+    for name, t in (("w13", w13), ("w2", w2)):
+        _check_itemsize(t, 1, f"{what}: {name}", "FP8 E4M3")
+    check_same_device(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
+    c13 = _scale_cols(w13_scale, w13.shape[1], f"{what}: w13_scale")
+    c2 = _scale_cols(w2_scale, w2.shape[1], f"{what}: w2_scale")
+    plan = plan_shuffle_mxfp8(w13.shape[1], w2.shape[1], w2.shape[2], is_gated, c13, c2)
+    o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)
+    return o13.view(torch.float8_e4m3fn), o2.view(torch.float8_e4m3fn), o13s, o2s
+
+
+_shuffle_deepseek_fp8_moe_weights = shuffle_deepseek_fp8_moe_weights
+_shuffle_mxfp8_moe_weights = shuffle_mxfp8_moe_weights
+
+
+# --------------------------------------------------------------------------- in-place converters
+def _apply_in_place(pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_experts: Optional[int]) -> list[torch.Tensor]:
+    """Check every tensor first, then permute each in place (inputs untouched on a check failure)."""
+    for m, t, name in pairs:
+        m.check_input(t, name)
+    with torch.no_grad():
+        return [m.apply_(t, scratch_experts) for m, t, _ in pairs]
+
+
+def plan_rotate_fp8_per_tensor(w13_rows: int, hidden: int, intermediate: int, is_gated: bool) -> LayerPlan:
+    """Gated interleave (if gated) and epilogue shuffle (tile 128) of both FP8 weights."""
+    etm = TRTLLM_EPILOGUE_TILE_M
+    first = steps.interleave_rows_for_gated_act(w13_rows, hidden) if is_gated else None
+    w13 = _chain(first, steps.shuffle_rows_for_epilogue(w13_rows, hidden, etm))
+    w2 = steps.shuffle_rows_for_epilogue(hidden, intermediate, etm)
+    return LayerPlan(w13, w2, None, None, intermediate, hidden, intermediate, hidden, "FP8 per-tensor TRT-LLM rotate")
+
+
+def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights: torch.Tensor, gemm2_weights: torch.Tensor,
+                                                    is_gated_activation: bool,
+                                                    scratch_experts: Optional[int] = None) -> None:
+    """Shuffle FP8 per-tensor weights for the TRT-LLM kernel, in place (returns None).
+
+    ``gemm1 (E, M1, H)`` gets the gated interleave (if gated) and the epilogue-tile-128
+    row shuffle, ``gemm2 (E, H, I)`` the shuffle; needs M1 % 32 == 0 and H % 32 == 0.
+    Extra memory: ``scratch_experts`` experts (default 2% of E). Both tensors are
+    checked before either is touched.
+    """
+    what = "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe"
+    check_same_device(gemm1_weights=gemm1_weights, gemm2_weights=gemm2_weights)
+    for name, t in (("gemm1_weights", gemm1_weights), ("gemm2_weights", gemm2_weights)):
+        if t.ndim != 3:
+            raise LayoutError(f"{what}: {name} must be (experts, rows, cols), got {tuple(t.shape)}")
+        _check_itemsize(t, 1, f"{what}: {name}", "FP8 E4M3")
+    plan = plan_rotate_fp8_per_tensor(gemm1_weights.shape[1], gemm1_weights.shape[2], gemm2_weights.shape[2],
+                                      is_gated_activation)
+    _apply_in_place([(plan.w13, gemm1_weights, "gemm1_weights"), (plan.w2, gemm2_weights, "gemm2_weights")],
+                    scratch_experts)
+
+
+def plan_trtllm_bf16_block_layout(w13_rows: int, hidden: int, intermediate: int, is_gated_act_gemm: bool = True,
+                                  itemsize: int = 2) -> LayerPlan:
+    """W31 swap + gated interleave (if gated), epilogue shuffle 128, BlockMajorK 128 B."""
+    etm, bk = TRTLLM_EPILOGUE_TILE_M, BLOCK_MAJOR_K_BYTES
+    c13, c2 = hidden * itemsize, intermediate * itemsize
+    gated = (steps.swap_w13_to_w31_rows(w13_rows, c13), steps.interleave_rows_for_gated_act(w13_rows, c13)) \
+        if is_gated_act_gemm else ()
+    w13 = compose(*gated, steps.shuffle_rows_for_epilogue(w13_rows, c13, etm), steps.block_major_k(w13_rows, c13, bk))
+    w2 = steps.shuffle_rows_for_epilogue(hidden, c2, etm) >> steps.block_major_k(hidden, c2, bk)
+    return LayerPlan(w13, w2, None, None, intermediate, hidden, intermediate, hidden, "BF16 TRT-LLM block layout")
+
+
+def convert_moe_weights_to_flashinfer_trtllm_block_layout(cache_permute_indices: dict, w13_weight: torch.Tensor,
+                                                          w2_weight: torch.Tensor, is_gated_act_gemm: bool = True,
+                                                          scratch_experts: Optional[int] = None):
+    """BF16 expert weights into TRT-LLM's shuffled BlockMajorK layout, in place.
+
+    ``w13 (E, M, H) -> (E, H/64, M, 64)``, ``w2 (E, H, I) -> (E, I/64, H, 64)``: views
+    of the same storage. Scratch: ``scratch_experts`` experts (default 2% of E).
+    ``cache_permute_indices`` is filled with our maps keyed by ``(tensor, shape)``; maps
+    are cached by shape anyway.
+    """
+    what = "convert_moe_weights_to_flashinfer_trtllm_block_layout"
+    if w13_weight.dtype != torch.bfloat16 or w2_weight.dtype != torch.bfloat16:
+        raise LayoutError(
+            f"{what}: the unquantized TRT-LLM MoE backend needs bfloat16 weights, got w13 {w13_weight.dtype} and "
+            f"w2 {w2_weight.dtype}; cast with .to(torch.bfloat16) first"
+        )
+    check_same_device(w13_weight=w13_weight, w2_weight=w2_weight)
+    if w13_weight.ndim != 3 or w2_weight.ndim != 3:
+        raise LayoutError(f"{what}: weights must be (experts, rows, cols), got {tuple(w13_weight.shape)} and {tuple(w2_weight.shape)}")
+    plan = plan_trtllm_bf16_block_layout(w13_weight.shape[1], w13_weight.shape[2], w2_weight.shape[2], is_gated_act_gemm)
+    cache_permute_indices[("w3_w1", w13_weight.shape[1:])] = plan.w13
+    cache_permute_indices[("w2", w2_weight.shape[1:])] = plan.w2
+    o13, o2 = _apply_in_place([(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts)
+    return o13, o2
+
+
+# --------------------------------------------------------------------------- the layer entry point
+def plan_fp8_moe_layer(spec: MoELayerSpec | Any, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                       w2_scale: torch.Tensor, is_trtllm: bool = False) -> LayerPlan:
+    """The plan :func:`prepare_fp8_moe_layer_for_fi` runs, chosen from the layer and the scales' dtype.
+
+    - MXFP8 + TRT-LLM: pad (I 128, H 256; scales 127), swap, gated interleave,
+      shuffle (tile 128); scales also 128x4-swizzled.
+    - DeepSeek FP8 block: swap (weights and scales); TRT-LLM adds shuffle (tile 64)
+      and BlockMajorK 128 B.
+    - FP8 per-tensor: pad I (16 gated, 128 non-gated), swap; TRT-LLM adds the gated
+      interleave and shuffle (tile 128).
+    """
+    layer = spec if isinstance(spec, _LayerAccess) else _LayerAccess(spec)
+    what = "prepare_fp8_moe_layer_for_fi"
+    _, intermediate, hidden = _check_w13_w2(w13, w2, layer.is_act_and_mul, what)
+    for name, t in (("w13", w13), ("w2", w2)):
+        _check_itemsize(t, 1, f"{what}: {name}", "FP8 E4M3")
+    block_quant = layer.block_size is not None
+    is_mxfp8 = block_quant and w13_scale.dtype == torch.uint8
+    p = _projections(layer.is_act_and_mul)
+    etm = TRTLLM_EPILOGUE_TILE_M
+
+    if is_mxfp8 and is_trtllm:
+        c13, c2 = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, layer.is_act_and_mul, what)
+        pad = plan_align_mxfp8_moe_weights(intermediate, hidden, layer.is_act_and_mul, c13, c2)
+        ip, hp = pad.padded_intermediate, pad.padded_hidden
+        block = hidden // c13
+        shuffle = plan_shuffle_mxfp8(p * ip, hp, ip, layer.is_gated, hp // block, ip // block)
+        swap13 = steps.swap_w13_to_w31_rows(p * ip, hp) if layer.is_act_and_mul else None
+        swap13s = steps.swap_w13_to_w31_rows(p * ip, hp // block) if layer.is_act_and_mul else None
+        return LayerPlan(
+            _chain(pad.w13, swap13, shuffle.w13), _chain(pad.w2, shuffle.w2),
+            _chain(pad.w13_scale, swap13s, shuffle.w13_scale), _chain(pad.w2_scale, shuffle.w2_scale),
+            intermediate, hidden, ip, hp, "MXFP8 TRT-LLM",
+        )
+
+    if block_quant:
+        if w13_scale.ndim != 3:
+            raise LayoutError(f"{what}: block scales must be 3-D (E, rows/block, cols/block), got w13_scale {tuple(w13_scale.shape)}")
+        s_rows, s_cols = w13_scale.shape[1], w13_scale.shape[2]
+        swap13 = steps.swap_w13_to_w31_rows(p * intermediate, hidden) if layer.is_act_and_mul else None
+        swap13s = steps.swap_w13_to_w31_rows(s_rows, s_cols * w13_scale.element_size()) if layer.is_act_and_mul else None
+        shuffle = plan_shuffle_deepseek_fp8(p * intermediate, hidden, intermediate) if (is_trtllm and not is_mxfp8) else None
+        kind = "MXFP8 CUTLASS" if is_mxfp8 else ("DeepSeek FP8 TRT-LLM" if is_trtllm else "DeepSeek FP8 CUTLASS")
+        return LayerPlan(
+            _chain(swap13, shuffle.w13 if shuffle else None), shuffle.w2 if shuffle else None, swap13s, None,
+            intermediate, hidden, intermediate, hidden, kind,
+        )
+
+    min_alignment = 16 if layer.is_gated else 128
+    pad = plan_align_moe_weights(intermediate, hidden, 1, layer.is_act_and_mul, min_alignment)
+    ip = pad.padded_intermediate
+    swap13 = steps.swap_w13_to_w31_rows(p * ip, hidden) if layer.is_act_and_mul else None
+    rotate = plan_rotate_fp8_per_tensor(p * ip, hidden, ip, layer.is_gated) if is_trtllm else None
+    return LayerPlan(
+        _chain(pad.w13, swap13, rotate.w13 if rotate else None), _chain(pad.w2, rotate.w2 if rotate else None),
+        None, None, intermediate, hidden, ip, hidden,
+        "FP8 per-tensor TRT-LLM" if is_trtllm else "FP8 per-tensor CUTLASS",
+    )
+
+
+def prepare_fp8_moe_layer_for_fi(layer: Any, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                                 w13_input_scale: Optional[torch.Tensor], w2_scale: torch.Tensor,
+                                 w2_input_scale: Optional[torch.Tensor], is_trtllm: bool = False):
+    """Convert an FP8 MoE layer's weights and scales to the FlashInfer kernel layout.
+
+    ``layer`` is a vLLM FusedMoE-like object (``moe_config.is_act_and_mul``,
+    ``activation.is_gated``, ``weight_block_size``) or a :class:`MoELayerSpec`; its
+    intermediate (and for MXFP8 TRT-LLM hidden) size is updated when padded. FP8
+    block scales come back clamped to >= 1e-10 (new tensors; the inputs are not
+    modified). Returns ``(w13, w2, w13_scale, w2_scale)``; see :func:`plan_fp8_moe_layer`.
+    """
+    access = _LayerAccess(layer)
+    block_quant = access.block_size is not None
+    if is_trtllm and not block_quant and (w13_input_scale is None or w2_input_scale is None):
+        raise LayoutError("prepare_fp8_moe_layer_for_fi: the FP8 per-tensor TRT-LLM path needs w13_input_scale and w2_input_scale")
+    plan = plan_fp8_moe_layer(access, w13, w2, w13_scale, w2_scale, is_trtllm)
+    o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)
+    if plan.description == "MXFP8 TRT-LLM":
+        access.set_sizes(plan.padded_intermediate, plan.padded_hidden)
+        return o13.view(torch.float8_e4m3fn), o2.view(torch.float8_e4m3fn), o13s, o2s
+    if not block_quant:
+        access.set_sizes(plan.padded_intermediate)
+    if block_quant:
+        o13s, o2s = (s.clamp(min=FI_CUTLASS_MIN_BLOCK_SCALE) if s.is_floating_point() else s for s in (o13s, o2s))
+    return o13, o2, o13s, o2s
