@@ -43,6 +43,7 @@ __all__ = [
     "plan_rotate_fp8_per_tensor",
     "plan_shuffle_deepseek_fp8",
     "plan_shuffle_mxfp8",
+    "plan_nvfp4_trtllm_weights",
 ]
 
 NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE = 1.0 / (448.0 * 6.0)
@@ -385,6 +386,38 @@ def shuffle_mxfp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor, w13_scale: to
 
 _shuffle_deepseek_fp8_moe_weights = shuffle_deepseek_fp8_moe_weights
 _shuffle_mxfp8_moe_weights = shuffle_mxfp8_moe_weights
+
+
+def plan_nvfp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bool = True,
+                              is_gated: bool = True) -> LayerPlan:
+    """Packed NVFP4 weights and E4M3 per-16 scales into the TRT-LLM layout.
+
+    W13 ``(P*I, H/2)`` bytes: W31 swap (if fused), gated interleave (if gated),
+    epilogue shuffle (tile 128); its scales ``(P*I, H/16)`` the same rows, then the
+    128x4 swizzle. W2 ``(H, I/2)``: shuffle; its scales ``(H, I/16)``: shuffle + swizzle.
+    Needs rows % 128 == 0 for the scale shuffle (FlashInfer's shuffle_matrix_sf_a).
+    """
+    p = _projections(is_act_and_mul)
+    etm = TRTLLM_EPILOGUE_TILE_M
+    for size, name in ((intermediate, "intermediate"), (hidden, "hidden")):
+        if size % 16:
+            raise LayoutError(f"NVFP4: {name} {size} is not a multiple of 16 (one E4M3 scale per 16 values); pad it first")
+
+    def rows_chain(rows: int, cols: int, fused: bool) -> IndexMap:
+        swap = steps.swap_w13_to_w31_rows(rows, cols) if fused and is_act_and_mul else None
+        inter = steps.interleave_rows_for_gated_act(rows, cols) if fused and is_gated else None
+        return _chain(swap, inter, steps.shuffle_rows_for_epilogue(rows, cols, etm))
+
+    def scales(rows: int, cols: int, fused: bool) -> IndexMap:
+        if rows % 128:
+            raise LayoutError(f"NVFP4 scales have {rows} rows, not a multiple of 128 (scale shuffle); pad first")
+        return rows_chain(rows, cols, fused) >> steps.swizzle_scales_128x4(rows, cols)
+
+    return LayerPlan(
+        rows_chain(p * intermediate, hidden // 2, True), rows_chain(hidden, intermediate // 2, False),
+        scales(p * intermediate, hidden // 16, True), scales(hidden, intermediate // 16, False),
+        intermediate, hidden, intermediate, hidden, "NVFP4 TRT-LLM",
+    )
 
 
 # --------------------------------------------------------------------------- in-place converters
