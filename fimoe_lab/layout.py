@@ -249,24 +249,24 @@ class IndexMap:
     def inverse(self) -> "IndexMap":
         """The map from this map's output back to its input.
 
-        Exact on the non-fill part: ``m.inverse().apply(m.apply(x))`` equals ``x``
-        whenever every input cell appears exactly once in ``src``; padding is dropped.
+        Exact on the non-fill part: ``m.inverse().apply(m.apply(x))`` equals ``x`` when
+        every input cell reaches the output once; padding is dropped. Input cells a map
+        drops (a crop) come back as zero fill. Maps that copy a cell twice do not invert.
         """
         valid = self.src >= 0
         taken = self.src[valid]
         counts = torch.bincount(taken, minlength=self.n_in_cells)
-        if bool((counts != 1).any()):
-            dropped = int((counts == 0).sum())
-            doubled = int((counts > 1).sum())
+        if bool((counts > 1).any()):
             raise LayoutError(
-                f"{self.name} is not invertible: {dropped} input cells never reach the output and "
-                f"{doubled} are copied more than once; only maps that keep every input byte exactly once invert"
+                f"{self.name} is not invertible: {int((counts > 1).sum())} input cells are copied more than "
+                f"once, so the output does not say which copy to take back"
             )
-        inv = torch.empty(self.n_in_cells, dtype=torch.int64)
+        inv = torch.full((self.n_in_cells,), -1, dtype=torch.int64)
         inv[taken] = torch.nonzero(valid).flatten()
+        fills = (0,) if bool((counts == 0).any()) else ()
         parts = tuple(p.inverse() for p in reversed(self.parts))
         name = f"inverse({self.name})" if not parts else " >> ".join(p.name for p in parts)
-        return IndexMap(inv, self.cell_bytes, self.out_shape, self.in_shape, (), name, parts)
+        return IndexMap(inv, self.cell_bytes, self.out_shape, self.in_shape, fills, name, parts)
 
     def __eq__(self, other: object) -> bool:
         """Two maps are equal when they move every byte to the same place (and fill alike)."""

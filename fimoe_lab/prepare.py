@@ -44,6 +44,9 @@ __all__ = [
     "plan_shuffle_deepseek_fp8",
     "plan_shuffle_mxfp8",
     "plan_nvfp4_trtllm_weights",
+    "plan_layer",
+    "FORMATS",
+    "BACKENDS",
 ]
 
 NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE = 1.0 / (448.0 * 6.0)
@@ -538,6 +541,13 @@ def plan_fp8_moe_layer(spec: MoELayerSpec | Any, w13: torch.Tensor, w2: torch.Te
         if w13_scale.ndim != 3:
             raise LayoutError(f"{what}: block scales must be 3-D (E, rows/block, cols/block), got w13_scale {tuple(w13_scale.shape)}")
         s_rows, s_cols = w13_scale.shape[1], w13_scale.shape[2]
+        block_rows = layer.block_size[0]
+        if layer.is_act_and_mul and not is_mxfp8 and intermediate % block_rows:
+            raise LayoutError(
+                f"{what}: intermediate {intermediate} is not a multiple of the {block_rows}-row scale block, so gate "
+                f"and up would share a scale row and cannot be swapped apart; choose a tensor-parallel size whose "
+                f"shard keeps intermediate % {block_rows} == 0"
+            )
         swap13 = steps.swap_w13_to_w31_rows(p * intermediate, hidden) if layer.is_act_and_mul else None
         swap13s = steps.swap_w13_to_w31_rows(s_rows, s_cols * w13_scale.element_size()) if layer.is_act_and_mul else None
         shuffle = plan_shuffle_deepseek_fp8(p * intermediate, hidden, intermediate) if (is_trtllm and not is_mxfp8) else None
@@ -584,3 +594,77 @@ def prepare_fp8_moe_layer_for_fi(layer: Any, w13: torch.Tensor, w2: torch.Tensor
     if block_quant:
         o13s, o2s = (s.clamp(min=FI_CUTLASS_MIN_BLOCK_SCALE) if s.is_floating_point() else s for s in (o13s, o2s))
     return o13, o2, o13s, o2s
+
+
+# --------------------------------------------------------------------------- by format
+FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4")
+BACKENDS = ("trtllm", "cutlass")
+
+
+def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_and_mul: bool = True,
+               is_gated: bool = True, intermediate_alignment: Optional[int] = None,
+               hidden_alignment: Optional[int] = None) -> LayerPlan:
+    """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
+
+    Default alignments are the reference's fixed rules (FP8 per-tensor: intermediate
+    16 gated / 128 non-gated; MXFP8 TRT-LLM: 128 and hidden 256; NVFP4: 16; BF16
+    TRT-LLM: 64 so that K blocks are whole, 128 B). Pass other alignments to try
+    what the tuner recommends.
+    """
+    if fmt not in FORMATS:
+        raise LayoutError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if backend not in BACKENDS:
+        raise LayoutError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    p = _projections(is_act_and_mul)
+    trt = backend == "trtllm"
+    if fmt in ("fp8", "fp8-block", "mxfp8"):
+        block = {"fp8": None, "fp8-block": [128, 128], "mxfp8": [1, 32]}[fmt]
+        spec = MoELayerSpec(intermediate, hidden, is_act_and_mul, is_gated, block)
+
+        def meta(*shape, dtype=torch.float8_e4m3fn):
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        if fmt == "mxfp8":
+            s13, s2 = meta(1, p * intermediate, hidden // 32, dtype=torch.uint8), meta(1, hidden, intermediate // 32, dtype=torch.uint8)
+        elif fmt == "fp8-block":
+            s13 = meta(1, -(-p * intermediate // 128), -(-hidden // 128), dtype=torch.float32)
+            s2 = meta(1, -(-hidden // 128), -(-intermediate // 128), dtype=torch.float32)
+        else:
+            s13 = s2 = meta(1, dtype=torch.float32)
+        if intermediate_alignment or hidden_alignment:
+            padded = plan_align_moe_weights(intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or 1,
+                                            hidden_alignment or 1)
+            if padded.w13 is not None and fmt != "fp8":
+                raise LayoutError(f"custom alignments for {fmt} scales are not supported yet; use the default rules")
+            inner = plan_fp8_moe_layer(MoELayerSpec(padded.padded_intermediate, padded.padded_hidden, is_act_and_mul,
+                                                    is_gated, block),
+                                       meta(1, p * padded.padded_intermediate, padded.padded_hidden),
+                                       meta(1, padded.padded_hidden, padded.padded_intermediate), s13, s2, trt)
+            return LayerPlan(_chain(padded.w13, inner.w13), _chain(padded.w2, inner.w2), inner.w13_scale,
+                             inner.w2_scale, intermediate, hidden, inner.padded_intermediate, inner.padded_hidden,
+                             inner.description)
+        return plan_fp8_moe_layer(spec, meta(1, p * intermediate, hidden), meta(1, hidden, intermediate), s13, s2, trt)
+
+    if fmt == "bf16":
+        pad = plan_align_moe_weights(intermediate, hidden, 2, is_act_and_mul, intermediate_alignment or (64 if trt else 1),
+                                     hidden_alignment or (64 if trt else 1))
+        ip, hp = pad.padded_intermediate, pad.padded_hidden
+        if trt:
+            inner = plan_trtllm_bf16_block_layout(p * ip, hp, ip, is_gated)
+            w13, w2 = inner.w13, inner.w2
+        else:
+            w13 = steps.swap_w13_to_w31_rows(p * ip, 2 * hp) if is_act_and_mul else None
+            w2 = None
+        return LayerPlan(_chain(pad.w13, w13), _chain(pad.w2, w2), None, None, intermediate, hidden, ip, hp,
+                         f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}")
+
+    pad = plan_align_fp4_moe_weights(intermediate, hidden, is_act_and_mul, intermediate_alignment or 16)
+    ip = pad.padded_intermediate
+    if not trt:
+        swap = steps.swap_w13_to_w31_rows(p * ip, hidden // 2) if is_act_and_mul else None
+        swap_s = steps.swap_w13_to_w31_rows(p * ip, hidden // 16) if is_act_and_mul else None
+        return LayerPlan(_chain(pad.w13, swap), pad.w2, _chain(pad.w13_scale, swap_s), pad.w2_scale,
+                         intermediate, hidden, ip, hidden, "NVFP4 CUTLASS")
+    inner = plan_nvfp4_trtllm_weights(ip, hidden, is_act_and_mul, is_gated)
+    return LayerPlan(_chain(pad.w13, inner.w13), _chain(pad.w2, inner.w2), _chain(pad.w13_scale, inner.w13_scale),
+                     _chain(pad.w2_scale, inner.w2_scale), intermediate, hidden, ip, hidden, "NVFP4 TRT-LLM")

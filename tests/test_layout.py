@@ -1,0 +1,169 @@
+"""The IndexMap algebra: apply, compose, inverse, coarsen, provenance, equality."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from fimoe_lab import steps
+from fimoe_lab.layout import IndexMap, LayoutError, compose
+
+from conftest import DEVICES, coords, decode, random_bytes, same_bytes
+
+
+def per_expert_gather(m: IndexMap, x: torch.Tensor) -> torch.Tensor:
+    """Reference: loop over experts and output bytes through the byte-level source table."""
+    src = m.source_bytes().reshape(-1)
+    xb = x.contiguous().view(torch.uint8).reshape(x.shape[0], -1)
+    fill = m.refined(1)
+    fill_values = torch.tensor(list(m.fills) or [0], dtype=torch.uint8)[(-1 - fill.src).clamp(min=0)]
+    outs = []
+    for e in range(x.shape[0]):
+        row = torch.where(src >= 0, xb[e][src.clamp(min=0)], fill_values)
+        outs.append(row)
+    return torch.stack(outs)
+
+
+def gated_chain(rows, cols, etm):
+    return compose(
+        steps.pad_projections(2, rows // 2, rows // 2, cols, cols),
+        steps.swap_w13_to_w31_rows(rows, cols),
+        steps.interleave_rows_for_gated_act(rows, cols),
+        steps.shuffle_rows_for_epilogue(rows, cols, etm),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_apply_matches_per_expert_loop_on_random_and_structured(device):
+    m = compose(steps.pad_projections(2, 40, 48, 96, 128, fill=7), steps.swap_w13_to_w31_rows(96, 128),
+                steps.shuffle_rows_for_epilogue(96, 128, 64), steps.block_major_k(96, 128, 64))
+    for x in (random_bytes((3, 80, 96), torch.uint8, seed=1, device=device),
+              coords(3, 80, 24, device).view(torch.uint8)):
+        out = m.apply(x)
+        assert out.shape == (3, 2, 96, 64)
+        assert torch.equal(out.view(3, -1).cpu(), per_expert_gather(m, x.cpu()))
+
+
+def test_structured_w13_chain_lands_every_row_where_the_formula_says():
+    rows, cols = 64, 8  # int32 coordinates -> 32 bytes per row
+    m = gated_chain(rows, cols * 4, 128)
+    x = coords(2, rows, cols)
+    got = decode(m.apply(x), rows, cols)
+    half = rows // 2
+    for i in range(rows):
+        b, p = divmod(i, 32)
+        shuffled = b * 32 + (p % 8) * 4 + p // 8
+        interleaved = shuffled // 2 + (half if shuffled % 2 else 0)
+        swapped = (interleaved + half) % rows
+        assert (got[:, i, :, 1] == swapped).all(), (i, got[0, i, 0])
+    assert torch.equal(got[:, :, :, 0], torch.arange(2)[:, None, None].expand(2, rows, cols))
+    assert torch.equal(got[:, :, :, 2], torch.arange(cols).expand(2, rows, cols))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    half=st.integers(1, 6).map(lambda k: 16 * k),
+    extra=st.integers(0, 3),
+    cols=st.sampled_from([4, 12, 64, 128, 256]),
+    etm=st.sampled_from([64, 128]),
+    experts=st.integers(1, 3),
+)
+def test_inverse_recovers_input_exactly(half, extra, cols, etm, experts):
+    rows_in = half - extra
+    rows = 2 * half
+    if rows % steps.shuffle_block_size(etm):
+        return
+    m = compose(steps.pad_projections(2, rows_in, half, cols, cols + 4 * extra),
+                steps.swap_w13_to_w31_rows(rows, cols + 4 * extra),
+                steps.interleave_rows_for_gated_act(rows, cols + 4 * extra),
+                steps.shuffle_rows_for_epilogue(rows, cols + 4 * extra, etm))
+    x = random_bytes((experts, 2 * rows_in, cols), torch.uint8, seed=rows + cols)
+    y = m.apply(x)
+    assert same_bytes(m.inverse().apply(y), x)
+    assert m.inverse().inverse() == m
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 300), cols=st.integers(1, 20), itemsize=st.sampled_from([1, 2]))
+def test_swizzle_offsets_match_the_formula(rows, cols, itemsize):
+    m = steps.swizzle_scales_128x4(rows, cols, itemsize)
+    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    src = m.src
+    for r, c in [(0, 0), (rows - 1, cols - 1), (rows // 2, cols // 2), (min(rows - 1, 33), min(cols - 1, 5))]:
+        off = (r // 128) * (cp // 4) * 512 + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+        assert src[off] == r * cols + c
+    assert int((src < 0).sum()) == rp * cp - rows * cols
+    assert m.out_shape == (rp, cp * itemsize)
+
+
+def test_compose_is_associative_and_coarsening_keeps_the_map():
+    a = steps.pad_projections(2, 30, 32, 256, 256)
+    b = steps.swap_w13_to_w31_rows(64, 256)
+    c = steps.shuffle_rows_for_epilogue(64, 256, 128)
+    d = steps.block_major_k(64, 256, 128)
+    left, right = (a >> b) >> (c >> d), a >> (b >> (c >> d))
+    assert left == right
+    assert left.coarsened() == left
+    assert left.coarsened().cell_bytes == 128
+    assert left.refined(1) == left
+    assert not (left == (a >> c >> d))
+
+
+def test_coarsening_widens_row_permutations_to_whole_rows():
+    m = steps.swap_w13_to_w31_rows(64, 7168) >> steps.shuffle_rows_for_epilogue(64, 7168, 64)
+    assert m.coarsened().cell_bytes == 7168
+    assert steps.block_major_k(64, 512, 128).coarsened().cell_bytes == 128
+
+
+def test_provenance_agrees_with_the_byte_table():
+    m = gated_chain(64, 32, 64) >> steps.block_major_k(64, 32, 16)
+    table = m.source_bytes().reshape(-1)
+    for offset in [0, 1, 17, 511, 1000, m.out_bytes - 1]:
+        prov = m.provenance(offset)
+        src = prov.source
+        assert int(torch.tensor(src[0] * 32 + src[1])) == int(table[offset])
+        assert len(prov.stages) == len(m.steps) + 1
+    padded = steps.pad_projections(1, 3, 4, 8, 8, fill=127)
+    prov = padded.provenance((3, 0))
+    assert prov.is_fill and prov.stages[-1].fill == 127
+    assert "fill byte 0x7f" in str(prov)
+    assert prov.in_elements(2).stages[0].coords == (3, 0)
+
+
+def test_fill_values_survive_composition():
+    m = steps.pad_projections(1, 100, 128, 3, 4, fill=127) >> steps.swizzle_scales_128x4(128, 4)
+    x = random_bytes((2, 100, 3), torch.uint8, seed=3)
+    out = m.apply(x).reshape(2, -1)
+    fill = m.refined(1).src < 0
+    assert (out[:, fill] == 127).all()
+    assert set(m.fills) == {127, 0}
+
+
+def test_not_invertible_and_bad_shapes_raise_clear_errors():
+    dup = IndexMap(torch.tensor([0, 0, 1]), 4, (2, 4), (3, 4), (), "duplicate_row")
+    with pytest.raises(LayoutError, match="not invertible"):
+        dup.inverse()
+    m = steps.swap_w13_to_w31_rows(8, 16)
+    with pytest.raises(LayoutError, match=r"expects \(experts, 8, 16\) bytes"):
+        m.apply(torch.ones(2, 8, 4, dtype=torch.bfloat16))
+    with pytest.raises(LayoutError, match="not contiguous"):
+        m.apply(torch.ones(2, 16, 8, dtype=torch.uint8).transpose(1, 2))
+    with pytest.raises(LayoutError, match="cannot compose"):
+        m >> steps.swap_w13_to_w31_rows(4, 16)
+    with pytest.raises(LayoutError, match="not a multiple of 32"):
+        steps.shuffle_rows_for_epilogue(48, 16, 128)
+    with pytest.raises(LayoutError, match="odd"):
+        steps.swap_w13_to_w31_rows(7, 16)
+    with pytest.raises(LayoutError, match="128-byte block"):
+        steps.block_major_k(32, 100, 128)
+    with pytest.raises(LayoutError, match="cannot run in place"):
+        steps.pad_projections(1, 3, 4, 8, 8).apply_(torch.ones(2, 3, 8, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_place_permutation_with_small_scratch(device):
+    m = steps.interleave_rows_for_gated_act(64, 64) >> steps.shuffle_rows_for_epilogue(64, 64, 128)
+    x = random_bytes((7, 64, 64), torch.uint8, seed=5, device=device)
+    expected = m.apply(x)
+    view = m.apply_(x, scratch_experts=2)
+    assert view.data_ptr() == x.data_ptr()
+    assert torch.equal(view, expected)
