@@ -13,6 +13,7 @@ values per byte (``(E, P*I, H/2)``, ``(E, H, I/2)``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Optional
 
 import torch
@@ -156,6 +157,7 @@ def _scale_cols(scale: torch.Tensor, rows: int, what: str) -> int:
     return per_expert // rows
 
 
+@lru_cache(maxsize=1024)  # same step objects -> same composed map (maps are cached by shape)
 def _chain(*maps: Optional[IndexMap]) -> Optional[IndexMap]:
     present = [m for m in maps if m is not None]
     return compose(*present) if present else None
@@ -169,6 +171,7 @@ def trtllm_nvfp4_hidden_alignment(per_token_activation: bool, is_act_and_mul: bo
     return 512 if per_token_activation and not is_act_and_mul else 256
 
 
+@lru_cache(maxsize=256)
 def plan_align_moe_weights(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bool,
                            min_alignment: int = 16, hidden_alignment: int = 1,
                            scale_block: Optional[int] = None, scale_fill: int = 0,
@@ -223,6 +226,7 @@ def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul
     return out13, out2, plan.padded_intermediate
 
 
+@lru_cache(maxsize=256)
 def plan_align_fp4_moe_weights(intermediate: int, hidden: int, is_act_and_mul: bool,
                                min_alignment: int = 16) -> LayerPlan:
     """Plan of :func:`align_fp4_moe_weights_for_fi` (packed FP4, FP8 scale per 16 values)."""
@@ -254,6 +258,7 @@ def align_fp4_moe_weights_for_fi(w13: torch.Tensor, w13_scale: torch.Tensor, w2:
     return o13, o13s, o2, o2s, plan.padded_intermediate
 
 
+@lru_cache(maxsize=256)
 def plan_align_mxfp8_moe_weights(intermediate: int, hidden: int, is_act_and_mul: bool, w13_scale_cols: int,
                                  w2_scale_cols: int, min_alignment: int = MXFP8_INTERMEDIATE_ALIGNMENT,
                                  hidden_alignment: int = MXFP8_HIDDEN_ALIGNMENT) -> LayerPlan:
@@ -313,6 +318,7 @@ def swap_w13_to_w31(x: torch.Tensor) -> torch.Tensor:
     return apply_map(m, x.reshape(-1, rows, cols) if x.is_contiguous() else x, "swap_w13_to_w31 input").reshape(x.shape)
 
 
+@lru_cache(maxsize=256)
 def plan_shuffle_deepseek_fp8(w13_rows: int, hidden: int, intermediate: int) -> LayerPlan:
     """Epilogue shuffle (tile 64) then BlockMajorK (128 B) for both FP8 weights, no swap."""
 
@@ -341,6 +347,7 @@ def shuffle_deepseek_fp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tup
     return o13.view(torch.float8_e4m3fn), o2.view(torch.float8_e4m3fn)
 
 
+@lru_cache(maxsize=256)
 def plan_shuffle_mxfp8(w13_rows: int, hidden: int, intermediate: int, is_gated: bool,
                        w13_scale_cols: int, w2_scale_cols: int) -> LayerPlan:
     """Gated interleave (if gated), epilogue shuffle (tile 128), and for scales the 128x4 swizzle."""
@@ -391,6 +398,7 @@ _shuffle_deepseek_fp8_moe_weights = shuffle_deepseek_fp8_moe_weights
 _shuffle_mxfp8_moe_weights = shuffle_mxfp8_moe_weights
 
 
+@lru_cache(maxsize=256)
 def plan_nvfp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bool = True,
                               is_gated: bool = True) -> LayerPlan:
     """Packed NVFP4 weights and E4M3 per-16 scales into the TRT-LLM layout.
@@ -432,6 +440,7 @@ def _apply_in_place(pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_exp
         return [m.apply_(t, scratch_experts) for m, t, _ in pairs]
 
 
+@lru_cache(maxsize=256)
 def plan_rotate_fp8_per_tensor(w13_rows: int, hidden: int, intermediate: int, is_gated: bool) -> LayerPlan:
     """Gated interleave (if gated) and epilogue shuffle (tile 128) of both FP8 weights."""
     etm = TRTLLM_EPILOGUE_TILE_M
@@ -463,6 +472,7 @@ def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights: torch.Tensor,
                     scratch_experts)
 
 
+@lru_cache(maxsize=256)
 def plan_trtllm_bf16_block_layout(w13_rows: int, hidden: int, intermediate: int, is_gated_act_gemm: bool = True,
                                   itemsize: int = 2) -> LayerPlan:
     """W31 swap + gated interleave (if gated), epilogue shuffle 128, BlockMajorK 128 B."""
@@ -601,6 +611,7 @@ FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4")
 BACKENDS = ("trtllm", "cutlass")
 
 
+@lru_cache(maxsize=256)
 def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_and_mul: bool = True,
                is_gated: bool = True, intermediate_alignment: Optional[int] = None,
                hidden_alignment: Optional[int] = None) -> LayerPlan:
