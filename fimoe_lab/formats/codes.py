@@ -13,8 +13,8 @@ instructions) and checked on an H200 where the instruction exists there:
 * E4M3 (``cvt.rn.satfinite.e4m3x2.f32``): round to nearest even incl. subnormals, |x| > 448
   saturates to +-448, NaN of either sign -> 0x7F. On an H200 this matched
   ``x.clamp(-448, 448).to(torch.float8_e4m3fn)`` for all 2**32 float32 inputs except
-  negative NaNs (torch gives 0xFF, the hardware 0x7F). Note: a bare torch cast does *not*
-  saturate: it turns values >= 464 into NaN.
+  negative NaNs (torch gives 0xFF, the hardware 0x7F). The clamp is explicit because
+  torch's own overflow rule changed between releases (older ones turned >= 464 into NaN).
 * UE8M0 (``cvt.rp.satfinite.ue8m0x2.f32``, used by MXFP8/MXFP4 scales in FlashInfer):
   round *up* to a power of two, i.e. the byte is ``clamp(ceil(log2|x|) + 127, 0, 254)``;
   0 -> 0, NaN -> 255, inf -> 254. Value of a byte e: ``2**(e - 127)``.
@@ -98,7 +98,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     """float32 ``(...)`` -> uint8 E4M3 bits ``(...)``, as ``cvt.rn.satfinite.e4m3x2.f32``.
 
-    Saturates to +-448 (a bare torch cast would give NaN at >= 464); NaN -> 0x7F.
+    Saturates to +-448 whatever torch's own cast does on overflow; NaN -> 0x7F.
     """
     bits = x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(torch.isnan(x), torch.full_like(bits, 0x7F), bits)
