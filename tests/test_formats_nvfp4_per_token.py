@@ -1,8 +1,11 @@
 """quantize_nvfp4_per_token_input: hand-computed cases of FlashInfer's per-token kernel arithmetic.
 
 Row amax 2688 makes the per-token scale exactly 1.0 (2688 * float32(1/2688) rounds to 1), so
-the block scale of a block reaching 2688 is exactly 448 and ``x * out`` lands exactly on the
-E2M1 midpoints for x = 448 * {.25, .75, 1.25, 1.75, 2.5, 3.5, 5}: the ties are really ties.
+the encode scale is 1. A block reaching 1536 then gets scale e4m3(1536 * rcp(6)) = 256 and
+``out = rcp(256) = 2**-8`` exactly: x = 256 * {.25, .75, 1.25, 1.75, 2.5, 3.5, 5} lands exactly
+on every E2M1 midpoint, so the ties are really ties. A block reaching 2688 gets scale 448 and
+``out = rcp(448)`` = 1/448 * (1 + 4.5e-8): there 0.25, 1.25, 2.5, 5 are still exact ties but
+0.75, 1.75, 3.5 land one float32 ulp above (same codes, by the kernel's arithmetic).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def pad16(values: list[float]) -> list[float]:
     return values + [0.0] * (16 - len(values))
 
 
+POW2_TIE_BLOCK = [1536, 64, 192, 320, 448, 640, 896, 1280, -64, -192, -320, -448, -640, -896, -1280, 0]
+POW2_TIE_CODES = [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14, 0]
 TIE_BLOCK = [2688, 112, 336, 560, 784, 1120, 1568, 2240, -112, -336, -560, -784, -1120, -1568, -2240, 0]
 TIE_CODES = [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14, 0]
 NEAR_TIE_BLOCK = [2688, 112.5, 111.5, 334, 564, 556, 780, 1112, 1128, 1560, 1576, 2232, 2256, -112.5, -2256, 0]
@@ -57,11 +62,11 @@ def test_return_tuple_matches_flashinfer_order_shapes_and_dtypes():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_ties_round_to_even_on_the_kernel_path(dtype):
-    row = TIE_BLOCK + NEAR_TIE_BLOCK + SIGNED_ZERO_BLOCK + SMALL_BLOCK
+    row = TIE_BLOCK + POW2_TIE_BLOCK + NEAR_TIE_BLOCK + SIGNED_ZERO_BLOCK + SMALL_BLOCK
     got_codes, got_sf, got_scale = quantize_row(row, dtype)
     assert got_scale == expected_per_token_scale(2688) == 1.0
-    assert got_sf == [0x7E, 0x7E, 0x00, 0x23]
-    assert got_codes == TIE_CODES + NEAR_TIE_CODES + SIGNED_ZERO_CODES + SMALL_CODES
+    assert got_sf == [0x7E, 0x78, 0x7E, 0x00, 0x23]
+    assert got_codes == TIE_CODES + POW2_TIE_CODES + NEAR_TIE_CODES + SIGNED_ZERO_CODES + SMALL_CODES
 
 
 def test_every_e2m1_value_comes_back_in_order_with_row_amax_6():
