@@ -133,11 +133,12 @@ def ue8m0_decode(e: torch.Tensor) -> torch.Tensor:
 
 @lru_cache(maxsize=None)
 def _rcp_delta(device: torch.device) -> torch.Tensor:
+    """int8 ``(2**23,)`` on ``device``: hardware minus correctly rounded 1/m, in ulps, per mantissa."""
     from ._rcp_approx_table import RCP_APPROX_DELTA_B85
 
     packed = torch.frombuffer(bytearray(zlib.decompress(base64.b85decode(RCP_APPROX_DELTA_B85))), dtype=torch.uint8)
     codes = torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).reshape(-1).to(torch.int32)
-    return torch.where(codes == 2, -1, codes).to(device)
+    return torch.where(codes == 2, -1, codes).to(torch.int8).to(device)
 
 
 def rcp_approx_ftz(x: torch.Tensor) -> torch.Tensor:
