@@ -150,6 +150,7 @@ def test_ue8m0_rounds_up_to_a_power_of_two_and_saturates():
     special = torch.tensor([0.0, 2.0**-127, next_up(2.0**-127), 3e38, math.inf, math.nan, -0.75])
     assert codes.ue8m0_encode_ceil(special).tolist() == [0, 0, 1, 254, 254, 255, 127]
     assert math.isnan(codes.ue8m0_decode(torch.tensor([255], dtype=torch.uint8)).item())
+    assert codes.ue8m0_decode(torch.tensor([0], dtype=torch.uint8)).item() == 2.0**-127
 
 
 def test_ftz_flushes_subnormals_to_signed_zero_only():

@@ -33,7 +33,6 @@ import torch
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-UE8M0_BIAS = 127
 FLOAT32_MIN_NORMAL = 2.0**-126
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -126,9 +125,13 @@ def ue8m0_encode_ceil(x: torch.Tensor) -> torch.Tensor:
 
 
 def ue8m0_decode(e: torch.Tensor) -> torch.Tensor:
-    """uint8 UE8M0 ``(...)`` -> float32 ``2**(e - 127)`` ``(...)``; 255 -> NaN."""
-    value = torch.exp2(e.to(torch.float32) - UE8M0_BIAS)
-    return torch.where(e == 255, torch.full_like(value, float("nan")), value)
+    """uint8 UE8M0 ``(...)`` -> float32 ``2**(e - 127)`` ``(...)``; 255 -> NaN.
+
+    Built from bits (no ``exp2``), so it is exact on every device; byte 0 is the subnormal 2**-127.
+    """
+    e = e.to(torch.int32)
+    bits = torch.where(e == 0, 0x00400000, e << 23)
+    return torch.where(e == 255, 0x7FC00000, bits).to(torch.int32).view(torch.float32)
 
 
 @lru_cache(maxsize=None)
