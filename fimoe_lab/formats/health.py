@@ -59,14 +59,14 @@ def check_quantized(q: QuantizedTensor, original: torch.Tensor | None = None) ->
         warnings.append(f"{q.fmt}: global_scale is 0 {_where(q.global_scale == 0)}: dequant divides by it.")
 
     input_nonzero = original is not None and bool((original != 0).any())
-    values_zero = not bool((q.values.view(torch.uint8) != 0).any())
+    values_zero = not bool((q.values.reshape(-1).contiguous().view(torch.uint8) != 0).any())
     scale_bytes_zero = not bool((q.scales.reshape(-1).contiguous().view(torch.uint8) != 0).any())
     scales_zero = scale_bytes_zero or not bool((scales != 0).any())
     if (input_nonzero or not values_zero) and scales_zero:
         hint = f": {HOPPER_ZEROS}" if q.fmt.startswith("nvfp4") else ""
         warnings.append(f"{q.fmt}: every block scale is 0 (all scale bytes zero) for a non-zero input{hint}.")
         return warnings
-    elif input_nonzero and values_zero:
+    if input_nonzero and values_zero:
         hint = f" ({HOPPER_ZEROS})" if q.fmt.startswith("nvfp4") else ""
         warnings.append(f"{q.fmt}: every quantized value is 0 for a non-zero input{hint}.")
 
