@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from fimoe_lab import steps
+from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
 from fimoe_lab.layout import IndexMap, LayoutError, compose
 from fimoe_lab.plan import LayerPlan, apply_map, check_same_device
 
@@ -31,6 +32,7 @@ __all__ = [
     "align_mxfp8_moe_weights_for_fi_trtllm",
     "convert_moe_weights_to_flashinfer_trtllm_block_layout",
     "prepare_fp8_moe_layer_for_fi",
+    "quantize_nvfp4_per_token_input",
     "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe",
     "shuffle_deepseek_fp8_moe_weights",
     "shuffle_mxfp8_moe_weights",
@@ -49,9 +51,6 @@ __all__ = [
     "FORMATS",
     "BACKENDS",
 ]
-
-NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE = 1.0 / (448.0 * 6.0)
-"""Global scale FlashInfer's per-token NVFP4 activation quantizer starts from."""
 
 FI_CUTLASS_MIN_BLOCK_SCALE = 1e-10
 """Floor for FP8 block scales: dead experts with ~1e-23 scales made the Hopper CUTLASS MoE emit NaN."""
