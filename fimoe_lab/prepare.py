@@ -141,6 +141,15 @@ def _check_itemsize(t: torch.Tensor, size: int, what: str, expectation: str) -> 
         raise LayoutError(f"{what} must be {expectation} ({size}-byte elements), got {t.dtype}")
 
 
+def _check_fp8_weights(what: str, **weights: torch.Tensor) -> None:
+    """Same device, 3-D ``(experts, rows, cols)``, 1-byte elements."""
+    check_same_device(**weights)
+    for name, t in weights.items():
+        if t.ndim != 3:
+            raise LayoutError(f"{what}: {name} must be (experts, rows, cols), got {tuple(t.shape)}")
+        _check_itemsize(t, 1, f"{what}: {name}", "FP8 E4M3")
+
+
 def _scale_cols(scale: torch.Tensor, rows: int, what: str) -> int:
     """Columns of a block-scale matrix given 3-D ``(E, rows, cols)`` or flattened ``(E, rows*cols)``."""
     if scale.ndim not in (2, 3):
@@ -335,12 +344,7 @@ def shuffle_deepseek_fp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tup
     ``(E, M, K) -> (E, K/128, M, 128)`` FP8 for each of w13 and w2 (rows shuffled for
     epilogue tile 64, then 128-byte K blocks). Needs M % 16 == 0 and K % 128 == 0.
     """
-    what = "shuffle_deepseek_fp8_moe_weights"
-    check_same_device(w13=w13, w2=w2)
-    for name, t in (("w13", w13), ("w2", w2)):
-        if t.ndim != 3:
-            raise LayoutError(f"{what}: {name} must be (experts, rows, cols), got {tuple(t.shape)}")
-        _check_itemsize(t, 1, f"{what}: {name}", "FP8 E4M3")
+    _check_fp8_weights("shuffle_deepseek_fp8_moe_weights", w13=w13, w2=w2)
     plan = plan_shuffle_deepseek_fp8(w13.shape[1], w2.shape[1], w2.shape[2])
     o13, o2, _, _ = plan.apply(w13, w2)
     return o13.view(torch.float8_e4m3fn), o2.view(torch.float8_e4m3fn)
@@ -381,10 +385,7 @@ def shuffle_mxfp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor, w13_scale: to
     flattened; the reference mis-indexes flattened scales, this does not).
     """
     what = "shuffle_mxfp8_moe_weights"
-    if w13.ndim != 3 or w2.ndim != 3:
-        raise LayoutError(f"{what}: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be 3-D")
-    for name, t in (("w13", w13), ("w2", w2)):
-        _check_itemsize(t, 1, f"{what}: {name}", "FP8 E4M3")
+    _check_fp8_weights(what, w13=w13, w2=w2)
     check_same_device(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
     c13 = _scale_cols(w13_scale, w13.shape[1], f"{what}: w13_scale")
     c2 = _scale_cols(w2_scale, w2.shape[1], f"{what}: w2_scale")
@@ -459,12 +460,8 @@ def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights: torch.Tensor,
     Extra memory: ``scratch_experts`` experts (default 2% of E). Both tensors are
     checked before either is touched.
     """
-    what = "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe"
-    check_same_device(gemm1_weights=gemm1_weights, gemm2_weights=gemm2_weights)
-    for name, t in (("gemm1_weights", gemm1_weights), ("gemm2_weights", gemm2_weights)):
-        if t.ndim != 3:
-            raise LayoutError(f"{what}: {name} must be (experts, rows, cols), got {tuple(t.shape)}")
-        _check_itemsize(t, 1, f"{what}: {name}", "FP8 E4M3")
+    _check_fp8_weights("rotate_weights_for_fi_trtllm_fp8_per_tensor_moe", gemm1_weights=gemm1_weights,
+                       gemm2_weights=gemm2_weights)
     plan = plan_rotate_fp8_per_tensor(gemm1_weights.shape[1], gemm1_weights.shape[2], gemm2_weights.shape[2],
                                       is_gated_activation)
     _apply_in_place([(plan.w13, gemm1_weights, "gemm1_weights"), (plan.w2, gemm2_weights, "gemm2_weights")],
@@ -524,9 +521,8 @@ def plan_fp8_moe_layer(spec: MoELayerSpec | Any, w13: torch.Tensor, w2: torch.Te
     """
     layer = spec if isinstance(spec, _LayerAccess) else _LayerAccess(spec)
     what = "prepare_fp8_moe_layer_for_fi"
+    _check_fp8_weights(what, w13=w13, w2=w2)
     _, intermediate, hidden = _check_w13_w2(w13, w2, layer.is_act_and_mul, what)
-    for name, t in (("w13", w13), ("w2", w2)):
-        _check_itemsize(t, 1, f"{what}: {name}", "FP8 E4M3")
     block_quant = layer.block_size is not None
     is_mxfp8 = block_quant and w13_scale.dtype == torch.uint8
     p = _projections(layer.is_act_and_mul)
