@@ -543,9 +543,13 @@ def plan_fp8_moe_layer(spec: MoELayerSpec | Any, w13: torch.Tensor, w2: torch.Te
         )
 
     if block_quant:
-        if w13_scale.ndim != 3:
+        if is_mxfp8:
+            s_rows = p * intermediate
+            s_cols = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, layer.is_act_and_mul, what)[0]
+        elif w13_scale.ndim != 3:
             raise LayoutError(f"{what}: block scales must be 3-D (E, rows/block, cols/block), got w13_scale {tuple(w13_scale.shape)}")
-        s_rows, s_cols = w13_scale.shape[1], w13_scale.shape[2]
+        else:
+            s_rows, s_cols = w13_scale.shape[1], w13_scale.shape[2]
         block_rows = layer.block_size[0]
         if layer.is_act_and_mul and not is_mxfp8 and intermediate % block_rows:
             raise LayoutError(

@@ -249,3 +249,18 @@ def test_failed_in_place_call_leaves_inputs_intact():
     with pytest.raises(LayoutError):
         prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(g1, g2, True)
     assert same_bytes(g1, b1)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_mxfp8_cutlass_path_swaps_weights_and_scales(flat):
+    """The reference clamps UE8M0 (uint8) scales with a float minimum and raises; ours swaps and keeps the bytes."""
+    w13 = random_bytes((2, 256, 256), FP8, seed=1)
+    w2 = random_bytes((2, 256, 128), FP8, seed=2)
+    s13 = random_bytes((2, 256, 8), torch.uint8, seed=3)
+    s2 = random_bytes((2, 256, 4), torch.uint8, seed=4)
+    args = (s13.reshape(2, -1), s2.reshape(2, -1)) if flat else (s13, s2)
+    o13, o2, os13, os2 = prepare.prepare_fp8_moe_layer_for_fi(vllm_layer(128, 256, block=[1, 32]), w13, w2,
+                                                              args[0], None, args[1], None, False)
+    assert same_bytes(o13, ref.swap(w13)) and same_bytes(o2, w2)
+    assert torch.equal(os13.reshape(2, 256, 8), ref.swap(s13)) and torch.equal(os2.reshape(2, 256, 4), s2)
+    assert (os13.ndim == 2) == flat
