@@ -6,7 +6,7 @@ Each sample is a real-format checkpoint of one naming convention (see
 with :mod:`fimoe_lab.formats`, plus the router (and for DeepSeek a dense layer and a
 shared expert) so that readers must pick the experts out. Interesting cases on purpose:
 
-- ``deepseek-v3-fp8``: expert 3 is dead (weights ~1e-21, block scales ~1e-23), the case
+- ``deepseek-v3-fp8``: expert 3 is dead (weights ~1e-20, block scales ~1e-23), the case
   that made the Hopper CUTLASS kernel emit NaN; intermediate 256 cannot shard at TP 4/8
   (128-row FP8 scale blocks).
 - ``mixtral-bf16``: intermediate 464 (= Nemotron's 1856 / 4): 16-aligned at TP 1, not at
@@ -38,7 +38,7 @@ from fimoe_lab.checkpoints import conventions  # noqa: E402
 from fimoe_lab.checkpoints.reader import MoELayer  # noqa: E402
 
 DEFAULT_OUT = ROOT / "data" / "checkpoints"
-DEAD_SCALE = 1e-21
+DEAD_SCALE = 5e-20
 
 _DEEPSEEK = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
@@ -94,7 +94,7 @@ def original_weights(sample: str, layer: int) -> dict[str, torch.Tensor]:
     """The float32 weights a sample was quantized from: ``gate``/``up`` ``(E, I, H)``, ``down`` ``(E, H, I)``.
 
     Gaussian, with a different spread per expert and projection (so a swapped gate/up or
-    a wrong expert order changes values), and the sample's dead expert scaled by 1e-21.
+    a wrong expert order changes values), and the sample's dead expert scaled by ``DEAD_SCALE``.
     """
     spec = SAMPLES[sample]
     e, i, h = spec["experts"], spec["intermediate"], spec["hidden"]
