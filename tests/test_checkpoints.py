@@ -86,17 +86,24 @@ def test_dead_expert_has_tiny_scales():
 
 
 # ---------------------------------------------------------------------------- tensor parallelism
-def slow_rank_slice(full, tp: int, rank: int):
+def rank_rows(sample: str, tp: int, rank: int) -> list[int]:
+    """Intermediate rows of a rank: equal shards, or whole 32-value blocks, ceil per rank, for gpt-oss."""
+    i = gen.SAMPLES[sample]["intermediate"]
+    if EXPECTED[sample][1] == "mxfp4":
+        per = -(-(i // 32) // tp) * 32
+        return list(range(rank * per, min((rank + 1) * per, i)))
+    return list(range(rank * i // tp, (rank + 1) * i // tp))
+
+
+def slow_rank_slice(sample: str, full, tp: int, rank: int):
     """Per-rank slice built row by row from the full (TP 1) layer, independently of the reader."""
     fmt, i = full.fmt, full.intermediate
-    il = i // tp
-    rows = list(range(rank * il, (rank + 1) * il))
+    rows = rank_rows(sample, tp, rank)
     v = 2 if fmt in ("nvfp4", "mxfp4") else 1
     w13 = torch.stack([torch.stack([full.w13[e, r] for r in rows] + [full.w13[e, i + r] for r in rows])
                        for e in range(full.num_experts)])
-    cols = list(range(rank * il // v, (rank + 1) * il // v))
-    w2 = full.w2[:, :, cols]
-    out = {"w13": w13, "w2": w2}
+    cols = sorted({r // v for r in rows})
+    out = {"w13": w13, "w2": full.w2[:, :, cols]}
     if fmt == "fp8-block":
         n = full.w13_scale.shape[1] // 2
         blocks = sorted({r // 128 for r in rows})
@@ -108,12 +115,18 @@ def slow_rank_slice(full, tp: int, rank: int):
         out["w2_scale"] = full.w2_scale[:, :, sorted({r // block for r in rows})]
     if "w13_bias" in full.extras:
         out["w13_bias"] = torch.cat([full.extras["w13_bias"][:, rows], full.extras["w13_bias"][:, [i + r for r in rows]]], 1)
+        out["w2_bias"] = full.extras["w2_bias"] if rank == 0 else torch.zeros_like(full.extras["w2_bias"])
     return out
 
 
-SHARDABLE = [(s, tp) for s in SAMPLES for tp in (2, 4, 8)
-             if gen.SAMPLES[s]["intermediate"] % tp == 0
-             and (gen.SAMPLES[s]["intermediate"] // tp) % {"fp8-block": 128, "nvfp4": 16, "mxfp4": 32}.get(EXPECTED[s][1], 1) == 0]
+def shardable(sample: str, tp: int) -> bool:
+    i, fmt = gen.SAMPLES[sample]["intermediate"], EXPECTED[sample][1]
+    if fmt == "mxfp4":
+        return len(rank_rows(sample, tp, tp - 1)) > 0
+    return i % tp == 0 and (i // tp) % {"fp8-block": 128, "nvfp4": 16}.get(fmt, 1) == 0
+
+
+SHARDABLE = [(s, tp) for s in SAMPLES for tp in (2, 4, 8) if shardable(s, tp)]
 
 
 @pytest.mark.parametrize("sample,tp", SHARDABLE)
@@ -123,13 +136,13 @@ def test_tp_slice_matches_slow_reference(sample, tp):
         full = ck.read_layer(layer)
         for rank in range(tp):
             got = ck.read_layer(layer, tp, rank)
-            want = slow_rank_slice(full, tp, rank)
-            assert got.intermediate == full.intermediate // tp
+            want = slow_rank_slice(sample, full, tp, rank)
+            assert got.intermediate == len(rank_rows(sample, tp, rank))
             for name, t in want.items():
                 mine = got.extras[name] if name in got.extras else getattr(got, name)
                 assert same_bytes(mine, t), (name, rank)
-            for name in ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_bias"):
-                if name in full.extras:  # per-tensor scalars and the down bias are not sharded
+            for name in ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale"):
+                if name in full.extras:  # per-tensor scalars are not sharded
                     assert same_bytes(got.extras[name], full.extras[name])
 
 
@@ -144,15 +157,16 @@ def test_tp_shards_tile_the_full_layer():
     assert torch.equal(torch.cat([p.w2 for p in parts], 2), full.w2)
 
 
-@pytest.mark.parametrize("sample,tp,words", [
-    ("mixtral-bf16", 3, ["tp=3 does not divide the intermediate size 464"]),
-    ("deepseek-v3-fp8", 4, ["intermediate 64 per rank", "128", "Fix: tp in [1, 2]"]),
-    ("deepseek-r1-nvfp4", 8, ["intermediate 40 per rank", "16-value NVFP4"]),
-    ("gpt-oss-mxfp4", 4, ["intermediate 80 per rank", "32-value MXFP4"]),
+@pytest.mark.parametrize("sample,tp,rank,words", [
+    ("mixtral-bf16", 3, 0, ["tp=3 does not divide the intermediate size 464"]),
+    ("deepseek-v3-fp8", 4, 0, ["intermediate 64 per rank", "128", "Fix: tp in [1, 2]"]),
+    ("deepseek-r1-nvfp4", 8, 0, ["intermediate 40 per rank", "16-value NVFP4"]),
+    ("gpt-oss-mxfp4", 8, 5, ["rank 5 gets no intermediate rows", "10 MXFP4 blocks"]),
+    ("qwen3-moe-bf16", 2, 2, ["rank 2 of 2 is not valid"]),
 ])
-def test_tp_misalignment_is_a_clear_error(sample, tp, words):
+def test_tp_misalignment_is_a_clear_error(sample, tp, rank, words):
     with open_checkpoint(sample_path(sample)) as ck, pytest.raises(CheckpointError) as info:
-        ck.read_layer(ck.moe_layers[0], tp, 0)
+        ck.read_layer(ck.moe_layers[0], tp, rank)
     for w in words:
         assert w in str(info.value)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -151,6 +150,20 @@ def test_reference_forward_identical_after_convert_and_restore(tmp_path, sample)
             for restored in back:
                 original = ck.read_layer(restored.layer)
                 assert torch.equal(layer_forward(original, x, ids, weights), layer_forward(restored, x, ids, weights))
+
+
+@pytest.mark.parametrize("sample,tp", [("deepseek-v3-fp8", 2), ("qwen3-moe-bf16", 8), ("mixtral-bf16", 4),
+                                       ("deepseek-r1-nvfp4", 4), ("gpt-oss-mxfp4", 4)])
+def test_tp_shards_sum_to_the_full_layer(sample, tp):
+    """Row-parallel MoE: the ranks' partial outputs add up to the unsharded layer's output."""
+    with open_checkpoint(sample_path(sample)) as ck:
+        layer = ck.moe_layers[0]
+        full = ck.read_layer(layer)
+        x = torch.randn(6, full.hidden, generator=torch.Generator().manual_seed(11))
+        ids, weights = random_routing(6, full.num_experts, 2, seed=12)
+        want = layer_forward(full, x, ids, weights)
+        got = sum(layer_forward(ck.read_layer(layer, tp, r), x, ids, weights) for r in range(tp))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_reference_forward_tracks_the_float_weights_and_sees_a_gate_up_swap():

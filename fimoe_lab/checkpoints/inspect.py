@@ -13,7 +13,7 @@ import torch
 
 from fimoe_lab import prepare
 from fimoe_lab.checkpoints.conventions import dtype_name
-from fimoe_lab.checkpoints.reader import SCALE_BLOCK, Checkpoint, CheckpointError, MoELayer
+from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.checkpoints.writer import build_plan, plan_args
 from fimoe_lab.formats.health import TINY_SCALE, decoded_scales
 
@@ -144,12 +144,13 @@ def inspect_checkpoint(path: str | os.PathLike, layers: Optional[Sequence[int]] 
             for tp in tps:
                 row: dict[str, str] = {}
                 try:
-                    shard = ck.read_layer(idx, tp, 0, load="none")
+                    sizes = [end - start for start, end in (ck.shard_bounds(tp, r) for r in range(tp))]
                 except CheckpointError as exc:
                     row["shard"] = f"cannot shard: {_short(exc)}"
                     rep.tp[tp] = row
                     continue
-                row["shard"] = f"I/tp = {shard.intermediate}"
+                row["shard"] = f"I/tp = {sizes[0]}" + (f" (last {sizes[-1]})" if sizes[-1] != sizes[0] else "")
+                shard = ck.read_layer(idx, tp, 0, load="none")
                 for backend in prepare.BACKENDS:
                     row[backend] = backend_needs(shard, backend)
                 rep.tp[tp] = row
@@ -167,12 +168,12 @@ def format_report(reports: Sequence[LayerReport]) -> str:
                        f"(FlashInfer wants [up; gate]: convert swaps)")
         for n, (dt, shape) in r.tensors.items():
             lines.append(f"  {n:<20} {dt:<8} {list(shape)}")
-        lines.append(f"  {'tp':>3}  {'shard':<16} {'trtllm':<58} cutlass")
+        lines.append(f"  {'tp':>3}  {'shard':<20} {'trtllm':<58} cutlass   (rank 0)")
         for tp, row in r.tp.items():
             if "trtllm" not in row:
                 lines.append(f"  {tp:>3}  {row['shard']}")
             else:
-                lines.append(f"  {tp:>3}  {row['shard']:<16} {row['trtllm']:<58} {row['cutlass']}")
+                lines.append(f"  {tp:>3}  {row['shard']:<20} {row['trtllm']:<58} {row['cutlass']}")
         lines.append("  scale health:")
         lines.extend(f"    - {h}" for h in r.health)
         lines.append("")

@@ -16,11 +16,13 @@ Stacked layout (what :class:`MoELayer` holds, the "checkpoint layout" of
   extras ``w13_weight_scale_2``/``w13_input_scale`` ``(E, 2)`` (gate, up) and
   ``w2_weight_scale_2``/``w2_input_scale`` ``(E,)``;
 - ``mxfp4``: ``w13_scale`` uint8 UE8M0 ``(E, 2I, H/32)``, ``w2_scale`` ``(E, H, I/32)``;
-  extras ``w13_bias`` bf16 ``(E, 2I)``, ``w2_bias`` ``(E, H)`` (not sharded: add it once).
+  extras ``w13_bias`` bf16 ``(E, 2I)``, ``w2_bias`` ``(E, H)`` (zeros on ranks > 0, as in vLLM,
+  so that the ranks' partial outputs sum to the full layer's).
 
-Tensor parallelism follows the serving engines: rank ``r`` of ``tp`` takes intermediate
-rows ``[r*I/tp, (r+1)*I/tp)`` of gate and of up and the same columns of down; a shard
-boundary that cuts a scale block is an error (vLLM refuses it too).
+Tensor parallelism follows the serving engines (see :meth:`Checkpoint.shard_bounds`): rank
+``r`` takes the same intermediate rows of gate and of up and the same columns of down;
+equal shards that must not cut a scale block, except gpt-oss, whose loader hands out whole
+32-value MXFP4 blocks (last ranks smaller).
 """
 
 from __future__ import annotations
@@ -299,6 +301,46 @@ class Checkpoint:
         s = self._handle(name).get_slice(name)
         return s[index] if index else s[:]
 
+    def shard_bounds(self, tp_size: int, tp_rank: int) -> tuple[int, int]:
+        """Intermediate rows ``[start, end)`` of rank ``tp_rank`` of ``tp_size``, as serving engines shard.
+
+        Per-expert conventions (vLLM's FusedMoE loader): ``I % tp == 0``, equal shards, and a
+        shard must not cut a scale block (vLLM refuses that for FP8 block scales). gpt-oss
+        (vLLM's MXFP4 loader): whole 32-value blocks, ``ceil(blocks / tp)`` per rank, the
+        last ranks smaller, so any tp works until a rank would get nothing.
+        """
+        conv, fmt, full_i = self.convention, self.fmt, self.intermediate
+        if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
+            raise CheckpointError(f"tensor-parallel rank {tp_rank} of {tp_size} is not valid (need 0 <= rank < tp)")
+        block = SCALE_BLOCK[fmt]
+        if conv.fused:
+            per_rank = -(-(full_i // block) // tp_size) * block
+            r0, r1 = tp_rank * per_rank, min((tp_rank + 1) * per_rank, full_i)
+            if r1 <= r0:
+                raise CheckpointError(
+                    f"tp={tp_size}: rank {tp_rank} gets no intermediate rows ({full_i} values = {full_i // block} MXFP4 "
+                    f"blocks, {per_rank // block} per rank, so ranks from {-(-full_i // per_rank)} on are empty). Fix: "
+                    f"tp <= {full_i // block}"
+                )
+            return r0, r1
+        if full_i % tp_size:
+            raise CheckpointError(
+                f"tp={tp_size} does not divide the intermediate size {full_i} (config.json "
+                f"{'/'.join(conv.intermediate_keys)}): rank shards would differ in size. Fix: pick tp from "
+                f"{[t for t in range(1, 9) if full_i % t == 0]}"
+            )
+        il = full_i // tp_size
+        if tp_size > 1 and il % block:
+            what = {"fp8-block": "128x128 FP8 block scale", "nvfp4": "16-value NVFP4 block scale"}[fmt]
+            raise CheckpointError(
+                f"tp={tp_size} gives intermediate {il} per rank, not a multiple of the {block} values of one {what}, so "
+                f"rank {tp_rank}'s slice [{tp_rank * il}, {(tp_rank + 1) * il}) of the down projection's scales would cut "
+                f"a block (vLLM refuses this too). Fix: tp in "
+                f"{[t for t in range(1, 9) if full_i % t == 0 and (full_i // t) % block == 0]}, or pad the intermediate "
+                f"size before sharding"
+            )
+        return tp_rank * il, (tp_rank + 1) * il
+
     def read_layer(self, layer: int, tp_size: int = 1, tp_rank: int = 0, load: str = "all",
                    progress: bool = False) -> MoELayer:
         """Stack layer ``layer``'s experts for rank ``tp_rank`` of ``tp_size``.
@@ -311,29 +353,10 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: layer {layer} has no routed experts; MoE layers: {self.moe_layers}")
         if load not in ("all", "scales", "none"):
             raise ValueError(f"load must be 'all', 'scales' or 'none', got {load!r}")
-        conv, fmt, full_i = self.convention, self.fmt, self.intermediate
-        if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
-            raise CheckpointError(f"tensor-parallel rank {tp_rank} of {tp_size} is not valid (need 0 <= rank < tp)")
-        if full_i % tp_size:
-            raise CheckpointError(
-                f"tp={tp_size} does not divide the intermediate size {full_i} (config.json "
-                f"{'/'.join(conv.intermediate_keys)}): rank shards would differ in size. Fix: pick tp from "
-                f"{[t for t in range(1, 9) if full_i % t == 0]}"
-            )
-        il = full_i // tp_size
-        block = SCALE_BLOCK[fmt]
-        if tp_size > 1 and il % block:
-            what = {"fp8-block": "128x128 FP8 block scale", "nvfp4": "16-value NVFP4 block scale",
-                    "mxfp4": "32-value MXFP4 block scale"}[fmt]
-            raise CheckpointError(
-                f"layer {layer}: tp={tp_size} gives intermediate {il} per rank, not a multiple of the {block} values "
-                f"of one {what}, so rank {tp_rank}'s slice [{tp_rank * il}, {(tp_rank + 1) * il}) of the down "
-                f"projection's scales would cut a block (serving engines refuse this too). Fix: tp in "
-                f"{[t for t in range(1, 9) if full_i % t == 0 and (full_i // t) % block == 0]}, or pad the "
-                f"intermediate size before sharding"
-            )
+        conv = self.convention
+        r0, r1 = self.shard_bounds(tp_size, tp_rank)
         reader = _FusedReader if conv.fused else _PerExpertReader
-        moe = reader(self, layer, tp_size, tp_rank, il, load, progress).run()
+        moe = reader(self, layer, tp_size, tp_rank, r0, r1, load, progress).run()
         if conv.activation == "swiglu_oai":
             cfg = self.config
             moe.activation_params = {"alpha": float(cfg.get("swiglu_alpha", 1.702)), "limit": float(cfg.get("swiglu_limit", 7.0))}
@@ -343,14 +366,15 @@ class Checkpoint:
 class _LayerReader:
     """Shared state of one read: sizes, slices and the output buffers."""
 
-    def __init__(self, ckpt: Checkpoint, layer: int, tp_size: int, tp_rank: int, il: int, load: str, progress: bool):
-        self.ck, self.layer, self.tp_size, self.tp_rank, self.il = ckpt, layer, tp_size, tp_rank, il
+    def __init__(self, ckpt: Checkpoint, layer: int, tp_size: int, tp_rank: int, r0: int, r1: int, load: str,
+                 progress: bool):
+        self.ck, self.layer, self.tp_size, self.tp_rank = ckpt, layer, tp_size, tp_rank
+        self.r0, self.r1, self.il = r0, r1, r1 - r0
         self.load, self.progress = load, progress
         self.conv, self.fmt = ckpt.convention, ckpt.fmt
         self.prefix = ckpt._layers[layer]
         self.E, self.H, self.I = ckpt.num_experts, ckpt.hidden, ckpt.intermediate
         self.v = VALUES_PER_BYTE[self.fmt]
-        self.r0, self.r1 = tp_rank * il, (tp_rank + 1) * il
         for size, name in ((self.H, "hidden"), (self.I, "intermediate")):
             if self.v == 2 and size % SCALE_BLOCK[self.fmt]:
                 raise CheckpointError(
@@ -461,6 +485,8 @@ class _FusedReader(_LayerReader):
             if name.startswith("gate_up"):  # rows g0, u0, g1, u1, ... -> [gate; up]
                 t = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
             got[name] = t.contiguous()
+        if has_bias and self.tp_rank > 0 and self.wants(True):  # vLLM: only rank 0 adds the down bias
+            got["down_proj_bias"] = torch.zeros_like(got["down_proj_bias"])
         extras = {"w13_bias": got["gate_up_proj_bias"], "w2_bias": got["down_proj_bias"]} if has_bias else {}
         return self.finish(got["gate_up_proj_blocks"], got["down_proj_blocks"], got["gate_up_proj_scales"],
                            got["down_proj_scales"], extras)

@@ -48,18 +48,24 @@ def plan_mxfp4_layer(backend: str, intermediate: int, hidden: int, is_act_and_mu
                      hidden_alignment: Optional[int] = None) -> LayerPlan:
     """fimoe_lab's plan for MXFP4 (gpt-oss) experts; ``prepare.plan_layer`` has no ``mxfp4`` yet.
 
-    Packed E2M1 ``w13 (E, 2I, H/2)``, UE8M0 scales ``(E, 2I, H/32)``; ``w2 (E, H, I/2)``,
-    ``(E, H, I/32)``. Pad I (default 128 TRT-LLM, 32 CUTLASS; gate and up separately) and
-    H (256 TRT-LLM), padded scales 127; W31 swap; TRT-LLM adds the gated interleave, the
-    epilogue-tile-128 row shuffle and, for scales, the 128x4 swizzle (the NVFP4 chain with
-    32-value scales). Not yet checked against FlashInfer's MXFP4 path: treat as provisional.
+    Packed E2M1 ``w13 (E, 2I, H/2)`` rows ``[gate; up]``, UE8M0 scales ``(E, 2I, H/32)``;
+    ``w2 (E, H, I/2)``, ``(E, H, I/32)``. Pads I and H (gate and up separately; padded
+    scales 127), default 256 and 256 for TRT-LLM (what vLLM/SGLang allocate for FlashInfer
+    MXFP4 on SM100), 32 for CUTLASS; W31 swap. TRT-LLM adds the gated interleave, the
+    epilogue-tile-128 row shuffle and, for scales, the 128x4 swizzle. On our de-interleaved
+    rows, swap + interleave equals vLLM's ``swap_every_two_rows`` on gpt-oss's interleaved
+    checkpoint rows, followed by the same shuffle (``get_w2_permute_indices_with_cache``,
+    tile 128) and ``block_scale_interleave``: the TRT-LLM byte layout matches vLLM's
+    (reading of its source, not yet run against FlashInfer). The CUTLASS chain (swap only,
+    linear scales) is a placeholder: FlashInfer's SM90 MXFP4 path re-lays its scales out.
+    Biases are not part of the plan (vLLM permutes them with the weights' rows).
     """
     if backend not in prepare.BACKENDS:
         raise CheckpointError(f"unknown backend {backend!r}; choose one of {', '.join(prepare.BACKENDS)}")
     trt = backend == "trtllm"
     p = 2 if is_act_and_mul else 1
     pad = prepare.plan_align_moe_weights(
-        intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or (128 if trt else 32),
+        intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or (256 if trt else 32),
         hidden_alignment or (256 if trt else 32), scale_block=32, scale_fill=MXFP4_SCALE_PAD,
         w13_scale_cols=hidden // 32, w2_scale_cols=intermediate // 32, values_per_byte=2, description="align MXFP4")
     ip, hp = pad.padded_intermediate, pad.padded_hidden
