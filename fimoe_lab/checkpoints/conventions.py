@@ -6,30 +6,38 @@ of them into the same stacked layout (``w13`` ``(E, 2I, H)`` rows ``[gate; up]``
 ``(E, H, I)``, scales alongside); :meth:`Convention.to_tensors` goes back (the sample
 generator and ``restore`` use it).
 
-Sources the names, dtypes and shapes were checked against (facts only):
+Sources (checked with the search tool; the Hugging Face files themselves are not in its
+corpus, so most facts come from quotes of them in public repositories and pages; facts only):
 
-- ``deepseek-fp8``: deepseek-ai/DeepSeek-V3 ``README_WEIGHTS.md`` (FP8 e4m3, 128x128 blocks,
-  float32 ``weight_scale_inv``; ``quantization_config`` ``{"quant_method": "fp8",
-  "weight_block_size": [128, 128]}``) and its index names
-  ``model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight[_scale_inv]``;
-  moonshotai/Kimi-K2-Instruct ``config.json`` (``model_type`` kimi_k2, DeepSeek-V3
-  architecture: same names, ``n_routed_experts`` 384, ``moe_intermediate_size`` 2048).
-- ``qwen3-moe-bf16``: Qwen/Qwen3-30B-A3B ``config.json`` (``qwen3_moe``, ``num_experts`` 128,
-  ``moe_intermediate_size`` 768, ``hidden_size`` 2048) with per-expert
-  ``model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight`` in BF16.
-- ``mixtral-bf16``: mistralai/Mixtral-8x7B-v0.1 index
-  ``model.layers.{L}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (w1 = gate, w3 = up,
-  w2 = down), ``config.json`` ``intermediate_size`` 14336, ``num_local_experts`` 8.
-- ``modelopt-nvfp4``: nvidia/DeepSeek-R1-FP4 (ModelOpt export) tensor listing:
-  ``.weight`` U8 ``[out, in/2]``, ``.weight_scale`` F8_E4M3 ``[out, in/16]``,
-  ``.weight_scale_2`` F32 ``[]``, ``.input_scale`` F32 ``[]`` per projection;
-  ``hf_quant_config.json`` ``{"quant_algo": "NVFP4", "group_size": 16}``.
-- ``gpt-oss-mxfp4``: openai/gpt-oss-20b ``model.safetensors.index.json``
-  (``model.layers.{L}.mlp.experts.{gate_up_proj,down_proj}_{blocks,scales,bias}``), shapes
-  ``gate_up_proj_blocks`` U8 ``[32, 5760, 90, 16]``, ``gate_up_proj_scales`` U8
-  ``[32, 5760, 90]``; ``config.json`` ``intermediate_size`` 2880, ``num_local_experts`` 32,
-  ``experts_per_token`` 4, ``swiglu_limit`` 7.0; gate/up rows interleaved (HF
-  ``GptOssExperts``: ``gate = gate_up[..., ::2]``, ``up = gate_up[..., 1::2]``).
+- ``deepseek-fp8``: deepseek-ai/DeepSeek-V3 ``README_WEIGHTS.md`` (FP8 e4m3 with 128x128
+  blocks, a float32 ``weight_scale_inv`` per weight, ``quantization_config``
+  ``{"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+  "weight_block_size": [128, 128]}``); expert names
+  ``model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight[_scale_inv]`` as quoted by
+  loaders and checkpoint tools; DeepSeek-R1 ``config.json`` (``first_k_dense_replace`` 3,
+  ``moe_intermediate_size`` 2048, ``n_routed_experts`` 256). Kimi-K2 uses the same
+  architecture and names: ``config.json`` quotes with ``model_type`` kimi_k2,
+  ``n_routed_experts`` 384, ``moe_intermediate_size`` 2048, ``first_k_dense_replace`` 1.
+- ``qwen3-moe-bf16``: Qwen/Qwen3-30B-A3B ``config.json`` quotes (``qwen3_moe``,
+  ``num_experts`` 128, ``num_experts_per_tok`` 8, ``moe_intermediate_size`` 768,
+  ``hidden_size`` 2048, ``decoder_sparse_step`` 1, ``mlp_only_layers`` []); per-expert
+  ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` in BF16.
+- ``mixtral-bf16``: ``model.layers.{L}.block_sparse_moe.experts.{e}.{w1,w2,w3}.weight``
+  (index quotes; w1 = gate, w3 = up, w2 = down as in HF/MLX name maps), ``config.json``
+  ``intermediate_size``, ``num_local_experts``, ``num_experts_per_tok``.
+- ``modelopt-nvfp4``: nvidia/DeepSeek-R1-0528-FP4 tensor listing (``.weight`` U8
+  ``[out, in/2]``, ``.weight_scale`` F8_E4M3 ``[out, in/16]``, ``.weight_scale_2`` F32
+  ``[]``, ``.input_scale`` F32 ``[]``), the same four per expert in ModelOpt MoE exports
+  (``...mlp.experts.{e}.gate_proj.weight_scale_2``); ``hf_quant_config.json``
+  ``{"quantization": {"quant_algo": "NVFP4", "group_size": 16}}``.
+- ``gpt-oss-mxfp4``: openai/gpt-oss ``model.safetensors.index.json`` quotes
+  (``model.layers.{L}.mlp.experts.{gate_up_proj,down_proj}_{blocks,scales,bias}``,
+  ``mlp.router.{weight,bias}``); gpt-oss-20b shapes ``gate_up_proj_blocks`` U8
+  ``[32, 5760, 90, 16]``, ``gate_up_proj_scales`` U8 ``[32, 5760, 90]``; ``config.json``
+  (``intermediate_size`` 2880, ``num_local_experts`` 32, ``experts_per_token`` 4,
+  ``swiglu_limit`` 7.0); gate/up rows interleaved (HF ``GptOssExperts``:
+  ``gate = gate_up[..., ::2]``, ``up = gate_up[..., 1::2]``, ``(up + 1) * gate *
+  sigmoid(1.702 * gate)``); TP sharding by whole 32-value blocks (vLLM's gpt-oss loader).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 from fimoe_lab import prepare
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
-from fimoe_lab.checkpoints.writer import build_plan, plan_args
+from fimoe_lab.checkpoints.writer import build_plan, plan_args, suggest_alignment
 from fimoe_lab.formats.health import TINY_SCALE, decoded_scales
 
 __all__ = ["LayerReport", "inspect_checkpoint", "format_report", "backend_needs", "scale_health", "TACTIC_ALIGNMENT"]
@@ -25,7 +25,6 @@ measured with FlashInfer 0.6.13's kernel set): fewer or zero tactics below it.""
 CUTLASS_ALIGNMENT = 16
 """Intermediate multiple FlashInfer's gated MoE kernels need (vLLM pads with align_moe_weights_for_fi);
 ``plan_layer`` does not pad BF16 for CUTLASS, so inspect flags it."""
-_TRY_ALIGNMENTS = (16, 32, 64, 128, 256)
 
 
 @dataclass
@@ -76,12 +75,10 @@ def backend_needs(layer: MoELayer, backend: str) -> str:
     try:
         return _describe(layer, backend)
     except ValueError as exc:
-        for a in _TRY_ALIGNMENTS:
-            try:
-                return f"default fails ({_short(exc)}); --intermediate-alignment {a}: {_describe(layer, backend, a)}"
-            except ValueError:
-                continue
-        return f"cannot lay out: {_short(exc)}"
+        a = suggest_alignment(layer, backend)
+        if a is None:
+            return f"cannot lay out: {_short(exc)}"
+        return f"default fails ({_short(exc)}); --intermediate-alignment {a}: {_describe(layer, backend, a)}"
 
 
 def scale_health(layer: MoELayer) -> list[str]:

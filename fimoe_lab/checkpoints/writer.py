@@ -30,7 +30,7 @@ from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.plan import LayerPlan
 
-__all__ = ["FORMAT_VERSION", "KERNEL_NAMES", "plan_mxfp4_layer", "plan_args", "build_plan", "convert_layer",
+__all__ = ["FORMAT_VERSION", "KERNEL_NAMES", "plan_mxfp4_layer", "plan_args", "build_plan", "suggest_alignment", "convert_layer",
            "write_kernel_layout", "convert_checkpoint", "read_kernel_metadata", "restore_layers", "restore_checkpoint",
            "atomic_output"]
 
@@ -119,6 +119,20 @@ def build_plan(spec: dict) -> LayerPlan:
         return prepare.plan_layer(**args)
     args.pop("fmt")
     return plan_mxfp4_layer(**args)
+
+
+TRY_ALIGNMENTS = (16, 32, 64, 128, 256)
+
+
+def suggest_alignment(layer: MoELayer, backend: str) -> Optional[int]:
+    """The smallest intermediate alignment in :data:`TRY_ALIGNMENTS` whose plan builds for this layer, or None."""
+    for a in TRY_ALIGNMENTS:
+        try:
+            build_plan(plan_args(layer, backend, a))
+            return a
+        except ValueError:
+            continue
+    return None
 
 
 def convert_layer(layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None,
@@ -245,8 +259,10 @@ def write_kernel_layout(out: str | os.PathLike, sources: Sequence[LayerSource], 
         try:
             kernel, record = _kernel_specs(shape_layer, backend, intermediate_alignment, hidden_alignment)
         except ValueError as exc:
+            a = suggest_alignment(shape_layer, backend) if intermediate_alignment is None else None
+            fix = f" Fix: intermediate alignment {a} works (CLI: --intermediate-alignment {a})" if a else ""
             raise CheckpointError(f"layer {idx} ({shape_layer.fmt}, intermediate {shape_layer.intermediate}, hidden "
-                                  f"{shape_layer.hidden}) cannot be laid out for {backend}: {exc}") from exc
+                                  f"{shape_layer.hidden}) cannot be laid out for {backend}: {exc}.{fix}") from exc
         for n, spec in kernel.items():
             specs[_out_name(prefix, block, idx, n)] = spec
         for n, t in shape_layer.extras.items():
@@ -359,7 +375,7 @@ def restore_layers(path: str | os.PathLike) -> tuple[dict, list[MoELayer]]:
     return meta, layers
 
 
-def restore_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = False) -> Path:
+def restore_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Write a kernel-layout file back as a checkpoint directory in its original naming convention.
 
     The result (``config.json``, index, one shard) holds the MoE expert tensors of the
