@@ -38,7 +38,7 @@ FORMAT_VERSION = 1
 KERNEL_NAMES = {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale"}
 """Tensor names in a kernel-layout file (vLLM's FusedMoE parameter names)."""
 
-MXFP4_SCALE_PAD = 127  # UE8M0 1.0, as for padded MXFP8 scales
+MXFP4_SCALE_PAD = 0  # vLLM allocates MXFP4 scales with torch.zeros; padded weights are 0 either way
 _BUILDERS = {"fimoe_lab.prepare.plan_layer": "core", "fimoe_lab.checkpoints.writer.plan_mxfp4_layer": "mxfp4"}
 
 
@@ -49,15 +49,15 @@ def plan_mxfp4_layer(backend: str, intermediate: int, hidden: int, is_act_and_mu
     """fimoe_lab's plan for MXFP4 (gpt-oss) experts; ``prepare.plan_layer`` has no ``mxfp4`` yet.
 
     Packed E2M1 ``w13 (E, 2I, H/2)`` rows ``[gate; up]``, UE8M0 scales ``(E, 2I, H/32)``;
-    ``w2 (E, H, I/2)``, ``(E, H, I/32)``. Pads I and H (gate and up separately; padded
-    scales 127), default 256 and 256 for TRT-LLM (what vLLM/SGLang allocate for FlashInfer
-    MXFP4 on SM100), 32 for CUTLASS; W31 swap. TRT-LLM adds the gated interleave, the
-    epilogue-tile-128 row shuffle and, for scales, the 128x4 swizzle. On our de-interleaved
-    rows, swap + interleave equals vLLM's ``swap_every_two_rows`` on gpt-oss's interleaved
-    checkpoint rows, followed by the same shuffle (``get_w2_permute_indices_with_cache``,
-    tile 128) and ``block_scale_interleave``: the TRT-LLM byte layout matches vLLM's
-    (reading of its source, not yet run against FlashInfer). The CUTLASS chain (swap only,
-    linear scales) is a placeholder: FlashInfer's SM90 MXFP4 path re-lays its scales out.
+    ``w2 (E, H, I/2)``, ``(E, H, I/32)``. Pads I and H (gate and up separately, padded
+    scales 0 as vLLM allocates them), by default to multiples of 256 for TRT-LLM (what
+    vLLM/SGLang allocate for FlashInfer MXFP4 on SM100) and 32 for CUTLASS; W31 swap.
+    TRT-LLM adds the gated interleave, the epilogue-tile-128 row shuffle and, for scales,
+    the 128x4 swizzle. On our de-interleaved rows, swap + interleave equals vLLM's
+    ``swap_every_two_rows`` on gpt-oss's interleaved rows; the result matches vLLM's recipe
+    run with FlashInfer's CPU index functions byte for byte
+    (``tests/test_checkpoints_flashinfer.py``). The CUTLASS chain (swap only, linear
+    scales) is a placeholder: FlashInfer's SM90 MXFP4 path lays its scales out differently.
     Biases are not part of the plan (vLLM permutes them with the weights' rows).
     """
     if backend not in prepare.BACKENDS:
