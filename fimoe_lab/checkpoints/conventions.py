@@ -157,7 +157,7 @@ class Convention:
 CONVENTIONS: tuple[Convention, ...] = (
     Convention("deepseek-fp8", "DeepSeek-V3/R1, Kimi-K2 (FP8 block-128)", "fp8-block", "mlp",
                ("gate_proj", "up_proj", "down_proj"), torch.float8_e4m3fn, "weight_scale_inv", torch.float32,
-               ("moe_intermediate_size",), ("n_routed_experts",), ("num_experts_per_tok",),
+               ("moe_intermediate_size",), ("n_routed_experts", "num_experts"), ("num_experts_per_tok",),
                "[gate_proj; up_proj]", router=("gate.weight", "gate.e_score_correction_bias")),
     Convention("modelopt-nvfp4", "ModelOpt NVFP4 exports (nvidia/DeepSeek-R1-FP4, ...)", "nvfp4", "mlp",
                ("gate_proj", "up_proj", "down_proj"), torch.uint8, "weight_scale", torch.float8_e4m3fn,
