@@ -383,8 +383,7 @@ class _LayerReader:
                 )
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, is_scale: bool) -> torch.Tensor:
-        real = self.load == "all" or (self.load == "scales" and is_scale)
-        return torch.empty(shape, dtype=dtype, device="cpu" if real else "meta")
+        return torch.empty(shape, dtype=dtype, device="cpu" if self.wants(is_scale) else "meta")
 
     def wants(self, is_scale: bool) -> bool:
         return self.load == "all" or (self.load == "scales" and is_scale)
