@@ -46,7 +46,7 @@ __all__ = [
     "plan_rotate_fp8_per_tensor",
     "plan_shuffle_deepseek_fp8",
     "plan_shuffle_mxfp8",
-    "plan_nvfp4_trtllm_weights",
+    "plan_fp4_trtllm_weights",
     "plan_layer",
     "FORMATS",
     "BACKENDS",
@@ -236,12 +236,13 @@ def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul
 
 @lru_cache(maxsize=256)
 def plan_align_fp4_moe_weights(intermediate: int, hidden: int, is_act_and_mul: bool,
-                               min_alignment: int = 16) -> LayerPlan:
-    """Plan of :func:`align_fp4_moe_weights_for_fi` (packed FP4, FP8 scale per 16 values)."""
+                               min_alignment: int = 16, hidden_alignment: int = 1, scale_block: int = 16) -> LayerPlan:
+    """Plan of :func:`align_fp4_moe_weights_for_fi`: packed FP4 (two values per byte) and one
+    scale byte per ``scale_block`` values (16: NVFP4 E4M3, 32: MXFP4 UE8M0), padding 0."""
     return plan_align_moe_weights(
-        intermediate, hidden, 1, is_act_and_mul, min_alignment, scale_block=16, scale_fill=0,
-        w13_scale_cols=hidden // 16, w2_scale_cols=intermediate // 16, values_per_byte=2,
-        description="align_fp4_moe_weights_for_fi",
+        intermediate, hidden, 1, is_act_and_mul, min_alignment, hidden_alignment, scale_block=scale_block,
+        scale_fill=0, w13_scale_cols=hidden // scale_block, w2_scale_cols=intermediate // scale_block,
+        values_per_byte=2, description="align_fp4_moe_weights_for_fi",
     )
 
 
@@ -399,20 +400,22 @@ _shuffle_mxfp8_moe_weights = shuffle_mxfp8_moe_weights
 
 
 @lru_cache(maxsize=256)
-def plan_nvfp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bool = True,
-                              is_gated: bool = True) -> LayerPlan:
-    """Packed NVFP4 weights and E4M3 per-16 scales into the TRT-LLM layout.
+def plan_fp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bool = True,
+                            is_gated: bool = True, scale_block: int = 16) -> LayerPlan:
+    """Packed FP4 weights and their block scales into the TRT-LLM layout.
 
-    W13 ``(P*I, H/2)`` bytes: W31 swap (if fused), gated interleave (if gated),
-    epilogue shuffle (tile 128); its scales ``(P*I, H/16)`` the same rows, then the
-    128x4 swizzle. W2 ``(H, I/2)``: shuffle; its scales ``(H, I/16)``: shuffle + swizzle.
+    ``scale_block`` 16: NVFP4 (E4M3 scales), 32: MXFP4 (UE8M0, gpt-oss). W13
+    ``(P*I, H/2)`` bytes: W31 swap (if fused), gated interleave (if gated), epilogue
+    shuffle (tile 128); its scales ``(P*I, H/block)`` the same rows, then the 128x4
+    swizzle. W2 ``(H, I/2)``: shuffle; its scales ``(H, I/block)``: shuffle + swizzle.
     Needs rows % 128 == 0 for the scale shuffle (FlashInfer's shuffle_matrix_sf_a).
     """
     p = _projections(is_act_and_mul)
     etm = TRTLLM_EPILOGUE_TILE_M
     for size, name in ((intermediate, "intermediate"), (hidden, "hidden")):
-        if size % 16:
-            raise LayoutError(f"NVFP4: {name} {size} is not a multiple of 16 (one E4M3 scale per 16 values); pad it first")
+        if size % scale_block:
+            raise LayoutError(f"FP4: {name} {size} is not a multiple of {scale_block} (one scale per {scale_block} "
+                              f"values); pad it first")
 
     def rows_chain(rows: int, cols: int, fused: bool) -> IndexMap:
         swap = steps.swap_w13_to_w31_rows(rows, cols) if fused and is_act_and_mul else None
@@ -421,13 +424,15 @@ def plan_nvfp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bo
 
     def scales(rows: int, cols: int, fused: bool) -> IndexMap:
         if rows % 128:
-            raise LayoutError(f"NVFP4 scales have {rows} rows, not a multiple of 128 (scale shuffle); pad first")
+            raise LayoutError(
+                f"FP4 scales have {rows} rows, not a multiple of 128 (the TRT-LLM scale shuffle); pad the "
+                f"intermediate size to a multiple of {128 // p} first (intermediate_alignment={128 // p})")
         return rows_chain(rows, cols, fused) >> steps.swizzle_scales_128x4(rows, cols)
 
     return LayerPlan(
         rows_chain(p * intermediate, hidden // 2, True), rows_chain(hidden, intermediate // 2, False),
-        scales(p * intermediate, hidden // 16, True), scales(hidden, intermediate // 16, False),
-        intermediate, hidden, intermediate, hidden, "NVFP4 TRT-LLM",
+        scales(p * intermediate, hidden // scale_block, True), scales(hidden, intermediate // scale_block, False),
+        intermediate, hidden, intermediate, hidden, f"{'NVFP4' if scale_block == 16 else 'MXFP4'} TRT-LLM",
     )
 
 
@@ -606,7 +611,7 @@ def prepare_fp8_moe_layer_for_fi(layer: Any, w13: torch.Tensor, w2: torch.Tensor
 
 
 # --------------------------------------------------------------------------- by format
-FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4")
+FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
 BACKENDS = ("trtllm", "cutlass")
 
 
@@ -616,10 +621,12 @@ def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_an
                hidden_alignment: Optional[int] = None) -> LayerPlan:
     """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
 
-    Default alignments are the reference's fixed rules (FP8 per-tensor: intermediate
-    16 gated / 128 non-gated; MXFP8 TRT-LLM: 128 and hidden 256; NVFP4: 16; BF16
-    TRT-LLM: 64 so that K blocks are whole, 128 B). Pass other alignments to try
-    what the tuner recommends.
+    Default alignments are the reference's fixed rules where it has them (FP8
+    per-tensor: intermediate 16 gated / 128 non-gated; MXFP8 TRT-LLM: 128 and hidden
+    256; NVFP4 CUTLASS: 16), else the least the layout itself needs (NVFP4 TRT-LLM:
+    64 gated / 128 non-gated, so the 128-row scale shuffle fits; BF16 TRT-LLM: 64,
+    whole 128-byte K blocks) or what vLLM allocates (MXFP4: 256 TRT-LLM, 32 CUTLASS,
+    both dims). Pass other alignments to try what the tuner recommends.
     """
     if fmt not in FORMATS:
         raise LayoutError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -668,13 +675,20 @@ def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_an
         return LayerPlan(_chain(pad.w13, w13), _chain(pad.w2, w2), None, None, intermediate, hidden, ip, hp,
                          f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}")
 
-    pad = plan_align_fp4_moe_weights(intermediate, hidden, is_act_and_mul, intermediate_alignment or 16)
-    ip = pad.padded_intermediate
+    block = 16 if fmt == "nvfp4" else 32
+    if fmt == "nvfp4":
+        default_i, default_h = (128 // p if trt else 16), 1
+    else:
+        default_i = default_h = 256 if trt else 32
+    pad = plan_align_fp4_moe_weights(intermediate, hidden, is_act_and_mul, intermediate_alignment or default_i,
+                                     hidden_alignment or default_h, block)
+    ip, hp = pad.padded_intermediate, pad.padded_hidden
+    name = f"{fmt.upper()} {'TRT-LLM' if trt else 'CUTLASS'}"
     if not trt:
-        swap = steps.swap_w13_to_w31_rows(p * ip, hidden // 2) if is_act_and_mul else None
-        swap_s = steps.swap_w13_to_w31_rows(p * ip, hidden // 16) if is_act_and_mul else None
+        swap = steps.swap_w13_to_w31_rows(p * ip, hp // 2) if is_act_and_mul else None
+        swap_s = steps.swap_w13_to_w31_rows(p * ip, hp // block) if is_act_and_mul else None
         return LayerPlan(_chain(pad.w13, swap), pad.w2, _chain(pad.w13_scale, swap_s), pad.w2_scale,
-                         intermediate, hidden, ip, hidden, "NVFP4 CUTLASS")
-    inner = plan_nvfp4_trtllm_weights(ip, hidden, is_act_and_mul, is_gated)
+                         intermediate, hidden, ip, hp, name)
+    inner = plan_fp4_trtllm_weights(ip, hp, is_act_and_mul, is_gated, block)
     return LayerPlan(_chain(pad.w13, inner.w13), _chain(pad.w2, inner.w2), _chain(pad.w13_scale, inner.w13_scale),
-                     _chain(pad.w2_scale, inner.w2_scale), intermediate, hidden, ip, hidden, "NVFP4 TRT-LLM")
+                     _chain(pad.w2_scale, inner.w2_scale), intermediate, hidden, ip, hp, name)

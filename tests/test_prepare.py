@@ -92,7 +92,7 @@ def test_nvfp4_plan_matches_loop():
     s13 = random_bytes((2, 2 * i, h // 16), FP8, seed=13)
     s2 = random_bytes((2, h, i // 16), FP8, seed=14)
     expected = ref.nvfp4_trtllm(w13, w2, s13, s2, True)
-    got = prepare.plan_nvfp4_trtllm_weights(i, h).apply(w13, w2, s13, s2)
+    got = prepare.plan_fp4_trtllm_weights(i, h).apply(w13, w2, s13, s2)
     assert all(same_bytes(a, b) for a, b in zip(got, expected))
 
 

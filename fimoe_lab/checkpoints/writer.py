@@ -30,7 +30,7 @@ from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.plan import LayerPlan
 
-__all__ = ["FORMAT_VERSION", "KERNEL_NAMES", "plan_mxfp4_layer", "plan_args", "build_plan", "suggest_alignment", "convert_layer",
+__all__ = ["FORMAT_VERSION", "KERNEL_NAMES", "plan_args", "build_plan", "suggest_alignment", "convert_layer",
            "write_kernel_layout", "convert_checkpoint", "read_kernel_metadata", "restore_layers", "restore_checkpoint",
            "atomic_output"]
 
@@ -38,73 +38,16 @@ FORMAT_VERSION = 1
 KERNEL_NAMES = {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale"}
 """Tensor names in a kernel-layout file (vLLM's FusedMoE parameter names)."""
 
-MXFP4_SCALE_PAD = 0  # vLLM allocates MXFP4 scales with torch.zeros; padded weights are 0 either way
-_BUILDERS = {"fimoe_lab.prepare.plan_layer": "core", "fimoe_lab.checkpoints.writer.plan_mxfp4_layer": "mxfp4"}
+PLAN_BUILDER = "fimoe_lab.prepare.plan_layer"  # recorded in the metadata; the plan is rebuilt from its arguments
 
 
 # ============================================================================ plans
-def plan_mxfp4_layer(backend: str, intermediate: int, hidden: int, is_act_and_mul: bool = True,
-                     is_gated: bool = True, intermediate_alignment: Optional[int] = None,
-                     hidden_alignment: Optional[int] = None) -> LayerPlan:
-    """fimoe_lab's plan for MXFP4 (gpt-oss) experts; ``prepare.plan_layer`` has no ``mxfp4`` yet.
-
-    Packed E2M1 ``w13 (E, 2I, H/2)`` rows ``[gate; up]``, UE8M0 scales ``(E, 2I, H/32)``;
-    ``w2 (E, H, I/2)``, ``(E, H, I/32)``. Pads I and H (gate and up separately, padded
-    scales 0 as vLLM allocates them), by default to multiples of 256 for TRT-LLM (what
-    vLLM/SGLang allocate for FlashInfer MXFP4 on SM100) and 32 for CUTLASS; W31 swap.
-    TRT-LLM adds the gated interleave, the epilogue-tile-128 row shuffle and, for scales,
-    the 128x4 swizzle. On our de-interleaved rows, swap + interleave equals vLLM's
-    ``swap_every_two_rows`` on gpt-oss's interleaved rows; the result matches vLLM's recipe
-    run with FlashInfer's CPU index functions byte for byte
-    (``tests/test_checkpoints_flashinfer.py``). The CUTLASS chain (swap only, linear
-    scales) is a placeholder: FlashInfer's SM90 MXFP4 path lays its scales out differently.
-    Biases are not part of the plan (vLLM permutes them with the weights' rows).
-    """
-    if backend not in prepare.BACKENDS:
-        raise CheckpointError(f"unknown backend {backend!r}; choose one of {', '.join(prepare.BACKENDS)}")
-    trt = backend == "trtllm"
-    p = 2 if is_act_and_mul else 1
-    pad = prepare.plan_align_moe_weights(
-        intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or (256 if trt else 32),
-        hidden_alignment or (256 if trt else 32), scale_block=32, scale_fill=MXFP4_SCALE_PAD,
-        w13_scale_cols=hidden // 32, w2_scale_cols=intermediate // 32, values_per_byte=2, description="align MXFP4")
-    ip, hp = pad.padded_intermediate, pad.padded_hidden
-
-    def rows(n: int, cols: int, fused: bool) -> Optional[IndexMap]:
-        chain = []
-        if fused and is_act_and_mul:
-            chain.append(steps.swap_w13_to_w31_rows(n, cols))
-        if trt and fused and is_gated:
-            chain.append(steps.interleave_rows_for_gated_act(n, cols))
-        if trt:
-            chain.append(steps.shuffle_rows_for_epilogue(n, cols, prepare.TRTLLM_EPILOGUE_TILE_M))
-        return compose(*chain) if chain else None
-
-    def scales(n: int, cols: int, fused: bool) -> Optional[IndexMap]:
-        if not trt:
-            return rows(n, cols, fused)
-        if n % 128:
-            raise CheckpointError(
-                f"MXFP4 TRT-LLM: scale matrix has {n} rows, not a multiple of 128 (scale shuffle + 128x4 swizzle); "
-                f"pad the intermediate size to a multiple of 64 (intermediate_alignment)")
-        return rows(n, cols, fused) >> steps.swizzle_scales_128x4(n, cols)
-
-    def chain(*maps: Optional[IndexMap]) -> Optional[IndexMap]:
-        present = [m for m in maps if m is not None]
-        return compose(*present) if present else None
-
-    return LayerPlan(chain(pad.w13, rows(p * ip, hp // 2, True)), chain(pad.w2, rows(hp, ip // 2, False)),
-                     chain(pad.w13_scale, scales(p * ip, hp // 32, True)), chain(pad.w2_scale, scales(hp, ip // 32, False)),
-                     intermediate, hidden, ip, hp, f"MXFP4 {'TRT-LLM' if trt else 'CUTLASS'} (fimoe_lab plan)")
-
-
 def plan_args(layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None,
               hidden_alignment: Optional[int] = None) -> dict:
     """The arguments that rebuild this layer's plan: builder name and ``plan_layer`` keyword arguments."""
-    builder = "fimoe_lab.prepare.plan_layer" if layer.fmt in prepare.FORMATS else "fimoe_lab.checkpoints.writer.plan_mxfp4_layer"
-    if layer.fmt not in prepare.FORMATS and layer.fmt != "mxfp4":
-        raise CheckpointError(f"no layout plan for format {layer.fmt!r}; supported: {', '.join(prepare.FORMATS + ('mxfp4',))}")
-    return {"builder": builder, "args": {
+    if layer.fmt not in prepare.FORMATS:
+        raise CheckpointError(f"no layout plan for format {layer.fmt!r}; supported: {', '.join(prepare.FORMATS)}")
+    return {"builder": PLAN_BUILDER, "args": {
         "fmt": layer.fmt, "backend": backend, "intermediate": layer.intermediate, "hidden": layer.hidden,
         "is_act_and_mul": layer.is_act_and_mul, "is_gated": layer.is_gated,
         "intermediate_alignment": intermediate_alignment, "hidden_alignment": hidden_alignment}}
@@ -113,12 +56,9 @@ def plan_args(layer: MoELayer, backend: str, intermediate_alignment: Optional[in
 def build_plan(spec: dict) -> LayerPlan:
     """Rebuild a :class:`LayerPlan` from :func:`plan_args` output (deterministic)."""
     builder, args = spec.get("builder"), dict(spec.get("args", {}))
-    if builder not in _BUILDERS:
-        raise CheckpointError(f"unknown plan builder {builder!r} in the file's metadata; known: {', '.join(_BUILDERS)}")
-    if _BUILDERS[builder] == "core":
-        return prepare.plan_layer(**args)
-    args.pop("fmt")
-    return plan_mxfp4_layer(**args)
+    if builder != PLAN_BUILDER:
+        raise CheckpointError(f"unknown plan builder {builder!r} in the file's metadata; expected {PLAN_BUILDER}")
+    return prepare.plan_layer(**args)
 
 
 TRY_ALIGNMENTS = (16, 32, 64, 128, 256)
