@@ -1,4 +1,5 @@
-"""Core subcommands: ``plan`` (show a layer's layout steps), ``goldens`` (replay FlashInfer's outputs)."""
+"""Core subcommands: ``demo`` (the main job on the shipped samples), ``plan`` (a layer's layout steps),
+``goldens`` (replay FlashInfer's recorded outputs)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fimoe_lab.plan import LayerPlan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    register_demo(sub)
     p = sub.add_parser(
         "plan",
         help="show the layout steps a format/backend applies to one MoE layer, and check they invert",
@@ -93,3 +95,74 @@ def run_goldens(args: argparse.Namespace) -> int:
             print(f"{'ok ' if result.ok else 'BAD'} {result.name:<44} {result.detail}")
     print(f"\n{total - bad}/{total} golden cases reproduced")
     return 1 if bad else 0
+
+
+def register_demo(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser(
+        "demo",
+        help="the main job on the shipped samples: read, inspect, convert for both backends, restore, verify",
+        description=(
+            "For every sample checkpoint in data/checkpoints (or the paths given): read each MoE layer, report its "
+            "format and scale health, convert it to the TRT-LLM and CUTLASS kernel layouts at the chosen "
+            "tensor-parallel size, write the kernel-layout safetensors under --out, restore them, and check the "
+            "bytes and a reference MoE forward against the original."
+        ),
+    )
+    d.add_argument("paths", nargs="*", help="checkpoint directories or sample names (default: every shipped sample)")
+    d.add_argument("--tp", type=int, default=2, help="tensor-parallel size to shard to (rank 0; default 2)")
+    d.add_argument("--out", default="fimoe-demo-out", help="where the kernel-layout files go (default ./fimoe-demo-out)")
+    d.set_defaults(handler=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fimoe_lab import checkpoints as ck
+
+    names = args.paths or ck.sample_names()
+    if not names:
+        raise FileNotFoundError("no sample checkpoints found (run python scripts/make_sample_checkpoints.py) and no paths given")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = f"{'checkpoint':<20} {'layer':>5} {'format':<10} {'backend':<8} {'I/tp':>5} {'padded I':>8} {'bytes':>8} {'ms':>7}  check"
+    print(header)
+    print("-" * len(header))
+    failures = 0
+    for name in names:
+        path = Path(name) if Path(name).is_dir() else ck.sample_path(name)
+        for report in ck.inspect_checkpoint(path):
+            for warning in report.health:
+                if not warning.startswith(("ok", "unquantized")):
+                    print(f"{path.name:<20} {report.layer:>5} scale health: {warning}")
+        with ck.open_checkpoint(path) as ckpt:
+            top_k = ckpt.top_k
+            for layer_idx in ckpt.moe_layers:
+                layer = ckpt.read_layer(layer_idx, args.tp, 0)
+                x = torch.randn(16, layer.hidden, generator=torch.Generator().manual_seed(layer_idx))
+                ids, weights = ck.random_routing(16, layer.num_experts, min(top_k, layer.num_experts), seed=layer_idx)
+                reference = ck.layer_forward(layer, x, ids, weights)
+                for backend in prepare.BACKENDS:
+                    target = out_dir / f"{path.name}-L{layer_idx}-{backend}-tp{args.tp}.safetensors"
+                    start = time.perf_counter()
+                    try:
+                        ck.convert_checkpoint(path, target, backend, args.tp, 0, layers=[layer_idx])
+                    except ValueError as exc:
+                        print(f"{path.name:<20} {layer_idx:>5} {layer.fmt:<10} {backend:<8} cannot convert: {exc}")
+                        continue
+                    ms = (time.perf_counter() - start) * 1e3
+                    meta, (restored,) = ck.restore_layers(target)
+                    same = all(
+                        (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                        for a, b in zip(layer.tensors().values(), restored.tensors().values())
+                    )
+                    forward_same = torch.equal(ck.layer_forward(restored, x, ids, weights), reference)
+                    padded = meta["layers"][str(layer_idx)]["plan"]
+                    plan = prepare.plan_layer(**padded["args"])
+                    ok = same and forward_same
+                    failures += not ok
+                    print(f"{path.name:<20} {layer_idx:>5} {layer.fmt:<10} {backend:<8} {layer.intermediate:>5} "
+                          f"{plan.padded_intermediate:>8} {target.stat().st_size:>8} {ms:7.1f}  "
+                          f"{'bytes + forward exact' if ok else 'MISMATCH'}")
+    print(f"\nkernel-layout files in {out_dir}/ ; "
+          + ("every round trip exact" if not failures else f"{failures} round trips FAILED"))
+    return 1 if failures else 0
