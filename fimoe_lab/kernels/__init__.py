@@ -103,23 +103,26 @@ class InPlaceError(RuntimeError):
 
 
 def execute_in_place(m, x: torch.Tensor, scratch_experts: Optional[int] = None,
-                     backend: Optional[str] = None, _undo: bool = True) -> None:
+                     backend: Optional[str] = None, _undo: bool = True, config: Optional[dict] = None) -> None:
     """Apply the permutation ``m`` to ``x`` in place, ``scratch_experts`` experts at a time.
 
-    Each chunk is first copied to the scratch, then gathered from the scratch back into
-    its own place in ``x``; with a scratch that fits the GPU's L2 cache the second read
-    mostly hits the cache. Peak extra memory: ``scratch_experts`` experts plus the map's
-    int32 index (one expert's cell count).
+    Generic path (torch, numba): each chunk is copied to the scratch, then gathered
+    from the scratch back into its own place. CUDA with Triton: the scratch is two
+    slots; one launch gathers a slot back into its chunk while copying the next chunk
+    into the other slot, and a slot small enough to stay in L2 (``slot_bytes``) is read
+    back from the cache. Peak extra memory: at most ``scratch_experts`` experts plus the
+    map's int32 index (measured in benchmarks/RESULTS.md).
 
     Guarantee on failure: ``m`` is checked (a size-preserving permutation, ``x``
     contiguous with the map's shape) before any byte moves. If an exception is raised
     midway (out of memory, an interrupt, a backend error raised in Python), the chunk
-    in flight is copied back from the scratch and the chunks already done are undone
-    with ``m.inverse()`` the same way, so ``x`` holds its input again; the exception is
-    re-raised as :class:`InPlaceError` (``restored=True``, chained to the cause). If the
-    undo itself fails, ``restored=False`` and ``done_experts`` says how many leading
-    experts are in the output layout: ``m.inverse()`` on ``x[:done_experts]`` restores
-    them. A device fault that kills the CUDA context leaves nothing restorable.
+    in flight is copied back from the scratch (or was never written), the chunks
+    already done are undone with ``m.inverse()`` the same way, so ``x`` holds its input
+    again; the exception is re-raised as :class:`InPlaceError` (``restored=True``,
+    chained to the cause). If the undo itself fails, ``restored=False`` and
+    ``done_experts`` says how many leading experts are in the output layout:
+    ``m.inverse()`` on ``x[:done_experts]`` restores them. A device fault that kills the
+    CUDA context leaves nothing restorable.
     """
     num_experts = x.shape[0]
     if num_experts == 0:
@@ -133,19 +136,26 @@ def execute_in_place(m, x: torch.Tensor, scratch_experts: Optional[int] = None,
         raise ValueError(f"scratch_experts must be >= 1, got {chunk}")
     chunk = min(chunk, num_experts)
     flat, _ = byte_views(x, x)
-    scratch = torch.empty((chunk, flat.shape[1]), dtype=torch.uint8, device=x.device)
+    backend = backend or pick_backend(x.device, flat.numel())
     start = 0
     try:
-        for start in range(0, num_experts, chunk):
-            stop = min(start + chunk, num_experts)
-            part = flat[start:stop]
-            s = scratch[: stop - start]
-            s.copy_(part)
-            try:
-                execute(m, s, part, backend)
-            except BaseException:
-                part.copy_(s)
-                raise
+        if backend == "triton" and x.is_cuda:
+            from fimoe_lab.kernels.triton_gather import inplace_triton
+
+            for start, _ in inplace_triton(exec_form(m), flat, chunk, config):
+                pass
+        else:
+            scratch = torch.empty((chunk, flat.shape[1]), dtype=torch.uint8, device=x.device)
+            for start in range(0, num_experts, chunk):
+                stop = min(start + chunk, num_experts)
+                part = flat[start:stop]
+                s = scratch[: stop - start]
+                s.copy_(part)
+                try:
+                    execute(m, s, part, backend)
+                except BaseException:
+                    part.copy_(s)
+                    raise
         start = num_experts
     except BaseException as exc:
         if not _undo:

@@ -1,10 +1,20 @@
 """The GPU executor: one Triton launch gathers every expert's cells.
 
-Grid: (output-cell blocks, experts). Cells of 16 bytes or more run the 2-D kernel: a
-tile of ``BM`` output cells by ``BW`` 4-byte words, where each row of the tile is one
-contiguous run of its source cell, so loads and stores are 16-byte vectors. Smaller
-cells (the 128x4 scale swizzle moves 4-byte cells) run the 1-D kernel over output
-words. Fill cells (``src < 0``) take their fill word from a tiny table.
+Three tile shapes, chosen from the map's executable form:
+
+- ``rows``: cells of 16 bytes or more. A program moves one ``BM x BW`` tile of 4-byte
+  words: ``BM`` output cells, ``BW`` consecutive words of each, so every row of the tile
+  is a contiguous run of its source cell and loads/stores are 16-byte vectors.
+- ``swizzle``: a row permutation (any chain of row steps, fill rows allowed) followed
+  by the 128x4 scale swizzle. A program loads a 128-row band x ``KW`` words of its
+  source rows (coalesced), transposes the (4, 32) row grid in registers, and stores one
+  contiguous run of the output.
+- ``words``: anything else (cells under 16 bytes): one program per block of output
+  words, each word fetched on its own.
+
+Grid: (tiles per expert, experts). Fill cells (``src < 0``) take their fill word from a
+tiny table. :func:`inplace_triton` runs a permutation in place through a two-slot
+scratch, one launch per slot (the gather of one slot and the copy of the next fused).
 """
 
 from __future__ import annotations
@@ -13,45 +23,52 @@ import torch
 import triton
 import triton.language as tl
 
-from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
+from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, swizzle_rows, word_dtype
 
 # Tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
-CONFIG = {"tile_words": 4096, "num_warps": 8, "block_1d": 2048, "warps_1d": 4, "max_bw": 1024}
+CONFIG = {"tile_words": 4096, "num_warps": 4, "evict": False, "block_1d": 8192, "warps_1d": 8, "max_bw": 1024,
+          "swizzle_kw": 32, "swizzle_warps": 4, "use_swizzle": True, "copy_block": 4096,
+          "slot_bytes": 0, "hints": False}
 
 
 @triton.jit
-def _gather_rows(x_ptr, out_ptr, src_ptr, fill_ptr, n_in, n_out,
-                 W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, HAS_FILL: tl.constexpr):
-    pid = tl.program_id(0)
-    e = tl.program_id(1).to(tl.int64)
-    rows = pid * BM + tl.arange(0, BM)
+def _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t,
+               W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, NC: tl.constexpr,
+               HAS_FILL: tl.constexpr, EVICT: tl.constexpr, WI: tl.constexpr, CF: tl.constexpr):
+    # output rows of W words from input rows of WI words (WI < W: columns >= WI are fill CF)
+    rb = t // NC
+    cc = t % NC
+    rows = rb * BM + tl.arange(0, BM)
     rmask = rows < n_out
     s = tl.load(src_ptr + rows, mask=rmask, other=0)
-    xb = x_ptr + e * n_in * W
-    ob = out_ptr + e * n_out * W
     if HAS_FILL:
         valid = s >= 0
         fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0), mask=rmask, other=0)
         s = tl.maximum(s, 0)
-    in_row = s.to(tl.int64) * W
-    out_row = rows.to(tl.int64) * W
-    for w0 in range(0, W, BW):
-        cols = w0 + tl.arange(0, BW)
-        m = rmask[:, None]
-        if HAS_FILL:
-            v = tl.load(xb + in_row[:, None] + cols[None, :], mask=m & valid[:, None])
-            v = tl.where(valid[:, None], v, fw[:, None])
-        else:
-            v = tl.load(xb + in_row[:, None] + cols[None, :], mask=m)
-        tl.store(ob + out_row[:, None] + cols[None, :], v, mask=m)
+        m = rmask & valid
+    else:
+        m = rmask
+    cols = cc * BW + tl.arange(0, BW)
+    src = xb + s.to(tl.int64)[:, None] * WI + cols[None, :]
+    if WI < W:
+        cin = cols < WI
+        lm = m[:, None] & cin[None, :]
+    else:
+        lm = m[:, None]
+    if EVICT:
+        v = tl.load(src, mask=lm, eviction_policy="evict_first")
+    else:
+        v = tl.load(src, mask=lm)
+    if WI < W:
+        v = tl.where(cin[None, :], v, tl.load(fill_ptr + CF))
+    if HAS_FILL:
+        v = tl.where(valid[:, None], v, fw[:, None])
+    tl.store(ob + rows.to(tl.int64)[:, None] * W + cols[None, :], v, mask=rmask[:, None])
 
 
 @triton.jit
-def _gather_words(x_ptr, out_ptr, src_ptr, fill_ptr, n_in, n_out,
-                  W: tl.constexpr, B: tl.constexpr, HAS_FILL: tl.constexpr):
-    pid = tl.program_id(0)
-    e = tl.program_id(1).to(tl.int64)
-    j = pid * B + tl.arange(0, B)
+def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.constexpr, HAS_FILL: tl.constexpr):
+    j = t * B + tl.arange(0, B)
     m = j < n_out * W
     cell = j // W
     s = tl.load(src_ptr + cell, mask=m, other=0)
@@ -59,11 +76,80 @@ def _gather_words(x_ptr, out_ptr, src_ptr, fill_ptr, n_in, n_out,
         valid = s >= 0
         fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0), mask=m, other=0)
         s = tl.maximum(s, 0)
-        v = tl.load(x_ptr + e * n_in * W + s * W + j % W, mask=m & valid)
+        v = tl.load(xb + s.to(tl.int64) * W + j % W, mask=m & valid)
         v = tl.where(valid, v, fw)
     else:
-        v = tl.load(x_ptr + e * n_in * W + s * W + j % W, mask=m)
-    tl.store(out_ptr + e * n_out * W + j, v, mask=m)
+        v = tl.load(xb + s.to(tl.int64) * W + j % W, mask=m)
+    tl.store(ob + j, v, mask=m)
+
+
+@triton.jit
+def _swizzle_tile(xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr,
+                  HAS_FILL: tl.constexpr):
+    band = t // NK
+    kc = t % NK
+    r = band * 128 + tl.arange(0, 128)
+    s = tl.load(rows_ptr + r)
+    if HAS_FILL:
+        valid = s >= 0
+        fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0))
+        s = tl.maximum(s, 0)
+    k = kc * KW + tl.arange(0, KW)
+    v = tl.load(xb + s.to(tl.int64)[:, None] * CW + k[None, :])
+    if HAS_FILL:
+        v = tl.where(valid[:, None], v, fw[:, None])
+    # row r = 32*q + p of the band, word kk -> output word kk*128 + p*4 + q of the band
+    v = tl.reshape(tl.permute(tl.reshape(v, (4, 32, KW)), (2, 1, 0)), (KW * 128,))
+    base = band.to(tl.int64) * 128 * CW + kc * (KW * 128)
+    tl.store(ob + base + tl.arange(0, KW * 128), v)
+
+
+@triton.jit
+def _gather_kernel(x_ptr, out_ptr, src_ptr, fill_ptr, in_words, out_words, n_out,
+                   KIND: tl.constexpr, W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, NC: tl.constexpr,
+                   B: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr, HAS_FILL: tl.constexpr,
+                   EVICT: tl.constexpr, WI: tl.constexpr, CF: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    xb = x_ptr + e * in_words
+    ob = out_ptr + e * out_words
+    if KIND == 0:
+        _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t, W, BM, BW, NC, HAS_FILL, EVICT, WI, CF)
+    elif KIND == 1:
+        _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL)
+    else:
+        _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, HAS_FILL)
+
+
+@triton.jit
+def _inplace_step(x_ptr, s_ptr, src_ptr, fill_ptr, g_src, g_dst, g_tiles, tiles_per_expert,
+                  c_src, c_dst, c_words, expert_words, n_out,
+                  KIND: tl.constexpr, W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, NC: tl.constexpr,
+                  B: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr, HAS_FILL: tl.constexpr,
+                  CB: tl.constexpr, HINTS: tl.constexpr):
+    """Programs [0, g_tiles) gather a slot of the scratch back into x; the rest copy the
+    next chunk of x into the other slot (disjoint buffers, so one launch does both)."""
+    pid = tl.program_id(0)
+    if pid < g_tiles:
+        e = (pid // tiles_per_expert).to(tl.int64)
+        t = pid % tiles_per_expert
+        xb = s_ptr + g_src + e * expert_words
+        ob = x_ptr + g_dst + e * expert_words
+        if KIND == 0:
+            _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t, W, BM, BW, NC, HAS_FILL, HINTS, W, 0)
+        elif KIND == 1:
+            _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL)
+        else:
+            _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, HAS_FILL)
+    else:
+        j = (pid - g_tiles).to(tl.int64) * CB + tl.arange(0, CB)
+        m = j < c_words
+        if HINTS:  # x is read once; keep the slot in L2 for the gather that reads it next
+            v = tl.load(x_ptr + c_src + j, mask=m, eviction_policy="evict_first")
+            tl.store(s_ptr + c_dst + j, v, mask=m, eviction_policy="evict_last")
+        else:
+            v = tl.load(x_ptr + c_src + j, mask=m)
+            tl.store(s_ptr + c_dst + j, v, mask=m)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -71,6 +157,56 @@ def _pow2_divisor(n: int, cap: int) -> int:
     while p * 2 <= cap and n % (p * 2) == 0:
         p *= 2
     return p
+
+
+def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
+    """Kernel constants for ``em`` moved as ``word``-byte words, the tile count per expert,
+    and (swizzle / padded rows) the source-row table used instead of ``em.src``."""
+    wpc = em.cell_bytes // word
+    pr = em.padrows if (cfg.get("use_padrows", True) and word == 4) else None
+    if pr is not None and pr[1] % 4 == 0 and pr[2] % 4 == 0:
+        rows_src, c_in, c_out, col_code = pr
+        w, wi = c_out // 4, c_in // 4
+        bw = _pow2_divisor(w, cfg["max_bw"])
+        n_rows = rows_src.size
+        bm = max(1, min(cfg["tile_words"] // bw, triton.next_power_of_2(n_rows)))
+        nc = w // bw
+        meta = dict(KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code,
+                    num_warps=cfg["num_warps"])
+        return meta, triton.cdiv(n_rows, bm) * nc, (rows_src, n_rows)
+    swz = swizzle_rows(em) if (cfg["use_swizzle"] and word == 4) else None
+    if swz is not None:
+        rows_src, cw, rows_out = swz
+        kw = _pow2_divisor(cw, cfg["swizzle_kw"])
+        if kw >= 4:
+            nk = cw // kw
+            meta = dict(KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0,
+                        num_warps=cfg["swizzle_warps"])
+            return meta, (rows_out // 128) * nk, (rows_src, rows_out)
+    if em.cell_bytes >= 16 and wpc >= 4:
+        bw = _pow2_divisor(wpc, cfg["max_bw"])
+        bm = max(1, min(cfg["tile_words"] // bw, triton.next_power_of_2(em.n_out)))
+        nc = wpc // bw
+        meta = dict(KIND=0, W=wpc, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wpc, CF=0, num_warps=cfg["num_warps"])
+        return meta, triton.cdiv(em.n_out, bm) * nc, None
+    b = min(cfg["block_1d"], triton.next_power_of_2(em.n_out * wpc))
+    meta = dict(KIND=1, W=wpc, BM=1, BW=1, NC=1, B=b, KW=1, NK=1, WI=wpc, CF=0, num_warps=cfg["warps_1d"])
+    return meta, triton.cdiv(em.n_out * wpc, b), None
+
+
+def _prepare(em: ExecMap, xb: torch.Tensor, ob: torch.Tensor, cfg: dict):
+    word = aligned_word(min(em.word, 4), xb, ob)
+    meta, tiles, rows = launch_plan(em, word, cfg)
+    n_out = em.n_out
+    if rows is not None:
+        rows_src, n_out = rows
+        key = ("rows", str(xb.device), meta["KIND"])
+        if key not in em._dev:
+            em._dev[key] = torch.from_numpy(rows_src).to(xb.device)
+        src = em._dev[key]
+    else:
+        src = em.src_on(xb.device)
+    return word, meta, tiles, src, em.fills_on(xb.device, word), n_out
 
 
 def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict | None = None) -> None:
@@ -84,20 +220,57 @@ def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict 
             gather_triton(em, x[s:s + 65535], out[s:s + 65535], config)
         return
     xb, ob = byte_views(x, out)
-    # 4-byte words: four to a 16-byte vector; 2/1-byte words for odd cells.
-    word = aligned_word(min(em.word, 4), xb, ob)
+    word, meta, tiles, src, fills, n_out = _prepare(em, xb, ob, cfg)
     xw, ow = xb.view(word_dtype(word)), ob.view(word_dtype(word))
-    wpc = em.cell_bytes // word
-    src = em.src_on(x.device)
-    fills = em.fills_on(x.device, word)
-    if em.cell_bytes >= 16 and wpc >= 4:
-        bw = _pow2_divisor(wpc, cfg["max_bw"])
-        bm = max(1, min(cfg["tile_words"] // bw, triton.next_power_of_2(em.n_out)))
-        grid = (triton.cdiv(em.n_out, bm), experts)
-        _gather_rows[grid](xw, ow, src, fills, em.n_in, em.n_out, W=wpc, BM=bm, BW=bw,
-                           HAS_FILL=em.has_fill, num_warps=cfg["num_warps"])
+    _gather_kernel[(tiles, experts)](xw, ow, src, fills, em.in_bytes // word, em.out_bytes // word, n_out,
+                                     HAS_FILL=em.has_fill, EVICT=cfg["evict"], **meta)
+
+
+def inplace_triton(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
+    """Permute every expert of ``flat`` ``(E, bytes)`` in place; yields after each launch.
+
+    With ``scratch_experts >= 2`` the scratch is two slots of ``per`` experts (``per``
+    bounded by ``slot_bytes`` so a slot stays in L2 between its copy and its gather):
+    launch k gathers slot k%2 back into chunk k and copies chunk k+1 into the other
+    slot. With one expert of scratch, copy and gather alternate on one slot. The caller
+    consumes the generator; the number of chunks whose gather has been launched is
+    yielded each time (the chunks before the last one yielded are complete once the
+    stream is synchronized).
+    """
+    cfg = dict(CONFIG, **(config or {}))
+    experts, nbytes = flat.shape
+    word, meta, tiles, src, fills, n_out = _prepare(em, flat, flat, cfg)
+    if nbytes % word or em.in_bytes != em.out_bytes:
+        raise ValueError("in-place needs a size-preserving map")
+    ew = nbytes // word
+    if scratch_experts >= 2:
+        per = max(1, min(scratch_experts // 2, cfg["slot_bytes"] // max(nbytes, 1)) if cfg["slot_bytes"] else scratch_experts // 2)
+        slots = 2
     else:
-        b = min(cfg["block_1d"], triton.next_power_of_2(em.n_out * wpc))
-        grid = (triton.cdiv(em.n_out * wpc, b), experts)
-        _gather_words[grid](xw, ow, src, fills, em.n_in, em.n_out, W=wpc, B=b,
-                            HAS_FILL=em.has_fill, num_warps=cfg["warps_1d"])
+        per, slots = 1, 1
+    scratch = torch.empty((slots * per, nbytes), dtype=torch.uint8, device=flat.device)
+    xw, sw = flat.view(word_dtype(word)), scratch.view(word_dtype(word))
+    cb = cfg["copy_block"]
+    chunks = [(s, min(s + per, experts)) for s in range(0, experts, per)]
+    meta = {k: v for k, v in meta.items() if k not in ("WI", "CF")}
+    common = dict(HAS_FILL=em.has_fill, CB=cb, HINTS=cfg["hints"], **meta)
+
+    def step(g, c, g_slot, c_slot):
+        g_tiles = 0 if g is None else (g[1] - g[0]) * tiles
+        c_words = 0 if c is None else (c[1] - c[0]) * ew
+        grid = (g_tiles + triton.cdiv(c_words, cb),)
+        _inplace_step[grid](xw, sw, src, fills,
+                            g_slot * per * ew, 0 if g is None else g[0] * ew, g_tiles, tiles,
+                            0 if c is None else c[0] * ew, c_slot * per * ew, c_words, ew, n_out, **common)
+
+    if slots == 2:
+        step(None, chunks[0], 0, 0)
+        for k, g in enumerate(chunks):
+            nxt = chunks[k + 1] if k + 1 < len(chunks) else None
+            step(g, nxt, k % 2, (k + 1) % 2)
+            yield g[1], scratch
+    else:
+        for g in chunks:
+            step(None, g, 0, 0)
+            step(g, None, 0, 0)
+            yield g[1], scratch

@@ -1,0 +1,415 @@
+"""Benchmark the layout transforms: ours vs the per-expert loop vs a batched uint8 gather
+vs FlashInfer's own functions (when importable) vs the copy ceiling, all in one run.
+
+Bandwidth convention (DESIGN §7): bytes read + bytes written, over the median time of
+``--repeats`` runs after warm-up. The copy ceiling copies the transform's input byte
+count device-to-device (CPU: the best of torch ``copy_`` and a parallel numba copy,
+i.e. the machine's own memcpy), so ``ratio = ours_gbps / copy_gbps``.
+
+    python benchmarks/bench_transforms.py --device cpu --quick --json
+    python benchmarks/bench_transforms.py --device cuda --out results.json
+
+With ``--json`` the JSON list goes to stdout and the table to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from fimoe_lab import kernels  # noqa: E402
+from fimoe_lab.kernels import exec_form, execute, execute_in_place  # noqa: E402
+from fimoe_lab.prepare import plan_layer  # noqa: E402
+
+# name: (experts, hidden, intermediate, [(fmt, label, plan_layer kwargs)])
+PRESETS = {
+    "deepseek-v3": (256, 7168, 2048, [("fp8", "fp8_rotate", {}), ("fp8-block", "deepseek_block", {}),
+                                       ("mxfp8", "mxfp8", {})]),
+    "deepseek-r1-nvfp4": (256, 7168, 2048, [("nvfp4", "nvfp4", {})]),
+    "qwen3-235b-bf16": (128, 4096, 1536, [("bf16", "bf16_block", {})]),
+    "nemotron-nano-fp8": (128, 2688, 1856, [("fp8", "fp8_rotate_pad", dict(is_act_and_mul=False, is_gated=False))]),
+}
+# CPU full run: the same transforms with fewer experts (w13 of deepseek-v3 stays >= 2 GB).
+CPU_EXPERTS = {"deepseek-v3": 72, "deepseek-r1-nvfp4": 72, "qwen3-235b-bf16": 24, "nemotron-nano-fp8": 32}
+QUICK = {
+    "deepseek-v3": (8, 1024, 512), "deepseek-r1-nvfp4": (8, 1024, 512),
+    "qwen3-235b-bf16": (8, 1024, 512), "nemotron-nano-fp8": (8, 640, 464),
+}
+
+
+# ------------------------------------------------------------------ timing
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timeit(fn, dev, repeats, warmup=1, min_sample=2e-3):
+    """Median seconds per call over ``repeats`` samples after ``warmup`` calls.
+
+    On CUDA each sample is timed with events around ``inner`` back-to-back calls, with
+    ``inner`` chosen so a sample lasts at least ``min_sample`` seconds: the host's launch
+    overhead then overlaps the device work, as it does in a real conversion of many
+    tensors (the same rule is applied to the copy ceiling).
+    """
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    inner = 1
+    if dev.type == "cuda" and min_sample:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        one = a.elapsed_time(b) / 1e3
+        inner = max(1, min(50, int(min_sample / max(one, 1e-6))))
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(inner):
+                fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3 / inner)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def peak_extra(fn, dev):
+    """Peak device bytes allocated by ``fn`` above what was allocated before (CUDA only)."""
+    if dev.type != "cuda":
+        return None
+    sync(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    fn()
+    sync(dev)
+    return torch.cuda.max_memory_allocated(dev) - base
+
+
+# ------------------------------------------------------------------ baselines
+def per_expert_loop(m, x):
+    """The reference's approach: for each expert, for each step, move the step's index to
+    the device and gather that expert's cells (rows, 128-B blocks, scale bytes), then
+    stack the experts. No composition, no batching, indices re-sent per expert."""
+    outs = []
+    for e in range(x.shape[0]):
+        t = x[e].reshape(-1).view(torch.uint8)
+        for st in m.steps:
+            idx = st.src.to(x.device)
+            o = t.view(-1, st.cell_bytes)[idx.clamp(min=0)]
+            for k, byte in enumerate(st.fills):
+                o[idx == -1 - k] = byte
+            t = o.reshape(-1)
+        outs.append(t)
+    return torch.stack(outs)
+
+
+class Uint8Gather:
+    """``x.view(uint8)[:, idx]``: one batched gather of every byte (allocates the output)."""
+
+    def __init__(self, m, dev):
+        sb = m.source_bytes().reshape(-1)
+        one = m.refined(1)
+        fills = torch.tensor(m.fills or (0,), dtype=torch.uint8)
+        self.idx = sb.clamp(min=0).to(dev)
+        self.mask = (sb < 0).to(dev)
+        self.fillv = fills[(-1 - one.src).clamp(min=0)].to(dev)
+        self.any_fill = bool((sb < 0).any())
+
+    def __call__(self, x):
+        o = x.reshape(x.shape[0], -1).view(torch.uint8)[:, self.idx]
+        if self.any_fill:
+            o = torch.where(self.mask, self.fillv, o)
+        return o
+
+
+def flashinfer_fn(label, tensor, m):
+    """FlashInfer's own per-expert functions for the transforms it has one for, else None."""
+    try:
+        import flashinfer  # noqa: F401
+        from flashinfer import block_scale_interleave, shuffle_matrix_a
+    except Exception:
+        return None
+    rows_only = all(len(st.in_shape) == 2 and st.cell_bytes == st.in_shape[-1] for st in m.steps)
+    if label.startswith("fp8_rotate") and rows_only and not m.fills:
+        # shuffle_matrix_a per expert after the row reorders (what vLLM runs)
+        pre = [st for st in m.steps[:-1]]
+
+        def fn(x):
+            out = []
+            for e in range(x.shape[0]):
+                t = x[e].view(torch.uint8)
+                for st in pre:
+                    t = t[st.src.to(x.device)]
+                out.append(shuffle_matrix_a(t, 128))
+            return torch.stack(out)
+        return fn
+    if tensor.endswith("scale") and label == "nvfp4":
+        def fn(x):
+            return block_scale_interleave(x.view(torch.uint8))
+        return fn
+    return None
+
+
+# ------------------------------------------------------------------ one transform
+def bench_one(preset, label, tensor, m, experts, dev, args):
+    em = exec_form(m)
+    g = torch.Generator(device=dev).manual_seed(1234)
+    x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device=dev, generator=g)
+    out = torch.empty((experts, m.out_bytes), dtype=torch.uint8, device=dev)
+    nin, nout = x.numel(), out.numel()
+    moved = nin + nout
+    rec = {"transform": f"{preset}/{label}/{tensor}", "preset": preset, "tensor": tensor, "map": m.name,
+           "experts": experts, "in_shape": list(m.in_shape), "out_shape": list(m.out_shape),
+           "cell_bytes": em.cell_bytes, "bytes_in": nin, "bytes_out": nout}
+
+    # copy ceiling: same input byte count, device to device (best of before and after ours)
+    dst = torch.empty_like(x)
+
+    def measure_copy():
+        t = timeit(lambda: dst.copy_(x), dev, args.repeats, warmup=2)
+        if dev.type == "cpu" and kernels._HAS_NUMBA:
+            from fimoe_lab.kernels.numba_gather import parallel_copy
+            xa, da = x.view(-1).numpy(), dst.view(-1).numpy()
+            t = min(t, timeit(lambda: parallel_copy(xa, da), dev, args.repeats, warmup=2))
+        return 2 * nin / t
+
+    copy = measure_copy()
+    backend = kernels.pick_backend(dev, nout)
+    rec["backend"] = backend
+    ref = Uint8Gather(m, dev)
+    t = timeit(lambda: execute(m, x, out), dev, args.repeats, warmup=2)
+    copy_after = measure_copy()
+    del dst
+    rec["copy_gbps"] = max(copy, copy_after) / 1e9
+    rec["copy_spread"] = abs(copy - copy_after) / max(copy, copy_after)
+    rec["ours_gbps"] = moved / t / 1e9
+    rec["ratio"] = rec["ours_gbps"] / rec["copy_gbps"]
+    rec["ours_ms"] = t * 1e3
+    rec["peak_extra_bytes"] = peak_extra(lambda: execute(m, x, torch.empty_like(out)), dev)
+    if rec["peak_extra_bytes"] is None:
+        rec["peak_extra_bytes"] = nout + em.src.nbytes  # the output and the int32 index
+    rec["bit_exact_vs_uint8_gather"] = bool(torch.equal(out, ref(x)))
+    for other in kernels.available_backends(dev):
+        if other != backend:
+            t2 = timeit(lambda: execute(m, x, out, backend=other), dev, args.repeats, warmup=1)
+            rec[f"{other}_gbps"] = moved / t2 / 1e9
+            rec[f"{other}_ratio"] = rec[f"{other}_gbps"] / rec["copy_gbps"]
+
+    # bounded-memory in-place mode (permutations only)
+    if m.is_permutation and not args.no_inplace:
+        dflt = kernels.default_scratch_experts(experts)
+        for sc, key in ((dflt, "inplace"), (2, "inplace2"), (1, "inplace1")):
+            if key != "inplace" and (sc == dflt or sc > experts):
+                continue
+            y = x.clone()
+            t = timeit(lambda: execute_in_place(m, y, sc), dev, max(3, args.repeats // 2), warmup=1)
+            rec[f"{key}_scratch_experts"] = sc
+            rec[f"{key}_gbps"] = moved / t / 1e9
+            rec[f"{key}_ratio"] = rec[f"{key}_gbps"] / rec["copy_gbps"]
+            pk = peak_extra(lambda: execute_in_place(m, y, sc), dev)
+            rec[f"{key}_peak_extra_bytes"] = pk if pk is not None else sc * m.in_bytes + em.src.nbytes
+            del y
+
+    # baselines
+    if not args.no_baselines:
+        t = timeit(lambda: ref(x), dev, max(3, args.repeats // 3), warmup=1, min_sample=0)
+        rec["uint8_gather_gbps"] = moved / t / 1e9
+        rec["uint8_gather_peak_extra_bytes"] = peak_extra(lambda: ref(x), dev)
+        loop_out = per_expert_loop(m, x)
+        rec["per_expert_loop_bit_exact"] = bool(torch.equal(loop_out.view(experts, -1), out))
+        del loop_out
+        t = timeit(lambda: per_expert_loop(m, x), dev, args.loop_repeats, warmup=0, min_sample=0)
+        rec["per_expert_loop_gbps"] = moved / t / 1e9
+        rec["per_expert_loop_ms"] = t * 1e3
+        fi = flashinfer_fn(label, tensor, m)
+        if fi is not None:
+            try:
+                xin = x.view((experts,) + tuple(m.in_shape))
+                t = timeit(lambda: fi(xin), dev, max(3, args.repeats // 3), warmup=1)
+                rec["flashinfer_gbps"] = moved / t / 1e9
+            except Exception as exc:  # noqa: BLE001
+                rec["flashinfer_note"] = f"failed: {type(exc).__name__}: {exc}"[:200]
+        else:
+            rec["flashinfer_note"] = "not importable" if not _has_flashinfer() else "no FlashInfer function for this map"
+    del x, out, ref
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rec
+
+
+def _has_flashinfer():
+    try:
+        import flashinfer  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def sweep(presets, dev, args):
+    """Time Triton tile configs on each map; keep, per kernel (rows / words), the config
+    with the best worst-case ratio to the copy."""
+    from fimoe_lab.kernels import triton_gather as tg
+    rows_cfgs = [dict(tile_words=tw, num_warps=nw) for tw, nw in [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]]
+    words_cfgs = [dict(block_1d=b, warps_1d=w, use_swizzle=False) for b, w in [(2048, 4), (4096, 8), (8192, 8)]]
+    words_cfgs += [dict(swizzle_kw=k, swizzle_warps=w, use_swizzle=True) for k, w in [(16, 4), (32, 4), (32, 8), (64, 8)]]
+    inplace_cfgs = [dict(slot_bytes=sb << 20, hints=h) for sb in (8, 16, 32, 64) for h in (True, False)]
+    inplace_scores = {i: [] for i in range(len(inplace_cfgs))}
+    scores = {"rows": {i: [] for i in range(len(rows_cfgs))}, "words": {i: [] for i in range(len(words_cfgs))}}
+    for preset, experts, hidden, inter, fmts in presets:
+        for fmt, label, kw in fmts:
+            plan = plan_layer(fmt, "trtllm", inter, hidden, **kw)
+            for tensor, m in plan.maps().items():
+                em = exec_form(m)
+                if experts * m.in_bytes < (64 << 20):  # too small to time reliably; not scored
+                    continue
+                kind = "rows" if em.cell_bytes >= 16 else "words"
+                cfgs = rows_cfgs if kind == "rows" else words_cfgs
+                x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device=dev)
+                out = torch.empty((experts, m.out_bytes), dtype=torch.uint8, device=dev)
+                dst = torch.empty_like(x)
+                copy = 2 * x.numel() / timeit(lambda: dst.copy_(x), dev, 8, 2)
+                line = []
+                for i, c in enumerate(cfgs):
+                    t = timeit(lambda: tg.gather_triton(em, x, out, c), dev, 8, 2)
+                    r = (x.numel() + out.numel()) / t / copy
+                    scores[kind][i].append(r)
+                    line.append(f"{r:.3f}")
+                if tensor == "w13" and m.is_permutation:
+                    sc = kernels.default_scratch_experts(experts)
+                    for ic in inplace_cfgs:
+                        t = timeit(lambda: execute_in_place(m, x, sc, config=ic), dev, 5, 1)
+                        r = (x.numel() + out.numel()) / t / copy
+                        inplace_scores[inplace_cfgs.index(ic)].append(r)
+                        line.append(f"ip{ic['slot_bytes'] >> 20}{'h' if ic['hints'] else ''}={r:.3f}")
+                print(f"sweep {preset}/{label}/{tensor} cell={em.cell_bytes} {kind}: " + " ".join(line),
+                      file=sys.stderr, flush=True)
+                del x, out, dst
+                torch.cuda.empty_cache()
+    best, table = {}, []
+    scores["inplace"] = inplace_scores
+    for kind, cfgs in (("rows", rows_cfgs), ("words", words_cfgs), ("inplace", inplace_cfgs)):
+        sc = {i: v for i, v in scores[kind].items() if v}
+        for i, v in sc.items():
+            table.append(dict(kernel=kind, config=cfgs[i], min=min(v), mean=statistics.mean(v)))
+        if sc:
+            b = max(sc, key=lambda i: (min(sc[i]), statistics.mean(sc[i])))
+            best.update(cfgs[b])
+            print(f"sweep best {kind} config {cfgs[b]}: min {min(sc[b]):.3f} mean {statistics.mean(sc[b]):.3f}",
+                  file=sys.stderr)
+    return best, table
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="small sizes (CI, a minute on 2 cores)")
+    ap.add_argument("--json", action="store_true", help="print the JSON list on stdout, the table on stderr")
+    ap.add_argument("--out", help="write the full JSON (records + environment) here")
+    ap.add_argument("--presets", nargs="*", default=list(PRESETS))
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--loop-repeats", type=int, default=None)
+    ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--no-inplace", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="(cuda) pick Triton tile sizes first")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but no CUDA device is visible")
+    args.repeats = args.repeats or (5 if args.quick else (20 if dev.type == "cuda" else 5))
+    args.loop_repeats = args.loop_repeats or (3 if args.quick or dev.type == "cuda" else 1)
+
+    presets = []
+    for name in args.presets:
+        e, h, i, fmts = PRESETS[name]
+        if args.quick:
+            e, h, i = QUICK[name]
+        elif dev.type == "cpu":
+            e = CPU_EXPERTS[name]
+        presets.append((name, e, h, i, fmts))
+
+    env = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine(),
+           "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+           "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "quick": args.quick,
+           "repeats": args.repeats, "loop_repeats": args.loop_repeats}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except Exception:
+        pass
+    try:
+        import numba
+        env["numba"] = numba.__version__
+        env["numba_threads"] = numba.get_num_threads()
+    except Exception:
+        pass
+    env["flashinfer"] = "installed" if _has_flashinfer() else "not importable (its columns are skipped)"
+
+    if args.sweep and dev.type == "cuda":
+        from fimoe_lab.kernels import triton_gather as tg
+        best, table = sweep(presets, dev, args)
+        tg.CONFIG.update(best)
+        env["sweep"] = table
+    if dev.type == "cuda":
+        from fimoe_lab.kernels import triton_gather as tg
+        env["triton_config"] = dict(tg.CONFIG)
+
+    t0 = time.time()
+    records = []
+    for preset, experts, hidden, inter, fmts in presets:
+        for fmt, label, kw in fmts:
+            plan = plan_layer(fmt, "trtllm", inter, hidden, **kw)
+            for tensor, m in plan.maps().items():
+                rec = bench_one(preset, label, tensor, m, experts, dev, args)
+                records.append(rec)
+                print(_row(rec), file=sys.stderr, flush=True)
+    env["seconds"] = time.time() - t0
+
+    print(_table(records, env), file=sys.stderr if args.json else sys.stdout)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"env": env, "records": records}, f, indent=1)
+    if args.json:
+        print(json.dumps(records))
+
+
+def _fmt(v, spec=".1f"):
+    return "-" if v is None else format(v, spec)
+
+
+def _row(r):
+    return (f"{r['transform']:<42} {r['backend']:<6} {r['cell_bytes']:>6} {r['bytes_in'] / 1e9:>7.3f} "
+            f"{r['ours_gbps']:>8.1f} {r['copy_gbps']:>8.1f} {r['ratio']:>6.3f} "
+            f"{_fmt(r.get('torch_gbps') or r.get('numba_gbps'))!s:>8} "
+            f"{_fmt(r.get('inplace_ratio'), '.3f'):>7} {_fmt(r.get('inplace1_ratio'), '.3f'):>7} "
+            f"{_fmt(r.get('uint8_gather_gbps')):>8} {_fmt(r.get('per_expert_loop_gbps'), '.2f'):>8} "
+            f"{_fmt(r.get('flashinfer_gbps')):>8} {r['peak_extra_bytes'] / 1e9:>7.3f} "
+            f"{_fmt((r.get('inplace_peak_extra_bytes') or 0) / 1e9, '.3f'):>7}")
+
+
+def _table(records, env):
+    head = (f"{'transform':<42} {'exec':<6} {'cell':>6} {'GB in':>7} {'ours':>8} {'copy':>8} {'ratio':>6} "
+            f"{'alt':>8} {'inpl':>7} {'inpl1':>7} {'u8gath':>8} {'loop':>8} {'fi':>8} {'peakGB':>7} {'ipeakGB':>7}")
+    lines = [f"# {env['device']}, torch {env['torch']}, GB/s = (read+write)/median time; ratio = ours/copy; "
+             f"alt = the other backend; inpl/inpl1 = in-place ratio with default/1-expert scratch", head]
+    lines += [_row(r) for r in records]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""GPU executors (Triton and torch wide-word) are bit-exact with the map; skipped without CUDA.
+
+Run on the lent H200 (benchmarks/RESULTS.md gives the command and the outcome).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from fimoe_lab import kernels
+from fimoe_lab.kernels import InPlaceError, execute, execute_in_place
+from fimoe_lab.prepare import plan_layer
+
+pytestmark = pytest.mark.gpu
+
+GPU_BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
+
+CASES = [
+    ("fp8", 256, 512, {}), ("fp8", 232, 320, dict(is_act_and_mul=False, is_gated=False)), ("fp8", 200, 256, {}),
+    ("fp8-block", 256, 512, {}), ("mxfp8", 256, 512, {}), ("mxfp8", 192, 320, {}), ("nvfp4", 256, 512, {}),
+    ("bf16", 256, 256, {}), ("bf16", 96, 160, {}),
+    # production shapes, few experts
+    ("fp8-block", 2048, 7168, {}), ("mxfp8", 2048, 7168, {}), ("nvfp4", 2048, 7168, {}), ("bf16", 1536, 4096, {}),
+    ("fp8", 1856, 2688, dict(is_act_and_mul=False, is_gated=False)),
+]
+
+
+def maps():
+    for fmt, inter, hidden, kw in CASES:
+        for name, m in plan_layer(fmt, "trtllm", inter, hidden, **kw).maps().items():
+            yield pytest.param(m, id=f"{fmt}-{inter}x{hidden}-{len(kw)}-{name}")
+
+
+def reference(m, x):
+    """Per-expert loop on the device: each expert's bytes gathered by the map's byte sources."""
+    sb = m.source_bytes().reshape(-1).to(x.device)
+    one = m.refined(1)
+    fills = torch.tensor(m.fills or (0,), dtype=torch.uint8)
+    fill_bytes = fills[(-1 - one.src).clamp(min=0)].to(x.device)
+    xb = x.reshape(x.shape[0], -1).view(torch.uint8)
+    return torch.stack([torch.where(sb >= 0, xb[e][sb.clamp(min=0)], fill_bytes) for e in range(xb.shape[0])])
+
+
+def inputs(m, experts):
+    words = m.in_bytes // 4
+    codes = torch.arange(experts * words, dtype=torch.int32, device="cuda").add_(1).view(experts, words)
+    structured = codes.view(torch.uint8)
+    if m.in_bytes % 4:
+        tail = torch.randint(0, 256, (experts, m.in_bytes % 4), dtype=torch.uint8, device="cuda")
+        structured = torch.cat([structured, tail], 1).contiguous()
+    rand = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device="cuda")
+    return structured, rand
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("m", list(maps()))
+def test_gpu_bit_exact(m, backend):
+    experts = 3 if m.in_bytes > (1 << 22) else 5
+    for x in inputs(m, experts):
+        out = torch.full((experts, m.out_bytes), 0xAB, dtype=torch.uint8, device="cuda")
+        execute(m, x, out, backend=backend)
+        torch.cuda.synchronize()
+        assert torch.equal(out, reference(m, x))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_unaligned_and_typed(backend):
+    m = plan_layer("bf16", "trtllm", 256, 256).w13
+    raw = torch.randint(0, 256, (2 * m.in_bytes + 1,), dtype=torch.uint8, device="cuda")
+    x = raw[1:].view(2, m.in_bytes)
+    out = torch.empty(2, m.out_bytes, dtype=torch.uint8, device="cuda")
+    execute(m, x, out, backend=backend)
+    assert torch.equal(out, reference(m, x))
+    xb = raw[:2 * m.in_bytes].view(torch.bfloat16).view((2,) + m.in_shape[:-1] + (m.in_shape[-1] // 2,))
+    assert torch.equal(m.apply(xb).reshape(2, -1).view(torch.uint8), reference(m, xb))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("scratch", [1, 2, 3, None])
+def test_gpu_in_place(backend, scratch):
+    for m in (plan_layer("fp8", "trtllm", 2048, 7168).w13, plan_layer("nvfp4", "trtllm", 2048, 7168).w13_scale,
+              plan_layer("bf16", "trtllm", 256, 256).w2):
+        x = torch.randint(0, 256, (5, m.in_bytes), dtype=torch.uint8, device="cuda")
+        want = reference(m, x)
+        execute_in_place(m, x, scratch, backend=backend)
+        assert torch.equal(x, want)
+
+
+def test_gpu_in_place_error_restores_torch_path(monkeypatch):
+    m = plan_layer("fp8-block", "trtllm", 256, 512).w13
+    x = torch.randint(0, 256, (6, m.in_bytes), dtype=torch.uint8, device="cuda")
+    before = x.clone()
+    real, calls = kernels.execute, {"n": 0}
+
+    def flaky(mm, a, b, backend=None):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            b.fill_(0x5A)
+            raise RuntimeError("injected")
+        return real(mm, a, b, backend)
+
+    monkeypatch.setattr(kernels, "execute", flaky)
+    with pytest.raises(InPlaceError) as info:
+        execute_in_place(m, x, 1, backend="torch")
+    assert info.value.restored and torch.equal(x, before)
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+@pytest.mark.parametrize("scratch", [1, 2])
+def test_gpu_in_place_error_restores_triton_pipeline(monkeypatch, scratch):
+    from fimoe_lab.kernels import triton_gather
+
+    m = plan_layer("nvfp4", "trtllm", 256, 512).w13
+    x = torch.randint(0, 256, (7, m.in_bytes), dtype=torch.uint8, device="cuda")
+    before = x.clone()
+    real, fired = triton_gather.inplace_triton, []
+
+    def flaky(em, flat, chunk, config=None):  # fails once, after the third chunk; the undo runs clean
+        for i, item in enumerate(real(em, flat, chunk, dict(slot_bytes=1))):
+            yield item
+            if i == 2 and not fired:
+                fired.append(1)
+                raise RuntimeError("injected between launches")
+
+    monkeypatch.setattr(triton_gather, "inplace_triton", flaky)
+    with pytest.raises(InPlaceError) as info:
+        execute_in_place(m, x, scratch)
+    assert info.value.restored and isinstance(info.value.__cause__, RuntimeError)
+    assert torch.equal(x, before)
+
+
+def test_gpu_dispatch_prefers_triton():
+    want = "triton" if "triton" in GPU_BACKENDS else "torch"
+    assert kernels.pick_backend("cuda", 1 << 30) == want
