@@ -1,0 +1,104 @@
+"""NVFP4: E2M1 values packed two per byte, one E4M3 scale per 16 values, an fp32 global scale.
+
+Convention (FlashInfer / ModelOpt weights): ``global_scale = 448*6 / amax`` is an *encode*
+scale; block scale ``sf = e4m3(block_amax / 6 * global_scale)``; dequant
+``x = e2m1 * sf / global_scale``. (Checkpoints store its inverse, ``weight_scale_2``.)
+
+Kernel constraint served: FlashInfer's NVFP4 MoE (TRT-LLM and CUTLASS). :func:`encode_blocks`
+is FlashInfer 0.6.13's ``cvt_warp_fp16_to_fp4`` (E4M3 scales, default fast-math build) in
+``data/csrc/nv_internal/tensorrt_llm/kernels/quantization_utils.cuh``, operation for
+operation; the per-token activation quantizer (:mod:`.nvfp4_per_token`) runs the same code
+with one encode scale per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import require_float, require_format, require_last_dim_multiple, require_matrix
+from .codes import (
+    E2M1_MAX,
+    E4M3_MAX,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    ftz,
+    pack_nibbles,
+    rcp_approx_ftz,
+    unpack_nibbles,
+)
+from .result import QuantizedTensor
+
+FMT = "nvfp4"
+BLOCK = 16
+
+
+def encode_blocks(blocks: torch.Tensor, encode_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 codes and E4M3 scale bits of blocks of 16, exactly as FlashInfer's CUDA kernel.
+
+    ``blocks``: float32 ``(..., n, 16)``, already flushed to zero (:func:`~.codes.ftz`);
+    ``encode_scale``: float32 broadcastable to ``(..., n)`` (``SFScaleVal`` in the kernel).
+    Returns uint8 codes ``(..., n, 16)`` and uint8 E4M3 bits ``(..., n)``. With
+    ``rcp`` = ``rcp.approx.ftz.f32`` and every multiply flushed to zero::
+
+        vecMax = max |block|
+        sf     = e4m3_satfinite(encode_scale * (vecMax * rcp(6)))
+        out    = vecMax != 0 ? rcp(float(sf) * rcp(encode_scale)) : 0
+        code_i = e2m1_satfinite(x_i * out)
+
+    Consequences kept on purpose: a block whose scale underflows to 0 while vecMax != 0
+    gets ``out = inf`` and codes +-6 (0 * inf = NaN -> +6); a row of zeros under
+    ``encode_scale = inf`` gets scale byte 0x7F (inf * 0 = NaN) and codes 0.
+    """
+    vec_max = blocks.abs().amax(dim=-1)
+    rcp6 = rcp_approx_ftz(torch.tensor(E2M1_MAX, device=blocks.device))
+    sf_bits = e4m3_encode(ftz(encode_scale * ftz(vec_max * rcp6)))
+    sf_back = ftz(e4m3_decode(sf_bits) * rcp_approx_ftz(encode_scale))
+    out_scale = torch.where(vec_max != 0, rcp_approx_ftz(sf_back), torch.zeros_like(sf_back))
+    codes = e2m1_encode(ftz(blocks * out_scale[..., None]))
+    return codes, sf_bits
+
+
+def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) -> QuantizedTensor:
+    """Quantize ``(..., rows, cols)`` float (cols % 16 == 0) to NVFP4, weights convention.
+
+    ``global_scale``: fp32 encode scale broadcastable to ``x.shape[:-2]`` (one per matrix,
+    e.g. per expert); default ``448*6 / amax`` of each matrix (1.0 for an all-zero one).
+    Returns ``values`` uint8 ``(..., rows, cols/2)`` (low nibble first), ``scales``
+    float8_e4m3fn ``(..., rows, cols/16)`` (linear layout) and ``global_scale`` fp32 ``(...)``.
+    Error bound per element: ``s * {.25, .5, 1}`` for ``|x|/s`` in ``[0, 2), [2, 4), [4, inf)``
+    with ``s = sf / global_scale``, plus ``|x|`` where the block scale underflowed to 0.
+    """
+    require_float(x, "nvfp4.quantize")
+    require_matrix(x, "nvfp4.quantize")
+    require_last_dim_multiple(x, BLOCK, "nvfp4.quantize", "one E4M3 scale per 16 values")
+    xf = ftz(x.float())
+    if global_scale is None:
+        amax = xf.abs().amax(dim=(-2, -1))
+        global_scale = torch.where(amax > 0, (E4M3_MAX * E2M1_MAX) / amax, torch.ones_like(amax))
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    try:
+        gs = gs.expand(x.shape[:-2]).contiguous()
+    except RuntimeError:
+        raise ValueError(
+            f"nvfp4.quantize: global_scale of shape {tuple(gs.shape)} must broadcast to the leading "
+            f"dims {tuple(x.shape[:-2])} of x {tuple(x.shape)} (one encode scale per matrix). "
+            f"Fix: pass a scalar or a tensor of shape {tuple(x.shape[:-2])}."
+        ) from None
+    blocks = xf.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    codes, sf_bits = encode_blocks(blocks, gs[..., None, None])
+    return QuantizedTensor(pack_nibbles(codes.reshape(x.shape)), sf_bits.view(torch.float8_e4m3fn), gs, FMT, BLOCK)
+
+
+def block_values(q: QuantizedTensor) -> torch.Tensor:
+    """float32 ``(..., rows, cols/16, 16)``: the E2M1 values of an NVFP4 tensor, by block."""
+    v = e2m1_decode(unpack_nibbles(q.values))
+    return v.reshape(*v.shape[:-1], v.shape[-1] // BLOCK, BLOCK)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(..., rows, cols)`` = e2m1 * e4m3 scale / global_scale, in ``dtype``."""
+    require_format(q, FMT, "nvfp4.dequantize")
+    blocks = block_values(q) * e4m3_decode(q.scales)[..., None] / q.global_scale[..., None, None, None]
+    return blocks.reshape(q.shape).to(dtype)
