@@ -20,10 +20,10 @@ import torch
 from fimoe_lab import prepare
 from fimoe_lab.steps import shuffle_block_size
 from fimoe_lab.layout import IndexMap, LayoutError, compose
-from fimoe_lab.plan import LayerPlan
+from fimoe_lab.plan import TENSOR_NAMES, LayerPlan
 
 __all__ = [
-    "ITEMSIZE", "itemsize_of", "element_sources", "display_2d", "gather_values",
+    "ITEMSIZE", "TENSOR_NAMES", "itemsize_of", "element_sources", "display_2d", "gather_values",
     "RowFlow", "row_flow", "row_steps", "observed_row_sources",
     "TileView", "tile_view", "SwizzleView", "swizzle_view",
     "TensorPadding", "PaddingReport", "padding_report", "provenance_rows",
@@ -274,16 +274,30 @@ def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
 # ----------------------------------------------------------------------------- padding
 @dataclass(frozen=True)
 class TensorPadding:
-    """Padding of one tensor: ``padded_mask`` over the padded matrix (rows x elements,
-    True = padding, before any permutation), ``kernel_mask`` over the kernel layout as
-    stored (:func:`display_2d`), and per-expert byte counts."""
+    """Padding of one tensor of a plan (``m``: its index map, ``itemsize``: bytes per element)."""
 
     name: str
+    m: IndexMap
     itemsize: int
-    padded_mask: np.ndarray
-    kernel_mask: np.ndarray
-    fill_bytes: int
-    out_bytes: int
+
+    @property
+    def fill_bytes(self) -> int:
+        """Padding bytes per expert."""
+        return int((self.m.src < 0).sum()) * self.m.cell_bytes
+
+    @property
+    def out_bytes(self) -> int:
+        return self.m.out_bytes
+
+    @property
+    def padded_mask(self) -> np.ndarray:
+        """bool ``(rows, elements)`` over the padded matrix before any permutation (True = padding)."""
+        return display_2d(element_sources(_padded_stage(self.m), self.itemsize) < 0)
+
+    @property
+    def kernel_mask(self) -> np.ndarray:
+        """bool over the kernel layout as stored (:func:`display_2d`), True = padding."""
+        return display_2d(element_sources(self.m, self.itemsize) < 0)
 
 
 @dataclass(frozen=True)
@@ -345,17 +359,14 @@ def padding_report(fmt: str, backend: str, intermediate: int, hidden: int, tp: i
     local = intermediate // tp
     plan = prepare.plan_layer(fmt, backend, local, hidden, is_act_and_mul, is_gated,
                               intermediate_alignment, hidden_alignment)
-    tensors = {}
-    for name, m in plan.maps().items():
-        size = itemsize_of(fmt, name)
-        padded = _padded_stage(m)
-        cell = m.refined(math.gcd(m.cell_bytes, size))
-        tensors[name] = TensorPadding(
-            name, size,
-            display_2d(element_sources(padded, size) < 0),
-            display_2d(element_sources(m, size) < 0),
-            int((cell.src < 0).sum()) * cell.cell_bytes, m.out_bytes,
-        )
+    for wanted, got, what in ((intermediate_alignment, plan.padded_intermediate, "intermediate"),
+                              (hidden_alignment, plan.padded_hidden, "hidden")):
+        if wanted and got % wanted:
+            raise LayoutError(
+                f"{plan.description} pads {what} to {got}, not to a multiple of the requested {wanted}: "
+                f"plan_layer does not apply a {what} alignment for {fmt} on {backend}; leave it at the default"
+            )
+    tensors = {name: TensorPadding(name, m, itemsize_of(fmt, name)) for name, m in plan.maps().items()}
     return PaddingReport(fmt, backend, tp, intermediate, local, hidden, plan, experts, tensors)
 
 

@@ -195,10 +195,24 @@ def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
     return fig
 
 
+MAX_MASK_SIDE = 512
+
+
+def coarse_mask(mask: np.ndarray, max_side: int = MAX_MASK_SIDE) -> tuple[np.ndarray, tuple[int, int]]:
+    """``mask`` reduced to at most ``max_side`` per side: a pixel is True when any element in its
+    block is (so thin padding stays visible). Returns the mask and the block ``(rows, cols)``."""
+    fr, fc = -(-mask.shape[0] // max_side), -(-mask.shape[1] // max_side)
+    if fr == fc == 1:
+        return mask, (1, 1)
+    padded = np.pad(mask, ((0, -mask.shape[0] % fr), (0, -mask.shape[1] % fc)))
+    return padded.reshape(padded.shape[0] // fr, fr, padded.shape[1] // fc, fc).any(axis=(1, 3)), (fr, fc)
+
+
 def padding_figure(report: data.PaddingReport) -> Figure:
     """Padding of every tensor of a layer: the padded matrix (top) and the kernel layout (bottom).
 
     Padding is drawn dark, data light; each title gives the tensor's padding bytes per expert.
+    Masks wider than 512 are drawn with :func:`coarse_mask` (the title gives the block).
     """
     names = list(report.tensors)
     if not names:
@@ -209,9 +223,11 @@ def padding_figure(report: data.PaddingReport) -> Figure:
         t = report.tensors[name]
         for row, (mask, where) in enumerate(((t.padded_mask, "padded"), (t.kernel_mask, "kernel layout"))):
             ax = fig.add_subplot(2, len(names), row * len(names) + k + 1)
-            ax.imshow(mask, aspect="auto", cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
-            ax.set_title(f"{name} {where} {mask.shape}" + (f"\n{t.fill_bytes:,} B of {t.out_bytes:,} B pad" if row == 0 else ""),
-                         fontsize=8)
+            shown, block = coarse_mask(mask)
+            ax.imshow(shown, aspect="auto", cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
+            note = f"\n{t.fill_bytes:,} B of {t.out_bytes:,} B pad" if row == 0 else ""
+            note += f"\n(pixel = {block[0]}x{block[1]} elements)" if block != (1, 1) else ""
+            ax.set_title(f"{name} {where} {mask.shape}{note}", fontsize=8)
             ax.tick_params(labelsize=7)
     fig.suptitle(report.summary(), fontsize=8, wrap=True)
     return fig

@@ -22,9 +22,10 @@ import torch
 
 from fimoe_lab.layout import LayoutError
 
-__all__ = ["ExpertTensors", "LabUnavailable", "sample_layer", "load_layer", "sample_names", "tactic_sweep"]
+__all__ = ["ExpertTensors", "LabUnavailable", "sample_layer", "load_layer", "sample_names", "preset_names", "tactic_sweep"]
 
 PLAN_FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4")
+TUNER_FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
 
 
 class LabUnavailable(RuntimeError):
@@ -150,6 +151,15 @@ def load_layer(source: str, layer: int = 0) -> ExpertTensors:
     """
     checkpoints = _require("fimoe_lab.checkpoints", "reading a checkpoint")
     return checkpoints.lab_layer(source, layer)
+
+
+def preset_names() -> list[str]:
+    """Model preset names known to :mod:`fimoe_lab.presets` (empty when it is not installed)."""
+    try:
+        presets = _require("fimoe_lab.presets", "model presets")
+    except LabUnavailable:
+        return []
+    return sorted(presets.PRESETS)
 
 
 def tactic_sweep(preset: str, fmt: str, tp: int):
