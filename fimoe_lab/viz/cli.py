@@ -48,6 +48,8 @@ def jupyterlab_command(notebook_dir: Path, port: int, state_dir: Path, open_brow
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly",
         f"--LabApp.user_settings_dir={state_dir / 'settings'}", f"--LabApp.workspaces_dir={state_dir / 'workspaces'}",
     ]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        argv.append("--ServerApp.allow_root=True")  # containers often run as root; still 127.0.0.1 only
     env = dict(os.environ)
     env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(filter(None, [str(state_dir / "config"), env.get("JUPYTER_CONFIG_PATH")]))
     env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")

@@ -205,7 +205,7 @@ class PaddingExplorer(_Explorer):
     alignment, with the waste in bytes and %."""
 
     def __init__(self, intermediate: int = 768, hidden: int = 2048, experts: int = 128, fmt: str = "nvfp4",
-                 backend: str = "trtllm", tp: int = 1):
+                 backend: str = "trtllm", tp: int = 1, inter_align="default", hidden_align="default"):
         style = {"description_width": "80px"}
         self.fmt = _dropdown("format", sources.PLAN_FORMATS, fmt)
         self.backend = _dropdown("backend", prepare.BACKENDS, backend)
@@ -213,8 +213,8 @@ class PaddingExplorer(_Explorer):
         self.intermediate = W.IntText(intermediate, description="intermediate", style=style, layout=W.Layout(width="220px"))
         self.hidden = W.IntText(hidden, description="hidden", style=style, layout=W.Layout(width="220px"))
         self.experts = W.IntText(experts, description="experts", style=style, layout=W.Layout(width="220px"))
-        self.inter_align = _dropdown("I align", ("default", 16, 64, 128))
-        self.hidden_align = _dropdown("H align", ("default", 256, 512, 1024))
+        self.inter_align = _dropdown("I align", ("default", 16, 64, 128), inter_align)
+        self.hidden_align = _dropdown("H align", ("default", 256, 512, 1024), hidden_align)
         super().__init__([self.fmt, self.backend, self.tp, self.experts, self.intermediate, self.hidden,
                           self.inter_align, self.hidden_align])
 
