@@ -35,9 +35,7 @@ def _group_colours(n_groups: int) -> list:
 
 def _categorical(n: int) -> ListedColormap:
     """``n`` distinct colours for integer codes ``0..n-1`` (grey for masked)."""
-    cmap = ListedColormap(_group_colours(n + 1)[:-1])
-    cmap.set_bad(PAD_COLOUR)
-    return cmap
+    return ListedColormap(_group_colours(n + 1)[:-1]).with_extremes(bad=PAD_COLOUR)
 
 
 def _masked(a: np.ndarray) -> np.ma.MaskedArray:
@@ -47,9 +45,7 @@ def _masked(a: np.ndarray) -> np.ma.MaskedArray:
 
 
 def _cmap(name: str):
-    cmap = colormaps[name].copy()
-    cmap.set_bad(PAD_COLOUR)
-    return cmap
+    return colormaps[name].with_extremes(bad=PAD_COLOUR)
 
 
 def row_permutation_figure(m: IndexMap, projections: int = 2, window: tuple[int, int] = (0, 64),
