@@ -1,0 +1,107 @@
+"""The explorers respond: changing a control changes the plotted data, as the maps say."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("matplotlib")
+
+from fimoe_lab import prepare  # noqa: E402
+from fimoe_lab.viz import data, sources, widgets  # noqa: E402
+
+
+def image(fig, axis: int) -> np.ndarray:
+    return np.ma.filled(fig.axes[axis].images[0].get_array().astype(float), np.nan)
+
+
+def same(drawn: np.ndarray, sources_: np.ndarray) -> bool:
+    """A drawn source array (fill masked -> NaN) equals a data array (fill = -1)."""
+    return bool(np.array_equal(drawn, np.where(sources_ < 0, np.nan, sources_), equal_nan=True))
+
+
+def test_row_explorer_window_colour_and_expert():
+    w = widgets.RowExplorer()
+    assert w.image.value[:4] == b"\x89PNG"
+    flow = w.state["flow"]
+    assert np.array_equal(flow.src_rows, data.row_flow(prepare.plan_layer("mxfp8", "trtllm", 96, 256).w13).src_rows)
+
+    first = w.image.value
+    w.colour_by.value = "shuffle block"
+    assert w.image.value != first
+    legend = [t.get_text() for t in w.figure.axes[1].get_legend().get_texts()]
+    assert legend[:2] == ["shuffle block 0", "shuffle block 1"]
+
+    w.start.value = 64
+    assert w.state["window"] == (64, 128)
+    drawn = [int(l.get_ydata()[1]) for l in w.figure.axes[0].lines if len(l.get_xdata()) == 2]
+    assert drawn == [d for d in range(64, 128) if flow.src_rows[d] >= 0]
+
+    before = image(w.figure, 2)
+    w.expert.value = 3
+    after = image(w.figure, 2)
+    layer = sources.sample_layer("mxfp8", experts=4, intermediate=96, hidden=256)
+    expect = data.gather_values(data.row_steps(w.state["plan"].w13), layer.magnitude("w13", 3))[64:128]
+    assert np.allclose(after, expect, equal_nan=True)
+    assert np.nanmean(after) > 1.5 * np.nanmean(before)  # expert 3 is 4x expert 0
+
+
+def test_row_explorer_on_a_given_layer():
+    layer = sources.sample_layer("nvfp4", experts=2, intermediate=128, hidden=256)
+    w = widgets.RowExplorer(layer)
+    assert w.fmt.disabled and w.fmt.value == "nvfp4" and w.expert.max == 1
+    assert "NVFP4 TRT-LLM" in w.message.value
+    w.tensor.value = "w2"
+    assert w.state["flow"].projections == 1 and w.state["flow"].out_rows == 256
+
+
+def test_tile_explorer_atoms_and_tiles():
+    w = widgets.TileExplorer()
+    view = w.state["view"]
+    assert list(w.tensor.options) == ["w13_scale", "w2_scale"] and w.atom.max == view.atoms - 1
+    w.atom.value = 2
+    assert same(image(w.figure, 2), view.src_col[64:96])
+    w.fmt.value = "bf16"
+    assert list(w.tensor.options) == ["w13", "w2"]
+    assert w.state["tensor"] == "w13"
+    tiles = data.tile_view(w.state["plan"].w13, 2)
+    assert same(image(w.figure, 1), tiles.src_col)
+    w.colour_by.value = "source row"
+    assert same(image(w.figure, 1), tiles.src_row)
+
+
+def test_padding_explorer_tp_and_errors():
+    w = widgets.PaddingExplorer(intermediate=384, hidden=512, experts=4, fmt="fp8", tp=1)
+    assert w.state["report"].local_intermediate == 384
+    first, fig = w.image.value, w.figure
+    w.tp.value = 8
+    report = w.state["report"]
+    assert report.local_intermediate == 48 and report.plan.padded_intermediate == 48
+    assert w.image.value != first
+    w.inter_align.value = 128
+    assert w.state["report"].plan.padded_intermediate == 128 and w.state["report"].fill_bytes > 0
+    shown = w.figure
+    w.intermediate.value = 390
+    assert "does not split into 8 tensor-parallel shards" in w.message.value
+    assert w.figure is shown
+
+
+def test_provenance_explorer_follows_the_chosen_element():
+    w = widgets.ProvenanceExplorer()
+    w.row.value, w.col.value = 40, 200
+    m = w.state["plan"].w13
+    assert w.state["coords"] == (40, 200)
+    assert w.state["chain"][-1][2] == m.provenance((40, 200)).source
+    ax = w.figure.axes[1]
+    assert (ax.lines[0].get_xdata()[0], ax.lines[0].get_ydata()[0]) == (200, 40)
+    w.tensor.value = "w13_scale"
+    assert w.state["coords"][0] < 256 and w.state["coords"][1] < 8
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fimoe_lab.tune") is not None, reason="the tuner is installed")
+def test_tuner_explorer_explains_a_missing_tuner():
+    w = widgets.TunerExplorer()
+    assert "fimoe_lab.tune" in w.message.value and w.figure is None
