@@ -1,8 +1,11 @@
 """Quantization formats for FlashInfer's fused-MoE kernels: fp8, fp8-block, mxfp8, nvfp4, mxfp4.
 
 Every format has ``quantize(x) -> QuantizedTensor`` and ``dequantize(q) -> Tensor`` in plain
-torch (CPU or CUDA, any leading dims such as experts), bit-exact with FlashInfer's kernels
-where one exists; :mod:`.codes` holds the shared bit-level conversions.
+torch (CPU or CUDA, any leading dims such as experts, no FlashInfer import). Where FlashInfer
+0.6.13 has a quantization kernel (mxfp8, nvfp4, mxfp4, nvfp4 per-token) the arithmetic follows
+it operation for operation, its approximate reciprocals included (measured on an H200; the
+kernels themselves run only on sm_100+). :mod:`.codes` holds the shared bit-level conversions;
+``formats.get(name)`` the registry; :func:`check_quantized` the health check.
 """
 
 from .codes import (

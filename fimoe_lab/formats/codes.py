@@ -13,8 +13,8 @@ instructions) and checked on an H200 where the instruction exists there:
 * E4M3 (``cvt.rn.satfinite.e4m3x2.f32``): round to nearest even incl. subnormals, |x| > 448
   saturates to +-448, NaN of either sign -> 0x7F. On an H200 this matched
   ``x.clamp(-448, 448).to(torch.float8_e4m3fn)`` for all 2**32 float32 inputs except
-  negative NaNs (torch gives 0xFF, the hardware 0x7F). Note: a bare torch cast does *not*
-  saturate: it turns values >= 464 into NaN.
+  negative NaNs (torch gives 0xFF, the hardware 0x7F). The clamp is explicit because
+  torch's own overflow rule changed between releases (older ones turned >= 464 into NaN).
 * UE8M0 (``cvt.rp.satfinite.ue8m0x2.f32``, used by MXFP8/MXFP4 scales in FlashInfer):
   round *up* to a power of two, i.e. the byte is ``clamp(ceil(log2|x|) + 127, 0, 254)``;
   0 -> 0, NaN -> 255, inf -> 254. Value of a byte e: ``2**(e - 127)``.
@@ -33,7 +33,6 @@ import torch
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-UE8M0_BIAS = 127
 FLOAT32_MIN_NORMAL = 2.0**-126
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -98,7 +97,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     """float32 ``(...)`` -> uint8 E4M3 bits ``(...)``, as ``cvt.rn.satfinite.e4m3x2.f32``.
 
-    Saturates to +-448 (a bare torch cast would give NaN at >= 464); NaN -> 0x7F.
+    Saturates to +-448 whatever torch's own cast does on overflow; NaN -> 0x7F.
     """
     bits = x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(torch.isnan(x), torch.full_like(bits, 0x7F), bits)
@@ -126,18 +125,23 @@ def ue8m0_encode_ceil(x: torch.Tensor) -> torch.Tensor:
 
 
 def ue8m0_decode(e: torch.Tensor) -> torch.Tensor:
-    """uint8 UE8M0 ``(...)`` -> float32 ``2**(e - 127)`` ``(...)``; 255 -> NaN."""
-    value = torch.exp2(e.to(torch.float32) - UE8M0_BIAS)
-    return torch.where(e == 255, torch.full_like(value, float("nan")), value)
+    """uint8 UE8M0 ``(...)`` -> float32 ``2**(e - 127)`` ``(...)``; 255 -> NaN.
+
+    Built from bits (no ``exp2``), so it is exact on every device; byte 0 is the subnormal 2**-127.
+    """
+    e = e.to(torch.int32)
+    bits = torch.where(e == 0, 0x00400000, e << 23)
+    return torch.where(e == 255, 0x7FC00000, bits).to(torch.int32).view(torch.float32)
 
 
 @lru_cache(maxsize=None)
 def _rcp_delta(device: torch.device) -> torch.Tensor:
+    """int8 ``(2**23,)`` on ``device``: hardware minus correctly rounded 1/m, in ulps, per mantissa."""
     from ._rcp_approx_table import RCP_APPROX_DELTA_B85
 
     packed = torch.frombuffer(bytearray(zlib.decompress(base64.b85decode(RCP_APPROX_DELTA_B85))), dtype=torch.uint8)
     codes = torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).reshape(-1).to(torch.int32)
-    return torch.where(codes == 2, -1, codes).to(device)
+    return torch.where(codes == 2, -1, codes).to(torch.int8).to(device)
 
 
 def rcp_approx_ftz(x: torch.Tensor) -> torch.Tensor:

@@ -33,8 +33,8 @@ def _where(mask: torch.Tensor, limit: int = 5) -> str:
 def check_quantized(q: QuantizedTensor, original: torch.Tensor | None = None) -> list[str]:
     """Warnings (empty list: none) about ``q``, optionally against the tensor it came from.
 
-    Flags: NaN/inf scales (incl. global and per-token scales); all-zero scales or values for a
-    non-zero input (the Hopper trap: FlashInfer 0.6.13's ``nvfp4_quantize`` needs sm_100 and
+    Flags: NaN/inf scales (incl. global and per-token scales); all-zero scales (or scale bytes:
+    UE8M0 byte 0 is 2**-127) or values for a non-zero input (the Hopper trap: FlashInfer 0.6.13's ``nvfp4_quantize`` needs sm_100 and
     returns zeros on an H100/H200 without an error); block scales in (0, 1e-10) (dead experts
     that made the Hopper CUTLASS kernel emit NaN); a shape that does not match ``original``.
     Positions are indices into the scale tensor ``(..., rows, blocks)``.
@@ -59,12 +59,14 @@ def check_quantized(q: QuantizedTensor, original: torch.Tensor | None = None) ->
         warnings.append(f"{q.fmt}: global_scale is 0 {_where(q.global_scale == 0)}: dequant divides by it.")
 
     input_nonzero = original is not None and bool((original != 0).any())
-    values_zero = not bool((q.values.view(torch.uint8) != 0).any())
-    scales_zero = not bool((scales != 0).any())
+    values_zero = not bool((q.values.reshape(-1).contiguous().view(torch.uint8) != 0).any())
+    scale_bytes_zero = not bool((q.scales.reshape(-1).contiguous().view(torch.uint8) != 0).any())
+    scales_zero = scale_bytes_zero or not bool((scales != 0).any())
     if (input_nonzero or not values_zero) and scales_zero:
         hint = f": {HOPPER_ZEROS}" if q.fmt.startswith("nvfp4") else ""
-        warnings.append(f"{q.fmt}: every block scale is 0 for a non-zero input{hint}.")
-    elif input_nonzero and values_zero:
+        warnings.append(f"{q.fmt}: every block scale is 0 (all scale bytes zero) for a non-zero input{hint}.")
+        return warnings
+    if input_nonzero and values_zero:
         hint = f" ({HOPPER_ZEROS})" if q.fmt.startswith("nvfp4") else ""
         warnings.append(f"{q.fmt}: every quantized value is 0 for a non-zero input{hint}.")
 

@@ -15,7 +15,6 @@ import torch
 from ._validate import require_float, require_format, require_last_dim_multiple
 from .codes import (
     E2M1_MAX,
-    UE8M0_BIAS,
     e2m1_decode,
     e2m1_encode,
     ftz,
@@ -45,7 +44,7 @@ def quantize(x: torch.Tensor) -> QuantizedTensor:
     blocks = xf.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     m = ftz(blocks.abs().amax(dim=-1) * rcp_approx_ftz(torch.tensor(E2M1_MAX, device=x.device)))
     e = ue8m0_encode_ceil(m)
-    power = ftz(torch.exp2(UE8M0_BIAS - e.to(torch.float32)))
+    power = ftz(ue8m0_decode(254 - e))  # 2**(127 - e), exact; e == 254 gives 2**-127 -> flushed
     out_scale = torch.where(m == 0, torch.zeros_like(m), torch.where(e == 0, torch.ones_like(m), power))
     codes = e2m1_encode(ftz(blocks * out_scale[..., None])).reshape(x.shape)
     return QuantizedTensor(pack_nibbles(codes), e, None, FMT, BLOCK)

@@ -26,7 +26,7 @@ def quantize(x: torch.Tensor) -> QuantizedTensor:
 
     Returns ``values`` float8_e4m3fn ``(..., cols)`` and ``scales`` uint8 UE8M0
     ``(..., cols/32)`` (linear layout; an all-zero block gets byte 0, as the kernel writes).
-    Error bound: ``|x - deq| <= max(|x| / 16, 2**(e-127) / 512)``.
+    Error bound: ``|x - deq| <= max(|x| / 16, 2**(e-127) / 1024)``.
     """
     require_float(x, "mxfp8.quantize")
     require_last_dim_multiple(x, BLOCK, "mxfp8.quantize", "one UE8M0 scale per 32 values")

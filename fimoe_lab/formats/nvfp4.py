@@ -68,7 +68,8 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) 
     Returns ``values`` uint8 ``(..., rows, cols/2)`` (low nibble first), ``scales``
     float8_e4m3fn ``(..., rows, cols/16)`` (linear layout) and ``global_scale`` fp32 ``(...)``.
     Error bound per element: ``s * {.25, .5, 1}`` for ``|x|/s`` in ``[0, 2), [2, 4), [4, inf)``
-    with ``s = sf / global_scale``, plus ``|x|`` where the block scale underflowed to 0.
+    with ``s = sf / global_scale``, or ``|x| - 6s`` where a subnormal E4M3 scale rounded down
+    (values saturate at 6), or ``|x|`` where the block scale underflowed to 0.
     """
     require_float(x, "nvfp4.quantize")
     require_matrix(x, "nvfp4.quantize")

@@ -1,0 +1,177 @@
+"""Per-layer summary of a checkpoint: format, shapes, what FlashInfer needs at TP 1..8, scale health.
+
+Reads only headers and scales (never the weights), so it is quick on real checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from fimoe_lab import prepare
+from fimoe_lab.checkpoints.conventions import dtype_name
+from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
+from fimoe_lab.checkpoints.writer import build_plan, plan_args, suggest_alignment
+from fimoe_lab.formats.health import TINY_SCALE, decoded_scales
+
+__all__ = ["LayerReport", "inspect_checkpoint", "format_report", "backend_needs", "scale_health", "TACTIC_ALIGNMENT"]
+
+TACTIC_ALIGNMENT = {"bf16": 64, "fp8": 64, "nvfp4": 64, "fp8-block": 128, "mxfp8": 128, "mxfp4": 128}
+"""Intermediate multiple the TRT-LLM kernels need for their full tactic space (gated; DESIGN §5,
+measured with FlashInfer 0.6.13's kernel set): fewer or zero tactics below it."""
+CUTLASS_ALIGNMENT = 16
+"""Intermediate multiple FlashInfer's gated MoE kernels need (vLLM pads with align_moe_weights_for_fi);
+``plan_layer`` does not pad BF16 for CUTLASS, so inspect flags it."""
+
+
+@dataclass
+class LayerReport:
+    """What ``fimoe-lab inspect`` prints for one MoE layer."""
+
+    layer: int
+    convention: str
+    models: str
+    fmt: str
+    num_experts: int
+    top_k: Optional[int]
+    hidden: int
+    intermediate: int
+    gate_up_order: str
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    tp: dict[int, dict[str, str]] = field(default_factory=dict)
+    health: list[str] = field(default_factory=list)
+
+
+def _short(exc: Exception) -> str:
+    msg = str(exc).split("; ")[0].split(". ")[0]
+    msg = msg.split(": ", 1)[1] if msg.startswith("layer ") and ": " in msg else msg
+    return msg if len(msg) <= 140 else msg[:137] + "..."
+
+
+def _describe(layer: MoELayer, backend: str, alignment: Optional[int] = None) -> str:
+    plan = build_plan(plan_args(layer, backend, alignment))
+    maps = plan.maps()
+    src = sum(m.in_bytes for m in maps.values())
+    dst = sum(m.out_bytes for m in maps.values())
+    pads = []
+    if plan.padded_intermediate != plan.intermediate:
+        pads.append(f"I {plan.intermediate}->{plan.padded_intermediate}")
+    if plan.padded_hidden != plan.hidden:
+        pads.append(f"H {plan.hidden}->{plan.padded_hidden}")
+    text = ("pad " + ", ".join(pads) + f" (+{100 * (dst - src) / max(src, 1):.0f}% bytes)") if pads else "no padding"
+    need = TACTIC_ALIGNMENT.get(layer.fmt)
+    if backend == "trtllm" and need and plan.padded_intermediate % need:
+        text += f"; I%{need}!=0: few/no TRT-LLM tactics"
+    if backend == "cutlass" and plan.padded_intermediate % CUTLASS_ALIGNMENT:
+        text += f"; I%{CUTLASS_ALIGNMENT}!=0: FlashInfer MoE needs it (align_moe_weights_for_fi)"
+    return text
+
+
+def backend_needs(layer: MoELayer, backend: str) -> str:
+    """One line: what ``backend`` needs for this (per-rank) layer: padding, or why it fails and the fix."""
+    try:
+        return _describe(layer, backend)
+    except ValueError as exc:
+        a = suggest_alignment(layer, backend)
+        if a is None:
+            return f"cannot lay out: {_short(exc)}"
+        return f"default fails ({_short(exc)}); --intermediate-alignment {a}: {_describe(layer, backend, a)}"
+
+
+def scale_health(layer: MoELayer) -> list[str]:
+    """Warnings about the layer's scales: NaN/Inf, all-zero experts, tiny (dead) block scales, NVFP4 globals."""
+    out: list[str] = []
+    parts = layer.quantized()
+    if not parts:
+        return ["unquantized (bf16): no scales"]
+    per_expert = {}
+    for name, q in parts:
+        s = decoded_scales(q).reshape(layer.num_experts, -1)
+        per_expert[name] = s
+    s = torch.cat(list(per_expert.values()), dim=1)
+    bad = ~torch.isfinite(s)
+    if bad.any():
+        ex = bad.any(1).nonzero().flatten().tolist()
+        out.append(f"{int(bad.sum())} block scales are NaN/Inf, in experts {ex}: the kernel's output will be NaN there")
+    zero_experts = (s == 0).all(1).nonzero().flatten().tolist()
+    if zero_experts:
+        out.append(f"experts {zero_experts}: every block scale is 0 (the expert outputs 0; a broken export, or "
+                   f"FlashInfer nvfp4_quantize run on a pre-Blackwell GPU)")
+    tiny = (s.abs() > 0) & (s.abs() < TINY_SCALE)
+    for e in tiny.any(1).nonzero().flatten().tolist():
+        n, total = int(tiny[e].sum()), s.shape[1]
+        low = s[e].abs()[tiny[e]].min().item()
+        out.append(f"expert {e}: {n}/{total} block scales below {TINY_SCALE:g} (min {low:.2g}): dead expert; FlashInfer's "
+                   f"Hopper CUTLASS FP8 MoE emitted NaN on these; prepare_fp8_moe_layer_for_fi clamps to {TINY_SCALE:g}")
+    zeros = int((s == 0).sum()) - sum(s.shape[1] for _ in zero_experts)
+    if zeros > 0:
+        out.append(f"{zeros} block scales are 0 (all-zero blocks; harmless unless unexpected)")
+    for key in ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale"):
+        t = layer.extras.get(key)
+        if t is not None and (~torch.isfinite(t) | (t <= 0)).any():
+            out.append(f"{key}: non-positive or NaN/Inf in experts {(~torch.isfinite(t) | (t <= 0)).reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist()}")
+    g = layer.extras.get("w13_weight_scale_2")
+    if g is not None and not torch.equal(g[:, 0], g[:, 1]):
+        ex = (g[:, 0] != g[:, 1]).nonzero().flatten().tolist()
+        out.append(f"experts {ex}: gate and up have different weight_scale_2; the kernel takes one per w13 (vLLM uses "
+                   f"gate's), so up is off by their ratio")
+    return out or ["ok: all scales finite, none zero or below 1e-10"]
+
+
+def inspect_checkpoint(path: str | os.PathLike, layers: Optional[Sequence[int]] = None,
+                       tps: Sequence[int] = (1, 2, 4, 8)) -> list[LayerReport]:
+    """A :class:`LayerReport` per MoE layer (all, or ``layers``) of the checkpoint at ``path``."""
+    reports = []
+    with Checkpoint(path) as ck:
+        conv = ck.convention
+        wanted = ck.moe_layers if layers is None else list(layers)
+        try:
+            top_k = ck.top_k
+        except CheckpointError:
+            top_k = None
+        for idx in wanted:
+            full = ck.read_layer(idx, load="scales")
+            tensors = {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in {**full.tensors(), **full.extras}.items()
+                       if t is not None}
+            rep = LayerReport(idx, conv.name, conv.models, ck.fmt, full.num_experts, top_k, ck.hidden, ck.intermediate,
+                              conv.gate_up_order, tensors, health=scale_health(full))
+            for tp in tps:
+                row: dict[str, str] = {}
+                try:
+                    sizes = [end - start for start, end in (ck.shard_bounds(tp, r) for r in range(tp))]
+                except CheckpointError as exc:
+                    row["shard"] = f"cannot shard: {_short(exc)}"
+                    rep.tp[tp] = row
+                    continue
+                row["shard"] = f"I/tp = {sizes[0]}" + (f" (last {sizes[-1]})" if sizes[-1] != sizes[0] else "")
+                shard = ck.read_layer(idx, tp, 0, load="none")
+                for backend in prepare.BACKENDS:
+                    row[backend] = backend_needs(shard, backend)
+                rep.tp[tp] = row
+            reports.append(rep)
+    return reports
+
+
+def format_report(reports: Sequence[LayerReport]) -> str:
+    """The text ``fimoe-lab inspect`` prints."""
+    lines = []
+    for r in reports:
+        lines.append(f"layer {r.layer}: {r.convention} [{r.models}]  format {r.fmt}")
+        lines.append(f"  experts {r.num_experts}" + (f", top-{r.top_k}" if r.top_k else "")
+                     + f", hidden {r.hidden}, intermediate {r.intermediate}; gate/up order: {r.gate_up_order} "
+                       f"(FlashInfer wants [up; gate]: convert swaps)")
+        for n, (dt, shape) in r.tensors.items():
+            lines.append(f"  {n:<20} {dt:<8} {list(shape)}")
+        lines.append(f"  {'tp':>3}  {'shard':<20} {'trtllm':<58} cutlass   (rank 0)")
+        for tp, row in r.tp.items():
+            if "trtllm" not in row:
+                lines.append(f"  {tp:>3}  {row['shard']}")
+            else:
+                lines.append(f"  {tp:>3}  {row['shard']:<20} {row['trtllm']:<58} {row['cutlass']}")
+        lines.append("  scale health:")
+        lines.extend(f"    - {h}" for h in r.health)
+        lines.append("")
+    return "\n".join(lines)

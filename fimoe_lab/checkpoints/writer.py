@@ -1,0 +1,405 @@
+"""Kernel-layout files: convert checkpoint layers with a LayerPlan, write them atomically, restore.
+
+``convert`` writes one safetensors file with, per MoE layer, ``w13_weight``, ``w2_weight``,
+``w13_weight_scale``, ``w2_weight_scale`` in FlashInfer's kernel layout (vLLM's parameter
+names) and the extras unchanged (NVFP4 ``weight_scale_2``/``input_scale``, gpt-oss biases).
+The metadata key ``fimoe_lab`` holds JSON with, per layer, the ``plan_layer`` arguments
+(format, backend, sizes, gating, alignments), the step chain of every tensor and its
+checkpoint dtype/shape: :func:`restore_layers` rebuilds the plan from the arguments (maps
+are deterministic), checks that the chains still match, and applies ``plan.inverse()``.
+
+The file is streamed (header first, one layer in memory at a time) to a temporary name
+beside the output and renamed only when complete: an interrupted or failed conversion
+leaves no output file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from fimoe_lab import prepare, steps
+from fimoe_lab.checkpoints import conventions
+from fimoe_lab.checkpoints.conventions import dtype_name
+from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
+from fimoe_lab.layout import IndexMap, compose
+from fimoe_lab.plan import LayerPlan
+
+__all__ = ["FORMAT_VERSION", "KERNEL_NAMES", "plan_mxfp4_layer", "plan_args", "build_plan", "suggest_alignment", "convert_layer",
+           "write_kernel_layout", "convert_checkpoint", "read_kernel_metadata", "restore_layers", "restore_checkpoint",
+           "atomic_output"]
+
+FORMAT_VERSION = 1
+KERNEL_NAMES = {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale"}
+"""Tensor names in a kernel-layout file (vLLM's FusedMoE parameter names)."""
+
+MXFP4_SCALE_PAD = 0  # vLLM allocates MXFP4 scales with torch.zeros; padded weights are 0 either way
+_BUILDERS = {"fimoe_lab.prepare.plan_layer": "core", "fimoe_lab.checkpoints.writer.plan_mxfp4_layer": "mxfp4"}
+
+
+# ============================================================================ plans
+def plan_mxfp4_layer(backend: str, intermediate: int, hidden: int, is_act_and_mul: bool = True,
+                     is_gated: bool = True, intermediate_alignment: Optional[int] = None,
+                     hidden_alignment: Optional[int] = None) -> LayerPlan:
+    """fimoe_lab's plan for MXFP4 (gpt-oss) experts; ``prepare.plan_layer`` has no ``mxfp4`` yet.
+
+    Packed E2M1 ``w13 (E, 2I, H/2)`` rows ``[gate; up]``, UE8M0 scales ``(E, 2I, H/32)``;
+    ``w2 (E, H, I/2)``, ``(E, H, I/32)``. Pads I and H (gate and up separately, padded
+    scales 0 as vLLM allocates them), by default to multiples of 256 for TRT-LLM (what
+    vLLM/SGLang allocate for FlashInfer MXFP4 on SM100) and 32 for CUTLASS; W31 swap.
+    TRT-LLM adds the gated interleave, the epilogue-tile-128 row shuffle and, for scales,
+    the 128x4 swizzle. On our de-interleaved rows, swap + interleave equals vLLM's
+    ``swap_every_two_rows`` on gpt-oss's interleaved rows; the result matches vLLM's recipe
+    run with FlashInfer's CPU index functions byte for byte
+    (``tests/test_checkpoints_flashinfer.py``). The CUTLASS chain (swap only, linear
+    scales) is a placeholder: FlashInfer's SM90 MXFP4 path lays its scales out differently.
+    Biases are not part of the plan (vLLM permutes them with the weights' rows).
+    """
+    if backend not in prepare.BACKENDS:
+        raise CheckpointError(f"unknown backend {backend!r}; choose one of {', '.join(prepare.BACKENDS)}")
+    trt = backend == "trtllm"
+    p = 2 if is_act_and_mul else 1
+    pad = prepare.plan_align_moe_weights(
+        intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or (256 if trt else 32),
+        hidden_alignment or (256 if trt else 32), scale_block=32, scale_fill=MXFP4_SCALE_PAD,
+        w13_scale_cols=hidden // 32, w2_scale_cols=intermediate // 32, values_per_byte=2, description="align MXFP4")
+    ip, hp = pad.padded_intermediate, pad.padded_hidden
+
+    def rows(n: int, cols: int, fused: bool) -> Optional[IndexMap]:
+        chain = []
+        if fused and is_act_and_mul:
+            chain.append(steps.swap_w13_to_w31_rows(n, cols))
+        if trt and fused and is_gated:
+            chain.append(steps.interleave_rows_for_gated_act(n, cols))
+        if trt:
+            chain.append(steps.shuffle_rows_for_epilogue(n, cols, prepare.TRTLLM_EPILOGUE_TILE_M))
+        return compose(*chain) if chain else None
+
+    def scales(n: int, cols: int, fused: bool) -> Optional[IndexMap]:
+        if not trt:
+            return rows(n, cols, fused)
+        if n % 128:
+            raise CheckpointError(
+                f"MXFP4 TRT-LLM: scale matrix has {n} rows, not a multiple of 128 (scale shuffle + 128x4 swizzle); "
+                f"pad the intermediate size to a multiple of 64 (intermediate_alignment)")
+        return rows(n, cols, fused) >> steps.swizzle_scales_128x4(n, cols)
+
+    def chain(*maps: Optional[IndexMap]) -> Optional[IndexMap]:
+        present = [m for m in maps if m is not None]
+        return compose(*present) if present else None
+
+    return LayerPlan(chain(pad.w13, rows(p * ip, hp // 2, True)), chain(pad.w2, rows(hp, ip // 2, False)),
+                     chain(pad.w13_scale, scales(p * ip, hp // 32, True)), chain(pad.w2_scale, scales(hp, ip // 32, False)),
+                     intermediate, hidden, ip, hp, f"MXFP4 {'TRT-LLM' if trt else 'CUTLASS'} (fimoe_lab plan)")
+
+
+def plan_args(layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None,
+              hidden_alignment: Optional[int] = None) -> dict:
+    """The arguments that rebuild this layer's plan: builder name and ``plan_layer`` keyword arguments."""
+    builder = "fimoe_lab.prepare.plan_layer" if layer.fmt in prepare.FORMATS else "fimoe_lab.checkpoints.writer.plan_mxfp4_layer"
+    if layer.fmt not in prepare.FORMATS and layer.fmt != "mxfp4":
+        raise CheckpointError(f"no layout plan for format {layer.fmt!r}; supported: {', '.join(prepare.FORMATS + ('mxfp4',))}")
+    return {"builder": builder, "args": {
+        "fmt": layer.fmt, "backend": backend, "intermediate": layer.intermediate, "hidden": layer.hidden,
+        "is_act_and_mul": layer.is_act_and_mul, "is_gated": layer.is_gated,
+        "intermediate_alignment": intermediate_alignment, "hidden_alignment": hidden_alignment}}
+
+
+def build_plan(spec: dict) -> LayerPlan:
+    """Rebuild a :class:`LayerPlan` from :func:`plan_args` output (deterministic)."""
+    builder, args = spec.get("builder"), dict(spec.get("args", {}))
+    if builder not in _BUILDERS:
+        raise CheckpointError(f"unknown plan builder {builder!r} in the file's metadata; known: {', '.join(_BUILDERS)}")
+    if _BUILDERS[builder] == "core":
+        return prepare.plan_layer(**args)
+    args.pop("fmt")
+    return plan_mxfp4_layer(**args)
+
+
+TRY_ALIGNMENTS = (16, 32, 64, 128, 256)
+
+
+def suggest_alignment(layer: MoELayer, backend: str) -> Optional[int]:
+    """The smallest intermediate alignment in :data:`TRY_ALIGNMENTS` whose plan builds for this layer, or None."""
+    for a in TRY_ALIGNMENTS:
+        try:
+            build_plan(plan_args(layer, backend, a))
+            return a
+        except ValueError:
+            continue
+    return None
+
+
+def convert_layer(layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None,
+                  hidden_alignment: Optional[int] = None) -> tuple[dict[str, torch.Tensor], LayerPlan, dict]:
+    """One layer into the kernel layout: ``(tensors by kernel name, plan, plan spec)``.
+
+    Only bytes move (block scales are not clamped; see ``inspect`` for dead scales).
+    """
+    spec = plan_args(layer, backend, intermediate_alignment, hidden_alignment)
+    plan = build_plan(spec)
+    outs = plan.apply(layer.w13.contiguous(), layer.w2.contiguous(),
+                      None if layer.w13_scale is None else layer.w13_scale.contiguous(),
+                      None if layer.w2_scale is None else layer.w2_scale.contiguous())
+    tensors = {KERNEL_NAMES[n]: t for n, t in zip(KERNEL_NAMES, outs) if t is not None}
+    return tensors, plan, spec
+
+
+# ============================================================================ streaming safetensors
+class _StreamWriter:
+    """Writes a safetensors file whose tensor names, dtypes and shapes are known up front."""
+
+    def __init__(self, handle, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+        header: dict = {"__metadata__": metadata}
+        offset = 0
+        self.expected = {}
+        for name, (dtype, shape) in specs.items():
+            size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self.expected[name] = (dtype, tuple(shape), offset)
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.handle, self.start, self.pos = handle, 8 + len(raw), 0
+        handle.write(struct.pack("<Q", len(raw)))
+        handle.write(raw)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        dtype, shape, offset = self.expected[name]
+        if t.dtype != dtype or tuple(t.shape) != shape or offset != self.pos:
+            raise CheckpointError(f"internal: {name} is {t.dtype} {tuple(t.shape)} at {self.pos}, header says {dtype} {shape} at {offset}")
+        data = t.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
+        self.handle.write(memoryview(data))
+        self.pos += data.size
+
+
+class atomic_output:
+    """Context manager: yields a temporary path beside ``path``; renames it to ``path`` on success.
+
+    On any exception (including KeyboardInterrupt) the temporary file or directory is
+    removed and ``path`` is left as it was.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+
+    def __enter__(self) -> Path:
+        self._remove(self.tmp)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._remove(self.tmp)
+            return
+        if self.path.is_dir():
+            self._remove(self.path)
+        os.replace(self.tmp, self.path)
+
+    @staticmethod
+    def _remove(p: Path) -> None:
+        if p.is_dir():
+            import shutil
+
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+# ============================================================================ writing
+LayerSource = tuple[int, MoELayer, Callable[[], MoELayer]]
+"""(layer index, layer with shapes only (meta tensors allowed), loader of the real layer)."""
+
+
+def _out_name(prefix: str, block: str, layer: int, name: str) -> str:
+    return f"{prefix}{layer}.{block}.experts.{name}"
+
+
+def _kernel_specs(layer: MoELayer, backend: str, ia, ha) -> tuple[dict, dict]:
+    """Kernel dtypes/shapes of a layer, from a one-expert dry run; and the plan record."""
+    one = {n: (None if t is None else torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype)) for n, t in layer.tensors().items()}
+    probe = layer.with_tensors(**one)
+    tensors, plan, spec = convert_layer(probe, backend, ia, ha)
+    e = layer.num_experts
+    kernel = {n: (t.dtype, (e,) + tuple(t.shape[1:])) for n, t in tensors.items()}
+    maps = plan.maps()
+    record = {
+        "fmt": layer.fmt, "plan": spec, "description": plan.description,
+        "padded_intermediate": plan.padded_intermediate, "padded_hidden": plan.padded_hidden,
+        "activation": layer.activation, "activation_params": layer.activation_params,
+        "tensors": {
+            n: {"name": KERNEL_NAMES[n], "steps": [s.name for s in maps[n].steps] if n in maps else [],
+                "checkpoint": {"dtype": dtype_name(t.dtype), "shape": list(t.shape)},
+                "kernel": {"dtype": dtype_name(kernel[KERNEL_NAMES[n]][0]), "shape": list(kernel[KERNEL_NAMES[n]][1])}}
+            for n, t in layer.tensors().items() if t is not None},
+        "extras": {n: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for n, t in layer.extras.items()},
+    }
+    return kernel, record
+
+
+def write_kernel_layout(out: str | os.PathLike, sources: Sequence[LayerSource], backend: str, *,
+                        intermediate_alignment: Optional[int] = None, hidden_alignment: Optional[int] = None,
+                        prefix: str = "model.layers.", block: str = "mlp", info: Optional[dict] = None,
+                        progress: bool = False) -> Path:
+    """Convert and stream layers into one kernel-layout safetensors file at ``out`` (atomically).
+
+    ``sources``: ``(layer index, shape-only layer, loader)``; every plan is built and
+    checked (so a layer that cannot be laid out fails before anything is written), then
+    the layers are loaded, converted and written one at a time. ``info`` goes into the
+    metadata (source path, convention, config, TP rank).
+    """
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    records = {}
+    for idx, shape_layer, _ in sources:
+        try:
+            kernel, record = _kernel_specs(shape_layer, backend, intermediate_alignment, hidden_alignment)
+        except ValueError as exc:
+            a = suggest_alignment(shape_layer, backend) if intermediate_alignment is None else None
+            fix = f" Fix: intermediate alignment {a} works (CLI: --intermediate-alignment {a})" if a else ""
+            raise CheckpointError(f"layer {idx} ({shape_layer.fmt}, intermediate {shape_layer.intermediate}, hidden "
+                                  f"{shape_layer.hidden}) cannot be laid out for {backend}: {exc}.{fix}") from exc
+        for n, spec in kernel.items():
+            specs[_out_name(prefix, block, idx, n)] = spec
+        for n, t in shape_layer.extras.items():
+            specs[_out_name(prefix, block, idx, n)] = (t.dtype, tuple(t.shape))
+        records[str(idx)] = record
+    meta = {"version": FORMAT_VERSION, "backend": backend, "prefix": prefix, "block": block, **(info or {}), "layers": records}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for d, s in specs.values()),
+                   unit="B", unit_scale=True, desc=f"convert -> {Path(out).name}")
+    with atomic_output(out) as tmp, open(tmp, "wb") as handle:
+        writer = _StreamWriter(handle, specs, {"fimoe_lab": json.dumps(meta)})
+        for idx, _, load in sources:
+            layer = load()
+            tensors, _, _ = convert_layer(layer, backend, intermediate_alignment, hidden_alignment)
+            tensors.update(layer.extras)
+            for name in (n for n in specs if n.startswith(_out_name(prefix, block, idx, ""))):
+                t = tensors[name.rsplit(".", 1)[-1]]
+                writer.write(name, t)
+                if bar is not None:
+                    bar.update(t.numel() * t.element_size())
+        handle.flush()
+        os.fsync(handle.fileno())
+    if bar is not None:
+        bar.close()
+    return Path(out)
+
+
+def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, backend: str, tp_size: int = 1,
+                       tp_rank: int = 0, layers: Optional[Iterable[int]] = None,
+                       intermediate_alignment: Optional[int] = None, hidden_alignment: Optional[int] = None,
+                       progress: bool = False) -> Path:
+    """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``."""
+    with Checkpoint(src) as ck:
+        wanted = ck.moe_layers if layers is None else list(layers)
+        missing = [l for l in wanted if l not in ck.moe_layers]
+        if missing:
+            raise CheckpointError(f"{src}: layers {missing} have no routed experts; MoE layers: {ck.moe_layers}")
+        sources = [(l, ck.read_layer(l, tp_size, tp_rank, load="none"),
+                    (lambda l=l: ck.read_layer(l, tp_size, tp_rank, progress=progress))) for l in wanted]
+        info = {"source": str(Path(src).resolve()), "convention": ck.convention.name, "config": ck.config,
+                "tp_size": tp_size, "tp_rank": tp_rank}
+        return write_kernel_layout(out, sources, backend, intermediate_alignment=intermediate_alignment,
+                                   hidden_alignment=hidden_alignment, prefix=ck.prefix, block=ck.convention.block,
+                                   info=info, progress=progress)
+
+
+# ============================================================================ restoring
+def read_kernel_metadata(path: str | os.PathLike) -> dict:
+    """The ``fimoe_lab`` metadata of a kernel-layout file (``CheckpointError`` if it has none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        raw = (f.metadata() or {}).get("fimoe_lab")
+    if raw is None:
+        raise CheckpointError(f"{path} has no 'fimoe_lab' metadata: it was not written by 'fimoe-lab convert', so the "
+                              f"steps that produced its layout are unknown")
+    meta = json.loads(raw)
+    if meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: metadata version {meta.get('version')}, this fimoe_lab reads {FORMAT_VERSION}")
+    return meta
+
+
+def _as_checkpoint(t: torch.Tensor, spec: dict) -> torch.Tensor:
+    dtype = conventions.SAFETENSORS_DTYPES[spec["dtype"]]
+    shape = tuple(spec["shape"])
+    return t.contiguous().view(torch.uint8).reshape(shape[0], -1).view(dtype).reshape(shape)
+
+
+def restore_layers(path: str | os.PathLike) -> tuple[dict, list[MoELayer]]:
+    """Map a kernel-layout file back to the checkpoint layout: ``(metadata, layers)``.
+
+    Rebuilds each layer's plan from the recorded arguments, checks that its step chains
+    equal the recorded ones, and applies the inverse plan (padding dropped).
+    """
+    from safetensors import safe_open
+
+    meta = read_kernel_metadata(path)
+    layers = []
+    with safe_open(str(path), framework="pt") as f:
+        for idx, rec in meta["layers"].items():
+            plan = build_plan(rec["plan"])
+            maps = plan.maps()
+            kernel = {}
+            for n, trec in rec["tensors"].items():
+                chain = [s.name for s in maps[n].steps] if n in maps else []
+                if chain != trec["steps"]:
+                    raise CheckpointError(
+                        f"{path}: layer {idx} {n} was written with steps {trec['steps']} but this fimoe_lab builds "
+                        f"{chain} from the same arguments; restore it with the fimoe_lab version that wrote it")
+                name = _out_name(meta["prefix"], meta["block"], int(idx), trec["name"])
+                t = f.get_tensor(name)
+                want = (trec["kernel"]["dtype"], trec["kernel"]["shape"])
+                if (dtype_name(t.dtype), list(t.shape)) != (want[0], want[1]):
+                    raise CheckpointError(f"{path}: {name} is {dtype_name(t.dtype)} {list(t.shape)}, metadata says "
+                                          f"{want[0]} {want[1]}; the file was modified after conversion")
+                kernel[n] = t
+            inv = plan.inverse()
+            back = inv.apply(*(kernel.get(n) for n in KERNEL_NAMES))
+            tensors = {n: (_as_checkpoint(t, rec["tensors"][n]["checkpoint"]) if n in rec["tensors"] else None)
+                       for n, t in zip(KERNEL_NAMES, back)}
+            extras = {n: f.get_tensor(_out_name(meta["prefix"], meta["block"], int(idx), n)) for n in rec["extras"]}
+            args = rec["plan"]["args"]
+            layers.append(MoELayer(rec["fmt"], tensors["w13"], tensors["w2"], tensors["w13_scale"], tensors["w2_scale"],
+                                   args["intermediate"], args["hidden"], extras, int(idx), meta.get("convention"),
+                                   meta.get("tp_size", 1), meta.get("tp_rank", 0), rec["activation"],
+                                   rec["activation_params"], args["is_act_and_mul"], args["is_gated"]))
+    return meta, layers
+
+
+def restore_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write a kernel-layout file back as a checkpoint directory in its original naming convention.
+
+    The result (``config.json``, index, one shard) holds the MoE expert tensors of the
+    converted layers, byte-identical to the source's (for a TP shard: the rank's slice,
+    with config.json's intermediate size set to the shard's). Written atomically.
+    """
+    meta, layers = restore_layers(path)
+    if not meta.get("convention"):
+        raise CheckpointError(f"{path}: no source convention recorded (written from in-memory layers); use restore_layers()")
+    conv = conventions.get(meta["convention"])
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        tensors.update(conv.to_tensors(meta["prefix"], layer.layer, layer))
+    config = dict(meta.get("config") or {})
+    if layers and meta.get("tp_size", 1) > 1:
+        config[next((k for k in conv.intermediate_keys if k in config), conv.intermediate_keys[0])] = layers[0].intermediate
+    from safetensors.torch import save_file
+
+    shard = "model-00001-of-00001.safetensors"
+    with atomic_output(out_dir) as tmp:
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / shard), metadata={"format": "pt"})
+        total = sum(v.numel() * v.element_size() for v in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": {k: shard for k in sorted(tensors)}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(out_dir)

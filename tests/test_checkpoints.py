@@ -1,0 +1,274 @@
+"""Checkpoint reader: sample conventions against the seeded generator, TP slicing, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from fimoe_lab.checkpoints import CheckpointError, open_checkpoint, sample_path
+from scripts import make_sample_checkpoints as gen
+
+SAMPLES = list(gen.SAMPLES)
+EXPECTED = {  # sample -> (convention, format, w13 dtype, scale dtype)
+    "deepseek-v3-fp8": ("deepseek-fp8", "fp8-block", torch.float8_e4m3fn, torch.float32),
+    "qwen3-moe-bf16": ("qwen3-moe-bf16", "bf16", torch.bfloat16, None),
+    "mixtral-bf16": ("mixtral-bf16", "bf16", torch.bfloat16, None),
+    "deepseek-r1-nvfp4": ("modelopt-nvfp4", "nvfp4", torch.uint8, torch.float8_e4m3fn),
+    "gpt-oss-mxfp4": ("gpt-oss-mxfp4", "mxfp4", torch.uint8, torch.uint8),
+}
+REL_ERR = {"bf16": 0.01, "fp8-block": 0.05, "nvfp4": 0.15, "mxfp4": 0.2}
+
+
+def same_bytes(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------- samples
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_sample_reads_as_generated(sample):
+    spec = gen.SAMPLES[sample]
+    conv, fmt, wdtype, sdtype = EXPECTED[sample]
+    e, i, h = spec["experts"], spec["intermediate"], spec["hidden"]
+    v = 2 if fmt in ("nvfp4", "mxfp4") else 1
+    with open_checkpoint(sample_path(sample)) as ck:
+        assert (ck.convention.name, ck.fmt) == (conv, fmt)
+        assert ck.moe_layers == list(spec["moe_layers"])  # dense layer and shared expert are not experts
+        for layer in ck.moe_layers:
+            got = ck.read_layer(layer)
+            assert got.w13.shape == (e, 2 * i, h // v) and got.w13.dtype == wdtype
+            assert got.w2.shape == (e, h, i // v) and got.w2.dtype == wdtype
+            assert (got.w13_scale is None) == (sdtype is None)
+            if sdtype is not None:
+                assert got.w13_scale.dtype == sdtype and got.w2_scale.dtype == sdtype
+            want = gen.sample_layer(sample, layer)
+            for name, t in want.tensors().items():
+                assert same_bytes(getattr(got, name), t), name
+            assert set(got.extras) == set(want.extras)
+            for name, t in want.extras.items():
+                assert same_bytes(got.extras[name], t.contiguous()), name
+            # values: the dequantized stack is the seeded original, gate rows first
+            orig = gen.original_weights(sample, layer)
+            w13, w2 = got.dequantized()
+            gate, up = w13[:, :i], w13[:, i:]
+            for deq, ref, other in ((gate, orig["gate"], orig["up"]), (up, orig["up"], orig["gate"]), (w2, orig["down"], None)):
+                err = ((deq - ref).norm() / ref.norm()).item()
+                assert err < REL_ERR[fmt], (sample, err)
+                if other is not None:  # a swapped gate/up would be far off
+                    assert ((deq - other).norm() / other.norm()).item() > 0.9
+
+
+def test_sample_data_is_small_and_regenerates_identically(tmp_path):
+    shipped = Path(gen.DEFAULT_OUT)
+    total = sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file())
+    assert 1e6 < total < 8e6, total
+    gen.main([str(tmp_path)])
+    for sample in SAMPLES:
+        for f in (shipped / sample).iterdir():
+            assert f.read_bytes() == (tmp_path / sample / f.name).read_bytes(), f"{sample}/{f.name} is stale: rerun the script"
+
+
+def test_dead_expert_has_tiny_scales():
+    with open_checkpoint(sample_path("deepseek-v3-fp8")) as ck:
+        layer = ck.read_layer(1, load="scales")
+    dead = gen.SAMPLES["deepseek-v3-fp8"]["dead_expert"]
+    assert layer.w13_scale[dead].max() < 1e-20 and layer.w2_scale[dead].max() < 1e-20
+    others = torch.cat([layer.w13_scale[:dead], layer.w13_scale[dead + 1:]])
+    assert others.min() > 1e-6
+    assert layer.w13.device.type == "meta"  # load="scales" never reads weights
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+def rank_rows(sample: str, tp: int, rank: int) -> list[int]:
+    """Intermediate rows of a rank: equal shards, or whole 32-value blocks, ceil per rank, for gpt-oss."""
+    i = gen.SAMPLES[sample]["intermediate"]
+    if EXPECTED[sample][1] == "mxfp4":
+        per = -(-(i // 32) // tp) * 32
+        return list(range(rank * per, min((rank + 1) * per, i)))
+    return list(range(rank * i // tp, (rank + 1) * i // tp))
+
+
+def slow_rank_slice(sample: str, full, tp: int, rank: int):
+    """Per-rank slice built row by row from the full (TP 1) layer, independently of the reader."""
+    fmt, i = full.fmt, full.intermediate
+    rows = rank_rows(sample, tp, rank)
+    v = 2 if fmt in ("nvfp4", "mxfp4") else 1
+    w13 = torch.stack([torch.stack([full.w13[e, r] for r in rows] + [full.w13[e, i + r] for r in rows])
+                       for e in range(full.num_experts)])
+    cols = sorted({r // v for r in rows})
+    out = {"w13": w13, "w2": full.w2[:, :, cols]}
+    if fmt == "fp8-block":
+        n = full.w13_scale.shape[1] // 2
+        blocks = sorted({r // 128 for r in rows})
+        out["w13_scale"] = torch.cat([full.w13_scale[:, blocks], full.w13_scale[:, [n + b for b in blocks]]], 1)
+        out["w2_scale"] = full.w2_scale[:, :, blocks]
+    elif fmt in ("nvfp4", "mxfp4"):
+        block = 16 if fmt == "nvfp4" else 32
+        out["w13_scale"] = torch.cat([full.w13_scale[:, rows], full.w13_scale[:, [i + r for r in rows]]], 1)
+        out["w2_scale"] = full.w2_scale[:, :, sorted({r // block for r in rows})]
+    if "w13_bias" in full.extras:
+        out["w13_bias"] = torch.cat([full.extras["w13_bias"][:, rows], full.extras["w13_bias"][:, [i + r for r in rows]]], 1)
+        out["w2_bias"] = full.extras["w2_bias"] if rank == 0 else torch.zeros_like(full.extras["w2_bias"])
+    return out
+
+
+def shardable(sample: str, tp: int) -> bool:
+    i, fmt = gen.SAMPLES[sample]["intermediate"], EXPECTED[sample][1]
+    if fmt == "mxfp4":
+        return len(rank_rows(sample, tp, tp - 1)) > 0
+    return i % tp == 0 and (i // tp) % {"fp8-block": 128, "nvfp4": 16}.get(fmt, 1) == 0
+
+
+SHARDABLE = [(s, tp) for s in SAMPLES for tp in (2, 4, 8) if shardable(s, tp)]
+
+
+@pytest.mark.parametrize("sample,tp", SHARDABLE)
+def test_tp_slice_matches_slow_reference(sample, tp):
+    with open_checkpoint(sample_path(sample)) as ck:
+        layer = ck.moe_layers[-1]
+        full = ck.read_layer(layer)
+        for rank in range(tp):
+            got = ck.read_layer(layer, tp, rank)
+            want = slow_rank_slice(sample, full, tp, rank)
+            assert got.intermediate == len(rank_rows(sample, tp, rank))
+            for name, t in want.items():
+                mine = got.extras[name] if name in got.extras else getattr(got, name)
+                assert same_bytes(mine, t), (name, rank)
+            for name in ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale"):
+                if name in full.extras:  # per-tensor scalars are not sharded
+                    assert same_bytes(got.extras[name], full.extras[name])
+
+
+def test_tp_shards_tile_the_full_layer():
+    with open_checkpoint(sample_path("mixtral-bf16")) as ck:
+        full = ck.read_layer(0)
+        parts = [ck.read_layer(0, 4, r) for r in range(4)]
+    i = full.intermediate
+    gate = torch.cat([p.w13[:, :p.intermediate] for p in parts], 1)
+    up = torch.cat([p.w13[:, p.intermediate:] for p in parts], 1)
+    assert torch.equal(torch.cat([gate, up], 1), full.w13) and gate.shape[1] == i
+    assert torch.equal(torch.cat([p.w2 for p in parts], 2), full.w2)
+
+
+@pytest.mark.parametrize("sample,tp,rank,words", [
+    ("mixtral-bf16", 3, 0, ["tp=3 does not divide the intermediate size 464"]),
+    ("deepseek-v3-fp8", 4, 0, ["intermediate 64 per rank", "128", "Fix: tp in [1, 2]"]),
+    ("deepseek-r1-nvfp4", 8, 0, ["intermediate 40 per rank", "16-value NVFP4"]),
+    ("gpt-oss-mxfp4", 8, 5, ["rank 5 gets no intermediate rows", "10 MXFP4 blocks"]),
+    ("qwen3-moe-bf16", 2, 2, ["rank 2 of 2 is not valid"]),
+])
+def test_tp_misalignment_is_a_clear_error(sample, tp, rank, words):
+    with open_checkpoint(sample_path(sample)) as ck, pytest.raises(CheckpointError) as info:
+        ck.read_layer(ck.moe_layers[0], tp, rank)
+    for w in words:
+        assert w in str(info.value)
+
+
+# ---------------------------------------------------------------------------- bad input
+def copy_checkpoint(sample: str, dst: Path, mutate=None, config=None) -> Path:
+    """A single-file copy of a sample (no index), with ``mutate(tensors)`` applied."""
+    src = sample_path(sample)
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+    if mutate:
+        mutate(tensors)
+    dst.mkdir(parents=True)
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config(cfg) if config else cfg))
+    return dst
+
+
+def test_single_file_checkpoint_without_index(tmp_path):
+    path = copy_checkpoint("qwen3-moe-bf16", tmp_path / "c")
+    with open_checkpoint(path) as ck, open_checkpoint(sample_path("qwen3-moe-bf16")) as ref:
+        assert same_bytes(ck.read_layer(1).w13, ref.read_layer(1).w13)
+
+
+def test_kimi_k2_config_reads_as_deepseek_convention(tmp_path):
+    def kimi(cfg):
+        return {**cfg, "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+
+    path = copy_checkpoint("deepseek-v3-fp8", tmp_path / "k", config=kimi)
+    with open_checkpoint(path) as ck:
+        assert ck.convention.name == "deepseek-fp8" and ck.read_layer(1).num_experts == 6
+
+
+def _raises(path, *words, layer=None, exc=CheckpointError):
+    with pytest.raises(exc) as info:
+        with open_checkpoint(path) as ck:
+            ck.read_layer(ck.moe_layers[0] if layer is None else layer)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    return str(info.value)
+
+
+def test_missing_tensor_names_it(tmp_path):
+    name = "model.layers.1.mlp.experts.4.up_proj.weight_scale_inv"
+    path = copy_checkpoint("deepseek-v3-fp8", tmp_path / "c", lambda t: t.pop(name))
+    _raises(path, "missing tensor " + name, "F32 [2, 2]")
+
+
+def test_wrong_shape_names_tensor_expected_and_found(tmp_path):
+    name = "model.layers.0.block_sparse_moe.experts.2.w3.weight"
+    path = copy_checkpoint("mixtral-bf16", tmp_path / "c", lambda t: t.__setitem__(name, t[name][:460].clone()))
+    _raises(path, name, "expected BF16 [464, 64]", "found BF16 [460, 64]")
+
+
+def test_wrong_dtype_names_tensor_expected_and_found(tmp_path):
+    name = "model.layers.0.mlp.experts.5.down_proj.weight_scale_2"
+    path = copy_checkpoint("deepseek-r1-nvfp4", tmp_path / "c", lambda t: t.__setitem__(name, t[name].to(torch.bfloat16)))
+    _raises(path, name, "expected F32", "found BF16")
+
+
+def test_wrong_dtype_of_scale_in_fused_convention(tmp_path):
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    path = copy_checkpoint("gpt-oss-mxfp4", tmp_path / "c", lambda t: t.__setitem__(name, t[name].to(torch.float32)))
+    _raises(path, name, "expected U8 [8, 256, 10]", "found F32 [8, 256, 10]")
+
+
+def test_unknown_naming_convention(tmp_path):
+    def rename(t):
+        for k in [k for k in t if ".experts." in k]:
+            t[k.replace("gate_proj", "w_in")] = t.pop(k)
+
+    path = copy_checkpoint("qwen3-moe-bf16", tmp_path / "c", rename)
+    msg = _raises(path, "follow no known naming convention", "experts.0.w_in.weight", "conventions.py", exc=CheckpointError)
+    assert "gpt-oss-mxfp4" in msg
+
+
+def test_no_experts_at_all(tmp_path):
+    path = copy_checkpoint("qwen3-moe-bf16", tmp_path / "c", lambda t: [t.pop(k) for k in [k for k in t if ".experts." in k]])
+    with pytest.raises(CheckpointError, match="no MoE expert tensors"):
+        open_checkpoint(path)
+
+
+def test_missing_config_key_and_file(tmp_path):
+    path = copy_checkpoint("qwen3-moe-bf16", tmp_path / "c", config=lambda c: {k: v for k, v in c.items() if k != "moe_intermediate_size"})
+    _raises(path, "moe_intermediate_size", "config.json")
+    (path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        open_checkpoint(path)
+
+
+def test_config_that_does_not_match_the_weights(tmp_path):
+    path = copy_checkpoint("qwen3-moe-bf16", tmp_path / "c", config=lambda c: {**c, "num_experts": 7})
+    _raises(path, "missing tensor model.layers.0.mlp.experts.6.gate_proj.weight")
+
+
+def test_index_pointing_to_missing_shard(tmp_path):
+    dst = tmp_path / "c"
+    shutil.copytree(sample_path("qwen3-moe-bf16"), dst)
+    (dst / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        with open_checkpoint(dst) as ck:
+            ck.read_layer(1)
