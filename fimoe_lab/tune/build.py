@@ -366,13 +366,14 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
                 done, total = int(m.group(1)), int(m.group(2))
                 src = re.findall(r"(\w+)\.(?:cu|cpp)\b", line)
                 what = src[-1] if src else ("link" if done == total else "")
+                # ninja (not on a terminal) prints an edge when it *finishes*
                 if bar is not None:
                     bar.total = total
-                    bar.n = done - 1
-                    bar.set_postfix_str(f"{what} ({time.time() - t0:.0f}s)")
+                    bar.n = done
+                    bar.set_postfix_str(f"finished {what} at {time.time() - t0:.0f}s")
                     bar.refresh()
                 else:
-                    print(f"[{done}/{total}] {what} ({time.time() - t0:.0f}s)", flush=True)
+                    print(f"[{done}/{total}] finished {what} ({time.time() - t0:.0f}s)", flush=True)
         rc = p.wait()
     if bar is not None:
         bar.n = bar.total or 0
