@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Record a tactic snapshot from the live oracle into data/tactics/.
 
-Covers every preset x its serving formats (nvfp4 with and without per-token scaling)
+Covers every preset x every format (nvfp4 with and without per-token scaling)
 x TP 1/2/4/8 x intermediate alignments none/16/32/64/128/256 x hidden alignments
 none/256/512/1024 x tokens 1/8/64/512/4096/16384, plus the DESIGN §5 reference points.
 Stores, per distinct query shape, the number of configs per tile_N (not the config
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fimoe_lab.presets import PRESETS  # noqa: E402
-from fimoe_lab.tune.oracle import TacticOracle, TacticQuery, snapshot_dir  # noqa: E402
+from fimoe_lab.tune.oracle import FORMATS, TacticOracle, TacticQuery, snapshot_dir  # noqa: E402
 from fimoe_lab.tune.sweep import HIDDEN_ALIGNS, INTER_ALIGNS, TOKENS, TPS, queries_for  # noqa: E402
 
 
@@ -57,12 +57,14 @@ def all_queries() -> list[TacticQuery]:
                 out.append(q)
 
     for p in PRESETS.values():
-        for fmt in p.serving_formats:
+        for fmt in FORMATS:                      # every format, not only the serving ones
+            layouts = (None, "major-k") if FORMATS[fmt].default_layout == "block-major-k" else (None,)
             for pt in ((False, True) if fmt == "nvfp4" else (False,)):
-                for tp in TPS:
-                    if p.moe_intermediate % tp:
-                        continue
-                    add(queries_for(p, fmt, tp, pt, None, TOKENS, INTER_ALIGNS, HIDDEN_ALIGNS))
+                for layout in layouts:
+                    for tp in TPS:
+                        if p.moe_intermediate % tp:
+                            continue
+                        add(queries_for(p, fmt, tp, pt, layout, TOKENS, INTER_ALIGNS, HIDDEN_ALIGNS))
     add(design_points())
     return out
 

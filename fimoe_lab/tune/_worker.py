@@ -24,6 +24,20 @@ import json
 import sys
 
 
+def _clean(e: BaseException) -> str:
+    """FlashInfer's message without the C++ source location and traceback lines."""
+    import re
+    lines = [m for m in str(e).strip().splitlines() if m.strip() and not m.startswith("  File ")]
+    msg = " ".join(lines[-3:])
+    msg = re.sub(r"Error in function '[^']*' at \S+:\d+:\s*", "", msg)
+    if "No kernel found" in msg:
+        keep = [kv for kv in re.findall(r"(m\w+): ([^,]+)", msg)
+                if kv[0] in ("mDtypeA", "mDtypeB", "mDtypeC", "mActType", "mEltwiseActType", "mFusedAct",
+                             "mUseDeepSeekFp8", "mUsePerTokenSfA", "mUsePerTokenSfB")]
+        msg = "no kernel in this kernel set for these options (" + ", ".join(f"{k}={v}" for k, v in keep) + ")"
+    return f"{type(e).__name__}: {msg[:300]}"
+
+
 def _load(mode: str, so_path: str | None):
     if mode == "native":
         from flashinfer.fused_moe.core import get_trtllm_moe_sm100_module
@@ -81,11 +95,7 @@ def main() -> int:
             configs = [[int(x) for x in pair] for pair in res]
             out.write(json.dumps({"id": rid, "ok": True, "configs": configs}) + "\n")
         except Exception as e:
-            msg = str(e).strip().splitlines()
-            # TVM-FFI errors carry a C++ traceback; keep the message lines.
-            msg = [m for m in msg if m and not m.startswith("  File ")]
-            out.write(json.dumps({"id": rid, "ok": False,
-                                  "error": f"{type(e).__name__}: {' '.join(msg[-3:])[:500]}"}) + "\n")
+            out.write(json.dumps({"id": rid, "ok": False, "error": _clean(e)}) + "\n")
     return 0
 
 

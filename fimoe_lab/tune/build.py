@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from dataclasses import asdict, dataclass
@@ -356,6 +357,15 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
         p = subprocess.Popen([sys.executable, "-c", _DRIVER], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, bufsize=1)
         assert p.stdout is not None
+        stop = threading.Event()
+
+        def heartbeat():  # single steps take up to ~10 min (ptxas): keep the clock moving
+            while not stop.wait(2.0 if bar is not None else 60.0):
+                if bar is not None:
+                    bar.refresh()
+                elif progress:
+                    print(f"... still compiling ({time.time() - t0:.0f}s)", flush=True)
+        threading.Thread(target=heartbeat, daemon=True).start()
         for line in p.stdout:
             log.write(line)
             log.flush()
@@ -375,6 +385,7 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
                 else:
                     print(f"[{done}/{total}] finished {what} ({time.time() - t0:.0f}s)", flush=True)
         rc = p.wait()
+        stop.set()
     if bar is not None:
         bar.n = bar.total or 0
         bar.close()

@@ -94,7 +94,8 @@ def sweep(preset: str | ModelPreset, fmt: str, tp: int, oracle: Optional[TacticO
     ``t<T>`` (tactic count at T tokens; NaN when unknown), ``min_tactics``,
     ``full`` (count equals the best of all rows at every T), ``extra_bytes_pct``,
     ``extra_flops_pct``, ``extra_mbytes`` (per layer, all local experts),
-    ``reference`` (the fixed rule's row), ``recommended``, ``flag`` (why the
+    ``reference`` (the fixed rule's row), ``recommended`` (the full space at least
+    waste; ``attrs["minimal"]`` is the cheapest padding with a tactic at every T), ``flag`` (why the
     reference row loses tactics, if it does), ``reason`` (first reason for a 0/unknown),
     ``source``.  ``df.attrs`` holds preset, format, tp, the recommendation and the source.
     """
@@ -134,7 +135,7 @@ def sweep(preset: str | ModelPreset, fmt: str, tp: int, oracle: Optional[TacticO
         rows.append(row)
     df = pd.DataFrame(rows)
     tcols = [f"t{t}" for t in tokens]
-    df[tcols] = df[tcols].astype("Float64")
+    df[tcols] = df[tcols].astype("Int64")
     best = df[tcols].max()
     df["min_tactics"] = df[tcols].min(axis=1)
     df["full"] = (df[tcols] == best).all(axis=1).fillna(False).astype(bool)
@@ -157,10 +158,20 @@ def sweep(preset: str | ModelPreset, fmt: str, tp: int, oracle: Optional[TacticO
         flags.append(f)
     df["flag"] = flags
     rec = df.loc[rec_idx]
+    # The cheapest padding that still has at least one tactic at every T (may be < full).
+    ok = df[(df[tcols].fillna(0) > 0).all(axis=1)].sort_values(
+        ["extra_bytes_pct", "min_tactics", "inter_align", "hidden_align"], ascending=[True, False, True, True])
+    minimal = None
+    if len(ok):
+        m = ok.iloc[0]
+        minimal = {"inter_align": int(m.inter_align), "hidden_align": int(m.hidden_align),
+                   "intermediate": int(m.intermediate), "hidden": int(m.hidden),
+                   "min_tactics": int(m.min_tactics), "extra_bytes_pct": float(m.extra_bytes_pct)}
     df.attrs.update(preset=p.name, format=fmt, tp=tp, per_token=per_token, tokens=list(tokens),
                     recommendation={"inter_align": int(rec.inter_align), "hidden_align": int(rec.hidden_align),
                                     "intermediate": int(rec.intermediate), "hidden": int(rec.hidden),
                                     "full": bool(rec.full), "extra_bytes_pct": float(rec.extra_bytes_pct)},
+                    minimal=minimal,
                     reference={"inter_align": ref[0], "hidden_align": ref[1]},
                     source=oracle.source())
     return df
@@ -177,6 +188,10 @@ def summary(df) -> str:
              f"recommended: intermediate -> {rec['intermediate']} (align {rec['inter_align']}), "
              f"hidden -> {rec['hidden']} (align {rec['hidden_align']}), +{rec['extra_bytes_pct']:.2f}% weights"
              + ("" if rec["full"] else "  [no padding reaches every tactic at every T]"),
+             ("cheapest padding with a tactic at every T: " + (
+                 f"intermediate -> {a['minimal']['intermediate']}, hidden -> {a['minimal']['hidden']}, "
+                 f"+{a['minimal']['extra_bytes_pct']:.2f}% weights, min {a['minimal']['min_tactics']} tactics"
+                 if a.get("minimal") else "none (no padding in the grid has a tactic at every T)")),
              f"reference rule (I%{ref['inter_align']}, H%{ref['hidden_align']}): intermediate {int(refrow.intermediate)}, "
              f"hidden {int(refrow.hidden)}, min tactics {refrow.min_tactics}"
              + (f"  <-- {refrow.flag}" if refrow.flag else "  (full tactic space)")]
