@@ -153,15 +153,18 @@ class Prereqs:
     ninja: Optional[str]
     cc: Optional[str]
 
-    def problems(self) -> list[str]:
+    def problems(self, fetch_kernel_list: bool = False) -> list[str]:
         p = []
         if not self.flashinfer_version:
             p.append("flashinfer-python is not installed (pip install flashinfer-python==0.6.13)")
-        if not self.cubin_version:
+        if not self.cubin_version and fetch_kernel_list:
+            pass
+        elif not self.cubin_version:
             v = self.flashinfer_version or "<flashinfer version>"
             p.append(f"flashinfer-cubin is not installed (pip install flashinfer-cubin=={v}; "
-                     "a ~460 MB wheel that carries the kernel list the module is built against)")
-        elif self.flashinfer_version and self.cubin_version != self.flashinfer_version:
+                     "a ~460 MB wheel, 1.9 GB installed, that carries the kernel list the module is built "
+                     "against), or build with --fetch-kernel-list to keep only the ~10 MB needed")
+        elif self.flashinfer_version and self.cubin_version != self.flashinfer_version and not fetch_kernel_list:
             p.append(f"flashinfer-cubin {self.cubin_version} does not match flashinfer-python "
                      f"{self.flashinfer_version}; install flashinfer-cubin=={self.flashinfer_version}")
         if not self.nvcc:
@@ -243,13 +246,56 @@ def fetch_headers(dest_dir: Path, progress: bool = True) -> Path:
     return inc
 
 
+# ---------------------------------------------------------------- kernel list
+def fetch_kernel_list(dest_dir: Path, fi_version: str, progress: bool = True) -> Path:
+    """The ~10 MB of flashinfer-cubin the build needs, without installing the ~1.9 GB package.
+
+    pip-downloads ``flashinfer-cubin==<fi_version>`` (a ~460 MB wheel), keeps only the
+    TRTLLM-Gen batched-GEMM ``checksums.txt`` and ``include/`` (kernel list header and
+    export headers), and deletes the wheel.  Returns a directory to use as
+    ``FLASHINFER_CUBIN_DIR``.
+    """
+    out = dest_dir / "kernel_list"
+    marker = out / ".complete"
+    if marker.exists():
+        return out
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        if progress:
+            print(f"[fimoe_lab] fetching the kernel list from flashinfer-cubin=={fi_version} "
+                  "(~460 MB download, ~10 MB kept)", flush=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                            "-d", tmp, f"flashinfer-cubin=={fi_version}"], capture_output=True, text=True)
+        if r.returncode:
+            raise BuildError(f"pip download flashinfer-cubin=={fi_version} failed:\n{r.stderr[-2000:]}")
+        whl = next(Path(tmp).glob("*.whl"))
+        n = 0
+        with zipfile.ZipFile(whl) as z:
+            for name in z.namelist():
+                m = re.match(r"flashinfer_cubin/cubins/(.+/batched_gemm-[^/]+/(checksums\.txt|include/.+))$", name)
+                if m and not name.endswith("/"):
+                    target = out / m.group(1)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(z.read(name))
+                    n += 1
+        if n == 0:
+            raise BuildError(f"flashinfer-cubin=={fi_version} has no batched_gemm kernel list")
+    marker.write_text(fi_version)
+    return out
+
+
+fetch_kernel_list_fn = fetch_kernel_list
+
 # ---------------------------------------------------------------- the build
 _DRIVER = r"""
-import json, sys
+import json, os, sys
+if os.environ.get("FIMOE_HIDE_FLASHINFER_CUBIN"):
+    sys.modules["flashinfer_cubin"] = None   # use FLASHINFER_CUBIN_DIR (our fetched kernel list)
 from flashinfer.jit.fused_moe import gen_trtllm_gen_fused_moe_sm100_module
 spec = gen_trtllm_gen_fused_moe_sm100_module()
 print("FIMOE_SO=" + json.dumps(str(spec.jit_library_path)), flush=True)
-if not spec.is_compiled:
+if os.environ.get("FIMOE_NINJA_ONLY"):
+    spec.write_ninja()
+elif not spec.is_compiled:
     spec.build(verbose=True)
 print("FIMOE_DONE", flush=True)
 """
@@ -317,7 +363,8 @@ def find_module() -> Optional[Manifest]:
     return m
 
 
-def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool = False) -> Manifest:
+def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool = False,
+                 fetch_kernel_list: bool = False) -> Manifest:
     """Build ``fused_moe_trtllm_sm100`` into the cache (or return the existing one).
 
     ~15 minutes on 2 cores.  Raises :class:`BuildError` naming every missing
@@ -330,7 +377,7 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
                 print(f"[fimoe_lab] module already built: {found.so_path}", flush=True)
             return found
     pre = check_prereqs()
-    probs = pre.problems()
+    probs = pre.problems(fetch_kernel_list)
     if probs:
         raise BuildError("cannot build the TRTLLM-Gen MoE module:\n  - " + "\n  - ".join(probs))
     vdir = _version_dir(pre.flashinfer_version)  # type: ignore[arg-type]
@@ -341,6 +388,9 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
     work = vdir / "workspace"
     env = module_env(work, headers, stub, pre.cuda_home)
     env["MAX_JOBS"] = str(jobs or os.cpu_count() or 2)
+    if fetch_kernel_list:
+        env["FLASHINFER_CUBIN_DIR"] = str(fetch_kernel_list_fn(vdir, pre.flashinfer_version, progress))
+        env["FIMOE_HIDE_FLASHINFER_CUBIN"] = "1"
     log_path = vdir / "build.log"
     t0 = time.time()
     so_path = None
@@ -395,7 +445,8 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
     secs = time.time() - t0
     man = Manifest(
         so_path=so_path, shim_path=str(shim),
-        flashinfer_version=pre.flashinfer_version or "", cubin_version=pre.cubin_version or "",
+        flashinfer_version=pre.flashinfer_version or "",
+        cubin_version=(pre.flashinfer_version + " (kernel list fetched)") if fetch_kernel_list else (pre.cubin_version or ""),
         kernel_set=_kernel_set_in_subprocess(env), build_seconds=round(secs, 1),
         so_bytes=Path(so_path).stat().st_size, cuda_home=pre.cuda_home,
     )
@@ -423,17 +474,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--check", action="store_true", help="only report prerequisites and an existing build")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: CPU count)")
     ap.add_argument("--force", action="store_true", help="rebuild even if a module is present")
+    ap.add_argument("--fetch-kernel-list", action="store_true",
+                    help="do not require the installed flashinfer-cubin package: pip-download its wheel "
+                         "once and keep only the ~10 MB kernel list the build needs")
     a = ap.parse_args(argv)
     if a.check:
         pre = check_prereqs()
         print(json.dumps(asdict(pre), indent=2))
-        for p in pre.problems():
+        for p in pre.problems(a.fetch_kernel_list):
             print("missing:", p)
         found = find_module()
         print("module:", found.so_path if found else "not built")
         return 0 if found else 1
     try:
-        man = build_module(progress=True, jobs=a.jobs, force=a.force)
+        man = build_module(progress=True, jobs=a.jobs, force=a.force, fetch_kernel_list=a.fetch_kernel_list)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
