@@ -226,8 +226,12 @@ class Snapshot:
         return cls((match or files)[-1])
 
     def source(self) -> dict:
-        return {"kind": "snapshot", "file": self.path.name,
-                "flashinfer": self.meta.get("flashinfer"), "kernel_set": self.meta.get("kernel_set")}
+        src = {"kind": "snapshot", "file": self.path.name,
+               "flashinfer": self.meta.get("flashinfer"), "kernel_set": self.meta.get("kernel_set")}
+        fi = _installed("flashinfer-python")
+        if fi and fi != src["flashinfer"]:
+            src["note"] = f"recorded with FlashInfer {src['flashinfer']}; installed is {fi}"
+        return src
 
     def answer(self, q: TacticQuery) -> TacticAnswer:
         src = self.source()
