@@ -52,7 +52,7 @@ def test_row_explorer_window_colour_and_expert():
 def test_row_explorer_on_a_given_layer():
     layer = sources.sample_layer("nvfp4", experts=2, intermediate=128, hidden=256)
     w = widgets.RowExplorer(layer)
-    assert w.fmt.disabled and w.fmt.value == "nvfp4" and w.expert.max == 1
+    assert w.source.disabled and w.expert.max == 1
     assert "NVFP4 TRT-LLM" in w.message.value
     w.tensor.value = "w2"
     assert w.state["flow"].projections == 1 and w.state["flow"].out_rows == 256
@@ -64,7 +64,7 @@ def test_tile_explorer_atoms_and_tiles():
     assert list(w.tensor.options) == ["w13_scale", "w2_scale"] and w.atom.max == view.atoms - 1
     w.atom.value = 2
     assert same(image(w.figure, 2), view.src_col[64:96])
-    w.fmt.value = "bf16"
+    w.source.value = "seeded:bf16"
     assert list(w.tensor.options) == ["w13", "w2"]
     assert w.state["tensor"] == "w13"
     tiles = data.tile_view(w.state["plan"].w13, 2)
@@ -105,3 +105,34 @@ def test_provenance_explorer_follows_the_chosen_element():
 def test_tuner_explorer_explains_a_missing_tuner():
     w = widgets.TunerExplorer()
     assert "fimoe_lab.tune" in w.message.value and w.figure is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fimoe_lab.tune") is None, reason="the tuner is not installed")
+def test_tuner_explorer_draws_the_snapshot_sweep():
+    pytest.importorskip("pandas")
+    w = widgets.TunerExplorer("gpt-oss-120b", "fp8", 8)
+    sweep = w.state["sweep"]
+    grid = sweep.pivot(index="inter_align", columns="hidden_align", values="min_tactics").to_numpy(dtype=float)
+    assert np.array_equal(image(w.figure, 0), grid)
+    rec = sweep[sweep["recommended"]].iloc[0]
+    assert f"intermediate {int(rec.intermediate)} (align {int(rec.inter_align)})" in w.message.value
+    first = w.image.value
+    w.tp.value = 2
+    assert w.state["sweep"].attrs["tp"] == 2 and w.image.value != first
+
+
+def test_explorers_on_a_shipped_sample_checkpoint():
+    checkpoints = pytest.importorskip("fimoe_lab.checkpoints")
+    if "deepseek-r1-nvfp4" not in checkpoints.sample_names():
+        pytest.skip("sample checkpoints are not in this checkout")
+    w = widgets.RowExplorer()
+    w.source.value = "sample:deepseek-r1-nvfp4"
+    layer = w.state["layer"]
+    assert layer.fmt == "nvfp4" and w.expert.max == layer.experts - 1
+    kernel, plan, _ = checkpoints.convert_layer(layer.moe, "trtllm")
+    assert plan.w13 == w.state["plan"].w13  # the lab draws the plan the converter applies
+    observed = data.observed_row_sources(layer.moe.w13[2], next(t for n, t in kernel.items() if "w13" in n and "scale" not in n)[2])
+    assert np.array_equal(observed, w.state["flow"].src_rows)
+    w.expert.value = 2
+    magnitude = layer.magnitude("w13", 2)
+    assert magnitude.shape == tuple(layer.moe.w13.shape[1:]) and magnitude.max() > 0

@@ -311,7 +311,9 @@ def tuner_figure(sweep, tokens: Optional[int] = None) -> Figure:
     fig.colorbar(im, ax=ax, label=f"valid tactics ({column})")
     for i in range(len(ia)):
         for j in range(len(ha)):
-            ax.text(j, i, f"+{waste[i, j]:.1f}%", ha="center", va="center", fontsize=7, color="white")
+            bright = np.nanmax(grid) > 0 and grid[i, j] > 0.6 * np.nanmax(grid)
+            ax.text(j, i, f"+{waste[i, j]:.1f}%", ha="center", va="center", fontsize=7,
+                    color="black" if bright else "white")
     for flag, colour in (("recommended", "lime"), ("reference", "red")):
         for _, r in sweep[sweep[flag]].iterrows():
             i, j = ia.index(r["inter_align"]), ha.index(r["hidden_align"])

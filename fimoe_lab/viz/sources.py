@@ -13,18 +13,20 @@ The explorers only see :class:`ExpertTensors` and the tuner's DataFrame.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from fimoe_lab.layout import LayoutError
+from fimoe_lab.plan import LayerPlan
 
 __all__ = ["ExpertTensors", "LabUnavailable", "sample_layer", "load_layer", "sample_names", "preset_names", "tactic_sweep"]
 
 PLAN_FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4")
+PACKED_FP4 = ("nvfp4", "mxfp4")
 TUNER_FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
 
 
@@ -44,48 +46,70 @@ def _require(module: str, what: str):
 
 @dataclass
 class ExpertTensors:
-    """One MoE layer's expert tensors in the checkpoint layout.
+    """One MoE layer's experts in the checkpoint layout, and the plans the lab draws on them.
 
-    ``tensors``: ``w13`` ``(E, P*I, H)`` (``H/2`` bytes for packed fp4), ``w2`` ``(E, H, I)``,
-    and for block-scaled formats ``w13_scale``/``w2_scale`` in their linear layout
-    ``(E, rows, cols/block)`` (fp8-block: ``(E, ceil(rows/128), ceil(cols/128))``).
-    ``quantized``: the :class:`~fimoe_lab.formats.QuantizedTensor` of ``w13``/``w2``
-    (absent for bf16), used for magnitudes. ``fmt`` is a ``plan_layer`` format name.
+    ``moe``: the stacked layer (:class:`fimoe_lab.checkpoints.MoELayer`): ``w13``
+    ``(E, P*I, H)`` (``H/2`` bytes for packed fp4), ``w2`` ``(E, H, I)``, block scales in
+    their linear layout; ``intermediate`` is per TP rank. ``source`` says where it came from.
     """
 
-    fmt: str
-    intermediate: int
-    hidden: int
-    tensors: dict
-    quantized: dict = field(default_factory=dict)
-    gated: bool = True
-    source: str = ""
+    moe: Any
+    source: str
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def fmt(self) -> str:
+        return self.moe.fmt
+
+    @property
+    def intermediate(self) -> int:
+        return self.moe.intermediate
+
+    @property
+    def hidden(self) -> int:
+        return self.moe.hidden
+
+    @property
+    def gated(self) -> bool:
+        return self.moe.is_act_and_mul
 
     @property
     def experts(self) -> int:
-        return int(self.tensors["w13"].shape[0])
+        return int(self.moe.num_experts)
+
+    @property
+    def tensors(self) -> dict:
+        """``w13``, ``w2`` and the block scales present, by name."""
+        return {n: t for n, t in self.moe.tensors().items() if t is not None}
+
+    def plan(self, backend: str) -> LayerPlan:
+        """The layer plan for ``backend``: the one ``fimoe-lab convert`` applies to this layer."""
+        if backend not in self._plans:
+            from fimoe_lab.checkpoints import writer
+
+            self._plans[backend] = writer.build_plan(writer.plan_args(self.moe, backend))
+        return self._plans[backend]
 
     def magnitude(self, name: str, expert: int = 0) -> np.ndarray:
         """float64 ``(rows, elements)`` of one expert: |dequantized weight| per stored element
         (per byte for packed fp4: the larger of its two values), or the decoded scales."""
         if not 0 <= expert < self.experts:
             raise LayoutError(f"expert {expert} is outside 0..{self.experts - 1} of this layer")
-        from fimoe_lab import formats
+        from fimoe_lab.formats import QuantizedTensor
         from fimoe_lab.formats.health import decoded_scales
 
         if name.endswith("_scale"):
-            weight = name[: -len("_scale")]
-            if weight in self.quantized:
-                return decoded_scales(self.quantized[weight])[expert].double().numpy()
-            return self.tensors[name][expert].double().numpy()
-        q = self.quantized.get(name)
-        if q is None:
-            return self.tensors[name][expert].abs().double().numpy()
-        one = type(q)(q.values[expert], q.scales[expert],
-                      None if q.global_scale is None else q.global_scale[expert], q.fmt, q.block_size,
-                      None if q.token_scale is None else q.token_scale[expert])
-        values = formats.dequantize(one).abs()
-        if q.values.dtype == torch.uint8 and q.fmt.endswith("fp4"):
+            scales = self.tensors[name][expert]
+            return decoded_scales(QuantizedTensor(None, scales, None, self.fmt, 0)).double().numpy()
+        one = replace(
+            self.moe, w13=self.moe.w13[expert:expert + 1], w2=self.moe.w2[expert:expert + 1],
+            w13_scale=None if self.moe.w13_scale is None else self.moe.w13_scale[expert:expert + 1],
+            w2_scale=None if self.moe.w2_scale is None else self.moe.w2_scale[expert:expert + 1],
+            extras={k: v[expert:expert + 1] if v.ndim and v.shape[0] == self.experts else v
+                    for k, v in self.moe.extras.items()},
+        )
+        values = dict(zip(("w13", "w2"), one.dequantized()))[name][0].abs()
+        if self.fmt in PACKED_FP4:
             values = values.reshape(values.shape[0], -1, 2).amax(dim=-1)
         return values.double().numpy()
 
@@ -115,42 +139,50 @@ def sample_layer(fmt: str = "mxfp8", experts: int = 4, intermediate: int = 128, 
     """A seeded layer of structured expert weights, quantized to ``fmt`` (a ``plan_layer`` format).
 
     W13 ``(E, 2I, H)``: gate rows grow down the rows, up rows grow across the columns, and
-    expert ``e`` is ``e + 1`` times larger; W2 ``(E, H, I)`` has diagonal bands. Sizes must
-    meet the format's blocks (hidden and intermediate multiples of 32; of 128 for fp8-block).
+    expert ``e`` is ``e + 1`` times larger; W2 ``(E, H, I)`` has diagonal bands. Gate and up
+    are quantized separately (own block scales / global scales, as real checkpoints). Sizes
+    must meet the format's blocks (multiples of 32; of 128 for fp8-block).
     """
+    from fimoe_lab import formats
+    from fimoe_lab.checkpoints import MoELayer
+
     if fmt not in PLAN_FORMATS:
         raise LayoutError(f"unknown format {fmt!r}; sample layers exist for {', '.join(PLAN_FORMATS)}")
     w13, w2 = _structured(experts, intermediate, hidden, gated, seed)
     source = f"sample_layer({fmt!r}, experts={experts}, intermediate={intermediate}, hidden={hidden}, seed={seed})"
+    kw = dict(intermediate=intermediate, hidden=hidden, is_act_and_mul=gated, is_gated=gated, convention="seeded")
     if fmt == "bf16":
-        return ExpertTensors(fmt, intermediate, hidden, {"w13": w13.bfloat16(), "w2": w2.bfloat16()},
-                             gated=gated, source=source)
-    from fimoe_lab import formats
-
-    quant = formats.get(fmt)
-    q13, q2 = quant.quantize(w13), quant.quantize(w2)
-    tensors = {"w13": q13.values, "w2": q2.values}
-    if fmt != "fp8":
-        tensors.update(w13_scale=q13.scales, w2_scale=q2.scales)
-    return ExpertTensors(fmt, intermediate, hidden, tensors, {"w13": q13, "w2": q2}, gated, source)
-
-
-def sample_names(root: Optional[Path] = None) -> list[str]:
-    """The shipped sample checkpoints (``data/checkpoints/<convention>/<name>``), as names for :func:`load_layer`."""
-    root = root or Path(__file__).resolve().parents[2] / "data" / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(str(p.relative_to(root)) for p in root.glob("*/*") if p.is_dir())
+        return ExpertTensors(MoELayer(fmt, w13.bfloat16(), w2.bfloat16(), None, None, **kw), source)
+    quant = formats.get(fmt).quantize
+    parts = [quant(p) for p in (w13.split(intermediate, dim=1) if gated and fmt != "fp8" else (w13,))]
+    q2 = quant(w2)
+    values = torch.cat([q.values for q in parts], dim=1)
+    scales = parts[0].scales if fmt == "fp8" else torch.cat([q.scales for q in parts], dim=1)
+    extras = {}
+    if fmt == "nvfp4":
+        extras = {"w13_weight_scale_2": torch.stack([1 / q.global_scale for q in parts], dim=1),
+                  "w2_weight_scale_2": 1 / q2.global_scale}
+    return ExpertTensors(MoELayer(fmt, values, q2.values, scales, q2.scales, extras=extras, **kw), source)
 
 
-def load_layer(source: str, layer: int = 0) -> ExpertTensors:
-    """MoE ``layer`` of a checkpoint: a shipped sample name (see :func:`sample_names`) or a path.
+def sample_names() -> list[str]:
+    """The shipped sample checkpoints (``data/checkpoints/<name>``), for :func:`load_layer`."""
+    return _require("fimoe_lab.checkpoints", "sample checkpoints").sample_names()
 
-    Reads through :mod:`fimoe_lab.checkpoints` (expert stacking, gate/up convention,
-    quantization format); raises :class:`LabUnavailable` when that part is not installed.
+
+def load_layer(source: str, layer: Optional[int] = None, tp_size: int = 1, tp_rank: int = 0) -> ExpertTensors:
+    """MoE ``layer`` (default: the first) of a checkpoint, for TP rank ``tp_rank`` of ``tp_size``.
+
+    ``source`` is a shipped sample name (:func:`sample_names`) or a checkpoint directory
+    (``config.json`` + safetensors shards); read through :mod:`fimoe_lab.checkpoints`.
     """
     checkpoints = _require("fimoe_lab.checkpoints", "reading a checkpoint")
-    return checkpoints.lab_layer(source, layer)
+    path = checkpoints.sample_path(source) if source in checkpoints.sample_names() else Path(source)
+    ckpt = checkpoints.open_checkpoint(path)
+    index = ckpt.moe_layers[0] if layer is None else layer
+    moe = ckpt.read_layer(index, tp_size, tp_rank)
+    where = f"{source} layer {index}" + (f", TP rank {tp_rank} of {tp_size}" if tp_size > 1 else "")
+    return ExpertTensors(moe, f"{where} ({moe.convention}, {moe.fmt}, {moe.num_experts} experts)")
 
 
 def preset_names() -> list[str]:
@@ -162,12 +194,15 @@ def preset_names() -> list[str]:
     return sorted(presets.PRESETS)
 
 
-def tactic_sweep(preset: str, fmt: str, tp: int):
+def tactic_sweep(preset: str, fmt: str, tp: int, mode: str = "snapshot"):
     """The tuner's table for ``preset`` in ``fmt`` at tensor-parallel size ``tp``.
 
     A pandas DataFrame, one row per (``inter_align``, ``hidden_align``), with tactic counts
-    ``t<T>`` per token count, ``extra_bytes_pct``, ``reference``, ``recommended``; see
-    :func:`fimoe_lab.tune.sweep.sweep`.
+    ``t<T>`` per token count, ``min_tactics``, ``extra_bytes_pct``, ``reference``,
+    ``recommended``; see :func:`fimoe_lab.tune.sweep.sweep`. ``mode``: the tactic oracle's
+    (``snapshot``: the recorded FlashInfer 0.6.13 answers, fast and offline; ``auto``: live
+    where possible).
     """
     sweep = _require("fimoe_lab.tune.sweep", "the tuner view")
-    return sweep.sweep(preset, fmt, tp)
+    oracle = _require("fimoe_lab.tune.oracle", "the tuner view")
+    return sweep.sweep(preset, fmt, tp, oracle=oracle.TacticOracle(mode))

@@ -23,7 +23,6 @@ from matplotlib.figure import Figure
 
 from fimoe_lab import prepare
 from fimoe_lab.layout import LayoutError
-from fimoe_lab.plan import LayerPlan
 from fimoe_lab.viz import data, figures, sources
 
 __all__ = ["RowExplorer", "TileExplorer", "PaddingExplorer", "ProvenanceExplorer", "TunerExplorer"]
@@ -38,14 +37,26 @@ def figure_png(fig: Figure, dpi: int = DPI) -> bytes:
     return buf.getvalue()
 
 
-@lru_cache(maxsize=32)
-def _sample(fmt: str) -> sources.ExpertTensors:
-    return sources.sample_layer(fmt, experts=4, intermediate=96, hidden=256)
+SEEDED_SIZES = {"fp8-block": 128, "nvfp4": 128}  # seeded intermediate: 96 shows padding where the format allows
 
 
-@lru_cache(maxsize=64)
-def _plan(fmt: str, backend: str, intermediate: int, hidden: int, gated: bool) -> LayerPlan:
-    return prepare.plan_layer(fmt, backend, intermediate, hidden, gated, gated)
+@lru_cache(maxsize=16)
+def _layer(key: str) -> sources.ExpertTensors:
+    """``seeded:<format>`` (a seeded sample layer) or ``sample:<name>`` (a shipped sample checkpoint)."""
+    kind, name = key.split(":", 1)
+    if kind == "seeded":
+        return sources.sample_layer(name, experts=4, intermediate=SEEDED_SIZES.get(name, 96), hidden=256)
+    return sources.load_layer(name)
+
+
+def layer_choices() -> list[tuple[str, str]]:
+    """(label, key) for every layer an explorer can show without a user's checkpoint."""
+    seeded = [(f"seeded {f}", f"seeded:{f}") for f in sources.PLAN_FORMATS]
+    try:
+        shipped = [(f"{n} (sample checkpoint)", f"sample:{n}") for n in sources.sample_names()]
+    except sources.LabUnavailable:
+        shipped = []
+    return seeded + shipped
 
 
 def _dropdown(description: str, options, value=None) -> W.Dropdown:
@@ -94,36 +105,38 @@ class _LayerExplorer(_Explorer):
 
     tensor_filter = staticmethod(lambda m: True)
 
-    def __init__(self, layer: Optional[sources.ExpertTensors], extra: list, fmt: str = "mxfp8",
+    def __init__(self, layer: Optional[sources.ExpertTensors], extra: list, source: str = "seeded:mxfp8",
                  backend: str = "trtllm", tensor: str = "w13"):
         self.layer_given = layer
-        self.fmt = _dropdown("format", sources.PLAN_FORMATS, fmt if layer is None else layer.fmt)
-        self.fmt.disabled = layer is not None
+        choices = [(layer.source, "given")] if layer is not None else layer_choices()
+        self.source = W.Dropdown(options=choices, value="given" if layer is not None else source, description="layer",
+                                 layout=W.Layout(width="330px"), style={"description_width": "80px"})
+        self.source.disabled = layer is not None
         self.backend = _dropdown("backend", prepare.BACKENDS, backend)
         self.tensor = _dropdown("tensor", data.TENSOR_NAMES, tensor)
-        self.expert = W.IntSlider(0, 0, (layer.experts if layer else 4) - 1, description="expert",
-                                  style={"description_width": "80px"})
-        super().__init__([self.fmt, self.backend, self.tensor, self.expert] + extra)
+        self.expert = W.IntSlider(0, 0, 3, description="expert", style={"description_width": "80px"})
+        super().__init__([self.source, self.backend, self.tensor, self.expert] + extra)
 
     @property
     def layer(self) -> sources.ExpertTensors:
-        return self.layer_given or _sample(self.fmt.value)
+        return self.layer_given or _layer(self.source.value)
 
     def current_map(self):
         """The index map of the chosen tensor in the chosen backend's plan for this layer."""
         layer = self.layer
-        plan = _plan(layer.fmt, self.backend.value, layer.intermediate, layer.hidden, layer.gated)
+        self.expert.max = layer.experts - 1
+        plan = layer.plan(self.backend.value)
         maps = plan.maps()
         usable = [n for n, m in maps.items() if self.tensor_filter(m)]
         if not usable:
             raise LayoutError(f"{plan.description} has no tensor with the steps this view draws; "
-                              f"try another format or backend")
+                              f"try another layer or backend")
         if list(self.tensor.options) != usable:
             keep = self.tensor.value if self.tensor.value in usable else usable[0]
             self.tensor.options = usable
             self.tensor.value = keep
         self.state = dict(fmt=layer.fmt, backend=self.backend.value, tensor=self.tensor.value,
-                          expert=self.expert.value, plan=plan)
+                          expert=self.expert.value, plan=plan, layer=layer)
         return maps[self.tensor.value]
 
 
@@ -229,9 +242,11 @@ class PaddingExplorer(_Explorer):
 
 
 class TunerExplorer(_Explorer):
-    """The tuner's tactic heatmap, waste and recommendation for a preset, format and TP."""
+    """The tuner's tactic heatmap, waste and recommendation for a preset, format and TP
+    (``mode``: the tactic oracle's, ``snapshot`` by default: recorded answers, offline)."""
 
-    def __init__(self, preset: str = "qwen3-30b-a3b", fmt: str = "nvfp4", tp: int = 1):
+    def __init__(self, preset: str = "qwen3-30b-a3b", fmt: str = "nvfp4", tp: int = 1, mode: str = "snapshot"):
+        self.mode = mode
         presets = sources.preset_names()
         self.preset = _dropdown("preset", presets or [preset], preset if preset in presets or not presets else presets[0])
         self.fmt = _dropdown("format", sources.TUNER_FORMATS, fmt)
@@ -240,7 +255,7 @@ class TunerExplorer(_Explorer):
 
     def _draw(self):
         try:
-            sweep = sources.tactic_sweep(self.preset.value, self.fmt.value, self.tp.value)
+            sweep = sources.tactic_sweep(self.preset.value, self.fmt.value, self.tp.value, self.mode)
         except (sources.LabUnavailable, ValueError, KeyError) as exc:
             raise LayoutError(str(exc)) from None
         self.state = dict(sweep=sweep)
