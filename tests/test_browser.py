@@ -110,6 +110,7 @@ def test_tour_widgets_render_and_respond(tmp_path):
     port = free_port()
     argv, env = jupyterlab_command(work, port, tmp_path / "state", open_browser=False)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"  # the kernel's tensors are tiny; extra torch threads only fight on a shared CPU
     deadline = Deadline(BUDGET_S)
     log_path = tmp_path / "jupyterlab.log"
     log = open(log_path, "w")

@@ -30,6 +30,7 @@ def run(name: str, tmp_path: Path, monkeypatch) -> tuple[list[str], list[dict], 
     shutil.copy(NOTEBOOKS / name, tmp_path / name)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny tensors: extra torch threads only fight on a shared CPU
     nb = nbformat.read(tmp_path / name, as_version=4)
     start = time.monotonic()
     nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",

@@ -273,6 +273,19 @@ def test_html_rendering_lists_steps_and_draws_thumbnail():
     assert "fill byte 0x00" in render.provenance_html(plan.w13.provenance((255, 0)))
 
 
+def test_load_ext_makes_ipython_render_plans_as_html():
+    interactiveshell = pytest.importorskip("IPython.core.interactiveshell")
+    import fimoe_lab.viz
+
+    ip = interactiveshell.InteractiveShell.instance()
+    fimoe_lab.viz.load_ipython_extension(ip)
+    plan = prepare.plan_layer("mxfp8", "trtllm", 96, 256)
+    shown, _ = ip.display_formatter.format(plan)
+    assert "LayerPlan" in shown["text/html"] and "pad_projections" in shown["text/html"]
+    shown, _ = ip.display_formatter.format(plan.w13.provenance((0, 0)))
+    assert "input of swap_w13_to_w31" in shown["text/html"]
+
+
 def test_lab_command_is_offline_and_local(tmp_path):
     from fimoe_lab.cli import build_parser
     from fimoe_lab.viz.cli import jupyterlab_command

@@ -7,7 +7,8 @@ inputs it was drawn from, so scripts and tests can read what is shown.
 
 Explorers take a layer (:class:`~fimoe_lab.viz.sources.ExpertTensors`: a shipped
 sample, a checkpoint through ``sources.load_layer``, or ``sources.sample_layer``);
-without one they offer a format menu over seeded sample layers.
+without one they offer a layer menu: a seeded layer per format and the shipped sample
+checkpoints. Their plans are the ones ``fimoe-lab convert`` applies.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class _Explorer(W.VBox):
     """Controls, figure and message; subclasses define ``_controls`` and ``_draw``."""
 
     def __init__(self, controls: list):
-        self.image = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        self.image = W.Image(format="png", layout=W.Layout(max_width="100%", display="none"))  # shown once drawn
         self.message = W.HTML()
         self.figure: Optional[Figure] = None
         self.state: dict = {}
@@ -91,12 +92,14 @@ class _Explorer(W.VBox):
         try:
             fig, note = self._draw()
         except LayoutError as exc:
-            self.message.value = f"<span style='color:#a00'>{html.escape(str(exc))} (figure not updated)</span>"
+            shown = "figure not updated" if self.figure is not None else "no figure"
+            self.message.value = f"<span style='color:#a00'>{html.escape(str(exc))} ({shown})</span>"
             return
         finally:
             self._busy = False
         self.figure = fig
         self.image.value = figure_png(fig)
+        self.image.layout.display = None
         self.message.value = html.escape(note)
 
 
@@ -230,6 +233,13 @@ class PaddingExplorer(_Explorer):
         self.hidden_align = _dropdown("H align", ("default", 256, 512, 1024), hidden_align)
         super().__init__([self.fmt, self.backend, self.tp, self.experts, self.intermediate, self.hidden,
                           self.inter_align, self.hidden_align])
+
+    @classmethod
+    def from_layer(cls, layer: sources.ExpertTensors, **kwargs) -> "PaddingExplorer":
+        """The explorer on a layer's sizes (read it at TP 1: the TP menu then splits it)."""
+        if layer.fmt not in sources.PLAN_FORMATS:
+            raise LayoutError(f"padding views exist for {', '.join(sources.PLAN_FORMATS)}, not {layer.fmt!r}")
+        return cls(layer.intermediate, layer.hidden, layer.experts, layer.fmt, **kwargs)
 
     def _draw(self):
         def align(w):
