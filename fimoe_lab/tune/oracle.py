@@ -1,0 +1,455 @@
+"""Tactic oracle: which TRTLLM-Gen MoE tactics ``[tile_N, config]`` exist for a shape.
+
+The truth is FlashInfer's own C++ op ``trtllm_get_valid_moe_configs`` (DESIGN §5); its
+answer is the tactic space the autotuner picks from, and an empty answer is the
+"No valid config found" failure.  :class:`TacticOracle` asks it
+
+* natively, on a Blackwell (SM10x) GPU, through FlashInfer's JIT module;
+* elsewhere through the module built by ``python -m fimoe_lab.tune.build`` and an
+  LD_PRELOAD shim that presents the CUDA runtime as an SM100 device;
+* or, with neither, from a recorded snapshot (``data/tactics/*.json.gz``): a shape
+  outside the snapshot is answered as *unknown*, never guessed.
+
+Live queries always run in a worker subprocess (one JSON request per line), so an
+``exit()`` inside FlashInfer kills the worker, is reported as such, and the worker is
+restarted for the next query.
+
+Format names map to FlashInfer's (dtype_act, dtype_weights, fp8_quantization_type,
+use_per_token_scaling) the way its MoE entry points in ``flashinfer/fused_moe/core.py``
+build their runners (enum *values* are read from ``flashinfer.tllm_enums`` in the
+worker, never written here):
+
+============  ==========  ============  ===========  ===============================
+format        act dtype   weight dtype  fp8 type     entry point / default layout
+============  ==========  ============  ===========  ===============================
+bf16          Bfloat16    Bfloat16      NoneFp8      trtllm_bf16_moe, BlockMajorK
+fp8           E4m3        E4m3          NoneFp8      trtllm_fp8_per_tensor_scale_moe, MajorK
+fp8-block     E4m3        E4m3          DeepSeekFp8  trtllm_fp8_block_scale_moe, BlockMajorK
+mxfp8         MxE4m3      MxE4m3        MxFp8        trtllm_fp8_block_scale_moe, MajorK
+nvfp4         E2m1        E2m1          NoneFp8      trtllm_fp4_block_scale_moe, MajorK (+per-token)
+mxfp4         Bfloat16    MxE2m1        NoneFp8      trtllm_fp4_block_scale_moe, MajorK
+mxfp4-mxfp8   MxE4m3      MxE2m1        NoneFp8      trtllm_fp4_block_scale_moe, MajorK
+============  ==========  ============  ===========  ===============================
+
+``mxfp4`` means MXFP4 weights with BF16 activations (vLLM's default gpt-oss path on
+Blackwell); ``mxfp4-mxfp8`` is the MXFP8-activation variant.  All entry points pass
+``use_shuffled_weight=True``.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import gzip
+import importlib.metadata as md
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """How one fimoe_lab format name reaches FlashInfer's tactic op (enum member names)."""
+    name: str
+    dtype_act: str
+    dtype_weights: str
+    fp8_quantization_type: str
+    default_layout: str
+    weight_bits: float          # bits per weight element incl. block scales (for waste)
+    description: str
+    per_token_ok: bool = False  # only NVFP4 has per-token activation scaling
+
+
+FORMATS: dict[str, FormatSpec] = {f.name: f for f in [
+    FormatSpec("bf16", "Bfloat16", "Bfloat16", "NoneFp8", "block-major-k", 16.0,
+               "BF16 weights and activations (trtllm_bf16_moe)"),
+    FormatSpec("fp8", "E4m3", "E4m3", "NoneFp8", "major-k", 8.0,
+               "FP8 E4M3 per-tensor scales (trtllm_fp8_per_tensor_scale_moe); gated activations only"),
+    FormatSpec("fp8-block", "E4m3", "E4m3", "DeepSeekFp8", "block-major-k", 8.0 + 32 / (128 * 128),
+               "FP8 E4M3 with 128x128 weight / 1x128 activation block scales (DeepSeek); SwiGLU only"),
+    FormatSpec("mxfp8", "MxE4m3", "MxE4m3", "MxFp8", "major-k", 8.0 + 8 / 32,
+               "MXFP8: E4M3 with UE8M0 scales per 32 (trtllm_fp8_block_scale_moe, MxFp8)"),
+    FormatSpec("nvfp4", "E2m1", "E2m1", "NoneFp8", "major-k", 4.0 + 8 / 16,
+               "NVFP4: E2M1 with E4M3 scales per 16, NVFP4 activations (trtllm_fp4_block_scale_moe)",
+               per_token_ok=True),
+    FormatSpec("mxfp4", "Bfloat16", "MxE2m1", "NoneFp8", "major-k", 4.0 + 8 / 32,
+               "MXFP4 weights (E2M1, UE8M0 per 32) with BF16 activations (gpt-oss default)"),
+    FormatSpec("mxfp4-mxfp8", "MxE4m3", "MxE2m1", "NoneFp8", "major-k", 4.0 + 8 / 32,
+               "MXFP4 weights with MXFP8 activations"),
+]}
+
+ACTIVATIONS = {"swiglu": "Swiglu", "relu2": "Relu2", "geglu": "Geglu"}
+GATED = {"swiglu": True, "relu2": False, "geglu": True}
+LAYOUTS = {"major-k": "MajorK", "block-major-k": "BlockMajorK"}
+
+
+class OracleError(ValueError):
+    """Bad input to the oracle (unknown format, impossible shape, no source available)."""
+
+
+def _choices(what: str, value, valid: Iterable[str]) -> OracleError:
+    return OracleError(f"unknown {what} {value!r}; valid: {', '.join(valid)}")
+
+
+@dataclass(frozen=True)
+class TacticQuery:
+    """One shape, as the kernel sees it (already padded, per rank).
+
+    hidden: K of GEMM1 (elements).  intermediate: one projection's rows per expert
+    (gate and up each; the kernel's ``intermediate_size``).  experts: local experts.
+    """
+    format: str
+    activation: str
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    tokens: int
+    per_token: bool = False
+    layout: Optional[str] = None
+
+    def normalized(self) -> "TacticQuery":
+        fmt = self.format.strip().lower()
+        if fmt not in FORMATS:
+            raise _choices("format", self.format, FORMATS)
+        act = self.activation.strip().lower()
+        if act not in ACTIVATIONS:
+            raise _choices("activation", self.activation, ACTIVATIONS)
+        layout = (self.layout or FORMATS[fmt].default_layout).strip().lower()
+        if layout not in LAYOUTS:
+            raise _choices("weight layout", self.layout, LAYOUTS)
+        if self.per_token and not FORMATS[fmt].per_token_ok:
+            raise OracleError(f"per-token activation scaling exists only for nvfp4, not {fmt!r}")
+        for name in ("hidden", "intermediate", "experts", "top_k", "tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise OracleError(f"{name} must be a positive integer, got {v!r} "
+                                  f"(shape hidden={self.hidden} intermediate={self.intermediate} "
+                                  f"experts={self.experts} top_k={self.top_k} tokens={self.tokens})")
+        if self.top_k > self.experts:
+            raise OracleError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        return TacticQuery(fmt, act, self.hidden, self.intermediate, self.experts, self.top_k,
+                           self.tokens, bool(self.per_token), layout)
+
+    def key(self) -> str:
+        """Canonical snapshot key (call on a normalized query)."""
+        return "|".join(str(x) for x in (self.format, self.activation, int(self.per_token), self.layout,
+                                         self.hidden, self.intermediate, self.experts, self.top_k,
+                                         self.tokens))
+
+    @staticmethod
+    def from_key(key: str) -> "TacticQuery":
+        f, a, pt, lay, h, i, e, k, t = key.split("|")
+        return TacticQuery(f, a, int(h), int(i), int(e), int(k), int(t), bool(int(pt)), lay)
+
+    def request(self) -> dict:
+        spec = FORMATS[self.format]
+        return {
+            "dtype_act": spec.dtype_act, "dtype_weights": spec.dtype_weights,
+            "fp8_quantization_type": spec.fp8_quantization_type,
+            "activation": ACTIVATIONS[self.activation], "weight_layout": LAYOUTS[self.layout],
+            "use_shuffled_weight": True, "use_per_token_scaling": self.per_token,
+            "top_k": self.top_k, "hidden": self.hidden, "intermediate": self.intermediate,
+            "experts": self.experts, "tokens": self.tokens,
+        }
+
+
+@dataclass(frozen=True)
+class TacticAnswer:
+    """The oracle's answer for one query.
+
+    count: number of valid tactics, or None when unknown (outside the snapshot, or the
+    live query failed without an answer).  per_tile: {tile_N: number of configs}.
+    configs: the full [tile_N, config] list (live answers only).  reason: why count is
+    0 or None.  source: where the answer came from (live/snapshot, FlashInfer version,
+    kernel set).
+    """
+    query: TacticQuery
+    count: Optional[int]
+    per_tile: dict
+    source: dict
+    reason: Optional[str] = None
+    configs: Optional[tuple] = None
+
+    @property
+    def known(self) -> bool:
+        return self.count is not None
+
+    def to_json(self) -> dict:
+        d = {"tokens": self.query.tokens, "count": self.count,
+             "per_tile": {str(k): v for k, v in sorted(self.per_tile.items())},
+             "source": self.source}
+        if self.reason:
+            d["reason"] = self.reason
+        return d
+
+
+# --------------------------------------------------------------------------- snapshot
+def snapshot_dir() -> Path:
+    """``$FIMOE_LAB_TACTICS_DIR`` or the repository's ``data/tactics``."""
+    env = os.environ.get("FIMOE_LAB_TACTICS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "data" / "tactics"
+
+
+def _installed(dist: str) -> Optional[str]:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+class Snapshot:
+    """Recorded answers: {key: {tile: count}} or {key: {"error": reason}}; see make_tactic_snapshot.py."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        with gzip.open(self.path, "rt") as f:
+            raw = json.load(f)
+        self.meta: dict = raw["meta"]
+        self.entries: dict = raw["entries"]
+
+    @classmethod
+    def find(cls, path: Optional[Path] = None) -> Optional["Snapshot"]:
+        """The snapshot at ``path``, else the one for the installed FlashInfer, else the newest."""
+        if path:
+            return cls(Path(path))
+        d = snapshot_dir()
+        files = sorted(d.glob("tactics-*.json.gz")) if d.is_dir() else []
+        if not files:
+            return None
+        fi = _installed("flashinfer-python")
+        match = [f for f in files if fi and f.name.startswith(f"tactics-fi{fi}-")]
+        return cls((match or files)[-1])
+
+    def source(self) -> dict:
+        src = {"kind": "snapshot", "file": self.path.name,
+               "flashinfer": self.meta.get("flashinfer"), "kernel_set": self.meta.get("kernel_set")}
+        fi = _installed("flashinfer-python")
+        if fi and fi != src["flashinfer"]:
+            src["note"] = f"recorded with FlashInfer {src['flashinfer']}; installed is {fi}"
+        return src
+
+    def answer(self, q: TacticQuery) -> TacticAnswer:
+        src = self.source()
+        e = self.entries.get(q.key())
+        if e is None:
+            return TacticAnswer(q, None, {}, src, reason="not in the snapshot (unknown; build the module "
+                                "with `python -m fimoe_lab.tune.build` for live answers)")
+        if "error" in e:
+            return TacticAnswer(q, 0, {}, src, reason=e["error"])
+        per_tile = {int(k): v for k, v in e.items()}
+        reason = None if per_tile else "no valid config (FlashInfer returned an empty list)"
+        return TacticAnswer(q, sum(per_tile.values()), per_tile, src, reason=reason)
+
+
+# --------------------------------------------------------------------------- worker
+class WorkerDied(RuntimeError):
+    pass
+
+
+class _Worker:
+    """A long-lived subprocess around FlashInfer's op; restarted when it dies."""
+
+    def __init__(self, argv: list, env: dict, timeout: float = 120.0):
+        self.argv, self.env, self.timeout = argv, env, timeout
+        self.proc: Optional[subprocess.Popen] = None
+        self.hello: dict = {}
+        self._stderr = collections.deque(maxlen=60)
+        self._n = 0
+        self.restarts = -1
+
+    def _drain(self, stream):
+        for line in stream:
+            self._stderr.append(line.rstrip())
+
+    def start(self):
+        self.restarts += 1
+        self._stderr.clear()
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        threading.Thread(target=self._drain, args=(self.proc.stderr,), daemon=True).start()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise WorkerDied(self._death_note("while starting"))
+        self.hello = json.loads(line)
+        if not self.hello.get("ready"):
+            self.proc.wait()
+            raise WorkerDied(f"the tactic worker could not load FlashInfer's module: {self.hello.get('error')}")
+
+    def _death_note(self, when: str) -> str:
+        rc = self.proc.wait() if self.proc else None
+        tail = " | ".join(list(self._stderr)[-6:])
+        what = f"FlashInfer exited with status {rc}" if rc and rc > 0 else f"the worker died (status {rc})"
+        return f"{what} {when}" + (f"; its last output: {tail}" if tail else "")
+
+    def ask(self, req: dict) -> dict:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        self._n += 1
+        req = dict(req, id=self._n)
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            note = self._death_note("during this query")
+            self.proc = None
+            raise WorkerDied(note)
+        return json.loads(line)
+
+    def close(self):
+        if self.proc and self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=5)
+            except Exception:
+                self.proc.kill()
+        self.proc = None
+
+
+def _blackwell_gpu() -> bool:
+    try:
+        import torch
+        return bool(torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] == 10)
+    except Exception:
+        return False
+
+
+class TacticOracle:
+    """Answers which TRTLLM-Gen MoE tactics are valid for a shape.
+
+    mode: "auto" (native on a Blackwell GPU, else the built module + shim, else the
+    snapshot), "native", "live" (the built module + shim), or "snapshot".
+    snapshot: path of a snapshot file (default: the one in ``data/tactics`` matching the
+    installed FlashInfer).
+
+    >>> o = TacticOracle(mode="snapshot")
+    >>> a = o.query("nvfp4", "swiglu", hidden=3072, intermediate=1920, experts=128, top_k=6, tokens=8,
+    ...             per_token=True)
+    >>> a.count, a.source["kind"]       # doctest: +SKIP
+    """
+
+    def __init__(self, mode: str = "auto", snapshot: Optional[os.PathLike] = None):
+        if mode not in ("auto", "native", "live", "snapshot"):
+            raise _choices("oracle mode", mode, ("auto", "native", "live", "snapshot"))
+        self._snapshot_path = snapshot
+        self._snap: Optional[Snapshot] = None
+        self._worker: Optional[_Worker] = None
+        self._cache: dict = {}
+        self.mode = self._resolve(mode)
+        if self.mode in ("native", "live"):
+            atexit.register(self.close)
+
+    # -- setup ----------------------------------------------------------------
+    def _resolve(self, mode: str) -> str:
+        if mode == "snapshot":
+            self._load_snapshot(required=True)
+            return "snapshot"
+        if mode in ("auto", "native") and _blackwell_gpu():
+            self._worker = _Worker([sys.executable, "-m", "fimoe_lab.tune._worker", "native"], self._env())
+            return "native"
+        if mode == "native":
+            raise OracleError("mode='native' needs a Blackwell (SM10x) GPU; none is visible")
+        from . import build
+        man = build.find_module()
+        if man is not None:
+            env = self._env()
+            env["LD_PRELOAD"] = (man.shim_path + " " + env.get("LD_PRELOAD", "")).strip()
+            libs = [str(Path(man.cuda_home) / "lib64")] if man.cuda_home else []
+            env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")]).strip(":")
+            self._worker = _Worker([sys.executable, "-m", "fimoe_lab.tune._worker", "shim", man.so_path], env)
+            self.manifest = man
+            return "live"
+        if mode == "live":
+            pre = build.check_prereqs()
+            probs = pre.problems()
+            hint = ("; also missing: " + "; ".join(probs)) if probs else ""
+            raise OracleError("no built TRTLLM-Gen MoE module for the installed FlashInfer "
+                              f"({pre.flashinfer_version}); run `python -m fimoe_lab.tune.build`{hint}")
+        self._load_snapshot(required=True)
+        return "snapshot"
+
+    @staticmethod
+    def _env() -> dict:
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        return env
+
+    def _load_snapshot(self, required: bool) -> Optional[Snapshot]:
+        if self._snap is None:
+            self._snap = Snapshot.find(self._snapshot_path)
+        if self._snap is None and required:
+            raise OracleError(f"no tactic snapshot found in {snapshot_dir()} and no live FlashInfer module; "
+                              "build one with `python -m fimoe_lab.tune.build`")
+        return self._snap
+
+    @property
+    def snapshot(self) -> Optional[Snapshot]:
+        return self._load_snapshot(required=False)
+
+    def source(self) -> dict:
+        """Where answers come from now."""
+        if self.mode == "snapshot":
+            return self._snap.source()  # type: ignore[union-attr]
+        w = self._worker
+        if w is not None and not w.hello:
+            try:
+                w.start()
+            except WorkerDied as e:
+                return {"kind": "live", "mode": self.mode, "error": str(e)}
+        return {"kind": "live", "mode": "shim" if self.mode == "live" else "native",
+                "flashinfer": w.hello.get("flashinfer"), "kernel_set": w.hello.get("kernel_set")}
+
+    def close(self):
+        if self._worker:
+            self._worker.close()
+
+    # -- queries --------------------------------------------------------------
+    def query(self, format: str, activation: str, hidden: int, intermediate: int, experts: int,
+              top_k: int, tokens: int, per_token: bool = False, layout: Optional[str] = None) -> TacticAnswer:
+        """Valid tactics for one shape (per rank, already padded). See :class:`TacticQuery`."""
+        return self.ask(TacticQuery(format, activation, hidden, intermediate, experts, top_k, tokens,
+                                    per_token, layout))
+
+    def ask(self, q: TacticQuery) -> TacticAnswer:
+        q = q.normalized()
+        k = q.key()
+        if k in self._cache:
+            return self._cache[k]
+        if self.mode == "snapshot":
+            ans = self._snap.answer(q)  # type: ignore[union-attr]
+        else:
+            ans = self._live(q)
+        if ans.known:
+            self._cache[k] = ans
+        return ans
+
+    def ask_many(self, queries: Sequence[TacticQuery], progress: bool = False) -> list:
+        it = queries
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(queries, desc="tactic queries", unit="q")
+        return [self.ask(q) for q in it]
+
+    def _live(self, q: TacticQuery) -> TacticAnswer:
+        w = self._worker
+        assert w is not None
+        try:
+            r = w.ask(q.request())
+        except WorkerDied as e:
+            return TacticAnswer(q, None, {}, {"kind": "live", "mode": self.mode}, reason=str(e))
+        src = {"kind": "live", "mode": "shim" if self.mode == "live" else "native",
+               "flashinfer": w.hello.get("flashinfer"), "kernel_set": w.hello.get("kernel_set")}
+        if not r.get("ok"):
+            return TacticAnswer(q, 0, {}, src, reason=f"FlashInfer rejected the query: {r.get('error')}")
+        configs = tuple((int(a), int(b)) for a, b in r["configs"])
+        per_tile = dict(collections.Counter(t for t, _ in configs))
+        reason = None if configs else "no valid config (FlashInfer returned an empty list)"
+        return TacticAnswer(q, len(configs), per_tile, src, reason=reason, configs=configs)

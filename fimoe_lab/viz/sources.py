@@ -1,0 +1,208 @@
+"""Where the lab's real tensors and tactic counts come from: small adapters.
+
+- :func:`sample_layer`: seeded, *structured* expert weights (gate rows ramp down the
+  rows, up rows ramp across the columns, W2 has diagonal bands), quantized with
+  :mod:`fimoe_lab.formats`, so a wrong permutation shows as a broken pattern.
+- :func:`load_layer`: one MoE layer of a checkpoint (a shipped sample name or a path),
+  through :mod:`fimoe_lab.checkpoints`.
+- :func:`tactic_sweep`: the tuner's table for (preset, format, TP), through
+  :mod:`fimoe_lab.tune`.
+The explorers only see :class:`ExpertTensors` and the tuner's DataFrame.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from fimoe_lab.layout import LayoutError
+from fimoe_lab.plan import LayerPlan
+
+__all__ = ["ExpertTensors", "LabUnavailable", "sample_layer", "load_layer", "sample_names", "preset_names", "tactic_sweep"]
+
+PLAN_FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4")
+PACKED_FP4 = ("nvfp4", "mxfp4")
+TUNER_FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
+
+
+class LabUnavailable(RuntimeError):
+    """A part of the toolkit the lab needs is not installed in this build."""
+
+
+def _require(module: str, what: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            raise LabUnavailable(f"{what} needs {module}, which is not in this build of fimoe_lab; "
+                                 f"install the full toolkit (pip install 'fimoe_lab[all]')") from None
+        raise
+
+
+@dataclass
+class ExpertTensors:
+    """One MoE layer's experts in the checkpoint layout, and the plans the lab draws on them.
+
+    ``moe``: the stacked layer (:class:`fimoe_lab.checkpoints.MoELayer`): ``w13``
+    ``(E, P*I, H)`` (``H/2`` bytes for packed fp4), ``w2`` ``(E, H, I)``, block scales in
+    their linear layout; ``intermediate`` is per TP rank. ``source`` says where it came from.
+    """
+
+    moe: Any
+    source: str
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def fmt(self) -> str:
+        return self.moe.fmt
+
+    @property
+    def intermediate(self) -> int:
+        return self.moe.intermediate
+
+    @property
+    def hidden(self) -> int:
+        return self.moe.hidden
+
+    @property
+    def gated(self) -> bool:
+        return self.moe.is_act_and_mul
+
+    @property
+    def experts(self) -> int:
+        return int(self.moe.num_experts)
+
+    @property
+    def tensors(self) -> dict:
+        """``w13``, ``w2`` and the block scales present, by name."""
+        return {n: t for n, t in self.moe.tensors().items() if t is not None}
+
+    def plan(self, backend: str) -> LayerPlan:
+        """The layer plan for ``backend``: the one ``fimoe-lab convert`` applies to this layer."""
+        if backend not in self._plans:
+            from fimoe_lab.checkpoints import writer
+
+            self._plans[backend] = writer.build_plan(writer.plan_args(self.moe, backend))
+        return self._plans[backend]
+
+    def magnitude(self, name: str, expert: int = 0) -> np.ndarray:
+        """float64 ``(rows, elements)`` of one expert: |dequantized weight| per stored element
+        (per byte for packed fp4: the larger of its two values), or the decoded scales."""
+        if not 0 <= expert < self.experts:
+            raise LayoutError(f"expert {expert} is outside 0..{self.experts - 1} of this layer")
+        from fimoe_lab.formats import QuantizedTensor
+        from fimoe_lab.formats.health import decoded_scales
+
+        if name.endswith("_scale"):
+            scales = self.tensors[name][expert]
+            return decoded_scales(QuantizedTensor(None, scales, None, self.fmt, 0)).double().numpy()
+        one = replace(
+            self.moe, w13=self.moe.w13[expert:expert + 1], w2=self.moe.w2[expert:expert + 1],
+            w13_scale=None if self.moe.w13_scale is None else self.moe.w13_scale[expert:expert + 1],
+            w2_scale=None if self.moe.w2_scale is None else self.moe.w2_scale[expert:expert + 1],
+            extras={k: v[expert:expert + 1] if v.ndim and v.shape[0] == self.experts else v
+                    for k, v in self.moe.extras.items()},
+        )
+        values = dict(zip(("w13", "w2"), one.dequantized()))[name][0].abs()
+        if self.fmt in PACKED_FP4:
+            values = values.reshape(values.shape[0], -1, 2).amax(dim=-1)
+        return values.double().numpy()
+
+
+def _structured(experts: int, intermediate: int, hidden: int, gated: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 W13 ``(E, P*I, H)`` and W2 ``(E, H, I)`` with patterns a permutation breaks visibly."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.arange(1, experts + 1, dtype=torch.float32)[:, None, None]
+
+    def noisy(amp: torch.Tensor) -> torch.Tensor:
+        sign = torch.randint(0, 2, amp.shape, generator=g) * 2 - 1
+        return amp * (1 + 0.1 * torch.rand(amp.shape, generator=g)) * sign
+
+    r = torch.arange(intermediate, dtype=torch.float32)[:, None] / intermediate
+    c = torch.arange(hidden, dtype=torch.float32)[None, :] / hidden
+    gate = (0.1 + r + 0 * c) * e
+    up = (0.1 + 0 * r + 0.5 * c) * e
+    w13 = noisy(torch.cat([gate, up], dim=1) if gated else gate)
+    rh = torch.arange(hidden)[:, None] // 16
+    ci = torch.arange(intermediate)[None, :] // 16
+    w2 = noisy((0.2 + ((rh + ci) % 4).float() / 3) * e)
+    return w13, w2
+
+
+def sample_layer(fmt: str = "mxfp8", experts: int = 4, intermediate: int = 128, hidden: int = 256,
+                 gated: bool = True, seed: int = 0) -> ExpertTensors:
+    """A seeded layer of structured expert weights, quantized to ``fmt`` (a ``plan_layer`` format).
+
+    W13 ``(E, 2I, H)``: gate rows grow down the rows, up rows grow across the columns, and
+    expert ``e`` is ``e + 1`` times larger; W2 ``(E, H, I)`` has diagonal bands. Gate and up
+    are quantized separately (own block scales / global scales, as real checkpoints). Sizes
+    must meet the format's blocks (multiples of 32; of 128 for fp8-block).
+    """
+    from fimoe_lab import formats
+    from fimoe_lab.checkpoints import MoELayer
+
+    if fmt not in PLAN_FORMATS:
+        raise LayoutError(f"unknown format {fmt!r}; sample layers exist for {', '.join(PLAN_FORMATS)}")
+    w13, w2 = _structured(experts, intermediate, hidden, gated, seed)
+    source = f"sample_layer({fmt!r}, experts={experts}, intermediate={intermediate}, hidden={hidden}, seed={seed})"
+    kw = dict(intermediate=intermediate, hidden=hidden, is_act_and_mul=gated, is_gated=gated, convention="seeded")
+    if fmt == "bf16":
+        return ExpertTensors(MoELayer(fmt, w13.bfloat16(), w2.bfloat16(), None, None, **kw), source)
+    quant = formats.get(fmt).quantize
+    parts = [quant(p) for p in (w13.split(intermediate, dim=1) if gated and fmt != "fp8" else (w13,))]
+    q2 = quant(w2)
+    values = torch.cat([q.values for q in parts], dim=1)
+    scales = parts[0].scales if fmt == "fp8" else torch.cat([q.scales for q in parts], dim=1)
+    extras = {}
+    if fmt == "nvfp4":
+        extras = {"w13_weight_scale_2": torch.stack([1 / q.global_scale for q in parts], dim=1),
+                  "w2_weight_scale_2": 1 / q2.global_scale}
+    return ExpertTensors(MoELayer(fmt, values, q2.values, scales, q2.scales, extras=extras, **kw), source)
+
+
+def sample_names() -> list[str]:
+    """The shipped sample checkpoints (``data/checkpoints/<name>``), for :func:`load_layer`."""
+    return _require("fimoe_lab.checkpoints", "sample checkpoints").sample_names()
+
+
+def load_layer(source: str, layer: Optional[int] = None, tp_size: int = 1, tp_rank: int = 0) -> ExpertTensors:
+    """MoE ``layer`` (default: the first) of a checkpoint, for TP rank ``tp_rank`` of ``tp_size``.
+
+    ``source`` is a shipped sample name (:func:`sample_names`) or a checkpoint directory
+    (``config.json`` + safetensors shards); read through :mod:`fimoe_lab.checkpoints`.
+    """
+    checkpoints = _require("fimoe_lab.checkpoints", "reading a checkpoint")
+    path = checkpoints.sample_path(source) if source in checkpoints.sample_names() else Path(source)
+    ckpt = checkpoints.open_checkpoint(path)
+    index = ckpt.moe_layers[0] if layer is None else layer
+    moe = ckpt.read_layer(index, tp_size, tp_rank)
+    where = f"{source} layer {index}" + (f", TP rank {tp_rank} of {tp_size}" if tp_size > 1 else "")
+    return ExpertTensors(moe, f"{where} ({moe.convention}, {moe.fmt}, {moe.num_experts} experts)")
+
+
+def preset_names() -> list[str]:
+    """Model preset names known to :mod:`fimoe_lab.presets` (empty when it is not installed)."""
+    try:
+        presets = _require("fimoe_lab.presets", "model presets")
+    except LabUnavailable:
+        return []
+    return sorted(presets.PRESETS)
+
+
+def tactic_sweep(preset: str, fmt: str, tp: int, mode: str = "snapshot"):
+    """The tuner's table for ``preset`` in ``fmt`` at tensor-parallel size ``tp``.
+
+    A pandas DataFrame, one row per (``inter_align``, ``hidden_align``), with tactic counts
+    ``t<T>`` per token count, ``min_tactics``, ``extra_bytes_pct``, ``reference``,
+    ``recommended``; see :func:`fimoe_lab.tune.sweep.sweep`. ``mode``: the tactic oracle's
+    (``snapshot``: the recorded FlashInfer 0.6.13 answers, fast and offline; ``auto``: live
+    where possible).
+    """
+    sweep = _require("fimoe_lab.tune.sweep", "the tuner view")
+    oracle = _require("fimoe_lab.tune.oracle", "the tuner view")
+    return sweep.sweep(preset, fmt, tp, oracle=oracle.TacticOracle(mode))

@@ -1,0 +1,301 @@
+"""The lab's data views and figures: what is drawn is what the index maps say.
+
+Expected values come from the DESIGN §3 formulas written out here in numpy, not from
+the code under test; figures are checked through the arrays their artists hold.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+
+from fimoe_lab import prepare, steps  # noqa: E402
+from fimoe_lab.layout import IndexMap, LayoutError, compose  # noqa: E402
+from fimoe_lab.viz import data, figures, render, sources  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- references (DESIGN §3)
+def ref_w13_rows(inter: int, padded: int, etm: int = 128, swap: bool = True) -> np.ndarray:
+    """Checkpoint row of each kernel row for pad -> swap -> interleave -> shuffle (-1 = padding)."""
+    padded_rows = np.full(2 * padded, -1)
+    padded_rows[:inter] = np.arange(inter)
+    padded_rows[padded:padded + inter] = inter + np.arange(inter)
+    m = 2 * padded
+    swapped = padded_rows[(np.arange(m) + padded) % m] if swap else padded_rows
+    inter_src = np.stack([np.arange(m // 2), np.arange(m // 2) + m // 2], axis=1).reshape(-1)
+    interleaved = swapped[inter_src]
+    b = 32 if etm % 128 == 0 else 16
+    k = b // 8
+    p = np.arange(m)
+    shuffle_src = (p // b) * b + (p % b % 8) * k + (p % b) // 8
+    return interleaved[shuffle_src]
+
+
+def ref_swizzle_offset(r: np.ndarray, c: np.ndarray, cols: int) -> np.ndarray:
+    cp = -(-cols // 4) * 4
+    return (r // 128) * (cp // 4) * 512 + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def artist_array(ax, kind: str = "image", index: int = 0) -> np.ndarray:
+    if kind == "image":
+        return np.ma.filled(ax.images[index].get_array().astype(float), np.nan)
+    return np.asarray(ax.collections[index].get_offsets())
+
+
+# ----------------------------------------------------------------------------- core stays light
+def test_core_and_cli_import_without_lab_dependencies():
+    code = (
+        "import sys; import fimoe_lab, fimoe_lab.layout, fimoe_lab.prepare, fimoe_lab.viz;"
+        "from fimoe_lab.cli import build_parser; build_parser();"
+        "heavy = [m for m in ('matplotlib', 'ipywidgets', 'IPython', 'jupyterlab') if m in sys.modules];"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
+# ----------------------------------------------------------------------------- rows
+@pytest.mark.parametrize("inter,fmt", [(96, "mxfp8"), (128, "mxfp8"), (120, "fp8"), (120, "nvfp4")])
+def test_row_flow_matches_design_formulas(inter, fmt):
+    plan = prepare.plan_layer(fmt, "trtllm", inter, 256)
+    flow = data.row_flow(plan.w13)
+    assert np.array_equal(flow.src_rows, ref_w13_rows(inter, plan.padded_intermediate))
+    assert (flow.shuffle_block, flow.epilogue_tile) == (32, 128)
+    codes, labels = flow.groups("origin")
+    assert labels == ("gate", "up", "padding")
+    assert np.bincount(codes, minlength=3).tolist() == [inter, inter, 2 * (plan.padded_intermediate - inter)]
+    codes, labels = flow.groups("epilogue tile")
+    assert codes[flow.src_rows >= 0].max() == 2 * plan.padded_intermediate // 128 - 1
+
+
+def test_row_flow_of_scale_chain_stops_before_swizzle():
+    plan = prepare.plan_layer("mxfp8", "trtllm", 96, 256)
+    flow = data.row_flow(plan.w13_scale)
+    assert "swizzle_scales_128x4" not in flow.steps
+    assert np.array_equal(flow.src_rows, ref_w13_rows(96, 128))
+
+
+def test_row_flow_rejects_a_map_that_mixes_rows():
+    with pytest.raises(LayoutError, match="not a row map"):
+        data.row_flow(IndexMap(torch.tensor([0, 2, 1, 3]), 2, (2, 4), (2, 4), (), "mix halves"))
+
+
+def test_row_figure_draws_the_flow_and_the_values():
+    plan = prepare.plan_layer("mxfp8", "trtllm", 96, 256)
+    layer = sources.sample_layer("mxfp8", experts=2, intermediate=96, hidden=256)
+    values = layer.magnitude("w13", 1)
+    fig = figures.row_permutation_figure(plan.w13, window=(16, 48), values=values)
+    lines, every, moved = fig.axes[:3]
+    flow = data.row_flow(plan.w13)
+    drawn = [(int(l.get_ydata()[0]), int(l.get_ydata()[1])) for l in lines.lines if len(l.get_xdata()) == 2]
+    assert drawn == [(int(flow.src_rows[d]), d) for d in range(16, 48)]
+    scatter = artist_array(every, "points")
+    real = flow.src_rows >= 0
+    assert np.array_equal(scatter[real, 1], flow.src_rows[real])
+    expect = values[np.maximum(flow.src_rows[16:48], 0)]
+    expect[flow.src_rows[16:48] < 0] = np.nan
+    assert np.allclose(artist_array(moved), expect, equal_nan=True)
+    assert np.nanstd(artist_array(moved)) > 0
+
+
+def test_observed_rows_find_a_planted_swap():
+    layer = sources.sample_layer("fp8", experts=2, intermediate=128, hidden=256)
+    plan = prepare.plan_layer("fp8", "trtllm", 128, 256)
+    no_swap = compose(*[s for s in plan.w13.steps if not s.name.startswith("swap")])
+    w13 = layer.tensors["w13"]
+    good = data.observed_row_sources(w13[1], plan.w13.apply(w13)[1])
+    bad = data.observed_row_sources(w13[1], no_swap.apply(w13)[1])
+    assert np.array_equal(good, data.row_flow(plan.w13).src_rows)
+    assert np.array_equal(bad, ref_w13_rows(128, 128, swap=False))
+    assert (bad != good).all()
+    fig = figures.row_permutation_figure(plan.w13, observed=bad)
+    crosses = artist_array(fig.axes[1], "points", 2)
+    assert len(crosses) == 256
+
+
+# ----------------------------------------------------------------------------- tiles and swizzle
+def test_tile_view_is_block_major_k():
+    m = steps.block_major_k(64, 256, 128)  # bf16: [64, 128 elements] -> [2, 64, 64]
+    view = data.tile_view(m, itemsize=2)
+    kb, row, j = np.meshgrid(np.arange(2), np.arange(64), np.arange(64), indexing="ij")
+    assert np.array_equal(view.src_row, row.reshape(-1, 64))
+    assert np.array_equal(view.src_col, (kb * 64 + j).reshape(-1, 64))
+    assert np.array_equal(view.block_of_input, np.repeat(np.arange(2), 64)[None, :].repeat(64, 0))
+    fig = figures.tile_figure(m, 2, "source column")
+    assert np.array_equal(artist_array(fig.axes[0]), view.block_of_input)
+    assert np.array_equal(artist_array(fig.axes[1]), view.src_col)
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 4), (256, 8), (200, 6), (130, 3)])
+def test_swizzle_view_matches_the_design_offset(rows, cols):
+    view = data.swizzle_view(steps.swizzle_scales_128x4(rows, cols))
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    assert np.array_equal(view.dest_offset, ref_swizzle_offset(r, c, cols))
+    assert np.array_equal(view.dest_atom, ref_swizzle_offset(r, c, cols) // 512)
+    flat_rows = view.src_row.reshape(-1)
+    assert np.array_equal(flat_rows[view.dest_offset.reshape(-1)], r.reshape(-1))
+    assert (flat_rows == -1).sum() == (-(-rows // 128) * 128) * (-(-cols // 4) * 4) - rows * cols
+
+
+def test_swizzle_figure_shows_the_chosen_atom():
+    plan = prepare.plan_layer("nvfp4", "trtllm", 128, 512)
+    view = data.swizzle_view(plan.w13_scale)
+    assert view.atoms == 2 * 128 // 128 * (512 // 16 // 4)
+    fig = figures.swizzle_figure(plan.w13_scale, atom=3)
+    assert np.array_equal(artist_array(fig.axes[0]), view.dest_atom)
+    assert np.array_equal(artist_array(fig.axes[1]), view.src_row)
+    assert np.array_equal(artist_array(fig.axes[2]), view.src_col[96:128])
+    with pytest.raises(LayoutError, match="atom 99 is outside 0..15"):
+        figures.swizzle_figure(plan.w13_scale, atom=99)
+
+
+# ----------------------------------------------------------------------------- padding
+def test_padding_report_counts_bytes_and_marks_rows():
+    inter, hidden, experts, tp = 200, 256, 8, 2  # 100 per shard -> 112 (alignment 16)
+    report = data.padding_report("fp8", "trtllm", inter, hidden, tp=tp, experts=experts)
+    ip = 112
+    assert report.local_intermediate == 100 and report.plan.padded_intermediate == ip
+    w13 = report.tensors["w13"].padded_mask
+    assert w13.shape == (2 * ip, hidden)
+    assert w13[100:ip].all() and w13[ip + 100:].all() and not w13[:100].any() and not w13[ip:ip + 100].any()
+    assert report.tensors["w2"].padded_mask[:, 100:].all() and not report.tensors["w2"].padded_mask[:, :100].any()
+    kernel_rows = report.tensors["w13"].kernel_mask.all(axis=1)
+    assert np.array_equal(kernel_rows, ref_w13_rows(100, ip) < 0)
+    fill = experts * (2 * (ip - 100) * hidden + hidden * (ip - 100))
+    assert report.fill_bytes == fill
+    assert report.waste_pct == pytest.approx(100 * fill / (experts * 3 * ip * hidden))
+    fig = figures.padding_figure(report)
+    assert np.array_equal(artist_array(fig.axes[0]), w13)
+
+
+def test_padding_report_scales_and_errors():
+    report = data.padding_report("mxfp8", "trtllm", 192, 256, tp=2, experts=1)  # 96 -> 128
+    s = report.tensors["w13_scale"]
+    assert s.padded_mask.shape == (256, 8) and s.padded_mask[96:128].all() and not s.padded_mask[:96].any()
+    assert s.fill_bytes == 2 * 32 * 8
+    with pytest.raises(LayoutError, match="does not split into 3 tensor-parallel shards"):
+        data.padding_report("fp8", "trtllm", 200, 256, tp=3)
+    with pytest.raises(LayoutError, match="not to a multiple of the requested 512"):
+        data.padding_report("nvfp4", "trtllm", 128, 2688, hidden_alignment=512)
+
+
+def test_coarse_mask_keeps_thin_padding_visible():
+    mask = np.zeros((2000, 700), bool)
+    mask[1999] = True
+    shown, block = figures.coarse_mask(mask)
+    assert block == (4, 2) and shown.shape == (500, 350) and shown[-1].all() and not shown[:-1].any()
+
+
+# ----------------------------------------------------------------------------- provenance and values
+def test_gather_values_round_trips_and_provenance_agrees():
+    plan = prepare.plan_layer("bf16", "trtllm", 96, 256)
+    layer = sources.sample_layer("bf16", experts=2, intermediate=96, hidden=256)
+    values = layer.magnitude("w13", 0)
+    moved = data.gather_values(plan.w13, values, itemsize=2)
+    assert moved.shape == (256 * 2 // 128, 256, 64)
+    back = data.gather_values(plan.w13.inverse(), moved, itemsize=2)
+    assert np.array_equal(back, values)
+    for coords in [(0, 0, 0), (1, 5, 17), (3, 255, 63)]:
+        chain = data.provenance_rows(plan.w13, coords, itemsize=2)
+        src = chain[-1][2]
+        if src is None:
+            assert np.isnan(moved[coords])
+        else:
+            assert moved[coords] == values[src]
+
+
+def test_provenance_figure_marks_source_and_kernel_element():
+    plan = prepare.plan_layer("mxfp8", "trtllm", 96, 256)
+    layer = sources.sample_layer("mxfp8", experts=2, intermediate=96, hidden=256)
+    before = layer.magnitude("w13", 1)
+    fig = figures.provenance_figure(plan.w13, (5, 17), before)
+    ax_b, ax_a = fig.axes[:2]
+    src = plan.w13.provenance((5, 17)).source
+    assert tuple(int(v[0]) for v in reversed(ax_b.lines[0].get_data())) == src
+    assert tuple(int(v[0]) for v in reversed(ax_a.lines[0].get_data())) == (5, 17)
+    assert np.allclose(artist_array(ax_a), data.gather_values(plan.w13, before), equal_nan=True)
+
+
+def test_compare_figure_shows_zero_difference_only_for_the_right_preparation():
+    plan = prepare.plan_layer("mxfp8", "trtllm", 96, 256)
+    layer = sources.sample_layer("mxfp8", experts=2, intermediate=96, hidden=256)
+    scales = layer.magnitude("w13_scale", 1)
+    good = data.gather_values(plan.w13_scale, scales)
+    unswizzled = data.gather_values(compose(*plan.w13_scale.steps[:-1]), scales)
+    ok = figures.compare_figure(plan.w13_scale, scales, good)
+    bad = figures.compare_figure(plan.w13_scale, scales, unswizzled)
+    assert np.nanmax(artist_array(ok.axes[2])) == 0
+    assert np.nanmax(artist_array(bad.axes[2])) > 0
+
+
+def test_sample_layer_is_structured():
+    layer = sources.sample_layer("nvfp4", experts=3, intermediate=64, hidden=128)
+    gate = layer.magnitude("w13", 2)[:64]
+    up = layer.magnitude("w13", 2)[64:]
+    assert gate.mean(axis=1)[-8:].mean() > 4 * gate.mean(axis=1)[:8].mean()  # gate grows down the rows
+    assert up.mean(axis=0)[-8:].mean() > 2 * up.mean(axis=0)[:8].mean()      # up grows across the columns
+    assert layer.magnitude("w13", 2).mean() > layer.magnitude("w13", 0).mean()
+    with pytest.raises(LayoutError, match="expert 3 is outside 0..2"):
+        layer.magnitude("w13", 3)
+
+
+# ----------------------------------------------------------------------------- tuner, render, cli
+def test_tuner_figure_draws_the_sweep():
+    pd = pytest.importorskip("pandas")
+    sweep = pd.DataFrame(dict(
+        inter_align=[16, 16, 64, 64], hidden_align=[256, 512, 256, 512], t1=[0, 10, 20, 30],
+        min_tactics=[0, 5, 20, 25], extra_bytes_pct=[0.0, 1.0, 2.0, 3.0],
+        reference=[True, False, False, False], recommended=[False, False, True, False]))
+    fig = figures.tuner_figure(sweep)
+    assert np.array_equal(artist_array(fig.axes[0]), [[0, 5], [20, 25]])
+    assert np.array_equal(artist_array(figures.tuner_figure(sweep, tokens=1).axes[0]), [[0, 10], [20, 30]])
+    boxes = [(p.get_xy(), p.get_edgecolor()) for p in fig.axes[0].patches]
+    assert [xy for xy, _ in boxes] == [(-0.5, 0.5), (-0.5, -0.5)]
+    with pytest.raises(LayoutError, match="token counts: 1"):
+        figures.tuner_figure(sweep, tokens=4096)
+
+
+def test_html_rendering_lists_steps_and_draws_thumbnail():
+    plan = prepare.plan_layer("nvfp4", "trtllm", 120, 256)
+    html = render.plan_html(plan)
+    for name in ("w13", "w2_scale", "swizzle_scales_128x4", "swap_w13_to_w31", "NVFP4 TRT-LLM"):
+        assert name in html
+    assert html.count("<img") == 4
+    assert "fill byte 0x00" in render.provenance_html(plan.w13.provenance((255, 0)))
+
+
+def test_load_ext_makes_ipython_render_plans_as_html():
+    interactiveshell = pytest.importorskip("IPython.core.interactiveshell")
+    import fimoe_lab.viz
+
+    ip = interactiveshell.InteractiveShell.instance()
+    fimoe_lab.viz.load_ipython_extension(ip)
+    plan = prepare.plan_layer("mxfp8", "trtllm", 96, 256)
+    shown, _ = ip.display_formatter.format(plan)
+    assert "LayerPlan" in shown["text/html"] and "pad_projections" in shown["text/html"]
+    shown, _ = ip.display_formatter.format(plan.w13.provenance((0, 0)))
+    assert "input of swap_w13_to_w31" in shown["text/html"]
+
+
+def test_lab_command_is_offline_and_local(tmp_path):
+    from fimoe_lab.cli import build_parser
+    from fimoe_lab.viz.cli import jupyterlab_command
+
+    argv, env = jupyterlab_command(tmp_path / "nb", 8899, tmp_path / "state", open_browser=False)
+    joined = " ".join(argv)
+    for flag in ("--ServerApp.ip=127.0.0.1", "--ServerApp.port=8899", "--LabApp.news_url=None",
+                 "--LabApp.extension_manager=readonly", "NeverCheckForUpdate", "--ServerApp.open_browser=False"):
+        assert flag in joined
+    assert str(tmp_path / "state" / "config") in env["JUPYTER_CONFIG_PATH"]
+    assert "announcements" in (tmp_path / "state" / "config" / "labconfig" / "page_config.json").read_text()
+    args = build_parser().parse_args(["lab", "--no-browser", "--port", "9000"])
+    assert args.no_browser and args.port == 9000

@@ -1,0 +1,143 @@
+"""The explorers respond: changing a control changes the plotted data, as the maps say."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("matplotlib")
+
+from fimoe_lab import prepare  # noqa: E402
+from fimoe_lab.viz import data, sources, widgets  # noqa: E402
+
+
+def image(fig, axis: int) -> np.ndarray:
+    return np.ma.filled(fig.axes[axis].images[0].get_array().astype(float), np.nan)
+
+
+def same(drawn: np.ndarray, sources_: np.ndarray) -> bool:
+    """A drawn source array (fill masked -> NaN) equals a data array (fill = -1)."""
+    return bool(np.array_equal(drawn, np.where(sources_ < 0, np.nan, sources_), equal_nan=True))
+
+
+def test_row_explorer_window_colour_and_expert():
+    w = widgets.RowExplorer()
+    assert w.image.value[:4] == b"\x89PNG"
+    flow = w.state["flow"]
+    assert np.array_equal(flow.src_rows, data.row_flow(prepare.plan_layer("mxfp8", "trtllm", 96, 256).w13).src_rows)
+
+    first = w.image.value
+    w.colour_by.value = "shuffle block"
+    assert w.image.value != first
+    legend = [t.get_text() for t in w.figure.axes[1].get_legend().get_texts()]
+    assert legend[:2] == ["shuffle block 0", "shuffle block 1"]
+
+    w.start.value = 64
+    assert w.state["window"] == (64, 128)
+    drawn = [int(l.get_ydata()[1]) for l in w.figure.axes[0].lines if len(l.get_xdata()) == 2]
+    assert drawn == [d for d in range(64, 128) if flow.src_rows[d] >= 0]
+
+    before = image(w.figure, 2)
+    w.expert.value = 3
+    after = image(w.figure, 2)
+    layer = sources.sample_layer("mxfp8", experts=4, intermediate=96, hidden=256)
+    expect = data.gather_values(data.row_steps(w.state["plan"].w13), layer.magnitude("w13", 3))[64:128]
+    assert np.allclose(after, expect, equal_nan=True)
+    assert np.nanmean(after) > 1.5 * np.nanmean(before)  # expert 3 is 4x expert 0
+
+
+def test_row_explorer_on_a_given_layer():
+    layer = sources.sample_layer("nvfp4", experts=2, intermediate=128, hidden=256)
+    w = widgets.RowExplorer(layer)
+    assert w.source.disabled and w.expert.max == 1
+    assert "NVFP4 TRT-LLM" in w.message.value
+    w.tensor.value = "w2"
+    assert w.state["flow"].projections == 1 and w.state["flow"].out_rows == 256
+
+
+def test_tile_explorer_atoms_and_tiles():
+    w = widgets.TileExplorer()
+    view = w.state["view"]
+    assert list(w.tensor.options) == ["w13_scale", "w2_scale"] and w.atom.max == view.atoms - 1
+    w.atom.value = 2
+    assert same(image(w.figure, 2), view.src_col[64:96])
+    w.source.value = "seeded:bf16"
+    assert list(w.tensor.options) == ["w13", "w2"]
+    assert w.state["tensor"] == "w13"
+    tiles = data.tile_view(w.state["plan"].w13, 2)
+    assert same(image(w.figure, 1), tiles.src_col)
+    w.colour_by.value = "source row"
+    assert same(image(w.figure, 1), tiles.src_row)
+
+
+def test_padding_explorer_tp_and_errors():
+    w = widgets.PaddingExplorer(intermediate=384, hidden=512, experts=4, fmt="fp8", tp=1)
+    assert w.state["report"].local_intermediate == 384
+    first, fig = w.image.value, w.figure
+    w.tp.value = 8
+    report = w.state["report"]
+    assert report.local_intermediate == 48 and report.plan.padded_intermediate == 48
+    assert w.image.value != first
+    w.inter_align.value = 128
+    assert w.state["report"].plan.padded_intermediate == 128 and w.state["report"].fill_bytes > 0
+    shown = w.figure
+    w.intermediate.value = 390
+    assert "does not split into 8 tensor-parallel shards" in w.message.value
+    assert w.figure is shown
+
+
+def test_provenance_explorer_follows_the_chosen_element():
+    w = widgets.ProvenanceExplorer()
+    w.row.value, w.col.value = 40, 200
+    m = w.state["plan"].w13
+    assert w.state["coords"] == (40, 200)
+    assert w.state["chain"][-1][2] == m.provenance((40, 200)).source
+    ax = w.figure.axes[1]
+    assert (ax.lines[0].get_xdata()[0], ax.lines[0].get_ydata()[0]) == (200, 40)
+    w.tensor.value = "w13_scale"
+    assert w.state["coords"][0] < 256 and w.state["coords"][1] < 8
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fimoe_lab.tune") is not None, reason="the tuner is installed")
+def test_tuner_explorer_explains_a_missing_tuner():
+    w = widgets.TunerExplorer()
+    assert "fimoe_lab.tune" in w.message.value and w.figure is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fimoe_lab.tune") is None, reason="the tuner is not installed")
+def test_tuner_explorer_draws_the_snapshot_sweep():
+    pytest.importorskip("pandas")
+    w = widgets.TunerExplorer("gpt-oss-120b", "fp8", 8)
+    sweep = w.state["sweep"]
+    grid = sweep.pivot(index="inter_align", columns="hidden_align", values="min_tactics").to_numpy(dtype=float)
+    assert np.array_equal(image(w.figure, 0), grid)
+    rec = sweep[sweep["recommended"]].iloc[0]
+    assert f"intermediate {int(rec.intermediate)} (align {int(rec.inter_align)})" in w.message.value
+    first = w.image.value
+    w.tp.value = 2
+    assert w.state["sweep"].attrs["tp"] == 2 and w.image.value != first
+
+
+def test_explorers_on_a_shipped_sample_checkpoint():
+    checkpoints = pytest.importorskip("fimoe_lab.checkpoints")
+    if "deepseek-r1-nvfp4" not in checkpoints.sample_names():
+        pytest.skip("sample checkpoints are not in this checkout")
+    w = widgets.RowExplorer()
+    w.source.value = "sample:deepseek-r1-nvfp4"
+    layer = w.state["layer"]
+    assert layer.fmt == "nvfp4" and w.expert.max == layer.experts - 1
+    kernel, plan, _ = checkpoints.convert_layer(layer.moe, "trtllm")
+    assert plan.w13 == w.state["plan"].w13  # the lab draws the plan the converter applies
+    observed = data.observed_row_sources(layer.moe.w13[2], next(t for n, t in kernel.items() if "w13" in n and "scale" not in n)[2])
+    assert np.array_equal(observed, w.state["flow"].src_rows)
+    pad = widgets.PaddingExplorer.from_layer(layer, tp=2)  # 320 / 2 = 160: 320 scale rows, not whole atoms
+    assert "not a multiple of 128" in pad.message.value and pad.figure is None
+    pad.inter_align.value = 64
+    report = pad.state["report"]
+    assert (report.local_intermediate, report.plan.padded_intermediate, report.experts) == (160, 192, layer.experts)
+    w.expert.value = 2
+    magnitude = layer.magnitude("w13", 2)
+    assert magnitude.shape == tuple(layer.moe.w13.shape[1:]) and magnitude.max() > 0
