@@ -108,10 +108,11 @@ def execute_in_place(m, x: torch.Tensor, scratch_experts: Optional[int] = None,
 
     Generic path (torch, numba): each chunk is copied to the scratch, then gathered
     from the scratch back into its own place. CUDA with Triton: the scratch is two
-    slots; one launch gathers a slot back into its chunk while copying the next chunk
-    into the other slot, and a slot small enough to stay in L2 (``slot_bytes``) is read
-    back from the cache. Peak extra memory: at most ``scratch_experts`` experts plus the
-    map's int32 index (measured in benchmarks/RESULTS.md).
+    slots of ``scratch_experts // 2`` experts; one launch gathers a slot back into its
+    chunk while copying the next chunk into the other slot. Either way every byte
+    crosses memory twice, so this mode runs at most at half the copy bandwidth. Peak
+    extra memory: at most ``scratch_experts`` experts plus the map's int32 index
+    (measured in benchmarks/RESULTS.md).
 
     Guarantee on failure: ``m`` is checked (a size-preserving permutation, ``x``
     contiguous with the map's shape) before any byte moves. If an exception is raised

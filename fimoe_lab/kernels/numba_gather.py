@@ -1,13 +1,17 @@
 """The CPU executor: parallel numba loops, no Python loop per expert or row.
 
-``prange`` runs over (expert, block of output cells) tasks of about 16 KB; each cell
-moves as a run of 8-, 4-, 2- or 1-byte words. A row gather followed by the 128x4
+``prange`` runs over (expert, block of output cells) tasks of about 16 KB, visiting
+cells band by band of their sources; a cell of 16 bytes or more moves with one libc
+``memcpy`` (fill: ``memset``), a smaller one as a run of 8-, 4-, 2- or 1-byte words. A row gather followed by the 128x4
 scale swizzle has its own loop (one task per 128-row band: the band's source rows
 stay in cache while its output is written in order). Compiled on first use and
 cached on disk next to this module.
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
 
 import numpy as np
 import torch
@@ -43,6 +47,49 @@ def _gather(x, out, src, fills, visit, block):  # pragma: no cover - compiled
                 f = fills[-1 - s]
                 for k in range(w):
                     oe[i, k] = f
+
+
+def _libc_fn(name, argtypes):
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        fn = getattr(lib, name)
+    except (OSError, AttributeError):  # pragma: no cover - no C library to call
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = argtypes
+    return fn
+
+
+_memcpy = _libc_fn("memcpy", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t])
+_memset = _libc_fn("memset", [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t])
+MEMCPY_MIN_CELL = 16
+"""Cells of at least this many bytes move with libc ``memcpy`` (vector copies)."""
+
+
+if _memcpy is not None and _memset is not None:
+
+    @njit(parallel=True, nogil=True)
+    def _gather_memcpy(x, out, src, fill_bytes, visit, cell, n_in, n_out, block):  # pragma: no cover
+        """x, out: flat uint8; one memcpy (or memset) per output cell, banded visit order."""
+        xa = x.ctypes.data
+        oa = out.ctypes.data
+        experts = out.size // (n_out * cell)
+        nb = (n_out + block - 1) // block
+        for t in prange(experts * nb):
+            e = t // nb
+            lo = (t - e * nb) * block
+            hi = min(lo + block, n_out)
+            xb = xa + e * n_in * cell
+            ob = oa + e * n_out * cell
+            for j in range(lo, hi):
+                i = visit[j]
+                s = src[i]
+                if s >= 0:
+                    _memcpy(ob + i * cell, xb + s * cell, cell)
+                else:
+                    _memset(ob + i * cell, fill_bytes[-1 - s], cell)
+else:  # pragma: no cover
+    _gather_memcpy = None
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -89,6 +136,11 @@ def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     if em.swizzle is not None and word == 4:
         rows, cw, _ = em.swizzle
         _swizzle(xb.view(dt).numpy(), ob.view(dt).numpy(), rows, em.fill_words(4), cw)
+        return
+    if _gather_memcpy is not None and em.cell_bytes >= MEMCPY_MIN_CELL:
+        fill_bytes = np.array(em.fills or (0,), dtype=np.int32)
+        _gather_memcpy(xb.numpy().reshape(-1), ob.numpy().reshape(-1), em.src, fill_bytes, visit_order(em),
+                       em.cell_bytes, em.n_in, em.n_out, max(1, TASK_BYTES // em.cell_bytes))
         return
     fills = em.fill_words(word)
     xa, oa = xb.view(dt).numpy(), ob.view(dt).numpy()

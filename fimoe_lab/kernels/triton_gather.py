@@ -13,8 +13,10 @@ Three tile shapes, chosen from the map's executable form:
   words, each word fetched on its own.
 
 Grid: (tiles per expert, experts). Fill cells (``src < 0``) take their fill word from a
-tiny table. :func:`inplace_triton` runs a permutation in place through a two-slot
-scratch, one launch per slot (the gather of one slot and the copy of the next fused).
+tiny table; a row gather whose rows are padded on the right uses the ``rows`` kernel
+over whole output rows. :func:`inplace_triton` runs a permutation in place through a
+two-slot scratch, one launch per chunk (the gather of one slot and the copy of the next
+fused).
 """
 
 from __future__ import annotations
@@ -229,13 +231,14 @@ def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict 
 def inplace_triton(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
     """Permute every expert of ``flat`` ``(E, bytes)`` in place; yields after each launch.
 
-    With ``scratch_experts >= 2`` the scratch is two slots of ``per`` experts (``per``
-    bounded by ``slot_bytes`` so a slot stays in L2 between its copy and its gather):
-    launch k gathers slot k%2 back into chunk k and copies chunk k+1 into the other
-    slot. With one expert of scratch, copy and gather alternate on one slot. The caller
-    consumes the generator; the number of chunks whose gather has been launched is
-    yielded each time (the chunks before the last one yielded are complete once the
-    stream is synchronized).
+    With ``scratch_experts >= 2`` the scratch is two slots of ``scratch_experts // 2``
+    experts (``slot_bytes``, when set, caps a slot): launch k gathers slot k%2 back into
+    chunk k and copies chunk k+1 into the other slot. With one expert of scratch, copy
+    and gather alternate on one slot. Every byte crosses DRAM twice (copy, then
+    gather), so this mode is bounded by half the copy bandwidth (RESULTS.md). Yields
+    the number of leading experts whose gather has been launched; the stream orders
+    the launches, so after a synchronize those experts are done and the rest of ``x``
+    still holds its input.
     """
     cfg = dict(CONFIG, **(config or {}))
     experts, nbytes = flat.shape
