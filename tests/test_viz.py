@@ -184,8 +184,10 @@ def test_padding_report_scales_and_errors():
     assert s.fill_bytes == 2 * 32 * 8
     with pytest.raises(LayoutError, match="does not split into 3 tensor-parallel shards"):
         data.padding_report("fp8", "trtllm", 200, 256, tp=3)
-    with pytest.raises(LayoutError, match="not to a multiple of the requested 512"):
-        data.padding_report("nvfp4", "trtllm", 128, 2688, hidden_alignment=512)
+    nvfp4 = data.padding_report("nvfp4", "trtllm", 128, 2688, hidden_alignment=512)
+    assert nvfp4.plan.padded_hidden == 3072
+    w13 = nvfp4.tensors["w13"].padded_mask  # (2*64, 3072/2 bytes): hidden columns 1344..1535 are padding
+    assert w13[:, 1344:].all() and not w13[:64, :1344].any()
 
 
 def test_coarse_mask_keeps_thin_padding_visible():

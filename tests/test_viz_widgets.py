@@ -133,8 +133,10 @@ def test_explorers_on_a_shipped_sample_checkpoint():
     assert plan.w13 == w.state["plan"].w13  # the lab draws the plan the converter applies
     observed = data.observed_row_sources(layer.moe.w13[2], next(t for n, t in kernel.items() if "w13" in n and "scale" not in n)[2])
     assert np.array_equal(observed, w.state["flow"].src_rows)
-    pad = widgets.PaddingExplorer.from_layer(layer, tp=2)  # 320 / 2 = 160: 320 scale rows, not whole atoms
-    assert "not a multiple of 128" in pad.message.value and pad.figure is None
+    pad = widgets.PaddingExplorer.from_layer(layer, tp=2)  # 320 / 2 = 160 -> 192, the NVFP4 TRT-LLM default (64)
+    assert "padded 192" in pad.message.value and pad.figure is not None
+    pad.inter_align.value = 16  # 2*160 scale rows: not whole 128-row atoms
+    assert "not a multiple of 128" in pad.message.value and "figure not updated" in pad.message.value
     pad.inter_align.value = 64
     report = pad.state["report"]
     assert (report.local_intermediate, report.plan.padded_intermediate, report.experts) == (160, 192, layer.experts)

@@ -359,13 +359,6 @@ def padding_report(fmt: str, backend: str, intermediate: int, hidden: int, tp: i
     local = intermediate // tp
     plan = prepare.plan_layer(fmt, backend, local, hidden, is_act_and_mul, is_gated,
                               intermediate_alignment, hidden_alignment)
-    for wanted, got, what in ((intermediate_alignment, plan.padded_intermediate, "intermediate"),
-                              (hidden_alignment, plan.padded_hidden, "hidden")):
-        if wanted and got % wanted:
-            raise LayoutError(
-                f"{plan.description} pads {what} to {got}, not to a multiple of the requested {wanted}: "
-                f"plan_layer does not apply a {what} alignment for {fmt} on {backend}; leave it at the default"
-            )
     tensors = {name: TensorPadding(name, m, itemsize_of(fmt, name)) for name, m in plan.maps().items()}
     return PaddingReport(fmt, backend, tp, intermediate, local, hidden, plan, experts, tensors)
 
