@@ -103,7 +103,7 @@ def test_unaligned_buffers_fall_back_to_narrow_words(backend):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("experts,scratch", [(5, 1), (5, 2), (7, 3), (4, None), (3, 8)])
+@pytest.mark.parametrize("experts,scratch", [(5, 1), (7, 3), (3, None)])
 def test_in_place_matches_out_of_place(backend, experts, scratch):
     for m in (plan_layer("fp8", "trtllm", 256, 512).w13, plan_layer("nvfp4", "trtllm", 256, 512).w13_scale,
               plan_layer("bf16", "trtllm", 256, 256).w2):

@@ -1,7 +1,7 @@
 """The CPU executor: parallel numba loops, no Python loop per expert or row.
 
 ``prange`` runs over (expert, block of output cells) tasks of about 16 KB, visiting
-cells band by band of their sources; a cell of 16 bytes or more moves with one libc
+cells band by band of their sources; a cell of 16 bytes or more moves with one LLVM
 ``memcpy`` (fill: ``memset``), a smaller one as a run of 8-, 4-, 2- or 1-byte words. A row gather followed by the 128x4
 scale swizzle has its own loop (one task per 128-row band: the band's source rows
 stay in cache while its output is written in order). Compiled on first use and
@@ -10,12 +10,12 @@ cached on disk next to this module.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
 
@@ -49,47 +49,58 @@ def _gather(x, out, src, fills, visit, block):  # pragma: no cover - compiled
                     oe[i, k] = f
 
 
-def _libc_fn(name, argtypes):
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        fn = getattr(lib, name)
-    except (OSError, AttributeError):  # pragma: no cover - no C library to call
-        return None
-    fn.restype = ctypes.c_void_p
-    fn.argtypes = argtypes
-    return fn
+@intrinsic
+def _copy_bytes(typingctx, dst, src, n):
+    """``memcpy(dst, src, n)`` on integer addresses, as LLVM's memcpy (vector moves)."""
+    sig = types.void(types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        d, s, k = args
+        i8p = ir.IntType(8).as_pointer()
+        cgutils.raw_memcpy(builder, builder.inttoptr(d, i8p), builder.inttoptr(s, i8p), k, 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
-_memcpy = _libc_fn("memcpy", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t])
-_memset = _libc_fn("memset", [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t])
+@intrinsic
+def _fill_bytes(typingctx, dst, value, n):
+    """``memset(dst, value, n)`` on an integer address."""
+    sig = types.void(types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        d, v, k = args
+        cgutils.memset(builder, builder.inttoptr(d, ir.IntType(8).as_pointer()), k,
+                       builder.trunc(v, ir.IntType(8)))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 MEMCPY_MIN_CELL = 16
-"""Cells of at least this many bytes move with libc ``memcpy`` (vector copies)."""
+"""Cells of at least this many bytes move with one memcpy each (vector copies)."""
 
 
-if _memcpy is not None and _memset is not None:
-
-    @njit(parallel=True, nogil=True)
-    def _gather_memcpy(x, out, src, fill_bytes, visit, cell, n_in, n_out, block):  # pragma: no cover
-        """x, out: flat uint8; one memcpy (or memset) per output cell, banded visit order."""
-        xa = x.ctypes.data
-        oa = out.ctypes.data
-        experts = out.size // (n_out * cell)
-        nb = (n_out + block - 1) // block
-        for t in prange(experts * nb):
-            e = t // nb
-            lo = (t - e * nb) * block
-            hi = min(lo + block, n_out)
-            xb = xa + e * n_in * cell
-            ob = oa + e * n_out * cell
-            for j in range(lo, hi):
-                i = visit[j]
-                s = src[i]
-                if s >= 0:
-                    _memcpy(ob + i * cell, xb + s * cell, cell)
-                else:
-                    _memset(ob + i * cell, fill_bytes[-1 - s], cell)
-else:  # pragma: no cover
-    _gather_memcpy = None
+@njit(parallel=True, cache=True, nogil=True)
+def _gather_memcpy(x, out, src, fill_bytes, visit, cell, n_in, n_out, block):  # pragma: no cover
+    """x, out: flat uint8; one memcpy (or memset) per output cell, banded visit order."""
+    xa = x.ctypes.data
+    oa = out.ctypes.data
+    experts = out.size // (n_out * cell)
+    nb = (n_out + block - 1) // block
+    for t in prange(experts * nb):
+        e = t // nb
+        lo = (t - e * nb) * block
+        hi = min(lo + block, n_out)
+        xb = xa + e * n_in * cell
+        ob = oa + e * n_out * cell
+        for j in range(lo, hi):
+            i = visit[j]
+            s = src[i]
+            if s >= 0:
+                _copy_bytes(ob + i * cell, xb + s * cell, cell)
+            else:
+                _fill_bytes(ob + i * cell, fill_bytes[-1 - s], cell)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -137,7 +148,7 @@ def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
         rows, cw, _ = em.swizzle
         _swizzle(xb.view(dt).numpy(), ob.view(dt).numpy(), rows, em.fill_words(4), cw)
         return
-    if _gather_memcpy is not None and em.cell_bytes >= MEMCPY_MIN_CELL:
+    if em.cell_bytes >= MEMCPY_MIN_CELL:
         fill_bytes = np.array(em.fills or (0,), dtype=np.int32)
         _gather_memcpy(xb.numpy().reshape(-1), ob.numpy().reshape(-1), em.src, fill_bytes, visit_order(em),
                        em.cell_bytes, em.n_in, em.n_out, max(1, TASK_BYTES // em.cell_bytes))
