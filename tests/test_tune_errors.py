@@ -93,7 +93,7 @@ def test_worker_exit_is_reported_and_restarted():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "fimoe_lab.tune.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fimoe_lab", *args], capture_output=True, text=True,
                           env={**__import__("os").environ, "FIMOE_LAB_CACHE": "/nonexistent-fimoe"})
 
 

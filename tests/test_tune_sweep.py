@@ -91,14 +91,14 @@ def test_timing_hook_says_not_measured_without_gpu(o):
 
 
 def test_cli_tune_prints_table(capsys):
-    from fimoe_lab.tune.cli import main
+    from fimoe_lab.cli import main
     assert main(["tune", "--model", "qwen3-30b-a3b", "--format", "nvfp4", "--tp", "8", "--source", "snapshot"]) == 0
     out = capsys.readouterr().out
     assert "ZERO tactics" in out and "recommended: intermediate -> 128" in out
 
 
 def test_cli_tactics_json(capsys):
-    from fimoe_lab.tune.cli import main
+    from fimoe_lab.cli import main
     assert main(["tactics", "--format", "nvfp4", "--act", "swiglu", "--per-token", "--hidden", "3072",
                  "--inter", "1920", "--experts", "128", "--top-k", "6", "--tokens", "1,8,64", "--json",
                  "--source", "snapshot"]) == 0

@@ -35,19 +35,6 @@ def _lower_choice(valid):
     return parse
 
 
-def _friendly(fn):
-    """Bad input -> one 'error:' line on stderr and exit status 2, never a traceback."""
-    def run(a) -> int:
-        try:
-            return fn(a)
-        except (OracleError, KeyError, ValueError) as e:
-            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-            print(f"error: {msg}", file=sys.stderr)
-            return 2
-    run.__name__ = fn.__name__
-    return run
-
-
 def register(subparsers) -> None:
     """Add the ``tune`` and ``tactics`` subcommands to an argparse subparsers object."""
     fmt_help = "; ".join(f"{k}: {v.description}" for k, v in FORMATS.items())
@@ -72,7 +59,7 @@ def register(subparsers) -> None:
     t.add_argument("--csv", help="also write the table to this CSV file")
     t.add_argument("--json-out", help="also write the table and recommendation to this JSON file")
     t.add_argument("--plot", help="save the heatmap and waste-vs-tactics figures to this PNG prefix")
-    t.set_defaults(func=_friendly(_run_tune))
+    t.set_defaults(handler=_run_tune)
 
     q = subparsers.add_parser(
         "tactics", help="valid TRTLLM-Gen MoE tactics ([tile_N, config]) for one shape",
@@ -95,7 +82,7 @@ def register(subparsers) -> None:
     q.add_argument("--source", choices=_MODES, default="auto", help="where answers come from")
     q.add_argument("--json", action="store_true", help="print a JSON list, one object per token count")
     q.add_argument("--configs", action="store_true", help="include the full [tile_N, config] list (live only)")
-    q.set_defaults(func=_friendly(_run_tactics))
+    q.set_defaults(handler=_run_tactics)
 
 
 def _run_tactics(a) -> int:
@@ -157,16 +144,3 @@ def _run_tune(a) -> int:
         ax.figure.savefig(a.plot + "_waste.png", dpi=120, bbox_inches="tight")
     oracle.close()
     return 0
-
-
-def main(argv=None) -> int:
-    """Standalone entry (``python -m fimoe_lab.tune.cli tune ...``) until fimoe_lab.cli wires it."""
-    ap = argparse.ArgumentParser(prog="fimoe-lab", description="fimoe_lab tuning commands")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    register(sub)
-    a = ap.parse_args(argv)
-    return a.func(a)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
