@@ -230,15 +230,16 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
     # bounded-memory in-place mode (permutations only)
     if m.is_permutation and not args.no_inplace:
         dflt = kernels.default_scratch_experts(experts)
-        for sc, key in ((dflt, "inplace"), (2, "inplace2"), (1, "inplace1")):
-            if key != "inplace" and (sc == dflt or sc > experts or dev.type == "cpu"):
+        for sc, key, cfg in ((dflt, "inplace", None), (2, "inplace2", None), (1, "inplace1", None),
+                             (dflt, "inplace_pipeline", {"inplace": "pipeline"})):
+            if key != "inplace" and (sc > experts or dev.type == "cpu" or (sc == dflt and cfg is None)):
                 continue
             y = x.clone()
-            t = timeit(lambda: execute_in_place(m, y, sc), dev, max(3, args.repeats // 2), warmup=1)
+            t = timeit(lambda: execute_in_place(m, y, sc, config=cfg), dev, max(3, args.repeats // 2), warmup=1)
             rec[f"{key}_scratch_experts"] = sc
             rec[f"{key}_gbps"] = moved / t / 1e9
             rec[f"{key}_ratio"] = rec[f"{key}_gbps"] / rec["copy_gbps"]
-            pk = peak_extra(lambda: execute_in_place(m, y, sc), dev)
+            pk = peak_extra(lambda: execute_in_place(m, y, sc, config=cfg), dev)
             rec[f"{key}_peak_extra_bytes"] = pk if pk is not None else sc * m.in_bytes + em.src.nbytes
             del y
 

@@ -78,14 +78,17 @@ def test_gpu_unaligned_and_typed(backend):
     assert torch.equal(m.apply(xb).reshape(2, -1).view(torch.uint8), reference(m, xb))
 
 
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("backend,strategy", [("torch", None)] + (
+    [("triton", "pipeline"), ("triton", "persistent")] if "triton" in GPU_BACKENDS else []))
 @pytest.mark.parametrize("scratch", [1, 2, 3, None])
-def test_gpu_in_place(backend, scratch):
+def test_gpu_in_place(backend, strategy, scratch):
+    cfg = {"inplace": strategy, "persistent_slot_bytes": 1 << 40} if strategy else None
     for m in (plan_layer("fp8", "trtllm", 2048, 7168).w13, plan_layer("nvfp4", "trtllm", 2048, 7168).w13_scale,
-              plan_layer("bf16", "trtllm", 256, 256).w2):
+              plan_layer("bf16", "trtllm", 256, 256).w2, plan_layer("fp8-block", "trtllm", 256, 512).w13):
         x = torch.randint(0, 256, (5, m.in_bytes), dtype=torch.uint8, device="cuda")
         want = reference(m, x)
-        execute_in_place(m, x, scratch, backend=backend)
+        execute_in_place(m, x, scratch, backend=backend, config=cfg)
+        torch.cuda.synchronize()
         assert torch.equal(x, want)
 
 
@@ -127,9 +130,30 @@ def test_gpu_in_place_error_restores_triton_pipeline(monkeypatch, scratch):
 
     monkeypatch.setattr(triton_gather, "inplace_triton", flaky)
     with pytest.raises(InPlaceError) as info:
-        execute_in_place(m, x, scratch)
+        execute_in_place(m, x, scratch, config={"inplace": "pipeline"})
     assert info.value.restored and isinstance(info.value.__cause__, RuntimeError)
     assert torch.equal(x, before)
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+def test_gpu_in_place_error_after_persistent_launch_is_undone(monkeypatch):
+    from fimoe_lab.kernels import triton_gather
+
+    m = plan_layer("mxfp8", "trtllm", 256, 512).w13_scale
+    x = torch.randint(0, 256, (9, m.in_bytes), dtype=torch.uint8, device="cuda")
+    before = x.clone()
+    real, fired = triton_gather.inplace_persistent, []
+
+    def flaky(em, flat, chunk, config=None):  # the whole launch ran, then the caller fails once
+        yield from real(em, flat, chunk, config)
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("injected after the launch")
+
+    monkeypatch.setattr(triton_gather, "inplace_persistent", flaky)
+    with pytest.raises(InPlaceError) as info:
+        execute_in_place(m, x, 2)
+    assert info.value.restored and torch.equal(x, before)
 
 
 def test_gpu_dispatch_prefers_triton():

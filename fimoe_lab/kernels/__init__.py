@@ -107,10 +107,11 @@ def execute_in_place(m, x: torch.Tensor, scratch_experts: Optional[int] = None,
     """Apply the permutation ``m`` to ``x`` in place, ``scratch_experts`` experts at a time.
 
     Generic path (torch, numba): each chunk is copied to the scratch, then gathered
-    from the scratch back into its own place. CUDA with Triton: the scratch is two
-    slots of ``scratch_experts // 2`` experts; one launch gathers a slot back into its
-    chunk while copying the next chunk into the other slot. Either way every byte
-    crosses memory twice, so this mode runs at most at half the copy bandwidth. Peak
+    from the scratch back into its own place. CUDA with Triton (default strategy
+    ``persistent``): one cooperative launch walks the chunks, copy and gather separated
+    by grid barriers (``triton_gather.inplace_persistent``); strategy ``pipeline``: two
+    slots of ``scratch_experts // 2`` experts, one launch per chunk. Either way every
+    byte crosses memory twice, so this mode runs at most at half the copy bandwidth. Peak
     extra memory: at most ``scratch_experts`` experts plus the map's int32 index
     (measured in benchmarks/RESULTS.md).
 
@@ -141,9 +142,11 @@ def execute_in_place(m, x: torch.Tensor, scratch_experts: Optional[int] = None,
     start = 0
     try:
         if backend == "triton" and x.is_cuda:
-            from fimoe_lab.kernels.triton_gather import inplace_triton
+            from fimoe_lab.kernels import triton_gather
 
-            for start, _ in inplace_triton(exec_form(m), flat, chunk, config):
+            strategy = (config or {}).get("inplace", triton_gather.CONFIG["inplace"])
+            run = triton_gather.inplace_persistent if strategy == "persistent" else triton_gather.inplace_triton
+            for start, _ in run(exec_form(m), flat, chunk, config):
                 pass
         else:
             scratch = torch.empty((chunk, flat.shape[1]), dtype=torch.uint8, device=x.device)

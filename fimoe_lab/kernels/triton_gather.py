@@ -30,7 +30,7 @@ from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, swizzl
 # Tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
 CONFIG = {"tile_words": 4096, "num_warps": 4, "evict": False, "block_1d": 8192, "warps_1d": 8, "max_bw": 1024,
           "swizzle_kw": 32, "swizzle_warps": 4, "use_swizzle": True, "copy_block": 4096,
-          "slot_bytes": 0, "hints": False}
+          "slot_bytes": 0, "hints": False, "persistent_per_sm": 2, "persistent_slot_bytes": 30 << 20, "inplace": "persistent"}
 
 
 @triton.jit
@@ -57,7 +57,9 @@ def _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t,
         lm = m[:, None] & cin[None, :]
     else:
         lm = m[:, None]
-    if EVICT:
+    if EVICT == 2:  # data another program wrote in this launch: read through L2, not L1
+        v = tl.load(src, mask=lm, cache_modifier=".cg")
+    elif EVICT == 1:
         v = tl.load(src, mask=lm, eviction_policy="evict_first")
     else:
         v = tl.load(src, mask=lm)
@@ -69,7 +71,8 @@ def _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t,
 
 
 @triton.jit
-def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.constexpr, HAS_FILL: tl.constexpr):
+def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.constexpr, HAS_FILL: tl.constexpr,
+                 CG: tl.constexpr = False):
     j = t * B + tl.arange(0, B)
     m = j < n_out * W
     cell = j // W
@@ -80,6 +83,8 @@ def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.con
         s = tl.maximum(s, 0)
         v = tl.load(xb + s.to(tl.int64) * W + j % W, mask=m & valid)
         v = tl.where(valid, v, fw)
+    elif CG:
+        v = tl.load(xb + s.to(tl.int64) * W + j % W, mask=m, cache_modifier=".cg")
     else:
         v = tl.load(xb + s.to(tl.int64) * W + j % W, mask=m)
     tl.store(ob + j, v, mask=m)
@@ -87,7 +92,7 @@ def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.con
 
 @triton.jit
 def _swizzle_tile(xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr,
-                  HAS_FILL: tl.constexpr):
+                  HAS_FILL: tl.constexpr, CG: tl.constexpr = False):
     band = t // NK
     kc = t % NK
     r = band * 128 + tl.arange(0, 128)
@@ -97,7 +102,10 @@ def _swizzle_tile(xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.conste
         fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0))
         s = tl.maximum(s, 0)
     k = kc * KW + tl.arange(0, KW)
-    v = tl.load(xb + s.to(tl.int64)[:, None] * CW + k[None, :])
+    if CG:
+        v = tl.load(xb + s.to(tl.int64)[:, None] * CW + k[None, :], cache_modifier=".cg")
+    else:
+        v = tl.load(xb + s.to(tl.int64)[:, None] * CW + k[None, :])
     if HAS_FILL:
         v = tl.where(valid[:, None], v, fw[:, None])
     # row r = 32*q + p of the band, word kk -> output word kk*128 + p*4 + q of the band
@@ -152,6 +160,87 @@ def _inplace_step(x_ptr, s_ptr, src_ptr, fill_ptr, g_src, g_dst, g_tiles, tiles_
         else:
             v = tl.load(x_ptr + c_src + j, mask=m)
             tl.store(s_ptr + c_dst + j, v, mask=m)
+
+
+@triton.jit
+def _grid_barrier(bar_ptr, target):
+    """Every program of the (co-resident) grid arrives; returns once all have."""
+    tl.debug_barrier()
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _inplace_persistent(x_ptr, s_ptr, src_ptr, fill_ptr, bar_ptr, experts, per, tiles_per_expert, expert_words,
+                        n_out, KIND: tl.constexpr, W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr,
+                        NC: tl.constexpr, B: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr,
+                        HAS_FILL: tl.constexpr, CB: tl.constexpr):
+    """One launch for the whole tensor: for each chunk of ``per`` experts, all programs
+    copy it into the scratch (kept in L2: ``evict_last``), meet at a grid barrier,
+    gather it back into place (reading the scratch through L2), and meet again."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    n_chunks = tl.cdiv(experts, per)
+    phase = 0
+    for k in range(0, n_chunks):
+        first = k * per
+        cnt = tl.minimum(per, experts - first)
+        c_words = cnt.to(tl.int64) * expert_words
+        base = first.to(tl.int64) * expert_words
+        n_blocks = tl.cdiv(c_words, CB).to(tl.int32)
+        for b in range(pid, n_blocks, G):
+            j = b.to(tl.int64) * CB + tl.arange(0, CB)
+            m = j < c_words
+            v = tl.load(x_ptr + base + j, mask=m, eviction_policy="evict_first")
+            tl.store(s_ptr + j, v, mask=m, eviction_policy="evict_last")
+        phase += 1
+        _grid_barrier(bar_ptr, phase * G)
+        for t in range(pid, cnt * tiles_per_expert, G):
+            e = (t // tiles_per_expert).to(tl.int64)
+            tt = t % tiles_per_expert
+            xb = s_ptr + e * expert_words
+            ob = x_ptr + base + e * expert_words
+            if KIND == 0:
+                _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, tt, W, BM, BW, NC, HAS_FILL, 2, W, 0)
+            elif KIND == 1:
+                _words_block(xb, ob, src_ptr, fill_ptr, n_out, tt, W, B, HAS_FILL, True)
+            else:
+                _swizzle_tile(xb, ob, src_ptr, fill_ptr, tt, W, KW, NK, HAS_FILL, True)
+        phase += 1
+        _grid_barrier(bar_ptr, phase * G)
+
+
+def inplace_persistent(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
+    """Like :func:`inplace_triton` but one cooperative launch for the whole tensor: for
+    each chunk (at most ``scratch_experts`` experts and ``persistent_slot_bytes``), the
+    grid copies it to the scratch, meets at a grid barrier, gathers it back, meets
+    again. No launch per chunk, so small experts and scales are no longer bound by
+    launch overhead. Every byte still crosses memory twice (RESULTS.md). Yields once;
+    falls back to :func:`inplace_triton` if the cooperative launch is refused."""
+    cfg = dict(CONFIG, **(config or {}))
+    experts, nbytes = flat.shape
+    word, meta, tiles, src, fills, n_out = _prepare(em, flat, flat, cfg)
+    meta = {k: v for k, v in meta.items() if k not in ("WI", "CF")}
+    ew = nbytes // word
+    per = max(1, min(scratch_experts, experts, cfg["persistent_slot_bytes"] // max(nbytes, 1)))
+    scratch = torch.empty((per, nbytes), dtype=torch.uint8, device=flat.device)
+    bar = torch.zeros(1, dtype=torch.int32, device=flat.device)
+    sms = torch.cuda.get_device_properties(flat.device).multi_processor_count
+    grid = (sms * cfg["persistent_per_sm"],)
+    try:
+        # cooperative launch: the driver refuses (instead of deadlocking) if the grid
+        # cannot be resident at once; nothing has moved then, so fall back.
+        _inplace_persistent[grid](flat.view(word_dtype(word)), scratch.view(word_dtype(word)), src, fills, bar,
+                                  experts, per, tiles, ew, n_out, HAS_FILL=em.has_fill, CB=cfg["copy_block"],
+                                  launch_cooperative_grid=True, **meta)
+    except Exception:  # noqa: BLE001
+        del scratch
+        yield from inplace_triton(em, flat, scratch_experts, config)
+        return
+    yield experts, scratch
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
