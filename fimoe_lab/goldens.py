@@ -68,9 +68,10 @@ def _layer(lay_args) -> SimpleNamespace:
     return SimpleNamespace(moe_config=config, weight_block_size=block, activation=SimpleNamespace(is_gated=is_gated))
 
 
-def call(case: dict) -> tuple:
-    """Run our implementation of ``case['fn']`` on the case's inputs; return its outputs."""
+def call(case: dict, device: str = "cpu") -> tuple:
+    """Run our implementation of ``case['fn']`` on the case's inputs (moved to ``device``); return its outputs."""
     args = {k: decode(v) for k, v in case["inputs"].items()}
+    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     fn = case["fn"]
     if fn == "prep":
         layer = _layer(args.pop("lay_args"))
@@ -108,11 +109,11 @@ def _same(ours: Any, ref: Any) -> Optional[str]:
     return None if ours == ref else f"expected {ref!r}, got {ours!r}"
 
 
-def run_case(case: dict) -> GoldenResult:
+def run_case(case: dict, device: str = "cpu") -> GoldenResult:
     """Our outputs vs the recorded ones; for a case the reference crashed on, ours must run."""
     name = case["name"]
     try:
-        ours = call(case)
+        ours = call(case, device)
     except Exception as exc:  # reported, not raised: the caller prints a table of cases
         return GoldenResult(name, False, f"raised {type(exc).__name__}: {exc}")
     if case.get("error"):

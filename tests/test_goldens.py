@@ -7,6 +7,8 @@ import torch
 
 from fimoe_lab import goldens, prepare
 
+from conftest import DEVICES
+
 PATHS = goldens.default_golden_paths()
 CASES = [c for p in PATHS for c in goldens.load_cases(p)]
 
@@ -18,9 +20,10 @@ def test_goldens_are_present():
     assert len(CASES) >= 29
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_golden_case(case):
-    result = goldens.run_case(case)
+def test_golden_case(case, device):
+    result = goldens.run_case(case, device)
     assert result.ok, f"{case['name']}: {result.detail}"
 
 
