@@ -26,7 +26,8 @@ def quantize(x: torch.Tensor) -> QuantizedTensor:
     require_matrix(x, "fp8.quantize")
     xf = x.float()
     amax = xf.abs().amax(dim=(-2, -1))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (1 ulp off the CPU)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     values = e4m3_encode(xf / scale[..., None, None]).view(torch.float8_e4m3fn)
     return QuantizedTensor(values, scale, None, FMT, 0)
 

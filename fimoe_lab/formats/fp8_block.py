@@ -38,7 +38,8 @@ def quantize(x: torch.Tensor) -> QuantizedTensor:
     rows, cols = x.shape[-2:]
     blocks = _blocked(x.float())
     amax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (1 ulp off the CPU)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     q = e4m3_encode(blocks / scale[..., :, None, :, None])
     values = q.reshape(*q.shape[:-4], q.shape[-4] * BLOCK, q.shape[-2] * BLOCK)[..., :rows, :cols]
     return QuantizedTensor(values.contiguous().view(torch.float8_e4m3fn), scale, None, FMT, BLOCK)
