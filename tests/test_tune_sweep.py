@@ -6,7 +6,8 @@ import pytest
 pd = pytest.importorskip("pandas")
 
 from fimoe_lab.tune.oracle import TacticOracle  # noqa: E402
-from fimoe_lab.tune.sweep import paddings, reference_rule, summary, sweep, export, timing_status  # noqa: E402
+from fimoe_lab.tune.sweep import paddings, reference_rule, summary, sweep, export  # noqa: E402
+from fimoe_lab.tune.timing import measure_transform, timing_status  # noqa: E402
 from fimoe_lab.presets import get_preset  # noqa: E402
 
 
@@ -82,7 +83,7 @@ def test_plots_lazy_matplotlib(o, tmp_path):
 
 def test_timing_hook_says_not_measured_without_gpu(o):
     import torch
-    from fimoe_lab.tune.sweep import measure_grouped_mm
+    from fimoe_lab.tune.timing import measure_grouped_mm
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
     assert timing_status().startswith("not measured on this device")
@@ -110,3 +111,15 @@ def test_cli_tactics_json(capsys):
                  "--experts", "128", "--top-k", "6", "--tokens", "8", "--json", "--source", "snapshot"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out[0]["count"] == 0 and out[0]["reason"]
+
+
+def test_transform_cost_is_measured_per_padding_on_the_cpu():
+    o = TacticOracle(mode="snapshot")
+    df = sweep("qwen3-30b-a3b", "bf16", 8, o, tokens=(1,))
+    timed = measure_transform(df, experts=2, repeats=2)
+    padded = timed[(timed.inter_align == 128) & (timed.hidden_align == 1)].iloc[0]
+    assert padded.transform_ms > 0 and padded.transform_note == ""
+    assert timed.attrs["transform_experts"] == 2 and timed.attrs["transform_device"] == "cpu"
+    nvfp4 = measure_transform(sweep("qwen3-30b-a3b", "nvfp4", 8, o, tokens=(1,)), experts=2, repeats=1)
+    unaligned = nvfp4[(nvfp4.inter_align == 16) & (nvfp4.hidden_align == 1)].iloc[0]  # 2*96 scale rows
+    assert "not a multiple of 128" in unaligned.transform_note and unaligned.transform_ms != unaligned.transform_ms

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from ..presets import ModelPreset, get_preset
+from ..steps import round_up
 from .oracle import FORMATS, GATED, TacticOracle, TacticQuery, OracleError
 
 INTER_ALIGNS: tuple[int, ...] = (1, 16, 32, 64, 128, 256)   # 1 = unpadded
@@ -24,9 +25,6 @@ HIDDEN_ALIGNS: tuple[int, ...] = (1, 256, 512, 1024)
 TOKENS: tuple[int, ...] = (1, 8, 64, 512, 4096, 16384)
 TPS: tuple[int, ...] = (1, 2, 4, 8)
 
-
-def round_up(x: int, a: int) -> int:
-    return -(-x // a) * a
 
 
 def reference_rule(activation: str, fmt: str, per_token: bool = False) -> tuple[int, int]:
@@ -255,54 +253,3 @@ def plot_waste_vs_tactics(df, ax=None):
 
 
 # --------------------------------------------------------------------------- timings
-def measure_grouped_mm(df, tokens: int = 4096, repeats: int = 20, device: Optional[str] = None):
-    """Hook for measured timings: bf16 ``torch._grouped_mm`` padded vs unpadded, per row of ``df``.
-
-    TRTLLM-Gen kernels run only on Blackwell; ``torch._grouped_mm`` is the timing path on
-    other GPUs (DESIGN §6).  Returns a copy of ``df`` with ``ms_grouped_mm`` and
-    ``ms_unpadded`` columns, or raises RuntimeError("not measured on this device: ...")
-    when there is no CUDA GPU.
-    """
-    import torch
-
-    if device is None and not torch.cuda.is_available():
-        raise RuntimeError("not measured on this device: no CUDA GPU (torch._grouped_mm timings need one)")
-    dev = torch.device(device or "cuda")
-    if dev.type != "cuda":
-        raise RuntimeError(f"not measured on this device: {dev} is not a CUDA device")
-    p = get_preset(df.attrs["preset"])
-    e, k = p.experts, p.top_k
-    per_expert = max(1, tokens * k // e)
-
-    def time_one(inter: int, hidden: int) -> float:
-        n = (2 if p.is_gated else 1) * inter
-        a = torch.randn(e * per_expert, hidden, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(e, n, hidden, device=dev, dtype=torch.bfloat16).transpose(-2, -1)
-        offs = torch.arange(per_expert, e * per_expert + 1, per_expert, device=dev, dtype=torch.int32)
-        for _ in range(3):
-            torch._grouped_mm(a, w, offs=offs)
-        s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(repeats):
-            torch._grouped_mm(a, w, offs=offs)
-        t.record()
-        torch.cuda.synchronize()
-        return s.elapsed_time(t) / repeats
-
-    out = df.copy()
-    base = time_one(int(df.loc[(df.inter_align == 1) & (df.hidden_align == 1), "intermediate"].iloc[0]),
-                    int(df.loc[(df.inter_align == 1) & (df.hidden_align == 1), "hidden"].iloc[0]))
-    out["ms_unpadded"] = base
-    out["ms_grouped_mm"] = [time_one(int(r.intermediate), int(r.hidden)) for r in df.itertuples()]
-    return out
-
-
-def timing_status() -> str:
-    """Says plainly whether padded-vs-unpadded timings can be measured here."""
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return f"timings measurable on {torch.cuda.get_device_name(0)} (torch._grouped_mm, bf16)"
-    except Exception:
-        pass
-    return "not measured on this device: no CUDA GPU"
