@@ -313,6 +313,51 @@ class IndexMap:
             stages.append(ProvenanceStage(f"input of {step.name}", step.in_shape, _unravel(pos, step.in_shape)))
         return Provenance(tuple(stages))
 
+    def row_sources(self) -> torch.Tensor:
+        """int64 ``(out_rows,)``: the input row each output row copies (``-1``: a padding row).
+
+        Defined for a 2-D map in which every output row takes its bytes from a single
+        input row (padding, swaps, interleaves and shuffles do; a swizzle or a re-tiling
+        does not, and raises :class:`LayoutError`).
+        """
+        if len(self.in_shape) != 2 or len(self.out_shape) != 2:
+            raise LayoutError(f"{self.name} maps {self.in_shape} -> {self.out_shape} bytes; rows are defined for 2-D maps only")
+        (in_rows, in_cols), (out_rows, out_cols) = self.in_shape, self.out_shape
+        cell = math.gcd(self.cell_bytes, in_cols, out_cols)
+        src = self.refined(cell).src.view(out_rows, out_cols // cell)
+        src_row = torch.where(src >= 0, src * cell // in_cols, -1)
+        first = src_row.max(dim=1).values
+        mixed = (src_row >= 0) & (src_row != first[:, None])
+        if bool(mixed.any()):
+            bad = int(torch.nonzero(mixed.any(dim=1))[0])
+            raise LayoutError(f"{self.name}: output row {bad} takes bytes from several input rows; it is not a row map")
+        return first
+
+    def row_steps(self) -> "IndexMap":
+        """The composed leading steps that keep rows as rows (before any re-tiling or swizzle)."""
+        keep = []
+        for step in self.steps:
+            try:
+                step.row_sources()
+            except LayoutError as exc:
+                if not keep:
+                    raise LayoutError(f"{self.name} starts with a step that does not keep rows as rows: {exc}") from exc
+                break
+            keep.append(step)
+        return compose(*keep)
+
+    def for_row_vectors(self, cols_bytes: int) -> "IndexMap":
+        """The same row movement on matrices ``cols_bytes`` wide, e.g. a per-row bias.
+
+        A bias ``(E, rows)`` must follow its weight's rows through padding, swaps,
+        interleaves and shuffles (re-tiling of the columns does not concern it).
+        """
+        rows = self.row_steps()
+        src = rows.row_sources()
+        fills = (0,) if bool((src < 0).any()) else ()
+        return IndexMap(src, cols_bytes, (rows.in_shape[0], cols_bytes), (rows.out_shape[0], cols_bytes), fills,
+                        f"rows of ({rows.name})")
+
     def source_bytes(self) -> torch.Tensor:
         """int64 ``out_shape`` tensor: the input byte offset of every output byte (-1 = fill)."""
         m = self.refined(1)

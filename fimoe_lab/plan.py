@@ -102,6 +102,17 @@ class LayerPlan:
             for n in TENSOR_NAMES
         )
 
+    def bias_map(self, name: str, itemsize: int) -> Optional[IndexMap]:
+        """The map of a per-row bias: ``w13_bias (E, P*I)`` follows w13's rows, ``w2_bias (E, H)`` w2's.
+
+        ``None`` when that weight is left as is. (gpt-oss carries such biases; a bias
+        not moved with its rows silently adds to the wrong outputs.)
+        """
+        weight = {"w13_bias": self.w13, "w2_bias": self.w2}.get(name)
+        if name not in ("w13_bias", "w2_bias"):
+            raise LayoutError(f"no bias named {name!r}; biases are w13_bias and w2_bias")
+        return weight.for_row_vectors(itemsize) if weight is not None else None
+
     def inverse(self) -> "LayerPlan":
         """The plan that maps the kernel layout back to the checkpoint layout."""
         inv = {n: (m.inverse() if m is not None else None) for n, m in ((n, getattr(self, n)) for n in TENSOR_NAMES)}

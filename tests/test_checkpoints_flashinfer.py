@@ -21,8 +21,9 @@ def vllm_trtllm_mxfp4(path, tp: int, rank: int, pad_i: int = 256, pad_h: int = 2
     """vLLM's SM100 FlashInfer TRT-LLM MXFP4 preparation of gpt-oss layer 0, from the raw checkpoint tensors.
 
     Load: whole-block shards (ceil), rows kept interleaved, copied into zero buffers padded to
-    I, H multiples of 256. Prepare: swap every two rows of w13 and its scales, then per expert
-    FlashInfer's row permutation (epilogue tile 128) and the 128x4 scale interleave.
+    I, H multiples of 256. Prepare: swap every two rows of w13, its scales and its bias, then per
+    expert FlashInfer's row permutation (epilogue tile 128; the biases take their weight's) and
+    the 128x4 scale interleave. (vLLM also casts the biases to fp32; that is a dtype, not a layout.)
     """
     with safe_open(str(path / "model-00001-of-00001.safetensors"), framework="pt") as f:
         t = {k.rsplit(".", 1)[-1]: f.get_tensor(k) for k in f.keys() if ".experts." in k}
@@ -45,17 +46,24 @@ def vllm_trtllm_mxfp4(path, tp: int, rank: int, pad_i: int = 256, pad_h: int = 2
     def swap_every_two_rows(x):
         return x.reshape(x.shape[0], -1, 2, x.shape[-1]).flip(2).reshape(x.shape)
 
-    w13, s13 = swap_every_two_rows(w13), swap_every_two_rows(s13)
+    b13 = padded(t["gate_up_proj_bias"][:, 2 * r0:2 * r1], (e, 2 * ip))[..., None]  # rows of one value
+    b2 = (t["down_proj_bias"] if rank == 0 else torch.zeros_like(t["down_proj_bias"]))
+    b2 = padded(b2, (e, hp))[..., None]
+    w13, s13, b13 = swap_every_two_rows(w13), swap_every_two_rows(s13), swap_every_two_rows(b13)
     cache: dict = {}
-    out = {"w13_weight": [], "w13_weight_scale": [], "w2_weight": [], "w2_weight_scale": []}
+    out = {"w13_weight": [], "w13_weight_scale": [], "w2_weight": [], "w2_weight_scale": [], "w13_bias": [],
+           "w2_bias": []}
     for k in range(e):
         for name, x, sf in (("w13_weight", w13[k], None), ("w13_weight_scale", s13[k], 16),
-                            ("w2_weight", w2[k], None), ("w2_weight_scale", s2[k], 16)):
+                            ("w2_weight", w2[k], None), ("w2_weight_scale", s2[k], 16),
+                            ("w13_bias", b13[k], None), ("w2_bias", b2[k], None)):
             rows = x[get_w2_permute_indices_with_cache(cache, x, 128, sf)]
             if sf is not None:  # FlashInfer's block_scale_interleave is GPU-only; steps.swizzle_scales_128x4 is
                 rows = steps.swizzle_scales_128x4(*rows.shape).apply(rows[None])[0]  # checked bit-exact against it
             out[name].append(rows)
-    return {n: torch.stack(v) for n, v in out.items()}
+    stacked = {n: torch.stack(v) for n, v in out.items()}
+    stacked["w13_bias"], stacked["w2_bias"] = stacked["w13_bias"][..., 0], stacked["w2_bias"][..., 0]
+    return stacked
 
 
 @pytest.mark.parametrize("tp,rank", [(1, 0), (2, 1), (4, 0), (4, 3)])

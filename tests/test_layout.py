@@ -167,3 +167,19 @@ def test_in_place_permutation_with_small_scratch(device):
     view = m.apply_(x, scratch_experts=2)
     assert view.data_ptr() == x.data_ptr()
     assert torch.equal(view, expected)
+
+
+def test_row_sources_and_bias_maps_follow_the_weight_rows():
+    """A per-row bias must move with its weight's rows through pad, swap, interleave, shuffle (and
+    ignore the K re-tiling): check against the weight map on a coordinate tensor."""
+    m = compose(steps.pad_projections(2, 40, 64, 256, 256), steps.swap_w13_to_w31_rows(128, 256),
+                steps.interleave_rows_for_gated_act(128, 256), steps.shuffle_rows_for_epilogue(128, 256, 128),
+                steps.block_major_k(128, 256, 128))
+    rows = m.row_steps().row_sources()
+    weight = decode(m.row_steps().apply(coords(1, 80, 64)), 80, 64)[0]
+    assert torch.equal(rows, torch.where(weight[:, 0, 0] >= 0, weight[:, 0, 1], -1))
+    bias = torch.arange(1, 81, dtype=torch.int16).view(1, 80, 1)  # (E, rows, one 2-byte value)
+    moved = m.for_row_vectors(2).apply(bias)
+    assert torch.equal(moved.view(-1), torch.where(rows >= 0, rows + 1, 0).to(torch.int16))
+    with pytest.raises(LayoutError, match="not a row map"):
+        steps.swizzle_scales_128x4(128, 8).row_sources()

@@ -44,7 +44,7 @@ def test_row_explorer_window_colour_and_expert():
     w.expert.value = 3
     after = image(w.figure, 2)
     layer = sources.sample_layer("mxfp8", experts=4, intermediate=96, hidden=256)
-    expect = data.gather_values(data.row_steps(w.state["plan"].w13), layer.magnitude("w13", 3))[64:128]
+    expect = data.gather_values(w.state["plan"].w13.row_steps(), layer.magnitude("w13", 3))[64:128]
     assert np.allclose(after, expect, equal_nan=True)
     assert np.nanmean(after) > 1.5 * np.nanmean(before)  # expert 3 is 4x expert 0
 

@@ -2,7 +2,8 @@
 
 ``convert`` writes one safetensors file with, per MoE layer, ``w13_weight``, ``w2_weight``,
 ``w13_weight_scale``, ``w2_weight_scale`` in FlashInfer's kernel layout (vLLM's parameter
-names) and the extras unchanged (NVFP4 ``weight_scale_2``/``input_scale``, gpt-oss biases).
+names), gpt-oss biases moved with their weight's rows, and the other extras unchanged (NVFP4
+``weight_scale_2``/``input_scale``).
 The metadata key ``fimoe_lab`` holds JSON with, per layer, the ``plan_layer`` arguments
 (format, backend, sizes, gating, alignments), the step chain of every tensor and its
 checkpoint dtype/shape: :func:`restore_layers` rebuilds the plan from the arguments (maps
@@ -16,6 +17,7 @@ leaves no output file behind.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import struct
 from pathlib import Path
@@ -28,13 +30,16 @@ from fimoe_lab.checkpoints import conventions
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.layout import IndexMap, compose
-from fimoe_lab.plan import LayerPlan
+from fimoe_lab.plan import LayerPlan, apply_map
 
 __all__ = ["FORMAT_VERSION", "KERNEL_NAMES", "plan_args", "build_plan", "suggest_alignment", "convert_layer",
            "write_kernel_layout", "convert_checkpoint", "read_kernel_metadata", "restore_layers", "restore_checkpoint",
            "atomic_output"]
 
 FORMAT_VERSION = 1
+BIAS_NAMES = ("w13_bias", "w2_bias")
+"""Extras that are per-row vectors of w13 / w2 and move with their rows."""
+
 KERNEL_NAMES = {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale"}
 """Tensor names in a kernel-layout file (vLLM's FusedMoE parameter names)."""
 
@@ -80,6 +85,7 @@ def convert_layer(layer: MoELayer, backend: str, intermediate_alignment: Optiona
     """One layer into the kernel layout: ``(tensors by kernel name, plan, plan spec)``.
 
     Only bytes move (block scales are not clamped; see ``inspect`` for dead scales).
+    Biases (gpt-oss) follow their weight's rows; other extras pass unchanged.
     """
     spec = plan_args(layer, backend, intermediate_alignment, hidden_alignment)
     plan = build_plan(spec)
@@ -87,7 +93,19 @@ def convert_layer(layer: MoELayer, backend: str, intermediate_alignment: Optiona
                       None if layer.w13_scale is None else layer.w13_scale.contiguous(),
                       None if layer.w2_scale is None else layer.w2_scale.contiguous())
     tensors = {KERNEL_NAMES[n]: t for n, t in zip(KERNEL_NAMES, outs) if t is not None}
+    for name, t in layer.extras.items():
+        tensors[name] = _map_extra(plan, name, t, inverse=False)
     return tensors, plan, spec
+
+
+def _map_extra(plan: LayerPlan, name: str, t: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """A bias moved with its weight's rows (or back, with ``inverse``); other extras as they are."""
+    if name not in BIAS_NAMES:
+        return t
+    m = plan.bias_map(name, t.element_size())
+    if m is None:
+        return t
+    return apply_map(m.inverse() if inverse else m, t.contiguous(), name)
 
 
 # ============================================================================ streaming safetensors
@@ -162,8 +180,11 @@ def _out_name(prefix: str, block: str, layer: int, name: str) -> str:
 
 def _kernel_specs(layer: MoELayer, backend: str, ia, ha) -> tuple[dict, dict]:
     """Kernel dtypes/shapes of a layer, from a one-expert dry run; and the plan record."""
-    one = {n: (None if t is None else torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype)) for n, t in layer.tensors().items()}
-    probe = layer.with_tensors(**one)
+    def one_expert(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype)
+
+    probe = layer.with_tensors(**{n: one_expert(t) for n, t in layer.tensors().items()})
+    probe = replace(probe, extras={n: one_expert(t) for n, t in layer.extras.items()})
     tensors, plan, spec = convert_layer(probe, backend, ia, ha)
     e = layer.num_experts
     kernel = {n: (t.dtype, (e,) + tuple(t.shape[1:])) for n, t in tensors.items()}
@@ -177,7 +198,10 @@ def _kernel_specs(layer: MoELayer, backend: str, ia, ha) -> tuple[dict, dict]:
                 "checkpoint": {"dtype": dtype_name(t.dtype), "shape": list(t.shape)},
                 "kernel": {"dtype": dtype_name(kernel[KERNEL_NAMES[n]][0]), "shape": list(kernel[KERNEL_NAMES[n]][1])}}
             for n, t in layer.tensors().items() if t is not None},
-        "extras": {n: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for n, t in layer.extras.items()},
+        "extras": {n: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "kernel_shape": list(kernel[n][1]),
+                       "steps": [s.name for s in plan.bias_map(n, t.element_size()).steps]
+                       if n in BIAS_NAMES and plan.bias_map(n, t.element_size()) is not None else []}
+                   for n, t in layer.extras.items()},
     }
     return kernel, record
 
@@ -205,8 +229,6 @@ def write_kernel_layout(out: str | os.PathLike, sources: Sequence[LayerSource], 
                                   f"{shape_layer.hidden}) cannot be laid out for {backend}: {exc}.{fix}") from exc
         for n, spec in kernel.items():
             specs[_out_name(prefix, block, idx, n)] = spec
-        for n, t in shape_layer.extras.items():
-            specs[_out_name(prefix, block, idx, n)] = (t.dtype, tuple(t.shape))
         records[str(idx)] = record
     meta = {"version": FORMAT_VERSION, "backend": backend, "prefix": prefix, "block": block, **(info or {}), "layers": records}
     bar = None
@@ -220,7 +242,6 @@ def write_kernel_layout(out: str | os.PathLike, sources: Sequence[LayerSource], 
         for idx, _, load in sources:
             layer = load()
             tensors, _, _ = convert_layer(layer, backend, intermediate_alignment, hidden_alignment)
-            tensors.update(layer.extras)
             for name in (n for n in specs if n.startswith(_out_name(prefix, block, idx, ""))):
                 t = tensors[name.rsplit(".", 1)[-1]]
                 writer.write(name, t)
@@ -306,7 +327,8 @@ def restore_layers(path: str | os.PathLike) -> tuple[dict, list[MoELayer]]:
             back = inv.apply(*(kernel.get(n) for n in KERNEL_NAMES))
             tensors = {n: (_as_checkpoint(t, rec["tensors"][n]["checkpoint"]) if n in rec["tensors"] else None)
                        for n, t in zip(KERNEL_NAMES, back)}
-            extras = {n: f.get_tensor(_out_name(meta["prefix"], meta["block"], int(idx), n)) for n in rec["extras"]}
+            extras = {n: _map_extra(plan, n, f.get_tensor(_out_name(meta["prefix"], meta["block"], int(idx), n)), inverse=True)
+                      for n in rec["extras"]}
             args = rec["plan"]["args"]
             layers.append(MoELayer(rec["fmt"], tensors["w13"], tensors["w2"], tensors["w13_scale"], tensors["w2_scale"],
                                    args["intermediate"], args["hidden"], extras, int(idx), meta.get("convention"),

@@ -24,7 +24,7 @@ from fimoe_lab.plan import TENSOR_NAMES, LayerPlan
 
 __all__ = [
     "ITEMSIZE", "TENSOR_NAMES", "itemsize_of", "element_sources", "display_2d", "gather_values",
-    "RowFlow", "row_flow", "row_steps", "observed_row_sources",
+    "RowFlow", "row_flow", "observed_row_sources",
     "TileView", "tile_view", "SwizzleView", "swizzle_view",
     "TensorPadding", "PaddingReport", "padding_report", "provenance_rows",
 ]
@@ -80,18 +80,6 @@ def gather_values(m: IndexMap, values: np.ndarray | torch.Tensor, itemsize: int 
 
 
 # ----------------------------------------------------------------------------- rows
-def row_steps(m: IndexMap) -> IndexMap:
-    """The composed prefix of ``m``'s steps that keeps the matrix 2-D (rows stay rows)."""
-    keep = []
-    for step in m.steps:
-        if len(step.out_shape) != 2 or len(step.in_shape) != 2 or "swizzle" in step.name:
-            break
-        keep.append(step)
-    if not keep:
-        raise LayoutError(f"{m.name} starts with a step that does not keep rows as rows; there is no row permutation to draw")
-    return compose(*keep)
-
-
 def _epilogue_tile_m(m: IndexMap) -> Optional[int]:
     """``epilogue_tile_m`` of the shuffle step in ``m``'s chain (read from the step's name), or None."""
     for step in m.steps:
@@ -156,17 +144,9 @@ def row_flow(m: IndexMap, projections: int = 2) -> RowFlow:
     (true of every row step in :mod:`fimoe_lab.steps`). Later steps that re-tile or
     swizzle are left out: see :func:`tile_view` and :func:`swizzle_view`.
     """
-    rows_map = row_steps(m)
-    in_rows, in_cols = rows_map.in_shape
-    out_rows, out_cols = rows_map.out_shape
-    cell = math.gcd(rows_map.cell_bytes, in_cols, out_cols)
-    src = rows_map.refined(cell).src.numpy().reshape(out_rows, out_cols // cell)
-    src_row = np.where(src >= 0, src * cell // in_cols, -1)
-    first = src_row.max(axis=1)
-    mixed = (src_row >= 0) & (src_row != first[:, None])
-    if mixed.any():
-        bad = int(np.flatnonzero(mixed.any(axis=1))[0])
-        raise LayoutError(f"{rows_map.name}: output row {bad} takes bytes from several input rows; it is not a row map")
+    rows_map = m.row_steps()
+    in_rows = rows_map.in_shape[0]
+    first = rows_map.row_sources().numpy()
     etm = _epilogue_tile_m(rows_map)
     block = shuffle_block_size(etm) if etm else None
     return RowFlow(first.astype(np.int64), in_rows, projections, tuple(s.name for s in rows_map.steps), block, etm)

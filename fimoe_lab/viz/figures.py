@@ -106,7 +106,7 @@ def row_permutation_figure(m: IndexMap, projections: int = 2, window: tuple[int,
         ax_all.add_artist(ax_all.legend_)
 
     if values is not None:
-        rows_map = data.row_steps(m)
+        rows_map = m.row_steps()
         moved = data.gather_values(rows_map, values, itemsize)
         ax_v = fig.add_subplot(1, panels, 3)
         ax_v.imshow(_masked(moved[lo:hi]), aspect="auto", cmap=_cmap(MAGNITUDE_CMAP), interpolation="nearest",
