@@ -18,7 +18,7 @@ ourselves (DESIGN §5), which needs:
 
 Everything lands in ``$FIMOE_LAB_CACHE`` (default ``~/.cache/fimoe_lab``)::
 
-    python -m fimoe_lab.tune.build          # build (~15 min on 2 cores), then print the manifest
+    python -m fimoe_lab.tune.build          # build (about 25-35 min on 2 cores (measured)), then print the manifest
     python -m fimoe_lab.tune.build --check  # only say what is present / missing
 
 Nothing here imports flashinfer into the calling process: the compile runs in a
@@ -465,7 +465,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         prog="python -m fimoe_lab.tune.build",
         description="Build FlashInfer's TRTLLM-Gen fused-MoE module (fused_moe_trtllm_sm100) for "
                     "GPU-free tactic queries. Needs flashinfer-python and flashinfer-cubin of the "
-                    "same version, nvcc and ninja; ~15 min on 2 cores. Output goes to "
+                    "same version, nvcc and ninja; about 25-35 min on 2 cores (measured). Output goes to "
                     "$FIMOE_LAB_CACHE (default ~/.cache/fimoe_lab).")
     ap.add_argument("--check", action="store_true", help="only report prerequisites and an existing build")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: CPU count)")
