@@ -363,7 +363,7 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
                  fetch_kernel_list: bool = False) -> Manifest:
     """Build ``fused_moe_trtllm_sm100`` into the cache (or return the existing one).
 
-    ~15 minutes on 2 cores.  Raises :class:`BuildError` naming every missing
+    25-35 minutes on 2 cores.  Raises :class:`BuildError` naming every missing
     prerequisite before starting anything long.
     """
     if not force:
@@ -393,7 +393,7 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
     bar = None
     if progress:
         print(f"[fimoe_lab] building {MODULE_NAME} for sm_100a with {env['MAX_JOBS']} jobs "
-              f"(about 15 min on 2 cores); log: {log_path}", flush=True)
+              f"(25-35 min on 2 cores); log: {log_path}", flush=True)
         try:
             from tqdm import tqdm
             bar = tqdm(total=None, unit="step", desc="compile", dynamic_ncols=True)
