@@ -632,6 +632,13 @@ def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_an
         raise LayoutError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if backend not in BACKENDS:
         raise LayoutError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    scale_block = {"mxfp8": 32, "nvfp4": 16, "mxfp4": 32}.get(fmt)
+    for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):
+        if scale_block and size % scale_block:
+            raise LayoutError(
+                f"{fmt}: {what} {size} is not a multiple of {scale_block} (one block scale per {scale_block} values), "
+                f"so no {fmt} checkpoint holds it; a tensor-parallel shard must keep whole scale blocks"
+            )
     p = _projections(is_act_and_mul)
     trt = backend == "trtllm"
     if fmt in ("fp8", "fp8-block", "mxfp8"):

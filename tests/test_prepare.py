@@ -264,3 +264,12 @@ def test_mxfp8_cutlass_path_swaps_weights_and_scales(flat):
     assert same_bytes(o13, ref.swap(w13)) and same_bytes(o2, w2)
     assert torch.equal(os13.reshape(2, 256, 8), ref.swap(s13)) and torch.equal(os2.reshape(2, 256, 4), s2)
     assert (os13.ndim == 2) == flat
+
+
+def test_plan_layer_refuses_sizes_that_split_a_scale_block():
+    with pytest.raises(LayoutError, match="intermediate 100 is not a multiple of 16"):
+        prepare.plan_layer("nvfp4", "trtllm", 100, 256)
+    with pytest.raises(LayoutError, match="hidden 2880 is not a multiple of 32|hidden 2890 is not a multiple of 32"):
+        prepare.plan_layer("mxfp4", "cutlass", 2880, 2890)
+    with pytest.raises(LayoutError, match="unknown format 'int4'"):
+        prepare.plan_layer("int4", "trtllm", 128, 256)

@@ -64,7 +64,7 @@ def test_core_and_cli_import_without_lab_dependencies():
 
 
 # ----------------------------------------------------------------------------- rows
-@pytest.mark.parametrize("inter,fmt", [(96, "mxfp8"), (128, "mxfp8"), (120, "fp8"), (120, "nvfp4")])
+@pytest.mark.parametrize("inter,fmt", [(96, "mxfp8"), (128, "mxfp8"), (120, "fp8"), (112, "nvfp4")])
 def test_row_flow_matches_design_formulas(inter, fmt):
     plan = prepare.plan_layer(fmt, "trtllm", inter, 256)
     flow = data.row_flow(plan.w13)
@@ -267,7 +267,7 @@ def test_tuner_figure_draws_the_sweep():
 
 
 def test_html_rendering_lists_steps_and_draws_thumbnail():
-    plan = prepare.plan_layer("nvfp4", "trtllm", 120, 256)
+    plan = prepare.plan_layer("nvfp4", "trtllm", 112, 256)
     html = render.plan_html(plan)
     for name in ("w13", "w2_scale", "swizzle_scales_128x4", "swap_w13_to_w31", "NVFP4 TRT-LLM"):
         assert name in html
