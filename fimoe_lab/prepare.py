@@ -493,8 +493,10 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(cache_permute_indices:
 
     ``w13 (E, M, H) -> (E, H/64, M, 64)``, ``w2 (E, H, I) -> (E, I/64, H, 64)``: views
     of the same storage. Scratch: ``scratch_experts`` experts (default 2% of E).
-    ``cache_permute_indices`` is filled with our maps keyed by ``(tensor, shape)``; maps
-    are cached by shape anyway.
+    ``cache_permute_indices`` receives what FlashInfer's own helpers would cache there
+    (row indices keyed ``("w3_w1" | "w2", uint8 shape)``: gated interleave + shuffle for
+    W13, shuffle for W2), so a caller sharing the dict with FlashInfer stays consistent;
+    our maps are cached by shape anyway.
     """
     what = "convert_moe_weights_to_flashinfer_trtllm_block_layout"
     if w13_weight.dtype != torch.bfloat16 or w2_weight.dtype != torch.bfloat16:
@@ -506,8 +508,12 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(cache_permute_indices:
     if w13_weight.ndim != 3 or w2_weight.ndim != 3:
         raise LayoutError(f"{what}: weights must be (experts, rows, cols), got {tuple(w13_weight.shape)} and {tuple(w2_weight.shape)}")
     plan = plan_trtllm_bf16_block_layout(w13_weight.shape[1], w13_weight.shape[2], w2_weight.shape[2], is_gated_act_gemm)
-    cache_permute_indices[("w3_w1", w13_weight.shape[1:])] = plan.w13
-    cache_permute_indices[("w2", w2_weight.shape[1:])] = plan.w2
+    m13, k13 = w13_weight.shape[1], w13_weight.shape[2] * 2
+    flashinfer_w13_rows = _chain(steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
+                                 steps.shuffle_rows_for_epilogue(m13, k13, TRTLLM_EPILOGUE_TILE_M))  # no W31 swap
+    for key, rows_map in ((("w3_w1", torch.Size((m13, k13))), flashinfer_w13_rows),
+                          (("w2", torch.Size((w2_weight.shape[1], w2_weight.shape[2] * 2))), plan.w2.row_steps())):
+        cache_permute_indices.setdefault(key, rows_map.row_sources().to(w13_weight.device))
     o13, o2 = _apply_in_place([(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts)
     return o13, o2
 

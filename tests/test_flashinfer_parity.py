@@ -94,3 +94,20 @@ def test_bf16_block_layout_vs_flashinfer_per_expert_loop(intermediate, hidden, g
     o13, o2 = prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, w13, w2, gated)
     assert same_bytes(o13.view(torch.uint8), torch.stack(expected13))
     assert same_bytes(o2.view(torch.uint8), torch.stack(expected2))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_block_layout_fills_the_callers_cache_as_flashinfer_would(gated):
+    """vLLM passes one cache dict to FlashInfer's helpers too: what we leave there must be what they compute."""
+    rows13 = 256 if gated else 128
+    w13 = random_bytes((2, rows13, 128), torch.bfloat16, seed=1)
+    w2 = random_bytes((2, 128, 128), torch.bfloat16, seed=2)
+    cache: dict = {}
+    prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(cache, w13.clone(), w2.clone(), gated)
+    fresh: dict = {}
+    x13, x2 = w13[0].view(torch.uint8), w2[0].view(torch.uint8)
+    assert torch.equal(fi_core._maybe_get_cached_w3_w1_permute_indices(cache, x13, 128, is_gated_act_gemm=gated),
+                       fi_core._maybe_get_cached_w3_w1_permute_indices(fresh, x13, 128, is_gated_act_gemm=gated))
+    assert torch.equal(fi_core.get_w2_permute_indices_with_cache(cache, x2, 128),
+                       fi_core.get_w2_permute_indices_with_cache(fresh, x2, 128))
+    assert set(cache) == set(fresh)
