@@ -152,11 +152,6 @@ class IndexMap:
         return self.parts or (self,)
 
     @property
-    def fill_mask(self) -> torch.Tensor:
-        """Bool ``(n_out_cells,)``: which output cells are padding."""
-        return self.src < 0
-
-    @property
     def is_permutation(self) -> bool:
         """True when the map moves every byte exactly once (no fill, same size)."""
         if self.in_bytes != self.out_bytes or bool((self.src < 0).any()):
@@ -364,13 +359,6 @@ class IndexMap:
         return torch.where(m.src >= 0, m.src, -1).view(self.out_shape)
 
     # ------------------------------------------------------------ execution
-    def src_on(self, device: torch.device | str) -> torch.Tensor:
-        """``src`` on ``device``, cached per device."""
-        key = ("src", str(torch.device(device)))
-        if key not in self._cache:
-            self._cache[key] = self.src.to(device)
-        return self._cache[key]
-
     def check_input(self, x: torch.Tensor, what: str = "input") -> None:
         """Raise :class:`LayoutError` unless ``x`` is ``(E, *in_shape)`` in bytes and contiguous."""
         size = x.element_size()

@@ -183,3 +183,15 @@ def test_row_sources_and_bias_maps_follow_the_weight_rows():
     assert torch.equal(moved.view(-1), torch.where(rows >= 0, rows + 1, 0).to(torch.int16))
     with pytest.raises(LayoutError, match="not a row map"):
         steps.swizzle_scales_128x4(128, 8).row_sources()
+
+
+def test_fill_bytes_above_127_survive_every_cpu_backend():
+    from fimoe_lab.kernels import available_backends, execute
+
+    m = steps.pad_projections(1, 3, 5, 3, 5, fill=200)  # 1-byte cells: gcd(3, 5) = 1
+    x = random_bytes((2, 3, 3), torch.uint8, seed=9)
+    for backend in available_backends("cpu"):
+        out = torch.empty((2, 5, 5), dtype=torch.uint8)
+        execute(m, x, out, backend)
+        assert torch.equal(out[:, :3, :3], x), backend
+        assert (out[:, 3:, :] == 200).all() and (out[:, :, 3:] == 200).all(), backend

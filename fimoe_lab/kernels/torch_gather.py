@@ -8,30 +8,19 @@ So the map is first coarsened to its widest cells, then viewed as words of 8, 4,
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def widest_word(cell_bytes: int, *tensors: torch.Tensor) -> int:
-    """Largest word size in bytes dividing ``cell_bytes`` and every buffer's address."""
-    for w in (8, 4, 2, 1):
-        if cell_bytes % w == 0 and all(t.data_ptr() % w == 0 for t in tensors):
-            return w
-    return 1
-
-
-def fill_word(byte: int, word: int) -> int:
-    """The signed integer whose ``word`` bytes all equal ``byte``."""
-    return int.from_bytes(bytes([byte]) * word, "little", signed=True)
+from fimoe_lab.kernels.compiled import aligned_word, fill_word, word_dtype
 
 
 def cell_views(m, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` as ``(E, n_in_cells, words)`` and ``out`` as ``(E, n_out_cells, words)``."""
-    w = widest_word(m.cell_bytes, x, out)
+    w = aligned_word(math.gcd(m.cell_bytes, 8), x, out)
     e = x.shape[0]
-    xin = x.view(torch.uint8).reshape(e, m.n_in_cells, m.cell_bytes).view(_WORD_DTYPES[w])
-    xout = out.view(torch.uint8).reshape(e, m.n_out_cells, m.cell_bytes).view(_WORD_DTYPES[w])
+    xin = x.view(torch.uint8).reshape(e, m.n_in_cells, m.cell_bytes).view(word_dtype(w))
+    xout = out.view(torch.uint8).reshape(e, m.n_out_cells, m.cell_bytes).view(word_dtype(w))
     return xin, xout
 
 
