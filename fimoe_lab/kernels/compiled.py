@@ -47,10 +47,6 @@ class ExecMap:
     padrows: tuple | None = None  # (source row per output row int32, in row bytes, out row bytes, col fill code)
     _dev: dict = field(default_factory=dict, repr=False)
 
-    @property
-    def words_per_cell(self) -> int:
-        return self.cell_bytes // self.word
-
     def fill_words(self, word: int) -> np.ndarray:
         dt = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}[word]
         vals = [fill_word(b, word) for b in self.fills] or [0]
