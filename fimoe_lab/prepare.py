@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import steps
+from fimoe_lab import formats, steps
 from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
 from fimoe_lab.layout import IndexMap, LayoutError, compose
 from fimoe_lab.plan import LayerPlan, apply_map, check_same_device
@@ -618,6 +618,8 @@ def prepare_fp8_moe_layer_for_fi(layer: Any, w13: torch.Tensor, w2: torch.Tensor
 
 # --------------------------------------------------------------------------- by format
 FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
+VECTOR_SCALED = ("mxfp8", "nvfp4", "mxfp4")
+"""Formats with one scale byte per block of values along the last dim (block size from fimoe_lab.formats)."""
 BACKENDS = ("trtllm", "cutlass")
 
 
@@ -638,7 +640,7 @@ def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_an
         raise LayoutError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if backend not in BACKENDS:
         raise LayoutError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    scale_block = {"mxfp8": 32, "nvfp4": 16, "mxfp4": 32}.get(fmt)
+    scale_block = formats.get(fmt).block_size if fmt in VECTOR_SCALED else None
     for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):
         if scale_block and size % scale_block:
             raise LayoutError(
@@ -688,7 +690,7 @@ def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_an
         return LayerPlan(_chain(pad.w13, w13), _chain(pad.w2, w2), None, None, intermediate, hidden, ip, hp,
                          f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}")
 
-    block = 16 if fmt == "nvfp4" else 32
+    block = scale_block
     if fmt == "nvfp4":
         default_i, default_h = (128 // p if trt else 16), 1
     else:

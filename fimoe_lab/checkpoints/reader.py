@@ -44,7 +44,7 @@ from fimoe_lab.formats import QuantizedTensor
 
 __all__ = ["CheckpointError", "MoELayer", "Checkpoint", "open_checkpoint", "SCALE_BLOCK", "VALUES_PER_BYTE"]
 
-SCALE_BLOCK = {"bf16": 1, "fp8": 1, "fp8-block": 128, "mxfp8": 32, "nvfp4": 16, "mxfp4": 32}
+SCALE_BLOCK = {"bf16": 1, **{f: formats.get(f).block_size or 1 for f in ("fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")}}
 """Values along the intermediate dim that share a scale: a TP shard must not cut one."""
 VALUES_PER_BYTE = {"bf16": 1, "fp8": 1, "fp8-block": 1, "mxfp8": 1, "nvfp4": 2, "mxfp4": 2}
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from fimoe_lab.steps import round_up
+
 FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -33,7 +35,7 @@ def require_last_dim_multiple(x: torch.Tensor, multiple: int, where: str, reason
     """Raise ``ValueError`` unless ``x.shape[-1] % multiple == 0``, naming the padded size."""
     cols = x.shape[-1]
     if cols % multiple:
-        padded = -(-cols // multiple) * multiple
+        padded = round_up(cols, multiple)
         raise ValueError(
             f"{where}: the last dim must be a multiple of {multiple} ({reason}); got shape "
             f"{tuple(x.shape)} with last dim {cols}. Fix: pad the last dim to {padded}, e.g. "
