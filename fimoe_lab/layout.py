@@ -347,11 +347,14 @@ class IndexMap:
         A bias ``(E, rows)`` must follow its weight's rows through padding, swaps,
         interleaves and shuffles (re-tiling of the columns does not concern it).
         """
-        rows = self.row_steps()
-        src = rows.row_sources()
-        fills = (0,) if bool((src < 0).any()) else ()
-        return IndexMap(src, cols_bytes, (rows.in_shape[0], cols_bytes), (rows.out_shape[0], cols_bytes), fills,
-                        f"rows of ({rows.name})")
+        key = ("row_vectors", cols_bytes)
+        if key not in self._cache:
+            rows = self.row_steps()
+            src = rows.row_sources()
+            fills = (0,) if bool((src < 0).any()) else ()
+            self._cache[key] = IndexMap(src, cols_bytes, (rows.in_shape[0], cols_bytes), (rows.out_shape[0], cols_bytes),
+                                        fills, f"rows of ({rows.name})")
+        return self._cache[key]
 
     def source_bytes(self) -> torch.Tensor:
         """int64 ``out_shape`` tensor: the input byte offset of every output byte (-1 = fill)."""

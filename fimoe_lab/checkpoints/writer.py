@@ -98,11 +98,14 @@ def convert_layer(layer: MoELayer, backend: str, intermediate_alignment: Optiona
     return tensors, plan, spec
 
 
+def _extra_map(plan: LayerPlan, name: str, t: torch.Tensor) -> Optional[IndexMap]:
+    """The map of an extra tensor: a bias follows its weight's rows; other extras (None) stay as they are."""
+    return plan.bias_map(name, t.element_size()) if name in BIAS_NAMES else None
+
+
 def _map_extra(plan: LayerPlan, name: str, t: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """A bias moved with its weight's rows (or back, with ``inverse``); other extras as they are."""
-    if name not in BIAS_NAMES:
-        return t
-    m = plan.bias_map(name, t.element_size())
+    """An extra tensor in the kernel layout (or back, with ``inverse``)."""
+    m = _extra_map(plan, name, t)
     if m is None:
         return t
     return apply_map(m.inverse() if inverse else m, t.contiguous(), name)
@@ -199,8 +202,7 @@ def _kernel_specs(layer: MoELayer, backend: str, ia, ha) -> tuple[dict, dict]:
                 "kernel": {"dtype": dtype_name(kernel[KERNEL_NAMES[n]][0]), "shape": list(kernel[KERNEL_NAMES[n]][1])}}
             for n, t in layer.tensors().items() if t is not None},
         "extras": {n: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "kernel_shape": list(kernel[n][1]),
-                       "steps": [s.name for s in plan.bias_map(n, t.element_size()).steps]
-                       if n in BIAS_NAMES and plan.bias_map(n, t.element_size()) is not None else []}
+                       "steps": [s.name for s in m.steps] if (m := _extra_map(plan, n, t)) is not None else []}
                    for n, t in layer.extras.items()},
     }
     return kernel, record
