@@ -1,10 +1,18 @@
-"""Device probe: in-place strategies (pipeline vs persistent) for correctness and speed.
+"""Device probe: in-place strategies side by side, checked bit-exact, with a sweep of the
+cycle strategy's tile sizes.
 
-    python3 benchmarks/probe_inplace.py
+    python3 benchmarks/probe_inplace.py [--sweep]
+
+Prints, per case, each strategy's time as a ratio to a same-run device copy of the
+tensor (read + write counted, like benchmarks/bench_transforms.py) and its peak extra
+device memory (``torch.cuda.max_memory_allocated`` above the tensor, plan indices
+included: caches are cleared before the measured call).
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -13,11 +21,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from fimoe_lab.kernels import execute, execute_in_place  # noqa: E402
+from fimoe_lab.kernels import default_scratch_experts, exec_form, execute, execute_in_place  # noqa: E402
 from fimoe_lab.prepare import plan_layer  # noqa: E402
 
 
-def t_events(fn, reps=5):
+def t_events(fn, reps=7):
     fn()
     torch.cuda.synchronize()
     ts = []
@@ -31,37 +39,60 @@ def t_events(fn, reps=5):
     return statistics.median(ts)
 
 
-cases = [("deepseek-v3 fp8 w13", plan_layer("fp8", "trtllm", 2048, 7168).w13, 256),
-         ("deepseek-v3 block w13", plan_layer("fp8-block", "trtllm", 2048, 7168).w13, 256),
-         ("r1 nvfp4 w13", plan_layer("nvfp4", "trtllm", 2048, 7168).w13, 256),
-         ("r1 nvfp4 w2", plan_layer("nvfp4", "trtllm", 2048, 7168).w2, 256),
-         ("qwen3-235b bf16 w13", plan_layer("bf16", "trtllm", 1536, 4096).w13, 128),
-         ("r1 nvfp4 w13_scale", plan_layer("nvfp4", "trtllm", 2048, 7168).w13_scale, 256)]
-for name, m, experts in cases:
-    # correctness first, on a few experts
-    x = torch.randint(0, 256, (7, m.in_bytes), dtype=torch.uint8, device="cuda")
-    want = torch.empty_like(x)
-    execute(m, x, want)
-    for sc in (1, 2, 3):
-        y = x.clone()
-        execute_in_place(m, y, sc, config={"inplace": "persistent"})
-        torch.cuda.synchronize()
-        assert torch.equal(y, want), (name, sc)
-    x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(x)
-    copy = 2 * x.numel() / t_events(lambda: dst.copy_(x), 10)
-    del dst
-    line = [f"{name:<24} copy {copy / 1e9:7.0f} GB/s"]
-    for strat in ("pipeline", "persistent"):
-        for sc in (1, 2, 5):
-            cfg = {"inplace": strat}
-            t = t_events(lambda: execute_in_place(m, x, sc, config=cfg))
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            execute_in_place(m, x, sc, config=cfg)
+def cases():
+    ds, r1 = plan_layer("fp8", "trtllm", 2048, 7168), plan_layer("nvfp4", "trtllm", 2048, 7168)
+    blk, mx = plan_layer("fp8-block", "trtllm", 2048, 7168), plan_layer("mxfp8", "trtllm", 2048, 7168)
+    qw = plan_layer("bf16", "trtllm", 1536, 4096)
+    return [("deepseek-v3 fp8 w13", ds.w13, 256), ("deepseek-v3 fp8 w2", ds.w2, 256),
+            ("deepseek-v3 block w13", blk.w13, 256), ("deepseek-v3 block w2", blk.w2, 256),
+            ("deepseek-v3 mxfp8 w13", mx.w13, 256), ("deepseek-v3 mxfp8 w13_scale", mx.w13_scale, 256),
+            ("r1 nvfp4 w13", r1.w13, 256), ("r1 nvfp4 w2", r1.w2, 256),
+            ("r1 nvfp4 w13_scale", r1.w13_scale, 256), ("r1 nvfp4 w2_scale", r1.w2_scale, 256),
+            ("qwen3-235b bf16 w13", qw.w13, 128), ("qwen3-235b bf16 w2", qw.w2, 128)]
+
+
+def peak(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="also sweep tile_words x cycle_bw x num_warps")
+    args = ap.parse_args()
+    strategies = [("cycles", {"inplace": "cycles"}), ("persistent", {"inplace": "persistent"}),
+                  ("pipeline", {"inplace": "pipeline"})]
+    if args.sweep:
+        strategies += [(f"cyc{tw}/{bw}/{nw}", {"inplace": "cycles", "tile_words": tw, "cycle_bw": bw, "num_warps": nw})
+                       for tw, bw, nw in itertools.product((2048, 4096, 8192), (32, 64, 128, 256), (4, 8))]
+    for name, m, experts in cases():
+        x = torch.randint(0, 256, (7, m.in_bytes), dtype=torch.uint8, device="cuda")
+        want = torch.empty_like(x)
+        execute(m, x, want)
+        for (sname, cfg), sc in itertools.product(strategies[:3], (1, 2, 3)):
+            y = x.clone()
+            execute_in_place(m, y, sc, config=cfg)
             torch.cuda.synchronize()
-            pk = torch.cuda.max_memory_allocated() - base
-            line.append(f"{strat[:4]}{sc}={2 * x.numel() / t / copy:.3f} ({pk / 1e6:.0f}MB)")
-    print(" ".join(line), flush=True)
-    del x
-    torch.cuda.empty_cache()
+            assert torch.equal(y, want), (name, sname, sc)
+        x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(x)
+        copy = 2 * x.numel() / t_events(lambda: dst.copy_(x), 10)
+        del dst
+        sc = default_scratch_experts(experts)
+        out = [f"{name:<28} {x.numel() / 1e9:6.2f} GB copy {copy / 1e9:5.0f} GB/s"]
+        for sname, cfg in strategies:
+            t = t_events(lambda: execute_in_place(m, x, sc, config=cfg))
+            exec_form(m)._dev.clear()
+            pk = peak(lambda: execute_in_place(m, x, sc, config=cfg))
+            out.append(f"{sname}={2 * x.numel() / t / copy:.3f}({pk / 1e6:.0f}MB)")
+        print(" ".join(out), flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -79,17 +79,52 @@ def test_gpu_unaligned_and_typed(backend):
 
 
 @pytest.mark.parametrize("backend,strategy", [("torch", None)] + (
-    [("triton", "pipeline"), ("triton", "persistent")] if "triton" in GPU_BACKENDS else []))
+    [("triton", "cycles"), ("triton", "pipeline"), ("triton", "persistent")] if "triton" in GPU_BACKENDS else []))
 @pytest.mark.parametrize("scratch", [1, 2, 3, None])
 def test_gpu_in_place(backend, strategy, scratch):
     cfg = {"inplace": strategy, "persistent_slot_bytes": 1 << 40} if strategy else None
     for m in (plan_layer("fp8", "trtllm", 2048, 7168).w13, plan_layer("nvfp4", "trtllm", 2048, 7168).w13_scale,
-              plan_layer("bf16", "trtllm", 256, 256).w2, plan_layer("fp8-block", "trtllm", 256, 512).w13):
-        x = torch.randint(0, 256, (5, m.in_bytes), dtype=torch.uint8, device="cuda")
-        want = reference(m, x)
-        execute_in_place(m, x, scratch, backend=backend, config=cfg)
-        torch.cuda.synchronize()
-        assert torch.equal(x, want)
+              plan_layer("bf16", "trtllm", 256, 256).w2, plan_layer("fp8-block", "trtllm", 256, 512).w13,
+              plan_layer("mxfp8", "trtllm", 256, 512).w13_scale):
+        for x in inputs(m, 5):
+            want = reference(m, x)
+            execute_in_place(m, x, scratch, backend=backend, config=cfg)
+            torch.cuda.synchronize()
+            assert torch.equal(x, want)
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+@pytest.mark.parametrize("tile_words,cycle_bw", [(64, 1), (256, 8), (8192, 256)])
+def test_gpu_in_place_cycles_tile_sizes(tile_words, cycle_bw):
+    """Tiny tiles cut many cycles (most cells saved aside); big ones cut few."""
+    for m in (plan_layer("fp8-block", "trtllm", 256, 512).w13, plan_layer("nvfp4", "trtllm", 256, 512).w13):
+        for x in inputs(m, 4):
+            want = reference(m, x)
+            execute_in_place(m, x, 1, config={"inplace": "cycles", "tile_words": tile_words, "cycle_bw": cycle_bw})
+            torch.cuda.synchronize()
+            assert torch.equal(x, want)
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+def test_gpu_in_place_error_after_cycle_chunks_is_undone(monkeypatch):
+    from fimoe_lab.kernels import triton_gather
+
+    m = plan_layer("fp8-block", "trtllm", 256, 512).w13
+    x = torch.randint(0, 256, (9, m.in_bytes), dtype=torch.uint8, device="cuda")
+    before = x.clone()
+    real, fired = triton_gather.inplace_cycles, []
+
+    def flaky(em, flat, chunk, config=None):  # two chunks launched, then the caller fails once
+        for i, item in enumerate(real(em, flat, chunk, config)):
+            yield item
+            if i == 1 and not fired:
+                fired.append(1)
+                raise RuntimeError("injected between chunks")
+
+    monkeypatch.setattr(triton_gather, "inplace_cycles", flaky)
+    with pytest.raises(InPlaceError) as info:
+        execute_in_place(m, x, 1, config={"inplace": "cycles", "tile_words": 2, "cycle_bw": 1})
+    assert fired and info.value.restored and torch.equal(x, before)
 
 
 def test_gpu_in_place_error_restores_torch_path(monkeypatch):

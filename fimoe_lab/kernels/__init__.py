@@ -145,8 +145,14 @@ def execute_in_place(m, x: torch.Tensor, scratch_experts: Optional[int] = None,
             from fimoe_lab.kernels import triton_gather
 
             strategy = (config or {}).get("inplace", triton_gather.CONFIG["inplace"])
-            run = triton_gather.inplace_persistent if strategy == "persistent" else triton_gather.inplace_triton
+            run = {"persistent": triton_gather.inplace_persistent, "pipeline": triton_gather.inplace_triton,
+                   "cycles": triton_gather.inplace_cycles}[strategy]
             for start, _ in run(exec_form(m), flat, chunk, config):
+                pass
+        elif backend == "numba" and m.is_permutation:
+            from fimoe_lab.kernels.numba_gather import inplace_cycles_numba
+
+            for start, _ in inplace_cycles_numba(exec_form(m), flat, chunk):
                 pass
         else:
             scratch = torch.empty((chunk, flat.shape[1]), dtype=torch.uint8, device=x.device)

@@ -19,7 +19,7 @@ from numba.extending import intrinsic
 
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
 
-__all__ = ["gather_numba", "parallel_copy", "TASK_BYTES"]
+__all__ = ["gather_numba", "inplace_cycles_numba", "parallel_copy", "TASK_BYTES"]
 
 TASK_BYTES = 16384
 """Output bytes per parallel task (measured best on the 2-core CI machine)."""
@@ -163,6 +163,69 @@ def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     xa = xa.reshape(experts, em.n_in, wpc)
     oa = oa.reshape(experts, em.n_out, wpc)
     _gather(xa, oa, em.src, fills, visit_order(em), max(1, TASK_BYTES // em.cell_bytes))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _save_cells(x, buf, saved):  # pragma: no cover - compiled
+    """x (E, n_cells, w), buf (E, n_saved, w): set aside the cells a cycle plan saves."""
+    experts, n_saved, w = buf.shape
+    for t in prange(experts):
+        for k in range(n_saved):
+            s = saved[k]
+            for j in range(w):
+                buf[t, k, j] = x[t, s, j]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _cycle_tiles(x, buf, dst, src, tile):  # pragma: no cover - compiled
+    """Run every tile of a cycle plan: load the tile's sources into a private buffer,
+    then store them (no other task reads or writes these cells)."""
+    experts, _, w = x.shape
+    moved = dst.size
+    nt = (moved + tile - 1) // tile
+    for t in prange(experts * nt):
+        e = t // nt
+        lo = (t - e * nt) * tile
+        hi = min(lo + tile, moved)
+        tmp = np.empty((hi - lo, w), dtype=x.dtype)
+        xe = x[e]
+        be = buf[e]
+        for k in range(lo, hi):
+            s = src[k]
+            if s >= 0:
+                for j in range(w):
+                    tmp[k - lo, j] = xe[s, j]
+            else:
+                for j in range(w):
+                    tmp[k - lo, j] = be[-1 - s, j]
+        for k in range(lo, hi):
+            d = dst[k]
+            for j in range(w):
+                xe[d, j] = tmp[k - lo, j]
+
+
+def inplace_cycles_numba(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
+    """Permute every expert of the CPU tensor ``flat`` ``(E, bytes)`` in place along the
+    map's cycles (:mod:`.cycles`), ``TASK_BYTES`` of cells per tile; one pass over the
+    bytes. Yields the number of leading experts done after each chunk (a chunk is as
+    many experts as the scratch of ``scratch_experts`` experts holds saved cells of)."""
+    from fimoe_lab.kernels.cycles import cycle_plan
+
+    experts, nbytes = flat.shape
+    word = aligned_word(em.word, flat)
+    wpc = em.cell_bytes // word
+    plan = cycle_plan(em, max(1, TASK_BYTES // em.cell_bytes))
+    n_saved = plan.saved.size
+    per = experts if n_saved == 0 else max(1, min(experts, scratch_experts * nbytes // (n_saved * em.cell_bytes)))
+    x = flat.view(word_dtype(word)).numpy().reshape(experts, em.n_in, wpc)
+    buf = np.empty((per, n_saved, wpc), dtype=x.dtype)
+    for s0 in range(0, experts, per):
+        part = x[s0:s0 + per]
+        b = buf[: part.shape[0]]
+        if plan.moved:
+            _save_cells(part, b, plan.saved)
+            _cycle_tiles(part, b, plan.dst, plan.src, plan.tile_slots)
+        yield s0 + part.shape[0], buf
 
 
 def visit_order(em: ExecMap) -> np.ndarray:

@@ -30,7 +30,8 @@ from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, swizzl
 # Tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
 CONFIG = {"tile_words": 4096, "num_warps": 4, "evict": False, "block_1d": 8192, "warps_1d": 8, "max_bw": 1024,
           "swizzle_kw": 32, "swizzle_warps": 4, "use_swizzle": True, "copy_block": 4096,
-          "slot_bytes": 0, "hints": False, "persistent_per_sm": 2, "persistent_slot_bytes": 30 << 20, "inplace": "persistent"}
+          "slot_bytes": 0, "hints": False, "persistent_per_sm": 2, "persistent_slot_bytes": 30 << 20, "inplace": "cycles",
+          "cycle_bw": 64}
 
 
 @triton.jit
@@ -366,3 +367,80 @@ def inplace_triton(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
             step(None, g, 0, 0)
             step(g, None, 0, 0)
             yield g[1], scratch
+
+
+@triton.jit
+def _cycle_kernel(x_ptr, b_ptr, dst_ptr, src_ptr, n_slots, expert_words, saved_words,
+                  SAVE: tl.constexpr, W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, NC: tl.constexpr):
+    """One tile of a cycle plan for expert ``program_id(1)``: ``BM`` slots x ``BW`` words.
+
+    SAVE: copy the saved cells aside (``dst_ptr`` holds their positions). Else: load
+    every source of the tile (a cell this tile writes, or a saved one), wait for the
+    whole program, then store; no other program touches these cells."""
+    t = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    xb = x_ptr + e * expert_words
+    bb = b_ptr + e * saved_words
+    slots = (t // NC) * BM + tl.arange(0, BM)
+    m = slots < n_slots
+    cols = (t % NC) * BW + tl.arange(0, BW)
+    if SAVE:
+        s = tl.load(dst_ptr + slots, mask=m, other=0).to(tl.int64)
+        v = tl.load(xb + s[:, None] * W + cols[None, :], mask=m[:, None])
+        tl.store(bb + slots.to(tl.int64)[:, None] * W + cols[None, :], v, mask=m[:, None])
+    else:
+        d = tl.load(dst_ptr + slots, mask=m, other=0).to(tl.int64)
+        s = tl.load(src_ptr + slots, mask=m, other=0).to(tl.int64)
+        here = s >= 0
+        v = tl.load(xb + tl.maximum(s, 0)[:, None] * W + cols[None, :], mask=(m & here)[:, None])
+        vb = tl.load(bb + tl.maximum(-1 - s, 0)[:, None] * W + cols[None, :], mask=(m & ~here)[:, None])
+        v = tl.where(here[:, None], v, vb)
+        tl.debug_barrier()  # every load of the tile is done before any store overwrites a source
+        tl.store(xb + d[:, None] * W + cols[None, :], v, mask=m[:, None])
+
+
+def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
+    """Permute every expert of ``flat`` ``(E, bytes)`` in place along the map's cycles
+    (:mod:`.cycles`): per chunk of experts, one launch copies the saved cells into the
+    scratch, one runs all tiles. Each cell crosses memory once (plus the saved ones,
+    about ``2 / tile_slots`` of them), fixed points not at all. The scratch holds the
+    saved cells of as many experts as fit in ``scratch_experts`` experts' bytes.
+
+    Yields the number of leading experts whose tiles have been launched; the stream
+    orders the launches, so after a synchronize those experts are done and the rest of
+    ``flat`` still holds its input.
+    """
+    from fimoe_lab.kernels.cycles import cycle_plan
+
+    cfg = dict(CONFIG, **(config or {}))
+    experts, nbytes = flat.shape
+    word = aligned_word(min(em.word, 4), flat)
+    wpc = em.cell_bytes // word
+    bw = _pow2_divisor(wpc, cfg["cycle_bw"])
+    bm = triton.next_power_of_2(max(1, cfg["tile_words"] // bw))
+    nc = wpc // bw
+    plan = cycle_plan(em, bm)
+    if plan.moved == 0:
+        yield experts, None
+        return
+    key = ("cycles", bm, str(flat.device))
+    if key not in em._dev:
+        em._dev[key] = tuple(torch.from_numpy(a).to(flat.device) for a in (plan.dst, plan.src, plan.saved))
+    dst, src, saved = em._dev[key]
+    n_saved = plan.saved.size
+    per = experts if n_saved == 0 else max(1, min(experts, scratch_experts * nbytes // (n_saved * em.cell_bytes)))
+    per = min(per, 65535)
+    dt = word_dtype(word)
+    scratch = torch.empty((per * n_saved * wpc,), dtype=dt, device=flat.device)
+    xw = flat.view(dt)
+    ew = nbytes // word
+    meta = dict(W=wpc, BM=bm, BW=bw, NC=nc, num_warps=cfg["num_warps"])
+    for s0 in range(0, experts, per):
+        cnt = min(per, experts - s0)
+        part = xw[s0:s0 + cnt]
+        if n_saved:
+            _cycle_kernel[(triton.cdiv(n_saved, bm) * nc, cnt)](part, scratch, saved, saved, n_saved, ew,
+                                                                 n_saved * wpc, SAVE=True, **meta)
+        _cycle_kernel[(plan.n_tiles * nc, cnt)](part, scratch, dst, src, plan.moved, ew, n_saved * wpc,
+                                                SAVE=False, **meta)
+        yield s0 + cnt, scratch

@@ -1,0 +1,109 @@
+"""In-place plans: a cell permutation cut into tiles that can each run on their own.
+
+Applying a permutation in place with a scratch of whole experts moves every byte
+twice (into the scratch, then back), so it cannot beat half the copy bandwidth. A
+permutation is a set of cycles, though: lay the cells out cycle after cycle, cut that
+list into tiles of ``tile_slots`` cells, and a tile reads only cells it will itself
+overwrite, except where a cycle runs over a tile edge. Those few cells (at most two per
+tile) are copied aside first (``saved``). Then every tile loads all its sources, and
+only after that stores them: no tile reads a cell another tile writes, so all tiles run
+at once and each cell crosses memory once. Fixed points are not touched at all.
+
+Per expert the traffic is ``(1 + 1.5 * saved / moved)`` times a copy of the cells that
+move; the scratch is ``len(saved)`` cells per expert in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["CyclePlan", "cycle_plan", "cycle_order"]
+
+
+@dataclass(eq=False)
+class CyclePlan:
+    """Cells moved tile by tile: ``x[dst[k]] = x[src[k]]`` (or saved ``-1 - src[k]``).
+
+    ``dst`` lists the moved cells tile after tile (``tile_slots`` each, the last one
+    shorter), sorted within a tile so stores run in address order. ``src[k] >= 0`` is a
+    cell that some slot of the same tile writes; ``src[k] < 0`` is entry ``-1 - src[k]``
+    of ``saved``, the cells to copy aside before any tile runs.
+    """
+
+    tile_slots: int
+    n_cells: int
+    dst: np.ndarray  # int32 (moved,)
+    src: np.ndarray  # int32 (moved,)
+    saved: np.ndarray  # int32 (n_saved,)
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.dst.size // self.tile_slots)
+
+    @property
+    def moved(self) -> int:
+        return int(self.dst.size)
+
+    def traffic(self) -> float:
+        """Cell transfers (read + write) per cell of the expert, relative to a copy (1.0)."""
+        return (self.moved + 1.5 * self.saved.size) / max(self.n_cells, 1)
+
+
+def cycle_order(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Cells of the permutation ``p`` (cell ``i`` takes the value of ``p[i]``) listed
+    cycle by cycle, each cycle from its smallest cell ``c`` on as ``c, p[c], p[p[c]], ...``
+    so that every cell's source comes right after it (the last one's is the cycle's
+    first). Returns ``(order, leader)``: the list and each cell's cycle minimum.
+
+    Vectorized with pointer doubling (``log2(n)`` rounds of numpy indexing) so long
+    cycles, like those of an in-place transpose, cost no Python loop.
+    """
+    n = p.size
+    idx = np.arange(n, dtype=np.int64)
+    leader, jump = idx.copy(), p.astype(np.int64)
+    rounds = max(1, int(np.ceil(np.log2(max(n, 2)))) + 1)
+    for _ in range(rounds):
+        leader = np.minimum(leader, leader[jump])
+        jump = jump[jump]
+    # steps from each cell to its leader, following p (the leader itself: 0)
+    is_leader = leader == idx
+    dist = (~is_leader).astype(np.int64)
+    succ = np.where(is_leader, idx, p)
+    for _ in range(rounds):
+        dist = dist + dist[succ]
+        succ = succ[succ]
+    # leader first, then p[leader] (farthest from the leader going forward), ...
+    order = np.lexsort((np.where(is_leader, -1, -dist), leader))
+    return order, leader
+
+
+def cycle_plan(em, tile_slots: int) -> CyclePlan:
+    """The :class:`CyclePlan` of the executable map ``em`` (a permutation of its cells),
+    cached on it per ``tile_slots``."""
+    key = ("cycles", tile_slots)
+    if key in em._dev:
+        return em._dev[key]
+    if tile_slots < 1:
+        raise ValueError(f"tile_slots must be >= 1, got {tile_slots}")
+    p = em.src.astype(np.int64)
+    n = p.size
+    if em.n_in != n or em.has_fill or not np.array_equal(np.bincount(p, minlength=n), np.ones(n, np.int64)):
+        raise ValueError(f"{n} output cells from {em.n_in} input cells is not a permutation of cells; "
+                         "only a permutation can run in place through a cycle plan")
+    order, _ = cycle_order(p)
+    order = order[p[order] != order]  # fixed points stay where they are
+    moved = order.size
+    tile = np.arange(moved, dtype=np.int64) // tile_slots
+    slot_of = np.full(n, -1, dtype=np.int64)
+    slot_of[order] = np.arange(moved)
+    src = p[order]
+    outside = tile[slot_of[src]] != tile
+    saved = src[outside]
+    src = np.where(outside, -1 - np.cumsum(outside) + 1, src)
+    within = np.lexsort((order, tile))  # address order inside each tile
+    plan = CyclePlan(tile_slots, n, order[within].astype(np.int32), src[within].astype(np.int32),
+                     saved.astype(np.int32))
+    em._dev[key] = plan
+    return plan
