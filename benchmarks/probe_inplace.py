@@ -64,16 +64,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="also sweep tile_words x cycle_bw x num_warps")
     args = ap.parse_args()
-    strategies = [("cycles", {"inplace": "cycles"}), ("persistent", {"inplace": "persistent"}),
-                  ("pipeline", {"inplace": "pipeline"})]
-    if args.sweep:
-        strategies += [(f"cyc{tw}/{bw}/{nw}", {"inplace": "cycles", "tile_words": tw, "cycle_bw": bw, "num_warps": nw})
-                       for tw, bw, nw in itertools.product((2048, 4096, 8192), (32, 64, 128, 256), (4, 8))]
+    strategies = [("auto", {"inplace": "auto"}), ("cycles", {"inplace": "cycles"}),
+                  ("persistent", {"inplace": "persistent"}), ("pipeline", {"inplace": "pipeline"})]
+    sweep = [(f"rs{tw}/{sw}/{ps}", {"inplace": "rows_swizzle", "tile_words": tw, "swizzle_warps": sw,
+                                    "persistent_per_sm": ps})
+             for tw, sw, ps in itertools.product((1024, 4096), (4, 8), (1, 2, 4))] if args.sweep else []
     for name, m, experts in cases():
         x = torch.randint(0, 256, (7, m.in_bytes), dtype=torch.uint8, device="cuda")
         want = torch.empty_like(x)
         execute(m, x, want)
-        for (sname, cfg), sc in itertools.product(strategies[:3], (1, 2, 3)):
+        swz = exec_form(m).swizzle is not None
+        for (sname, cfg), sc in itertools.product(strategies + (sweep[:1] if swz else []), (1, 2, 3)):
             y = x.clone()
             execute_in_place(m, y, sc, config=cfg)
             torch.cuda.synchronize()
@@ -84,7 +85,7 @@ def main():
         del dst
         sc = default_scratch_experts(experts)
         out = [f"{name:<28} {x.numel() / 1e9:6.2f} GB copy {copy / 1e9:5.0f} GB/s"]
-        for sname, cfg in strategies:
+        for sname, cfg in strategies + (sweep if swz else []):
             t = t_events(lambda: execute_in_place(m, x, sc, config=cfg))
             exec_form(m)._dev.clear()
             pk = peak(lambda: execute_in_place(m, x, sc, config=cfg))

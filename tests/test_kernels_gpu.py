@@ -79,7 +79,8 @@ def test_gpu_unaligned_and_typed(backend):
 
 
 @pytest.mark.parametrize("backend,strategy", [("torch", None)] + (
-    [("triton", "cycles"), ("triton", "pipeline"), ("triton", "persistent")] if "triton" in GPU_BACKENDS else []))
+    [("triton", "auto"), ("triton", "cycles"), ("triton", "pipeline"), ("triton", "persistent")]
+    if "triton" in GPU_BACKENDS else []))
 @pytest.mark.parametrize("scratch", [1, 2, 3, None])
 def test_gpu_in_place(backend, strategy, scratch):
     cfg = {"inplace": strategy, "persistent_slot_bytes": 1 << 40} if strategy else None
@@ -101,6 +102,22 @@ def test_gpu_in_place_cycles_tile_sizes(tile_words, cycle_bw):
         for x in inputs(m, 4):
             want = reference(m, x)
             execute_in_place(m, x, 1, config={"inplace": "cycles", "tile_words": tile_words, "cycle_bw": cycle_bw})
+            torch.cuda.synchronize()
+            assert torch.equal(x, want)
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+@pytest.mark.parametrize("tile_words,per_sm", [(16, 1), (64, 2), (4096, 4)])
+def test_gpu_in_place_rows_swizzle(tile_words, per_sm):
+    """Scale maps: many small row tiles and one scratch slot make every wait of the
+    persistent launch happen (save after the slot's previous expert, rows after saves,
+    bands after rows)."""
+    for fmt, name in (("nvfp4", "w13_scale"), ("nvfp4", "w2_scale"), ("mxfp8", "w13_scale"), ("mxfp8", "w2_scale")):
+        m = getattr(plan_layer(fmt, "trtllm", 256, 512), name)
+        for x in inputs(m, 6):
+            want = reference(m, x)
+            execute_in_place(m, x, 1, config={"inplace": "rows_swizzle", "tile_words": tile_words,
+                                              "persistent_per_sm": per_sm})
             torch.cuda.synchronize()
             assert torch.equal(x, want)
 
@@ -187,7 +204,7 @@ def test_gpu_in_place_error_after_persistent_launch_is_undone(monkeypatch):
 
     monkeypatch.setattr(triton_gather, "inplace_persistent", flaky)
     with pytest.raises(InPlaceError) as info:
-        execute_in_place(m, x, 2)
+        execute_in_place(m, x, 2, config={"inplace": "persistent"})
     assert info.value.restored and torch.equal(x, before)
 
 

@@ -144,10 +144,13 @@ def execute_in_place(m, x: torch.Tensor, scratch_experts: Optional[int] = None,
         if backend == "triton" and x.is_cuda:
             from fimoe_lab.kernels import triton_gather
 
+            em = exec_form(m)
             strategy = (config or {}).get("inplace", triton_gather.CONFIG["inplace"])
+            if strategy == "auto":
+                strategy = "rows_swizzle" if em.swizzle is not None else "cycles"
             run = {"persistent": triton_gather.inplace_persistent, "pipeline": triton_gather.inplace_triton,
-                   "cycles": triton_gather.inplace_cycles}[strategy]
-            for start, _ in run(exec_form(m), flat, chunk, config):
+                   "cycles": triton_gather.inplace_cycles, "rows_swizzle": triton_gather.inplace_rows_swizzle}[strategy]
+            for start, _ in run(em, flat, chunk, config):
                 pass
         elif backend == "numba" and m.is_permutation:
             from fimoe_lab.kernels.numba_gather import inplace_cycles_numba

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CyclePlan", "cycle_plan", "cycle_order"]
+__all__ = ["CyclePlan", "cycle_plan", "plan_permutation", "cycle_order"]
 
 
 @dataclass(eq=False)
@@ -79,18 +79,28 @@ def cycle_order(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, leader
 
 
-def cycle_plan(em, tile_slots: int) -> CyclePlan:
+def cycle_plan(em, tile_slots: int, rows: bool = False) -> CyclePlan:
     """The :class:`CyclePlan` of the executable map ``em`` (a permutation of its cells),
-    cached on it per ``tile_slots``."""
-    key = ("cycles", tile_slots)
-    if key in em._dev:
-        return em._dev[key]
+    cached on it per ``tile_slots``. ``rows=True``: the plan of the row permutation
+    that precedes a 128x4 scale swizzle (``em.swizzle``), over rows instead of cells."""
+    key = ("cycles", tile_slots, rows)
+    if key not in em._dev:
+        if rows:
+            p, n_in, has_fill = em.swizzle[0], em.swizzle[2], False
+        else:
+            p, n_in, has_fill = em.src, em.n_in, em.has_fill
+        em._dev[key] = plan_permutation(p, n_in, has_fill, tile_slots)
+    return em._dev[key]
+
+
+def plan_permutation(src: np.ndarray, n_in: int, has_fill: bool, tile_slots: int) -> CyclePlan:
+    """Cut the cycles of ``out[i] = in[src[i]]`` into tiles of ``tile_slots`` cells."""
     if tile_slots < 1:
         raise ValueError(f"tile_slots must be >= 1, got {tile_slots}")
-    p = em.src.astype(np.int64)
+    p = src.astype(np.int64)
     n = p.size
-    if em.n_in != n or em.has_fill or not np.array_equal(np.bincount(p, minlength=n), np.ones(n, np.int64)):
-        raise ValueError(f"{n} output cells from {em.n_in} input cells is not a permutation of cells; "
+    if n_in != n or has_fill or (p < 0).any() or not np.array_equal(np.bincount(p, minlength=n), np.ones(n, np.int64)):
+        raise ValueError(f"{n} output cells from {n_in} input cells is not a permutation of cells; "
                          "only a permutation can run in place through a cycle plan")
     order, _ = cycle_order(p)
     order = order[p[order] != order]  # fixed points stay where they are
@@ -101,9 +111,7 @@ def cycle_plan(em, tile_slots: int) -> CyclePlan:
     src = p[order]
     outside = tile[slot_of[src]] != tile
     saved = src[outside]
-    src = np.where(outside, -1 - np.cumsum(outside) + 1, src)
+    src = np.where(outside, -np.cumsum(outside), src)  # k-th saved cell: -1 - k
     within = np.lexsort((order, tile))  # address order inside each tile
-    plan = CyclePlan(tile_slots, n, order[within].astype(np.int32), src[within].astype(np.int32),
+    return CyclePlan(tile_slots, n, order[within].astype(np.int32), src[within].astype(np.int32),
                      saved.astype(np.int32))
-    em._dev[key] = plan
-    return plan

@@ -30,7 +30,7 @@ from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, swizzl
 # Tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
 CONFIG = {"tile_words": 4096, "num_warps": 4, "evict": False, "block_1d": 8192, "warps_1d": 8, "max_bw": 1024,
           "swizzle_kw": 32, "swizzle_warps": 4, "use_swizzle": True, "copy_block": 4096,
-          "slot_bytes": 0, "hints": False, "persistent_per_sm": 2, "persistent_slot_bytes": 30 << 20, "inplace": "cycles",
+          "slot_bytes": 0, "hints": False, "persistent_per_sm": 2, "persistent_slot_bytes": 30 << 20, "inplace": "auto",
           "cycle_bw": 64}
 
 
@@ -444,3 +444,119 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
         _cycle_kernel[(plan.n_tiles * nc, cnt)](part, scratch, dst, src, plan.moved, ew, n_saved * wpc,
                                                 SAVE=False, **meta)
         yield s0 + cnt, scratch
+
+
+@triton.jit
+def _wait_for(counter_ptr, target):
+    """Spin until ``*counter_ptr >= target`` (acquire), then line the program up."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _signal(counter_ptr):
+    """Publish this program's stores, then count one finished item (release)."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _rows_swizzle_in_place(x_ptr, b_ptr, dst_ptr, src_ptr, saved_ptr, cnt_ptr, experts, n_saved, moved,
+                           expert_words, slot_words, n_slots, s_items, r_items, b_items,
+                           CW: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, NC: tl.constexpr,
+                           KB: tl.constexpr):
+    """Row permutation then 128x4 swizzle, in place, one persistent launch.
+
+    Work items, numbered per expert (save items, row tiles of the cycle plan, one item
+    per 128-row band) and claimed in order from a ticket counter. A row tile waits for
+    its expert's saved rows, a band for its expert's row tiles, a save for the row tiles
+    of the expert that used its scratch slot before; every wait is on smaller tickets,
+    which running programs hold, so the launch always finishes. The band reads rows a
+    moment after they were written, from L2: the bytes cross DRAM about once."""
+    per = s_items + r_items + b_items
+    total = experts * per
+    saved_done = cnt_ptr + 1
+    rows_done = cnt_ptr + 1 + experts
+    t = tl.atomic_add(cnt_ptr, 1)
+    while t < total:
+        e = t // per
+        k = t % per
+        xb = x_ptr + e.to(tl.int64) * expert_words
+        bb = b_ptr + (e % n_slots).to(tl.int64) * slot_words
+        if k < s_items:
+            if e >= n_slots:
+                _wait_for(rows_done + e - n_slots, r_items)
+            slots = (k // NC) * BM + tl.arange(0, BM)
+            m = slots < n_saved
+            cols = (k % NC) * BW + tl.arange(0, BW)
+            s = tl.load(saved_ptr + slots, mask=m, other=0).to(tl.int64)
+            v = tl.load(xb + s[:, None] * CW + cols[None, :], mask=m[:, None])
+            tl.store(bb + slots.to(tl.int64)[:, None] * CW + cols[None, :], v, mask=m[:, None])
+            _signal(saved_done + e)
+        elif k < s_items + r_items:
+            _wait_for(saved_done + e, s_items)
+            r = k - s_items
+            slots = (r // NC) * BM + tl.arange(0, BM)
+            m = slots < moved
+            cols = (r % NC) * BW + tl.arange(0, BW)
+            d = tl.load(dst_ptr + slots, mask=m, other=0).to(tl.int64)
+            s = tl.load(src_ptr + slots, mask=m, other=0).to(tl.int64)
+            here = s >= 0
+            v = tl.load(xb + tl.maximum(s, 0)[:, None] * CW + cols[None, :], mask=(m & here)[:, None])
+            vb = tl.load(bb + tl.maximum(-1 - s, 0)[:, None] * CW + cols[None, :], mask=(m & ~here)[:, None],
+                         cache_modifier=".cg")
+            v = tl.where(here[:, None], v, vb)
+            tl.debug_barrier()
+            tl.store(xb + d[:, None] * CW + cols[None, :], v, mask=m[:, None])
+            _signal(rows_done + e)
+        else:
+            _wait_for(rows_done + e, r_items)
+            base = (k - s_items - r_items).to(tl.int64) * 128 * CW
+            kk = tl.arange(0, KB)
+            v = tl.load(xb + base + tl.arange(0, 128)[:, None] * CW + kk[None, :], mask=(kk < CW)[None, :],
+                        cache_modifier=".cg")
+            # row r = 32*q + p of the band, word kk -> word kk*128 + p*4 + q of the band
+            v = tl.reshape(tl.permute(tl.reshape(v, (4, 32, KB)), (2, 1, 0)), (KB * 128,))
+            j = tl.arange(0, KB * 128)
+            tl.debug_barrier()
+            tl.store(xb + base + j, v, mask=j < CW * 128)
+        t = tl.atomic_add(cnt_ptr, 1)
+
+
+def inplace_rows_swizzle(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
+    """In place for maps of the ``swizzle`` form (a row permutation, then the 128x4
+    scale swizzle; 4-byte words): the row permutation along its cycles (rows of the
+    scale matrix are the cells), then each 128-row band swizzled on its own, expert by
+    expert in one persistent launch (:func:`_rows_swizzle_in_place`). Scratch: the
+    saved rows of as many experts at once as fit in ``scratch_experts`` experts' bytes.
+    Yields once, with every expert launched."""
+    from fimoe_lab.kernels.cycles import cycle_plan
+
+    cfg = dict(CONFIG, **(config or {}))
+    experts, nbytes = flat.shape
+    _, cw, n_rows = em.swizzle
+    bw = _pow2_divisor(cw, cfg["cycle_bw"])
+    bm = triton.next_power_of_2(max(1, cfg["tile_words"] // bw))
+    nc = cw // bw
+    plan = cycle_plan(em, bm, rows=True)
+    key = ("rows_cycles", bm, str(flat.device))
+    if key not in em._dev:
+        em._dev[key] = tuple(torch.from_numpy(a).to(flat.device) for a in (plan.dst, plan.src, plan.saved))
+    dst, src, saved = em._dev[key]
+    n_saved = plan.saved.size
+    slot_words = max(1, n_saved * cw)
+    n_slots = max(1, min(experts, scratch_experts * nbytes // (4 * slot_words)))
+    scratch = torch.empty((n_slots * slot_words,), dtype=torch.int32, device=flat.device)
+    counters = torch.zeros(1 + 2 * experts, dtype=torch.int32, device=flat.device)
+    s_items = triton.cdiv(n_saved, bm) * nc
+    r_items = plan.n_tiles * nc
+    b_items = n_rows // 128
+    sms = torch.cuda.get_device_properties(flat.device).multi_processor_count if flat.is_cuda else 1
+    grid = (max(1, min(sms * cfg["persistent_per_sm"], experts * (s_items + r_items + b_items))),)
+    _rows_swizzle_in_place[grid](flat.view(torch.int32), scratch, dst, src, saved, counters, experts, n_saved,
+                                 plan.moved, nbytes // 4, slot_words, n_slots, s_items, r_items, b_items,
+                                 CW=cw, BM=bm, BW=bw, NC=nc, KB=triton.next_power_of_2(cw),
+                                 num_warps=cfg["swizzle_warps"])
+    yield experts, scratch
