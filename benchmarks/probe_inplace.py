@@ -1,5 +1,5 @@
-"""Device probe: in-place strategies side by side, checked bit-exact, with a sweep of the
-cycle strategy's tile sizes.
+"""Device probe: in-place strategies side by side (auto, cycles), checked bit-exact; with
+``--sweep``, only the scale maps, over the rows_swizzle settings.
 
     python3 benchmarks/probe_inplace.py [--sweep]
 
@@ -62,14 +62,15 @@ def peak(fn):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sweep", action="store_true", help="also sweep tile_words x cycle_bw x num_warps")
+    ap.add_argument("--sweep", action="store_true", help="only the scale maps, sweeping their strategy's row tile, lag, programs per SM, warps")
     args = ap.parse_args()
-    strategies = [("auto", {"inplace": "auto"}), ("cycles", {"inplace": "cycles"}),
-                  ("persistent", {"inplace": "persistent"}), ("pipeline", {"inplace": "pipeline"})]
-    sweep = [(f"rs{tw}/{sw}/{ps}", {"inplace": "rows_swizzle", "tile_words": tw, "swizzle_warps": sw,
-                                    "persistent_per_sm": ps})
-             for tw, sw, ps in itertools.product((1024, 4096), (4, 8), (1, 2, 4))] if args.sweep else []
+    strategies = [("auto", {"inplace": "auto"}), ("cycles", {"inplace": "cycles"})]
+    sweep = [(f"rs{tw}/{lag}/{ps}/{nw}", {"inplace": "rows_swizzle", "swizzle_row_words": tw, "swizzle_lag": lag,
+                                          "swizzle_per_sm": ps, "swizzle_warps": nw})
+             for tw, lag, ps, nw in itertools.product((4096, 16384), (2, 8, 32), (1, 2, 3), (4, 8))] if args.sweep else []
     for name, m, experts in cases():
+        if args.sweep and exec_form(m).swizzle is None:
+            continue
         x = torch.randint(0, 256, (7, m.in_bytes), dtype=torch.uint8, device="cuda")
         want = torch.empty_like(x)
         execute(m, x, want)

@@ -16,14 +16,13 @@ def fmt(v, spec=".0f"):
 def table(path: str) -> str:
     with open(path) as f:
         data = json.load(f)
-    rows = ["| transform | cell B | GB in | ours GB/s | copy GB/s | **ratio** | other backend GB/s | in-place ratio: default scratch (experts) / 2 / 1 / pipeline strategy | in-place peak extra MB | uint8 gather GB/s | per-expert loop GB/s | FlashInfer GB/s | out-of-place peak extra GB |",
+    rows = ["| transform | cell B | GB in | ours GB/s | copy GB/s | **ratio** | other backend GB/s | in-place ratio: default scratch (experts) / 2 / 1 | in-place peak extra MB | uint8 gather GB/s | per-expert loop GB/s | FlashInfer GB/s | out-of-place peak extra GB |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["records"]:
         alt = r.get("torch_gbps") or r.get("numba_gbps")
         if "inplace_ratio" in r:
             ip = f"{r['inplace_ratio']:.3f} ({r['inplace_scratch_experts']})"
             ip += f" / {fmt(r.get('inplace2_ratio'), '.3f')} / {fmt(r.get('inplace1_ratio'), '.3f')}"
-            ip += f" / {fmt(r.get('inplace_pipeline_ratio'), '.3f')}"
             ipk = f"{r['inplace_peak_extra_bytes'] / 1e6:.0f}"
         else:
             ip, ipk = "n/a (pads: not a permutation)", "-"

@@ -154,9 +154,10 @@ class IndexMap:
     @property
     def is_permutation(self) -> bool:
         """True when the map moves every byte exactly once (no fill, same size)."""
-        if self.in_bytes != self.out_bytes or bool((self.src < 0).any()):
-            return False
-        return bool(torch.equal(torch.sort(self.src).values, torch.arange(self.n_out_cells)))
+        if "is_permutation" not in self._cache:
+            self._cache["is_permutation"] = self.in_bytes == self.out_bytes and not bool((self.src < 0).any()) and \
+                bool(torch.equal(torch.sort(self.src).values, torch.arange(self.n_out_cells)))
+        return self._cache["is_permutation"]
 
     def __repr__(self) -> str:
         chain = " >> ".join(p.name for p in self.steps)

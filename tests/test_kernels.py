@@ -105,12 +105,13 @@ def test_unaligned_buffers_fall_back_to_narrow_words(backend):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("experts,scratch", [(5, 1), (7, 3), (3, None)])
 def test_in_place_matches_out_of_place(backend, experts, scratch):
-    for m in (plan_layer("fp8", "trtllm", 256, 512).w13, plan_layer("nvfp4", "trtllm", 256, 512).w13_scale,
-              plan_layer("bf16", "trtllm", 256, 256).w2):
-        x = random_bytes((experts, m.in_bytes), torch.uint8, seed=experts)
-        want = reference(m, x)
-        execute_in_place(m, x, scratch, backend=backend)
-        assert torch.equal(x, want)
+    # rows of 512 and 2048 bytes (numba: generic path and cycle plan), scales, 128-byte blocks
+    for m in (plan_layer("fp8", "trtllm", 256, 512).w13, plan_layer("fp8", "trtllm", 256, 2048).w13,
+              plan_layer("nvfp4", "trtllm", 256, 512).w13_scale, plan_layer("bf16", "trtllm", 256, 256).w2):
+        for x in (random_bytes((experts, m.in_bytes), torch.uint8, seed=experts), structured(m, experts)):
+            want = reference(m, x)
+            execute_in_place(m, x, scratch, backend=backend)
+            assert torch.equal(x, want)
 
 
 def test_in_place_error_midway_restores_input(monkeypatch):

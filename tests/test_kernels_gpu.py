@@ -79,11 +79,10 @@ def test_gpu_unaligned_and_typed(backend):
 
 
 @pytest.mark.parametrize("backend,strategy", [("torch", None)] + (
-    [("triton", "auto"), ("triton", "cycles"), ("triton", "pipeline"), ("triton", "persistent")]
-    if "triton" in GPU_BACKENDS else []))
+    [("triton", "auto"), ("triton", "cycles")] if "triton" in GPU_BACKENDS else []))
 @pytest.mark.parametrize("scratch", [1, 2, 3, None])
 def test_gpu_in_place(backend, strategy, scratch):
-    cfg = {"inplace": strategy, "persistent_slot_bytes": 1 << 40} if strategy else None
+    cfg = {"inplace": strategy} if strategy else None
     for m in (plan_layer("fp8", "trtllm", 2048, 7168).w13, plan_layer("nvfp4", "trtllm", 2048, 7168).w13_scale,
               plan_layer("bf16", "trtllm", 256, 256).w2, plan_layer("fp8-block", "trtllm", 256, 512).w13,
               plan_layer("mxfp8", "trtllm", 256, 512).w13_scale):
@@ -107,19 +106,40 @@ def test_gpu_in_place_cycles_tile_sizes(tile_words, cycle_bw):
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
-@pytest.mark.parametrize("tile_words,per_sm", [(16, 1), (64, 2), (4096, 4)])
-def test_gpu_in_place_rows_swizzle(tile_words, per_sm):
+@pytest.mark.parametrize("row_words,per_sm,lag", [(16, 1, 0), (64, 2, 3), (4096, 3, 8), (16384, 1, 40)])
+def test_gpu_in_place_rows_swizzle(row_words, per_sm, lag):
     """Scale maps: many small row tiles and one scratch slot make every wait of the
-    persistent launch happen (save after the slot's previous expert, rows after saves,
+    cooperative launch happen (save after the slot's previous expert, rows after saves,
     bands after rows)."""
     for fmt, name in (("nvfp4", "w13_scale"), ("nvfp4", "w2_scale"), ("mxfp8", "w13_scale"), ("mxfp8", "w2_scale")):
         m = getattr(plan_layer(fmt, "trtllm", 256, 512), name)
         for x in inputs(m, 6):
             want = reference(m, x)
-            execute_in_place(m, x, 1, config={"inplace": "rows_swizzle", "tile_words": tile_words,
-                                              "persistent_per_sm": per_sm})
+            execute_in_place(m, x, 1, config={"inplace": "rows_swizzle", "swizzle_row_words": row_words,
+                                              "swizzle_per_sm": per_sm, "swizzle_lag": lag})
             torch.cuda.synchronize()
             assert torch.equal(x, want)
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+def test_gpu_in_place_error_after_rows_swizzle_launch_is_undone(monkeypatch):
+    from fimoe_lab.kernels import triton_gather
+
+    m = plan_layer("mxfp8", "trtllm", 256, 512).w13_scale
+    x = torch.randint(0, 256, (9, m.in_bytes), dtype=torch.uint8, device="cuda")
+    before = x.clone()
+    real, fired = triton_gather.inplace_rows_swizzle, []
+
+    def flaky(em, flat, chunk, config=None):  # the whole launch ran, then the caller fails once
+        yield from real(em, flat, chunk, config)
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("injected after the launch")
+
+    monkeypatch.setattr(triton_gather, "inplace_rows_swizzle", flaky)
+    with pytest.raises(InPlaceError) as info:
+        execute_in_place(m, x, 2)
+    assert fired and info.value.restored and torch.equal(x, before)
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
@@ -160,51 +180,6 @@ def test_gpu_in_place_error_restores_torch_path(monkeypatch):
     monkeypatch.setattr(kernels, "execute", flaky)
     with pytest.raises(InPlaceError) as info:
         execute_in_place(m, x, 1, backend="torch")
-    assert info.value.restored and torch.equal(x, before)
-
-
-@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
-@pytest.mark.parametrize("scratch", [1, 2])
-def test_gpu_in_place_error_restores_triton_pipeline(monkeypatch, scratch):
-    from fimoe_lab.kernels import triton_gather
-
-    m = plan_layer("nvfp4", "trtllm", 256, 512).w13
-    x = torch.randint(0, 256, (7, m.in_bytes), dtype=torch.uint8, device="cuda")
-    before = x.clone()
-    real, fired = triton_gather.inplace_triton, []
-
-    def flaky(em, flat, chunk, config=None):  # fails once, after the third chunk; the undo runs clean
-        for i, item in enumerate(real(em, flat, chunk, dict(slot_bytes=1))):
-            yield item
-            if i == 2 and not fired:
-                fired.append(1)
-                raise RuntimeError("injected between launches")
-
-    monkeypatch.setattr(triton_gather, "inplace_triton", flaky)
-    with pytest.raises(InPlaceError) as info:
-        execute_in_place(m, x, scratch, config={"inplace": "pipeline"})
-    assert info.value.restored and isinstance(info.value.__cause__, RuntimeError)
-    assert torch.equal(x, before)
-
-
-@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
-def test_gpu_in_place_error_after_persistent_launch_is_undone(monkeypatch):
-    from fimoe_lab.kernels import triton_gather
-
-    m = plan_layer("mxfp8", "trtllm", 256, 512).w13_scale
-    x = torch.randint(0, 256, (9, m.in_bytes), dtype=torch.uint8, device="cuda")
-    before = x.clone()
-    real, fired = triton_gather.inplace_persistent, []
-
-    def flaky(em, flat, chunk, config=None):  # the whole launch ran, then the caller fails once
-        yield from real(em, flat, chunk, config)
-        if not fired:
-            fired.append(1)
-            raise RuntimeError("injected after the launch")
-
-    monkeypatch.setattr(triton_gather, "inplace_persistent", flaky)
-    with pytest.raises(InPlaceError) as info:
-        execute_in_place(m, x, 2, config={"inplace": "persistent"})
     assert info.value.restored and torch.equal(x, before)
 
 

@@ -11,11 +11,13 @@ device:
 
 ``FIMOE_EXECUTOR=torch|triton|numba`` (or ``backend=``) forces one. Every backend is
 bit-exact with the map (tests/test_kernels.py). :func:`execute_in_place` runs a
-permutation in place through a scratch buffer of a few experts.
+permutation in place with a scratch of a few experts' bytes, along the map's cycles
+(:mod:`.cycles`) where the backend has a cycle executor.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -88,6 +90,26 @@ def execute(m, x: torch.Tensor, out: torch.Tensor, backend: Optional[str] = None
         raise ValueError(f"unknown executor backend {backend!r}; choose torch, triton or numba")
 
 
+def _cycle_runner(backend: str, em, cuda: bool, config: Optional[dict]):
+    """The in-place executor along cycles for this backend and map (called as
+    ``run(em, flat, scratch_experts)``, yielding experts done), or None: generic path."""
+    if backend == "triton" and cuda:
+        from fimoe_lab.kernels import triton_gather
+
+        strategy = (config or {}).get("inplace", triton_gather.CONFIG["inplace"])
+        if strategy == "auto":
+            strategy = "rows_swizzle" if em.swizzle is not None else "cycles"
+        runs = {"cycles": triton_gather.inplace_cycles, "rows_swizzle": triton_gather.inplace_rows_swizzle}
+        if strategy not in runs:
+            raise ValueError(f"unknown in-place strategy {strategy!r}; choose auto, cycles or rows_swizzle")
+        return functools.partial(runs[strategy], config=config)
+    if backend == "numba":
+        from fimoe_lab.kernels.numba_gather import CYCLES_MIN_CELL, inplace_cycles_numba
+
+        return inplace_cycles_numba if em.cell_bytes >= CYCLES_MIN_CELL else None
+    return None
+
+
 def default_scratch_experts(num_experts: int) -> int:
     """Experts per in-place chunk: at most 2% of the tensor, at least one expert."""
     return max(1, math.floor(num_experts * 0.02))
@@ -104,58 +126,53 @@ class InPlaceError(RuntimeError):
 
 def execute_in_place(m, x: torch.Tensor, scratch_experts: Optional[int] = None,
                      backend: Optional[str] = None, _undo: bool = True, config: Optional[dict] = None) -> None:
-    """Apply the permutation ``m`` to ``x`` in place, ``scratch_experts`` experts at a time.
+    """Apply the permutation ``m`` to ``x`` in place with a scratch of ``scratch_experts``
+    experts' bytes (default :func:`default_scratch_experts`, at most 2% of ``x``).
 
-    Generic path (torch, numba): each chunk is copied to the scratch, then gathered
-    from the scratch back into its own place. CUDA with Triton (default strategy
-    ``persistent``): one cooperative launch walks the chunks, copy and gather separated
-    by grid barriers (``triton_gather.inplace_persistent``); strategy ``pipeline``: two
-    slots of ``scratch_experts // 2`` experts, one launch per chunk. Either way every
-    byte crosses memory twice, so this mode runs at most at half the copy bandwidth. Peak
-    extra memory: at most ``scratch_experts`` experts plus the map's int32 index
-    (measured in benchmarks/RESULTS.md).
+    Triton (CUDA): along the map's cycles (:mod:`.cycles`): tiles that read only cells
+    they overwrite themselves, plus the few cells where a tile cuts a cycle, saved
+    first; every byte crosses memory once. Maps of the ``swizzle`` form (scales: a row
+    permutation, then the 128x4 swizzle) run the row cycles and then each 128-row band
+    in one cooperative launch (``triton_gather.inplace_rows_swizzle``). numba (CPU):
+    the cycle plan for cells of at least ``numba_gather.CYCLES_MIN_CELL`` bytes. Else
+    (torch, small CPU cells): each chunk of ``scratch_experts`` experts is copied to the
+    scratch, then gathered back into place. Peak extra memory: the scratch plus the
+    plan's int32 indices (measured in benchmarks/RESULTS.md).
 
-    Guarantee on failure: ``m`` is checked (a size-preserving permutation, ``x``
-    contiguous with the map's shape) before any byte moves. If an exception is raised
-    midway (out of memory, an interrupt, a backend error raised in Python), the chunk
-    in flight is copied back from the scratch (or was never written), the chunks
-    already done are undone with ``m.inverse()`` the same way, so ``x`` holds its input
-    again; the exception is re-raised as :class:`InPlaceError` (``restored=True``,
-    chained to the cause). If the undo itself fails, ``restored=False`` and
-    ``done_experts`` says how many leading experts are in the output layout:
-    ``m.inverse()`` on ``x[:done_experts]`` restores them. A device fault that kills the
-    CUDA context leaves nothing restorable.
+    Guarantee on failure: ``m`` must be a permutation and ``x`` contiguous, checked
+    before any byte moves. If an exception is raised midway (out of memory, an
+    interrupt, a backend error raised in Python), the chunk in flight was never written
+    (cycle plans: a chunk's tiles are launched only after its saves; the generic path
+    copies its chunk back from the scratch), the chunks already done are undone with
+    ``m.inverse()``, so ``x`` holds its input again; the exception is re-raised as
+    :class:`InPlaceError` (``restored=True``, chained to the cause). If the undo itself
+    fails, ``restored=False`` and ``done_experts`` says how many leading experts are in
+    the output layout: ``m.inverse()`` on ``x[:done_experts]`` restores them. A device
+    fault that kills the CUDA context leaves nothing restorable.
     """
     num_experts = x.shape[0]
     if num_experts == 0:
         return
-    if m.in_bytes != m.out_bytes:
-        raise ValueError(f"{m.name}: {m.in_shape} -> {m.out_shape} bytes changes the size; it cannot run in place")
+    if not m.is_permutation:
+        raise ValueError(f"{m.name}: {m.in_shape} -> {m.out_shape} bytes pads or drops bytes; only a permutation "
+                         "runs in place (use apply() for a new tensor)")
     if not x.is_contiguous():
         raise ValueError("x must be contiguous to be transformed in place")
+    if x.numel() * x.element_size() != num_experts * m.in_bytes:
+        raise ValueError(f"{m.name} moves {m.in_bytes} bytes per expert but x has "
+                         f"{x.numel() * x.element_size() // num_experts}; pass x as (experts, ...) of the map's input")
     chunk = scratch_experts or default_scratch_experts(num_experts)
     if chunk < 1:
         raise ValueError(f"scratch_experts must be >= 1, got {chunk}")
     chunk = min(chunk, num_experts)
     flat, _ = byte_views(x, x)
     backend = backend or pick_backend(x.device, flat.numel())
+    em = exec_form(m)
+    run = _cycle_runner(backend, em, x.is_cuda, config)
     start = 0
     try:
-        if backend == "triton" and x.is_cuda:
-            from fimoe_lab.kernels import triton_gather
-
-            em = exec_form(m)
-            strategy = (config or {}).get("inplace", triton_gather.CONFIG["inplace"])
-            if strategy == "auto":
-                strategy = "rows_swizzle" if em.swizzle is not None else "cycles"
-            run = {"persistent": triton_gather.inplace_persistent, "pipeline": triton_gather.inplace_triton,
-                   "cycles": triton_gather.inplace_cycles, "rows_swizzle": triton_gather.inplace_rows_swizzle}[strategy]
-            for start, _ in run(em, flat, chunk, config):
-                pass
-        elif backend == "numba" and m.is_permutation:
-            from fimoe_lab.kernels.numba_gather import inplace_cycles_numba
-
-            for start, _ in inplace_cycles_numba(exec_form(m), flat, chunk):
+        if run is not None:
+            for start, _ in run(em, flat, chunk):
                 pass
         else:
             scratch = torch.empty((chunk, flat.shape[1]), dtype=torch.uint8, device=x.device)

@@ -75,7 +75,7 @@ def cycle_order(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         dist = dist + dist[succ]
         succ = succ[succ]
     # leader first, then p[leader] (farthest from the leader going forward), ...
-    order = np.lexsort((np.where(is_leader, -1, -dist), leader))
+    order = np.lexsort((np.where(is_leader, -n - 1, -dist), leader))
     return order, leader
 
 

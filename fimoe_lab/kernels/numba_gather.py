@@ -77,6 +77,13 @@ def _fill_bytes(typingctx, dst, value, n):
     return sig, codegen
 
 
+CYCLES_MIN_CELL = 1024
+"""In place, cells of at least this many bytes (rows) run the cycle plan; smaller ones
+(128-byte blocks, 4-byte scale words) scatter too much on a CPU and take the generic
+copy-then-gather path (measured on the 2-core machine, benchmarks/RESULTS.md)."""
+CYCLES_TILE_BYTES = 1 << 20
+"""Bytes per cycle-plan tile on the CPU (a tile's sources are staged in a private buffer)."""
+
 MEMCPY_MIN_CELL = 16
 """Cells of at least this many bytes move with one memcpy each (vector copies)."""
 
@@ -206,15 +213,15 @@ def _cycle_tiles(x, buf, dst, src, tile):  # pragma: no cover - compiled
 
 def inplace_cycles_numba(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
     """Permute every expert of the CPU tensor ``flat`` ``(E, bytes)`` in place along the
-    map's cycles (:mod:`.cycles`), ``TASK_BYTES`` of cells per tile; one pass over the
-    bytes. Yields the number of leading experts done after each chunk (a chunk is as
+    map's cycles (:mod:`.cycles`), ``CYCLES_TILE_BYTES`` of cells per tile; one pass over
+    the bytes. Yields the number of leading experts done after each chunk (a chunk is as
     many experts as the scratch of ``scratch_experts`` experts holds saved cells of)."""
     from fimoe_lab.kernels.cycles import cycle_plan
 
     experts, nbytes = flat.shape
     word = aligned_word(em.word, flat)
     wpc = em.cell_bytes // word
-    plan = cycle_plan(em, max(1, TASK_BYTES // em.cell_bytes))
+    plan = cycle_plan(em, max(1, CYCLES_TILE_BYTES // em.cell_bytes))
     n_saved = plan.saved.size
     per = experts if n_saved == 0 else max(1, min(experts, scratch_experts * nbytes // (n_saved * em.cell_bytes)))
     x = flat.view(word_dtype(word)).numpy().reshape(experts, em.n_in, wpc)

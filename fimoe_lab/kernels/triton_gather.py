@@ -14,9 +14,13 @@ Three tile shapes, chosen from the map's executable form:
 
 Grid: (tiles per expert, experts). Fill cells (``src < 0``) take their fill word from a
 tiny table; a row gather whose rows are padded on the right uses the ``rows`` kernel
-over whole output rows. :func:`inplace_triton` runs a permutation in place through a
-two-slot scratch, one launch per chunk (the gather of one slot and the copy of the next
-fused).
+over whole output rows.
+
+In place (permutations only, :mod:`.cycles`): :func:`inplace_cycles` runs the map's
+cycle plan, tiles that only read cells they overwrite themselves, so each byte
+crosses memory once; :func:`inplace_rows_swizzle` does scale maps (a row permutation,
+then the 128x4 swizzle) in one cooperative launch, each band swizzled right after its
+rows moved.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, swizzl
 
 # Tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
 CONFIG = {"tile_words": 4096, "num_warps": 4, "evict": False, "block_1d": 8192, "warps_1d": 8, "max_bw": 1024,
-          "swizzle_kw": 32, "swizzle_warps": 4, "use_swizzle": True, "copy_block": 4096,
-          "slot_bytes": 0, "hints": False, "persistent_per_sm": 2, "persistent_slot_bytes": 30 << 20, "inplace": "auto",
-          "cycle_bw": 64}
+          "swizzle_kw": 32, "swizzle_warps": 4, "use_swizzle": True,
+          # in place: "auto" = rows_swizzle for the swizzle form, else cycles
+          "inplace": "auto", "cycle_bw": 64, "swizzle_lag": 8, "swizzle_row_words": 16384, "swizzle_per_sm": 2}
 
 
 @triton.jit
@@ -58,9 +62,7 @@ def _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t,
         lm = m[:, None] & cin[None, :]
     else:
         lm = m[:, None]
-    if EVICT == 2:  # data another program wrote in this launch: read through L2, not L1
-        v = tl.load(src, mask=lm, cache_modifier=".cg")
-    elif EVICT == 1:
+    if EVICT:
         v = tl.load(src, mask=lm, eviction_policy="evict_first")
     else:
         v = tl.load(src, mask=lm)
@@ -72,8 +74,7 @@ def _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t,
 
 
 @triton.jit
-def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.constexpr, HAS_FILL: tl.constexpr,
-                 CG: tl.constexpr = False):
+def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.constexpr, HAS_FILL: tl.constexpr):
     j = t * B + tl.arange(0, B)
     m = j < n_out * W
     cell = j // W
@@ -84,8 +85,6 @@ def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.con
         s = tl.maximum(s, 0)
         v = tl.load(xb + s.to(tl.int64) * W + j % W, mask=m & valid)
         v = tl.where(valid, v, fw)
-    elif CG:
-        v = tl.load(xb + s.to(tl.int64) * W + j % W, mask=m, cache_modifier=".cg")
     else:
         v = tl.load(xb + s.to(tl.int64) * W + j % W, mask=m)
     tl.store(ob + j, v, mask=m)
@@ -93,7 +92,7 @@ def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.con
 
 @triton.jit
 def _swizzle_tile(xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr,
-                  HAS_FILL: tl.constexpr, CG: tl.constexpr = False):
+                  HAS_FILL: tl.constexpr):
     band = t // NK
     kc = t % NK
     r = band * 128 + tl.arange(0, 128)
@@ -103,10 +102,7 @@ def _swizzle_tile(xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.conste
         fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0))
         s = tl.maximum(s, 0)
     k = kc * KW + tl.arange(0, KW)
-    if CG:
-        v = tl.load(xb + s.to(tl.int64)[:, None] * CW + k[None, :], cache_modifier=".cg")
-    else:
-        v = tl.load(xb + s.to(tl.int64)[:, None] * CW + k[None, :])
+    v = tl.load(xb + s.to(tl.int64)[:, None] * CW + k[None, :])
     if HAS_FILL:
         v = tl.where(valid[:, None], v, fw[:, None])
     # row r = 32*q + p of the band, word kk -> output word kk*128 + p*4 + q of the band
@@ -130,118 +126,6 @@ def _gather_kernel(x_ptr, out_ptr, src_ptr, fill_ptr, in_words, out_words, n_out
         _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL)
     else:
         _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, HAS_FILL)
-
-
-@triton.jit
-def _inplace_step(x_ptr, s_ptr, src_ptr, fill_ptr, g_src, g_dst, g_tiles, tiles_per_expert,
-                  c_src, c_dst, c_words, expert_words, n_out,
-                  KIND: tl.constexpr, W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, NC: tl.constexpr,
-                  B: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr, HAS_FILL: tl.constexpr,
-                  CB: tl.constexpr, HINTS: tl.constexpr):
-    """Programs [0, g_tiles) gather a slot of the scratch back into x; the rest copy the
-    next chunk of x into the other slot (disjoint buffers, so one launch does both)."""
-    pid = tl.program_id(0)
-    if pid < g_tiles:
-        e = (pid // tiles_per_expert).to(tl.int64)
-        t = pid % tiles_per_expert
-        xb = s_ptr + g_src + e * expert_words
-        ob = x_ptr + g_dst + e * expert_words
-        if KIND == 0:
-            _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t, W, BM, BW, NC, HAS_FILL, HINTS, W, 0)
-        elif KIND == 1:
-            _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL)
-        else:
-            _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, HAS_FILL)
-    else:
-        j = (pid - g_tiles).to(tl.int64) * CB + tl.arange(0, CB)
-        m = j < c_words
-        if HINTS:  # x is read once; keep the slot in L2 for the gather that reads it next
-            v = tl.load(x_ptr + c_src + j, mask=m, eviction_policy="evict_first")
-            tl.store(s_ptr + c_dst + j, v, mask=m, eviction_policy="evict_last")
-        else:
-            v = tl.load(x_ptr + c_src + j, mask=m)
-            tl.store(s_ptr + c_dst + j, v, mask=m)
-
-
-@triton.jit
-def _grid_barrier(bar_ptr, target):
-    """Every program of the (co-resident) grid arrives; returns once all have."""
-    tl.debug_barrier()
-    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
-        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _inplace_persistent(x_ptr, s_ptr, src_ptr, fill_ptr, bar_ptr, experts, per, tiles_per_expert, expert_words,
-                        n_out, KIND: tl.constexpr, W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr,
-                        NC: tl.constexpr, B: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr,
-                        HAS_FILL: tl.constexpr, CB: tl.constexpr):
-    """One launch for the whole tensor: for each chunk of ``per`` experts, all programs
-    copy it into the scratch (kept in L2: ``evict_last``), meet at a grid barrier,
-    gather it back into place (reading the scratch through L2), and meet again."""
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    n_chunks = tl.cdiv(experts, per)
-    phase = 0
-    for k in range(0, n_chunks):
-        first = k * per
-        cnt = tl.minimum(per, experts - first)
-        c_words = cnt.to(tl.int64) * expert_words
-        base = first.to(tl.int64) * expert_words
-        n_blocks = tl.cdiv(c_words, CB).to(tl.int32)
-        for b in range(pid, n_blocks, G):
-            j = b.to(tl.int64) * CB + tl.arange(0, CB)
-            m = j < c_words
-            v = tl.load(x_ptr + base + j, mask=m, eviction_policy="evict_first")
-            tl.store(s_ptr + j, v, mask=m, eviction_policy="evict_last")
-        phase += 1
-        _grid_barrier(bar_ptr, phase * G)
-        for t in range(pid, cnt * tiles_per_expert, G):
-            e = (t // tiles_per_expert).to(tl.int64)
-            tt = t % tiles_per_expert
-            xb = s_ptr + e * expert_words
-            ob = x_ptr + base + e * expert_words
-            if KIND == 0:
-                _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, tt, W, BM, BW, NC, HAS_FILL, 2, W, 0)
-            elif KIND == 1:
-                _words_block(xb, ob, src_ptr, fill_ptr, n_out, tt, W, B, HAS_FILL, True)
-            else:
-                _swizzle_tile(xb, ob, src_ptr, fill_ptr, tt, W, KW, NK, HAS_FILL, True)
-        phase += 1
-        _grid_barrier(bar_ptr, phase * G)
-
-
-def inplace_persistent(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
-    """Like :func:`inplace_triton` but one cooperative launch for the whole tensor: for
-    each chunk (at most ``scratch_experts`` experts and ``persistent_slot_bytes``), the
-    grid copies it to the scratch, meets at a grid barrier, gathers it back, meets
-    again. No launch per chunk, so small experts and scales are no longer bound by
-    launch overhead. Every byte still crosses memory twice (RESULTS.md). Yields once;
-    falls back to :func:`inplace_triton` if the cooperative launch is refused."""
-    cfg = dict(CONFIG, **(config or {}))
-    experts, nbytes = flat.shape
-    word, meta, tiles, src, fills, n_out = _prepare(em, flat, flat, cfg)
-    meta = {k: v for k, v in meta.items() if k not in ("WI", "CF")}
-    ew = nbytes // word
-    per = max(1, min(scratch_experts, experts, cfg["persistent_slot_bytes"] // max(nbytes, 1)))
-    scratch = torch.empty((per, nbytes), dtype=torch.uint8, device=flat.device)
-    bar = torch.zeros(1, dtype=torch.int32, device=flat.device)
-    sms = torch.cuda.get_device_properties(flat.device).multi_processor_count
-    grid = (sms * cfg["persistent_per_sm"],)
-    try:
-        # cooperative launch: the driver refuses (instead of deadlocking) if the grid
-        # cannot be resident at once; nothing has moved then, so fall back.
-        _inplace_persistent[grid](flat.view(word_dtype(word)), scratch.view(word_dtype(word)), src, fills, bar,
-                                  experts, per, tiles, ew, n_out, HAS_FILL=em.has_fill, CB=cfg["copy_block"],
-                                  launch_cooperative_grid=True, **meta)
-    except Exception:  # noqa: BLE001
-        del scratch
-        yield from inplace_triton(em, flat, scratch_experts, config)
-        return
-    yield experts, scratch
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -316,57 +200,6 @@ def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict 
     xw, ow = xb.view(word_dtype(word)), ob.view(word_dtype(word))
     _gather_kernel[(tiles, experts)](xw, ow, src, fills, em.in_bytes // word, em.out_bytes // word, n_out,
                                      HAS_FILL=em.has_fill, EVICT=cfg["evict"], **meta)
-
-
-def inplace_triton(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
-    """Permute every expert of ``flat`` ``(E, bytes)`` in place; yields after each launch.
-
-    With ``scratch_experts >= 2`` the scratch is two slots of ``scratch_experts // 2``
-    experts (``slot_bytes``, when set, caps a slot): launch k gathers slot k%2 back into
-    chunk k and copies chunk k+1 into the other slot. With one expert of scratch, copy
-    and gather alternate on one slot. Every byte crosses DRAM twice (copy, then
-    gather), so this mode is bounded by half the copy bandwidth (RESULTS.md). Yields
-    the number of leading experts whose gather has been launched; the stream orders
-    the launches, so after a synchronize those experts are done and the rest of ``x``
-    still holds its input.
-    """
-    cfg = dict(CONFIG, **(config or {}))
-    experts, nbytes = flat.shape
-    word, meta, tiles, src, fills, n_out = _prepare(em, flat, flat, cfg)
-    if nbytes % word or em.in_bytes != em.out_bytes:
-        raise ValueError("in-place needs a size-preserving map")
-    ew = nbytes // word
-    if scratch_experts >= 2:
-        per = max(1, min(scratch_experts // 2, cfg["slot_bytes"] // max(nbytes, 1)) if cfg["slot_bytes"] else scratch_experts // 2)
-        slots = 2
-    else:
-        per, slots = 1, 1
-    scratch = torch.empty((slots * per, nbytes), dtype=torch.uint8, device=flat.device)
-    xw, sw = flat.view(word_dtype(word)), scratch.view(word_dtype(word))
-    cb = cfg["copy_block"]
-    chunks = [(s, min(s + per, experts)) for s in range(0, experts, per)]
-    meta = {k: v for k, v in meta.items() if k not in ("WI", "CF")}
-    common = dict(HAS_FILL=em.has_fill, CB=cb, HINTS=cfg["hints"], **meta)
-
-    def step(g, c, g_slot, c_slot):
-        g_tiles = 0 if g is None else (g[1] - g[0]) * tiles
-        c_words = 0 if c is None else (c[1] - c[0]) * ew
-        grid = (g_tiles + triton.cdiv(c_words, cb),)
-        _inplace_step[grid](xw, sw, src, fills,
-                            g_slot * per * ew, 0 if g is None else g[0] * ew, g_tiles, tiles,
-                            0 if c is None else c[0] * ew, c_slot * per * ew, c_words, ew, n_out, **common)
-
-    if slots == 2:
-        step(None, chunks[0], 0, 0)
-        for k, g in enumerate(chunks):
-            nxt = chunks[k + 1] if k + 1 < len(chunks) else None
-            step(g, nxt, k % 2, (k + 1) % 2)
-            yield g[1], scratch
-    else:
-        for g in chunks:
-            step(None, g, 0, 0)
-            step(g, None, 0, 0)
-            yield g[1], scratch
 
 
 @triton.jit
@@ -463,83 +296,101 @@ def _signal(counter_ptr):
 
 
 @triton.jit
-def _rows_swizzle_in_place(x_ptr, b_ptr, dst_ptr, src_ptr, saved_ptr, cnt_ptr, experts, n_saved, moved,
-                           expert_words, slot_words, n_slots, s_items, r_items, b_items,
-                           CW: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, NC: tl.constexpr,
-                           KB: tl.constexpr):
-    """Row permutation then 128x4 swizzle, in place, one persistent launch.
+def _save_rows_item(xb, bb, saved_ptr, n_saved, k, CW: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr):
+    slots = k * BM + tl.arange(0, BM)
+    cols = tl.arange(0, KB)
+    m = (slots < n_saved)[:, None] & (cols < CW)[None, :]
+    s = tl.load(saved_ptr + slots, mask=slots < n_saved, other=0).to(tl.int64)
+    v = tl.load(xb + s[:, None] * CW + cols[None, :], mask=m)
+    tl.store(bb + slots.to(tl.int64)[:, None] * CW + cols[None, :], v, mask=m)
 
-    Work items, numbered per expert (save items, row tiles of the cycle plan, one item
-    per 128-row band) and claimed in order from a ticket counter. A row tile waits for
-    its expert's saved rows, a band for its expert's row tiles, a save for the row tiles
-    of the expert that used its scratch slot before; every wait is on smaller tickets,
-    which running programs hold, so the launch always finishes. The band reads rows a
-    moment after they were written, from L2: the bytes cross DRAM about once."""
+
+@triton.jit
+def _row_tile_item(xb, bb, dst_ptr, src_ptr, moved, r, CW: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr):
+    slots = r * BM + tl.arange(0, BM)
+    live = slots < moved
+    cols = tl.arange(0, KB)
+    m = live[:, None] & (cols < CW)[None, :]
+    d = tl.load(dst_ptr + slots, mask=live, other=0).to(tl.int64)
+    s = tl.load(src_ptr + slots, mask=live, other=0).to(tl.int64)
+    here = (s >= 0)[:, None]
+    v = tl.load(xb + tl.maximum(s, 0)[:, None] * CW + cols[None, :], mask=m & here)
+    vb = tl.load(bb + tl.maximum(-1 - s, 0)[:, None] * CW + cols[None, :], mask=m & ~here,
+                 cache_modifier=".cg")  # saved by another program of this launch
+    v = tl.where(here, v, vb)
+    tl.debug_barrier()
+    tl.store(xb + d[:, None] * CW + cols[None, :], v, mask=m)
+
+
+@triton.jit
+def _band_swizzle_item(xb, band, CW: tl.constexpr, KB: tl.constexpr):
+    base = band.to(tl.int64) * 128 * CW
+    kk = tl.arange(0, KB)
+    v = tl.load(xb + base + tl.arange(0, 128)[:, None] * CW + kk[None, :], mask=(kk < CW)[None, :],
+                cache_modifier=".cg")  # rows another program just wrote
+    # row r = 32*q + p of the band, word kk -> word kk*128 + p*4 + q of the band
+    v = tl.reshape(tl.permute(tl.reshape(v, (4, 32, KB)), (2, 1, 0)), (KB * 128,))
+    j = tl.arange(0, KB * 128)
+    tl.debug_barrier()
+    tl.store(xb + base + j, v, mask=j < CW * 128)
+
+
+@triton.jit
+def _rows_swizzle_in_place(x_ptr, b_ptr, dst_ptr, src_ptr, saved_ptr, cnt_ptr, experts, n_saved, moved,
+                           expert_words, slot_words, n_slots, s_items, r_items, b_items, lag,
+                           CW: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr):
+    """Row permutation then 128x4 swizzle, in place, one cooperative launch.
+
+    Work items go step by step, program ``p`` taking items ``p, p + G, ...``; step ``j``
+    holds expert ``j``'s save items and row tiles (its cycle plan over whole rows) and
+    one item per 128-row band of expert ``j - lag``. A row tile waits for its expert's
+    saved rows, a band for its expert's row tiles (``lag`` steps earlier, so usually
+    done), a save for the row tiles of the expert that used its scratch slot before.
+    Every wait is on smaller items and every program is resident (cooperative launch),
+    so the launch always finishes. Bands are swizzled while their rows are still in L2."""
     per = s_items + r_items + b_items
-    total = experts * per
-    saved_done = cnt_ptr + 1
-    rows_done = cnt_ptr + 1 + experts
-    t = tl.atomic_add(cnt_ptr, 1)
-    while t < total:
-        e = t // per
+    total = (experts + lag) * per
+    saved_done = cnt_ptr
+    rows_done = cnt_ptr + experts
+    for t in range(tl.program_id(0), total, tl.num_programs(0)):
+        j = t // per
         k = t % per
-        xb = x_ptr + e.to(tl.int64) * expert_words
-        bb = b_ptr + (e % n_slots).to(tl.int64) * slot_words
-        if k < s_items:
-            if e >= n_slots:
-                _wait_for(rows_done + e - n_slots, r_items)
-            slots = (k // NC) * BM + tl.arange(0, BM)
-            m = slots < n_saved
-            cols = (k % NC) * BW + tl.arange(0, BW)
-            s = tl.load(saved_ptr + slots, mask=m, other=0).to(tl.int64)
-            v = tl.load(xb + s[:, None] * CW + cols[None, :], mask=m[:, None])
-            tl.store(bb + slots.to(tl.int64)[:, None] * CW + cols[None, :], v, mask=m[:, None])
-            _signal(saved_done + e)
-        elif k < s_items + r_items:
-            _wait_for(saved_done + e, s_items)
-            r = k - s_items
-            slots = (r // NC) * BM + tl.arange(0, BM)
-            m = slots < moved
-            cols = (r % NC) * BW + tl.arange(0, BW)
-            d = tl.load(dst_ptr + slots, mask=m, other=0).to(tl.int64)
-            s = tl.load(src_ptr + slots, mask=m, other=0).to(tl.int64)
-            here = s >= 0
-            v = tl.load(xb + tl.maximum(s, 0)[:, None] * CW + cols[None, :], mask=(m & here)[:, None])
-            vb = tl.load(bb + tl.maximum(-1 - s, 0)[:, None] * CW + cols[None, :], mask=(m & ~here)[:, None],
-                         cache_modifier=".cg")
-            v = tl.where(here[:, None], v, vb)
-            tl.debug_barrier()
-            tl.store(xb + d[:, None] * CW + cols[None, :], v, mask=m[:, None])
-            _signal(rows_done + e)
+        if k < s_items + r_items:
+            e = j
         else:
-            _wait_for(rows_done + e, r_items)
-            base = (k - s_items - r_items).to(tl.int64) * 128 * CW
-            kk = tl.arange(0, KB)
-            v = tl.load(xb + base + tl.arange(0, 128)[:, None] * CW + kk[None, :], mask=(kk < CW)[None, :],
-                        cache_modifier=".cg")
-            # row r = 32*q + p of the band, word kk -> word kk*128 + p*4 + q of the band
-            v = tl.reshape(tl.permute(tl.reshape(v, (4, 32, KB)), (2, 1, 0)), (KB * 128,))
-            j = tl.arange(0, KB * 128)
-            tl.debug_barrier()
-            tl.store(xb + base + j, v, mask=j < CW * 128)
-        t = tl.atomic_add(cnt_ptr, 1)
+            e = j - lag
+        if (e >= 0) & (e < experts):
+            xb = x_ptr + e.to(tl.int64) * expert_words
+            bb = b_ptr + (e % n_slots).to(tl.int64) * slot_words
+            if k < s_items:
+                if e >= n_slots:
+                    _wait_for(rows_done + e - n_slots, r_items)
+                _save_rows_item(xb, bb, saved_ptr, n_saved, k, CW, BM, KB)
+                _signal(saved_done + e)
+            elif k < s_items + r_items:
+                _wait_for(saved_done + e, s_items)
+                _row_tile_item(xb, bb, dst_ptr, src_ptr, moved, k - s_items, CW, BM, KB)
+                _signal(rows_done + e)
+            else:
+                _wait_for(rows_done + e, r_items)
+                _band_swizzle_item(xb, k - s_items - r_items, CW, KB)
 
 
 def inplace_rows_swizzle(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
     """In place for maps of the ``swizzle`` form (a row permutation, then the 128x4
     scale swizzle; 4-byte words): the row permutation along its cycles (rows of the
     scale matrix are the cells), then each 128-row band swizzled on its own, expert by
-    expert in one persistent launch (:func:`_rows_swizzle_in_place`). Scratch: the
+    expert in one cooperative launch (:func:`_rows_swizzle_in_place`). Scratch: the
     saved rows of as many experts at once as fit in ``scratch_experts`` experts' bytes.
-    Yields once, with every expert launched."""
+    Yields once, with every expert done after a synchronize; if the driver refuses the
+    cooperative launch (nothing has moved then) it runs :func:`inplace_cycles` instead."""
     from fimoe_lab.kernels.cycles import cycle_plan
 
     cfg = dict(CONFIG, **(config or {}))
     experts, nbytes = flat.shape
     _, cw, n_rows = em.swizzle
-    bw = _pow2_divisor(cw, cfg["cycle_bw"])
-    bm = triton.next_power_of_2(max(1, cfg["tile_words"] // bw))
-    nc = cw // bw
+    kb = triton.next_power_of_2(cw)
+    bm = triton.next_power_of_2(max(1, cfg["swizzle_row_words"] // kb))
     plan = cycle_plan(em, bm, rows=True)
     key = ("rows_cycles", bm, str(flat.device))
     if key not in em._dev:
@@ -549,14 +400,17 @@ def inplace_rows_swizzle(em: ExecMap, flat: torch.Tensor, scratch_experts: int, 
     slot_words = max(1, n_saved * cw)
     n_slots = max(1, min(experts, scratch_experts * nbytes // (4 * slot_words)))
     scratch = torch.empty((n_slots * slot_words,), dtype=torch.int32, device=flat.device)
-    counters = torch.zeros(1 + 2 * experts, dtype=torch.int32, device=flat.device)
-    s_items = triton.cdiv(n_saved, bm) * nc
-    r_items = plan.n_tiles * nc
-    b_items = n_rows // 128
-    sms = torch.cuda.get_device_properties(flat.device).multi_processor_count if flat.is_cuda else 1
-    grid = (max(1, min(sms * cfg["persistent_per_sm"], experts * (s_items + r_items + b_items))),)
-    _rows_swizzle_in_place[grid](flat.view(torch.int32), scratch, dst, src, saved, counters, experts, n_saved,
-                                 plan.moved, nbytes // 4, slot_words, n_slots, s_items, r_items, b_items,
-                                 CW=cw, BM=bm, BW=bw, NC=nc, KB=triton.next_power_of_2(cw),
-                                 num_warps=cfg["swizzle_warps"])
+    counters = torch.zeros(2 * experts, dtype=torch.int32, device=flat.device)
+    s_items, r_items, b_items = triton.cdiv(n_saved, bm), plan.n_tiles, n_rows // 128
+    sms = torch.cuda.get_device_properties(flat.device).multi_processor_count
+    grid = (max(1, min(sms * cfg["swizzle_per_sm"], experts * (s_items + r_items + b_items))),)
+    try:
+        _rows_swizzle_in_place[grid](flat.view(torch.int32), scratch, dst, src, saved, counters, experts, n_saved,
+                                     plan.moved, nbytes // 4, slot_words, n_slots, s_items, r_items, b_items,
+                                     cfg["swizzle_lag"], CW=cw, BM=bm, KB=kb, num_warps=cfg["swizzle_warps"],
+                                     launch_cooperative_grid=True)
+    except Exception:  # noqa: BLE001 - refused before anything moved
+        del scratch
+        yield from inplace_cycles(em, flat, scratch_experts, config)
+        return
     yield experts, scratch
