@@ -111,8 +111,10 @@ def test_gpu_in_place_rows_swizzle(row_words, per_sm, lag):
     """Scale maps: many small row tiles and one scratch slot make every wait of the
     cooperative launch happen (save after the slot's previous expert, rows after saves,
     bands after rows)."""
-    for fmt, name in (("nvfp4", "w13_scale"), ("nvfp4", "w2_scale"), ("mxfp8", "w13_scale"), ("mxfp8", "w2_scale")):
-        m = getattr(plan_layer(fmt, "trtllm", 256, 512), name)
+    for fmt, name, inter, hidden in (("nvfp4", "w13_scale", 256, 512), ("nvfp4", "w2_scale", 256, 512),
+                                     ("mxfp8", "w13_scale", 256, 512), ("mxfp8", "w2_scale", 256, 512),
+                                     ("nvfp4", "w13_scale", 384, 512), ("nvfp4", "w2_scale", 256, 640)):
+        m = getattr(plan_layer(fmt, "trtllm", inter, hidden), name)  # 4, 6 and 5 bands
         for x in inputs(m, 6):
             want = reference(m, x)
             execute_in_place(m, x, 1, config={"inplace": "rows_swizzle", "swizzle_row_words": row_words,

@@ -323,27 +323,32 @@ def _row_tile_item(xb, bb, dst_ptr, src_ptr, moved, r, CW: tl.constexpr, BM: tl.
 
 
 @triton.jit
-def _band_swizzle_item(xb, band, CW: tl.constexpr, KB: tl.constexpr):
-    base = band.to(tl.int64) * 128 * CW
+def _band_swizzle_item(xb, item, n_bands, CW: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr):
+    """Swizzle bands ``item * NB ...`` (each closed: it only moves words within itself)."""
+    first = item.to(tl.int64) * NB
+    base = first * 128 * CW
+    r = tl.arange(0, NB * 128)
     kk = tl.arange(0, KB)
-    v = tl.load(xb + base + tl.arange(0, 128)[:, None] * CW + kk[None, :], mask=(kk < CW)[None, :],
+    live = (first + r // 128) < n_bands
+    v = tl.load(xb + base + r[:, None] * CW + kk[None, :], mask=live[:, None] & (kk < CW)[None, :],
                 cache_modifier=".cg")  # rows another program just wrote
-    # row r = 32*q + p of the band, word kk -> word kk*128 + p*4 + q of the band
-    v = tl.reshape(tl.permute(tl.reshape(v, (4, 32, KB)), (2, 1, 0)), (KB * 128,))
-    j = tl.arange(0, KB * 128)
+    # band b, row 32*q + p, word kk -> word kk*128 + p*4 + q of band b
+    v = tl.reshape(tl.permute(tl.reshape(v, (NB, 4, 32, KB)), (0, 3, 2, 1)), (NB * KB * 128,))
+    j = tl.arange(0, NB * KB * 128)
+    band, rem = j // (KB * 128), j % (KB * 128)
     tl.debug_barrier()
-    tl.store(xb + base + j, v, mask=j < CW * 128)
+    tl.store(xb + base + band * (128 * CW) + rem, v, mask=(rem < CW * 128) & (first + band < n_bands))
 
 
 @triton.jit
 def _rows_swizzle_in_place(x_ptr, b_ptr, dst_ptr, src_ptr, saved_ptr, cnt_ptr, experts, n_saved, moved,
                            expert_words, slot_words, n_slots, s_items, r_items, b_items, lag,
-                           CW: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr):
+                           n_bands, CW: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr):
     """Row permutation then 128x4 swizzle, in place, one cooperative launch.
 
     Work items go step by step, program ``p`` taking items ``p, p + G, ...``; step ``j``
     holds expert ``j``'s save items and row tiles (its cycle plan over whole rows) and
-    one item per 128-row band of expert ``j - lag``. A row tile waits for its expert's
+    one item per ``NB`` 128-row bands of expert ``j - lag``. A row tile waits for its expert's
     saved rows, a band for its expert's row tiles (``lag`` steps earlier, so usually
     done), a save for the row tiles of the expert that used its scratch slot before.
     Every wait is on smaller items and every program is resident (cooperative launch),
@@ -373,7 +378,7 @@ def _rows_swizzle_in_place(x_ptr, b_ptr, dst_ptr, src_ptr, saved_ptr, cnt_ptr, e
                 _signal(rows_done + e)
             else:
                 _wait_for(rows_done + e, r_items)
-                _band_swizzle_item(xb, k - s_items - r_items, CW, KB)
+                _band_swizzle_item(xb, k - s_items - r_items, n_bands, CW, KB, NB)
 
 
 def inplace_rows_swizzle(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
@@ -401,13 +406,16 @@ def inplace_rows_swizzle(em: ExecMap, flat: torch.Tensor, scratch_experts: int, 
     n_slots = max(1, min(experts, scratch_experts * nbytes // (4 * slot_words)))
     scratch = torch.empty((n_slots * slot_words,), dtype=torch.int32, device=flat.device)
     counters = torch.zeros(2 * experts, dtype=torch.int32, device=flat.device)
-    s_items, r_items, b_items = triton.cdiv(n_saved, bm), plan.n_tiles, n_rows // 128
+    n_bands = n_rows // 128
+    nb = min(triton.next_power_of_2(n_bands), max(1, cfg["swizzle_row_words"] // (128 * kb)))
+    s_items, r_items, b_items = triton.cdiv(n_saved, bm), plan.n_tiles, triton.cdiv(n_bands, nb)
     sms = torch.cuda.get_device_properties(flat.device).multi_processor_count
     grid = (max(1, min(sms * cfg["swizzle_per_sm"], experts * (s_items + r_items + b_items))),)
     try:
         _rows_swizzle_in_place[grid](flat.view(torch.int32), scratch, dst, src, saved, counters, experts, n_saved,
                                      plan.moved, nbytes // 4, slot_words, n_slots, s_items, r_items, b_items,
-                                     cfg["swizzle_lag"], CW=cw, BM=bm, KB=kb, num_warps=cfg["swizzle_warps"],
+                                     cfg["swizzle_lag"], n_bands, CW=cw, BM=bm, KB=kb, NB=nb,
+                                     num_warps=cfg["swizzle_warps"],
                                      launch_cooperative_grid=True)
     except Exception:  # noqa: BLE001 - refused before anything moved
         del scratch
