@@ -33,7 +33,6 @@ class CyclePlan:
     """
 
     tile_slots: int
-    n_cells: int
     dst: np.ndarray  # int32 (moved,)
     src: np.ndarray  # int32 (moved,)
     saved: np.ndarray  # int32 (n_saved,)
@@ -45,10 +44,6 @@ class CyclePlan:
     @property
     def moved(self) -> int:
         return int(self.dst.size)
-
-    def traffic(self) -> float:
-        """Cell transfers (read + write) per cell of the expert, relative to a copy (1.0)."""
-        return (self.moved + 1.5 * self.saved.size) / max(self.n_cells, 1)
 
 
 def cycle_order(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -113,5 +108,5 @@ def plan_permutation(src: np.ndarray, n_in: int, has_fill: bool, tile_slots: int
     saved = src[outside]
     src = np.where(outside, -np.cumsum(outside), src)  # k-th saved cell: -1 - k
     within = np.lexsort((order, tile))  # address order inside each tile
-    return CyclePlan(tile_slots, n, order[within].astype(np.int32), src[within].astype(np.int32),
+    return CyclePlan(tile_slots, order[within].astype(np.int32), src[within].astype(np.int32),
                      saved.astype(np.int32))
