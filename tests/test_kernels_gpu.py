@@ -124,45 +124,30 @@ def test_gpu_in_place_rows_swizzle(row_words, per_sm, lag):
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
-def test_gpu_in_place_error_after_rows_swizzle_launch_is_undone(monkeypatch):
+@pytest.mark.parametrize("runner,fmt,tensor,scratch,config,fail_after", [
+    # the whole (single) launch ran, then the caller fails once
+    ("inplace_rows_swizzle", "mxfp8", "w13_scale", 2, None, 0),
+    # two chunks launched (tiny tiles: one expert per chunk), then the caller fails once
+    ("inplace_cycles", "fp8-block", "w13", 1, {"inplace": "cycles", "tile_words": 2, "cycle_bw": 1}, 1),
+])
+def test_gpu_in_place_error_midway_is_undone(monkeypatch, runner, fmt, tensor, scratch, config, fail_after):
     from fimoe_lab.kernels import triton_gather
 
-    m = plan_layer("mxfp8", "trtllm", 256, 512).w13_scale
+    m = getattr(plan_layer(fmt, "trtllm", 256, 512), tensor)
     x = torch.randint(0, 256, (9, m.in_bytes), dtype=torch.uint8, device="cuda")
     before = x.clone()
-    real, fired = triton_gather.inplace_rows_swizzle, []
+    real, fired = getattr(triton_gather, runner), []
 
-    def flaky(em, flat, chunk, config=None):  # the whole launch ran, then the caller fails once
-        yield from real(em, flat, chunk, config)
-        if not fired:
-            fired.append(1)
-            raise RuntimeError("injected after the launch")
-
-    monkeypatch.setattr(triton_gather, "inplace_rows_swizzle", flaky)
-    with pytest.raises(InPlaceError) as info:
-        execute_in_place(m, x, 2)
-    assert fired and info.value.restored and torch.equal(x, before)
-
-
-@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
-def test_gpu_in_place_error_after_cycle_chunks_is_undone(monkeypatch):
-    from fimoe_lab.kernels import triton_gather
-
-    m = plan_layer("fp8-block", "trtllm", 256, 512).w13
-    x = torch.randint(0, 256, (9, m.in_bytes), dtype=torch.uint8, device="cuda")
-    before = x.clone()
-    real, fired = triton_gather.inplace_cycles, []
-
-    def flaky(em, flat, chunk, config=None):  # two chunks launched, then the caller fails once
+    def flaky(em, flat, chunk, config=None):
         for i, item in enumerate(real(em, flat, chunk, config)):
             yield item
-            if i == 1 and not fired:
+            if i == fail_after and not fired:
                 fired.append(1)
-                raise RuntimeError("injected between chunks")
+                raise RuntimeError("injected between launches")
 
-    monkeypatch.setattr(triton_gather, "inplace_cycles", flaky)
+    monkeypatch.setattr(triton_gather, runner, flaky)
     with pytest.raises(InPlaceError) as info:
-        execute_in_place(m, x, 1, config={"inplace": "cycles", "tile_words": 2, "cycle_bw": 1})
+        execute_in_place(m, x, scratch, config=config)
     assert fired and info.value.restored and torch.equal(x, before)
 
 

@@ -15,9 +15,10 @@ move; the scratch is ``len(saved)`` cells per expert in flight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 __all__ = ["CyclePlan", "cycle_plan", "plan_permutation", "cycle_order"]
 
@@ -36,6 +37,21 @@ class CyclePlan:
     dst: np.ndarray  # int32 (moved,)
     src: np.ndarray  # int32 (moved,)
     saved: np.ndarray  # int32 (n_saved,)
+    _dev: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dst, src, saved)`` on ``device`` (copied once, then cached on the plan)."""
+        key = str(device)
+        if key not in self._dev:
+            self._dev[key] = tuple(torch.from_numpy(a).to(device) for a in (self.dst, self.src, self.saved))
+        return self._dev[key]
+
+    def experts_per_chunk(self, cell_bytes: int, scratch_bytes: int, experts: int) -> int:
+        """Experts whose saved cells (``cell_bytes`` each) fit in ``scratch_bytes`` at once
+        (at least one; all of them when nothing is saved)."""
+        if not self.saved.size:
+            return experts
+        return max(1, min(experts, scratch_bytes // (self.saved.size * cell_bytes)))
 
     @property
     def n_tiles(self) -> int:

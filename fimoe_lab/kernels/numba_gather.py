@@ -223,7 +223,7 @@ def inplace_cycles_numba(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
     wpc = em.cell_bytes // word
     plan = cycle_plan(em, max(1, CYCLES_TILE_BYTES // em.cell_bytes))
     n_saved = plan.saved.size
-    per = experts if n_saved == 0 else max(1, min(experts, scratch_experts * nbytes // (n_saved * em.cell_bytes)))
+    per = plan.experts_per_chunk(em.cell_bytes, scratch_experts * nbytes, experts)
     x = flat.view(word_dtype(word)).numpy().reshape(experts, em.n_in, wpc)
     buf = np.empty((per, n_saved, wpc), dtype=x.dtype)
     for s0 in range(0, experts, per):

@@ -256,13 +256,9 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
     if plan.moved == 0:
         yield experts, None
         return
-    key = ("cycles", bm, str(flat.device))
-    if key not in em._dev:
-        em._dev[key] = tuple(torch.from_numpy(a).to(flat.device) for a in (plan.dst, plan.src, plan.saved))
-    dst, src, saved = em._dev[key]
+    dst, src, saved = plan.on(flat.device)
     n_saved = plan.saved.size
-    per = experts if n_saved == 0 else max(1, min(experts, scratch_experts * nbytes // (n_saved * em.cell_bytes)))
-    per = min(per, 65535)
+    per = min(plan.experts_per_chunk(em.cell_bytes, scratch_experts * nbytes, experts), 65535)
     dt = word_dtype(word)
     scratch = torch.empty((per * n_saved * wpc,), dtype=dt, device=flat.device)
     xw = flat.view(dt)
@@ -397,13 +393,10 @@ def inplace_rows_swizzle(em: ExecMap, flat: torch.Tensor, scratch_experts: int, 
     kb = triton.next_power_of_2(cw)
     bm = triton.next_power_of_2(max(1, cfg["swizzle_row_words"] // kb))
     plan = cycle_plan(em, bm, rows=True)
-    key = ("rows_cycles", bm, str(flat.device))
-    if key not in em._dev:
-        em._dev[key] = tuple(torch.from_numpy(a).to(flat.device) for a in (plan.dst, plan.src, plan.saved))
-    dst, src, saved = em._dev[key]
+    dst, src, saved = plan.on(flat.device)
     n_saved = plan.saved.size
     slot_words = max(1, n_saved * cw)
-    n_slots = max(1, min(experts, scratch_experts * nbytes // (4 * slot_words)))
+    n_slots = plan.experts_per_chunk(4 * cw, scratch_experts * nbytes, experts)
     scratch = torch.empty((n_slots * slot_words,), dtype=torch.int32, device=flat.device)
     counters = torch.zeros(2 * experts, dtype=torch.int32, device=flat.device)
     n_bands = n_rows // 128
