@@ -1,5 +1,5 @@
 """Device probe: in-place strategies side by side (auto, cycles), checked bit-exact; with
-``--sweep``, only the scale maps, over the rows_swizzle settings.
+``--sweep``, only the scale maps, over the bands settings.
 
     python3 benchmarks/probe_inplace.py [--sweep]
 
@@ -46,6 +46,7 @@ def cases():
     return [("deepseek-v3 fp8 w13", ds.w13, 256), ("deepseek-v3 fp8 w2", ds.w2, 256),
             ("deepseek-v3 block w13", blk.w13, 256), ("deepseek-v3 block w2", blk.w2, 256),
             ("deepseek-v3 mxfp8 w13", mx.w13, 256), ("deepseek-v3 mxfp8 w13_scale", mx.w13_scale, 256),
+            ("deepseek-v3 mxfp8 w2_scale", mx.w2_scale, 256),
             ("r1 nvfp4 w13", r1.w13, 256), ("r1 nvfp4 w2", r1.w2, 256),
             ("r1 nvfp4 w13_scale", r1.w13_scale, 256), ("r1 nvfp4 w2_scale", r1.w2_scale, 256),
             ("qwen3-235b bf16 w13", qw.w13, 128), ("qwen3-235b bf16 w2", qw.w2, 128)]
@@ -62,12 +63,11 @@ def peak(fn):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sweep", action="store_true", help="only the scale maps, sweeping their strategy's row tile, lag, programs per SM, warps")
+    ap.add_argument("--sweep", action="store_true", help="only the scale maps, sweeping the bands strategy's item width, programs per SM, warps")
     args = ap.parse_args()
     strategies = [("auto", {"inplace": "auto"}), ("cycles", {"inplace": "cycles"})]
-    sweep = [(f"rs{tw}/{lag}/{ps}/{nw}", {"inplace": "rows_swizzle", "swizzle_row_words": tw, "swizzle_lag": lag,
-                                          "swizzle_per_sm": ps, "swizzle_warps": nw})
-             for tw, lag, ps, nw in itertools.product((4096, 16384), (2, 8, 32), (1, 2, 3), (4, 8))] if args.sweep else []
+    sweep = [(f"b{bw}/{ps}/{nw}", {"inplace": "bands", "band_words": bw, "band_per_sm": ps, "band_warps": nw})
+             for bw, ps, nw in itertools.product((32, 64, 128, 256), (8, 32), (4, 8))] if args.sweep else []
     for name, m, experts in cases():
         if args.sweep and exec_form(m).swizzle is None:
             continue
@@ -75,7 +75,7 @@ def main():
         want = torch.empty_like(x)
         execute(m, x, want)
         swz = exec_form(m).swizzle is not None
-        for (sname, cfg), sc in itertools.product(strategies + (sweep[:1] if swz else []), (1, 2, 3)):
+        for (sname, cfg), sc in itertools.product(strategies + (sweep if swz else []), (1, 2, 3)):
             y = x.clone()
             execute_in_place(m, y, sc, config=cfg)
             torch.cuda.synchronize()

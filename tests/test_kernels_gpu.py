@@ -106,27 +106,39 @@ def test_gpu_in_place_cycles_tile_sizes(tile_words, cycle_bw):
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
-@pytest.mark.parametrize("row_words,per_sm,lag", [(16, 1, 0), (64, 2, 3), (4096, 3, 8), (16384, 1, 40)])
-def test_gpu_in_place_rows_swizzle(row_words, per_sm, lag):
-    """Scale maps: many small row tiles and one scratch slot make every wait of the
-    cooperative launch happen (save after the slot's previous expert, rows after saves,
-    bands after rows)."""
+@pytest.mark.parametrize("band_words,per_sm,warps", [(1, 1, 4), (4, 1, 8), (16, 2, 4), (64, 32, 8), (512, 32, 4),
+                                                     (64, 0, 8)])
+def test_gpu_in_place_bands(band_words, per_sm, warps):
+    """Scale maps without scratch: narrow items (a band's columns in chunks), wide ones
+    (several bands an item, band counts not a multiple of it), few programs per SM (an
+    expert's items spread over rounds of 40 experts), per_sm 0 (no room: the cycle plan
+    runs instead)."""
     for fmt, name, inter, hidden in (("nvfp4", "w13_scale", 256, 512), ("nvfp4", "w2_scale", 256, 512),
                                      ("mxfp8", "w13_scale", 256, 512), ("mxfp8", "w2_scale", 256, 512),
                                      ("nvfp4", "w13_scale", 384, 512), ("nvfp4", "w2_scale", 256, 640)):
-        m = getattr(plan_layer(fmt, "trtllm", inter, hidden), name)  # 4, 6 and 5 bands
-        for x in inputs(m, 6):
+        m = getattr(plan_layer(fmt, "trtllm", inter, hidden), name)  # 4, 6 and 5 bands; 2 to 8 words a row
+        for x in inputs(m, 40):
             want = reference(m, x)
-            execute_in_place(m, x, 1, config={"inplace": "rows_swizzle", "swizzle_row_words": row_words,
-                                              "swizzle_per_sm": per_sm, "swizzle_lag": lag})
+            execute_in_place(m, x, 1, config={"inplace": "bands", "band_words": band_words, "band_per_sm": per_sm,
+                                              "band_warps": warps})
             torch.cuda.synchronize()
             assert torch.equal(x, want)
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+def test_gpu_in_place_bands_refuses_other_maps():
+    m = plan_layer("fp8", "trtllm", 256, 512).w13
+    x = torch.randint(0, 256, (2, m.in_bytes), dtype=torch.uint8, device="cuda")
+    before = x.clone()
+    with pytest.raises(ValueError, match="128x4 scale swizzle"):
+        execute_in_place(m, x, 1, config={"inplace": "bands"})
+    assert torch.equal(x, before)
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
 @pytest.mark.parametrize("runner,fmt,tensor,scratch,config,fail_after", [
     # the whole (single) launch ran, then the caller fails once
-    ("inplace_rows_swizzle", "mxfp8", "w13_scale", 2, None, 0),
+    ("inplace_swizzled_bands", "mxfp8", "w13_scale", 2, None, 0),
     # two chunks launched (tiny tiles: one expert per chunk), then the caller fails once
     ("inplace_cycles", "fp8-block", "w13", 1, {"inplace": "cycles", "tile_words": 2, "cycle_bw": 1}, 1),
 ])

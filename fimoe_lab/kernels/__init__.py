@@ -98,10 +98,13 @@ def _cycle_runner(backend: str, em, cuda: bool, config: Optional[dict]):
 
         strategy = (config or {}).get("inplace", triton_gather.CONFIG["inplace"])
         if strategy == "auto":
-            strategy = "rows_swizzle" if em.swizzle is not None else "cycles"
-        runs = {"cycles": triton_gather.inplace_cycles, "rows_swizzle": triton_gather.inplace_rows_swizzle}
+            strategy = "bands" if em.swizzle is not None else "cycles"
+        runs = {"cycles": triton_gather.inplace_cycles, "bands": triton_gather.inplace_swizzled_bands}
         if strategy not in runs:
-            raise ValueError(f"unknown in-place strategy {strategy!r}; choose auto, cycles or rows_swizzle")
+            raise ValueError(f"unknown in-place strategy {strategy!r}; choose auto, cycles or bands")
+        if strategy == "bands" and em.swizzle is None:
+            raise ValueError("in-place strategy 'bands' needs a map of a row permutation then the 128x4 scale "
+                             "swizzle (1-byte scales); this one is not (use auto or cycles)")
         return functools.partial(runs[strategy], config=config)
     if backend == "numba":
         from fimoe_lab.kernels.numba_gather import CYCLES_MIN_CELL, inplace_cycles_numba
@@ -132,8 +135,9 @@ def execute_in_place(m, x: torch.Tensor, scratch_experts: Optional[int] = None,
     Triton (CUDA): along the map's cycles (:mod:`.cycles`): tiles that read only cells
     they overwrite themselves, plus the few cells where a tile cuts a cycle, saved
     first; every byte crosses memory once. Maps of the ``swizzle`` form (scales: a row
-    permutation, then the 128x4 swizzle) run the row cycles and then each 128-row band
-    in one cooperative launch (``triton_gather.inplace_rows_swizzle``). numba (CPU):
+    permutation, then the 128x4 swizzle) need no scratch: one cooperative launch holds
+    each expert in registers until all of it is read, then writes it
+    (``triton_gather.inplace_swizzled_bands``). numba (CPU):
     the cycle plan for cells of at least ``numba_gather.CYCLES_MIN_CELL`` bytes. Else
     (torch, small CPU cells): each chunk of ``scratch_experts`` experts is copied to the
     scratch, then gathered back into place. Peak extra memory: the scratch plus the

@@ -90,17 +90,12 @@ def cycle_order(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, leader
 
 
-def cycle_plan(em, tile_slots: int, rows: bool = False) -> CyclePlan:
+def cycle_plan(em, tile_slots: int) -> CyclePlan:
     """The :class:`CyclePlan` of the executable map ``em`` (a permutation of its cells),
-    cached on it per ``tile_slots``. ``rows=True``: the plan of the row permutation
-    that precedes a 128x4 scale swizzle (``em.swizzle``), over rows instead of cells."""
-    key = ("cycles", tile_slots, rows)
+    cached on it per ``tile_slots``."""
+    key = ("cycles", tile_slots)
     if key not in em._dev:
-        if rows:
-            p, n_in, has_fill = em.swizzle[0], em.swizzle[2], False
-        else:
-            p, n_in, has_fill = em.src, em.n_in, em.has_fill
-        em._dev[key] = plan_permutation(p, n_in, has_fill, tile_slots)
+        em._dev[key] = plan_permutation(em.src, em.n_in, em.has_fill, tile_slots)
     return em._dev[key]
 
 

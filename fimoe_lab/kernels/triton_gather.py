@@ -18,12 +18,14 @@ over whole output rows.
 
 In place (permutations only, :mod:`.cycles`): :func:`inplace_cycles` runs the map's
 cycle plan, tiles that only read cells they overwrite themselves, so each byte
-crosses memory once; :func:`inplace_rows_swizzle` does scale maps (a row permutation,
-then the 128x4 swizzle) in one cooperative launch, each band swizzled right after its
-rows moved.
+crosses memory once; :func:`inplace_swizzled_bands` does scale maps (a row permutation,
+then the 128x4 swizzle) in one cooperative launch with no scratch: each expert's
+bytes are held in registers by the programs that write it.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import triton
@@ -34,8 +36,8 @@ from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, swizzl
 # Tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
 CONFIG = {"tile_words": 4096, "num_warps": 4, "evict": False, "block_1d": 8192, "warps_1d": 8, "max_bw": 1024,
           "swizzle_kw": 32, "swizzle_warps": 4, "use_swizzle": True,
-          # in place: "auto" = rows_swizzle for the swizzle form, else cycles
-          "inplace": "auto", "cycle_bw": 64, "swizzle_lag": 8, "swizzle_row_words": 16384, "swizzle_per_sm": 2}
+          # in place: "auto" = bands for the swizzle form, else cycles
+          "inplace": "auto", "cycle_bw": 64, "band_words": 64, "band_per_sm": 32, "band_warps": 4}
 
 
 @triton.jit
@@ -170,16 +172,21 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
     return meta, triton.cdiv(em.n_out * wpc, b), None
 
 
+def _rows_on(em: ExecMap, rows_src, device, kind: int) -> torch.Tensor:
+    """The source-row table of kernel ``kind`` (0 padded rows, 2 swizzle) on ``device``, cached on ``em``."""
+    key = ("rows", str(device), kind)
+    if key not in em._dev:
+        em._dev[key] = torch.from_numpy(rows_src).to(device)
+    return em._dev[key]
+
+
 def _prepare(em: ExecMap, xb: torch.Tensor, ob: torch.Tensor, cfg: dict):
     word = aligned_word(min(em.word, 4), xb, ob)
     meta, tiles, rows = launch_plan(em, word, cfg)
     n_out = em.n_out
     if rows is not None:
         rows_src, n_out = rows
-        key = ("rows", str(xb.device), meta["KIND"])
-        if key not in em._dev:
-            em._dev[key] = torch.from_numpy(rows_src).to(xb.device)
-        src = em._dev[key]
+        src = _rows_on(em, rows_src, xb.device, meta["KIND"])
     else:
         src = em.src_on(xb.device)
     return word, meta, tiles, src, em.fills_on(xb.device, word), n_out
@@ -286,132 +293,109 @@ def _wait_for(counter_ptr, target):
 
 @triton.jit
 def _signal(counter_ptr):
-    """Publish this program's stores, then count one finished item (release)."""
+    """Order every load and store of the program before counting one item (release)."""
     tl.debug_barrier()
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _save_rows_item(xb, bb, saved_ptr, n_saved, k, CW: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr):
-    slots = k * BM + tl.arange(0, BM)
-    cols = tl.arange(0, KB)
-    m = (slots < n_saved)[:, None] & (cols < CW)[None, :]
-    s = tl.load(saved_ptr + slots, mask=slots < n_saved, other=0).to(tl.int64)
-    v = tl.load(xb + s[:, None] * CW + cols[None, :], mask=m)
-    tl.store(bb + slots.to(tl.int64)[:, None] * CW + cols[None, :], v, mask=m)
+def _load_bands(x_ptr, rows_ptr, t, live, per, n_bands, expert_words,
+                CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr, NB: tl.constexpr):
+    """Item ``t``'s source rows (``NB`` bands of 128) x ``KW`` words; nothing when not ``live``."""
+    e = t // per
+    r = ((t % per) // NK) * (NB * 128) + tl.arange(0, NB * 128)
+    rm = live & (r < n_bands * 128)
+    s = tl.load(rows_ptr + r, mask=rm, other=0).to(tl.int64)
+    k = (t % NK) * KW + tl.arange(0, KW)
+    return tl.load(x_ptr + e.to(tl.int64) * expert_words + s[:, None] * CW + k[None, :],
+                   mask=rm[:, None] & (k < CW)[None, :])
 
 
 @triton.jit
-def _row_tile_item(xb, bb, dst_ptr, src_ptr, moved, r, CW: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr):
-    slots = r * BM + tl.arange(0, BM)
-    live = slots < moved
-    cols = tl.arange(0, KB)
-    m = live[:, None] & (cols < CW)[None, :]
-    d = tl.load(dst_ptr + slots, mask=live, other=0).to(tl.int64)
-    s = tl.load(src_ptr + slots, mask=live, other=0).to(tl.int64)
-    here = (s >= 0)[:, None]
-    v = tl.load(xb + tl.maximum(s, 0)[:, None] * CW + cols[None, :], mask=m & here)
-    vb = tl.load(bb + tl.maximum(-1 - s, 0)[:, None] * CW + cols[None, :], mask=m & ~here,
-                 cache_modifier=".cg")  # saved by another program of this launch
-    v = tl.where(here, v, vb)
-    tl.debug_barrier()
-    tl.store(xb + d[:, None] * CW + cols[None, :], v, mask=m)
+def _swizzled_bands_in_place(x_ptr, rows_ptr, cnt_ptr, experts, expert_words, n_bands, per,
+                             CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr, NB: tl.constexpr):
+    """Row permutation then 128x4 swizzle, in place, one cooperative launch, no scratch.
 
-
-@triton.jit
-def _band_swizzle_item(xb, item, n_bands, CW: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr):
-    """Swizzle bands ``item * NB ...`` (each closed: it only moves words within itself)."""
-    first = item.to(tl.int64) * NB
-    base = first * 128 * CW
-    r = tl.arange(0, NB * 128)
-    kk = tl.arange(0, KB)
-    live = (first + r // 128) < n_bands
-    v = tl.load(xb + base + r[:, None] * CW + kk[None, :], mask=live[:, None] & (kk < CW)[None, :],
-                cache_modifier=".cg")  # rows another program just wrote
+    An item is ``NB`` 128-row output bands x ``KW`` words (``per`` items an expert): it
+    loads its source rows (anywhere in its expert) into registers and counts itself
+    read; before storing, it waits until every item of its expert has read. Program
+    ``p`` takes items ``p, p + G, ...`` with ``G`` a multiple of ``per``, so an expert's
+    items are on distinct resident programs (cooperative launch) in the same round:
+    every wait ends. The next item is loaded (and counted) before waiting on this one:
+    it belongs to another expert, which nobody writes before this program counted its
+    load. Each byte is read and written once."""
+    total = experts * per
+    g = tl.num_programs(0)
+    t = tl.program_id(0)
+    v = _load_bands(x_ptr, rows_ptr, t, t < total, per, n_bands, expert_words, CW, KW, NK, NB)
+    if t < total:
+        _signal(cnt_ptr + t // per)
     # band b, row 32*q + p, word kk -> word kk*128 + p*4 + q of band b
-    v = tl.reshape(tl.permute(tl.reshape(v, (NB, 4, 32, KB)), (0, 3, 2, 1)), (NB * KB * 128,))
-    j = tl.arange(0, NB * KB * 128)
-    band, rem = j // (KB * 128), j % (KB * 128)
-    tl.debug_barrier()
-    tl.store(xb + base + band * (128 * CW) + rem, v, mask=(rem < CW * 128) & (first + band < n_bands))
+    j = tl.arange(0, NB * KW * 128)
+    b, rem = j // (KW * 128), j % (KW * 128)
+    while t < total:
+        e = t // per
+        vn = _load_bands(x_ptr, rows_ptr, t + g, t + g < total, per, n_bands, expert_words, CW, KW, NK, NB)
+        if t + g < total:
+            _signal(cnt_ptr + (t + g) // per)
+        _wait_for(cnt_ptr + e, per)
+        w = tl.reshape(tl.permute(tl.reshape(v, (NB, 4, 32, KW)), (0, 3, 2, 1)), (NB * KW * 128,))
+        band = ((t % per) // NK) * NB + b
+        kc = t % NK
+        tl.store(x_ptr + e.to(tl.int64) * expert_words + band.to(tl.int64) * (128 * CW) + kc * (KW * 128) + rem, w,
+                 mask=(rem < (CW - kc * KW) * 128) & (band < n_bands))
+        t += g
+        v = vn
 
 
-@triton.jit
-def _rows_swizzle_in_place(x_ptr, b_ptr, dst_ptr, src_ptr, saved_ptr, cnt_ptr, experts, n_saved, moved,
-                           expert_words, slot_words, n_slots, s_items, r_items, b_items, lag,
-                           n_bands, CW: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr):
-    """Row permutation then 128x4 swizzle, in place, one cooperative launch.
-
-    Work items go step by step, program ``p`` taking items ``p, p + G, ...``; step ``j``
-    holds expert ``j``'s save items and row tiles (its cycle plan over whole rows) and
-    one item per ``NB`` 128-row bands of expert ``j - lag``. A row tile waits for its expert's
-    saved rows, a band for its expert's row tiles (``lag`` steps earlier, so usually
-    done), a save for the row tiles of the expert that used its scratch slot before.
-    Every wait is on smaller items and every program is resident (cooperative launch),
-    so the launch always finishes. Bands are swizzled while their rows are still in L2."""
-    per = s_items + r_items + b_items
-    total = (experts + lag) * per
-    saved_done = cnt_ptr
-    rows_done = cnt_ptr + experts
-    for t in range(tl.program_id(0), total, tl.num_programs(0)):
-        j = t // per
-        k = t % per
-        if k < s_items + r_items:
-            e = j
-        else:
-            e = j - lag
-        if (e >= 0) & (e < experts):
-            xb = x_ptr + e.to(tl.int64) * expert_words
-            bb = b_ptr + (e % n_slots).to(tl.int64) * slot_words
-            if k < s_items:
-                if e >= n_slots:
-                    _wait_for(rows_done + e - n_slots, r_items)
-                _save_rows_item(xb, bb, saved_ptr, n_saved, k, CW, BM, KB)
-                _signal(saved_done + e)
-            elif k < s_items + r_items:
-                _wait_for(saved_done + e, s_items)
-                _row_tile_item(xb, bb, dst_ptr, src_ptr, moved, k - s_items, CW, BM, KB)
-                _signal(rows_done + e)
-            else:
-                _wait_for(rows_done + e, r_items)
-                _band_swizzle_item(xb, k - s_items - r_items, n_bands, CW, KB, NB)
+def _blocks_per_sm(kernel, props) -> int:
+    """How many programs of a compiled Triton ``kernel`` one SM holds at once (registers,
+    shared memory, threads; Hopper allocation granularities)."""
+    kernel._init_handles()
+    warps = kernel.metadata.num_warps
+    regs_per_warp = -(-max(kernel.n_regs, 1) * 32 // 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    by_smem = smem // (kernel.metadata.shared + 1024)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return max(0, min(by_regs, by_smem, by_threads, 32))
 
 
-def inplace_rows_swizzle(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
+def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
     """In place for maps of the ``swizzle`` form (a row permutation, then the 128x4
-    scale swizzle; 4-byte words): the row permutation along its cycles (rows of the
-    scale matrix are the cells), then each 128-row band swizzled on its own, expert by
-    expert in one cooperative launch (:func:`_rows_swizzle_in_place`). Scratch: the
-    saved rows of as many experts at once as fit in ``scratch_experts`` experts' bytes.
-    Yields once, with every expert done after a synchronize; if the driver refuses the
-    cooperative launch (nothing has moved then) it runs :func:`inplace_cycles` instead."""
-    from fimoe_lab.kernels.cycles import cycle_plan
-
+    scale swizzle; 4-byte words) with no scratch: :func:`_swizzled_bands_in_place`
+    holds each expert's bytes in registers across the programs working on it, in items
+    of about ``band_words`` words a row (narrow rows: several bands an item; wide
+    ones: a band's columns in chunks). Needs the items of one expert resident at
+    once; if they are more
+    than the device holds, or the driver refuses the cooperative launch (nothing has
+    moved then), it runs :func:`inplace_cycles` instead. Yields once."""
     cfg = dict(CONFIG, **(config or {}))
     experts, nbytes = flat.shape
-    _, cw, n_rows = em.swizzle
-    kb = triton.next_power_of_2(cw)
-    bm = triton.next_power_of_2(max(1, cfg["swizzle_row_words"] // kb))
-    plan = cycle_plan(em, bm, rows=True)
-    dst, src, saved = plan.on(flat.device)
-    n_saved = plan.saved.size
-    slot_words = max(1, n_saved * cw)
-    n_slots = plan.experts_per_chunk(4 * cw, scratch_experts * nbytes, experts)
-    scratch = torch.empty((n_slots * slot_words,), dtype=torch.int32, device=flat.device)
-    counters = torch.zeros(2 * experts, dtype=torch.int32, device=flat.device)
+    rows, cw, n_rows = em.swizzle
+    item_words = triton.next_power_of_2(cfg["band_words"])
+    kw = min(triton.next_power_of_2(cw), item_words)
+    nk = triton.cdiv(cw, kw)
     n_bands = n_rows // 128
-    nb = min(triton.next_power_of_2(n_bands), max(1, cfg["swizzle_row_words"] // (128 * kb)))
-    s_items, r_items, b_items = triton.cdiv(n_saved, bm), plan.n_tiles, triton.cdiv(n_bands, nb)
+    nb = min(triton.next_power_of_2(n_bands), item_words // kw) if nk == 1 else 1
+    per = triton.cdiv(n_bands, nb) * nk
+    counters = torch.zeros(experts, dtype=torch.int32, device=flat.device)
+    args = (flat.view(torch.int32), _rows_on(em, rows, flat.device, 2), counters, experts, nbytes // 4, n_bands, per)
+    meta = dict(CW=cw, KW=kw, NK=nk, NB=nb, num_warps=cfg["band_warps"])
+    occ = ("resident", str(flat.device), kw, nb, cfg["band_warps"])
+    if occ not in em._dev:
+        props = torch.cuda.get_device_properties(flat.device)
+        kernel = _swizzled_bands_in_place.warmup(*args, grid=(1,), **meta)
+        em._dev[occ] = props.multi_processor_count * _blocks_per_sm(kernel, props)
     sms = torch.cuda.get_device_properties(flat.device).multi_processor_count
-    grid = (max(1, min(sms * cfg["swizzle_per_sm"], experts * (s_items + r_items + b_items))),)
-    try:
-        _rows_swizzle_in_place[grid](flat.view(torch.int32), scratch, dst, src, saved, counters, experts, n_saved,
-                                     plan.moved, nbytes // 4, slot_words, n_slots, s_items, r_items, b_items,
-                                     cfg["swizzle_lag"], n_bands, CW=cw, BM=bm, KB=kb, NB=nb,
-                                     num_warps=cfg["swizzle_warps"],
-                                     launch_cooperative_grid=True)
-    except Exception:  # noqa: BLE001 - refused before anything moved
-        del scratch
+    grid = min(em._dev[occ], sms * cfg["band_per_sm"], experts * per) // per * per
+    if grid:
+        try:
+            _swizzled_bands_in_place[(grid,)](*args, launch_cooperative_grid=True, **meta)
+        except Exception as exc:  # noqa: BLE001 - refused before anything moved
+            warnings.warn(f"cooperative launch refused ({exc}); running the cycle plan instead", RuntimeWarning)
+            grid = 0
+    if grid:
+        yield experts, None
+    else:
         yield from inplace_cycles(em, flat, scratch_experts, config)
-        return
-    yield experts, scratch
