@@ -25,18 +25,23 @@ from fimoe_lab.kernels import default_scratch_experts, exec_form, execute, execu
 from fimoe_lab.prepare import plan_layer  # noqa: E402
 
 
-def t_events(fn, reps=7):
+def t_events(fn, reps=7, min_s=2e-3):
+    """Median seconds per call; each sample times back-to-back calls lasting >= ``min_s``
+    (host overhead overlaps device work, as in bench_transforms.py)."""
     fn()
     torch.cuda.synchronize()
+    inner = 1
     ts = []
-    for _ in range(reps):
+    for _ in range(reps + 1):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(inner):
+            fn()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+        ts.append(a.elapsed_time(b) / 1e3 / inner)
+        inner = max(inner, int(min_s / ts[-1]) + 1)
+    return statistics.median(ts[1:])
 
 
 def cases():

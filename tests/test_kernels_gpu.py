@@ -126,6 +126,24 @@ def test_gpu_in_place_bands(band_words, per_sm, warps):
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+def test_gpu_in_place_bands_grid_refused_runs_cycles(monkeypatch):
+    """A grid larger than the device holds at once (6000 programs; at most 32 an SM) is
+    refused by the driver before anything moves: a warning, then the cycle plan."""
+    from fimoe_lab.kernels import exec_form, triton_gather
+
+    m = plan_layer("nvfp4", "trtllm", 256, 512).w13_scale  # one item an expert
+    exec_form(m)._dev.clear()
+    monkeypatch.setattr(triton_gather, "_blocks_per_sm", lambda kernel, props: 10_000)
+    x = inputs(m, 6000)[0]
+    want = reference(m, x)
+    with pytest.warns(RuntimeWarning, match="did not start"):
+        execute_in_place(m, x, 1, config={"band_per_sm": 10_000})
+    torch.cuda.synchronize()
+    exec_form(m)._dev.clear()
+    assert torch.equal(x, want)
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
 def test_gpu_in_place_bands_refuses_other_maps():
     m = plan_layer("fp8", "trtllm", 256, 512).w13
     x = torch.randint(0, 256, (2, m.in_bytes), dtype=torch.uint8, device="cuda")

@@ -368,8 +368,9 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     of about ``band_words`` words a row (narrow rows: several bands an item; wide
     ones: a band's columns in chunks). Needs the items of one expert resident at
     once; if they are more
-    than the device holds, or the driver refuses the cooperative launch (nothing has
-    moved then), it runs :func:`inplace_cycles` instead. Yields once."""
+    than the device holds, or the launch does not start (compile error, the driver
+    refusing the cooperative grid: nothing has moved then), it warns and runs
+    :func:`inplace_cycles` instead. Yields once."""
     cfg = dict(CONFIG, **(config or {}))
     experts, nbytes = flat.shape
     rows, cw, n_rows = em.swizzle
@@ -382,19 +383,19 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     counters = torch.zeros(experts, dtype=torch.int32, device=flat.device)
     args = (flat.view(torch.int32), _rows_on(em, rows, flat.device, 2), counters, experts, nbytes // 4, n_bands, per)
     meta = dict(CW=cw, KW=kw, NK=nk, NB=nb, num_warps=cfg["band_warps"])
-    occ = ("resident", str(flat.device), kw, nb, cfg["band_warps"])
-    if occ not in em._dev:
-        props = torch.cuda.get_device_properties(flat.device)
-        kernel = _swizzled_bands_in_place.warmup(*args, grid=(1,), **meta)
-        em._dev[occ] = props.multi_processor_count * _blocks_per_sm(kernel, props)
-    sms = torch.cuda.get_device_properties(flat.device).multi_processor_count
-    grid = min(em._dev[occ], sms * cfg["band_per_sm"], experts * per) // per * per
-    if grid:
-        try:
+    try:
+        occ = ("resident", str(flat.device), kw, nb, cfg["band_warps"])
+        if occ not in em._dev:
+            props = torch.cuda.get_device_properties(flat.device)
+            kernel = _swizzled_bands_in_place.warmup(*args, grid=(1,), **meta)
+            em._dev[occ] = props.multi_processor_count * _blocks_per_sm(kernel, props)
+        sms = torch.cuda.get_device_properties(flat.device).multi_processor_count
+        grid = min(em._dev[occ], sms * cfg["band_per_sm"], experts * per) // per * per
+        if grid:
             _swizzled_bands_in_place[(grid,)](*args, launch_cooperative_grid=True, **meta)
-        except Exception as exc:  # noqa: BLE001 - refused before anything moved
-            warnings.warn(f"cooperative launch refused ({exc}); running the cycle plan instead", RuntimeWarning)
-            grid = 0
+    except Exception as exc:  # noqa: BLE001 - raised before anything moved
+        warnings.warn(f"in-place scale launch did not start ({exc}); running the cycle plan instead", RuntimeWarning)
+        grid = 0
     if grid:
         yield experts, None
     else:
