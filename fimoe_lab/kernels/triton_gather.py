@@ -93,6 +93,14 @@ def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.con
 
 
 @triton.jit
+def _swizzle_128x4(v, NB: tl.constexpr, KW: tl.constexpr):
+    """The 128x4 scale order of ``NB`` bands of 128 rows x ``KW`` words (the block-scale
+    GEMMs read a band's 4-byte words column by column, rows interleaved by 32): band
+    ``b``, row ``32*q + p``, word ``kk`` -> position ``(b*KW + kk)*128 + p*4 + q``."""
+    return tl.reshape(tl.permute(tl.reshape(v, (NB, 4, 32, KW)), (0, 3, 2, 1)), (NB * KW * 128,))
+
+
+@triton.jit
 def _swizzle_tile(xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr,
                   HAS_FILL: tl.constexpr):
     band = t // NK
@@ -107,8 +115,7 @@ def _swizzle_tile(xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.conste
     v = tl.load(xb + s.to(tl.int64)[:, None] * CW + k[None, :])
     if HAS_FILL:
         v = tl.where(valid[:, None], v, fw[:, None])
-    # row r = 32*q + p of the band, word kk -> output word kk*128 + p*4 + q of the band
-    v = tl.reshape(tl.permute(tl.reshape(v, (4, 32, KW)), (2, 1, 0)), (KW * 128,))
+    v = _swizzle_128x4(v, 1, KW)
     base = band.to(tl.int64) * 128 * CW + kc * (KW * 128)
     tl.store(ob + base + tl.arange(0, KW * 128), v)
 
@@ -330,7 +337,6 @@ def _swizzled_bands_in_place(x_ptr, rows_ptr, cnt_ptr, experts, expert_words, n_
     v = _load_bands(x_ptr, rows_ptr, t, t < total, per, n_bands, expert_words, CW, KW, NK, NB)
     if t < total:
         _signal(cnt_ptr + t // per)
-    # band b, row 32*q + p, word kk -> word kk*128 + p*4 + q of band b
     j = tl.arange(0, NB * KW * 128)
     b, rem = j // (KW * 128), j % (KW * 128)
     while t < total:
@@ -339,7 +345,7 @@ def _swizzled_bands_in_place(x_ptr, rows_ptr, cnt_ptr, experts, expert_words, n_
         if t + g < total:
             _signal(cnt_ptr + (t + g) // per)
         _wait_for(cnt_ptr + e, per)
-        w = tl.reshape(tl.permute(tl.reshape(v, (NB, 4, 32, KW)), (0, 3, 2, 1)), (NB * KW * 128,))
+        w = _swizzle_128x4(v, NB, KW)
         band = ((t % per) // NK) * NB + b
         kc = t % NK
         tl.store(x_ptr + e.to(tl.int64) * expert_words + band.to(tl.int64) * (128 * CW) + kc * (KW * 128) + rem, w,
