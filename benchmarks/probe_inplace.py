@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -24,24 +23,9 @@ import torch  # noqa: E402
 from fimoe_lab.kernels import default_scratch_experts, exec_form, execute, execute_in_place  # noqa: E402
 from fimoe_lab.prepare import plan_layer  # noqa: E402
 
+from bench_transforms import peak_extra, timeit  # noqa: E402  (same timing rule as the benchmark)
 
-def t_events(fn, reps=7, min_s=2e-3):
-    """Median seconds per call; each sample times back-to-back calls lasting >= ``min_s``
-    (host overhead overlaps device work, as in bench_transforms.py)."""
-    fn()
-    torch.cuda.synchronize()
-    inner = 1
-    ts = []
-    for _ in range(reps + 1):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / inner)
-        inner = max(inner, int(min_s / ts[-1]) + 1)
-    return statistics.median(ts[1:])
+CUDA = torch.device("cuda")
 
 
 def cases():
@@ -55,15 +39,6 @@ def cases():
             ("r1 nvfp4 w13", r1.w13, 256), ("r1 nvfp4 w2", r1.w2, 256),
             ("r1 nvfp4 w13_scale", r1.w13_scale, 256), ("r1 nvfp4 w2_scale", r1.w2_scale, 256),
             ("qwen3-235b bf16 w13", qw.w13, 128), ("qwen3-235b bf16 w2", qw.w2, 128)]
-
-
-def peak(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def main():
@@ -87,14 +62,14 @@ def main():
             assert torch.equal(y, want), (name, sname, sc)
         x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(x)
-        copy = 2 * x.numel() / t_events(lambda: dst.copy_(x), 10)
+        copy = 2 * x.numel() / timeit(lambda: dst.copy_(x), CUDA, 10)
         del dst
         sc = default_scratch_experts(experts)
         out = [f"{name:<28} {x.numel() / 1e9:6.2f} GB copy {copy / 1e9:5.0f} GB/s"]
         for sname, cfg in strategies + (sweep if swz else []):
-            t = t_events(lambda: execute_in_place(m, x, sc, config=cfg))
+            t = timeit(lambda: execute_in_place(m, x, sc, config=cfg), CUDA, 7)
             exec_form(m)._dev.clear()
-            pk = peak(lambda: execute_in_place(m, x, sc, config=cfg))
+            pk = peak_extra(lambda: execute_in_place(m, x, sc, config=cfg), CUDA)
             out.append(f"{sname}={2 * x.numel() / t / copy:.3f}({pk / 1e6:.0f}MB)")
         print(" ".join(out), flush=True)
         del x

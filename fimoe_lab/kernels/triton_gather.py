@@ -373,10 +373,9 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     holds each expert's bytes in registers across the programs working on it, in items
     of about ``band_words`` words a row (narrow rows: several bands an item; wide
     ones: a band's columns in chunks). Needs the items of one expert resident at
-    once; if they are more
-    than the device holds, or the launch does not start (compile error, the driver
-    refusing the cooperative grid: nothing has moved then), it warns and runs
-    :func:`inplace_cycles` instead. Yields once."""
+    once; if they are more than the device holds, it runs :func:`inplace_cycles`
+    instead, and if the launch does not start (compile error, the driver refusing the
+    cooperative grid: nothing has moved then) it warns and does the same. Yields once."""
     cfg = dict(CONFIG, **(config or {}))
     experts, nbytes = flat.shape
     rows, cw, n_rows = em.swizzle
@@ -390,13 +389,12 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     args = (flat.view(torch.int32), _rows_on(em, rows, flat.device, 2), counters, experts, nbytes // 4, n_bands, per)
     meta = dict(CW=cw, KW=kw, NK=nk, NB=nb, num_warps=cfg["band_warps"])
     try:
-        occ = ("resident", str(flat.device), kw, nb, cfg["band_warps"])
+        props = torch.cuda.get_device_properties(flat.device)
+        occ = ("blocks per SM", str(flat.device), kw, nb, cfg["band_warps"])
         if occ not in em._dev:
-            props = torch.cuda.get_device_properties(flat.device)
-            kernel = _swizzled_bands_in_place.warmup(*args, grid=(1,), **meta)
-            em._dev[occ] = props.multi_processor_count * _blocks_per_sm(kernel, props)
-        sms = torch.cuda.get_device_properties(flat.device).multi_processor_count
-        grid = min(em._dev[occ], sms * cfg["band_per_sm"], experts * per) // per * per
+            em._dev[occ] = _blocks_per_sm(_swizzled_bands_in_place.warmup(*args, grid=(1,), **meta), props)
+        per_sm = min(em._dev[occ], cfg["band_per_sm"])
+        grid = min(props.multi_processor_count * per_sm, experts * per) // per * per
         if grid:
             _swizzled_bands_in_place[(grid,)](*args, launch_cooperative_grid=True, **meta)
     except Exception as exc:  # noqa: BLE001 - raised before anything moved
