@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "output element of w13 back through every step."
         ),
     )
-    p.add_argument("--format", default="all", choices=("all",) + prepare.FORMATS, help="checkpoint format (default: all)")
+    p.add_argument("--format", default="all", choices=("all",) + prepare.weight_formats(), help="checkpoint format (default: all)")
     p.add_argument("--backend", default="all", choices=("all",) + prepare.BACKENDS, help="FlashInfer backend (default: both)")
     p.add_argument("--intermediate", type=int, default=256, help="per-partition intermediate size (default 256)")
     p.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
@@ -47,7 +47,7 @@ def _random_inputs(plan: LayerPlan, experts: int) -> dict[str, torch.Tensor]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    formats = prepare.FORMATS if args.format == "all" else (args.format,)
+    formats = prepare.weight_formats() if args.format == "all" else (args.format,)
     backends = prepare.BACKENDS if args.backend == "all" else (args.backend,)
     gated = not args.non_gated
     header = f"{'format':<10} {'backend':<8} {'tensor':<10} {'in (bytes)':<14} {'out (bytes)':<18} {'pad %':>6} {'ms':>7}  round-trip  steps"
@@ -71,7 +71,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 ok = torch.equal(m.inverse().apply(out), inputs[name])
                 failures += not ok
                 pad = 100.0 * (1 - m.in_bytes / m.out_bytes)
-                chain = " >> ".join(s.name.split("(")[0] for s in m.steps)
+                chain = " >> ".join(s.kind for s in m.steps)
                 print(f"{fmt:<10} {backend:<8} {name:<10} {str(m.in_shape):<14} {str(m.out_shape):<18} {pad:6.1f} "
                       f"{ms:7.2f}  {'ok' if ok else 'MISMATCH':<10}  {chain}")
             if args.where and plan.w13 is not None:

@@ -20,19 +20,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import reduce
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["IndexMap", "LayoutError", "Provenance", "compose"]
+from fimoe_lab.errors import LayoutError
+
+__all__ = ["IndexMap", "LayoutError", "Provenance", "compose", "step_name"]
 
 
-class LayoutError(ValueError):
-    """A tensor or shape does not meet a kernel layout constraint.
-
-    The message names the constraint, the shapes involved and the fix.
-    """
+def step_name(kind: str, params: Mapping[str, Any]) -> str:
+    """Display name of a step: ``kind(key=value, ...)``, or ``kind`` alone without parameters."""
+    if not params:
+        return kind
+    if kind in ("inverse", "row_vectors") and "of" in params:
+        return f"{kind}({params['of']})"
+    return f"{kind}({', '.join(f'{k}={v}' for k, v in params.items())})"
 
 
 def _prod(shape: Iterable[int]) -> int:
@@ -107,8 +111,14 @@ class IndexMap:
         in_shape / out_shape: the per-expert matrix shapes in **bytes** (last dim in
             bytes). A tensor of dtype with itemsize ``s`` has last dim ``shape[-1] / s``.
         fills: fill byte values referenced by negative codes.
-        name: what the step is, with its parameters.
+        kind: what the step is (a constructor name in :mod:`fimoe_lab.steps` for a
+            primitive step, ``"chain"`` for a composition, ``"inverse"`` for an inverse).
+        params: the arguments that rebuild the step (``steps.build(kind, **params)``),
+            JSON scalars only; ``name`` is derived from ``kind`` and ``params``.
         parts: the primitive steps in application order (empty for a primitive).
+
+    Equality is by what the map does (:meth:`__eq__`); the hash is over the shapes, so
+    it agrees with equality.
     """
 
     src: torch.Tensor
@@ -116,9 +126,26 @@ class IndexMap:
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     fills: tuple[int, ...] = ()
-    name: str = "map"
+    kind: str = "map"
+    params: Mapping[str, Any] = field(default_factory=dict)
     parts: tuple["IndexMap", ...] = ()
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        """For display: the step with its parameters, or the chain of steps joined by ``>>``."""
+        if self.parts:
+            return " >> ".join(p.name for p in self.parts)
+        return step_name(self.kind, self.params)
+
+    def spec(self) -> list[dict[str, Any]]:
+        """The primitive steps as ``[{"kind": ..., "params": {...}}, ...]`` (what converted files record)."""
+        return [{"kind": s.kind, "params": dict(s.params)} for s in self.steps]
+
+    def _with(self, src: torch.Tensor, cell_bytes: int, fills: tuple[int, ...] | None = None) -> "IndexMap":
+        """The same step (kind, params, parts, shapes) over other cells."""
+        return IndexMap(src, cell_bytes, self.in_shape, self.out_shape, self.fills if fills is None else fills,
+                        self.kind, self.params, self.parts)
 
     def __post_init__(self) -> None:
         if self.src.dtype != torch.int64 or self.src.ndim != 1 or self.src.device.type != "cpu":
@@ -179,7 +206,7 @@ class IndexMap:
         src = torch.where(
             (self.src >= 0)[:, None], self.src[:, None] * f + sub, self.src[:, None].expand(-1, f)
         ).reshape(-1)
-        return IndexMap(src, cell_bytes, self.in_shape, self.out_shape, self.fills, self.name, self.parts)
+        return self._with(src, cell_bytes)
 
     def coarsened(self) -> "IndexMap":
         """The same map over the widest cells it allows.
@@ -212,7 +239,7 @@ class IndexMap:
             return self
         head = self.src.view(-1, g)[:, 0]
         src_c = torch.where(head >= 0, head // g, head)
-        return IndexMap(src_c, self.cell_bytes * g, self.in_shape, self.out_shape, self.fills, self.name, self.parts)
+        return self._with(src_c, self.cell_bytes * g)
 
     # ------------------------------------------------------------ algebra
     def then(self, other: "IndexMap") -> "IndexMap":
@@ -228,8 +255,7 @@ class IndexMap:
         src = torch.where(b.src >= 0, a.src[b.src.clamp(min=0)], shifted_fill)
         fills = a.fills + b.fills
         parts = self.steps + other.steps
-        name = " >> ".join(p.name for p in parts)
-        return IndexMap(src, cell, self.in_shape, other.out_shape, fills, name, parts)._deduped_fills()
+        return IndexMap(src, cell, self.in_shape, other.out_shape, fills, "chain", {}, parts)._deduped_fills()
 
     def __rshift__(self, other: "IndexMap") -> "IndexMap":
         return self.then(other)
@@ -240,7 +266,7 @@ class IndexMap:
         unique = tuple(dict.fromkeys(self.fills))
         remap = torch.tensor([-1 - unique.index(v) for v in self.fills], dtype=torch.int64)
         src = torch.where(self.src >= 0, self.src, remap[(-1 - self.src).clamp(min=0)])
-        return IndexMap(src, self.cell_bytes, self.in_shape, self.out_shape, unique, self.name, self.parts)
+        return self._with(src, self.cell_bytes, unique)
 
     def inverse(self) -> "IndexMap":
         """The map from this map's output back to its input.
@@ -261,8 +287,9 @@ class IndexMap:
         inv[taken] = torch.nonzero(valid).flatten()
         fills = (0,) if bool((counts == 0).any()) else ()
         parts = tuple(p.inverse() for p in reversed(self.parts))
-        name = f"inverse({self.name})" if not parts else " >> ".join(p.name for p in parts)
-        return IndexMap(inv, self.cell_bytes, self.out_shape, self.in_shape, fills, name, parts)
+        if parts:
+            return IndexMap(inv, self.cell_bytes, self.out_shape, self.in_shape, fills, "chain", {}, parts)
+        return IndexMap(inv, self.cell_bytes, self.out_shape, self.in_shape, fills, "inverse", {"of": self.name})
 
     def __eq__(self, other: object) -> bool:
         """Two maps are equal when they move every byte to the same place (and fill alike)."""
@@ -281,7 +308,8 @@ class IndexMap:
         mask = a.src < 0
         return bool(torch.equal(fa[mask], fb[mask]))
 
-    __hash__ = object.__hash__
+    def __hash__(self) -> int:
+        return hash((self.in_shape, self.out_shape))
 
     # ------------------------------------------------------------ inspection
     def provenance(self, index: int | Sequence[int]) -> Provenance:
@@ -354,7 +382,7 @@ class IndexMap:
             src = rows.row_sources()
             fills = (0,) if bool((src < 0).any()) else ()
             self._cache[key] = IndexMap(src, cols_bytes, (rows.in_shape[0], cols_bytes), (rows.out_shape[0], cols_bytes),
-                                        fills, f"rows of ({rows.name})")
+                                        fills, "row_vectors", {"of": rows.name, "cols_bytes": cols_bytes})
         return self._cache[key]
 
     def source_bytes(self) -> torch.Tensor:

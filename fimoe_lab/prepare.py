@@ -18,10 +18,21 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import formats, steps
+from fimoe_lab import recipes, steps
+from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
-from fimoe_lab.layout import IndexMap, LayoutError, compose
+from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import LayerPlan, apply_map, check_same_device
+from fimoe_lab.recipes import (
+    plan_fp4_trtllm_weights,
+    plan_layer,
+    plan_rotate_fp8_per_tensor,
+    plan_shuffle_deepseek_fp8,
+    plan_shuffle_mxfp8,
+    plan_trtllm_bf16_block_layout,
+    trtllm_nvfp4_hidden_alignment,
+)
+from fimoe_lab.specs import BACKENDS, FORMATS, weight_formats  # noqa: F401 (re-exported for callers)
 
 __all__ = [
     "MoELayerSpec",
@@ -48,19 +59,13 @@ __all__ = [
     "plan_shuffle_mxfp8",
     "plan_fp4_trtllm_weights",
     "plan_layer",
-    "FORMATS",
     "BACKENDS",
 ]
 
 FI_CUTLASS_MIN_BLOCK_SCALE = 1e-10
 """Floor for FP8 block scales: dead experts with ~1e-23 scales made the Hopper CUTLASS MoE emit NaN."""
 
-TRTLLM_EPILOGUE_TILE_M = 128
-DEEPSEEK_EPILOGUE_TILE_M = 64
-BLOCK_MAJOR_K_BYTES = 128
-MXFP8_INTERMEDIATE_ALIGNMENT = 128
-MXFP8_HIDDEN_ALIGNMENT = 256
-MXFP8_SCALE_PAD = 127  # UE8M0 exponent byte for 1.0
+MXFP8_INTERMEDIATE_ALIGNMENT, MXFP8_HIDDEN_ALIGNMENT = recipes.default_alignments("mxfp8", "trtllm")
 
 
 # --------------------------------------------------------------------------- layers
@@ -112,8 +117,7 @@ class _LayerAccess:
 
 
 # --------------------------------------------------------------------------- checks
-def _projections(is_act_and_mul: bool) -> int:
-    return 2 if is_act_and_mul else 1
+_projections = recipes.projections
 
 
 def _check_w13_w2(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool, what: str,
@@ -165,58 +169,8 @@ def _scale_cols(scale: torch.Tensor, rows: int, what: str) -> int:
     return per_expert // rows
 
 
-@lru_cache(maxsize=1024)  # same step objects -> same composed map (maps are cached by shape)
-def _chain(*maps: Optional[IndexMap]) -> Optional[IndexMap]:
-    present = [m for m in maps if m is not None]
-    return compose(*present) if present else None
-
-
 # --------------------------------------------------------------------------- alignment
-def trtllm_nvfp4_hidden_alignment(per_token_activation: bool, is_act_and_mul: bool) -> int:
-    """Hidden-dim alignment for the TRTLLM-Gen NVFP4 MoE cubins: 512 for per-token
-    non-gated (its 256-aligned shapes left the default tactic with no valid config,
-    e.g. Nemotron hidden 2688 -> 2816), else 256."""
-    return 512 if per_token_activation and not is_act_and_mul else 256
-
-
-@lru_cache(maxsize=256)
-def plan_align_moe_weights(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bool,
-                           min_alignment: int = 16, hidden_alignment: int = 1,
-                           scale_block: Optional[int] = None, scale_fill: int = 0,
-                           w13_scale_cols: Optional[int] = None, w2_scale_cols: Optional[int] = None,
-                           values_per_byte: int = 1, description: str = "align") -> LayerPlan:
-    """Pad intermediate (each projection on its own) and hidden; optionally their block scales.
-
-    ``itemsize`` bytes per stored element, ``values_per_byte`` 2 for packed FP4.
-    Scales (one per ``scale_block`` values along the last dim) are padded with
-    ``scale_fill``; ``w13_scale_cols``/``w2_scale_cols`` are the checkpoint's scale columns.
-    """
-    p = _projections(is_act_and_mul)
-    ip = steps.round_up(intermediate, min_alignment)
-    hp = steps.round_up(hidden, hidden_alignment)
-    plan_kwargs = dict(intermediate=intermediate, hidden=hidden, padded_intermediate=ip, padded_hidden=hp,
-                       description=description)
-    if ip == intermediate and hp == hidden:
-        return LayerPlan(None, None, None, None, **plan_kwargs)
-
-    def cols(values: int) -> int:
-        if (values * itemsize) % values_per_byte:
-            raise LayoutError(f"{description}: {values} values do not fill whole bytes ({values_per_byte} per byte)")
-        return values * itemsize // values_per_byte
-
-    w13 = steps.pad_projections(p, intermediate, ip, cols(hidden), cols(hp))
-    w2 = steps.pad_projections(1, hidden, hp, cols(intermediate), cols(ip))
-    w13_s = w2_s = None
-    if scale_block is not None:
-        for size, name in ((hp, "hidden"), (ip, "intermediate")):
-            if size % scale_block:
-                raise LayoutError(
-                    f"{description}: padded {name} {size} is not a multiple of the scale block {scale_block}; "
-                    f"choose an alignment that is a multiple of {scale_block}"
-                )
-        w13_s = steps.pad_projections(p, intermediate, ip, w13_scale_cols, hp // scale_block, scale_fill)
-        w2_s = steps.pad_projections(1, hidden, hp, w2_scale_cols, ip // scale_block, scale_fill)
-    return LayerPlan(w13, w2, w13_s, w2_s, **plan_kwargs)
+plan_align_moe_weights = recipes.plan_align
 
 
 def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool,
@@ -234,16 +188,7 @@ def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul
     return out13, out2, plan.padded_intermediate
 
 
-@lru_cache(maxsize=256)
-def plan_align_fp4_moe_weights(intermediate: int, hidden: int, is_act_and_mul: bool,
-                               min_alignment: int = 16, hidden_alignment: int = 1, scale_block: int = 16) -> LayerPlan:
-    """Plan of :func:`align_fp4_moe_weights_for_fi`: packed FP4 (two values per byte) and one
-    scale byte per ``scale_block`` values (16: NVFP4 E4M3, 32: MXFP4 UE8M0), padding 0."""
-    return plan_align_moe_weights(
-        intermediate, hidden, 1, is_act_and_mul, min_alignment, hidden_alignment, scale_block=scale_block,
-        scale_fill=0, w13_scale_cols=hidden // scale_block, w2_scale_cols=intermediate // scale_block,
-        values_per_byte=2, description="align_fp4_moe_weights_for_fi",
-    )
+plan_align_fp4_moe_weights = recipes.plan_align_fp4
 
 
 def align_fp4_moe_weights_for_fi(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
@@ -277,9 +222,9 @@ def plan_align_mxfp8_moe_weights(intermediate: int, hidden: int, is_act_and_mul:
             f"align_mxfp8: hidden {hidden} is not a whole number of scale blocks for {w13_scale_cols} "
             f"scale columns (MXFP8 has one UE8M0 scale per 32 values)"
         )
-    return plan_align_moe_weights(
+    return recipes.plan_align(
         intermediate, hidden, 1, is_act_and_mul, min_alignment, hidden_alignment,
-        scale_block=hidden // w13_scale_cols, scale_fill=MXFP8_SCALE_PAD,
+        scale_block=hidden // w13_scale_cols, scale_fill=FORMATS["mxfp8"].scale_fill,
         w13_scale_cols=w13_scale_cols, w2_scale_cols=w2_scale_cols,
         description="align_mxfp8_moe_weights_for_fi_trtllm",
     )
@@ -327,18 +272,6 @@ def swap_w13_to_w31(x: torch.Tensor) -> torch.Tensor:
     return apply_map(m, x.reshape(-1, rows, cols) if x.is_contiguous() else x, "swap_w13_to_w31 input").reshape(x.shape)
 
 
-@lru_cache(maxsize=256)
-def plan_shuffle_deepseek_fp8(w13_rows: int, hidden: int, intermediate: int) -> LayerPlan:
-    """Epilogue shuffle (tile 64) then BlockMajorK (128 B) for both FP8 weights, no swap."""
-
-    def to_block_major(rows: int, cols: int) -> IndexMap:
-        return steps.shuffle_rows_for_epilogue(rows, cols, DEEPSEEK_EPILOGUE_TILE_M) >> steps.block_major_k(
-            rows, cols, BLOCK_MAJOR_K_BYTES)
-
-    return LayerPlan(to_block_major(w13_rows, hidden), to_block_major(hidden, intermediate), None, None,
-                     intermediate, hidden, intermediate, hidden, "DeepSeek FP8 TRT-LLM shuffle")
-
-
 def shuffle_deepseek_fp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek FP8 block-scale weights into TRT-LLM's shuffled BlockMajorK layout.
 
@@ -349,32 +282,6 @@ def shuffle_deepseek_fp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tup
     plan = plan_shuffle_deepseek_fp8(w13.shape[1], w2.shape[1], w2.shape[2])
     o13, o2, _, _ = plan.apply(w13, w2)
     return o13.view(torch.float8_e4m3fn), o2.view(torch.float8_e4m3fn)
-
-
-@lru_cache(maxsize=256)
-def plan_shuffle_mxfp8(w13_rows: int, hidden: int, intermediate: int, is_gated: bool,
-                       w13_scale_cols: int, w2_scale_cols: int) -> LayerPlan:
-    """Gated interleave (if gated), epilogue shuffle (tile 128), and for scales the 128x4 swizzle."""
-    etm = TRTLLM_EPILOGUE_TILE_M
-
-    def weight(rows: int, cols: int, interleave: bool) -> IndexMap:
-        first = steps.interleave_rows_for_gated_act(rows, cols) if interleave else None
-        return _chain(first, steps.shuffle_rows_for_epilogue(rows, cols, etm))
-
-    def scale(rows: int, cols: int, interleave: bool) -> IndexMap:
-        if rows % 128 or cols % 4:
-            raise LayoutError(
-                f"MXFP8 scales [{rows}, {cols}] cannot keep their shape through the 128x4 swizzle: rows must be a "
-                f"multiple of 128 and cols of 4; pad with align_mxfp8_moe_weights_for_fi_trtllm "
-                f"(intermediate 128, hidden 256) first"
-            )
-        return _chain(weight(rows, cols, interleave), steps.swizzle_scales_128x4(rows, cols))
-
-    return LayerPlan(
-        weight(w13_rows, hidden, is_gated), weight(hidden, intermediate, False),
-        scale(w13_rows, w13_scale_cols, is_gated), scale(hidden, w2_scale_cols, False),
-        intermediate, hidden, intermediate, hidden, "MXFP8 TRT-LLM shuffle",
-    )
 
 
 def shuffle_mxfp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
@@ -399,43 +306,6 @@ _shuffle_deepseek_fp8_moe_weights = shuffle_deepseek_fp8_moe_weights
 _shuffle_mxfp8_moe_weights = shuffle_mxfp8_moe_weights
 
 
-@lru_cache(maxsize=256)
-def plan_fp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bool = True,
-                            is_gated: bool = True, scale_block: int = 16) -> LayerPlan:
-    """Packed FP4 weights and their block scales into the TRT-LLM layout.
-
-    ``scale_block`` 16: NVFP4 (E4M3 scales), 32: MXFP4 (UE8M0, gpt-oss). W13
-    ``(P*I, H/2)`` bytes: W31 swap (if fused), gated interleave (if gated), epilogue
-    shuffle (tile 128); its scales ``(P*I, H/block)`` the same rows, then the 128x4
-    swizzle. W2 ``(H, I/2)``: shuffle; its scales ``(H, I/block)``: shuffle + swizzle.
-    Needs rows % 128 == 0 for the scale shuffle (FlashInfer's shuffle_matrix_sf_a).
-    """
-    p = _projections(is_act_and_mul)
-    etm = TRTLLM_EPILOGUE_TILE_M
-    for size, name in ((intermediate, "intermediate"), (hidden, "hidden")):
-        if size % scale_block:
-            raise LayoutError(f"FP4: {name} {size} is not a multiple of {scale_block} (one scale per {scale_block} "
-                              f"values); pad it first")
-
-    def rows_chain(rows: int, cols: int, fused: bool) -> IndexMap:
-        swap = steps.swap_w13_to_w31_rows(rows, cols) if fused and is_act_and_mul else None
-        inter = steps.interleave_rows_for_gated_act(rows, cols) if fused and is_gated else None
-        return _chain(swap, inter, steps.shuffle_rows_for_epilogue(rows, cols, etm))
-
-    def scales(rows: int, cols: int, fused: bool) -> IndexMap:
-        if rows % 128:
-            raise LayoutError(
-                f"FP4 scales have {rows} rows, not a multiple of 128 (the TRT-LLM scale shuffle); pad the "
-                f"intermediate size to a multiple of {128 // p} first (intermediate_alignment={128 // p})")
-        return rows_chain(rows, cols, fused) >> steps.swizzle_scales_128x4(rows, cols)
-
-    return LayerPlan(
-        rows_chain(p * intermediate, hidden // 2, True), rows_chain(hidden, intermediate // 2, False),
-        scales(p * intermediate, hidden // scale_block, True), scales(hidden, intermediate // scale_block, False),
-        intermediate, hidden, intermediate, hidden, f"{'NVFP4' if scale_block == 16 else 'MXFP4'} TRT-LLM",
-    )
-
-
 # --------------------------------------------------------------------------- in-place converters
 def _apply_in_place(pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_experts: Optional[int]) -> list[torch.Tensor]:
     """Check every tensor first, then permute each in place (inputs untouched on a check failure)."""
@@ -443,16 +313,6 @@ def _apply_in_place(pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_exp
         m.check_input(t, name)
     with torch.no_grad():
         return [m.apply_(t, scratch_experts) for m, t, _ in pairs]
-
-
-@lru_cache(maxsize=256)
-def plan_rotate_fp8_per_tensor(w13_rows: int, hidden: int, intermediate: int, is_gated: bool) -> LayerPlan:
-    """Gated interleave (if gated) and epilogue shuffle (tile 128) of both FP8 weights."""
-    etm = TRTLLM_EPILOGUE_TILE_M
-    first = steps.interleave_rows_for_gated_act(w13_rows, hidden) if is_gated else None
-    w13 = _chain(first, steps.shuffle_rows_for_epilogue(w13_rows, hidden, etm))
-    w2 = steps.shuffle_rows_for_epilogue(hidden, intermediate, etm)
-    return LayerPlan(w13, w2, None, None, intermediate, hidden, intermediate, hidden, "FP8 per-tensor TRT-LLM rotate")
 
 
 def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights: torch.Tensor, gemm2_weights: torch.Tensor,
@@ -471,19 +331,6 @@ def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights: torch.Tensor,
                                       is_gated_activation)
     _apply_in_place([(plan.w13, gemm1_weights, "gemm1_weights"), (plan.w2, gemm2_weights, "gemm2_weights")],
                     scratch_experts)
-
-
-@lru_cache(maxsize=256)
-def plan_trtllm_bf16_block_layout(w13_rows: int, hidden: int, intermediate: int, is_gated_act_gemm: bool = True,
-                                  itemsize: int = 2) -> LayerPlan:
-    """W31 swap + gated interleave (if gated), epilogue shuffle 128, BlockMajorK 128 B."""
-    etm, bk = TRTLLM_EPILOGUE_TILE_M, BLOCK_MAJOR_K_BYTES
-    c13, c2 = hidden * itemsize, intermediate * itemsize
-    gated = (steps.swap_w13_to_w31_rows(w13_rows, c13), steps.interleave_rows_for_gated_act(w13_rows, c13)) \
-        if is_gated_act_gemm else ()
-    w13 = compose(*gated, steps.shuffle_rows_for_epilogue(w13_rows, c13, etm), steps.block_major_k(w13_rows, c13, bk))
-    w2 = steps.shuffle_rows_for_epilogue(hidden, c2, etm) >> steps.block_major_k(hidden, c2, bk)
-    return LayerPlan(w13, w2, None, None, intermediate, hidden, intermediate, hidden, "BF16 TRT-LLM block layout")
 
 
 def convert_moe_weights_to_flashinfer_trtllm_block_layout(cache_permute_indices: dict, w13_weight: torch.Tensor,
@@ -509,8 +356,8 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(cache_permute_indices:
         raise LayoutError(f"{what}: weights must be (experts, rows, cols), got {tuple(w13_weight.shape)} and {tuple(w2_weight.shape)}")
     plan = plan_trtllm_bf16_block_layout(w13_weight.shape[1], w13_weight.shape[2], w2_weight.shape[2], is_gated_act_gemm)
     m13, k13 = w13_weight.shape[1], w13_weight.shape[2] * 2
-    flashinfer_w13_rows = _chain(steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
-                                 steps.shuffle_rows_for_epilogue(m13, k13, TRTLLM_EPILOGUE_TILE_M))  # no W31 swap
+    flashinfer_w13_rows = recipes.chain(steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
+                                        steps.shuffle_rows_for_epilogue(m13, k13, recipes.TRTLLM_EPILOGUE_TILE_M))  # no W31 swap
     for key, rows_map in ((("w3_w1", torch.Size((m13, k13))), flashinfer_w13_rows),
                           (("w2", torch.Size((w2_weight.shape[1], w2_weight.shape[2] * 2))), plan.w2.row_steps())):
         cache_permute_indices.setdefault(key, rows_map.row_sources().to(w13_weight.device))
@@ -534,59 +381,19 @@ def plan_fp8_moe_layer(spec: MoELayerSpec | Any, w13: torch.Tensor, w2: torch.Te
     what = "prepare_fp8_moe_layer_for_fi"
     _check_fp8_weights(what, w13=w13, w2=w2)
     _, intermediate, hidden = _check_w13_w2(w13, w2, layer.is_act_and_mul, what)
-    block_quant = layer.block_size is not None
-    is_mxfp8 = block_quant and w13_scale.dtype == torch.uint8
-    p = _projections(layer.is_act_and_mul)
-    etm = TRTLLM_EPILOGUE_TILE_M
-
-    if is_mxfp8 and is_trtllm:
-        c13, c2 = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, layer.is_act_and_mul, what)
-        pad = plan_align_mxfp8_moe_weights(intermediate, hidden, layer.is_act_and_mul, c13, c2)
-        ip, hp = pad.padded_intermediate, pad.padded_hidden
-        block = hidden // c13
-        shuffle = plan_shuffle_mxfp8(p * ip, hp, ip, layer.is_gated, hp // block, ip // block)
-        swap13 = steps.swap_w13_to_w31_rows(p * ip, hp) if layer.is_act_and_mul else None
-        swap13s = steps.swap_w13_to_w31_rows(p * ip, hp // block) if layer.is_act_and_mul else None
-        return LayerPlan(
-            _chain(pad.w13, swap13, shuffle.w13), _chain(pad.w2, shuffle.w2),
-            _chain(pad.w13_scale, swap13s, shuffle.w13_scale), _chain(pad.w2_scale, shuffle.w2_scale),
-            intermediate, hidden, ip, hp, "MXFP8 TRT-LLM",
-        )
-
-    if block_quant:
-        if is_mxfp8:
-            s_rows = p * intermediate
-            s_cols = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, layer.is_act_and_mul, what)[0]
-        elif w13_scale.ndim != 3:
-            raise LayoutError(f"{what}: block scales must be 3-D (E, rows/block, cols/block), got w13_scale {tuple(w13_scale.shape)}")
-        else:
-            s_rows, s_cols = w13_scale.shape[1], w13_scale.shape[2]
-        block_rows = layer.block_size[0]
-        if layer.is_act_and_mul and not is_mxfp8 and intermediate % block_rows:
-            raise LayoutError(
-                f"{what}: intermediate {intermediate} is not a multiple of the {block_rows}-row scale block, so gate "
-                f"and up would share a scale row and cannot be swapped apart; choose a tensor-parallel size whose "
-                f"shard keeps intermediate % {block_rows} == 0"
-            )
-        swap13 = steps.swap_w13_to_w31_rows(p * intermediate, hidden) if layer.is_act_and_mul else None
-        swap13s = steps.swap_w13_to_w31_rows(s_rows, s_cols * w13_scale.element_size()) if layer.is_act_and_mul else None
-        shuffle = plan_shuffle_deepseek_fp8(p * intermediate, hidden, intermediate) if (is_trtllm and not is_mxfp8) else None
-        kind = "MXFP8 CUTLASS" if is_mxfp8 else ("DeepSeek FP8 TRT-LLM" if is_trtllm else "DeepSeek FP8 CUTLASS")
-        return LayerPlan(
-            _chain(swap13, shuffle.w13 if shuffle else None), shuffle.w2 if shuffle else None, swap13s, None,
-            intermediate, hidden, intermediate, hidden, kind,
-        )
-
-    min_alignment = 16 if layer.is_gated else 128
-    pad = plan_align_moe_weights(intermediate, hidden, 1, layer.is_act_and_mul, min_alignment)
-    ip = pad.padded_intermediate
-    swap13 = steps.swap_w13_to_w31_rows(p * ip, hidden) if layer.is_act_and_mul else None
-    rotate = plan_rotate_fp8_per_tensor(p * ip, hidden, ip, layer.is_gated) if is_trtllm else None
-    return LayerPlan(
-        _chain(pad.w13, swap13, rotate.w13 if rotate else None), _chain(pad.w2, rotate.w2 if rotate else None),
-        None, None, intermediate, hidden, ip, hidden,
-        "FP8 per-tensor TRT-LLM" if is_trtllm else "FP8 per-tensor CUTLASS",
-    )
+    act_and_mul, gated = layer.is_act_and_mul, layer.is_gated
+    try:
+        if layer.block_size is None:
+            return recipes.plan_fp8_per_tensor(intermediate, hidden, act_and_mul, gated, is_trtllm)
+        if w13_scale.dtype == torch.uint8:  # MXFP8: UE8M0 exponent bytes
+            c13, c2 = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, act_and_mul, what)
+            return recipes.plan_mxfp8(intermediate, hidden, act_and_mul, gated, is_trtllm, c13, c2)
+        if w13_scale.ndim != 3:
+            raise LayoutError(f"block scales must be 3-D (E, rows/block, cols/block), got w13_scale {tuple(w13_scale.shape)}")
+        return recipes.plan_fp8_block(intermediate, hidden, act_and_mul, is_trtllm, w13_scale.shape[1],
+                                      w13_scale.shape[2] * w13_scale.element_size(), layer.block_size[0])
+    except FimoeError as exc:
+        raise exc.within(what) from None
 
 
 def prepare_fp8_moe_layer_for_fi(layer: Any, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
@@ -616,94 +423,3 @@ def prepare_fp8_moe_layer_for_fi(layer: Any, w13: torch.Tensor, w2: torch.Tensor
     return o13, o2, o13s, o2s
 
 
-# --------------------------------------------------------------------------- by format
-FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
-VECTOR_SCALED = ("mxfp8", "nvfp4", "mxfp4")
-"""Formats with one scale byte per block of values along the last dim (block size from fimoe_lab.formats)."""
-BACKENDS = ("trtllm", "cutlass")
-
-
-@lru_cache(maxsize=256)
-def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_and_mul: bool = True,
-               is_gated: bool = True, intermediate_alignment: Optional[int] = None,
-               hidden_alignment: Optional[int] = None) -> LayerPlan:
-    """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
-
-    Default alignments are the reference's fixed rules where it has them (FP8
-    per-tensor: intermediate 16 gated / 128 non-gated; MXFP8 TRT-LLM: 128 and hidden
-    256; NVFP4 CUTLASS: 16), else the least the layout itself needs (NVFP4 TRT-LLM:
-    64 gated / 128 non-gated, so the 128-row scale shuffle fits; BF16 TRT-LLM: 64,
-    whole 128-byte K blocks) or what vLLM allocates (MXFP4: 256 TRT-LLM, 32 CUTLASS,
-    both dims). Pass other alignments to try what the tuner recommends.
-    """
-    if fmt not in FORMATS:
-        raise LayoutError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if backend not in BACKENDS:
-        raise LayoutError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    scale_block = formats.get(fmt).block_size if fmt in VECTOR_SCALED else None
-    for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):
-        if scale_block and size % scale_block:
-            raise LayoutError(
-                f"{fmt}: {what} {size} is not a multiple of {scale_block} (one block scale per {scale_block} values), "
-                f"so no {fmt} checkpoint holds it; a tensor-parallel shard must keep whole scale blocks"
-            )
-    p = _projections(is_act_and_mul)
-    trt = backend == "trtllm"
-    if fmt in ("fp8", "fp8-block", "mxfp8"):
-        block = {"fp8": None, "fp8-block": [128, 128], "mxfp8": [1, 32]}[fmt]
-        spec = MoELayerSpec(intermediate, hidden, is_act_and_mul, is_gated, block)
-
-        def meta(*shape, dtype=torch.float8_e4m3fn):
-            return torch.empty(shape, dtype=dtype, device="meta")
-
-        if fmt == "mxfp8":
-            s13, s2 = meta(1, p * intermediate, hidden // 32, dtype=torch.uint8), meta(1, hidden, intermediate // 32, dtype=torch.uint8)
-        elif fmt == "fp8-block":
-            s13 = meta(1, -(-p * intermediate // 128), -(-hidden // 128), dtype=torch.float32)
-            s2 = meta(1, -(-hidden // 128), -(-intermediate // 128), dtype=torch.float32)
-        else:
-            s13 = s2 = meta(1, dtype=torch.float32)
-        if intermediate_alignment or hidden_alignment:
-            padded = plan_align_moe_weights(intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or 1,
-                                            hidden_alignment or 1)
-            if padded.w13 is not None and fmt != "fp8":
-                raise LayoutError(f"custom alignments for {fmt} scales are not supported yet; use the default rules")
-            inner = plan_fp8_moe_layer(MoELayerSpec(padded.padded_intermediate, padded.padded_hidden, is_act_and_mul,
-                                                    is_gated, block),
-                                       meta(1, p * padded.padded_intermediate, padded.padded_hidden),
-                                       meta(1, padded.padded_hidden, padded.padded_intermediate), s13, s2, trt)
-            return LayerPlan(_chain(padded.w13, inner.w13), _chain(padded.w2, inner.w2), inner.w13_scale,
-                             inner.w2_scale, intermediate, hidden, inner.padded_intermediate, inner.padded_hidden,
-                             inner.description)
-        return plan_fp8_moe_layer(spec, meta(1, p * intermediate, hidden), meta(1, hidden, intermediate), s13, s2, trt)
-
-    if fmt == "bf16":
-        pad = plan_align_moe_weights(intermediate, hidden, 2, is_act_and_mul, intermediate_alignment or (64 if trt else 1),
-                                     hidden_alignment or (64 if trt else 1))
-        ip, hp = pad.padded_intermediate, pad.padded_hidden
-        if trt:
-            inner = plan_trtllm_bf16_block_layout(p * ip, hp, ip, is_gated)
-            w13, w2 = inner.w13, inner.w2
-        else:
-            w13 = steps.swap_w13_to_w31_rows(p * ip, 2 * hp) if is_act_and_mul else None
-            w2 = None
-        return LayerPlan(_chain(pad.w13, w13), _chain(pad.w2, w2), None, None, intermediate, hidden, ip, hp,
-                         f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}")
-
-    block = scale_block
-    if fmt == "nvfp4":
-        default_i, default_h = (128 // p if trt else 16), 1
-    else:
-        default_i = default_h = 256 if trt else 32
-    pad = plan_align_fp4_moe_weights(intermediate, hidden, is_act_and_mul, intermediate_alignment or default_i,
-                                     hidden_alignment or default_h, block)
-    ip, hp = pad.padded_intermediate, pad.padded_hidden
-    name = f"{fmt.upper()} {'TRT-LLM' if trt else 'CUTLASS'}"
-    if not trt:
-        swap = steps.swap_w13_to_w31_rows(p * ip, hp // 2) if is_act_and_mul else None
-        swap_s = steps.swap_w13_to_w31_rows(p * ip, hp // block) if is_act_and_mul else None
-        return LayerPlan(_chain(pad.w13, swap), pad.w2, _chain(pad.w13_scale, swap_s), pad.w2_scale,
-                         intermediate, hidden, ip, hp, name)
-    inner = plan_fp4_trtllm_weights(ip, hp, is_act_and_mul, is_gated, block)
-    return LayerPlan(_chain(pad.w13, inner.w13), _chain(pad.w2, inner.w2), _chain(pad.w13_scale, inner.w13_scale),
-                     _chain(pad.w2_scale, inner.w2_scale), intermediate, hidden, ip, hp, name)

@@ -24,6 +24,8 @@ __all__ = [
     "shuffle_rows_for_epilogue",
     "block_major_k",
     "swizzle_scales_128x4",
+    "STEPS",
+    "build",
 ]
 
 
@@ -68,20 +70,18 @@ def pad_projections(
     r = torch.arange(rows)[None, :, None]
     c = torch.arange(cin)[None, None, :]
     src[:, :rows, :cin] = (p * rows + r) * cin + c
-    name = (
-        f"pad_projections({num_projections}x[{rows}, {cols_bytes}B] -> "
-        f"[{padded_rows}, {padded_cols_bytes}B], fill={fill})"
-    )
+    params = dict(num_projections=num_projections, rows=rows, padded_rows=padded_rows, cols_bytes=cols_bytes,
+                  padded_cols_bytes=padded_cols_bytes, fill=fill)
     return IndexMap(
         src.reshape(-1), cell, (num_projections * rows, cols_bytes),
-        (num_projections * padded_rows, padded_cols_bytes), (fill,), name,
+        (num_projections * padded_rows, padded_cols_bytes), (fill,), "pad_projections", params,
     )
 
 
-def permute_rows(src_rows: torch.Tensor, cols_bytes: int, name: str) -> IndexMap:
+def permute_rows(src_rows: torch.Tensor, cols_bytes: int, kind: str, params: dict) -> IndexMap:
     """A row permutation ``out[i, :] = in[src_rows[i], :]`` of an ``[M, cols]`` matrix."""
     rows = src_rows.numel()
-    return IndexMap(src_rows.to(torch.int64), cols_bytes, (rows, cols_bytes), (rows, cols_bytes), (), name)
+    return IndexMap(src_rows.to(torch.int64), cols_bytes, (rows, cols_bytes), (rows, cols_bytes), (), kind, params)
 
 
 def _check_even(rows: int, what: str) -> None:
@@ -101,7 +101,7 @@ def swap_w13_to_w31_rows(rows: int, cols_bytes: int) -> IndexMap:
     """
     _check_even(rows, "swap_w13_to_w31")
     src = (torch.arange(rows) + rows // 2) % rows
-    return permute_rows(src, cols_bytes, "swap_w13_to_w31")
+    return permute_rows(src, cols_bytes, "swap_w13_to_w31_rows", dict(rows=rows, cols_bytes=cols_bytes))
 
 
 @lru_cache(maxsize=None)
@@ -115,7 +115,7 @@ def interleave_rows_for_gated_act(rows: int, cols_bytes: int) -> IndexMap:
     _check_even(rows, "interleave_rows_for_gated_act")
     half = rows // 2
     src = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
-    return permute_rows(src, cols_bytes, "interleave_rows_for_gated_act")
+    return permute_rows(src, cols_bytes, "interleave_rows_for_gated_act", dict(rows=rows, cols_bytes=cols_bytes))
 
 
 def shuffle_block_size(epilogue_tile_m: int) -> int:
@@ -142,7 +142,8 @@ def shuffle_rows_for_epilogue(rows: int, cols_bytes: int, epilogue_tile_m: int) 
     p = torch.arange(block)
     within = (p % 8) * k + p // 8
     src = (torch.arange(rows // block)[:, None] * block + within[None, :]).reshape(-1)
-    return permute_rows(src, cols_bytes, f"shuffle_rows_for_epilogue(epilogue_tile_m={epilogue_tile_m})")
+    return permute_rows(src, cols_bytes, "shuffle_rows_for_epilogue",
+                        dict(rows=rows, cols_bytes=cols_bytes, epilogue_tile_m=epilogue_tile_m))
 
 
 @lru_cache(maxsize=None)
@@ -161,7 +162,7 @@ def block_major_k(rows: int, cols_bytes: int, block_bytes: int = 128) -> IndexMa
     src = (torch.arange(rows)[None, :] * kb + torch.arange(kb)[:, None]).reshape(-1)
     return IndexMap(
         src, block_bytes, (rows, cols_bytes), (kb, rows, block_bytes), (),
-        f"block_major_k(block={block_bytes}B)",
+        "block_major_k", dict(rows=rows, cols_bytes=cols_bytes, block_bytes=block_bytes),
     )
 
 
@@ -185,5 +186,23 @@ def swizzle_scales_128x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
     src[offset.reshape(-1)] = torch.where(inside, r * cols + c, -1).reshape(-1)
     return IndexMap(
         src, itemsize, (rows, cols * itemsize), (rp, cp * itemsize), (0,),
-        "swizzle_scales_128x4",
+        "swizzle_scales_128x4", dict(rows=rows, cols=cols, itemsize=itemsize),
     )
+
+
+STEPS = {
+    f.__name__: f
+    for f in (pad_projections, swap_w13_to_w31_rows, interleave_rows_for_gated_act, shuffle_rows_for_epilogue,
+              block_major_k, swizzle_scales_128x4)
+}
+"""Every primitive step by kind: ``STEPS[m.kind](**m.params)`` rebuilds ``m``."""
+
+
+def build(kind: str, params: dict) -> IndexMap:
+    """Rebuild the primitive step ``kind`` from its ``params`` (as recorded by :meth:`IndexMap.spec`)."""
+    if kind not in STEPS:
+        raise LayoutError(f"unknown step kind {kind!r}", fix=f"use one of {', '.join(STEPS)}")
+    try:
+        return STEPS[kind](**params)
+    except TypeError as exc:
+        raise LayoutError(f"step {kind} cannot be built from parameters {params}: {exc}") from None

@@ -50,8 +50,8 @@ PLAN_BUILDER = "fimoe_lab.prepare.plan_layer"  # recorded in the metadata; the p
 def plan_args(layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None,
               hidden_alignment: Optional[int] = None) -> dict:
     """The arguments that rebuild this layer's plan: builder name and ``plan_layer`` keyword arguments."""
-    if layer.fmt not in prepare.FORMATS:
-        raise CheckpointError(f"no layout plan for format {layer.fmt!r}; supported: {', '.join(prepare.FORMATS)}")
+    if layer.fmt not in prepare.weight_formats():
+        raise CheckpointError(f"no layout plan for format {layer.fmt!r}; supported: {', '.join(prepare.weight_formats())}")
     return {"builder": PLAN_BUILDER, "args": {
         "fmt": layer.fmt, "backend": backend, "intermediate": layer.intermediate, "hidden": layer.hidden,
         "is_act_and_mul": layer.is_act_and_mul, "is_gated": layer.is_gated,

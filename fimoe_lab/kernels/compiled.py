@@ -112,7 +112,7 @@ def _swizzle_form(m, em: ExecMap):
 
     steps = m.steps
     last = steps[-1]
-    if em.cell_bytes != 4 or not last.name.startswith("swizzle_scales_128x4") or last.cell_bytes != 1:
+    if em.cell_bytes != 4 or last.kind != "swizzle_scales_128x4" or last.cell_bytes != 1:
         return None
     if len(last.in_shape) != 2 or last.in_shape != last.out_shape:
         return None

@@ -10,7 +10,6 @@ E4M3 and packed fp4 bytes, 4 for fp32 scales).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -81,12 +80,8 @@ def gather_values(m: IndexMap, values: np.ndarray | torch.Tensor, itemsize: int 
 
 # ----------------------------------------------------------------------------- rows
 def _epilogue_tile_m(m: IndexMap) -> Optional[int]:
-    """``epilogue_tile_m`` of the shuffle step in ``m``'s chain (read from the step's name), or None."""
-    for step in m.steps:
-        found = re.search(r"shuffle_rows_for_epilogue\(epilogue_tile_m=(\d+)\)", step.name)
-        if found:
-            return int(found.group(1))
-    return None
+    """``epilogue_tile_m`` of the shuffle step in ``m``'s chain, or None."""
+    return next((int(s.params["epilogue_tile_m"]) for s in m.steps if s.kind == "shuffle_rows_for_epilogue"), None)
 
 
 @dataclass(frozen=True)
@@ -233,7 +228,7 @@ def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
     ``m`` is a chain that ends with ``swizzle_scales_128x4`` (e.g. a plan's
     ``w13_scale``: pad, row permutation, swizzle); sources are the chain's input.
     """
-    if not m.steps[-1].name.startswith("swizzle_scales_128x4"):
+    if m.steps[-1].kind != "swizzle_scales_128x4":
         raise LayoutError(f"{m.name} does not end with swizzle_scales_128x4; there is no swizzled buffer to draw")
     src = element_sources(m, itemsize).reshape(-1)
     if src.size % ATOM:
@@ -318,8 +313,7 @@ class PaddingReport:
 
 def _padded_stage(m: IndexMap) -> IndexMap:
     """The prefix of ``m``'s steps up to its last ``pad_projections`` step (or its first step)."""
-    names = [s.name for s in m.steps]
-    last = max((i for i, n in enumerate(names) if n.startswith("pad_projections")), default=-1)
+    last = max((i for i, s in enumerate(m.steps) if s.kind == "pad_projections"), default=-1)
     return compose(*m.steps[: last + 1]) if last >= 0 else m.steps[0]
 
 

@@ -148,7 +148,7 @@ class RowExplorer(_LayerExplorer):
     epilogue-tile shuffle (any composed chain), coloured by origin, shuffle block or
     epilogue tile, with a row-window zoom and the expert's values in the window."""
 
-    tensor_filter = staticmethod(lambda m: len(m.steps[0].out_shape) == 2 and "swizzle" not in m.steps[0].name)
+    tensor_filter = staticmethod(lambda m: len(m.steps[0].out_shape) == 2 and m.steps[0].kind != "swizzle_scales_128x4")
 
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
         self.colour_by = _dropdown("colour by", ("origin", "shuffle block", "epilogue tile"))
@@ -172,7 +172,7 @@ class TileExplorer(_LayerExplorer):
     """Block-major-K tiles (bf16 / fp8-block TRT-LLM weights) and the 128x4 scale swizzle
     (mxfp8 / nvfp4 TRT-LLM scales), atom by atom."""
 
-    tensor_filter = staticmethod(lambda m: len(m.out_shape) == 3 or m.steps[-1].name.startswith("swizzle"))
+    tensor_filter = staticmethod(lambda m: len(m.out_shape) == 3 or m.steps[-1].kind == "swizzle_scales_128x4")
 
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
         self.atom = W.IntSlider(0, 0, 64, description="atom", style={"description_width": "80px"})

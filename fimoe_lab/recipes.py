@@ -1,0 +1,464 @@
+"""Recipes: the steps each (format, backend) applies to an MoE layer, from sizes alone.
+
+A recipe turns per-rank sizes into a :class:`~fimoe_lab.plan.LayerPlan` (the index maps of
+``w13``, ``w2`` and their scales). ``convert``, ``plan``, the tuner's reference column,
+the lab and the vLLM drop-ins in :mod:`fimoe_lab.prepare` all build plans here, and all
+take their default paddings from :func:`default_alignments`, so they cannot disagree.
+
+Shapes (one expert): ``w13`` is ``[P*I, H]`` (P = 2 when gate and up are stacked, i.e.
+act-and-mul), ``w2`` is ``[H, I]``, in bytes along the last dim (packed FP4: two values
+per byte). Vector scales (MXFP8, NVFP4, MXFP4) are ``[rows, cols/block]`` and follow
+their weight's rows; DeepSeek FP8 block scales are ``[ceil(rows/128), ceil(cols/128)]``.
+
+Kernel constants (FlashInfer 0.6.13-0.7.4, DESIGN §3):
+
+- TRT-LLM epilogue tile M: 128 (64 for DeepSeek FP8), so rows shuffle in blocks of 32
+  (16 for tile 64);
+- BlockMajorK: 128-byte K blocks (bf16 and DeepSeek FP8 on TRT-LLM);
+- vector scales on TRT-LLM: rows a multiple of 128 and columns of 4 for the 128x4 swizzle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+from fimoe_lab import steps
+from fimoe_lab.errors import LayoutError
+from fimoe_lab.layout import IndexMap, compose
+from fimoe_lab.plan import LayerPlan
+from fimoe_lab.specs import BACKENDS, FORMATS, check_backend, get_format, weight_formats
+
+__all__ = [
+    "TRTLLM_EPILOGUE_TILE_M",
+    "DEEPSEEK_EPILOGUE_TILE_M",
+    "BLOCK_MAJOR_K_BYTES",
+    "SCALE_SWIZZLE_ROWS",
+    "RECIPES",
+    "Recipe",
+    "recipe_id",
+    "default_alignments",
+    "trtllm_nvfp4_hidden_alignment",
+    "plan_layer",
+    "plan_align",
+    "plan_align_fp4",
+    "plan_fp8_per_tensor",
+    "plan_fp8_block",
+    "plan_mxfp8",
+    "plan_rotate_fp8_per_tensor",
+    "plan_shuffle_deepseek_fp8",
+    "plan_shuffle_mxfp8",
+    "plan_fp4_trtllm_weights",
+    "plan_trtllm_bf16_block_layout",
+    "chain",
+]
+
+TRTLLM_EPILOGUE_TILE_M = 128
+DEEPSEEK_EPILOGUE_TILE_M = 64
+BLOCK_MAJOR_K_BYTES = 128
+SCALE_SWIZZLE_ROWS = 128
+"""Rows of the 128x4 scale atom; also the row block of TRT-LLM's scale shuffle."""
+
+
+def projections(is_act_and_mul: bool) -> int:
+    """Stacked projections in W13: 2 (gate and up) or 1."""
+    return 2 if is_act_and_mul else 1
+
+
+@lru_cache(maxsize=1024)  # steps are cached by shape, so the same steps give the same composed map
+def chain(*maps: Optional[IndexMap]) -> Optional[IndexMap]:
+    """Compose the maps that are not None (None when none is left)."""
+    present = [m for m in maps if m is not None]
+    return compose(*present) if present else None
+
+
+# ----------------------------------------------------------------------------- default paddings
+def trtllm_nvfp4_hidden_alignment(per_token_activation: bool, is_act_and_mul: bool) -> int:
+    """Hidden alignment vLLM uses for TRTLLM-Gen NVFP4: 512 for per-token non-gated
+    (256-aligned shapes left the default tactic without a config, e.g. Nemotron hidden
+    2688 -> 2816), else 256."""
+    return 512 if per_token_activation and not is_act_and_mul else 256
+
+
+def default_alignments(fmt: str, backend: str, is_act_and_mul: bool = True, is_gated: bool = True) -> tuple[int, int]:
+    """``(intermediate, hidden)`` multiples a plan pads to when none is given.
+
+    The one default every command uses. Per format and backend (1 = no padding):
+
+    ============  =========================  ==================
+    format        TRT-LLM                    CUTLASS
+    ============  =========================  ==================
+    bf16          64, 64 (whole 128 B K      1, 1
+                  blocks of BlockMajorK)
+    fp8           16 gated / 128 non-gated   same
+    fp8-block     1, 1 (no padding)          1, 1
+    mxfp8         128, 256                   1, 1
+    nvfp4         128/P, 1 (128-row scale    16, 1
+                  shuffle)
+    mxfp4         256, 256 (what vLLM        32, 32
+                  allocates)
+    ============  =========================  ==================
+    """
+    fmt = get_format(fmt).plan_format
+    check_backend(backend)
+    trt = backend == "trtllm"
+    p = projections(is_act_and_mul)
+    table = {
+        "bf16": (64, 64) if trt else (1, 1),
+        "fp8": (16 if is_gated else 128, 1),
+        "fp8-block": (1, 1),
+        "mxfp8": (128, 256) if trt else (1, 1),
+        "nvfp4": (128 // p, 1) if trt else (16, 1),
+        "mxfp4": (256, 256) if trt else (32, 32),
+    }
+    return table[fmt]
+
+
+# ----------------------------------------------------------------------------- padding
+@lru_cache(maxsize=256)
+def plan_align(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bool,
+               min_alignment: int = 16, hidden_alignment: int = 1,
+               scale_block: Optional[int] = None, scale_fill: int = 0,
+               w13_scale_cols: Optional[int] = None, w2_scale_cols: Optional[int] = None,
+               values_per_byte: int = 1, description: str = "align") -> LayerPlan:
+    """Pad intermediate (each projection on its own) to ``min_alignment`` and hidden to
+    ``hidden_alignment``; with ``scale_block``, their vector scales too.
+
+    ``itemsize`` bytes per stored element, ``values_per_byte`` 2 for packed FP4.
+    Scales (one per ``scale_block`` values along the last dim, ``w13_scale_cols`` /
+    ``w2_scale_cols`` columns in the checkpoint) are padded with ``scale_fill``.
+    """
+    p = projections(is_act_and_mul)
+    ip = steps.round_up(intermediate, min_alignment)
+    hp = steps.round_up(hidden, hidden_alignment)
+    sizes = dict(intermediate=intermediate, hidden=hidden, padded_intermediate=ip, padded_hidden=hp,
+                 description=description)
+    if ip == intermediate and hp == hidden:
+        return LayerPlan(None, None, None, None, **sizes)
+
+    def cols(values: int) -> int:
+        if (values * itemsize) % values_per_byte:
+            raise LayoutError(f"{description}: {values} values do not fill whole bytes ({values_per_byte} per byte)")
+        return values * itemsize // values_per_byte
+
+    w13 = steps.pad_projections(p, intermediate, ip, cols(hidden), cols(hp))
+    w2 = steps.pad_projections(1, hidden, hp, cols(intermediate), cols(ip))
+    w13_s = w2_s = None
+    if scale_block is not None:
+        for size, name in ((hp, "hidden"), (ip, "intermediate")):
+            if size % scale_block:
+                raise LayoutError(
+                    f"{description}: padded {name} {size} is not a multiple of the scale block {scale_block}",
+                    fix=f"choose an alignment that is a multiple of {scale_block}")
+        w13_s = steps.pad_projections(p, intermediate, ip, w13_scale_cols, hp // scale_block, scale_fill)
+        w2_s = steps.pad_projections(1, hidden, hp, w2_scale_cols, ip // scale_block, scale_fill)
+    return LayerPlan(w13, w2, w13_s, w2_s, **sizes)
+
+
+@lru_cache(maxsize=256)
+def plan_align_fp4(intermediate: int, hidden: int, is_act_and_mul: bool, min_alignment: int = 16,
+                   hidden_alignment: int = 1, scale_block: int = 16) -> LayerPlan:
+    """Pad packed FP4 (two values per byte) and its scales (one byte per ``scale_block``
+    values: 16 NVFP4 E4M3, 32 MXFP4 UE8M0); padded weights and scales are 0."""
+    return plan_align(
+        intermediate, hidden, 1, is_act_and_mul, min_alignment, hidden_alignment, scale_block=scale_block,
+        scale_fill=0, w13_scale_cols=hidden // scale_block, w2_scale_cols=intermediate // scale_block,
+        values_per_byte=2, description="align_fp4_moe_weights_for_fi",
+    )
+
+
+# ----------------------------------------------------------------------------- row shuffles
+@lru_cache(maxsize=256)
+def plan_rotate_fp8_per_tensor(w13_rows: int, hidden: int, intermediate: int, is_gated: bool) -> LayerPlan:
+    """Gated interleave (if gated) and epilogue shuffle (tile 128) of both FP8 weights."""
+    etm = TRTLLM_EPILOGUE_TILE_M
+    first = steps.interleave_rows_for_gated_act(w13_rows, hidden) if is_gated else None
+    w13 = chain(first, steps.shuffle_rows_for_epilogue(w13_rows, hidden, etm))
+    w2 = steps.shuffle_rows_for_epilogue(hidden, intermediate, etm)
+    return LayerPlan(w13, w2, None, None, intermediate, hidden, intermediate, hidden, "FP8 per-tensor TRT-LLM rotate")
+
+
+@lru_cache(maxsize=256)
+def plan_shuffle_deepseek_fp8(w13_rows: int, hidden: int, intermediate: int) -> LayerPlan:
+    """Epilogue shuffle (tile 64) then BlockMajorK (128 B) for both FP8 weights, no swap."""
+
+    def to_block_major(rows: int, cols: int) -> IndexMap:
+        return steps.shuffle_rows_for_epilogue(rows, cols, DEEPSEEK_EPILOGUE_TILE_M) >> steps.block_major_k(
+            rows, cols, BLOCK_MAJOR_K_BYTES)
+
+    return LayerPlan(to_block_major(w13_rows, hidden), to_block_major(hidden, intermediate), None, None,
+                     intermediate, hidden, intermediate, hidden, "DeepSeek FP8 TRT-LLM shuffle")
+
+
+@lru_cache(maxsize=256)
+def plan_shuffle_mxfp8(w13_rows: int, hidden: int, intermediate: int, is_gated: bool,
+                       w13_scale_cols: int, w2_scale_cols: int) -> LayerPlan:
+    """Gated interleave (if gated), epilogue shuffle (tile 128), and for scales the 128x4 swizzle."""
+    etm = TRTLLM_EPILOGUE_TILE_M
+
+    def weight(rows: int, cols: int, interleave: bool) -> IndexMap:
+        first = steps.interleave_rows_for_gated_act(rows, cols) if interleave else None
+        return chain(first, steps.shuffle_rows_for_epilogue(rows, cols, etm))
+
+    def scale(rows: int, cols: int, interleave: bool) -> IndexMap:
+        if rows % SCALE_SWIZZLE_ROWS or cols % 4:
+            raise LayoutError(
+                f"MXFP8 scales [{rows}, {cols}] cannot keep their shape through the 128x4 swizzle: rows must be a "
+                f"multiple of 128 and cols of 4",
+                fix="pad with align_mxfp8_moe_weights_for_fi_trtllm (intermediate 128, hidden 256) first")
+        return chain(weight(rows, cols, interleave), steps.swizzle_scales_128x4(rows, cols))
+
+    return LayerPlan(
+        weight(w13_rows, hidden, is_gated), weight(hidden, intermediate, False),
+        scale(w13_rows, w13_scale_cols, is_gated), scale(hidden, w2_scale_cols, False),
+        intermediate, hidden, intermediate, hidden, "MXFP8 TRT-LLM shuffle",
+    )
+
+
+@lru_cache(maxsize=256)
+def plan_fp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bool = True,
+                            is_gated: bool = True, scale_block: int = 16) -> LayerPlan:
+    """Packed FP4 weights and their block scales into the TRT-LLM layout.
+
+    ``scale_block`` 16: NVFP4 (E4M3 scales), 32: MXFP4 (UE8M0, gpt-oss). W13
+    ``(P*I, H/2)`` bytes: W31 swap (if fused), gated interleave (if gated), epilogue
+    shuffle (tile 128); its scales ``(P*I, H/block)`` the same rows, then the 128x4
+    swizzle. W2 ``(H, I/2)``: shuffle; its scales ``(H, I/block)``: shuffle + swizzle.
+    Needs rows % 128 == 0 for the scale shuffle (FlashInfer's shuffle_matrix_sf_a).
+    """
+    p = projections(is_act_and_mul)
+    etm = TRTLLM_EPILOGUE_TILE_M
+    for size, name in ((intermediate, "intermediate"), (hidden, "hidden")):
+        if size % scale_block:
+            raise LayoutError(f"FP4: {name} {size} is not a multiple of {scale_block} (one scale per {scale_block} "
+                              f"values)", fix="pad it first")
+
+    def rows_chain(rows: int, cols: int, fused: bool) -> Optional[IndexMap]:
+        swap = steps.swap_w13_to_w31_rows(rows, cols) if fused and is_act_and_mul else None
+        inter = steps.interleave_rows_for_gated_act(rows, cols) if fused and is_gated else None
+        return chain(swap, inter, steps.shuffle_rows_for_epilogue(rows, cols, etm))
+
+    def scales(rows: int, cols: int, fused: bool) -> IndexMap:
+        if rows % SCALE_SWIZZLE_ROWS:
+            raise LayoutError(
+                f"FP4 scales have {rows} rows, not a multiple of 128 (the TRT-LLM scale shuffle)",
+                fix=f"pad the intermediate size to a multiple of {128 // p} first (intermediate_alignment={128 // p})")
+        return chain(rows_chain(rows, cols, fused), steps.swizzle_scales_128x4(rows, cols))
+
+    return LayerPlan(
+        rows_chain(p * intermediate, hidden // 2, True), rows_chain(hidden, intermediate // 2, False),
+        scales(p * intermediate, hidden // scale_block, True), scales(hidden, intermediate // scale_block, False),
+        intermediate, hidden, intermediate, hidden, f"{'NVFP4' if scale_block == 16 else 'MXFP4'} TRT-LLM",
+    )
+
+
+@lru_cache(maxsize=256)
+def plan_trtllm_bf16_block_layout(w13_rows: int, hidden: int, intermediate: int, is_gated_act_gemm: bool = True,
+                                  itemsize: int = 2) -> LayerPlan:
+    """W31 swap + gated interleave (if gated), epilogue shuffle 128, BlockMajorK 128 B."""
+    etm, bk = TRTLLM_EPILOGUE_TILE_M, BLOCK_MAJOR_K_BYTES
+    c13, c2 = hidden * itemsize, intermediate * itemsize
+    gated = (steps.swap_w13_to_w31_rows(w13_rows, c13), steps.interleave_rows_for_gated_act(w13_rows, c13)) \
+        if is_gated_act_gemm else ()
+    w13 = compose(*gated, steps.shuffle_rows_for_epilogue(w13_rows, c13, etm), steps.block_major_k(w13_rows, c13, bk))
+    w2 = steps.shuffle_rows_for_epilogue(hidden, c2, etm) >> steps.block_major_k(hidden, c2, bk)
+    return LayerPlan(w13, w2, None, None, intermediate, hidden, intermediate, hidden, "BF16 TRT-LLM block layout")
+
+
+# ----------------------------------------------------------------------------- FP8 layers
+def _swap(rows: int, cols_bytes: int, is_act_and_mul: bool) -> Optional[IndexMap]:
+    return steps.swap_w13_to_w31_rows(rows, cols_bytes) if is_act_and_mul else None
+
+
+@lru_cache(maxsize=256)
+def plan_fp8_per_tensor(intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool,
+                        trtllm: bool) -> LayerPlan:
+    """FP8 per-tensor: pad I (16 gated, 128 non-gated), swap; TRT-LLM adds the gated
+    interleave and the epilogue shuffle (tile 128)."""
+    p = projections(is_act_and_mul)
+    min_alignment = default_alignments("fp8", "trtllm" if trtllm else "cutlass", is_act_and_mul, is_gated)[0]
+    pad = plan_align(intermediate, hidden, 1, is_act_and_mul, min_alignment)
+    ip = pad.padded_intermediate
+    rotate = plan_rotate_fp8_per_tensor(p * ip, hidden, ip, is_gated) if trtllm else None
+    return LayerPlan(
+        chain(pad.w13, _swap(p * ip, hidden, is_act_and_mul), rotate.w13 if rotate else None),
+        chain(pad.w2, rotate.w2 if rotate else None),
+        None, None, intermediate, hidden, ip, hidden,
+        "FP8 per-tensor TRT-LLM" if trtllm else "FP8 per-tensor CUTLASS",
+    )
+
+
+@lru_cache(maxsize=256)
+def plan_fp8_block(intermediate: int, hidden: int, is_act_and_mul: bool, trtllm: bool, scale_rows: int,
+                   scale_cols_bytes: int, block_rows: int = 128) -> LayerPlan:
+    """DeepSeek FP8 block: swap weights and their ``[scale_rows, scale_cols]`` block scales;
+    TRT-LLM adds the epilogue shuffle (tile 64) and BlockMajorK 128 B.
+
+    With gate and up stacked, ``intermediate % block_rows == 0`` so that gate and up
+    never share a scale row (a TP shard that splits a block cannot be swapped apart).
+    """
+    if is_act_and_mul and intermediate % block_rows:
+        raise LayoutError(
+            f"intermediate {intermediate} is not a multiple of the {block_rows}-row scale block, so gate "
+            f"and up would share a scale row and cannot be swapped apart",
+            fix=f"choose a tensor-parallel size whose shard keeps intermediate % {block_rows} == 0")
+    p = projections(is_act_and_mul)
+    shuffle = plan_shuffle_deepseek_fp8(p * intermediate, hidden, intermediate) if trtllm else None
+    return LayerPlan(
+        chain(_swap(p * intermediate, hidden, is_act_and_mul), shuffle.w13 if shuffle else None),
+        shuffle.w2 if shuffle else None, _swap(scale_rows, scale_cols_bytes, is_act_and_mul), None,
+        intermediate, hidden, intermediate, hidden, "DeepSeek FP8 TRT-LLM" if trtllm else "DeepSeek FP8 CUTLASS",
+    )
+
+
+@lru_cache(maxsize=256)
+def plan_mxfp8(intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, trtllm: bool,
+               w13_scale_cols: int, w2_scale_cols: int, intermediate_alignment: Optional[int] = None,
+               hidden_alignment: Optional[int] = None) -> LayerPlan:
+    """MXFP8 (UE8M0 scale per 32 values, scales follow their rows).
+
+    TRT-LLM: pad (I 128, H 256; padded scales 127 = UE8M0 1.0), swap, gated interleave,
+    shuffle (tile 128); scales also 128x4-swizzled. CUTLASS: swap weights and scales.
+    """
+    p = projections(is_act_and_mul)
+    if not trtllm:
+        return LayerPlan(_swap(p * intermediate, hidden, is_act_and_mul), None,
+                         _swap(p * intermediate, w13_scale_cols, is_act_and_mul), None,
+                         intermediate, hidden, intermediate, hidden, "MXFP8 CUTLASS")
+    if w13_scale_cols < 1 or hidden % w13_scale_cols:
+        raise LayoutError(
+            f"hidden {hidden} is not a whole number of scale blocks for {w13_scale_cols} scale columns "
+            f"(MXFP8 has one UE8M0 scale per 32 values)")
+    da, dh = default_alignments("mxfp8", "trtllm", is_act_and_mul, is_gated)
+    block = hidden // w13_scale_cols
+    pad = plan_align(intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or da, hidden_alignment or dh,
+                     scale_block=block, scale_fill=FORMATS["mxfp8"].scale_fill, w13_scale_cols=w13_scale_cols,
+                     w2_scale_cols=w2_scale_cols, description="align_mxfp8_moe_weights_for_fi_trtllm")
+    ip, hp = pad.padded_intermediate, pad.padded_hidden
+    shuffle = plan_shuffle_mxfp8(p * ip, hp, ip, is_gated, hp // block, ip // block)
+    return LayerPlan(
+        chain(pad.w13, _swap(p * ip, hp, is_act_and_mul), shuffle.w13), chain(pad.w2, shuffle.w2),
+        chain(pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul), shuffle.w13_scale),
+        chain(pad.w2_scale, shuffle.w2_scale), intermediate, hidden, ip, hp, "MXFP8 TRT-LLM",
+    )
+
+
+# ----------------------------------------------------------------------------- by format and backend
+@dataclass(frozen=True)
+class Recipe:
+    """What one (format, backend) does to a layer; ``id`` is what converted files record."""
+
+    fmt: str
+    backend: str
+    description: str
+
+    @property
+    def id(self) -> str:
+        return recipe_id(self.fmt, self.backend)
+
+
+def recipe_id(fmt: str, backend: str) -> str:
+    return f"{fmt}/{backend}"
+
+
+RECIPES: dict[str, Recipe] = {
+    r.id: r for r in (
+        Recipe("bf16", "trtllm", "W31 swap, gated interleave, epilogue shuffle 128, BlockMajorK 128 B"),
+        Recipe("bf16", "cutlass", "W31 swap"),
+        Recipe("fp8", "trtllm", "pad I, W31 swap, gated interleave, epilogue shuffle 128"),
+        Recipe("fp8", "cutlass", "pad I, W31 swap"),
+        Recipe("fp8-block", "trtllm", "W31 swap (weights and block scales), epilogue shuffle 64, BlockMajorK 128 B"),
+        Recipe("fp8-block", "cutlass", "W31 swap (weights and block scales)"),
+        Recipe("mxfp8", "trtllm", "pad I/H (scales 127), W31 swap, gated interleave, shuffle 128, scales 128x4"),
+        Recipe("mxfp8", "cutlass", "W31 swap (weights and scales)"),
+        Recipe("nvfp4", "trtllm", "pad, W31 swap, gated interleave, shuffle 128, scales 128x4"),
+        Recipe("nvfp4", "cutlass", "pad, W31 swap (weights and scales)"),
+        Recipe("mxfp4", "trtllm", "pad, W31 swap, gated interleave, shuffle 128, scales 128x4"),
+        Recipe("mxfp4", "cutlass", "pad, W31 swap (weights and scales)"),
+    )
+}
+
+
+def _check_whole_blocks(fmt: str, intermediate: int, hidden: int) -> None:
+    spec = FORMATS[fmt]
+    if not spec.vector_scaled:
+        return
+    for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):
+        if size % spec.scale_block:
+            raise LayoutError(
+                f"{fmt}: {what} {size} is not a multiple of {spec.scale_block} (one block scale per "
+                f"{spec.scale_block} values), so no {fmt} checkpoint holds it",
+                fix="a tensor-parallel shard must keep whole scale blocks; choose another TP size")
+
+
+@lru_cache(maxsize=256)
+def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_and_mul: bool = True,
+               is_gated: bool = True, intermediate_alignment: Optional[int] = None,
+               hidden_alignment: Optional[int] = None) -> LayerPlan:
+    """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
+
+    ``intermediate``/``hidden`` are the per-rank checkpoint sizes (values). Alignments
+    default to :func:`default_alignments`; pass others to try what the tuner recommends.
+    """
+    if fmt not in weight_formats():
+        raise LayoutError(f"unknown format {fmt!r}", fix=f"choose one of {', '.join(weight_formats())}")
+    if backend not in BACKENDS:
+        raise LayoutError(f"unknown backend {backend!r}", fix=f"choose one of {', '.join(BACKENDS)}")
+    _check_whole_blocks(fmt, intermediate, hidden)
+    p = projections(is_act_and_mul)
+    trt = backend == "trtllm"
+    if fmt in ("fp8", "fp8-block", "mxfp8"):
+        return _plan_fp8_family(fmt, trt, intermediate, hidden, is_act_and_mul, is_gated,
+                                intermediate_alignment, hidden_alignment)
+    da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated)
+    ia, ha = intermediate_alignment or da, hidden_alignment or dh
+    if fmt == "bf16":
+        pad = plan_align(intermediate, hidden, 2, is_act_and_mul, ia, ha)
+        ip, hp = pad.padded_intermediate, pad.padded_hidden
+        if trt:
+            inner = plan_trtllm_bf16_block_layout(p * ip, hp, ip, is_gated)
+            w13, w2 = inner.w13, inner.w2
+        else:
+            w13, w2 = _swap(p * ip, 2 * hp, is_act_and_mul), None
+        return LayerPlan(chain(pad.w13, w13), chain(pad.w2, w2), None, None, intermediate, hidden, ip, hp,
+                         f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}")
+    block = FORMATS[fmt].scale_block
+    pad = plan_align_fp4(intermediate, hidden, is_act_and_mul, ia, ha, block)
+    ip, hp = pad.padded_intermediate, pad.padded_hidden
+    name = f"{fmt.upper()} {'TRT-LLM' if trt else 'CUTLASS'}"
+    if not trt:
+        return LayerPlan(chain(pad.w13, _swap(p * ip, hp // 2, is_act_and_mul)), pad.w2,
+                         chain(pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul)), pad.w2_scale,
+                         intermediate, hidden, ip, hp, name)
+    inner = plan_fp4_trtllm_weights(ip, hp, is_act_and_mul, is_gated, block)
+    return LayerPlan(chain(pad.w13, inner.w13), chain(pad.w2, inner.w2), chain(pad.w13_scale, inner.w13_scale),
+                     chain(pad.w2_scale, inner.w2_scale), intermediate, hidden, ip, hp, name)
+
+
+def _fp8_inner(fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool,
+               is_gated: bool) -> LayerPlan:
+    p = projections(is_act_and_mul)
+    if fmt == "fp8":
+        return plan_fp8_per_tensor(intermediate, hidden, is_act_and_mul, is_gated, trt)
+    if fmt == "mxfp8":
+        block = FORMATS["mxfp8"].scale_block
+        return plan_mxfp8(intermediate, hidden, is_act_and_mul, is_gated, trt, hidden // block, intermediate // block)
+    rows = FORMATS["fp8-block"].scale_block_rows
+    cols = FORMATS["fp8-block"].scale_block
+    scale_bytes = FORMATS["fp8-block"].scale_itemsize
+    return plan_fp8_block(intermediate, hidden, is_act_and_mul, trt, -(-p * intermediate // rows),
+                          -(-hidden // cols) * scale_bytes, rows)
+
+
+def _plan_fp8_family(fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool,
+                     intermediate_alignment: Optional[int], hidden_alignment: Optional[int]) -> LayerPlan:
+    """FP8 per-tensor, DeepSeek FP8 block and MXFP8, with optional extra padding of the weights first."""
+    if not (intermediate_alignment or hidden_alignment):
+        return _fp8_inner(fmt, trt, intermediate, hidden, is_act_and_mul, is_gated)
+    padded = plan_align(intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or 1, hidden_alignment or 1)
+    if padded.w13 is not None and fmt != "fp8":
+        raise LayoutError(f"custom alignments for {fmt} scales are not supported yet", fix="use the default rules")
+    inner = _fp8_inner(fmt, trt, padded.padded_intermediate, padded.padded_hidden, is_act_and_mul, is_gated)
+    return LayerPlan(chain(padded.w13, inner.w13), chain(padded.w2, inner.w2), inner.w13_scale, inner.w2_scale,
+                     intermediate, hidden, inner.padded_intermediate, inner.padded_hidden, inner.description)
