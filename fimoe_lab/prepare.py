@@ -13,8 +13,9 @@ values per byte (``(E, P*I, H/2)``, ``(E, H, I/2)``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -118,14 +119,28 @@ class _LayerAccess:
 
 # --------------------------------------------------------------------------- checks
 _projections = recipes.projections
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _check_w13_w2(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool, what: str,
+def _boundary(fn: F) -> F:
+    """Public drop-in: a :class:`FimoeError` raised anywhere below gets this function's name as context."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FimoeError as exc:
+            raise exc.within(fn.__name__) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _check_w13_w2(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool,
                   packed_fp4: bool = False) -> tuple[int, int, int]:
     """Return ``(E, intermediate, hidden)`` in values (not bytes); raise on mismatched shapes."""
     check_same_device(w13=w13, w2=w2)
     if w13.ndim != 3 or w2.ndim != 3:
-        raise LayoutError(f"{what}: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must both be 3-D (experts, rows, cols)")
+        raise LayoutError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must both be 3-D (experts, rows, cols)")
     per_byte = 2 if packed_fp4 else 1
     num_experts, hidden, intermediate = w2.shape[0], w2.shape[1], w2.shape[2] * per_byte
     p = _projections(is_act_and_mul)
@@ -133,37 +148,33 @@ def _check_w13_w2(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool, wha
     if tuple(w13.shape) != expected:
         layout = "[gate; up] stacked" if is_act_and_mul else "a single projection"
         raise LayoutError(
-            f"{what}: w13 has shape {tuple(w13.shape)} but w2 {tuple(w2.shape)} implies {expected} "
+            f"w13 has shape {tuple(w13.shape)} but w2 {tuple(w2.shape)} implies {expected} "
             f"(is_act_and_mul={is_act_and_mul}: {layout}, intermediate={intermediate}, hidden={hidden}"
             f"{', two FP4 values per byte' if packed_fp4 else ''})"
         )
     return num_experts, intermediate, hidden
 
 
-def _check_itemsize(t: torch.Tensor, size: int, what: str, expectation: str) -> None:
-    if t.element_size() != size:
-        raise LayoutError(f"{what} must be {expectation} ({size}-byte elements), got {t.dtype}")
-
-
-def _check_fp8_weights(what: str, **weights: torch.Tensor) -> None:
+def _check_fp8_weights(**weights: torch.Tensor) -> None:
     """Same device, 3-D ``(experts, rows, cols)``, 1-byte elements."""
     check_same_device(**weights)
     for name, t in weights.items():
         if t.ndim != 3:
-            raise LayoutError(f"{what}: {name} must be (experts, rows, cols), got {tuple(t.shape)}")
-        _check_itemsize(t, 1, f"{what}: {name}", "FP8 E4M3")
+            raise LayoutError(f"{name} must be (experts, rows, cols), got {tuple(t.shape)}")
+        if t.element_size() != 1:
+            raise LayoutError(f"{name} must be FP8 E4M3 (1-byte elements), got {t.dtype}")
 
 
-def _scale_cols(scale: torch.Tensor, rows: int, what: str) -> int:
+def _scale_cols(scale: torch.Tensor, rows: int, name: str) -> int:
     """Columns of a block-scale matrix given 3-D ``(E, rows, cols)`` or flattened ``(E, rows*cols)``."""
     if scale.ndim not in (2, 3):
-        raise LayoutError(f"{what} has shape {tuple(scale.shape)}; expected (E, rows, cols) or flattened (E, rows*cols)")
+        raise LayoutError(f"{name} has shape {tuple(scale.shape)}; expected (E, rows, cols) or flattened (E, rows*cols)")
     if scale.ndim == 3 and scale.shape[1] != rows:
-        raise LayoutError(f"{what} has {scale.shape[1]} rows ({tuple(scale.shape)}), but its weight has {rows} rows")
+        raise LayoutError(f"{name} has {scale.shape[1]} rows ({tuple(scale.shape)}), but its weight has {rows} rows")
     per_expert = scale[0].numel() if scale.shape[0] else 0
     if per_expert == 0 or per_expert % rows:
         raise LayoutError(
-            f"{what} has shape {tuple(scale.shape)}: {per_expert} scales per expert is not a multiple of "
+            f"{name} has shape {tuple(scale.shape)}: {per_expert} scales per expert is not a multiple of "
             f"the weight's {rows} rows"
         )
     return per_expert // rows
@@ -173,6 +184,7 @@ def _scale_cols(scale: torch.Tensor, rows: int, what: str) -> int:
 plan_align_moe_weights = recipes.plan_align
 
 
+@_boundary
 def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool,
                              min_alignment: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Pad the intermediate size to a multiple of ``min_alignment`` (gate and up separately).
@@ -181,7 +193,7 @@ def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul
     (gated) or 128 (non-gated); tensor parallelism often breaks that (e.g. 1856 / 8).
     Returns ``(w13 (E, P*Ip, H), w2 (E, H, Ip), Ip)``; the inputs when already aligned.
     """
-    _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul, "align_moe_weights_for_fi")
+    _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul)
     plan = plan_align_moe_weights(intermediate, hidden, w13.element_size(), is_act_and_mul, min_alignment,
                                   description="align_moe_weights_for_fi")
     out13, out2, _, _ = plan.apply(w13, w2)
@@ -191,6 +203,7 @@ def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul
 plan_align_fp4_moe_weights = recipes.plan_align_fp4
 
 
+@_boundary
 def align_fp4_moe_weights_for_fi(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                                  w2_scale: torch.Tensor, is_act_and_mul: bool, min_alignment: int = 16):
     """Pad packed-FP4 weights and their per-16 block scales along the intermediate dim.
@@ -199,14 +212,13 @@ def align_fp4_moe_weights_for_fi(w13: torch.Tensor, w13_scale: torch.Tensor, w2:
     ``w2_scale (E, H, I/16)``; padded weights and scales are 0. Returns
     ``(w13, w13_scale, w2, w2_scale, Ip)``.
     """
-    what = "align_fp4_moe_weights_for_fi"
-    _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul, what, packed_fp4=True)
+    _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul, packed_fp4=True)
     check_same_device(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
     p = _projections(is_act_and_mul)
     for name, t, shape in (("w13_scale", w13_scale, (w13.shape[0], p * intermediate, hidden // 16)),
                            ("w2_scale", w2_scale, (w2.shape[0], hidden, intermediate // 16))):
         if tuple(t.shape) != shape:
-            raise LayoutError(f"{what}: {name} has shape {tuple(t.shape)}, expected {shape} (one scale per 16 FP4 values)")
+            raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape} (one scale per 16 FP4 values)")
     plan = plan_align_fp4_moe_weights(intermediate, hidden, is_act_and_mul, min_alignment)
     o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)
     return o13, o13s, o2, o2s, plan.padded_intermediate
@@ -230,17 +242,19 @@ def plan_align_mxfp8_moe_weights(intermediate: int, hidden: int, is_act_and_mul:
     )
 
 
-def _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, is_act_and_mul, what) -> tuple[int, int]:
+def _mxfp8_scale_cols(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                      is_act_and_mul: bool) -> tuple[int, int]:
     p = _projections(is_act_and_mul)
     for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         if t.dtype != torch.uint8:
-            raise LayoutError(f"{what}: {name} must be UE8M0 exponent bytes (torch.uint8), got {t.dtype}")
+            raise LayoutError(f"{name} must be UE8M0 exponent bytes (torch.uint8), got {t.dtype}")
         if t.shape[0] != w13.shape[0]:
-            raise LayoutError(f"{what}: {name} has {t.shape[0]} experts, weights have {w13.shape[0]}")
-    return (_scale_cols(w13_scale, p * w2.shape[2], f"{what}: w13_scale"),
-            _scale_cols(w2_scale, w2.shape[1], f"{what}: w2_scale"))
+            raise LayoutError(f"{name} has {t.shape[0]} experts, weights have {w13.shape[0]}")
+    return (_scale_cols(w13_scale, p * w2.shape[2], "w13_scale"),
+            _scale_cols(w2_scale, w2.shape[1], "w2_scale"))
 
 
+@_boundary
 def align_mxfp8_moe_weights_for_fi_trtllm(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                                           w2_scale: torch.Tensor, is_act_and_mul: bool, min_alignment: int,
                                           hidden_alignment: int):
@@ -250,40 +264,42 @@ def align_mxfp8_moe_weights_for_fi_trtllm(w13: torch.Tensor, w2: torch.Tensor, w
     nothing. Scales 3-D ``(E, rows, cols)`` or flattened ``(E, rows*cols)`` keep their
     layout. Returns ``(w13, w2, w13_scale, w2_scale, Ip, Hp)``.
     """
-    what = "align_mxfp8_moe_weights_for_fi_trtllm"
-    _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul, what)
+    _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul)
     check_same_device(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
-    c13, c2 = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, is_act_and_mul, what)
+    c13, c2 = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, is_act_and_mul)
     plan = plan_align_mxfp8_moe_weights(intermediate, hidden, is_act_and_mul, c13, c2, min_alignment, hidden_alignment)
     o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)
     return o13, o2, o13s, o2s, plan.padded_intermediate, plan.padded_hidden
 
 
 # --------------------------------------------------------------------------- swaps and shuffles
+@_boundary
 def swap_w13_to_w31(x: torch.Tensor) -> torch.Tensor:
     """``[gate; up] -> [up; gate]`` along the second-to-last dim (any leading dims), new tensor.
 
     FlashInfer's gated kernels read W31; checkpoints store W13.
     """
     if x.ndim < 2:
-        raise LayoutError(f"swap_w13_to_w31 needs (..., 2*I, cols), got shape {tuple(x.shape)}")
+        raise LayoutError(f"needs (..., 2*I, cols), got shape {tuple(x.shape)}")
     rows, cols = x.shape[-2], x.shape[-1]
     m = steps.swap_w13_to_w31_rows(rows, cols * x.element_size())
     return apply_map(m, x.reshape(-1, rows, cols) if x.is_contiguous() else x, "swap_w13_to_w31 input").reshape(x.shape)
 
 
+@_boundary
 def shuffle_deepseek_fp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek FP8 block-scale weights into TRT-LLM's shuffled BlockMajorK layout.
 
     ``(E, M, K) -> (E, K/128, M, 128)`` FP8 for each of w13 and w2 (rows shuffled for
     epilogue tile 64, then 128-byte K blocks). Needs M % 16 == 0 and K % 128 == 0.
     """
-    _check_fp8_weights("shuffle_deepseek_fp8_moe_weights", w13=w13, w2=w2)
+    _check_fp8_weights(w13=w13, w2=w2)
     plan = plan_shuffle_deepseek_fp8(w13.shape[1], w2.shape[1], w2.shape[2])
     o13, o2, _, _ = plan.apply(w13, w2)
     return o13.view(torch.float8_e4m3fn), o2.view(torch.float8_e4m3fn)
 
 
+@_boundary
 def shuffle_mxfp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                               w2_scale: torch.Tensor, is_gated: bool):
     """MXFP8 weights and UE8M0 scales into the TRT-LLM layout (no padding, no swap).
@@ -292,11 +308,10 @@ def shuffle_mxfp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor, w13_scale: to
     the same rows, then the 128x4 swizzle, returned in the input's shape (3-D or
     flattened; the reference mis-indexes flattened scales, this does not).
     """
-    what = "shuffle_mxfp8_moe_weights"
-    _check_fp8_weights(what, w13=w13, w2=w2)
+    _check_fp8_weights(w13=w13, w2=w2)
     check_same_device(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
-    c13 = _scale_cols(w13_scale, w13.shape[1], f"{what}: w13_scale")
-    c2 = _scale_cols(w2_scale, w2.shape[1], f"{what}: w2_scale")
+    c13 = _scale_cols(w13_scale, w13.shape[1], "w13_scale")
+    c2 = _scale_cols(w2_scale, w2.shape[1], "w2_scale")
     plan = plan_shuffle_mxfp8(w13.shape[1], w2.shape[1], w2.shape[2], is_gated, c13, c2)
     o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)
     return o13.view(torch.float8_e4m3fn), o2.view(torch.float8_e4m3fn), o13s, o2s
@@ -315,6 +330,7 @@ def _apply_in_place(pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_exp
         return [m.apply_(t, scratch_experts) for m, t, _ in pairs]
 
 
+@_boundary
 def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights: torch.Tensor, gemm2_weights: torch.Tensor,
                                                     is_gated_activation: bool,
                                                     scratch_experts: Optional[int] = None) -> None:
@@ -325,14 +341,14 @@ def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights: torch.Tensor,
     Extra memory: ``scratch_experts`` experts (default 2% of E). Both tensors are
     checked before either is touched.
     """
-    _check_fp8_weights("rotate_weights_for_fi_trtllm_fp8_per_tensor_moe", gemm1_weights=gemm1_weights,
-                       gemm2_weights=gemm2_weights)
+    _check_fp8_weights(gemm1_weights=gemm1_weights, gemm2_weights=gemm2_weights)
     plan = plan_rotate_fp8_per_tensor(gemm1_weights.shape[1], gemm1_weights.shape[2], gemm2_weights.shape[2],
                                       is_gated_activation)
     _apply_in_place([(plan.w13, gemm1_weights, "gemm1_weights"), (plan.w2, gemm2_weights, "gemm2_weights")],
                     scratch_experts)
 
 
+@_boundary
 def convert_moe_weights_to_flashinfer_trtllm_block_layout(cache_permute_indices: dict, w13_weight: torch.Tensor,
                                                           w2_weight: torch.Tensor, is_gated_act_gemm: bool = True,
                                                           scratch_experts: Optional[int] = None):
@@ -345,15 +361,14 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(cache_permute_indices:
     W13, shuffle for W2), so a caller sharing the dict with FlashInfer stays consistent;
     our maps are cached by shape anyway.
     """
-    what = "convert_moe_weights_to_flashinfer_trtllm_block_layout"
     if w13_weight.dtype != torch.bfloat16 or w2_weight.dtype != torch.bfloat16:
         raise LayoutError(
-            f"{what}: the unquantized TRT-LLM MoE backend needs bfloat16 weights, got w13 {w13_weight.dtype} and "
+            f"the unquantized TRT-LLM MoE backend needs bfloat16 weights, got w13 {w13_weight.dtype} and "
             f"w2 {w2_weight.dtype}; cast with .to(torch.bfloat16) first"
         )
     check_same_device(w13_weight=w13_weight, w2_weight=w2_weight)
     if w13_weight.ndim != 3 or w2_weight.ndim != 3:
-        raise LayoutError(f"{what}: weights must be (experts, rows, cols), got {tuple(w13_weight.shape)} and {tuple(w2_weight.shape)}")
+        raise LayoutError(f"weights must be (experts, rows, cols), got {tuple(w13_weight.shape)} and {tuple(w2_weight.shape)}")
     plan = plan_trtllm_bf16_block_layout(w13_weight.shape[1], w13_weight.shape[2], w2_weight.shape[2], is_gated_act_gemm)
     m13, k13 = w13_weight.shape[1], w13_weight.shape[2] * 2
     flashinfer_w13_rows = recipes.chain(steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
@@ -366,6 +381,7 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(cache_permute_indices:
 
 
 # --------------------------------------------------------------------------- the layer entry point
+@_boundary
 def plan_fp8_moe_layer(spec: MoELayerSpec | Any, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                        w2_scale: torch.Tensor, is_trtllm: bool = False) -> LayerPlan:
     """The plan :func:`prepare_fp8_moe_layer_for_fi` runs, chosen from the layer and the scales' dtype.
@@ -378,24 +394,21 @@ def plan_fp8_moe_layer(spec: MoELayerSpec | Any, w13: torch.Tensor, w2: torch.Te
       interleave and shuffle (tile 128).
     """
     layer = spec if isinstance(spec, _LayerAccess) else _LayerAccess(spec)
-    what = "prepare_fp8_moe_layer_for_fi"
-    _check_fp8_weights(what, w13=w13, w2=w2)
-    _, intermediate, hidden = _check_w13_w2(w13, w2, layer.is_act_and_mul, what)
+    _check_fp8_weights(w13=w13, w2=w2)
+    _, intermediate, hidden = _check_w13_w2(w13, w2, layer.is_act_and_mul)
     act_and_mul, gated = layer.is_act_and_mul, layer.is_gated
-    try:
-        if layer.block_size is None:
-            return recipes.plan_fp8_per_tensor(intermediate, hidden, act_and_mul, gated, is_trtllm)
-        if w13_scale.dtype == torch.uint8:  # MXFP8: UE8M0 exponent bytes
-            c13, c2 = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, act_and_mul, what)
-            return recipes.plan_mxfp8(intermediate, hidden, act_and_mul, gated, is_trtllm, c13, c2)
-        if w13_scale.ndim != 3:
-            raise LayoutError(f"block scales must be 3-D (E, rows/block, cols/block), got w13_scale {tuple(w13_scale.shape)}")
-        return recipes.plan_fp8_block(intermediate, hidden, act_and_mul, is_trtllm, w13_scale.shape[1],
-                                      w13_scale.shape[2] * w13_scale.element_size(), layer.block_size[0])
-    except FimoeError as exc:
-        raise exc.within(what) from None
+    if layer.block_size is None:
+        return recipes.plan_fp8_per_tensor(intermediate, hidden, act_and_mul, gated, is_trtllm)
+    if w13_scale.dtype == torch.uint8:  # MXFP8: UE8M0 exponent bytes
+        c13, c2 = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, act_and_mul)
+        return recipes.plan_mxfp8(intermediate, hidden, act_and_mul, gated, is_trtllm, c13, c2)
+    if w13_scale.ndim != 3:
+        raise LayoutError(f"block scales must be 3-D (E, rows/block, cols/block), got w13_scale {tuple(w13_scale.shape)}")
+    return recipes.plan_fp8_block(intermediate, hidden, act_and_mul, is_trtllm, w13_scale.shape[1],
+                                  w13_scale.shape[2] * w13_scale.element_size(), layer.block_size[0])
 
 
+@_boundary
 def prepare_fp8_moe_layer_for_fi(layer: Any, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                                  w13_input_scale: Optional[torch.Tensor], w2_scale: torch.Tensor,
                                  w2_input_scale: Optional[torch.Tensor], is_trtllm: bool = False):
@@ -410,8 +423,8 @@ def prepare_fp8_moe_layer_for_fi(layer: Any, w13: torch.Tensor, w2: torch.Tensor
     access = _LayerAccess(layer)
     block_quant = access.block_size is not None
     if is_trtllm and not block_quant and (w13_input_scale is None or w2_input_scale is None):
-        raise LayoutError("prepare_fp8_moe_layer_for_fi: the FP8 per-tensor TRT-LLM path needs w13_input_scale and w2_input_scale")
-    plan = plan_fp8_moe_layer(access, w13, w2, w13_scale, w2_scale, is_trtllm)
+        raise LayoutError("the FP8 per-tensor TRT-LLM path needs w13_input_scale and w2_input_scale")
+    plan = plan_fp8_moe_layer.__wrapped__(access, w13, w2, w13_scale, w2_scale, is_trtllm)
     o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)
     if plan.description == "MXFP8 TRT-LLM":
         access.set_sizes(plan.padded_intermediate, plan.padded_hidden)

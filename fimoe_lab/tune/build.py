@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -389,7 +390,6 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
         env["FIMOE_HIDE_FLASHINFER_CUBIN"] = "1"
     log_path = vdir / "build.log"
     t0 = time.time()
-    so_path = None
     bar = None
     if progress:
         print(f"[fimoe_lab] building {MODULE_NAME} for sm_100a with {env['MAX_JOBS']} jobs "
@@ -400,10 +400,14 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
         except ImportError:
             bar = None
     with open(log_path, "w") as log:
+        # The driver and the compilers it starts get a session of their own, so that on any
+        # exit of ours (error, interrupt, SIGTERM from a time limit) we end exactly them.
         p = subprocess.Popen([sys.executable, "-c", _DRIVER], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, bufsize=1)
+                             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
         assert p.stdout is not None
         stop = threading.Event()
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous_term = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
 
         def heartbeat():  # single steps take up to ~10 min (ptxas): keep the clock moving
             while not stop.wait(2.0 if bar is not None else 60.0):
@@ -412,26 +416,14 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
                 elif progress:
                     print(f"... still compiling ({time.time() - t0:.0f}s)", flush=True)
         threading.Thread(target=heartbeat, daemon=True).start()
-        for line in p.stdout:
-            log.write(line)
-            log.flush()
-            if line.startswith("FIMOE_SO="):
-                so_path = json.loads(line[len("FIMOE_SO="):])
-            m = re.match(r"\[(\d+)/(\d+)\]\s*(\S*)", line)
-            if m and progress:
-                done, total = int(m.group(1)), int(m.group(2))
-                src = re.findall(r"(\w+)\.(?:cu|cpp)\b", line)
-                what = src[-1] if src else ("link" if done == total else "")
-                # ninja (not on a terminal) prints an edge when it *finishes*
-                if bar is not None:
-                    bar.total = total
-                    bar.n = done
-                    bar.set_postfix_str(f"finished {what} at {time.time() - t0:.0f}s")
-                    bar.refresh()
-                else:
-                    print(f"[{done}/{total}] finished {what} ({time.time() - t0:.0f}s)", flush=True)
-        rc = p.wait()
-        stop.set()
+        try:
+            rc = _follow_build(p, log, bar, progress, t0)
+        finally:
+            stop.set()
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous_term)
+            _end_session(p)
+        so_path = _so_path_from_log(log_path)
     if bar is not None:
         bar.n = bar.total or 0
         bar.close()
@@ -450,6 +442,53 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
     if progress:
         print(f"[fimoe_lab] built in {secs / 60:.1f} min: {so_path} ({man.so_bytes / 1e6:.1f} MB)", flush=True)
     return man
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _end_session(p: subprocess.Popen) -> None:
+    """End the build driver's session (the driver, ninja, the compilers): only what we started."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _so_path_from_log(log_path: Path) -> Optional[str]:
+    """The module path the driver printed (``FIMOE_SO=<json>``), or None."""
+    found = None
+    for line in Path(log_path).read_text(errors="replace").splitlines():
+        if line.startswith("FIMOE_SO="):
+            found = json.loads(line[len("FIMOE_SO="):])
+    return found
+
+
+def _follow_build(p: subprocess.Popen, log, bar, progress: bool, t0: float) -> int:
+    """Copy the driver's output to ``log`` and show ninja's progress; return its exit code."""
+    for line in p.stdout:
+        log.write(line)
+        log.flush()
+        m = re.match(r"\[(\d+)/(\d+)\]\s*(\S*)", line)
+        if m and progress:
+            done, total = int(m.group(1)), int(m.group(2))
+            src = re.findall(r"(\w+)\.(?:cu|cpp)\b", line)
+            what = src[-1] if src else ("link" if done == total else "")
+            # ninja (not on a terminal) prints an edge when it *finishes*
+            if bar is not None:
+                bar.total = total
+                bar.n = done
+                bar.set_postfix_str(f"finished {what} at {time.time() - t0:.0f}s")
+                bar.refresh()
+            else:
+                print(f"[{done}/{total}] finished {what} ({time.time() - t0:.0f}s)", flush=True)
+    return p.wait()
 
 
 def _kernel_set_in_subprocess(env: dict) -> str:
