@@ -390,6 +390,26 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
         env["FIMOE_HIDE_FLASHINFER_CUBIN"] = "1"
     log_path = vdir / "build.log"
     t0 = time.time()
+    rc, so_path = _run_build_driver(env, log_path, progress, t0)
+    if rc or not so_path or not Path(so_path).exists():
+        tail = "".join(open(log_path).readlines()[-40:])
+        raise BuildError(f"building {MODULE_NAME} failed (exit {rc}); last lines of {log_path}:\n{tail}")
+    secs = time.time() - t0
+    man = Manifest(
+        so_path=so_path, shim_path=str(shim),
+        flashinfer_version=pre.flashinfer_version or "",
+        cubin_version=(pre.flashinfer_version + " (kernel list fetched)") if fetch_kernel_list else (pre.cubin_version or ""),
+        kernel_set=_kernel_set_in_subprocess(env), build_seconds=round(secs, 1),
+        so_bytes=Path(so_path).stat().st_size, cuda_home=pre.cuda_home,
+    )
+    (vdir / MANIFEST).write_text(man.to_json())
+    if progress:
+        print(f"[fimoe_lab] built in {secs / 60:.1f} min: {so_path} ({man.so_bytes / 1e6:.1f} MB)", flush=True)
+    return man
+
+
+def _run_build_driver(env: dict, log_path: Path, progress: bool, t0: float) -> tuple[int, Optional[str]]:
+    """Run the FlashInfer JIT build in a session of its own; return (exit code, module path or None)."""
     bar = None
     if progress:
         print(f"[fimoe_lab] building {MODULE_NAME} for sm_100a with {env['MAX_JOBS']} jobs "
@@ -427,21 +447,7 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
     if bar is not None:
         bar.n = bar.total or 0
         bar.close()
-    if rc or not so_path or not Path(so_path).exists():
-        tail = "".join(open(log_path).readlines()[-40:])
-        raise BuildError(f"building {MODULE_NAME} failed (exit {rc}); last lines of {log_path}:\n{tail}")
-    secs = time.time() - t0
-    man = Manifest(
-        so_path=so_path, shim_path=str(shim),
-        flashinfer_version=pre.flashinfer_version or "",
-        cubin_version=(pre.flashinfer_version + " (kernel list fetched)") if fetch_kernel_list else (pre.cubin_version or ""),
-        kernel_set=_kernel_set_in_subprocess(env), build_seconds=round(secs, 1),
-        so_bytes=Path(so_path).stat().st_size, cuda_home=pre.cuda_home,
-    )
-    (vdir / MANIFEST).write_text(man.to_json())
-    if progress:
-        print(f"[fimoe_lab] built in {secs / 60:.1f} min: {so_path} ({man.so_bytes / 1e6:.1f} MB)", flush=True)
-    return man
+    return rc, so_path
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
