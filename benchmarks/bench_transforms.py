@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from fimoe_lab import kernels  # noqa: E402
-from fimoe_lab.kernels import exec_form, execute, execute_in_place  # noqa: E402
+from fimoe_lab.kernels import execute, execute_in_place  # noqa: E402
 from fimoe_lab.prepare import plan_layer  # noqa: E402
 
 # name: (experts, hidden, intermediate, [(fmt, label, plan_layer kwargs)])
@@ -168,7 +168,7 @@ def flashinfer_fn(label, tensor, m):
 
 # ------------------------------------------------------------------ one transform
 def bench_one(preset, label, tensor, m, experts, dev, args):
-    em = exec_form(m)
+    em = m.compiled()
     g = torch.Generator(device=dev).manual_seed(1234)
     x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device=dev, generator=g)
     out = torch.empty((experts, m.out_bytes), dtype=torch.uint8, device=dev)
@@ -183,7 +183,7 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
 
     def measure_copy():
         t = timeit(lambda: dst.copy_(x), dev, args.repeats, warmup=2)
-        if dev.type == "cpu" and kernels._HAS_NUMBA:
+        if dev.type == "cpu" and kernels.EXECUTORS["numba"].available(dev):
             from fimoe_lab.kernels.numba_gather import parallel_copy
             xa, da = x.view(-1).numpy(), dst.view(-1).numpy()
             t = min(t, timeit(lambda: parallel_copy(xa, da), dev, args.repeats, warmup=2))
@@ -194,7 +194,7 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
     ref = Uint8Gather(m, dev)
     if dev.type == "cuda":
         copy = measure_copy()
-        t = timeit(lambda: execute(m, x, out), dev, args.repeats, warmup=2)
+        t = timeit(lambda: execute(em, x, out), dev, args.repeats, warmup=2)
         copy_after = measure_copy()
         rec["copy_gbps"] = max(copy, copy_after) / 1e9
         rec["copy_spread"] = abs(copy - copy_after) / max(copy, copy_after)
@@ -205,25 +205,25 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
         from fimoe_lab.kernels.numba_gather import parallel_copy
         xa, da = x.view(-1).numpy(), dst.view(-1).numpy()
         copies = [lambda: dst.copy_(x), lambda: parallel_copy(xa, da)]
-        for f in copies + [lambda: execute(m, x, out)]:
+        for f in copies + [lambda: execute(em, x, out)]:
             f()
         tc, to = [], []
         for _ in range(args.repeats):
             tc.append(min(timeit(f, dev, 1, warmup=0) for f in copies))
-            to.append(timeit(lambda: execute(m, x, out), dev, 1, warmup=0))
+            to.append(timeit(lambda: execute(em, x, out), dev, 1, warmup=0))
         t = statistics.median(to)
         rec["copy_gbps"] = 2 * nin / statistics.median(tc) / 1e9
         rec["ours_gbps"] = moved / t / 1e9
         rec["ratio"] = statistics.median([moved * c / (2 * nin * o) for c, o in zip(tc, to)])
     del dst
     rec["ours_ms"] = t * 1e3
-    rec["peak_extra_bytes"] = peak_extra(lambda: execute(m, x, torch.empty_like(out)), dev)
+    rec["peak_extra_bytes"] = peak_extra(lambda: execute(em, x, torch.empty_like(out)), dev)
     if rec["peak_extra_bytes"] is None:
         rec["peak_extra_bytes"] = nout + em.src.nbytes  # the output and the int32 index
     rec["bit_exact_vs_uint8_gather"] = bool(torch.equal(out, ref(x)))
     for other in kernels.available_backends(dev):
         if other != backend:
-            t2 = timeit(lambda: execute(m, x, out, backend=other), dev, args.repeats, warmup=1)
+            t2 = timeit(lambda: execute(em, x, out, backend=other), dev, args.repeats, warmup=1)
             rec[f"{other}_gbps"] = moved / t2 / 1e9
             rec[f"{other}_ratio"] = rec[f"{other}_gbps"] / rec["copy_gbps"]
 
@@ -231,17 +231,17 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
     if m.is_permutation and not args.no_inplace:
         dflt = kernels.default_scratch_experts(experts)
         y = x.clone()
-        execute_in_place(m, y, dflt)
+        execute_in_place(em, y, dflt)
         rec["inplace_bit_exact"] = bool(torch.equal(y, out))
         for sc, key in ((dflt, "inplace"), (2, "inplace2"), (1, "inplace1")):
             if key != "inplace" and (sc >= dflt or dev.type == "cpu"):
                 continue
-            t = timeit(lambda: execute_in_place(m, y, sc), dev, max(3, args.repeats // 2), warmup=1)
+            t = timeit(lambda: execute_in_place(em, y, sc), dev, max(3, args.repeats // 2), warmup=1)
             rec[f"{key}_scratch_experts"] = sc
             rec[f"{key}_gbps"] = moved / t / 1e9
             rec[f"{key}_ratio"] = rec[f"{key}_gbps"] / rec["copy_gbps"]
             em._dev.clear()  # the plan's indices are allocated again: counted in the peak
-            pk = peak_extra(lambda: execute_in_place(m, y, sc), dev)
+            pk = peak_extra(lambda: execute_in_place(em, y, sc), dev)
             rec[f"{key}_peak_extra_bytes"] = pk if pk is not None else sc * m.in_bytes + em.src.nbytes
         del y
 
@@ -293,7 +293,7 @@ def sweep(presets, dev, args):
         for fmt, label, kw in fmts:
             plan = plan_layer(fmt, "trtllm", inter, hidden, **kw)
             for tensor, m in plan.maps().items():
-                em = exec_form(m)
+                em = m.compiled()
                 if experts * m.in_bytes < (64 << 20):  # too small to time reliably; not scored
                     continue
                 kind = "rows" if em.cell_bytes >= 16 else "words"
@@ -356,14 +356,14 @@ def map_build_times(layers=58, experts=256, hidden=7168, inter=2048):
             plan = plan_fp8_moe_layer(MoELayerSpec(inter, hidden, weight_block_size=block), w13, w2, s13, s2,
                                       is_trtllm=True)
             for m in plan.maps().values():
-                exec_form(m)
+                m.compiled()
         out[f"deepseek-v3/{fmt}"] = time.perf_counter() - t
     for fmt in ("nvfp4", "bf16"):
         clear()
         t = time.perf_counter()
         for _ in range(layers):
             for m in plan_layer(fmt, "trtllm", inter, hidden).maps().values():
-                exec_form(m)
+                m.compiled()
         out[f"deepseek-v3-shape/{fmt}"] = time.perf_counter() - t
     return out
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from fimoe_lab.kernels import default_scratch_experts, exec_form, execute, execute_in_place  # noqa: E402
+from fimoe_lab.kernels import default_scratch_experts, execute, execute_in_place  # noqa: E402
 from fimoe_lab.prepare import plan_layer  # noqa: E402
 
 from bench_transforms import peak_extra, timeit  # noqa: E402  (same timing rule as the benchmark)
@@ -49,15 +49,16 @@ def main():
     sweep = [(f"b{bw}/{ps}/{nw}", {"inplace": "bands", "band_words": bw, "band_per_sm": ps, "band_warps": nw})
              for bw, ps, nw in itertools.product((32, 64, 128, 256), (8, 32), (4, 8))] if args.sweep else []
     for name, m, experts in cases():
-        if args.sweep and exec_form(m).swizzle is None:
+        em = m.compiled()
+        if args.sweep and em.swizzle is None:
             continue
         x = torch.randint(0, 256, (7, m.in_bytes), dtype=torch.uint8, device="cuda")
         want = torch.empty_like(x)
-        execute(m, x, want)
-        swz = exec_form(m).swizzle is not None
+        execute(em, x, want)
+        swz = em.swizzle is not None
         for (sname, cfg), sc in itertools.product(strategies + (sweep if swz else []), (1, 2, 3)):
             y = x.clone()
-            execute_in_place(m, y, sc, config=cfg)
+            execute_in_place(em, y, sc, config=cfg)
             torch.cuda.synchronize()
             assert torch.equal(y, want), (name, sname, sc)
         x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device="cuda")
@@ -67,9 +68,9 @@ def main():
         sc = default_scratch_experts(experts)
         out = [f"{name:<28} {x.numel() / 1e9:6.2f} GB copy {copy / 1e9:5.0f} GB/s"]
         for sname, cfg in strategies + (sweep if swz else []):
-            t = timeit(lambda: execute_in_place(m, x, sc, config=cfg), CUDA, 7)
-            exec_form(m)._dev.clear()
-            pk = peak_extra(lambda: execute_in_place(m, x, sc, config=cfg), CUDA)
+            t = timeit(lambda: execute_in_place(em, x, sc, config=cfg), CUDA, 7)
+            em._dev.clear()
+            pk = peak_extra(lambda: execute_in_place(em, x, sc, config=cfg), CUDA)
             out.append(f"{sname}={2 * x.numel() / t / copy:.3f}({pk / 1e6:.0f}MB)")
         print(" ".join(out), flush=True)
         del x

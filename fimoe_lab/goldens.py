@@ -1,15 +1,19 @@
 """Replay reference cases recorded from FlashInfer on a real GPU against our functions.
 
-A golden file (``torch.load``) is a list of cases: ``name``, ``fn`` (the reference
+A golden set is two files, no pickle: ``NAME.json``, a list of cases, and
+``NAME.safetensors``, their tensors (every tensor in the JSON is ``{"tensor": KEY}``
+naming an entry of it; tuples are lists). A case has ``name``, ``fn`` (the reference
 function; ``prep`` = ``prepare_fp8_moe_layer_for_fi`` on a layer built from
 ``lay_args = (is_act_and_mul, intermediate, hidden, weight_block_size, is_gated)``),
-``inputs`` (tensors stored as ``{"dtype", "u8"}`` byte views or ``{"dtype", "t"}``),
-``outputs`` and ``error`` (the reference's exception, when it raised). Outputs are
-compared byte for byte. A case the reference crashed on must succeed here.
+``inputs`` (tensors as ``{"dtype", "u8"}`` byte views or ``{"dtype", "t"}``), ``outputs``
+and ``error`` (the reference's exception, when it raised). Outputs are compared byte for
+byte. A case the reference crashed on must succeed here. Pickled ``.pt`` golden files are
+refused: unpickling runs code from the file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +23,16 @@ from typing import Any, Optional
 import torch
 
 from fimoe_lab import prepare
+from fimoe_lab.errors import FimoeError
 
 __all__ = ["GoldenResult", "default_golden_paths", "load_cases", "run_case"]
 
 
 def default_golden_paths() -> list[Path]:
-    """Golden files: ``$FIMOE_GOLDENS`` (file or folder), else ``shared/goldens`` beside the checkout."""
+    """Golden sets (their ``.json``): ``$FIMOE_GOLDENS`` (file or folder), else ``shared/goldens`` beside the checkout.
+
+    In a folder, every ``*.json`` with a ``.safetensors`` of the same name beside it.
+    """
     env = os.environ.get("FIMOE_GOLDENS")
     if env:
         roots = [Path(env)]
@@ -36,15 +44,39 @@ def default_golden_paths() -> list[Path]:
         if root.is_file():
             found.append(root)
         elif root.is_dir():
-            found.extend(sorted(root.glob("*.pt")))
+            found.extend(p for p in sorted(root.glob("*.json")) if p.with_suffix(".safetensors").is_file())
         if found:
             break
     return found
 
 
+def _resolve(value: Any, tensors: Any) -> Any:
+    """``value`` with every ``{"tensor": KEY}`` replaced by that safetensors entry."""
+    if isinstance(value, dict):
+        if set(value) == {"tensor"}:
+            return tensors.get_tensor(value["tensor"])
+        return {k: _resolve(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve(v, tensors) for v in value]
+    return value
+
+
 def load_cases(path: Path | str) -> list[dict]:
-    """The cases of one golden file."""
-    return torch.load(path, weights_only=False, map_location="cpu")
+    """The cases of one golden set, given its ``.json`` (or its ``.safetensors``), tensors loaded."""
+    path = Path(path)
+    if path.suffix not in (".json", ".safetensors"):
+        raise FimoeError(f"{path}: golden files are read as JSON + safetensors, not {path.suffix or 'this file'} "
+                         f"(a pickle would run code from the file)",
+                         fix=f"pass {path.with_suffix('.json')} with {path.with_suffix('.safetensors').name} beside it")
+    data, blobs = path.with_suffix(".json"), path.with_suffix(".safetensors")
+    for p in (data, blobs):
+        if not p.is_file():
+            raise FimoeError(f"{p} does not exist; a golden set is NAME.json + NAME.safetensors",
+                             fix="put both files of the set in one folder")
+    from safetensors import safe_open
+
+    with safe_open(str(blobs), framework="pt") as tensors:
+        return _resolve(json.loads(data.read_text()), tensors)
 
 
 def decode(value: Any) -> Any:

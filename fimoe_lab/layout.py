@@ -413,11 +413,23 @@ class IndexMap:
             )
         return self.out_shape[:-1] + (self.out_shape[-1] // itemsize,)
 
-    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compiled(self):
+        """The executable form the kernels run (:class:`fimoe_lab.kernels.compiled.ExecMap`):
+        this map over its widest cells, with its fast forms recognised (:mod:`fimoe_lab.compile`).
+        Built on first use, then cached on the map."""
+        if "exec" not in self._cache:
+            from fimoe_lab.compile import compile_map
+
+            self._cache["exec"] = compile_map(self)
+        return self._cache["exec"]
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
         """Gather all experts at once: ``(E, *in_shape) -> (E, *out_shape)`` (same dtype).
 
         Works on any dtype (bytes move); CPU and CUDA. ``out`` may be given to write
-        into an existing buffer of the output shape and dtype.
+        into an existing buffer of the output shape and dtype; it must not overlap ``x``
+        (use :meth:`apply_` to transform in place). ``backend`` forces an executor
+        (:func:`fimoe_lab.kernels.available_backends`); by default the registry picks.
         """
         from fimoe_lab.kernels import execute
 
@@ -427,10 +439,10 @@ class IndexMap:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         elif tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
             raise LayoutError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, got {tuple(out.shape)} {out.dtype}")
-        execute(self, x, out)
+        execute(self.compiled(), x, out, backend)
         return out
 
-    def apply_(self, x: torch.Tensor, scratch_experts: int | None = None) -> torch.Tensor:
+    def apply_(self, x: torch.Tensor, scratch_experts: int | None = None, backend: str | None = None) -> torch.Tensor:
         """Apply a size-preserving permutation in place with a scratch of a few experts.
 
         Returns a view of ``x``'s storage with the output shape. Only maps that move
@@ -446,7 +458,7 @@ class IndexMap:
                 f"{self.name} pads or drops bytes ({self.in_shape} -> {self.out_shape} bytes), so it "
                 f"cannot run in place; use apply() to get a new tensor"
             )
-        execute_in_place(self, x, scratch_experts)
+        execute_in_place(self.compiled(), x, scratch_experts, backend)
         return x.view(x.shape[0], -1).view((x.shape[0],) + self.out_elements(x.element_size()))
 
 

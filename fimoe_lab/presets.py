@@ -7,16 +7,18 @@ the 1024-wide MoE latent, not the 4096 model width).  ``moe_intermediate`` is pe
 expert and per projection (gate and up each have that many rows), before tensor
 parallelism.
 
-Formats are fimoe_lab format names (see ``fimoe_lab.tune.oracle.FORMATS``):
-``checkpoint_formats`` are what the published checkpoints hold, ``serving_formats``
-are the formats people realistically serve the model in on Blackwell.
+Formats and activations are rows of :mod:`fimoe_lab.specs` (checked when a preset is
+made): ``checkpoint_formats`` are what the published checkpoints hold (weight formats),
+``serving_formats`` the formats people realistically serve the model in on Blackwell
+(tuner formats); ``activation`` is a name in ``specs.ACTIVATIONS``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-ACTIVATIONS = ("swiglu", "relu2", "geglu")
+from fimoe_lab.errors import FormatError, LayoutError
+from fimoe_lab.specs import get_activation, tuner_formats, weight_formats
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class ModelPreset:
         moe_intermediate: per-expert intermediate size (one projection), TP 1.
         experts: routed experts per layer (shared experts are not in the fused MoE).
         top_k: experts per token.
-        activation: "swiglu", "relu2" or "geglu".
+        activation: a name in ``specs.ACTIVATIONS`` (swiglu, geglu, relu2, ...).
         checkpoint_formats: formats of the published checkpoints.
         serving_formats: realistic serving formats on Blackwell (TRTLLM-Gen kernels).
         model_hidden: the model's residual width when it differs from ``hidden``.
@@ -49,16 +51,26 @@ class ModelPreset:
     notes: str = ""
     source: str = ""
 
+    def __post_init__(self) -> None:
+        get_activation(self.activation)
+        for formats, known, what in ((self.checkpoint_formats, weight_formats(), "checkpoint"),
+                                     (self.serving_formats, tuner_formats(), "serving")):
+            unknown = [f for f in formats if f not in known]
+            if unknown:
+                raise FormatError(f"preset {self.name!r}: unknown {what} format(s) {', '.join(unknown)}",
+                                  fix=f"choose from {', '.join(known)}")
+
     @property
     def is_gated(self) -> bool:
-        """True for SwiGLU/GeGLU (W13 holds gate and up), False for ReLU^2 (W1 only)."""
-        return self.activation in ("swiglu", "geglu")
+        """True for gated activations (SwiGLU/GeGLU: W13 holds gate and up), False for ReLU^2 (W1 only)."""
+        return get_activation(self.activation).gated
 
     def local_intermediate(self, tp: int) -> int:
-        """Intermediate size per rank under tensor parallelism ``tp`` (experts are not split)."""
+        """Intermediate size per rank under tensor parallelism ``tp``: ``moe_intermediate / tp`` (experts are not split)."""
         if tp < 1 or self.moe_intermediate % tp:
-            raise ValueError(f"{self.name}: moe_intermediate {self.moe_intermediate} "
-                             f"is not divisible by tp={tp}")
+            divisors = [t for t in (1, 2, 4, 8, 16) if self.moe_intermediate % t == 0]
+            raise LayoutError(f"{self.name}: moe_intermediate {self.moe_intermediate} is not divisible by tp={tp}",
+                              fix=f"choose a tensor-parallel size that divides it ({', '.join(map(str, divisors))})")
         return self.moe_intermediate // tp
 
 
@@ -168,8 +180,8 @@ PRESETS: dict[str, ModelPreset] = {p.name: p for p in [
 
 
 def get_preset(name: str) -> ModelPreset:
-    """Preset by name (case-insensitive); the error lists the valid names."""
+    """Preset by name (case-insensitive); :class:`~fimoe_lab.errors.FormatError` listing the valid names otherwise."""
     key = name.strip().lower()
     if key not in PRESETS:
-        raise KeyError(f"unknown model preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
+        raise FormatError(f"unknown model preset {name!r}", fix=f"choose one of {', '.join(sorted(PRESETS))}")
     return PRESETS[key]

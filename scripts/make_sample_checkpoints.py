@@ -1,4 +1,4 @@
-"""Generate the small sample checkpoints in ``data/checkpoints/`` (seeded, deterministic).
+"""Generate the small sample checkpoints in ``fimoe_lab/data/samples/`` (seeded, deterministic).
 
 Each sample is a real-format checkpoint of one naming convention (see
 ``fimoe_lab/checkpoints/conventions.py``): ``config.json`` with the model's real keys
@@ -15,7 +15,8 @@ shared expert) so that readers must pick the experts out. Interesting cases on p
   TP 4 (not % 64), 40 at TP 8 (cuts a 16-value scale block).
 - ``gpt-oss-mxfp4``: interleaved gate/up, biases; TP 4/8 cut a 32-value scale block.
 
-Run: ``python scripts/make_sample_checkpoints.py [OUT_DIR]`` (default ``data/checkpoints``).
+Run: ``python scripts/make_sample_checkpoints.py [OUT_DIR]`` (default: the package's samples,
+``fimoe_lab/data/samples``).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from fimoe_lab import formats  # noqa: E402
+from fimoe_lab import formats, resources  # noqa: E402
 from fimoe_lab.checkpoints import conventions  # noqa: E402
 from fimoe_lab.checkpoints.reader import MoELayer  # noqa: E402
 
-DEFAULT_OUT = ROOT / "data" / "checkpoints"
+DEFAULT_OUT = resources.samples_dir()
 DEAD_SCALE = 5e-20
 
 _DEEPSEEK = {

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Record a tactic snapshot from the live oracle into data/tactics/.
+"""Record a tactic snapshot from the live oracle into fimoe_lab/data/tactics/.
 
-Covers every preset x every format (nvfp4 with and without per-token scaling)
-x TP 1/2/4/8 x intermediate alignments none/16/32/64/128/256 x hidden alignments
-none/256/512/1024 x tokens 1/8/64/512/4096/16384, plus the DESIGN §5 reference points.
+Covers every preset x every tuner format (``specs.tuner_formats()``; nvfp4 with and
+without per-token scaling) x TP 1/2/4/8 x the sweep's alignment grid (intermediate
+none/16/32/64/128/256 x hidden none/256/512/1024, plus ``fimoe-lab convert``'s default
+pair, :func:`fimoe_lab.tune.sweep.paddings`) x tokens 1/8/64/512/4096/16384, plus the
+DESIGN §5 reference points.
 Stores, per distinct query shape, the number of configs per tile_N (not the config
 lists), or the error FlashInfer raised.  The file is named after the FlashInfer version
 and the kernel-set hash: tactics-fi<version>-<kernel set hash>.json.gz.
@@ -25,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fimoe_lab.presets import PRESETS  # noqa: E402
-from fimoe_lab.tune.oracle import FORMATS, TacticOracle, TacticQuery, snapshot_dir  # noqa: E402
+from fimoe_lab.specs import FORMATS, tuner_formats  # noqa: E402
+from fimoe_lab.tune.oracle import TacticOracle, TacticQuery, snapshot_dir  # noqa: E402
 from fimoe_lab.tune.sweep import HIDDEN_ALIGNS, INTER_ALIGNS, TOKENS, TPS, queries_for  # noqa: E402
 
 
@@ -57,9 +60,10 @@ def all_queries() -> list[TacticQuery]:
                 out.append(q)
 
     for p in PRESETS.values():
-        for fmt in FORMATS:                      # every format, not only the serving ones
-            layouts = (None, "major-k") if FORMATS[fmt].default_layout == "block-major-k" else (None,)
-            for pt in ((False, True) if fmt == "nvfp4" else (False,)):
+        for fmt in tuner_formats():              # every format, not only the serving ones
+            tactics = FORMATS[fmt].tactics
+            layouts = (None, "major-k") if tactics.default_layout == "block-major-k" else (None,)
+            for pt in ((False, True) if tactics.per_token_ok else (False,)):
                 for layout in layouts:
                     for tp in TPS:
                         if p.moe_intermediate % tp:
@@ -71,7 +75,7 @@ def all_queries() -> list[TacticQuery]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", help="output file (default: data/tactics/tactics-fi<ver>-<kset>.json.gz)")
+    ap.add_argument("--out", help="output file (default: fimoe_lab/data/tactics/tactics-fi<ver>-<kset>.json.gz)")
     a = ap.parse_args(argv)
     oracle = TacticOracle(mode="live")
     src = oracle.source()

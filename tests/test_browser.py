@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from fimoe_lab import resources
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "01_layout_tour.ipynb"
 BUDGET_S = 110
@@ -101,12 +103,12 @@ def test_tour_widgets_render_and_respond(tmp_path):
     _need(chromium is not None, "no chromium binary on PATH")
     from playwright.sync_api import sync_playwright
 
-    from fimoe_lab.viz.cli import free_port, jupyterlab_command
+    from fimoe_lab.cli.lab import free_port, jupyterlab_command
 
     artifacts = Path(os.environ.get("FIMOE_ARTIFACTS", ROOT / "test-artifacts"))
     artifacts.mkdir(parents=True, exist_ok=True)
     work = tmp_path / "notebooks"
-    shutil.copytree(ROOT / "notebooks", work)  # JupyterLab saves into its copy, never the repo's
+    shutil.copytree(resources.notebooks_dir(), work)  # JupyterLab saves into its copy, never the repo's
     port = free_port()
     argv, env = jupyterlab_command(work, port, tmp_path / "state", open_browser=False)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

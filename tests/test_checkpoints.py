@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fimoe_lab import resources
 from fimoe_lab.checkpoints import CheckpointError, open_checkpoint, sample_path
 from scripts import make_sample_checkpoints as gen
 
@@ -66,7 +67,7 @@ def test_sample_reads_as_generated(sample):
 
 
 def test_sample_data_is_small_and_regenerates_identically(tmp_path):
-    shipped = Path(gen.DEFAULT_OUT)
+    shipped = resources.samples_dir()
     total = sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file())
     assert 1e6 < total < 8e6, total
     gen.main([str(tmp_path)])
@@ -159,7 +160,7 @@ def test_tp_shards_tile_the_full_layer():
 
 @pytest.mark.parametrize("sample,tp,rank,words", [
     ("mixtral-bf16", 3, 0, ["tp=3 does not divide the intermediate size 464"]),
-    ("deepseek-v3-fp8", 4, 0, ["intermediate 64 per rank", "128", "Fix: tp in [1, 2]"]),
+    ("deepseek-v3-fp8", 4, 0, ["intermediate 64 per rank", "128", "(fix: tp in [1, 2]"]),
     ("deepseek-r1-nvfp4", 8, 0, ["intermediate 40 per rank", "16-value NVFP4"]),
     ("gpt-oss-mxfp4", 8, 5, ["rank 5 gets no intermediate rows", "10 MXFP4 blocks"]),
     ("qwen3-moe-bf16", 2, 2, ["rank 2 of 2 is not valid"]),
@@ -169,6 +170,7 @@ def test_tp_misalignment_is_a_clear_error(sample, tp, rank, words):
         ck.read_layer(ck.moe_layers[0], tp, rank)
     for w in words:
         assert w in str(info.value)
+    assert info.value.fix  # every refusal says how to fix it
 
 
 # ---------------------------------------------------------------------------- bad input

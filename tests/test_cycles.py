@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fimoe_lab.kernels import exec_form
 from fimoe_lab.kernels.cycles import cycle_order, plan_permutation
 from fimoe_lab.prepare import plan_layer
 
@@ -66,7 +65,7 @@ def test_identity_moves_nothing():
                                       ("nvfp4", "w13_scale"), ("mxfp8", "w2_scale"), ("bf16", "w13")])
 @pytest.mark.parametrize("tile", [1, 5, 128])
 def test_layer_maps(fmt, name, tile):
-    em = exec_form(plan_layer(fmt, "trtllm", 256, 512).maps()[name])
+    em = plan_layer(fmt, "trtllm", 256, 512).maps()[name].compiled()
     check(em.src.astype(np.int64), tile, 1)
 
 

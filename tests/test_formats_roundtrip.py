@@ -197,9 +197,16 @@ def test_matrix_formats_reject_a_vector(fmt):
 
 
 def test_registry_names_and_errors():
-    assert ALL == ("fp8", "fp8-block", "mxfp8", "nvfp4", "nvfp4-per-token", "mxfp4")
-    with pytest.raises(ValueError, match="unknown quantization format 'fp6'; known: fp8, fp8-block"):
+    assert sorted(ALL) == sorted(("fp8", "fp8-block", "mxfp8", "nvfp4", "nvfp4-per-token", "mxfp4"))
+    assert len(set(ALL)) == len(ALL)
+    with pytest.raises(ValueError, match=r"unknown quantization format 'fp6' \(fix: choose one of fp8, fp8-block"):
         formats.get("fp6")
+    with pytest.raises(ValueError, match="unknown quantization format 'bf16'"):  # a format, but no quantizer
+        formats.get("bf16")
+    for name in ALL:  # the table row, whose block size the quantizer writes
+        q = formats.get(name).quantize(torch.randn(2, 128, 256))
+        assert formats.get(name).name == q.fmt == name and q.block_size == formats.get(name).block_size
+        assert formats.get(name).packed == (q.values.shape[-1] == 128)
     q = formats.get("fp8").quantize(torch.randn(2, 32))
     with pytest.raises(ValueError, match="format 'fp8', expected 'mxfp8'"):
         formats.get("mxfp8").dequantize(q)

@@ -8,14 +8,19 @@ No timing here: benchmarks/bench_transforms.py measures speed.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from conftest import coords, random_bytes
 from fimoe_lab import kernels
-from fimoe_lab.kernels import InPlaceError, exec_form, execute, execute_in_place
+from fimoe_lab.errors import FormatError, LayoutError
+from fimoe_lab.kernels import EXECUTORS, InPlaceError, available_backends, execute, execute_in_place
 from fimoe_lab.prepare import MoELayerSpec, plan_fp8_moe_layer, plan_layer, plan_fp4_trtllm_weights
 
 HAS_NUMBA = importlib.util.find_spec("numba") is not None
@@ -69,7 +74,7 @@ def structured(m, experts: int) -> torch.Tensor:
 
 def run(m, x, backend):
     out = torch.full((x.shape[0], m.out_bytes), 0xAB, dtype=torch.uint8, device=x.device)
-    execute(m, x, out, backend=backend)
+    execute(m.compiled(), x, out, backend=backend)
     return out
 
 
@@ -82,13 +87,12 @@ def test_bit_exact_structured_and_random(m, backend):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int32])
-def test_dtypes_and_apply(backend, dtype, monkeypatch):
+def test_dtypes_and_apply(backend, dtype):
     """``IndexMap.apply`` on typed tensors goes through the chosen backend bit-exactly."""
-    monkeypatch.setenv("FIMOE_EXECUTOR", backend)
     m = plan_layer("bf16", "trtllm", 256, 256).w13
     size = torch.empty((), dtype=dtype).element_size()
     x = random_bytes((2,) + m.in_shape[:-1] + (m.in_shape[-1] // size,), dtype, seed=3)
-    y = m.apply(x)
+    y = m.apply(x, backend=backend)
     assert y.dtype == dtype
     assert torch.equal(y.reshape(2, -1).view(torch.uint8), reference(m, x))
 
@@ -110,45 +114,196 @@ def test_in_place_matches_out_of_place(backend, experts, scratch):
               plan_layer("nvfp4", "trtllm", 256, 512).w13_scale, plan_layer("bf16", "trtllm", 256, 256).w2):
         for x in (random_bytes((experts, m.in_bytes), torch.uint8, seed=experts), structured(m, experts)):
             want = reference(m, x)
-            execute_in_place(m, x, scratch, backend=backend)
+            execute_in_place(m.compiled(), x, scratch, backend=backend)
             assert torch.equal(x, want)
 
 
-def test_in_place_error_midway_restores_input(monkeypatch):
+GATHERS = {"torch": ("torch_gather", "gather_torch"), "numba": ("numba_gather", "gather_numba")}
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_in_place_error_midway_restores_input(monkeypatch, backend):
+    """copy-then-gather: the third chunk's gather half-writes its experts, then fails."""
+    module = importlib.import_module(f"fimoe_lab.kernels.{GATHERS[backend][0]}")
+    real = getattr(module, GATHERS[backend][1])
     m = plan_layer("fp8-block", "trtllm", 256, 512).w13
     x = random_bytes((6, m.in_bytes), torch.uint8, seed=11)
     before = x.clone()
-    real = kernels.execute
     calls = {"n": 0}
 
-    def flaky(mm, a, b, backend=None):
+    def flaky(em, a, b):
         calls["n"] += 1
         if calls["n"] == 3:  # third chunk: after two chunks are already in the output layout
             b.view(torch.uint8).fill_(0x5A)  # half-written chunk
             raise MemoryError("injected")
-        return real(mm, a, b, backend)
+        return real(em, a, b)
 
-    monkeypatch.setattr(kernels, "execute", flaky)
+    monkeypatch.setattr(module, GATHERS[backend][1], flaky)
     with pytest.raises(InPlaceError) as info:
-        execute_in_place(m, x, 1)
+        execute_in_place(m.compiled(), x, 1, backend=backend, config={"inplace": "copy-then-gather"})
     assert info.value.restored and isinstance(info.value.__cause__, MemoryError)
+    assert calls["n"] > 3  # the undo ran (through the inverse map)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")
+def test_in_place_cycles_error_midway_restores_input(monkeypatch):
+    """numba cycle plan: a failure after the first chunk of experts is undone."""
+    from fimoe_lab.kernels import numba_gather
+
+    m = plan_layer("fp8", "trtllm", 256, 2048).w13  # rows of 2048 bytes: the cycle plan runs
+    assert EXECUTORS["numba"].strategy(m.compiled()).name == "cycles"
+    x = structured(m, 5)
+    before = x.clone()
+    real, fired = numba_gather.inplace_cycles_numba, []
+
+    def flaky(em, flat, chunk):
+        for item in real(em, flat, chunk):
+            yield item
+            if not fired:
+                fired.append(item[0])
+                raise RuntimeError("injected between chunks")
+
+    monkeypatch.setattr(numba_gather, "inplace_cycles_numba", flaky)
+    with pytest.raises(InPlaceError) as info:
+        execute_in_place(m.compiled(), x, 1, backend="numba")
+    assert fired and fired[0] > 0 and info.value.restored
     assert torch.equal(x, before)
 
 
 def test_in_place_rejects_size_change():
     m = plan_layer("fp8", "trtllm", 232, 320, is_act_and_mul=False, is_gated=False).w13
-    with pytest.raises(ValueError):
-        execute_in_place(m, torch.zeros(2, m.in_bytes, dtype=torch.uint8), 1)
+    with pytest.raises(LayoutError, match="only a permutation"):
+        execute_in_place(m.compiled(), random_bytes((2, m.in_bytes), torch.uint8, seed=2), 1)
 
 
-def test_dispatch(monkeypatch):
-    monkeypatch.delenv("FIMOE_EXECUTOR", raising=False)
+def test_dispatch():
     assert kernels.pick_backend("cpu", 1 << 30) == ("numba" if HAS_NUMBA else "torch")
     assert kernels.pick_backend("cpu", 10) == "torch"
-    monkeypatch.setenv("FIMOE_EXECUTOR", "torch")
-    assert kernels.pick_backend("cpu", 1 << 30) == "torch"
-    with pytest.raises(ValueError):
-        execute(plan_layer("bf16", "trtllm", 256, 256).w2, torch.zeros(1, 1), torch.zeros(1, 1), backend="nope")
+    assert kernels.pick_backend("meta", 1 << 30) == "torch"
+
+
+def test_registry_availability_on_cpu():
+    assert available_backends("cpu") == (["numba"] if HAS_NUMBA else []) + ["torch"]
+    assert available_backends("meta") == ["torch"]
+    assert "numba" not in available_backends("cuda") and "torch" in available_backends("cuda")
+    assert not EXECUTORS["triton"].available("cpu")
+    for name in available_backends("cpu"):
+        assert EXECUTORS[name].available(torch.device("cpu"))
+
+
+def test_unknown_or_unavailable_backend_names_the_registered_ones():
+    m = plan_layer("bf16", "trtllm", 256, 256).w2
+    x = random_bytes((1, m.in_bytes), torch.uint8, seed=4)
+    out = torch.empty(1, m.out_bytes, dtype=torch.uint8)
+    with pytest.raises(FormatError, match="unknown executor backend 'nope'") as info:
+        execute(m.compiled(), x, out, backend="nope")
+    assert all(name in str(info.value) for name in EXECUTORS)
+    with pytest.raises(FormatError, match="cannot run on cpu"):
+        execute(m.compiled(), x, out, backend="triton")
+    with pytest.raises(FormatError, match="unknown in-place strategy 'bands' for the torch executor"):
+        execute_in_place(m.compiled(), x, 1, backend="torch", config={"inplace": "bands"})
+    with pytest.raises(FormatError, match="unknown executor backend"):
+        m.apply(x.view((1,) + m.in_shape), backend="nope")
+
+
+@pytest.mark.parametrize("m", all_maps())
+def test_forced_backend_equals_default_byte_for_byte(m):
+    x = structured(m, 3)
+    default = run(m, x, None)
+    assert torch.equal(default, reference(m, x))
+    for backend in available_backends("cpu"):
+        assert torch.equal(run(m, x, backend), default), backend
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_every_in_place_strategy_equals_out_of_place(backend):
+    for m in (plan_layer("fp8", "trtllm", 256, 2048).w13, plan_layer("nvfp4", "trtllm", 256, 512).w13_scale):
+        em = m.compiled()
+        want = reference(m, structured(m, 4))
+        for strategy in ["auto"] + [s.name for s in EXECUTORS[backend].in_place]:
+            x = structured(m, 4)
+            execute_in_place(em, x, 1, backend=backend, config={"inplace": strategy})
+            assert torch.equal(x, want), strategy
+
+
+def test_auto_in_place_strategy_follows_the_preference_rules():
+    rows = plan_layer("fp8", "trtllm", 256, 2048).w13.compiled()  # 2048-byte cells
+    blocks = plan_layer("fp8-block", "trtllm", 256, 512).w13.compiled()  # 128-byte cells
+    scales = plan_layer("nvfp4", "trtllm", 256, 512).w13_scale.compiled()  # swizzle form
+    assert [EXECUTORS["numba"].strategy(em).name for em in (rows, blocks)] == ["cycles", "copy-then-gather"]
+    assert [EXECUTORS["triton"].strategy(em).name for em in (rows, scales)] == ["cycles", "bands"]
+    assert EXECUTORS["torch"].strategy(rows).name == "copy-then-gather"
+    with pytest.raises(LayoutError, match="128x4 scale swizzle"):
+        EXECUTORS["triton"].strategy(rows, "bands")
+
+
+def test_apply_refuses_an_out_that_overlaps_the_input():
+    m = plan_layer("fp8", "trtllm", 256, 512).w13  # a permutation: out has the input's shape
+    x = random_bytes((2,) + m.in_shape, torch.uint8, seed=8)
+    before = x.clone()
+    with pytest.raises(LayoutError, match="overlaps") as info:
+        m.apply(x, out=x)
+    assert "apply_" in str(info.value)
+    buf = random_bytes((3 * x.numel(),), torch.uint8, seed=9)
+    a, b = buf[: x.numel()].view(x.shape), buf[x.numel() // 2: x.numel() // 2 + x.numel()].view(x.shape)
+    with pytest.raises(LayoutError, match="overlaps"):
+        m.apply(a, out=b)
+    assert torch.equal(x, before)
+    c = buf[x.numel():2 * x.numel()].view(x.shape)  # adjacent, not overlapping: fine
+    assert torch.equal(m.apply(a, out=c).reshape(2, -1), reference(m, a))
+
+
+def test_executors_refuse_an_index_map_and_wrong_sizes():
+    m = plan_layer("bf16", "trtllm", 256, 256).w2
+    x = random_bytes((1, m.in_bytes), torch.uint8, seed=6)
+    with pytest.raises(LayoutError, match="run an ExecMap"):
+        execute(m, x, torch.empty(1, m.out_bytes, dtype=torch.uint8))
+    with pytest.raises(LayoutError, match="bytes per expert"):
+        execute(m.compiled(), x, torch.empty(1, m.out_bytes + 4, dtype=torch.uint8))
+
+
+def test_kernels_do_not_import_the_layout_side():
+    """The seam is one way: kernels run ExecMaps and never import maps, steps or plans."""
+    banned = ("fimoe_lab.layout", "fimoe_lab.steps", "fimoe_lab.plan", "fimoe_lab.compile", "fimoe_lab.recipes",
+              "fimoe_lab.prepare")
+    root = pathlib.Path(kernels.__file__).parent
+    files = sorted(root.glob("*.py"))
+    assert len(files) >= 6
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                package = "fimoe_lab.kernels".rsplit(".", node.level - 1)[0] if node.level else ""
+                base = ".".join(p for p in (package, node.module) if p)
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value]  # importlib.import_module("fimoe_lab....")
+            else:
+                continue
+            bad = [n for n in names if n.startswith(banned)]
+            assert not bad, f"{path.name}:{node.lineno} imports {bad}"
+    code = ("import sys, torch, fimoe_lab.kernels as k; import fimoe_lab.kernels.registry, fimoe_lab.kernels.cycles; "
+            "em = k.ExecMap('p', 4, 4, 2, 2, __import__('numpy').array([1, 0], 'int32'), (), False, 8, 8, True); "
+            "x = torch.arange(4, dtype=torch.int32).view(2, 2); o = torch.empty_like(x); k.execute(em, x, o, 'torch'); "
+            "assert o.tolist() == [[1, 0], [3, 2]], o; "
+            "print(sorted(m for m in sys.modules if m.startswith("
+            f"{banned!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_compiled_form_carries_its_inverse():
+    m = plan_layer("fp8-block", "trtllm", 256, 512).w13
+    em = m.compiled()
+    inv = em.inverse()
+    assert inv is em.inverse() and inv.in_bytes == em.out_bytes and inv.is_permutation
+    x = structured(m, 2)
+    y = run(m, x, "torch")
+    back = torch.empty_like(x)
+    execute(inv, y, back, "torch")
+    assert torch.equal(back, x)
 
 
 def test_maps_are_cached_not_rebuilt():
@@ -162,20 +317,20 @@ def test_maps_are_cached_not_rebuilt():
     a = plan_fp8_moe_layer(spec, w13, w2, s, s, is_trtllm=True)
     b = plan_fp8_moe_layer(MoELayerSpec(256, 512), w13, w2, s, s, is_trtllm=True)
     assert a.w13 is b.w13 and a.w2 is b.w2
-    assert exec_form(a.w13) is exec_form(b.w13)
+    assert a.w13.compiled() is b.w13.compiled()
 
 
-def test_exec_form_is_widest():
-    assert exec_form(plan_layer("fp8", "trtllm", 256, 512).w13).cell_bytes == 512  # whole rows
-    assert exec_form(plan_layer("fp8-block", "trtllm", 256, 512).w13).cell_bytes == 128  # K blocks
-    assert exec_form(plan_layer("nvfp4", "trtllm", 256, 512).w13_scale).cell_bytes == 4  # 4 scales of a row
+def test_compiled_form_is_widest():
+    assert plan_layer("fp8", "trtllm", 256, 512).w13.compiled().cell_bytes == 512  # whole rows
+    assert plan_layer("fp8-block", "trtllm", 256, 512).w13.compiled().cell_bytes == 128  # K blocks
+    assert plan_layer("nvfp4", "trtllm", 256, 512).w13_scale.compiled().cell_bytes == 4  # 4 scales of a row
 
 
 def test_fast_forms_are_recognised():
     """Padded row gathers and row-gather + swizzle maps get their dedicated kernels."""
     w2 = plan_layer("fp8", "trtllm", 232, 320, is_act_and_mul=False, is_gated=False).w2
-    em = exec_form(w2)
+    em = w2.compiled()
     assert em.padrows is not None and em.padrows[1:3] == (232, 256)
-    s = exec_form(plan_layer("nvfp4", "trtllm", 256, 512).w13_scale)
+    s = plan_layer("nvfp4", "trtllm", 256, 512).w13_scale.compiled()
     assert s.swizzle is not None and s.swizzle[1:] == (8, 512)
-    assert exec_form(plan_layer("fp8", "trtllm", 256, 512).w13).padrows is None
+    assert plan_layer("fp8", "trtllm", 256, 512).w13.compiled().padrows is None

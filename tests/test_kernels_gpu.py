@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fimoe_lab import kernels
-from fimoe_lab.kernels import InPlaceError, execute, execute_in_place
+from fimoe_lab.errors import LayoutError
+from fimoe_lab.kernels import InPlaceError, available_backends, execute, execute_in_place
 from fimoe_lab.prepare import plan_layer
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +62,7 @@ def test_gpu_bit_exact(m, backend):
     experts = 3 if m.in_bytes > (1 << 22) else 5
     for x in inputs(m, experts):
         out = torch.full((experts, m.out_bytes), 0xAB, dtype=torch.uint8, device="cuda")
-        execute(m, x, out, backend=backend)
+        execute(m.compiled(), x, out, backend=backend)
         torch.cuda.synchronize()
         assert torch.equal(out, reference(m, x))
 
@@ -72,14 +73,14 @@ def test_gpu_unaligned_and_typed(backend):
     raw = torch.randint(0, 256, (2 * m.in_bytes + 1,), dtype=torch.uint8, device="cuda")
     x = raw[1:].view(2, m.in_bytes)
     out = torch.empty(2, m.out_bytes, dtype=torch.uint8, device="cuda")
-    execute(m, x, out, backend=backend)
+    execute(m.compiled(), x, out, backend=backend)
     assert torch.equal(out, reference(m, x))
     xb = raw[:2 * m.in_bytes].view(torch.bfloat16).view((2,) + m.in_shape[:-1] + (m.in_shape[-1] // 2,))
-    assert torch.equal(m.apply(xb).reshape(2, -1).view(torch.uint8), reference(m, xb))
+    assert torch.equal(m.apply(xb, backend=backend).reshape(2, -1).view(torch.uint8), reference(m, xb))
 
 
 @pytest.mark.parametrize("backend,strategy", [("torch", None)] + (
-    [("triton", "auto"), ("triton", "cycles")] if "triton" in GPU_BACKENDS else []))
+    [("triton", "auto"), ("triton", "cycles"), ("triton", "copy-then-gather")] if "triton" in GPU_BACKENDS else []))
 @pytest.mark.parametrize("scratch", [1, 2, 3, None])
 def test_gpu_in_place(backend, strategy, scratch):
     cfg = {"inplace": strategy} if strategy else None
@@ -88,7 +89,7 @@ def test_gpu_in_place(backend, strategy, scratch):
               plan_layer("mxfp8", "trtllm", 256, 512).w13_scale):
         for x in inputs(m, 5):
             want = reference(m, x)
-            execute_in_place(m, x, scratch, backend=backend, config=cfg)
+            execute_in_place(m.compiled(), x, scratch, backend=backend, config=cfg)
             torch.cuda.synchronize()
             assert torch.equal(x, want)
 
@@ -100,7 +101,8 @@ def test_gpu_in_place_cycles_tile_sizes(tile_words, cycle_bw):
     for m in (plan_layer("fp8-block", "trtllm", 256, 512).w13, plan_layer("nvfp4", "trtllm", 256, 512).w13):
         for x in inputs(m, 4):
             want = reference(m, x)
-            execute_in_place(m, x, 1, config={"inplace": "cycles", "tile_words": tile_words, "cycle_bw": cycle_bw})
+            execute_in_place(m.compiled(), x, 1,
+                             config={"inplace": "cycles", "tile_words": tile_words, "cycle_bw": cycle_bw})
             torch.cuda.synchronize()
             assert torch.equal(x, want)
 
@@ -119,8 +121,8 @@ def test_gpu_in_place_bands(band_words, per_sm, warps):
         m = getattr(plan_layer(fmt, "trtllm", inter, hidden), name)  # 4, 6 and 5 bands; 2 to 8 words a row
         for x in inputs(m, 40):
             want = reference(m, x)
-            execute_in_place(m, x, 1, config={"inplace": "bands", "band_words": band_words, "band_per_sm": per_sm,
-                                              "band_warps": warps})
+            execute_in_place(m.compiled(), x, 1, config={"inplace": "bands", "band_words": band_words,
+                                                         "band_per_sm": per_sm, "band_warps": warps})
             torch.cuda.synchronize()
             assert torch.equal(x, want)
 
@@ -129,17 +131,17 @@ def test_gpu_in_place_bands(band_words, per_sm, warps):
 def test_gpu_in_place_bands_grid_refused_runs_cycles(monkeypatch):
     """A grid larger than the device holds at once (6000 programs; at most 32 an SM) is
     refused by the driver before anything moves: a warning, then the cycle plan."""
-    from fimoe_lab.kernels import exec_form, triton_gather
+    from fimoe_lab.kernels import triton_gather
 
     m = plan_layer("nvfp4", "trtllm", 256, 512).w13_scale  # one item an expert
-    exec_form(m)._dev.clear()
+    m.compiled()._dev.clear()
     monkeypatch.setattr(triton_gather, "_blocks_per_sm", lambda kernel, props: 10_000)
     x = inputs(m, 6000)[0]
     want = reference(m, x)
     with pytest.warns(RuntimeWarning, match="did not start"):
-        execute_in_place(m, x, 1, config={"band_per_sm": 10_000})
+        execute_in_place(m.compiled(), x, 1, config={"band_per_sm": 10_000})
     torch.cuda.synchronize()
-    exec_form(m)._dev.clear()
+    m.compiled()._dev.clear()
     assert torch.equal(x, want)
 
 
@@ -148,8 +150,8 @@ def test_gpu_in_place_bands_refuses_other_maps():
     m = plan_layer("fp8", "trtllm", 256, 512).w13
     x = torch.randint(0, 256, (2, m.in_bytes), dtype=torch.uint8, device="cuda")
     before = x.clone()
-    with pytest.raises(ValueError, match="128x4 scale swizzle"):
-        execute_in_place(m, x, 1, config={"inplace": "bands"})
+    with pytest.raises(LayoutError, match="128x4 scale swizzle"):
+        execute_in_place(m.compiled(), x, 1, config={"inplace": "bands"})
     assert torch.equal(x, before)
 
 
@@ -177,29 +179,41 @@ def test_gpu_in_place_error_midway_is_undone(monkeypatch, runner, fmt, tensor, s
 
     monkeypatch.setattr(triton_gather, runner, flaky)
     with pytest.raises(InPlaceError) as info:
-        execute_in_place(m, x, scratch, config=config)
+        execute_in_place(m.compiled(), x, scratch, config=config)
     assert fired and info.value.restored and torch.equal(x, before)
 
 
 def test_gpu_in_place_error_restores_torch_path(monkeypatch):
+    from fimoe_lab.kernels import torch_gather
+
     m = plan_layer("fp8-block", "trtllm", 256, 512).w13
     x = torch.randint(0, 256, (6, m.in_bytes), dtype=torch.uint8, device="cuda")
     before = x.clone()
-    real, calls = kernels.execute, {"n": 0}
+    real, calls = torch_gather.gather_torch, {"n": 0}
 
-    def flaky(mm, a, b, backend=None):
+    def flaky(em, a, b):
         calls["n"] += 1
         if calls["n"] == 3:
             b.fill_(0x5A)
             raise RuntimeError("injected")
-        return real(mm, a, b, backend)
+        return real(em, a, b)
 
-    monkeypatch.setattr(kernels, "execute", flaky)
+    monkeypatch.setattr(torch_gather, "gather_torch", flaky)
     with pytest.raises(InPlaceError) as info:
-        execute_in_place(m, x, 1, backend="torch")
+        execute_in_place(m.compiled(), x, 1, backend="torch")
     assert info.value.restored and torch.equal(x, before)
 
 
 def test_gpu_dispatch_prefers_triton():
     want = "triton" if "triton" in GPU_BACKENDS else "torch"
     assert kernels.pick_backend("cuda", 1 << 30) == want
+    assert available_backends("cuda") == GPU_BACKENDS[::-1]
+
+
+def test_gpu_apply_refuses_overlap_and_forced_backends_agree():
+    m = plan_layer("fp8", "trtllm", 256, 512).w13
+    x = inputs(m, 3)[0].view((3,) + m.in_shape)
+    with pytest.raises(LayoutError, match="apply_"):
+        m.apply(x, out=x)
+    outs = [m.apply(x, backend=b) for b in GPU_BACKENDS]
+    assert all(torch.equal(o, outs[0]) for o in outs) and torch.equal(outs[0].reshape(3, -1), reference(m, x))

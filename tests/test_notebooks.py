@@ -16,12 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fimoe_lab import resources
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ROOT / "notebooks"
+NOTEBOOKS = resources.notebooks_dir()
 CELL_TIMEOUT_S = 120
 
 

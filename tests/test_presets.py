@@ -3,8 +3,9 @@ import dataclasses
 
 import pytest
 
-from fimoe_lab.presets import PRESETS, get_preset
-from fimoe_lab.tune.oracle import ACTIVATIONS, FORMATS
+from fimoe_lab.errors import FormatError
+from fimoe_lab.presets import PRESETS, ModelPreset, get_preset
+from fimoe_lab.specs import ACTIVATIONS, tuner_formats, weight_formats
 
 # (hidden, moe_intermediate, experts, top_k, activation) from the config.json files cited
 # in presets.py.
@@ -42,8 +43,21 @@ def test_preset_formats_and_activation_are_known(p):
     assert p.activation in ACTIVATIONS
     assert p.is_gated == (p.activation != "relu2")
     for f in p.serving_formats:
-        assert f in FORMATS, f
+        assert f in tuner_formats(), f
+    for f in p.checkpoint_formats:
+        assert f in weight_formats(), f
     assert p.serving_formats
+
+
+@pytest.mark.parametrize("field, value, msg", [
+    ("activation", "tanh", r"unknown activation 'tanh' \(fix: choose one of swiglu"),
+    ("serving_formats", ("nvfp4", "int4"), r"unknown serving format\(s\) int4 \(fix: choose from bf16"),
+    ("checkpoint_formats", ("mxfp4-mxfp8",), r"unknown checkpoint format\(s\) mxfp4-mxfp8"),
+])
+def test_a_preset_names_only_known_activations_and_formats(field, value, msg):
+    with pytest.raises(FormatError, match=msg):
+        dataclasses.replace(get_preset("qwen3-30b-a3b"), **{field: value})
+    assert isinstance(dataclasses.replace(get_preset("qwen3-30b-a3b"), activation="silu"), ModelPreset)  # an alias
 
 
 def test_frozen_and_tp():
@@ -51,10 +65,11 @@ def test_frozen_and_tp():
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.hidden = 1
     assert [p.local_intermediate(tp) for tp in (1, 2, 4, 8)] == [768, 384, 192, 96]
-    with pytest.raises(ValueError, match="not divisible"):
+    with pytest.raises(ValueError, match=r"not divisible by tp=3 \(fix: choose a tensor-parallel size that divides it "
+                                         r"\(1, 2, 4, 8, 16\)"):
         get_preset("nemotron3-nano").local_intermediate(3)
 
 
 def test_unknown_preset_lists_valid_ones():
-    with pytest.raises(KeyError, match="valid presets: .*deepseek-v3"):
+    with pytest.raises(FormatError, match=r"unknown model preset 'llama-2' \(fix: choose one of .*deepseek-v3"):
         get_preset("llama-2")

@@ -15,15 +15,30 @@ def snap():
 
 
 def test_unknown_format_lists_valid(snap):
-    with pytest.raises(OracleError, match="unknown format 'int4'; valid: bf16, fp8, fp8-block, mxfp8, nvfp4, mxfp4"):
+    with pytest.raises(OracleError, match=r"unknown format 'int4' \(fix: choose one of bf16, fp8, fp8-block, mxfp8, "
+                                          r"nvfp4, mxfp4, mxfp4-mxfp8\)"):
         snap.query("int4", "swiglu", 2048, 768, 128, 8, 1)
+    with pytest.raises(OracleError, match="unknown format 'nvfp4-per-token'"):  # a quantizer, not a tuner format
+        snap.query("nvfp4-per-token", "swiglu", 2048, 768, 128, 8, 1)
 
 
 def test_unknown_activation_and_layout(snap):
-    with pytest.raises(OracleError, match="unknown activation 'gelu'"):
-        snap.query("bf16", "gelu", 2048, 768, 128, 8, 1)
-    with pytest.raises(OracleError, match="unknown weight layout 'major-mn'"):
+    with pytest.raises(OracleError, match=r"unknown activation 'tanh' \(fix: choose one of swiglu, swiglu_oai, geglu"):
+        snap.query("bf16", "tanh", 2048, 768, 128, 8, 1)
+    with pytest.raises(OracleError, match=r"unknown weight layout 'major-mn' \(fix: choose one of major-k, block-major-k"):
         snap.query("bf16", "swiglu", 2048, 768, 128, 8, 1, layout="major-mn")
+
+
+@pytest.mark.parametrize("name, key", [("silu", "swiglu"), ("swiglu_oai", "swiglu"), ("gelu", "geglu"),
+                                       ("GeGLU", "geglu"), ("relu2", "relu2")])
+def test_activation_names_key_the_kernel_activation(snap, name, key):
+    shape = (2816, 768, 128, 8, 8) if key == "geglu" else (3072, 1920, 128, 6, 8)  # recorded shapes
+    q = TacticQuery("nvfp4", name, *shape).normalized()
+    assert q.activation == key and q.key().split("|")[1] == key
+    assert q.request()["activation"] == {"swiglu": "Swiglu", "geglu": "Geglu", "relu2": "Relu2"}[key]
+    answer = snap.ask(q)
+    assert answer.known and answer.count > 0
+    assert answer.count == snap.query("nvfp4", key, *shape).count
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -108,7 +123,8 @@ def test_cli_unknown_format_and_preset():
 def test_cli_tactics_json_outside_snapshot():
     r = _cli("tactics", "--format", "bf16", "--hidden", "2055", "--inter", "777", "--experts", "128",
              "--top-k", "8", "--tokens", "1,8", "--json", "--source", "snapshot")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 3, r.stderr  # the source has no answer: exit 3, the JSON still printed
+    assert "2 of 2 tactic counts are unknown" in r.stderr and "Traceback" not in r.stderr
     out = json.loads(r.stdout)
     assert [d["tokens"] for d in out] == [1, 8]
     assert all(d["count"] is None and "not in the snapshot" in d["reason"] for d in out)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from fimoe_lab.tune import build
-from fimoe_lab.tune.oracle import OracleError, Snapshot, TacticOracle, TacticQuery
+from fimoe_lab.tune.oracle import OracleError, Snapshot, TacticOracle, TacticQuery, snapshot_dir
 
 pytestmark = pytest.mark.tactics_live
 
@@ -27,7 +27,7 @@ def live():
 def snap():
     s = Snapshot.find()
     if s is None:
-        pytest.skip("no snapshot in data/tactics")
+        pytest.skip(f"no snapshot in {snapshot_dir()}")
     return s
 
 

@@ -1,14 +1,18 @@
-"""Alignment sweeps against the snapshot: fixed rules vs the recommendation."""
+"""Alignment sweeps against the snapshot: convert's default padding vs the recommendation."""
 import json
 
+import numpy as np
 import pytest
 
 pd = pytest.importorskip("pandas")
 
+from fimoe_lab.presets import PRESETS, get_preset  # noqa: E402
+from fimoe_lab.recipes import plan_layer  # noqa: E402
+from fimoe_lab.specs import FORMATS, get_activation, tuner_formats  # noqa: E402
 from fimoe_lab.tune.oracle import TacticOracle  # noqa: E402
-from fimoe_lab.tune.sweep import paddings, reference_rule, summary, sweep, export  # noqa: E402
+from fimoe_lab.tune.sweep import (HIDDEN_ALIGNS, INTER_ALIGNS, TPS, export, paddings, queries_for,  # noqa: E402
+                                  reference_alignments, summary, sweep)
 from fimoe_lab.tune.timing import measure_transform, timing_status  # noqa: E402
-from fimoe_lab.presets import get_preset  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -20,12 +24,45 @@ def ref_row(df):
     return df[df.reference].iloc[0]
 
 
-def test_reference_rules():
-    assert reference_rule("swiglu", "bf16") == (16, 256)
-    assert reference_rule("relu2", "nvfp4") == (128, 256)
-    assert reference_rule("relu2", "nvfp4", per_token=True) == (128, 512)
-    assert reference_rule("swiglu", "nvfp4", per_token=True) == (16, 256)
-    assert reference_rule("swiglu", "mxfp8") == (128, 256)
+@pytest.mark.parametrize("preset, fmt, expected", [
+    ("qwen3-30b-a3b", "bf16", (64, 64)),         # whole 128-byte K blocks of BlockMajorK
+    ("qwen3-30b-a3b", "nvfp4", (64, 1)),         # 2 x 64 rows: the 128-row scale shuffle
+    ("nemotron3-nano", "nvfp4", (128, 1)),       # non-gated: one projection of 128 rows
+    ("qwen3-30b-a3b", "fp8", (16, 1)),
+    ("nemotron3-nano", "fp8", (128, 1)),
+    ("deepseek-v3", "fp8-block", (1, 1)),
+    ("deepseek-v3", "mxfp8", (128, 256)),
+    ("gpt-oss-120b", "mxfp4", (256, 256)),
+    ("gpt-oss-120b", "mxfp4-mxfp8", (256, 256)),  # mxfp4's layout recipe
+])
+def test_reference_is_what_convert_pads_to(o, preset, fmt, expected):
+    p = get_preset(preset)
+    assert reference_alignments(p, fmt) == expected
+    df = sweep(preset, fmt, 1, o, tokens=(1,))
+    ref = df[df.reference]
+    assert len(ref) == 1 and (ref.inter_align.iloc[0], ref.hidden_align.iloc[0]) == expected
+    assert df.attrs["reference"] == {"inter_align": expected[0], "hidden_align": expected[1]}
+    act = get_activation(p.activation)
+    default = plan_layer(FORMATS[fmt].plan_format, "trtllm", p.moe_intermediate, p.hidden, act.is_act_and_mul,
+                         act.gated)  # the plan convert builds without alignment options
+    assert (ref.intermediate.iloc[0], ref.hidden.iloc[0]) == (default.padded_intermediate, default.padded_hidden)
+
+
+def test_the_default_pair_joins_the_grid_once():
+    p = get_preset("qwen3-30b-a3b")
+    grid = len(INTER_ALIGNS) * len(HIDDEN_ALIGNS)
+    assert (64, 64) not in {(a.inter_align, a.hidden_align) for a in paddings(p, 8)}
+    bf16 = [(a.inter_align, a.hidden_align) for a in paddings(p, 8, fmt="bf16")]
+    assert len(bf16) == grid + 1 and bf16[-1] == (64, 64) and bf16.count((64, 64)) == 1
+    assert len(paddings(p, 8, fmt="nvfp4")) == grid  # (64, 1) is in the grid already
+
+
+def test_snapshot_answers_every_sweep_query(o):
+    """Every row of every preset's sweep, the default pair included, is recorded."""
+    missing = [q.key() for p in PRESETS.values() for fmt in tuner_formats() for tp in TPS
+               if p.moe_intermediate % tp == 0 for q in queries_for(p, fmt, tp)
+               if q.key() not in o.snapshot.entries]
+    assert missing == []
 
 
 def test_paddings_are_per_projection_and_per_rank():
@@ -34,19 +71,24 @@ def test_paddings_are_per_projection_and_per_rank():
     assert {(p.inter_align, p.padded_intermediate) for p in ps} >= {(16, 96), (64, 128), (256, 256)}
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8-block", "nvfp4", "mxfp8"])
-def test_qwen3_30b_tp8_fixed_rule_gives_zero(o, fmt):
+@pytest.mark.parametrize("fmt, flag", [("bf16", "fewer"), ("fp8-block", "ZERO"), ("nvfp4", ""), ("mxfp8", "fewer")])
+def test_qwen3_30b_tp8_default_padding(o, fmt, flag):
     df = sweep("qwen3-30b-a3b", fmt, 8, o)
-    # local intermediate 96; MXFP8's rule (128) keeps some tactics but not all
-    assert ref_row(df).flag.startswith("fewer" if fmt == "mxfp8" else "ZERO")
+    # local intermediate 96: 16-aligned has no tactic at all; convert's default keeps some
+    # (bf16 128, mxfp8 128), none (fp8-block: no padding) or all of them (nvfp4 128)
+    assert df[(df.inter_align == 16) & (df.hidden_align == 256)].min_tactics.iloc[0] == 0
+    ref = ref_row(df)
+    assert ref.flag.startswith(flag) and bool(ref.flag) == bool(flag)
+    assert (ref.min_tactics == 0) == (flag == "ZERO") and ref.full == (flag == "")
     rec = df.attrs["recommendation"]
     assert rec["full"] and rec["intermediate"] >= 128 and df[df.recommended].min_tactics.iloc[0] > 0
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
-def test_gpt_oss_16_aligned_gives_zero(o, tp):
+def test_gpt_oss_16_aligned_gives_zero_and_the_default_keeps_all(o, tp):
     df = sweep("gpt-oss-120b", "mxfp4", tp, o)
-    assert ref_row(df).min_tactics == 0
+    assert df[(df.inter_align == 16) & (df.hidden_align == 256)].min_tactics.iloc[0] == 0
+    assert ref_row(df).full and ref_row(df).flag == ""
     assert df.attrs["recommendation"]["intermediate"] % 64 == 0
 
 
@@ -62,7 +104,7 @@ def test_recommendation_is_full_at_least_waste(o):
 def test_export_and_summary(o, tmp_path):
     df = sweep("minimax-m2", "fp8-block", 8, o)
     text = summary(df)
-    assert "recommended:" in text and "reference rule" in text and "snapshot" in text
+    assert "recommended:" in text and "convert's default padding (I%1, H%1)" in text and "snapshot" in text
     export(df, str(tmp_path / "s.csv"))
     export(df, str(tmp_path / "s.json"))
     d = json.loads((tmp_path / "s.json").read_text())
@@ -70,15 +112,29 @@ def test_export_and_summary(o, tmp_path):
     assert pd.read_csv(tmp_path / "s.csv").shape[0] == len(df)
 
 
-def test_plots_lazy_matplotlib(o, tmp_path):
+def test_sweep_figures_draw_the_table(o, tmp_path):
     pytest.importorskip("matplotlib")
-    import matplotlib
-    matplotlib.use("Agg")
-    from fimoe_lab.tune.sweep import plot_heatmap, plot_waste_vs_tactics
-    df = sweep("deepseek-v3", "nvfp4", 8, o, tokens=(1, 512))
-    plot_heatmap(df).figure.savefig(tmp_path / "h.png")
-    plot_waste_vs_tactics(df).figure.savefig(tmp_path / "w.png")
+    from fimoe_lab.viz import figures
+    df = sweep("qwen3-30b-a3b", "bf16", 8, o, tokens=(1, 512))
+    fig = figures.sweep_tactics_figure(df)
+    drawn = np.ma.filled(fig.axes[0].images[0].get_array().astype(float), np.nan)
+    assert np.array_equal(drawn, df[["t1", "t512"]].astype(float).to_numpy(), equal_nan=True)
+    assert np.nanstd(drawn) > 0
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert [i for i, label in enumerate(labels) if "REF" in label] == list(np.flatnonzero(df.reference))
+    assert labels[-1].startswith("I%64 H%64 (128x2048) REF")
+    fig.savefig(tmp_path / "h.png")
     assert (tmp_path / "h.png").stat().st_size > 1000
+    waste = figures.sweep_waste_figure(df)
+    points = waste.axes[0].collections[0].get_offsets()
+    assert np.allclose(points[:, 0], df.extra_bytes_pct) and np.allclose(points[:, 1], df.min_tactics.astype(float))
+    assert sorted(t.get_text() for t in waste.axes[0].texts) == ["REC", "REF"]
+    grid = figures.tuner_figure(df)  # hidden alignments 1, 64 (only convert's (64, 64)), 256, 512, 1024
+    expect = df.pivot(index="inter_align", columns="hidden_align", values="min_tactics")
+    assert list(expect.columns) == [1, 64, 256, 512, 1024]
+    drawn = np.ma.filled(grid.axes[0].images[0].get_array().astype(float), np.nan)
+    assert np.array_equal(drawn, expect.to_numpy(dtype=float, na_value=np.nan), equal_nan=True)
+    assert len(grid.axes[0].texts) == len(df)  # a waste label per row, none on the empty cells
 
 
 def test_timing_hook_says_not_measured_without_gpu(o):
@@ -95,7 +151,11 @@ def test_cli_tune_prints_table(capsys):
     from fimoe_lab.cli import main
     assert main(["tune", "--model", "qwen3-30b-a3b", "--format", "nvfp4", "--tp", "8", "--source", "snapshot"]) == 0
     out = capsys.readouterr().out
-    assert "ZERO tactics" in out and "recommended: intermediate -> 128" in out
+    assert "recommended: intermediate -> 128" in out and "ZERO tactics" not in out
+    assert "convert's default padding (I%64, H%1): intermediate 128, hidden 2048" in out and "(full tactic space)" in out
+    assert main(["tune", "--model", "minimax-m2", "--format", "fp8-block", "--tp", "8", "--source", "snapshot"]) == 0
+    out = capsys.readouterr().out
+    assert "convert's default padding (I%1, H%1): intermediate 192" in out and "ZERO tactics" in out
 
 
 def test_cli_tactics_json(capsys):

@@ -81,7 +81,23 @@ def test_row_flow_of_scale_chain_stops_before_swizzle():
     plan = prepare.plan_layer("mxfp8", "trtllm", 96, 256)
     flow = data.row_flow(plan.w13_scale)
     assert "swizzle_scales_128x4" not in flow.steps
+    assert flow.steps == ("pad_projections", "swap_w13_to_w31_rows", "interleave_rows_for_gated_act",
+                          "shuffle_rows_for_epilogue")  # kinds, as the figure's title joins them
     assert np.array_equal(flow.src_rows, ref_w13_rows(96, 128))
+    title = figures.row_permutation_figure(plan.w13_scale)._suptitle.get_text()
+    assert title == " >> ".join(flow.steps)
+
+
+def test_itemsizes_come_from_the_format_table():
+    # bf16 2 B; fp8 and packed fp4 drawn per byte; fp8-block scales float32, vector scales 1 B
+    assert [data.itemsize_of(f, "w13") for f in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")] == \
+        [2, 1, 1, 1, 1, 1]
+    assert [data.itemsize_of(f, "w2_scale") for f in ("fp8-block", "mxfp8", "nvfp4", "mxfp4")] == [4, 1, 1, 1]
+    with pytest.raises(ValueError, match="unknown format 'int4'"):
+        data.itemsize_of("int4", "w13")
+    assert sources.PLAN_FORMATS == ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
+    with pytest.raises(ValueError, match=r"no sample layer for format 'mxfp4-mxfp8' \(fix: choose one of bf16"):
+        sources.sample_layer("mxfp4-mxfp8")
 
 
 def test_row_flow_rejects_a_map_that_mixes_rows():
@@ -110,7 +126,7 @@ def test_row_figure_draws_the_flow_and_the_values():
 def test_observed_rows_find_a_planted_swap():
     layer = sources.sample_layer("fp8", experts=2, intermediate=128, hidden=256)
     plan = prepare.plan_layer("fp8", "trtllm", 128, 256)
-    no_swap = compose(*[s for s in plan.w13.steps if not s.name.startswith("swap")])
+    no_swap = compose(*[s for s in plan.w13.steps if s.kind != "swap_w13_to_w31_rows"])
     w13 = layer.tensors["w13"]
     good = data.observed_row_sources(w13[1], plan.w13.apply(w13)[1])
     bad = data.observed_row_sources(w13[1], no_swap.apply(w13)[1])
@@ -290,7 +306,7 @@ def test_load_ext_makes_ipython_render_plans_as_html():
 
 def test_lab_command_is_offline_and_local(tmp_path):
     from fimoe_lab.cli import build_parser
-    from fimoe_lab.viz.cli import jupyterlab_command
+    from fimoe_lab.cli.lab import jupyterlab_command
 
     argv, env = jupyterlab_command(tmp_path / "nb", 8899, tmp_path / "state", open_browser=False)
     joined = " ".join(argv)

@@ -73,10 +73,24 @@ def test_tile_explorer_atoms_and_tiles():
     assert same(image(w.figure, 1), tiles.src_row)
 
 
+def test_every_weight_format_has_a_seeded_layer():
+    from fimoe_lab import specs
+
+    assert [k for _, k in widgets.layer_choices() if k.startswith("seeded:")] == \
+        [f"seeded:{f}" for f in specs.weight_formats()]
+    w = widgets.TileExplorer()
+    assert list(w.backend.options) == list(specs.BACKENDS)
+    w.source.value = "seeded:mxfp4"
+    # MXFP4 TRT-LLM: intermediate 96 -> 256 (the default), w13 scales 2*256 rows x 256/32 columns = 8 atoms
+    assert w.state["fmt"] == "mxfp4" and w.state["view"].atoms == 8 and w.atom.max == 7
+    assert same(image(w.figure, 1), w.state["view"].src_row)
+    assert np.nanmax(image(w.figure, 1)) == 2 * 96 - 1  # every checkpoint scale row lands somewhere
+
+
 def test_padding_explorer_tp_and_errors():
     w = widgets.PaddingExplorer(intermediate=384, hidden=512, experts=4, fmt="fp8", tp=1)
     assert w.state["report"].local_intermediate == 384
-    first, fig = w.image.value, w.figure
+    first = w.image.value
     w.tp.value = 8
     report = w.state["report"]
     assert report.local_intermediate == 48 and report.plan.padded_intermediate == 48

@@ -47,6 +47,9 @@ from typing import Optional
 
 import torch
 
+from fimoe_lab.errors import CheckpointError
+from fimoe_lab.specs import get_format, torch_dtype
+
 __all__ = ["Convention", "CONVENTIONS", "get", "SAFETENSORS_DTYPES", "dtype_name"]
 
 SAFETENSORS_DTYPES = {
@@ -68,7 +71,11 @@ class Convention:
     Per-expert conventions (``projections`` = module names of gate, up, down) store each
     expert's projections as ``{prefix}{L}.{block}.experts.{e}.{proj}.{suffix}``; the fused
     one (``projections`` None, gpt-oss) stores all experts in ``{prefix}{L}.mlp.experts.{name}``.
-    ``fmt`` is the :mod:`fimoe_lab.formats` name (``bf16`` for unquantized).
+    ``fmt`` is the :data:`fimoe_lab.specs.FORMATS` name; the weight and scale dtypes are
+    that table's (``storage``, ``scale_dtype``). ``scalar_extras``: float32 scalars stored
+    beside each projection (ModelOpt NVFP4: ``weight_scale_2``, ``input_scale``), stacked as
+    extras ``w13_<name>`` ``(E, 2)`` (gate, up) and ``w2_<name>`` ``(E,)``. ``activation``:
+    a :data:`fimoe_lab.specs.ACTIVATIONS` name or alias.
     """
 
     name: str
@@ -76,19 +83,29 @@ class Convention:
     fmt: str
     block: str
     projections: Optional[tuple[str, str, str]]
-    weight_dtype: torch.dtype
     scale_suffix: Optional[str]
-    scale_dtype: Optional[torch.dtype]
     intermediate_keys: tuple[str, ...]
     expert_keys: tuple[str, ...]
     top_k_keys: tuple[str, ...]
     gate_up_order: str
     activation: str = "silu"
     router: tuple[str, ...] = ("gate.weight",)
+    scalar_extras: tuple[str, ...] = ()
 
     @property
     def fused(self) -> bool:
         return self.projections is None
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """Stored weight dtype (``specs.FORMATS[fmt].storage``; packed FP4 is uint8)."""
+        return torch_dtype(get_format(self.fmt).storage)
+
+    @property
+    def scale_dtype(self) -> Optional[torch.dtype]:
+        """Stored block-scale dtype (``specs.FORMATS[fmt].scale_dtype``), None without scales."""
+        name = get_format(self.fmt).scale_dtype
+        return torch_dtype(name) if name else None
 
     # ------------------------------------------------------------------ names
     def expert_key(self, prefix: str, layer: int, expert: int, proj: int, suffix: str = "weight") -> str:
@@ -102,8 +119,8 @@ class Convention:
     def signature(self, prefix: str, layer: int) -> dict[str, Optional[torch.dtype]]:
         """Tensors (name -> dtype, None = must be absent) whose presence identifies this convention."""
         if self.fused:
-            return {self.fused_key(prefix, layer, "gate_up_proj_blocks"): torch.uint8,
-                    self.fused_key(prefix, layer, "gate_up_proj_scales"): torch.uint8}
+            return {self.fused_key(prefix, layer, "gate_up_proj_blocks"): self.weight_dtype,
+                    self.fused_key(prefix, layer, "gate_up_proj_scales"): self.scale_dtype}
         sig: dict[str, Optional[torch.dtype]] = {self.expert_key(prefix, layer, 0, 0): self.weight_dtype}
         for suffix in ("weight_scale_inv", "weight_scale"):
             sig[self.expert_key(prefix, layer, 0, 0, suffix)] = self.scale_dtype if suffix == self.scale_suffix else None
@@ -112,7 +129,8 @@ class Convention:
     def pattern(self) -> str:
         """The expert-0 gate tensor name with placeholders, for error messages."""
         if self.fused:
-            return "{prefix}{L}.mlp.experts.gate_up_proj_blocks (U8) + gate_up_proj_scales (U8)"
+            return (f"{{prefix}}{{L}}.{self.block}.experts.gate_up_proj_blocks ({dtype_name(self.weight_dtype)}) + "
+                    f"gate_up_proj_scales ({dtype_name(self.scale_dtype)})")
         scale = f" + .{self.scale_suffix} ({dtype_name(self.scale_dtype)})" if self.scale_suffix else ""
         return f"{{prefix}}{{L}}.{self.block}.experts.{{e}}.{self.projections[0]}.weight ({dtype_name(self.weight_dtype)}){scale}"
 
@@ -129,10 +147,11 @@ class Convention:
             def interleave(x: torch.Tensor) -> torch.Tensor:  # [gate; up] rows -> g0, u0, g1, u1, ...
                 return torch.stack([x[:, :i], x[:, i:]], dim=2).reshape(x.shape).contiguous()
 
-            h_blocks = moe.hidden // 32
-            out[self.fused_key(prefix, layer, "gate_up_proj_blocks")] = interleave(moe.w13).reshape(e_count, 2 * i, h_blocks, 16)
+            spec = get_format(self.fmt)
+            b, bb = spec.scale_block, spec.scale_block // spec.values_per_byte  # values and bytes per block
+            out[self.fused_key(prefix, layer, "gate_up_proj_blocks")] = interleave(moe.w13).reshape(e_count, 2 * i, moe.hidden // b, bb)
             out[self.fused_key(prefix, layer, "gate_up_proj_scales")] = interleave(moe.w13_scale)
-            out[self.fused_key(prefix, layer, "down_proj_blocks")] = moe.w2.reshape(e_count, moe.hidden, i // 32, 16).contiguous()
+            out[self.fused_key(prefix, layer, "down_proj_blocks")] = moe.w2.reshape(e_count, moe.hidden, i // b, bb).contiguous()
             out[self.fused_key(prefix, layer, "down_proj_scales")] = moe.w2_scale.contiguous()
             if "w13_bias" in moe.extras:
                 out[self.fused_key(prefix, layer, "gate_up_proj_bias")] = interleave(moe.extras["w13_bias"])
@@ -147,7 +166,7 @@ class Convention:
                 out[self.expert_key(prefix, layer, e, proj)] = w.contiguous()
                 if s is not None:
                     out[self.expert_key(prefix, layer, e, proj, self.scale_suffix)] = s.contiguous()
-                for extra in ("weight_scale_2", "input_scale"):
+                for extra in self.scalar_extras:
                     stacked = moe.extras.get(f"{'w13' if proj < 2 else 'w2'}_{extra}")
                     if stacked is not None:
                         out[self.expert_key(prefix, layer, e, proj, extra)] = (stacked[e, proj] if proj < 2 else stacked[e]).clone()
@@ -156,22 +175,23 @@ class Convention:
 
 CONVENTIONS: tuple[Convention, ...] = (
     Convention("deepseek-fp8", "DeepSeek-V3/R1, Kimi-K2 (FP8 block-128)", "fp8-block", "mlp",
-               ("gate_proj", "up_proj", "down_proj"), torch.float8_e4m3fn, "weight_scale_inv", torch.float32,
+               ("gate_proj", "up_proj", "down_proj"), "weight_scale_inv",
                ("moe_intermediate_size",), ("n_routed_experts", "num_experts"), ("num_experts_per_tok",),
                "[gate_proj; up_proj]", router=("gate.weight", "gate.e_score_correction_bias")),
     Convention("modelopt-nvfp4", "ModelOpt NVFP4 exports (nvidia/DeepSeek-R1-FP4, ...)", "nvfp4", "mlp",
-               ("gate_proj", "up_proj", "down_proj"), torch.uint8, "weight_scale", torch.float8_e4m3fn,
+               ("gate_proj", "up_proj", "down_proj"), "weight_scale",
                ("moe_intermediate_size", "intermediate_size"), ("n_routed_experts", "num_experts", "num_local_experts"),
-               ("num_experts_per_tok",), "[gate_proj; up_proj]", router=("gate.weight", "gate.e_score_correction_bias")),
+               ("num_experts_per_tok",), "[gate_proj; up_proj]", router=("gate.weight", "gate.e_score_correction_bias"),
+               scalar_extras=("weight_scale_2", "input_scale")),
     Convention("qwen3-moe-bf16", "Qwen3-MoE (and other per-expert gate_proj/up_proj/down_proj BF16)", "bf16", "mlp",
-               ("gate_proj", "up_proj", "down_proj"), torch.bfloat16, None, None,
+               ("gate_proj", "up_proj", "down_proj"), None,
                ("moe_intermediate_size",), ("num_experts", "n_routed_experts"), ("num_experts_per_tok",),
                "[gate_proj; up_proj]"),
     Convention("mixtral-bf16", "Mixtral (block_sparse_moe w1/w3/w2, BF16)", "bf16", "block_sparse_moe",
-               ("w1", "w3", "w2"), torch.bfloat16, None, None,
+               ("w1", "w3", "w2"), None,
                ("intermediate_size",), ("num_local_experts",), ("num_experts_per_tok",), "[w1 (gate); w3 (up)]"),
     Convention("gpt-oss-mxfp4", "gpt-oss (fused MXFP4 blocks/scales, interleaved gate/up)", "mxfp4", "mlp",
-               None, torch.uint8, None, torch.uint8,
+               None, None,
                ("intermediate_size",), ("num_local_experts",), ("experts_per_token", "num_experts_per_tok"),
                "interleaved rows g0,u0,g1,u1,... (de-interleaved to [gate; up] on read)", activation="swiglu_oai",
                router=("router.weight", "router.bias")),
@@ -179,8 +199,9 @@ CONVENTIONS: tuple[Convention, ...] = (
 
 
 def get(name: str) -> Convention:
-    """The convention called ``name``; ``ValueError`` listing the known ones otherwise."""
+    """The convention called ``name``; :class:`CheckpointError` listing the known ones otherwise."""
     for c in CONVENTIONS:
         if c.name == name:
             return c
-    raise ValueError(f"unknown checkpoint convention {name!r}; known: {', '.join(c.name for c in CONVENTIONS)}")
+    raise CheckpointError(f"unknown checkpoint convention {name!r}",
+                          fix=f"choose one of {', '.join(c.name for c in CONVENTIONS)}")

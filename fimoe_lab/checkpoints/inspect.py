@@ -11,14 +11,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from fimoe_lab import prepare
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.checkpoints.writer import build_plan, plan_args, suggest_alignment
+from fimoe_lab.errors import FimoeError
 from fimoe_lab.formats.health import TINY_SCALE, decoded_scales
+from fimoe_lab.specs import BACKENDS
 
 __all__ = ["LayerReport", "inspect_checkpoint", "format_report", "backend_needs", "scale_health", "TACTIC_ALIGNMENT"]
 
+# Neither fact below is in fimoe_lab/specs.py yet; this is their only place (to move there).
 TACTIC_ALIGNMENT = {"bf16": 64, "fp8": 64, "nvfp4": 64, "fp8-block": 128, "mxfp8": 128, "mxfp4": 128}
 """Intermediate multiple the TRT-LLM kernels need for their full tactic space (gated; DESIGN §5,
 measured with FlashInfer 0.6.13's kernel set): fewer or zero tactics below it."""
@@ -46,8 +48,8 @@ class LayerReport:
 
 
 def _short(exc: Exception) -> str:
-    msg = str(exc).split("; ")[0].split(". ")[0]
-    msg = msg.split(": ", 1)[1] if msg.startswith("layer ") and ": " in msg else msg
+    """The error's message (without its fix), cut to its first clause and 140 characters, for a table cell."""
+    msg = (exc.message if isinstance(exc, FimoeError) else str(exc)).split("; ")[0].split(". ")[0]
     return msg if len(msg) <= 140 else msg[:137] + "..."
 
 
@@ -148,7 +150,7 @@ def inspect_checkpoint(path: str | os.PathLike, layers: Optional[Sequence[int]] 
                     continue
                 row["shard"] = f"I/tp = {sizes[0]}" + (f" (last {sizes[-1]})" if sizes[-1] != sizes[0] else "")
                 shard = ck.read_layer(idx, tp, 0, load="none")
-                for backend in prepare.BACKENDS:
+                for backend in BACKENDS:
                     row[backend] = backend_needs(shard, backend)
                 rep.tp[tp] = row
             reports.append(rep)

@@ -9,26 +9,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from fimoe_lab.checkpoints.reader import MoELayer
+from fimoe_lab.specs import get_activation
 
-__all__ = ["moe_forward", "layer_forward", "random_routing", "ACTIVATIONS"]
-
-ACTIVATIONS = ("silu", "swiglu_oai", "relu2")
-
-
-def _activate(h: torch.Tensor, activation: str, inter: int, params: dict) -> torch.Tensor:
-    if activation == "relu2":
-        return F.relu(h).square()
-    gate, up = h[:, :inter], h[:, inter:]
-    if activation == "silu":
-        return F.silu(gate) * up
-    if activation == "swiglu_oai":  # gpt-oss: clamped, sigmoid(alpha * gate), (up + 1)
-        alpha, limit = params.get("alpha", 1.702), params.get("limit", 7.0)
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        return gate * torch.sigmoid(alpha * gate) * (up + 1)
-    raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+__all__ = ["moe_forward", "layer_forward", "random_routing"]
 
 
 def moe_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -36,18 +21,24 @@ def moe_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
                 w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` in float32.
 
+    ``expert_e(x) = act(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]``, ``act`` the
+    :data:`fimoe_lab.specs.ACTIVATIONS` entry called ``activation`` (a name or alias:
+    ``silu`` = ``swiglu``, ``swiglu_oai``, ``geglu``, ``relu2``), applied to ``(gate, up)``
+    halves when gated, to the whole row otherwise.
+
     Shapes: ``x`` ``(T, H)``; ``w13`` ``(E, 2I, H)`` rows ``[gate; up]`` for gated
-    activations (``silu``, ``swiglu_oai``) or ``(E, I, H)`` for ``relu2``; ``w2``
-    ``(E, H, I)``; ``topk_ids`` int ``(T, k)``; ``topk_weights`` ``(T, k)``; biases
-    ``(E, 2I)`` / ``(E, H)``. Returns ``(T, H)`` float32.
+    activations or ``(E, I, H)`` for non-gated ones; ``w2`` ``(E, H, I)``; ``topk_ids``
+    int ``(T, k)``; ``topk_weights`` ``(T, k)``; biases ``(E, 2I)`` / ``(E, H)``. Returns
+    ``(T, H)`` float32.
     """
+    act = get_activation(activation)
     if x.ndim != 2 or w13.ndim != 3 or w2.ndim != 3 or w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1]:
         raise ValueError(f"moe_forward: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not "
                          f"fit (T, H), (E, 2I or I, H), (E, H, I)")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe_forward: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be (T={x.shape[0]}, k)")
-    inter = w2.shape[2]
+    inter, params = w2.shape[2], activation_params or {}
     xf = x.float()
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
     for e in torch.unique(topk_ids).tolist():
@@ -55,7 +46,8 @@ def moe_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
         h = xf[tok] @ w13[e].float().T
         if w13_bias is not None:
             h = h + w13_bias[e].float()
-        y = _activate(h, activation, inter, activation_params or {}) @ w2[e].float().T
+        a = act.reference(h[:, :inter], h[:, inter:], params) if act.gated else act.reference(h, None, params)
+        y = a @ w2[e].float().T
         if w2_bias is not None:
             y = y + w2_bias[e].float()
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())

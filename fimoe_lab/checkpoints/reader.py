@@ -40,19 +40,13 @@ import torch
 from fimoe_lab import formats
 from fimoe_lab.checkpoints import conventions
 from fimoe_lab.checkpoints.conventions import Convention, dtype_name
+from fimoe_lab.errors import CheckpointError
 from fimoe_lab.formats import QuantizedTensor
+from fimoe_lab.specs import get_format
 
-__all__ = ["CheckpointError", "MoELayer", "Checkpoint", "open_checkpoint", "SCALE_BLOCK", "VALUES_PER_BYTE"]
-
-SCALE_BLOCK = {"bf16": 1, **{f: formats.get(f).block_size or 1 for f in ("fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")}}
-"""Values along the intermediate dim that share a scale: a TP shard must not cut one."""
-VALUES_PER_BYTE = {"bf16": 1, "fp8": 1, "fp8-block": 1, "mxfp8": 1, "nvfp4": 2, "mxfp4": 2}
+__all__ = ["CheckpointError", "MoELayer", "Checkpoint", "open_checkpoint"]
 
 _LAYER_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe)\.experts\.")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match what its convention and config promise; the message says how."""
 
 
 # ============================================================================ the stacked layer
@@ -60,8 +54,9 @@ class CheckpointError(ValueError):
 class MoELayer:
     """One MoE layer's experts in the stacked checkpoint layout (see the module docstring).
 
-    ``intermediate`` is per TP rank; ``fmt`` a :mod:`fimoe_lab.formats` name or ``bf16``.
-    ``activation``: ``silu`` (SwiGLU) or ``swiglu_oai`` (gpt-oss: clamped, ``(up + 1)``),
+    ``intermediate`` is per TP rank; ``fmt`` a :data:`fimoe_lab.specs.FORMATS` name.
+    ``activation``: a :data:`fimoe_lab.specs.ACTIVATIONS` name or alias, as the checkpoint's
+    convention calls it: ``silu`` (SwiGLU) or ``swiglu_oai`` (gpt-oss: clamped, ``(up + 1)``),
     with ``activation_params`` (``alpha``, ``limit``).
     """
 
@@ -97,33 +92,31 @@ class MoELayer:
     def quantized(self) -> list[tuple[str, QuantizedTensor]]:
         """The layer as :class:`~fimoe_lab.formats.QuantizedTensor` parts: ``[(name, q), ...]``.
 
-        Parts are ``gate``, ``up``, ``down`` where the scales differ per projection
-        (fp8-block, nvfp4), else ``w13``, ``w2``. Empty for ``bf16``.
+        Parts are ``gate``, ``up``, ``down`` where the scales differ per projection: block
+        scales spanning rows (``scale_block_rows > 1``, fp8-block: a block row never mixes
+        gate and up) or a global scale per projection (``w13_weight_scale_2`` ``(E, 2)``,
+        nvfp4); else ``w13``, ``w2``. Empty for formats without a quantizer (``bf16``).
         """
-        f, i = self.fmt, self.intermediate
-        if f == "bf16":
+        spec, i = get_format(self.fmt), self.intermediate
+        if spec.codec is None:
             return []
-        if f in ("fp8", "mxfp8", "mxfp4"):
-            block = {"fp8": 0, "mxfp8": 32, "mxfp4": 32}[f]
+        f, block, ws2 = self.fmt, spec.scale_block, self.extras.get("w13_weight_scale_2")
+        if spec.scale_block_rows == 1 and ws2 is None:
             return [("w13", QuantizedTensor(self.w13, self.w13_scale, None, f, block)),
                     ("w2", QuantizedTensor(self.w2, self.w2_scale, None, f, block))]
-        if f == "fp8-block":
-            half = self.w13_scale.shape[1] // 2
-            return [("gate", QuantizedTensor(self.w13[:, :i], self.w13_scale[:, :half], None, f, 128)),
-                    ("up", QuantizedTensor(self.w13[:, i:], self.w13_scale[:, half:], None, f, 128)),
-                    ("down", QuantizedTensor(self.w2, self.w2_scale, None, f, 128))]
-        if f == "nvfp4":
-            g13, g2 = 1.0 / self.extras["w13_weight_scale_2"], 1.0 / self.extras["w2_weight_scale_2"]
-            return [("gate", QuantizedTensor(self.w13[:, :i], self.w13_scale[:, :i], g13[:, 0], f, 16)),
-                    ("up", QuantizedTensor(self.w13[:, i:], self.w13_scale[:, i:], g13[:, 1], f, 16)),
-                    ("down", QuantizedTensor(self.w2, self.w2_scale, g2, f, 16))]
-        raise CheckpointError(f"cannot dequantize format {f!r}; known: {', '.join(SCALE_BLOCK)}")
+        g_gate = g_up = g_down = None
+        if ws2 is not None:  # stored as weight_scale_2 = 1 / global scale
+            g_gate, g_up, g_down = 1.0 / ws2[:, 0], 1.0 / ws2[:, 1], 1.0 / self.extras["w2_weight_scale_2"]
+        half = self.w13_scale.shape[1] // 2
+        return [("gate", QuantizedTensor(self.w13[:, :i], self.w13_scale[:, :half], g_gate, f, block)),
+                ("up", QuantizedTensor(self.w13[:, i:], self.w13_scale[:, half:], g_up, f, block)),
+                ("down", QuantizedTensor(self.w2, self.w2_scale, g_down, f, block))]
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``w13`` ``(E, 2I, H)`` and ``w2`` ``(E, H, I)``, dequantized with :mod:`fimoe_lab.formats`."""
-        if self.fmt == "bf16":
-            return self.w13.float(), self.w2.float()
         parts = {name: formats.dequantize(q) for name, q in self.quantized()}
+        if not parts:
+            return self.w13.float(), self.w2.float()
         if "w13" in parts:
             return parts["w13"], parts["w2"]
         return torch.cat([parts["gate"], parts["up"]], dim=1), parts["down"]
@@ -158,8 +151,8 @@ class Checkpoint:
                 f"{self.path}: no MoE expert tensors follow a known naming convention "
                 f"('<prefix>layers.<L>.mlp.experts.' or '.block_sparse_moe.experts.'); known conventions: "
                 + "; ".join(f"{c.name}: {c.pattern()}" for c in conventions.CONVENTIONS)
-                + f". Tensor names seen: {sample}"
-            )
+                + f". Tensor names seen: {sample}",
+                fix="add an entry to fimoe_lab/checkpoints/conventions.py")
         self.prefix = self._layers[first]
         self.convention: Convention = self._detect(first)
 
@@ -241,8 +234,7 @@ class Checkpoint:
         raise CheckpointError(
             f"{self.path}: layer {layer}'s expert tensors follow no known naming convention. Expected one of: "
             + "; ".join(f"{c.name}: {c.pattern()}" for c in conventions.CONVENTIONS)
-            + f". Found: {found_s}. Fix: add an entry to fimoe_lab/checkpoints/conventions.py"
-        )
+            + f". Found: {found_s}", fix="add an entry to fimoe_lab/checkpoints/conventions.py")
 
     def config_int(self, keys: Sequence[str], what: str) -> int:
         """The first of ``keys`` present in config.json (also under ``text_config``), as int."""
@@ -252,8 +244,7 @@ class Checkpoint:
                     return int(cfg[k])
         raise CheckpointError(
             f"{self.path / 'config.json'}: no {what} ({' or '.join(keys)}); the {self.convention.name} convention "
-            f"reads it from there. Fix: add the key from the model's original config.json"
-        )
+            f"reads it from there", fix="add the key from the model's original config.json")
 
     @property
     def hidden(self) -> int:
@@ -281,18 +272,16 @@ class Checkpoint:
         if name not in self.weight_map:
             raise CheckpointError(
                 f"missing tensor {name} ({role}): expected {dtype_name(dtype)} {list(shape)} for the "
-                f"{self.convention.name} convention in {self.path}; the index/shards do not contain it. "
-                f"Fix: re-download the shard that holds it or check num experts/intermediate in config.json"
-            )
+                f"{self.convention.name} convention in {self.path}; the index/shards do not contain it",
+                fix="re-download the shard that holds it or check num experts/intermediate in config.json")
         got_dtype, got_shape = self.header(name)
         scalar_ok = shape == () and math.prod(got_shape) == 1
         if got_dtype != dtype or (got_shape != shape and not scalar_ok):
             raise CheckpointError(
                 f"{name} ({role}) in {self.weight_map[name]}: expected {dtype_name(dtype)} {list(shape)}, found "
                 f"{dtype_name(got_dtype)} {list(got_shape)} (config.json: hidden {self.hidden}, intermediate "
-                f"{self.intermediate}, {self.num_experts} experts). Fix: check that config.json belongs to these "
-                f"weights and that the convention is {self.convention.name}"
-            )
+                f"{self.intermediate}, {self.num_experts} experts)",
+                fix=f"check that config.json belongs to these weights and that the convention is {self.convention.name}")
 
     def _read(self, name: str, index: Optional[tuple] = ()) -> torch.Tensor:
         """Read ``name`` (only ``index`` of it); ``index=None`` reads a one-element tensor as a scalar."""
@@ -311,34 +300,33 @@ class Checkpoint:
         """
         conv, fmt, full_i = self.convention, self.fmt, self.intermediate
         if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
-            raise CheckpointError(f"tensor-parallel rank {tp_rank} of {tp_size} is not valid (need 0 <= rank < tp)")
-        block = SCALE_BLOCK[fmt]
+            raise CheckpointError(f"tensor-parallel rank {tp_rank} of {tp_size} is not valid",
+                                  fix="choose tp >= 1 and 0 <= rank < tp")
+        spec = get_format(fmt)
+        block = spec.scale_block or 1
         if conv.fused:
             per_rank = -(-(full_i // block) // tp_size) * block
             r0, r1 = tp_rank * per_rank, min((tp_rank + 1) * per_rank, full_i)
             if r1 <= r0:
                 raise CheckpointError(
-                    f"tp={tp_size}: rank {tp_rank} gets no intermediate rows ({full_i} values = {full_i // block} MXFP4 "
-                    f"blocks, {per_rank // block} per rank, so ranks from {-(-full_i // per_rank)} on are empty). Fix: "
-                    f"tp <= {full_i // block}"
-                )
+                    f"tp={tp_size}: rank {tp_rank} gets no intermediate rows ({full_i} values = {full_i // block} "
+                    f"{fmt.upper()} blocks, {per_rank // block} per rank, so ranks from {-(-full_i // per_rank)} on "
+                    f"are empty)", fix=f"tp <= {full_i // block}")
             return r0, r1
         if full_i % tp_size:
             raise CheckpointError(
                 f"tp={tp_size} does not divide the intermediate size {full_i} (config.json "
-                f"{'/'.join(conv.intermediate_keys)}): rank shards would differ in size. Fix: pick tp from "
-                f"{[t for t in range(1, 9) if full_i % t == 0]}"
-            )
+                f"{'/'.join(conv.intermediate_keys)}): rank shards would differ in size",
+                fix=f"pick tp from {[t for t in range(1, 9) if full_i % t == 0]}")
         il = full_i // tp_size
         if tp_size > 1 and il % block:
-            what = {"fp8-block": "128x128 FP8 block scale", "nvfp4": "16-value NVFP4 block scale"}[fmt]
+            shape = f"{spec.scale_block_rows}x{block}" if spec.scale_block_rows > 1 else f"{block}-value"
             raise CheckpointError(
-                f"tp={tp_size} gives intermediate {il} per rank, not a multiple of the {block} values of one {what}, so "
-                f"rank {tp_rank}'s slice [{tp_rank * il}, {(tp_rank + 1) * il}) of the down projection's scales would cut "
-                f"a block (vLLM refuses this too). Fix: tp in "
-                f"{[t for t in range(1, 9) if full_i % t == 0 and (full_i // t) % block == 0]}, or pad the intermediate "
-                f"size before sharding"
-            )
+                f"tp={tp_size} gives intermediate {il} per rank, not a multiple of the {block} values of one {shape} "
+                f"{fmt.upper()} scale block, so rank {tp_rank}'s slice [{tp_rank * il}, {(tp_rank + 1) * il}) of the "
+                f"down projection's scales would cut a block (vLLM refuses this too)",
+                fix=f"tp in {[t for t in range(1, 9) if full_i % t == 0 and (full_i // t) % block == 0]}, or pad the "
+                    f"intermediate size before sharding")
         return tp_rank * il, (tp_rank + 1) * il
 
     def read_layer(self, layer: int, tp_size: int = 1, tp_rank: int = 0, load: str = "all",
@@ -350,9 +338,10 @@ class Checkpoint:
         Every tensor is checked (present, dtype, shape) before any is read.
         """
         if layer not in self._layers:
-            raise CheckpointError(f"{self.path}: layer {layer} has no routed experts; MoE layers: {self.moe_layers}")
+            raise CheckpointError(f"{self.path}: layer {layer} has no routed experts",
+                                  fix=f"choose one of the MoE layers {self.moe_layers}")
         if load not in ("all", "scales", "none"):
-            raise ValueError(f"load must be 'all', 'scales' or 'none', got {load!r}")
+            raise CheckpointError(f"load={load!r} is not a read mode", fix="pass load='all', 'scales' or 'none'")
         conv = self.convention
         r0, r1 = self.shard_bounds(tp_size, tp_rank)
         reader = _FusedReader if conv.fused else _PerExpertReader
@@ -374,13 +363,14 @@ class _LayerReader:
         self.conv, self.fmt = ckpt.convention, ckpt.fmt
         self.prefix = ckpt._layers[layer]
         self.E, self.H, self.I = ckpt.num_experts, ckpt.hidden, ckpt.intermediate
-        self.v = VALUES_PER_BYTE[self.fmt]
+        self.spec = get_format(self.fmt)
+        self.v = self.spec.values_per_byte
         for size, name in ((self.H, "hidden"), (self.I, "intermediate")):
-            if self.v == 2 and size % SCALE_BLOCK[self.fmt]:
+            if self.spec.packed and size % self.spec.scale_block:
                 raise CheckpointError(
-                    f"{ckpt.path / 'config.json'}: {name} size {size} is not a multiple of the {SCALE_BLOCK[self.fmt]}-value "
-                    f"{self.fmt} scale block, so its packed tensors cannot have the shape the convention needs"
-                )
+                    f"{ckpt.path / 'config.json'}: {name} size {size} is not a multiple of the {self.spec.scale_block}-"
+                    f"value {self.fmt} scale block, so its packed tensors cannot have the shape the convention needs",
+                    fix="check that config.json belongs to these weights")
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, is_scale: bool) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu" if self.wants(is_scale) else "meta")
@@ -397,14 +387,17 @@ class _PerExpertReader(_LayerReader):
     """DeepSeek/Kimi FP8, Qwen3/Mixtral BF16, ModelOpt NVFP4: one tensor per expert and projection."""
 
     def scale_spec(self, proj: int) -> tuple[tuple[int, int], tuple[slice, slice]]:
-        """Full scale shape of projection ``proj`` and this rank's slice of it."""
+        """Full scale shape of projection ``proj`` and this rank's slice of it.
+
+        One scale covers ``scale_block_rows x scale_block`` values of its weight ``(rows,
+        cols)`` (``specs.FORMATS``), so the scales are ``(ceil(rows/br), ceil(cols/bc))``;
+        gate and up are sliced along their rows, down along its columns.
+        """
+        br, bc = self.spec.scale_block_rows, self.spec.scale_block
         rows, cols = (self.I, self.H) if proj < 2 else (self.H, self.I)
-        if self.fmt == "fp8-block":
-            full = (-(-rows // 128), -(-cols // 128))
-            lo, hi = self.r0 // 128, -(-self.r1 // 128)
-        else:  # nvfp4: one scale per 16 values along the input dim
-            full = (rows, cols // 16)
-            lo, hi = (self.r0, self.r1) if proj < 2 else (self.r0 // 16, self.r1 // 16)
+        full = (-(-rows // br), -(-cols // bc))
+        along = br if proj < 2 else bc
+        lo, hi = self.r0 // along, -(-self.r1 // along)
         sl = (slice(lo, hi), slice(None)) if proj < 2 else (slice(None), slice(lo, hi))
         return full, sl
 
@@ -421,10 +414,9 @@ class _PerExpertReader(_LayerReader):
             s13 = self.buffer((E, 2 * nr, g_cols), c.scale_dtype, True)
             (d_rows, d_cols), dsl = self.scale_spec(2)
             s2 = self.buffer((E, d_rows, len(range(*dsl[1].indices(d_cols)))), c.scale_dtype, True)
-        if self.fmt == "nvfp4":
-            for key, shape in (("w13_weight_scale_2", (E, 2)), ("w13_input_scale", (E, 2)),
-                               ("w2_weight_scale_2", (E,)), ("w2_input_scale", (E,))):
-                extras[key] = self.buffer(shape, torch.float32, True)
+        for stack, shape in (("w13", (E, 2)), ("w2", (E,))):
+            for extra in c.scalar_extras:
+                extras[f"{stack}_{extra}"] = self.buffer(shape, torch.float32, True)
         for e in range(E):
             for proj in range(3):
                 if proj < 2:
@@ -438,7 +430,7 @@ class _PerExpertReader(_LayerReader):
                     sdest = (s13, e, slice(proj * nr, (proj + 1) * nr)) if proj < 2 else (s2, e, slice(None))
                     plan.append((c.expert_key(self.prefix, self.layer, e, proj, c.scale_suffix), c.scale_dtype, full,
                                  ssl, sdest, True, "block scale"))
-                for extra in ("weight_scale_2", "input_scale") if self.fmt == "nvfp4" else ():
+                for extra in c.scalar_extras:
                     buf = extras[f"{'w13' if proj < 2 else 'w2'}_{extra}"]
                     plan.append((c.expert_key(self.prefix, self.layer, e, proj, extra), torch.float32, (), None,
                                  (buf, e, proj) if proj < 2 else (buf, e), True, extra))
@@ -458,22 +450,28 @@ class _FusedReader(_LayerReader):
     """gpt-oss: all experts in one tensor per projection, gate/up rows interleaved."""
 
     def run(self) -> MoELayer:
-        c, E, H, I, il = self.conv, self.E, self.H, self.I, self.il
+        """Blocks ``(E, rows, cols/b, b/v)`` and scales ``(E, rows, cols/b)`` per projection (``b`` the
+        format's scale block, ``v`` values per byte: MXFP4 32 and 2); this rank's rows of gate_up
+        (``2 * r0 : 2 * r1``, interleaved) and columns of down (whole blocks)."""
+        c, E, H, I, il, b = self.conv, self.E, self.H, self.I, self.il, self.spec.scale_block
+        bb = b // self.v  # bytes per block
+        wd, sd = c.weight_dtype, c.scale_dtype
         key = lambda n: c.fused_key(self.prefix, self.layer, n)  # noqa: E731
+        up_rows, down_cols = (slice(None), slice(2 * self.r0, 2 * self.r1)), (slice(None), slice(None), slice(self.r0 // b, self.r1 // b))
         specs = [
-            ("gate_up_proj_blocks", torch.uint8, (E, 2 * I, H // 32, 16), (slice(None), slice(2 * self.r0, 2 * self.r1)), False),
-            ("gate_up_proj_scales", torch.uint8, (E, 2 * I, H // 32), (slice(None), slice(2 * self.r0, 2 * self.r1)), True),
-            ("down_proj_blocks", torch.uint8, (E, H, I // 32, 16), (slice(None), slice(None), slice(self.r0 // 32, self.r1 // 32)), False),
-            ("down_proj_scales", torch.uint8, (E, H, I // 32), (slice(None), slice(None), slice(self.r0 // 32, self.r1 // 32)), True),
+            ("gate_up_proj_blocks", wd, (E, 2 * I, H // b, bb), up_rows, False),
+            ("gate_up_proj_scales", sd, (E, 2 * I, H // b), up_rows, True),
+            ("down_proj_blocks", wd, (E, H, I // b, bb), down_cols, False),
+            ("down_proj_scales", sd, (E, H, I // b), down_cols, True),
         ]
         has_bias = key("gate_up_proj_bias") in self.ck.weight_map
         if has_bias:
             specs += [("gate_up_proj_bias", torch.bfloat16, (E, 2 * I), (slice(None), slice(2 * self.r0, 2 * self.r1)), True),
                       ("down_proj_bias", torch.bfloat16, (E, H), (), True)]
         for name, dtype, shape, _, _ in specs:
-            self.ck._check(key(name), dtype, shape, "MXFP4 " + name.replace("_", " "))
-        out_shapes = {"gate_up_proj_blocks": (E, 2 * il, H // 2), "gate_up_proj_scales": (E, 2 * il, H // 32),
-                      "down_proj_blocks": (E, H, il // 2), "down_proj_scales": (E, H, il // 32),
+            self.ck._check(key(name), dtype, shape, f"{self.fmt.upper()} {name.replace('_', ' ')}")
+        out_shapes = {"gate_up_proj_blocks": (E, 2 * il, H // self.v), "gate_up_proj_scales": (E, 2 * il, H // b),
+                      "down_proj_blocks": (E, H, il // self.v), "down_proj_scales": (E, H, il // b),
                       "gate_up_proj_bias": (E, 2 * il), "down_proj_bias": (E, H)}
         got = {}
         for name, dtype, _, sl, is_scale in specs:

@@ -4,10 +4,20 @@
 ``w13_weight_scale``, ``w2_weight_scale`` in FlashInfer's kernel layout (vLLM's parameter
 names), gpt-oss biases moved with their weight's rows, and the other extras unchanged (NVFP4
 ``weight_scale_2``/``input_scale``).
-The metadata key ``fimoe_lab`` holds JSON with, per layer, the ``plan_layer`` arguments
-(format, backend, sizes, gating, alignments), the step chain of every tensor and its
-checkpoint dtype/shape: :func:`restore_layers` rebuilds the plan from the arguments (maps
-are deterministic), checks that the chains still match, and applies ``plan.inverse()``.
+
+The metadata key ``fimoe_lab`` holds JSON (file format version 2), per layer:
+
+- ``plan``: ``{"recipe": "<fmt>/<backend>", "args": {...}}``, the :data:`fimoe_lab.recipes.RECIPES`
+  id and the :func:`fimoe_lab.recipes.plan_layer` arguments (format, backend, sizes, gating,
+  alignments) that rebuild the plan (plans are deterministic);
+- ``tensors``: per tensor its kernel name, its steps as ``[{"kind", "params"}, ...]``
+  (:meth:`IndexMap.spec`, each step rebuilt by ``steps.build(kind, params)``) and its
+  checkpoint and kernel dtype/shape; ``extras``: dtype/shape, and for a per-row bias the
+  weight whose rows it follows (``rows_of``) with those row steps.
+
+:func:`restore_layers` rebuilds the plan from recipe and arguments, checks that the recorded
+steps equal the rebuilt ones, and applies ``plan.inverse()``. Version-1 files (a ``builder``
+module path and display names of the steps) still restore: see :func:`check_record`.
 
 The file is streamed (header first, one layer in memory at a time) to a temporary name
 beside the output and renamed only when complete: an interrupted or failed conversion
@@ -25,45 +35,68 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from fimoe_lab import prepare, steps
+from fimoe_lab import recipes
 from fimoe_lab.checkpoints import conventions
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
-from fimoe_lab.layout import IndexMap, compose
+from fimoe_lab.errors import FimoeError
+from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import LayerPlan, apply_map
+from fimoe_lab.specs import weight_formats
 
-__all__ = ["FORMAT_VERSION", "KERNEL_NAMES", "plan_args", "build_plan", "suggest_alignment", "convert_layer",
-           "write_kernel_layout", "convert_checkpoint", "read_kernel_metadata", "restore_layers", "restore_checkpoint",
-           "atomic_output"]
+__all__ = ["FORMAT_VERSION", "READ_VERSIONS", "KERNEL_NAMES", "plan_args", "build_plan", "suggest_alignment",
+           "convert_layer", "write_kernel_layout", "convert_checkpoint", "read_kernel_metadata", "check_record",
+           "restore_layers", "restore_checkpoint", "atomic_output"]
 
-FORMAT_VERSION = 1
-BIAS_NAMES = ("w13_bias", "w2_bias")
-"""Extras that are per-row vectors of w13 / w2 and move with their rows."""
+FORMAT_VERSION = 2
+"""Version written: plans by recipe id, steps as kind/params."""
+READ_VERSIONS = (1, 2)
+V1_BUILDER = "fimoe_lab.prepare.plan_layer"
+"""What version-1 files recorded as their plan ``builder`` (read only: version 2 records a recipe id)."""
+
+BIAS_ROWS = {"w13_bias": "w13", "w2_bias": "w2"}
+"""Extras that are per-row vectors of a weight, by the weight whose rows they follow (LayerPlan.bias_map)."""
 
 KERNEL_NAMES = {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale"}
 """Tensor names in a kernel-layout file (vLLM's FusedMoE parameter names)."""
-
-PLAN_BUILDER = "fimoe_lab.prepare.plan_layer"  # recorded in the metadata; the plan is rebuilt from its arguments
 
 
 # ============================================================================ plans
 def plan_args(layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None,
               hidden_alignment: Optional[int] = None) -> dict:
-    """The arguments that rebuild this layer's plan: builder name and ``plan_layer`` keyword arguments."""
-    if layer.fmt not in prepare.weight_formats():
-        raise CheckpointError(f"no layout plan for format {layer.fmt!r}; supported: {', '.join(prepare.weight_formats())}")
-    return {"builder": PLAN_BUILDER, "args": {
+    """The record that rebuilds this layer's plan: ``{"recipe": id, "args": plan_layer keyword arguments}``."""
+    if layer.fmt not in weight_formats():
+        raise CheckpointError(f"no layout plan for format {layer.fmt!r}",
+                              fix=f"convert one of the weight formats {', '.join(weight_formats())}")
+    return {"recipe": recipes.recipe_id(layer.fmt, backend), "args": {
         "fmt": layer.fmt, "backend": backend, "intermediate": layer.intermediate, "hidden": layer.hidden,
         "is_act_and_mul": layer.is_act_and_mul, "is_gated": layer.is_gated,
         "intermediate_alignment": intermediate_alignment, "hidden_alignment": hidden_alignment}}
 
 
-def build_plan(spec: dict) -> LayerPlan:
-    """Rebuild a :class:`LayerPlan` from :func:`plan_args` output (deterministic)."""
-    builder, args = spec.get("builder"), dict(spec.get("args", {}))
-    if builder != PLAN_BUILDER:
-        raise CheckpointError(f"unknown plan builder {builder!r} in the file's metadata; expected {PLAN_BUILDER}")
-    return prepare.plan_layer(**args)
+def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
+    """Rebuild a :class:`LayerPlan` with :func:`fimoe_lab.recipes.plan_layer` from a :func:`plan_args` record.
+
+    Version 2 names the recipe (``"<fmt>/<backend>"``, which must be the arguments'); version 1
+    named the builder function :data:`V1_BUILDER` instead.
+    """
+    args = dict(record.get("args") or {})
+    if version == 1:
+        if record.get("builder") != V1_BUILDER:
+            raise CheckpointError(f"unknown plan builder {record.get('builder')!r} in a version-1 file",
+                                  fix=f"only {V1_BUILDER} was ever written; the metadata was edited")
+    else:
+        rid = record.get("recipe")
+        if rid not in recipes.RECIPES:
+            raise CheckpointError(f"unknown layout recipe {rid!r}", fix=f"known recipes: {', '.join(recipes.RECIPES)}")
+        if rid != recipes.recipe_id(args.get("fmt"), args.get("backend")):
+            raise CheckpointError(f"recipe {rid!r} does not match its arguments (fmt {args.get('fmt')!r}, backend "
+                                  f"{args.get('backend')!r})", fix="the metadata was edited; convert the checkpoint again")
+    try:
+        return recipes.plan_layer(**args)
+    except TypeError as exc:
+        raise CheckpointError(f"plan arguments {args} do not fit recipes.plan_layer ({exc})",
+                              fix="convert the checkpoint again") from None
 
 
 TRY_ALIGNMENTS = (16, 32, 64, 128, 256)
@@ -100,7 +133,7 @@ def convert_layer(layer: MoELayer, backend: str, intermediate_alignment: Optiona
 
 def _extra_map(plan: LayerPlan, name: str, t: torch.Tensor) -> Optional[IndexMap]:
     """The map of an extra tensor: a bias follows its weight's rows; other extras (None) stay as they are."""
-    return plan.bias_map(name, t.element_size()) if name in BIAS_NAMES else None
+    return plan.bias_map(name, t.element_size()) if name in BIAS_ROWS else None
 
 
 def _map_extra(plan: LayerPlan, name: str, t: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -109,6 +142,23 @@ def _map_extra(plan: LayerPlan, name: str, t: torch.Tensor, inverse: bool) -> to
     if m is None:
         return t
     return apply_map(m.inverse() if inverse else m, t.contiguous(), name)
+
+
+def _tensor_steps(plan: LayerPlan, name: str) -> list[dict]:
+    """What a file records as the steps of tensor ``name``: ``[{"kind", "params"}, ...]`` ([] when unmoved)."""
+    m = plan.maps().get(name)
+    return m.spec() if m is not None else []
+
+
+def _extra_steps(plan: LayerPlan, name: str) -> dict:
+    """What a file records for an extra: ``{"rows_of": weight or None, "steps": that weight's row steps}``.
+
+    A per-row bias moves as the leading row-keeping steps of its weight (:meth:`IndexMap.row_steps`);
+    other extras stay as they are.
+    """
+    weight = BIAS_ROWS.get(name)
+    m = getattr(plan, weight) if weight else None
+    return {"rows_of": weight, "steps": m.row_steps().spec() if m is not None else []}
 
 
 # ============================================================================ streaming safetensors
@@ -181,28 +231,34 @@ def _out_name(prefix: str, block: str, layer: int, name: str) -> str:
     return f"{prefix}{layer}.{block}.experts.{name}"
 
 
-def _kernel_specs(layer: MoELayer, backend: str, ia, ha) -> tuple[dict, dict]:
-    """Kernel dtypes/shapes of a layer, from a one-expert dry run; and the plan record."""
+def _dtype_shape(dtype: torch.dtype, shape: Sequence[int]) -> dict:
+    return {"dtype": dtype_name(dtype), "shape": list(shape)}
+
+
+def _dry_run(layer: MoELayer, backend: str, ia: Optional[int], ha: Optional[int]) -> tuple[dict, LayerPlan, dict]:
+    """Kernel ``(dtype, shape)`` by kernel name of a layer (shapes only; meta tensors allowed), from
+    a one-expert conversion; with the plan and its :func:`plan_args` record."""
     def one_expert(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if t is None else torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype)
 
     probe = layer.with_tensors(**{n: one_expert(t) for n, t in layer.tensors().items()})
     probe = replace(probe, extras={n: one_expert(t) for n, t in layer.extras.items()})
     tensors, plan, spec = convert_layer(probe, backend, ia, ha)
-    e = layer.num_experts
-    kernel = {n: (t.dtype, (e,) + tuple(t.shape[1:])) for n, t in tensors.items()}
-    maps = plan.maps()
+    return {n: (t.dtype, (layer.num_experts,) + tuple(t.shape[1:])) for n, t in tensors.items()}, plan, spec
+
+
+def _kernel_specs(layer: MoELayer, backend: str, ia: Optional[int], ha: Optional[int]) -> tuple[dict, dict]:
+    """Kernel dtypes/shapes of a layer (:func:`_dry_run`) and its metadata record (module docstring)."""
+    kernel, plan, spec = _dry_run(layer, backend, ia, ha)
     record = {
-        "fmt": layer.fmt, "plan": spec, "description": plan.description,
+        "plan": spec, "description": plan.description,
         "padded_intermediate": plan.padded_intermediate, "padded_hidden": plan.padded_hidden,
         "activation": layer.activation, "activation_params": layer.activation_params,
-        "tensors": {
-            n: {"name": KERNEL_NAMES[n], "steps": [s.name for s in maps[n].steps] if n in maps else [],
-                "checkpoint": {"dtype": dtype_name(t.dtype), "shape": list(t.shape)},
-                "kernel": {"dtype": dtype_name(kernel[KERNEL_NAMES[n]][0]), "shape": list(kernel[KERNEL_NAMES[n]][1])}}
-            for n, t in layer.tensors().items() if t is not None},
+        "tensors": {n: {"name": KERNEL_NAMES[n], "steps": _tensor_steps(plan, n),
+                        "checkpoint": _dtype_shape(t.dtype, t.shape), "kernel": _dtype_shape(*kernel[KERNEL_NAMES[n]])}
+                    for n, t in layer.tensors().items() if t is not None},
         "extras": {n: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "kernel_shape": list(kernel[n][1]),
-                       "steps": [s.name for s in m.steps] if (m := _extra_map(plan, n, t)) is not None else []}
+                       **_extra_steps(plan, n)}
                    for n, t in layer.extras.items()},
     }
     return kernel, record
@@ -226,9 +282,10 @@ def write_kernel_layout(out: str | os.PathLike, sources: Sequence[LayerSource], 
             kernel, record = _kernel_specs(shape_layer, backend, intermediate_alignment, hidden_alignment)
         except ValueError as exc:
             a = suggest_alignment(shape_layer, backend) if intermediate_alignment is None else None
-            fix = f" Fix: intermediate alignment {a} works (CLI: --intermediate-alignment {a})" if a else ""
+            fix = f"intermediate alignment {a} works (CLI: --intermediate-alignment {a})" if a else getattr(exc, "fix", None)
             raise CheckpointError(f"layer {idx} ({shape_layer.fmt}, intermediate {shape_layer.intermediate}, hidden "
-                                  f"{shape_layer.hidden}) cannot be laid out for {backend}: {exc}.{fix}") from exc
+                                  f"{shape_layer.hidden}) cannot be laid out for {backend}: "
+                                  f"{exc.message if isinstance(exc, FimoeError) else exc}", fix=fix) from exc
         for n, spec in kernel.items():
             specs[_out_name(prefix, block, idx, n)] = spec
         records[str(idx)] = record
@@ -265,7 +322,8 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, backend: 
         wanted = ck.moe_layers if layers is None else list(layers)
         missing = [l for l in wanted if l not in ck.moe_layers]
         if missing:
-            raise CheckpointError(f"{src}: layers {missing} have no routed experts; MoE layers: {ck.moe_layers}")
+            raise CheckpointError(f"{src}: layers {missing} have no routed experts",
+                                  fix=f"choose from the MoE layers {ck.moe_layers}")
         sources = [(l, ck.read_layer(l, tp_size, tp_rank, load="none"),
                     (lambda l=l: ck.read_layer(l, tp_size, tp_rank, progress=progress))) for l in wanted]
         info = {"source": str(Path(src).resolve()), "convention": ck.convention.name, "config": ck.config,
@@ -277,18 +335,78 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, backend: 
 
 # ============================================================================ restoring
 def read_kernel_metadata(path: str | os.PathLike) -> dict:
-    """The ``fimoe_lab`` metadata of a kernel-layout file (``CheckpointError`` if it has none)."""
+    """The ``fimoe_lab`` metadata of a kernel-layout file (``CheckpointError`` if it has none or a newer version)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         raw = (f.metadata() or {}).get("fimoe_lab")
     if raw is None:
         raise CheckpointError(f"{path} has no 'fimoe_lab' metadata: it was not written by 'fimoe-lab convert', so the "
-                              f"steps that produced its layout are unknown")
+                              f"steps that produced its layout are unknown",
+                              fix="convert the source checkpoint with 'fimoe-lab convert'")
     meta = json.loads(raw)
-    if meta.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: metadata version {meta.get('version')}, this fimoe_lab reads {FORMAT_VERSION}")
+    if meta.get("version") not in READ_VERSIONS:
+        raise CheckpointError(f"{path}: metadata version {meta.get('version')}; this fimoe_lab reads versions "
+                              f"{', '.join(map(str, READ_VERSIONS))}", fix="restore it with the fimoe_lab version that wrote it")
     return meta
+
+
+def _first_difference(written: list, rebuilt: list) -> str:
+    for i, (w, r) in enumerate(zip(written, rebuilt)):
+        if w != r:
+            return f"step {i + 1} is {w} in the file, {r} rebuilt"
+    return f"{len(written)} steps in the file, {len(rebuilt)} rebuilt"
+
+
+def _same_steps(what: str, written: object, rebuilt: object, recipe: str) -> None:
+    if written != rebuilt:
+        both_lists = isinstance(written, list) and isinstance(rebuilt, list)
+        diff = _first_difference(written, rebuilt) if both_lists else f"{written} in the file, {rebuilt} rebuilt"
+        raise CheckpointError(f"{what} was written with steps that recipe {recipe} does not build from the same "
+                              f"arguments ({diff})", fix="restore it with the fimoe_lab version that wrote it")
+
+
+def _shape_layer(rec: dict) -> MoELayer:
+    """A layer of meta tensors with a record's checkpoint dtypes and shapes (for a dry run)."""
+    def meta(spec: dict) -> torch.Tensor:
+        return torch.empty(spec["shape"], dtype=conventions.SAFETENSORS_DTYPES[spec["dtype"]], device="meta")
+
+    args, trecs = rec["plan"]["args"], rec["tensors"]
+    t = {n: meta(trecs[n]["checkpoint"]) if n in trecs else None for n in KERNEL_NAMES}
+    return MoELayer(args["fmt"], t["w13"], t["w2"], t["w13_scale"], t["w2_scale"], args["intermediate"], args["hidden"],
+                    {n: meta(x) for n, x in rec["extras"].items()}, is_act_and_mul=args["is_act_and_mul"],
+                    is_gated=args["is_gated"])
+
+
+def _check_v1_shapes(rec: dict) -> None:
+    args = rec["plan"]["args"]
+    kernel, _, _ = _dry_run(_shape_layer(rec), args["backend"], args["intermediate_alignment"], args["hidden_alignment"])
+    recorded = {trec["name"]: (trec["kernel"]["dtype"], trec["kernel"]["shape"]) for trec in rec["tensors"].values()}
+    recorded.update({n: (x["dtype"], x["kernel_shape"]) for n, x in rec["extras"].items()})
+    for name, want in recorded.items():
+        got = f"{dtype_name(kernel[name][0])} {list(kernel[name][1])}" if name in kernel else "no such tensor"
+        if got != f"{want[0]} {list(want[1])}":
+            raise CheckpointError(f"{name}: the version-1 file recorded kernel {want[0]} {list(want[1])}, the rebuilt "
+                                  f"plan gives {got}", fix="restore it with the fimoe_lab version that wrote it")
+
+
+def check_record(rec: dict, plan: LayerPlan, version: int) -> None:
+    """Refuse a layer record that the rebuilt ``plan`` does not reproduce.
+
+    Version 2: each tensor's recorded ``[{"kind", "params"}, ...]`` chain and each extra's
+    ``rows_of``/row steps must equal the plan's. Version 1 recorded display names of the
+    steps; they are not compared (a display name is not data, and its spelling may change):
+    instead the plan, dry-run on one expert with the recorded checkpoint dtypes and shapes,
+    must give the recorded kernel dtype and shape of every tensor and extra.
+    """
+    if version == 1:
+        _check_v1_shapes(rec)
+        return
+    recipe = rec["plan"]["recipe"]
+    for n, trec in rec["tensors"].items():
+        _same_steps(n, trec["steps"], _tensor_steps(plan, n), recipe)
+    for n, xrec in rec["extras"].items():
+        _same_steps(n, {"rows_of": xrec.get("rows_of"), "steps": xrec.get("steps")}, _extra_steps(plan, n), recipe)
 
 
 def _as_checkpoint(t: torch.Tensor, spec: dict) -> torch.Tensor:
@@ -297,11 +415,34 @@ def _as_checkpoint(t: torch.Tensor, spec: dict) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(shape[0], -1).view(dtype).reshape(shape)
 
 
-def restore_layers(path: str | os.PathLike) -> tuple[dict, list[MoELayer]]:
-    """Map a kernel-layout file back to the checkpoint layout: ``(metadata, layers)``.
+def _read_kernel(f, name: str, spec: dict) -> torch.Tensor:
+    t = f.get_tensor(name)
+    if (dtype_name(t.dtype), list(t.shape)) != (spec["dtype"], spec["shape"]):
+        raise CheckpointError(f"{name} is {dtype_name(t.dtype)} {list(t.shape)}, metadata says {spec['dtype']} "
+                              f"{spec['shape']}", fix="the file was modified after conversion; convert again")
+    return t
 
-    Rebuilds each layer's plan from the recorded arguments, checks that its step chains
-    equal the recorded ones, and applies the inverse plan (padding dropped).
+
+def _restore_layer(f, meta: dict, idx: int, rec: dict) -> MoELayer:
+    plan = build_plan(rec["plan"], meta["version"])
+    check_record(rec, plan, meta["version"])
+    name = lambda n: _out_name(meta["prefix"], meta["block"], idx, n)  # noqa: E731
+    kernel = {n: _read_kernel(f, name(trec["name"]), trec["kernel"]) for n, trec in rec["tensors"].items()}
+    back = plan.inverse().apply(*(kernel.get(n) for n in KERNEL_NAMES))
+    t = {n: (_as_checkpoint(x, rec["tensors"][n]["checkpoint"]) if n in rec["tensors"] else None)
+         for n, x in zip(KERNEL_NAMES, back)}
+    extras = {n: _map_extra(plan, n, f.get_tensor(name(n)), inverse=True) for n in rec["extras"]}
+    args = rec["plan"]["args"]
+    return MoELayer(args["fmt"], t["w13"], t["w2"], t["w13_scale"], t["w2_scale"], args["intermediate"], args["hidden"],
+                    extras, idx, meta.get("convention"), meta.get("tp_size", 1), meta.get("tp_rank", 0),
+                    rec["activation"], rec["activation_params"], args["is_act_and_mul"], args["is_gated"])
+
+
+def restore_layers(path: str | os.PathLike) -> tuple[dict, list[MoELayer]]:
+    """Map a kernel-layout file (version 1 or 2) back to the checkpoint layout: ``(metadata, layers)``.
+
+    Rebuilds each layer's plan from the recorded recipe and arguments, checks it against the
+    record (:func:`check_record`), and applies the inverse plan (padding dropped).
     """
     from safetensors import safe_open
 
@@ -309,33 +450,10 @@ def restore_layers(path: str | os.PathLike) -> tuple[dict, list[MoELayer]]:
     layers = []
     with safe_open(str(path), framework="pt") as f:
         for idx, rec in meta["layers"].items():
-            plan = build_plan(rec["plan"])
-            maps = plan.maps()
-            kernel = {}
-            for n, trec in rec["tensors"].items():
-                chain = [s.name for s in maps[n].steps] if n in maps else []
-                if chain != trec["steps"]:
-                    raise CheckpointError(
-                        f"{path}: layer {idx} {n} was written with steps {trec['steps']} but this fimoe_lab builds "
-                        f"{chain} from the same arguments; restore it with the fimoe_lab version that wrote it")
-                name = _out_name(meta["prefix"], meta["block"], int(idx), trec["name"])
-                t = f.get_tensor(name)
-                want = (trec["kernel"]["dtype"], trec["kernel"]["shape"])
-                if (dtype_name(t.dtype), list(t.shape)) != (want[0], want[1]):
-                    raise CheckpointError(f"{path}: {name} is {dtype_name(t.dtype)} {list(t.shape)}, metadata says "
-                                          f"{want[0]} {want[1]}; the file was modified after conversion")
-                kernel[n] = t
-            inv = plan.inverse()
-            back = inv.apply(*(kernel.get(n) for n in KERNEL_NAMES))
-            tensors = {n: (_as_checkpoint(t, rec["tensors"][n]["checkpoint"]) if n in rec["tensors"] else None)
-                       for n, t in zip(KERNEL_NAMES, back)}
-            extras = {n: _map_extra(plan, n, f.get_tensor(_out_name(meta["prefix"], meta["block"], int(idx), n)), inverse=True)
-                      for n in rec["extras"]}
-            args = rec["plan"]["args"]
-            layers.append(MoELayer(rec["fmt"], tensors["w13"], tensors["w2"], tensors["w13_scale"], tensors["w2_scale"],
-                                   args["intermediate"], args["hidden"], extras, int(idx), meta.get("convention"),
-                                   meta.get("tp_size", 1), meta.get("tp_rank", 0), rec["activation"],
-                                   rec["activation_params"], args["is_act_and_mul"], args["is_gated"]))
+            try:
+                layers.append(_restore_layer(f, meta, int(idx), rec))
+            except FimoeError as exc:
+                raise exc.within(f"{path}: layer {idx}") from None
     return meta, layers
 
 
@@ -348,7 +466,8 @@ def restore_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> P
     """
     meta, layers = restore_layers(path)
     if not meta.get("convention"):
-        raise CheckpointError(f"{path}: no source convention recorded (written from in-memory layers); use restore_layers()")
+        raise CheckpointError(f"{path}: no source convention recorded (written from in-memory layers)",
+                              fix="use restore_layers()")
     conv = conventions.get(meta["convention"])
     tensors: dict[str, torch.Tensor] = {}
     for layer in layers:

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from fimoe_lab.specs import FORMATS
+
 from ._validate import require_float, require_format, require_matrix
 from .codes import E4M3_MAX, e4m3_decode, e4m3_encode
 from .result import QuantizedTensor
 
 FMT = "fp8"
+BLOCK = FORMATS[FMT].scale_block
+"""0: one scale per matrix (``specs.FORMATS["fp8"]``)."""
 
 
 def quantize(x: torch.Tensor) -> QuantizedTensor:
@@ -29,7 +33,7 @@ def quantize(x: torch.Tensor) -> QuantizedTensor:
     # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (1 ulp off the CPU)
     scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     values = e4m3_encode(xf / scale[..., None, None]).view(torch.float8_e4m3fn)
-    return QuantizedTensor(values, scale, None, FMT, 0)
+    return QuantizedTensor(values, scale, None, FMT, BLOCK)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

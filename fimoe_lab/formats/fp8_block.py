@@ -10,20 +10,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fimoe_lab.specs import FORMATS
+
 from ._validate import require_float, require_format, require_matrix
 from .codes import E4M3_MAX, e4m3_decode, e4m3_encode
 from .result import QuantizedTensor
 
 FMT = "fp8-block"
-BLOCK = 128
+ROWS, BLOCK = FORMATS[FMT].scale_block_rows, FORMATS[FMT].scale_block
+"""One scale per ``ROWS x BLOCK`` block (128 x 128), as ``specs.FORMATS["fp8-block"]`` says."""
 
 
 def _blocked(x: torch.Tensor) -> torch.Tensor:
     """``(..., rows, cols)`` -> zero-padded ``(..., rows/128, 128, cols/128, 128)`` (rounded up)."""
     rows, cols = x.shape[-2:]
-    pad_rows, pad_cols = -rows % BLOCK, -cols % BLOCK
+    pad_rows, pad_cols = -rows % ROWS, -cols % BLOCK
     xp = F.pad(x, (0, pad_cols, 0, pad_rows))
-    return xp.reshape(*x.shape[:-2], (rows + pad_rows) // BLOCK, BLOCK, (cols + pad_cols) // BLOCK, BLOCK)
+    return xp.reshape(*x.shape[:-2], (rows + pad_rows) // ROWS, ROWS, (cols + pad_cols) // BLOCK, BLOCK)
 
 
 def quantize(x: torch.Tensor) -> QuantizedTensor:
@@ -41,13 +44,13 @@ def quantize(x: torch.Tensor) -> QuantizedTensor:
     # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (1 ulp off the CPU)
     scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     q = e4m3_encode(blocks / scale[..., :, None, :, None])
-    values = q.reshape(*q.shape[:-4], q.shape[-4] * BLOCK, q.shape[-2] * BLOCK)[..., :rows, :cols]
+    values = q.reshape(*q.shape[:-4], q.shape[-4] * ROWS, q.shape[-2] * BLOCK)[..., :rows, :cols]
     return QuantizedTensor(values.contiguous().view(torch.float8_e4m3fn), scale, None, FMT, BLOCK)
 
 
 def expand_block_scales(scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """fp32 ``(..., ceil(rows/128), ceil(cols/128))`` -> ``(..., rows, cols)``: each element's scale."""
-    full = scales.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    full = scales.repeat_interleave(ROWS, dim=-2).repeat_interleave(BLOCK, dim=-1)
     return full[..., :rows, :cols]
 
 

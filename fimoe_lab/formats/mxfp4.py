@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from fimoe_lab.specs import FORMATS
+
 from ._validate import require_float, require_format, require_last_dim_multiple
 from .codes import (
     E2M1_MAX,
@@ -27,7 +29,7 @@ from .codes import (
 from .result import QuantizedTensor
 
 FMT = "mxfp4"
-BLOCK = 32
+BLOCK = FORMATS[FMT].scale_block
 
 
 def quantize(x: torch.Tensor) -> QuantizedTensor:

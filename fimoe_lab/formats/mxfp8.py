@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from fimoe_lab.specs import FORMATS
+
 from ._validate import require_float, require_format, require_last_dim_multiple
 from .codes import E4M3_MAX, e4m3_decode, e4m3_encode, ftz, rcp_approx_ftz, ue8m0_decode, ue8m0_encode_ceil
 from .result import QuantizedTensor
 
 FMT = "mxfp8"
-BLOCK = 32
+BLOCK = FORMATS[FMT].scale_block
 
 
 def quantize(x: torch.Tensor) -> QuantizedTensor:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from fimoe_lab.specs import FORMATS
+
 from ._validate import require_float, require_format, require_last_dim_multiple, require_matrix
 from .codes import (
     E2M1_MAX,
@@ -31,7 +33,7 @@ from .codes import (
 from .result import QuantizedTensor
 
 FMT = "nvfp4"
-BLOCK = 16
+BLOCK = FORMATS[FMT].scale_block
 
 
 def encode_blocks(blocks: torch.Tensor, encode_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fimoe_lab.errors import LayoutError
+
 __all__ = ["CyclePlan", "cycle_plan", "plan_permutation", "cycle_order"]
 
 
@@ -102,12 +104,12 @@ def cycle_plan(em, tile_slots: int) -> CyclePlan:
 def plan_permutation(src: np.ndarray, n_in: int, has_fill: bool, tile_slots: int) -> CyclePlan:
     """Cut the cycles of ``out[i] = in[src[i]]`` into tiles of ``tile_slots`` cells."""
     if tile_slots < 1:
-        raise ValueError(f"tile_slots must be >= 1, got {tile_slots}")
+        raise LayoutError(f"tile_slots must be >= 1, got {tile_slots}")
     p = src.astype(np.int64)
     n = p.size
     if n_in != n or has_fill or (p < 0).any() or not np.array_equal(np.bincount(p, minlength=n), np.ones(n, np.int64)):
-        raise ValueError(f"{n} output cells from {n_in} input cells is not a permutation of cells; "
-                         "only a permutation can run in place through a cycle plan")
+        raise LayoutError(f"{n} output cells from {n_in} input cells is not a permutation of cells; "
+                          "only a permutation can run in place through a cycle plan")
     order, _ = cycle_order(p)
     order = order[p[order] != order]  # fixed points stay where they are
     moved = order.size

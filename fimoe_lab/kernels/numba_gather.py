@@ -77,10 +77,6 @@ def _fill_bytes(typingctx, dst, value, n):
     return sig, codegen
 
 
-CYCLES_MIN_CELL = 1024
-"""In place, cells of at least this many bytes (rows) run the cycle plan; smaller ones
-(128-byte blocks, 4-byte scale words) scatter too much on a CPU and take the generic
-copy-then-gather path (measured on the 2-core machine, benchmarks/RESULTS.md)."""
 CYCLES_TILE_BYTES = 1 << 20
 """Bytes per cycle-plan tile on the CPU (a tile's sources are staged in a private buffer)."""
 

@@ -31,13 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, swizzle_rows, word_dtype
+from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
 
 # Tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
 CONFIG = {"tile_words": 4096, "num_warps": 4, "evict": False, "block_1d": 8192, "warps_1d": 8, "max_bw": 1024,
           "swizzle_kw": 32, "swizzle_warps": 4, "use_swizzle": True,
-          # in place: "auto" = bands for the swizzle form, else cycles
-          "inplace": "auto", "cycle_bw": 64, "band_words": 64, "band_per_sm": 32, "band_warps": 4}
+          # in place (the strategy itself is chosen by the registry: config["inplace"])
+          "cycle_bw": 64, "band_words": 64, "band_per_sm": 32, "band_warps": 4}
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         meta = dict(KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code,
                     num_warps=cfg["num_warps"])
         return meta, triton.cdiv(n_rows, bm) * nc, (rows_src, n_rows)
-    swz = swizzle_rows(em) if (cfg["use_swizzle"] and word == 4) else None
+    swz = em.swizzle if (cfg["use_swizzle"] and word == 4) else None
     if swz is not None:
         rows_src, cw, rows_out = swz
         kw = _pow2_divisor(cw, cfg["swizzle_kw"])

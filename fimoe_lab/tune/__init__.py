@@ -8,7 +8,9 @@
     df = sweep("qwen3-30b-a3b", "nvfp4", tp=8)         # pandas DataFrame
 
 Build the module once for live answers: ``python -m fimoe_lab.tune.build``.
-``sweep`` needs pandas; plots need matplotlib (imported only when plotting).
+Formats, activations and layouts are the rows of :mod:`fimoe_lab.specs`
+(``specs.tuner_formats()``); ``sweep`` needs pandas; its figures are drawn by
+:mod:`fimoe_lab.viz.figures` (matplotlib).
 """
-from .oracle import FORMATS, OracleError, TacticAnswer, TacticOracle, TacticQuery  # noqa: F401
+from .oracle import OracleError, TacticAnswer, TacticOracle, TacticQuery  # noqa: F401
 

@@ -7,32 +7,19 @@ answer is the tactic space the autotuner picks from, and an empty answer is the
 * natively, on a Blackwell (SM10x) GPU, through FlashInfer's JIT module;
 * elsewhere through the module built by ``python -m fimoe_lab.tune.build`` and an
   LD_PRELOAD shim that presents the CUDA runtime as an SM100 device;
-* or, with neither, from a recorded snapshot (``data/tactics/*.json.gz``): a shape
+* or, with neither, from a recorded snapshot (``fimoe_lab/data/tactics/*.json.gz``): a shape
   outside the snapshot is answered as *unknown*, never guessed.
 
 Live queries always run in a worker subprocess (one JSON request per line), so an
 ``exit()`` inside FlashInfer kills the worker, is reported as such, and the worker is
 restarted for the next query.
 
-Format names map to FlashInfer's (dtype_act, dtype_weights, fp8_quantization_type,
-use_per_token_scaling) the way its MoE entry points in ``flashinfer/fused_moe/core.py``
-build their runners (enum *values* are read from ``flashinfer.tllm_enums`` in the
-worker, never written here):
-
-============  ==========  ============  ===========  ===============================
-format        act dtype   weight dtype  fp8 type     entry point / default layout
-============  ==========  ============  ===========  ===============================
-bf16          Bfloat16    Bfloat16      NoneFp8      trtllm_bf16_moe, BlockMajorK
-fp8           E4m3        E4m3          NoneFp8      trtllm_fp8_per_tensor_scale_moe, MajorK
-fp8-block     E4m3        E4m3          DeepSeekFp8  trtllm_fp8_block_scale_moe, BlockMajorK
-mxfp8         MxE4m3      MxE4m3        MxFp8        trtllm_fp8_block_scale_moe, MajorK
-nvfp4         E2m1        E2m1          NoneFp8      trtllm_fp4_block_scale_moe, MajorK (+per-token)
-mxfp4         Bfloat16    MxE2m1        NoneFp8      trtllm_fp4_block_scale_moe, MajorK
-mxfp4-mxfp8   MxE4m3      MxE2m1        NoneFp8      trtllm_fp4_block_scale_moe, MajorK
-============  ==========  ============  ===========  ===============================
-
-``mxfp4`` means MXFP4 weights with BF16 activations (vLLM's default gpt-oss path on
-Blackwell); ``mxfp4-mxfp8`` is the MXFP8-activation variant.  All entry points pass
+Each tuner format reaches FlashInfer's (dtype_act, dtype_weights, fp8_quantization_type,
+use_per_token_scaling) and default weight layout through its row of
+:data:`fimoe_lab.specs.FORMATS` (``spec.tactics``: enum *member names*, the way the MoE
+entry points in ``flashinfer/fused_moe/core.py`` build their runners); the activation
+through :func:`fimoe_lab.specs.get_activation` (``.flashinfer``). Enum *values* are read
+from ``flashinfer.tllm_enums`` in the worker, never written here. All entry points pass
 ``use_shuffled_weight=True``.
 """
 from __future__ import annotations
@@ -46,61 +33,49 @@ import os
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
+
+from fimoe_lab import resources
+from fimoe_lab.errors import FimoeError, OracleError
+from fimoe_lab.specs import ACTIVATIONS, FORMATS, LAYOUTS, TacticEnums, get_activation, tuner_formats
+
+__all__ = ["OracleError", "TacticQuery", "TacticAnswer", "TacticOracle", "Snapshot", "WorkerDied",
+           "tactic_format", "kernel_activation", "snapshot_dir"]
 
 
-@dataclass(frozen=True)
-class FormatSpec:
-    """How one fimoe_lab format name reaches FlashInfer's tactic op (enum member names)."""
-    name: str
-    dtype_act: str
-    dtype_weights: str
-    fp8_quantization_type: str
-    default_layout: str
-    weight_bits: float          # bits per weight element incl. block scales (for waste)
-    description: str
-    per_token_ok: bool = False  # only NVFP4 has per-token activation scaling
+def tactic_format(name: str) -> TacticEnums:
+    """The tactic-query enums of tuner format ``name`` (:func:`fimoe_lab.specs.tuner_formats`)."""
+    fmt = str(name).strip().lower()
+    if fmt not in tuner_formats():
+        raise OracleError(f"unknown format {name!r}", fix=f"choose one of {', '.join(tuner_formats())}")
+    return FORMATS[fmt].tactics  # type: ignore[return-value]
 
 
-FORMATS: dict[str, FormatSpec] = {f.name: f for f in [
-    FormatSpec("bf16", "Bfloat16", "Bfloat16", "NoneFp8", "block-major-k", 16.0,
-               "BF16 weights and activations (trtllm_bf16_moe)"),
-    FormatSpec("fp8", "E4m3", "E4m3", "NoneFp8", "major-k", 8.0,
-               "FP8 E4M3 per-tensor scales (trtllm_fp8_per_tensor_scale_moe); gated activations only"),
-    FormatSpec("fp8-block", "E4m3", "E4m3", "DeepSeekFp8", "block-major-k", 8.0 + 32 / (128 * 128),
-               "FP8 E4M3 with 128x128 weight / 1x128 activation block scales (DeepSeek); SwiGLU only"),
-    FormatSpec("mxfp8", "MxE4m3", "MxE4m3", "MxFp8", "major-k", 8.0 + 8 / 32,
-               "MXFP8: E4M3 with UE8M0 scales per 32 (trtllm_fp8_block_scale_moe, MxFp8)"),
-    FormatSpec("nvfp4", "E2m1", "E2m1", "NoneFp8", "major-k", 4.0 + 8 / 16,
-               "NVFP4: E2M1 with E4M3 scales per 16, NVFP4 activations (trtllm_fp4_block_scale_moe)",
-               per_token_ok=True),
-    FormatSpec("mxfp4", "Bfloat16", "MxE2m1", "NoneFp8", "major-k", 4.0 + 8 / 32,
-               "MXFP4 weights (E2M1, UE8M0 per 32) with BF16 activations (gpt-oss default)"),
-    FormatSpec("mxfp4-mxfp8", "MxE4m3", "MxE2m1", "NoneFp8", "major-k", 4.0 + 8 / 32,
-               "MXFP4 weights with MXFP8 activations"),
-]}
+def kernel_activation(name: str) -> str:
+    """The activation a query is keyed by: the first of :data:`fimoe_lab.specs.ACTIVATIONS`
+    that runs the same FlashInfer ``ActivationType`` as ``name`` (aliases included).
 
-ACTIVATIONS = {"swiglu": "Swiglu", "relu2": "Relu2", "geglu": "Geglu"}
-GATED = {"swiglu": True, "relu2": False, "geglu": True}
-LAYOUTS = {"major-k": "MajorK", "block-major-k": "BlockMajorK"}
-
-
-class OracleError(ValueError):
-    """Bad input to the oracle (unknown format, impossible shape, no source available)."""
-
-
-def _choices(what: str, value, valid: Iterable[str]) -> OracleError:
-    return OracleError(f"unknown {what} {value!r}; valid: {', '.join(valid)}")
+    swiglu, silu and swiglu_oai -> ``swiglu`` (one Swiglu kernel); geglu, gelu -> ``geglu``;
+    relu2 -> ``relu2``: the names the recorded snapshots use.
+    """
+    try:
+        act = get_activation(name)
+    except FimoeError as exc:
+        raise OracleError(exc.message, fix=exc.fix) from None
+    return next(a.name for a in ACTIVATIONS.values() if a.flashinfer == act.flashinfer)
 
 
 @dataclass(frozen=True)
 class TacticQuery:
     """One shape, as the kernel sees it (already padded, per rank).
 
+    format: a tuner format (:func:`fimoe_lab.specs.tuner_formats`).  activation: any name
+    or alias in :data:`fimoe_lab.specs.ACTIVATIONS` (keyed by :func:`kernel_activation`).
     hidden: K of GEMM1 (elements).  intermediate: one projection's rows per expert
     (gate and up each; the kernel's ``intermediate_size``).  experts: local experts.
+    layout: a key of :data:`fimoe_lab.specs.LAYOUTS`, default the format's.
     """
     format: str
     activation: str
@@ -113,27 +88,31 @@ class TacticQuery:
     layout: Optional[str] = None
 
     def normalized(self) -> "TacticQuery":
-        fmt = self.format.strip().lower()
-        if fmt not in FORMATS:
-            raise _choices("format", self.format, FORMATS)
-        act = self.activation.strip().lower()
-        if act not in ACTIVATIONS:
-            raise _choices("activation", self.activation, ACTIVATIONS)
-        layout = (self.layout or FORMATS[fmt].default_layout).strip().lower()
+        """The query in canonical names (format, kernel activation, layout), checked.
+
+        :class:`OracleError` for an unknown format, activation or layout, per-token
+        scaling where the format has none, a size below 1, or ``top_k > experts``.
+        """
+        tactics = tactic_format(self.format)
+        layout = (self.layout or tactics.default_layout).strip().lower()
         if layout not in LAYOUTS:
-            raise _choices("weight layout", self.layout, LAYOUTS)
-        if self.per_token and not FORMATS[fmt].per_token_ok:
-            raise OracleError(f"per-token activation scaling exists only for nvfp4, not {fmt!r}")
+            raise OracleError(f"unknown weight layout {self.layout!r}", fix=f"choose one of {', '.join(LAYOUTS)}")
+        if self.per_token and not tactics.per_token_ok:
+            per_token = [f for f in tuner_formats() if FORMATS[f].tactics.per_token_ok]  # type: ignore[union-attr]
+            raise OracleError(f"per-token activation scaling exists only for {', '.join(per_token)}, "
+                              f"not {self.format!r}", fix="drop per_token (--per-token)")
+        shape = (f"hidden={self.hidden} intermediate={self.intermediate} experts={self.experts} "
+                 f"top_k={self.top_k} tokens={self.tokens}")
         for name in ("hidden", "intermediate", "experts", "top_k", "tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise OracleError(f"{name} must be a positive integer, got {v!r} "
-                                  f"(shape hidden={self.hidden} intermediate={self.intermediate} "
-                                  f"experts={self.experts} top_k={self.top_k} tokens={self.tokens})")
+                raise OracleError(f"{name} must be a positive integer, got {v!r} (shape {shape})",
+                                  fix=f"pass {name} >= 1")
         if self.top_k > self.experts:
-            raise OracleError(f"top_k={self.top_k} exceeds experts={self.experts}")
-        return TacticQuery(fmt, act, self.hidden, self.intermediate, self.experts, self.top_k,
-                           self.tokens, bool(self.per_token), layout)
+            raise OracleError(f"top_k={self.top_k} exceeds experts={self.experts}",
+                              fix="top_k is at most the number of local experts")
+        return TacticQuery(self.format.strip().lower(), kernel_activation(self.activation), self.hidden,
+                           self.intermediate, self.experts, self.top_k, self.tokens, bool(self.per_token), layout)
 
     def key(self) -> str:
         """Canonical snapshot key (call on a normalized query)."""
@@ -147,11 +126,12 @@ class TacticQuery:
         return TacticQuery(f, a, int(h), int(i), int(e), int(k), int(t), bool(int(pt)), lay)
 
     def request(self) -> dict:
-        spec = FORMATS[self.format]
+        """The worker's request: FlashInfer enum member names and sizes (call on a normalized query)."""
+        tactics = tactic_format(self.format)
         return {
-            "dtype_act": spec.dtype_act, "dtype_weights": spec.dtype_weights,
-            "fp8_quantization_type": spec.fp8_quantization_type,
-            "activation": ACTIVATIONS[self.activation], "weight_layout": LAYOUTS[self.layout],
+            "dtype_act": tactics.dtype_act, "dtype_weights": tactics.dtype_weights,
+            "fp8_quantization_type": tactics.fp8_quantization_type,
+            "activation": get_activation(self.activation).flashinfer, "weight_layout": LAYOUTS[self.layout],
             "use_shuffled_weight": True, "use_per_token_scaling": self.per_token,
             "top_k": self.top_k, "hidden": self.hidden, "intermediate": self.intermediate,
             "experts": self.experts, "tokens": self.tokens,
@@ -190,9 +170,9 @@ class TacticAnswer:
 
 # --------------------------------------------------------------------------- snapshot
 def snapshot_dir() -> Path:
-    """``$FIMOE_LAB_TACTICS_DIR`` or the repository's ``data/tactics``."""
+    """``$FIMOE_LAB_TACTICS_DIR`` or the package's snapshots (:func:`fimoe_lab.resources.tactics_dir`)."""
     env = os.environ.get("FIMOE_LAB_TACTICS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "data" / "tactics"
+    return Path(env) if env else resources.tactics_dir()
 
 
 def _installed(dist: str) -> Optional[str]:
@@ -326,7 +306,7 @@ class TacticOracle:
 
     mode: "auto" (native on a Blackwell GPU, else the built module + shim, else the
     snapshot), "native", "live" (the built module + shim), or "snapshot".
-    snapshot: path of a snapshot file (default: the one in ``data/tactics`` matching the
+    snapshot: path of a snapshot file (default: the one in :func:`snapshot_dir` matching the
     installed FlashInfer).
 
     >>> o = TacticOracle(mode="snapshot")
@@ -337,7 +317,7 @@ class TacticOracle:
 
     def __init__(self, mode: str = "auto", snapshot: Optional[os.PathLike] = None):
         if mode not in ("auto", "native", "live", "snapshot"):
-            raise _choices("oracle mode", mode, ("auto", "native", "live", "snapshot"))
+            raise OracleError(f"unknown oracle mode {mode!r}", fix="choose one of auto, native, live, snapshot")
         self._snapshot_path = snapshot
         self._snap: Optional[Snapshot] = None
         self._worker: Optional[_Worker] = None
@@ -355,7 +335,8 @@ class TacticOracle:
             self._worker = _Worker([sys.executable, "-m", "fimoe_lab.tune._worker", "native"], self._env())
             return "native"
         if mode == "native":
-            raise OracleError("mode='native' needs a Blackwell (SM10x) GPU; none is visible")
+            raise OracleError("mode='native' needs a Blackwell (SM10x) GPU; none is visible",
+                              fix="use mode='auto' (built module or snapshot) or mode='snapshot'")
         from . import build
         man = build.find_module()
         if man is not None:
@@ -369,9 +350,9 @@ class TacticOracle:
         if mode == "live":
             pre = build.check_prereqs()
             probs = pre.problems()
-            hint = ("; also missing: " + "; ".join(probs)) if probs else ""
-            raise OracleError("no built TRTLLM-Gen MoE module for the installed FlashInfer "
-                              f"({pre.flashinfer_version}); run `python -m fimoe_lab.tune.build`{hint}")
+            hint = (" (also missing: " + "; ".join(probs) + ")") if probs else ""
+            raise OracleError(f"no built TRTLLM-Gen MoE module for the installed FlashInfer ({pre.flashinfer_version})",
+                              fix=f"run `python -m fimoe_lab.tune.build`{hint}, or use mode='snapshot'")
         self._load_snapshot(required=True)
         return "snapshot"
 
@@ -386,8 +367,8 @@ class TacticOracle:
         if self._snap is None:
             self._snap = Snapshot.find(self._snapshot_path)
         if self._snap is None and required:
-            raise OracleError(f"no tactic snapshot found in {snapshot_dir()} and no live FlashInfer module; "
-                              "build one with `python -m fimoe_lab.tune.build`")
+            raise OracleError(f"no tactic snapshot found in {snapshot_dir()} and no live FlashInfer module",
+                              fix="build the module with `python -m fimoe_lab.tune.build`")
         return self._snap
 
     @property

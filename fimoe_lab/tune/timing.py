@@ -19,13 +19,12 @@ from typing import Callable, Optional
 
 import torch
 
+from ..errors import FimoeError
 from ..presets import get_preset
+from ..recipes import plan_layer
+from ..specs import FORMATS, get_activation
 
-__all__ = ["measure_grouped_mm", "measure_transform", "timing_status", "PLAN_FORMAT"]
-
-PLAN_FORMAT = {"bf16": "bf16", "fp8": "fp8", "fp8-block": "fp8-block", "mxfp8": "mxfp8", "nvfp4": "nvfp4",
-               "mxfp4": "mxfp4", "mxfp4-mxfp8": "mxfp4"}
-"""Tuner format -> the weight format whose layout plan :func:`fimoe_lab.prepare.plan_layer` builds."""
+__all__ = ["measure_grouped_mm", "measure_transform", "timing_status"]
 
 
 def timing_status() -> str:
@@ -78,7 +77,7 @@ def measure_grouped_mm(df, tokens: int = 4096, repeats: int = 20, device: Option
     per_expert = max(1, tokens * p.top_k // p.experts)
     rows = per_expert * p.experts
     offs = torch.arange(per_expert, rows + 1, per_expert, device=dev, dtype=torch.int32)
-    projections = 2 if p.is_gated else 1
+    projections = get_activation(p.activation).projections
 
     def time_shape(inter: int, hidden: int) -> float:
         g = torch.Generator(device=dev).manual_seed(inter * 7919 + hidden)
@@ -111,13 +110,15 @@ def measure_transform(df, backend: str = "trtllm", experts: Optional[int] = None
     """Our executors laying out w13 and w2 (random bytes) for each padded shape of ``df``.
 
     ``experts``: how many experts to lay out (default: all of the preset's; fewer keeps
-    a CPU run short; the time scales with the count). Adds ``transform_ms`` (median,
-    both tensors) and ``transform_note`` (why a shape has no plan, if so).
+    a CPU run short; the time scales with the count). The plan is
+    :func:`fimoe_lab.recipes.plan_layer` of the format's layout recipe
+    (``specs.FORMATS[f].plan_format``) padded to each row's alignments. Adds
+    ``transform_ms`` (median, both tensors) and ``transform_note`` (why a shape has no
+    plan, if so).
     """
-    from ..prepare import plan_layer
-
     p = get_preset(df.attrs["preset"])
-    fmt = PLAN_FORMAT[df.attrs["format"]]
+    act = get_activation(p.activation)
+    fmt = FORMATS[df.attrs["format"]].plan_format
     n = experts or p.experts
     dev = torch.device(device)
     unpadded = df.loc[(df.inter_align == 1) & (df.hidden_align == 1)].iloc[0]
@@ -127,11 +128,11 @@ def measure_transform(df, backend: str = "trtllm", experts: Optional[int] = None
     for (inter, hidden), idx in _shapes(df).items():
         row = df.iloc[idx[0]]
         try:  # the plan pads the checkpoint's (unpadded) sizes to this row's alignments
-            plan = plan_layer(fmt, backend, int(unpadded.intermediate), int(unpadded.hidden), True, p.is_gated,
-                              int(row.inter_align), int(row.hidden_align))
-        except ValueError as exc:
+            plan = plan_layer(fmt, backend, int(unpadded.intermediate), int(unpadded.hidden), act.is_act_and_mul,
+                              act.gated, int(row.inter_align), int(row.hidden_align))
+        except FimoeError as exc:
             for i in idx:
-                notes[i] = str(exc).split(";")[0]
+                notes[i] = exc.message
             continue
         g = torch.Generator().manual_seed(inter + hidden)
         inputs = {name: torch.randint(1, 256, (n,) + m.in_shape, generator=g, dtype=torch.uint8).to(dev)

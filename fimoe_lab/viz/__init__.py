@@ -16,7 +16,7 @@ _LAZY = {
     "ProvenanceExplorer": "widgets", "TunerExplorer": "widgets",
     "row_permutation_figure": "figures", "tile_figure": "figures", "swizzle_figure": "figures",
     "padding_figure": "figures", "provenance_figure": "figures", "compare_figure": "figures",
-    "tuner_figure": "figures",
+    "tuner_figure": "figures", "sweep_tactics_figure": "figures", "sweep_waste_figure": "figures",
     "padding_report": "data", "row_flow": "data", "observed_row_sources": "data",
     "sample_layer": "sources", "load_layer": "sources", "sample_names": "sources", "tactic_sweep": "sources",
 }

@@ -3,8 +3,9 @@
 Every function takes an :class:`~fimoe_lab.layout.IndexMap` (or a layer plan) and
 returns plain arrays; the figures only draw them, so a test can check a figure's data
 against the map it came from. Shapes are one expert's matrix; ``itemsize`` is the
-bytes per stored element of the tensor the map moves (2 for bf16, 1 for fp8, UE8M0,
-E4M3 and packed fp4 bytes, 4 for fp32 scales).
+bytes per stored element of the tensor the map moves, read off ``specs.FORMATS``
+(:func:`itemsize_of`: 2 for bf16, 1 for fp8, UE8M0, E4M3 and packed fp4 bytes, 4 for
+fp32 scales). Steps are told apart by ``kind``/``params``, never by display name.
 """
 
 from __future__ import annotations
@@ -16,36 +17,36 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fimoe_lab import prepare
-from fimoe_lab.steps import shuffle_block_size
-from fimoe_lab.layout import IndexMap, LayoutError, compose
+from fimoe_lab.errors import LayoutError
+from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.plan import TENSOR_NAMES, LayerPlan
+from fimoe_lab.recipes import plan_layer
+from fimoe_lab.specs import get_format
+from fimoe_lab.steps import shuffle_block_size
 
 __all__ = [
-    "ITEMSIZE", "TENSOR_NAMES", "itemsize_of", "element_sources", "display_2d", "gather_values",
+    "TENSOR_NAMES", "itemsize_of", "element_sources", "display_2d", "gather_values",
     "RowFlow", "row_flow", "observed_row_sources",
     "TileView", "tile_view", "SwizzleView", "swizzle_view",
     "TensorPadding", "PaddingReport", "padding_report", "provenance_rows",
 ]
 
-# bytes per stored element, by (format, tensor); packed fp4 is drawn per byte (2 values)
-ITEMSIZE = {
-    ("bf16", "w13"): 2, ("bf16", "w2"): 2,
-    ("fp8-block", "w13_scale"): 4, ("fp8-block", "w2_scale"): 4,
-}
-
-
 def itemsize_of(fmt: str, tensor: str) -> int:
-    """Bytes per stored element of ``tensor`` ("w13", "w2", "w13_scale", "w2_scale") in ``fmt``."""
-    return ITEMSIZE.get((fmt, tensor), 1)
+    """Bytes per stored element of ``tensor`` ("w13", "w2", "w13_scale", "w2_scale") in ``fmt``.
+
+    Weights: ``spec.itemsize`` (packed fp4 is drawn per byte, two values each); scales:
+    ``spec.scale_itemsize`` (4 for fp8-block's float32 block scales).
+    """
+    spec = get_format(fmt)
+    return spec.scale_itemsize if tensor.endswith("_scale") else spec.itemsize
 
 
 def _check_itemsize(m: IndexMap, itemsize: int) -> None:
     if m.in_shape[-1] % itemsize or m.out_shape[-1] % itemsize or m.cell_bytes % itemsize:
         raise LayoutError(
             f"{m.name} moves {m.cell_bytes}-byte cells of rows {m.in_shape[-1]} -> {m.out_shape[-1]} bytes, "
-            f"which do not split into whole {itemsize}-byte elements; pass the itemsize of the tensor it moves"
-        )
+            f"which do not split into whole {itemsize}-byte elements",
+            fix="pass the itemsize of the tensor it moves (itemsize_of(fmt, tensor))")
 
 
 def element_sources(m: IndexMap, itemsize: int = 1) -> np.ndarray:
@@ -73,7 +74,8 @@ def gather_values(m: IndexMap, values: np.ndarray | torch.Tensor, itemsize: int 
     v = np.asarray(values, dtype=np.float64)
     in_shape = m.in_shape[:-1] + (m.in_shape[-1] // itemsize,)
     if v.size != math.prod(in_shape):
-        raise LayoutError(f"values of shape {v.shape} do not match {m.name}'s input {in_shape} elements of {itemsize} B")
+        raise LayoutError(f"values of shape {v.shape} do not match {m.name}'s input {in_shape} elements of {itemsize} B",
+                          fix="pass one expert's values in the map's input layout")
     src = element_sources(m, itemsize)
     return np.where(src >= 0, v.reshape(-1)[np.maximum(src, 0)], np.nan)
 
@@ -89,7 +91,8 @@ class RowFlow:
     """Which checkpoint row lands in each kernel row (``out[i] = in[src_rows[i]]``).
 
     ``src_rows`` int64 ``(out_rows,)``, ``-1`` = a padding row; ``projections`` 2 for a
-    fused ``[gate; up]`` W13 of ``2 * intermediate`` input rows, 1 otherwise.
+    fused ``[gate; up]`` W13 of ``2 * intermediate`` input rows, 1 otherwise; ``steps``
+    the ``kind`` of each row step, in order.
     ``shuffle_block``/``epilogue_tile`` come from the chain's epilogue shuffle step.
     """
 
@@ -128,7 +131,8 @@ class RowFlow:
             code = np.arange(self.out_rows) // size
             names = tuple(f"{colour_by} {k}" for k in range(int(code.max()) + 1))
         else:
-            raise LayoutError(f"cannot colour rows by {colour_by!r}; this chain offers {', '.join(self.colour_modes())}")
+            raise LayoutError(f"cannot colour rows by {colour_by!r}",
+                              fix=f"this chain offers {', '.join(self.colour_modes())}")
         return np.where(pad, len(names), code), names + ("padding",)
 
 
@@ -144,7 +148,7 @@ def row_flow(m: IndexMap, projections: int = 2) -> RowFlow:
     first = rows_map.row_sources().numpy()
     etm = _epilogue_tile_m(rows_map)
     block = shuffle_block_size(etm) if etm else None
-    return RowFlow(first.astype(np.int64), in_rows, projections, tuple(s.name for s in rows_map.steps), block, etm)
+    return RowFlow(first.astype(np.int64), in_rows, projections, tuple(s.kind for s in rows_map.steps), block, etm)
 
 
 def observed_row_sources(checkpoint: torch.Tensor, kernel: torch.Tensor) -> np.ndarray:
@@ -181,7 +185,8 @@ class TileView:
 def tile_view(m: IndexMap, itemsize: int = 1) -> TileView:
     """Where every element of a block-major-K output ``(K/bk, M, bk)`` comes from."""
     if len(m.out_shape) != 3:
-        raise LayoutError(f"{m.name} has output {m.out_shape} bytes; a block-major-K tile view needs (K/bk, M, bk)")
+        raise LayoutError(f"{m.name} has output {m.out_shape} bytes; a block-major-K tile view needs (K/bk, M, bk)",
+                          fix="pick a map that ends with block_major_k")
     src = element_sources(m, itemsize)
     in_cols = m.in_shape[-1] // itemsize
     flat = display_2d(src)
@@ -229,10 +234,12 @@ def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
     ``w13_scale``: pad, row permutation, swizzle); sources are the chain's input.
     """
     if m.steps[-1].kind != "swizzle_scales_128x4":
-        raise LayoutError(f"{m.name} does not end with swizzle_scales_128x4; there is no swizzled buffer to draw")
+        raise LayoutError(f"{m.name} does not end with swizzle_scales_128x4; there is no swizzled buffer to draw",
+                          fix="pick a TRT-LLM scale map (w13_scale or w2_scale of mxfp8, nvfp4 or mxfp4)")
     src = element_sources(m, itemsize).reshape(-1)
     if src.size % ATOM:
-        raise LayoutError(f"{m.name}: buffer of {src.size} scales is not whole 512-scale atoms")
+        raise LayoutError(f"{m.name}: buffer of {src.size} scales is not whole 512-scale atoms",
+                          fix="pad the scales to 128 rows and 4 columns first")
     in_rows, in_cols = m.in_shape[0], m.in_shape[-1] // itemsize
     dest = np.full(in_rows * in_cols, -1, dtype=np.int64)
     taken = src >= 0
@@ -323,16 +330,15 @@ def padding_report(fmt: str, backend: str, intermediate: int, hidden: int, tp: i
     """Which rows/columns of w13, w2 and their scales are padding, for one TP shard.
 
     ``intermediate`` is the model's (global) size; each TP shard holds ``intermediate / tp``
-    before padding. Alignments default to the reference rules (see ``plan_layer``).
+    before padding. Alignments default to :func:`fimoe_lab.recipes.default_alignments`
+    (what ``fimoe-lab convert`` pads to); the plan is :func:`fimoe_lab.recipes.plan_layer`.
     """
     if tp < 1 or intermediate % tp:
         raise LayoutError(
-            f"intermediate {intermediate} does not split into {tp} tensor-parallel shards; choose a TP size that "
-            f"divides it ({', '.join(str(t) for t in (1, 2, 4, 8) if intermediate % t == 0)})"
-        )
+            f"intermediate {intermediate} does not split into {tp} tensor-parallel shards",
+            fix=f"choose a TP size that divides it ({', '.join(str(t) for t in (1, 2, 4, 8) if intermediate % t == 0)})")
     local = intermediate // tp
-    plan = prepare.plan_layer(fmt, backend, local, hidden, is_act_and_mul, is_gated,
-                              intermediate_alignment, hidden_alignment)
+    plan = plan_layer(fmt, backend, local, hidden, is_act_and_mul, is_gated, intermediate_alignment, hidden_alignment)
     tensors = {name: TensorPadding(name, m, itemsize_of(fmt, name)) for name, m in plan.maps().items()}
     return PaddingReport(fmt, backend, tp, intermediate, local, hidden, plan, experts, tensors)
 

@@ -15,12 +15,13 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from fimoe_lab.layout import IndexMap, LayoutError
+from fimoe_lab.errors import LayoutError
+from fimoe_lab.layout import IndexMap
 from fimoe_lab.viz import data
 
 __all__ = [
     "row_permutation_figure", "tile_figure", "swizzle_figure", "padding_figure",
-    "provenance_figure", "compare_figure", "tuner_figure",
+    "provenance_figure", "compare_figure", "tuner_figure", "sweep_tactics_figure", "sweep_waste_figure",
 ]
 
 PAD_COLOUR = (0.75, 0.75, 0.75, 1.0)
@@ -63,7 +64,7 @@ def row_permutation_figure(m: IndexMap, projections: int = 2, window: tuple[int,
     flow = data.row_flow(m, projections)
     lo, hi = max(0, window[0]), min(flow.out_rows, window[1])
     if lo >= hi:
-        raise LayoutError(f"row window {window} is empty; kernel rows are 0..{flow.out_rows - 1}")
+        raise LayoutError(f"row window {window} is empty", fix=f"kernel rows are 0..{flow.out_rows - 1}")
     codes, labels = flow.groups(colour_by)
     colours = _group_colours(len(labels))
     panels = 3 if values is not None else 2
@@ -113,7 +114,7 @@ def row_permutation_figure(m: IndexMap, projections: int = 2, window: tuple[int,
                     extent=(-0.5, moved.shape[1] - 0.5, hi - 0.5, lo - 0.5))
         ax_v.set_title("values in kernel rows (grey: padding)")
         ax_v.set_xlabel("element")
-    fig.suptitle(" >> ".join(s.split("(")[0] for s in flow.steps), fontsize=9)
+    fig.suptitle(" >> ".join(flow.steps), fontsize=9)
     return fig
 
 
@@ -127,7 +128,7 @@ def tile_figure(m: IndexMap, itemsize: int = 1, colour_by: str = "source column"
     view = data.tile_view(m, itemsize)
     shown = {"source column": view.src_col, "source row": view.src_row}
     if colour_by not in shown:
-        raise LayoutError(f"colour_by must be one of {', '.join(shown)}, got {colour_by!r}")
+        raise LayoutError(f"cannot colour tiles by {colour_by!r}", fix=f"choose one of {', '.join(shown)}")
     fig = Figure(figsize=(10, 4.6), layout="constrained")
     ax_in, ax_out = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     im = ax_in.imshow(_masked(view.block_of_input), aspect="auto", cmap=_categorical(view.blocks),
@@ -158,7 +159,8 @@ def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
     """
     view = data.swizzle_view(m, itemsize)
     if not 0 <= atom < view.atoms:
-        raise LayoutError(f"atom {atom} is outside 0..{view.atoms - 1} of {view.name}")
+        raise LayoutError(f"atom {atom} is outside 0..{view.atoms - 1} of {view.name}",
+                          fix=f"pick an atom in 0..{view.atoms - 1}")
     fig = Figure(figsize=(13, 4.8), layout="constrained")
     ax_lin, ax_buf, ax_atom = (fig.add_subplot(1, 3, k) for k in (1, 2, 3))
     im = ax_lin.imshow(_masked(view.dest_atom), aspect="auto", cmap=_categorical(view.atoms),
@@ -212,7 +214,8 @@ def padding_figure(report: data.PaddingReport) -> Figure:
     """
     names = list(report.tensors)
     if not names:
-        raise LayoutError(f"{report.plan.description} pads nothing and moves nothing: no tensor to draw")
+        raise LayoutError(f"{report.plan.description} pads nothing and moves nothing: no tensor to draw",
+                          fix="pick another backend, format or alignment")
     fig = Figure(figsize=(3.3 * len(names), 6.2), layout="constrained")
     cmap = ListedColormap([(0.93, 0.93, 0.85), (0.55, 0.1, 0.1)])
     for k, name in enumerate(names):
@@ -284,19 +287,24 @@ def compare_figure(m: IndexMap, checkpoint: np.ndarray, kernel: np.ndarray, item
     return fig
 
 
+def _token_columns(sweep) -> list[str]:
+    """The sweep's tactic-count columns ``t<T>``, in order."""
+    return [c for c in sweep.columns if c.startswith("t") and c[1:].isdigit()]
+
+
 def tuner_figure(sweep, tokens: Optional[int] = None) -> Figure:
     """The tuner's tactic heatmap: tactics per (intermediate alignment, hidden alignment).
 
-    ``sweep``: the DataFrame of :func:`fimoe_lab.viz.sources.tactic_sweep` (columns
+    ``sweep``: the DataFrame of :func:`fimoe_lab.tune.sweep.sweep` (columns
     ``inter_align``, ``hidden_align``, ``t<T>``, ``extra_bytes_pct``, ``reference``,
     ``recommended``). Colour: tactic count at ``tokens`` (default: the minimum over
-    token counts); text: extra weight bytes %; boxes: green = recommended, red = the
-    reference rule.
+    token counts); text: extra weight bytes % (none where the grid has no row); boxes:
+    green = recommended, red = the reference (what ``fimoe-lab convert`` pads to).
     """
     column = f"t{tokens}" if tokens is not None else "min_tactics"
     if column not in sweep.columns:
-        raise LayoutError(f"the sweep has no column {column!r}; token counts: "
-                          f"{', '.join(c[1:] for c in sweep.columns if c.startswith('t') and c[1:].isdigit())}")
+        raise LayoutError(f"the sweep has no column {column!r}",
+                          fix=f"token counts: {', '.join(c[1:] for c in _token_columns(sweep))}")
     ia = sorted(sweep["inter_align"].unique())
     ha = sorted(sweep["hidden_align"].unique())
     grid = np.full((len(ia), len(ha)), np.nan)
@@ -309,11 +317,10 @@ def tuner_figure(sweep, tokens: Optional[int] = None) -> Figure:
     ax = fig.add_subplot(1, 1, 1)
     im = ax.imshow(_masked(grid), cmap=_cmap("viridis"), aspect="auto")
     fig.colorbar(im, ax=ax, label=f"valid tactics ({column})")
-    for i in range(len(ia)):
-        for j in range(len(ha)):
+    for (i, j), w in np.ndenumerate(waste):
+        if w == w:
             bright = np.nanmax(grid) > 0 and grid[i, j] > 0.6 * np.nanmax(grid)
-            ax.text(j, i, f"+{waste[i, j]:.1f}%", ha="center", va="center", fontsize=7,
-                    color="black" if bright else "white")
+            ax.text(j, i, f"+{w:.1f}%", ha="center", va="center", fontsize=7, color="black" if bright else "white")
     for flag, colour in (("recommended", "lime"), ("reference", "red")):
         for _, r in sweep[sweep[flag]].iterrows():
             i, j = ia.index(r["inter_align"]), ha.index(r["hidden_align"])
@@ -322,7 +329,55 @@ def tuner_figure(sweep, tokens: Optional[int] = None) -> Figure:
     ax.set_yticks(range(len(ia)), [str(v) for v in ia])
     ax.set_xlabel("hidden alignment")
     ax.set_ylabel("intermediate alignment")
+    ax.set_title(_sweep_title(sweep, "green = recommended, red = convert's default"), fontsize=9)
+    return fig
+
+
+def _sweep_title(sweep, what: str) -> str:
     attrs = getattr(sweep, "attrs", {})
-    ax.set_title(f"{attrs.get('preset', '')} {attrs.get('format', '')} TP {attrs.get('tp', '')}: "
-                 "green = recommended, red = reference rule", fontsize=9)
+    return f"{attrs.get('preset', '')} {attrs.get('format', '')} TP {attrs.get('tp', '')}: {what}"
+
+
+def sweep_tactics_figure(sweep) -> Figure:
+    """Tactic counts of every padding of a sweep at every token count.
+
+    Rows: the sweep's rows, labelled ``I%a_I H%a_H (I' x H')`` (``REF``: convert's
+    default padding, ``*``: recommended); columns: token counts; colour and text: the
+    count (grey ``?``: unknown). The drawn array is ``sweep[t<T> columns]`` as float.
+    """
+    tcols = _token_columns(sweep)
+    counts = sweep[tcols].astype(float).to_numpy()
+    fig = Figure(figsize=(1.0 + 0.8 * len(tcols) + 3, 0.3 * len(sweep) + 1.5), layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    im = ax.imshow(_masked(counts), aspect="auto", cmap=_cmap("viridis"), interpolation="nearest")
+    ax.set_xticks(range(len(tcols)), [c[1:] for c in tcols])
+    labels = [f"I%{r.inter_align} H%{r.hidden_align} ({r.intermediate}x{r.hidden})"
+              + (" REF" if r.reference else "") + (" *" if r.recommended else "") for r in sweep.itertuples()]
+    ax.set_yticks(range(len(sweep)), labels, fontsize=7)
+    ax.set_xlabel("tokens")
+    top = np.nanmax(counts) if np.isfinite(counts).any() else 0.0
+    for (i, j), v in np.ndenumerate(counts):
+        ax.text(j, i, "?" if v != v else int(v), ha="center", va="center", fontsize=6,
+                color="white" if (v == v and v < top / 2) else "black")
+    fig.colorbar(im, ax=ax, label="valid tactics")
+    ax.set_title(_sweep_title(sweep, "tactics (REF = convert's default, * = recommended)"), fontsize=9)
+    return fig
+
+
+def sweep_waste_figure(sweep) -> Figure:
+    """Extra weight bytes (%) against the minimum tactic count over token counts, one point per padding.
+
+    Green: the full tactic space at every T, red: not; ``REF`` marks convert's default
+    padding, ``REC`` the recommendation.
+    """
+    fig = Figure(figsize=(5, 3.5), layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    least = sweep["min_tactics"].astype(float).to_numpy()
+    ax.scatter(sweep["extra_bytes_pct"], least, c=["tab:green" if f else "tab:red" for f in sweep["full"]])
+    for r, y in zip(sweep.itertuples(), least):
+        if r.reference or r.recommended:
+            ax.annotate("REF" if r.reference else "REC", (r.extra_bytes_pct, y), fontsize=8)
+    ax.set_xlabel("extra weight bytes / FLOPs (%)")
+    ax.set_ylabel("min tactics over token counts")
+    ax.set_title(_sweep_title(sweep, "waste vs tactics"), fontsize=9)
     return fig

@@ -20,14 +20,17 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from fimoe_lab.layout import LayoutError
+from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.plan import LayerPlan
+from fimoe_lab.specs import get_format, tuner_formats, weight_formats
 
-__all__ = ["ExpertTensors", "LabUnavailable", "sample_layer", "load_layer", "sample_names", "preset_names", "tactic_sweep"]
+__all__ = ["ExpertTensors", "LabUnavailable", "PLAN_FORMATS", "TUNER_FORMATS", "sample_layer", "load_layer",
+           "sample_names", "preset_names", "tactic_sweep"]
 
-PLAN_FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4")
-PACKED_FP4 = ("nvfp4", "mxfp4")
-TUNER_FORMATS = ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
+PLAN_FORMATS = weight_formats()
+"""Formats the layout views draw (and :func:`sample_layer` makes): ``specs.weight_formats()``."""
+TUNER_FORMATS = tuner_formats()
+"""Formats the tuner view sweeps: ``specs.tuner_formats()``."""
 
 
 class LabUnavailable(RuntimeError):
@@ -94,7 +97,8 @@ class ExpertTensors:
         """float64 ``(rows, elements)`` of one expert: |dequantized weight| per stored element
         (per byte for packed fp4: the larger of its two values), or the decoded scales."""
         if not 0 <= expert < self.experts:
-            raise LayoutError(f"expert {expert} is outside 0..{self.experts - 1} of this layer")
+            raise LayoutError(f"expert {expert} is outside 0..{self.experts - 1} of this layer",
+                              fix=f"pick an expert in 0..{self.experts - 1}")
         from fimoe_lab.formats import QuantizedTensor
         from fimoe_lab.formats.health import decoded_scales
 
@@ -109,7 +113,7 @@ class ExpertTensors:
                     for k, v in self.moe.extras.items()},
         )
         values = dict(zip(("w13", "w2"), one.dequantized()))[name][0].abs()
-        if self.fmt in PACKED_FP4:
+        if get_format(self.fmt).packed:
             values = values.reshape(values.shape[0], -1, 2).amax(dim=-1)
         return values.double().numpy()
 
@@ -147,7 +151,7 @@ def sample_layer(fmt: str = "mxfp8", experts: int = 4, intermediate: int = 128, 
     from fimoe_lab.checkpoints import MoELayer
 
     if fmt not in PLAN_FORMATS:
-        raise LayoutError(f"unknown format {fmt!r}; sample layers exist for {', '.join(PLAN_FORMATS)}")
+        raise FormatError(f"no sample layer for format {fmt!r}", fix=f"choose one of {', '.join(PLAN_FORMATS)}")
     w13, w2 = _structured(experts, intermediate, hidden, gated, seed)
     source = f"sample_layer({fmt!r}, experts={experts}, intermediate={intermediate}, hidden={hidden}, seed={seed})"
     kw = dict(intermediate=intermediate, hidden=hidden, is_act_and_mul=gated, is_gated=gated, convention="seeded")

@@ -8,7 +8,8 @@ inputs it was drawn from, so scripts and tests can read what is shown.
 Explorers take a layer (:class:`~fimoe_lab.viz.sources.ExpertTensors`: a shipped
 sample, a checkpoint through ``sources.load_layer``, or ``sources.sample_layer``);
 without one they offer a layer menu: a seeded layer per format and the shipped sample
-checkpoints. Their plans are the ones ``fimoe-lab convert`` applies.
+checkpoints. Their plans are the ones ``fimoe-lab convert`` applies; the backends and
+formats on offer are the rows of :mod:`fimoe_lab.specs`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import ipywidgets as W
 import numpy as np
 from matplotlib.figure import Figure
 
-from fimoe_lab import prepare
-from fimoe_lab.layout import LayoutError
+from fimoe_lab.errors import FimoeError, LayoutError
+from fimoe_lab.specs import BACKENDS
 from fimoe_lab.viz import data, figures, sources
 
 __all__ = ["RowExplorer", "TileExplorer", "PaddingExplorer", "ProvenanceExplorer", "TunerExplorer"]
@@ -91,7 +92,7 @@ class _Explorer(W.VBox):
         self._busy = True
         try:
             fig, note = self._draw()
-        except LayoutError as exc:
+        except (FimoeError, sources.LabUnavailable) as exc:
             shown = "figure not updated" if self.figure is not None else "no figure"
             self.message.value = f"<span style='color:#a00'>{html.escape(str(exc))} ({shown})</span>"
             return
@@ -115,7 +116,7 @@ class _LayerExplorer(_Explorer):
         self.source = W.Dropdown(options=choices, value="given" if layer is not None else source, description="layer",
                                  layout=W.Layout(width="330px"), style={"description_width": "80px"})
         self.source.disabled = layer is not None
-        self.backend = _dropdown("backend", prepare.BACKENDS, backend)
+        self.backend = _dropdown("backend", BACKENDS, backend)
         self.tensor = _dropdown("tensor", data.TENSOR_NAMES, tensor)
         self.expert = W.IntSlider(0, 0, 3, description="expert", style={"description_width": "80px"})
         super().__init__([self.source, self.backend, self.tensor, self.expert] + extra)
@@ -132,8 +133,8 @@ class _LayerExplorer(_Explorer):
         maps = plan.maps()
         usable = [n for n, m in maps.items() if self.tensor_filter(m)]
         if not usable:
-            raise LayoutError(f"{plan.description} has no tensor with the steps this view draws; "
-                              f"try another layer or backend")
+            raise LayoutError(f"{plan.description} has no tensor with the steps this view draws",
+                              fix="try another layer or backend")
         if list(self.tensor.options) != usable:
             keep = self.tensor.value if self.tensor.value in usable else usable[0]
             self.tensor.options = usable
@@ -224,7 +225,7 @@ class PaddingExplorer(_Explorer):
                  backend: str = "trtllm", tp: int = 1, inter_align="default", hidden_align="default"):
         style = {"description_width": "80px"}
         self.fmt = _dropdown("format", sources.PLAN_FORMATS, fmt)
-        self.backend = _dropdown("backend", prepare.BACKENDS, backend)
+        self.backend = _dropdown("backend", BACKENDS, backend)
         self.tp = _dropdown("TP", (1, 2, 4, 8), tp)
         self.intermediate = W.IntText(intermediate, description="intermediate", style=style, layout=W.Layout(width="220px"))
         self.hidden = W.IntText(hidden, description="hidden", style=style, layout=W.Layout(width="220px"))
@@ -238,7 +239,8 @@ class PaddingExplorer(_Explorer):
     def from_layer(cls, layer: sources.ExpertTensors, **kwargs) -> "PaddingExplorer":
         """The explorer on a layer's sizes (read it at TP 1: the TP menu then splits it)."""
         if layer.fmt not in sources.PLAN_FORMATS:
-            raise LayoutError(f"padding views exist for {', '.join(sources.PLAN_FORMATS)}, not {layer.fmt!r}")
+            raise LayoutError(f"no padding view for format {layer.fmt!r}",
+                              fix=f"padding views exist for {', '.join(sources.PLAN_FORMATS)}")
         return cls(layer.intermediate, layer.hidden, layer.experts, layer.fmt, **kwargs)
 
     def _draw(self):
@@ -264,10 +266,7 @@ class TunerExplorer(_Explorer):
         super().__init__([self.preset, self.fmt, self.tp])
 
     def _draw(self):
-        try:
-            sweep = sources.tactic_sweep(self.preset.value, self.fmt.value, self.tp.value, self.mode)
-        except (sources.LabUnavailable, ValueError, KeyError) as exc:
-            raise LayoutError(str(exc)) from None
+        sweep = sources.tactic_sweep(self.preset.value, self.fmt.value, self.tp.value, self.mode)
         self.state = dict(sweep=sweep)
         rec = sweep.attrs.get("recommendation", {})
         note = (f"recommended: intermediate {rec.get('intermediate')} (align {rec.get('inter_align')}), hidden "

@@ -1,7 +1,10 @@
 """``fimoe-lab lab``: open JupyterLab on the lab notebooks, offline-safe.
 
-The same launch (:func:`jupyterlab_command`) is what the browser test runs, so the
-command users type is the command that is tested.
+The shipped notebooks live inside the package (:func:`fimoe_lab.resources.notebooks_dir`),
+which may be read-only and must not collect a user's edits: by default the lab opens a
+working copy in ``./fimoe-lab-notebooks`` (notebooks already there are kept). The same
+launch (:func:`jupyterlab_command`) is what the browser test runs, so the command users
+type is the command that is tested.
 """
 
 from __future__ import annotations
@@ -9,17 +12,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
-NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
+from fimoe_lab.errors import FimoeError
+from fimoe_lab.resources import notebooks_dir
+
+WORK_DIR = Path("fimoe-lab-notebooks")
+"""Default working copy of the shipped notebooks, relative to the current directory."""
 
 # JupyterLab plugins that reach the network or nag on start; disabled for our server only
 DISABLED_PLUGINS = ("@jupyterlab/apputils-extension:announcements", "@jupyterlab/extensionmanager-extension")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "lab",
+        help="open JupyterLab on the lab notebooks (layout tour, checkpoint debugging, alignment tuning)",
+        description="Start JupyterLab on 127.0.0.1 with the fimoe_lab notebooks; needs the 'lab' extra "
+                    f"(pip install 'fimoe_lab[lab]'). Without --dir it opens ./{WORK_DIR}, a copy of the "
+                    "shipped notebooks (made on first use; your edits stay there). Ctrl-C stops it.",
+    )
+    p.add_argument("--dir", type=Path, default=None,
+                   help=f"notebook folder to open as it is (default: ./{WORK_DIR}, filled from the shipped notebooks)")
+    p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    p.add_argument("--no-browser", action="store_true", help="do not open a web browser")
+    p.set_defaults(handler=run_lab)
 
 
 def free_port() -> int:
@@ -27,6 +49,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def working_copy(target: Path) -> Path:
+    """``target`` holding every shipped notebook: the missing ones are copied in, the present ones kept."""
+    target.mkdir(parents=True, exist_ok=True)
+    for notebook in sorted(notebooks_dir().glob("*.ipynb")):
+        if not (target / notebook.name).exists():
+            shutil.copy2(notebook, target / notebook.name)
+    return target
 
 
 def jupyterlab_command(notebook_dir: Path, port: int, state_dir: Path, open_browser: bool = True,
@@ -56,27 +87,16 @@ def jupyterlab_command(notebook_dir: Path, port: int, state_dir: Path, open_brow
     return argv, env
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "lab",
-        help="open JupyterLab on the lab notebooks (layout tour, checkpoint debugging, alignment tuning)",
-        description="Start JupyterLab on 127.0.0.1 with the fimoe_lab notebooks; needs the 'lab' extra "
-                    "(pip install 'fimoe_lab[lab]'). Ctrl-C stops it.",
-    )
-    p.add_argument("--dir", type=Path, default=None, help=f"notebook folder (default: {NOTEBOOK_DIR})")
-    p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
-    p.add_argument("--no-browser", action="store_true", help="do not open a web browser")
-    p.set_defaults(handler=run_lab)
-
-
 def run_lab(args: argparse.Namespace) -> int:
-    notebook_dir: Optional[Path] = args.dir or NOTEBOOK_DIR
-    if not notebook_dir.is_dir():
-        raise FileNotFoundError(f"notebook folder {notebook_dir} does not exist; pass --dir PATH")
     try:
         import jupyterlab  # noqa: F401
     except ModuleNotFoundError:
-        raise FileNotFoundError("JupyterLab is not installed; pip install 'fimoe_lab[lab]'") from None
+        raise FimoeError("JupyterLab is not installed", fix="pip install 'fimoe_lab[lab]'") from None
+    if args.dir is not None and not args.dir.is_dir():
+        raise FimoeError(f"notebook folder {args.dir} does not exist",
+                         fix=f"pass an existing --dir, or none to open ./{WORK_DIR}")
+    notebook_dir = args.dir if args.dir is not None else working_copy(WORK_DIR)
+    print(f"notebooks: {notebook_dir.resolve()}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="fimoe-lab-") as state:
         argv, env = jupyterlab_command(notebook_dir, args.port or free_port(), Path(state), not args.no_browser)
         return subprocess.call(argv, env=env)

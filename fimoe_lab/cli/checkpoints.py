@@ -1,79 +1,32 @@
-"""``fimoe-lab inspect | convert | restore``: real checkpoints in and out of FlashInfer's kernel layout."""
+"""``fimoe-lab inspect | convert | restore``: real checkpoints in and out of FlashInfer's kernel layout.
+
+Parsers read only the torch-free tables; :mod:`fimoe_lab.checkpoints` (torch, safetensors)
+is imported inside the handlers.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
-_SAMPLES_NOTE = ("PATH is a checkpoint directory (config.json + *.safetensors, index optional) or the name of a shipped "
-                 "sample: deepseek-v3-fp8, qwen3-moe-bf16, mixtral-bf16, deepseek-r1-nvfp4, gpt-oss-mxfp4.")
-
-
-def _path(value: str) -> Path:
-    """A checkpoint directory, or a sample name."""
-    p = Path(value)
-    if p.exists():
-        return p
-    from fimoe_lab.checkpoints import sample_names, sample_path
-
-    if value in sample_names():
-        return sample_path(value)
-    raise FileNotFoundError(f"{value}: no such checkpoint directory or sample; samples: {', '.join(sample_names())}")
+from fimoe_lab import specs
+from fimoe_lab.cli._common import EXIT_OK, checkpoint_path, int_list, show_progress
+from fimoe_lab.errors import CheckpointError
+from fimoe_lab.resources import samples_dir
 
 
-def _tps(value: str) -> tuple[int, ...]:
-    try:
-        tps = tuple(int(v) for v in value.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tp takes comma-separated sizes like 1,2,4,8, got {value!r}") from None
-    if any(t < 1 for t in tps):
-        raise argparse.ArgumentTypeError(f"TP sizes must be >= 1, got {value!r}")
-    return tps
+def _samples_note() -> str:
+    names = sorted(p.name for p in samples_dir().iterdir() if (p / "config.json").is_file()) if samples_dir().is_dir() else []
+    return ("PATH is a checkpoint directory (config.json + *.safetensors, index optional) or the name of a shipped "
+            f"sample: {', '.join(names) or 'none in this build'}.")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser(
-        "inspect", formatter_class=fmt,
-        help="summarize a checkpoint's MoE layers: format, shapes, padding per backend and TP, scale health",
-        description=(
-            "For each MoE layer: naming convention and format (detected from tensor names and dtypes), stacked shapes, "
-            "gate/up order, what the TRT-LLM and CUTLASS backends need (padding, or why it fails and the alignment that "
-            "fixes it) at each TP size, and scale health (NaN/Inf, all-zero experts, dead ~1e-23 block scales). Reads "
-            "headers and scales only.\n\n" + _SAMPLES_NOTE),
-        epilog="example: fimoe-lab inspect deepseek-v3-fp8 --tp 1,2,4,8")
-    p.add_argument("path", metavar="PATH", help="checkpoint directory or sample name")
-    p.add_argument("--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all MoE layers)")
-    p.add_argument("--tp", type=_tps, default=(1, 2, 4, 8), metavar="T,T,..", help="TP sizes to check (default 1,2,4,8)")
-    p.set_defaults(handler=run_inspect)
-
-    c = sub.add_parser(
-        "convert", formatter_class=fmt,
-        help="write a checkpoint's MoE layers in FlashInfer's kernel layout (one safetensors file)",
-        description=(
-            "Read each MoE layer (rank --rank of --tp, sliced along the intermediate dim as serving engines shard), apply "
-            "the layout plan of its format for --backend, and write w13_weight, w2_weight, w13_weight_scale, "
-            "w2_weight_scale per layer, plus extras unchanged. The metadata records the plan arguments and every step, so "
-            "'fimoe-lab restore' can map the file back. Written to a temporary name and renamed when complete: a failed "
-            "or interrupted run leaves nothing at OUT.\n\n" + _SAMPLES_NOTE),
-        epilog="example: fimoe-lab convert deepseek-r1-nvfp4 /tmp/r1.kernel.safetensors --backend trtllm --tp 2 "
-               "--intermediate-alignment 64")
-    c.add_argument("path", metavar="PATH", help="checkpoint directory or sample name")
-    c.add_argument("out", metavar="OUT", help="output .safetensors file")
-    c.add_argument("--backend", required=True, choices=("trtllm", "cutlass"), help="FlashInfer MoE backend")
-    c.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1)")
-    c.add_argument("--rank", type=int, default=0, metavar="R", help="tensor-parallel rank to write (default 0)")
-    c.add_argument("--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all)")
-    c.add_argument("--intermediate-alignment", type=int, metavar="A", help="pad the intermediate size to a multiple of A "
-                   "(default: the backend's rule; 'inspect' says when the default fails)")
-    c.add_argument("--hidden-alignment", type=int, metavar="A", help="pad the hidden size to a multiple of A")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar")
-    c.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
-    c.set_defaults(handler=run_convert)
-
+    note = _samples_note()
+    _register_inspect(sub, note)
+    _register_convert(sub, note)
     r = sub.add_parser(
-        "restore", formatter_class=fmt,
+        "restore",
         help="map a converted kernel-layout file back to a checkpoint in its original naming convention",
         description=(
             "Rebuild each layer's plan from the recorded arguments, check its steps against the recorded ones, apply the "
@@ -86,37 +39,78 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(handler=run_restore)
 
 
+def _register_inspect(sub: argparse._SubParsersAction, note: str) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="summarize a checkpoint's MoE layers: format, shapes, padding per backend and TP, scale health",
+        description=(
+            "For each MoE layer: naming convention and format (detected from tensor names and dtypes), stacked shapes, "
+            "gate/up order, what the TRT-LLM and CUTLASS backends need (padding, or why it fails and the alignment that "
+            "fixes it) at each TP size, and scale health (NaN/Inf, all-zero experts, dead ~1e-23 block scales). Reads "
+            "headers and scales only.\n\n" + note),
+        epilog="example: fimoe-lab inspect deepseek-v3-fp8 --tp 1,2,4,8")
+    p.add_argument("path", metavar="PATH", help="checkpoint directory or sample name")
+    p.add_argument("--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all MoE layers)")
+    p.add_argument("--tp", type=int_list("--tp", "1,2,4,8"), default=(1, 2, 4, 8), metavar="T,T,..",
+                   help="TP sizes to check (default 1,2,4,8)")
+    p.set_defaults(handler=run_inspect)
+
+
+def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
+    c = sub.add_parser(
+        "convert",
+        help="write a checkpoint's MoE layers in FlashInfer's kernel layout (one safetensors file)",
+        description=(
+            "Read each MoE layer (rank --rank of --tp, sliced along the intermediate dim as serving engines shard), apply "
+            "the layout plan of its format for --backend, and write w13_weight, w2_weight, w13_weight_scale, "
+            "w2_weight_scale per layer, plus extras unchanged. The metadata records the plan arguments and every step, so "
+            "'fimoe-lab restore' can map the file back. Written to a temporary name and renamed when complete: a failed "
+            "or interrupted run leaves nothing at OUT.\n\n" + note),
+        epilog="example: fimoe-lab convert deepseek-r1-nvfp4 /tmp/r1.kernel.safetensors --backend trtllm --tp 2 "
+               "--intermediate-alignment 64")
+    c.add_argument("path", metavar="PATH", help="checkpoint directory or sample name")
+    c.add_argument("out", metavar="OUT", help="output .safetensors file")
+    c.add_argument("--backend", required=True, choices=specs.BACKENDS, help="FlashInfer MoE backend")
+    c.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1)")
+    c.add_argument("--rank", type=int, default=0, metavar="R", help="tensor-parallel rank to write (default 0)")
+    c.add_argument("--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all)")
+    c.add_argument("--intermediate-alignment", type=int, metavar="A", help="pad the intermediate size to a multiple of A "
+                   "(default: the backend's rule; 'inspect' says when the default fails)")
+    c.add_argument("--hidden-alignment", type=int, metavar="A", help="pad the hidden size to a multiple of A")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
+    c.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    c.set_defaults(handler=run_convert)
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import format_report, inspect_checkpoint
 
-    path = _path(args.path)
+    path = checkpoint_path(args.path)
     print(f"{path}\n")
     print(format_report(inspect_checkpoint(path, args.layer, args.tp)))
-    return 0
+    return EXIT_OK
 
 
 def _refuse_existing(out: str, force: bool) -> None:
-    from fimoe_lab.checkpoints import CheckpointError
-
     if os.path.exists(out) and not force:
-        raise CheckpointError(f"{out} exists; pass --force to overwrite it")
+        raise CheckpointError(f"{out} exists", fix="pass --force to overwrite it")
 
 
 def run_convert(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import convert_checkpoint, read_kernel_metadata
 
     _refuse_existing(args.out, args.force)
-    out = convert_checkpoint(_path(args.path), args.out, args.backend, args.tp, args.rank, args.layer,
-                             args.intermediate_alignment, args.hidden_alignment, progress=not args.no_progress)
+    out = convert_checkpoint(checkpoint_path(args.path), args.out, args.backend, args.tp, args.rank, args.layer,
+                             args.intermediate_alignment, args.hidden_alignment, progress=show_progress(args.no_progress))
     meta = read_kernel_metadata(out)
     for idx, rec in meta["layers"].items():
         print(f"layer {idx}: {rec['description']}, intermediate {rec['plan']['args']['intermediate']}->"
               f"{rec['padded_intermediate']}, hidden {rec['plan']['args']['hidden']}->{rec['padded_hidden']}")
-        for n, t in rec["tensors"].items():
+        for t in rec["tensors"].values():
             print(f"  {t['name']:<18} {t['checkpoint']['shape']} -> {t['kernel']['shape']} {t['kernel']['dtype']}: "
-                  f"{' >> '.join(s.split('(')[0] for s in t['steps']) or 'unchanged'}")
+                  f"{' >> '.join(step['kind'] for step in t['steps']) or 'unchanged'}")
     print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB, tp rank {args.rank} of {args.tp}, {args.backend})")
-    return 0
+    return EXIT_OK
 
 
 def run_restore(args: argparse.Namespace) -> int:
@@ -125,4 +119,4 @@ def run_restore(args: argparse.Namespace) -> int:
     _refuse_existing(args.out_dir, args.force)
     out = restore_checkpoint(args.kernel_file, args.out_dir)
     print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
-    return 0
+    return EXIT_OK

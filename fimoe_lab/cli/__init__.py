@@ -1,0 +1,60 @@
+"""The ``fimoe-lab`` command (also ``python -m fimoe_lab``).
+
+One module per group of commands (:mod:`.core`: demo, plan, goldens;
+:mod:`.checkpoints`: inspect, convert, restore; :mod:`.tune`: tune, tactics;
+:mod:`.lab`: lab), each with ``register(subparsers)``; what they share is in
+:mod:`._common`. Parsers are built from torch-free tables only, so ``--help`` never
+imports torch, numpy or pandas; handlers import what they need when they run.
+
+Errors: bad input prints one line ``error: ...`` and exits 2; anything else is an
+internal error (one line, exit 1, ``--debug`` for the traceback); see
+:mod:`._common` for every exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Optional
+
+from fimoe_lab.cli import checkpoints, core, lab, tune
+from fimoe_lab.cli._common import EXIT_BAD_INPUT, EXIT_STATUS_HELP, Parser, report_error
+
+__all__ = ["build_parser", "main"]
+
+COMMAND_GROUPS = (core, checkpoints, tune, lab)
+
+_DEBUG_HELP = "on an error, print the traceback too"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fimoe-lab`` parser with every command; ``--debug`` goes before or after the command."""
+    parser = Parser(
+        prog="fimoe-lab",
+        description=(
+            "See, check, speed up and tune the weight layouts of FlashInfer's fused-MoE kernels. "
+            "Every transform is an index map you can apply, invert, compose and draw."
+        ),
+        epilog="Run 'fimoe-lab COMMAND --help' for the options of a command.\n" + EXIT_STATUS_HELP,
+    )
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for group in COMMAND_GROUPS:
+        group.register(sub)
+    for command in sub.choices.values():
+        # SUPPRESS: when absent after the command, the value before it stands
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run one command; returns its exit status (argparse usage errors and --help raise SystemExit)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Optional[Callable[[argparse.Namespace], int]] = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    try:
+        return int(handler(args) or 0)
+    except (Exception, KeyboardInterrupt) as exc:
+        return report_error(exc, args.command, args.debug)

@@ -1,0 +1,145 @@
+"""What every ``fimoe-lab`` command shares: exit codes, the one-line error report,
+JSON output, the progress rule, argument types and checkpoint paths.
+
+Imports nothing heavy (no torch, numpy or pandas): parsers are built from it before any
+handler runs. Exit codes, for every command:
+
+====  ==========================================================================
+0     done, every check passed
+1     a check failed (a round trip or golden case differs), or an internal error
+2     bad input: a :class:`~fimoe_lab.errors.FimoeError`, a missing or unreadable
+      file, an argparse usage error, or a request that cannot run with these sizes
+3     no answer: the question is valid but unknown here (e.g. a shape outside the
+      recorded tactic snapshot)
+130   interrupted (Ctrl-C)
+====  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable, TextIO
+
+from fimoe_lab.errors import FimoeError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_NO_ANSWER = 3
+EXIT_INTERRUPTED = 130
+
+EXIT_STATUS_HELP = ("exit status: 0 done; 1 a check failed, or an internal error; 2 bad input (or sizes that cannot "
+                    "run); 3 no answer here (unknown); 130 interrupted")
+
+# files named on the command line that are missing or unreadable: bad input, not a bug
+BAD_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's wrapping, per line (each line of a description or epilog is a paragraph), never at hyphens."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(textwrap.fill(" ".join(line.split()), width, initial_indent=indent, subsequent_indent=indent,
+                                       break_on_hyphens=False) for line in text.splitlines())
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help is wrapped by :class:`HelpFormatter`; its subparsers are Parsers too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks (and the blanks around them) folded into single spaces."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _os_message(exc: OSError) -> str:
+    return f"{exc.strerror}: {exc.filename}" if exc.filename is not None and exc.strerror else str(exc)
+
+
+def report_error(exc: BaseException, command: str | None = None, debug: bool = False,
+                 stream: TextIO | None = None) -> int:
+    """Print exactly one line about ``exc`` (after its traceback when ``debug``) and return the exit status.
+
+    :class:`FimoeError` -> ``error: <command>: <message> (fix: ...)``, 2 (``command`` is its
+    context unless it has one); a missing or unreadable file -> ``error: ...``, 2;
+    ``KeyboardInterrupt`` -> ``interrupted``, 130; anything else is a bug ->
+    ``internal error: <type>: <message>``, 1.
+    """
+    stream = stream or sys.stderr
+    if debug:
+        traceback.print_exception(exc, file=stream)
+    if isinstance(exc, KeyboardInterrupt):
+        line, code = "interrupted", EXIT_INTERRUPTED
+    elif isinstance(exc, FimoeError):
+        line, code = f"error: {exc.within(command) if command else exc}", EXIT_BAD_INPUT
+    elif isinstance(exc, BAD_PATH_ERRORS):
+        line, code = f"error: {command + ': ' if command else ''}{_os_message(exc)}", EXIT_BAD_INPUT
+    else:
+        hint = "" if debug else " (run with --debug for the traceback)"
+        line, code = f"internal error: {type(exc).__name__}: {exc}{hint}", EXIT_FAILED
+    print(one_line(line), file=stream)
+    return code
+
+
+def print_json(obj: Any) -> None:
+    """The one JSON form on stdout (``--json``): indent 1, keys in insertion order."""
+    print(json.dumps(obj, indent=1))
+
+
+def show_progress(disabled: bool = False) -> bool:
+    """Progress bars go to stderr, and only when it is a terminal (never into logs or pipes)."""
+    return not disabled and sys.stderr.isatty()
+
+
+def lower_choice(valid: Iterable[str]) -> Callable[[str], str]:
+    """argparse ``type``: one of ``valid``, case-insensitive; the error lists them."""
+    valid = tuple(valid)
+
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in valid:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of: {', '.join(valid)}")
+        return value
+
+    return parse
+
+
+def int_list(flag: str, example: str, minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
+    """argparse ``type``: comma-separated integers ``>= minimum`` (e.g. ``--tp 1,2,4,8``)."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes comma-separated integers >= {minimum} like {example}, got {text!r}")
+        return values
+
+    return parse
+
+
+def checkpoint_path(value: str) -> Path:
+    """A checkpoint directory, or the name of a shipped sample (FileNotFoundError lists them)."""
+    path = Path(value)
+    if path.is_dir():
+        return path
+    from fimoe_lab.checkpoints import sample_names, sample_path
+
+    if value in sample_names():
+        return sample_path(value)
+    raise FileNotFoundError(f"{value}: no such checkpoint directory or sample; samples: "
+                            f"{', '.join(sample_names()) or 'none'}")

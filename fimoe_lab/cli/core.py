@@ -1,0 +1,227 @@
+"""``fimoe-lab demo | plan | goldens``: the main job on the shipped samples, one layer's layout
+steps, and the replay of FlashInfer's recorded outputs.
+
+Parsers read only the torch-free tables (:mod:`fimoe_lab.specs`); torch and the plans are
+imported inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from fimoe_lab import specs
+from fimoe_lab.cli._common import EXIT_FAILED, EXIT_OK, checkpoint_path, int_list
+from fimoe_lab.errors import CheckpointError, FimoeError, LayoutError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    _register_demo(sub)
+    _register_plan(sub)
+    g = sub.add_parser(
+        "goldens", help="replay the FlashInfer golden cases and compare byte for byte",
+        description="Replay reference outputs recorded from FlashInfer on a GPU (default: ../shared/goldens). "
+                    "Exits 1 when a case differs, 2 when there is nothing to replay.")
+    g.add_argument("paths", nargs="*", help="golden files (default: $FIMOE_GOLDENS or shared/goldens beside the checkout)")
+    g.set_defaults(handler=run_goldens)
+
+
+def _register_demo(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser(
+        "demo",
+        help="the main job on the shipped samples: read, inspect, convert for both backends, restore, verify",
+        description=(
+            "For every sample checkpoint shipped with fimoe_lab (or the paths given): read each MoE layer, report its "
+            "format and scale health, convert it to the TRT-LLM and CUTLASS kernel layouts at the chosen "
+            "tensor-parallel size, write the kernel-layout safetensors under --out, restore them, and check the "
+            "bytes and a reference MoE forward against the original."
+        ),
+    )
+    d.add_argument("paths", nargs="*", help="checkpoint directories or sample names (default: every shipped sample)")
+    d.add_argument("--tp", type=int, default=2, help="tensor-parallel size to shard to (rank 0; default 2)")
+    d.add_argument("--out", default="fimoe-demo-out", help="where the kernel-layout files go (default ./fimoe-demo-out)")
+    d.set_defaults(handler=run_demo)
+
+
+def _register_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="show the layout steps a format/backend applies to one MoE layer, and check they invert",
+        description=(
+            "Build the index maps for w13, w2 and their scales, apply them to random bytes on all experts, "
+            "invert, and report each tensor's step chain, padding and round trip. --where ROW,COL traces one "
+            "output element of w13 back through every step. Exits 1 when a round trip differs, 2 when a "
+            "format/backend cannot lay out these sizes."
+        ),
+    )
+    p.add_argument("--format", default="all", choices=("all",) + specs.weight_formats(), help="checkpoint format (default: all)")
+    p.add_argument("--backend", default="all", choices=("all",) + specs.BACKENDS, help="FlashInfer backend (default: both)")
+    p.add_argument("--intermediate", type=int, default=256, help="per-partition intermediate size (default 256)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
+    p.add_argument("--experts", type=int, default=4, help="experts to run on (default 4)")
+    p.add_argument("--non-gated", action="store_true", help="non-gated activation (ReLU^2): W1 has I rows, no gate/up")
+    p.add_argument("--where", metavar="I,J[,K]", type=int_list("--where", "5,3", minimum=0),
+                   help="trace this w13 output byte (coordinates in the output shape) to its source")
+    p.set_defaults(handler=run_plan)
+
+
+# ----------------------------------------------------------------------------- plan
+_PLAN_HEADER = (f"{'format':<10} {'backend':<8} {'tensor':<10} {'in (bytes)':<14} {'out (bytes)':<18} {'pad %':>6} "
+                f"{'ms':>7}  round-trip  steps")
+
+
+def _plan_rows(fmt: str, backend: str, plan, experts: int) -> int:
+    """Apply each map of ``plan`` to random bytes (1..255) on ``experts`` experts, invert, print one row per tensor.
+
+    Returns the number of round trips that did not give the input back.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    failures = 0
+    for name, m in plan.maps().items():
+        x = torch.randint(1, 256, (experts,) + m.in_shape, generator=g, dtype=torch.uint8)
+        start = time.perf_counter()
+        out = m.apply(x)
+        ms = (time.perf_counter() - start) * 1e3
+        ok = torch.equal(m.inverse().apply(out), x)
+        failures += not ok
+        pad = 100.0 * (1 - m.in_bytes / m.out_bytes)
+        chain = " >> ".join(s.kind for s in m.steps)
+        print(f"{fmt:<10} {backend:<8} {name:<10} {str(m.in_shape):<14} {str(m.out_shape):<18} {pad:6.1f} "
+              f"{ms:7.2f}  {'ok' if ok else 'MISMATCH':<10}  {chain}")
+    return failures
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from fimoe_lab.recipes import plan_layer
+
+    formats = specs.weight_formats() if args.format == "all" else (args.format,)
+    backends = specs.BACKENDS if args.backend == "all" else (args.backend,)
+    gated = not args.non_gated
+    print(f"layer: intermediate {args.intermediate}, hidden {args.hidden}, {args.experts} experts, "
+          f"{'gated' if gated else 'non-gated'}\n")
+    print(_PLAN_HEADER)
+    print("-" * len(_PLAN_HEADER))
+    failures, cannot = 0, []
+    for fmt in formats:
+        for backend in backends:
+            try:
+                plan = plan_layer(fmt, backend, args.intermediate, args.hidden, gated, gated)
+            except FimoeError as exc:
+                print(f"{fmt:<10} {backend:<8} cannot run: {exc}")
+                cannot.append(f"{fmt} {backend}")
+                continue
+            failures += _plan_rows(fmt, backend, plan, args.experts)
+            if args.where and plan.w13 is not None:
+                try:
+                    trace = plan.w13.provenance(args.where)
+                except FimoeError as exc:
+                    raise exc.within(f"plan --where on {fmt} {backend} w13") from None
+                print(f"\n{fmt} {backend}: w13 output byte {args.where} comes from\n{trace}\n")
+    if failures:
+        print(f"\n{failures} round trips FAILED")
+        return EXIT_FAILED
+    print("\nall round trips exact")
+    if cannot:
+        raise LayoutError(f"{', '.join(cannot)} cannot lay out intermediate {args.intermediate}, hidden {args.hidden}",
+                          fix="the 'cannot run' rows above name the constraint; change the sizes or the format")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- goldens
+def run_goldens(args: argparse.Namespace) -> int:
+    from fimoe_lab import goldens
+
+    paths = args.paths or goldens.default_golden_paths()
+    if not paths:
+        raise FileNotFoundError("no golden files: pass paths or set FIMOE_GOLDENS")
+    bad = total = 0
+    for path in paths:
+        for case in goldens.load_cases(path):
+            result = goldens.run_case(case)
+            total += 1
+            bad += not result.ok
+            print(f"{'ok ' if result.ok else 'BAD'} {result.name:<44} {result.detail}")
+    if not total:
+        raise FimoeError(f"no golden cases in {', '.join(map(str, paths))}: nothing was replayed",
+                         fix="pass golden files that hold cases, or set FIMOE_GOLDENS")
+    print(f"\n{total - bad}/{total} golden cases reproduced")
+    return EXIT_FAILED if bad else EXIT_OK
+
+
+# ----------------------------------------------------------------------------- demo
+_DEMO_HEADER = (f"{'checkpoint':<20} {'layer':>5} {'format':<10} {'backend':<8} {'I/tp':>5} {'padded I':>8} {'bytes':>8} "
+                f"{'ms':>7}  check")
+
+
+def _print_health(path, ck) -> None:
+    for report in ck.inspect_checkpoint(path):
+        for warning in report.health:
+            if not warning.startswith(("ok", "unquantized")):
+                print(f"{path.name:<20} {report.layer:>5} scale health: {warning}")
+
+
+def _demo_layer(ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir) -> tuple[int, list[str]]:
+    """Convert one layer for every backend, restore it, compare bytes and the reference forward.
+
+    Returns (round trips that differ, "<checkpoint> L<n> <backend>" pairs that cannot convert).
+    """
+    import torch
+
+    x = torch.randn(16, layer.hidden, generator=torch.Generator().manual_seed(layer_idx))
+    ids, weights = ck.random_routing(16, layer.num_experts, min(top_k, layer.num_experts), seed=layer_idx)
+    reference = ck.layer_forward(layer, x, ids, weights)
+    failures, cannot = 0, []
+    for backend in specs.BACKENDS:
+        target = out_dir / f"{path.name}-L{layer_idx}-{backend}-tp{tp}.safetensors"
+        start = time.perf_counter()
+        try:
+            ck.convert_checkpoint(path, target, backend, tp, 0, layers=[layer_idx])
+        except FimoeError as exc:
+            print(f"{path.name:<20} {layer_idx:>5} {layer.fmt:<10} {backend:<8} cannot convert: {exc}")
+            cannot.append(f"{path.name} L{layer_idx} {backend}")
+            continue
+        ms = (time.perf_counter() - start) * 1e3
+        meta, (restored,) = ck.restore_layers(target)
+        same = all(
+            (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(layer.tensors().values(), restored.tensors().values())
+        )
+        ok = same and torch.equal(ck.layer_forward(restored, x, ids, weights), reference)
+        failures += not ok
+        padded = meta["layers"][str(layer_idx)]["padded_intermediate"]
+        print(f"{path.name:<20} {layer_idx:>5} {layer.fmt:<10} {backend:<8} {layer.intermediate:>5} "
+              f"{padded:>8} {target.stat().st_size:>8} {ms:7.1f}  {'bytes + forward exact' if ok else 'MISMATCH'}")
+    return failures, cannot
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fimoe_lab import checkpoints as ck
+
+    names = args.paths or ck.sample_names()
+    if not names:
+        raise FileNotFoundError("no sample checkpoints found (run python scripts/make_sample_checkpoints.py) and no paths given")
+    paths = [checkpoint_path(name) for name in names]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(_DEMO_HEADER)
+    print("-" * len(_DEMO_HEADER))
+    failures, cannot = 0, []
+    for path in paths:
+        _print_health(path, ck)
+        with ck.open_checkpoint(path) as ckpt:
+            for layer_idx in ckpt.moe_layers:
+                layer = ckpt.read_layer(layer_idx, args.tp, 0)
+                bad, refused = _demo_layer(ck, path, layer_idx, layer, ckpt.top_k, args.tp, out_dir)
+                failures, cannot = failures + bad, cannot + refused
+    print(f"\nkernel-layout files in {out_dir}/ ; "
+          + ("every round trip exact" if not failures else f"{failures} round trips FAILED"))
+    if failures:
+        return EXIT_FAILED
+    if cannot:
+        raise CheckpointError(f"{', '.join(cannot)} cannot be converted at tp {args.tp}",
+                              fix="the 'cannot convert' rows above name the constraint; try another --tp")
+    return EXIT_OK

@@ -1,0 +1,185 @@
+"""``fimoe-lab tune | tactics``: TRTLLM-Gen tactic counts per padding, and for one shape.
+
+    fimoe-lab tune --model qwen3-30b-a3b --format nvfp4 --tp 8
+    fimoe-lab tactics --format nvfp4 --act swiglu --per-token --hidden 3072 --inter 1920 \\
+        --experts 128 --top-k 6 --tokens 1,8,64 --json
+
+Parsers read the torch-free tables (:mod:`fimoe_lab.specs`, :mod:`fimoe_lab.presets`);
+the oracle, pandas and matplotlib are imported inside the handlers. An answer the
+source does not know (a shape outside the recorded snapshot) exits 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fimoe_lab import specs
+from fimoe_lab.cli._common import EXIT_NO_ANSWER, EXIT_OK, int_list, lower_choice, one_line, print_json, show_progress
+from fimoe_lab.errors import FormatError, OracleError
+from fimoe_lab.presets import PRESETS, get_preset
+
+SOURCES = ("auto", "live", "native", "snapshot")
+TOKENS_TYPE = int_list("--tokens", "1,8,64")
+
+
+def _activation(text: str) -> str:
+    """argparse ``type``: an activation name or alias from the table, as its canonical name."""
+    try:
+        return specs.get_activation(text).name
+    except FormatError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    _register_tune(sub)
+    _register_tactics(sub)
+
+
+def _register_tune(sub: argparse._SubParsersAction) -> None:
+    presets, formats = sorted(PRESETS), specs.tuner_formats()
+    t = sub.add_parser(
+        "tune", help="alignment sweep for a model preset: tactics per padding, waste, recommendation",
+        description="For a model preset, format and tensor-parallel size: pad the per-rank intermediate "
+                    "and hidden sizes to each alignment, count the TRTLLM-Gen MoE tactics FlashInfer "
+                    "offers per token count, show the padding waste, recommend the cheapest padding "
+                    "with the full tactic space, and mark the default padding ('fimoe-lab convert' "
+                    "without alignment options: REF) with where it loses tactics. Exits 3 when a count "
+                    "is unknown to the source.",
+       
+        epilog="presets: " + ", ".join(presets) + "\nformats: " + ", ".join(formats))
+    t.add_argument("--model", required=True, type=lower_choice(presets), metavar="PRESET",
+                   help="model preset (" + ", ".join(presets) + ")")
+    t.add_argument("--format", required=True, type=lower_choice(formats), metavar="FMT",
+                   help="weight/activation format (" + ", ".join(formats) + ")")
+    t.add_argument("--tp", type=int, default=1, help="tensor-parallel size (splits the intermediate size)")
+    t.add_argument("--per-token", action="store_true", help="NVFP4 with per-token activation scales")
+    t.add_argument("--tokens", type=TOKENS_TYPE, default=None, help="token counts (default 1,8,64,512,4096,16384)")
+    t.add_argument("--source", choices=SOURCES, default="auto",
+                   help="where answers come from (auto: GPU, else built module, else snapshot)")
+    t.add_argument("--csv", help="also write the table to this CSV file")
+    t.add_argument("--json-out", help="also write the table and recommendation to this JSON file")
+    t.add_argument("--plot", help="save the heatmap and waste-vs-tactics figures to this PNG prefix")
+    t.set_defaults(handler=run_tune)
+
+
+def _register_tactics(sub: argparse._SubParsersAction) -> None:
+    formats = specs.tuner_formats()
+    acts = ", ".join("/".join((a.name,) + a.aliases) + f" ({'gated' if a.gated else 'non-gated'})"
+                     for a in specs.ACTIVATIONS.values())
+    q = sub.add_parser(
+        "tactics", help="valid TRTLLM-Gen MoE tactics ([tile_N, config]) for one shape",
+        description="Ask FlashInfer's trtllm_get_valid_moe_configs (live, or from the recorded snapshot) "
+                    "which tactics exist for one per-rank, already-padded MoE shape. A count of 0 is the "
+                    "'No valid config found' failure; the reason says why. Exits 3 when the source does "
+                    "not know a count (e.g. a shape outside the snapshot).",
+       
+        epilog="formats:\n" + "\n".join(f"{n}: {specs.FORMATS[n].description}" for n in formats))
+    q.add_argument("--format", required=True, type=lower_choice(formats), metavar="FMT", help="one of " + ", ".join(formats))
+    q.add_argument("--act", default="swiglu", type=_activation, help=f"activation: {acts} (default swiglu)")
+    q.add_argument("--per-token", action="store_true", help="NVFP4 per-token activation scaling")
+    q.add_argument("--layout", type=lower_choice(specs.LAYOUTS), default=None,
+                   help=f"weight layout (default per format: {_default_layouts(formats)})")
+    q.add_argument("--hidden", type=int, required=True, help="hidden size (K of GEMM1)")
+    q.add_argument("--inter", type=int, required=True, help="intermediate size per expert and projection, per rank")
+    q.add_argument("--experts", type=int, required=True, help="local experts")
+    q.add_argument("--top-k", type=int, required=True, help="experts per token")
+    q.add_argument("--tokens", type=TOKENS_TYPE, default=(1, 8, 64), help="comma-separated token counts (default 1,8,64)")
+    q.add_argument("--source", choices=SOURCES, default="auto", help="where answers come from")
+    q.add_argument("--json", action="store_true", help="print a JSON list, one object per token count")
+    q.add_argument("--configs", action="store_true", help="include the full [tile_N, config] list (live only)")
+    q.set_defaults(handler=run_tactics)
+
+
+def _default_layouts(formats: tuple[str, ...]) -> str:
+    """``"major-k for fp8, ...; block-major-k for bf16, ..."``: each weight layout and the formats that default to it."""
+    by_layout: dict[str, list[str]] = {layout: [] for layout in specs.LAYOUTS}
+    for name in formats:
+        by_layout[specs.FORMATS[name].tactics.default_layout].append(name)
+    return "; ".join(f"{layout} for {', '.join(names)}" for layout, names in by_layout.items() if names)
+
+
+def _unknown(what: str, reasons: list) -> int:
+    """One stderr line for counts the source does not know; the exit status that says so."""
+    print(one_line(f"no answer: {what} unknown to this source ({reasons[0] if reasons else 'no reason given'})"),
+          file=sys.stderr)
+    return EXIT_NO_ANSWER
+
+
+def run_tactics(a: argparse.Namespace) -> int:
+    from fimoe_lab.tune.oracle import TacticOracle, TacticQuery
+
+    oracle = TacticOracle(mode=a.source)
+    try:
+        answers = [oracle.ask(TacticQuery(a.format, a.act, a.hidden, a.inter, a.experts, a.top_k, t, a.per_token,
+                                          a.layout)) for t in a.tokens]
+    finally:
+        oracle.close()
+    out = []
+    for ans in answers:
+        d = ans.to_json()
+        if a.configs and ans.configs is not None:
+            d["configs"] = [list(c) for c in ans.configs]
+        out.append(d)
+    if a.json:
+        print_json(out)
+    else:
+        for d in out:
+            tiles = " ".join(f"{k}:{v}" for k, v in d["per_tile"].items())
+            cnt = "unknown" if d["count"] is None else d["count"]
+            print(f"T={d['tokens']:>6}  tactics={cnt:>5}  per tile_N {{{tiles}}}"
+                  + (f"  ({d['reason']})" if d.get("reason") else ""))
+        s = out[0]["source"] if out else {}
+        print(f"source: {s.get('kind')} (FlashInfer {s.get('flashinfer')}, kernel set {s.get('kernel_set')})")
+    unknown = [d for d in out if d["count"] is None]
+    if unknown:
+        return _unknown(f"{len(unknown)} of {len(out)} tactic counts are", [d["reason"] for d in unknown if d.get("reason")])
+    return EXIT_OK
+
+
+def run_tune(a: argparse.Namespace) -> int:
+    try:
+        import pandas as pd
+
+        from fimoe_lab.tune.sweep import TOKENS, export, summary, sweep
+    except ImportError as e:
+        raise OracleError(f"`tune` needs pandas ({e})", fix="pip install 'fimoe_lab[tune]'") from None
+    from fimoe_lab.tune.oracle import TacticOracle
+
+    p = get_preset(a.model)
+    if p.moe_intermediate % a.tp:
+        raise OracleError(f"{p.name}: moe_intermediate {p.moe_intermediate} is not divisible by --tp {a.tp}",
+                          fix="choose a --tp that divides it")
+    oracle = TacticOracle(mode=a.source)
+    try:
+        df = sweep(p, a.format, a.tp, oracle, per_token=a.per_token, tokens=a.tokens or TOKENS,
+                   progress=show_progress())
+    finally:
+        oracle.close()
+    tcols = [f"t{t}" for t in df.attrs["tokens"]]
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 200):
+        view = df[["inter_align", "hidden_align", "intermediate", "hidden"] + tcols
+                  + ["extra_bytes_pct", "reference", "recommended", "flag"]].copy()
+        view["extra_bytes_pct"] = view["extra_bytes_pct"].round(2)
+        view["reference"] = view["reference"].map({True: "REF", False: ""})
+        view["recommended"] = view["recommended"].map({True: "<==", False: ""})
+        print(view.to_string(index=False))
+    print()
+    print(summary(df))
+    for path in (a.csv, a.json_out):
+        if path:
+            export(df, path)
+    if a.plot:
+        _save_plots(df, a.plot)
+    unknown = int(df[tcols].isna().sum().sum())
+    if unknown:
+        return _unknown(f"{unknown} of {df[tcols].size} tactic counts are", [r for r in df["reason"] if r])
+    return EXIT_OK
+
+
+def _save_plots(df, prefix: str) -> None:
+    """``<prefix>_heatmap.png`` (tactics per padding and token count) and ``<prefix>_waste.png``."""
+    from fimoe_lab.viz.figures import sweep_tactics_figure, sweep_waste_figure
+
+    for draw, suffix in ((sweep_tactics_figure, "_heatmap.png"), (sweep_waste_figure, "_waste.png")):
+        draw(df).savefig(prefix + suffix, dpi=120, bbox_inches="tight")

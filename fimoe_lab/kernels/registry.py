@@ -1,0 +1,180 @@
+"""The executors, as a table: who runs where, who is preferred, and how each runs in place.
+
+An :class:`Executor` gathers an executable map over all experts (``gather(em, x, out)``)
+and lists its in-place strategies (:class:`InPlace`), preferred first. The registry
+:data:`EXECUTORS` is ordered fastest first; the default executor for a device and
+output size is the first one that is available there and wants that size:
+
+- ``triton``: CUDA tensors, when Triton imports;
+- ``numba``: CPU tensors of at least :data:`NUMBA_MIN_BYTES` output, when numba imports
+  (below that, compiling costs more than it saves);
+- ``torch``: any device (wide-word ``index_select``).
+
+In-place strategies: ``bands`` (Triton, the 128x4 scale maps only: one cooperative
+launch, no scratch), ``cycles`` (along the map's cycles, :mod:`.cycles`; numba prefers
+it for cells of at least :data:`CYCLES_MIN_CELL` bytes), ``copy-then-gather`` (every
+executor: :mod:`.copy_then_gather`). ``auto`` takes the first strategy that fits the
+map and prefers it. Implementations load on first call (numba and Triton import only
+when used) and are looked up on every call.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from fimoe_lab.errors import FormatError, LayoutError
+from fimoe_lab.kernels.compiled import ExecMap
+
+__all__ = ["Executor", "InPlace", "EXECUTORS", "NUMBA_MIN_BYTES", "CYCLES_MIN_CELL", "get_executor",
+           "pick_backend", "available_backends"]
+
+NUMBA_MIN_BYTES = 1 << 20
+"""CPU outputs smaller than this run on torch (numba's first compile costs seconds)."""
+CYCLES_MIN_CELL = 1024
+"""On the CPU, in place, cells of at least this many bytes (rows) run the cycle plan; smaller
+ones (128-byte blocks, 4-byte scale words) scatter too much on a CPU and take the
+copy-then-gather path (measured on the 2-core machine, benchmarks/RESULTS.md)."""
+
+Gather = Callable[[ExecMap, torch.Tensor, torch.Tensor], None]
+Runner = Callable[[ExecMap, torch.Tensor, int, Optional[dict]], Iterator[tuple[int, object]]]
+
+
+def _always(em: ExecMap) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """One in-place strategy: ``run(em, flat, scratch_experts, config)`` permutes ``flat``
+    ``(E, bytes)`` in place, yielding the leading experts done after each chunk.
+
+    ``fits(em)``: the maps it can run (``requirement`` says which, for the refusal);
+    ``prefers(em)``: the maps ``auto`` gives it.
+    """
+
+    name: str
+    run: Runner
+    fits: Callable[[ExecMap], bool] = _always
+    prefers: Callable[[ExecMap], bool] = _always
+    requirement: str = ""
+
+
+@dataclass(frozen=True)
+class Executor:
+    """One executor: where it runs (``devices``: device types, None = any; ``needs``: a
+    package that must import), the smallest output it is preferred for, its gather and
+    its in-place strategies (preferred first)."""
+
+    name: str
+    devices: Optional[tuple[str, ...]]
+    needs: Optional[str]
+    min_bytes: int
+    gather: Gather
+    in_place: tuple[InPlace, ...]
+
+    def available(self, device: torch.device | str) -> bool:
+        """Whether this executor can run on ``device`` here."""
+        kind = torch.device(device).type
+        return (self.devices is None or kind in self.devices) and (self.needs is None or _importable(self.needs))
+
+    def preferred(self, device: torch.device | str, out_bytes: int) -> bool:
+        """Whether this executor wants an output of ``out_bytes`` on ``device``."""
+        return out_bytes >= self.min_bytes and self.available(device)
+
+    def strategy(self, em: ExecMap, name: str = "auto") -> InPlace:
+        """The in-place strategy ``name`` for ``em`` (``auto``: the first that fits and prefers it)."""
+        if name == "auto":
+            return next(s for s in self.in_place if s.fits(em) and s.prefers(em))
+        chosen = next((s for s in self.in_place if s.name == name), None)
+        if chosen is None:
+            raise FormatError(f"unknown in-place strategy {name!r} for the {self.name} executor",
+                              fix=f"choose auto, {', '.join(s.name for s in self.in_place)}")
+        if not chosen.fits(em):
+            raise LayoutError(f"in-place strategy {name!r} needs {chosen.requirement}; {em.name} is not one",
+                              fix=f"use auto or {', '.join(s.name for s in self.in_place if s.fits(em))}")
+        return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def _importable(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def _module(name: str):
+    return importlib.import_module(f"fimoe_lab.kernels.{name}")
+
+
+def _copy_then_gather(gather: Gather) -> InPlace:
+    def run(em, flat, scratch_experts, config):
+        return _module("copy_then_gather").copy_then_gather(gather, em, flat, scratch_experts)
+
+    return InPlace("copy-then-gather", run)
+
+
+def _gather_torch(em, x, out):
+    _module("torch_gather").gather_torch(em, x, out)
+
+
+def _gather_numba(em, x, out):
+    _module("numba_gather").gather_numba(em, x, out)
+
+
+def _gather_triton(em, x, out):
+    _module("triton_gather").gather_triton(em, x, out)
+
+
+def _cycles_numba(em, flat, scratch_experts, config):
+    return _module("numba_gather").inplace_cycles_numba(em, flat, scratch_experts)
+
+
+def _cycles_triton(em, flat, scratch_experts, config):
+    return _module("triton_gather").inplace_cycles(em, flat, scratch_experts, config=config)
+
+
+def _bands_triton(em, flat, scratch_experts, config):
+    return _module("triton_gather").inplace_swizzled_bands(em, flat, scratch_experts, config=config)
+
+
+EXECUTORS: dict[str, Executor] = {e.name: e for e in (
+    Executor("triton", ("cuda",), "triton", 0, _gather_triton, (
+        InPlace("bands", _bands_triton, fits=lambda em: em.swizzle is not None,
+                requirement="a map of a row permutation then the 128x4 scale swizzle (1-byte scales)"),
+        InPlace("cycles", _cycles_triton),
+        _copy_then_gather(_gather_triton))),
+    Executor("numba", ("cpu",), "numba", NUMBA_MIN_BYTES, _gather_numba, (
+        InPlace("cycles", _cycles_numba, prefers=lambda em: em.cell_bytes >= CYCLES_MIN_CELL),
+        _copy_then_gather(_gather_numba))),
+    Executor("torch", None, None, 0, _gather_torch, (_copy_then_gather(_gather_torch),)),
+)}
+"""Every executor, fastest first."""
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Executors that can run on ``device`` here, fastest first."""
+    return [e.name for e in EXECUTORS.values() if e.available(device)]
+
+
+def pick_backend(device: torch.device | str, out_bytes: int) -> str:
+    """The default executor for an output of ``out_bytes`` on ``device``."""
+    return next(e.name for e in EXECUTORS.values() if e.preferred(device, out_bytes))
+
+
+def get_executor(name: Optional[str], device: torch.device | str, out_bytes: int) -> Executor:
+    """Executor ``name`` (None: :func:`pick_backend`), checked to run on ``device``."""
+    if name is None:
+        return EXECUTORS[pick_backend(device, out_bytes)]
+    if name not in EXECUTORS:
+        raise FormatError(f"unknown executor backend {name!r}", fix=f"choose one of {', '.join(EXECUTORS)}")
+    ex = EXECUTORS[name]
+    if not ex.available(device):
+        why = " and ".join(([f"a {' or '.join(ex.devices)} device"] if ex.devices else []) +
+                           ([f"{ex.needs} importable"] if ex.needs else []))
+        raise FormatError(f"executor backend {name!r} cannot run on {torch.device(device)} here (it needs {why})",
+                          fix=f"choose one of {', '.join(available_backends(device))}")
+    return ex
