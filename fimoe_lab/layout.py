@@ -391,6 +391,18 @@ class IndexMap:
         return torch.where(m.src >= 0, m.src, -1).view(self.out_shape)
 
     # ------------------------------------------------------------ execution
+    def check_experts(self, x: torch.Tensor, what: str = "input") -> None:
+        """Raise :class:`LayoutError` unless ``x`` is contiguous ``(E, ...)`` with :attr:`in_bytes`
+        bytes per expert, in any per-expert shape (flattened ``(E, rows*cols)`` scales pass)."""
+        per_expert = x[0].numel() * x.element_size() if x.ndim >= 2 and x.shape[0] else -1
+        if per_expert != self.in_bytes:
+            raise LayoutError(
+                f"{what} has shape {tuple(x.shape)} ({x.dtype}) = {max(per_expert, 0)} bytes per expert, but "
+                f"{self.name} expects (experts, ...) with {self.in_shape} = {self.in_bytes} bytes per expert"
+            )
+        if not x.is_contiguous():
+            raise LayoutError(f"{what} of shape {tuple(x.shape)} is not contiguous", fix="call .contiguous() first")
+
     def check_input(self, x: torch.Tensor, what: str = "input") -> None:
         """Raise :class:`LayoutError` unless ``x`` is ``(E, *in_shape)`` in bytes and contiguous."""
         size = x.element_size()
@@ -402,7 +414,7 @@ class IndexMap:
                 f"{', '.join(map(str, self.in_shape))}) bytes per expert"
             )
         if not x.is_contiguous():
-            raise LayoutError(f"{what} of shape {tuple(x.shape)} is not contiguous; call .contiguous() first")
+            raise LayoutError(f"{what} of shape {tuple(x.shape)} is not contiguous", fix="call .contiguous() first")
 
     def out_elements(self, itemsize: int) -> tuple[int, ...]:
         """Per-expert output shape in elements of ``itemsize`` bytes."""

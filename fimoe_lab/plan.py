@@ -14,9 +14,10 @@ from typing import Optional
 
 import torch
 
-from fimoe_lab.layout import IndexMap, LayoutError
+from fimoe_lab.errors import LayoutError
+from fimoe_lab.layout import IndexMap
 
-__all__ = ["LayerPlan", "apply_map", "check_same_device", "check_tensor"]
+__all__ = ["LayerPlan", "apply_map", "check_same_device"]
 
 TENSOR_NAMES = ("w13", "w2", "w13_scale", "w2_scale")
 
@@ -29,25 +30,13 @@ def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
         raise LayoutError(f"tensors are on different devices ({listing}); move them to one device first")
 
 
-def check_tensor(m: IndexMap, x: torch.Tensor, what: str) -> None:
-    """Raise :class:`LayoutError` unless ``x`` is contiguous ``(E, ...)`` with ``m.in_bytes`` bytes per expert."""
-    per_expert = x[0].numel() * x.element_size() if x.ndim >= 2 and x.shape[0] else -1
-    if per_expert != m.in_bytes:
-        raise LayoutError(
-            f"{what} has shape {tuple(x.shape)} ({x.dtype}) = {max(per_expert, 0)} bytes per expert, but "
-            f"{m.name} expects (experts, ...) with {m.in_shape} = {m.in_bytes} bytes per expert"
-        )
-    if not x.is_contiguous():
-        raise LayoutError(f"{what} of shape {tuple(x.shape)} is not contiguous; call .contiguous() first")
-
-
 def apply_map(m: IndexMap, x: torch.Tensor, what: str, keep_flat: bool = True) -> torch.Tensor:
     """Apply ``m`` to ``x`` whose per-expert bytes match ``m.in_shape``, in any per-expert shape.
 
     A 2-D ``x`` of shape ``(E, rows*cols)`` (flattened scales) is read as the map's
     matrix, and the result is flattened back to ``(E, -1)`` when ``keep_flat``.
     """
-    check_tensor(m, x, what)
+    m.check_experts(x, what)
     size = x.element_size()
     if m.in_shape[-1] % size:
         x = x.view(torch.uint8)
@@ -88,7 +77,7 @@ class LayerPlan:
             x = tensors.get(name)
             if x is None:
                 raise LayoutError(f"{self.description}: {name} is required (its map is {m.name})")
-            check_tensor(m, x, f"{self.description} (intermediate={self.intermediate}, hidden={self.hidden}): {name}")
+            m.check_experts(x, f"{self.description} (intermediate={self.intermediate}, hidden={self.hidden}): {name}")
         experts = {n: t.shape[0] for n, t in tensors.items() if t is not None and t.ndim >= 1 and n in self.maps()}
         if len(set(experts.values())) > 1:
             raise LayoutError(f"{self.description}: expert counts differ: {experts}")

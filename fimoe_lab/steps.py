@@ -12,7 +12,8 @@ from functools import lru_cache
 
 import torch
 
-from fimoe_lab.layout import IndexMap, LayoutError
+from fimoe_lab.errors import LayoutError
+from fimoe_lab.layout import IndexMap
 
 __all__ = [
     "round_up",

@@ -192,6 +192,6 @@ def test_fill_bytes_above_127_survive_every_cpu_backend():
     x = random_bytes((2, 3, 3), torch.uint8, seed=9)
     for backend in available_backends("cpu"):
         out = torch.empty((2, 5, 5), dtype=torch.uint8)
-        execute(m, x, out, backend)
+        execute(m.compiled(), x, out, backend)
         assert torch.equal(out[:, :3, :3], x), backend
         assert (out[:, 3:, :] == 200).all() and (out[:, :, 3:] == 200).all(), backend
