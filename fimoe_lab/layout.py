@@ -34,7 +34,7 @@ def step_name(kind: str, params: Mapping[str, Any]) -> str:
     """Display name of a step: ``kind(key=value, ...)``, or ``kind`` alone without parameters."""
     if not params:
         return kind
-    if kind in ("inverse", "row_vectors") and "of" in params:
+    if kind == "inverse":
         return f"{kind}({params['of']})"
     return f"{kind}({', '.join(f'{k}={v}' for k, v in params.items())})"
 
@@ -382,7 +382,7 @@ class IndexMap:
             src = rows.row_sources()
             fills = (0,) if bool((src < 0).any()) else ()
             self._cache[key] = IndexMap(src, cols_bytes, (rows.in_shape[0], cols_bytes), (rows.out_shape[0], cols_bytes),
-                                        fills, "row_vectors", {"of": rows.name, "cols_bytes": cols_bytes})
+                                        fills, "row_vectors", {"cols_bytes": cols_bytes})
         return self._cache[key]
 
     def source_bytes(self) -> torch.Tensor:

@@ -17,9 +17,11 @@ import torch
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap
 
-__all__ = ["LayerPlan", "apply_map", "check_same_device"]
+__all__ = ["BIAS_ROWS", "LayerPlan", "apply_map", "check_same_device"]
 
 TENSOR_NAMES = ("w13", "w2", "w13_scale", "w2_scale")
+BIAS_ROWS = {"w13_bias": "w13", "w2_bias": "w2"}
+"""Per-row biases and the weight whose rows each follows (gpt-oss carries them)."""
 
 
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
@@ -97,9 +99,9 @@ class LayerPlan:
         ``None`` when that weight is left as is. (gpt-oss carries such biases; a bias
         not moved with its rows silently adds to the wrong outputs.)
         """
-        weight = {"w13_bias": self.w13, "w2_bias": self.w2}.get(name)
-        if name not in ("w13_bias", "w2_bias"):
-            raise LayoutError(f"no bias named {name!r}; biases are w13_bias and w2_bias")
+        if name not in BIAS_ROWS:
+            raise LayoutError(f"no bias named {name!r}", fix=f"biases are {', '.join(BIAS_ROWS)}")
+        weight = getattr(self, BIAS_ROWS[name])
         return weight.for_row_vectors(itemsize) if weight is not None else None
 
     def inverse(self) -> "LayerPlan":

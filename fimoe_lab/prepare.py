@@ -186,7 +186,7 @@ plan_align_moe_weights = recipes.plan_align
 
 @_boundary
 def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool,
-                             min_alignment: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
+                             min_alignment: int = recipes.FI_MOE_INTERMEDIATE_MULTIPLE) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Pad the intermediate size to a multiple of ``min_alignment`` (gate and up separately).
 
     FlashInfer MoE kernels need the per-partition intermediate size divisible by 16
@@ -205,7 +205,7 @@ plan_align_fp4_moe_weights = recipes.plan_align_fp4
 
 @_boundary
 def align_fp4_moe_weights_for_fi(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
-                                 w2_scale: torch.Tensor, is_act_and_mul: bool, min_alignment: int = 16):
+                                 w2_scale: torch.Tensor, is_act_and_mul: bool, min_alignment: int = recipes.FI_MOE_INTERMEDIATE_MULTIPLE):
     """Pad packed-FP4 weights and their per-16 block scales along the intermediate dim.
 
     ``w13 (E, P*I, H/2)``, ``w13_scale (E, P*I, H/16)``, ``w2 (E, H, I/2)``,

@@ -35,6 +35,7 @@ __all__ = [
     "DEEPSEEK_EPILOGUE_TILE_M",
     "BLOCK_MAJOR_K_BYTES",
     "SCALE_SWIZZLE_ROWS",
+    "FI_MOE_INTERMEDIATE_MULTIPLE",
     "RECIPES",
     "Recipe",
     "recipe_id",
@@ -59,6 +60,9 @@ DEEPSEEK_EPILOGUE_TILE_M = 64
 BLOCK_MAJOR_K_BYTES = 128
 SCALE_SWIZZLE_ROWS = 128
 """Rows of the 128x4 scale atom; also the row block of TRT-LLM's scale shuffle."""
+FI_MOE_INTERMEDIATE_MULTIPLE = 16
+"""Per-rank intermediate multiple FlashInfer's gated MoE kernels need (vLLM pads to it with
+``align_moe_weights_for_fi``); 128 for non-gated FP8."""
 
 
 def projections(is_act_and_mul: bool) -> int:
@@ -106,7 +110,7 @@ def default_alignments(fmt: str, backend: str, is_act_and_mul: bool = True, is_g
     p = projections(is_act_and_mul)
     table = {
         "bf16": (64, 64) if trt else (1, 1),
-        "fp8": (16 if is_gated else 128, 1),
+        "fp8": (FI_MOE_INTERMEDIATE_MULTIPLE if is_gated else 128, 1),
         "fp8-block": (1, 1),
         "mxfp8": (128, 256) if trt else (1, 1),
         "nvfp4": (128 // p, 1) if trt else (16, 1),
@@ -118,7 +122,7 @@ def default_alignments(fmt: str, backend: str, is_act_and_mul: bool = True, is_g
 # ----------------------------------------------------------------------------- padding
 @lru_cache(maxsize=256)
 def plan_align(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bool,
-               min_alignment: int = 16, hidden_alignment: int = 1,
+               min_alignment: int = FI_MOE_INTERMEDIATE_MULTIPLE, hidden_alignment: int = 1,
                scale_block: Optional[int] = None, scale_fill: int = 0,
                w13_scale_cols: Optional[int] = None, w2_scale_cols: Optional[int] = None,
                values_per_byte: int = 1, description: str = "align") -> LayerPlan:
@@ -157,7 +161,8 @@ def plan_align(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bo
 
 
 @lru_cache(maxsize=256)
-def plan_align_fp4(intermediate: int, hidden: int, is_act_and_mul: bool, min_alignment: int = 16,
+def plan_align_fp4(intermediate: int, hidden: int, is_act_and_mul: bool,
+                   min_alignment: int = FI_MOE_INTERMEDIATE_MULTIPLE,
                    hidden_alignment: int = 1, scale_block: int = 16) -> LayerPlan:
     """Pad packed FP4 (two values per byte) and its scales (one byte per ``scale_block``
     values: 16 NVFP4 E4M3, 32 MXFP4 UE8M0); padded weights and scales are 0."""

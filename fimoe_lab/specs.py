@@ -81,6 +81,9 @@ class FormatSpec:
         tactics: enums of the TRTLLM-Gen tactic query, None when the tuner does not take it.
         weights: a checkpoint weight format (``plan``/``convert`` take it); activation-only
             quantizers (NVFP4 per-token) are not.
+        tactic_intermediate_multiple: the per-rank intermediate multiple at which the
+            TRTLLM-Gen kernel set offers its full tactic space (gated; measured with
+            FlashInfer 0.6.13's kernels): fewer or zero tactics below it. 0: not measured.
     """
 
     name: str
@@ -98,6 +101,7 @@ class FormatSpec:
     scale_fill: int = 0
     tactics: Optional[TacticEnums] = None
     weights: bool = True
+    tactic_intermediate_multiple: int = 0
 
     @property
     def plan_format(self) -> str:
@@ -143,23 +147,23 @@ _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uin
 
 FORMATS: dict[str, FormatSpec] = {f.name: f for f in (
     FormatSpec("bf16", "BF16 weights and activations (trtllm_bf16_moe)", "bfloat16", bits_per_weight=16.0,
-               tactics=TacticEnums("Bfloat16", "Bfloat16", "NoneFp8", "block-major-k")),
+               tactic_intermediate_multiple=64, tactics=TacticEnums("Bfloat16", "Bfloat16", "NoneFp8", "block-major-k")),
     FormatSpec("fp8", "FP8 E4M3 with per-tensor scales; gated activations only on TRT-LLM", "float8_e4m3fn",
-               scale_dtype="float32", codec="fp8",
+               scale_dtype="float32", codec="fp8", tactic_intermediate_multiple=64,
                tactics=TacticEnums("E4m3", "E4m3", "NoneFp8", "major-k")),
     FormatSpec("fp8-block", "FP8 E4M3 with 128x128 float32 block scales (DeepSeek); SwiGLU only", "float8_e4m3fn",
                scale_dtype="float32", scale_block=128, scale_block_rows=128, bits_per_weight=8.0 + 32 / (128 * 128),
-               codec="fp8_block", tactics=TacticEnums("E4m3", "E4m3", "DeepSeekFp8", "block-major-k")),
+               codec="fp8_block", tactic_intermediate_multiple=128, tactics=TacticEnums("E4m3", "E4m3", "DeepSeekFp8", "block-major-k")),
     FormatSpec("mxfp8", "MXFP8: E4M3 with a UE8M0 scale per 32 values", "float8_e4m3fn", scale_dtype="uint8",
                scale_block=32, vector_scaled=True, bits_per_weight=8.0 + 8 / 32, codec="mxfp8", scale_fill=127,
-               tactics=TacticEnums("MxE4m3", "MxE4m3", "MxFp8", "major-k")),
+               tactic_intermediate_multiple=128, tactics=TacticEnums("MxE4m3", "MxE4m3", "MxFp8", "major-k")),
     FormatSpec("nvfp4", "NVFP4: E2M1 pairs with an E4M3 scale per 16 values, NVFP4 activations", "uint8",
                values_per_byte=2, scale_dtype="float8_e4m3fn", scale_block=16, vector_scaled=True,
-               bits_per_weight=4.0 + 8 / 16, codec="nvfp4",
+               bits_per_weight=4.0 + 8 / 16, codec="nvfp4", tactic_intermediate_multiple=64,
                tactics=TacticEnums("E2m1", "E2m1", "NoneFp8", "major-k", per_token_ok=True)),
     FormatSpec("mxfp4", "MXFP4 weights (E2M1, UE8M0 per 32) with BF16 activations (gpt-oss)", "uint8",
                values_per_byte=2, scale_dtype="uint8", scale_block=32, vector_scaled=True,
-               bits_per_weight=4.0 + 8 / 32, codec="mxfp4",
+               bits_per_weight=4.0 + 8 / 32, codec="mxfp4", tactic_intermediate_multiple=128,
                tactics=TacticEnums("Bfloat16", "MxE2m1", "NoneFp8", "major-k")),
     FormatSpec("mxfp4-mxfp8", "MXFP4 weights with MXFP8 activations", "uint8", values_per_byte=2,
                scale_dtype="uint8", scale_block=32, vector_scaled=True, bits_per_weight=4.0 + 8 / 32,

@@ -105,7 +105,8 @@ def test_help_is_fast_and_importtime_shows_no_torch():
     median = statistics.median(times)
     print(f"python -m fimoe_lab --help: median {median * 1e3:.0f} ms over {len(times)} runs")
     assert median < 1.5, times  # well under 0.5 s on an idle machine; generous for a loaded CI
-    imported = [line.split("|")[-1].strip() for line in _run("-X", "importtime", "-m", "fimoe_lab", "--help").stderr.splitlines()]
+    report = _run("-X", "importtime", "-m", "fimoe_lab", "--help").stderr
+    imported = [line.split("|")[-1].strip() for line in report.splitlines()]
     assert "fimoe_lab.cli" in imported and not [m for m in imported if m.split(".")[0] in HEAVY]
 
 
@@ -124,7 +125,8 @@ def test_bad_where_is_a_usage_error_or_bad_input(capsys):
     assert main(["plan", "--format", "mxfp8", "--backend", "trtllm", "--intermediate", "96", "--hidden", "160",
                  "--where", "500,3"]) == EXIT_BAD_INPUT
     line = _stderr_line(capsys)
-    assert line == "error: plan --where on mxfp8 trtllm w13: coordinate (500, 3) is outside the output shape (256, 256) (bytes)"
+    assert line == ("error: plan --where on mxfp8 trtllm w13: "
+                    "coordinate (500, 3) is outside the output shape (256, 256) (bytes)")
 
 
 def test_impossible_alignment_is_bad_input(tmp_path, capsys):
@@ -152,7 +154,8 @@ def test_tune_with_counts_the_snapshot_does_not_know_exits_3(capsys):
     captured = capsys.readouterr()
     assert "inter_align" in captured.out and "recommended: " in captured.out  # the table is still printed
     (line,) = captured.err.splitlines()
-    unknown = re.match(r"no answer: (\d+) of (\d+) tactic counts are unknown to this source \(not in the snapshot", line)
+    unknown = re.match(r"no answer: (\d+) of (\d+) tactic counts are unknown to this source \(not in the snapshot",
+                       line)
     assert unknown and 2 * int(unknown[1]) == int(unknown[2]), line  # every row's count at 1e6 tokens, none at 1
 
 

@@ -16,18 +16,10 @@ from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.checkpoints.writer import build_plan, plan_args, suggest_alignment
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.formats.health import TINY_SCALE, decoded_scales
-from fimoe_lab.specs import BACKENDS
+from fimoe_lab.recipes import FI_MOE_INTERMEDIATE_MULTIPLE
+from fimoe_lab.specs import BACKENDS, FORMATS
 
-__all__ = ["LayerReport", "inspect_checkpoint", "format_report", "backend_needs", "scale_health", "TACTIC_ALIGNMENT"]
-
-# Neither fact below is in fimoe_lab/specs.py yet; this is their only place (to move there).
-TACTIC_ALIGNMENT = {"bf16": 64, "fp8": 64, "nvfp4": 64, "fp8-block": 128, "mxfp8": 128, "mxfp4": 128}
-"""Intermediate multiple the TRT-LLM kernels need for their full tactic space (gated; DESIGN §5,
-measured with FlashInfer 0.6.13's kernel set): fewer or zero tactics below it."""
-CUTLASS_ALIGNMENT = 16
-"""Intermediate multiple FlashInfer's gated MoE kernels need (vLLM pads with align_moe_weights_for_fi);
-``plan_layer`` does not pad BF16 for CUTLASS, so inspect flags it."""
-
+__all__ = ["LayerReport", "inspect_checkpoint", "format_report", "backend_needs", "scale_health"]
 
 @dataclass
 class LayerReport:
@@ -64,11 +56,12 @@ def _describe(layer: MoELayer, backend: str, alignment: Optional[int] = None) ->
     if plan.padded_hidden != plan.hidden:
         pads.append(f"H {plan.hidden}->{plan.padded_hidden}")
     text = ("pad " + ", ".join(pads) + f" (+{100 * (dst - src) / max(src, 1):.0f}% bytes)") if pads else "no padding"
-    need = TACTIC_ALIGNMENT.get(layer.fmt)
+    need = FORMATS[layer.fmt].tactic_intermediate_multiple
     if backend == "trtllm" and need and plan.padded_intermediate % need:
         text += f"; I%{need}!=0: few/no TRT-LLM tactics"
-    if backend == "cutlass" and plan.padded_intermediate % CUTLASS_ALIGNMENT:
-        text += f"; I%{CUTLASS_ALIGNMENT}!=0: FlashInfer MoE needs it (align_moe_weights_for_fi)"
+    cutlass_need = FI_MOE_INTERMEDIATE_MULTIPLE
+    if backend == "cutlass" and plan.padded_intermediate % cutlass_need:
+        text += f"; I%{cutlass_need}!=0: FlashInfer MoE needs it (align_moe_weights_for_fi)"
     return text
 
 

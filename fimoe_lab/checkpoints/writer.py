@@ -41,7 +41,7 @@ from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.layout import IndexMap
-from fimoe_lab.plan import LayerPlan, apply_map
+from fimoe_lab.plan import BIAS_ROWS, LayerPlan, apply_map
 from fimoe_lab.specs import weight_formats
 
 __all__ = ["FORMAT_VERSION", "READ_VERSIONS", "KERNEL_NAMES", "plan_args", "build_plan", "suggest_alignment",
@@ -54,8 +54,6 @@ READ_VERSIONS = (1, 2)
 V1_BUILDER = "fimoe_lab.prepare.plan_layer"
 """What version-1 files recorded as their plan ``builder`` (read only: version 2 records a recipe id)."""
 
-BIAS_ROWS = {"w13_bias": "w13", "w2_bias": "w2"}
-"""Extras that are per-row vectors of a weight, by the weight whose rows they follow (LayerPlan.bias_map)."""
 
 KERNEL_NAMES = {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale"}
 """Tensor names in a kernel-layout file (vLLM's FusedMoE parameter names)."""

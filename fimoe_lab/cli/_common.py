@@ -2,17 +2,8 @@
 JSON output, the progress rule, argument types and checkpoint paths.
 
 Imports nothing heavy (no torch, numpy or pandas): parsers are built from it before any
-handler runs. Exit codes, for every command:
-
-====  ==========================================================================
-0     done, every check passed
-1     a check failed (a round trip or golden case differs), or an internal error
-2     bad input: a :class:`~fimoe_lab.errors.FimoeError`, a missing or unreadable
-      file, an argparse usage error, or a request that cannot run with these sizes
-3     no answer: the question is valid but unknown here (e.g. a shape outside the
-      recorded tactic snapshot)
-130   interrupted (Ctrl-C)
-====  ==========================================================================
+handler runs. Every command exits with one of :data:`EXIT_MEANINGS` (also printed at the
+end of ``fimoe-lab --help``).
 """
 
 from __future__ import annotations
@@ -33,8 +24,14 @@ EXIT_BAD_INPUT = 2
 EXIT_NO_ANSWER = 3
 EXIT_INTERRUPTED = 130
 
-EXIT_STATUS_HELP = ("exit status: 0 done; 1 a check failed, or an internal error; 2 bad input (or sizes that cannot "
-                    "run); 3 no answer here (unknown); 130 interrupted")
+EXIT_MEANINGS = {
+    EXIT_OK: "done, every check passed",
+    EXIT_FAILED: "a check failed (a round trip or golden case differs), or an internal error",
+    EXIT_BAD_INPUT: "bad input: the one 'error:' line says what is wrong and how to fix it",
+    EXIT_NO_ANSWER: "no answer: the source does not know (e.g. a shape outside the tactic snapshot)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+EXIT_STATUS_HELP = "exit status:\n" + "\n".join(f"{code}: {text}" for code, text in EXIT_MEANINGS.items())
 
 # files named on the command line that are missing or unreadable: bad input, not a bug
 BAD_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)

@@ -16,7 +16,8 @@ from fimoe_lab.resources import samples_dir
 
 
 def _samples_note() -> str:
-    names = sorted(p.name for p in samples_dir().iterdir() if (p / "config.json").is_file()) if samples_dir().is_dir() else []
+    root = samples_dir()
+    names = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
     return ("PATH is a checkpoint directory (config.json + *.safetensors, index optional) or the name of a shipped "
             f"sample: {', '.join(names) or 'none in this build'}.")
 
@@ -77,7 +78,8 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
     c.add_argument("--intermediate-alignment", type=int, metavar="A", help="pad the intermediate size to a multiple of A "
                    "(default: the backend's rule; 'inspect' says when the default fails)")
     c.add_argument("--hidden-alignment", type=int, metavar="A", help="pad the hidden size to a multiple of A")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
+    c.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none when stderr is not a terminal)")
     c.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     c.set_defaults(handler=run_convert)
 
@@ -101,7 +103,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
     _refuse_existing(args.out, args.force)
     out = convert_checkpoint(checkpoint_path(args.path), args.out, args.backend, args.tp, args.rank, args.layer,
-                             args.intermediate_alignment, args.hidden_alignment, progress=show_progress(args.no_progress))
+                             args.intermediate_alignment, args.hidden_alignment,
+                             progress=show_progress(args.no_progress))
     meta = read_kernel_metadata(out)
     for idx, rec in meta["layers"].items():
         print(f"layer {idx}: {rec['description']}, intermediate {rec['plan']['args']['intermediate']}->"

@@ -46,7 +46,6 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
                     "with the full tactic space, and mark the default padding ('fimoe-lab convert' "
                     "without alignment options: REF) with where it loses tactics. Exits 3 when a count "
                     "is unknown to the source.",
-       
         epilog="presets: " + ", ".join(presets) + "\nformats: " + ", ".join(formats))
     t.add_argument("--model", required=True, type=lower_choice(presets), metavar="PRESET",
                    help="model preset (" + ", ".join(presets) + ")")
@@ -73,9 +72,9 @@ def _register_tactics(sub: argparse._SubParsersAction) -> None:
                     "which tactics exist for one per-rank, already-padded MoE shape. A count of 0 is the "
                     "'No valid config found' failure; the reason says why. Exits 3 when the source does "
                     "not know a count (e.g. a shape outside the snapshot).",
-       
         epilog="formats:\n" + "\n".join(f"{n}: {specs.FORMATS[n].description}" for n in formats))
-    q.add_argument("--format", required=True, type=lower_choice(formats), metavar="FMT", help="one of " + ", ".join(formats))
+    q.add_argument("--format", required=True, type=lower_choice(formats), metavar="FMT",
+                   help="one of " + ", ".join(formats))
     q.add_argument("--act", default="swiglu", type=_activation, help=f"activation: {acts} (default swiglu)")
     q.add_argument("--per-token", action="store_true", help="NVFP4 per-token activation scaling")
     q.add_argument("--layout", type=lower_choice(specs.LAYOUTS), default=None,
@@ -84,7 +83,8 @@ def _register_tactics(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--inter", type=int, required=True, help="intermediate size per expert and projection, per rank")
     q.add_argument("--experts", type=int, required=True, help="local experts")
     q.add_argument("--top-k", type=int, required=True, help="experts per token")
-    q.add_argument("--tokens", type=TOKENS_TYPE, default=(1, 8, 64), help="comma-separated token counts (default 1,8,64)")
+    q.add_argument("--tokens", type=TOKENS_TYPE, default=(1, 8, 64),
+                   help="comma-separated token counts (default 1,8,64)")
     q.add_argument("--source", choices=SOURCES, default="auto", help="where answers come from")
     q.add_argument("--json", action="store_true", help="print a JSON list, one object per token count")
     q.add_argument("--configs", action="store_true", help="include the full [tile_N, config] list (live only)")
@@ -92,16 +92,19 @@ def _register_tactics(sub: argparse._SubParsersAction) -> None:
 
 
 def _default_layouts(formats: tuple[str, ...]) -> str:
-    """``"major-k for fp8, ...; block-major-k for bf16, ..."``: each weight layout and the formats that default to it."""
+    """``"major-k for fp8, ...; block-major-k for bf16, ..."``: each layout and the formats defaulting to it."""
     by_layout: dict[str, list[str]] = {layout: [] for layout in specs.LAYOUTS}
     for name in formats:
-        by_layout[specs.FORMATS[name].tactics.default_layout].append(name)
+        enums = specs.FORMATS[name].tactics
+        if enums is not None:
+            by_layout[enums.default_layout].append(name)
     return "; ".join(f"{layout} for {', '.join(names)}" for layout, names in by_layout.items() if names)
 
 
-def _unknown(what: str, reasons: list) -> int:
-    """One stderr line for counts the source does not know; the exit status that says so."""
-    print(one_line(f"no answer: {what} unknown to this source ({reasons[0] if reasons else 'no reason given'})"),
+def _no_answer(unknown: int, total: int, reasons: list) -> int:
+    """Say on one stderr line that ``unknown`` of ``total`` counts have no answer here; exit status 3."""
+    reason = next((r for r in reasons if isinstance(r, str) and r), "no reason given")
+    print(one_line(f"no answer: {unknown} of {total} tactic counts are unknown to this source ({reason})"),
           file=sys.stderr)
     return EXIT_NO_ANSWER
 
@@ -133,7 +136,7 @@ def run_tactics(a: argparse.Namespace) -> int:
         print(f"source: {s.get('kind')} (FlashInfer {s.get('flashinfer')}, kernel set {s.get('kernel_set')})")
     unknown = [d for d in out if d["count"] is None]
     if unknown:
-        return _unknown(f"{len(unknown)} of {len(out)} tactic counts are", [d["reason"] for d in unknown if d.get("reason")])
+        return _no_answer(len(unknown), len(out), [d.get("reason") for d in unknown])
     return EXIT_OK
 
 
@@ -173,7 +176,7 @@ def run_tune(a: argparse.Namespace) -> int:
         _save_plots(df, a.plot)
     unknown = int(df[tcols].isna().sum().sum())
     if unknown:
-        return _unknown(f"{unknown} of {df[tcols].size} tactic counts are", [r for r in df["reason"] if r])
+        return _no_answer(unknown, df[tcols].size, list(df["reason"]))
     return EXIT_OK
 
 

@@ -33,7 +33,7 @@ from functools import lru_cache
 import torch
 
 from fimoe_lab import resources
-from fimoe_lab.errors import FormatError
+from fimoe_lab.errors import FormatError, LayoutError
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -80,10 +80,9 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     This is the byte layout of FlashInfer's ``FLOAT4_E2M1X2`` tensors.
     """
     if codes.shape[-1] % 2:
-        raise ValueError(
-            f"pack_nibbles: the last dim holds 2 codes per byte, so it must be even; got shape "
-            f"{tuple(codes.shape)}. Fix: pad the last dim by one code."
-        )
+        raise LayoutError(
+            f"pack_nibbles: the last dim holds 2 codes per byte, so it must be even; got shape {tuple(codes.shape)}",
+            fix="pad the last dim by one code")
     pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
@@ -91,10 +90,8 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Packed uint8 ``(..., n)`` -> uint8 codes ``(..., 2n)``; inverse of :func:`pack_nibbles`."""
     if packed.dtype != torch.uint8:
-        raise ValueError(
-            f"unpack_nibbles: packed FP4 must be uint8 (2 codes per byte), got {packed.dtype}. "
-            f"Fix: pass tensor.view(torch.uint8)."
-        )
+        raise FormatError(f"unpack_nibbles: packed FP4 must be uint8 (2 codes per byte), got {packed.dtype}",
+                          fix="pass tensor.view(torch.uint8)")
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 

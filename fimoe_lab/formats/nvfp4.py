@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from fimoe_lab.errors import LayoutError
 from fimoe_lab.specs import FORMATS
 
 from ._validate import require_float, require_format, require_last_dim_multiple, require_matrix
@@ -84,11 +85,10 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) 
     try:
         gs = gs.expand(x.shape[:-2]).contiguous()
     except RuntimeError:
-        raise ValueError(
+        raise LayoutError(
             f"nvfp4.quantize: global_scale of shape {tuple(gs.shape)} must broadcast to the leading "
-            f"dims {tuple(x.shape[:-2])} of x {tuple(x.shape)} (one encode scale per matrix). "
-            f"Fix: pass a scalar or a tensor of shape {tuple(x.shape[:-2])}."
-        ) from None
+            f"dims {tuple(x.shape[:-2])} of x {tuple(x.shape)} (one encode scale per matrix)",
+            fix=f"pass a scalar or a tensor of shape {tuple(x.shape[:-2])}") from None
     blocks = xf.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     codes, sf_bits = encode_blocks(blocks, gs[..., None, None])
     return QuantizedTensor(pack_nibbles(codes.reshape(x.shape)), sf_bits.view(torch.float8_e4m3fn), gs, FMT, BLOCK)
