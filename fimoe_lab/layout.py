@@ -151,7 +151,7 @@ class IndexMap:
         if self.src.dtype != torch.int64 or self.src.ndim != 1 or self.src.device.type != "cpu":
             raise TypeError(f"{self.name}: src must be a 1-D int64 CPU tensor, got {self.src.dtype} {tuple(self.src.shape)} on {self.src.device}")
         if self.in_bytes % self.cell_bytes or self.out_bytes != self.src.numel() * self.cell_bytes:
-            raise ValueError(
+            raise LayoutError(
                 f"{self.name}: shapes {self.in_shape} -> {self.out_shape} bytes do not tile into "
                 f"{self.src.numel()} cells of {self.cell_bytes} bytes"
             )
@@ -200,7 +200,7 @@ class IndexMap:
         if cell_bytes == self.cell_bytes:
             return self
         if self.cell_bytes % cell_bytes:
-            raise ValueError(f"{self.name}: cannot refine {self.cell_bytes}-byte cells to {cell_bytes}")
+            raise LayoutError(f"{self.name}: cannot refine {self.cell_bytes}-byte cells to {cell_bytes}")
         f = self.cell_bytes // cell_bytes
         sub = torch.arange(f, dtype=torch.int64)
         src = torch.where(
@@ -477,5 +477,5 @@ class IndexMap:
 def compose(*maps: IndexMap) -> IndexMap:
     """``compose(a, b, c)`` applies ``a`` then ``b`` then ``c`` as one map."""
     if not maps:
-        raise ValueError("compose needs at least one map")
+        raise LayoutError("compose needs at least one map")
     return reduce(IndexMap.then, maps)

@@ -143,7 +143,8 @@ def plan_align(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bo
 
     def cols(values: int) -> int:
         if (values * itemsize) % values_per_byte:
-            raise LayoutError(f"{description}: {values} values do not fill whole bytes ({values_per_byte} per byte)")
+            raise LayoutError(f"a padded size of {values} values does not fill whole bytes ({values_per_byte} values "
+                              f"per byte)", fix=f"choose an alignment that is a multiple of {values_per_byte}")
         return values * itemsize // values_per_byte
 
     w13 = steps.pad_projections(p, intermediate, ip, cols(hidden), cols(hp))
@@ -153,7 +154,7 @@ def plan_align(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bo
         for size, name in ((hp, "hidden"), (ip, "intermediate")):
             if size % scale_block:
                 raise LayoutError(
-                    f"{description}: padded {name} {size} is not a multiple of the scale block {scale_block}",
+                    f"padded {name} {size} is not a multiple of the scale block {scale_block}",
                     fix=f"choose an alignment that is a multiple of {scale_block}")
         w13_s = steps.pad_projections(p, intermediate, ip, w13_scale_cols, hp // scale_block, scale_fill)
         w2_s = steps.pad_projections(1, hidden, hp, w2_scale_cols, ip // scale_block, scale_fill)

@@ -33,7 +33,7 @@ __all__ = [
 def round_up(value: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``value``."""
     if multiple < 1:
-        raise ValueError(f"alignment must be a positive integer, got {multiple}")
+        raise LayoutError(f"alignment must be a positive integer, got {multiple}")
     return -(-value // multiple) * multiple
 
 
@@ -63,7 +63,7 @@ def pad_projections(
             f"source [{rows}, {cols_bytes} B]; padding only grows a matrix"
         )
     if not 0 <= fill <= 255:
-        raise ValueError(f"fill must be a byte value 0..255, got {fill}")
+        raise LayoutError(f"fill must be a byte value 0..255, got {fill}")
     cell = math.gcd(cols_bytes, padded_cols_bytes)
     cin, cout = cols_bytes // cell, padded_cols_bytes // cell
     src = torch.full((num_projections, padded_rows, cout), -1, dtype=torch.int64)

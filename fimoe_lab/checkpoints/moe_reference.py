@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from fimoe_lab.errors import LayoutError
 from fimoe_lab.checkpoints.reader import MoELayer
 from fimoe_lab.specs import get_activation
 
@@ -33,10 +34,10 @@ def moe_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     """
     act = get_activation(activation)
     if x.ndim != 2 or w13.ndim != 3 or w2.ndim != 3 or w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1]:
-        raise ValueError(f"moe_forward: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not "
+        raise LayoutError(f"moe_forward: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not "
                          f"fit (T, H), (E, 2I or I, H), (E, H, I)")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"moe_forward: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+        raise LayoutError(f"moe_forward: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be (T={x.shape[0]}, k)")
     inter, params = w2.shape[2], activation_params or {}
     xf = x.float()
@@ -64,7 +65,7 @@ def layer_forward(layer: MoELayer, x: torch.Tensor, topk_ids: torch.Tensor, topk
 def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded routing: ``topk_ids`` int64 ``(T, k)`` (distinct per token), ``topk_weights`` float32 ``(T, k)`` summing to 1."""
     if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k {top_k} must be in 1..num_experts ({num_experts})")
+        raise LayoutError(f"top_k {top_k} must be in 1..num_experts ({num_experts})")
     g = torch.Generator().manual_seed(seed)
     ids = torch.rand(num_tokens, num_experts, generator=g).argsort(dim=1)[:, :top_k]
     weights = torch.softmax(torch.randn(num_tokens, top_k, generator=g), dim=1)

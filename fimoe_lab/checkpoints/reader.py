@@ -196,7 +196,7 @@ class Checkpoint:
     def header(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """``(dtype, shape)`` of a tensor from the file header, without reading it."""
         if name not in self.weight_map:
-            raise KeyError(name)
+            raise CheckpointError(f"{self.path}: no tensor named {name!r} in the index or shards")
         s = self._handle(name).get_slice(name)
         dt = s.get_dtype()
         return conventions.SAFETENSORS_DTYPES.get(dt, dt), tuple(s.get_shape())

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, TextIO
 
 from fimoe_lab.errors import FimoeError
+from fimoe_lab.resources import sample_names, sample_path
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -134,8 +135,6 @@ def checkpoint_path(value: str) -> Path:
     path = Path(value)
     if path.is_dir():
         return path
-    from fimoe_lab.checkpoints import sample_names, sample_path
-
     if value in sample_names():
         return sample_path(value)
     raise FileNotFoundError(f"{value}: no such checkpoint directory or sample; samples: "

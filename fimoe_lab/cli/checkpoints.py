@@ -12,12 +12,11 @@ import os
 from fimoe_lab import specs
 from fimoe_lab.cli._common import EXIT_OK, checkpoint_path, int_list, show_progress
 from fimoe_lab.errors import CheckpointError
-from fimoe_lab.resources import samples_dir
+from fimoe_lab.resources import sample_names
 
 
 def _samples_note() -> str:
-    root = samples_dir()
-    names = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
+    names = sample_names()
     return ("PATH is a checkpoint directory (config.json + *.safetensors, index optional) or the name of a shipped "
             f"sample: {', '.join(names) or 'none in this build'}.")
 
