@@ -30,7 +30,7 @@ class FimoeError(ValueError):
         self.context = context
         super().__init__(message)
 
-    def within(self, context: str) -> "FimoeError":
+    def within(self, context: str) -> FimoeError:
         """Return this error with ``context`` prepended (once: an outer boundary does not repeat it)."""
         if self.context is None:
             self.context = context

@@ -18,14 +18,18 @@ repeated (0 for padded weights, 127 = UE8M0 1.0 for padded MXFP8 scales).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from fimoe_lab.errors import LayoutError
+
+if TYPE_CHECKING:
+    from fimoe_lab.kernels.compiled import ExecMap
 
 __all__ = ["IndexMap", "LayoutError", "Provenance", "compose", "step_name"]
 
@@ -81,7 +85,7 @@ class Provenance:
     def is_fill(self) -> bool:
         return self.stages[-1].fill is not None
 
-    def in_elements(self, itemsize: int) -> "Provenance":
+    def in_elements(self, itemsize: int) -> Provenance:
         """Same chain with the last coordinate divided by ``itemsize``."""
 
         def conv(s: ProvenanceStage) -> ProvenanceStage:
@@ -128,8 +132,8 @@ class IndexMap:
     fills: tuple[int, ...] = ()
     kind: str = "map"
     params: Mapping[str, Any] = field(default_factory=dict)
-    parts: tuple["IndexMap", ...] = ()
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    parts: tuple[IndexMap, ...] = ()
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -142,7 +146,7 @@ class IndexMap:
         """The primitive steps as ``[{"kind": ..., "params": {...}}, ...]`` (what converted files record)."""
         return [{"kind": s.kind, "params": dict(s.params)} for s in self.steps]
 
-    def _with(self, src: torch.Tensor, cell_bytes: int, fills: tuple[int, ...] | None = None) -> "IndexMap":
+    def _with(self, src: torch.Tensor, cell_bytes: int, fills: tuple[int, ...] | None = None) -> IndexMap:
         """The same step (kind, params, parts, shapes) over other cells."""
         return IndexMap(src, cell_bytes, self.in_shape, self.out_shape, self.fills if fills is None else fills,
                         self.kind, self.params, self.parts)
@@ -174,7 +178,7 @@ class IndexMap:
         return self.src.numel()
 
     @property
-    def steps(self) -> tuple["IndexMap", ...]:
+    def steps(self) -> tuple[IndexMap, ...]:
         """The primitive steps, in application order (itself for a primitive)."""
         return self.parts or (self,)
 
@@ -184,7 +188,7 @@ class IndexMap:
         if "is_permutation" not in self._cache:
             self._cache["is_permutation"] = self.in_bytes == self.out_bytes and not bool((self.src < 0).any()) and \
                 bool(torch.equal(torch.sort(self.src).values, torch.arange(self.n_out_cells)))
-        return self._cache["is_permutation"]
+        return cast(bool, self._cache["is_permutation"])
 
     def __repr__(self) -> str:
         chain = " >> ".join(p.name for p in self.steps)
@@ -195,7 +199,7 @@ class IndexMap:
         )
 
     # ------------------------------------------------------------ granularity
-    def refined(self, cell_bytes: int) -> "IndexMap":
+    def refined(self, cell_bytes: int) -> IndexMap:
         """The same map over smaller cells (``cell_bytes`` must divide the current size)."""
         if cell_bytes == self.cell_bytes:
             return self
@@ -208,7 +212,7 @@ class IndexMap:
         ).reshape(-1)
         return self._with(src, cell_bytes)
 
-    def coarsened(self) -> "IndexMap":
+    def coarsened(self) -> IndexMap:
         """The same map over the widest cells it allows.
 
         Output cells are grouped ``f`` at a time when every group copies ``f``
@@ -218,9 +222,9 @@ class IndexMap:
         """
         if "coarse" not in self._cache:
             self._cache["coarse"] = self._coarsen()
-        return self._cache["coarse"]
+        return cast(IndexMap, self._cache["coarse"])
 
-    def _coarsen(self) -> "IndexMap":
+    def _coarsen(self) -> IndexMap:
         src = self.src.numpy()
         n = src.size
         if n == 0:
@@ -242,7 +246,7 @@ class IndexMap:
         return self._with(src_c, self.cell_bytes * g)
 
     # ------------------------------------------------------------ algebra
-    def then(self, other: "IndexMap") -> "IndexMap":
+    def then(self, other: IndexMap) -> IndexMap:
         """The map that applies ``self`` and then ``other`` (one gather, not two)."""
         if self.out_bytes != other.in_bytes:
             raise LayoutError(
@@ -257,10 +261,10 @@ class IndexMap:
         parts = self.steps + other.steps
         return IndexMap(src, cell, self.in_shape, other.out_shape, fills, "chain", {}, parts)._deduped_fills()
 
-    def __rshift__(self, other: "IndexMap") -> "IndexMap":
+    def __rshift__(self, other: IndexMap) -> IndexMap:
         return self.then(other)
 
-    def _deduped_fills(self) -> "IndexMap":
+    def _deduped_fills(self) -> IndexMap:
         if len(set(self.fills)) == len(self.fills):
             return self
         unique = tuple(dict.fromkeys(self.fills))
@@ -268,7 +272,7 @@ class IndexMap:
         src = torch.where(self.src >= 0, self.src, remap[(-1 - self.src).clamp(min=0)])
         return self._with(src, self.cell_bytes, unique)
 
-    def inverse(self) -> "IndexMap":
+    def inverse(self) -> IndexMap:
         """The map from this map's output back to its input.
 
         Exact on the non-fill part: ``m.inverse().apply(m.apply(x))`` equals ``x`` when
@@ -346,7 +350,7 @@ class IndexMap:
         """
         if len(self.in_shape) != 2 or len(self.out_shape) != 2:
             raise LayoutError(f"{self.name} maps {self.in_shape} -> {self.out_shape} bytes; rows are defined for 2-D maps only")
-        (in_rows, in_cols), (out_rows, out_cols) = self.in_shape, self.out_shape
+        (_, in_cols), (out_rows, out_cols) = self.in_shape, self.out_shape
         cell = math.gcd(self.cell_bytes, in_cols, out_cols)
         src = self.refined(cell).src.view(out_rows, out_cols // cell)
         src_row = torch.where(src >= 0, src * cell // in_cols, -1)
@@ -357,9 +361,9 @@ class IndexMap:
             raise LayoutError(f"{self.name}: output row {bad} takes bytes from several input rows; it is not a row map")
         return first
 
-    def row_steps(self) -> "IndexMap":
+    def row_steps(self) -> IndexMap:
         """The composed leading steps that keep rows as rows (before any re-tiling or swizzle)."""
-        keep = []
+        keep: list[IndexMap] = []
         for step in self.steps:
             try:
                 step.row_sources()
@@ -370,7 +374,7 @@ class IndexMap:
             keep.append(step)
         return compose(*keep)
 
-    def for_row_vectors(self, cols_bytes: int) -> "IndexMap":
+    def for_row_vectors(self, cols_bytes: int) -> IndexMap:
         """The same row movement on matrices ``cols_bytes`` wide, e.g. a per-row bias.
 
         A bias ``(E, rows)`` must follow its weight's rows through padding, swaps,
@@ -383,7 +387,7 @@ class IndexMap:
             fills = (0,) if bool((src < 0).any()) else ()
             self._cache[key] = IndexMap(src, cols_bytes, (rows.in_shape[0], cols_bytes), (rows.out_shape[0], cols_bytes),
                                         fills, "row_vectors", {"cols_bytes": cols_bytes})
-        return self._cache[key]
+        return cast(IndexMap, self._cache[key])
 
     def source_bytes(self) -> torch.Tensor:
         """int64 ``out_shape`` tensor: the input byte offset of every output byte (-1 = fill)."""
@@ -425,7 +429,7 @@ class IndexMap:
             )
         return self.out_shape[:-1] + (self.out_shape[-1] // itemsize,)
 
-    def compiled(self):
+    def compiled(self) -> ExecMap:
         """The executable form the kernels run (:class:`fimoe_lab.kernels.compiled.ExecMap`):
         this map over its widest cells, with its fast forms recognised (:mod:`fimoe_lab.compile`).
         Built on first use, then cached on the map."""
@@ -433,7 +437,7 @@ class IndexMap:
             from fimoe_lab.compile import compile_map
 
             self._cache["exec"] = compile_map(self)
-        return self._cache["exec"]
+        return cast("ExecMap", self._cache["exec"])
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
         """Gather all experts at once: ``(E, *in_shape) -> (E, *out_shape)`` (same dtype).

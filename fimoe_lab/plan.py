@@ -84,14 +84,14 @@ class LayerPlan:
         if len(set(experts.values())) > 1:
             raise LayoutError(f"{self.description}: expert counts differ: {experts}")
 
-    def apply(self, w13, w2, w13_scale=None, w2_scale=None) -> tuple:
+    def apply(self, w13: torch.Tensor, w2: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+              w2_scale: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
         """Return ``(w13, w2, w13_scale, w2_scale)`` in the kernel layout (new tensors)."""
         given = dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
         self.check(**given)
-        return tuple(
-            apply_map(getattr(self, n), given[n], n) if getattr(self, n) is not None else given[n]
-            for n in TENSOR_NAMES
-        )
+        maps = self.maps()
+        return tuple(apply_map(maps[n], x, n) if n in maps and x is not None else x
+                     for n, x in given.items())
 
     def bias_map(self, name: str, itemsize: int) -> Optional[IndexMap]:
         """The map of a per-row bias: ``w13_bias (E, P*I)`` follows w13's rows, ``w2_bias (E, H)`` w2's.
@@ -104,7 +104,7 @@ class LayerPlan:
         weight = getattr(self, BIAS_ROWS[name])
         return weight.for_row_vectors(itemsize) if weight is not None else None
 
-    def inverse(self) -> "LayerPlan":
+    def inverse(self) -> LayerPlan:
         """The plan that maps the kernel layout back to the checkpoint layout."""
         inv = {n: (m.inverse() if m is not None else None) for n, m in ((n, getattr(self, n)) for n in TENSOR_NAMES)}
         return replace(

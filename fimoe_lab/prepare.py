@@ -12,10 +12,11 @@ values per byte (``(E, P*I, H/2)``, ``(E, H, I/2)``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 

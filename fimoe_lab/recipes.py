@@ -77,6 +77,13 @@ def chain(*maps: Optional[IndexMap]) -> Optional[IndexMap]:
     return compose(*present) if present else None
 
 
+def present(m: Optional[IndexMap]) -> IndexMap:
+    """``m``, which a chain ending in a step cannot leave out."""
+    if m is None:
+        raise LayoutError("internal: a chain that ends in a step came out empty")
+    return m
+
+
 # ----------------------------------------------------------------------------- default paddings
 def trtllm_nvfp4_hidden_alignment(per_token_activation: bool, is_act_and_mul: bool) -> int:
     """Hidden alignment vLLM uses for TRTLLM-Gen NVFP4: 512 for per-token non-gated
@@ -136,10 +143,8 @@ def plan_align(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bo
     p = projections(is_act_and_mul)
     ip = steps.round_up(intermediate, min_alignment)
     hp = steps.round_up(hidden, hidden_alignment)
-    sizes = dict(intermediate=intermediate, hidden=hidden, padded_intermediate=ip, padded_hidden=hp,
-                 description=description)
     if ip == intermediate and hp == hidden:
-        return LayerPlan(None, None, None, None, **sizes)
+        return LayerPlan(None, None, None, None, intermediate, hidden, ip, hp, description)
 
     def cols(values: int) -> int:
         if (values * itemsize) % values_per_byte:
@@ -158,7 +163,7 @@ def plan_align(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bo
                     fix=f"choose an alignment that is a multiple of {scale_block}")
         w13_s = steps.pad_projections(p, intermediate, ip, w13_scale_cols, hp // scale_block, scale_fill)
         w2_s = steps.pad_projections(1, hidden, hp, w2_scale_cols, ip // scale_block, scale_fill)
-    return LayerPlan(w13, w2, w13_s, w2_s, **sizes)
+    return LayerPlan(w13, w2, w13_s, w2_s, intermediate, hidden, ip, hp, description)
 
 
 @lru_cache(maxsize=256)
@@ -205,7 +210,7 @@ def plan_shuffle_mxfp8(w13_rows: int, hidden: int, intermediate: int, is_gated: 
 
     def weight(rows: int, cols: int, interleave: bool) -> IndexMap:
         first = steps.interleave_rows_for_gated_act(rows, cols) if interleave else None
-        return chain(first, steps.shuffle_rows_for_epilogue(rows, cols, etm))
+        return present(chain(first, steps.shuffle_rows_for_epilogue(rows, cols, etm)))
 
     def scale(rows: int, cols: int, interleave: bool) -> IndexMap:
         if rows % SCALE_SWIZZLE_ROWS or cols % 4:
@@ -213,7 +218,7 @@ def plan_shuffle_mxfp8(w13_rows: int, hidden: int, intermediate: int, is_gated: 
                 f"MXFP8 scales [{rows}, {cols}] cannot keep their shape through the 128x4 swizzle: rows must be a "
                 f"multiple of 128 and cols of 4",
                 fix="pad with align_mxfp8_moe_weights_for_fi_trtllm (intermediate 128, hidden 256) first")
-        return chain(weight(rows, cols, interleave), steps.swizzle_scales_128x4(rows, cols))
+        return present(chain(weight(rows, cols, interleave), steps.swizzle_scales_128x4(rows, cols)))
 
     return LayerPlan(
         weight(w13_rows, hidden, is_gated), weight(hidden, intermediate, False),
@@ -250,7 +255,7 @@ def plan_fp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bool
             raise LayoutError(
                 f"FP4 scales have {rows} rows, not a multiple of 128 (the TRT-LLM scale shuffle)",
                 fix=f"pad the intermediate size to a multiple of {128 // p} first (intermediate_alignment={128 // p})")
-        return chain(rows_chain(rows, cols, fused), steps.swizzle_scales_128x4(rows, cols))
+        return present(chain(rows_chain(rows, cols, fused), steps.swizzle_scales_128x4(rows, cols)))
 
     return LayerPlan(
         rows_chain(p * intermediate, hidden // 2, True), rows_chain(hidden, intermediate // 2, False),

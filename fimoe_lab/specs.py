@@ -14,8 +14,9 @@ Adding a format: one :class:`FormatSpec` row here, its quantizer module under
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from fimoe_lab.errors import FormatError
 
@@ -215,13 +216,13 @@ def torch_dtype(name: str) -> Any:
 
 
 # ----------------------------------------------------------------------------- activations
-def _silu_and_mul(gate: Any, up: Any, params: dict) -> Any:
+def _silu_and_mul(gate: Any, up: Any, params: dict[str, Any]) -> Any:
     import torch.nn.functional as F
 
     return F.silu(gate) * up
 
 
-def _swiglu_oai(gate: Any, up: Any, params: dict) -> Any:
+def _swiglu_oai(gate: Any, up: Any, params: dict[str, Any]) -> Any:
     """gpt-oss: gate clamped above at ``limit``, up to [-limit, limit], ``gate*sigmoid(alpha*gate)*(up+1)``."""
     import torch
 
@@ -230,13 +231,13 @@ def _swiglu_oai(gate: Any, up: Any, params: dict) -> Any:
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
-def _gelu_and_mul(gate: Any, up: Any, params: dict) -> Any:
+def _gelu_and_mul(gate: Any, up: Any, params: dict[str, Any]) -> Any:
     import torch.nn.functional as F
 
     return F.gelu(gate) * up
 
 
-def _relu2(h: Any, _unused: Any, params: dict) -> Any:
+def _relu2(h: Any, _unused: Any, params: dict[str, Any]) -> Any:
     import torch.nn.functional as F
 
     return F.relu(h).square()
@@ -258,7 +259,7 @@ class Activation:
     name: str
     gated: bool
     flashinfer: str
-    reference: Callable[[Any, Any, dict], Any]
+    reference: Callable[[Any, Any, dict[str, Any]], Any]
     aliases: tuple[str, ...] = ()
 
     @property

@@ -8,7 +8,8 @@ cached by its arguments, so a model with 58 identical MoE layers builds each map
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-@lru_cache(maxsize=None)
+@cache
 def pad_projections(
     num_projections: int,
     rows: int,
@@ -79,7 +80,7 @@ def pad_projections(
     )
 
 
-def permute_rows(src_rows: torch.Tensor, cols_bytes: int, kind: str, params: dict) -> IndexMap:
+def permute_rows(src_rows: torch.Tensor, cols_bytes: int, kind: str, params: dict[str, Any]) -> IndexMap:
     """A row permutation ``out[i, :] = in[src_rows[i], :]`` of an ``[M, cols]`` matrix."""
     rows = src_rows.numel()
     return IndexMap(src_rows.to(torch.int64), cols_bytes, (rows, cols_bytes), (rows, cols_bytes), (), kind, params)
@@ -93,7 +94,7 @@ def _check_even(rows: int, what: str) -> None:
         )
 
 
-@lru_cache(maxsize=None)
+@cache
 def swap_w13_to_w31_rows(rows: int, cols_bytes: int) -> IndexMap:
     """Swap the two row halves: checkpoints store ``[gate; up]``, FlashInfer wants ``[up; gate]``.
 
@@ -105,7 +106,7 @@ def swap_w13_to_w31_rows(rows: int, cols_bytes: int) -> IndexMap:
     return permute_rows(src, cols_bytes, "swap_w13_to_w31_rows", dict(rows=rows, cols_bytes=cols_bytes))
 
 
-@lru_cache(maxsize=None)
+@cache
 def interleave_rows_for_gated_act(rows: int, cols_bytes: int) -> IndexMap:
     """Interleave the two halves row by row: ``src[2j] = j``, ``src[2j+1] = M/2 + j``.
 
@@ -124,7 +125,7 @@ def shuffle_block_size(epilogue_tile_m: int) -> int:
     return 32 if epilogue_tile_m % 128 == 0 else 16
 
 
-@lru_cache(maxsize=None)
+@cache
 def shuffle_rows_for_epilogue(rows: int, cols_bytes: int, epilogue_tile_m: int) -> IndexMap:
     """Row shuffle of ``shuffle_matrix_a`` for TRT-LLM's transposed-MMA epilogue tiles.
 
@@ -147,7 +148,7 @@ def shuffle_rows_for_epilogue(rows: int, cols_bytes: int, epilogue_tile_m: int) 
                         dict(rows=rows, cols_bytes=cols_bytes, epilogue_tile_m=epilogue_tile_m))
 
 
-@lru_cache(maxsize=None)
+@cache
 def block_major_k(rows: int, cols_bytes: int, block_bytes: int = 128) -> IndexMap:
     """Re-tile ``[M, K]`` into ``[K / bk, M, bk]``: ``out[kb, m, j] = in[m, kb*bk + j]``.
 
@@ -167,7 +168,7 @@ def block_major_k(rows: int, cols_bytes: int, block_bytes: int = 128) -> IndexMa
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def swizzle_scales_128x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
     """FlashInfer's ``block_scale_interleave``: the 128x4 swizzle of a block-scale matrix.
 
@@ -199,7 +200,7 @@ STEPS = {
 """Every primitive step by kind: ``STEPS[m.kind](**m.params)`` rebuilds ``m``."""
 
 
-def build(kind: str, params: dict) -> IndexMap:
+def build(kind: str, params: dict[str, Any]) -> IndexMap:
     """Rebuild the primitive step ``kind`` from its ``params`` (as recorded by :meth:`IndexMap.spec`)."""
     if kind not in STEPS:
         raise LayoutError(f"unknown step kind {kind!r}", fix=f"use one of {', '.join(STEPS)}")

@@ -11,6 +11,7 @@ own browser download is not used). Without them the test is skipped, or fails un
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -80,10 +81,8 @@ def _accept_kernel_dialog(page) -> None:
     """Accept JupyterLab's "Select Kernel" dialog (python3 preselected) when it shows up."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    try:
+    with contextlib.suppress(PlaywrightTimeout):  # no dialog this time
         page.locator(".jp-Dialog .jp-mod-accept").click(timeout=3000)
-    except PlaywrightTimeout:  # no dialog this time
-        pass
 
 
 def _stop(server: subprocess.Popen) -> None:
@@ -115,7 +114,7 @@ def test_tour_widgets_render_and_respond(tmp_path):
     env["OMP_NUM_THREADS"] = "1"  # the kernel's tensors are tiny; extra torch threads only fight on a shared CPU
     deadline = Deadline(BUDGET_S)
     log_path = tmp_path / "jupyterlab.log"
-    log = open(log_path, "w")
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until the finally below closes it
     server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_for_server(f"http://127.0.0.1:{port}/api/status", server, log_path, deadline)

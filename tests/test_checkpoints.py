@@ -206,9 +206,8 @@ def test_kimi_k2_config_reads_as_deepseek_convention(tmp_path):
 
 
 def _raises(path, *words, layer=None, exc=CheckpointError):
-    with pytest.raises(exc) as info:
-        with open_checkpoint(path) as ck:
-            ck.read_layer(ck.moe_layers[0] if layer is None else layer)
+    with pytest.raises(exc) as info, open_checkpoint(path) as ck:
+        ck.read_layer(ck.moe_layers[0] if layer is None else layer)
     for w in words:
         assert w in str(info.value), str(info.value)
     return str(info.value)
@@ -271,6 +270,5 @@ def test_index_pointing_to_missing_shard(tmp_path):
     dst = tmp_path / "c"
     shutil.copytree(sample_path("qwen3-moe-bf16"), dst)
     (dst / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
-        with open_checkpoint(dst) as ck:
-            ck.read_layer(1)
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"), open_checkpoint(dst) as ck:
+        ck.read_layer(1)

@@ -22,8 +22,8 @@ from fimoe_lab.checkpoints import (
     restore_layers,
     sample_path,
     write_kernel_layout,
+    writer,
 )
-from fimoe_lab.checkpoints import writer
 from fimoe_lab.cli import main as cli_main
 from scripts import make_sample_checkpoints as gen
 

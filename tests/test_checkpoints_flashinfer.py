@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import HAS_FLASHINFER
 from safetensors import safe_open
 
 from fimoe_lab import steps
 from fimoe_lab.checkpoints import convert_checkpoint, sample_path
-
-from conftest import HAS_FLASHINFER
 
 pytestmark = pytest.mark.flashinfer
 

@@ -2,19 +2,19 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from conftest import HAS_FLASHINFER, random_bytes, same_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fimoe_lab import prepare, steps
 from fimoe_lab.layout import compose
-
-from conftest import HAS_FLASHINFER, random_bytes, same_bytes
 
 pytestmark = pytest.mark.flashinfer
 
 if HAS_FLASHINFER:
     import flashinfer
-    from flashinfer.fused_moe import core as fi_core
     from flashinfer import utils as fi_utils
+    from flashinfer.fused_moe import core as fi_core
 
 ROWS = st.integers(1, 24).map(lambda k: 32 * k)
 SF_ROWS = st.integers(1, 6).map(lambda k: 128 * k)

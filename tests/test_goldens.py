@@ -7,11 +7,10 @@ import os
 
 import pytest
 import torch
+from conftest import DEVICES
 
 from fimoe_lab import goldens, prepare
 from fimoe_lab.errors import FimoeError
-
-from conftest import DEVICES
 
 
 @pytest.fixture(scope="module")

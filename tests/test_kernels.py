@@ -16,12 +16,12 @@ import sys
 
 import pytest
 import torch
-
 from conftest import coords, random_bytes
+
 from fimoe_lab import kernels
 from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.kernels import EXECUTORS, InPlaceError, available_backends, execute, execute_in_place
-from fimoe_lab.prepare import MoELayerSpec, plan_fp8_moe_layer, plan_layer, plan_fp4_trtllm_weights
+from fimoe_lab.prepare import MoELayerSpec, plan_fp4_trtllm_weights, plan_fp8_moe_layer, plan_layer
 
 HAS_NUMBA = importlib.util.find_spec("numba") is not None
 CPU_BACKENDS = ["torch"] + (["numba"] if HAS_NUMBA else [])

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from conftest import DEVICES, coords, decode, random_bytes, same_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fimoe_lab import steps
 from fimoe_lab.layout import IndexMap, LayoutError, compose
-
-from conftest import DEVICES, coords, decode, random_bytes, same_bytes
 
 
 def per_expert_gather(m: IndexMap, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,7 @@ def test_compose_is_associative_and_coarsening_keeps_the_map():
     assert left.coarsened() == left
     assert left.coarsened().cell_bytes == 128
     assert left.refined(1) == left
-    assert not (left == (a >> c >> d))
+    assert not (left == (a >> c >> d))  # noqa: SIM201 - tests __eq__ itself
 
 
 def test_coarsening_widens_row_permutations_to_whole_rows():

@@ -3,15 +3,15 @@
 from types import SimpleNamespace
 
 import pytest
+import reference_loops as ref
 import torch
-from hypothesis import given, settings, strategies as st
+from conftest import DEVICES, coords, decode, random_bytes, same_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fimoe_lab import prepare
 from fimoe_lab.layout import LayoutError
 from fimoe_lab.prepare import MoELayerSpec
-
-import reference_loops as ref
-from conftest import DEVICES, coords, decode, random_bytes, same_bytes
 
 FP8 = torch.float8_e4m3fn
 

@@ -10,8 +10,17 @@ from fimoe_lab.presets import PRESETS, get_preset  # noqa: E402
 from fimoe_lab.recipes import plan_layer  # noqa: E402
 from fimoe_lab.specs import FORMATS, get_activation, tuner_formats  # noqa: E402
 from fimoe_lab.tune.oracle import TacticOracle  # noqa: E402
-from fimoe_lab.tune.sweep import (HIDDEN_ALIGNS, INTER_ALIGNS, TPS, export, paddings, queries_for,  # noqa: E402
-                                  reference_alignments, summary, sweep)
+from fimoe_lab.tune.sweep import (  # noqa: E402
+    HIDDEN_ALIGNS,
+    INTER_ALIGNS,
+    TPS,
+    export,
+    paddings,
+    queries_for,
+    reference_alignments,
+    summary,
+    sweep,
+)
 from fimoe_lab.tune.timing import measure_transform, timing_status  # noqa: E402
 
 
@@ -139,6 +148,7 @@ def test_sweep_figures_draw_the_table(o, tmp_path):
 
 def test_timing_hook_says_not_measured_without_gpu(o):
     import torch
+
     from fimoe_lab.tune.timing import measure_grouped_mm
     if torch.cuda.is_available():
         pytest.skip("has a GPU")

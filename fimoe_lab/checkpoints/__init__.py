@@ -10,9 +10,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from fimoe_lab.resources import sample_names, sample_path
 from fimoe_lab.checkpoints.conventions import CONVENTIONS, Convention
 from fimoe_lab.checkpoints.inspect import LayerReport, format_report, inspect_checkpoint
 from fimoe_lab.checkpoints.moe_reference import layer_forward, moe_forward, random_routing
@@ -25,6 +22,7 @@ from fimoe_lab.checkpoints.writer import (
     restore_layers,
     write_kernel_layout,
 )
+from fimoe_lab.resources import sample_names, sample_path
 
 __all__ = [
     "CONVENTIONS", "Checkpoint", "CheckpointError", "Convention", "LayerReport", "MoELayer",

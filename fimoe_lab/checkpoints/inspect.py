@@ -6,8 +6,9 @@ Reads only headers and scales (never the weights), so it is quick on real checkp
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from fimoe_lab.errors import LayoutError
 from fimoe_lab.checkpoints.reader import MoELayer
+from fimoe_lab.errors import LayoutError
 from fimoe_lab.specs import get_activation
 
 __all__ = ["moe_forward", "layer_forward", "random_routing"]

@@ -31,9 +31,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -85,7 +86,7 @@ class MoELayer:
         """``w13``, ``w2``, ``w13_scale``, ``w2_scale`` by name (the four a LayerPlan maps)."""
         return {"w13": self.w13, "w2": self.w2, "w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
 
-    def with_tensors(self, **tensors: Optional[torch.Tensor]) -> "MoELayer":
+    def with_tensors(self, **tensors: Optional[torch.Tensor]) -> MoELayer:
         """A copy with some of the four tensors replaced."""
         return replace(self, **tensors)
 
@@ -187,7 +188,7 @@ class Checkpoint:
         """Release the open shard files."""
         self._handles.clear()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -27,11 +27,12 @@ leaves no output file behind.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import os
 import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
 

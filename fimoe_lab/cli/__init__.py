@@ -14,7 +14,8 @@ internal error (one line, exit 1, ``--debug`` for the traceback); see
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 from fimoe_lab.cli import checkpoints, core, lab, tune
 from fimoe_lab.cli._common import EXIT_BAD_INPUT, EXIT_STATUS_HELP, Parser, report_error

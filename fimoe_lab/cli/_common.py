@@ -13,8 +13,9 @@ import json
 import sys
 import textwrap
 import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, TextIO
+from typing import Any, TextIO
 
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.resources import sample_names, sample_path

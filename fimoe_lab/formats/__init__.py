@@ -70,4 +70,5 @@ def get(name: str) -> FormatSpec:
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize ``q`` with the format it names: ``(..., rows, cols)`` in ``dtype``."""
-    return get(q.fmt).dequantize(q, dtype)
+    out: torch.Tensor = get(q.fmt).dequantize(q, dtype)
+    return out

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.steps import round_up
+
+if TYPE_CHECKING:
+    from fimoe_lab.formats.result import QuantizedTensor
 
 FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -40,7 +45,7 @@ def require_last_dim_multiple(x: torch.Tensor, multiple: int, where: str, reason
             fix=f"pad the last dim to {padded}, e.g. torch.nn.functional.pad(x, (0, {padded - cols}))")
 
 
-def require_format(q, fmt: str, where: str) -> None:
+def require_format(q: QuantizedTensor, fmt: str, where: str) -> None:
     """Raise :class:`FormatError` unless the QuantizedTensor ``q`` is in format ``fmt``."""
     if q.fmt != fmt:
         raise FormatError(f"{where}: got a QuantizedTensor in format {q.fmt!r}, expected {fmt!r}",

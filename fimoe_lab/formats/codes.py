@@ -28,7 +28,7 @@ instructions) and checked on an H200 where the instruction exists there:
 from __future__ import annotations
 
 import zlib
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -170,7 +170,7 @@ def unpack_rcp_deltas(blob: bytes) -> torch.Tensor:
     return torch.tensor(RCP_DELTA_CODES, dtype=torch.int8)[codes]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rcp_delta(device: torch.device) -> torch.Tensor:
     """int8 ``(2**23,)`` on ``device``: hardware minus correctly rounded 1/m, in ulps, per mantissa."""
     return unpack_rcp_deltas(resources.rcp_table_path().read_bytes()).to(device)

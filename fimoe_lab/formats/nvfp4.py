@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fimoe_lab.errors import LayoutError
+from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.specs import FORMATS
 
 from ._validate import require_float, require_format, require_last_dim_multiple, require_matrix
@@ -103,5 +103,8 @@ def block_values(q: QuantizedTensor) -> torch.Tensor:
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(..., rows, cols)`` = e2m1 * e4m3 scale / global_scale, in ``dtype``."""
     require_format(q, FMT, "nvfp4.dequantize")
+    if q.global_scale is None:
+        raise FormatError("nvfp4.dequantize: the QuantizedTensor has no global_scale",
+                          fix="pass the encode scale the values were quantized with")
     blocks = block_values(q) * e4m3_decode(q.scales)[..., None] / q.global_scale[..., None, None, None]
     return blocks.reshape(q.shape).to(dtype)

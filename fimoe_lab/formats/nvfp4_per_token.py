@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from fimoe_lab.errors import FormatError
+
 from ._validate import require_float, require_format, require_last_dim_multiple, require_matrix
 from .codes import e4m3_decode, ftz, pack_nibbles, rcp_approx_ftz
 from .nvfp4 import BLOCK, block_values, encode_blocks
@@ -81,5 +83,8 @@ def quantize(x: torch.Tensor) -> QuantizedTensor:
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(..., rows, cols)`` = e2m1 * e4m3 scale * token_scale (per row), in ``dtype``."""
     require_format(q, FMT, "nvfp4_per_token.dequantize")
+    if q.token_scale is None:
+        raise FormatError("nvfp4_per_token.dequantize: the QuantizedTensor has no token_scale",
+                          fix="pass the per-token decode scales the values were quantized with")
     sf = e4m3_decode(q.scales) * q.token_scale[..., None]
     return (block_values(q) * sf[..., None]).reshape(q.shape).to(dtype)

@@ -45,12 +45,11 @@ class QuantizedTensor:
         packed = self.values.dtype == torch.uint8
         return (*lead, cols * 2 if packed else cols)
 
-    def to(self, device: torch.device | str) -> "QuantizedTensor":
+    def to(self, device: torch.device | str) -> QuantizedTensor:
         """The same quantized tensor with every tensor moved to ``device``."""
 
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
-        return QuantizedTensor(
-            move(self.values), move(self.scales), move(self.global_scale), self.fmt, self.block_size, move(self.token_scale)
-        )
+        return QuantizedTensor(self.values.to(device), self.scales.to(device), move(self.global_scale), self.fmt,
+                               self.block_size, move(self.token_scale))

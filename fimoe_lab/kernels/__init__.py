@@ -25,8 +25,14 @@ import torch
 
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import ExecMap, byte_views
-from fimoe_lab.kernels.registry import (CYCLES_MIN_CELL, EXECUTORS, NUMBA_MIN_BYTES, available_backends,
-                                        get_executor, pick_backend)
+from fimoe_lab.kernels.registry import (
+    CYCLES_MIN_CELL,
+    EXECUTORS,
+    NUMBA_MIN_BYTES,
+    available_backends,
+    get_executor,
+    pick_backend,
+)
 
 __all__ = [
     "execute",
@@ -161,7 +167,7 @@ def execute_in_place(em: ExecMap, x: torch.Tensor, scratch_experts: Optional[int
     strategy = ex.strategy(em, (config or {}).get("inplace", "auto"))
     start = 0
     try:
-        for start, _ in strategy.run(em, flat, chunk, config):
+        for start, _ in strategy.run(em, flat, chunk, config):  # noqa: B007 - start is read after a failure
             pass
         start = num_experts
     except BaseException as exc:

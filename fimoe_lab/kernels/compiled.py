@@ -11,8 +11,9 @@ this form, never the map it came from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -64,12 +65,12 @@ class ExecMap:
     in_bytes: int
     out_bytes: int
     is_permutation: bool  # every byte moves exactly once (no fill, same size)
-    compile_inverse: Optional[Callable[[], "ExecMap"]] = field(default=None, repr=False)
+    compile_inverse: Optional[Callable[[], ExecMap]] = field(default=None, repr=False)
     swizzle: tuple | None = None
     padrows: tuple | None = None
     _dev: dict = field(default_factory=dict, repr=False)
 
-    def inverse(self) -> "ExecMap":
+    def inverse(self) -> ExecMap:
         """The executable form of the inverse map (compiled on first use, then cached here)."""
         if "inverse" not in self._dev:
             if self.compile_inverse is None:

@@ -7,7 +7,7 @@ Every byte moves twice (so at most half the copy bandwidth); the scratch is the 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -101,7 +102,7 @@ class Executor:
         return chosen
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _importable(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 

@@ -37,6 +37,6 @@ def gather_torch(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     src = _index(em, ("gather_idx",), lambda: np.maximum(em.src, 0), x.device)
     torch.index_select(xin, 1, src, out=xout)
     for k, byte in enumerate(em.fills):
-        idx = _index(em, ("fill_idx", k), lambda: np.flatnonzero(em.src == -1 - k), x.device)
+        idx = _index(em, ("fill_idx", k), lambda k=k: np.flatnonzero(em.src == -1 - k), x.device)
         if idx.numel():
             xout.index_fill_(1, idx, fill_word(byte, xout.element_size()))

@@ -398,7 +398,8 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
         if grid:
             _swizzled_bands_in_place[(grid,)](*args, launch_cooperative_grid=True, **meta)
     except Exception as exc:  # noqa: BLE001 - raised before anything moved
-        warnings.warn(f"in-place scale launch did not start ({exc}); running the cycle plan instead", RuntimeWarning)
+        warnings.warn(f"in-place scale launch did not start ({exc}); running the cycle plan instead", RuntimeWarning,
+                      stacklevel=2)
         grid = 0
     if grid:
         yield experts, None

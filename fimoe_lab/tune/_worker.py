@@ -61,8 +61,8 @@ def main() -> int:
         # flashinfer-cubin package must not stop `import flashinfer`.
         sys.modules.setdefault("flashinfer_cubin", None)
     try:
-        from flashinfer import tllm_enums as te
         import flashinfer
+        from flashinfer import tllm_enums as te
         op = _load(mode, so_path)
         fn = op.trtllm_get_valid_moe_configs
     except BaseException as e:  # report, then exit: the parent says what failed

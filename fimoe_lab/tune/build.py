@@ -27,6 +27,7 @@ subprocess whose environment points FlashInfer's JIT workspace into our cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.metadata as md
 import json
@@ -434,7 +435,7 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
     t0 = time.time()
     rc, so_path = _run_build_driver(env, log_path, progress, t0)
     if rc or not so_path or not Path(so_path).exists():
-        tail = "".join(open(log_path).readlines()[-40:])
+        tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-40:])
         raise BuildError(f"building {MODULE_NAME} failed (exit {rc}); last lines of {log_path}:\n{tail}")
     secs = time.time() - t0
     man = Manifest(
@@ -504,10 +505,8 @@ def _end_session(p: subprocess.Popen) -> None:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(timeout=30)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _so_path_from_log(log_path: Path) -> Optional[str]:

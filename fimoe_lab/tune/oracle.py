@@ -33,9 +33,10 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from fimoe_lab import resources
 from fimoe_lab.errors import FimoeError, OracleError
@@ -87,7 +88,7 @@ class TacticQuery:
     per_token: bool = False
     layout: Optional[str] = None
 
-    def normalized(self) -> "TacticQuery":
+    def normalized(self) -> TacticQuery:
         """The query in canonical names (format, kernel activation, layout), checked.
 
         :class:`OracleError` for an unknown format, activation or layout, per-token
@@ -121,7 +122,7 @@ class TacticQuery:
                                          self.tokens))
 
     @staticmethod
-    def from_key(key: str) -> "TacticQuery":
+    def from_key(key: str) -> TacticQuery:
         f, a, pt, lay, h, i, e, k, t = key.split("|")
         return TacticQuery(f, a, int(h), int(i), int(e), int(k), int(t), bool(int(pt)), lay)
 
@@ -193,7 +194,7 @@ class Snapshot:
         self.entries: dict = raw["entries"]
 
     @classmethod
-    def find(cls, path: Optional[Path] = None) -> Optional["Snapshot"]:
+    def find(cls, path: Optional[Path] = None) -> Optional[Snapshot]:
         """The snapshot at ``path``, else the one for the installed FlashInfer, else the newest."""
         if path:
             return cls(Path(path))

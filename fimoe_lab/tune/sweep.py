@@ -18,8 +18,9 @@ pandas is needed for :func:`sweep`; :mod:`fimoe_lab.viz.figures` draws its resul
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 from ..errors import FimoeError
 from ..presets import ModelPreset, get_preset

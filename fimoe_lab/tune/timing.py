@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -139,9 +140,11 @@ def measure_transform(df, backend: str = "trtllm", experts: Optional[int] = None
                   for name, m in plan.maps().items() if name in ("w13", "w2")}
         outputs = {name: torch.empty((n,) + plan.maps()[name].out_shape, dtype=torch.uint8, device=dev) for name in inputs}
 
-        def both() -> None:
+        maps = plan.maps()
+
+        def both(inputs: dict = inputs, outputs: dict = outputs, maps: dict = maps) -> None:
             for name, x in inputs.items():
-                plan.maps()[name].apply(x, out=outputs[name])
+                maps[name].apply(x, out=outputs[name])
 
         t = median_ms(both, dev, repeats)
         for i in idx:

@@ -7,7 +7,8 @@ draws are exactly the :mod:`.data` arrays (tests compare them).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 from matplotlib import colormaps

@@ -68,7 +68,7 @@ def provenance_html(p: Provenance) -> str:
     """HTML for a provenance chain: one row per stage, output first."""
     rows = "".join(
         f"<tr><td>{html.escape(s.step)}</td><td>{s.shape}</td>"
-        f"<td>{'fill byte 0x%02x' % s.fill if s.fill is not None else s.coords}</td></tr>"
+        f"<td>{f'fill byte {s.fill:#04x}' if s.fill is not None else s.coords}</td></tr>"
         for s in p.stages
     )
     return f"{TABLE}{rows}</table>"

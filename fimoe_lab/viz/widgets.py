@@ -236,7 +236,7 @@ class PaddingExplorer(_Explorer):
                           self.inter_align, self.hidden_align])
 
     @classmethod
-    def from_layer(cls, layer: sources.ExpertTensors, **kwargs) -> "PaddingExplorer":
+    def from_layer(cls, layer: sources.ExpertTensors, **kwargs) -> PaddingExplorer:
         """The explorer on a layer's sizes (read it at TP 1: the TP menu then splits it)."""
         if layer.fmt not in sources.PLAN_FORMATS:
             raise LayoutError(f"no padding view for format {layer.fmt!r}",
