@@ -32,8 +32,12 @@ from fimoe_lab.prepare import plan_layer  # noqa: E402
 
 # name: (experts, hidden, intermediate, [(fmt, label, plan_layer kwargs)])
 PRESETS = {
-    "deepseek-v3": (256, 7168, 2048, [("fp8", "fp8_rotate", {}), ("fp8-block", "deepseek_block", {}),
-                                       ("mxfp8", "mxfp8", {})]),
+    "deepseek-v3": (
+        256,
+        7168,
+        2048,
+        [("fp8", "fp8_rotate", {}), ("fp8-block", "deepseek_block", {}), ("mxfp8", "mxfp8", {})],
+    ),
     "deepseek-r1-nvfp4": (256, 7168, 2048, [("nvfp4", "nvfp4", {})]),
     "qwen3-235b-bf16": (128, 4096, 1536, [("bf16", "bf16_block", {})]),
     "nemotron-nano-fp8": (128, 2688, 1856, [("fp8", "fp8_rotate_pad", dict(is_act_and_mul=False, is_gated=False))]),
@@ -41,8 +45,10 @@ PRESETS = {
 # CPU full run: the same transforms with fewer experts (w13 of deepseek-v3 stays >= 2 GB).
 CPU_EXPERTS = {"deepseek-v3": 72, "deepseek-r1-nvfp4": 72, "qwen3-235b-bf16": 24, "nemotron-nano-fp8": 32}
 QUICK = {
-    "deepseek-v3": (8, 1024, 512), "deepseek-r1-nvfp4": (8, 1024, 512),
-    "qwen3-235b-bf16": (8, 1024, 512), "nemotron-nano-fp8": (8, 640, 464),
+    "deepseek-v3": (8, 1024, 512),
+    "deepseek-r1-nvfp4": (8, 1024, 512),
+    "qwen3-235b-bf16": (8, 1024, 512),
+    "nemotron-nano-fp8": (8, 640, 464),
 }
 
 
@@ -158,10 +164,13 @@ def flashinfer_fn(label, tensor, m):
                     t = t[st.src.to(x.device)]
                 out.append(shuffle_matrix_a(t, 128))
             return torch.stack(out)
+
         return fn
     if tensor.endswith("scale") and label == "nvfp4":
+
         def fn(x):
             return block_scale_interleave(x.view(torch.uint8))
+
         return fn
     return None
 
@@ -174,9 +183,18 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
     out = torch.empty((experts, m.out_bytes), dtype=torch.uint8, device=dev)
     nin, nout = x.numel(), out.numel()
     moved = nin + nout
-    rec = {"transform": f"{preset}/{label}/{tensor}", "preset": preset, "tensor": tensor, "map": m.name,
-           "experts": experts, "in_shape": list(m.in_shape), "out_shape": list(m.out_shape),
-           "cell_bytes": em.cell_bytes, "bytes_in": nin, "bytes_out": nout}
+    rec = {
+        "transform": f"{preset}/{label}/{tensor}",
+        "preset": preset,
+        "tensor": tensor,
+        "map": m.name,
+        "experts": experts,
+        "in_shape": list(m.in_shape),
+        "out_shape": list(m.out_shape),
+        "cell_bytes": em.cell_bytes,
+        "bytes_in": nin,
+        "bytes_out": nout,
+    }
 
     # copy ceiling: same input byte count, device to device (best of before and after ours)
     dst = torch.empty_like(x)
@@ -185,6 +203,7 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
         t = timeit(lambda: dst.copy_(x), dev, args.repeats, warmup=2)
         if dev.type == "cpu" and kernels.EXECUTORS["numba"].available(dev):
             from fimoe_lab.kernels.numba_gather import parallel_copy
+
             xa, da = x.view(-1).numpy(), dst.view(-1).numpy()
             t = min(t, timeit(lambda: parallel_copy(xa, da), dev, args.repeats, warmup=2))
         return 2 * nin / t
@@ -203,6 +222,7 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
     else:
         # a shared CPU's load drifts: time copy and ours in alternation, ratio = median of pairs
         from fimoe_lab.kernels.numba_gather import parallel_copy
+
         xa, da = x.view(-1).numpy(), dst.view(-1).numpy()
         copies = [lambda: dst.copy_(x), lambda: parallel_copy(xa, da)]
         for f in copies + [lambda: execute(em, x, out)]:
@@ -247,8 +267,7 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
 
     # baselines
     if not args.no_baselines:
-        t = timeit(lambda: ref(x), dev, max(3, args.repeats // 3) if dev.type == "cuda" else 2, warmup=1,
-                   min_sample=0)
+        t = timeit(lambda: ref(x), dev, max(3, args.repeats // 3) if dev.type == "cuda" else 2, warmup=1, min_sample=0)
         rec["uint8_gather_gbps"] = moved / t / 1e9
         rec["uint8_gather_peak_extra_bytes"] = peak_extra(lambda: ref(x), dev)
         loop_out = per_expert_loop(m, x)
@@ -266,7 +285,9 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
             except Exception as exc:  # noqa: BLE001
                 rec["flashinfer_note"] = f"failed: {type(exc).__name__}: {exc}"[:200]
         else:
-            rec["flashinfer_note"] = "not importable" if not _has_flashinfer() else "no FlashInfer function for this map"
+            rec["flashinfer_note"] = (
+                "not importable" if not _has_flashinfer() else "no FlashInfer function for this map"
+            )
     del x, out, ref
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -276,6 +297,7 @@ def bench_one(preset, label, tensor, m, experts, dev, args):
 def _has_flashinfer():
     try:
         import flashinfer  # noqa: F401
+
         return True
     except Exception:
         return False
@@ -285,9 +307,12 @@ def sweep(presets, dev, args):
     """Time Triton tile configs on each map; keep, per kernel (rows / words), the config
     with the best worst-case ratio to the copy."""
     from fimoe_lab.kernels import triton_gather as tg
+
     rows_cfgs = [dict(tile_words=tw, num_warps=nw) for tw, nw in [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]]
     words_cfgs = [dict(block_1d=b, warps_1d=w, use_swizzle=False) for b, w in [(2048, 4), (4096, 8), (8192, 8)]]
-    words_cfgs += [dict(swizzle_kw=k, swizzle_warps=w, use_swizzle=True) for k, w in [(16, 4), (32, 4), (32, 8), (64, 8)]]
+    words_cfgs += [
+        dict(swizzle_kw=k, swizzle_warps=w, use_swizzle=True) for k, w in [(16, 4), (32, 4), (32, 8), (64, 8)]
+    ]
     scores = {"rows": {i: [] for i in range(len(rows_cfgs))}, "words": {i: [] for i in range(len(words_cfgs))}}
     for preset, experts, hidden, inter, fmts in presets:
         for fmt, label, kw in fmts:
@@ -308,8 +333,11 @@ def sweep(presets, dev, args):
                     r = (x.numel() + out.numel()) / t / copy
                     scores[kind][i].append(r)
                     line.append(f"{r:.3f}")
-                print(f"sweep {preset}/{label}/{tensor} cell={em.cell_bytes} {kind}: " + " ".join(line),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"sweep {preset}/{label}/{tensor} cell={em.cell_bytes} {kind}: " + " ".join(line),
+                    file=sys.stderr,
+                    flush=True,
+                )
                 del x, out, dst
                 torch.cuda.empty_cache()
     best, table = {}, []
@@ -320,8 +348,10 @@ def sweep(presets, dev, args):
         if sc:
             b = max(sc, key=lambda i: (min(sc[i]), statistics.mean(sc[i])))
             best.update(cfgs[b])
-            print(f"sweep best {kind} config {cfgs[b]}: min {min(sc[b]):.3f} mean {statistics.mean(sc[b]):.3f}",
-                  file=sys.stderr)
+            print(
+                f"sweep best {kind} config {cfgs[b]}: min {min(sc[b]):.3f} mean {statistics.mean(sc[b]):.3f}",
+                file=sys.stderr,
+            )
     return best, table
 
 
@@ -344,17 +374,24 @@ def map_build_times(layers=58, experts=256, hidden=7168, inter=2048):
     w2 = torch.empty(experts, hidden, inter, dtype=torch.float8_e4m3fn, **meta)
     scales = {
         "fp8": (torch.empty(experts, **meta), torch.empty(experts, **meta), None),
-        "fp8-block": (torch.empty(experts, 2 * inter // 128, hidden // 128, **meta),
-                      torch.empty(experts, hidden // 128, inter // 128, **meta), [128, 128]),
-        "mxfp8": (torch.empty(experts, 2 * inter, hidden // 32, dtype=torch.uint8, **meta),
-                  torch.empty(experts, hidden, inter // 32, dtype=torch.uint8, **meta), [1, 32]),
+        "fp8-block": (
+            torch.empty(experts, 2 * inter // 128, hidden // 128, **meta),
+            torch.empty(experts, hidden // 128, inter // 128, **meta),
+            [128, 128],
+        ),
+        "mxfp8": (
+            torch.empty(experts, 2 * inter, hidden // 32, dtype=torch.uint8, **meta),
+            torch.empty(experts, hidden, inter // 32, dtype=torch.uint8, **meta),
+            [1, 32],
+        ),
     }
     for fmt, (s13, s2, block) in scales.items():
         clear()
         t = time.perf_counter()
         for _ in range(layers):  # each layer calls the entry point with its own tensors
-            plan = plan_fp8_moe_layer(MoELayerSpec(inter, hidden, weight_block_size=block), w13, w2, s13, s2,
-                                      is_trtllm=True)
+            plan = plan_fp8_moe_layer(
+                MoELayerSpec(inter, hidden, weight_block_size=block), w13, w2, s13, s2, is_trtllm=True
+            )
             for m in plan.maps().values():
                 m.compiled()
         out[f"deepseek-v3/{fmt}"] = time.perf_counter() - t
@@ -397,17 +434,25 @@ def main(argv=None):
             e = CPU_EXPERTS[name]
         presets.append((name, e, h, i, fmts))
 
-    env = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine(),
-           "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-           "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "quick": args.quick,
-           "repeats": args.repeats, "loop_repeats": args.loop_repeats}
+    env = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "quick": args.quick,
+        "repeats": args.repeats,
+        "loop_repeats": args.loop_repeats,
+    }
     try:
         import triton
+
         env["triton"] = triton.__version__
     except Exception:
         pass
     try:
         import numba
+
         env["numba"] = numba.__version__
         env["numba_threads"] = numba.get_num_threads()
     except Exception:
@@ -416,11 +461,13 @@ def main(argv=None):
 
     if args.sweep and dev.type == "cuda":
         from fimoe_lab.kernels import triton_gather as tg
+
         best, table = sweep(presets, dev, args)
         tg.CONFIG.update(best)
         env["sweep"] = table
     if dev.type == "cuda":
         from fimoe_lab.kernels import triton_gather as tg
+
         env["triton_config"] = dict(tg.CONFIG)
 
     if args.map_build:
@@ -450,20 +497,27 @@ def _fmt(v, spec=".1f"):
 
 
 def _row(r):
-    return (f"{r['transform']:<42} {r['backend']:<6} {r['cell_bytes']:>6} {r['bytes_in'] / 1e9:>7.3f} "
-            f"{r['ours_gbps']:>8.1f} {r['copy_gbps']:>8.1f} {r['ratio']:>6.3f} "
-            f"{_fmt(r.get('torch_gbps') or r.get('numba_gbps'))!s:>8} "
-            f"{_fmt(r.get('inplace_ratio'), '.3f'):>7} {_fmt(r.get('inplace1_ratio'), '.3f'):>7} "
-            f"{_fmt(r.get('uint8_gather_gbps')):>8} {_fmt(r.get('per_expert_loop_gbps'), '.2f'):>8} "
-            f"{_fmt(r.get('flashinfer_gbps')):>8} {r['peak_extra_bytes'] / 1e9:>7.3f} "
-            f"{_fmt((r.get('inplace_peak_extra_bytes') or 0) / 1e9, '.3f'):>7}")
+    return (
+        f"{r['transform']:<42} {r['backend']:<6} {r['cell_bytes']:>6} {r['bytes_in'] / 1e9:>7.3f} "
+        f"{r['ours_gbps']:>8.1f} {r['copy_gbps']:>8.1f} {r['ratio']:>6.3f} "
+        f"{_fmt(r.get('torch_gbps') or r.get('numba_gbps'))!s:>8} "
+        f"{_fmt(r.get('inplace_ratio'), '.3f'):>7} {_fmt(r.get('inplace1_ratio'), '.3f'):>7} "
+        f"{_fmt(r.get('uint8_gather_gbps')):>8} {_fmt(r.get('per_expert_loop_gbps'), '.2f'):>8} "
+        f"{_fmt(r.get('flashinfer_gbps')):>8} {r['peak_extra_bytes'] / 1e9:>7.3f} "
+        f"{_fmt((r.get('inplace_peak_extra_bytes') or 0) / 1e9, '.3f'):>7}"
+    )
 
 
 def _table(records, env):
-    head = (f"{'transform':<42} {'exec':<6} {'cell':>6} {'GB in':>7} {'ours':>8} {'copy':>8} {'ratio':>6} "
-            f"{'alt':>8} {'inpl':>7} {'inpl1':>7} {'u8gath':>8} {'loop':>8} {'fi':>8} {'peakGB':>7} {'ipeakGB':>7}")
-    lines = [f"# {env['device']}, torch {env['torch']}, GB/s = (read+write)/median time; ratio = ours/copy; "
-             f"alt = the other backend; inpl/inpl1 = in-place ratio with default/1-expert scratch", head]
+    head = (
+        f"{'transform':<42} {'exec':<6} {'cell':>6} {'GB in':>7} {'ours':>8} {'copy':>8} {'ratio':>6} "
+        f"{'alt':>8} {'inpl':>7} {'inpl1':>7} {'u8gath':>8} {'loop':>8} {'fi':>8} {'peakGB':>7} {'ipeakGB':>7}"
+    )
+    lines = [
+        f"# {env['device']}, torch {env['torch']}, GB/s = (read+write)/median time; ratio = ours/copy; "
+        f"alt = the other backend; inpl/inpl1 = in-place ratio with default/1-expert scratch",
+        head,
+    ]
     lines += [_row(r) for r in records]
     return "\n".join(lines)
 

@@ -31,22 +31,40 @@ def cases():
     ds, r1 = plan_layer("fp8", "trtllm", 2048, 7168), plan_layer("nvfp4", "trtllm", 2048, 7168)
     blk, mx = plan_layer("fp8-block", "trtllm", 2048, 7168), plan_layer("mxfp8", "trtllm", 2048, 7168)
     qw = plan_layer("bf16", "trtllm", 1536, 4096)
-    return [("deepseek-v3 fp8 w13", ds.w13, 256), ("deepseek-v3 fp8 w2", ds.w2, 256),
-            ("deepseek-v3 block w13", blk.w13, 256), ("deepseek-v3 block w2", blk.w2, 256),
-            ("deepseek-v3 mxfp8 w13", mx.w13, 256), ("deepseek-v3 mxfp8 w13_scale", mx.w13_scale, 256),
-            ("deepseek-v3 mxfp8 w2_scale", mx.w2_scale, 256),
-            ("r1 nvfp4 w13", r1.w13, 256), ("r1 nvfp4 w2", r1.w2, 256),
-            ("r1 nvfp4 w13_scale", r1.w13_scale, 256), ("r1 nvfp4 w2_scale", r1.w2_scale, 256),
-            ("qwen3-235b bf16 w13", qw.w13, 128), ("qwen3-235b bf16 w2", qw.w2, 128)]
+    return [
+        ("deepseek-v3 fp8 w13", ds.w13, 256),
+        ("deepseek-v3 fp8 w2", ds.w2, 256),
+        ("deepseek-v3 block w13", blk.w13, 256),
+        ("deepseek-v3 block w2", blk.w2, 256),
+        ("deepseek-v3 mxfp8 w13", mx.w13, 256),
+        ("deepseek-v3 mxfp8 w13_scale", mx.w13_scale, 256),
+        ("deepseek-v3 mxfp8 w2_scale", mx.w2_scale, 256),
+        ("r1 nvfp4 w13", r1.w13, 256),
+        ("r1 nvfp4 w2", r1.w2, 256),
+        ("r1 nvfp4 w13_scale", r1.w13_scale, 256),
+        ("r1 nvfp4 w2_scale", r1.w2_scale, 256),
+        ("qwen3-235b bf16 w13", qw.w13, 128),
+        ("qwen3-235b bf16 w2", qw.w2, 128),
+    ]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sweep", action="store_true", help="only the scale maps, sweeping the bands strategy's item width, programs per SM, warps")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="only the scale maps, sweeping the bands strategy's item width, programs per SM, warps",
+    )
     args = ap.parse_args()
     strategies = [("auto", {"inplace": "auto"}), ("cycles", {"inplace": "cycles"})]
-    sweep = [(f"b{bw}/{ps}/{nw}", {"inplace": "bands", "band_words": bw, "band_per_sm": ps, "band_warps": nw})
-             for bw, ps, nw in itertools.product((32, 64, 128, 256), (8, 32), (4, 8))] if args.sweep else []
+    sweep = (
+        [
+            (f"b{bw}/{ps}/{nw}", {"inplace": "bands", "band_words": bw, "band_per_sm": ps, "band_warps": nw})
+            for bw, ps, nw in itertools.product((32, 64, 128, 256), (8, 32), (4, 8))
+        ]
+        if args.sweep
+        else []
+    )
     for name, m, experts in cases():
         em = m.compiled()
         if args.sweep and em.swizzle is None:

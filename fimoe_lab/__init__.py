@@ -28,8 +28,18 @@ _LAZY = {
     "plan_layer": "fimoe_lab.recipes",
 }
 
-__all__ = ["IndexMap", "compose", "LayerPlan", "plan_layer", "FimoeError", "LayoutError", "FormatError",
-           "CheckpointError", "OracleError", "__version__"]
+__all__ = [
+    "IndexMap",
+    "compose",
+    "LayerPlan",
+    "plan_layer",
+    "FimoeError",
+    "LayoutError",
+    "FormatError",
+    "CheckpointError",
+    "OracleError",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -28,12 +28,26 @@ def compile_map(m: IndexMap) -> ExecMap:
     c = m.coarsened()
     word = next(w for w in (8, 4, 2, 1) if c.cell_bytes % w == 0)
     if c.n_in_cells >= 2**31 or c.n_out_cells >= 2**31:
-        raise LayoutError(f"{m.name}: {c.n_in_cells} -> {c.n_out_cells} cells of {c.cell_bytes} B per expert; "
-                          "executors index cells with int32 (at most 2**31 - 1)", fix="split the expert matrix")
+        raise LayoutError(
+            f"{m.name}: {c.n_in_cells} -> {c.n_out_cells} cells of {c.cell_bytes} B per expert; "
+            "executors index cells with int32 (at most 2**31 - 1)",
+            fix="split the expert matrix",
+        )
     src = c.src.numpy().astype(np.int32)
-    em = ExecMap(m.name, c.cell_bytes, word, c.n_in_cells, c.n_out_cells, src, tuple(c.fills),
-                 bool((src < 0).any()), m.in_bytes, m.out_bytes, c.is_permutation,
-                 compile_inverse=lambda: m.inverse().compiled())
+    em = ExecMap(
+        m.name,
+        c.cell_bytes,
+        word,
+        c.n_in_cells,
+        c.n_out_cells,
+        src,
+        tuple(c.fills),
+        bool((src < 0).any()),
+        m.in_bytes,
+        m.out_bytes,
+        c.is_permutation,
+        compile_inverse=lambda: m.inverse().compiled(),
+    )
     em.swizzle = swizzle_form(m, em)
     em.padrows = padded_rows_form(m, em)
     return em

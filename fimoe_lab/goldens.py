@@ -65,14 +65,18 @@ def load_cases(path: Path | str) -> list[dict]:
     """The cases of one golden set, given its ``.json`` (or its ``.safetensors``), tensors loaded."""
     path = Path(path)
     if path.suffix not in (".json", ".safetensors"):
-        raise FimoeError(f"{path}: golden files are read as JSON + safetensors, not {path.suffix or 'this file'} "
-                         f"(a pickle would run code from the file)",
-                         fix=f"pass {path.with_suffix('.json')} with {path.with_suffix('.safetensors').name} beside it")
+        raise FimoeError(
+            f"{path}: golden files are read as JSON + safetensors, not {path.suffix or 'this file'} "
+            f"(a pickle would run code from the file)",
+            fix=f"pass {path.with_suffix('.json')} with {path.with_suffix('.safetensors').name} beside it",
+        )
     data, blobs = path.with_suffix(".json"), path.with_suffix(".safetensors")
     for p in (data, blobs):
         if not p.is_file():
-            raise FimoeError(f"{p} does not exist; a golden set is NAME.json + NAME.safetensors",
-                             fix="put both files of the set in one folder")
+            raise FimoeError(
+                f"{p} does not exist; a golden set is NAME.json + NAME.safetensors",
+                fix="put both files of the set in one folder",
+            )
     from safetensors import safe_open
 
     with safe_open(str(blobs), framework="pt") as tensors:
@@ -96,7 +100,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _layer(lay_args) -> SimpleNamespace:
     is_act_and_mul, intermediate, hidden, block, is_gated = lay_args
-    config = SimpleNamespace(is_act_and_mul=is_act_and_mul, intermediate_size_per_partition=intermediate, hidden_dim=hidden)
+    config = SimpleNamespace(
+        is_act_and_mul=is_act_and_mul, intermediate_size_per_partition=intermediate, hidden_dim=hidden
+    )
     return SimpleNamespace(moe_config=config, weight_block_size=block, activation=SimpleNamespace(is_gated=is_gated))
 
 

@@ -148,12 +148,22 @@ class IndexMap:
 
     def _with(self, src: torch.Tensor, cell_bytes: int, fills: tuple[int, ...] | None = None) -> IndexMap:
         """The same step (kind, params, parts, shapes) over other cells."""
-        return IndexMap(src, cell_bytes, self.in_shape, self.out_shape, self.fills if fills is None else fills,
-                        self.kind, self.params, self.parts)
+        return IndexMap(
+            src,
+            cell_bytes,
+            self.in_shape,
+            self.out_shape,
+            self.fills if fills is None else fills,
+            self.kind,
+            self.params,
+            self.parts,
+        )
 
     def __post_init__(self) -> None:
         if self.src.dtype != torch.int64 or self.src.ndim != 1 or self.src.device.type != "cpu":
-            raise TypeError(f"{self.name}: src must be a 1-D int64 CPU tensor, got {self.src.dtype} {tuple(self.src.shape)} on {self.src.device}")
+            raise TypeError(
+                f"{self.name}: src must be a 1-D int64 CPU tensor, got {self.src.dtype} {tuple(self.src.shape)} on {self.src.device}"
+            )
         if self.in_bytes % self.cell_bytes or self.out_bytes != self.src.numel() * self.cell_bytes:
             raise LayoutError(
                 f"{self.name}: shapes {self.in_shape} -> {self.out_shape} bytes do not tile into "
@@ -186,17 +196,17 @@ class IndexMap:
     def is_permutation(self) -> bool:
         """True when the map moves every byte exactly once (no fill, same size)."""
         if "is_permutation" not in self._cache:
-            self._cache["is_permutation"] = self.in_bytes == self.out_bytes and not bool((self.src < 0).any()) and \
-                bool(torch.equal(torch.sort(self.src).values, torch.arange(self.n_out_cells)))
+            self._cache["is_permutation"] = (
+                self.in_bytes == self.out_bytes
+                and not bool((self.src < 0).any())
+                and bool(torch.equal(torch.sort(self.src).values, torch.arange(self.n_out_cells)))
+            )
         return cast(bool, self._cache["is_permutation"])
 
     def __repr__(self) -> str:
         chain = " >> ".join(p.name for p in self.steps)
         pad = int((self.src < 0).sum()) * self.cell_bytes
-        return (
-            f"IndexMap({chain}: {self.in_shape} -> {self.out_shape} bytes, "
-            f"cell {self.cell_bytes} B, {pad} B fill)"
-        )
+        return f"IndexMap({chain}: {self.in_shape} -> {self.out_shape} bytes, cell {self.cell_bytes} B, {pad} B fill)"
 
     # ------------------------------------------------------------ granularity
     def refined(self, cell_bytes: int) -> IndexMap:
@@ -331,7 +341,9 @@ class IndexMap:
         if not 0 <= pos < self.out_bytes:
             raise LayoutError(f"byte offset {pos} is outside the output of {self.out_bytes} bytes")
         steps = self.steps
-        stages = [ProvenanceStage(f"output of {steps[-1].name}", steps[-1].out_shape, _unravel(pos, steps[-1].out_shape))]
+        stages = [
+            ProvenanceStage(f"output of {steps[-1].name}", steps[-1].out_shape, _unravel(pos, steps[-1].out_shape))
+        ]
         for step in reversed(steps):
             s = int(step.src[pos // step.cell_bytes])
             if s < 0:
@@ -349,7 +361,9 @@ class IndexMap:
         does not, and raises :class:`LayoutError`).
         """
         if len(self.in_shape) != 2 or len(self.out_shape) != 2:
-            raise LayoutError(f"{self.name} maps {self.in_shape} -> {self.out_shape} bytes; rows are defined for 2-D maps only")
+            raise LayoutError(
+                f"{self.name} maps {self.in_shape} -> {self.out_shape} bytes; rows are defined for 2-D maps only"
+            )
         (_, in_cols), (out_rows, out_cols) = self.in_shape, self.out_shape
         cell = math.gcd(self.cell_bytes, in_cols, out_cols)
         src = self.refined(cell).src.view(out_rows, out_cols // cell)
@@ -385,8 +399,15 @@ class IndexMap:
             rows = self.row_steps()
             src = rows.row_sources()
             fills = (0,) if bool((src < 0).any()) else ()
-            self._cache[key] = IndexMap(src, cols_bytes, (rows.in_shape[0], cols_bytes), (rows.out_shape[0], cols_bytes),
-                                        fills, "row_vectors", {"cols_bytes": cols_bytes})
+            self._cache[key] = IndexMap(
+                src,
+                cols_bytes,
+                (rows.in_shape[0], cols_bytes),
+                (rows.out_shape[0], cols_bytes),
+                fills,
+                "row_vectors",
+                {"cols_bytes": cols_bytes},
+            )
         return cast(IndexMap, self._cache[key])
 
     def source_bytes(self) -> torch.Tensor:
@@ -454,7 +475,9 @@ class IndexMap:
         if out is None:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         elif tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
-            raise LayoutError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, got {tuple(out.shape)} {out.dtype}")
+            raise LayoutError(
+                f"out must be a contiguous {x.dtype} tensor of shape {shape}, got {tuple(out.shape)} {out.dtype}"
+            )
         execute(self.compiled(), x, out, backend)
         return out
 

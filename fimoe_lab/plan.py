@@ -84,14 +84,18 @@ class LayerPlan:
         if len(set(experts.values())) > 1:
             raise LayoutError(f"{self.description}: expert counts differ: {experts}")
 
-    def apply(self, w13: torch.Tensor, w2: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-              w2_scale: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
+    def apply(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: Optional[torch.Tensor] = None,
+        w2_scale: Optional[torch.Tensor] = None,
+    ) -> tuple[Optional[torch.Tensor], ...]:
         """Return ``(w13, w2, w13_scale, w2_scale)`` in the kernel layout (new tensors)."""
         given = dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
         self.check(**given)
         maps = self.maps()
-        return tuple(apply_map(maps[n], x, n) if n in maps and x is not None else x
-                     for n, x in given.items())
+        return tuple(apply_map(maps[n], x, n) if n in maps and x is not None else x for n, x in given.items())
 
     def bias_map(self, name: str, itemsize: int) -> Optional[IndexMap]:
         """The map of a per-row bias: ``w13_bias (E, P*I)`` follows w13's rows, ``w2_bias (E, H)`` w2's.
@@ -108,7 +112,11 @@ class LayerPlan:
         """The plan that maps the kernel layout back to the checkpoint layout."""
         inv = {n: (m.inverse() if m is not None else None) for n, m in ((n, getattr(self, n)) for n in TENSOR_NAMES)}
         return replace(
-            self, **inv, intermediate=self.padded_intermediate, hidden=self.padded_hidden,
-            padded_intermediate=self.intermediate, padded_hidden=self.hidden,
+            self,
+            **inv,
+            intermediate=self.padded_intermediate,
+            hidden=self.padded_hidden,
+            padded_intermediate=self.intermediate,
+            padded_hidden=self.hidden,
             description=f"inverse of {self.description}",
         )

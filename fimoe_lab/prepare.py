@@ -136,8 +136,9 @@ def _boundary(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _check_w13_w2(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool,
-                  packed_fp4: bool = False) -> tuple[int, int, int]:
+def _check_w13_w2(
+    w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool, packed_fp4: bool = False
+) -> tuple[int, int, int]:
     """Return ``(E, intermediate, hidden)`` in values (not bytes); raise on mismatched shapes."""
     check_same_device(w13=w13, w2=w2)
     if w13.ndim != 3 or w2.ndim != 3:
@@ -169,7 +170,9 @@ def _check_fp8_weights(**weights: torch.Tensor) -> None:
 def _scale_cols(scale: torch.Tensor, rows: int, name: str) -> int:
     """Columns of a block-scale matrix given 3-D ``(E, rows, cols)`` or flattened ``(E, rows*cols)``."""
     if scale.ndim not in (2, 3):
-        raise LayoutError(f"{name} has shape {tuple(scale.shape)}; expected (E, rows, cols) or flattened (E, rows*cols)")
+        raise LayoutError(
+            f"{name} has shape {tuple(scale.shape)}; expected (E, rows, cols) or flattened (E, rows*cols)"
+        )
     if scale.ndim == 3 and scale.shape[1] != rows:
         raise LayoutError(f"{name} has {scale.shape[1]} rows ({tuple(scale.shape)}), but its weight has {rows} rows")
     per_expert = scale[0].numel() if scale.shape[0] else 0
@@ -186,8 +189,9 @@ plan_align_moe_weights = recipes.plan_align
 
 
 @_boundary
-def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool,
-                             min_alignment: int = recipes.FI_MOE_INTERMEDIATE_MULTIPLE) -> tuple[torch.Tensor, torch.Tensor, int]:
+def align_moe_weights_for_fi(
+    w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul: bool, min_alignment: int = recipes.FI_MOE_INTERMEDIATE_MULTIPLE
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Pad the intermediate size to a multiple of ``min_alignment`` (gate and up separately).
 
     FlashInfer MoE kernels need the per-partition intermediate size divisible by 16
@@ -195,8 +199,9 @@ def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor, is_act_and_mul
     Returns ``(w13 (E, P*Ip, H), w2 (E, H, Ip), Ip)``; the inputs when already aligned.
     """
     _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul)
-    plan = plan_align_moe_weights(intermediate, hidden, w13.element_size(), is_act_and_mul, min_alignment,
-                                  description="align_moe_weights_for_fi")
+    plan = plan_align_moe_weights(
+        intermediate, hidden, w13.element_size(), is_act_and_mul, min_alignment, description="align_moe_weights_for_fi"
+    )
     out13, out2, _, _ = plan.apply(w13, w2)
     return out13, out2, plan.padded_intermediate
 
@@ -205,8 +210,14 @@ plan_align_fp4_moe_weights = recipes.plan_align_fp4
 
 
 @_boundary
-def align_fp4_moe_weights_for_fi(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
-                                 w2_scale: torch.Tensor, is_act_and_mul: bool, min_alignment: int = recipes.FI_MOE_INTERMEDIATE_MULTIPLE):
+def align_fp4_moe_weights_for_fi(
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    is_act_and_mul: bool,
+    min_alignment: int = recipes.FI_MOE_INTERMEDIATE_MULTIPLE,
+):
     """Pad packed-FP4 weights and their per-16 block scales along the intermediate dim.
 
     ``w13 (E, P*I, H/2)``, ``w13_scale (E, P*I, H/16)``, ``w2 (E, H, I/2)``,
@@ -216,8 +227,10 @@ def align_fp4_moe_weights_for_fi(w13: torch.Tensor, w13_scale: torch.Tensor, w2:
     _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul, packed_fp4=True)
     check_same_device(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
     p = _projections(is_act_and_mul)
-    for name, t, shape in (("w13_scale", w13_scale, (w13.shape[0], p * intermediate, hidden // 16)),
-                           ("w2_scale", w2_scale, (w2.shape[0], hidden, intermediate // 16))):
+    for name, t, shape in (
+        ("w13_scale", w13_scale, (w13.shape[0], p * intermediate, hidden // 16)),
+        ("w2_scale", w2_scale, (w2.shape[0], hidden, intermediate // 16)),
+    ):
         if tuple(t.shape) != shape:
             raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape} (one scale per 16 FP4 values)")
     plan = plan_align_fp4_moe_weights(intermediate, hidden, is_act_and_mul, min_alignment)
@@ -226,9 +239,15 @@ def align_fp4_moe_weights_for_fi(w13: torch.Tensor, w13_scale: torch.Tensor, w2:
 
 
 @lru_cache(maxsize=256)
-def plan_align_mxfp8_moe_weights(intermediate: int, hidden: int, is_act_and_mul: bool, w13_scale_cols: int,
-                                 w2_scale_cols: int, min_alignment: int = MXFP8_INTERMEDIATE_ALIGNMENT,
-                                 hidden_alignment: int = MXFP8_HIDDEN_ALIGNMENT) -> LayerPlan:
+def plan_align_mxfp8_moe_weights(
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    w13_scale_cols: int,
+    w2_scale_cols: int,
+    min_alignment: int = MXFP8_INTERMEDIATE_ALIGNMENT,
+    hidden_alignment: int = MXFP8_HIDDEN_ALIGNMENT,
+) -> LayerPlan:
     """Plan of :func:`align_mxfp8_moe_weights_for_fi_trtllm`; scale block = hidden / scale cols."""
     if w13_scale_cols < 1 or hidden % w13_scale_cols:
         raise LayoutError(
@@ -236,29 +255,42 @@ def plan_align_mxfp8_moe_weights(intermediate: int, hidden: int, is_act_and_mul:
             f"scale columns (MXFP8 has one UE8M0 scale per 32 values)"
         )
     return recipes.plan_align(
-        intermediate, hidden, 1, is_act_and_mul, min_alignment, hidden_alignment,
-        scale_block=hidden // w13_scale_cols, scale_fill=FORMATS["mxfp8"].scale_fill,
-        w13_scale_cols=w13_scale_cols, w2_scale_cols=w2_scale_cols,
+        intermediate,
+        hidden,
+        1,
+        is_act_and_mul,
+        min_alignment,
+        hidden_alignment,
+        scale_block=hidden // w13_scale_cols,
+        scale_fill=FORMATS["mxfp8"].scale_fill,
+        w13_scale_cols=w13_scale_cols,
+        w2_scale_cols=w2_scale_cols,
         description="align_mxfp8_moe_weights_for_fi_trtllm",
     )
 
 
-def _mxfp8_scale_cols(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
-                      is_act_and_mul: bool) -> tuple[int, int]:
+def _mxfp8_scale_cols(
+    w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor, is_act_and_mul: bool
+) -> tuple[int, int]:
     p = _projections(is_act_and_mul)
     for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         if t.dtype != torch.uint8:
             raise LayoutError(f"{name} must be UE8M0 exponent bytes (torch.uint8), got {t.dtype}")
         if t.shape[0] != w13.shape[0]:
             raise LayoutError(f"{name} has {t.shape[0]} experts, weights have {w13.shape[0]}")
-    return (_scale_cols(w13_scale, p * w2.shape[2], "w13_scale"),
-            _scale_cols(w2_scale, w2.shape[1], "w2_scale"))
+    return (_scale_cols(w13_scale, p * w2.shape[2], "w13_scale"), _scale_cols(w2_scale, w2.shape[1], "w2_scale"))
 
 
 @_boundary
-def align_mxfp8_moe_weights_for_fi_trtllm(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
-                                          w2_scale: torch.Tensor, is_act_and_mul: bool, min_alignment: int,
-                                          hidden_alignment: int):
+def align_mxfp8_moe_weights_for_fi_trtllm(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    is_act_and_mul: bool,
+    min_alignment: int,
+    hidden_alignment: int,
+):
     """Pad MXFP8 weights and UE8M0 scales for the TRT-LLM MoE kernel (intermediate and hidden).
 
     Padded weights are 0 and padded scales 127 (UE8M0 1.0), so padded lanes add
@@ -301,8 +333,9 @@ def shuffle_deepseek_fp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tup
 
 
 @_boundary
-def shuffle_mxfp8_moe_weights(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
-                              w2_scale: torch.Tensor, is_gated: bool):
+def shuffle_mxfp8_moe_weights(
+    w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor, is_gated: bool
+):
     """MXFP8 weights and UE8M0 scales into the TRT-LLM layout (no padding, no swap).
 
     Weights: gated interleave (if ``is_gated``) + epilogue shuffle (tile 128). Scales:
@@ -323,7 +356,9 @@ _shuffle_mxfp8_moe_weights = shuffle_mxfp8_moe_weights
 
 
 # --------------------------------------------------------------------------- in-place converters
-def _apply_in_place(pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_experts: Optional[int]) -> list[torch.Tensor]:
+def _apply_in_place(
+    pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_experts: Optional[int]
+) -> list[torch.Tensor]:
     """Check every tensor first, then permute each in place (inputs untouched on a check failure)."""
     for m, t, name in pairs:
         m.check_input(t, name)
@@ -332,9 +367,12 @@ def _apply_in_place(pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_exp
 
 
 @_boundary
-def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights: torch.Tensor, gemm2_weights: torch.Tensor,
-                                                    is_gated_activation: bool,
-                                                    scratch_experts: Optional[int] = None) -> None:
+def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(
+    gemm1_weights: torch.Tensor,
+    gemm2_weights: torch.Tensor,
+    is_gated_activation: bool,
+    scratch_experts: Optional[int] = None,
+) -> None:
     """Shuffle FP8 per-tensor weights for the TRT-LLM kernel, in place (returns None).
 
     ``gemm1 (E, M1, H)`` gets the gated interleave (if gated) and the epilogue-tile-128
@@ -343,16 +381,22 @@ def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights: torch.Tensor,
     checked before either is touched.
     """
     _check_fp8_weights(gemm1_weights=gemm1_weights, gemm2_weights=gemm2_weights)
-    plan = plan_rotate_fp8_per_tensor(gemm1_weights.shape[1], gemm1_weights.shape[2], gemm2_weights.shape[2],
-                                      is_gated_activation)
-    _apply_in_place([(plan.w13, gemm1_weights, "gemm1_weights"), (plan.w2, gemm2_weights, "gemm2_weights")],
-                    scratch_experts)
+    plan = plan_rotate_fp8_per_tensor(
+        gemm1_weights.shape[1], gemm1_weights.shape[2], gemm2_weights.shape[2], is_gated_activation
+    )
+    _apply_in_place(
+        [(plan.w13, gemm1_weights, "gemm1_weights"), (plan.w2, gemm2_weights, "gemm2_weights")], scratch_experts
+    )
 
 
 @_boundary
-def convert_moe_weights_to_flashinfer_trtllm_block_layout(cache_permute_indices: dict, w13_weight: torch.Tensor,
-                                                          w2_weight: torch.Tensor, is_gated_act_gemm: bool = True,
-                                                          scratch_experts: Optional[int] = None):
+def convert_moe_weights_to_flashinfer_trtllm_block_layout(
+    cache_permute_indices: dict,
+    w13_weight: torch.Tensor,
+    w2_weight: torch.Tensor,
+    is_gated_act_gemm: bool = True,
+    scratch_experts: Optional[int] = None,
+):
     """BF16 expert weights into TRT-LLM's shuffled BlockMajorK layout, in place.
 
     ``w13 (E, M, H) -> (E, H/64, M, 64)``, ``w2 (E, H, I) -> (E, I/64, H, 64)``: views
@@ -369,22 +413,38 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(cache_permute_indices:
         )
     check_same_device(w13_weight=w13_weight, w2_weight=w2_weight)
     if w13_weight.ndim != 3 or w2_weight.ndim != 3:
-        raise LayoutError(f"weights must be (experts, rows, cols), got {tuple(w13_weight.shape)} and {tuple(w2_weight.shape)}")
-    plan = plan_trtllm_bf16_block_layout(w13_weight.shape[1], w13_weight.shape[2], w2_weight.shape[2], is_gated_act_gemm)
+        raise LayoutError(
+            f"weights must be (experts, rows, cols), got {tuple(w13_weight.shape)} and {tuple(w2_weight.shape)}"
+        )
+    plan = plan_trtllm_bf16_block_layout(
+        w13_weight.shape[1], w13_weight.shape[2], w2_weight.shape[2], is_gated_act_gemm
+    )
     m13, k13 = w13_weight.shape[1], w13_weight.shape[2] * 2
-    flashinfer_w13_rows = recipes.chain(steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
-                                        steps.shuffle_rows_for_epilogue(m13, k13, recipes.TRTLLM_EPILOGUE_TILE_M))  # no W31 swap
-    for key, rows_map in ((("w3_w1", torch.Size((m13, k13))), flashinfer_w13_rows),
-                          (("w2", torch.Size((w2_weight.shape[1], w2_weight.shape[2] * 2))), plan.w2.row_steps())):
+    flashinfer_w13_rows = recipes.chain(
+        steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
+        steps.shuffle_rows_for_epilogue(m13, k13, recipes.TRTLLM_EPILOGUE_TILE_M),
+    )  # no W31 swap
+    for key, rows_map in (
+        (("w3_w1", torch.Size((m13, k13))), flashinfer_w13_rows),
+        (("w2", torch.Size((w2_weight.shape[1], w2_weight.shape[2] * 2))), plan.w2.row_steps()),
+    ):
         cache_permute_indices.setdefault(key, rows_map.row_sources().to(w13_weight.device))
-    o13, o2 = _apply_in_place([(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts)
+    o13, o2 = _apply_in_place(
+        [(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts
+    )
     return o13, o2
 
 
 # --------------------------------------------------------------------------- the layer entry point
 @_boundary
-def plan_fp8_moe_layer(spec: MoELayerSpec | Any, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
-                       w2_scale: torch.Tensor, is_trtllm: bool = False) -> LayerPlan:
+def plan_fp8_moe_layer(
+    spec: MoELayerSpec | Any,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    is_trtllm: bool = False,
+) -> LayerPlan:
     """The plan :func:`prepare_fp8_moe_layer_for_fi` runs, chosen from the layer and the scales' dtype.
 
     - MXFP8 + TRT-LLM: pad (I 128, H 256; scales 127), swap, gated interleave,
@@ -404,15 +464,31 @@ def plan_fp8_moe_layer(spec: MoELayerSpec | Any, w13: torch.Tensor, w2: torch.Te
         c13, c2 = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, act_and_mul)
         return recipes.plan_mxfp8(intermediate, hidden, act_and_mul, gated, is_trtllm, c13, c2)
     if w13_scale.ndim != 3:
-        raise LayoutError(f"block scales must be 3-D (E, rows/block, cols/block), got w13_scale {tuple(w13_scale.shape)}")
-    return recipes.plan_fp8_block(intermediate, hidden, act_and_mul, is_trtllm, w13_scale.shape[1],
-                                  w13_scale.shape[2] * w13_scale.element_size(), layer.block_size[0])
+        raise LayoutError(
+            f"block scales must be 3-D (E, rows/block, cols/block), got w13_scale {tuple(w13_scale.shape)}"
+        )
+    return recipes.plan_fp8_block(
+        intermediate,
+        hidden,
+        act_and_mul,
+        is_trtllm,
+        w13_scale.shape[1],
+        w13_scale.shape[2] * w13_scale.element_size(),
+        layer.block_size[0],
+    )
 
 
 @_boundary
-def prepare_fp8_moe_layer_for_fi(layer: Any, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
-                                 w13_input_scale: Optional[torch.Tensor], w2_scale: torch.Tensor,
-                                 w2_input_scale: Optional[torch.Tensor], is_trtllm: bool = False):
+def prepare_fp8_moe_layer_for_fi(
+    layer: Any,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_input_scale: Optional[torch.Tensor],
+    w2_scale: torch.Tensor,
+    w2_input_scale: Optional[torch.Tensor],
+    is_trtllm: bool = False,
+):
     """Convert an FP8 MoE layer's weights and scales to the FlashInfer kernel layout.
 
     ``layer`` is a vLLM FusedMoE-like object (``moe_config.is_act_and_mul``,
@@ -435,5 +511,3 @@ def prepare_fp8_moe_layer_for_fi(layer: Any, w13: torch.Tensor, w2: torch.Tensor
     if block_quant:
         o13s, o2s = (s.clamp(min=FI_CUTLASS_MIN_BLOCK_SCALE) if s.is_floating_point() else s for s in (o13s, o2s))
     return o13, o2, o13s, o2s
-
-

@@ -128,11 +128,20 @@ def default_alignments(fmt: str, backend: str, is_act_and_mul: bool = True, is_g
 
 # ----------------------------------------------------------------------------- padding
 @lru_cache(maxsize=256)
-def plan_align(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bool,
-               min_alignment: int = FI_MOE_INTERMEDIATE_MULTIPLE, hidden_alignment: int = 1,
-               scale_block: Optional[int] = None, scale_fill: int = 0,
-               w13_scale_cols: Optional[int] = None, w2_scale_cols: Optional[int] = None,
-               values_per_byte: int = 1, description: str = "align") -> LayerPlan:
+def plan_align(
+    intermediate: int,
+    hidden: int,
+    itemsize: int,
+    is_act_and_mul: bool,
+    min_alignment: int = FI_MOE_INTERMEDIATE_MULTIPLE,
+    hidden_alignment: int = 1,
+    scale_block: Optional[int] = None,
+    scale_fill: int = 0,
+    w13_scale_cols: Optional[int] = None,
+    w2_scale_cols: Optional[int] = None,
+    values_per_byte: int = 1,
+    description: str = "align",
+) -> LayerPlan:
     """Pad intermediate (each projection on its own) to ``min_alignment`` and hidden to
     ``hidden_alignment``; with ``scale_block``, their vector scales too.
 
@@ -148,8 +157,10 @@ def plan_align(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bo
 
     def cols(values: int) -> int:
         if (values * itemsize) % values_per_byte:
-            raise LayoutError(f"a padded size of {values} values does not fill whole bytes ({values_per_byte} values "
-                              f"per byte)", fix=f"choose an alignment that is a multiple of {values_per_byte}")
+            raise LayoutError(
+                f"a padded size of {values} values does not fill whole bytes ({values_per_byte} values per byte)",
+                fix=f"choose an alignment that is a multiple of {values_per_byte}",
+            )
         return values * itemsize // values_per_byte
 
     w13 = steps.pad_projections(p, intermediate, ip, cols(hidden), cols(hp))
@@ -160,22 +171,37 @@ def plan_align(intermediate: int, hidden: int, itemsize: int, is_act_and_mul: bo
             if size % scale_block:
                 raise LayoutError(
                     f"padded {name} {size} is not a multiple of the scale block {scale_block}",
-                    fix=f"choose an alignment that is a multiple of {scale_block}")
+                    fix=f"choose an alignment that is a multiple of {scale_block}",
+                )
         w13_s = steps.pad_projections(p, intermediate, ip, w13_scale_cols, hp // scale_block, scale_fill)
         w2_s = steps.pad_projections(1, hidden, hp, w2_scale_cols, ip // scale_block, scale_fill)
     return LayerPlan(w13, w2, w13_s, w2_s, intermediate, hidden, ip, hp, description)
 
 
 @lru_cache(maxsize=256)
-def plan_align_fp4(intermediate: int, hidden: int, is_act_and_mul: bool,
-                   min_alignment: int = FI_MOE_INTERMEDIATE_MULTIPLE,
-                   hidden_alignment: int = 1, scale_block: int = 16) -> LayerPlan:
+def plan_align_fp4(
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    min_alignment: int = FI_MOE_INTERMEDIATE_MULTIPLE,
+    hidden_alignment: int = 1,
+    scale_block: int = 16,
+) -> LayerPlan:
     """Pad packed FP4 (two values per byte) and its scales (one byte per ``scale_block``
     values: 16 NVFP4 E4M3, 32 MXFP4 UE8M0); padded weights and scales are 0."""
     return plan_align(
-        intermediate, hidden, 1, is_act_and_mul, min_alignment, hidden_alignment, scale_block=scale_block,
-        scale_fill=0, w13_scale_cols=hidden // scale_block, w2_scale_cols=intermediate // scale_block,
-        values_per_byte=2, description="align_fp4_moe_weights_for_fi",
+        intermediate,
+        hidden,
+        1,
+        is_act_and_mul,
+        min_alignment,
+        hidden_alignment,
+        scale_block=scale_block,
+        scale_fill=0,
+        w13_scale_cols=hidden // scale_block,
+        w2_scale_cols=intermediate // scale_block,
+        values_per_byte=2,
+        description="align_fp4_moe_weights_for_fi",
     )
 
 
@@ -196,15 +222,26 @@ def plan_shuffle_deepseek_fp8(w13_rows: int, hidden: int, intermediate: int) -> 
 
     def to_block_major(rows: int, cols: int) -> IndexMap:
         return steps.shuffle_rows_for_epilogue(rows, cols, DEEPSEEK_EPILOGUE_TILE_M) >> steps.block_major_k(
-            rows, cols, BLOCK_MAJOR_K_BYTES)
+            rows, cols, BLOCK_MAJOR_K_BYTES
+        )
 
-    return LayerPlan(to_block_major(w13_rows, hidden), to_block_major(hidden, intermediate), None, None,
-                     intermediate, hidden, intermediate, hidden, "DeepSeek FP8 TRT-LLM shuffle")
+    return LayerPlan(
+        to_block_major(w13_rows, hidden),
+        to_block_major(hidden, intermediate),
+        None,
+        None,
+        intermediate,
+        hidden,
+        intermediate,
+        hidden,
+        "DeepSeek FP8 TRT-LLM shuffle",
+    )
 
 
 @lru_cache(maxsize=256)
-def plan_shuffle_mxfp8(w13_rows: int, hidden: int, intermediate: int, is_gated: bool,
-                       w13_scale_cols: int, w2_scale_cols: int) -> LayerPlan:
+def plan_shuffle_mxfp8(
+    w13_rows: int, hidden: int, intermediate: int, is_gated: bool, w13_scale_cols: int, w2_scale_cols: int
+) -> LayerPlan:
     """Gated interleave (if gated), epilogue shuffle (tile 128), and for scales the 128x4 swizzle."""
     etm = TRTLLM_EPILOGUE_TILE_M
 
@@ -217,19 +254,27 @@ def plan_shuffle_mxfp8(w13_rows: int, hidden: int, intermediate: int, is_gated: 
             raise LayoutError(
                 f"MXFP8 scales [{rows}, {cols}] cannot keep their shape through the 128x4 swizzle: rows must be a "
                 f"multiple of 128 and cols of 4",
-                fix="pad with align_mxfp8_moe_weights_for_fi_trtllm (intermediate 128, hidden 256) first")
+                fix="pad with align_mxfp8_moe_weights_for_fi_trtllm (intermediate 128, hidden 256) first",
+            )
         return present(chain(weight(rows, cols, interleave), steps.swizzle_scales_128x4(rows, cols)))
 
     return LayerPlan(
-        weight(w13_rows, hidden, is_gated), weight(hidden, intermediate, False),
-        scale(w13_rows, w13_scale_cols, is_gated), scale(hidden, w2_scale_cols, False),
-        intermediate, hidden, intermediate, hidden, "MXFP8 TRT-LLM shuffle",
+        weight(w13_rows, hidden, is_gated),
+        weight(hidden, intermediate, False),
+        scale(w13_rows, w13_scale_cols, is_gated),
+        scale(hidden, w2_scale_cols, False),
+        intermediate,
+        hidden,
+        intermediate,
+        hidden,
+        "MXFP8 TRT-LLM shuffle",
     )
 
 
 @lru_cache(maxsize=256)
-def plan_fp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bool = True,
-                            is_gated: bool = True, scale_block: int = 16) -> LayerPlan:
+def plan_fp4_trtllm_weights(
+    intermediate: int, hidden: int, is_act_and_mul: bool = True, is_gated: bool = True, scale_block: int = 16
+) -> LayerPlan:
     """Packed FP4 weights and their block scales into the TRT-LLM layout.
 
     ``scale_block`` 16: NVFP4 (E4M3 scales), 32: MXFP4 (UE8M0, gpt-oss). W13
@@ -242,8 +287,10 @@ def plan_fp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bool
     etm = TRTLLM_EPILOGUE_TILE_M
     for size, name in ((intermediate, "intermediate"), (hidden, "hidden")):
         if size % scale_block:
-            raise LayoutError(f"FP4: {name} {size} is not a multiple of {scale_block} (one scale per {scale_block} "
-                              f"values)", fix="pad it first")
+            raise LayoutError(
+                f"FP4: {name} {size} is not a multiple of {scale_block} (one scale per {scale_block} values)",
+                fix="pad it first",
+            )
 
     def rows_chain(rows: int, cols: int, fused: bool) -> Optional[IndexMap]:
         swap = steps.swap_w13_to_w31_rows(rows, cols) if fused and is_act_and_mul else None
@@ -254,24 +301,35 @@ def plan_fp4_trtllm_weights(intermediate: int, hidden: int, is_act_and_mul: bool
         if rows % SCALE_SWIZZLE_ROWS:
             raise LayoutError(
                 f"FP4 scales have {rows} rows, not a multiple of 128 (the TRT-LLM scale shuffle)",
-                fix=f"pad the intermediate size to a multiple of {128 // p} first (intermediate_alignment={128 // p})")
+                fix=f"pad the intermediate size to a multiple of {128 // p} first (intermediate_alignment={128 // p})",
+            )
         return present(chain(rows_chain(rows, cols, fused), steps.swizzle_scales_128x4(rows, cols)))
 
     return LayerPlan(
-        rows_chain(p * intermediate, hidden // 2, True), rows_chain(hidden, intermediate // 2, False),
-        scales(p * intermediate, hidden // scale_block, True), scales(hidden, intermediate // scale_block, False),
-        intermediate, hidden, intermediate, hidden, f"{'NVFP4' if scale_block == 16 else 'MXFP4'} TRT-LLM",
+        rows_chain(p * intermediate, hidden // 2, True),
+        rows_chain(hidden, intermediate // 2, False),
+        scales(p * intermediate, hidden // scale_block, True),
+        scales(hidden, intermediate // scale_block, False),
+        intermediate,
+        hidden,
+        intermediate,
+        hidden,
+        f"{'NVFP4' if scale_block == 16 else 'MXFP4'} TRT-LLM",
     )
 
 
 @lru_cache(maxsize=256)
-def plan_trtllm_bf16_block_layout(w13_rows: int, hidden: int, intermediate: int, is_gated_act_gemm: bool = True,
-                                  itemsize: int = 2) -> LayerPlan:
+def plan_trtllm_bf16_block_layout(
+    w13_rows: int, hidden: int, intermediate: int, is_gated_act_gemm: bool = True, itemsize: int = 2
+) -> LayerPlan:
     """W31 swap + gated interleave (if gated), epilogue shuffle 128, BlockMajorK 128 B."""
     etm, bk = TRTLLM_EPILOGUE_TILE_M, BLOCK_MAJOR_K_BYTES
     c13, c2 = hidden * itemsize, intermediate * itemsize
-    gated = (steps.swap_w13_to_w31_rows(w13_rows, c13), steps.interleave_rows_for_gated_act(w13_rows, c13)) \
-        if is_gated_act_gemm else ()
+    gated = (
+        (steps.swap_w13_to_w31_rows(w13_rows, c13), steps.interleave_rows_for_gated_act(w13_rows, c13))
+        if is_gated_act_gemm
+        else ()
+    )
     w13 = compose(*gated, steps.shuffle_rows_for_epilogue(w13_rows, c13, etm), steps.block_major_k(w13_rows, c13, bk))
     w2 = steps.shuffle_rows_for_epilogue(hidden, c2, etm) >> steps.block_major_k(hidden, c2, bk)
     return LayerPlan(w13, w2, None, None, intermediate, hidden, intermediate, hidden, "BF16 TRT-LLM block layout")
@@ -283,8 +341,9 @@ def _swap(rows: int, cols_bytes: int, is_act_and_mul: bool) -> Optional[IndexMap
 
 
 @lru_cache(maxsize=256)
-def plan_fp8_per_tensor(intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool,
-                        trtllm: bool) -> LayerPlan:
+def plan_fp8_per_tensor(
+    intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, trtllm: bool
+) -> LayerPlan:
     """FP8 per-tensor: pad I (16 gated, 128 non-gated), swap; TRT-LLM adds the gated
     interleave and the epilogue shuffle (tile 128)."""
     p = projections(is_act_and_mul)
@@ -295,14 +354,26 @@ def plan_fp8_per_tensor(intermediate: int, hidden: int, is_act_and_mul: bool, is
     return LayerPlan(
         chain(pad.w13, _swap(p * ip, hidden, is_act_and_mul), rotate.w13 if rotate else None),
         chain(pad.w2, rotate.w2 if rotate else None),
-        None, None, intermediate, hidden, ip, hidden,
+        None,
+        None,
+        intermediate,
+        hidden,
+        ip,
+        hidden,
         "FP8 per-tensor TRT-LLM" if trtllm else "FP8 per-tensor CUTLASS",
     )
 
 
 @lru_cache(maxsize=256)
-def plan_fp8_block(intermediate: int, hidden: int, is_act_and_mul: bool, trtllm: bool, scale_rows: int,
-                   scale_cols_bytes: int, block_rows: int = 128) -> LayerPlan:
+def plan_fp8_block(
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    trtllm: bool,
+    scale_rows: int,
+    scale_cols_bytes: int,
+    block_rows: int = 128,
+) -> LayerPlan:
     """DeepSeek FP8 block: swap weights and their ``[scale_rows, scale_cols]`` block scales;
     TRT-LLM adds the epilogue shuffle (tile 64) and BlockMajorK 128 B.
 
@@ -313,20 +384,35 @@ def plan_fp8_block(intermediate: int, hidden: int, is_act_and_mul: bool, trtllm:
         raise LayoutError(
             f"intermediate {intermediate} is not a multiple of the {block_rows}-row scale block, so gate "
             f"and up would share a scale row and cannot be swapped apart",
-            fix=f"choose a tensor-parallel size whose shard keeps intermediate % {block_rows} == 0")
+            fix=f"choose a tensor-parallel size whose shard keeps intermediate % {block_rows} == 0",
+        )
     p = projections(is_act_and_mul)
     shuffle = plan_shuffle_deepseek_fp8(p * intermediate, hidden, intermediate) if trtllm else None
     return LayerPlan(
         chain(_swap(p * intermediate, hidden, is_act_and_mul), shuffle.w13 if shuffle else None),
-        shuffle.w2 if shuffle else None, _swap(scale_rows, scale_cols_bytes, is_act_and_mul), None,
-        intermediate, hidden, intermediate, hidden, "DeepSeek FP8 TRT-LLM" if trtllm else "DeepSeek FP8 CUTLASS",
+        shuffle.w2 if shuffle else None,
+        _swap(scale_rows, scale_cols_bytes, is_act_and_mul),
+        None,
+        intermediate,
+        hidden,
+        intermediate,
+        hidden,
+        "DeepSeek FP8 TRT-LLM" if trtllm else "DeepSeek FP8 CUTLASS",
     )
 
 
 @lru_cache(maxsize=256)
-def plan_mxfp8(intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, trtllm: bool,
-               w13_scale_cols: int, w2_scale_cols: int, intermediate_alignment: Optional[int] = None,
-               hidden_alignment: Optional[int] = None) -> LayerPlan:
+def plan_mxfp8(
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    trtllm: bool,
+    w13_scale_cols: int,
+    w2_scale_cols: int,
+    intermediate_alignment: Optional[int] = None,
+    hidden_alignment: Optional[int] = None,
+) -> LayerPlan:
     """MXFP8 (UE8M0 scale per 32 values, scales follow their rows).
 
     TRT-LLM: pad (I 128, H 256; padded scales 127 = UE8M0 1.0), swap, gated interleave,
@@ -334,24 +420,49 @@ def plan_mxfp8(intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: b
     """
     p = projections(is_act_and_mul)
     if not trtllm:
-        return LayerPlan(_swap(p * intermediate, hidden, is_act_and_mul), None,
-                         _swap(p * intermediate, w13_scale_cols, is_act_and_mul), None,
-                         intermediate, hidden, intermediate, hidden, "MXFP8 CUTLASS")
+        return LayerPlan(
+            _swap(p * intermediate, hidden, is_act_and_mul),
+            None,
+            _swap(p * intermediate, w13_scale_cols, is_act_and_mul),
+            None,
+            intermediate,
+            hidden,
+            intermediate,
+            hidden,
+            "MXFP8 CUTLASS",
+        )
     if w13_scale_cols < 1 or hidden % w13_scale_cols:
         raise LayoutError(
             f"hidden {hidden} is not a whole number of scale blocks for {w13_scale_cols} scale columns "
-            f"(MXFP8 has one UE8M0 scale per 32 values)")
+            f"(MXFP8 has one UE8M0 scale per 32 values)"
+        )
     da, dh = default_alignments("mxfp8", "trtllm", is_act_and_mul, is_gated)
     block = hidden // w13_scale_cols
-    pad = plan_align(intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or da, hidden_alignment or dh,
-                     scale_block=block, scale_fill=FORMATS["mxfp8"].scale_fill, w13_scale_cols=w13_scale_cols,
-                     w2_scale_cols=w2_scale_cols, description="align_mxfp8_moe_weights_for_fi_trtllm")
+    pad = plan_align(
+        intermediate,
+        hidden,
+        1,
+        is_act_and_mul,
+        intermediate_alignment or da,
+        hidden_alignment or dh,
+        scale_block=block,
+        scale_fill=FORMATS["mxfp8"].scale_fill,
+        w13_scale_cols=w13_scale_cols,
+        w2_scale_cols=w2_scale_cols,
+        description="align_mxfp8_moe_weights_for_fi_trtllm",
+    )
     ip, hp = pad.padded_intermediate, pad.padded_hidden
     shuffle = plan_shuffle_mxfp8(p * ip, hp, ip, is_gated, hp // block, ip // block)
     return LayerPlan(
-        chain(pad.w13, _swap(p * ip, hp, is_act_and_mul), shuffle.w13), chain(pad.w2, shuffle.w2),
+        chain(pad.w13, _swap(p * ip, hp, is_act_and_mul), shuffle.w13),
+        chain(pad.w2, shuffle.w2),
         chain(pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul), shuffle.w13_scale),
-        chain(pad.w2_scale, shuffle.w2_scale), intermediate, hidden, ip, hp, "MXFP8 TRT-LLM",
+        chain(pad.w2_scale, shuffle.w2_scale),
+        intermediate,
+        hidden,
+        ip,
+        hp,
+        "MXFP8 TRT-LLM",
     )
 
 
@@ -374,7 +485,8 @@ def recipe_id(fmt: str, backend: str) -> str:
 
 
 RECIPES: dict[str, Recipe] = {
-    r.id: r for r in (
+    r.id: r
+    for r in (
         Recipe("bf16", "trtllm", "W31 swap, gated interleave, epilogue shuffle 128, BlockMajorK 128 B"),
         Recipe("bf16", "cutlass", "W31 swap"),
         Recipe("fp8", "trtllm", "pad I, W31 swap, gated interleave, epilogue shuffle 128"),
@@ -400,13 +512,21 @@ def _check_whole_blocks(fmt: str, intermediate: int, hidden: int) -> None:
             raise LayoutError(
                 f"{fmt}: {what} {size} is not a multiple of {spec.scale_block} (one block scale per "
                 f"{spec.scale_block} values), so no {fmt} checkpoint holds it",
-                fix="a tensor-parallel shard must keep whole scale blocks; choose another TP size")
+                fix="a tensor-parallel shard must keep whole scale blocks; choose another TP size",
+            )
 
 
 @lru_cache(maxsize=256)
-def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_and_mul: bool = True,
-               is_gated: bool = True, intermediate_alignment: Optional[int] = None,
-               hidden_alignment: Optional[int] = None) -> LayerPlan:
+def plan_layer(
+    fmt: str,
+    backend: str,
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool = True,
+    is_gated: bool = True,
+    intermediate_alignment: Optional[int] = None,
+    hidden_alignment: Optional[int] = None,
+) -> LayerPlan:
     """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
 
     ``intermediate``/``hidden`` are the per-rank checkpoint sizes (values). Alignments
@@ -420,8 +540,9 @@ def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_an
     p = projections(is_act_and_mul)
     trt = backend == "trtllm"
     if fmt in ("fp8", "fp8-block", "mxfp8"):
-        return _plan_fp8_family(fmt, trt, intermediate, hidden, is_act_and_mul, is_gated,
-                                intermediate_alignment, hidden_alignment)
+        return _plan_fp8_family(
+            fmt, trt, intermediate, hidden, is_act_and_mul, is_gated, intermediate_alignment, hidden_alignment
+        )
     da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated)
     ia, ha = intermediate_alignment or da, hidden_alignment or dh
     if fmt == "bf16":
@@ -432,23 +553,48 @@ def plan_layer(fmt: str, backend: str, intermediate: int, hidden: int, is_act_an
             w13, w2 = inner.w13, inner.w2
         else:
             w13, w2 = _swap(p * ip, 2 * hp, is_act_and_mul), None
-        return LayerPlan(chain(pad.w13, w13), chain(pad.w2, w2), None, None, intermediate, hidden, ip, hp,
-                         f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}")
+        return LayerPlan(
+            chain(pad.w13, w13),
+            chain(pad.w2, w2),
+            None,
+            None,
+            intermediate,
+            hidden,
+            ip,
+            hp,
+            f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}",
+        )
     block = FORMATS[fmt].scale_block
     pad = plan_align_fp4(intermediate, hidden, is_act_and_mul, ia, ha, block)
     ip, hp = pad.padded_intermediate, pad.padded_hidden
     name = f"{fmt.upper()} {'TRT-LLM' if trt else 'CUTLASS'}"
     if not trt:
-        return LayerPlan(chain(pad.w13, _swap(p * ip, hp // 2, is_act_and_mul)), pad.w2,
-                         chain(pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul)), pad.w2_scale,
-                         intermediate, hidden, ip, hp, name)
+        return LayerPlan(
+            chain(pad.w13, _swap(p * ip, hp // 2, is_act_and_mul)),
+            pad.w2,
+            chain(pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul)),
+            pad.w2_scale,
+            intermediate,
+            hidden,
+            ip,
+            hp,
+            name,
+        )
     inner = plan_fp4_trtllm_weights(ip, hp, is_act_and_mul, is_gated, block)
-    return LayerPlan(chain(pad.w13, inner.w13), chain(pad.w2, inner.w2), chain(pad.w13_scale, inner.w13_scale),
-                     chain(pad.w2_scale, inner.w2_scale), intermediate, hidden, ip, hp, name)
+    return LayerPlan(
+        chain(pad.w13, inner.w13),
+        chain(pad.w2, inner.w2),
+        chain(pad.w13_scale, inner.w13_scale),
+        chain(pad.w2_scale, inner.w2_scale),
+        intermediate,
+        hidden,
+        ip,
+        hp,
+        name,
+    )
 
 
-def _fp8_inner(fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool,
-               is_gated: bool) -> LayerPlan:
+def _fp8_inner(fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool) -> LayerPlan:
     p = projections(is_act_and_mul)
     if fmt == "fp8":
         return plan_fp8_per_tensor(intermediate, hidden, is_act_and_mul, is_gated, trt)
@@ -458,12 +604,21 @@ def _fp8_inner(fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_m
     rows = FORMATS["fp8-block"].scale_block_rows
     cols = FORMATS["fp8-block"].scale_block
     scale_bytes = FORMATS["fp8-block"].scale_itemsize
-    return plan_fp8_block(intermediate, hidden, is_act_and_mul, trt, -(-p * intermediate // rows),
-                          -(-hidden // cols) * scale_bytes, rows)
+    return plan_fp8_block(
+        intermediate, hidden, is_act_and_mul, trt, -(-p * intermediate // rows), -(-hidden // cols) * scale_bytes, rows
+    )
 
 
-def _plan_fp8_family(fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool,
-                     intermediate_alignment: Optional[int], hidden_alignment: Optional[int]) -> LayerPlan:
+def _plan_fp8_family(
+    fmt: str,
+    trt: bool,
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    intermediate_alignment: Optional[int],
+    hidden_alignment: Optional[int],
+) -> LayerPlan:
     """FP8 per-tensor, DeepSeek FP8 block and MXFP8, with optional extra padding of the weights first."""
     if not (intermediate_alignment or hidden_alignment):
         return _fp8_inner(fmt, trt, intermediate, hidden, is_act_and_mul, is_gated)
@@ -471,5 +626,14 @@ def _plan_fp8_family(fmt: str, trt: bool, intermediate: int, hidden: int, is_act
     if padded.w13 is not None and fmt != "fp8":
         raise LayoutError(f"custom alignments for {fmt} scales are not supported yet", fix="use the default rules")
     inner = _fp8_inner(fmt, trt, padded.padded_intermediate, padded.padded_hidden, is_act_and_mul, is_gated)
-    return LayerPlan(chain(padded.w13, inner.w13), chain(padded.w2, inner.w2), inner.w13_scale, inner.w2_scale,
-                     intermediate, hidden, inner.padded_intermediate, inner.padded_hidden, inner.description)
+    return LayerPlan(
+        chain(padded.w13, inner.w13),
+        chain(padded.w2, inner.w2),
+        inner.w13_scale,
+        inner.w2_scale,
+        intermediate,
+        hidden,
+        inner.padded_intermediate,
+        inner.padded_hidden,
+        inner.description,
+    )

@@ -17,8 +17,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["package_root", "data_dir", "samples_dir", "sample_names", "sample_path", "tactics_dir", "rcp_table_path",
-           "notebooks_dir"]
+__all__ = [
+    "package_root",
+    "data_dir",
+    "samples_dir",
+    "sample_names",
+    "sample_path",
+    "tactics_dir",
+    "rcp_table_path",
+    "notebooks_dir",
+]
 
 
 def package_root() -> Path:
@@ -46,9 +54,11 @@ def sample_path(name: str) -> Path:
     """Directory of the sample checkpoint ``name`` (e.g. ``deepseek-v3-fp8``)."""
     path = samples_dir() / name
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no sample checkpoint {name!r} in {samples_dir()}; samples: "
-                                f"{', '.join(sample_names()) or 'none'} (regenerate with "
-                                f"python scripts/make_sample_checkpoints.py)")
+        raise FileNotFoundError(
+            f"no sample checkpoint {name!r} in {samples_dir()}; samples: "
+            f"{', '.join(sample_names()) or 'none'} (regenerate with "
+            f"python scripts/make_sample_checkpoints.py)"
+        )
     return path
 
 

@@ -130,7 +130,9 @@ class FormatSpec:
 
     def _codec(self) -> Any:
         if self.codec is None:
-            raise FormatError(f"format {self.name!r} has no quantizer", fix=f"quantize to one of {', '.join(codec_names())}")
+            raise FormatError(
+                f"format {self.name!r} has no quantizer", fix=f"quantize to one of {', '.join(codec_names())}"
+            )
         return importlib.import_module(f"fimoe_lab.formats.{self.codec}")
 
     @property
@@ -146,33 +148,105 @@ class FormatSpec:
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1, "int32": 4}
 
-FORMATS: dict[str, FormatSpec] = {f.name: f for f in (
-    FormatSpec("bf16", "BF16 weights and activations (trtllm_bf16_moe)", "bfloat16", bits_per_weight=16.0,
-               tactic_intermediate_multiple=64, tactics=TacticEnums("Bfloat16", "Bfloat16", "NoneFp8", "block-major-k")),
-    FormatSpec("fp8", "FP8 E4M3 with per-tensor scales; gated activations only on TRT-LLM", "float8_e4m3fn",
-               scale_dtype="float32", codec="fp8", tactic_intermediate_multiple=64,
-               tactics=TacticEnums("E4m3", "E4m3", "NoneFp8", "major-k")),
-    FormatSpec("fp8-block", "FP8 E4M3 with 128x128 float32 block scales (DeepSeek); SwiGLU only", "float8_e4m3fn",
-               scale_dtype="float32", scale_block=128, scale_block_rows=128, bits_per_weight=8.0 + 32 / (128 * 128),
-               codec="fp8_block", tactic_intermediate_multiple=128, tactics=TacticEnums("E4m3", "E4m3", "DeepSeekFp8", "block-major-k")),
-    FormatSpec("mxfp8", "MXFP8: E4M3 with a UE8M0 scale per 32 values", "float8_e4m3fn", scale_dtype="uint8",
-               scale_block=32, vector_scaled=True, bits_per_weight=8.0 + 8 / 32, codec="mxfp8", scale_fill=127,
-               tactic_intermediate_multiple=128, tactics=TacticEnums("MxE4m3", "MxE4m3", "MxFp8", "major-k")),
-    FormatSpec("nvfp4", "NVFP4: E2M1 pairs with an E4M3 scale per 16 values, NVFP4 activations", "uint8",
-               values_per_byte=2, scale_dtype="float8_e4m3fn", scale_block=16, vector_scaled=True,
-               bits_per_weight=4.0 + 8 / 16, codec="nvfp4", tactic_intermediate_multiple=64,
-               tactics=TacticEnums("E2m1", "E2m1", "NoneFp8", "major-k", per_token_ok=True)),
-    FormatSpec("mxfp4", "MXFP4 weights (E2M1, UE8M0 per 32) with BF16 activations (gpt-oss)", "uint8",
-               values_per_byte=2, scale_dtype="uint8", scale_block=32, vector_scaled=True,
-               bits_per_weight=4.0 + 8 / 32, codec="mxfp4", tactic_intermediate_multiple=128,
-               tactics=TacticEnums("Bfloat16", "MxE2m1", "NoneFp8", "major-k")),
-    FormatSpec("mxfp4-mxfp8", "MXFP4 weights with MXFP8 activations", "uint8", values_per_byte=2,
-               scale_dtype="uint8", scale_block=32, vector_scaled=True, bits_per_weight=4.0 + 8 / 32,
-               layout_format="mxfp4", weights=False, tactics=TacticEnums("MxE4m3", "MxE2m1", "NoneFp8", "major-k")),
-    FormatSpec("nvfp4-per-token", "NVFP4 activations with a per-token global scale (quantizer only)", "uint8",
-               values_per_byte=2, scale_dtype="float8_e4m3fn", scale_block=16, vector_scaled=True,
-               bits_per_weight=4.0 + 8 / 16, codec="nvfp4_per_token", weights=False, backends=()),
-)}
+FORMATS: dict[str, FormatSpec] = {
+    f.name: f
+    for f in (
+        FormatSpec(
+            "bf16",
+            "BF16 weights and activations (trtllm_bf16_moe)",
+            "bfloat16",
+            bits_per_weight=16.0,
+            tactic_intermediate_multiple=64,
+            tactics=TacticEnums("Bfloat16", "Bfloat16", "NoneFp8", "block-major-k"),
+        ),
+        FormatSpec(
+            "fp8",
+            "FP8 E4M3 with per-tensor scales; gated activations only on TRT-LLM",
+            "float8_e4m3fn",
+            scale_dtype="float32",
+            codec="fp8",
+            tactic_intermediate_multiple=64,
+            tactics=TacticEnums("E4m3", "E4m3", "NoneFp8", "major-k"),
+        ),
+        FormatSpec(
+            "fp8-block",
+            "FP8 E4M3 with 128x128 float32 block scales (DeepSeek); SwiGLU only",
+            "float8_e4m3fn",
+            scale_dtype="float32",
+            scale_block=128,
+            scale_block_rows=128,
+            bits_per_weight=8.0 + 32 / (128 * 128),
+            codec="fp8_block",
+            tactic_intermediate_multiple=128,
+            tactics=TacticEnums("E4m3", "E4m3", "DeepSeekFp8", "block-major-k"),
+        ),
+        FormatSpec(
+            "mxfp8",
+            "MXFP8: E4M3 with a UE8M0 scale per 32 values",
+            "float8_e4m3fn",
+            scale_dtype="uint8",
+            scale_block=32,
+            vector_scaled=True,
+            bits_per_weight=8.0 + 8 / 32,
+            codec="mxfp8",
+            scale_fill=127,
+            tactic_intermediate_multiple=128,
+            tactics=TacticEnums("MxE4m3", "MxE4m3", "MxFp8", "major-k"),
+        ),
+        FormatSpec(
+            "nvfp4",
+            "NVFP4: E2M1 pairs with an E4M3 scale per 16 values, NVFP4 activations",
+            "uint8",
+            values_per_byte=2,
+            scale_dtype="float8_e4m3fn",
+            scale_block=16,
+            vector_scaled=True,
+            bits_per_weight=4.0 + 8 / 16,
+            codec="nvfp4",
+            tactic_intermediate_multiple=64,
+            tactics=TacticEnums("E2m1", "E2m1", "NoneFp8", "major-k", per_token_ok=True),
+        ),
+        FormatSpec(
+            "mxfp4",
+            "MXFP4 weights (E2M1, UE8M0 per 32) with BF16 activations (gpt-oss)",
+            "uint8",
+            values_per_byte=2,
+            scale_dtype="uint8",
+            scale_block=32,
+            vector_scaled=True,
+            bits_per_weight=4.0 + 8 / 32,
+            codec="mxfp4",
+            tactic_intermediate_multiple=128,
+            tactics=TacticEnums("Bfloat16", "MxE2m1", "NoneFp8", "major-k"),
+        ),
+        FormatSpec(
+            "mxfp4-mxfp8",
+            "MXFP4 weights with MXFP8 activations",
+            "uint8",
+            values_per_byte=2,
+            scale_dtype="uint8",
+            scale_block=32,
+            vector_scaled=True,
+            bits_per_weight=4.0 + 8 / 32,
+            layout_format="mxfp4",
+            weights=False,
+            tactics=TacticEnums("MxE4m3", "MxE2m1", "NoneFp8", "major-k"),
+        ),
+        FormatSpec(
+            "nvfp4-per-token",
+            "NVFP4 activations with a per-token global scale (quantizer only)",
+            "uint8",
+            values_per_byte=2,
+            scale_dtype="float8_e4m3fn",
+            scale_block=16,
+            vector_scaled=True,
+            bits_per_weight=4.0 + 8 / 16,
+            codec="nvfp4_per_token",
+            weights=False,
+            backends=(),
+        ),
+    )
+}
 
 
 def _unknown(what: str, value: object, known: Any) -> FormatError:
@@ -272,12 +346,15 @@ class Activation:
         return 2 if self.gated else 1
 
 
-ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
-    Activation("swiglu", True, "Swiglu", _silu_and_mul, ("silu",)),
-    Activation("swiglu_oai", True, "Swiglu", _swiglu_oai),
-    Activation("geglu", True, "Geglu", _gelu_and_mul, ("gelu",)),
-    Activation("relu2", False, "Relu2", _relu2),
-)}
+ACTIVATIONS: dict[str, Activation] = {
+    a.name: a
+    for a in (
+        Activation("swiglu", True, "Swiglu", _silu_and_mul, ("silu",)),
+        Activation("swiglu_oai", True, "Swiglu", _swiglu_oai),
+        Activation("geglu", True, "Geglu", _gelu_and_mul, ("gelu",)),
+        Activation("relu2", False, "Relu2", _relu2),
+    )
+}
 
 
 def get_activation(name: str) -> Activation:

@@ -72,11 +72,22 @@ def pad_projections(
     r = torch.arange(rows)[None, :, None]
     c = torch.arange(cin)[None, None, :]
     src[:, :rows, :cin] = (p * rows + r) * cin + c
-    params = dict(num_projections=num_projections, rows=rows, padded_rows=padded_rows, cols_bytes=cols_bytes,
-                  padded_cols_bytes=padded_cols_bytes, fill=fill)
+    params = dict(
+        num_projections=num_projections,
+        rows=rows,
+        padded_rows=padded_rows,
+        cols_bytes=cols_bytes,
+        padded_cols_bytes=padded_cols_bytes,
+        fill=fill,
+    )
     return IndexMap(
-        src.reshape(-1), cell, (num_projections * rows, cols_bytes),
-        (num_projections * padded_rows, padded_cols_bytes), (fill,), "pad_projections", params,
+        src.reshape(-1),
+        cell,
+        (num_projections * rows, cols_bytes),
+        (num_projections * padded_rows, padded_cols_bytes),
+        (fill,),
+        "pad_projections",
+        params,
     )
 
 
@@ -144,8 +155,12 @@ def shuffle_rows_for_epilogue(rows: int, cols_bytes: int, epilogue_tile_m: int) 
     p = torch.arange(block)
     within = (p % 8) * k + p // 8
     src = (torch.arange(rows // block)[:, None] * block + within[None, :]).reshape(-1)
-    return permute_rows(src, cols_bytes, "shuffle_rows_for_epilogue",
-                        dict(rows=rows, cols_bytes=cols_bytes, epilogue_tile_m=epilogue_tile_m))
+    return permute_rows(
+        src,
+        cols_bytes,
+        "shuffle_rows_for_epilogue",
+        dict(rows=rows, cols_bytes=cols_bytes, epilogue_tile_m=epilogue_tile_m),
+    )
 
 
 @cache
@@ -163,8 +178,13 @@ def block_major_k(rows: int, cols_bytes: int, block_bytes: int = 128) -> IndexMa
     kb = cols_bytes // block_bytes
     src = (torch.arange(rows)[None, :] * kb + torch.arange(kb)[:, None]).reshape(-1)
     return IndexMap(
-        src, block_bytes, (rows, cols_bytes), (kb, rows, block_bytes), (),
-        "block_major_k", dict(rows=rows, cols_bytes=cols_bytes, block_bytes=block_bytes),
+        src,
+        block_bytes,
+        (rows, cols_bytes),
+        (kb, rows, block_bytes),
+        (),
+        "block_major_k",
+        dict(rows=rows, cols_bytes=cols_bytes, block_bytes=block_bytes),
     )
 
 
@@ -187,15 +207,26 @@ def swizzle_scales_128x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
     src = torch.empty(rp * cp, dtype=torch.int64)
     src[offset.reshape(-1)] = torch.where(inside, r * cols + c, -1).reshape(-1)
     return IndexMap(
-        src, itemsize, (rows, cols * itemsize), (rp, cp * itemsize), (0,),
-        "swizzle_scales_128x4", dict(rows=rows, cols=cols, itemsize=itemsize),
+        src,
+        itemsize,
+        (rows, cols * itemsize),
+        (rp, cp * itemsize),
+        (0,),
+        "swizzle_scales_128x4",
+        dict(rows=rows, cols=cols, itemsize=itemsize),
     )
 
 
 STEPS = {
     f.__name__: f
-    for f in (pad_projections, swap_w13_to_w31_rows, interleave_rows_for_gated_act, shuffle_rows_for_epilogue,
-              block_major_k, swizzle_scales_128x4)
+    for f in (
+        pad_projections,
+        swap_w13_to_w31_rows,
+        interleave_rows_for_gated_act,
+        shuffle_rows_for_epilogue,
+        block_major_k,
+        swizzle_scales_128x4,
+    )
 }
 """Every primitive step by kind: ``STEPS[m.kind](**m.params)`` rebuilds ``m``."""
 

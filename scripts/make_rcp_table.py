@@ -63,14 +63,18 @@ def correctly_rounded_rcp_bits() -> np.ndarray:
 def deltas_from_measured(hw_bits: np.ndarray) -> torch.Tensor:
     """uint32 ``(2**23,)`` hardware results -> int8 ``(2**23,)`` corrections in ulps."""
     if hw_bits.shape != (MANTISSAS,):
-        raise FormatError(f"measurement holds {hw_bits.size} results; it needs one uint32 per mantissa, {MANTISSAS}",
-                          fix="write it with `make_rcp_table.py measure`")
+        raise FormatError(
+            f"measurement holds {hw_bits.size} results; it needs one uint32 per mantissa, {MANTISSAS}",
+            fix="write it with `make_rcp_table.py measure`",
+        )
     delta = hw_bits.astype(np.int64) - correctly_rounded_rcp_bits()
     far = np.flatnonzero(np.abs(delta) > 1)
     if far.size:
-        raise FormatError(f"{far.size} measured results are more than 1 ulp from 1/m (first at mantissa {far[0]}: "
-                          f"{int(delta[far[0]]):+d} ulps); the table stores -1, 0 or +1",
-                          fix="check that the file holds rcp.approx.ftz.f32 of 1 + k * 2**-23 for k in order")
+        raise FormatError(
+            f"{far.size} measured results are more than 1 ulp from 1/m (first at mantissa {far[0]}: "
+            f"{int(delta[far[0]]):+d} ulps); the table stores -1, 0 or +1",
+            fix="check that the file holds rcp.approx.ftz.f32 of 1 + k * 2**-23 for k in order",
+        )
     return torch.from_numpy(delta.astype(np.int8))
 
 
@@ -91,8 +95,7 @@ def measure_on_gpu() -> np.ndarray:
     def rcp_kernel(out_ptr, BLOCK: tl.constexpr):
         k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = (k | 0x3F800000).to(tl.float32, bitcast=True)
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [m], dtype=tl.float32,
-                                      is_pure=True, pack=1)
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [m], dtype=tl.float32, is_pure=True, pack=1)
         tl.store(out_ptr + k, r.to(tl.int32, bitcast=True))
 
     out = torch.empty(MANTISSAS, dtype=torch.int32, device="cuda")
@@ -107,14 +110,18 @@ def write_table(deltas: torch.Tensor, out: Path) -> None:
         raise AssertionError("the packed table does not decode to the deltas it was packed from")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(blob)
-    print(f"{out}: {len(blob):,} bytes; {deltas.numel():,} deltas, {int((deltas == 1).sum()):,} of +1, "
-          f"{int((deltas == -1).sum()):,} of -1; sha256 {hashlib.sha256(deltas.numpy().tobytes()).hexdigest()}")
+    print(
+        f"{out}: {len(blob):,} bytes; {deltas.numel():,} deltas, {int((deltas == 1).sum()):,} of +1, "
+        f"{int((deltas == -1).sum()):,} of -1; sha256 {hashlib.sha256(deltas.numpy().tobytes()).hexdigest()}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     writes = argparse.ArgumentParser(add_help=False)
-    writes.add_argument("--out", type=Path, default=resources.rcp_table_path(), help="table file (default: the package's)")
+    writes.add_argument(
+        "--out", type=Path, default=resources.rcp_table_path(), help="table file (default: the package's)"
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("measure", help="run rcp.approx.ftz.f32 on the GPU; write the uint32 results").add_argument("file")
     sub.add_parser("from-measured", parents=[writes], help="table from a measurement file").add_argument("file")

@@ -42,48 +42,160 @@ DEFAULT_OUT = resources.samples_dir()
 DEAD_SCALE = 5e-20
 
 _DEEPSEEK = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
-    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "moe_layer_freq": 1, "torch_dtype": "bfloat16",
-    "vocab_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_act": "silu",
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "moe_layer_freq": 1,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 1024,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-6,
 }
 
 SAMPLES: dict[str, dict] = {
     "deepseek-v3-fp8": dict(
-        convention="deepseek-fp8", hidden=256, intermediate=256, experts=6, moe_layers=(1,), shards=2, dead_expert=3,
-        config={**_DEEPSEEK, "hidden_size": 256, "intermediate_size": 384, "moe_intermediate_size": 256,
-                "n_routed_experts": 6, "num_experts_per_tok": 2, "num_hidden_layers": 2, "first_k_dense_replace": 1,
-                "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                        "weight_block_size": [128, 128]}}),
+        convention="deepseek-fp8",
+        hidden=256,
+        intermediate=256,
+        experts=6,
+        moe_layers=(1,),
+        shards=2,
+        dead_expert=3,
+        config={
+            **_DEEPSEEK,
+            "hidden_size": 256,
+            "intermediate_size": 384,
+            "moe_intermediate_size": 256,
+            "n_routed_experts": 6,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 2,
+            "first_k_dense_replace": 1,
+            "quantization_config": {
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "quant_method": "fp8",
+                "weight_block_size": [128, 128],
+            },
+        },
+    ),
     "qwen3-moe-bf16": dict(
-        convention="qwen3-moe-bf16", hidden=128, intermediate=192, experts=6, moe_layers=(0, 1), shards=2,
-        config={"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
-                "hidden_size": 128, "intermediate_size": 384, "moe_intermediate_size": 192, "num_experts": 6,
-                "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
-                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-                "vocab_size": 1024, "torch_dtype": "bfloat16"}),
+        convention="qwen3-moe-bf16",
+        hidden=128,
+        intermediate=192,
+        experts=6,
+        moe_layers=(0, 1),
+        shards=2,
+        config={
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "hidden_act": "silu",
+            "hidden_size": 128,
+            "intermediate_size": 384,
+            "moe_intermediate_size": 192,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "vocab_size": 1024,
+            "torch_dtype": "bfloat16",
+        },
+    ),
     "mixtral-bf16": dict(
-        convention="mixtral-bf16", hidden=64, intermediate=464, experts=4, moe_layers=(0,), shards=1,
-        config={"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
-                "hidden_size": 64, "intermediate_size": 464, "num_local_experts": 4, "num_experts_per_tok": 2,
-                "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
-                "torch_dtype": "bfloat16"}),
+        convention="mixtral-bf16",
+        hidden=64,
+        intermediate=464,
+        experts=4,
+        moe_layers=(0,),
+        shards=1,
+        config={
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "hidden_act": "silu",
+            "hidden_size": 64,
+            "intermediate_size": 464,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 1024,
+            "torch_dtype": "bfloat16",
+        },
+    ),
     "deepseek-r1-nvfp4": dict(
-        convention="modelopt-nvfp4", hidden=256, intermediate=320, experts=8, moe_layers=(0,), shards=1,
-        config={**_DEEPSEEK, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 320,
-                "n_routed_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 1, "first_k_dense_replace": 0},
-        hf_quant_config={"producer": {"name": "modelopt"},
-                         "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-                                          "exclude_modules": ["lm_head"]}}),
+        convention="modelopt-nvfp4",
+        hidden=256,
+        intermediate=320,
+        experts=8,
+        moe_layers=(0,),
+        shards=1,
+        config={
+            **_DEEPSEEK,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 320,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 1,
+            "first_k_dense_replace": 0,
+        },
+        hf_quant_config={
+            "producer": {"name": "modelopt"},
+            "quantization": {
+                "quant_algo": "NVFP4",
+                "kv_cache_quant_algo": None,
+                "group_size": 16,
+                "exclude_modules": ["lm_head"],
+            },
+        },
+    ),
     "gpt-oss-mxfp4": dict(
-        convention="gpt-oss-mxfp4", hidden=256, intermediate=320, experts=8, moe_layers=(0,), shards=1,
-        config={"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_act": "silu",
-                "hidden_size": 256, "intermediate_size": 320, "num_local_experts": 8, "experts_per_token": 4,
-                "num_experts_per_tok": 4, "num_hidden_layers": 1, "swiglu_limit": 7.0, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "torch_dtype": "bfloat16",
-                "quantization_config": {"quant_method": "mxfp4",
-                                        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                   "model.embed_tokens", "lm_head"]}}),
+        convention="gpt-oss-mxfp4",
+        hidden=256,
+        intermediate=320,
+        experts=8,
+        moe_layers=(0,),
+        shards=1,
+        config={
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "hidden_act": "silu",
+            "hidden_size": 256,
+            "intermediate_size": 320,
+            "num_local_experts": 8,
+            "experts_per_token": 4,
+            "num_experts_per_tok": 4,
+            "num_hidden_layers": 1,
+            "swiglu_limit": 7.0,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "vocab_size": 1024,
+            "torch_dtype": "bfloat16",
+            "quantization_config": {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": [
+                    "model.layers.*.self_attn",
+                    "model.layers.*.mlp.router",
+                    "model.embed_tokens",
+                    "lm_head",
+                ],
+            },
+        },
+    ),
 }
 
 
@@ -101,8 +213,11 @@ def original_weights(sample: str, layer: int) -> dict[str, torch.Tensor]:
     e, i, h = spec["experts"], spec["intermediate"], spec["hidden"]
     g = _generator(sample, layer, "weights")
     spread = 0.02 * (1 + 0.25 * torch.arange(e, dtype=torch.float32))[:, None, None]
-    out = {"gate": torch.randn(e, i, h, generator=g) * spread, "up": torch.randn(e, i, h, generator=g) * spread * 1.5,
-           "down": torch.randn(e, h, i, generator=g) * spread * 0.75}
+    out = {
+        "gate": torch.randn(e, i, h, generator=g) * spread,
+        "up": torch.randn(e, i, h, generator=g) * spread * 1.5,
+        "down": torch.randn(e, h, i, generator=g) * spread * 0.75,
+    }
     if "dead_expert" in spec:
         for t in out.values():
             t[spec["dead_expert"]] *= DEAD_SCALE
@@ -133,21 +248,26 @@ def sample_layer(sample: str, layer: int) -> MoELayer:
         w2, s2 = qd.values, qd.scales
         g = _generator(sample, layer, "input_scale")
         in13 = torch.rand(w13.shape[0], generator=g) * 0.01 + 0.002
-        extras = {"w13_weight_scale_2": (1.0 / gs13)[:, None].expand(-1, 2).contiguous(),
-                  "w13_input_scale": in13[:, None].expand(-1, 2).contiguous(),
-                  "w2_weight_scale_2": 1.0 / qd.global_scale,
-                  "w2_input_scale": torch.rand(w13.shape[0], generator=g) * 0.01 + 0.002}
+        extras = {
+            "w13_weight_scale_2": (1.0 / gs13)[:, None].expand(-1, 2).contiguous(),
+            "w13_input_scale": in13[:, None].expand(-1, 2).contiguous(),
+            "w2_weight_scale_2": 1.0 / qd.global_scale,
+            "w2_input_scale": torch.rand(w13.shape[0], generator=g) * 0.01 + 0.002,
+        }
     elif fmt == "mxfp4":
         mx = formats.get(fmt)
         q13, q2 = mx.quantize(torch.cat([w["gate"], w["up"]], 1)), mx.quantize(w["down"])
         w13, s13, w2, s2 = q13.values, q13.scales, q2.values, q2.scales
         g = _generator(sample, layer, "bias")
-        extras = {"w13_bias": (torch.randn(w13.shape[0], 2 * i, generator=g) * 0.05).to(torch.bfloat16),
-                  "w2_bias": (torch.randn(w13.shape[0], h, generator=g) * 0.05).to(torch.bfloat16)}
+        extras = {
+            "w13_bias": (torch.randn(w13.shape[0], 2 * i, generator=g) * 0.05).to(torch.bfloat16),
+            "w2_bias": (torch.randn(w13.shape[0], h, generator=g) * 0.05).to(torch.bfloat16),
+        }
     else:
         raise ValueError(fmt)
-    return MoELayer(fmt, w13.contiguous(), w2.contiguous(), s13, s2, i, h, extras, layer, conv.name,
-                    activation=conv.activation)
+    return MoELayer(
+        fmt, w13.contiguous(), w2.contiguous(), s13, s2, i, h, extras, layer, conv.name, activation=conv.activation
+    )
 
 
 def _other_tensors(sample: str, layer: int, conv: conventions.Convention) -> dict[str, torch.Tensor]:
@@ -159,13 +279,17 @@ def _other_tensors(sample: str, layer: int, conv: conventions.Convention) -> dic
     out = {base + conv.router[0]: (torch.randn(e, h, generator=g) * 0.05).to(torch.bfloat16)}
     if len(conv.router) > 1:
         out[base + conv.router[1]] = (torch.randn(e, generator=g) * 0.01).to(
-            torch.float32 if conv.name != "gpt-oss-mxfp4" else torch.bfloat16)
+            torch.float32 if conv.name != "gpt-oss-mxfp4" else torch.bfloat16
+        )
     if conv.name == "deepseek-fp8":  # shared expert and the dense layers before the first MoE layer
         fp8 = formats.get("fp8-block")
         i = spec["intermediate"]
         for p, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
             q = fp8.quantize(torch.randn(*shape, generator=g) * 0.02)
-            out[f"{base}shared_experts.{p}.weight"], out[f"{base}shared_experts.{p}.weight_scale_inv"] = q.values, q.scales
+            out[f"{base}shared_experts.{p}.weight"], out[f"{base}shared_experts.{p}.weight_scale_inv"] = (
+                q.values,
+                q.scales,
+            )
     return out
 
 
@@ -177,7 +301,10 @@ def _dense_layer(sample: str, layer: int) -> dict[str, torch.Tensor]:
     out = {}
     for p, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
         q = fp8.quantize(torch.randn(*shape, generator=g) * 0.02)
-        out[f"model.layers.{layer}.mlp.{p}.weight"], out[f"model.layers.{layer}.mlp.{p}.weight_scale_inv"] = q.values, q.scales
+        out[f"model.layers.{layer}.mlp.{p}.weight"], out[f"model.layers.{layer}.mlp.{p}.weight_scale_inv"] = (
+            q.values,
+            q.scales,
+        )
     return out
 
 

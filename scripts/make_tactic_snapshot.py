@@ -13,6 +13,7 @@ and the kernel-set hash: tactics-fi<version>-<kernel set hash>.json.gz.
     python scripts/make_tactic_snapshot.py            # needs `python -m fimoe_lab.tune.build` first
     python scripts/make_tactic_snapshot.py --out /tmp/x.json.gz
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,14 @@ from fimoe_lab.tune.sweep import HIDDEN_ALIGNS, INTER_ALIGNS, TOKENS, TPS, queri
 def design_points() -> list[TacticQuery]:
     """DESIGN §5's measured points (top_k 6, 128 experts) so tests can check them."""
     out = []
-    for fmt, act, pts in [("nvfp4", "swiglu", (True, False)), ("nvfp4", "relu2", (True, False)),
-                          ("mxfp8", "swiglu", (False,)), ("mxfp8", "relu2", (False,)),
-                          ("bf16", "swiglu", (False,)), ("fp8", "swiglu", (False,))]:
+    for fmt, act, pts in [
+        ("nvfp4", "swiglu", (True, False)),
+        ("nvfp4", "relu2", (True, False)),
+        ("mxfp8", "swiglu", (False,)),
+        ("mxfp8", "relu2", (False,)),
+        ("bf16", "swiglu", (False,)),
+        ("fp8", "swiglu", (False,)),
+    ]:
         for pt in pts:
             for h in (2560, 2688, 2816, 3072):
                 for i in (1792, 1856, 1872, 1920, 2048):
@@ -60,10 +66,10 @@ def all_queries() -> list[TacticQuery]:
                 out.append(q)
 
     for p in PRESETS.values():
-        for fmt in tuner_formats():              # every format, not only the serving ones
+        for fmt in tuner_formats():  # every format, not only the serving ones
             tactics = FORMATS[fmt].tactics
             layouts = (None, "major-k") if tactics.default_layout == "block-major-k" else (None,)
-            for pt in ((False, True) if tactics.per_token_ok else (False,)):
+            for pt in (False, True) if tactics.per_token_ok else (False,):
                 for layout in layouts:
                     for tp in TPS:
                         if p.moe_intermediate % tp:
@@ -100,20 +106,31 @@ def main(argv=None) -> int:
     kset = src.get("kernel_set") or "unknown"
     khash = kset.split("@")[-1][:12]
     meta = {
-        "flashinfer": src.get("flashinfer"), "kernel_set": kset, "mode": src.get("mode"),
+        "flashinfer": src.get("flashinfer"),
+        "kernel_set": kset,
+        "mode": src.get("mode"),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "query_seconds": round(secs, 1), "shapes": len(entries), "unknown": unknown,
+        "query_seconds": round(secs, 1),
+        "shapes": len(entries),
+        "unknown": unknown,
         "key": "format|activation|per_token|layout|hidden|intermediate|experts|top_k|tokens",
-        "grid": {"presets": sorted(PRESETS), "tp": list(TPS), "inter_aligns": list(INTER_ALIGNS),
-                 "hidden_aligns": list(HIDDEN_ALIGNS), "tokens": list(TOKENS)},
+        "grid": {
+            "presets": sorted(PRESETS),
+            "tp": list(TPS),
+            "inter_aligns": list(INTER_ALIGNS),
+            "hidden_aligns": list(HIDDEN_ALIGNS),
+            "tokens": list(TOKENS),
+        },
         "value": "{tile_N: number of configs} or {'error': reason}",
     }
     out = Path(a.out) if a.out else snapshot_dir() / f"tactics-fi{meta['flashinfer']}-{khash}.json.gz"
     out.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(out, "wt", compresslevel=9) as f:
         json.dump({"meta": meta, "entries": entries}, f, separators=(",", ":"), sort_keys=True)
-    print(f"wrote {out} ({out.stat().st_size / 1e3:.0f} kB): {len(entries)} shapes in {secs:.0f}s, "
-          f"{unknown} unknown, errors: {dict(errors)}")
+    print(
+        f"wrote {out} ({out.stat().st_size / 1e3:.0f} kB): {len(entries)} shapes in {secs:.0f}s, "
+        f"{unknown} unknown, errors: {dict(errors)}"
+    )
     oracle.close()
     return 0
 

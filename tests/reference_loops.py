@@ -49,7 +49,7 @@ def pad(x: torch.Tensor, projections: int, rows_out: int, cols_out: int, fill: i
     xb = x.view(torch.uint8)
     for i in range(e):
         for p in range(projections):
-            out[i, p * rows_out: p * rows_out + block, :c * x.element_size()] = xb[i, p * block:(p + 1) * block]
+            out[i, p * rows_out : p * rows_out + block, : c * x.element_size()] = xb[i, p * block : (p + 1) * block]
     return out.view(x.dtype)
 
 
@@ -66,7 +66,10 @@ def rotate_fp8(w13, w2, gated):
     def g1(x):
         x = rows(x, interleave_idx(x.shape[0])) if gated else x
         return rows(x, shuffle_idx(x.shape[0], 128))
-    return per_expert(w13, g1).view(w13.dtype), per_expert(w2, lambda x: rows(x, shuffle_idx(x.shape[0], 128))).view(w2.dtype)
+
+    return per_expert(w13, g1).view(w13.dtype), per_expert(w2, lambda x: rows(x, shuffle_idx(x.shape[0], 128))).view(
+        w2.dtype
+    )
 
 
 def bf16_block_layout(w13, w2, gated):
@@ -74,14 +77,17 @@ def bf16_block_layout(w13, w2, gated):
         if gated:
             x = rows(swap(x), interleave_idx(x.shape[0]))
         return block_layout(rows(x, shuffle_idx(x.shape[0], 128)))
+
     def g2(x):
         return block_layout(rows(x, shuffle_idx(x.shape[0], 128)))
+
     return per_expert(w13, g1).view(torch.bfloat16), per_expert(w2, g2).view(torch.bfloat16)
 
 
 def deepseek_shuffle(w13, w2):
     def f(x):
         return block_layout(rows(x, shuffle_idx(x.shape[0], 64)))
+
     return per_expert(w13, f), per_expert(w2, f)
 
 
@@ -89,21 +95,32 @@ def mxfp8_shuffle(w13, w2, s13, s2, gated):
     def weight(x, inter):
         x = rows(x, interleave_idx(x.shape[0])) if inter else x
         return rows(x, shuffle_idx(x.shape[0], 128))
+
     def scale(s, inter):
         return swizzle(weight(s, inter)).reshape(s.shape)
-    return (per_expert(w13, lambda x: weight(x, gated)), per_expert(w2, lambda x: weight(x, False)),
-            torch.stack([scale(s13[i], gated) for i in range(s13.shape[0])]),
-            torch.stack([scale(s2[i], False) for i in range(s2.shape[0])]))
+
+    return (
+        per_expert(w13, lambda x: weight(x, gated)),
+        per_expert(w2, lambda x: weight(x, False)),
+        torch.stack([scale(s13[i], gated) for i in range(s13.shape[0])]),
+        torch.stack([scale(s2[i], False) for i in range(s2.shape[0])]),
+    )
 
 
 def nvfp4_trtllm(w13, w2, s13, s2, gated):
     """Packed FP4 bytes and E4M3 scale bytes: swap, interleave, shuffle, swizzle."""
+
     def weight(x, fused):
         if fused:
             x = rows(swap(x), interleave_idx(x.shape[0])) if gated else x
         return rows(x, shuffle_idx(x.shape[0], 128))
+
     def scale(s, fused):
         return swizzle(weight(s, fused)).reshape(s.shape)
-    return (per_expert(w13, lambda x: weight(x, True)), per_expert(w2, lambda x: weight(x, False)),
-            torch.stack([scale(s13[i].view(torch.uint8), True) for i in range(s13.shape[0])]),
-            torch.stack([scale(s2[i].view(torch.uint8), False) for i in range(s2.shape[0])]))
+
+    return (
+        per_expert(w13, lambda x: weight(x, True)),
+        per_expert(w2, lambda x: weight(x, False)),
+        torch.stack([scale(s13[i].view(torch.uint8), True) for i in range(s13.shape[0])]),
+        torch.stack([scale(s2[i].view(torch.uint8), False) for i in range(s2.shape[0])]),
+    )

@@ -29,8 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "01_layout_tour.ipynb"
 BUDGET_S = 110
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--disable-dev-shm-usage",
 ]
 
@@ -119,14 +125,14 @@ def test_tour_widgets_render_and_respond(tmp_path):
     try:
         _wait_for_server(f"http://127.0.0.1:{port}/api/status", server, log_path, deadline)
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS,
-                                         timeout=deadline.left_ms())
+            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS, timeout=deadline.left_ms())
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK}", timeout=deadline.left_ms())
                 page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=deadline.left_ms())
-                page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                                       timeout=deadline.left_ms())
+                page.wait_for_selector(
+                    ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=deadline.left_ms()
+                )
                 _accept_kernel_dialog(page)
                 page.locator(".lm-MenuBar-item", has_text="Run").first.click(timeout=deadline.left_ms())
                 page.locator(".lm-Menu-item", has_text="Run All Cells").first.click(timeout=deadline.left_ms())
@@ -137,8 +143,10 @@ def test_tour_widgets_render_and_respond(tmp_path):
                 explorer = page.locator(".widget-vbox", has=colour).first
                 figure = explorer.locator("img.widget-image").first
                 page.wait_for_function(
-                    "img => img && img.complete && img.naturalWidth > 100", arg=figure.element_handle(
-                        timeout=deadline.left_ms()), timeout=deadline.left_ms())
+                    "img => img && img.complete && img.naturalWidth > 100",
+                    arg=figure.element_handle(timeout=deadline.left_ms()),
+                    timeout=deadline.left_ms(),
+                )
                 figure.scroll_into_view_if_needed(timeout=deadline.left_ms())
                 before_src = figure.get_attribute("src")
                 before_png = figure.screenshot(timeout=deadline.left_ms())
@@ -148,16 +156,22 @@ def test_tour_widgets_render_and_respond(tmp_path):
                 colour.select_option(label="shuffle block", timeout=deadline.left_ms())
                 page.wait_for_function(
                     "([img, old]) => img.src !== old && img.complete && img.naturalWidth > 100",
-                    arg=[figure.element_handle(), before_src], timeout=deadline.left_ms())
+                    arg=[figure.element_handle(), before_src],
+                    timeout=deadline.left_ms(),
+                )
                 after_png = figure.screenshot(timeout=deadline.left_ms())
                 page.screenshot(path=str(artifacts / "browser_rows_after.png"))
                 (artifacts / "browser_rows_after_figure.png").write_bytes(after_png)
                 assert after_png != before_png, "the figure did not change after the colouring changed"
-                page.wait_for_function("() => document.querySelectorAll('img.widget-image').length >= 4",
-                                       timeout=deadline.left_ms())
+                page.wait_for_function(
+                    "() => document.querySelectorAll('img.widget-image').length >= 4", timeout=deadline.left_ms()
+                )
                 page.screenshot(path=str(artifacts / "browser_tour.png"), full_page=True)
-                assert not page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
-                                        ).filter(has_text="Traceback").count()
+                assert (
+                    not page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+                    .filter(has_text="Traceback")
+                    .count()
+                )
             except Exception:
                 page.screenshot(path=str(artifacts / "browser_failure.png"))
                 raise

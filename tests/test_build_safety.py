@@ -17,8 +17,18 @@ def cache(tmp_path, monkeypatch):
     so, shim = root / "mod.so", root / "shim.so"
     so.write_bytes(os.urandom(4096))
     shim.write_bytes(os.urandom(1024))
-    man = build.Manifest(str(so), str(shim), "0.6.13", "0.6.13", "ks", 1.0, 4096, None,
-                         so_sha256=build._sha256(so), shim_sha256=build._sha256(shim))
+    man = build.Manifest(
+        str(so),
+        str(shim),
+        "0.6.13",
+        "0.6.13",
+        "ks",
+        1.0,
+        4096,
+        None,
+        so_sha256=build._sha256(so),
+        shim_sha256=build._sha256(shim),
+    )
     return root, man
 
 

@@ -29,7 +29,11 @@ REL_ERR = {"bf16": 0.01, "fp8-block": 0.05, "nvfp4": 0.15, "mxfp4": 0.2}
 def same_bytes(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 # ---------------------------------------------------------------------------- samples
@@ -59,7 +63,11 @@ def test_sample_reads_as_generated(sample):
             orig = gen.original_weights(sample, layer)
             w13, w2 = got.dequantized()
             gate, up = w13[:, :i], w13[:, i:]
-            for deq, ref, other in ((gate, orig["gate"], orig["up"]), (up, orig["up"], orig["gate"]), (w2, orig["down"], None)):
+            for deq, ref, other in (
+                (gate, orig["gate"], orig["up"]),
+                (up, orig["up"], orig["gate"]),
+                (w2, orig["down"], None),
+            ):
                 err = ((deq - ref).norm() / ref.norm()).item()
                 assert err < REL_ERR[fmt], (sample, err)
                 if other is not None:  # a swapped gate/up would be far off
@@ -73,7 +81,9 @@ def test_sample_data_is_small_and_regenerates_identically(tmp_path):
     gen.main([str(tmp_path)])
     for sample in SAMPLES:
         for f in (shipped / sample).iterdir():
-            assert f.read_bytes() == (tmp_path / sample / f.name).read_bytes(), f"{sample}/{f.name} is stale: rerun the script"
+            assert f.read_bytes() == (tmp_path / sample / f.name).read_bytes(), (
+                f"{sample}/{f.name} is stale: rerun the script"
+            )
 
 
 def test_dead_expert_has_tiny_scales():
@@ -81,7 +91,7 @@ def test_dead_expert_has_tiny_scales():
         layer = ck.read_layer(1, load="scales")
     dead = gen.SAMPLES["deepseek-v3-fp8"]["dead_expert"]
     assert layer.w13_scale[dead].max() < 1e-20 and layer.w2_scale[dead].max() < 1e-20
-    others = torch.cat([layer.w13_scale[:dead], layer.w13_scale[dead + 1:]])
+    others = torch.cat([layer.w13_scale[:dead], layer.w13_scale[dead + 1 :]])
     assert others.min() > 1e-6
     assert layer.w13.device.type == "meta"  # load="scales" never reads weights
 
@@ -101,8 +111,12 @@ def slow_rank_slice(sample: str, full, tp: int, rank: int):
     fmt, i = full.fmt, full.intermediate
     rows = rank_rows(sample, tp, rank)
     v = 2 if fmt in ("nvfp4", "mxfp4") else 1
-    w13 = torch.stack([torch.stack([full.w13[e, r] for r in rows] + [full.w13[e, i + r] for r in rows])
-                       for e in range(full.num_experts)])
+    w13 = torch.stack(
+        [
+            torch.stack([full.w13[e, r] for r in rows] + [full.w13[e, i + r] for r in rows])
+            for e in range(full.num_experts)
+        ]
+    )
     cols = sorted({r // v for r in rows})
     out = {"w13": w13, "w2": full.w2[:, :, cols]}
     if fmt == "fp8-block":
@@ -115,7 +129,9 @@ def slow_rank_slice(sample: str, full, tp: int, rank: int):
         out["w13_scale"] = torch.cat([full.w13_scale[:, rows], full.w13_scale[:, [i + r for r in rows]]], 1)
         out["w2_scale"] = full.w2_scale[:, :, sorted({r // block for r in rows})]
     if "w13_bias" in full.extras:
-        out["w13_bias"] = torch.cat([full.extras["w13_bias"][:, rows], full.extras["w13_bias"][:, [i + r for r in rows]]], 1)
+        out["w13_bias"] = torch.cat(
+            [full.extras["w13_bias"][:, rows], full.extras["w13_bias"][:, [i + r for r in rows]]], 1
+        )
         out["w2_bias"] = full.extras["w2_bias"] if rank == 0 else torch.zeros_like(full.extras["w2_bias"])
     return out
 
@@ -152,19 +168,22 @@ def test_tp_shards_tile_the_full_layer():
         full = ck.read_layer(0)
         parts = [ck.read_layer(0, 4, r) for r in range(4)]
     i = full.intermediate
-    gate = torch.cat([p.w13[:, :p.intermediate] for p in parts], 1)
-    up = torch.cat([p.w13[:, p.intermediate:] for p in parts], 1)
+    gate = torch.cat([p.w13[:, : p.intermediate] for p in parts], 1)
+    up = torch.cat([p.w13[:, p.intermediate :] for p in parts], 1)
     assert torch.equal(torch.cat([gate, up], 1), full.w13) and gate.shape[1] == i
     assert torch.equal(torch.cat([p.w2 for p in parts], 2), full.w2)
 
 
-@pytest.mark.parametrize("sample,tp,rank,words", [
-    ("mixtral-bf16", 3, 0, ["tp=3 does not divide the intermediate size 464"]),
-    ("deepseek-v3-fp8", 4, 0, ["intermediate 64 per rank", "128", "(fix: tp in [1, 2]"]),
-    ("deepseek-r1-nvfp4", 8, 0, ["intermediate 40 per rank", "16-value NVFP4"]),
-    ("gpt-oss-mxfp4", 8, 5, ["rank 5 gets no intermediate rows", "10 MXFP4 blocks"]),
-    ("qwen3-moe-bf16", 2, 2, ["rank 2 of 2 is not valid"]),
-])
+@pytest.mark.parametrize(
+    "sample,tp,rank,words",
+    [
+        ("mixtral-bf16", 3, 0, ["tp=3 does not divide the intermediate size 464"]),
+        ("deepseek-v3-fp8", 4, 0, ["intermediate 64 per rank", "128", "(fix: tp in [1, 2]"]),
+        ("deepseek-r1-nvfp4", 8, 0, ["intermediate 40 per rank", "16-value NVFP4"]),
+        ("gpt-oss-mxfp4", 8, 5, ["rank 5 gets no intermediate rows", "10 MXFP4 blocks"]),
+        ("qwen3-moe-bf16", 2, 2, ["rank 2 of 2 is not valid"]),
+    ],
+)
 def test_tp_misalignment_is_a_clear_error(sample, tp, rank, words):
     with open_checkpoint(sample_path(sample)) as ck, pytest.raises(CheckpointError) as info:
         ck.read_layer(ck.moe_layers[0], tp, rank)
@@ -227,7 +246,9 @@ def test_wrong_shape_names_tensor_expected_and_found(tmp_path):
 
 def test_wrong_dtype_names_tensor_expected_and_found(tmp_path):
     name = "model.layers.0.mlp.experts.5.down_proj.weight_scale_2"
-    path = copy_checkpoint("deepseek-r1-nvfp4", tmp_path / "c", lambda t: t.__setitem__(name, t[name].to(torch.bfloat16)))
+    path = copy_checkpoint(
+        "deepseek-r1-nvfp4", tmp_path / "c", lambda t: t.__setitem__(name, t[name].to(torch.bfloat16))
+    )
     _raises(path, name, "expected F32", "found BF16")
 
 
@@ -243,18 +264,24 @@ def test_unknown_naming_convention(tmp_path):
             t[k.replace("gate_proj", "w_in")] = t.pop(k)
 
     path = copy_checkpoint("qwen3-moe-bf16", tmp_path / "c", rename)
-    msg = _raises(path, "follow no known naming convention", "experts.0.w_in.weight", "conventions.py", exc=CheckpointError)
+    msg = _raises(
+        path, "follow no known naming convention", "experts.0.w_in.weight", "conventions.py", exc=CheckpointError
+    )
     assert "gpt-oss-mxfp4" in msg
 
 
 def test_no_experts_at_all(tmp_path):
-    path = copy_checkpoint("qwen3-moe-bf16", tmp_path / "c", lambda t: [t.pop(k) for k in [k for k in t if ".experts." in k]])
+    path = copy_checkpoint(
+        "qwen3-moe-bf16", tmp_path / "c", lambda t: [t.pop(k) for k in [k for k in t if ".experts." in k]]
+    )
     with pytest.raises(CheckpointError, match="no MoE expert tensors"):
         open_checkpoint(path)
 
 
 def test_missing_config_key_and_file(tmp_path):
-    path = copy_checkpoint("qwen3-moe-bf16", tmp_path / "c", config=lambda c: {k: v for k, v in c.items() if k != "moe_intermediate_size"})
+    path = copy_checkpoint(
+        "qwen3-moe-bf16", tmp_path / "c", config=lambda c: {k: v for k, v in c.items() if k != "moe_intermediate_size"}
+    )
     _raises(path, "moe_intermediate_size", "config.json")
     (path / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="no config.json"):

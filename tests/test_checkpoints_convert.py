@@ -33,7 +33,11 @@ SAMPLES = list(gen.SAMPLES)
 def same_bytes(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def all_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -83,8 +87,9 @@ def test_conversion_moves_bytes_like_the_drop_ins(tmp_path):
     t, c = all_tensors(tmp_path / "t"), all_tensors(tmp_path / "c")
     pre = "model.layers.1.mlp.experts."
     spec = prepare.MoELayerSpec(layer.intermediate, layer.hidden, weight_block_size=[128, 128])
-    w13, w2, s13, s2 = prepare.prepare_fp8_moe_layer_for_fi(spec, layer.w13, layer.w2, layer.w13_scale, None,
-                                                            layer.w2_scale, None, is_trtllm=True)
+    w13, w2, s13, s2 = prepare.prepare_fp8_moe_layer_for_fi(
+        spec, layer.w13, layer.w2, layer.w13_scale, None, layer.w2_scale, None, is_trtllm=True
+    )
     assert same_bytes(t[pre + "w13_weight"], w13) and same_bytes(t[pre + "w2_weight"], w2)
     assert same_bytes(c[pre + "w13_weight"], prepare.swap_w13_to_w31(layer.w13))
     # convert moves bytes only: the dead expert's scales stay as they are (prepare clamps them)
@@ -103,20 +108,33 @@ def quantized_layer(fmt: str, experts: int, inter: int, hidden: int, seed: int) 
         return MoELayer(fmt, w13.to(torch.bfloat16), w2.to(torch.bfloat16), None, None, inter, hidden)
     if fmt == "fp8-block":
         qs = [formats.get(fmt).quantize(t) for t in (w13[:, :inter], w13[:, inter:], w2)]
-        return MoELayer(fmt, torch.cat([qs[0].values, qs[1].values], 1), qs[2].values,
-                        torch.cat([qs[0].scales, qs[1].scales], 1), qs[2].scales, inter, hidden)
+        return MoELayer(
+            fmt,
+            torch.cat([qs[0].values, qs[1].values], 1),
+            qs[2].values,
+            torch.cat([qs[0].scales, qs[1].scales], 1),
+            qs[2].scales,
+            inter,
+            hidden,
+        )
     if fmt == "nvfp4":
         q13, q2 = formats.get(fmt).quantize(w13), formats.get(fmt).quantize(w2)
-        extras = {"w13_weight_scale_2": (1 / q13.global_scale)[:, None].expand(-1, 2).contiguous(),
-                  "w2_weight_scale_2": 1 / q2.global_scale}
+        extras = {
+            "w13_weight_scale_2": (1 / q13.global_scale)[:, None].expand(-1, 2).contiguous(),
+            "w2_weight_scale_2": 1 / q2.global_scale,
+        }
         return MoELayer(fmt, q13.values, q2.values, q13.scales, q2.scales, inter, hidden, extras)
     q13, q2 = formats.get(fmt).quantize(w13), formats.get(fmt).quantize(w2)
     return MoELayer(fmt, q13.values, q2.values, q13.scales, q2.scales, inter, hidden)
 
 
-FORMAT_SHAPES = [(f, b, i, h) for f in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4") for b in ("trtllm", "cutlass")
-                 for i, h in ((128, 256), (96, 160))
-                 if not (f == "fp8-block" and i % 128) and not (f == "nvfp4" and b == "trtllm" and i % 64)]
+FORMAT_SHAPES = [
+    (f, b, i, h)
+    for f in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
+    for b in ("trtllm", "cutlass")
+    for i, h in ((128, 256), (96, 160))
+    if not (f == "fp8-block" and i % 128) and not (f == "nvfp4" and b == "trtllm" and i % 64)
+]
 
 
 @pytest.mark.parametrize("fmt,backend,inter,hidden", FORMAT_SHAPES)
@@ -150,8 +168,16 @@ def test_reference_forward_identical_after_convert_and_restore(tmp_path, sample)
                 assert torch.equal(layer_forward(original, x, ids, weights), layer_forward(restored, x, ids, weights))
 
 
-@pytest.mark.parametrize("sample,tp", [("deepseek-v3-fp8", 2), ("qwen3-moe-bf16", 8), ("mixtral-bf16", 4),
-                                       ("deepseek-r1-nvfp4", 4), ("gpt-oss-mxfp4", 4)])
+@pytest.mark.parametrize(
+    "sample,tp",
+    [
+        ("deepseek-v3-fp8", 2),
+        ("qwen3-moe-bf16", 8),
+        ("mixtral-bf16", 4),
+        ("deepseek-r1-nvfp4", 4),
+        ("gpt-oss-mxfp4", 4),
+    ],
+)
 def test_tp_shards_sum_to_the_full_layer(sample, tp):
     """Row-parallel MoE: the ranks' partial outputs add up to the unsharded layer's output."""
     with open_checkpoint(sample_path(sample)) as ck:
@@ -201,11 +227,13 @@ def _loop_forward(x, w13, w2, ids, weights, act) -> torch.Tensor:
 
 
 ACTS = {  # activation name -> (projections in w13, the activation on one token's w13 output, written out here)
-    "silu": (2, lambda h: h[: h.shape[0] // 2] / (1 + torch.exp(-h[: h.shape[0] // 2])) * h[h.shape[0] // 2:]),
-    "swiglu": (2, lambda h: h[: h.shape[0] // 2] / (1 + torch.exp(-h[: h.shape[0] // 2])) * h[h.shape[0] // 2:]),
+    "silu": (2, lambda h: h[: h.shape[0] // 2] / (1 + torch.exp(-h[: h.shape[0] // 2])) * h[h.shape[0] // 2 :]),
+    "swiglu": (2, lambda h: h[: h.shape[0] // 2] / (1 + torch.exp(-h[: h.shape[0] // 2])) * h[h.shape[0] // 2 :]),
     "relu2": (1, lambda h: torch.clamp(h, min=0) ** 2),
-    "geglu": (2, lambda h: 0.5 * h[: h.shape[0] // 2] * (1 + torch.erf(h[: h.shape[0] // 2] / 2 ** 0.5))
-              * h[h.shape[0] // 2:]),
+    "geglu": (
+        2,
+        lambda h: 0.5 * h[: h.shape[0] // 2] * (1 + torch.erf(h[: h.shape[0] // 2] / 2**0.5)) * h[h.shape[0] // 2 :],
+    ),
 }
 
 
@@ -260,7 +288,9 @@ def test_failed_convert_keeps_an_existing_output(tmp_path):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"previous")
     with pytest.raises(CheckpointError, match="cannot be laid out for trtllm"):
-        convert_checkpoint(sample_path("deepseek-r1-nvfp4"), out, "trtllm", 2, 0, intermediate_alignment=16)  # 2*160 scale rows % 128
+        convert_checkpoint(
+            sample_path("deepseek-r1-nvfp4"), out, "trtllm", 2, 0, intermediate_alignment=16
+        )  # 2*160 scale rows % 128
     assert out.read_bytes() == b"previous"
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
@@ -279,7 +309,12 @@ def test_cli_inspect_flags_dead_expert_and_tp_needs(capsys):
 
 def test_cli_convert_restore_and_errors(tmp_path, capsys):
     kernel, back = str(tmp_path / "k.safetensors"), str(tmp_path / "back")
-    assert cli_main(["convert", "gpt-oss-mxfp4", kernel, "--backend", "trtllm", "--tp", "2", "--rank", "1", "--no-progress"]) == 0
+    assert (
+        cli_main(
+            ["convert", "gpt-oss-mxfp4", kernel, "--backend", "trtllm", "--tp", "2", "--rank", "1", "--no-progress"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "swizzle_scales_128x4" in out and "tp rank 1 of 2" in out
     assert cli_main(["restore", kernel, back]) == 0

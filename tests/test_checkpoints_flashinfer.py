@@ -37,25 +37,36 @@ def vllm_trtllm_mxfp4(path, tp: int, rank: int, pad_i: int = 256, pad_h: int = 2
         out[tuple(slice(0, n) for n in x.shape)] = x
         return out
 
-    w13 = padded(t["gate_up_proj_blocks"][:, 2 * r0:2 * r1].reshape(e, 2 * (r1 - r0), h // 2), (e, 2 * ip, hp // 2))
-    s13 = padded(t["gate_up_proj_scales"][:, 2 * r0:2 * r1], (e, 2 * ip, hp // 32))
-    w2 = padded(t["down_proj_blocks"][:, :, r0 // 32:r1 // 32].reshape(e, h, (r1 - r0) // 2), (e, hp, ip // 2))
-    s2 = padded(t["down_proj_scales"][:, :, r0 // 32:r1 // 32], (e, hp, ip // 32))
+    w13 = padded(t["gate_up_proj_blocks"][:, 2 * r0 : 2 * r1].reshape(e, 2 * (r1 - r0), h // 2), (e, 2 * ip, hp // 2))
+    s13 = padded(t["gate_up_proj_scales"][:, 2 * r0 : 2 * r1], (e, 2 * ip, hp // 32))
+    w2 = padded(t["down_proj_blocks"][:, :, r0 // 32 : r1 // 32].reshape(e, h, (r1 - r0) // 2), (e, hp, ip // 2))
+    s2 = padded(t["down_proj_scales"][:, :, r0 // 32 : r1 // 32], (e, hp, ip // 32))
 
     def swap_every_two_rows(x):
         return x.reshape(x.shape[0], -1, 2, x.shape[-1]).flip(2).reshape(x.shape)
 
-    b13 = padded(t["gate_up_proj_bias"][:, 2 * r0:2 * r1], (e, 2 * ip))[..., None]  # rows of one value
-    b2 = (t["down_proj_bias"] if rank == 0 else torch.zeros_like(t["down_proj_bias"]))
+    b13 = padded(t["gate_up_proj_bias"][:, 2 * r0 : 2 * r1], (e, 2 * ip))[..., None]  # rows of one value
+    b2 = t["down_proj_bias"] if rank == 0 else torch.zeros_like(t["down_proj_bias"])
     b2 = padded(b2, (e, hp))[..., None]
     w13, s13, b13 = swap_every_two_rows(w13), swap_every_two_rows(s13), swap_every_two_rows(b13)
     cache: dict = {}
-    out = {"w13_weight": [], "w13_weight_scale": [], "w2_weight": [], "w2_weight_scale": [], "w13_bias": [],
-           "w2_bias": []}
+    out = {
+        "w13_weight": [],
+        "w13_weight_scale": [],
+        "w2_weight": [],
+        "w2_weight_scale": [],
+        "w13_bias": [],
+        "w2_bias": [],
+    }
     for k in range(e):
-        for name, x, sf in (("w13_weight", w13[k], None), ("w13_weight_scale", s13[k], 16),
-                            ("w2_weight", w2[k], None), ("w2_weight_scale", s2[k], 16),
-                            ("w13_bias", b13[k], None), ("w2_bias", b2[k], None)):
+        for name, x, sf in (
+            ("w13_weight", w13[k], None),
+            ("w13_weight_scale", s13[k], 16),
+            ("w2_weight", w2[k], None),
+            ("w2_weight_scale", s2[k], 16),
+            ("w13_bias", b13[k], None),
+            ("w2_bias", b2[k], None),
+        ):
             rows = x[get_w2_permute_indices_with_cache(cache, x, 128, sf)]
             if sf is not None:  # FlashInfer's block_scale_interleave is GPU-only; steps.swizzle_scales_128x4 is
                 rows = steps.swizzle_scales_128x4(*rows.shape).apply(rows[None])[0]  # checked bit-exact against it

@@ -47,17 +47,20 @@ def all_tensors(*files: Path) -> dict[str, torch.Tensor]:
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def rank_slice(name: str, t: torch.Tensor, lo: int, hi: int, v: int) -> torch.Tensor:
     """What TP rank rows ``[lo, hi)`` of the intermediate dim hold of source tensor ``name`` (as engines shard)."""
     leaf = name.split(".experts.", 1)[1]
     if leaf.startswith("gate_up_proj_"):  # gpt-oss: all experts, gate/up rows interleaved g0, u0, g1, u1, ...
-        return t[:, 2 * lo:2 * hi]
+        return t[:, 2 * lo : 2 * hi]
     if leaf in ("down_proj_blocks", "down_proj_scales"):  # whole 32-value blocks along the input dim
-        return t[:, :, lo // 32:hi // 32]
+        return t[:, :, lo // 32 : hi // 32]
     if leaf == "down_proj_bias":  # only rank 0 adds the down bias
         return t if lo == 0 else torch.zeros_like(t)
     _, proj, suffix = leaf.split(".", 2)  # "<expert>.<projection>.<suffix>"
@@ -66,20 +69,20 @@ def rank_slice(name: str, t: torch.Tensor, lo: int, hi: int, v: int) -> torch.Te
     if proj in ("w1", "w3", "gate_proj", "up_proj"):  # rows, for weights and their per-row scales alike
         return t[lo:hi]
     per_column = {"weight": v, "weight_scale": 16}[suffix]  # down: columns (packed bytes, or per-16 scales)
-    return t[:, lo // per_column:hi // per_column]
+    return t[:, lo // per_column : hi // per_column]
 
 
 def rewrite_metadata(src: Path, dst: Path, edit) -> Path:
     """A copy of kernel file ``src`` at ``dst`` whose ``fimoe_lab`` metadata JSON went through ``edit(meta)``."""
     raw = src.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     meta = json.loads(header["__metadata__"]["fimoe_lab"])
     edit(meta)
     header["__metadata__"]["fimoe_lab"] = json.dumps(meta)
     new = json.dumps(header).encode()
     new += b" " * (-len(new) % 8)
-    dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
     return dst
 
 
@@ -100,8 +103,11 @@ def test_v1_fixture_restores_to_the_source_bytes(tmp_path, fixture, sample, back
     """Restored with today's code, compared with the source read by safetensors directly (not our reader)."""
     out = restore_checkpoint(FIXTURES / f"{fixture}.safetensors", tmp_path / "restored")
     src = sample_path(sample)
-    source = {k: t for k, t in all_tensors(*sorted(src.glob("*.safetensors"))).items()
-              if ".experts." in k and "shared_experts" not in k}
+    source = {
+        k: t
+        for k, t in all_tensors(*sorted(src.glob("*.safetensors"))).items()
+        if ".experts." in k and "shared_experts" not in k
+    }
     restored = all_tensors(*sorted(out.glob("*.safetensors")))
     assert set(restored) == set(source)
     for name, t in source.items():
@@ -149,7 +155,9 @@ def test_v2_steps_alone_rebuild_the_file(tmp_path, fixture, sample, backend, tp,
     assert meta["version"] == 2 and "fimoe_lab.prepare" not in json.dumps(meta)
     rec = meta["layers"]["0"]
     args = rec["plan"]["args"]
-    assert rec["plan"] == {"recipe": f"{args['fmt']}/{backend}", "args": args} and rec["plan"]["recipe"] in recipes.RECIPES
+    assert (
+        rec["plan"] == {"recipe": f"{args['fmt']}/{backend}", "args": args} and rec["plan"]["recipe"] in recipes.RECIPES
+    )
     kernel = all_tensors(out)
     with open_checkpoint(sample_path(sample)) as ck:
         layer = ck.read_layer(0, tp, rank)
@@ -178,8 +186,10 @@ def test_v2_steps_alone_rebuild_the_file(tmp_path, fixture, sample, backend, tp,
 @pytest.fixture(scope="module")
 def v2_files(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("v2")
-    return {"mixtral": convert_checkpoint(sample_path("mixtral-bf16"), root / "m.safetensors", "trtllm"),
-            "gpt-oss": convert_checkpoint(sample_path("gpt-oss-mxfp4"), root / "g.safetensors", "cutlass")}
+    return {
+        "mixtral": convert_checkpoint(sample_path("mixtral-bf16"), root / "m.safetensors", "trtllm"),
+        "gpt-oss": convert_checkpoint(sample_path("gpt-oss-mxfp4"), root / "g.safetensors", "cutlass"),
+    }
 
 
 def _param(meta, name="w13", step=3, key="epilogue_tile_m", value=64):
@@ -188,15 +198,36 @@ def _param(meta, name="w13", step=3, key="epilogue_tile_m", value=64):
 
 TAMPERED = [
     ("one parameter", "mixtral", _param, "step 4 is .*epilogue_tile_m': 64"),
-    ("a step dropped", "mixtral", lambda m: m["layers"]["0"]["tensors"]["w2"]["steps"].pop(0), "w2 was written with steps"),
-    ("display names", "mixtral", lambda m: m["layers"]["0"]["tensors"]["w13"].update(steps=["swap_w13_to_w31"]),
-     "was written with steps"),
-    ("another recipe", "mixtral", lambda m: m["layers"]["0"]["plan"].update(recipe="bf16/cutlass"),
-     "recipe 'bf16/cutlass' does not match its arguments"),
-    ("unknown recipe", "mixtral", lambda m: m["layers"]["0"]["plan"].update(recipe="int4/trtllm"),
-     "unknown layout recipe 'int4/trtllm'"),
-    ("bias rows", "gpt-oss", lambda m: m["layers"]["0"]["extras"]["w13_bias"].update(rows_of="w2"),
-     "w13_bias was written with steps"),
+    (
+        "a step dropped",
+        "mixtral",
+        lambda m: m["layers"]["0"]["tensors"]["w2"]["steps"].pop(0),
+        "w2 was written with steps",
+    ),
+    (
+        "display names",
+        "mixtral",
+        lambda m: m["layers"]["0"]["tensors"]["w13"].update(steps=["swap_w13_to_w31"]),
+        "was written with steps",
+    ),
+    (
+        "another recipe",
+        "mixtral",
+        lambda m: m["layers"]["0"]["plan"].update(recipe="bf16/cutlass"),
+        "recipe 'bf16/cutlass' does not match its arguments",
+    ),
+    (
+        "unknown recipe",
+        "mixtral",
+        lambda m: m["layers"]["0"]["plan"].update(recipe="int4/trtllm"),
+        "unknown layout recipe 'int4/trtllm'",
+    ),
+    (
+        "bias rows",
+        "gpt-oss",
+        lambda m: m["layers"]["0"]["extras"]["w13_bias"].update(rows_of="w2"),
+        "w13_bias was written with steps",
+    ),
     ("newer version", "mixtral", lambda m: m.update(version=3), "metadata version 3"),
 ]
 

@@ -45,8 +45,24 @@ def test_demo_main_job_round_trips_every_sample(tmp_path, capsys):
 
 
 def test_plan_traces_a_byte_and_checks_every_format(capsys):
-    assert main(["plan", "--format", "mxfp8", "--backend", "trtllm", "--intermediate", "96", "--hidden", "160",
-                 "--where", "5,3"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--format",
+                "mxfp8",
+                "--backend",
+                "trtllm",
+                "--intermediate",
+                "96",
+                "--hidden",
+                "160",
+                "--where",
+                "5,3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "input of swap_w13_to_w31" in out and "pad_projections" in out
     assert main(["plan"]) == 0
@@ -122,17 +138,47 @@ def test_bad_where_is_a_usage_error_or_bad_input(capsys):
         main(["plan", "--format", "mxfp8", "--backend", "trtllm", "--where", "5,x"])
     assert exit_.value.code == 2
     assert "--where takes comma-separated integers >= 0 like 5,3, got '5,x'" in capsys.readouterr().err
-    assert main(["plan", "--format", "mxfp8", "--backend", "trtllm", "--intermediate", "96", "--hidden", "160",
-                 "--where", "500,3"]) == EXIT_BAD_INPUT
+    assert (
+        main(
+            [
+                "plan",
+                "--format",
+                "mxfp8",
+                "--backend",
+                "trtllm",
+                "--intermediate",
+                "96",
+                "--hidden",
+                "160",
+                "--where",
+                "500,3",
+            ]
+        )
+        == EXIT_BAD_INPUT
+    )
     line = _stderr_line(capsys)
-    assert line == ("error: plan --where on mxfp8 trtllm w13: "
-                    "coordinate (500, 3) is outside the output shape (256, 256) (bytes)")
+    assert line == (
+        "error: plan --where on mxfp8 trtllm w13: coordinate (500, 3) is outside the output shape (256, 256) (bytes)"
+    )
 
 
 def test_impossible_alignment_is_bad_input(tmp_path, capsys):
     out = tmp_path / "k.safetensors"
-    assert main(["convert", "deepseek-r1-nvfp4", str(out), "--backend", "trtllm",
-                 "--intermediate-alignment", "24", "--no-progress"]) == EXIT_BAD_INPUT
+    assert (
+        main(
+            [
+                "convert",
+                "deepseek-r1-nvfp4",
+                str(out),
+                "--backend",
+                "trtllm",
+                "--intermediate-alignment",
+                "24",
+                "--no-progress",
+            ]
+        )
+        == EXIT_BAD_INPUT
+    )
     line = _stderr_line(capsys)
     assert line.startswith("error: convert: layer 0 (nvfp4") and "cannot be laid out for trtllm" in line
     assert not out.exists()
@@ -149,13 +195,30 @@ def test_goldens_with_nothing_to_replay_exits_2(tmp_path, monkeypatch, capsys):
 
 def test_tune_with_counts_the_snapshot_does_not_know_exits_3(capsys):
     pytest.importorskip("pandas")
-    assert main(["tune", "--model", "deepseek-v3", "--format", "bf16", "--tp", "8", "--source", "snapshot",
-                 "--tokens", "1,1000000"]) == EXIT_NO_ANSWER
+    assert (
+        main(
+            [
+                "tune",
+                "--model",
+                "deepseek-v3",
+                "--format",
+                "bf16",
+                "--tp",
+                "8",
+                "--source",
+                "snapshot",
+                "--tokens",
+                "1,1000000",
+            ]
+        )
+        == EXIT_NO_ANSWER
+    )
     captured = capsys.readouterr()
     assert "inter_align" in captured.out and "recommended: " in captured.out  # the table is still printed
     (line,) = captured.err.splitlines()
-    unknown = re.match(r"no answer: (\d+) of (\d+) tactic counts are unknown to this source \(not in the snapshot",
-                       line)
+    unknown = re.match(
+        r"no answer: (\d+) of (\d+) tactic counts are unknown to this source \(not in the snapshot", line
+    )
     assert unknown and 2 * int(unknown[1]) == int(unknown[2]), line  # every row's count at 1e6 tokens, none at 1
 
 
@@ -198,9 +261,13 @@ def test_internal_error_is_one_line_exit_1_and_debug_shows_the_traceback():
 
 def test_bad_input_errors_name_their_context_once():
     assert _report(LayoutError("I 100 is not a multiple of 128", fix="pad it")) == (
-        EXIT_BAD_INPUT, "error: plan: I 100 is not a multiple of 128 (fix: pad it)\n")
+        EXIT_BAD_INPUT,
+        "error: plan: I 100 is not a multiple of 128 (fix: pad it)\n",
+    )
     assert _report(CheckpointError("bad file", fix="rewrite it").within("restore x.safetensors")) == (
-        EXIT_BAD_INPUT, "error: restore x.safetensors: bad file (fix: rewrite it)\n")
+        EXIT_BAD_INPUT,
+        "error: restore x.safetensors: bad file (fix: rewrite it)\n",
+    )
     missing = _raised(FileNotFoundError(2, "No such file or directory", "/no/such/file"))
     assert _report(missing, "goldens") == (EXIT_BAD_INPUT, "error: goldens: No such file or directory: /no/such/file\n")
     assert _report(KeyboardInterrupt()) == (EXIT_INTERRUPTED, "interrupted\n")

@@ -61,8 +61,17 @@ def test_identity_moves_nothing():
     assert plan.moved == 0 and plan.saved.size == 0
 
 
-@pytest.mark.parametrize("fmt,name", [("fp8", "w13"), ("fp8-block", "w13"), ("fp8-block", "w2"),
-                                      ("nvfp4", "w13_scale"), ("mxfp8", "w2_scale"), ("bf16", "w13")])
+@pytest.mark.parametrize(
+    "fmt,name",
+    [
+        ("fp8", "w13"),
+        ("fp8-block", "w13"),
+        ("fp8-block", "w2"),
+        ("nvfp4", "w13_scale"),
+        ("mxfp8", "w2_scale"),
+        ("bf16", "w13"),
+    ],
+)
 @pytest.mark.parametrize("tile", [1, 5, 128])
 def test_layer_maps(fmt, name, tile):
     em = plan_layer(fmt, "trtllm", 256, 512).maps()[name].compiled()
@@ -76,8 +85,9 @@ def test_cycle_order_lists_each_cycle_source_after_cell():
     assert leader.tolist() == [0, 0, 2, 0, 0, 5, 5]
 
 
-@pytest.mark.parametrize("src,n_in,fill", [([0, 0, 1], 3, False), ([0, 1], 3, False), ([1, 0], 2, True),
-                                           ([1, -1], 2, False)])
+@pytest.mark.parametrize(
+    "src,n_in,fill", [([0, 0, 1], 3, False), ([0, 1], 3, False), ([1, 0], 2, True), ([1, -1], 2, False)]
+)
 def test_not_a_permutation_is_refused(src, n_in, fill):
     with pytest.raises(ValueError, match="not a permutation"):
         plan_permutation(np.array(src, dtype=np.int32), n_in, fill, 4)

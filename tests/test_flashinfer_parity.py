@@ -26,7 +26,9 @@ ETM = st.sampled_from([64, 128])
 @given(rows=ROWS, cols=COLS, etm=ETM)
 def test_epilogue_shuffle_rows(rows, cols, etm):
     x = random_bytes((rows, cols), torch.uint8, seed=rows)
-    assert torch.equal(fi_utils.get_shuffle_matrix_a_row_indices(x, etm), steps.shuffle_rows_for_epilogue(rows, cols, etm).src)
+    assert torch.equal(
+        fi_utils.get_shuffle_matrix_a_row_indices(x, etm), steps.shuffle_rows_for_epilogue(rows, cols, etm).src
+    )
     ours = steps.shuffle_rows_for_epilogue(rows, cols, etm).apply(x[None])[0]
     assert torch.equal(flashinfer.shuffle_matrix_a(x, etm), ours)
 
@@ -43,15 +45,21 @@ def test_scale_shuffle_rows(rows, cols, etm, sf):
 @given(rows=st.integers(1, 64).map(lambda k: 2 * k), cols=COLS)
 def test_gated_interleave(rows, cols):
     x = random_bytes((rows, cols), torch.uint8, seed=rows + cols)
-    assert torch.equal(fi_core.get_reorder_rows_for_gated_act_gemm_row_indices(x), steps.interleave_rows_for_gated_act(rows, cols).src)
-    assert torch.equal(fi_core.reorder_rows_for_gated_act_gemm(x), steps.interleave_rows_for_gated_act(rows, cols).apply(x[None])[0])
+    assert torch.equal(
+        fi_core.get_reorder_rows_for_gated_act_gemm_row_indices(x), steps.interleave_rows_for_gated_act(rows, cols).src
+    )
+    assert torch.equal(
+        fi_core.reorder_rows_for_gated_act_gemm(x), steps.interleave_rows_for_gated_act(rows, cols).apply(x[None])[0]
+    )
 
 
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 40), kblocks=st.integers(1, 6), block=st.sampled_from([32, 64, 128]))
 def test_block_major_k(rows, kblocks, block):
     x = random_bytes((rows, kblocks * block), torch.uint8, seed=rows)
-    assert torch.equal(fi_core.convert_to_block_layout(x, block), steps.block_major_k(rows, kblocks * block, block).apply(x[None])[0])
+    assert torch.equal(
+        fi_core.convert_to_block_layout(x, block), steps.block_major_k(rows, kblocks * block, block).apply(x[None])[0]
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -59,10 +67,14 @@ def test_block_major_k(rows, kblocks, block):
 def test_w3_w1_and_w2_permute_indices(rows, cols, etm, gated):
     x = random_bytes((rows, cols), torch.uint8, seed=rows)
     ref = fi_core._maybe_get_cached_w3_w1_permute_indices({}, x, etm, is_gated_act_gemm=gated)
-    ours = compose(*([steps.interleave_rows_for_gated_act(rows, cols)] if gated else []),
-                   steps.shuffle_rows_for_epilogue(rows, cols, etm))
+    ours = compose(
+        *([steps.interleave_rows_for_gated_act(rows, cols)] if gated else []),
+        steps.shuffle_rows_for_epilogue(rows, cols, etm),
+    )
     assert torch.equal(ref, ours.src)
-    assert torch.equal(fi_core.get_w2_permute_indices_with_cache({}, x, etm), steps.shuffle_rows_for_epilogue(rows, cols, etm).src)
+    assert torch.equal(
+        fi_core.get_w2_permute_indices_with_cache({}, x, etm), steps.shuffle_rows_for_epilogue(rows, cols, etm).src
+    )
 
 
 @settings(max_examples=15, deadline=None)
@@ -90,7 +102,9 @@ def test_bf16_block_layout_vs_flashinfer_per_expert_loop(intermediate, hidden, g
             idx = (idx + x.shape[0] // 2) % x.shape[0]
         expected13.append(fi_core.convert_to_block_layout(x[idx].contiguous(), 128))
         y = w2[e].view(torch.uint8)
-        expected2.append(fi_core.convert_to_block_layout(y[fi_core.get_w2_permute_indices_with_cache({}, y, 128)].contiguous(), 128))
+        expected2.append(
+            fi_core.convert_to_block_layout(y[fi_core.get_w2_permute_indices_with_cache({}, y, 128)].contiguous(), 128)
+        )
     o13, o2 = prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, w13, w2, gated)
     assert same_bytes(o13.view(torch.uint8), torch.stack(expected13))
     assert same_bytes(o2.view(torch.uint8), torch.stack(expected2))
@@ -106,8 +120,12 @@ def test_block_layout_fills_the_callers_cache_as_flashinfer_would(gated):
     prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(cache, w13.clone(), w2.clone(), gated)
     fresh: dict = {}
     x13, x2 = w13[0].view(torch.uint8), w2[0].view(torch.uint8)
-    assert torch.equal(fi_core._maybe_get_cached_w3_w1_permute_indices(cache, x13, 128, is_gated_act_gemm=gated),
-                       fi_core._maybe_get_cached_w3_w1_permute_indices(fresh, x13, 128, is_gated_act_gemm=gated))
-    assert torch.equal(fi_core.get_w2_permute_indices_with_cache(cache, x2, 128),
-                       fi_core.get_w2_permute_indices_with_cache(fresh, x2, 128))
+    assert torch.equal(
+        fi_core._maybe_get_cached_w3_w1_permute_indices(cache, x13, 128, is_gated_act_gemm=gated),
+        fi_core._maybe_get_cached_w3_w1_permute_indices(fresh, x13, 128, is_gated_act_gemm=gated),
+    )
+    assert torch.equal(
+        fi_core.get_w2_permute_indices_with_cache(cache, x2, 128),
+        fi_core.get_w2_permute_indices_with_cache(fresh, x2, 128),
+    )
     assert set(cache) == set(fresh)

@@ -55,11 +55,35 @@ def test_every_e2m1_code_decodes_and_reencodes_to_itself():
 @pytest.mark.parametrize(
     "x, code",
     [
-        (0.25, 0), (next_up(0.25), 1), (0.5, 1), (next_down(0.75), 1), (0.75, 2), (1.25, 2),
-        (next_up(1.25), 3), (next_down(1.75), 3), (1.75, 4), (2.5, 4), (next_up(2.5), 5), (3.5, 6),
-        (next_down(3.5), 5), (5.0, 6), (next_up(5.0), 7), (6.0, 7), (6.5, 7), (1e30, 7), (math.inf, 7),
-        (-0.25, 8), (-0.75, 10), (-5.0, 14), (-math.inf, 15), (-0.1, 8), (-0.0, 8), (0.0, 0),
-        (1e-40, 0), (-1e-40, 8), (math.nan, 7),
+        (0.25, 0),
+        (next_up(0.25), 1),
+        (0.5, 1),
+        (next_down(0.75), 1),
+        (0.75, 2),
+        (1.25, 2),
+        (next_up(1.25), 3),
+        (next_down(1.75), 3),
+        (1.75, 4),
+        (2.5, 4),
+        (next_up(2.5), 5),
+        (3.5, 6),
+        (next_down(3.5), 5),
+        (5.0, 6),
+        (next_up(5.0), 7),
+        (6.0, 7),
+        (6.5, 7),
+        (1e30, 7),
+        (math.inf, 7),
+        (-0.25, 8),
+        (-0.75, 10),
+        (-5.0, 14),
+        (-math.inf, 15),
+        (-0.1, 8),
+        (-0.0, 8),
+        (0.0, 0),
+        (1e-40, 0),
+        (-1e-40, 8),
+        (math.nan, 7),
     ],
 )
 def test_e2m1_ties_to_even_saturation_signed_zero_and_nan(x, code):
@@ -130,9 +154,21 @@ def test_e4m3_rounds_to_nearest_even_at_every_midpoint_incl_subnormals():
 
 @pytest.mark.parametrize(
     "x, byte",
-    [(448.0, 0x7E), (463.9, 0x7E), (464.0, 0x7E), (465.0, 0x7E), (1e30, 0x7E), (math.inf, 0x7E),
-     (-500.0, 0xFE), (-math.inf, 0xFE), (math.nan, 0x7F), (-math.nan, 0x7F), (2.0**-10, 0x00),
-     (next_up(2.0**-10), 0x01), (-1e-5, 0x80)],
+    [
+        (448.0, 0x7E),
+        (463.9, 0x7E),
+        (464.0, 0x7E),
+        (465.0, 0x7E),
+        (1e30, 0x7E),
+        (math.inf, 0x7E),
+        (-500.0, 0xFE),
+        (-math.inf, 0xFE),
+        (math.nan, 0x7F),
+        (-math.nan, 0x7F),
+        (2.0**-10, 0x00),
+        (next_up(2.0**-10), 0x01),
+        (-1e-5, 0x80),
+    ],
 )
 def test_e4m3_saturates_like_satfinite_and_nan_is_0x7f(x, byte):
     assert codes.e4m3_encode(torch.tensor([x])).item() == byte
@@ -166,13 +202,24 @@ def test_ftz_flushes_subnormals_to_signed_zero_only():
 @pytest.mark.parametrize(
     "x_bits, hw_bits",
     [  # measured on an H200 with rcp.approx.ftz.f32
-        (0x3F80E832, 0x3F7E32E1), (0x3F8146CF, 0x3F7D78D7), (0x3FF904DD, 0x3F03969F),  # RN + 1 ulp
-        (0x3F8005A9, 0x3F7FF4AE), (0x3FDDF2D5, 0x3F13A347),  # RN - 1 ulp
-        (0x3F800001, 0x3F7FFFFE), (0x3FC74496, 0x3F247122),  # RN
-        (0x40C00000, 0x3E2AAAAB), (0x43E00000, 0x3B124925), (0x39C30C31, 0x45280000),  # 6, 448, f32(1/2688)
-        (0x00000000, 0x7F800000), (0x80000000, 0xFF800000), (0x000116C2, 0x7F800000),  # 0, -0, subnormal
-        (0x7E800000, 0x00800000), (0x7EC00000, 0x00000000), (0x7F800000, 0x00000000),  # 2^126, 1.5*2^126, inf
-        (0xC0C00000, 0xBE2AAAAB), (0x00800000, 0x7E800000),
+        (0x3F80E832, 0x3F7E32E1),
+        (0x3F8146CF, 0x3F7D78D7),
+        (0x3FF904DD, 0x3F03969F),  # RN + 1 ulp
+        (0x3F8005A9, 0x3F7FF4AE),
+        (0x3FDDF2D5, 0x3F13A347),  # RN - 1 ulp
+        (0x3F800001, 0x3F7FFFFE),
+        (0x3FC74496, 0x3F247122),  # RN
+        (0x40C00000, 0x3E2AAAAB),
+        (0x43E00000, 0x3B124925),
+        (0x39C30C31, 0x45280000),  # 6, 448, f32(1/2688)
+        (0x00000000, 0x7F800000),
+        (0x80000000, 0xFF800000),
+        (0x000116C2, 0x7F800000),  # 0, -0, subnormal
+        (0x7E800000, 0x00800000),
+        (0x7EC00000, 0x00000000),
+        (0x7F800000, 0x00000000),  # 2^126, 1.5*2^126, inf
+        (0xC0C00000, 0xBE2AAAAB),
+        (0x00800000, 0x7E800000),
     ],
 )
 def test_rcp_approx_reproduces_measured_hardware_results(x_bits, hw_bits):

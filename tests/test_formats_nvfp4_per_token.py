@@ -158,7 +158,9 @@ def test_cuda_input_gives_the_same_bytes_on_the_same_device():
 
 @pytest.mark.gpu
 @pytest.mark.flashinfer
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] < 10, reason="FlashInfer's kernel needs sm_100+")
+@pytest.mark.skipif(
+    not HAS_CUDA or torch.cuda.get_device_capability()[0] < 10, reason="FlashInfer's kernel needs sm_100+"
+)
 def test_matches_flashinfer_nvfp4_quantize_per_token_on_blackwell():
     flashinfer = pytest.importorskip("flashinfer")
     g = torch.Generator().manual_seed(14)
@@ -166,7 +168,9 @@ def test_matches_flashinfer_nvfp4_quantize_per_token_on_blackwell():
     x[7] = 0  # all-zero row: 0x7F scale bytes
     ours = quantize_nvfp4_per_token_input(x)
     theirs = flashinfer.nvfp4_quantize(
-        x, nvfp4_per_token.NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, sfLayout=flashinfer.SfLayout.layout_linear,
+        x,
+        nvfp4_per_token.NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE,
+        sfLayout=flashinfer.SfLayout.layout_linear,
         per_token_activation=True,
     )
     for a, b in zip(ours, theirs):

@@ -179,7 +179,11 @@ def test_wrong_last_dim_says_the_constraint_the_shape_and_the_fix(fmt, multiple)
     with pytest.raises(ValueError) as err:
         formats.get(fmt).quantize(x)
     msg = str(err.value)
-    assert f"multiple of {multiple}" in msg and f"(4, {multiple + 8})" in msg and f"pad the last dim to {2 * multiple}" in msg
+    assert (
+        f"multiple of {multiple}" in msg
+        and f"(4, {multiple + 8})" in msg
+        and f"pad the last dim to {2 * multiple}" in msg
+    )
 
 
 @pytest.mark.parametrize("fmt", ALL)

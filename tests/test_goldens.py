@@ -83,4 +83,6 @@ def test_pickled_golden_files_are_refused(tmp_path):
 
 def test_hidden_alignment_table():
     assert prepare.trtllm_nvfp4_hidden_alignment(True, False) == 512
-    assert {prepare.trtllm_nvfp4_hidden_alignment(a, b) for a, b in [(False, False), (False, True), (True, True)]} == {256}
+    assert {prepare.trtllm_nvfp4_hidden_alignment(a, b) for a, b in [(False, False), (False, True), (True, True)]} == {
+        256
+    }

@@ -46,7 +46,9 @@ def all_maps():
     for fmt, inter, hidden, kw in CASES:
         plan = plan_layer(fmt, "trtllm", inter, hidden, **kw)
         for name, m in plan.maps().items():
-            out.append(pytest.param(m, id=f"{fmt}-{inter}x{hidden}-{'-'.join(f'{k}{v}' for k, v in kw.items())}-{name}"))
+            out.append(
+                pytest.param(m, id=f"{fmt}-{inter}x{hidden}-{'-'.join(f'{k}{v}' for k, v in kw.items())}-{name}")
+            )
     return out
 
 
@@ -110,8 +112,12 @@ def test_unaligned_buffers_fall_back_to_narrow_words(backend):
 @pytest.mark.parametrize("experts,scratch", [(5, 1), (7, 3), (3, None)])
 def test_in_place_matches_out_of_place(backend, experts, scratch):
     # rows of 512 and 2048 bytes (numba: generic path and cycle plan), scales, 128-byte blocks
-    for m in (plan_layer("fp8", "trtllm", 256, 512).w13, plan_layer("fp8", "trtllm", 256, 2048).w13,
-              plan_layer("nvfp4", "trtllm", 256, 512).w13_scale, plan_layer("bf16", "trtllm", 256, 256).w2):
+    for m in (
+        plan_layer("fp8", "trtllm", 256, 512).w13,
+        plan_layer("fp8", "trtllm", 256, 2048).w13,
+        plan_layer("nvfp4", "trtllm", 256, 512).w13_scale,
+        plan_layer("bf16", "trtllm", 256, 256).w2,
+    ):
         for x in (random_bytes((experts, m.in_bytes), torch.uint8, seed=experts), structured(m, experts)):
             want = reference(m, x)
             execute_in_place(m.compiled(), x, scratch, backend=backend)
@@ -246,11 +252,11 @@ def test_apply_refuses_an_out_that_overlaps_the_input():
         m.apply(x, out=x)
     assert "apply_" in str(info.value)
     buf = random_bytes((3 * x.numel(),), torch.uint8, seed=9)
-    a, b = buf[: x.numel()].view(x.shape), buf[x.numel() // 2: x.numel() // 2 + x.numel()].view(x.shape)
+    a, b = buf[: x.numel()].view(x.shape), buf[x.numel() // 2 : x.numel() // 2 + x.numel()].view(x.shape)
     with pytest.raises(LayoutError, match="overlaps"):
         m.apply(a, out=b)
     assert torch.equal(x, before)
-    c = buf[x.numel():2 * x.numel()].view(x.shape)  # adjacent, not overlapping: fine
+    c = buf[x.numel() : 2 * x.numel()].view(x.shape)  # adjacent, not overlapping: fine
     assert torch.equal(m.apply(a, out=c).reshape(2, -1), reference(m, a))
 
 
@@ -265,8 +271,14 @@ def test_executors_refuse_an_index_map_and_wrong_sizes():
 
 def test_kernels_do_not_import_the_layout_side():
     """The seam is one way: kernels run ExecMaps and never import maps, steps or plans."""
-    banned = ("fimoe_lab.layout", "fimoe_lab.steps", "fimoe_lab.plan", "fimoe_lab.compile", "fimoe_lab.recipes",
-              "fimoe_lab.prepare")
+    banned = (
+        "fimoe_lab.layout",
+        "fimoe_lab.steps",
+        "fimoe_lab.plan",
+        "fimoe_lab.compile",
+        "fimoe_lab.recipes",
+        "fimoe_lab.prepare",
+    )
     root = pathlib.Path(kernels.__file__).parent
     files = sorted(root.glob("*.py"))
     assert len(files) >= 6
@@ -284,12 +296,14 @@ def test_kernels_do_not_import_the_layout_side():
                 continue
             bad = [n for n in names if n.startswith(banned)]
             assert not bad, f"{path.name}:{node.lineno} imports {bad}"
-    code = ("import sys, torch, fimoe_lab.kernels as k; import fimoe_lab.kernels.registry, fimoe_lab.kernels.cycles; "
-            "em = k.ExecMap('p', 4, 4, 2, 2, __import__('numpy').array([1, 0], 'int32'), (), False, 8, 8, True); "
-            "x = torch.arange(4, dtype=torch.int32).view(2, 2); o = torch.empty_like(x); k.execute(em, x, o, 'torch'); "
-            "assert o.tolist() == [[1, 0], [3, 2]], o; "
-            "print(sorted(m for m in sys.modules if m.startswith("
-            f"{banned!r})))")
+    code = (
+        "import sys, torch, fimoe_lab.kernels as k; import fimoe_lab.kernels.registry, fimoe_lab.kernels.cycles; "
+        "em = k.ExecMap('p', 4, 4, 2, 2, __import__('numpy').array([1, 0], 'int32'), (), False, 8, 8, True); "
+        "x = torch.arange(4, dtype=torch.int32).view(2, 2); o = torch.empty_like(x); k.execute(em, x, o, 'torch'); "
+        "assert o.tolist() == [[1, 0], [3, 2]], o; "
+        "print(sorted(m for m in sys.modules if m.startswith("
+        f"{banned!r})))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -311,7 +325,10 @@ def test_maps_are_cached_not_rebuilt():
     assert plan_layer("mxfp8", "trtllm", 256, 512) is plan_layer("mxfp8", "trtllm", 256, 512)
     assert plan_fp4_trtllm_weights(256, 512) is plan_fp4_trtllm_weights(256, 512)
     meta = dict(device="meta")
-    w13, w2 = torch.empty(4, 512, 512, dtype=torch.float8_e4m3fn, **meta), torch.empty(4, 512, 256, dtype=torch.float8_e4m3fn, **meta)
+    w13, w2 = (
+        torch.empty(4, 512, 512, dtype=torch.float8_e4m3fn, **meta),
+        torch.empty(4, 512, 256, dtype=torch.float8_e4m3fn, **meta),
+    )
     s = torch.empty(4, dtype=torch.float32, **meta)
     spec = MoELayerSpec(256, 512)
     a = plan_fp8_moe_layer(spec, w13, w2, s, s, is_trtllm=True)

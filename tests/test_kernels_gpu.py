@@ -20,11 +20,20 @@ pytestmark = pytest.mark.gpu
 GPU_BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
 
 CASES = [
-    ("fp8", 256, 512, {}), ("fp8", 232, 320, dict(is_act_and_mul=False, is_gated=False)), ("fp8", 200, 256, {}),
-    ("fp8-block", 256, 512, {}), ("mxfp8", 256, 512, {}), ("mxfp8", 192, 320, {}), ("nvfp4", 256, 512, {}),
-    ("bf16", 256, 256, {}), ("bf16", 96, 160, {}),
+    ("fp8", 256, 512, {}),
+    ("fp8", 232, 320, dict(is_act_and_mul=False, is_gated=False)),
+    ("fp8", 200, 256, {}),
+    ("fp8-block", 256, 512, {}),
+    ("mxfp8", 256, 512, {}),
+    ("mxfp8", 192, 320, {}),
+    ("nvfp4", 256, 512, {}),
+    ("bf16", 256, 256, {}),
+    ("bf16", 96, 160, {}),
     # production shapes, few experts
-    ("fp8-block", 2048, 7168, {}), ("mxfp8", 2048, 7168, {}), ("nvfp4", 2048, 7168, {}), ("bf16", 1536, 4096, {}),
+    ("fp8-block", 2048, 7168, {}),
+    ("mxfp8", 2048, 7168, {}),
+    ("nvfp4", 2048, 7168, {}),
+    ("bf16", 1536, 4096, {}),
     ("fp8", 1856, 2688, dict(is_act_and_mul=False, is_gated=False)),
 ]
 
@@ -75,18 +84,25 @@ def test_gpu_unaligned_and_typed(backend):
     out = torch.empty(2, m.out_bytes, dtype=torch.uint8, device="cuda")
     execute(m.compiled(), x, out, backend=backend)
     assert torch.equal(out, reference(m, x))
-    xb = raw[:2 * m.in_bytes].view(torch.bfloat16).view((2,) + m.in_shape[:-1] + (m.in_shape[-1] // 2,))
+    xb = raw[: 2 * m.in_bytes].view(torch.bfloat16).view((2,) + m.in_shape[:-1] + (m.in_shape[-1] // 2,))
     assert torch.equal(m.apply(xb, backend=backend).reshape(2, -1).view(torch.uint8), reference(m, xb))
 
 
-@pytest.mark.parametrize("backend,strategy", [("torch", None)] + (
-    [("triton", "auto"), ("triton", "cycles"), ("triton", "copy-then-gather")] if "triton" in GPU_BACKENDS else []))
+@pytest.mark.parametrize(
+    "backend,strategy",
+    [("torch", None)]
+    + ([("triton", "auto"), ("triton", "cycles"), ("triton", "copy-then-gather")] if "triton" in GPU_BACKENDS else []),
+)
 @pytest.mark.parametrize("scratch", [1, 2, 3, None])
 def test_gpu_in_place(backend, strategy, scratch):
     cfg = {"inplace": strategy} if strategy else None
-    for m in (plan_layer("fp8", "trtllm", 2048, 7168).w13, plan_layer("nvfp4", "trtllm", 2048, 7168).w13_scale,
-              plan_layer("bf16", "trtllm", 256, 256).w2, plan_layer("fp8-block", "trtllm", 256, 512).w13,
-              plan_layer("mxfp8", "trtllm", 256, 512).w13_scale):
+    for m in (
+        plan_layer("fp8", "trtllm", 2048, 7168).w13,
+        plan_layer("nvfp4", "trtllm", 2048, 7168).w13_scale,
+        plan_layer("bf16", "trtllm", 256, 256).w2,
+        plan_layer("fp8-block", "trtllm", 256, 512).w13,
+        plan_layer("mxfp8", "trtllm", 256, 512).w13_scale,
+    ):
         for x in inputs(m, 5):
             want = reference(m, x)
             execute_in_place(m.compiled(), x, scratch, backend=backend, config=cfg)
@@ -101,28 +117,39 @@ def test_gpu_in_place_cycles_tile_sizes(tile_words, cycle_bw):
     for m in (plan_layer("fp8-block", "trtllm", 256, 512).w13, plan_layer("nvfp4", "trtllm", 256, 512).w13):
         for x in inputs(m, 4):
             want = reference(m, x)
-            execute_in_place(m.compiled(), x, 1,
-                             config={"inplace": "cycles", "tile_words": tile_words, "cycle_bw": cycle_bw})
+            execute_in_place(
+                m.compiled(), x, 1, config={"inplace": "cycles", "tile_words": tile_words, "cycle_bw": cycle_bw}
+            )
             torch.cuda.synchronize()
             assert torch.equal(x, want)
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
-@pytest.mark.parametrize("band_words,per_sm,warps", [(1, 1, 4), (4, 1, 8), (16, 2, 4), (64, 32, 8), (512, 32, 4),
-                                                     (64, 0, 8)])
+@pytest.mark.parametrize(
+    "band_words,per_sm,warps", [(1, 1, 4), (4, 1, 8), (16, 2, 4), (64, 32, 8), (512, 32, 4), (64, 0, 8)]
+)
 def test_gpu_in_place_bands(band_words, per_sm, warps):
     """Scale maps without scratch: narrow items (a band's columns in chunks), wide ones
     (several bands an item, band counts not a multiple of it), few programs per SM (an
     expert's items spread over rounds of 40 experts), per_sm 0 (no room: the cycle plan
     runs instead)."""
-    for fmt, name, inter, hidden in (("nvfp4", "w13_scale", 256, 512), ("nvfp4", "w2_scale", 256, 512),
-                                     ("mxfp8", "w13_scale", 256, 512), ("mxfp8", "w2_scale", 256, 512),
-                                     ("nvfp4", "w13_scale", 384, 512), ("nvfp4", "w2_scale", 256, 640)):
+    for fmt, name, inter, hidden in (
+        ("nvfp4", "w13_scale", 256, 512),
+        ("nvfp4", "w2_scale", 256, 512),
+        ("mxfp8", "w13_scale", 256, 512),
+        ("mxfp8", "w2_scale", 256, 512),
+        ("nvfp4", "w13_scale", 384, 512),
+        ("nvfp4", "w2_scale", 256, 640),
+    ):
         m = getattr(plan_layer(fmt, "trtllm", inter, hidden), name)  # 4, 6 and 5 bands; 2 to 8 words a row
         for x in inputs(m, 40):
             want = reference(m, x)
-            execute_in_place(m.compiled(), x, 1, config={"inplace": "bands", "band_words": band_words,
-                                                         "band_per_sm": per_sm, "band_warps": warps})
+            execute_in_place(
+                m.compiled(),
+                x,
+                1,
+                config={"inplace": "bands", "band_words": band_words, "band_per_sm": per_sm, "band_warps": warps},
+            )
             torch.cuda.synchronize()
             assert torch.equal(x, want)
 
@@ -156,12 +183,15 @@ def test_gpu_in_place_bands_refuses_other_maps():
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
-@pytest.mark.parametrize("runner,fmt,tensor,scratch,config,fail_after", [
-    # the whole (single) launch ran, then the caller fails once
-    ("inplace_swizzled_bands", "mxfp8", "w13_scale", 2, None, 0),
-    # two chunks launched (tiny tiles: one expert per chunk), then the caller fails once
-    ("inplace_cycles", "fp8-block", "w13", 1, {"inplace": "cycles", "tile_words": 2, "cycle_bw": 1}, 1),
-])
+@pytest.mark.parametrize(
+    "runner,fmt,tensor,scratch,config,fail_after",
+    [
+        # the whole (single) launch ran, then the caller fails once
+        ("inplace_swizzled_bands", "mxfp8", "w13_scale", 2, None, 0),
+        # two chunks launched (tiny tiles: one expert per chunk), then the caller fails once
+        ("inplace_cycles", "fp8-block", "w13", 1, {"inplace": "cycles", "tile_words": 2, "cycle_bw": 1}, 1),
+    ],
+)
 def test_gpu_in_place_error_midway_is_undone(monkeypatch, runner, fmt, tensor, scratch, config, fail_after):
     from fimoe_lab.kernels import triton_gather
 

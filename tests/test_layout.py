@@ -34,10 +34,16 @@ def gated_chain(rows, cols, etm):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_apply_matches_per_expert_loop_on_random_and_structured(device):
-    m = compose(steps.pad_projections(2, 40, 48, 96, 128, fill=7), steps.swap_w13_to_w31_rows(96, 128),
-                steps.shuffle_rows_for_epilogue(96, 128, 64), steps.block_major_k(96, 128, 64))
-    for x in (random_bytes((3, 80, 96), torch.uint8, seed=1, device=device),
-              coords(3, 80, 24, device).view(torch.uint8)):
+    m = compose(
+        steps.pad_projections(2, 40, 48, 96, 128, fill=7),
+        steps.swap_w13_to_w31_rows(96, 128),
+        steps.shuffle_rows_for_epilogue(96, 128, 64),
+        steps.block_major_k(96, 128, 64),
+    )
+    for x in (
+        random_bytes((3, 80, 96), torch.uint8, seed=1, device=device),
+        coords(3, 80, 24, device).view(torch.uint8),
+    ):
         out = m.apply(x)
         assert out.shape == (3, 2, 96, 64)
         assert torch.equal(out.view(3, -1).cpu(), per_expert_gather(m, x.cpu()))
@@ -72,10 +78,12 @@ def test_inverse_recovers_input_exactly(half, extra, cols, etm, experts):
     rows = 2 * half
     if rows % steps.shuffle_block_size(etm):
         return
-    m = compose(steps.pad_projections(2, rows_in, half, cols, cols + 4 * extra),
-                steps.swap_w13_to_w31_rows(rows, cols + 4 * extra),
-                steps.interleave_rows_for_gated_act(rows, cols + 4 * extra),
-                steps.shuffle_rows_for_epilogue(rows, cols + 4 * extra, etm))
+    m = compose(
+        steps.pad_projections(2, rows_in, half, cols, cols + 4 * extra),
+        steps.swap_w13_to_w31_rows(rows, cols + 4 * extra),
+        steps.interleave_rows_for_gated_act(rows, cols + 4 * extra),
+        steps.shuffle_rows_for_epilogue(rows, cols + 4 * extra, etm),
+    )
     x = random_bytes((experts, 2 * rows_in, cols), torch.uint8, seed=rows + cols)
     y = m.apply(x)
     assert same_bytes(m.inverse().apply(y), x)
@@ -172,9 +180,13 @@ def test_in_place_permutation_with_small_scratch(device):
 def test_row_sources_and_bias_maps_follow_the_weight_rows():
     """A per-row bias must move with its weight's rows through pad, swap, interleave, shuffle (and
     ignore the K re-tiling): check against the weight map on a coordinate tensor."""
-    m = compose(steps.pad_projections(2, 40, 64, 256, 256), steps.swap_w13_to_w31_rows(128, 256),
-                steps.interleave_rows_for_gated_act(128, 256), steps.shuffle_rows_for_epilogue(128, 256, 128),
-                steps.block_major_k(128, 256, 128))
+    m = compose(
+        steps.pad_projections(2, 40, 64, 256, 256),
+        steps.swap_w13_to_w31_rows(128, 256),
+        steps.interleave_rows_for_gated_act(128, 256),
+        steps.shuffle_rows_for_epilogue(128, 256, 128),
+        steps.block_major_k(128, 256, 128),
+    )
     rows = m.row_steps().row_sources()
     weight = decode(m.row_steps().apply(coords(1, 80, 64)), 80, 64)[0]
     assert torch.equal(rows, torch.where(weight[:, 0, 0] >= 0, weight[:, 0, 1], -1))

@@ -35,8 +35,9 @@ def run(name: str, tmp_path: Path, monkeypatch) -> tuple[list[str], list[dict], 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny tensors: extra torch threads only fight on a shared CPU
     nb = nbformat.read(tmp_path / name, as_version=4)
     start = time.monotonic()
-    nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     elapsed = time.monotonic() - start
     streams, rich = [], []
     for cell in nb.cells:
@@ -70,8 +71,11 @@ def test_layout_tour(tmp_path, monkeypatch):
     flow_line = re.search(r"first 16 kernel rows come from checkpoint rows \[([\d, ]+)\]", text)
     # pad 96 -> 128, swap, interleave, shuffle (block 32, k 4): rows 0..7 are up rows 96, 98, ..
     assert [int(v) for v in flow_line.group(1).split(",")] == [96 + 2 * j for j in range(8)] + [2 * j for j in range(8)]
-    offsets = re.search(r"(\d+) atoms; linear scale \(0, 0\) lands at buffer offset (\d+), scale \(1, 0\) at (\d+), "
-                        r"scale \(32, 0\) at (\d+)", text)
+    offsets = re.search(
+        r"(\d+) atoms; linear scale \(0, 0\) lands at buffer offset (\d+), scale \(1, 0\) at (\d+), "
+        r"scale \(32, 0\) at (\d+)",
+        text,
+    )
     plan = prepare.plan_layer("mxfp8", "trtllm", 96, 256)
     # scale row r (gate) -> padded r -> swapped 128 + r -> interleaved 2r + 1 -> shuffled (block 32, k 4);
     # offset = (row % 32) * 16 + (row // 32 % 4) * 4 (DESIGN §3): rows 0, 1, 32 -> kernel rows 8, 24, 72

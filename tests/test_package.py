@@ -61,8 +61,22 @@ def wheel(tmp_path_factory) -> Path:
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy(path, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                    "-w", str(out), str(src)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        check=True,
+    )
     (whl,) = out.glob("fimoe_lab-*.whl")
     print(f"\nwheel {whl.name}: {whl.stat().st_size / 1e6:.2f} MB")
     return whl
@@ -71,8 +85,22 @@ def wheel(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def site(wheel, tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("site").resolve()  # the installed package reports resolved paths
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--no-compile", "-q",
-                    "--target", str(target), str(wheel)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--no-compile",
+            "-q",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+    )
     return target
 
 
@@ -84,7 +112,9 @@ def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProc
 
 def test_wheel_holds_every_data_file_and_is_small(wheel):
     with zipfile.ZipFile(wheel) as z:
-        inside = {name: z.read(name) for name in z.namelist() if name.startswith(("fimoe_lab/data/", "fimoe_lab/notebooks/"))}
+        inside = {
+            name: z.read(name) for name in z.namelist() if name.startswith(("fimoe_lab/data/", "fimoe_lab/notebooks/"))
+        }
     shipped = packaged_files()
     assert sorted(inside) == sorted(shipped)
     assert all(inside[name] == data for name, data in shipped.items())

@@ -122,7 +122,9 @@ def test_fp8_per_tensor_prepare_matches_loop_and_inverts(intermediate, hidden, a
         e13, e2 = ref.rotate_fp8(e13, e2, gated)
     assert same_bytes(o13, e13) and same_bytes(o2, e2)
     assert s13 is scale and layer.moe_config.intermediate_size_per_partition == ip
-    plan = prepare.plan_fp8_moe_layer(MoELayerSpec(intermediate, hidden, act_and_mul, gated), w13, w2, scale, scale, trtllm)
+    plan = prepare.plan_fp8_moe_layer(
+        MoELayerSpec(intermediate, hidden, act_and_mul, gated), w13, w2, scale, scale, trtllm
+    )
     back13, back2, _, _ = plan.inverse().apply(o13, o2)
     assert same_bytes(back13, w13) and same_bytes(back2, w2)
 
@@ -214,18 +216,38 @@ def test_bad_inputs_raise_errors_that_name_the_constraint():
     with pytest.raises(LayoutError, match="not contiguous"):
         prepare.align_moe_weights_for_fi(w13.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :], w2, True, 128)
     with pytest.raises(LayoutError, match="rows"):
-        prepare.shuffle_mxfp8_moe_weights(random_bytes((2, 256, 256), FP8), random_bytes((2, 256, 128), FP8),
-                                          random_bytes((2, 250, 8), torch.uint8), random_bytes((2, 256, 4), torch.uint8), True)
+        prepare.shuffle_mxfp8_moe_weights(
+            random_bytes((2, 256, 256), FP8),
+            random_bytes((2, 256, 128), FP8),
+            random_bytes((2, 250, 8), torch.uint8),
+            random_bytes((2, 256, 4), torch.uint8),
+            True,
+        )
     with pytest.raises(LayoutError, match="UE8M0"):
-        prepare.align_mxfp8_moe_weights_for_fi_trtllm(random_bytes((2, 192, 160), FP8), random_bytes((2, 160, 96), FP8),
-                                                      torch.ones(2, 192, 5), torch.ones(2, 160, 3), True, 128, 256)
+        prepare.align_mxfp8_moe_weights_for_fi_trtllm(
+            random_bytes((2, 192, 160), FP8),
+            random_bytes((2, 160, 96), FP8),
+            torch.ones(2, 192, 5),
+            torch.ones(2, 160, 3),
+            True,
+            128,
+            256,
+        )
     with pytest.raises(LayoutError, match="one scale per 16"):
-        prepare.align_fp4_moe_weights_for_fi(random_bytes((2, 352, 64), torch.uint8), random_bytes((2, 352, 9), FP8),
-                                             random_bytes((2, 128, 88), torch.uint8), random_bytes((2, 128, 11), FP8), True, 64)
+        prepare.align_fp4_moe_weights_for_fi(
+            random_bytes((2, 352, 64), torch.uint8),
+            random_bytes((2, 352, 9), FP8),
+            random_bytes((2, 128, 88), torch.uint8),
+            random_bytes((2, 128, 11), FP8),
+            True,
+            64,
+        )
     with pytest.raises(LayoutError, match="moe_config"):
         prepare.prepare_fp8_moe_layer_for_fi(object(), w13, w2, torch.ones(2), None, torch.ones(2), None)
     with pytest.raises(LayoutError, match="input_scale"):
-        prepare.prepare_fp8_moe_layer_for_fi(vllm_layer(64, 64), w13, w2, torch.ones(2), None, torch.ones(2), None, True)
+        prepare.prepare_fp8_moe_layer_for_fi(
+            vllm_layer(64, 64), w13, w2, torch.ones(2), None, torch.ones(2), None, True
+        )
 
 
 @pytest.mark.gpu
@@ -259,8 +281,9 @@ def test_mxfp8_cutlass_path_swaps_weights_and_scales(flat):
     s13 = random_bytes((2, 256, 8), torch.uint8, seed=3)
     s2 = random_bytes((2, 256, 4), torch.uint8, seed=4)
     args = (s13.reshape(2, -1), s2.reshape(2, -1)) if flat else (s13, s2)
-    o13, o2, os13, os2 = prepare.prepare_fp8_moe_layer_for_fi(vllm_layer(128, 256, block=[1, 32]), w13, w2,
-                                                              args[0], None, args[1], None, False)
+    o13, o2, os13, os2 = prepare.prepare_fp8_moe_layer_for_fi(
+        vllm_layer(128, 256, block=[1, 32]), w13, w2, args[0], None, args[1], None, False
+    )
     assert same_bytes(o13, ref.swap(w13)) and same_bytes(o2, w2)
     assert torch.equal(os13.reshape(2, 256, 8), ref.swap(s13)) and torch.equal(os2.reshape(2, 256, 4), s2)
     assert (os13.ndim == 2) == flat

@@ -1,4 +1,5 @@
 """Model presets: numbers as checked against the models' config.json (see fimoe_lab/presets.py)."""
+
 import dataclasses
 
 import pytest
@@ -49,11 +50,14 @@ def test_preset_formats_and_activation_are_known(p):
     assert p.serving_formats
 
 
-@pytest.mark.parametrize("field, value, msg", [
-    ("activation", "tanh", r"unknown activation 'tanh' \(fix: choose one of swiglu"),
-    ("serving_formats", ("nvfp4", "int4"), r"unknown serving format\(s\) int4 \(fix: choose from bf16"),
-    ("checkpoint_formats", ("mxfp4-mxfp8",), r"unknown checkpoint format\(s\) mxfp4-mxfp8"),
-])
+@pytest.mark.parametrize(
+    "field, value, msg",
+    [
+        ("activation", "tanh", r"unknown activation 'tanh' \(fix: choose one of swiglu"),
+        ("serving_formats", ("nvfp4", "int4"), r"unknown serving format\(s\) int4 \(fix: choose from bf16"),
+        ("checkpoint_formats", ("mxfp4-mxfp8",), r"unknown checkpoint format\(s\) mxfp4-mxfp8"),
+    ],
+)
 def test_a_preset_names_only_known_activations_and_formats(field, value, msg):
     with pytest.raises(FormatError, match=msg):
         dataclasses.replace(get_preset("qwen3-30b-a3b"), **{field: value})
@@ -65,8 +69,11 @@ def test_frozen_and_tp():
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.hidden = 1
     assert [p.local_intermediate(tp) for tp in (1, 2, 4, 8)] == [768, 384, 192, 96]
-    with pytest.raises(ValueError, match=r"not divisible by tp=3 \(fix: choose a tensor-parallel size that divides it "
-                                         r"\(1, 2, 4, 8, 16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"not divisible by tp=3 \(fix: choose a tensor-parallel size that divides it "
+        r"\(1, 2, 4, 8, 16\)",
+    ):
         get_preset("nemotron3-nano").local_intermediate(3)
 
 

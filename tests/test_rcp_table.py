@@ -48,11 +48,14 @@ def oracle_pack(deltas: list[int]) -> bytes:
     return bytes(sum(code[deltas[4 * j + k]] << (2 * k) for k in range(4)) for j in range(len(deltas) // 4))
 
 
-@pytest.mark.parametrize("deltas", [
-    [0, 1, -1, 0],                                      # one byte: 0b00_10_01_00
-    [(i * 7 // 3) % 3 - 1 for i in range(4096)],        # structured: each value at every bit position
-    torch.randint(-1, 2, (4096,), generator=torch.Generator().manual_seed(3)).tolist(),
-])
+@pytest.mark.parametrize(
+    "deltas",
+    [
+        [0, 1, -1, 0],  # one byte: 0b00_10_01_00
+        [(i * 7 // 3) % 3 - 1 for i in range(4096)],  # structured: each value at every bit position
+        torch.randint(-1, 2, (4096,), generator=torch.Generator().manual_seed(3)).tolist(),
+    ],
+)
 def test_pack_matches_the_bit_oracle_and_unpacks_back(deltas):
     blob = codes.pack_rcp_deltas(torch.tensor(deltas, dtype=torch.int8))
     assert zlib.decompress(blob) == oracle_pack(deltas)
@@ -98,7 +101,7 @@ def test_script_refuses_a_result_two_ulps_off(shipped, tmp_path):
 
 def test_script_re_encodes_the_old_base85_module(shipped, tmp_path):
     text = base64.b85encode(resources.rcp_table_path().read_bytes()).decode()
-    lines = "".join(f'    "{text[i:i + 100]}"\n' for i in range(0, len(text), 100))
+    lines = "".join(f'    "{text[i : i + 100]}"\n' for i in range(0, len(text), 100))
     (tmp_path / "old.py").write_text(f'"""The old table module."""\n\nRCP_APPROX_DELTA_B85 = (\n{lines})\n')
     assert script.main(["from-b85", str(tmp_path / "old.py"), "--out", str(tmp_path / "t.bin")]) == 0
     assert torch.equal(codes.unpack_rcp_deltas((tmp_path / "t.bin").read_bytes()), shipped)

@@ -1,4 +1,5 @@
 """Bad input and missing pieces give clear messages, not tracebacks (no module or GPU needed)."""
+
 import json
 import subprocess
 import sys
@@ -15,8 +16,11 @@ def snap():
 
 
 def test_unknown_format_lists_valid(snap):
-    with pytest.raises(OracleError, match=r"unknown format 'int4' \(fix: choose one of bf16, fp8, fp8-block, mxfp8, "
-                                          r"nvfp4, mxfp4, mxfp4-mxfp8\)"):
+    with pytest.raises(
+        OracleError,
+        match=r"unknown format 'int4' \(fix: choose one of bf16, fp8, fp8-block, mxfp8, "
+        r"nvfp4, mxfp4, mxfp4-mxfp8\)",
+    ):
         snap.query("int4", "swiglu", 2048, 768, 128, 8, 1)
     with pytest.raises(OracleError, match="unknown format 'nvfp4-per-token'"):  # a quantizer, not a tuner format
         snap.query("nvfp4-per-token", "swiglu", 2048, 768, 128, 8, 1)
@@ -25,12 +29,16 @@ def test_unknown_format_lists_valid(snap):
 def test_unknown_activation_and_layout(snap):
     with pytest.raises(OracleError, match=r"unknown activation 'tanh' \(fix: choose one of swiglu, swiglu_oai, geglu"):
         snap.query("bf16", "tanh", 2048, 768, 128, 8, 1)
-    with pytest.raises(OracleError, match=r"unknown weight layout 'major-mn' \(fix: choose one of major-k, block-major-k"):
+    with pytest.raises(
+        OracleError, match=r"unknown weight layout 'major-mn' \(fix: choose one of major-k, block-major-k"
+    ):
         snap.query("bf16", "swiglu", 2048, 768, 128, 8, 1, layout="major-mn")
 
 
-@pytest.mark.parametrize("name, key", [("silu", "swiglu"), ("swiglu_oai", "swiglu"), ("gelu", "geglu"),
-                                       ("GeGLU", "geglu"), ("relu2", "relu2")])
+@pytest.mark.parametrize(
+    "name, key",
+    [("silu", "swiglu"), ("swiglu_oai", "swiglu"), ("gelu", "geglu"), ("GeGLU", "geglu"), ("relu2", "relu2")],
+)
 def test_activation_names_key_the_kernel_activation(snap, name, key):
     shape = (2816, 768, 128, 8, 8) if key == "geglu" else (3072, 1920, 128, 6, 8)  # recorded shapes
     q = TacticQuery("nvfp4", name, *shape).normalized()
@@ -41,11 +49,14 @@ def test_activation_names_key_the_kernel_activation(snap, name, key):
     assert answer.count == snap.query("nvfp4", key, *shape).count
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(hidden=0), "hidden must be a positive integer"),
-    (dict(tokens=-1), "tokens must be a positive integer"),
-    (dict(top_k=200), "top_k=200 exceeds experts=128"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(hidden=0), "hidden must be a positive integer"),
+        (dict(tokens=-1), "tokens must be a positive integer"),
+        (dict(top_k=200), "top_k=200 exceeds experts=128"),
+    ],
+)
 def test_impossible_shapes(snap, kw, msg):
     args = dict(format="bf16", activation="swiglu", hidden=2048, intermediate=768, experts=128, top_k=8, tokens=1)
     args.update(kw)
@@ -81,35 +92,46 @@ def test_no_snapshot_no_module(tmp_path, monkeypatch):
 
 
 def test_build_reports_missing_prereqs(monkeypatch):
-    pre = build.Prereqs(flashinfer_version="0.6.13", cubin_version="0.6.12", nvcc=None, cuda_home=None,
-                        ninja="/usr/bin/ninja", cc="/usr/bin/cc")
+    pre = build.Prereqs(
+        flashinfer_version="0.6.13",
+        cubin_version="0.6.12",
+        nvcc=None,
+        cuda_home=None,
+        ninja="/usr/bin/ninja",
+        cc="/usr/bin/cc",
+    )
     probs = " | ".join(pre.problems())
     assert "flashinfer-cubin 0.6.12 does not match flashinfer-python 0.6.13" in probs
     assert "nvcc not found" in probs
     pre = build.Prereqs("0.6.13", None, "/x/nvcc", "/x", "ninja", "cc")
     assert "flashinfer-cubin is not installed" in pre.problems()[0]
     monkeypatch.setattr(build, "find_module", lambda: None)
-    monkeypatch.setattr(build, "check_prereqs",
-                        lambda: build.Prereqs("0.6.13", None, None, None, None, "cc"))
+    monkeypatch.setattr(build, "check_prereqs", lambda: build.Prereqs("0.6.13", None, None, None, None, "cc"))
     with pytest.raises(build.BuildError, match="cannot build"):
         build.build_module(progress=False)
 
 
 def test_worker_exit_is_reported_and_restarted():
     # A stand-in worker that behaves like FlashInfer's runner calling exit(1) mid-query.
-    code = ("import sys, json; print(json.dumps({'ready': True}), flush=True); "
-            "sys.stdin.readline(); sys.stderr.write('[TensorRT-LLM][ERROR] no driver\\n'); sys.exit(1)")
+    code = (
+        "import sys, json; print(json.dumps({'ready': True}), flush=True); "
+        "sys.stdin.readline(); sys.stderr.write('[TensorRT-LLM][ERROR] no driver\\n'); sys.exit(1)"
+    )
     w = _Worker([sys.executable, "-c", code], env=None)
     with pytest.raises(WorkerDied, match=r"FlashInfer exited with status 1 during this query.*no driver"):
         w.ask({"x": 1})
-    with pytest.raises(WorkerDied):   # restarted, dies again: each death is reported
+    with pytest.raises(WorkerDied):  # restarted, dies again: each death is reported
         w.ask({"x": 2})
     assert w.restarts == 1
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "fimoe_lab", *args], capture_output=True, text=True,
-                          env={**__import__("os").environ, "FIMOE_LAB_CACHE": "/nonexistent-fimoe"})
+    return subprocess.run(
+        [sys.executable, "-m", "fimoe_lab", *args],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "FIMOE_LAB_CACHE": "/nonexistent-fimoe"},
+    )
 
 
 def test_cli_unknown_format_and_preset():
@@ -121,8 +143,24 @@ def test_cli_unknown_format_and_preset():
 
 
 def test_cli_tactics_json_outside_snapshot():
-    r = _cli("tactics", "--format", "bf16", "--hidden", "2055", "--inter", "777", "--experts", "128",
-             "--top-k", "8", "--tokens", "1,8", "--json", "--source", "snapshot")
+    r = _cli(
+        "tactics",
+        "--format",
+        "bf16",
+        "--hidden",
+        "2055",
+        "--inter",
+        "777",
+        "--experts",
+        "128",
+        "--top-k",
+        "8",
+        "--tokens",
+        "1,8",
+        "--json",
+        "--source",
+        "snapshot",
+    )
     assert r.returncode == 3, r.stderr  # the source has no answer: exit 3, the JSON still printed
     assert "2 of 2 tactic counts are unknown" in r.stderr and "Traceback" not in r.stderr
     out = json.loads(r.stdout)

@@ -3,6 +3,7 @@
 Skipped unless `python -m fimoe_lab.tune.build` has been run (or a Blackwell GPU is
 present); run with `pytest -m tactics_live`.
 """
+
 import random
 
 import pytest
@@ -35,8 +36,10 @@ def test_live_source_matches_snapshot_version(live, snap):
     src = live.source()
     assert src["kind"] == "live" and src["flashinfer"]
     if src["flashinfer"] != snap.meta["flashinfer"] or src["kernel_set"] != snap.meta["kernel_set"]:
-        pytest.skip(f"snapshot is for {snap.meta['flashinfer']}/{snap.meta['kernel_set']}, live is "
-                    f"{src['flashinfer']}/{src['kernel_set']}")
+        pytest.skip(
+            f"snapshot is for {snap.meta['flashinfer']}/{snap.meta['kernel_set']}, live is "
+            f"{src['flashinfer']}/{src['kernel_set']}"
+        )
 
 
 def test_live_equals_snapshot_on_a_sample(live, snap):
@@ -57,7 +60,7 @@ def test_live_full_configs_are_tile_config_pairs(live):
 
 
 def test_live_rejection_has_reason(live):
-    a = live.query("fp8", "relu2", 2048, 1024, 128, 8, 8)   # per-tensor FP8 is gated-only
+    a = live.query("fp8", "relu2", 2048, 1024, 128, 8, 8)  # per-tensor FP8 is gated-only
     assert a.count == 0 and "FlashInfer rejected" in a.reason
 
 

@@ -1,4 +1,5 @@
 """DESIGN §5's tactic facts, reproduced from the recorded snapshot (FlashInfer 0.6.13 kernels)."""
+
 import pytest
 
 from fimoe_lab.tune.oracle import Snapshot, TacticOracle
@@ -22,8 +23,12 @@ def test_snapshot_is_versioned_and_small(o):
     assert s.path.name.startswith("tactics-fi0.6.13-") and s.path.stat().st_size < 2_000_000
     assert s.meta["unknown"] == 0 and len(s.entries) > 5000
     a = o.query("bf16", "swiglu", 2048, 768, 128, 8, 1)
-    assert a.source == {"kind": "snapshot", "file": s.path.name, "flashinfer": "0.6.13",
-                        "kernel_set": s.meta["kernel_set"]}
+    assert a.source == {
+        "kind": "snapshot",
+        "file": s.path.name,
+        "flashinfer": "0.6.13",
+        "kernel_set": s.meta["kernel_set"],
+    }
 
 
 @pytest.mark.parametrize("hidden, n", [(3072, 528), (2560, 352), (2816, 264), (2688, 176)])
@@ -33,9 +38,9 @@ def test_nvfp4_swiglu_per_token_hidden(o, hidden, n):
 
 
 def test_nvfp4_gated_needs_inter_multiple_of_64(o):
-    assert counts(o, "nvfp4", "swiglu", 3072, 1872, 128, 6, per_token=True) == [0] * 6   # 16-aligned
+    assert counts(o, "nvfp4", "swiglu", 3072, 1872, 128, 6, per_token=True) == [0] * 6  # 16-aligned
     assert counts(o, "nvfp4", "swiglu", 3072, 1872, 128, 6) == [0] * 6
-    assert min(counts(o, "nvfp4", "swiglu", 3072, 1856, 128, 6, per_token=True)) > 0     # 1856 = 29*64
+    assert min(counts(o, "nvfp4", "swiglu", 3072, 1856, 128, 6, per_token=True)) > 0  # 1856 = 29*64
 
 
 def test_relu2_and_mxfp8_need_inter_multiple_of_128(o):
@@ -81,5 +86,6 @@ def test_geglu_only_in_nvfp4_without_per_token(o):
 def test_snapshot_roundtrip_keys():
     s = Snapshot.find()
     from fimoe_lab.tune.oracle import TacticQuery
+
     for k in list(s.entries)[:200]:
         assert TacticQuery.from_key(k).normalized().key() == k

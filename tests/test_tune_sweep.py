@@ -1,4 +1,5 @@
 """Alignment sweeps against the snapshot: convert's default padding vs the recommendation."""
+
 import json
 
 import numpy as np
@@ -33,17 +34,20 @@ def ref_row(df):
     return df[df.reference].iloc[0]
 
 
-@pytest.mark.parametrize("preset, fmt, expected", [
-    ("qwen3-30b-a3b", "bf16", (64, 64)),         # whole 128-byte K blocks of BlockMajorK
-    ("qwen3-30b-a3b", "nvfp4", (64, 1)),         # 2 x 64 rows: the 128-row scale shuffle
-    ("nemotron3-nano", "nvfp4", (128, 1)),       # non-gated: one projection of 128 rows
-    ("qwen3-30b-a3b", "fp8", (16, 1)),
-    ("nemotron3-nano", "fp8", (128, 1)),
-    ("deepseek-v3", "fp8-block", (1, 1)),
-    ("deepseek-v3", "mxfp8", (128, 256)),
-    ("gpt-oss-120b", "mxfp4", (256, 256)),
-    ("gpt-oss-120b", "mxfp4-mxfp8", (256, 256)),  # mxfp4's layout recipe
-])
+@pytest.mark.parametrize(
+    "preset, fmt, expected",
+    [
+        ("qwen3-30b-a3b", "bf16", (64, 64)),  # whole 128-byte K blocks of BlockMajorK
+        ("qwen3-30b-a3b", "nvfp4", (64, 1)),  # 2 x 64 rows: the 128-row scale shuffle
+        ("nemotron3-nano", "nvfp4", (128, 1)),  # non-gated: one projection of 128 rows
+        ("qwen3-30b-a3b", "fp8", (16, 1)),
+        ("nemotron3-nano", "fp8", (128, 1)),
+        ("deepseek-v3", "fp8-block", (1, 1)),
+        ("deepseek-v3", "mxfp8", (128, 256)),
+        ("gpt-oss-120b", "mxfp4", (256, 256)),
+        ("gpt-oss-120b", "mxfp4-mxfp8", (256, 256)),  # mxfp4's layout recipe
+    ],
+)
 def test_reference_is_what_convert_pads_to(o, preset, fmt, expected):
     p = get_preset(preset)
     assert reference_alignments(p, fmt) == expected
@@ -52,8 +56,9 @@ def test_reference_is_what_convert_pads_to(o, preset, fmt, expected):
     assert len(ref) == 1 and (ref.inter_align.iloc[0], ref.hidden_align.iloc[0]) == expected
     assert df.attrs["reference"] == {"inter_align": expected[0], "hidden_align": expected[1]}
     act = get_activation(p.activation)
-    default = plan_layer(FORMATS[fmt].plan_format, "trtllm", p.moe_intermediate, p.hidden, act.is_act_and_mul,
-                         act.gated)  # the plan convert builds without alignment options
+    default = plan_layer(
+        FORMATS[fmt].plan_format, "trtllm", p.moe_intermediate, p.hidden, act.is_act_and_mul, act.gated
+    )  # the plan convert builds without alignment options
     assert (ref.intermediate.iloc[0], ref.hidden.iloc[0]) == (default.padded_intermediate, default.padded_hidden)
 
 
@@ -68,9 +73,15 @@ def test_the_default_pair_joins_the_grid_once():
 
 def test_snapshot_answers_every_sweep_query(o):
     """Every row of every preset's sweep, the default pair included, is recorded."""
-    missing = [q.key() for p in PRESETS.values() for fmt in tuner_formats() for tp in TPS
-               if p.moe_intermediate % tp == 0 for q in queries_for(p, fmt, tp)
-               if q.key() not in o.snapshot.entries]
+    missing = [
+        q.key()
+        for p in PRESETS.values()
+        for fmt in tuner_formats()
+        for tp in TPS
+        if p.moe_intermediate % tp == 0
+        for q in queries_for(p, fmt, tp)
+        if q.key() not in o.snapshot.entries
+    ]
     assert missing == []
 
 
@@ -124,6 +135,7 @@ def test_export_and_summary(o, tmp_path):
 def test_sweep_figures_draw_the_table(o, tmp_path):
     pytest.importorskip("matplotlib")
     from fimoe_lab.viz import figures
+
     df = sweep("qwen3-30b-a3b", "bf16", 8, o, tokens=(1, 512))
     fig = figures.sweep_tactics_figure(df)
     drawn = np.ma.filled(fig.axes[0].images[0].get_array().astype(float), np.nan)
@@ -150,6 +162,7 @@ def test_timing_hook_says_not_measured_without_gpu(o):
     import torch
 
     from fimoe_lab.tune.timing import measure_grouped_mm
+
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
     assert timing_status().startswith("not measured on this device")
@@ -159,10 +172,13 @@ def test_timing_hook_says_not_measured_without_gpu(o):
 
 def test_cli_tune_prints_table(capsys):
     from fimoe_lab.cli import main
+
     assert main(["tune", "--model", "qwen3-30b-a3b", "--format", "nvfp4", "--tp", "8", "--source", "snapshot"]) == 0
     out = capsys.readouterr().out
     assert "recommended: intermediate -> 128" in out and "ZERO tactics" not in out
-    assert "convert's default padding (I%64, H%1): intermediate 128, hidden 2048" in out and "(full tactic space)" in out
+    assert (
+        "convert's default padding (I%64, H%1): intermediate 128, hidden 2048" in out and "(full tactic space)" in out
+    )
     assert main(["tune", "--model", "minimax-m2", "--format", "fp8-block", "--tp", "8", "--source", "snapshot"]) == 0
     out = capsys.readouterr().out
     assert "convert's default padding (I%1, H%1): intermediate 192" in out and "ZERO tactics" in out
@@ -170,15 +186,62 @@ def test_cli_tune_prints_table(capsys):
 
 def test_cli_tactics_json(capsys):
     from fimoe_lab.cli import main
-    assert main(["tactics", "--format", "nvfp4", "--act", "swiglu", "--per-token", "--hidden", "3072",
-                 "--inter", "1920", "--experts", "128", "--top-k", "6", "--tokens", "1,8,64", "--json",
-                 "--source", "snapshot"]) == 0
+
+    assert (
+        main(
+            [
+                "tactics",
+                "--format",
+                "nvfp4",
+                "--act",
+                "swiglu",
+                "--per-token",
+                "--hidden",
+                "3072",
+                "--inter",
+                "1920",
+                "--experts",
+                "128",
+                "--top-k",
+                "6",
+                "--tokens",
+                "1,8,64",
+                "--json",
+                "--source",
+                "snapshot",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert [d["count"] for d in out] == [528, 528, 528]
     assert out[0]["per_tile"] == {"8": 144, "16": 192, "32": 192}
     assert out[0]["source"]["kind"] == "snapshot"
-    assert main(["tactics", "--format", "nvfp4", "--act", "swiglu", "--hidden", "3072", "--inter", "1872",
-                 "--experts", "128", "--top-k", "6", "--tokens", "8", "--json", "--source", "snapshot"]) == 0
+    assert (
+        main(
+            [
+                "tactics",
+                "--format",
+                "nvfp4",
+                "--act",
+                "swiglu",
+                "--hidden",
+                "3072",
+                "--inter",
+                "1872",
+                "--experts",
+                "128",
+                "--top-k",
+                "6",
+                "--tokens",
+                "8",
+                "--json",
+                "--source",
+                "snapshot",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out[0]["count"] == 0 and out[0]["reason"]
 

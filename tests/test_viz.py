@@ -29,7 +29,7 @@ def ref_w13_rows(inter: int, padded: int, etm: int = 128, swap: bool = True) -> 
     """Checkpoint row of each kernel row for pad -> swap -> interleave -> shuffle (-1 = padding)."""
     padded_rows = np.full(2 * padded, -1)
     padded_rows[:inter] = np.arange(inter)
-    padded_rows[padded:padded + inter] = inter + np.arange(inter)
+    padded_rows[padded : padded + inter] = inter + np.arange(inter)
     m = 2 * padded
     swapped = padded_rows[(np.arange(m) + padded) % m] if swap else padded_rows
     inter_src = np.stack([np.arange(m // 2), np.arange(m // 2) + m // 2], axis=1).reshape(-1)
@@ -81,8 +81,12 @@ def test_row_flow_of_scale_chain_stops_before_swizzle():
     plan = prepare.plan_layer("mxfp8", "trtllm", 96, 256)
     flow = data.row_flow(plan.w13_scale)
     assert "swizzle_scales_128x4" not in flow.steps
-    assert flow.steps == ("pad_projections", "swap_w13_to_w31_rows", "interleave_rows_for_gated_act",
-                          "shuffle_rows_for_epilogue")  # kinds, as the figure's title joins them
+    assert flow.steps == (
+        "pad_projections",
+        "swap_w13_to_w31_rows",
+        "interleave_rows_for_gated_act",
+        "shuffle_rows_for_epilogue",
+    )  # kinds, as the figure's title joins them
     assert np.array_equal(flow.src_rows, ref_w13_rows(96, 128))
     title = figures.row_permutation_figure(plan.w13_scale)._suptitle.get_text()
     assert title == " >> ".join(flow.steps)
@@ -90,8 +94,14 @@ def test_row_flow_of_scale_chain_stops_before_swizzle():
 
 def test_itemsizes_come_from_the_format_table():
     # bf16 2 B; fp8 and packed fp4 drawn per byte; fp8-block scales float32, vector scales 1 B
-    assert [data.itemsize_of(f, "w13") for f in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")] == \
-        [2, 1, 1, 1, 1, 1]
+    assert [data.itemsize_of(f, "w13") for f in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")] == [
+        2,
+        1,
+        1,
+        1,
+        1,
+        1,
+    ]
     assert [data.itemsize_of(f, "w2_scale") for f in ("fp8-block", "mxfp8", "nvfp4", "mxfp4")] == [4, 1, 1, 1]
     with pytest.raises(ValueError, match="unknown format 'int4'"):
         data.itemsize_of("int4", "w13")
@@ -182,7 +192,7 @@ def test_padding_report_counts_bytes_and_marks_rows():
     assert report.local_intermediate == 100 and report.plan.padded_intermediate == ip
     w13 = report.tensors["w13"].padded_mask
     assert w13.shape == (2 * ip, hidden)
-    assert w13[100:ip].all() and w13[ip + 100:].all() and not w13[:100].any() and not w13[ip:ip + 100].any()
+    assert w13[100:ip].all() and w13[ip + 100 :].all() and not w13[:100].any() and not w13[ip : ip + 100].any()
     assert report.tensors["w2"].padded_mask[:, 100:].all() and not report.tensors["w2"].padded_mask[:, :100].any()
     kernel_rows = report.tensors["w13"].kernel_mask.all(axis=1)
     assert np.array_equal(kernel_rows, ref_w13_rows(100, ip) < 0)
@@ -260,7 +270,7 @@ def test_sample_layer_is_structured():
     gate = layer.magnitude("w13", 2)[:64]
     up = layer.magnitude("w13", 2)[64:]
     assert gate.mean(axis=1)[-8:].mean() > 4 * gate.mean(axis=1)[:8].mean()  # gate grows down the rows
-    assert up.mean(axis=0)[-8:].mean() > 2 * up.mean(axis=0)[:8].mean()      # up grows across the columns
+    assert up.mean(axis=0)[-8:].mean() > 2 * up.mean(axis=0)[:8].mean()  # up grows across the columns
     assert layer.magnitude("w13", 2).mean() > layer.magnitude("w13", 0).mean()
     with pytest.raises(LayoutError, match="expert 3 is outside 0..2"):
         layer.magnitude("w13", 3)
@@ -269,10 +279,17 @@ def test_sample_layer_is_structured():
 # ----------------------------------------------------------------------------- tuner, render, cli
 def test_tuner_figure_draws_the_sweep():
     pd = pytest.importorskip("pandas")
-    sweep = pd.DataFrame(dict(
-        inter_align=[16, 16, 64, 64], hidden_align=[256, 512, 256, 512], t1=[0, 10, 20, 30],
-        min_tactics=[0, 5, 20, 25], extra_bytes_pct=[0.0, 1.0, 2.0, 3.0],
-        reference=[True, False, False, False], recommended=[False, False, True, False]))
+    sweep = pd.DataFrame(
+        dict(
+            inter_align=[16, 16, 64, 64],
+            hidden_align=[256, 512, 256, 512],
+            t1=[0, 10, 20, 30],
+            min_tactics=[0, 5, 20, 25],
+            extra_bytes_pct=[0.0, 1.0, 2.0, 3.0],
+            reference=[True, False, False, False],
+            recommended=[False, False, True, False],
+        )
+    )
     fig = figures.tuner_figure(sweep)
     assert np.array_equal(artist_array(fig.axes[0]), [[0, 5], [20, 25]])
     assert np.array_equal(artist_array(figures.tuner_figure(sweep, tokens=1).axes[0]), [[0, 10], [20, 30]])
@@ -310,8 +327,14 @@ def test_lab_command_is_offline_and_local(tmp_path):
 
     argv, env = jupyterlab_command(tmp_path / "nb", 8899, tmp_path / "state", open_browser=False)
     joined = " ".join(argv)
-    for flag in ("--ServerApp.ip=127.0.0.1", "--ServerApp.port=8899", "--LabApp.news_url=None",
-                 "--LabApp.extension_manager=readonly", "NeverCheckForUpdate", "--ServerApp.open_browser=False"):
+    for flag in (
+        "--ServerApp.ip=127.0.0.1",
+        "--ServerApp.port=8899",
+        "--LabApp.news_url=None",
+        "--LabApp.extension_manager=readonly",
+        "NeverCheckForUpdate",
+        "--ServerApp.open_browser=False",
+    ):
         assert flag in joined
     assert str(tmp_path / "state" / "config") in env["JUPYTER_CONFIG_PATH"]
     assert "announcements" in (tmp_path / "state" / "config" / "labconfig" / "page_config.json").read_text()

@@ -76,8 +76,9 @@ def test_tile_explorer_atoms_and_tiles():
 def test_every_weight_format_has_a_seeded_layer():
     from fimoe_lab import specs
 
-    assert [k for _, k in widgets.layer_choices() if k.startswith("seeded:")] == \
-        [f"seeded:{f}" for f in specs.weight_formats()]
+    assert [k for _, k in widgets.layer_choices() if k.startswith("seeded:")] == [
+        f"seeded:{f}" for f in specs.weight_formats()
+    ]
     w = widgets.TileExplorer()
     assert list(w.backend.options) == list(specs.BACKENDS)
     w.source.value = "seeded:mxfp4"
@@ -145,7 +146,9 @@ def test_explorers_on_a_shipped_sample_checkpoint():
     assert layer.fmt == "nvfp4" and w.expert.max == layer.experts - 1
     kernel, plan, _ = checkpoints.convert_layer(layer.moe, "trtllm")
     assert plan.w13 == w.state["plan"].w13  # the lab draws the plan the converter applies
-    observed = data.observed_row_sources(layer.moe.w13[2], next(t for n, t in kernel.items() if "w13" in n and "scale" not in n)[2])
+    observed = data.observed_row_sources(
+        layer.moe.w13[2], next(t for n, t in kernel.items() if "w13" in n and "scale" not in n)[2]
+    )
     assert np.array_equal(observed, w.state["flow"].src_rows)
     pad = widgets.PaddingExplorer.from_layer(layer, tp=2)  # 320 / 2 = 160 -> 192, the NVFP4 TRT-LLM default (64)
     assert "padded 192" in pad.message.value and pad.figure is not None

@@ -25,10 +25,24 @@ from fimoe_lab.checkpoints.writer import (
 from fimoe_lab.resources import sample_names, sample_path
 
 __all__ = [
-    "CONVENTIONS", "Checkpoint", "CheckpointError", "Convention", "LayerReport", "MoELayer",
-    "convert_checkpoint", "convert_layer", "format_report", "inspect_checkpoint", "layer_forward", "moe_forward",
-    "open_checkpoint", "random_routing", "read_kernel_metadata", "restore_checkpoint", "restore_layers",
-    "sample_names", "sample_path", "write_kernel_layout",
+    "CONVENTIONS",
+    "Checkpoint",
+    "CheckpointError",
+    "Convention",
+    "LayerReport",
+    "MoELayer",
+    "convert_checkpoint",
+    "convert_layer",
+    "format_report",
+    "inspect_checkpoint",
+    "layer_forward",
+    "moe_forward",
+    "open_checkpoint",
+    "random_routing",
+    "read_kernel_metadata",
+    "restore_checkpoint",
+    "restore_layers",
+    "sample_names",
+    "sample_path",
+    "write_kernel_layout",
 ]
-
-

@@ -53,8 +53,14 @@ from fimoe_lab.specs import get_format, torch_dtype
 __all__ = ["Convention", "CONVENTIONS", "get", "SAFETENSORS_DTYPES", "dtype_name"]
 
 SAFETENSORS_DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
-    "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
 }
 _NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
@@ -119,18 +125,24 @@ class Convention:
     def signature(self, prefix: str, layer: int) -> dict[str, Optional[torch.dtype]]:
         """Tensors (name -> dtype, None = must be absent) whose presence identifies this convention."""
         if self.fused:
-            return {self.fused_key(prefix, layer, "gate_up_proj_blocks"): self.weight_dtype,
-                    self.fused_key(prefix, layer, "gate_up_proj_scales"): self.scale_dtype}
+            return {
+                self.fused_key(prefix, layer, "gate_up_proj_blocks"): self.weight_dtype,
+                self.fused_key(prefix, layer, "gate_up_proj_scales"): self.scale_dtype,
+            }
         sig: dict[str, Optional[torch.dtype]] = {self.expert_key(prefix, layer, 0, 0): self.weight_dtype}
         for suffix in ("weight_scale_inv", "weight_scale"):
-            sig[self.expert_key(prefix, layer, 0, 0, suffix)] = self.scale_dtype if suffix == self.scale_suffix else None
+            sig[self.expert_key(prefix, layer, 0, 0, suffix)] = (
+                self.scale_dtype if suffix == self.scale_suffix else None
+            )
         return sig
 
     def pattern(self) -> str:
         """The expert-0 gate tensor name with placeholders, for error messages."""
         if self.fused:
-            return (f"{{prefix}}{{L}}.{self.block}.experts.gate_up_proj_blocks ({dtype_name(self.weight_dtype)}) + "
-                    f"gate_up_proj_scales ({dtype_name(self.scale_dtype)})")
+            return (
+                f"{{prefix}}{{L}}.{self.block}.experts.gate_up_proj_blocks ({dtype_name(self.weight_dtype)}) + "
+                f"gate_up_proj_scales ({dtype_name(self.scale_dtype)})"
+            )
         scale = f" + .{self.scale_suffix} ({dtype_name(self.scale_dtype)})" if self.scale_suffix else ""
         return f"{{prefix}}{{L}}.{self.block}.experts.{{e}}.{self.projections[0]}.weight ({dtype_name(self.weight_dtype)}){scale}"
 
@@ -144,14 +156,19 @@ class Convention:
         e_count, i = moe.num_experts, moe.intermediate
         out: dict[str, torch.Tensor] = {}
         if self.fused:
+
             def interleave(x: torch.Tensor) -> torch.Tensor:  # [gate; up] rows -> g0, u0, g1, u1, ...
                 return torch.stack([x[:, :i], x[:, i:]], dim=2).reshape(x.shape).contiguous()
 
             spec = get_format(self.fmt)
             b, bb = spec.scale_block, spec.scale_block // spec.values_per_byte  # values and bytes per block
-            out[self.fused_key(prefix, layer, "gate_up_proj_blocks")] = interleave(moe.w13).reshape(e_count, 2 * i, moe.hidden // b, bb)
+            out[self.fused_key(prefix, layer, "gate_up_proj_blocks")] = interleave(moe.w13).reshape(
+                e_count, 2 * i, moe.hidden // b, bb
+            )
             out[self.fused_key(prefix, layer, "gate_up_proj_scales")] = interleave(moe.w13_scale)
-            out[self.fused_key(prefix, layer, "down_proj_blocks")] = moe.w2.reshape(e_count, moe.hidden, i // b, bb).contiguous()
+            out[self.fused_key(prefix, layer, "down_proj_blocks")] = moe.w2.reshape(
+                e_count, moe.hidden, i // b, bb
+            ).contiguous()
             out[self.fused_key(prefix, layer, "down_proj_scales")] = moe.w2_scale.contiguous()
             if "w13_bias" in moe.extras:
                 out[self.fused_key(prefix, layer, "gate_up_proj_bias")] = interleave(moe.extras["w13_bias"])
@@ -159,9 +176,11 @@ class Convention:
             return out
         s_half = moe.w13_scale.shape[1] // 2 if moe.w13_scale is not None else 0
         for e in range(e_count):
-            parts = ((moe.w13[e, :i], moe.w13_scale[e, :s_half] if s_half else None),
-                     (moe.w13[e, i:], moe.w13_scale[e, s_half:] if s_half else None),
-                     (moe.w2[e], moe.w2_scale[e] if moe.w2_scale is not None else None))
+            parts = (
+                (moe.w13[e, :i], moe.w13_scale[e, :s_half] if s_half else None),
+                (moe.w13[e, i:], moe.w13_scale[e, s_half:] if s_half else None),
+                (moe.w2[e], moe.w2_scale[e] if moe.w2_scale is not None else None),
+            )
             for proj, (w, s) in enumerate(parts):
                 out[self.expert_key(prefix, layer, e, proj)] = w.contiguous()
                 if s is not None:
@@ -169,32 +188,78 @@ class Convention:
                 for extra in self.scalar_extras:
                     stacked = moe.extras.get(f"{'w13' if proj < 2 else 'w2'}_{extra}")
                     if stacked is not None:
-                        out[self.expert_key(prefix, layer, e, proj, extra)] = (stacked[e, proj] if proj < 2 else stacked[e]).clone()
+                        out[self.expert_key(prefix, layer, e, proj, extra)] = (
+                            stacked[e, proj] if proj < 2 else stacked[e]
+                        ).clone()
         return out
 
 
 CONVENTIONS: tuple[Convention, ...] = (
-    Convention("deepseek-fp8", "DeepSeek-V3/R1, Kimi-K2 (FP8 block-128)", "fp8-block", "mlp",
-               ("gate_proj", "up_proj", "down_proj"), "weight_scale_inv",
-               ("moe_intermediate_size",), ("n_routed_experts", "num_experts"), ("num_experts_per_tok",),
-               "[gate_proj; up_proj]", router=("gate.weight", "gate.e_score_correction_bias")),
-    Convention("modelopt-nvfp4", "ModelOpt NVFP4 exports (nvidia/DeepSeek-R1-FP4, ...)", "nvfp4", "mlp",
-               ("gate_proj", "up_proj", "down_proj"), "weight_scale",
-               ("moe_intermediate_size", "intermediate_size"), ("n_routed_experts", "num_experts", "num_local_experts"),
-               ("num_experts_per_tok",), "[gate_proj; up_proj]", router=("gate.weight", "gate.e_score_correction_bias"),
-               scalar_extras=("weight_scale_2", "input_scale")),
-    Convention("qwen3-moe-bf16", "Qwen3-MoE (and other per-expert gate_proj/up_proj/down_proj BF16)", "bf16", "mlp",
-               ("gate_proj", "up_proj", "down_proj"), None,
-               ("moe_intermediate_size",), ("num_experts", "n_routed_experts"), ("num_experts_per_tok",),
-               "[gate_proj; up_proj]"),
-    Convention("mixtral-bf16", "Mixtral (block_sparse_moe w1/w3/w2, BF16)", "bf16", "block_sparse_moe",
-               ("w1", "w3", "w2"), None,
-               ("intermediate_size",), ("num_local_experts",), ("num_experts_per_tok",), "[w1 (gate); w3 (up)]"),
-    Convention("gpt-oss-mxfp4", "gpt-oss (fused MXFP4 blocks/scales, interleaved gate/up)", "mxfp4", "mlp",
-               None, None,
-               ("intermediate_size",), ("num_local_experts",), ("experts_per_token", "num_experts_per_tok"),
-               "interleaved rows g0,u0,g1,u1,... (de-interleaved to [gate; up] on read)", activation="swiglu_oai",
-               router=("router.weight", "router.bias")),
+    Convention(
+        "deepseek-fp8",
+        "DeepSeek-V3/R1, Kimi-K2 (FP8 block-128)",
+        "fp8-block",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        "weight_scale_inv",
+        ("moe_intermediate_size",),
+        ("n_routed_experts", "num_experts"),
+        ("num_experts_per_tok",),
+        "[gate_proj; up_proj]",
+        router=("gate.weight", "gate.e_score_correction_bias"),
+    ),
+    Convention(
+        "modelopt-nvfp4",
+        "ModelOpt NVFP4 exports (nvidia/DeepSeek-R1-FP4, ...)",
+        "nvfp4",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        "weight_scale",
+        ("moe_intermediate_size", "intermediate_size"),
+        ("n_routed_experts", "num_experts", "num_local_experts"),
+        ("num_experts_per_tok",),
+        "[gate_proj; up_proj]",
+        router=("gate.weight", "gate.e_score_correction_bias"),
+        scalar_extras=("weight_scale_2", "input_scale"),
+    ),
+    Convention(
+        "qwen3-moe-bf16",
+        "Qwen3-MoE (and other per-expert gate_proj/up_proj/down_proj BF16)",
+        "bf16",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        None,
+        ("moe_intermediate_size",),
+        ("num_experts", "n_routed_experts"),
+        ("num_experts_per_tok",),
+        "[gate_proj; up_proj]",
+    ),
+    Convention(
+        "mixtral-bf16",
+        "Mixtral (block_sparse_moe w1/w3/w2, BF16)",
+        "bf16",
+        "block_sparse_moe",
+        ("w1", "w3", "w2"),
+        None,
+        ("intermediate_size",),
+        ("num_local_experts",),
+        ("num_experts_per_tok",),
+        "[w1 (gate); w3 (up)]",
+    ),
+    Convention(
+        "gpt-oss-mxfp4",
+        "gpt-oss (fused MXFP4 blocks/scales, interleaved gate/up)",
+        "mxfp4",
+        "mlp",
+        None,
+        None,
+        ("intermediate_size",),
+        ("num_local_experts",),
+        ("experts_per_token", "num_experts_per_tok"),
+        "interleaved rows g0,u0,g1,u1,... (de-interleaved to [gate; up] on read)",
+        activation="swiglu_oai",
+        router=("router.weight", "router.bias"),
+    ),
 )
 
 
@@ -203,5 +268,6 @@ def get(name: str) -> Convention:
     for c in CONVENTIONS:
         if c.name == name:
             return c
-    raise CheckpointError(f"unknown checkpoint convention {name!r}",
-                          fix=f"choose one of {', '.join(c.name for c in CONVENTIONS)}")
+    raise CheckpointError(
+        f"unknown checkpoint convention {name!r}", fix=f"choose one of {', '.join(c.name for c in CONVENTIONS)}"
+    )

@@ -22,6 +22,7 @@ from fimoe_lab.specs import BACKENDS, FORMATS
 
 __all__ = ["LayerReport", "inspect_checkpoint", "format_report", "backend_needs", "scale_health"]
 
+
 @dataclass
 class LayerReport:
     """What ``fimoe-lab inspect`` prints for one MoE layer."""
@@ -94,31 +95,40 @@ def scale_health(layer: MoELayer) -> list[str]:
         out.append(f"{int(bad.sum())} block scales are NaN/Inf, in experts {ex}: the kernel's output will be NaN there")
     zero_experts = (s == 0).all(1).nonzero().flatten().tolist()
     if zero_experts:
-        out.append(f"experts {zero_experts}: every block scale is 0 (the expert outputs 0; a broken export, or "
-                   f"FlashInfer nvfp4_quantize run on a pre-Blackwell GPU)")
+        out.append(
+            f"experts {zero_experts}: every block scale is 0 (the expert outputs 0; a broken export, or "
+            f"FlashInfer nvfp4_quantize run on a pre-Blackwell GPU)"
+        )
     tiny = (s.abs() > 0) & (s.abs() < TINY_SCALE)
     for e in tiny.any(1).nonzero().flatten().tolist():
         n, total = int(tiny[e].sum()), s.shape[1]
         low = s[e].abs()[tiny[e]].min().item()
-        out.append(f"expert {e}: {n}/{total} block scales below {TINY_SCALE:g} (min {low:.2g}): dead expert; FlashInfer's "
-                   f"Hopper CUTLASS FP8 MoE emitted NaN on these; prepare_fp8_moe_layer_for_fi clamps to {TINY_SCALE:g}")
+        out.append(
+            f"expert {e}: {n}/{total} block scales below {TINY_SCALE:g} (min {low:.2g}): dead expert; FlashInfer's "
+            f"Hopper CUTLASS FP8 MoE emitted NaN on these; prepare_fp8_moe_layer_for_fi clamps to {TINY_SCALE:g}"
+        )
     zeros = int((s == 0).sum()) - sum(s.shape[1] for _ in zero_experts)
     if zeros > 0:
         out.append(f"{zeros} block scales are 0 (all-zero blocks; harmless unless unexpected)")
     for key in ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale"):
         t = layer.extras.get(key)
         if t is not None and (~torch.isfinite(t) | (t <= 0)).any():
-            out.append(f"{key}: non-positive or NaN/Inf in experts {(~torch.isfinite(t) | (t <= 0)).reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist()}")
+            out.append(
+                f"{key}: non-positive or NaN/Inf in experts {(~torch.isfinite(t) | (t <= 0)).reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist()}"
+            )
     g = layer.extras.get("w13_weight_scale_2")
     if g is not None and not torch.equal(g[:, 0], g[:, 1]):
         ex = (g[:, 0] != g[:, 1]).nonzero().flatten().tolist()
-        out.append(f"experts {ex}: gate and up have different weight_scale_2; the kernel takes one per w13 (vLLM uses "
-                   f"gate's), so up is off by their ratio")
+        out.append(
+            f"experts {ex}: gate and up have different weight_scale_2; the kernel takes one per w13 (vLLM uses "
+            f"gate's), so up is off by their ratio"
+        )
     return out or ["ok: all scales finite, none zero or below 1e-10"]
 
 
-def inspect_checkpoint(path: str | os.PathLike, layers: Optional[Sequence[int]] = None,
-                       tps: Sequence[int] = (1, 2, 4, 8)) -> list[LayerReport]:
+def inspect_checkpoint(
+    path: str | os.PathLike, layers: Optional[Sequence[int]] = None, tps: Sequence[int] = (1, 2, 4, 8)
+) -> list[LayerReport]:
     """A :class:`LayerReport` per MoE layer (all, or ``layers``) of the checkpoint at ``path``."""
     reports = []
     with Checkpoint(path) as ck:
@@ -130,10 +140,24 @@ def inspect_checkpoint(path: str | os.PathLike, layers: Optional[Sequence[int]] 
             top_k = None
         for idx in wanted:
             full = ck.read_layer(idx, load="scales")
-            tensors = {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in {**full.tensors(), **full.extras}.items()
-                       if t is not None}
-            rep = LayerReport(idx, conv.name, conv.models, ck.fmt, full.num_experts, top_k, ck.hidden, ck.intermediate,
-                              conv.gate_up_order, tensors, health=scale_health(full))
+            tensors = {
+                n: (dtype_name(t.dtype), tuple(t.shape))
+                for n, t in {**full.tensors(), **full.extras}.items()
+                if t is not None
+            }
+            rep = LayerReport(
+                idx,
+                conv.name,
+                conv.models,
+                ck.fmt,
+                full.num_experts,
+                top_k,
+                ck.hidden,
+                ck.intermediate,
+                conv.gate_up_order,
+                tensors,
+                health=scale_health(full),
+            )
             for tp in tps:
                 row: dict[str, str] = {}
                 try:
@@ -156,9 +180,12 @@ def format_report(reports: Sequence[LayerReport]) -> str:
     lines = []
     for r in reports:
         lines.append(f"layer {r.layer}: {r.convention} [{r.models}]  format {r.fmt}")
-        lines.append(f"  experts {r.num_experts}" + (f", top-{r.top_k}" if r.top_k else "")
-                     + f", hidden {r.hidden}, intermediate {r.intermediate}; gate/up order: {r.gate_up_order} "
-                       f"(FlashInfer wants [up; gate]: convert swaps)")
+        lines.append(
+            f"  experts {r.num_experts}"
+            + (f", top-{r.top_k}" if r.top_k else "")
+            + f", hidden {r.hidden}, intermediate {r.intermediate}; gate/up order: {r.gate_up_order} "
+            f"(FlashInfer wants [up; gate]: convert swaps)"
+        )
         for n, (dt, shape) in r.tensors.items():
             lines.append(f"  {n:<20} {dt:<8} {list(shape)}")
         lines.append(f"  {'tp':>3}  {'shard':<20} {'trtllm':<58} cutlass   (rank 0)")

@@ -17,9 +17,17 @@ from fimoe_lab.specs import get_activation
 __all__ = ["moe_forward", "layer_forward", "random_routing"]
 
 
-def moe_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, activation: str = "silu", activation_params: Optional[dict] = None,
-                w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def moe_forward(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    activation: str = "silu",
+    activation_params: Optional[dict] = None,
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` in float32.
 
     ``expert_e(x) = act(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]``, ``act`` the
@@ -34,11 +42,15 @@ def moe_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     """
     act = get_activation(activation)
     if x.ndim != 2 or w13.ndim != 3 or w2.ndim != 3 or w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1]:
-        raise LayoutError(f"moe_forward: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not "
-                         f"fit (T, H), (E, 2I or I, H), (E, H, I)")
+        raise LayoutError(
+            f"moe_forward: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not "
+            f"fit (T, H), (E, 2I or I, H), (E, H, I)"
+        )
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise LayoutError(f"moe_forward: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-                         f"must both be (T={x.shape[0]}, k)")
+        raise LayoutError(
+            f"moe_forward: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+            f"must both be (T={x.shape[0]}, k)"
+        )
     inter, params = w2.shape[2], activation_params or {}
     xf = x.float()
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
@@ -58,8 +70,17 @@ def moe_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
 def layer_forward(layer: MoELayer, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """:func:`moe_forward` on a checkpoint layer, dequantized with :mod:`fimoe_lab.formats` (biases included)."""
     w13, w2 = layer.dequantized()
-    return moe_forward(x, w13, w2, topk_ids, topk_weights, layer.activation, layer.activation_params,
-                       layer.extras.get("w13_bias"), layer.extras.get("w2_bias"))
+    return moe_forward(
+        x,
+        w13,
+        w2,
+        topk_ids,
+        topk_weights,
+        layer.activation,
+        layer.activation_params,
+        layer.extras.get("w13_bias"),
+        layer.extras.get("w2_bias"),
+    )
 
 
 def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,15 +103,19 @@ class MoELayer:
             return []
         f, block, ws2 = self.fmt, spec.scale_block, self.extras.get("w13_weight_scale_2")
         if spec.scale_block_rows == 1 and ws2 is None:
-            return [("w13", QuantizedTensor(self.w13, self.w13_scale, None, f, block)),
-                    ("w2", QuantizedTensor(self.w2, self.w2_scale, None, f, block))]
+            return [
+                ("w13", QuantizedTensor(self.w13, self.w13_scale, None, f, block)),
+                ("w2", QuantizedTensor(self.w2, self.w2_scale, None, f, block)),
+            ]
         g_gate = g_up = g_down = None
         if ws2 is not None:  # stored as weight_scale_2 = 1 / global scale
             g_gate, g_up, g_down = 1.0 / ws2[:, 0], 1.0 / ws2[:, 1], 1.0 / self.extras["w2_weight_scale_2"]
         half = self.w13_scale.shape[1] // 2
-        return [("gate", QuantizedTensor(self.w13[:, :i], self.w13_scale[:, :half], g_gate, f, block)),
-                ("up", QuantizedTensor(self.w13[:, i:], self.w13_scale[:, half:], g_up, f, block)),
-                ("down", QuantizedTensor(self.w2, self.w2_scale, g_down, f, block))]
+        return [
+            ("gate", QuantizedTensor(self.w13[:, :i], self.w13_scale[:, :half], g_gate, f, block)),
+            ("up", QuantizedTensor(self.w13[:, i:], self.w13_scale[:, half:], g_up, f, block)),
+            ("down", QuantizedTensor(self.w2, self.w2_scale, g_down, f, block)),
+        ]
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``w13`` ``(E, 2I, H)`` and ``w2`` ``(E, H, I)``, dequantized with :mod:`fimoe_lab.formats`."""
@@ -153,7 +157,8 @@ class Checkpoint:
                 f"('<prefix>layers.<L>.mlp.experts.' or '.block_sparse_moe.experts.'); known conventions: "
                 + "; ".join(f"{c.name}: {c.pattern()}" for c in conventions.CONVENTIONS)
                 + f". Tensor names seen: {sample}",
-                fix="add an entry to fimoe_lab/checkpoints/conventions.py")
+                fix="add an entry to fimoe_lab/checkpoints/conventions.py",
+            )
         self.prefix = self._layers[first]
         self.convention: Convention = self._detect(first)
 
@@ -235,7 +240,9 @@ class Checkpoint:
         raise CheckpointError(
             f"{self.path}: layer {layer}'s expert tensors follow no known naming convention. Expected one of: "
             + "; ".join(f"{c.name}: {c.pattern()}" for c in conventions.CONVENTIONS)
-            + f". Found: {found_s}", fix="add an entry to fimoe_lab/checkpoints/conventions.py")
+            + f". Found: {found_s}",
+            fix="add an entry to fimoe_lab/checkpoints/conventions.py",
+        )
 
     def config_int(self, keys: Sequence[str], what: str) -> int:
         """The first of ``keys`` present in config.json (also under ``text_config``), as int."""
@@ -245,7 +252,9 @@ class Checkpoint:
                     return int(cfg[k])
         raise CheckpointError(
             f"{self.path / 'config.json'}: no {what} ({' or '.join(keys)}); the {self.convention.name} convention "
-            f"reads it from there", fix="add the key from the model's original config.json")
+            f"reads it from there",
+            fix="add the key from the model's original config.json",
+        )
 
     @property
     def hidden(self) -> int:
@@ -274,7 +283,8 @@ class Checkpoint:
             raise CheckpointError(
                 f"missing tensor {name} ({role}): expected {dtype_name(dtype)} {list(shape)} for the "
                 f"{self.convention.name} convention in {self.path}; the index/shards do not contain it",
-                fix="re-download the shard that holds it or check num experts/intermediate in config.json")
+                fix="re-download the shard that holds it or check num experts/intermediate in config.json",
+            )
         got_dtype, got_shape = self.header(name)
         scalar_ok = shape == () and math.prod(got_shape) == 1
         if got_dtype != dtype or (got_shape != shape and not scalar_ok):
@@ -282,7 +292,8 @@ class Checkpoint:
                 f"{name} ({role}) in {self.weight_map[name]}: expected {dtype_name(dtype)} {list(shape)}, found "
                 f"{dtype_name(got_dtype)} {list(got_shape)} (config.json: hidden {self.hidden}, intermediate "
                 f"{self.intermediate}, {self.num_experts} experts)",
-                fix=f"check that config.json belongs to these weights and that the convention is {self.convention.name}")
+                fix=f"check that config.json belongs to these weights and that the convention is {self.convention.name}",
+            )
 
     def _read(self, name: str, index: Optional[tuple] = ()) -> torch.Tensor:
         """Read ``name`` (only ``index`` of it); ``index=None`` reads a one-element tensor as a scalar."""
@@ -301,8 +312,9 @@ class Checkpoint:
         """
         conv, fmt, full_i = self.convention, self.fmt, self.intermediate
         if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
-            raise CheckpointError(f"tensor-parallel rank {tp_rank} of {tp_size} is not valid",
-                                  fix="choose tp >= 1 and 0 <= rank < tp")
+            raise CheckpointError(
+                f"tensor-parallel rank {tp_rank} of {tp_size} is not valid", fix="choose tp >= 1 and 0 <= rank < tp"
+            )
         spec = get_format(fmt)
         block = spec.scale_block or 1
         if conv.fused:
@@ -312,13 +324,16 @@ class Checkpoint:
                 raise CheckpointError(
                     f"tp={tp_size}: rank {tp_rank} gets no intermediate rows ({full_i} values = {full_i // block} "
                     f"{fmt.upper()} blocks, {per_rank // block} per rank, so ranks from {-(-full_i // per_rank)} on "
-                    f"are empty)", fix=f"tp <= {full_i // block}")
+                    f"are empty)",
+                    fix=f"tp <= {full_i // block}",
+                )
             return r0, r1
         if full_i % tp_size:
             raise CheckpointError(
                 f"tp={tp_size} does not divide the intermediate size {full_i} (config.json "
                 f"{'/'.join(conv.intermediate_keys)}): rank shards would differ in size",
-                fix=f"pick tp from {[t for t in range(1, 9) if full_i % t == 0]}")
+                fix=f"pick tp from {[t for t in range(1, 9) if full_i % t == 0]}",
+            )
         il = full_i // tp_size
         if tp_size > 1 and il % block:
             shape = f"{spec.scale_block_rows}x{block}" if spec.scale_block_rows > 1 else f"{block}-value"
@@ -327,11 +342,13 @@ class Checkpoint:
                 f"{fmt.upper()} scale block, so rank {tp_rank}'s slice [{tp_rank * il}, {(tp_rank + 1) * il}) of the "
                 f"down projection's scales would cut a block (vLLM refuses this too)",
                 fix=f"tp in {[t for t in range(1, 9) if full_i % t == 0 and (full_i // t) % block == 0]}, or pad the "
-                    f"intermediate size before sharding")
+                f"intermediate size before sharding",
+            )
         return tp_rank * il, (tp_rank + 1) * il
 
-    def read_layer(self, layer: int, tp_size: int = 1, tp_rank: int = 0, load: str = "all",
-                   progress: bool = False) -> MoELayer:
+    def read_layer(
+        self, layer: int, tp_size: int = 1, tp_rank: int = 0, load: str = "all", progress: bool = False
+    ) -> MoELayer:
         """Stack layer ``layer``'s experts for rank ``tp_rank`` of ``tp_size``.
 
         ``load``: ``all`` reads everything; ``scales`` leaves weights as ``meta`` tensors
@@ -339,8 +356,10 @@ class Checkpoint:
         Every tensor is checked (present, dtype, shape) before any is read.
         """
         if layer not in self._layers:
-            raise CheckpointError(f"{self.path}: layer {layer} has no routed experts",
-                                  fix=f"choose one of the MoE layers {self.moe_layers}")
+            raise CheckpointError(
+                f"{self.path}: layer {layer} has no routed experts",
+                fix=f"choose one of the MoE layers {self.moe_layers}",
+            )
         if load not in ("all", "scales", "none"):
             raise CheckpointError(f"load={load!r} is not a read mode", fix="pass load='all', 'scales' or 'none'")
         conv = self.convention
@@ -349,15 +368,19 @@ class Checkpoint:
         moe = reader(self, layer, tp_size, tp_rank, r0, r1, load, progress).run()
         if conv.activation == "swiglu_oai":
             cfg = self.config
-            moe.activation_params = {"alpha": float(cfg.get("swiglu_alpha", 1.702)), "limit": float(cfg.get("swiglu_limit", 7.0))}
+            moe.activation_params = {
+                "alpha": float(cfg.get("swiglu_alpha", 1.702)),
+                "limit": float(cfg.get("swiglu_limit", 7.0)),
+            }
         return moe
 
 
 class _LayerReader:
     """Shared state of one read: sizes, slices and the output buffers."""
 
-    def __init__(self, ckpt: Checkpoint, layer: int, tp_size: int, tp_rank: int, r0: int, r1: int, load: str,
-                 progress: bool):
+    def __init__(
+        self, ckpt: Checkpoint, layer: int, tp_size: int, tp_rank: int, r0: int, r1: int, load: str, progress: bool
+    ):
         self.ck, self.layer, self.tp_size, self.tp_rank = ckpt, layer, tp_size, tp_rank
         self.r0, self.r1, self.il = r0, r1, r1 - r0
         self.load, self.progress = load, progress
@@ -371,7 +394,8 @@ class _LayerReader:
                 raise CheckpointError(
                     f"{ckpt.path / 'config.json'}: {name} size {size} is not a multiple of the {self.spec.scale_block}-"
                     f"value {self.fmt} scale block, so its packed tensors cannot have the shape the convention needs",
-                    fix="check that config.json belongs to these weights")
+                    fix="check that config.json belongs to these weights",
+                )
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, is_scale: bool) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu" if self.wants(is_scale) else "meta")
@@ -380,8 +404,21 @@ class _LayerReader:
         return self.load == "all" or (self.load == "scales" and is_scale)
 
     def finish(self, w13, w2, s13, s2, extras) -> MoELayer:
-        return MoELayer(self.fmt, w13, w2, s13, s2, self.il, self.H, extras, self.layer, self.conv.name,
-                        self.tp_size, self.tp_rank, self.conv.activation)
+        return MoELayer(
+            self.fmt,
+            w13,
+            w2,
+            s13,
+            s2,
+            self.il,
+            self.H,
+            extras,
+            self.layer,
+            self.conv.name,
+            self.tp_size,
+            self.tp_rank,
+            self.conv.activation,
+        )
 
 
 class _PerExpertReader(_LayerReader):
@@ -421,20 +458,48 @@ class _PerExpertReader(_LayerReader):
         for e in range(E):
             for proj in range(3):
                 if proj < 2:
-                    shape, sl, dest = (I, H // v), (slice(self.r0, self.r1), slice(None)), (w13, e, slice(proj * il, (proj + 1) * il))
+                    shape, sl, dest = (
+                        (I, H // v),
+                        (slice(self.r0, self.r1), slice(None)),
+                        (w13, e, slice(proj * il, (proj + 1) * il)),
+                    )
                 else:
-                    shape, sl, dest = (H, I // v), (slice(None), slice(self.r0 // v, self.r1 // v)), (w2, e, slice(None))
-                plan.append((c.expert_key(self.prefix, self.layer, e, proj), c.weight_dtype, shape, sl, dest, False, "weight"))
+                    shape, sl, dest = (
+                        (H, I // v),
+                        (slice(None), slice(self.r0 // v, self.r1 // v)),
+                        (w2, e, slice(None)),
+                    )
+                plan.append(
+                    (c.expert_key(self.prefix, self.layer, e, proj), c.weight_dtype, shape, sl, dest, False, "weight")
+                )
                 if s13 is not None:
                     full, ssl = self.scale_spec(proj)
                     nr = s13.shape[1] // 2
                     sdest = (s13, e, slice(proj * nr, (proj + 1) * nr)) if proj < 2 else (s2, e, slice(None))
-                    plan.append((c.expert_key(self.prefix, self.layer, e, proj, c.scale_suffix), c.scale_dtype, full,
-                                 ssl, sdest, True, "block scale"))
+                    plan.append(
+                        (
+                            c.expert_key(self.prefix, self.layer, e, proj, c.scale_suffix),
+                            c.scale_dtype,
+                            full,
+                            ssl,
+                            sdest,
+                            True,
+                            "block scale",
+                        )
+                    )
                 for extra in c.scalar_extras:
                     buf = extras[f"{'w13' if proj < 2 else 'w2'}_{extra}"]
-                    plan.append((c.expert_key(self.prefix, self.layer, e, proj, extra), torch.float32, (), None,
-                                 (buf, e, proj) if proj < 2 else (buf, e), True, extra))
+                    plan.append(
+                        (
+                            c.expert_key(self.prefix, self.layer, e, proj, extra),
+                            torch.float32,
+                            (),
+                            None,
+                            (buf, e, proj) if proj < 2 else (buf, e),
+                            True,
+                            extra,
+                        )
+                    )
         for name, dtype, shape, _, _, _, role in plan:
             self.ck._check(name, dtype, shape, role)
         items = [p for p in plan if self.wants(p[5])]
@@ -458,7 +523,10 @@ class _FusedReader(_LayerReader):
         bb = b // self.v  # bytes per block
         wd, sd = c.weight_dtype, c.scale_dtype
         key = lambda n: c.fused_key(self.prefix, self.layer, n)  # noqa: E731
-        up_rows, down_cols = (slice(None), slice(2 * self.r0, 2 * self.r1)), (slice(None), slice(None), slice(self.r0 // b, self.r1 // b))
+        up_rows, down_cols = (
+            (slice(None), slice(2 * self.r0, 2 * self.r1)),
+            (slice(None), slice(None), slice(self.r0 // b, self.r1 // b)),
+        )
         specs = [
             ("gate_up_proj_blocks", wd, (E, 2 * I, H // b, bb), up_rows, False),
             ("gate_up_proj_scales", sd, (E, 2 * I, H // b), up_rows, True),
@@ -467,13 +535,20 @@ class _FusedReader(_LayerReader):
         ]
         has_bias = key("gate_up_proj_bias") in self.ck.weight_map
         if has_bias:
-            specs += [("gate_up_proj_bias", torch.bfloat16, (E, 2 * I), (slice(None), slice(2 * self.r0, 2 * self.r1)), True),
-                      ("down_proj_bias", torch.bfloat16, (E, H), (), True)]
+            specs += [
+                ("gate_up_proj_bias", torch.bfloat16, (E, 2 * I), (slice(None), slice(2 * self.r0, 2 * self.r1)), True),
+                ("down_proj_bias", torch.bfloat16, (E, H), (), True),
+            ]
         for name, dtype, shape, _, _ in specs:
             self.ck._check(key(name), dtype, shape, f"{self.fmt.upper()} {name.replace('_', ' ')}")
-        out_shapes = {"gate_up_proj_blocks": (E, 2 * il, H // self.v), "gate_up_proj_scales": (E, 2 * il, H // b),
-                      "down_proj_blocks": (E, H, il // self.v), "down_proj_scales": (E, H, il // b),
-                      "gate_up_proj_bias": (E, 2 * il), "down_proj_bias": (E, H)}
+        out_shapes = {
+            "gate_up_proj_blocks": (E, 2 * il, H // self.v),
+            "gate_up_proj_scales": (E, 2 * il, H // b),
+            "down_proj_blocks": (E, H, il // self.v),
+            "down_proj_scales": (E, H, il // b),
+            "gate_up_proj_bias": (E, 2 * il),
+            "down_proj_bias": (E, H),
+        }
         got = {}
         for name, dtype, _, sl, is_scale in specs:
             if not self.wants(is_scale):
@@ -486,8 +561,13 @@ class _FusedReader(_LayerReader):
         if has_bias and self.tp_rank > 0 and self.wants(True):  # vLLM: only rank 0 adds the down bias
             got["down_proj_bias"] = torch.zeros_like(got["down_proj_bias"])
         extras = {"w13_bias": got["gate_up_proj_bias"], "w2_bias": got["down_proj_bias"]} if has_bias else {}
-        return self.finish(got["gate_up_proj_blocks"], got["down_proj_blocks"], got["gate_up_proj_scales"],
-                           got["down_proj_scales"], extras)
+        return self.finish(
+            got["gate_up_proj_blocks"],
+            got["down_proj_blocks"],
+            got["gate_up_proj_scales"],
+            got["down_proj_scales"],
+            extras,
+        )
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:

@@ -45,9 +45,22 @@ from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import BIAS_ROWS, LayerPlan, apply_map
 from fimoe_lab.specs import weight_formats
 
-__all__ = ["FORMAT_VERSION", "READ_VERSIONS", "KERNEL_NAMES", "plan_args", "build_plan", "suggest_alignment",
-           "convert_layer", "write_kernel_layout", "convert_checkpoint", "read_kernel_metadata", "check_record",
-           "restore_layers", "restore_checkpoint", "atomic_output"]
+__all__ = [
+    "FORMAT_VERSION",
+    "READ_VERSIONS",
+    "KERNEL_NAMES",
+    "plan_args",
+    "build_plan",
+    "suggest_alignment",
+    "convert_layer",
+    "write_kernel_layout",
+    "convert_checkpoint",
+    "read_kernel_metadata",
+    "check_record",
+    "restore_layers",
+    "restore_checkpoint",
+    "atomic_output",
+]
 
 FORMAT_VERSION = 2
 """Version written: plans by recipe id, steps as kind/params."""
@@ -61,16 +74,28 @@ KERNEL_NAMES = {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight
 
 
 # ============================================================================ plans
-def plan_args(layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None,
-              hidden_alignment: Optional[int] = None) -> dict:
+def plan_args(
+    layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None, hidden_alignment: Optional[int] = None
+) -> dict:
     """The record that rebuilds this layer's plan: ``{"recipe": id, "args": plan_layer keyword arguments}``."""
     if layer.fmt not in weight_formats():
-        raise CheckpointError(f"no layout plan for format {layer.fmt!r}",
-                              fix=f"convert one of the weight formats {', '.join(weight_formats())}")
-    return {"recipe": recipes.recipe_id(layer.fmt, backend), "args": {
-        "fmt": layer.fmt, "backend": backend, "intermediate": layer.intermediate, "hidden": layer.hidden,
-        "is_act_and_mul": layer.is_act_and_mul, "is_gated": layer.is_gated,
-        "intermediate_alignment": intermediate_alignment, "hidden_alignment": hidden_alignment}}
+        raise CheckpointError(
+            f"no layout plan for format {layer.fmt!r}",
+            fix=f"convert one of the weight formats {', '.join(weight_formats())}",
+        )
+    return {
+        "recipe": recipes.recipe_id(layer.fmt, backend),
+        "args": {
+            "fmt": layer.fmt,
+            "backend": backend,
+            "intermediate": layer.intermediate,
+            "hidden": layer.hidden,
+            "is_act_and_mul": layer.is_act_and_mul,
+            "is_gated": layer.is_gated,
+            "intermediate_alignment": intermediate_alignment,
+            "hidden_alignment": hidden_alignment,
+        },
+    }
 
 
 def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
@@ -82,20 +107,26 @@ def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
     args = dict(record.get("args") or {})
     if version == 1:
         if record.get("builder") != V1_BUILDER:
-            raise CheckpointError(f"unknown plan builder {record.get('builder')!r} in a version-1 file",
-                                  fix=f"only {V1_BUILDER} was ever written; the metadata was edited")
+            raise CheckpointError(
+                f"unknown plan builder {record.get('builder')!r} in a version-1 file",
+                fix=f"only {V1_BUILDER} was ever written; the metadata was edited",
+            )
     else:
         rid = record.get("recipe")
         if rid not in recipes.RECIPES:
             raise CheckpointError(f"unknown layout recipe {rid!r}", fix=f"known recipes: {', '.join(recipes.RECIPES)}")
         if rid != recipes.recipe_id(args.get("fmt"), args.get("backend")):
-            raise CheckpointError(f"recipe {rid!r} does not match its arguments (fmt {args.get('fmt')!r}, backend "
-                                  f"{args.get('backend')!r})", fix="the metadata was edited; convert the checkpoint again")
+            raise CheckpointError(
+                f"recipe {rid!r} does not match its arguments (fmt {args.get('fmt')!r}, backend "
+                f"{args.get('backend')!r})",
+                fix="the metadata was edited; convert the checkpoint again",
+            )
     try:
         return recipes.plan_layer(**args)
     except TypeError as exc:
-        raise CheckpointError(f"plan arguments {args} do not fit recipes.plan_layer ({exc})",
-                              fix="convert the checkpoint again") from None
+        raise CheckpointError(
+            f"plan arguments {args} do not fit recipes.plan_layer ({exc})", fix="convert the checkpoint again"
+        ) from None
 
 
 TRY_ALIGNMENTS = (16, 32, 64, 128, 256)
@@ -112,8 +143,9 @@ def suggest_alignment(layer: MoELayer, backend: str) -> Optional[int]:
     return None
 
 
-def convert_layer(layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None,
-                  hidden_alignment: Optional[int] = None) -> tuple[dict[str, torch.Tensor], LayerPlan, dict]:
+def convert_layer(
+    layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None, hidden_alignment: Optional[int] = None
+) -> tuple[dict[str, torch.Tensor], LayerPlan, dict]:
     """One layer into the kernel layout: ``(tensors by kernel name, plan, plan spec)``.
 
     Only bytes move (block scales are not clamped; see ``inspect`` for dead scales).
@@ -121,9 +153,12 @@ def convert_layer(layer: MoELayer, backend: str, intermediate_alignment: Optiona
     """
     spec = plan_args(layer, backend, intermediate_alignment, hidden_alignment)
     plan = build_plan(spec)
-    outs = plan.apply(layer.w13.contiguous(), layer.w2.contiguous(),
-                      None if layer.w13_scale is None else layer.w13_scale.contiguous(),
-                      None if layer.w2_scale is None else layer.w2_scale.contiguous())
+    outs = plan.apply(
+        layer.w13.contiguous(),
+        layer.w2.contiguous(),
+        None if layer.w13_scale is None else layer.w13_scale.contiguous(),
+        None if layer.w2_scale is None else layer.w2_scale.contiguous(),
+    )
     tensors = {KERNEL_NAMES[n]: t for n, t in zip(KERNEL_NAMES, outs) if t is not None}
     for name, t in layer.extras.items():
         tensors[name] = _map_extra(plan, name, t, inverse=False)
@@ -182,7 +217,9 @@ class _StreamWriter:
     def write(self, name: str, t: torch.Tensor) -> None:
         dtype, shape, offset = self.expected[name]
         if t.dtype != dtype or tuple(t.shape) != shape or offset != self.pos:
-            raise CheckpointError(f"internal: {name} is {t.dtype} {tuple(t.shape)} at {self.pos}, header says {dtype} {shape} at {offset}")
+            raise CheckpointError(
+                f"internal: {name} is {t.dtype} {tuple(t.shape)} at {self.pos}, header says {dtype} {shape} at {offset}"
+            )
         data = t.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
         self.handle.write(memoryview(data))
         self.pos += data.size
@@ -237,6 +274,7 @@ def _dtype_shape(dtype: torch.dtype, shape: Sequence[int]) -> dict:
 def _dry_run(layer: MoELayer, backend: str, ia: Optional[int], ha: Optional[int]) -> tuple[dict, LayerPlan, dict]:
     """Kernel ``(dtype, shape)`` by kernel name of a layer (shapes only; meta tensors allowed), from
     a one-expert conversion; with the plan and its :func:`plan_args` record."""
+
     def one_expert(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if t is None else torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype)
 
@@ -250,23 +288,47 @@ def _kernel_specs(layer: MoELayer, backend: str, ia: Optional[int], ha: Optional
     """Kernel dtypes/shapes of a layer (:func:`_dry_run`) and its metadata record (module docstring)."""
     kernel, plan, spec = _dry_run(layer, backend, ia, ha)
     record = {
-        "plan": spec, "description": plan.description,
-        "padded_intermediate": plan.padded_intermediate, "padded_hidden": plan.padded_hidden,
-        "activation": layer.activation, "activation_params": layer.activation_params,
-        "tensors": {n: {"name": KERNEL_NAMES[n], "steps": _tensor_steps(plan, n),
-                        "checkpoint": _dtype_shape(t.dtype, t.shape), "kernel": _dtype_shape(*kernel[KERNEL_NAMES[n]])}
-                    for n, t in layer.tensors().items() if t is not None},
-        "extras": {n: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "kernel_shape": list(kernel[n][1]),
-                       **_extra_steps(plan, n)}
-                   for n, t in layer.extras.items()},
+        "plan": spec,
+        "description": plan.description,
+        "padded_intermediate": plan.padded_intermediate,
+        "padded_hidden": plan.padded_hidden,
+        "activation": layer.activation,
+        "activation_params": layer.activation_params,
+        "tensors": {
+            n: {
+                "name": KERNEL_NAMES[n],
+                "steps": _tensor_steps(plan, n),
+                "checkpoint": _dtype_shape(t.dtype, t.shape),
+                "kernel": _dtype_shape(*kernel[KERNEL_NAMES[n]]),
+            }
+            for n, t in layer.tensors().items()
+            if t is not None
+        },
+        "extras": {
+            n: {
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "kernel_shape": list(kernel[n][1]),
+                **_extra_steps(plan, n),
+            }
+            for n, t in layer.extras.items()
+        },
     }
     return kernel, record
 
 
-def write_kernel_layout(out: str | os.PathLike, sources: Sequence[LayerSource], backend: str, *,
-                        intermediate_alignment: Optional[int] = None, hidden_alignment: Optional[int] = None,
-                        prefix: str = "model.layers.", block: str = "mlp", info: Optional[dict] = None,
-                        progress: bool = False) -> Path:
+def write_kernel_layout(
+    out: str | os.PathLike,
+    sources: Sequence[LayerSource],
+    backend: str,
+    *,
+    intermediate_alignment: Optional[int] = None,
+    hidden_alignment: Optional[int] = None,
+    prefix: str = "model.layers.",
+    block: str = "mlp",
+    info: Optional[dict] = None,
+    progress: bool = False,
+) -> Path:
     """Convert and stream layers into one kernel-layout safetensors file at ``out`` (atomically).
 
     ``sources``: ``(layer index, shape-only layer, loader)``; every plan is built and
@@ -281,20 +343,38 @@ def write_kernel_layout(out: str | os.PathLike, sources: Sequence[LayerSource], 
             kernel, record = _kernel_specs(shape_layer, backend, intermediate_alignment, hidden_alignment)
         except ValueError as exc:
             a = suggest_alignment(shape_layer, backend) if intermediate_alignment is None else None
-            fix = f"intermediate alignment {a} works (CLI: --intermediate-alignment {a})" if a else getattr(exc, "fix", None)
-            raise CheckpointError(f"layer {idx} ({shape_layer.fmt}, intermediate {shape_layer.intermediate}, hidden "
-                                  f"{shape_layer.hidden}) cannot be laid out for {backend}: "
-                                  f"{exc.message if isinstance(exc, FimoeError) else exc}", fix=fix) from exc
+            fix = (
+                f"intermediate alignment {a} works (CLI: --intermediate-alignment {a})"
+                if a
+                else getattr(exc, "fix", None)
+            )
+            raise CheckpointError(
+                f"layer {idx} ({shape_layer.fmt}, intermediate {shape_layer.intermediate}, hidden "
+                f"{shape_layer.hidden}) cannot be laid out for {backend}: "
+                f"{exc.message if isinstance(exc, FimoeError) else exc}",
+                fix=fix,
+            ) from exc
         for n, spec in kernel.items():
             specs[_out_name(prefix, block, idx, n)] = spec
         records[str(idx)] = record
-    meta = {"version": FORMAT_VERSION, "backend": backend, "prefix": prefix, "block": block, **(info or {}), "layers": records}
+    meta = {
+        "version": FORMAT_VERSION,
+        "backend": backend,
+        "prefix": prefix,
+        "block": block,
+        **(info or {}),
+        "layers": records,
+    }
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for d, s in specs.values()),
-                   unit="B", unit_scale=True, desc=f"convert -> {Path(out).name}")
+        bar = tqdm(
+            total=sum(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for d, s in specs.values()),
+            unit="B",
+            unit_scale=True,
+            desc=f"convert -> {Path(out).name}",
+        )
     with atomic_output(out) as tmp, open(tmp, "wb") as handle:
         writer = _StreamWriter(handle, specs, {"fimoe_lab": json.dumps(meta)})
         for idx, _, load in sources:
@@ -312,24 +392,51 @@ def write_kernel_layout(out: str | os.PathLike, sources: Sequence[LayerSource], 
     return Path(out)
 
 
-def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, backend: str, tp_size: int = 1,
-                       tp_rank: int = 0, layers: Optional[Iterable[int]] = None,
-                       intermediate_alignment: Optional[int] = None, hidden_alignment: Optional[int] = None,
-                       progress: bool = False) -> Path:
+def convert_checkpoint(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    backend: str,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    layers: Optional[Iterable[int]] = None,
+    intermediate_alignment: Optional[int] = None,
+    hidden_alignment: Optional[int] = None,
+    progress: bool = False,
+) -> Path:
     """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``."""
     with Checkpoint(src) as ck:
         wanted = ck.moe_layers if layers is None else list(layers)
         missing = [l for l in wanted if l not in ck.moe_layers]
         if missing:
-            raise CheckpointError(f"{src}: layers {missing} have no routed experts",
-                                  fix=f"choose from the MoE layers {ck.moe_layers}")
-        sources = [(l, ck.read_layer(l, tp_size, tp_rank, load="none"),
-                    (lambda l=l: ck.read_layer(l, tp_size, tp_rank, progress=progress))) for l in wanted]
-        info = {"source": str(Path(src).resolve()), "convention": ck.convention.name, "config": ck.config,
-                "tp_size": tp_size, "tp_rank": tp_rank}
-        return write_kernel_layout(out, sources, backend, intermediate_alignment=intermediate_alignment,
-                                   hidden_alignment=hidden_alignment, prefix=ck.prefix, block=ck.convention.block,
-                                   info=info, progress=progress)
+            raise CheckpointError(
+                f"{src}: layers {missing} have no routed experts", fix=f"choose from the MoE layers {ck.moe_layers}"
+            )
+        sources = [
+            (
+                l,
+                ck.read_layer(l, tp_size, tp_rank, load="none"),
+                (lambda l=l: ck.read_layer(l, tp_size, tp_rank, progress=progress)),
+            )
+            for l in wanted
+        ]
+        info = {
+            "source": str(Path(src).resolve()),
+            "convention": ck.convention.name,
+            "config": ck.config,
+            "tp_size": tp_size,
+            "tp_rank": tp_rank,
+        }
+        return write_kernel_layout(
+            out,
+            sources,
+            backend,
+            intermediate_alignment=intermediate_alignment,
+            hidden_alignment=hidden_alignment,
+            prefix=ck.prefix,
+            block=ck.convention.block,
+            info=info,
+            progress=progress,
+        )
 
 
 # ============================================================================ restoring
@@ -340,13 +447,18 @@ def read_kernel_metadata(path: str | os.PathLike) -> dict:
     with safe_open(str(path), framework="pt") as f:
         raw = (f.metadata() or {}).get("fimoe_lab")
     if raw is None:
-        raise CheckpointError(f"{path} has no 'fimoe_lab' metadata: it was not written by 'fimoe-lab convert', so the "
-                              f"steps that produced its layout are unknown",
-                              fix="convert the source checkpoint with 'fimoe-lab convert'")
+        raise CheckpointError(
+            f"{path} has no 'fimoe_lab' metadata: it was not written by 'fimoe-lab convert', so the "
+            f"steps that produced its layout are unknown",
+            fix="convert the source checkpoint with 'fimoe-lab convert'",
+        )
     meta = json.loads(raw)
     if meta.get("version") not in READ_VERSIONS:
-        raise CheckpointError(f"{path}: metadata version {meta.get('version')}; this fimoe_lab reads versions "
-                              f"{', '.join(map(str, READ_VERSIONS))}", fix="restore it with the fimoe_lab version that wrote it")
+        raise CheckpointError(
+            f"{path}: metadata version {meta.get('version')}; this fimoe_lab reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}",
+            fix="restore it with the fimoe_lab version that wrote it",
+        )
     return meta
 
 
@@ -361,32 +473,48 @@ def _same_steps(what: str, written: object, rebuilt: object, recipe: str) -> Non
     if written != rebuilt:
         both_lists = isinstance(written, list) and isinstance(rebuilt, list)
         diff = _first_difference(written, rebuilt) if both_lists else f"{written} in the file, {rebuilt} rebuilt"
-        raise CheckpointError(f"{what} was written with steps that recipe {recipe} does not build from the same "
-                              f"arguments ({diff})", fix="restore it with the fimoe_lab version that wrote it")
+        raise CheckpointError(
+            f"{what} was written with steps that recipe {recipe} does not build from the same arguments ({diff})",
+            fix="restore it with the fimoe_lab version that wrote it",
+        )
 
 
 def _shape_layer(rec: dict) -> MoELayer:
     """A layer of meta tensors with a record's checkpoint dtypes and shapes (for a dry run)."""
+
     def meta(spec: dict) -> torch.Tensor:
         return torch.empty(spec["shape"], dtype=conventions.SAFETENSORS_DTYPES[spec["dtype"]], device="meta")
 
     args, trecs = rec["plan"]["args"], rec["tensors"]
     t = {n: meta(trecs[n]["checkpoint"]) if n in trecs else None for n in KERNEL_NAMES}
-    return MoELayer(args["fmt"], t["w13"], t["w2"], t["w13_scale"], t["w2_scale"], args["intermediate"], args["hidden"],
-                    {n: meta(x) for n, x in rec["extras"].items()}, is_act_and_mul=args["is_act_and_mul"],
-                    is_gated=args["is_gated"])
+    return MoELayer(
+        args["fmt"],
+        t["w13"],
+        t["w2"],
+        t["w13_scale"],
+        t["w2_scale"],
+        args["intermediate"],
+        args["hidden"],
+        {n: meta(x) for n, x in rec["extras"].items()},
+        is_act_and_mul=args["is_act_and_mul"],
+        is_gated=args["is_gated"],
+    )
 
 
 def _check_v1_shapes(rec: dict) -> None:
     args = rec["plan"]["args"]
-    kernel, _, _ = _dry_run(_shape_layer(rec), args["backend"], args["intermediate_alignment"], args["hidden_alignment"])
+    kernel, _, _ = _dry_run(
+        _shape_layer(rec), args["backend"], args["intermediate_alignment"], args["hidden_alignment"]
+    )
     recorded = {trec["name"]: (trec["kernel"]["dtype"], trec["kernel"]["shape"]) for trec in rec["tensors"].values()}
     recorded.update({n: (x["dtype"], x["kernel_shape"]) for n, x in rec["extras"].items()})
     for name, want in recorded.items():
         got = f"{dtype_name(kernel[name][0])} {list(kernel[name][1])}" if name in kernel else "no such tensor"
         if got != f"{want[0]} {list(want[1])}":
-            raise CheckpointError(f"{name}: the version-1 file recorded kernel {want[0]} {list(want[1])}, the rebuilt "
-                                  f"plan gives {got}", fix="restore it with the fimoe_lab version that wrote it")
+            raise CheckpointError(
+                f"{name}: the version-1 file recorded kernel {want[0]} {list(want[1])}, the rebuilt plan gives {got}",
+                fix="restore it with the fimoe_lab version that wrote it",
+            )
 
 
 def check_record(rec: dict, plan: LayerPlan, version: int) -> None:
@@ -417,8 +545,10 @@ def _as_checkpoint(t: torch.Tensor, spec: dict) -> torch.Tensor:
 def _read_kernel(f, name: str, spec: dict) -> torch.Tensor:
     t = f.get_tensor(name)
     if (dtype_name(t.dtype), list(t.shape)) != (spec["dtype"], spec["shape"]):
-        raise CheckpointError(f"{name} is {dtype_name(t.dtype)} {list(t.shape)}, metadata says {spec['dtype']} "
-                              f"{spec['shape']}", fix="the file was modified after conversion; convert again")
+        raise CheckpointError(
+            f"{name} is {dtype_name(t.dtype)} {list(t.shape)}, metadata says {spec['dtype']} {spec['shape']}",
+            fix="the file was modified after conversion; convert again",
+        )
     return t
 
 
@@ -428,13 +558,30 @@ def _restore_layer(f, meta: dict, idx: int, rec: dict) -> MoELayer:
     name = lambda n: _out_name(meta["prefix"], meta["block"], idx, n)  # noqa: E731
     kernel = {n: _read_kernel(f, name(trec["name"]), trec["kernel"]) for n, trec in rec["tensors"].items()}
     back = plan.inverse().apply(*(kernel.get(n) for n in KERNEL_NAMES))
-    t = {n: (_as_checkpoint(x, rec["tensors"][n]["checkpoint"]) if n in rec["tensors"] else None)
-         for n, x in zip(KERNEL_NAMES, back)}
+    t = {
+        n: (_as_checkpoint(x, rec["tensors"][n]["checkpoint"]) if n in rec["tensors"] else None)
+        for n, x in zip(KERNEL_NAMES, back)
+    }
     extras = {n: _map_extra(plan, n, f.get_tensor(name(n)), inverse=True) for n in rec["extras"]}
     args = rec["plan"]["args"]
-    return MoELayer(args["fmt"], t["w13"], t["w2"], t["w13_scale"], t["w2_scale"], args["intermediate"], args["hidden"],
-                    extras, idx, meta.get("convention"), meta.get("tp_size", 1), meta.get("tp_rank", 0),
-                    rec["activation"], rec["activation_params"], args["is_act_and_mul"], args["is_gated"])
+    return MoELayer(
+        args["fmt"],
+        t["w13"],
+        t["w2"],
+        t["w13_scale"],
+        t["w2_scale"],
+        args["intermediate"],
+        args["hidden"],
+        extras,
+        idx,
+        meta.get("convention"),
+        meta.get("tp_size", 1),
+        meta.get("tp_rank", 0),
+        rec["activation"],
+        rec["activation_params"],
+        args["is_act_and_mul"],
+        args["is_gated"],
+    )
 
 
 def restore_layers(path: str | os.PathLike) -> tuple[dict, list[MoELayer]]:
@@ -465,15 +612,18 @@ def restore_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> P
     """
     meta, layers = restore_layers(path)
     if not meta.get("convention"):
-        raise CheckpointError(f"{path}: no source convention recorded (written from in-memory layers)",
-                              fix="use restore_layers()")
+        raise CheckpointError(
+            f"{path}: no source convention recorded (written from in-memory layers)", fix="use restore_layers()"
+        )
     conv = conventions.get(meta["convention"])
     tensors: dict[str, torch.Tensor] = {}
     for layer in layers:
         tensors.update(conv.to_tensors(meta["prefix"], layer.layer, layer))
     config = dict(meta.get("config") or {})
     if layers and meta.get("tp_size", 1) > 1:
-        config[next((k for k in conv.intermediate_keys if k in config), conv.intermediate_keys[0])] = layers[0].intermediate
+        config[next((k for k in conv.intermediate_keys if k in config), conv.intermediate_keys[0])] = layers[
+            0
+        ].intermediate
     from safetensors.torch import save_file
 
     shard = "model-00001-of-00001.safetensors"

@@ -43,8 +43,12 @@ class HelpFormatter(argparse.HelpFormatter):
     """argparse's wrapping, per line (each line of a description or epilog is a paragraph), never at hyphens."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return "\n".join(textwrap.fill(" ".join(line.split()), width, initial_indent=indent, subsequent_indent=indent,
-                                       break_on_hyphens=False) for line in text.splitlines())
+        return "\n".join(
+            textwrap.fill(
+                " ".join(line.split()), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+            )
+            for line in text.splitlines()
+        )
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
@@ -67,8 +71,9 @@ def _os_message(exc: OSError) -> str:
     return f"{exc.strerror}: {exc.filename}" if exc.filename is not None and exc.strerror else str(exc)
 
 
-def report_error(exc: BaseException, command: str | None = None, debug: bool = False,
-                 stream: TextIO | None = None) -> int:
+def report_error(
+    exc: BaseException, command: str | None = None, debug: bool = False, stream: TextIO | None = None
+) -> int:
     """Print exactly one line about ``exc`` (after its traceback when ``debug``) and return the exit status.
 
     :class:`FimoeError` -> ``error: <command>: <message> (fix: ...)``, 2 (``command`` is its
@@ -125,7 +130,8 @@ def int_list(flag: str, example: str, minimum: int = 1) -> Callable[[str], tuple
             values = ()
         if not values or min(values) < minimum:
             raise argparse.ArgumentTypeError(
-                f"{flag} takes comma-separated integers >= {minimum} like {example}, got {text!r}")
+                f"{flag} takes comma-separated integers >= {minimum} like {example}, got {text!r}"
+            )
         return values
 
     return parse
@@ -138,5 +144,6 @@ def checkpoint_path(value: str) -> Path:
         return path
     if value in sample_names():
         return sample_path(value)
-    raise FileNotFoundError(f"{value}: no such checkpoint directory or sample; samples: "
-                            f"{', '.join(sample_names()) or 'none'}")
+    raise FileNotFoundError(
+        f"{value}: no such checkpoint directory or sample; samples: {', '.join(sample_names()) or 'none'}"
+    )

@@ -17,8 +17,10 @@ from fimoe_lab.resources import sample_names
 
 def _samples_note() -> str:
     names = sample_names()
-    return ("PATH is a checkpoint directory (config.json + *.safetensors, index optional) or the name of a shipped "
-            f"sample: {', '.join(names) or 'none in this build'}.")
+    return (
+        "PATH is a checkpoint directory (config.json + *.safetensors, index optional) or the name of a shipped "
+        f"sample: {', '.join(names) or 'none in this build'}."
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,8 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Rebuild each layer's plan from the recorded arguments, check its steps against the recorded ones, apply the "
             "inverse (padding dropped) and write OUT_DIR: config.json, index and one shard with the expert tensors in the "
-            "source's naming convention, byte-identical to the source (for a TP shard: the rank's slice)."),
-        epilog="example: fimoe-lab restore /tmp/r1.kernel.safetensors /tmp/r1-restored")
+            "source's naming convention, byte-identical to the source (for a TP shard: the rank's slice)."
+        ),
+        epilog="example: fimoe-lab restore /tmp/r1.kernel.safetensors /tmp/r1-restored",
+    )
     r.add_argument("kernel_file", metavar="KERNEL_FILE", help="file written by 'fimoe-lab convert'")
     r.add_argument("out_dir", metavar="OUT_DIR", help="output checkpoint directory")
     r.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
@@ -47,12 +51,21 @@ def _register_inspect(sub: argparse._SubParsersAction, note: str) -> None:
             "For each MoE layer: naming convention and format (detected from tensor names and dtypes), stacked shapes, "
             "gate/up order, what the TRT-LLM and CUTLASS backends need (padding, or why it fails and the alignment that "
             "fixes it) at each TP size, and scale health (NaN/Inf, all-zero experts, dead ~1e-23 block scales). Reads "
-            "headers and scales only.\n\n" + note),
-        epilog="example: fimoe-lab inspect deepseek-v3-fp8 --tp 1,2,4,8")
+            "headers and scales only.\n\n" + note
+        ),
+        epilog="example: fimoe-lab inspect deepseek-v3-fp8 --tp 1,2,4,8",
+    )
     p.add_argument("path", metavar="PATH", help="checkpoint directory or sample name")
-    p.add_argument("--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all MoE layers)")
-    p.add_argument("--tp", type=int_list("--tp", "1,2,4,8"), default=(1, 2, 4, 8), metavar="T,T,..",
-                   help="TP sizes to check (default 1,2,4,8)")
+    p.add_argument(
+        "--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all MoE layers)"
+    )
+    p.add_argument(
+        "--tp",
+        type=int_list("--tp", "1,2,4,8"),
+        default=(1, 2, 4, 8),
+        metavar="T,T,..",
+        help="TP sizes to check (default 1,2,4,8)",
+    )
     p.set_defaults(handler=run_inspect)
 
 
@@ -65,20 +78,28 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
             "the layout plan of its format for --backend, and write w13_weight, w2_weight, w13_weight_scale, "
             "w2_weight_scale per layer, plus extras unchanged. The metadata records the plan arguments and every step, so "
             "'fimoe-lab restore' can map the file back. Written to a temporary name and renamed when complete: a failed "
-            "or interrupted run leaves nothing at OUT.\n\n" + note),
+            "or interrupted run leaves nothing at OUT.\n\n" + note
+        ),
         epilog="example: fimoe-lab convert deepseek-r1-nvfp4 /tmp/r1.kernel.safetensors --backend trtllm --tp 2 "
-               "--intermediate-alignment 64")
+        "--intermediate-alignment 64",
+    )
     c.add_argument("path", metavar="PATH", help="checkpoint directory or sample name")
     c.add_argument("out", metavar="OUT", help="output .safetensors file")
     c.add_argument("--backend", required=True, choices=specs.BACKENDS, help="FlashInfer MoE backend")
     c.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1)")
     c.add_argument("--rank", type=int, default=0, metavar="R", help="tensor-parallel rank to write (default 0)")
     c.add_argument("--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all)")
-    c.add_argument("--intermediate-alignment", type=int, metavar="A", help="pad the intermediate size to a multiple of A "
-                   "(default: the backend's rule; 'inspect' says when the default fails)")
+    c.add_argument(
+        "--intermediate-alignment",
+        type=int,
+        metavar="A",
+        help="pad the intermediate size to a multiple of A "
+        "(default: the backend's rule; 'inspect' says when the default fails)",
+    )
     c.add_argument("--hidden-alignment", type=int, metavar="A", help="pad the hidden size to a multiple of A")
-    c.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (there is none when stderr is not a terminal)")
+    c.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)"
+    )
     c.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     c.set_defaults(handler=run_convert)
 
@@ -101,16 +122,28 @@ def run_convert(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import convert_checkpoint, read_kernel_metadata
 
     _refuse_existing(args.out, args.force)
-    out = convert_checkpoint(checkpoint_path(args.path), args.out, args.backend, args.tp, args.rank, args.layer,
-                             args.intermediate_alignment, args.hidden_alignment,
-                             progress=show_progress(args.no_progress))
+    out = convert_checkpoint(
+        checkpoint_path(args.path),
+        args.out,
+        args.backend,
+        args.tp,
+        args.rank,
+        args.layer,
+        args.intermediate_alignment,
+        args.hidden_alignment,
+        progress=show_progress(args.no_progress),
+    )
     meta = read_kernel_metadata(out)
     for idx, rec in meta["layers"].items():
-        print(f"layer {idx}: {rec['description']}, intermediate {rec['plan']['args']['intermediate']}->"
-              f"{rec['padded_intermediate']}, hidden {rec['plan']['args']['hidden']}->{rec['padded_hidden']}")
+        print(
+            f"layer {idx}: {rec['description']}, intermediate {rec['plan']['args']['intermediate']}->"
+            f"{rec['padded_intermediate']}, hidden {rec['plan']['args']['hidden']}->{rec['padded_hidden']}"
+        )
         for t in rec["tensors"].values():
-            print(f"  {t['name']:<18} {t['checkpoint']['shape']} -> {t['kernel']['shape']} {t['kernel']['dtype']}: "
-                  f"{' >> '.join(step['kind'] for step in t['steps']) or 'unchanged'}")
+            print(
+                f"  {t['name']:<18} {t['checkpoint']['shape']} -> {t['kernel']['shape']} {t['kernel']['dtype']}: "
+                f"{' >> '.join(step['kind'] for step in t['steps']) or 'unchanged'}"
+            )
     print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB, tp rank {args.rank} of {args.tp}, {args.backend})")
     return EXIT_OK
 

@@ -19,10 +19,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_demo(sub)
     _register_plan(sub)
     g = sub.add_parser(
-        "goldens", help="replay the FlashInfer golden cases and compare byte for byte",
+        "goldens",
+        help="replay the FlashInfer golden cases and compare byte for byte",
         description="Replay reference outputs recorded from FlashInfer on a GPU (default: ../shared/goldens). "
-                    "Exits 1 when a case differs, 2 when there is nothing to replay.")
-    g.add_argument("paths", nargs="*", help="golden files (default: $FIMOE_GOLDENS or shared/goldens beside the checkout)")
+        "Exits 1 when a case differs, 2 when there is nothing to replay.",
+    )
+    g.add_argument(
+        "paths", nargs="*", help="golden files (default: $FIMOE_GOLDENS or shared/goldens beside the checkout)"
+    )
     g.set_defaults(handler=run_goldens)
 
 
@@ -39,7 +43,9 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     )
     d.add_argument("paths", nargs="*", help="checkpoint directories or sample names (default: every shipped sample)")
     d.add_argument("--tp", type=int, default=2, help="tensor-parallel size to shard to (rank 0; default 2)")
-    d.add_argument("--out", default="fimoe-demo-out", help="where the kernel-layout files go (default ./fimoe-demo-out)")
+    d.add_argument(
+        "--out", default="fimoe-demo-out", help="where the kernel-layout files go (default ./fimoe-demo-out)"
+    )
     d.set_defaults(handler=run_demo)
 
 
@@ -54,20 +60,30 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
             "format/backend cannot lay out these sizes."
         ),
     )
-    p.add_argument("--format", default="all", choices=("all",) + specs.weight_formats(), help="checkpoint format (default: all)")
-    p.add_argument("--backend", default="all", choices=("all",) + specs.BACKENDS, help="FlashInfer backend (default: both)")
+    p.add_argument(
+        "--format", default="all", choices=("all",) + specs.weight_formats(), help="checkpoint format (default: all)"
+    )
+    p.add_argument(
+        "--backend", default="all", choices=("all",) + specs.BACKENDS, help="FlashInfer backend (default: both)"
+    )
     p.add_argument("--intermediate", type=int, default=256, help="per-partition intermediate size (default 256)")
     p.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
     p.add_argument("--experts", type=int, default=4, help="experts to run on (default 4)")
     p.add_argument("--non-gated", action="store_true", help="non-gated activation (ReLU^2): W1 has I rows, no gate/up")
-    p.add_argument("--where", metavar="I,J[,K]", type=int_list("--where", "5,3", minimum=0),
-                   help="trace this w13 output byte (coordinates in the output shape) to its source")
+    p.add_argument(
+        "--where",
+        metavar="I,J[,K]",
+        type=int_list("--where", "5,3", minimum=0),
+        help="trace this w13 output byte (coordinates in the output shape) to its source",
+    )
     p.set_defaults(handler=run_plan)
 
 
 # ----------------------------------------------------------------------------- plan
-_PLAN_HEADER = (f"{'format':<10} {'backend':<8} {'tensor':<10} {'in (bytes)':<14} {'out (bytes)':<18} {'pad %':>6} "
-                f"{'ms':>7}  round-trip  steps")
+_PLAN_HEADER = (
+    f"{'format':<10} {'backend':<8} {'tensor':<10} {'in (bytes)':<14} {'out (bytes)':<18} {'pad %':>6} "
+    f"{'ms':>7}  round-trip  steps"
+)
 
 
 def _plan_rows(fmt: str, backend: str, plan, experts: int) -> int:
@@ -88,8 +104,10 @@ def _plan_rows(fmt: str, backend: str, plan, experts: int) -> int:
         failures += not ok
         pad = 100.0 * (1 - m.in_bytes / m.out_bytes)
         chain = " >> ".join(s.kind for s in m.steps)
-        print(f"{fmt:<10} {backend:<8} {name:<10} {str(m.in_shape):<14} {str(m.out_shape):<18} {pad:6.1f} "
-              f"{ms:7.2f}  {'ok' if ok else 'MISMATCH':<10}  {chain}")
+        print(
+            f"{fmt:<10} {backend:<8} {name:<10} {str(m.in_shape):<14} {str(m.out_shape):<18} {pad:6.1f} "
+            f"{ms:7.2f}  {'ok' if ok else 'MISMATCH':<10}  {chain}"
+        )
     return failures
 
 
@@ -99,8 +117,10 @@ def run_plan(args: argparse.Namespace) -> int:
     formats = specs.weight_formats() if args.format == "all" else (args.format,)
     backends = specs.BACKENDS if args.backend == "all" else (args.backend,)
     gated = not args.non_gated
-    print(f"layer: intermediate {args.intermediate}, hidden {args.hidden}, {args.experts} experts, "
-          f"{'gated' if gated else 'non-gated'}\n")
+    print(
+        f"layer: intermediate {args.intermediate}, hidden {args.hidden}, {args.experts} experts, "
+        f"{'gated' if gated else 'non-gated'}\n"
+    )
     print(_PLAN_HEADER)
     print("-" * len(_PLAN_HEADER))
     failures, cannot = 0, []
@@ -125,8 +145,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if len(cannot) < len(pairs):
         print("\nall round trips exact")
     if cannot:
-        raise LayoutError(f"{', '.join(cannot)} cannot lay out intermediate {args.intermediate}, hidden {args.hidden}",
-                          fix="the 'cannot run' rows above name the constraint; change the sizes or the format")
+        raise LayoutError(
+            f"{', '.join(cannot)} cannot lay out intermediate {args.intermediate}, hidden {args.hidden}",
+            fix="the 'cannot run' rows above name the constraint; change the sizes or the format",
+        )
     return EXIT_OK
 
 
@@ -145,15 +167,19 @@ def run_goldens(args: argparse.Namespace) -> int:
             bad += not result.ok
             print(f"{'ok ' if result.ok else 'BAD'} {result.name:<44} {result.detail}")
     if not total:
-        raise FimoeError(f"no golden cases in {', '.join(map(str, paths))}: nothing was replayed",
-                         fix="pass golden files that hold cases, or set FIMOE_GOLDENS")
+        raise FimoeError(
+            f"no golden cases in {', '.join(map(str, paths))}: nothing was replayed",
+            fix="pass golden files that hold cases, or set FIMOE_GOLDENS",
+        )
     print(f"\n{total - bad}/{total} golden cases reproduced")
     return EXIT_FAILED if bad else EXIT_OK
 
 
 # ----------------------------------------------------------------------------- demo
-_DEMO_HEADER = (f"{'checkpoint':<20} {'layer':>5} {'format':<10} {'backend':<8} {'I/tp':>5} {'padded I':>8} {'bytes':>8} "
-                f"{'ms':>7}  check")
+_DEMO_HEADER = (
+    f"{'checkpoint':<20} {'layer':>5} {'format':<10} {'backend':<8} {'I/tp':>5} {'padded I':>8} {'bytes':>8} "
+    f"{'ms':>7}  check"
+)
 
 
 def _print_health(path, ck) -> None:
@@ -192,8 +218,10 @@ def _demo_layer(ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir) -
         ok = same and torch.equal(ck.layer_forward(restored, x, ids, weights), reference)
         failures += not ok
         padded = meta["layers"][str(layer_idx)]["padded_intermediate"]
-        print(f"{path.name:<20} {layer_idx:>5} {layer.fmt:<10} {backend:<8} {layer.intermediate:>5} "
-              f"{padded:>8} {target.stat().st_size:>8} {ms:7.1f}  {'bytes + forward exact' if ok else 'MISMATCH'}")
+        print(
+            f"{path.name:<20} {layer_idx:>5} {layer.fmt:<10} {backend:<8} {layer.intermediate:>5} "
+            f"{padded:>8} {target.stat().st_size:>8} {ms:7.1f}  {'bytes + forward exact' if ok else 'MISMATCH'}"
+        )
     return failures, cannot
 
 
@@ -204,8 +232,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
     names = args.paths or ck.sample_names()
     if not names:
-        raise FileNotFoundError("no sample checkpoints found (run python scripts/make_sample_checkpoints.py) "
-                                "and no paths given")
+        raise FileNotFoundError(
+            "no sample checkpoints found (run python scripts/make_sample_checkpoints.py) and no paths given"
+        )
     paths = [checkpoint_path(name) for name in names]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -220,11 +249,15 @@ def run_demo(args: argparse.Namespace) -> int:
                 bad, refused = _demo_layer(ck, path, layer_idx, layer, ckpt.top_k, args.tp, out_dir)
                 failures += bad
                 cannot.extend(refused)
-    print(f"\nkernel-layout files in {out_dir}/ ; "
-          + ("every round trip exact" if not failures else f"{failures} round trips FAILED"))
+    print(
+        f"\nkernel-layout files in {out_dir}/ ; "
+        + ("every round trip exact" if not failures else f"{failures} round trips FAILED")
+    )
     if failures:
         return EXIT_FAILED
     if cannot:
-        raise CheckpointError(f"{', '.join(cannot)} cannot be converted at tp {args.tp}",
-                              fix="the 'cannot convert' rows above name the constraint; try another --tp")
+        raise CheckpointError(
+            f"{', '.join(cannot)} cannot be converted at tp {args.tp}",
+            fix="the 'cannot convert' rows above name the constraint; try another --tp",
+        )
     return EXIT_OK

@@ -34,11 +34,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "lab",
         help="open JupyterLab on the lab notebooks (layout tour, checkpoint debugging, alignment tuning)",
         description="Start JupyterLab on 127.0.0.1 with the fimoe_lab notebooks; needs the 'lab' extra "
-                    f"(pip install 'fimoe_lab[lab]'). Without --dir it opens ./{WORK_DIR}, a copy of the "
-                    "shipped notebooks (made on first use; your edits stay there). Ctrl-C stops it.",
+        f"(pip install 'fimoe_lab[lab]'). Without --dir it opens ./{WORK_DIR}, a copy of the "
+        "shipped notebooks (made on first use; your edits stay there). Ctrl-C stops it.",
     )
-    p.add_argument("--dir", type=Path, default=None,
-                   help=f"notebook folder to open as it is (default: ./{WORK_DIR}, filled from the shipped notebooks)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help=f"notebook folder to open as it is (default: ./{WORK_DIR}, filled from the shipped notebooks)",
+    )
     p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     p.add_argument("--no-browser", action="store_true", help="do not open a web browser")
     p.set_defaults(handler=run_lab)
@@ -60,8 +64,9 @@ def working_copy(target: Path) -> Path:
     return target
 
 
-def jupyterlab_command(notebook_dir: Path, port: int, state_dir: Path, open_browser: bool = True,
-                       token: str = "") -> tuple[list[str], dict]:
+def jupyterlab_command(
+    notebook_dir: Path, port: int, state_dir: Path, open_browser: bool = True, token: str = ""
+) -> tuple[list[str], dict]:
     """``(argv, env)`` that start JupyterLab on ``notebook_dir`` at ``127.0.0.1:port``.
 
     No news feed, update check or extension-manager queries (the network may be
@@ -72,17 +77,28 @@ def jupyterlab_command(notebook_dir: Path, port: int, state_dir: Path, open_brow
     labconfig.mkdir(parents=True, exist_ok=True)
     (labconfig / "page_config.json").write_text(json.dumps({"disabledExtensions": {p: True for p in DISABLED_PLUGINS}}))
     argv = [
-        sys.executable, "-m", "jupyterlab",
-        f"--ServerApp.root_dir={notebook_dir}", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-        "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", "--ServerApp.password=",
-        f"--ServerApp.open_browser={open_browser}", "--LabApp.news_url=None",
-        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly",
-        f"--LabApp.user_settings_dir={state_dir / 'settings'}", f"--LabApp.workspaces_dir={state_dir / 'workspaces'}",
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        f"--ServerApp.root_dir={notebook_dir}",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        "--ServerApp.password=",
+        f"--ServerApp.open_browser={open_browser}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.extension_manager=readonly",
+        f"--LabApp.user_settings_dir={state_dir / 'settings'}",
+        f"--LabApp.workspaces_dir={state_dir / 'workspaces'}",
     ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         argv.append("--ServerApp.allow_root=True")  # containers often run as root; still 127.0.0.1 only
     env = dict(os.environ)
-    env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(filter(None, [str(state_dir / "config"), env.get("JUPYTER_CONFIG_PATH")]))
+    env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(
+        filter(None, [str(state_dir / "config"), env.get("JUPYTER_CONFIG_PATH")])
+    )
     env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     return argv, env
 
@@ -93,8 +109,9 @@ def run_lab(args: argparse.Namespace) -> int:
     except ModuleNotFoundError:
         raise FimoeError("JupyterLab is not installed", fix="pip install 'fimoe_lab[lab]'") from None
     if args.dir is not None and not args.dir.is_dir():
-        raise FimoeError(f"notebook folder {args.dir} does not exist",
-                         fix=f"pass an existing --dir, or none to open ./{WORK_DIR}")
+        raise FimoeError(
+            f"notebook folder {args.dir} does not exist", fix=f"pass an existing --dir, or none to open ./{WORK_DIR}"
+        )
     notebook_dir = args.dir if args.dir is not None else working_copy(WORK_DIR)
     print(f"notebooks: {notebook_dir.resolve()}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="fimoe-lab-") as state:

@@ -39,23 +39,39 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _register_tune(sub: argparse._SubParsersAction) -> None:
     presets, formats = sorted(PRESETS), specs.tuner_formats()
     t = sub.add_parser(
-        "tune", help="alignment sweep for a model preset: tactics per padding, waste, recommendation",
+        "tune",
+        help="alignment sweep for a model preset: tactics per padding, waste, recommendation",
         description="For a model preset, format and tensor-parallel size: pad the per-rank intermediate "
-                    "and hidden sizes to each alignment, count the TRTLLM-Gen MoE tactics FlashInfer "
-                    "offers per token count, show the padding waste, recommend the cheapest padding "
-                    "with the full tactic space, and mark the default padding ('fimoe-lab convert' "
-                    "without alignment options: REF) with where it loses tactics. Exits 3 when a count "
-                    "is unknown to the source.",
-        epilog="presets: " + ", ".join(presets) + "\nformats: " + ", ".join(formats))
-    t.add_argument("--model", required=True, type=lower_choice(presets), metavar="PRESET",
-                   help="model preset (" + ", ".join(presets) + ")")
-    t.add_argument("--format", required=True, type=lower_choice(formats), metavar="FMT",
-                   help="weight/activation format (" + ", ".join(formats) + ")")
+        "and hidden sizes to each alignment, count the TRTLLM-Gen MoE tactics FlashInfer "
+        "offers per token count, show the padding waste, recommend the cheapest padding "
+        "with the full tactic space, and mark the default padding ('fimoe-lab convert' "
+        "without alignment options: REF) with where it loses tactics. Exits 3 when a count "
+        "is unknown to the source.",
+        epilog="presets: " + ", ".join(presets) + "\nformats: " + ", ".join(formats),
+    )
+    t.add_argument(
+        "--model",
+        required=True,
+        type=lower_choice(presets),
+        metavar="PRESET",
+        help="model preset (" + ", ".join(presets) + ")",
+    )
+    t.add_argument(
+        "--format",
+        required=True,
+        type=lower_choice(formats),
+        metavar="FMT",
+        help="weight/activation format (" + ", ".join(formats) + ")",
+    )
     t.add_argument("--tp", type=int, default=1, help="tensor-parallel size (splits the intermediate size)")
     t.add_argument("--per-token", action="store_true", help="NVFP4 with per-token activation scales")
     t.add_argument("--tokens", type=TOKENS_TYPE, default=None, help="token counts (default 1,8,64,512,4096,16384)")
-    t.add_argument("--source", choices=SOURCES, default="auto",
-                   help="where answers come from (auto: GPU, else built module, else snapshot)")
+    t.add_argument(
+        "--source",
+        choices=SOURCES,
+        default="auto",
+        help="where answers come from (auto: GPU, else built module, else snapshot)",
+    )
     t.add_argument("--csv", help="also write the table to this CSV file")
     t.add_argument("--json-out", help="also write the table and recommendation to this JSON file")
     t.add_argument("--plot", help="save the heatmap and waste-vs-tactics figures to this PNG prefix")
@@ -64,27 +80,37 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
 
 def _register_tactics(sub: argparse._SubParsersAction) -> None:
     formats = specs.tuner_formats()
-    acts = ", ".join("/".join((a.name,) + a.aliases) + f" ({'gated' if a.gated else 'non-gated'})"
-                     for a in specs.ACTIVATIONS.values())
+    acts = ", ".join(
+        "/".join((a.name,) + a.aliases) + f" ({'gated' if a.gated else 'non-gated'})"
+        for a in specs.ACTIVATIONS.values()
+    )
     q = sub.add_parser(
-        "tactics", help="valid TRTLLM-Gen MoE tactics ([tile_N, config]) for one shape",
+        "tactics",
+        help="valid TRTLLM-Gen MoE tactics ([tile_N, config]) for one shape",
         description="Ask FlashInfer's trtllm_get_valid_moe_configs (live, or from the recorded snapshot) "
-                    "which tactics exist for one per-rank, already-padded MoE shape. A count of 0 is the "
-                    "'No valid config found' failure; the reason says why. Exits 3 when the source does "
-                    "not know a count (e.g. a shape outside the snapshot).",
-        epilog="formats:\n" + "\n".join(f"{n}: {specs.FORMATS[n].description}" for n in formats))
-    q.add_argument("--format", required=True, type=lower_choice(formats), metavar="FMT",
-                   help="one of " + ", ".join(formats))
+        "which tactics exist for one per-rank, already-padded MoE shape. A count of 0 is the "
+        "'No valid config found' failure; the reason says why. Exits 3 when the source does "
+        "not know a count (e.g. a shape outside the snapshot).",
+        epilog="formats:\n" + "\n".join(f"{n}: {specs.FORMATS[n].description}" for n in formats),
+    )
+    q.add_argument(
+        "--format", required=True, type=lower_choice(formats), metavar="FMT", help="one of " + ", ".join(formats)
+    )
     q.add_argument("--act", default="swiglu", type=_activation, help=f"activation: {acts} (default swiglu)")
     q.add_argument("--per-token", action="store_true", help="NVFP4 per-token activation scaling")
-    q.add_argument("--layout", type=lower_choice(specs.LAYOUTS), default=None,
-                   help=f"weight layout (default per format: {_default_layouts(formats)})")
+    q.add_argument(
+        "--layout",
+        type=lower_choice(specs.LAYOUTS),
+        default=None,
+        help=f"weight layout (default per format: {_default_layouts(formats)})",
+    )
     q.add_argument("--hidden", type=int, required=True, help="hidden size (K of GEMM1)")
     q.add_argument("--inter", type=int, required=True, help="intermediate size per expert and projection, per rank")
     q.add_argument("--experts", type=int, required=True, help="local experts")
     q.add_argument("--top-k", type=int, required=True, help="experts per token")
-    q.add_argument("--tokens", type=TOKENS_TYPE, default=(1, 8, 64),
-                   help="comma-separated token counts (default 1,8,64)")
+    q.add_argument(
+        "--tokens", type=TOKENS_TYPE, default=(1, 8, 64), help="comma-separated token counts (default 1,8,64)"
+    )
     q.add_argument("--source", choices=SOURCES, default="auto", help="where answers come from")
     q.add_argument("--json", action="store_true", help="print a JSON list, one object per token count")
     q.add_argument("--configs", action="store_true", help="include the full [tile_N, config] list (live only)")
@@ -104,8 +130,10 @@ def _default_layouts(formats: tuple[str, ...]) -> str:
 def _no_answer(unknown: int, total: int, reasons: list) -> int:
     """Say on one stderr line that ``unknown`` of ``total`` counts have no answer here; exit status 3."""
     reason = next((r for r in reasons if isinstance(r, str) and r), "no reason given")
-    print(one_line(f"no answer: {unknown} of {total} tactic counts are unknown to this source ({reason})"),
-          file=sys.stderr)
+    print(
+        one_line(f"no answer: {unknown} of {total} tactic counts are unknown to this source ({reason})"),
+        file=sys.stderr,
+    )
     return EXIT_NO_ANSWER
 
 
@@ -114,8 +142,10 @@ def run_tactics(a: argparse.Namespace) -> int:
 
     oracle = TacticOracle(mode=a.source)
     try:
-        answers = [oracle.ask(TacticQuery(a.format, a.act, a.hidden, a.inter, a.experts, a.top_k, t, a.per_token,
-                                          a.layout)) for t in a.tokens]
+        answers = [
+            oracle.ask(TacticQuery(a.format, a.act, a.hidden, a.inter, a.experts, a.top_k, t, a.per_token, a.layout))
+            for t in a.tokens
+        ]
     finally:
         oracle.close()
     out = []
@@ -130,8 +160,10 @@ def run_tactics(a: argparse.Namespace) -> int:
         for d in out:
             tiles = " ".join(f"{k}:{v}" for k, v in d["per_tile"].items())
             cnt = "unknown" if d["count"] is None else d["count"]
-            print(f"T={d['tokens']:>6}  tactics={cnt:>5}  per tile_N {{{tiles}}}"
-                  + (f"  ({d['reason']})" if d.get("reason") else ""))
+            print(
+                f"T={d['tokens']:>6}  tactics={cnt:>5}  per tile_N {{{tiles}}}"
+                + (f"  ({d['reason']})" if d.get("reason") else "")
+            )
         s = out[0]["source"] if out else {}
         print(f"source: {s.get('kind')} (FlashInfer {s.get('flashinfer')}, kernel set {s.get('kernel_set')})")
     unknown = [d for d in out if d["count"] is None]
@@ -151,18 +183,24 @@ def run_tune(a: argparse.Namespace) -> int:
 
     p = get_preset(a.model)
     if p.moe_intermediate % a.tp:
-        raise OracleError(f"{p.name}: moe_intermediate {p.moe_intermediate} is not divisible by --tp {a.tp}",
-                          fix="choose a --tp that divides it")
+        raise OracleError(
+            f"{p.name}: moe_intermediate {p.moe_intermediate} is not divisible by --tp {a.tp}",
+            fix="choose a --tp that divides it",
+        )
     oracle = TacticOracle(mode=a.source)
     try:
-        df = sweep(p, a.format, a.tp, oracle, per_token=a.per_token, tokens=a.tokens or TOKENS,
-                   progress=show_progress())
+        df = sweep(
+            p, a.format, a.tp, oracle, per_token=a.per_token, tokens=a.tokens or TOKENS, progress=show_progress()
+        )
     finally:
         oracle.close()
     tcols = [f"t{t}" for t in df.attrs["tokens"]]
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 200):
-        view = df[["inter_align", "hidden_align", "intermediate", "hidden"] + tcols
-                  + ["extra_bytes_pct", "reference", "recommended", "flag"]].copy()
+        view = df[
+            ["inter_align", "hidden_align", "intermediate", "hidden"]
+            + tcols
+            + ["extra_bytes_pct", "reference", "recommended", "flag"]
+        ].copy()
         view["extra_bytes_pct"] = view["extra_bytes_pct"].round(2)
         view["reference"] = view["reference"].map({True: "REF", False: ""})
         view["recommended"] = view["recommended"].map({True: "<==", False: ""})

@@ -22,7 +22,8 @@ def require_float(x: torch.Tensor, where: str) -> None:
     if x.dtype not in FLOAT_INPUTS:
         raise FormatError(
             f"{where}: expected float32, float16 or bfloat16 input, got {x.dtype} with shape {tuple(x.shape)}",
-            fix="dequantize first, or cast with x.float()")
+            fix="dequantize first, or cast with x.float()",
+        )
     if x.dim() < 1:
         raise LayoutError(f"{where}: expected at least 1 dim (..., cols), got a 0-dim tensor", fix="x.reshape(1, -1)")
 
@@ -30,8 +31,10 @@ def require_float(x: torch.Tensor, where: str) -> None:
 def require_matrix(x: torch.Tensor, where: str) -> None:
     """Raise :class:`LayoutError` unless ``x`` has at least 2 dims ``(..., rows, cols)``."""
     if x.dim() < 2:
-        raise LayoutError(f"{where}: expected (..., rows, cols) with at least 2 dims, got shape {tuple(x.shape)}",
-                          fix="x.reshape(1, -1) for a single row")
+        raise LayoutError(
+            f"{where}: expected (..., rows, cols) with at least 2 dims, got shape {tuple(x.shape)}",
+            fix="x.reshape(1, -1) for a single row",
+        )
 
 
 def require_last_dim_multiple(x: torch.Tensor, multiple: int, where: str, reason: str) -> None:
@@ -42,11 +45,14 @@ def require_last_dim_multiple(x: torch.Tensor, multiple: int, where: str, reason
         raise LayoutError(
             f"{where}: the last dim must be a multiple of {multiple} ({reason}); got shape {tuple(x.shape)} "
             f"with last dim {cols}",
-            fix=f"pad the last dim to {padded}, e.g. torch.nn.functional.pad(x, (0, {padded - cols}))")
+            fix=f"pad the last dim to {padded}, e.g. torch.nn.functional.pad(x, (0, {padded - cols}))",
+        )
 
 
 def require_format(q: QuantizedTensor, fmt: str, where: str) -> None:
     """Raise :class:`FormatError` unless the QuantizedTensor ``q`` is in format ``fmt``."""
     if q.fmt != fmt:
-        raise FormatError(f"{where}: got a QuantizedTensor in format {q.fmt!r}, expected {fmt!r}",
-                          fix=f"fimoe_lab.formats.get({q.fmt!r}).dequantize(q)")
+        raise FormatError(
+            f"{where}: got a QuantizedTensor in format {q.fmt!r}, expected {fmt!r}",
+            fix=f"fimoe_lab.formats.get({q.fmt!r}).dequantize(q)",
+        )

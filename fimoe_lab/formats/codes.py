@@ -82,7 +82,8 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     if codes.shape[-1] % 2:
         raise LayoutError(
             f"pack_nibbles: the last dim holds 2 codes per byte, so it must be even; got shape {tuple(codes.shape)}",
-            fix="pad the last dim by one code")
+            fix="pad the last dim by one code",
+        )
     pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
@@ -90,8 +91,10 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Packed uint8 ``(..., n)`` -> uint8 codes ``(..., 2n)``; inverse of :func:`pack_nibbles`."""
     if packed.dtype != torch.uint8:
-        raise FormatError(f"unpack_nibbles: packed FP4 must be uint8 (2 codes per byte), got {packed.dtype}",
-                          fix="pass tensor.view(torch.uint8)")
+        raise FormatError(
+            f"unpack_nibbles: packed FP4 must be uint8 (2 codes per byte), got {packed.dtype}",
+            fix="pass tensor.view(torch.uint8)",
+        )
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
@@ -165,8 +168,10 @@ def unpack_rcp_deltas(blob: bytes) -> torch.Tensor:
     packed = torch.frombuffer(bytearray(zlib.decompress(blob)), dtype=torch.uint8)
     codes = torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).reshape(-1).long()
     if bool((codes == len(RCP_DELTA_CODES)).any()):
-        raise FormatError("rcp table: holds the unused 2-bit code 3, so the file is not a packed table",
-                          fix="regenerate it with scripts/make_rcp_table.py")
+        raise FormatError(
+            "rcp table: holds the unused 2-bit code 3, so the file is not a packed table",
+            fix="regenerate it with scripts/make_rcp_table.py",
+        )
     return torch.tensor(RCP_DELTA_CODES, dtype=torch.int8)[codes]
 
 

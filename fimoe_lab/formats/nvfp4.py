@@ -88,7 +88,8 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) 
         raise LayoutError(
             f"nvfp4.quantize: global_scale of shape {tuple(gs.shape)} must broadcast to the leading "
             f"dims {tuple(x.shape[:-2])} of x {tuple(x.shape)} (one encode scale per matrix)",
-            fix=f"pass a scalar or a tensor of shape {tuple(x.shape[:-2])}") from None
+            fix=f"pass a scalar or a tensor of shape {tuple(x.shape[:-2])}",
+        ) from None
     blocks = xf.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     codes, sf_bits = encode_blocks(blocks, gs[..., None, None])
     return QuantizedTensor(pack_nibbles(codes.reshape(x.shape)), sf_bits.view(torch.float8_e4m3fn), gs, FMT, BLOCK)
@@ -104,7 +105,9 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     """``(..., rows, cols)`` = e2m1 * e4m3 scale / global_scale, in ``dtype``."""
     require_format(q, FMT, "nvfp4.dequantize")
     if q.global_scale is None:
-        raise FormatError("nvfp4.dequantize: the QuantizedTensor has no global_scale",
-                          fix="pass the encode scale the values were quantized with")
+        raise FormatError(
+            "nvfp4.dequantize: the QuantizedTensor has no global_scale",
+            fix="pass the encode scale the values were quantized with",
+        )
     blocks = block_values(q) * e4m3_decode(q.scales)[..., None] / q.global_scale[..., None, None, None]
     return blocks.reshape(q.shape).to(dtype)

@@ -84,7 +84,9 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     """``(..., rows, cols)`` = e2m1 * e4m3 scale * token_scale (per row), in ``dtype``."""
     require_format(q, FMT, "nvfp4_per_token.dequantize")
     if q.token_scale is None:
-        raise FormatError("nvfp4_per_token.dequantize: the QuantizedTensor has no token_scale",
-                          fix="pass the per-token decode scales the values were quantized with")
+        raise FormatError(
+            "nvfp4_per_token.dequantize: the QuantizedTensor has no token_scale",
+            fix="pass the per-token decode scales the values were quantized with",
+        )
     sf = e4m3_decode(q.scales) * q.token_scale[..., None]
     return (block_values(q) * sf[..., None]).reshape(q.shape).to(dtype)

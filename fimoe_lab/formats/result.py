@@ -51,5 +51,11 @@ class QuantizedTensor:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
-        return QuantizedTensor(self.values.to(device), self.scales.to(device), move(self.global_scale), self.fmt,
-                               self.block_size, move(self.token_scale))
+        return QuantizedTensor(
+            self.values.to(device),
+            self.scales.to(device),
+            move(self.global_scale),
+            self.fmt,
+            self.block_size,
+            move(self.token_scale),
+        )

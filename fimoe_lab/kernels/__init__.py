@@ -50,8 +50,10 @@ __all__ = [
 
 def _check_exec_map(em) -> None:
     if not isinstance(em, ExecMap):
-        raise LayoutError(f"executors run an ExecMap, got {type(em).__name__}",
-                          fix="pass m.compiled() (or call m.apply / m.apply_ on the IndexMap)")
+        raise LayoutError(
+            f"executors run an ExecMap, got {type(em).__name__}",
+            fix="pass m.compiled() (or call m.apply / m.apply_ on the IndexMap)",
+        )
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -67,18 +69,24 @@ def _check_gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     if x.device != out.device:
         raise LayoutError(f"input is on {x.device} but out is on {out.device}", fix="move both to one device")
     if x.ndim == 0 or out.ndim == 0 or x.shape[0] != out.shape[0]:
-        raise LayoutError(f"input {tuple(x.shape)} and out {tuple(out.shape)} must both be (experts, ...) "
-                          "with the same number of experts")
+        raise LayoutError(
+            f"input {tuple(x.shape)} and out {tuple(out.shape)} must both be (experts, ...) "
+            "with the same number of experts"
+        )
     if not x.is_contiguous() or not out.is_contiguous():
         raise LayoutError("input and out must be contiguous", fix="call .contiguous() first")
     e = x.shape[0]
     got = (x.numel() * x.element_size() // max(e, 1), out.numel() * out.element_size() // max(e, 1))
     if e and got != (em.in_bytes, em.out_bytes):
-        raise LayoutError(f"{em.name} maps {em.in_bytes} -> {em.out_bytes} bytes per expert, "
-                          f"but input and out hold {got[0]} and {got[1]}")
+        raise LayoutError(
+            f"{em.name} maps {em.in_bytes} -> {em.out_bytes} bytes per expert, "
+            f"but input and out hold {got[0]} and {got[1]}"
+        )
     if _overlap(x, out):
-        raise LayoutError("out overlaps the input's memory; a gather cannot write over what it still reads",
-                          fix="pass a separate out, or transform in place with IndexMap.apply_ (execute_in_place)")
+        raise LayoutError(
+            "out overlaps the input's memory; a gather cannot write over what it still reads",
+            fix="pass a separate out, or transform in place with IndexMap.apply_ (execute_in_place)",
+        )
 
 
 def execute(em: ExecMap, x: torch.Tensor, out: torch.Tensor, backend: Optional[str] = None) -> None:
@@ -114,22 +122,32 @@ def _check_in_place(em: ExecMap, x: torch.Tensor, scratch_experts: Optional[int]
     """Raise :class:`LayoutError` unless ``em`` can permute ``x`` in place; return the chunk size."""
     num_experts = x.shape[0]
     if not em.is_permutation:
-        raise LayoutError(f"{em.name}: {em.in_bytes} -> {em.out_bytes} bytes per expert pads or drops bytes; "
-                          "only a permutation runs in place", fix="use apply() for a new tensor")
+        raise LayoutError(
+            f"{em.name}: {em.in_bytes} -> {em.out_bytes} bytes per expert pads or drops bytes; "
+            "only a permutation runs in place",
+            fix="use apply() for a new tensor",
+        )
     if not x.is_contiguous():
         raise LayoutError("x must be contiguous to be transformed in place", fix="call .contiguous() first")
     if x.numel() * x.element_size() != num_experts * em.in_bytes:
-        raise LayoutError(f"{em.name} moves {em.in_bytes} bytes per expert but x has "
-                          f"{x.numel() * x.element_size() // num_experts}",
-                          fix="pass x as (experts, ...) of the map's input")
+        raise LayoutError(
+            f"{em.name} moves {em.in_bytes} bytes per expert but x has {x.numel() * x.element_size() // num_experts}",
+            fix="pass x as (experts, ...) of the map's input",
+        )
     chunk = scratch_experts or default_scratch_experts(num_experts)
     if chunk < 1:
         raise LayoutError(f"scratch_experts must be >= 1, got {chunk}")
     return min(chunk, num_experts)
 
 
-def execute_in_place(em: ExecMap, x: torch.Tensor, scratch_experts: Optional[int] = None,
-                     backend: Optional[str] = None, _undo: bool = True, config: Optional[dict] = None) -> None:
+def execute_in_place(
+    em: ExecMap,
+    x: torch.Tensor,
+    scratch_experts: Optional[int] = None,
+    backend: Optional[str] = None,
+    _undo: bool = True,
+    config: Optional[dict] = None,
+) -> None:
     """Apply the permutation ``em`` to ``x`` in place with a scratch of ``scratch_experts``
     experts' bytes (default :func:`default_scratch_experts`, at most 2% of ``x``).
 
@@ -176,8 +194,9 @@ def execute_in_place(em: ExecMap, x: torch.Tensor, scratch_experts: Optional[int
         _undo_and_raise(em, x, flat, start, chunk, ex.name, exc)
 
 
-def _undo_and_raise(em: ExecMap, x: torch.Tensor, flat: torch.Tensor, done: int, chunk: int, backend: str,
-                    exc: BaseException) -> None:
+def _undo_and_raise(
+    em: ExecMap, x: torch.Tensor, flat: torch.Tensor, done: int, chunk: int, backend: str, exc: BaseException
+) -> None:
     """Put the first ``done`` experts back with ``em.inverse()``, then raise :class:`InPlaceError`."""
     restored = True
     if done:
@@ -190,7 +209,11 @@ def _undo_and_raise(em: ExecMap, x: torch.Tensor, flat: torch.Tensor, done: int,
             torch.cuda.synchronize(x.device)
         except BaseException:
             restored = False
-    state = "x holds its input again" if restored else (
-        f"the first {done} experts are in the output layout; m.inverse() on them restores x")
-    raise InPlaceError(f"in-place {em.name} failed after {done} of {len(x)} experts; {state}",
-                       restored, 0 if restored else done) from exc
+    state = (
+        "x holds its input again"
+        if restored
+        else (f"the first {done} experts are in the output layout; m.inverse() on them restores x")
+    )
+    raise InPlaceError(
+        f"in-place {em.name} failed after {done} of {len(x)} experts; {state}", restored, 0 if restored else done
+    ) from exc

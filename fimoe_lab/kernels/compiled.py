@@ -74,8 +74,9 @@ class ExecMap:
         """The executable form of the inverse map (compiled on first use, then cached here)."""
         if "inverse" not in self._dev:
             if self.compile_inverse is None:
-                raise LayoutError(f"{self.name}: this executable form carries no inverse",
-                                  fix="compile it with IndexMap.compiled()")
+                raise LayoutError(
+                    f"{self.name}: this executable form carries no inverse", fix="compile it with IndexMap.compiled()"
+                )
             self._dev["inverse"] = self.compile_inverse()
         return self._dev["inverse"]
 

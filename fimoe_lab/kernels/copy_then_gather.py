@@ -16,8 +16,9 @@ from fimoe_lab.kernels.compiled import ExecMap
 __all__ = ["copy_then_gather"]
 
 
-def copy_then_gather(gather: Callable[[ExecMap, torch.Tensor, torch.Tensor], None], em: ExecMap,
-                     flat: torch.Tensor, scratch_experts: int) -> Iterator[tuple[int, torch.Tensor]]:
+def copy_then_gather(
+    gather: Callable[[ExecMap, torch.Tensor, torch.Tensor], None], em: ExecMap, flat: torch.Tensor, scratch_experts: int
+) -> Iterator[tuple[int, torch.Tensor]]:
     """Permute every expert of ``flat`` ``(E, bytes)`` in place, ``scratch_experts`` at a time.
 
     Yields the number of leading experts done after each chunk. If ``gather`` raises,

@@ -108,8 +108,10 @@ def plan_permutation(src: np.ndarray, n_in: int, has_fill: bool, tile_slots: int
     p = src.astype(np.int64)
     n = p.size
     if n_in != n or has_fill or (p < 0).any() or not np.array_equal(np.bincount(p, minlength=n), np.ones(n, np.int64)):
-        raise LayoutError(f"{n} output cells from {n_in} input cells is not a permutation of cells; "
-                          "only a permutation can run in place through a cycle plan")
+        raise LayoutError(
+            f"{n} output cells from {n_in} input cells is not a permutation of cells; "
+            "only a permutation can run in place through a cycle plan"
+        )
     order, _ = cycle_order(p)
     order = order[p[order] != order]  # fixed points stay where they are
     moved = order.size
@@ -121,5 +123,4 @@ def plan_permutation(src: np.ndarray, n_in: int, has_fill: bool, tile_slots: int
     saved = src[outside]
     src = np.where(outside, -np.cumsum(outside), src)  # k-th saved cell: -1 - k
     within = np.lexsort((order, tile))  # address order inside each tile
-    return CyclePlan(tile_slots, order[within].astype(np.int32), src[within].astype(np.int32),
-                     saved.astype(np.int32))
+    return CyclePlan(tile_slots, order[within].astype(np.int32), src[within].astype(np.int32), saved.astype(np.int32))

@@ -70,8 +70,7 @@ def _fill_bytes(typingctx, dst, value, n):
 
     def codegen(context, builder, signature, args):
         d, v, k = args
-        cgutils.memset(builder, builder.inttoptr(d, ir.IntType(8).as_pointer()), k,
-                       builder.trunc(v, ir.IntType(8)))
+        cgutils.memset(builder, builder.inttoptr(d, ir.IntType(8).as_pointer()), k, builder.trunc(v, ir.IntType(8)))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -153,8 +152,17 @@ def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
         return
     if em.cell_bytes >= MEMCPY_MIN_CELL:
         fill_bytes = np.array(em.fills or (0,), dtype=np.int32)
-        _gather_memcpy(xb.numpy().reshape(-1), ob.numpy().reshape(-1), em.src, fill_bytes, visit_order(em),
-                       em.cell_bytes, em.n_in, em.n_out, max(1, TASK_BYTES // em.cell_bytes))
+        _gather_memcpy(
+            xb.numpy().reshape(-1),
+            ob.numpy().reshape(-1),
+            em.src,
+            fill_bytes,
+            visit_order(em),
+            em.cell_bytes,
+            em.n_in,
+            em.n_out,
+            max(1, TASK_BYTES // em.cell_bytes),
+        )
         return
     fills = em.fill_words(word)
     xa, oa = xb.view(dt).numpy(), ob.view(dt).numpy()
@@ -223,7 +231,7 @@ def inplace_cycles_numba(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
     x = flat.view(word_dtype(word)).numpy().reshape(experts, em.n_in, wpc)
     buf = np.empty((per, n_saved, wpc), dtype=x.dtype)
     for s0 in range(0, experts, per):
-        part = x[s0:s0 + per]
+        part = x[s0 : s0 + per]
         b = buf[: part.shape[0]]
         if plan.moved:
             _save_cells(part, b, plan.saved)

@@ -32,8 +32,16 @@ import torch
 from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.kernels.compiled import ExecMap
 
-__all__ = ["Executor", "InPlace", "EXECUTORS", "NUMBA_MIN_BYTES", "CYCLES_MIN_CELL", "get_executor",
-           "pick_backend", "available_backends"]
+__all__ = [
+    "Executor",
+    "InPlace",
+    "EXECUTORS",
+    "NUMBA_MIN_BYTES",
+    "CYCLES_MIN_CELL",
+    "get_executor",
+    "pick_backend",
+    "available_backends",
+]
 
 NUMBA_MIN_BYTES = 1 << 20
 """CPU outputs smaller than this run on torch (numba's first compile costs seconds)."""
@@ -94,11 +102,15 @@ class Executor:
             return next(s for s in self.in_place if s.fits(em) and s.prefers(em))
         chosen = next((s for s in self.in_place if s.name == name), None)
         if chosen is None:
-            raise FormatError(f"unknown in-place strategy {name!r} for the {self.name} executor",
-                              fix=f"choose auto, {', '.join(s.name for s in self.in_place)}")
+            raise FormatError(
+                f"unknown in-place strategy {name!r} for the {self.name} executor",
+                fix=f"choose auto, {', '.join(s.name for s in self.in_place)}",
+            )
         if not chosen.fits(em):
-            raise LayoutError(f"in-place strategy {name!r} needs {chosen.requirement}; {em.name} is not one",
-                              fix=f"use auto or {', '.join(s.name for s in self.in_place if s.fits(em))}")
+            raise LayoutError(
+                f"in-place strategy {name!r} needs {chosen.requirement}; {em.name} is not one",
+                fix=f"use auto or {', '.join(s.name for s in self.in_place if s.fits(em))}",
+            )
         return chosen
 
 
@@ -142,17 +154,40 @@ def _bands_triton(em, flat, scratch_experts, config):
     return _module("triton_gather").inplace_swizzled_bands(em, flat, scratch_experts, config=config)
 
 
-EXECUTORS: dict[str, Executor] = {e.name: e for e in (
-    Executor("triton", ("cuda",), "triton", 0, _gather_triton, (
-        InPlace("bands", _bands_triton, fits=lambda em: em.swizzle is not None,
-                requirement="a map of a row permutation then the 128x4 scale swizzle (1-byte scales)"),
-        InPlace("cycles", _cycles_triton),
-        _copy_then_gather(_gather_triton))),
-    Executor("numba", ("cpu",), "numba", NUMBA_MIN_BYTES, _gather_numba, (
-        InPlace("cycles", _cycles_numba, prefers=lambda em: em.cell_bytes >= CYCLES_MIN_CELL),
-        _copy_then_gather(_gather_numba))),
-    Executor("torch", None, None, 0, _gather_torch, (_copy_then_gather(_gather_torch),)),
-)}
+EXECUTORS: dict[str, Executor] = {
+    e.name: e
+    for e in (
+        Executor(
+            "triton",
+            ("cuda",),
+            "triton",
+            0,
+            _gather_triton,
+            (
+                InPlace(
+                    "bands",
+                    _bands_triton,
+                    fits=lambda em: em.swizzle is not None,
+                    requirement="a map of a row permutation then the 128x4 scale swizzle (1-byte scales)",
+                ),
+                InPlace("cycles", _cycles_triton),
+                _copy_then_gather(_gather_triton),
+            ),
+        ),
+        Executor(
+            "numba",
+            ("cpu",),
+            "numba",
+            NUMBA_MIN_BYTES,
+            _gather_numba,
+            (
+                InPlace("cycles", _cycles_numba, prefers=lambda em: em.cell_bytes >= CYCLES_MIN_CELL),
+                _copy_then_gather(_gather_numba),
+            ),
+        ),
+        Executor("torch", None, None, 0, _gather_torch, (_copy_then_gather(_gather_torch),)),
+    )
+}
 """Every executor, fastest first."""
 
 
@@ -174,8 +209,12 @@ def get_executor(name: Optional[str], device: torch.device | str, out_bytes: int
         raise FormatError(f"unknown executor backend {name!r}", fix=f"choose one of {', '.join(EXECUTORS)}")
     ex = EXECUTORS[name]
     if not ex.available(device):
-        why = " and ".join(([f"a {' or '.join(ex.devices)} device"] if ex.devices else []) +
-                           ([f"{ex.needs} importable"] if ex.needs else []))
-        raise FormatError(f"executor backend {name!r} cannot run on {torch.device(device)} here (it needs {why})",
-                          fix=f"choose one of {', '.join(available_backends(device))}")
+        why = " and ".join(
+            ([f"a {' or '.join(ex.devices)} device"] if ex.devices else [])
+            + ([f"{ex.needs} importable"] if ex.needs else [])
+        )
+        raise FormatError(
+            f"executor backend {name!r} cannot run on {torch.device(device)} here (it needs {why})",
+            fix=f"choose one of {', '.join(available_backends(device))}",
+        )
     return ex

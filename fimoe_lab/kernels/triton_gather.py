@@ -34,16 +34,41 @@ import triton.language as tl
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
 
 # Tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
-CONFIG = {"tile_words": 4096, "num_warps": 4, "evict": False, "block_1d": 8192, "warps_1d": 8, "max_bw": 1024,
-          "swizzle_kw": 32, "swizzle_warps": 4, "use_swizzle": True,
-          # in place (the strategy itself is chosen by the registry: config["inplace"])
-          "cycle_bw": 64, "band_words": 64, "band_per_sm": 32, "band_warps": 4}
+CONFIG = {
+    "tile_words": 4096,
+    "num_warps": 4,
+    "evict": False,
+    "block_1d": 8192,
+    "warps_1d": 8,
+    "max_bw": 1024,
+    "swizzle_kw": 32,
+    "swizzle_warps": 4,
+    "use_swizzle": True,
+    # in place (the strategy itself is chosen by the registry: config["inplace"])
+    "cycle_bw": 64,
+    "band_words": 64,
+    "band_per_sm": 32,
+    "band_warps": 4,
+}
 
 
 @triton.jit
-def _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t,
-               W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, NC: tl.constexpr,
-               HAS_FILL: tl.constexpr, EVICT: tl.constexpr, WI: tl.constexpr, CF: tl.constexpr):
+def _rows_tile(
+    xb,
+    ob,
+    src_ptr,
+    fill_ptr,
+    n_out,
+    t,
+    W: tl.constexpr,
+    BM: tl.constexpr,
+    BW: tl.constexpr,
+    NC: tl.constexpr,
+    HAS_FILL: tl.constexpr,
+    EVICT: tl.constexpr,
+    WI: tl.constexpr,
+    CF: tl.constexpr,
+):
     # output rows of W words from input rows of WI words (WI < W: columns >= WI are fill CF)
     rb = t // NC
     cc = t % NC
@@ -101,8 +126,9 @@ def _swizzle_128x4(v, NB: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
-def _swizzle_tile(xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr,
-                  HAS_FILL: tl.constexpr):
+def _swizzle_tile(
+    xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr, HAS_FILL: tl.constexpr
+):
     band = t // NK
     kc = t % NK
     r = band * 128 + tl.arange(0, 128)
@@ -121,10 +147,27 @@ def _swizzle_tile(xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.conste
 
 
 @triton.jit
-def _gather_kernel(x_ptr, out_ptr, src_ptr, fill_ptr, in_words, out_words, n_out,
-                   KIND: tl.constexpr, W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, NC: tl.constexpr,
-                   B: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr, HAS_FILL: tl.constexpr,
-                   EVICT: tl.constexpr, WI: tl.constexpr, CF: tl.constexpr):
+def _gather_kernel(
+    x_ptr,
+    out_ptr,
+    src_ptr,
+    fill_ptr,
+    in_words,
+    out_words,
+    n_out,
+    KIND: tl.constexpr,
+    W: tl.constexpr,
+    BM: tl.constexpr,
+    BW: tl.constexpr,
+    NC: tl.constexpr,
+    B: tl.constexpr,
+    KW: tl.constexpr,
+    NK: tl.constexpr,
+    HAS_FILL: tl.constexpr,
+    EVICT: tl.constexpr,
+    WI: tl.constexpr,
+    CF: tl.constexpr,
+):
     t = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
     xb = x_ptr + e * in_words
@@ -156,8 +199,9 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         n_rows = rows_src.size
         bm = max(1, min(cfg["tile_words"] // bw, triton.next_power_of_2(n_rows)))
         nc = w // bw
-        meta = dict(KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code,
-                    num_warps=cfg["num_warps"])
+        meta = dict(
+            KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code, num_warps=cfg["num_warps"]
+        )
         return meta, triton.cdiv(n_rows, bm) * nc, (rows_src, n_rows)
     swz = em.swizzle if (cfg["use_swizzle"] and word == 4) else None
     if swz is not None:
@@ -165,8 +209,7 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         kw = _pow2_divisor(cw, cfg["swizzle_kw"])
         if kw >= 4:
             nk = cw // kw
-            meta = dict(KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0,
-                        num_warps=cfg["swizzle_warps"])
+            meta = dict(KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, num_warps=cfg["swizzle_warps"])
             return meta, (rows_out // 128) * nk, (rows_src, rows_out)
     if em.cell_bytes >= 16 and wpc >= 4:
         bw = _pow2_divisor(wpc, cfg["max_bw"])
@@ -207,18 +250,40 @@ def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict 
         return
     if experts > 65535:
         for s in range(0, experts, 65535):
-            gather_triton(em, x[s:s + 65535], out[s:s + 65535], config)
+            gather_triton(em, x[s : s + 65535], out[s : s + 65535], config)
         return
     xb, ob = byte_views(x, out)
     word, meta, tiles, src, fills, n_out = _prepare(em, xb, ob, cfg)
     xw, ow = xb.view(word_dtype(word)), ob.view(word_dtype(word))
-    _gather_kernel[(tiles, experts)](xw, ow, src, fills, em.in_bytes // word, em.out_bytes // word, n_out,
-                                     HAS_FILL=em.has_fill, EVICT=cfg["evict"], **meta)
+    _gather_kernel[(tiles, experts)](
+        xw,
+        ow,
+        src,
+        fills,
+        em.in_bytes // word,
+        em.out_bytes // word,
+        n_out,
+        HAS_FILL=em.has_fill,
+        EVICT=cfg["evict"],
+        **meta,
+    )
 
 
 @triton.jit
-def _cycle_kernel(x_ptr, b_ptr, dst_ptr, src_ptr, n_slots, expert_words, saved_words,
-                  SAVE: tl.constexpr, W: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, NC: tl.constexpr):
+def _cycle_kernel(
+    x_ptr,
+    b_ptr,
+    dst_ptr,
+    src_ptr,
+    n_slots,
+    expert_words,
+    saved_words,
+    SAVE: tl.constexpr,
+    W: tl.constexpr,
+    BM: tl.constexpr,
+    BW: tl.constexpr,
+    NC: tl.constexpr,
+):
     """One tile of a cycle plan for expert ``program_id(1)``: ``BM`` slots x ``BW`` words.
 
     SAVE: copy the saved cells aside (``dst_ptr`` holds their positions). Else: load
@@ -280,12 +345,14 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
     meta = dict(W=wpc, BM=bm, BW=bw, NC=nc, num_warps=cfg["num_warps"])
     for s0 in range(0, experts, per):
         cnt = min(per, experts - s0)
-        part = xw[s0:s0 + cnt]
+        part = xw[s0 : s0 + cnt]
         if n_saved:
-            _cycle_kernel[(triton.cdiv(n_saved, bm) * nc, cnt)](part, scratch, saved, saved, n_saved, ew,
-                                                                 n_saved * wpc, SAVE=True, **meta)
-        _cycle_kernel[(plan.n_tiles * nc, cnt)](part, scratch, dst, src, plan.moved, ew, n_saved * wpc,
-                                                SAVE=False, **meta)
+            _cycle_kernel[(triton.cdiv(n_saved, bm) * nc, cnt)](
+                part, scratch, saved, saved, n_saved, ew, n_saved * wpc, SAVE=True, **meta
+            )
+        _cycle_kernel[(plan.n_tiles * nc, cnt)](
+            part, scratch, dst, src, plan.moved, ew, n_saved * wpc, SAVE=False, **meta
+        )
         yield s0 + cnt, scratch
 
 
@@ -306,21 +373,44 @@ def _signal(counter_ptr):
 
 
 @triton.jit
-def _load_bands(x_ptr, rows_ptr, t, live, per, n_bands, expert_words,
-                CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr, NB: tl.constexpr):
+def _load_bands(
+    x_ptr,
+    rows_ptr,
+    t,
+    live,
+    per,
+    n_bands,
+    expert_words,
+    CW: tl.constexpr,
+    KW: tl.constexpr,
+    NK: tl.constexpr,
+    NB: tl.constexpr,
+):
     """Item ``t``'s source rows (``NB`` bands of 128) x ``KW`` words; nothing when not ``live``."""
     e = t // per
     r = ((t % per) // NK) * (NB * 128) + tl.arange(0, NB * 128)
     rm = live & (r < n_bands * 128)
     s = tl.load(rows_ptr + r, mask=rm, other=0).to(tl.int64)
     k = (t % NK) * KW + tl.arange(0, KW)
-    return tl.load(x_ptr + e.to(tl.int64) * expert_words + s[:, None] * CW + k[None, :],
-                   mask=rm[:, None] & (k < CW)[None, :])
+    return tl.load(
+        x_ptr + e.to(tl.int64) * expert_words + s[:, None] * CW + k[None, :], mask=rm[:, None] & (k < CW)[None, :]
+    )
 
 
 @triton.jit
-def _swizzled_bands_in_place(x_ptr, rows_ptr, cnt_ptr, experts, expert_words, n_bands, per,
-                             CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr, NB: tl.constexpr):
+def _swizzled_bands_in_place(
+    x_ptr,
+    rows_ptr,
+    cnt_ptr,
+    experts,
+    expert_words,
+    n_bands,
+    per,
+    CW: tl.constexpr,
+    KW: tl.constexpr,
+    NK: tl.constexpr,
+    NB: tl.constexpr,
+):
     """Row permutation then 128x4 swizzle, in place, one cooperative launch, no scratch.
 
     An item is ``NB`` 128-row output bands x ``KW`` words (``per`` items an expert): it
@@ -348,8 +438,11 @@ def _swizzled_bands_in_place(x_ptr, rows_ptr, cnt_ptr, experts, expert_words, n_
         w = _swizzle_128x4(v, NB, KW)
         band = ((t % per) // NK) * NB + b
         kc = t % NK
-        tl.store(x_ptr + e.to(tl.int64) * expert_words + band.to(tl.int64) * (128 * CW) + kc * (KW * 128) + rem, w,
-                 mask=(rem < (CW - kc * KW) * 128) & (band < n_bands))
+        tl.store(
+            x_ptr + e.to(tl.int64) * expert_words + band.to(tl.int64) * (128 * CW) + kc * (KW * 128) + rem,
+            w,
+            mask=(rem < (CW - kc * KW) * 128) & (band < n_bands),
+        )
         t += g
         v = vn
 
@@ -398,8 +491,9 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
         if grid:
             _swizzled_bands_in_place[(grid,)](*args, launch_cooperative_grid=True, **meta)
     except Exception as exc:  # noqa: BLE001 - raised before anything moved
-        warnings.warn(f"in-place scale launch did not start ({exc}); running the cycle plan instead", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"in-place scale launch did not start ({exc}); running the cycle plan instead", RuntimeWarning, stacklevel=2
+        )
         grid = 0
     if grid:
         yield experts, None

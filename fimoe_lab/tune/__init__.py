@@ -12,5 +12,5 @@ Formats, activations and layouts are the rows of :mod:`fimoe_lab.specs`
 (``specs.tuner_formats()``); ``sweep`` needs pandas; its figures are drawn by
 :mod:`fimoe_lab.viz.figures` (matplotlib).
 """
-from .oracle import OracleError, TacticAnswer, TacticOracle, TacticQuery  # noqa: F401
 
+from .oracle import OracleError, TacticAnswer, TacticOracle, TacticQuery  # noqa: F401

@@ -18,6 +18,7 @@ Enum *member names* come in; values are looked up in the installed
 ``flashinfer.tllm_enums`` here.  Answers: {"id": n, "ok": true, "configs": [[tile, cfg], ...]}
 or {"id": n, "ok": false, "error": "..."}.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,13 +28,27 @@ import sys
 def _clean(e: BaseException) -> str:
     """FlashInfer's message without the C++ source location and traceback lines."""
     import re
+
     lines = [m for m in str(e).strip().splitlines() if m.strip() and not m.startswith("  File ")]
     msg = " ".join(lines[-3:])
     msg = re.sub(r"Error in function '[^']*' at \S+:\d+:\s*", "", msg)
     if "No kernel found" in msg:
-        keep = [kv for kv in re.findall(r"(m\w+): ([^,]+)", msg)
-                if kv[0] in ("mDtypeA", "mDtypeB", "mDtypeC", "mActType", "mEltwiseActType", "mFusedAct",
-                             "mUseDeepSeekFp8", "mUsePerTokenSfA", "mUsePerTokenSfB")]
+        keep = [
+            kv
+            for kv in re.findall(r"(m\w+): ([^,]+)", msg)
+            if kv[0]
+            in (
+                "mDtypeA",
+                "mDtypeB",
+                "mDtypeC",
+                "mActType",
+                "mEltwiseActType",
+                "mFusedAct",
+                "mUseDeepSeekFp8",
+                "mUsePerTokenSfA",
+                "mUsePerTokenSfB",
+            )
+        ]
         msg = "no kernel in this kernel set for these options (" + ", ".join(f"{k}={v}" for k, v in keep) + ")"
     return f"{type(e).__name__}: {msg[:300]}"
 
@@ -41,8 +56,10 @@ def _clean(e: BaseException) -> str:
 def _load(mode: str, so_path: str | None):
     if mode == "native":
         from flashinfer.fused_moe.core import get_trtllm_moe_sm100_module
+
         return get_trtllm_moe_sm100_module()
     import tvm_ffi
+
     return tvm_ffi.load_module(so_path)
 
 
@@ -53,6 +70,7 @@ def main() -> int:
     # Anything FlashInfer prints must not corrupt our protocol: protocol on a dup of
     # fd 1, FlashInfer's stdout sent to stderr.
     import os
+
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     out = proto
@@ -63,6 +81,7 @@ def main() -> int:
     try:
         import flashinfer
         from flashinfer import tllm_enums as te
+
         op = _load(mode, so_path)
         fn = op.trtllm_get_valid_moe_configs
     except BaseException as e:  # report, then exit: the parent says what failed
@@ -70,11 +89,13 @@ def main() -> int:
         return 3
     try:
         from fimoe_lab.tune.build import kernel_set_id
+
         kset = kernel_set_id()
     except Exception:
         kset = "unknown"
-    out.write(json.dumps({"ready": True, "flashinfer": flashinfer.__version__, "mode": mode,
-                          "kernel_set": kset}) + "\n")
+    out.write(
+        json.dumps({"ready": True, "flashinfer": flashinfer.__version__, "mode": mode, "kernel_set": kset}) + "\n"
+    )
     for line in sys.stdin:
         line = line.strip()
         if not line:
@@ -86,7 +107,9 @@ def main() -> int:
                 int(te.DtypeTrtllmGen[req["dtype_act"]]),
                 int(te.DtypeTrtllmGen[req["dtype_weights"]]),
                 int(te.Fp8QuantizationType[req["fp8_quantization_type"]]),
-                int(req["top_k"]), int(req["hidden"]), int(req["intermediate"]),
+                int(req["top_k"]),
+                int(req["hidden"]),
+                int(req["intermediate"]),
                 int(req["experts"]),
                 int(te.ActivationType[req["activation"]]),
                 bool(req["use_shuffled_weight"]),

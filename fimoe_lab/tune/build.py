@@ -24,6 +24,7 @@ Everything lands in ``$FIMOE_LAB_CACHE`` (default ``~/.cache/fimoe_lab``)::
 Nothing here imports flashinfer into the calling process: the compile runs in a
 subprocess whose environment points FlashInfer's JIT workspace into our cache.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -124,8 +125,7 @@ def build_shim(dest_dir: Optional[Path] = None) -> Path:
     src = dest_dir / f"shim-{digest}.c"
     src.write_text(SHIM_C_SOURCE)
     tmp = so.with_suffix(".tmp.so")
-    r = subprocess.run([_cc(), "-shared", "-fPIC", "-O2", "-o", str(tmp), str(src)],
-                       capture_output=True, text=True)
+    r = subprocess.run([_cc(), "-shared", "-fPIC", "-O2", "-o", str(tmp), str(src)], capture_output=True, text=True)
     if r.returncode:
         raise BuildError(f"compiling the device shim failed:\n{r.stderr}")
     tmp.replace(so)
@@ -140,8 +140,7 @@ def _libcuda_stub(dest_dir: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     src = d / "empty.c"
     src.write_text("/* empty libcuda stub for linking only */\n")
-    r = subprocess.run([_cc(), "-shared", "-fPIC", "-o", str(so), str(src)],
-                       capture_output=True, text=True)
+    r = subprocess.run([_cc(), "-shared", "-fPIC", "-o", str(so), str(src)], capture_output=True, text=True)
     if r.returncode:
         raise BuildError(f"building the empty libcuda.so stub failed:\n{r.stderr}")
     return d
@@ -165,12 +164,16 @@ class Prereqs:
             pass
         elif not self.cubin_version:
             v = self.flashinfer_version or "<flashinfer version>"
-            p.append(f"flashinfer-cubin is not installed (pip install flashinfer-cubin=={v}; "
-                     "a ~460 MB wheel, 1.9 GB installed, that carries the kernel list the module is built "
-                     "against), or build with --fetch-kernel-list to keep only the ~10 MB needed")
+            p.append(
+                f"flashinfer-cubin is not installed (pip install flashinfer-cubin=={v}; "
+                "a ~460 MB wheel, 1.9 GB installed, that carries the kernel list the module is built "
+                "against), or build with --fetch-kernel-list to keep only the ~10 MB needed"
+            )
         elif self.flashinfer_version and self.cubin_version != self.flashinfer_version and not fetch_kernel_list:
-            p.append(f"flashinfer-cubin {self.cubin_version} does not match flashinfer-python "
-                     f"{self.flashinfer_version}; install flashinfer-cubin=={self.flashinfer_version}")
+            p.append(
+                f"flashinfer-cubin {self.cubin_version} does not match flashinfer-python "
+                f"{self.flashinfer_version}; install flashinfer-cubin=={self.flashinfer_version}"
+            )
         if not self.nvcc:
             p.append("nvcc not found (set CUDA_HOME or put nvcc on PATH; CUDA >= 12.8 needed for sm_100a)")
         if not self.ninja:
@@ -211,7 +214,10 @@ def check_prereqs() -> Prereqs:
     return Prereqs(
         flashinfer_version=_dist_version("flashinfer-python"),
         cubin_version=_dist_version("flashinfer-cubin"),
-        nvcc=nvcc, cuda_home=home, ninja=shutil.which("ninja"), cc=cc,
+        nvcc=nvcc,
+        cuda_home=home,
+        ninja=shutil.which("ninja"),
+        cc=cc,
     )
 
 
@@ -230,8 +236,11 @@ def _extract_from_wheels(requirements: list[str], member: str, out: Path, dest_d
     Returns the number of files kept."""
     kept = 0
     with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                            "-d", tmp, *requirements], capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, *requirements],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
             raise BuildError(f"pip download of {what} ({' '.join(requirements)}) failed:\n{r.stderr[-2000:]}")
         for whl in Path(tmp).glob("*.whl"):
@@ -280,11 +289,17 @@ def fetch_kernel_list(dest_dir: Path, fi_version: str, progress: bool = True) ->
     if marker.exists():
         return out
     if progress:
-        print(f"[fimoe_lab] fetching the kernel list from flashinfer-cubin=={fi_version} "
-              "(~460 MB download, ~10 MB kept)", flush=True)
-    kept = _extract_from_wheels([f"flashinfer-cubin=={fi_version}"],
-                                r"flashinfer_cubin/cubins/(.+/batched_gemm-[^/]+/(checksums\.txt|include/.+))$",
-                                out, dest_dir, "the kernel list")
+        print(
+            f"[fimoe_lab] fetching the kernel list from flashinfer-cubin=={fi_version} (~460 MB download, ~10 MB kept)",
+            flush=True,
+        )
+    kept = _extract_from_wheels(
+        [f"flashinfer-cubin=={fi_version}"],
+        r"flashinfer_cubin/cubins/(.+/batched_gemm-[^/]+/(checksums\.txt|include/.+))$",
+        out,
+        dest_dir,
+        "the kernel list",
+    )
     if kept == 0:
         raise BuildError(f"flashinfer-cubin=={fi_version} has no batched_gemm kernel list")
     marker.write_text(fi_version)
@@ -309,8 +324,9 @@ print("FIMOE_DONE", flush=True)
 """
 
 
-def module_env(work: Path, headers: Optional[Path] = None, stub: Optional[Path] = None,
-               cuda_home: Optional[str] = None) -> dict:
+def module_env(
+    work: Path, headers: Optional[Path] = None, stub: Optional[Path] = None, cuda_home: Optional[str] = None
+) -> dict:
     """Environment under which FlashInfer builds / finds the module inside ``work``."""
     env = dict(os.environ)
     env["FLASHINFER_WORKSPACE_BASE"] = str(work)
@@ -329,6 +345,7 @@ def module_env(work: Path, headers: Optional[Path] = None, stub: Optional[Path] 
 @dataclass
 class Manifest:
     """What was built, where, against which FlashInfer and kernel set."""
+
     so_path: str
     shim_path: str
     flashinfer_version: str
@@ -352,6 +369,7 @@ def kernel_set_id() -> str:
     generated from exactly that set.
     """
     from flashinfer.artifacts import ArtifactPath, CheckSumHash
+
     path = ArtifactPath.TRTLLM_GEN_BMM.strip("/").split("/")[-1]
     return f"{path}@{CheckSumHash.TRTLLM_GEN_BMM[:16]}"
 
@@ -402,8 +420,9 @@ def module_problem(m: Manifest) -> Optional[str]:
     return None
 
 
-def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool = False,
-                 fetch_kernel_list: bool = False) -> Manifest:
+def build_module(
+    progress: bool = True, jobs: Optional[int] = None, force: bool = False, fetch_kernel_list: bool = False
+) -> Manifest:
     """Build ``fused_moe_trtllm_sm100`` into the cache (or return the existing one).
 
     25-35 minutes on 2 cores.  Raises :class:`BuildError` naming every missing
@@ -439,12 +458,18 @@ def build_module(progress: bool = True, jobs: Optional[int] = None, force: bool 
         raise BuildError(f"building {MODULE_NAME} failed (exit {rc}); last lines of {log_path}:\n{tail}")
     secs = time.time() - t0
     man = Manifest(
-        so_path=so_path, shim_path=str(shim),
+        so_path=so_path,
+        shim_path=str(shim),
         flashinfer_version=pre.flashinfer_version or "",
-        cubin_version=(pre.flashinfer_version + " (kernel list fetched)") if fetch_kernel_list else (pre.cubin_version or ""),
-        kernel_set=_kernel_set_in_subprocess(env), build_seconds=round(secs, 1),
-        so_bytes=Path(so_path).stat().st_size, cuda_home=pre.cuda_home,
-        so_sha256=_sha256(Path(so_path)), shim_sha256=_sha256(Path(shim)),
+        cubin_version=(pre.flashinfer_version + " (kernel list fetched)")
+        if fetch_kernel_list
+        else (pre.cubin_version or ""),
+        kernel_set=_kernel_set_in_subprocess(env),
+        build_seconds=round(secs, 1),
+        so_bytes=Path(so_path).stat().st_size,
+        cuda_home=pre.cuda_home,
+        so_sha256=_sha256(Path(so_path)),
+        shim_sha256=_sha256(Path(shim)),
     )
     (vdir / MANIFEST).write_text(man.to_json())
     if progress:
@@ -456,18 +481,29 @@ def _run_build_driver(env: dict, log_path: Path, progress: bool, t0: float) -> t
     """Run the FlashInfer JIT build in a session of its own; return (exit code, module path or None)."""
     bar = None
     if progress:
-        print(f"[fimoe_lab] building {MODULE_NAME} for sm_100a with {env['MAX_JOBS']} jobs "
-              f"(25-35 min on 2 cores); log: {log_path}", flush=True)
+        print(
+            f"[fimoe_lab] building {MODULE_NAME} for sm_100a with {env['MAX_JOBS']} jobs "
+            f"(25-35 min on 2 cores); log: {log_path}",
+            flush=True,
+        )
         try:
             from tqdm import tqdm
+
             bar = tqdm(total=None, unit="step", desc="compile", dynamic_ncols=True)
         except ImportError:
             bar = None
     with open(log_path, "w") as log:
         # The driver and the compilers it starts get a session of their own, so that on any
         # exit of ours (error, interrupt, SIGTERM from a time limit) we end exactly them.
-        p = subprocess.Popen([sys.executable, "-c", _DRIVER], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", _DRIVER],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         assert p.stdout is not None
         stop = threading.Event()
         main_thread = threading.current_thread() is threading.main_thread()
@@ -479,6 +515,7 @@ def _run_build_driver(env: dict, log_path: Path, progress: bool, t0: float) -> t
                     bar.refresh()
                 elif progress:
                     print(f"... still compiling ({time.time() - t0:.0f}s)", flush=True)
+
         threading.Thread(target=heartbeat, daemon=True).start()
         try:
             rc = _follow_build(p, log, bar, progress, t0)
@@ -514,7 +551,7 @@ def _so_path_from_log(log_path: Path) -> Optional[str]:
     found = None
     for line in Path(log_path).read_text(errors="replace").splitlines():
         if line.startswith("FIMOE_SO="):
-            found = json.loads(line[len("FIMOE_SO="):])
+            found = json.loads(line[len("FIMOE_SO=") :])
     return found
 
 
@@ -540,10 +577,12 @@ def _follow_build(p: subprocess.Popen, log, bar, progress: bool, t0: float) -> i
 
 
 def _kernel_set_in_subprocess(env: dict) -> str:
-    r = subprocess.run([sys.executable, "-c",
-                        "from fimoe_lab.tune.build import kernel_set_id; print(kernel_set_id())"],
-                       env={**env, "PYTHONPATH": str(resources.package_root().parent)},
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", "from fimoe_lab.tune.build import kernel_set_id; print(kernel_set_id())"],
+        env={**env, "PYTHONPATH": str(resources.package_root().parent)},
+        capture_output=True,
+        text=True,
+    )
     return r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else "unknown"
 
 
@@ -551,15 +590,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m fimoe_lab.tune.build",
         description="Build FlashInfer's TRTLLM-Gen fused-MoE module (fused_moe_trtllm_sm100) for "
-                    "GPU-free tactic queries. Needs flashinfer-python and flashinfer-cubin of the "
-                    "same version, nvcc and ninja; about 25-35 min on 2 cores (measured). Output goes to "
-                    "$FIMOE_LAB_CACHE (default ~/.cache/fimoe_lab).")
+        "GPU-free tactic queries. Needs flashinfer-python and flashinfer-cubin of the "
+        "same version, nvcc and ninja; about 25-35 min on 2 cores (measured). Output goes to "
+        "$FIMOE_LAB_CACHE (default ~/.cache/fimoe_lab).",
+    )
     ap.add_argument("--check", action="store_true", help="only report prerequisites and an existing build")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: CPU count)")
     ap.add_argument("--force", action="store_true", help="rebuild even if a module is present")
-    ap.add_argument("--fetch-kernel-list", action="store_true",
-                    help="do not require the installed flashinfer-cubin package: pip-download its wheel "
-                         "once and keep only the ~10 MB kernel list the build needs")
+    ap.add_argument(
+        "--fetch-kernel-list",
+        action="store_true",
+        help="do not require the installed flashinfer-cubin package: pip-download its wheel "
+        "once and keep only the ~10 MB kernel list the build needs",
+    )
     a = ap.parse_args(argv)
     if a.check:
         pre = check_prereqs()

@@ -22,6 +22,7 @@ through :func:`fimoe_lab.specs.get_activation` (``.flashinfer``). Enum *values* 
 from ``flashinfer.tllm_enums`` in the worker, never written here. All entry points pass
 ``use_shuffled_weight=True``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -42,8 +43,17 @@ from fimoe_lab import resources
 from fimoe_lab.errors import FimoeError, OracleError
 from fimoe_lab.specs import ACTIVATIONS, FORMATS, LAYOUTS, TacticEnums, get_activation, tuner_formats
 
-__all__ = ["OracleError", "TacticQuery", "TacticAnswer", "TacticOracle", "Snapshot", "WorkerDied",
-           "tactic_format", "kernel_activation", "snapshot_dir"]
+__all__ = [
+    "OracleError",
+    "TacticQuery",
+    "TacticAnswer",
+    "TacticOracle",
+    "Snapshot",
+    "WorkerDied",
+    "tactic_format",
+    "kernel_activation",
+    "snapshot_dir",
+]
 
 
 def tactic_format(name: str) -> TacticEnums:
@@ -78,6 +88,7 @@ class TacticQuery:
     (gate and up each; the kernel's ``intermediate_size``).  experts: local experts.
     layout: a key of :data:`fimoe_lab.specs.LAYOUTS`, default the format's.
     """
+
     format: str
     activation: str
     hidden: int
@@ -100,26 +111,52 @@ class TacticQuery:
             raise OracleError(f"unknown weight layout {self.layout!r}", fix=f"choose one of {', '.join(LAYOUTS)}")
         if self.per_token and not tactics.per_token_ok:
             per_token = [f for f in tuner_formats() if FORMATS[f].tactics.per_token_ok]  # type: ignore[union-attr]
-            raise OracleError(f"per-token activation scaling exists only for {', '.join(per_token)}, "
-                              f"not {self.format!r}", fix="drop per_token (--per-token)")
-        shape = (f"hidden={self.hidden} intermediate={self.intermediate} experts={self.experts} "
-                 f"top_k={self.top_k} tokens={self.tokens}")
+            raise OracleError(
+                f"per-token activation scaling exists only for {', '.join(per_token)}, not {self.format!r}",
+                fix="drop per_token (--per-token)",
+            )
+        shape = (
+            f"hidden={self.hidden} intermediate={self.intermediate} experts={self.experts} "
+            f"top_k={self.top_k} tokens={self.tokens}"
+        )
         for name in ("hidden", "intermediate", "experts", "top_k", "tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise OracleError(f"{name} must be a positive integer, got {v!r} (shape {shape})",
-                                  fix=f"pass {name} >= 1")
+                raise OracleError(
+                    f"{name} must be a positive integer, got {v!r} (shape {shape})", fix=f"pass {name} >= 1"
+                )
         if self.top_k > self.experts:
-            raise OracleError(f"top_k={self.top_k} exceeds experts={self.experts}",
-                              fix="top_k is at most the number of local experts")
-        return TacticQuery(self.format.strip().lower(), kernel_activation(self.activation), self.hidden,
-                           self.intermediate, self.experts, self.top_k, self.tokens, bool(self.per_token), layout)
+            raise OracleError(
+                f"top_k={self.top_k} exceeds experts={self.experts}", fix="top_k is at most the number of local experts"
+            )
+        return TacticQuery(
+            self.format.strip().lower(),
+            kernel_activation(self.activation),
+            self.hidden,
+            self.intermediate,
+            self.experts,
+            self.top_k,
+            self.tokens,
+            bool(self.per_token),
+            layout,
+        )
 
     def key(self) -> str:
         """Canonical snapshot key (call on a normalized query)."""
-        return "|".join(str(x) for x in (self.format, self.activation, int(self.per_token), self.layout,
-                                         self.hidden, self.intermediate, self.experts, self.top_k,
-                                         self.tokens))
+        return "|".join(
+            str(x)
+            for x in (
+                self.format,
+                self.activation,
+                int(self.per_token),
+                self.layout,
+                self.hidden,
+                self.intermediate,
+                self.experts,
+                self.top_k,
+                self.tokens,
+            )
+        )
 
     @staticmethod
     def from_key(key: str) -> TacticQuery:
@@ -130,12 +167,18 @@ class TacticQuery:
         """The worker's request: FlashInfer enum member names and sizes (call on a normalized query)."""
         tactics = tactic_format(self.format)
         return {
-            "dtype_act": tactics.dtype_act, "dtype_weights": tactics.dtype_weights,
+            "dtype_act": tactics.dtype_act,
+            "dtype_weights": tactics.dtype_weights,
             "fp8_quantization_type": tactics.fp8_quantization_type,
-            "activation": get_activation(self.activation).flashinfer, "weight_layout": LAYOUTS[self.layout],
-            "use_shuffled_weight": True, "use_per_token_scaling": self.per_token,
-            "top_k": self.top_k, "hidden": self.hidden, "intermediate": self.intermediate,
-            "experts": self.experts, "tokens": self.tokens,
+            "activation": get_activation(self.activation).flashinfer,
+            "weight_layout": LAYOUTS[self.layout],
+            "use_shuffled_weight": True,
+            "use_per_token_scaling": self.per_token,
+            "top_k": self.top_k,
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "experts": self.experts,
+            "tokens": self.tokens,
         }
 
 
@@ -149,6 +192,7 @@ class TacticAnswer:
     0 or None.  source: where the answer came from (live/snapshot, FlashInfer version,
     kernel set).
     """
+
     query: TacticQuery
     count: Optional[int]
     per_tile: dict
@@ -161,9 +205,12 @@ class TacticAnswer:
         return self.count is not None
 
     def to_json(self) -> dict:
-        d = {"tokens": self.query.tokens, "count": self.count,
-             "per_tile": {str(k): v for k, v in sorted(self.per_tile.items())},
-             "source": self.source}
+        d = {
+            "tokens": self.query.tokens,
+            "count": self.count,
+            "per_tile": {str(k): v for k, v in sorted(self.per_tile.items())},
+            "source": self.source,
+        }
         if self.reason:
             d["reason"] = self.reason
         return d
@@ -207,8 +254,12 @@ class Snapshot:
         return cls((match or files)[-1])
 
     def source(self) -> dict:
-        src = {"kind": "snapshot", "file": self.path.name,
-               "flashinfer": self.meta.get("flashinfer"), "kernel_set": self.meta.get("kernel_set")}
+        src = {
+            "kind": "snapshot",
+            "file": self.path.name,
+            "flashinfer": self.meta.get("flashinfer"),
+            "kernel_set": self.meta.get("kernel_set"),
+        }
         fi = _installed("flashinfer-python")
         if fi and fi != src["flashinfer"]:
             src["note"] = f"recorded with FlashInfer {src['flashinfer']}; installed is {fi}"
@@ -218,8 +269,14 @@ class Snapshot:
         src = self.source()
         e = self.entries.get(q.key())
         if e is None:
-            return TacticAnswer(q, None, {}, src, reason="not in the snapshot (unknown; build the module "
-                                "with `python -m fimoe_lab.tune.build` for live answers)")
+            return TacticAnswer(
+                q,
+                None,
+                {},
+                src,
+                reason="not in the snapshot (unknown; build the module "
+                "with `python -m fimoe_lab.tune.build` for live answers)",
+            )
         if "error" in e:
             return TacticAnswer(q, 0, {}, src, reason=e["error"])
         per_tile = {int(k): v for k, v in e.items()}
@@ -250,8 +307,15 @@ class _Worker:
     def start(self):
         self.restarts += 1
         self._stderr.clear()
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
         threading.Thread(target=self._drain, args=(self.proc.stderr,), daemon=True).start()
         line = self.proc.stdout.readline()
         if not line:
@@ -297,6 +361,7 @@ class _Worker:
 def _blackwell_gpu() -> bool:
     try:
         import torch
+
         return bool(torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] == 10)
     except Exception:
         return False
@@ -336,9 +401,12 @@ class TacticOracle:
             self._worker = _Worker([sys.executable, "-m", "fimoe_lab.tune._worker", "native"], self._env())
             return "native"
         if mode == "native":
-            raise OracleError("mode='native' needs a Blackwell (SM10x) GPU; none is visible",
-                              fix="use mode='auto' (built module or snapshot) or mode='snapshot'")
+            raise OracleError(
+                "mode='native' needs a Blackwell (SM10x) GPU; none is visible",
+                fix="use mode='auto' (built module or snapshot) or mode='snapshot'",
+            )
         from . import build
+
         man = build.find_module()
         if man is not None:
             env = self._env()
@@ -352,8 +420,10 @@ class TacticOracle:
             pre = build.check_prereqs()
             probs = pre.problems()
             hint = (" (also missing: " + "; ".join(probs) + ")") if probs else ""
-            raise OracleError(f"no built TRTLLM-Gen MoE module for the installed FlashInfer ({pre.flashinfer_version})",
-                              fix=f"run `python -m fimoe_lab.tune.build`{hint}, or use mode='snapshot'")
+            raise OracleError(
+                f"no built TRTLLM-Gen MoE module for the installed FlashInfer ({pre.flashinfer_version})",
+                fix=f"run `python -m fimoe_lab.tune.build`{hint}, or use mode='snapshot'",
+            )
         self._load_snapshot(required=True)
         return "snapshot"
 
@@ -368,8 +438,10 @@ class TacticOracle:
         if self._snap is None:
             self._snap = Snapshot.find(self._snapshot_path)
         if self._snap is None and required:
-            raise OracleError(f"no tactic snapshot found in {snapshot_dir()} and no live FlashInfer module",
-                              fix="build the module with `python -m fimoe_lab.tune.build`")
+            raise OracleError(
+                f"no tactic snapshot found in {snapshot_dir()} and no live FlashInfer module",
+                fix="build the module with `python -m fimoe_lab.tune.build`",
+            )
         return self._snap
 
     @property
@@ -386,19 +458,34 @@ class TacticOracle:
                 w.start()
             except WorkerDied as e:
                 return {"kind": "live", "mode": self.mode, "error": str(e)}
-        return {"kind": "live", "mode": "shim" if self.mode == "live" else "native",
-                "flashinfer": w.hello.get("flashinfer"), "kernel_set": w.hello.get("kernel_set")}
+        return {
+            "kind": "live",
+            "mode": "shim" if self.mode == "live" else "native",
+            "flashinfer": w.hello.get("flashinfer"),
+            "kernel_set": w.hello.get("kernel_set"),
+        }
 
     def close(self):
         if self._worker:
             self._worker.close()
 
     # -- queries --------------------------------------------------------------
-    def query(self, format: str, activation: str, hidden: int, intermediate: int, experts: int,
-              top_k: int, tokens: int, per_token: bool = False, layout: Optional[str] = None) -> TacticAnswer:
+    def query(
+        self,
+        format: str,
+        activation: str,
+        hidden: int,
+        intermediate: int,
+        experts: int,
+        top_k: int,
+        tokens: int,
+        per_token: bool = False,
+        layout: Optional[str] = None,
+    ) -> TacticAnswer:
         """Valid tactics for one shape (per rank, already padded). See :class:`TacticQuery`."""
-        return self.ask(TacticQuery(format, activation, hidden, intermediate, experts, top_k, tokens,
-                                    per_token, layout))
+        return self.ask(
+            TacticQuery(format, activation, hidden, intermediate, experts, top_k, tokens, per_token, layout)
+        )
 
     def ask(self, q: TacticQuery) -> TacticAnswer:
         q = q.normalized()
@@ -417,6 +504,7 @@ class TacticOracle:
         it = queries
         if progress:
             from tqdm import tqdm
+
             it = tqdm(queries, desc="tactic queries", unit="q")
         return [self.ask(q) for q in it]
 
@@ -427,8 +515,12 @@ class TacticOracle:
             r = w.ask(q.request())
         except WorkerDied as e:
             return TacticAnswer(q, None, {}, {"kind": "live", "mode": self.mode}, reason=str(e))
-        src = {"kind": "live", "mode": "shim" if self.mode == "live" else "native",
-               "flashinfer": w.hello.get("flashinfer"), "kernel_set": w.hello.get("kernel_set")}
+        src = {
+            "kind": "live",
+            "mode": "shim" if self.mode == "live" else "native",
+            "flashinfer": w.hello.get("flashinfer"),
+            "kernel_set": w.hello.get("kernel_set"),
+        }
         if not r.get("ok"):
             return TacticAnswer(q, 0, {}, src, reason=f"FlashInfer rejected the query: {r.get('error')}")
         configs = tuple((int(a), int(b)) for a, b in r["configs"])

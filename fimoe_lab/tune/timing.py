@@ -106,8 +106,9 @@ def measure_grouped_mm(df, tokens: int = 4096, repeats: int = 20, device: Option
     return out
 
 
-def measure_transform(df, backend: str = "trtllm", experts: Optional[int] = None, device: str = "cpu",
-                      repeats: int = 5):
+def measure_transform(
+    df, backend: str = "trtllm", experts: Optional[int] = None, device: str = "cpu", repeats: int = 5
+):
     """Our executors laying out w13 and w2 (random bytes) for each padded shape of ``df``.
 
     ``experts``: how many experts to lay out (default: all of the preset's; fewer keeps
@@ -129,16 +130,29 @@ def measure_transform(df, backend: str = "trtllm", experts: Optional[int] = None
     for (inter, hidden), idx in _shapes(df).items():
         row = df.iloc[idx[0]]
         try:  # the plan pads the checkpoint's (unpadded) sizes to this row's alignments
-            plan = plan_layer(fmt, backend, int(unpadded.intermediate), int(unpadded.hidden), act.is_act_and_mul,
-                              act.gated, int(row.inter_align), int(row.hidden_align))
+            plan = plan_layer(
+                fmt,
+                backend,
+                int(unpadded.intermediate),
+                int(unpadded.hidden),
+                act.is_act_and_mul,
+                act.gated,
+                int(row.inter_align),
+                int(row.hidden_align),
+            )
         except FimoeError as exc:
             for i in idx:
                 notes[i] = exc.message
             continue
         g = torch.Generator().manual_seed(inter + hidden)
-        inputs = {name: torch.randint(1, 256, (n,) + m.in_shape, generator=g, dtype=torch.uint8).to(dev)
-                  for name, m in plan.maps().items() if name in ("w13", "w2")}
-        outputs = {name: torch.empty((n,) + plan.maps()[name].out_shape, dtype=torch.uint8, device=dev) for name in inputs}
+        inputs = {
+            name: torch.randint(1, 256, (n,) + m.in_shape, generator=g, dtype=torch.uint8).to(dev)
+            for name, m in plan.maps().items()
+            if name in ("w13", "w2")
+        }
+        outputs = {
+            name: torch.empty((n,) + plan.maps()[name].out_shape, dtype=torch.uint8, device=dev) for name in inputs
+        }
 
         maps = plan.maps()
 

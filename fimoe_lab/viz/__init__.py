@@ -12,13 +12,27 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "RowExplorer": "widgets", "TileExplorer": "widgets", "PaddingExplorer": "widgets",
-    "ProvenanceExplorer": "widgets", "TunerExplorer": "widgets",
-    "row_permutation_figure": "figures", "tile_figure": "figures", "swizzle_figure": "figures",
-    "padding_figure": "figures", "provenance_figure": "figures", "compare_figure": "figures",
-    "tuner_figure": "figures", "sweep_tactics_figure": "figures", "sweep_waste_figure": "figures",
-    "padding_report": "data", "row_flow": "data", "observed_row_sources": "data",
-    "sample_layer": "sources", "load_layer": "sources", "sample_names": "sources", "tactic_sweep": "sources",
+    "RowExplorer": "widgets",
+    "TileExplorer": "widgets",
+    "PaddingExplorer": "widgets",
+    "ProvenanceExplorer": "widgets",
+    "TunerExplorer": "widgets",
+    "row_permutation_figure": "figures",
+    "tile_figure": "figures",
+    "swizzle_figure": "figures",
+    "padding_figure": "figures",
+    "provenance_figure": "figures",
+    "compare_figure": "figures",
+    "tuner_figure": "figures",
+    "sweep_tactics_figure": "figures",
+    "sweep_waste_figure": "figures",
+    "padding_report": "data",
+    "row_flow": "data",
+    "observed_row_sources": "data",
+    "sample_layer": "sources",
+    "load_layer": "sources",
+    "sample_names": "sources",
+    "tactic_sweep": "sources",
 }
 
 __all__ = sorted(_LAZY) + ["load_ipython_extension"]

@@ -25,11 +25,24 @@ from fimoe_lab.specs import get_format
 from fimoe_lab.steps import shuffle_block_size
 
 __all__ = [
-    "TENSOR_NAMES", "itemsize_of", "element_sources", "display_2d", "gather_values",
-    "RowFlow", "row_flow", "observed_row_sources",
-    "TileView", "tile_view", "SwizzleView", "swizzle_view",
-    "TensorPadding", "PaddingReport", "padding_report", "provenance_rows",
+    "TENSOR_NAMES",
+    "itemsize_of",
+    "element_sources",
+    "display_2d",
+    "gather_values",
+    "RowFlow",
+    "row_flow",
+    "observed_row_sources",
+    "TileView",
+    "tile_view",
+    "SwizzleView",
+    "swizzle_view",
+    "TensorPadding",
+    "PaddingReport",
+    "padding_report",
+    "provenance_rows",
 ]
+
 
 def itemsize_of(fmt: str, tensor: str) -> int:
     """Bytes per stored element of ``tensor`` ("w13", "w2", "w13_scale", "w2_scale") in ``fmt``.
@@ -46,7 +59,8 @@ def _check_itemsize(m: IndexMap, itemsize: int) -> None:
         raise LayoutError(
             f"{m.name} moves {m.cell_bytes}-byte cells of rows {m.in_shape[-1]} -> {m.out_shape[-1]} bytes, "
             f"which do not split into whole {itemsize}-byte elements",
-            fix="pass the itemsize of the tensor it moves (itemsize_of(fmt, tensor))")
+            fix="pass the itemsize of the tensor it moves (itemsize_of(fmt, tensor))",
+        )
 
 
 def element_sources(m: IndexMap, itemsize: int = 1) -> np.ndarray:
@@ -74,8 +88,10 @@ def gather_values(m: IndexMap, values: np.ndarray | torch.Tensor, itemsize: int 
     v = np.asarray(values, dtype=np.float64)
     in_shape = m.in_shape[:-1] + (m.in_shape[-1] // itemsize,)
     if v.size != math.prod(in_shape):
-        raise LayoutError(f"values of shape {v.shape} do not match {m.name}'s input {in_shape} elements of {itemsize} B",
-                          fix="pass one expert's values in the map's input layout")
+        raise LayoutError(
+            f"values of shape {v.shape} do not match {m.name}'s input {in_shape} elements of {itemsize} B",
+            fix="pass one expert's values in the map's input layout",
+        )
     src = element_sources(m, itemsize)
     return np.where(src >= 0, v.reshape(-1)[np.maximum(src, 0)], np.nan)
 
@@ -131,8 +147,9 @@ class RowFlow:
             code = np.arange(self.out_rows) // size
             names = tuple(f"{colour_by} {k}" for k in range(int(code.max()) + 1))
         else:
-            raise LayoutError(f"cannot colour rows by {colour_by!r}",
-                              fix=f"this chain offers {', '.join(self.colour_modes())}")
+            raise LayoutError(
+                f"cannot colour rows by {colour_by!r}", fix=f"this chain offers {', '.join(self.colour_modes())}"
+            )
         return np.where(pad, len(names), code), names + ("padding",)
 
 
@@ -185,8 +202,10 @@ class TileView:
 def tile_view(m: IndexMap, itemsize: int = 1) -> TileView:
     """Where every element of a block-major-K output ``(K/bk, M, bk)`` comes from."""
     if len(m.out_shape) != 3:
-        raise LayoutError(f"{m.name} has output {m.out_shape} bytes; a block-major-K tile view needs (K/bk, M, bk)",
-                          fix="pick a map that ends with block_major_k")
+        raise LayoutError(
+            f"{m.name} has output {m.out_shape} bytes; a block-major-K tile view needs (K/bk, M, bk)",
+            fix="pick a map that ends with block_major_k",
+        )
     src = element_sources(m, itemsize)
     in_cols = m.in_shape[-1] // itemsize
     flat = display_2d(src)
@@ -195,8 +214,13 @@ def tile_view(m: IndexMap, itemsize: int = 1) -> TileView:
     taken = src >= 0
     block_of_input[src[taken]] = np.broadcast_to(np.arange(kb)[:, None, None], src.shape)[taken]
     return TileView(
-        np.where(flat >= 0, flat // in_cols, -1), np.where(flat >= 0, flat % in_cols, -1),
-        block_of_input.reshape(m.in_shape[0], in_cols), kb, rows, bk, m.name,
+        np.where(flat >= 0, flat // in_cols, -1),
+        np.where(flat >= 0, flat % in_cols, -1),
+        block_of_input.reshape(m.in_shape[0], in_cols),
+        kb,
+        rows,
+        bk,
+        m.name,
     )
 
 
@@ -234,12 +258,16 @@ def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
     ``w13_scale``: pad, row permutation, swizzle); sources are the chain's input.
     """
     if m.steps[-1].kind != "swizzle_scales_128x4":
-        raise LayoutError(f"{m.name} does not end with swizzle_scales_128x4; there is no swizzled buffer to draw",
-                          fix="pick a TRT-LLM scale map (w13_scale or w2_scale of mxfp8, nvfp4 or mxfp4)")
+        raise LayoutError(
+            f"{m.name} does not end with swizzle_scales_128x4; there is no swizzled buffer to draw",
+            fix="pick a TRT-LLM scale map (w13_scale or w2_scale of mxfp8, nvfp4 or mxfp4)",
+        )
     src = element_sources(m, itemsize).reshape(-1)
     if src.size % ATOM:
-        raise LayoutError(f"{m.name}: buffer of {src.size} scales is not whole 512-scale atoms",
-                          fix="pad the scales to 128 rows and 4 columns first")
+        raise LayoutError(
+            f"{m.name}: buffer of {src.size} scales is not whole 512-scale atoms",
+            fix="pad the scales to 128 rows and 4 columns first",
+        )
     in_rows, in_cols = m.in_shape[0], m.in_shape[-1] // itemsize
     dest = np.full(in_rows * in_cols, -1, dtype=np.int64)
     taken = src >= 0
@@ -248,8 +276,12 @@ def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
     cp_atoms = m.out_shape[-1] // itemsize // 4
     atoms = np.arange(src.size // ATOM)
     return SwizzleView(
-        np.where(src >= 0, src // in_cols, -1).reshape(-1, 16), np.where(src >= 0, src % in_cols, -1).reshape(-1, 16),
-        np.where(dest >= 0, dest // ATOM, -1), dest, np.stack([atoms // cp_atoms, atoms % cp_atoms], axis=1), m.name,
+        np.where(src >= 0, src // in_cols, -1).reshape(-1, 16),
+        np.where(src >= 0, src % in_cols, -1).reshape(-1, 16),
+        np.where(dest >= 0, dest // ATOM, -1),
+        dest,
+        np.stack([atoms // cp_atoms, atoms % cp_atoms], axis=1),
+        m.name,
     )
 
 
@@ -324,9 +356,18 @@ def _padded_stage(m: IndexMap) -> IndexMap:
     return compose(*m.steps[: last + 1]) if last >= 0 else m.steps[0]
 
 
-def padding_report(fmt: str, backend: str, intermediate: int, hidden: int, tp: int = 1, experts: int = 1,
-                   intermediate_alignment: Optional[int] = None, hidden_alignment: Optional[int] = None,
-                   is_act_and_mul: bool = True, is_gated: bool = True) -> PaddingReport:
+def padding_report(
+    fmt: str,
+    backend: str,
+    intermediate: int,
+    hidden: int,
+    tp: int = 1,
+    experts: int = 1,
+    intermediate_alignment: Optional[int] = None,
+    hidden_alignment: Optional[int] = None,
+    is_act_and_mul: bool = True,
+    is_gated: bool = True,
+) -> PaddingReport:
     """Which rows/columns of w13, w2 and their scales are padding, for one TP shard.
 
     ``intermediate`` is the model's (global) size; each TP shard holds ``intermediate / tp``
@@ -336,7 +377,8 @@ def padding_report(fmt: str, backend: str, intermediate: int, hidden: int, tp: i
     if tp < 1 or intermediate % tp:
         raise LayoutError(
             f"intermediate {intermediate} does not split into {tp} tensor-parallel shards",
-            fix=f"choose a TP size that divides it ({', '.join(str(t) for t in (1, 2, 4, 8) if intermediate % t == 0)})")
+            fix=f"choose a TP size that divides it ({', '.join(str(t) for t in (1, 2, 4, 8) if intermediate % t == 0)})",
+        )
     local = intermediate // tp
     plan = plan_layer(fmt, backend, local, hidden, is_act_and_mul, is_gated, intermediate_alignment, hidden_alignment)
     tensors = {name: TensorPadding(name, m, itemsize_of(fmt, name)) for name, m in plan.maps().items()}
@@ -344,7 +386,9 @@ def padding_report(fmt: str, backend: str, intermediate: int, hidden: int, tp: i
 
 
 # ----------------------------------------------------------------------------- provenance
-def provenance_rows(m: IndexMap, coords: tuple[int, ...], itemsize: int = 1) -> list[tuple[str, tuple, Optional[tuple]]]:
+def provenance_rows(
+    m: IndexMap, coords: tuple[int, ...], itemsize: int = 1
+) -> list[tuple[str, tuple, Optional[tuple]]]:
     """The chain for output element ``coords`` (in elements): ``[(stage, shape, coords | None)]``.
 
     First row is the output, last the checkpoint position (None when the element is padding).

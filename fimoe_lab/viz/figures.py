@@ -21,8 +21,15 @@ from fimoe_lab.layout import IndexMap
 from fimoe_lab.viz import data
 
 __all__ = [
-    "row_permutation_figure", "tile_figure", "swizzle_figure", "padding_figure",
-    "provenance_figure", "compare_figure", "tuner_figure", "sweep_tactics_figure", "sweep_waste_figure",
+    "row_permutation_figure",
+    "tile_figure",
+    "swizzle_figure",
+    "padding_figure",
+    "provenance_figure",
+    "compare_figure",
+    "tuner_figure",
+    "sweep_tactics_figure",
+    "sweep_waste_figure",
 ]
 
 PAD_COLOUR = (0.75, 0.75, 0.75, 1.0)
@@ -50,9 +57,15 @@ def _cmap(name: str):
     return colormaps[name].with_extremes(bad=PAD_COLOUR)
 
 
-def row_permutation_figure(m: IndexMap, projections: int = 2, window: tuple[int, int] = (0, 64),
-                           colour_by: str = "origin", values: Optional[np.ndarray] = None, itemsize: int = 1,
-                           observed: Optional[np.ndarray] = None) -> Figure:
+def row_permutation_figure(
+    m: IndexMap,
+    projections: int = 2,
+    window: tuple[int, int] = (0, 64),
+    colour_by: str = "origin",
+    values: Optional[np.ndarray] = None,
+    itemsize: int = 1,
+    observed: Optional[np.ndarray] = None,
+) -> Figure:
     """Source row -> kernel row for ``m``'s row steps (pad, swap, interleave, epilogue shuffle).
 
     Panels: (1) the kernel rows ``window = (lo, hi)`` with a line from each one's source
@@ -94,8 +107,14 @@ def row_permutation_figure(m: IndexMap, projections: int = 2, window: tuple[int,
     ax_all.scatter(pads, np.full(pads.size, -0.02 * flow.in_rows), c=[PAD_COLOUR], s=6, marker="s")
     if observed is not None:
         wrong = np.flatnonzero(observed != flow.src_rows)
-        ax_all.scatter(wrong, np.where(observed[wrong] >= 0, observed[wrong], -0.04 * flow.in_rows),
-                       marker="x", c="red", s=14, label=f"observed != planned ({wrong.size} rows)")
+        ax_all.scatter(
+            wrong,
+            np.where(observed[wrong] >= 0, observed[wrong], -0.04 * flow.in_rows),
+            marker="x",
+            c="red",
+            s=14,
+            label=f"observed != planned ({wrong.size} rows)",
+        )
         ax_all.legend(loc="upper left", fontsize=7)
     ax_all.axvspan(lo - 0.5, hi - 0.5, color="gold", alpha=0.25)
     ax_all.set_xlabel("kernel row")
@@ -111,8 +130,13 @@ def row_permutation_figure(m: IndexMap, projections: int = 2, window: tuple[int,
         rows_map = m.row_steps()
         moved = data.gather_values(rows_map, values, itemsize)
         ax_v = fig.add_subplot(1, panels, 3)
-        ax_v.imshow(_masked(moved[lo:hi]), aspect="auto", cmap=_cmap(MAGNITUDE_CMAP), interpolation="nearest",
-                    extent=(-0.5, moved.shape[1] - 0.5, hi - 0.5, lo - 0.5))
+        ax_v.imshow(
+            _masked(moved[lo:hi]),
+            aspect="auto",
+            cmap=_cmap(MAGNITUDE_CMAP),
+            interpolation="nearest",
+            extent=(-0.5, moved.shape[1] - 0.5, hi - 0.5, lo - 0.5),
+        )
         ax_v.set_title("values in kernel rows (grey: padding)")
         ax_v.set_xlabel("element")
     fig.suptitle(" >> ".join(flow.steps), fontsize=9)
@@ -132,8 +156,14 @@ def tile_figure(m: IndexMap, itemsize: int = 1, colour_by: str = "source column"
         raise LayoutError(f"cannot colour tiles by {colour_by!r}", fix=f"choose one of {', '.join(shown)}")
     fig = Figure(figsize=(10, 4.6), layout="constrained")
     ax_in, ax_out = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    im = ax_in.imshow(_masked(view.block_of_input), aspect="auto", cmap=_categorical(view.blocks),
-                      vmin=-0.5, vmax=view.blocks - 0.5, interpolation="nearest")
+    im = ax_in.imshow(
+        _masked(view.block_of_input),
+        aspect="auto",
+        cmap=_categorical(view.blocks),
+        vmin=-0.5,
+        vmax=view.blocks - 0.5,
+        interpolation="nearest",
+    )
     fig.colorbar(im, ax=ax_in, label="K block in the output", ticks=range(view.blocks))
     ax_in.set_title(f"input [{view.block_of_input.shape[0]}, {view.block_of_input.shape[1]}] elements")
     ax_in.set_xlabel("column")
@@ -142,7 +172,9 @@ def tile_figure(m: IndexMap, itemsize: int = 1, colour_by: str = "source column"
     for b in range(1, view.blocks):
         ax_out.axhline(b * view.rows - 0.5, color="white", lw=1)
     fig.colorbar(im, ax=ax_out, label=colour_by)
-    ax_out.set_title(f"output ({view.blocks}, {view.rows}, {view.block_cols}) as ({view.blocks}x{view.rows}, {view.block_cols})")
+    ax_out.set_title(
+        f"output ({view.blocks}, {view.rows}, {view.block_cols}) as ({view.blocks}x{view.rows}, {view.block_cols})"
+    )
     ax_out.set_xlabel("element in block")
     ax_out.set_ylabel("K block x row")
     fig.suptitle(view.name, fontsize=9)
@@ -160,15 +192,28 @@ def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
     """
     view = data.swizzle_view(m, itemsize)
     if not 0 <= atom < view.atoms:
-        raise LayoutError(f"atom {atom} is outside 0..{view.atoms - 1} of {view.name}",
-                          fix=f"pick an atom in 0..{view.atoms - 1}")
+        raise LayoutError(
+            f"atom {atom} is outside 0..{view.atoms - 1} of {view.name}", fix=f"pick an atom in 0..{view.atoms - 1}"
+        )
     fig = Figure(figsize=(13, 4.8), layout="constrained")
     ax_lin, ax_buf, ax_atom = (fig.add_subplot(1, 3, k) for k in (1, 2, 3))
-    im = ax_lin.imshow(_masked(view.dest_atom), aspect="auto", cmap=_categorical(view.atoms),
-                       vmin=-0.5, vmax=view.atoms - 0.5, interpolation="nearest")
+    im = ax_lin.imshow(
+        _masked(view.dest_atom),
+        aspect="auto",
+        cmap=_categorical(view.atoms),
+        vmin=-0.5,
+        vmax=view.atoms - 0.5,
+        interpolation="nearest",
+    )
     chosen = np.pad(view.dest_atom == atom, 1).astype(float)
-    ax_lin.contour(np.arange(-1, chosen.shape[1] - 1), np.arange(-1, chosen.shape[0] - 1), chosen, levels=[0.5],
-                   colors="black", linewidths=2)
+    ax_lin.contour(
+        np.arange(-1, chosen.shape[1] - 1),
+        np.arange(-1, chosen.shape[0] - 1),
+        chosen,
+        levels=[0.5],
+        colors="black",
+        linewidths=2,
+    )
     fig.colorbar(im, ax=ax_lin, label="destination atom (outlined: the chosen one)", ticks=range(view.atoms))
     ax_lin.set_title(f"linear scales [{view.dest_atom.shape[0]}, {view.dest_atom.shape[1]}]")
     ax_lin.set_xlabel("scale column")
@@ -179,8 +224,8 @@ def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
     ax_buf.set_title(f"swizzled buffer: {view.atoms} atoms x 512")
     ax_buf.set_xlabel("offset % 16")
     ax_buf.set_ylabel("offset // 16")
-    zoom_col = view.src_col[atom * 32:(atom + 1) * 32]
-    zoom_row = view.src_row[atom * 32:(atom + 1) * 32]
+    zoom_col = view.src_col[atom * 32 : (atom + 1) * 32]
+    zoom_row = view.src_row[atom * 32 : (atom + 1) * 32]
     ax_atom.imshow(_masked(zoom_col), aspect="auto", cmap=_cmap("tab10"), interpolation="nearest")
     for line in range(32):
         firsts = zoom_row[line]
@@ -188,7 +233,9 @@ def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
         ax_atom.text(15.6, line, label, fontsize=5, va="center")
     ax_atom.set_xlim(-0.5, 24)
     rb, cb = view.atom_origin[atom]
-    ax_atom.set_title(f"atom {atom}: swizzled rows {128 * rb}..{128 * rb + 127}, cols {4 * cb}..{4 * cb + 3}", fontsize=9)
+    ax_atom.set_title(
+        f"atom {atom}: swizzled rows {128 * rb}..{128 * rb + 127}, cols {4 * cb}..{4 * cb + 3}", fontsize=9
+    )
     ax_atom.set_xlabel("colour: source column; text: source rows")
     fig.suptitle(view.name, fontsize=9)
     return fig
@@ -215,8 +262,10 @@ def padding_figure(report: data.PaddingReport) -> Figure:
     """
     names = list(report.tensors)
     if not names:
-        raise LayoutError(f"{report.plan.description} pads nothing and moves nothing: no tensor to draw",
-                          fix="pick another backend, format or alignment")
+        raise LayoutError(
+            f"{report.plan.description} pads nothing and moves nothing: no tensor to draw",
+            fix="pick another backend, format or alignment",
+        )
     fig = Figure(figsize=(3.3 * len(names), 6.2), layout="constrained")
     cmap = ListedColormap([(0.93, 0.93, 0.85), (0.55, 0.1, 0.1)])
     for k, name in enumerate(names):
@@ -265,8 +314,9 @@ def provenance_figure(m: IndexMap, coords: Sequence[int], before: np.ndarray, it
     return fig
 
 
-def compare_figure(m: IndexMap, checkpoint: np.ndarray, kernel: np.ndarray, itemsize: int = 1,
-                   title: str = "") -> Figure:
+def compare_figure(
+    m: IndexMap, checkpoint: np.ndarray, kernel: np.ndarray, itemsize: int = 1, title: str = ""
+) -> Figure:
     """Debugging view: a kernel-layout tensor taken back through ``m.inverse()``, next to the checkpoint.
 
     ``checkpoint``: one expert's values ``(rows, elements)`` in the checkpoint layout;
@@ -278,11 +328,22 @@ def compare_figure(m: IndexMap, checkpoint: np.ndarray, kernel: np.ndarray, item
     diff = np.abs(recovered - checkpoint)
     fig = Figure(figsize=(12, 4.4), layout="constrained")
     vmax = float(np.nanmax(checkpoint))
-    for k, (img, name) in enumerate(((checkpoint, "checkpoint"), (recovered, "kernel tensor, un-done by the plan"),
-                                     (diff, f"|difference|: max {np.nanmax(diff):.3g}"))):
+    for k, (img, name) in enumerate(
+        (
+            (checkpoint, "checkpoint"),
+            (recovered, "kernel tensor, un-done by the plan"),
+            (diff, f"|difference|: max {np.nanmax(diff):.3g}"),
+        )
+    ):
         ax = fig.add_subplot(1, 3, k + 1)
-        ax.imshow(_masked(img), aspect="auto", cmap=_cmap("magma" if k == 2 else MAGNITUDE_CMAP), vmin=0,
-                  vmax=vmax, interpolation="nearest")
+        ax.imshow(
+            _masked(img),
+            aspect="auto",
+            cmap=_cmap("magma" if k == 2 else MAGNITUDE_CMAP),
+            vmin=0,
+            vmax=vmax,
+            interpolation="nearest",
+        )
         ax.set_title(name, fontsize=9)
     fig.suptitle(title or m.name, fontsize=9)
     return fig
@@ -304,8 +365,10 @@ def tuner_figure(sweep, tokens: Optional[int] = None) -> Figure:
     """
     column = f"t{tokens}" if tokens is not None else "min_tactics"
     if column not in sweep.columns:
-        raise LayoutError(f"the sweep has no column {column!r}",
-                          fix=f"token counts: {', '.join(c[1:] for c in _token_columns(sweep))}")
+        raise LayoutError(
+            f"the sweep has no column {column!r}",
+            fix=f"token counts: {', '.join(c[1:] for c in _token_columns(sweep))}",
+        )
     ia = sorted(sweep["inter_align"].unique())
     ha = sorted(sweep["hidden_align"].unique())
     grid = np.full((len(ia), len(ha)), np.nan)
@@ -352,14 +415,25 @@ def sweep_tactics_figure(sweep) -> Figure:
     ax = fig.add_subplot(1, 1, 1)
     im = ax.imshow(_masked(counts), aspect="auto", cmap=_cmap("viridis"), interpolation="nearest")
     ax.set_xticks(range(len(tcols)), [c[1:] for c in tcols])
-    labels = [f"I%{r.inter_align} H%{r.hidden_align} ({r.intermediate}x{r.hidden})"
-              + (" REF" if r.reference else "") + (" *" if r.recommended else "") for r in sweep.itertuples()]
+    labels = [
+        f"I%{r.inter_align} H%{r.hidden_align} ({r.intermediate}x{r.hidden})"
+        + (" REF" if r.reference else "")
+        + (" *" if r.recommended else "")
+        for r in sweep.itertuples()
+    ]
     ax.set_yticks(range(len(sweep)), labels, fontsize=7)
     ax.set_xlabel("tokens")
     top = np.nanmax(counts) if np.isfinite(counts).any() else 0.0
     for (i, j), v in np.ndenumerate(counts):
-        ax.text(j, i, "?" if v != v else int(v), ha="center", va="center", fontsize=6,
-                color="white" if (v == v and v < top / 2) else "black")
+        ax.text(
+            j,
+            i,
+            "?" if v != v else int(v),
+            ha="center",
+            va="center",
+            fontsize=6,
+            color="white" if (v == v and v < top / 2) else "black",
+        )
     fig.colorbar(im, ax=ax, label="valid tactics")
     ax.set_title(_sweep_title(sweep, "tactics (REF = convert's default, * = recommended)"), fontsize=9)
     return fig

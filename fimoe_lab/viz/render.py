@@ -38,8 +38,10 @@ def _thumbnail(m: IndexMap) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=60)
     data = base64.b64encode(buf.getvalue()).decode()
-    return (f"<img title='input byte offset of each output byte (grey: fill)' "
-            f"src='data:image/png;base64,{data}' style='float:right;margin-left:8px'/>")
+    return (
+        f"<img title='input byte offset of each output byte (grey: fill)' "
+        f"src='data:image/png;base64,{data}' style='float:right;margin-left:8px'/>"
+    )
 
 
 def map_html(m: IndexMap) -> str:
@@ -47,20 +49,27 @@ def map_html(m: IndexMap) -> str:
     rows = []
     for s in m.steps:
         fill = int((s.src < 0).sum()) * s.cell_bytes
-        rows.append(f"<tr><td>{html.escape(s.name)}</td><td>{s.in_shape}</td><td>&rarr; {s.out_shape}</td>"
-                    f"<td>{s.cell_bytes} B</td><td>{fill:,} B fill</td></tr>")
+        rows.append(
+            f"<tr><td>{html.escape(s.name)}</td><td>{s.in_shape}</td><td>&rarr; {s.out_shape}</td>"
+            f"<td>{s.cell_bytes} B</td><td>{fill:,} B fill</td></tr>"
+        )
     total = int((m.src < 0).sum()) * m.cell_bytes
-    head = (f"<b>IndexMap</b> {m.in_shape} &rarr; {m.out_shape} bytes per expert, {len(m.steps)} step(s), "
-            f"{total:,} B fill ({100 * total / max(m.out_bytes, 1):.1f}%)")
+    head = (
+        f"<b>IndexMap</b> {m.in_shape} &rarr; {m.out_shape} bytes per expert, {len(m.steps)} step(s), "
+        f"{total:,} B fill ({100 * total / max(m.out_bytes, 1):.1f}%)"
+    )
     return f"<div>{_thumbnail(m)}{head}<br>{TABLE}{''.join(rows)}</table></div>"
 
 
 def plan_html(plan: LayerPlan) -> str:
     """HTML for a layer plan: sizes, then each tensor's map."""
-    head = (f"<b>LayerPlan</b> {html.escape(plan.description)}: intermediate {plan.intermediate} &rarr; "
-            f"{plan.padded_intermediate}, hidden {plan.hidden} &rarr; {plan.padded_hidden}")
-    parts = [f"<div style='clear:both;margin-top:6px'><b>{name}</b>: {map_html(m)}</div>"
-             for name, m in plan.maps().items()]
+    head = (
+        f"<b>LayerPlan</b> {html.escape(plan.description)}: intermediate {plan.intermediate} &rarr; "
+        f"{plan.padded_intermediate}, hidden {plan.hidden} &rarr; {plan.padded_hidden}"
+    )
+    parts = [
+        f"<div style='clear:both;margin-top:6px'><b>{name}</b>: {map_html(m)}</div>" for name, m in plan.maps().items()
+    ]
     return f"<div>{head}{''.join(parts) or '<br>(no tensor moves)'}</div>"
 
 

@@ -24,8 +24,17 @@ from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.plan import LayerPlan
 from fimoe_lab.specs import get_format, tuner_formats, weight_formats
 
-__all__ = ["ExpertTensors", "LabUnavailable", "PLAN_FORMATS", "TUNER_FORMATS", "sample_layer", "load_layer",
-           "sample_names", "preset_names", "tactic_sweep"]
+__all__ = [
+    "ExpertTensors",
+    "LabUnavailable",
+    "PLAN_FORMATS",
+    "TUNER_FORMATS",
+    "sample_layer",
+    "load_layer",
+    "sample_names",
+    "preset_names",
+    "tactic_sweep",
+]
 
 PLAN_FORMATS = weight_formats()
 """Formats the layout views draw (and :func:`sample_layer` makes): ``specs.weight_formats()``."""
@@ -42,8 +51,10 @@ def _require(module: str, what: str):
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name and module.startswith(exc.name):
-            raise LabUnavailable(f"{what} needs {module}, which is not in this build of fimoe_lab; "
-                                 f"install the full toolkit (pip install 'fimoe_lab[all]')") from None
+            raise LabUnavailable(
+                f"{what} needs {module}, which is not in this build of fimoe_lab; "
+                f"install the full toolkit (pip install 'fimoe_lab[all]')"
+            ) from None
         raise
 
 
@@ -97,8 +108,10 @@ class ExpertTensors:
         """float64 ``(rows, elements)`` of one expert: |dequantized weight| per stored element
         (per byte for packed fp4: the larger of its two values), or the decoded scales."""
         if not 0 <= expert < self.experts:
-            raise LayoutError(f"expert {expert} is outside 0..{self.experts - 1} of this layer",
-                              fix=f"pick an expert in 0..{self.experts - 1}")
+            raise LayoutError(
+                f"expert {expert} is outside 0..{self.experts - 1} of this layer",
+                fix=f"pick an expert in 0..{self.experts - 1}",
+            )
         from fimoe_lab.formats import QuantizedTensor
         from fimoe_lab.formats.health import decoded_scales
 
@@ -106,11 +119,15 @@ class ExpertTensors:
             scales = self.tensors[name][expert]
             return decoded_scales(QuantizedTensor(None, scales, None, self.fmt, 0)).double().numpy()
         one = replace(
-            self.moe, w13=self.moe.w13[expert:expert + 1], w2=self.moe.w2[expert:expert + 1],
-            w13_scale=None if self.moe.w13_scale is None else self.moe.w13_scale[expert:expert + 1],
-            w2_scale=None if self.moe.w2_scale is None else self.moe.w2_scale[expert:expert + 1],
-            extras={k: v[expert:expert + 1] if v.ndim and v.shape[0] == self.experts else v
-                    for k, v in self.moe.extras.items()},
+            self.moe,
+            w13=self.moe.w13[expert : expert + 1],
+            w2=self.moe.w2[expert : expert + 1],
+            w13_scale=None if self.moe.w13_scale is None else self.moe.w13_scale[expert : expert + 1],
+            w2_scale=None if self.moe.w2_scale is None else self.moe.w2_scale[expert : expert + 1],
+            extras={
+                k: v[expert : expert + 1] if v.ndim and v.shape[0] == self.experts else v
+                for k, v in self.moe.extras.items()
+            },
         )
         values = dict(zip(("w13", "w2"), one.dequantized()))[name][0].abs()
         if get_format(self.fmt).packed:
@@ -118,7 +135,9 @@ class ExpertTensors:
         return values.double().numpy()
 
 
-def _structured(experts: int, intermediate: int, hidden: int, gated: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _structured(
+    experts: int, intermediate: int, hidden: int, gated: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 W13 ``(E, P*I, H)`` and W2 ``(E, H, I)`` with patterns a permutation breaks visibly."""
     g = torch.Generator().manual_seed(seed)
     e = torch.arange(1, experts + 1, dtype=torch.float32)[:, None, None]
@@ -138,8 +157,9 @@ def _structured(experts: int, intermediate: int, hidden: int, gated: bool, seed:
     return w13, w2
 
 
-def sample_layer(fmt: str = "mxfp8", experts: int = 4, intermediate: int = 128, hidden: int = 256,
-                 gated: bool = True, seed: int = 0) -> ExpertTensors:
+def sample_layer(
+    fmt: str = "mxfp8", experts: int = 4, intermediate: int = 128, hidden: int = 256, gated: bool = True, seed: int = 0
+) -> ExpertTensors:
     """A seeded layer of structured expert weights, quantized to ``fmt`` (a ``plan_layer`` format).
 
     W13 ``(E, 2I, H)``: gate rows grow down the rows, up rows grow across the columns, and
@@ -164,8 +184,10 @@ def sample_layer(fmt: str = "mxfp8", experts: int = 4, intermediate: int = 128, 
     scales = parts[0].scales if fmt == "fp8" else torch.cat([q.scales for q in parts], dim=1)
     extras = {}
     if fmt == "nvfp4":
-        extras = {"w13_weight_scale_2": torch.stack([1 / q.global_scale for q in parts], dim=1),
-                  "w2_weight_scale_2": 1 / q2.global_scale}
+        extras = {
+            "w13_weight_scale_2": torch.stack([1 / q.global_scale for q in parts], dim=1),
+            "w2_weight_scale_2": 1 / q2.global_scale,
+        }
     return ExpertTensors(MoELayer(fmt, values, q2.values, scales, q2.scales, extras=extras, **kw), source)
 
 

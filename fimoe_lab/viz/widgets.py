@@ -63,8 +63,13 @@ def layer_choices() -> list[tuple[str, str]]:
 
 def _dropdown(description: str, options, value=None) -> W.Dropdown:
     options = list(options)
-    return W.Dropdown(options=options, value=value if value is not None else options[0], description=description,
-                      layout=W.Layout(width="220px"), style={"description_width": "80px"})
+    return W.Dropdown(
+        options=options,
+        value=value if value is not None else options[0],
+        description=description,
+        layout=W.Layout(width="220px"),
+        style={"description_width": "80px"},
+    )
 
 
 class _Explorer(W.VBox):
@@ -76,7 +81,7 @@ class _Explorer(W.VBox):
         self.figure: Optional[Figure] = None
         self.state: dict = {}
         self._busy = False
-        rows = [W.HBox(controls[i:i + 4]) for i in range(0, len(controls), 4)]
+        rows = [W.HBox(controls[i : i + 4]) for i in range(0, len(controls), 4)]
         super().__init__(rows + [self.message, self.image])
         for c in controls:
             c.observe(self.refresh, names="value")
@@ -109,12 +114,23 @@ class _LayerExplorer(_Explorer):
 
     tensor_filter = staticmethod(lambda m: True)
 
-    def __init__(self, layer: Optional[sources.ExpertTensors], extra: list, source: str = "seeded:mxfp8",
-                 backend: str = "trtllm", tensor: str = "w13"):
+    def __init__(
+        self,
+        layer: Optional[sources.ExpertTensors],
+        extra: list,
+        source: str = "seeded:mxfp8",
+        backend: str = "trtllm",
+        tensor: str = "w13",
+    ):
         self.layer_given = layer
         choices = [(layer.source, "given")] if layer is not None else layer_choices()
-        self.source = W.Dropdown(options=choices, value="given" if layer is not None else source, description="layer",
-                                 layout=W.Layout(width="330px"), style={"description_width": "80px"})
+        self.source = W.Dropdown(
+            options=choices,
+            value="given" if layer is not None else source,
+            description="layer",
+            layout=W.Layout(width="330px"),
+            style={"description_width": "80px"},
+        )
         self.source.disabled = layer is not None
         self.backend = _dropdown("backend", BACKENDS, backend)
         self.tensor = _dropdown("tensor", data.TENSOR_NAMES, tensor)
@@ -133,14 +149,21 @@ class _LayerExplorer(_Explorer):
         maps = plan.maps()
         usable = [n for n, m in maps.items() if self.tensor_filter(m)]
         if not usable:
-            raise LayoutError(f"{plan.description} has no tensor with the steps this view draws",
-                              fix="try another layer or backend")
+            raise LayoutError(
+                f"{plan.description} has no tensor with the steps this view draws", fix="try another layer or backend"
+            )
         if list(self.tensor.options) != usable:
             keep = self.tensor.value if self.tensor.value in usable else usable[0]
             self.tensor.options = usable
             self.tensor.value = keep
-        self.state = dict(fmt=layer.fmt, backend=self.backend.value, tensor=self.tensor.value,
-                          expert=self.expert.value, plan=plan, layer=layer)
+        self.state = dict(
+            fmt=layer.fmt,
+            backend=self.backend.value,
+            tensor=self.tensor.value,
+            expert=self.expert.value,
+            plan=plan,
+            layer=layer,
+        )
         return maps[self.tensor.value]
 
 
@@ -221,34 +244,65 @@ class PaddingExplorer(_Explorer):
     """Padding masks of w13, w2 and their scales for a format, backend, TP size and
     alignment, with the waste in bytes and %."""
 
-    def __init__(self, intermediate: int = 768, hidden: int = 2048, experts: int = 128, fmt: str = "nvfp4",
-                 backend: str = "trtllm", tp: int = 1, inter_align="default", hidden_align="default"):
+    def __init__(
+        self,
+        intermediate: int = 768,
+        hidden: int = 2048,
+        experts: int = 128,
+        fmt: str = "nvfp4",
+        backend: str = "trtllm",
+        tp: int = 1,
+        inter_align="default",
+        hidden_align="default",
+    ):
         style = {"description_width": "80px"}
         self.fmt = _dropdown("format", sources.PLAN_FORMATS, fmt)
         self.backend = _dropdown("backend", BACKENDS, backend)
         self.tp = _dropdown("TP", (1, 2, 4, 8), tp)
-        self.intermediate = W.IntText(intermediate, description="intermediate", style=style, layout=W.Layout(width="220px"))
+        self.intermediate = W.IntText(
+            intermediate, description="intermediate", style=style, layout=W.Layout(width="220px")
+        )
         self.hidden = W.IntText(hidden, description="hidden", style=style, layout=W.Layout(width="220px"))
         self.experts = W.IntText(experts, description="experts", style=style, layout=W.Layout(width="220px"))
         self.inter_align = _dropdown("I align", ("default", 16, 64, 128), inter_align)
         self.hidden_align = _dropdown("H align", ("default", 256, 512, 1024), hidden_align)
-        super().__init__([self.fmt, self.backend, self.tp, self.experts, self.intermediate, self.hidden,
-                          self.inter_align, self.hidden_align])
+        super().__init__(
+            [
+                self.fmt,
+                self.backend,
+                self.tp,
+                self.experts,
+                self.intermediate,
+                self.hidden,
+                self.inter_align,
+                self.hidden_align,
+            ]
+        )
 
     @classmethod
     def from_layer(cls, layer: sources.ExpertTensors, **kwargs) -> PaddingExplorer:
         """The explorer on a layer's sizes (read it at TP 1: the TP menu then splits it)."""
         if layer.fmt not in sources.PLAN_FORMATS:
-            raise LayoutError(f"no padding view for format {layer.fmt!r}",
-                              fix=f"padding views exist for {', '.join(sources.PLAN_FORMATS)}")
+            raise LayoutError(
+                f"no padding view for format {layer.fmt!r}",
+                fix=f"padding views exist for {', '.join(sources.PLAN_FORMATS)}",
+            )
         return cls(layer.intermediate, layer.hidden, layer.experts, layer.fmt, **kwargs)
 
     def _draw(self):
         def align(w):
             return None if w.value == "default" else int(w.value)
 
-        report = data.padding_report(self.fmt.value, self.backend.value, self.intermediate.value, self.hidden.value,
-                                     self.tp.value, self.experts.value, align(self.inter_align), align(self.hidden_align))
+        report = data.padding_report(
+            self.fmt.value,
+            self.backend.value,
+            self.intermediate.value,
+            self.hidden.value,
+            self.tp.value,
+            self.experts.value,
+            align(self.inter_align),
+            align(self.hidden_align),
+        )
         self.state = dict(report=report)
         return figures.padding_figure(report), report.summary()
 
@@ -260,7 +314,9 @@ class TunerExplorer(_Explorer):
     def __init__(self, preset: str = "qwen3-30b-a3b", fmt: str = "nvfp4", tp: int = 1, mode: str = "snapshot"):
         self.mode = mode
         presets = sources.preset_names()
-        self.preset = _dropdown("preset", presets or [preset], preset if preset in presets or not presets else presets[0])
+        self.preset = _dropdown(
+            "preset", presets or [preset], preset if preset in presets or not presets else presets[0]
+        )
         self.fmt = _dropdown("format", sources.TUNER_FORMATS, fmt)
         self.tp = _dropdown("TP", (1, 2, 4, 8), tp)
         super().__init__([self.preset, self.fmt, self.tp])
@@ -269,6 +325,8 @@ class TunerExplorer(_Explorer):
         sweep = sources.tactic_sweep(self.preset.value, self.fmt.value, self.tp.value, self.mode)
         self.state = dict(sweep=sweep)
         rec = sweep.attrs.get("recommendation", {})
-        note = (f"recommended: intermediate {rec.get('intermediate')} (align {rec.get('inter_align')}), hidden "
-                f"{rec.get('hidden')} (align {rec.get('hidden_align')}), +{rec.get('extra_bytes_pct', 0):.2f}% weights")
+        note = (
+            f"recommended: intermediate {rec.get('intermediate')} (align {rec.get('inter_align')}), hidden "
+            f"{rec.get('hidden')} (align {rec.get('hidden_align')}), +{rec.get('extra_bytes_pct', 0):.2f}% weights"
+        )
         return figures.tuner_figure(sweep), note
