@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from fimoe_lab.specs import FORMATS
+
 from .codes import e4m3_decode, ue8m0_decode
 from .result import QuantizedTensor
 
@@ -16,9 +18,10 @@ HOPPER_ZEROS = "looks like FlashInfer nvfp4_quantize on a pre-Blackwell GPU retu
 
 def decoded_scales(q: QuantizedTensor) -> torch.Tensor:
     """The block/matrix scales of ``q`` as float32 (E4M3 and UE8M0 bytes decoded), same shape."""
-    if q.fmt in ("nvfp4", "nvfp4-per-token"):
+    scale_dtype = FORMATS[q.fmt].scale_dtype
+    if scale_dtype == "float8_e4m3fn":
         return e4m3_decode(q.scales)
-    if q.fmt in ("mxfp8", "mxfp4"):
+    if scale_dtype == "uint8":  # UE8M0 exponent bytes
         return ue8m0_decode(q.scales)
     return q.scales.float()
 

@@ -167,7 +167,6 @@ def sample_layer(
     are quantized separately (own block scales / global scales, as real checkpoints). Sizes
     must meet the format's blocks (multiples of 32; of 128 for fp8-block).
     """
-    from fimoe_lab import formats
     from fimoe_lab.checkpoints import MoELayer
 
     if fmt not in PLAN_FORMATS:
@@ -175,15 +174,16 @@ def sample_layer(
     w13, w2 = _structured(experts, intermediate, hidden, gated, seed)
     source = f"sample_layer({fmt!r}, experts={experts}, intermediate={intermediate}, hidden={hidden}, seed={seed})"
     kw = dict(intermediate=intermediate, hidden=hidden, is_act_and_mul=gated, is_gated=gated, convention="seeded")
-    if fmt == "bf16":
+    spec = get_format(fmt)
+    if spec.codec is None:  # unquantized
         return ExpertTensors(MoELayer(fmt, w13.bfloat16(), w2.bfloat16(), None, None, **kw), source)
-    quant = formats.get(fmt).quantize
-    parts = [quant(p) for p in (w13.split(intermediate, dim=1) if gated and fmt != "fp8" else (w13,))]
-    q2 = quant(w2)
+    per_tensor = spec.scale_block == 0  # one scale for the whole W13
+    parts = [spec.quantize(p) for p in (w13.split(intermediate, dim=1) if gated and not per_tensor else (w13,))]
+    q2 = spec.quantize(w2)
     values = torch.cat([q.values for q in parts], dim=1)
-    scales = parts[0].scales if fmt == "fp8" else torch.cat([q.scales for q in parts], dim=1)
+    scales = parts[0].scales if per_tensor else torch.cat([q.scales for q in parts], dim=1)
     extras = {}
-    if fmt == "nvfp4":
+    if q2.global_scale is not None:  # NVFP4: the checkpoint stores the decode scale 1/global
         extras = {
             "w13_weight_scale_2": torch.stack([1 / q.global_scale for q in parts], dim=1),
             "w2_weight_scale_2": 1 / q2.global_scale,
@@ -192,7 +192,7 @@ def sample_layer(
 
 
 def sample_names() -> list[str]:
-    """The shipped sample checkpoints (``data/checkpoints/<name>``), for :func:`load_layer`."""
+    """The shipped sample checkpoints (``fimoe_lab/data/samples/<name>``), for :func:`load_layer`."""
     return _require("fimoe_lab.checkpoints", "sample checkpoints").sample_names()
 
 
