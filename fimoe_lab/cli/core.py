@@ -25,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Exits 1 when a case differs, 2 when there is nothing to replay.",
     )
     g.add_argument(
-        "paths", nargs="*", help="golden files (default: $FIMOE_GOLDENS or shared/goldens beside the checkout)"
+        "paths",
+        nargs="*",
+        help="golden sets, NAME.json beside NAME.safetensors (default: $FIMOE_GOLDENS or shared/goldens beside the checkout)",
     )
     g.set_defaults(handler=run_goldens)
 
