@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import same_tensor
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -24,16 +25,6 @@ EXPECTED = {  # sample -> (convention, format, w13 dtype, scale dtype)
     "gpt-oss-mxfp4": ("gpt-oss-mxfp4", "mxfp4", torch.uint8, torch.uint8),
 }
 REL_ERR = {"bf16": 0.01, "fp8-block": 0.05, "nvfp4": 0.15, "mxfp4": 0.2}
-
-
-def same_bytes(a, b) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    )
 
 
 # ---------------------------------------------------------------------------- samples
@@ -55,10 +46,10 @@ def test_sample_reads_as_generated(sample):
                 assert got.w13_scale.dtype == sdtype and got.w2_scale.dtype == sdtype
             want = gen.sample_layer(sample, layer)
             for name, t in want.tensors().items():
-                assert same_bytes(getattr(got, name), t), name
+                assert same_tensor(getattr(got, name), t), name
             assert set(got.extras) == set(want.extras)
             for name, t in want.extras.items():
-                assert same_bytes(got.extras[name], t.contiguous()), name
+                assert same_tensor(got.extras[name], t.contiguous()), name
             # values: the dequantized stack is the seeded original, gate rows first
             orig = gen.original_weights(sample, layer)
             w13, w2 = got.dequantized()
@@ -157,10 +148,10 @@ def test_tp_slice_matches_slow_reference(sample, tp):
             assert got.intermediate == len(rank_rows(sample, tp, rank))
             for name, t in want.items():
                 mine = got.extras[name] if name in got.extras else getattr(got, name)
-                assert same_bytes(mine, t), (name, rank)
+                assert same_tensor(mine, t), (name, rank)
             for name in ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale"):
                 if name in full.extras:  # per-tensor scalars are not sharded
-                    assert same_bytes(got.extras[name], full.extras[name])
+                    assert same_tensor(got.extras[name], full.extras[name])
 
 
 def test_tp_shards_tile_the_full_layer():
@@ -212,7 +203,7 @@ def copy_checkpoint(sample: str, dst: Path, mutate=None, config=None) -> Path:
 def test_single_file_checkpoint_without_index(tmp_path):
     path = copy_checkpoint("qwen3-moe-bf16", tmp_path / "c")
     with open_checkpoint(path) as ck, open_checkpoint(sample_path("qwen3-moe-bf16")) as ref:
-        assert same_bytes(ck.read_layer(1).w13, ref.read_layer(1).w13)
+        assert same_tensor(ck.read_layer(1).w13, ref.read_layer(1).w13)
 
 
 def test_kimi_k2_config_reads_as_deepseek_convention(tmp_path):

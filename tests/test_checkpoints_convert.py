@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from helpers import all_tensors, same_tensor
 
 from fimoe_lab import formats, prepare
 from fimoe_lab.checkpoints import (
@@ -30,24 +30,6 @@ from scripts import make_sample_checkpoints as gen
 SAMPLES = list(gen.SAMPLES)
 
 
-def same_bytes(a, b) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    )
-
-
-def all_tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in Path(path).glob("*.safetensors"):
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
 # ---------------------------------------------------------------------------- round trips on the samples
 CASES = [(s, b, tp) for s in SAMPLES for b in ("trtllm", "cutlass") for tp in (1, 2)]
 
@@ -66,12 +48,12 @@ def test_convert_restore_is_byte_exact(tmp_path, sample, backend, tp):
         for layer in a.moe_layers:
             x, y = a.read_layer(layer, tp, tp - 1), b.read_layer(layer)
             for name in ("w13", "w2", "w13_scale", "w2_scale"):
-                assert same_bytes(getattr(x, name), getattr(y, name)), (layer, name)
+                assert same_tensor(getattr(x, name), getattr(y, name)), (layer, name)
             for name in x.extras:
-                assert same_bytes(x.extras[name], y.extras[name]), (layer, name)
+                assert same_tensor(x.extras[name], y.extras[name]), (layer, name)
     if tp == 1:  # the restored files hold the source's expert tensors under the same names, byte for byte
         original, back = all_tensors(src), all_tensors(restored)
-        assert back and all(same_bytes(original[k], v) for k, v in back.items())
+        assert back and all(same_tensor(original[k], v) for k, v in back.items())
         assert all(k in back for k in original if ".experts." in k and "shared_experts" not in k)
 
 
@@ -90,12 +72,12 @@ def test_conversion_moves_bytes_like_the_drop_ins(tmp_path):
     w13, w2, s13, s2 = prepare.prepare_fp8_moe_layer_for_fi(
         spec, layer.w13, layer.w2, layer.w13_scale, None, layer.w2_scale, None, is_trtllm=True
     )
-    assert same_bytes(t[pre + "w13_weight"], w13) and same_bytes(t[pre + "w2_weight"], w2)
-    assert same_bytes(c[pre + "w13_weight"], prepare.swap_w13_to_w31(layer.w13))
+    assert same_tensor(t[pre + "w13_weight"], w13) and same_tensor(t[pre + "w2_weight"], w2)
+    assert same_tensor(c[pre + "w13_weight"], prepare.swap_w13_to_w31(layer.w13))
     # convert moves bytes only: the dead expert's scales stay as they are (prepare clamps them)
-    assert same_bytes(t[pre + "w13_weight_scale"], prepare.swap_w13_to_w31(layer.w13_scale))
+    assert same_tensor(t[pre + "w13_weight_scale"], prepare.swap_w13_to_w31(layer.w13_scale))
     assert s13.min() >= prepare.FI_CUTLASS_MIN_BLOCK_SCALE > t[pre + "w13_weight_scale"].min()
-    assert not same_bytes(t[pre + "w13_weight"], layer.w13)
+    assert not same_tensor(t[pre + "w13_weight"], layer.w13)
 
 
 # ---------------------------------------------------------------------------- every format, in memory
@@ -148,7 +130,7 @@ def test_every_format_round_trips_and_forward_is_identical(tmp_path, fmt, backen
     ids, weights = random_routing(7, 3, 2, seed=4)
     for a, b in zip(layers, back):
         for name in ("w13", "w2", "w13_scale", "w2_scale"):
-            assert same_bytes(getattr(a, name), getattr(b, name)), name
+            assert same_tensor(getattr(a, name), getattr(b, name)), name
         assert torch.equal(layer_forward(a, x, ids, weights), layer_forward(b, x, ids, weights))
 
 

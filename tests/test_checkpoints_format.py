@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from helpers import all_tensors, same_tensor
 from safetensors.torch import save_file
 
 from fimoe_lab import recipes, steps
@@ -36,22 +36,6 @@ V1 = [
     ("v1-gpt-oss-mxfp4-cutlass-tp5-rank0", "gpt-oss-mxfp4", "cutlass", 5, 0, 0, 64, 2),
 ]
 IDS = [row[0] for row in V1]
-
-
-def all_tensors(*files: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    )
 
 
 def rank_slice(name: str, t: torch.Tensor, lo: int, hi: int, v: int) -> torch.Tensor:
@@ -111,7 +95,7 @@ def test_v1_fixture_restores_to_the_source_bytes(tmp_path, fixture, sample, back
     restored = all_tensors(*sorted(out.glob("*.safetensors")))
     assert set(restored) == set(source)
     for name, t in source.items():
-        assert same_bytes(restored[name], rank_slice(name, t, lo, hi, v).contiguous()), name
+        assert same_tensor(restored[name], rank_slice(name, t, lo, hi, v).contiguous()), name
     config = json.loads((out / "config.json").read_text())
     assert hi - lo in config.values()  # the shard's intermediate size
 
@@ -122,7 +106,7 @@ def test_v2_convert_writes_the_kernel_bytes_v1_wrote(tmp_path, fixture, sample, 
     old, new = all_tensors(FIXTURES / f"{fixture}.safetensors"), all_tensors(out)
     assert set(old) == set(new)
     for name in old:
-        assert same_bytes(new[name], old[name]), name
+        assert same_tensor(new[name], old[name]), name
 
 
 def test_v1_record_whose_arguments_no_longer_give_its_shapes_is_refused(tmp_path):
@@ -170,14 +154,14 @@ def test_v2_steps_alone_rebuild_the_file(tmp_path, fixture, sample, backend, tp,
         if trec["steps"]:
             m = compose(*(steps.build(s["kind"], s["params"]) for s in trec["steps"]))
             x, moved = apply_map(m, x.contiguous(), n), moved + 1
-        assert same_bytes(kernel[prefix + trec["name"]].reshape(x.shape), x), n
+        assert same_tensor(kernel[prefix + trec["name"]].reshape(x.shape), x), n
     assert moved >= 2
     for n, xrec in rec["extras"].items():
         x = layer.extras[n]
         if xrec["steps"]:
             rows = compose(*(steps.build(s["kind"], s["params"]) for s in xrec["steps"]))
             x = apply_map(rows.for_row_vectors(x.element_size()), x.contiguous(), n)
-        assert same_bytes(kernel[prefix + n], x), n
+        assert same_tensor(kernel[prefix + n], x), n
     if "w13_bias" in rec["extras"]:
         assert rec["extras"]["w13_bias"]["rows_of"] == "w13" and rec["extras"]["w13_bias"]["steps"]
 

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from conftest import HAS_FLASHINFER, random_bytes, same_bytes
+from conftest import HAS_FLASHINFER
+from helpers import random_bytes, same_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import coords, random_bytes
+from helpers import coords, random_bytes
 
 from fimoe_lab import kernels
 from fimoe_lab.errors import FormatError, LayoutError

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from conftest import DEVICES, coords, decode, random_bytes, same_bytes
+from conftest import DEVICES
+from helpers import coords, decode, random_bytes, same_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

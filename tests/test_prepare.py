@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 import reference_loops as ref
 import torch
-from conftest import DEVICES, coords, decode, random_bytes, same_bytes
+from conftest import DEVICES
+from helpers import coords, decode, random_bytes, same_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
