@@ -61,11 +61,30 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device or not a.numel() or not b.numel():
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
 def _check_gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
-    """Raise :class:`LayoutError` unless ``out = em(x)`` is a well-formed gather."""
+    """Raise :class:`LayoutError` unless ``out = em(x)`` is a well-formed gather (checked on every call,
+    so the common case costs a few attribute reads; the messages are built only on failure)."""
+    e = x.shape[0] if x.ndim else -1
+    if (
+        x.device != out.device
+        or not out.ndim
+        or out.shape[0] != e
+        or not (x.is_contiguous() and out.is_contiguous())
+        or x.nbytes != e * em.in_bytes
+        or out.nbytes != e * em.out_bytes
+    ):
+        _explain_bad_gather(em, x, out)
+    if e and _overlap(x, out):
+        raise LayoutError(
+            "out overlaps the input's memory; a gather cannot write over what it still reads",
+            fix="pass a separate out, or transform in place with IndexMap.apply_ (execute_in_place)",
+        )
+
+
+def _explain_bad_gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     if x.device != out.device:
         raise LayoutError(f"input is on {x.device} but out is on {out.device}", fix="move both to one device")
     if x.ndim == 0 or out.ndim == 0 or x.shape[0] != out.shape[0]:
@@ -75,18 +94,11 @@ def _check_gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
         )
     if not x.is_contiguous() or not out.is_contiguous():
         raise LayoutError("input and out must be contiguous", fix="call .contiguous() first")
-    e = x.shape[0]
-    got = (x.numel() * x.element_size() // max(e, 1), out.numel() * out.element_size() // max(e, 1))
-    if e and got != (em.in_bytes, em.out_bytes):
-        raise LayoutError(
-            f"{em.name} maps {em.in_bytes} -> {em.out_bytes} bytes per expert, "
-            f"but input and out hold {got[0]} and {got[1]}"
-        )
-    if _overlap(x, out):
-        raise LayoutError(
-            "out overlaps the input's memory; a gather cannot write over what it still reads",
-            fix="pass a separate out, or transform in place with IndexMap.apply_ (execute_in_place)",
-        )
+    e = max(x.shape[0], 1)
+    raise LayoutError(
+        f"{em.name} maps {em.in_bytes} -> {em.out_bytes} bytes per expert, "
+        f"but input and out hold {x.nbytes // e} and {out.nbytes // e}"
+    )
 
 
 def execute(em: ExecMap, x: torch.Tensor, out: torch.Tensor, backend: Optional[str] = None) -> None:
@@ -97,7 +109,7 @@ def execute(em: ExecMap, x: torch.Tensor, out: torch.Tensor, backend: Optional[s
     an executor of :data:`EXECUTORS` (default: :func:`pick_backend`).
     """
     _check_exec_map(em)
-    ex = get_executor(backend, x.device, out.numel() * out.element_size())
+    ex = get_executor(backend, x.device, out.nbytes)
     _check_gather(em, x, out)
     if x.shape[0] == 0:
         return

@@ -89,7 +89,7 @@ class Executor:
 
     def available(self, device: torch.device | str) -> bool:
         """Whether this executor can run on ``device`` here."""
-        kind = torch.device(device).type
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
         return (self.devices is None or kind in self.devices) and (self.needs is None or _importable(self.needs))
 
     def preferred(self, device: torch.device | str, out_bytes: int) -> bool:
@@ -115,6 +115,7 @@ class Executor:
 
 
 @functools.cache
+@functools.lru_cache(maxsize=None)
 def _importable(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
@@ -198,7 +199,12 @@ def available_backends(device: torch.device | str) -> list[str]:
 
 def pick_backend(device: torch.device | str, out_bytes: int) -> str:
     """The default executor for an output of ``out_bytes`` on ``device``."""
-    return next(e.name for e in EXECUTORS.values() if e.preferred(device, out_bytes))
+    return _pick(device.type if isinstance(device, torch.device) else torch.device(device).type, out_bytes)
+
+
+@functools.lru_cache(maxsize=4096)  # called on every gather: the answer depends on the device type and size only
+def _pick(kind: str, out_bytes: int) -> str:
+    return next(e.name for e in EXECUTORS.values() if e.preferred(kind, out_bytes))
 
 
 def get_executor(name: Optional[str], device: torch.device | str, out_bytes: int) -> Executor:
