@@ -115,7 +115,6 @@ class Executor:
 
 
 @functools.cache
-@functools.lru_cache(maxsize=None)
 def _importable(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
