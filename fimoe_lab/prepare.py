@@ -16,11 +16,11 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Optional, TypeVar
+from typing import Any, NamedTuple, Optional, TypeVar
 
 import torch
 
-from fimoe_lab import recipes, steps
+from fimoe_lab import engines, recipes, steps
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
 from fimoe_lab.layout import IndexMap
@@ -41,9 +41,13 @@ __all__ = [
     "NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE",
     "FI_CUTLASS_MIN_BLOCK_SCALE",
     "align_fp4_moe_weights_for_fi",
+    "align_fp4_moe_hidden_dim_for_fi",
+    "pad_trtllm_moe_weights",
+    "TrtllmMoePaddedWeights",
     "align_moe_weights_for_fi",
     "align_mxfp8_moe_weights_for_fi_trtllm",
     "convert_moe_weights_to_flashinfer_trtllm_block_layout",
+    "permute_cache_keys",
     "prepare_fp8_moe_layer_for_fi",
     "quantize_nvfp4_per_token_input",
     "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe",
@@ -238,6 +242,105 @@ def align_fp4_moe_weights_for_fi(
     return o13, o13s, o2, o2s, plan.padded_intermediate
 
 
+@_boundary
+def align_fp4_moe_hidden_dim_for_fi(
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    min_alignment: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """vLLM 0.34's NVFP4 hidden padding: ``H -> Hp = ceil(H, min_alignment)`` with zeros.
+
+    ``w13 (E, R, H/2)`` and ``w13_scale (E, R, H/16)`` grow columns (R = I or 2I rows, left
+    as they are); ``w2 (E, H, I/2)`` and ``w2_scale (E, H, I/16)`` grow rows. Returns
+    ``(w13, w13_scale, w2, w2_scale, Hp)``; the inputs when already aligned.
+    """
+    check_same_device(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
+    if w13.ndim != 3 or w2.ndim != 3:
+        raise LayoutError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must both be 3-D (experts, rows, cols)")
+    intermediate, hidden = w2.shape[2] * 2, w13.shape[2] * 2
+    is_act_and_mul = w13.shape[1] == 2 * intermediate
+    _check_w13_w2(w13, w2, is_act_and_mul, packed_fp4=True)
+    p = _projections(is_act_and_mul)
+    for name, t, shape in (
+        ("w13_scale", w13_scale, (w13.shape[0], p * intermediate, hidden // 16)),
+        ("w2_scale", w2_scale, (w2.shape[0], hidden, intermediate // 16)),
+    ):
+        if tuple(t.shape) != shape:
+            raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape} (one scale per 16 FP4 values)")
+    plan = plan_align_fp4_moe_weights(intermediate, hidden, is_act_and_mul, 1, min_alignment)
+    if plan.padded_hidden == hidden:
+        return w13, w13_scale, w2, w2_scale, hidden
+    o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)
+    return o13, o13s, o2, o2s, plan.padded_hidden
+
+
+class TrtllmMoePaddedWeights(NamedTuple):
+    """What :func:`pad_trtllm_moe_weights` returns (FlashInfer 0.7.x's fields): the padded tensors,
+    the padded sizes, and the valid (original) sizes to pass as ``valid_hidden_size`` /
+    ``valid_intermediate_size``."""
+
+    gemm1_weights: torch.Tensor
+    gemm1_weights_scale: torch.Tensor
+    gemm2_weights: torch.Tensor
+    gemm2_weights_scale: torch.Tensor
+    hidden_size: int
+    intermediate_size: int
+    valid_hidden_size: int
+    valid_intermediate_size: int
+
+
+@_boundary
+def pad_trtllm_moe_weights(
+    gemm1_weights: torch.Tensor,
+    gemm1_weights_scale: torch.Tensor,
+    gemm2_weights: torch.Tensor,
+    gemm2_weights_scale: torch.Tensor,
+    hidden_size: int,
+    intermediate_size: int,
+    *,
+    is_gated_act: bool = True,
+    hidden_alignment: int = 512,
+    intermediate_alignment: int = 128,
+) -> TrtllmMoePaddedWeights:
+    """FlashInfer 0.7.x's padding of block-scaled TRT-LLM MoE weights (drop-in, same signature).
+
+    Linear (unshuffled) 1-byte tensors: ``gemm1 (E, F*I, H/epb)``, its scales ``(E, F*I, H/sf)``,
+    ``gemm2 (E, H, I/epb)``, its scales ``(E, H, I/sf)``; F = 2 if ``is_gated_act``; epb 1 or 2
+    values per byte, sf 16 (NVFP4) or 32 (MX). The padding is
+    :func:`fimoe_lab.recipes.plan_pad_trtllm_moe_weights` (gate and up each on its own, W2 rows
+    to ``ceil(H, 128)``, scales padded with 1.0: 0x38 / 127).
+    """
+    check_same_device(
+        gemm1_weights=gemm1_weights, gemm2_weights=gemm2_weights, s1=gemm1_weights_scale, s2=gemm2_weights_scale
+    )
+    for name, t in (("gemm1_weights", gemm1_weights), ("gemm1_weights_scale", gemm1_weights_scale)):
+        if t.ndim != 3 or t.element_size() != 1:
+            raise LayoutError(f"{name} must be 3-D with one byte per element, got {tuple(t.shape)} {t.dtype}")
+    cols1, sf_cols1 = gemm1_weights.shape[2], gemm1_weights_scale.shape[2]
+    if hidden_size % cols1 or hidden_size // cols1 not in (1, 2):
+        raise LayoutError(f"gemm1_weights has {cols1} columns for hidden_size {hidden_size}: expected 1 or 2 per byte")
+    if hidden_size % sf_cols1 or hidden_size // sf_cols1 not in (16, 32):
+        raise LayoutError(
+            f"gemm1_weights_scale has {sf_cols1} columns for hidden_size {hidden_size}: expected 16 or 32 per scale"
+        )
+    plan = recipes.plan_pad_trtllm_moe_weights(
+        intermediate_size,
+        hidden_size,
+        is_gated_act,
+        hidden_alignment,
+        intermediate_alignment,
+        hidden_size // cols1,
+        hidden_size // sf_cols1,
+    )
+    o1, o2, s1, s2 = plan.apply(gemm1_weights, gemm2_weights, gemm1_weights_scale, gemm2_weights_scale)
+    assert o1 is not None and o2 is not None and s1 is not None and s2 is not None
+    return TrtllmMoePaddedWeights(
+        o1, s1, o2, s2, plan.padded_hidden, plan.padded_intermediate, hidden_size, intermediate_size
+    )
+
+
 @lru_cache(maxsize=256)
 def plan_align_mxfp8_moe_weights(
     intermediate: int,
@@ -389,6 +492,35 @@ def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(
     )
 
 
+def permute_cache_keys(
+    w13_shape: tuple[int, int],
+    w2_shape: tuple[int, int],
+    is_gated_act_gemm: bool = True,
+    epilogue_tile_m: int = recipes.TRTLLM_EPILOGUE_TILE_M,
+    num_elts_per_sf: Optional[int] = None,
+    engine: Optional[str] = None,
+) -> tuple[tuple, tuple]:
+    """The keys FlashInfer's ``_maybe_get_cached_w3_w1_permute_indices`` and
+    ``get_w2_permute_indices_with_cache`` cache W13's and W2's row indices under.
+
+    Shapes are one expert's uint8 ``(rows, cols_bytes)``. Before FlashInfer 0.6.17:
+    ``("w3_w1", shape)`` and ``("w2", shape)``; from 0.6.17 on (``engine``'s profile has
+    ``permute_cache_key_parts`` 5): ``("w3_w1", shape, epilogue_tile_m, num_elts_per_sf,
+    is_gated_act_gemm)`` and ``("w2", shape, epilogue_tile_m, num_elts_per_sf, None)``, as
+    vLLM calls them (W2 without the gating argument).
+    """
+    s13, s2 = torch.Size(w13_shape), torch.Size(w2_shape)
+    if engines.get_engine(engine).permute_cache_key_parts == 2:
+        return ("w3_w1", s13), ("w2", s2)
+    return ("w3_w1", s13, epilogue_tile_m, num_elts_per_sf, is_gated_act_gemm), (
+        "w2",
+        s2,
+        epilogue_tile_m,
+        num_elts_per_sf,
+        None,
+    )
+
+
 @_boundary
 def convert_moe_weights_to_flashinfer_trtllm_block_layout(
     cache_permute_indices: dict,
@@ -396,15 +528,18 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
     w2_weight: torch.Tensor,
     is_gated_act_gemm: bool = True,
     scratch_experts: Optional[int] = None,
+    engine: Optional[str] = None,
 ):
     """BF16 expert weights into TRT-LLM's shuffled BlockMajorK layout, in place.
 
     ``w13 (E, M, H) -> (E, H/64, M, 64)``, ``w2 (E, H, I) -> (E, I/64, H, 64)``: views
     of the same storage. Scratch: ``scratch_experts`` experts (default 2% of E).
     ``cache_permute_indices`` receives what FlashInfer's own helpers would cache there
-    (row indices keyed ``("w3_w1" | "w2", uint8 shape)``: gated interleave + shuffle for
-    W13, shuffle for W2), so a caller sharing the dict with FlashInfer stays consistent;
-    our maps are cached by shape anyway.
+    (gated interleave + shuffle for W13, shuffle for W2), so a caller sharing the dict with
+    FlashInfer stays consistent; our maps are cached by shape anyway. The keys follow the
+    FlashInfer of ``engine`` (:mod:`fimoe_lab.engines`; None: the default engine):
+    ``("w3_w1" | "w2", uint8 shape)`` before 0.6.17, five parts from 0.6.17 on (see
+    :func:`permute_cache_keys`).
     """
     if w13_weight.dtype != torch.bfloat16 or w2_weight.dtype != torch.bfloat16:
         raise LayoutError(
@@ -424,10 +559,10 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
         steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
         steps.shuffle_rows_for_epilogue(m13, k13, recipes.TRTLLM_EPILOGUE_TILE_M),
     )  # no W31 swap
-    for key, rows_map in (
-        (("w3_w1", torch.Size((m13, k13))), flashinfer_w13_rows),
-        (("w2", torch.Size((w2_weight.shape[1], w2_weight.shape[2] * 2))), plan.w2.row_steps()),
-    ):
+    key13, key2 = permute_cache_keys(
+        (m13, k13), (w2_weight.shape[1], w2_weight.shape[2] * 2), is_gated_act_gemm, engine=engine
+    )
+    for key, rows_map in ((key13, flashinfer_w13_rows), (key2, plan.w2.row_steps())):
         cache_permute_indices.setdefault(key, rows_map.row_sources().to(w13_weight.device))
     o13, o2 = _apply_in_place(
         [(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts

@@ -25,6 +25,7 @@ from functools import lru_cache
 from typing import Optional
 
 from fimoe_lab import steps
+from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.plan import LayerPlan
@@ -40,10 +41,13 @@ __all__ = [
     "Recipe",
     "recipe_id",
     "default_alignments",
+    "scale_fill",
     "trtllm_nvfp4_hidden_alignment",
     "plan_layer",
     "plan_align",
     "plan_align_fp4",
+    "plan_pad_trtllm_moe_weights",
+    "TRTLLM_OUTPUT_HIDDEN_ALIGNMENT",
     "plan_fp8_per_tensor",
     "plan_fp8_block",
     "plan_mxfp8",
@@ -92,10 +96,19 @@ def trtllm_nvfp4_hidden_alignment(per_token_activation: bool, is_act_and_mul: bo
     return 512 if per_token_activation and not is_act_and_mul else 256
 
 
-def default_alignments(fmt: str, backend: str, is_act_and_mul: bool = True, is_gated: bool = True) -> tuple[int, int]:
+def default_alignments(
+    fmt: str,
+    backend: str,
+    is_act_and_mul: bool = True,
+    is_gated: bool = True,
+    engine: Optional[str] = None,
+    per_token_activation: bool = False,
+) -> tuple[int, int]:
     """``(intermediate, hidden)`` multiples a plan pads to when none is given.
 
-    The one default every command uses. Per format and backend (1 = no padding):
+    The one default every command uses: the base table below (FlashInfer 0.6.13's era),
+    overridden by the engine profile's ``alignments`` (:mod:`fimoe_lab.engines`; None: the
+    default engine). Base, per format and backend (1 = no padding):
 
     ============  =========================  ==================
     format        TRT-LLM                    CUTLASS
@@ -110,6 +123,9 @@ def default_alignments(fmt: str, backend: str, is_act_and_mul: bool = True, is_g
     mxfp4         256, 256 (what vLLM        32, 32
                   allocates)
     ============  =========================  ==================
+
+    ``per_token_activation``: NVFP4 activations quantised per token, where a profile's
+    ``per_token_non_gated_hidden`` applies to a non-gated activation.
     """
     fmt = get_format(fmt).plan_format
     check_backend(backend)
@@ -123,7 +139,17 @@ def default_alignments(fmt: str, backend: str, is_act_and_mul: bool = True, is_g
         "nvfp4": (128 // p, 1) if trt else (16, 1),
         "mxfp4": (256, 256) if trt else (32, 32),
     }
-    return table[fmt]
+    ia, ha = table[fmt]
+    rule = get_engine(engine).alignment(fmt, backend)
+    if rule.per_token_non_gated_hidden and per_token_activation and not is_gated:
+        return rule.intermediate or ia, rule.per_token_non_gated_hidden
+    return rule.intermediate or ia, rule.hidden or ha
+
+
+def scale_fill(fmt: str, backend: str, engine: Optional[str] = None) -> int:
+    """The byte padded block scales get: the profile's ``scale_fill`` or the format's."""
+    fmt = get_format(fmt).plan_format
+    return get_engine(engine).scale_fill.get(recipe_id(fmt, backend), FORMATS[fmt].scale_fill)
 
 
 # ----------------------------------------------------------------------------- padding
@@ -186,9 +212,11 @@ def plan_align_fp4(
     min_alignment: int = FI_MOE_INTERMEDIATE_MULTIPLE,
     hidden_alignment: int = 1,
     scale_block: int = 16,
+    scale_fill: int = 0,
 ) -> LayerPlan:
     """Pad packed FP4 (two values per byte) and its scales (one byte per ``scale_block``
-    values: 16 NVFP4 E4M3, 32 MXFP4 UE8M0); padded weights and scales are 0."""
+    values: 16 NVFP4 E4M3, 32 MXFP4 UE8M0); padded weights are 0, padded scales
+    ``scale_fill`` (0; FlashInfer 0.7.x's ``pad_trtllm_moe_weights``: 0x38 NVFP4, 127 MXFP4)."""
     return plan_align(
         intermediate,
         hidden,
@@ -197,11 +225,70 @@ def plan_align_fp4(
         min_alignment,
         hidden_alignment,
         scale_block=scale_block,
-        scale_fill=0,
+        scale_fill=scale_fill,
         w13_scale_cols=hidden // scale_block,
         w2_scale_cols=intermediate // scale_block,
         values_per_byte=2,
         description="align_fp4_moe_weights_for_fi",
+    )
+
+
+TRTLLM_OUTPUT_HIDDEN_ALIGNMENT = 128
+"""GEMM2's N of the TRT-LLM MoE ops given ``valid_hidden_size``: W2 rows pad only to this (FlashInfer 0.7.x)."""
+
+
+@lru_cache(maxsize=256)
+def plan_pad_trtllm_moe_weights(
+    intermediate: int,
+    hidden: int,
+    is_gated_act: bool = True,
+    hidden_alignment: int = 512,
+    intermediate_alignment: int = 128,
+    elems_per_byte: int = 2,
+    sf_vec_size: int = 16,
+) -> LayerPlan:
+    """FlashInfer 0.7.x's ``pad_trtllm_moe_weights`` as a plan (block-scaled TRT-LLM weights).
+
+    ``Ip = ceil(I, intermediate_alignment)``, ``Hp = ceil(H, hidden_alignment)``,
+    ``H2 = ceil(H, 128)``; P = 2 if ``is_gated_act`` (gate and up padded each on its own):
+    W1 ``[P*I, H/epb] -> [P*Ip, Hp/epb]`` and its scales ``[P*I, H/sf] -> [P*Ip, Hp/sf]``;
+    W2 ``[H, I/epb] -> [H2, Ip/epb]`` and its scales ``[H, I/sf] -> [H2, Ip/sf]`` (W2's rows
+    only to GEMM2's N, not to ``Hp``). Weights pad with 0, scales with the neutral 1.0 of
+    their format: 127 (UE8M0, ``sf_vec_size`` 32) or 0x38 (E4M3, 16). Alignments must be
+    multiples of 128; ``H`` and ``I`` multiples of ``sf_vec_size``.
+    """
+    if hidden_alignment % 128 or intermediate_alignment % 128 or hidden_alignment < 1 or intermediate_alignment < 1:
+        raise LayoutError(
+            f"hidden_alignment {hidden_alignment} and intermediate_alignment {intermediate_alignment} must be "
+            f"positive multiples of 128",
+            fix="use 512 and 128 (FlashInfer's defaults) or other multiples of 128",
+        )
+    if sf_vec_size not in (16, 32) or elems_per_byte not in (1, 2):
+        raise LayoutError(f"sf_vec_size {sf_vec_size} / elems_per_byte {elems_per_byte}: expected 16 or 32 / 1 or 2")
+    for size, name in ((intermediate, "intermediate"), (hidden, "hidden")):
+        if size < 1 or size % sf_vec_size:
+            raise LayoutError(
+                f"{name} {size} is not a positive multiple of the scale block {sf_vec_size}", fix="pass the real sizes"
+            )
+    p = projections(is_gated_act)
+    fill = 127 if sf_vec_size == 32 else 0x38
+    ip, hp = steps.round_up(intermediate, intermediate_alignment), steps.round_up(hidden, hidden_alignment)
+    h2 = steps.round_up(hidden, TRTLLM_OUTPUT_HIDDEN_ALIGNMENT)
+
+    def pad(parts: int, rows: int, prows: int, cols: int, pcols: int, f: int = 0) -> Optional[IndexMap]:
+        return None if (rows, cols) == (prows, pcols) else steps.pad_projections(parts, rows, prows, cols, pcols, f)
+
+    e, sf = elems_per_byte, sf_vec_size
+    return LayerPlan(
+        pad(p, intermediate, ip, hidden // e, hp // e),
+        pad(1, hidden, h2, intermediate // e, ip // e),
+        pad(p, intermediate, ip, hidden // sf, hp // sf, fill),
+        pad(1, hidden, h2, intermediate // sf, ip // sf, fill),
+        intermediate,
+        hidden,
+        ip,
+        hp,
+        "pad_trtllm_moe_weights",
     )
 
 
@@ -412,11 +499,13 @@ def plan_mxfp8(
     w2_scale_cols: int,
     intermediate_alignment: Optional[int] = None,
     hidden_alignment: Optional[int] = None,
+    scale_fill: Optional[int] = None,
 ) -> LayerPlan:
     """MXFP8 (UE8M0 scale per 32 values, scales follow their rows).
 
-    TRT-LLM: pad (I 128, H 256; padded scales 127 = UE8M0 1.0), swap, gated interleave,
-    shuffle (tile 128); scales also 128x4-swizzled. CUTLASS: swap weights and scales.
+    TRT-LLM: pad (I 128, H 256; padded scales ``scale_fill``, default 127 = UE8M0 1.0;
+    SGLang 0.5.23 writes 0), swap, gated interleave, shuffle (tile 128); scales also
+    128x4-swizzled. CUTLASS: swap weights and scales.
     """
     p = projections(is_act_and_mul)
     if not trtllm:
@@ -446,7 +535,7 @@ def plan_mxfp8(
         intermediate_alignment or da,
         hidden_alignment or dh,
         scale_block=block,
-        scale_fill=FORMATS["mxfp8"].scale_fill,
+        scale_fill=FORMATS["mxfp8"].scale_fill if scale_fill is None else scale_fill,
         w13_scale_cols=w13_scale_cols,
         w2_scale_cols=w2_scale_cols,
         description="align_mxfp8_moe_weights_for_fi_trtllm",
@@ -526,24 +615,39 @@ def plan_layer(
     is_gated: bool = True,
     intermediate_alignment: Optional[int] = None,
     hidden_alignment: Optional[int] = None,
+    engine: Optional[str] = None,
 ) -> LayerPlan:
     """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
 
     ``intermediate``/``hidden`` are the per-rank checkpoint sizes (values). Alignments
-    default to :func:`default_alignments`; pass others to try what the tuner recommends.
+    default to :func:`default_alignments` of ``engine`` (a profile in
+    :mod:`fimoe_lab.engines`; None: the default engine), as do the padded scale bytes and
+    the CUTLASS FP4 scale layout; pass other alignments to try what the tuner recommends.
     """
     if fmt not in weight_formats():
         raise LayoutError(f"unknown format {fmt!r}", fix=f"choose one of {', '.join(weight_formats())}")
     if backend not in BACKENDS:
         raise LayoutError(f"unknown backend {backend!r}", fix=f"choose one of {', '.join(BACKENDS)}")
+    profile = get_engine(engine)
     _check_whole_blocks(fmt, intermediate, hidden)
     p = projections(is_act_and_mul)
     trt = backend == "trtllm"
     if fmt in ("fp8", "fp8-block", "mxfp8"):
+        rule = profile.alignment(fmt, backend)
+        if not (intermediate_alignment or hidden_alignment) and (rule.intermediate or rule.hidden):
+            intermediate_alignment, hidden_alignment = rule.intermediate, rule.hidden
         return _plan_fp8_family(
-            fmt, trt, intermediate, hidden, is_act_and_mul, is_gated, intermediate_alignment, hidden_alignment
+            fmt,
+            trt,
+            intermediate,
+            hidden,
+            is_act_and_mul,
+            is_gated,
+            intermediate_alignment,
+            hidden_alignment,
+            scale_fill(fmt, backend, profile.name),
         )
-    da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated)
+    da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name)
     ia, ha = intermediate_alignment or da, hidden_alignment or dh
     if fmt == "bf16":
         pad = plan_align(intermediate, hidden, 2, is_act_and_mul, ia, ha)
@@ -565,15 +669,18 @@ def plan_layer(
             f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}",
         )
     block = FORMATS[fmt].scale_block
-    pad = plan_align_fp4(intermediate, hidden, is_act_and_mul, ia, ha, block)
+    pad = plan_align_fp4(intermediate, hidden, is_act_and_mul, ia, ha, block, scale_fill(fmt, backend, profile.name))
     ip, hp = pad.padded_intermediate, pad.padded_hidden
     name = f"{fmt.upper()} {'TRT-LLM' if trt else 'CUTLASS'}"
     if not trt:
+        swizzled = profile.cutlass_fp4_scales == "128x4"
         return LayerPlan(
             chain(pad.w13, _swap(p * ip, hp // 2, is_act_and_mul)),
             pad.w2,
-            chain(pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul)),
-            pad.w2_scale,
+            _cutlass_fp4_scales(
+                pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul), p * ip, hp // block, swizzled
+            ),
+            _cutlass_fp4_scales(pad.w2_scale, None, hp, ip // block, swizzled),
             intermediate,
             hidden,
             ip,
@@ -594,13 +701,35 @@ def plan_layer(
     )
 
 
-def _fp8_inner(fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool) -> LayerPlan:
+def _cutlass_fp4_scales(
+    pad: Optional[IndexMap], swap: Optional[IndexMap], rows: int, cols: int, swizzled: bool
+) -> Optional[IndexMap]:
+    """CUTLASS FP4 block scales ``[rows, cols]`` (after padding): pad, W31 swap, then the 128x4
+    swizzle to ``[ceil128(rows), ceil4(cols)]``.
+
+    The CUTLASS kernel reads NVFP4 / MXFP4 (also with MXFP8 activations) block scales in
+    the 128x4-swizzled layout: vLLM swizzles them (``swizzle_blockscale``) and SGLang likewise
+    after padding and the W31 swap; FlashInfer 0.7.4's ``prepare_cutlass_nvfp4_weights``
+    quantises with ``is_sf_swizzled_layout=True`` and ``prepare_cutlass_mxfp8_mxfp4_weights``
+    with ``mxfp4_quantize``'s default ``SfLayout.layout_128x4`` (fused_moe/prepare.py), per
+    expert, which is the byte layout matched here. ``swizzled`` False: the legacy linear layout.
+    """
+    if not swizzled:
+        return chain(pad, swap)
+    return present(chain(pad, swap, steps.swizzle_scales_128x4(rows, cols)))
+
+
+def _fp8_inner(
+    fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, fill: int
+) -> LayerPlan:
     p = projections(is_act_and_mul)
     if fmt == "fp8":
         return plan_fp8_per_tensor(intermediate, hidden, is_act_and_mul, is_gated, trt)
     if fmt == "mxfp8":
         block = FORMATS["mxfp8"].scale_block
-        return plan_mxfp8(intermediate, hidden, is_act_and_mul, is_gated, trt, hidden // block, intermediate // block)
+        return plan_mxfp8(
+            intermediate, hidden, is_act_and_mul, is_gated, trt, hidden // block, intermediate // block, scale_fill=fill
+        )
     rows = FORMATS["fp8-block"].scale_block_rows
     cols = FORMATS["fp8-block"].scale_block
     scale_bytes = FORMATS["fp8-block"].scale_itemsize
@@ -618,14 +747,16 @@ def _plan_fp8_family(
     is_gated: bool,
     intermediate_alignment: Optional[int],
     hidden_alignment: Optional[int],
+    fill: int,
 ) -> LayerPlan:
-    """FP8 per-tensor, DeepSeek FP8 block and MXFP8, with optional extra padding of the weights first."""
+    """FP8 per-tensor, DeepSeek FP8 block and MXFP8, with optional extra padding of the weights
+    first; ``fill``: the byte of padded MXFP8 scales."""
     if not (intermediate_alignment or hidden_alignment):
-        return _fp8_inner(fmt, trt, intermediate, hidden, is_act_and_mul, is_gated)
+        return _fp8_inner(fmt, trt, intermediate, hidden, is_act_and_mul, is_gated, fill)
     padded = plan_align(intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or 1, hidden_alignment or 1)
     if padded.w13 is not None and fmt != "fp8":
         raise LayoutError(f"custom alignments for {fmt} scales are not supported yet", fix="use the default rules")
-    inner = _fp8_inner(fmt, trt, padded.padded_intermediate, padded.padded_hidden, is_act_and_mul, is_gated)
+    inner = _fp8_inner(fmt, trt, padded.padded_intermediate, padded.padded_hidden, is_act_and_mul, is_gated, fill)
     return LayerPlan(
         chain(padded.w13, inner.w13),
         chain(padded.w2, inner.w2),

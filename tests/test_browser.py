@@ -116,6 +116,7 @@ def test_tour_widgets_render_and_respond(tmp_path):
     shutil.copytree(resources.notebooks_dir(), work)  # JupyterLab saves into its copy, never the repo's
     port = free_port()
     argv, env = jupyterlab_command(work, port, tmp_path / "state", open_browser=False)
+    token = env["JUPYTER_TOKEN"]  # authentication stays on; the browser logs in with the token
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"  # the kernel's tensors are tiny; extra torch threads only fight on a shared CPU
     deadline = Deadline(BUDGET_S)
@@ -123,12 +124,12 @@ def test_tour_widgets_render_and_respond(tmp_path):
     log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until the finally below closes it
     server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_for_server(f"http://127.0.0.1:{port}/api/status", server, log_path, deadline)
+        _wait_for_server(f"http://127.0.0.1:{port}/api/status?token={token}", server, log_path, deadline)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS, timeout=deadline.left_ms())
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                page.goto(f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK}", timeout=deadline.left_ms())
+                page.goto(f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK}?token={token}", timeout=deadline.left_ms())
                 page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=deadline.left_ms())
                 page.wait_for_selector(
                     ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=deadline.left_ms()

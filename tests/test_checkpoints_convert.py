@@ -268,13 +268,23 @@ def test_failed_convert_leaves_no_output(tmp_path, monkeypatch, error):
 
 def test_failed_convert_keeps_an_existing_output(tmp_path):
     out = tmp_path / "out.safetensors"
-    out.write_bytes(b"previous")
+    convert_checkpoint(sample_path("qwen3-moe-bf16"), out, "cutlass")
+    before = out.read_bytes()
     with pytest.raises(CheckpointError, match="cannot be laid out for trtllm"):
         convert_checkpoint(
-            sample_path("deepseek-r1-nvfp4"), out, "trtllm", 2, 0, intermediate_alignment=16
+            sample_path("deepseek-r1-nvfp4"), out, "trtllm", 2, 0, intermediate_alignment=16, force=True
         )  # 2*160 scale rows % 128
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors"]  # no temporary, no lock
+
+
+def test_force_replaces_only_what_convert_wrote(tmp_path):
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"previous")
+    for force in (False, True):
+        with pytest.raises(CheckpointError, match="exists"):
+            convert_checkpoint(sample_path("qwen3-moe-bf16"), out, "cutlass", force=force)
     assert out.read_bytes() == b"previous"
-    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
 # ---------------------------------------------------------------------------- CLI

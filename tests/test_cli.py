@@ -269,7 +269,10 @@ def test_bad_input_errors_name_their_context_once():
         "error: restore x.safetensors: bad file (fix: rewrite it)\n",
     )
     missing = _raised(FileNotFoundError(2, "No such file or directory", "/no/such/file"))
-    assert _report(missing, "goldens") == (EXIT_BAD_INPUT, "error: goldens: No such file or directory: /no/such/file\n")
+    assert _report(missing, "goldens") == (
+        EXIT_BAD_INPUT,
+        "error: goldens: No such file or directory: /no/such/file (fix: check the path)\n",
+    )
     assert _report(KeyboardInterrupt()) == (EXIT_INTERRUPTED, "interrupted\n")
 
 

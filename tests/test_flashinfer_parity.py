@@ -17,6 +17,13 @@ if HAS_FLASHINFER:
     from flashinfer import utils as fi_utils
     from flashinfer.fused_moe import core as fi_core
 
+
+def installed_engine() -> str:
+    """The profile of the installed FlashInfer: its permute-index cache keys changed in 0.6.17."""
+    version = tuple(int(p) for p in flashinfer.__version__.split("+")[0].split(".")[:3])
+    return "flashinfer-0.6.13" if version < (0, 6, 17) else "flashinfer-0.7.4"
+
+
 ROWS = st.integers(1, 24).map(lambda k: 32 * k)
 SF_ROWS = st.integers(1, 6).map(lambda k: 128 * k)
 COLS = st.integers(1, 12).map(lambda k: 16 * k)
@@ -118,7 +125,9 @@ def test_block_layout_fills_the_callers_cache_as_flashinfer_would(gated):
     w13 = random_bytes((2, rows13, 128), torch.bfloat16, seed=1)
     w2 = random_bytes((2, 128, 128), torch.bfloat16, seed=2)
     cache: dict = {}
-    prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(cache, w13.clone(), w2.clone(), gated)
+    prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(
+        cache, w13.clone(), w2.clone(), gated, engine=installed_engine()
+    )
     fresh: dict = {}
     x13, x2 = w13[0].view(torch.uint8), w2[0].view(torch.uint8)
     assert torch.equal(
@@ -130,3 +139,22 @@ def test_block_layout_fills_the_callers_cache_as_flashinfer_would(gated):
         fi_core.get_w2_permute_indices_with_cache(fresh, x2, 128),
     )
     assert set(cache) == set(fresh)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_block_layout_cache_keys_per_engine(gated):
+    """0.6.17+ (every profile but flashinfer-0.6.13) keys by five parts, as vLLM 0.34 calls the helpers."""
+    w13 = random_bytes((2, 256, 64), torch.bfloat16, seed=3)
+    w2 = random_bytes((2, 64, 128), torch.bfloat16, seed=4)
+    keys = {}
+    for engine in ("vllm-0.34", "flashinfer-0.6.13"):
+        cache: dict = {}
+        prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(
+            cache, w13.clone(), w2.clone(), gated, engine=engine
+        )
+        keys[engine] = cache
+    s13, s2 = torch.Size((256, 128)), torch.Size((64, 256))
+    assert set(keys["vllm-0.34"]) == {("w3_w1", s13, 128, None, gated), ("w2", s2, 128, None, None)}
+    assert set(keys["flashinfer-0.6.13"]) == {("w3_w1", s13), ("w2", s2)}
+    for k5, k2 in zip(sorted(keys["vllm-0.34"], key=str), sorted(keys["flashinfer-0.6.13"], key=str)):
+        assert torch.equal(keys["vllm-0.34"][k5], keys["flashinfer-0.6.13"][k2])

@@ -42,9 +42,8 @@ class LayerReport:
 
 
 def _short(exc: Exception) -> str:
-    """The error's message (without its fix), cut to its first clause and 140 characters, for a table cell."""
-    msg = (exc.message if isinstance(exc, FimoeError) else str(exc)).split("; ")[0].split(". ")[0]
-    return msg if len(msg) <= 140 else msg[:137] + "..."
+    """The error's whole message (without its fix) on one line: reasons are never cut."""
+    return " ".join((exc.message if isinstance(exc, FimoeError) else str(exc)).split())
 
 
 def _describe(layer: MoELayer, backend: str, alignment: Optional[int] = None) -> str:
@@ -110,12 +109,16 @@ def scale_health(layer: MoELayer) -> list[str]:
     zeros = int((s == 0).sum()) - sum(s.shape[1] for _ in zero_experts)
     if zeros > 0:
         out.append(f"{zeros} block scales are 0 (all-zero blocks; harmless unless unexpected)")
+    out.extend(_sign_and_subnormal(s, FORMATS[layer.fmt].scale_dtype, "block scales"))
     for key in ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale"):
         t = layer.extras.get(key)
-        if t is not None and (~torch.isfinite(t) | (t <= 0)).any():
-            out.append(
-                f"{key}: non-positive or NaN/Inf in experts {(~torch.isfinite(t) | (t <= 0)).reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist()}"
-            )
+        if t is None:
+            continue
+        t = t.float().reshape(t.shape[0] if t.dim() else 1, -1)
+        for what, mask in (("NaN/Inf", ~torch.isfinite(t)), ("zero", t == 0)):
+            if mask.any():
+                out.append(f"{key}: {what} in experts {mask.any(1).nonzero().flatten().tolist()}")
+        out.extend(_sign_and_subnormal(t, "float32", key))
     g = layer.extras.get("w13_weight_scale_2")
     if g is not None and not torch.equal(g[:, 0], g[:, 1]):
         ex = (g[:, 0] != g[:, 1]).nonzero().flatten().tolist()
@@ -123,7 +126,29 @@ def scale_health(layer: MoELayer) -> list[str]:
             f"experts {ex}: gate and up have different weight_scale_2; the kernel takes one per w13 (vLLM uses "
             f"gate's), so up is off by their ratio"
         )
-    return out or ["ok: all scales finite, none zero or below 1e-10"]
+    return out or ["ok: all scales finite, positive and normal, none zero or below 1e-10"]
+
+
+SUBNORMAL_BELOW = {"float8_e4m3fn": 2.0**-6, "float32": torch.finfo(torch.float32).tiny}
+"""Smallest normal value of each scale dtype (UE8M0 has no subnormals)."""
+
+
+def _sign_and_subnormal(s: torch.Tensor, scale_dtype: str, what: str) -> list[str]:
+    """Warnings for negative and for subnormal values of ``s`` ``(E, n)`` (decoded scales), by expert."""
+    out = []
+    neg = torch.isfinite(s) & (s < 0)
+    if neg.any():
+        ex = neg.any(1).nonzero().flatten().tolist()
+        out.append(f"{what}: {int(neg.sum())} negative, in experts {ex}: a scale is never negative (sign flips)")
+    low = SUBNORMAL_BELOW.get(scale_dtype)
+    sub = (s.abs() > 0) & (s.abs() < low) if low is not None else None
+    if sub is not None and sub.any():
+        ex = sub.any(1).nonzero().flatten().tolist()
+        out.append(
+            f"{what}: {int(sub.sum())} subnormal (|s| < {low:.3g}, the smallest normal {scale_dtype}), in experts "
+            f"{ex}: reduced precision"
+        )
+    return out
 
 
 def inspect_checkpoint(

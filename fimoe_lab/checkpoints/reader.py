@@ -27,7 +27,6 @@ equal shards that must not cut a scale block, except gpt-oss, whose loader hands
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -39,13 +38,16 @@ from typing import Optional
 import torch
 
 from fimoe_lab import formats
-from fimoe_lab.checkpoints import conventions
+from fimoe_lab.checkpoints import conventions, safe_io
 from fimoe_lab.checkpoints.conventions import Convention, dtype_name
 from fimoe_lab.errors import CheckpointError
 from fimoe_lab.formats import QuantizedTensor
 from fimoe_lab.specs import get_format
 
 __all__ = ["CheckpointError", "MoELayer", "Checkpoint", "open_checkpoint"]
+
+MAX_CONFIG_INT = 1 << 24
+"""Largest size or count config.json may give (real models: hidden < 32768, experts < 1024)."""
 
 _LAYER_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe)\.experts\.")
 
@@ -140,12 +142,14 @@ class Checkpoint:
         if self.path.is_file():
             self.path = self.path.parent
         config_path = self.path / "config.json"
-        if not config_path.is_file():
+        if not os.path.lexists(config_path):
             raise FileNotFoundError(
                 f"{self.path}: no config.json; a checkpoint directory needs the model's config.json "
                 f"(hidden_size, intermediate and expert counts are read from it)"
             )
-        self.config: dict = json.loads(config_path.read_text())
+        self.config: dict = safe_io.read_json(config_path, "config.json")
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{config_path} is not a JSON object", fix="restore the model's original config.json")
         self.weight_map = self._weight_map()
         self._handles: dict[str, object] = {}
         self._layers = self._find_moe_layers()
@@ -164,29 +168,43 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ files
     def _weight_map(self) -> dict[str, str]:
+        """Tensor name -> shard file name, from the index (every shard path kept inside the directory,
+        :func:`~fimoe_lab.checkpoints.safe_io.inside`) or from the headers of ``*.safetensors``."""
         index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            return dict(json.loads(index.read_text())["weight_map"])
+        if os.path.lexists(index):
+            data = safe_io.read_json(index, "safetensors index")
+            wm = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+                raise CheckpointError(
+                    f"{index} has no 'weight_map' of tensor names to shard files",
+                    fix="restore model.safetensors.index.json from the model's original files",
+                )
+            for file in set(wm.values()):
+                safe_io.inside(self.path, file, "the index's shard")
+            return dict(wm)
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{self.path}: no model.safetensors.index.json and no *.safetensors files")
-        from safetensors import safe_open
-
         mapping = {}
         for f in files:
-            with safe_open(str(f), framework="pt") as handle:
+            safe_io.inside(self.path, f.name, "shard")
+            with safe_io.open_safetensors(f, "checkpoint shard") as handle:
                 mapping.update({k: f.name for k in handle.keys()})
         return mapping
 
-    def _handle(self, name: str):
-        from safetensors import safe_open
+    def data_bytes(self) -> int:
+        """Total size of the shard files (what any tensor read from them is bounded by)."""
+        return sum(os.stat(self.path / f).st_size for f in set(self.weight_map.values()) if (self.path / f).exists())
 
+    def _handle(self, name: str):
         file = self.weight_map[name]
         if file not in self._handles:
             full = self.path / file
-            if not full.is_file():
-                raise FileNotFoundError(f"{name} is mapped to {file} by the index, but {full} does not exist")
-            self._handles[file] = safe_open(str(full), framework="pt")
+            if not os.path.lexists(full):
+                raise FileNotFoundError(
+                    2, f"{name} is mapped to {file} by the index, but the shard is missing (re-download it)", str(full)
+                )
+            self._handles[file] = safe_io.open_safetensors(full, "checkpoint shard")
         return self._handles[file]
 
     def close(self) -> None:
@@ -246,10 +264,17 @@ class Checkpoint:
 
     def config_int(self, keys: Sequence[str], what: str) -> int:
         """The first of ``keys`` present in config.json (also under ``text_config``), as int."""
-        for cfg in (self.config, self.config.get("text_config") or {}):
+        text = self.config.get("text_config")
+        for cfg in (self.config, text if isinstance(text, dict) else {}):
             for k in keys:
                 if k in cfg and cfg[k] is not None:
-                    return int(cfg[k])
+                    v = cfg[k]
+                    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_CONFIG_INT:
+                        raise CheckpointError(
+                            f"{self.path / 'config.json'}: {k} is {v!r}, not an integer in [1, {MAX_CONFIG_INT}]",
+                            fix="restore the value from the model's original config.json",
+                        )
+                    return v
         raise CheckpointError(
             f"{self.path / 'config.json'}: no {what} ({' or '.join(keys)}); the {self.convention.name} convention "
             f"reads it from there",
@@ -396,6 +421,14 @@ class _LayerReader:
                     f"value {self.fmt} scale block, so its packed tensors cannot have the shape the convention needs",
                     fix="check that config.json belongs to these weights",
                 )
+        need = self.E * 3 * self.I * self.H * self.conv.weight_dtype.itemsize // self.v
+        have = ckpt.data_bytes()
+        if need > have:
+            raise CheckpointError(
+                f"{ckpt.path / 'config.json'}: {self.E} experts x hidden {self.H} x intermediate {self.I} need "
+                f"{need} bytes of {self.fmt} weights per layer, but the shards hold {have} bytes in all",
+                fix="check that config.json belongs to these weights (expert count, hidden and intermediate sizes)",
+            )
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, is_scale: bool) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu" if self.wants(is_scale) else "meta")

@@ -26,9 +26,12 @@ leaves no output file behind.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +40,7 @@ from typing import Optional
 import torch
 
 from fimoe_lab import recipes
-from fimoe_lab.checkpoints import conventions
+from fimoe_lab.checkpoints import conventions, safe_io
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.errors import FimoeError
@@ -59,7 +62,7 @@ __all__ = [
     "check_record",
     "restore_layers",
     "restore_checkpoint",
-    "atomic_output",
+    "verify_checksum",
 ]
 
 FORMAT_VERSION = 2
@@ -75,9 +78,22 @@ KERNEL_NAMES = {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight
 
 # ============================================================================ plans
 def plan_args(
-    layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None, hidden_alignment: Optional[int] = None
+    layer: MoELayer,
+    backend: str,
+    intermediate_alignment: Optional[int] = None,
+    hidden_alignment: Optional[int] = None,
+    engine: Optional[str] = None,
 ) -> dict:
-    """The record that rebuilds this layer's plan: ``{"recipe": id, "args": plan_layer keyword arguments}``."""
+    """The record that rebuilds this layer's plan: ``{"recipe": id, "args": plan_layer keyword arguments}``.
+
+    ``engine``: the profile (:mod:`fimoe_lab.engines`), recorded by its resolved name so that
+    ``restore`` rebuilds with the same defaults. None: ``engines.LEGACY_ENGINE``, what this
+    module's callers (convert, the version-1 shape check) wrote before they took an engine;
+    once they pass one (convert: ``engines.DEFAULT_ENGINE`` unless ``--engine`` names another)
+    only the version-1 check relies on this default.
+    """
+    from fimoe_lab import engines  # here, not at the top: this function owns the engine record
+
     if layer.fmt not in weight_formats():
         raise CheckpointError(
             f"no layout plan for format {layer.fmt!r}",
@@ -94,6 +110,7 @@ def plan_args(
             "is_gated": layer.is_gated,
             "intermediate_alignment": intermediate_alignment,
             "hidden_alignment": hidden_alignment,
+            "engine": engines.LEGACY_ENGINE if engine is None else engines.get_engine(engine).name,
         },
     }
 
@@ -102,9 +119,19 @@ def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
     """Rebuild a :class:`LayerPlan` with :func:`fimoe_lab.recipes.plan_layer` from a :func:`plan_args` record.
 
     Version 2 names the recipe (``"<fmt>/<backend>"``, which must be the arguments'); version 1
-    named the builder function :data:`V1_BUILDER` instead.
+    named the builder function :data:`V1_BUILDER` instead. A record without ``engine`` (written
+    before engine profiles) rebuilds with ``fimoe_lab.engines.LEGACY_ENGINE``, the defaults
+    it was written with.
     """
+    from fimoe_lab import engines
+
     args = dict(record.get("args") or {})
+    args.setdefault("engine", engines.LEGACY_ENGINE)
+    if args["engine"] not in engines.ENGINES:
+        raise CheckpointError(
+            f"unknown engine profile {args['engine']!r} in the plan record",
+            fix="convert the checkpoint again with a known --engine, or upgrade fimoe_lab",
+        )
     if version == 1:
         if record.get("builder") != V1_BUILDER:
             raise CheckpointError(
@@ -197,22 +224,45 @@ def _extra_steps(plan: LayerPlan, name: str) -> dict:
 
 # ============================================================================ streaming safetensors
 class _StreamWriter:
-    """Writes a safetensors file whose tensor names, dtypes and shapes are known up front."""
+    """Writes a safetensors file whose tensor names, dtypes and shapes are known up front.
 
-    def __init__(self, handle, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
-        header: dict = {"__metadata__": metadata}
+    With ``checksum_key``, the JSON metadata under that key gets ``"checksums": {tensor name:
+    sha256 hex of its bytes}``, computed while the bytes stream out: the header is written
+    first with placeholders of the same length, and :meth:`finish` rewrites it in place.
+    """
+
+    def __init__(
+        self,
+        handle,
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        metadata: dict,
+        checksum_key: Optional[str] = None,
+    ):
         offset = 0
         self.expected = {}
+        self.entries: dict = {}
         for name, (dtype, shape) in specs.items():
             size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self.entries[name] = {
+                "dtype": dtype_name(dtype),
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
             self.expected[name] = (dtype, tuple(shape), offset)
             offset += size
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.handle, self.start, self.pos = handle, 8 + len(raw), 0
+        self.metadata, self.checksum_key = metadata, checksum_key
+        self.sums = {name: PLACEHOLDER for name in specs}
+        raw = self._header()
+        self.handle, self.start, self.pos, self.header_len = handle, 8 + len(raw), 0, len(raw)
         handle.write(struct.pack("<Q", len(raw)))
         handle.write(raw)
+
+    def _header(self) -> bytes:
+        meta = dict(self.metadata)
+        if self.checksum_key is not None:
+            meta[self.checksum_key] = json.dumps({**self.metadata[self.checksum_key], "checksums": self.sums})
+        raw = json.dumps({"__metadata__": meta, **self.entries}, separators=(",", ":")).encode()
+        return raw + b" " * (-len(raw) % 8)
 
     def write(self, name: str, t: torch.Tensor) -> None:
         dtype, shape, offset = self.expected[name]
@@ -220,42 +270,39 @@ class _StreamWriter:
             raise CheckpointError(
                 f"internal: {name} is {t.dtype} {tuple(t.shape)} at {self.pos}, header says {dtype} {shape} at {offset}"
             )
-        data = t.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
-        self.handle.write(memoryview(data))
-        self.pos += data.size
+        data = memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+        if self.checksum_key is None or data.nbytes < HASH_THREAD_MIN:
+            if self.checksum_key is not None:
+                self.sums[name] = hashlib.sha256(data).hexdigest()
+            self.handle.write(data)
+        else:  # hash on a second thread while this one writes (both release the GIL)
+            digest: dict = {}
+            worker = threading.Thread(target=lambda: digest.setdefault("h", hashlib.sha256(data).hexdigest()))
+            worker.start()
+            try:
+                self.handle.write(data)
+            finally:
+                worker.join()
+            self.sums[name] = digest["h"]
+        self.pos += data.nbytes
 
-
-class atomic_output:
-    """Context manager: yields a temporary path beside ``path``; renames it to ``path`` on success.
-
-    On any exception (including KeyboardInterrupt) the temporary file or directory is
-    removed and ``path`` is left as it was.
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-
-    def __enter__(self) -> Path:
-        self._remove(self.tmp)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self._remove(self.tmp)
+    def finish(self) -> None:
+        """Rewrite the header with the checksums (same length: every digest is 64 hex digits)."""
+        if self.checksum_key is None:
             return
-        if self.path.is_dir():
-            self._remove(self.path)
-        os.replace(self.tmp, self.path)
+        raw = self._header()
+        if len(raw) != self.header_len:
+            raise CheckpointError(f"internal: header length changed from {self.header_len} to {len(raw)}")
+        self.handle.flush()
+        self.handle.seek(8)
+        self.handle.write(raw)
+        self.handle.seek(0, os.SEEK_END)
 
-    @staticmethod
-    def _remove(p: Path) -> None:
-        if p.is_dir():
-            import shutil
 
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
+HASH_THREAD_MIN = 1 << 20
+"""Tensors of at least this many bytes are hashed on a second thread, overlapping the write."""
+PLACEHOLDER = "0" * 64
+"""A checksum not yet computed (the length of a sha256 hex digest)."""
 
 
 # ============================================================================ writing
@@ -328,14 +375,19 @@ def write_kernel_layout(
     block: str = "mlp",
     info: Optional[dict] = None,
     progress: bool = False,
+    force: bool = False,
 ) -> Path:
     """Convert and stream layers into one kernel-layout safetensors file at ``out`` (atomically).
 
     ``sources``: ``(layer index, shape-only layer, loader)``; every plan is built and
     checked (so a layer that cannot be laid out fails before anything is written), then
     the layers are loaded, converted and written one at a time. ``info`` goes into the
-    metadata (source path, convention, config, TP rank).
+    metadata (source path, convention, config, TP rank), with a sha256 per tensor.
+    An existing ``out`` is replaced only with ``force`` and only if this tool wrote it
+    (:func:`fimoe_lab.checkpoints.safe_io.check_output`).
     """
+    out = Path(out)
+    safe_io.check_output(out, [], force, "file")
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     records = {}
     for idx, shape_layer, _ in sources:
@@ -375,8 +427,8 @@ def write_kernel_layout(
             unit_scale=True,
             desc=f"convert -> {Path(out).name}",
         )
-    with atomic_output(out) as tmp, open(tmp, "wb") as handle:
-        writer = _StreamWriter(handle, specs, {"fimoe_lab": json.dumps(meta)})
+    with safe_io.atomic_file(out) as handle:
+        writer = _StreamWriter(handle, specs, {"fimoe_lab": meta}, checksum_key="fimoe_lab")
         for idx, _, load in sources:
             layer = load()
             tensors, _, _ = convert_layer(layer, backend, intermediate_alignment, hidden_alignment)
@@ -385,8 +437,7 @@ def write_kernel_layout(
                 writer.write(name, t)
                 if bar is not None:
                     bar.update(t.numel() * t.element_size())
-        handle.flush()
-        os.fsync(handle.fileno())
+        writer.finish()
     if bar is not None:
         bar.close()
     return Path(out)
@@ -402,8 +453,14 @@ def convert_checkpoint(
     intermediate_alignment: Optional[int] = None,
     hidden_alignment: Optional[int] = None,
     progress: bool = False,
+    force: bool = False,
 ) -> Path:
-    """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``."""
+    """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``.
+
+    ``out`` is vetted before anything is read (never the input, inside it or a parent of it;
+    an existing one only with ``force`` and only if this tool wrote it).
+    """
+    safe_io.check_output(Path(out), [Path(src)], force, "file")
     with Checkpoint(src) as ck:
         wanted = ck.moe_layers if layers is None else list(layers)
         missing = [l for l in wanted if l not in ck.moe_layers]
@@ -436,15 +493,14 @@ def convert_checkpoint(
             block=ck.convention.block,
             info=info,
             progress=progress,
+            force=force,
         )
 
 
 # ============================================================================ restoring
 def read_kernel_metadata(path: str | os.PathLike) -> dict:
     """The ``fimoe_lab`` metadata of a kernel-layout file (``CheckpointError`` if it has none or a newer version)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
+    with safe_io.open_safetensors(Path(path), "kernel-layout file") as f:
         raw = (f.metadata() or {}).get("fimoe_lab")
     if raw is None:
         raise CheckpointError(
@@ -452,14 +508,38 @@ def read_kernel_metadata(path: str | os.PathLike) -> dict:
             f"steps that produced its layout are unknown",
             fix="convert the source checkpoint with 'fimoe-lab convert'",
         )
-    meta = json.loads(raw)
-    if meta.get("version") not in READ_VERSIONS:
+    try:
+        meta = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: its 'fimoe_lab' metadata is not JSON ({exc})", fix=_EDITED) from None
+    if not isinstance(meta, dict) or meta.get("version") not in READ_VERSIONS:
+        version = meta.get("version") if isinstance(meta, dict) else None
         raise CheckpointError(
-            f"{path}: metadata version {meta.get('version')}; this fimoe_lab reads versions "
-            f"{', '.join(map(str, READ_VERSIONS))}",
+            f"{path}: metadata version {version}; this fimoe_lab reads versions {', '.join(map(str, READ_VERSIONS))}",
             fix="restore it with the fimoe_lab version that wrote it",
         )
+    if not isinstance(meta.get("layers"), dict) or not isinstance(meta.get("checksums", {}), dict):
+        raise CheckpointError(f"{path}: its metadata has no table of layers", fix=_EDITED)
     return meta
+
+
+_EDITED = "the file was modified after conversion; convert the checkpoint again"
+
+
+def verify_checksum(meta: dict, name: str, t: torch.Tensor) -> None:
+    """Refuse tensor ``name`` if its bytes' sha256 differs from the one ``convert`` recorded."""
+    want = meta.get("checksums", {}).get(name)
+    if want is None:
+        if "checksums" in meta:
+            raise CheckpointError(f"{name}: no checksum recorded for it", fix=_EDITED)
+        return  # written before checksums were recorded
+    got = hashlib.sha256(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())).hexdigest()
+    if got != want:
+        raise CheckpointError(
+            f"{name}: checksum mismatch (sha256 {got[:16]}..., recorded {str(want)[:16]}...): the tensor's bytes are "
+            f"corrupt or were modified",
+            fix="convert the source checkpoint again (or copy the file again)",
+        )
 
 
 def _first_difference(written: list, rebuilt: list) -> str:
@@ -542,27 +622,62 @@ def _as_checkpoint(t: torch.Tensor, spec: dict) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(shape[0], -1).view(dtype).reshape(shape)
 
 
-def _read_kernel(f, name: str, spec: dict) -> torch.Tensor:
+def _read_kernel(f, meta: dict, name: str, spec: dict) -> torch.Tensor:
+    if name not in f.keys():
+        raise CheckpointError(f"{name} is recorded in the metadata but not in the file", fix=_EDITED)
     t = f.get_tensor(name)
     if (dtype_name(t.dtype), list(t.shape)) != (spec["dtype"], spec["shape"]):
         raise CheckpointError(
             f"{name} is {dtype_name(t.dtype)} {list(t.shape)}, metadata says {spec['dtype']} {spec['shape']}",
-            fix="the file was modified after conversion; convert again",
+            fix=_EDITED,
         )
+    verify_checksum(meta, name, t)
     return t
 
 
+MAX_SIZE = 1 << 24
+"""Largest intermediate/hidden size a record may claim (real models: < 65536)."""
+
+
+def _check_sizes(f, rec: dict, name: Callable[[str], str]) -> None:
+    """Bound what a record makes restore build: sizes are ints in ``[1, MAX_SIZE]`` and one expert's
+    ``I x H`` values fit in its ``w13`` kernel tensor as the file holds it (so a plan is never larger
+    than the file's own bytes)."""
+    args = rec["plan"]["args"]
+    sizes = {k: args.get(k) for k in ("intermediate", "hidden")}
+    for k, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SIZE:
+            raise CheckpointError(f"recorded {k} size {v!r} is not an integer in [1, {MAX_SIZE}]", fix=_EDITED)
+    w13 = name(rec["tensors"]["w13"]["name"])
+    if w13 not in f.keys():
+        raise CheckpointError(f"{w13} is recorded in the metadata but not in the file", fix=_EDITED)
+    sl = f.get_slice(w13)
+    shape = list(sl.get_shape())
+    dtype = conventions.SAFETENSORS_DTYPES.get(sl.get_dtype())
+    per_expert = (math.prod(shape[1:]) if shape else 0) * (torch.empty((), dtype=dtype).element_size() if dtype else 1)
+    if sizes["intermediate"] * sizes["hidden"] > per_expert:
+        raise CheckpointError(
+            f"recorded sizes intermediate {sizes['intermediate']} x hidden {sizes['hidden']} do not fit {w13} "
+            f"({sl.get_dtype()} {shape})",
+            fix=_EDITED,
+        )
+
+
 def _restore_layer(f, meta: dict, idx: int, rec: dict) -> MoELayer:
+    name = lambda n: _out_name(meta["prefix"], meta["block"], idx, n)  # noqa: E731
+    _check_sizes(f, rec, name)
     plan = build_plan(rec["plan"], meta["version"])
     check_record(rec, plan, meta["version"])
-    name = lambda n: _out_name(meta["prefix"], meta["block"], idx, n)  # noqa: E731
-    kernel = {n: _read_kernel(f, name(trec["name"]), trec["kernel"]) for n, trec in rec["tensors"].items()}
+    kernel = {n: _read_kernel(f, meta, name(trec["name"]), trec["kernel"]) for n, trec in rec["tensors"].items()}
     back = plan.inverse().apply(*(kernel.get(n) for n in KERNEL_NAMES))
     t = {
         n: (_as_checkpoint(x, rec["tensors"][n]["checkpoint"]) if n in rec["tensors"] else None)
         for n, x in zip(KERNEL_NAMES, back)
     }
-    extras = {n: _map_extra(plan, n, f.get_tensor(name(n)), inverse=True) for n in rec["extras"]}
+    extras = {}
+    for n, x in rec["extras"].items():
+        raw = _read_kernel(f, meta, name(n), {"dtype": x["dtype"], "shape": x["kernel_shape"]})
+        extras[n] = _map_extra(plan, n, raw, inverse=True)
     args = rec["plan"]["args"]
     return MoELayer(
         args["fmt"],
@@ -588,28 +703,38 @@ def restore_layers(path: str | os.PathLike) -> tuple[dict, list[MoELayer]]:
     """Map a kernel-layout file (version 1 or 2) back to the checkpoint layout: ``(metadata, layers)``.
 
     Rebuilds each layer's plan from the recorded recipe and arguments, checks it against the
-    record (:func:`check_record`), and applies the inverse plan (padding dropped).
+    record (:func:`check_record`), verifies each tensor's recorded sha256 and applies the
+    inverse plan (padding dropped). Metadata that does not have the shape ``convert`` writes
+    is refused with one CheckpointError.
     """
-    from safetensors import safe_open
-
     meta = read_kernel_metadata(path)
     layers = []
-    with safe_open(str(path), framework="pt") as f:
+    with safe_io.open_safetensors(Path(path), "kernel-layout file") as f:
         for idx, rec in meta["layers"].items():
             try:
                 layers.append(_restore_layer(f, meta, int(idx), rec))
             except FimoeError as exc:
                 raise exc.within(f"{path}: layer {idx}") from None
+            except (KeyError, TypeError, AttributeError, IndexError, ValueError, RuntimeError) as exc:
+                raise CheckpointError(
+                    f"{path}: layer {idx}: the metadata does not have the form convert writes "
+                    f"({type(exc).__name__}: {safe_io.one_line(exc)})",
+                    fix=_EDITED,
+                ) from None
     return meta, layers
 
 
-def restore_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def restore_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
     """Write a kernel-layout file back as a checkpoint directory in its original naming convention.
 
-    The result (``config.json``, index, one shard) holds the MoE expert tensors of the
+    The result (``config.json``, index, one shard, and the marker
+    :data:`~fimoe_lab.checkpoints.safe_io.MARKER`) holds the MoE expert tensors of the
     converted layers, byte-identical to the source's (for a TP shard: the rank's slice,
-    with config.json's intermediate size set to the shard's). Written atomically.
+    with config.json's intermediate size set to the shard's). Written atomically; an
+    existing ``out_dir`` is replaced only with ``force`` and only if ``restore`` wrote it.
     """
+    out = Path(out_dir)
+    safe_io.check_output(out, [Path(path)], force, "dir")
     meta, layers = restore_layers(path)
     if not meta.get("convention"):
         raise CheckpointError(
@@ -624,14 +749,15 @@ def restore_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> P
         config[next((k for k in conv.intermediate_keys if k in config), conv.intermediate_keys[0])] = layers[
             0
         ].intermediate
-    from safetensors.torch import save_file
-
     shard = "model-00001-of-00001.safetensors"
-    with atomic_output(out_dir) as tmp:
-        tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / shard), metadata={"format": "pt"})
+    with safe_io.atomic_dir(out) as tmp:
+        with safe_io.create_new(tmp / shard) as handle:
+            writer = _StreamWriter(handle, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, {"format": "pt"})
+            for k, v in tensors.items():
+                writer.write(k, v)
         total = sum(v.numel() * v.element_size() for v in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": {k: shard for k in sorted(tensors)}}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return Path(out_dir)
+        safe_io.write_json(tmp / "model.safetensors.index.json", index)
+        safe_io.write_json(tmp / "config.json", config)
+        safe_io.write_json(tmp / safe_io.MARKER, {"restored_from": str(Path(path).resolve())})
+    return out

@@ -9,13 +9,14 @@ end of ``fimoe-lab --help``).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import textwrap
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.resources import sample_names, sample_path
@@ -37,6 +38,17 @@ EXIT_STATUS_HELP = "exit status:\n" + "\n".join(f"{code}: {text}" for code, text
 
 # files named on the command line that are missing or unreadable: bad input, not a bug
 BAD_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+PATH_FIXES = {
+    FileNotFoundError: "check the path",
+    IsADirectoryError: "pass a file, not a directory",
+    NotADirectoryError: "pass a directory",
+    PermissionError: "check the permissions of the path (or write elsewhere)",
+    FileExistsError: "choose another output",
+}
+# a full disk or a file-size limit: the environment, not a bug (nothing partial is left behind)
+FULL_ERRNOS = {errno.ENOSPC: "free space on the output's file system", errno.EFBIG: "raise the file-size limit"}
+if hasattr(errno, "EDQUOT"):
+    FULL_ERRNOS[errno.EDQUOT] = "free space within your disk quota"
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -61,6 +73,12 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str) -> NoReturn:
+        """A usage error: one line ``error: <prog>: <message> (fix: ...)`` on stderr, exit 2."""
+        line = one_line(f"error: {self.prog.removeprefix('fimoe-lab ')}: {message} (fix: see '{self.prog} --help')")
+        print(line, file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
 
 def one_line(text: str) -> str:
     """``text`` with its line breaks (and the blanks around them) folded into single spaces."""
@@ -77,7 +95,8 @@ def report_error(
     """Print exactly one line about ``exc`` (after its traceback when ``debug``) and return the exit status.
 
     :class:`FimoeError` -> ``error: <command>: <message> (fix: ...)``, 2 (``command`` is its
-    context unless it has one); a missing or unreadable file -> ``error: ...``, 2;
+    context unless it has one); a missing or unreadable file, a full disk or file-size limit
+    -> ``error: ... (fix: ...)``, 2;
     ``KeyboardInterrupt`` -> ``interrupted``, 130; anything else is a bug ->
     ``internal error: <type>: <message>``, 1.
     """
@@ -89,7 +108,11 @@ def report_error(
     elif isinstance(exc, FimoeError):
         line, code = f"error: {exc.within(command) if command else exc}", EXIT_BAD_INPUT
     elif isinstance(exc, BAD_PATH_ERRORS):
-        line, code = f"error: {command + ': ' if command else ''}{_os_message(exc)}", EXIT_BAD_INPUT
+        fix = next(f for t, f in PATH_FIXES.items() if isinstance(exc, t))
+        line, code = f"error: {command + ': ' if command else ''}{_os_message(exc)} (fix: {fix})", EXIT_BAD_INPUT
+    elif isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
+        fix = f"{FULL_ERRNOS[exc.errno]}, or write elsewhere; nothing partial was left"
+        line, code = f"error: {command + ': ' if command else ''}{_os_message(exc)} (fix: {fix})", EXIT_BAD_INPUT
     else:
         hint = "" if debug else " (run with --debug for the traceback)"
         line, code = f"internal error: {type(exc).__name__}: {exc}{hint}", EXIT_FAILED

@@ -7,11 +7,9 @@ is imported inside the handlers.
 from __future__ import annotations
 
 import argparse
-import os
 
 from fimoe_lab import specs
 from fimoe_lab.cli._common import EXIT_OK, checkpoint_path, int_list, show_progress
-from fimoe_lab.errors import CheckpointError
 from fimoe_lab.resources import sample_names
 
 
@@ -39,7 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.add_argument("kernel_file", metavar="KERNEL_FILE", help="file written by 'fimoe-lab convert'")
     r.add_argument("out_dir", metavar="OUT_DIR", help="output checkpoint directory")
-    r.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
+    r.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT_DIR if it exists and was written by restore (never any other directory)",
+    )
     r.set_defaults(handler=run_restore)
 
 
@@ -100,7 +102,11 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
     c.add_argument(
         "--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)"
     )
-    c.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT if it exists and was written by convert (never any other file)",
+    )
     c.set_defaults(handler=run_convert)
 
 
@@ -113,15 +119,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _refuse_existing(out: str, force: bool) -> None:
-    if os.path.exists(out) and not force:
-        raise CheckpointError(f"{out} exists", fix="pass --force to overwrite it")
-
-
 def run_convert(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import convert_checkpoint, read_kernel_metadata
 
-    _refuse_existing(args.out, args.force)
     out = convert_checkpoint(
         checkpoint_path(args.path),
         args.out,
@@ -132,6 +132,7 @@ def run_convert(args: argparse.Namespace) -> int:
         args.intermediate_alignment,
         args.hidden_alignment,
         progress=show_progress(args.no_progress),
+        force=args.force,
     )
     meta = read_kernel_metadata(out)
     for idx, rec in meta["layers"].items():
@@ -151,7 +152,6 @@ def run_convert(args: argparse.Namespace) -> int:
 def run_restore(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import restore_checkpoint
 
-    _refuse_existing(args.out_dir, args.force)
-    out = restore_checkpoint(args.kernel_file, args.out_dir)
+    out = restore_checkpoint(args.kernel_file, args.out_dir, force=args.force)
     print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
     return EXIT_OK

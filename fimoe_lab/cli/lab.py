@@ -1,9 +1,15 @@
-"""``fimoe-lab lab``: open JupyterLab on the lab notebooks, offline-safe.
+"""``fimoe-lab lab``: open JupyterLab on the lab notebooks, private and offline-safe.
+
+Private: the server listens on 127.0.0.1 unless ``--ip`` says otherwise, and token
+authentication is always on (a random token unless ``--token`` gives one; an empty token
+is refused). The token travels in the environment (``JUPYTER_TOKEN``), not on the command
+line, where other users of a shared host could read it; the URL with the token is printed.
 
 The shipped notebooks live inside the package (:func:`fimoe_lab.resources.notebooks_dir`),
 which may be read-only and must not collect a user's edits: by default the lab opens a
-working copy in ``./fimoe-lab-notebooks`` (notebooks already there are kept). The same
-launch (:func:`jupyterlab_command`) is what the browser test runs, so the command users
+working copy in the user's data directory (:func:`default_workspace`; notebooks already
+there are kept), and a ``--dir`` inside the package or its source checkout is refused. The
+same launch (:func:`jupyterlab_command`) is what the browser test runs, so the command users
 type is the command that is tested.
 """
 
@@ -12,38 +18,58 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.resources import notebooks_dir
 
-WORK_DIR = Path("fimoe-lab-notebooks")
-"""Default working copy of the shipped notebooks, relative to the current directory."""
+LOCAL_IP = "127.0.0.1"
 
 # JupyterLab plugins that reach the network or nag on start; disabled for our server only
 DISABLED_PLUGINS = ("@jupyterlab/apputils-extension:announcements", "@jupyterlab/extensionmanager-extension")
+
+
+def default_workspace() -> Path:
+    """``$XDG_DATA_HOME/fimoe-lab/notebooks`` (default ``~/.local/share/fimoe-lab/notebooks``)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "fimoe-lab" / "notebooks"
+
+
+def protected_dirs() -> list[Path]:
+    """The installed package, and its source checkout when it runs from one: never a workspace."""
+    package = Path(__file__).resolve().parents[1]
+    dirs = [package]
+    if (package.parent / "pyproject.toml").is_file():
+        dirs.append(package.parent)
+    return dirs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "lab",
         help="open JupyterLab on the lab notebooks (layout tour, checkpoint debugging, alignment tuning)",
-        description="Start JupyterLab on 127.0.0.1 with the fimoe_lab notebooks; needs the 'lab' extra "
-        f"(pip install 'fimoe_lab[lab]'). Without --dir it opens ./{WORK_DIR}, a copy of the "
-        "shipped notebooks (made on first use; your edits stay there). Ctrl-C stops it.",
+        description="Start JupyterLab with the fimoe_lab notebooks; needs the 'lab' extra "
+        "(pip install 'fimoe_lab[lab]'). It listens on 127.0.0.1 with token authentication (the URL with the token is "
+        "printed). Without --dir it opens a copy of the shipped notebooks in ~/.local/share/fimoe-lab/notebooks "
+        "(made on first use; your edits stay there). Ctrl-C stops it.",
     )
     p.add_argument(
         "--dir",
         type=Path,
         default=None,
-        help=f"notebook folder to open as it is (default: ./{WORK_DIR}, filled from the shipped notebooks)",
+        help="notebook folder to open as it is (default: the user workspace, filled from the shipped notebooks; "
+        "never the package or its checkout)",
     )
     p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    p.add_argument("--ip", default=LOCAL_IP, help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--token", default=None, help="authentication token (default: a random one); never empty")
     p.add_argument("--no-browser", action="store_true", help="do not open a web browser")
     p.set_defaults(handler=run_lab)
 
@@ -65,14 +91,22 @@ def working_copy(target: Path) -> Path:
 
 
 def jupyterlab_command(
-    notebook_dir: Path, port: int, state_dir: Path, open_browser: bool = True, token: str = ""
+    notebook_dir: Path,
+    port: int,
+    state_dir: Path,
+    open_browser: bool = True,
+    token: Optional[str] = None,
+    ip: str = LOCAL_IP,
 ) -> tuple[list[str], dict]:
-    """``(argv, env)`` that start JupyterLab on ``notebook_dir`` at ``127.0.0.1:port``.
+    """``(argv, env)`` that start JupyterLab on ``notebook_dir`` at ``ip:port`` with token authentication.
 
-    No news feed, update check or extension-manager queries (the network may be
-    closed); settings and workspaces live in ``state_dir`` so the user's own are not
-    touched; an empty ``token`` is only safe because the server listens on 127.0.0.1.
+    ``env["JUPYTER_TOKEN"]`` holds the token (``token``, or a random one; an empty one is
+    refused: authentication is never off). No news feed, update check or extension-manager
+    queries (the network may be closed); settings and workspaces live in ``state_dir`` so
+    the user's own are not touched.
     """
+    if token is not None and not token.strip():
+        raise FimoeError("an empty --token would turn authentication off", fix="pass a non-empty token or none")
     labconfig = state_dir / "config" / "labconfig"
     labconfig.mkdir(parents=True, exist_ok=True)
     (labconfig / "page_config.json").write_text(json.dumps({"disabledExtensions": {p: True for p in DISABLED_PLUGINS}}))
@@ -81,11 +115,9 @@ def jupyterlab_command(
         "-m",
         "jupyterlab",
         f"--ServerApp.root_dir={notebook_dir}",
-        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.ip={ip}",
         f"--ServerApp.port={port}",
         "--ServerApp.port_retries=0",
-        f"--IdentityProvider.token={token}",
-        "--ServerApp.password=",
         f"--ServerApp.open_browser={open_browser}",
         "--LabApp.news_url=None",
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
@@ -94,8 +126,9 @@ def jupyterlab_command(
         f"--LabApp.workspaces_dir={state_dir / 'workspaces'}",
     ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
-        argv.append("--ServerApp.allow_root=True")  # containers often run as root; still 127.0.0.1 only
+        argv.append("--ServerApp.allow_root=True")  # containers often run as root; the token still guards it
     env = dict(os.environ)
+    env["JUPYTER_TOKEN"] = token or secrets.token_hex(24)
     env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(
         filter(None, [str(state_dir / "config"), env.get("JUPYTER_CONFIG_PATH")])
     )
@@ -103,17 +136,36 @@ def jupyterlab_command(
     return argv, env
 
 
+def _notebook_dir(requested: Optional[Path]) -> Path:
+    """The folder to open: ``requested`` (existing, outside :func:`protected_dirs`) or the filled workspace."""
+    if requested is None:
+        return working_copy(default_workspace())
+    if not requested.is_dir():
+        raise FimoeError(
+            f"notebook folder {requested} does not exist", fix="pass an existing --dir, or none for the user workspace"
+        )
+    real = requested.resolve()
+    for d in protected_dirs():
+        if real == d or d in real.parents:
+            raise FimoeError(
+                f"notebook folder {requested} is inside {d} (the package or its checkout); the lab would save there",
+                fix=f"pass a folder of your own, or no --dir to use {default_workspace()}",
+            )
+    return requested
+
+
 def run_lab(args: argparse.Namespace) -> int:
     try:
         import jupyterlab  # noqa: F401
     except ModuleNotFoundError:
         raise FimoeError("JupyterLab is not installed", fix="pip install 'fimoe_lab[lab]'") from None
-    if args.dir is not None and not args.dir.is_dir():
-        raise FimoeError(
-            f"notebook folder {args.dir} does not exist", fix=f"pass an existing --dir, or none to open ./{WORK_DIR}"
-        )
-    notebook_dir = args.dir if args.dir is not None else working_copy(WORK_DIR)
+    notebook_dir = _notebook_dir(args.dir)
     print(f"notebooks: {notebook_dir.resolve()}", file=sys.stderr)
+    if args.ip != LOCAL_IP:
+        print(f"note: listening on {args.ip}: other machines can reach it (the token still guards it)", file=sys.stderr)
+    port = args.port or free_port()
     with tempfile.TemporaryDirectory(prefix="fimoe-lab-") as state:
-        argv, env = jupyterlab_command(notebook_dir, args.port or free_port(), Path(state), not args.no_browser)
+        argv, env = jupyterlab_command(notebook_dir, port, Path(state), not args.no_browser, args.token, args.ip)
+        host = "127.0.0.1" if args.ip in ("0.0.0.0", "::", "") else args.ip
+        print(f"open: http://{host}:{port}/lab?token={env['JUPYTER_TOKEN']}", file=sys.stderr)
         return subprocess.call(argv, env=env)

@@ -20,6 +20,7 @@ from fimoe_lab.errors import FormatError, OracleError
 from fimoe_lab.presets import PRESETS, get_preset
 
 SOURCES = ("auto", "live", "native", "snapshot")
+GPU_NAMES = ("b200", "gb200", "b300", "h200", "h100")  # the rows of fimoe_lab.tune.cost.GPUS (checked by a test)
 TOKENS_TYPE = int_list("--tokens", "1,8,64")
 
 
@@ -36,26 +37,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_tactics(sub)
 
 
+def token_profile(text: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """argparse ``type``: ``1,8,64`` (equal weights) or ``1:6,512:3,4096:1`` (token count:weight)."""
+    try:
+        pairs = [v.split(":") if ":" in v else (v, "1") for v in text.split(",") if v.strip()]
+        tokens, weights = tuple(int(t) for t, _ in pairs), tuple(float(w) for _, w in pairs)
+    except ValueError:
+        tokens, weights = (), ()
+    if not tokens or min(tokens) < 1 or min(weights) < 0 or sum(weights) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"--tokens takes token counts >= 1, each optionally weighted (T:weight), like 1:6,512:3,4096:1; got {text!r}"
+        )
+    return tokens, weights
+
+
 def _register_tune(sub: argparse._SubParsersAction) -> None:
     presets, formats = sorted(PRESETS), specs.tuner_formats()
     t = sub.add_parser(
         "tune",
-        help="alignment sweep for a model preset: tactics per padding, waste, recommendation",
-        description="For a model preset, format and tensor-parallel size: pad the per-rank intermediate "
-        "and hidden sizes to each alignment, count the TRTLLM-Gen MoE tactics FlashInfer "
-        "offers per token count, show the padding waste, recommend the cheapest padding "
-        "with the full tactic space, and mark the default padding ('fimoe-lab convert' "
-        "without alignment options: REF) with where it loses tactics. Exits 3 when a count "
-        "is unknown to the source.",
+        help="padding sweep for a model: tactics per padding, predicted time, recommendation",
+        description="For a model (a preset, a checkpoint directory, a config.json or explicit sizes), a "
+        "format and a tensor-parallel size: pad the per-rank intermediate and hidden sizes to each "
+        "alignment, count the TRTLLM-Gen MoE tactics FlashInfer offers per token count, predict the "
+        "layer's time on the target GPU over the token profile (an estimate: weight bytes / bandwidth, "
+        "padded FLOPs / peak / tile efficiency), and recommend the fastest padding that has a tactic at "
+        "every token count and that 'fimoe-lab convert' applies (its layer plan is built to check). "
+        "The default padding ('convert' without alignment options) is REF. Exits 3 when a count is "
+        "unknown to the source.",
         epilog="presets: " + ", ".join(presets) + "\nformats: " + ", ".join(formats),
     )
+    t.add_argument("checkpoint", nargs="?", default=None, help="a checkpoint directory (instead of --model)")
     t.add_argument(
         "--model",
-        required=True,
         type=lower_choice(presets),
         metavar="PRESET",
         help="model preset (" + ", ".join(presets) + ")",
     )
+    t.add_argument("--config", help="a Hugging Face config.json (sizes read with the checkpoint reader's keys)")
+    t.add_argument("--hidden", type=int, help="hidden size (K of GEMM1); overrides the model's")
+    t.add_argument("--intermediate", type=int, help="MoE intermediate size per expert at TP 1; overrides")
+    t.add_argument("--experts", type=int, help="routed experts (e.g. experts per rank under EP); overrides")
+    t.add_argument("--top-k", type=int, help="experts per token; overrides")
+    t.add_argument("--act", type=_activation, default=None, help="activation (default: the model's, else swiglu)")
     t.add_argument(
         "--format",
         required=True,
@@ -65,7 +88,13 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument("--tp", type=int, default=1, help="tensor-parallel size (splits the intermediate size)")
     t.add_argument("--per-token", action="store_true", help="NVFP4 with per-token activation scales")
-    t.add_argument("--tokens", type=TOKENS_TYPE, default=None, help="token counts (default 1,8,64,512,4096,16384)")
+    t.add_argument(
+        "--tokens",
+        type=token_profile,
+        default=None,
+        help="token profile: counts, optionally weighted T:w (default 1,8,64,512,4096,16384, equal weights)",
+    )
+    t.add_argument("--gpu", choices=GPU_NAMES, default="b200", help="target GPU of the time model (default b200)")
     t.add_argument(
         "--source",
         choices=SOURCES,
@@ -73,7 +102,7 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
         help="where answers come from (auto: GPU, else built module, else snapshot)",
     )
     t.add_argument("--csv", help="also write the table to this CSV file")
-    t.add_argument("--json-out", help="also write the table and recommendation to this JSON file")
+    t.add_argument("--json-out", help="also write the table (rows with predicted_us) and recommendation to JSON")
     t.add_argument("--plot", help="save the heatmap and waste-vs-tactics figures to this PNG prefix")
     t.set_defaults(handler=run_tune)
 
@@ -172,6 +201,44 @@ def run_tactics(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _model(a: argparse.Namespace):
+    """The model to tune: a preset, a checkpoint, a config.json or explicit sizes (explicit ones override)."""
+    from fimoe_lab.tune.models import model_from_checkpoint, model_from_config, model_from_sizes
+
+    given = [x for x in (a.model, a.checkpoint, a.config) if x]
+    if len(given) > 1:
+        raise OracleError(
+            "give one model: a preset (--model), a checkpoint directory or --config", fix="drop the others"
+        )
+    sizes = {"hidden": a.hidden, "intermediate": a.intermediate, "experts": a.experts, "top_k": a.top_k}
+    if a.model:
+        base = get_preset(a.model)
+    elif a.checkpoint:
+        base = model_from_checkpoint(a.checkpoint, a.act)
+    elif a.config:
+        base = model_from_config(a.config, a.act)
+    else:
+        missing = [k for k, v in sizes.items() if v is None]
+        if missing:
+            raise OracleError(
+                "no model: give --model PRESET, a checkpoint directory, --config config.json, or all of "
+                f"--hidden --intermediate --experts --top-k (missing {', '.join('--' + m.replace('_', '-') for m in missing)})",
+                fix="add the model",
+            )
+        return model_from_sizes(a.hidden, a.intermediate, a.experts, a.top_k, a.act or "swiglu")
+    over = {k: v for k, v in sizes.items() if v is not None}
+    if not over and not a.act:
+        return base
+    return model_from_sizes(
+        over.get("hidden", base.hidden),
+        over.get("intermediate", base.moe_intermediate),
+        over.get("experts", base.experts),
+        over.get("top_k", base.top_k),
+        a.act or base.activation,
+        base.name,
+    )
+
+
 def run_tune(a: argparse.Namespace) -> int:
     try:
         import pandas as pd
@@ -181,27 +248,38 @@ def run_tune(a: argparse.Namespace) -> int:
         raise OracleError(f"`tune` needs pandas ({e})", fix="pip install 'fimoe_lab[tune]'") from None
     from fimoe_lab.tune.oracle import TacticOracle
 
-    p = get_preset(a.model)
-    if p.moe_intermediate % a.tp:
+    p = _model(a)
+    if a.tp < 1 or p.moe_intermediate % a.tp:
         raise OracleError(
             f"{p.name}: moe_intermediate {p.moe_intermediate} is not divisible by --tp {a.tp}",
             fix="choose a --tp that divides it",
         )
+    tokens, weights = a.tokens or (TOKENS, None)
     oracle = TacticOracle(mode=a.source)
     try:
         df = sweep(
-            p, a.format, a.tp, oracle, per_token=a.per_token, tokens=a.tokens or TOKENS, progress=show_progress()
+            p,
+            a.format,
+            a.tp,
+            oracle,
+            per_token=a.per_token,
+            tokens=tokens,
+            weights=weights,
+            gpu=a.gpu,
+            progress=show_progress(),
         )
     finally:
         oracle.close()
     tcols = [f"t{t}" for t in df.attrs["tokens"]]
-    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 200):
+    with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_rows", 200):
         view = df[
             ["inter_align", "hidden_align", "intermediate", "hidden"]
             + tcols
-            + ["extra_bytes_pct", "reference", "recommended", "flag"]
+            + ["extra_bytes_pct", "predicted_us", "pareto", "reference", "recommended", "flag"]
         ].copy()
         view["extra_bytes_pct"] = view["extra_bytes_pct"].round(2)
+        view["predicted_us"] = view["predicted_us"].round(1)
+        view["pareto"] = view["pareto"].map({True: "P", False: ""})
         view["reference"] = view["reference"].map({True: "REF", False: ""})
         view["recommended"] = view["recommended"].map({True: "<==", False: ""})
         print(view.to_string(index=False))

@@ -17,9 +17,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
 
-__all__ = ["gather_numba", "inplace_cycles_numba", "parallel_copy", "TASK_BYTES"]
+__all__ = ["check_map", "gather_numba", "inplace_cycles_numba", "parallel_copy", "TASK_BYTES"]
 
 TASK_BYTES = 16384
 """Output bytes per parallel task (measured best on the 2-core CI machine)."""
@@ -138,12 +139,58 @@ def parallel_copy(x, out):  # pragma: no cover - compiled
         out[lo:hi] = x[lo:hi]
 
 
+def check_map(em: ExecMap) -> None:
+    """Refuse (LayoutError) a map whose indices would make the loops read or write out of bounds.
+
+    Must hold: ``src`` int32 ``(n_out,)`` with ``-max(1, len(fills)) <= src[i] < n_in``;
+    ``n_in * cell_bytes <= in_bytes`` and ``n_out * cell_bytes == out_bytes``; for the
+    swizzle, ``rows`` int32 of at least ``out_bytes / (4 * cw)`` entries, each
+    ``-max(1, len(fills)) <= rows[r] < in_bytes / (4 * cw)``. Checked once per map (cached on it).
+    """
+    if em._dev.get("bounds_ok"):
+        return
+    n_fill = max(1, len(em.fills))
+
+    def bad(what: str) -> LayoutError:
+        return LayoutError(f"{em.name}: executable map {what}", fix="compile the map with IndexMap.compiled()")
+
+    src = np.asarray(em.src)
+    if em.cell_bytes < 1 or em.n_out * em.cell_bytes != em.out_bytes or em.n_in * em.cell_bytes > em.in_bytes:
+        raise bad(
+            f"sizes disagree (cell {em.cell_bytes} B, {em.n_in} -> {em.n_out} cells, {em.in_bytes} -> {em.out_bytes} B)"
+        )
+    if src.dtype != np.int32 or src.shape != (em.n_out,) or not src.flags.c_contiguous:
+        raise bad(f"src is {src.dtype} {src.shape}, expected int32 ({em.n_out},)")
+    if src.size and (int(src.min()) < -n_fill or int(src.max()) >= em.n_in):
+        raise bad(f"src spans [{int(src.min())}, {int(src.max())}], outside [-{n_fill}, {em.n_in})")
+    if em.swizzle is not None:
+        rows, cw, _ = em.swizzle
+        rows = np.asarray(rows)
+        n_rows_in = em.in_bytes // (4 * cw) if cw > 0 else 0
+        if cw < 1 or rows.dtype != np.int32 or rows.ndim != 1 or rows.size * 4 * cw < em.out_bytes:
+            raise bad(f"swizzle rows {rows.dtype} {rows.shape} with {cw} words per row do not cover the output")
+        if rows.size and (int(rows.min()) < -n_fill or int(rows.max()) >= n_rows_in):
+            raise bad(f"swizzle rows span [{int(rows.min())}, {int(rows.max())}], outside [-{n_fill}, {n_rows_in})")
+    em._dev["bounds_ok"] = True
+
+
+def _check_buffers(em: ExecMap, xb: torch.Tensor, ob: torch.Tensor) -> None:
+    if xb.shape[1] != em.in_bytes or ob.shape[1] != em.out_bytes or ob.shape[0] != xb.shape[0]:
+        raise LayoutError(
+            f"{em.name}: buffers of {tuple(xb.shape)} and {tuple(ob.shape)} bytes, map needs (E, {em.in_bytes}) "
+            f"-> (E, {em.out_bytes})",
+            fix="pass the tensors the map was compiled for",
+        )
+
+
 def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[e, i] = x[e, src[i]]`` (or fill) for every expert of CPU tensors."""
+    """``out[e, i] = x[e, src[i]]`` (or fill) for every expert of CPU tensors (bounds checked: :func:`check_map`)."""
     experts = x.shape[0]
     if experts == 0 or em.out_bytes == 0:
         return
+    check_map(em)
     xb, ob = byte_views(x, out)
+    _check_buffers(em, xb, ob)
     word = aligned_word(em.word, xb, ob)
     dt = word_dtype(word)
     if em.swizzle is not None and word == 4:
@@ -223,6 +270,12 @@ def inplace_cycles_numba(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
     from fimoe_lab.kernels.cycles import cycle_plan
 
     experts, nbytes = flat.shape
+    check_map(em)
+    if nbytes != em.in_bytes or em.in_bytes != em.out_bytes:
+        raise LayoutError(
+            f"{em.name}: in-place run on {nbytes} bytes per expert, map is {em.in_bytes} -> {em.out_bytes}",
+            fix="run in place only a permutation of the tensor's own bytes",
+        )
     word = aligned_word(em.word, flat)
     wpc = em.cell_bytes // word
     plan = cycle_plan(em, max(1, CYCLES_TILE_BYTES // em.cell_bytes))

@@ -324,9 +324,12 @@ class TunerExplorer(_Explorer):
     def _draw(self):
         sweep = sources.tactic_sweep(self.preset.value, self.fmt.value, self.tp.value, self.mode)
         self.state = dict(sweep=sweep)
-        rec = sweep.attrs.get("recommendation", {})
+        rec = sweep.attrs.get("recommendation")
         note = (
-            f"recommended: intermediate {rec.get('intermediate')} (align {rec.get('inter_align')}), hidden "
-            f"{rec.get('hidden')} (align {rec.get('hidden_align')}), +{rec.get('extra_bytes_pct', 0):.2f}% weights"
+            f"recommended: intermediate {rec['intermediate']} (align {rec['inter_align']}), hidden "
+            f"{rec['hidden']} (align {rec['hidden_align']}), +{rec['extra_bytes_pct']:.2f}% weights, "
+            f"predicted {rec['predicted_us']:.1f} us (estimate)"
+            if rec
+            else f"no recommendation: {sweep.attrs.get('no_recommendation')}"
         )
         return figures.tuner_figure(sweep), note
