@@ -1,0 +1,204 @@
+"""Recommendations: tactics at every T, accepted by convert's plan, no extra bytes unless predicted faster."""
+
+import json
+import math
+import random
+import time
+
+import pytest
+
+pd = pytest.importorskip("pandas")
+
+from fimoe_lab.presets import PRESETS, get_preset  # noqa: E402
+from fimoe_lab.recipes import plan_layer  # noqa: E402
+from fimoe_lab.specs import FORMATS, get_activation  # noqa: E402
+from fimoe_lab.tune.cost import GPUS, get_gpu, layer_time_us  # noqa: E402
+from fimoe_lab.tune.models import model_from_checkpoint, model_from_config, model_from_sizes  # noqa: E402
+from fimoe_lab.tune.oracle import TacticOracle  # noqa: E402
+from fimoe_lab.tune.sweep import sweep  # noqa: E402
+
+ISSUE = {("qwen3-30b-a3b", "bf16", 8), ("nemotron3-nano", "nvfp4", 4), ("qwen3-235b-a22b", "fp8-block", 8)}
+
+
+@pytest.fixture(scope="module")
+def o():
+    return TacticOracle(mode="snapshot")
+
+
+def _combos(n: int, seed: int = 14) -> list:
+    """Random (preset, serving format, TP) combinations the issue does not list."""
+    allc = [
+        (p.name, f, tp)
+        for p in PRESETS.values()
+        for f in p.serving_formats
+        for tp in (1, 2, 4, 8)
+        if p.moe_intermediate % tp == 0 and (p.name, f, tp) not in ISSUE
+    ]
+    return random.Random(seed).sample(allc, n)
+
+
+def _convert_pads(p, fmt, tp, ia, ha, is_ref):
+    act = get_activation(p.activation)
+    plan = plan_layer(
+        FORMATS[fmt].plan_format,
+        "trtllm",
+        p.moe_intermediate // tp,
+        p.hidden,
+        act.is_act_and_mul,
+        act.gated,
+        None if is_ref else ia,
+        None if is_ref else ha,
+    )
+    return plan.padded_intermediate, plan.padded_hidden
+
+
+@pytest.mark.parametrize("preset, fmt, tp", _combos(16))
+def test_recommendation_holds_on_unlisted_combinations(o, preset, fmt, tp):
+    df = sweep(preset, fmt, tp, o)
+    tcols = [f"t{t}" for t in df.attrs["tokens"]]
+    rec = df.attrs["recommendation"]
+    if rec is None:  # a reason, never a zero-tactic shape
+        assert df.attrs["no_recommendation"] and not df.recommended.any()
+        return
+    row = df[df.recommended].iloc[0]
+    assert (row[tcols].astype(int) > 0).all()
+    p = get_preset(preset)
+    assert _convert_pads(p, fmt, tp, rec["inter_align"], rec["hidden_align"], bool(row.reference)) == (
+        rec["intermediate"],
+        rec["hidden"],
+    )
+    cheaper = df[
+        df.candidate & (df.extra_bytes_pct < rec["extra_bytes_pct"]) & (df.convert != "") & (df.convert != "ok")
+    ]
+    slower_or_refused = df[df.candidate & (df.extra_bytes_pct < rec["extra_bytes_pct"])]
+    assert (slower_or_refused.predicted_us >= rec["predicted_us"]).all() or len(cheaper) == len(slower_or_refused)
+
+
+def test_qwen3_bf16_tp8_takes_128_not_256(o):
+    df = sweep("qwen3-30b-a3b", "bf16", 8, o)
+    rec = df.attrs["recommendation"]
+    assert rec["intermediate"] == 128 and rec["extra_bytes_pct"] == pytest.approx(100 / 3)
+    r256 = df[df.intermediate == 256].iloc[0]
+    assert r256.min_tactics > rec["min_tactics"] and r256.predicted_us > 1.9 * rec["predicted_us"]
+    assert "predicts" in df.attrs["why"] and df[df.recommended].pareto.iloc[0]
+
+
+def test_nemotron_nvfp4_per_token_tp4_is_null_with_reason(o):
+    df = sweep("nemotron3-nano", "nvfp4", 4, o, per_token=True)
+    assert df.attrs["recommendation"] is None and not df.recommended.any()
+    assert "no padding in the grid has a tactic at every token count" in df.attrs["no_recommendation"]
+
+
+@pytest.mark.parametrize("preset, tp", [("qwen3-235b-a22b", 8), ("minimax-m2", 8), ("glm-4.5", 8)])
+def test_split_scale_block_gets_alternatives_that_convert_accepts(o, preset, tp):
+    df = sweep(preset, "fp8-block", tp, o)
+    assert df.attrs["recommendation"] is None
+    assert "not a multiple of the 128" in df.attrs["no_recommendation"]
+    alts = df.attrs["alternatives"]
+    assert alts and alts[0].startswith("--tp ") and any("expert parallelism" in a for a in alts)
+    p = get_preset(preset)
+    for t in map(int, alts[0].split()[1].split(" or ")[0:1]):
+        assert (p.moe_intermediate // t) % 128 == 0
+        _convert_pads(p, "fp8-block", t, 1, 1, True)  # does not raise
+
+
+def test_cost_model_against_a_hand_computation():
+    g = get_gpu("b200")
+    # decode (T=1, top-8 of 128): 8 experts read, 3 * 128 * 2048 bf16 values each
+    t1 = layer_time_us(g, "bf16", "swiglu", 128, 2048, 128, 8, 1, [8, 16])
+    touched = 128 * (1 - (1 - 8 / 128) ** 1)
+    assert t1 == pytest.approx(1e6 * touched * 3 * 128 * 2048 * 2 / 8.0e12)
+    # prefill: 16384 tokens, m = 1024 tokens per expert, tile 256 fits exactly; compute-bound
+    t = layer_time_us(g, "bf16", "swiglu", 128, 2048, 128, 8, 16384, [96, 256])
+    flops = 2 * 16384 * 8 * 3 * 128 * 2048
+    touched = 128 * (1 - (1 - 8 / 128) ** 16384)
+    m = 16384 * 8 / touched
+    eff = max(m / (math.ceil(m / x) * x) for x in (96, 256))
+    assert t == pytest.approx(max(1e6 * flops / (2.25e15 * eff), 1e6 * touched * 3 * 128 * 2048 * 2 / 8e12))
+    assert layer_time_us(g, "bf16", "swiglu", 128, 2048, 128, 8, 8, []) is None
+    assert get_gpu("h200").peak("fp4") == GPUS["h200"].flops["fp8"]  # no FP4 on Hopper
+
+
+def test_byo_model_matches_the_preset(o):
+    p = get_preset("qwen3-30b-a3b")
+    cfg = {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "hidden_act": "silu",
+    }
+    m = model_from_config(cfg)
+    assert (m.hidden, m.moe_intermediate, m.experts, m.top_k, m.activation) == (2048, 768, 128, 8, "swiglu")
+    nested = model_from_config({"text_config": {**cfg, "hidden_act": "gelu_pytorch_tanh"}})
+    assert nested.activation == "geglu" and nested.experts == 128
+    a = sweep(p, "nvfp4", 8, o).attrs["recommendation"]
+    b = sweep(model_from_sizes(2048, 768, 128, 8, "swiglu"), "nvfp4", 8, o).attrs["recommendation"]
+    assert a == b
+
+
+def test_byo_checkpoint_and_config_file(tmp_path):
+    from fimoe_lab.checkpoints import open_checkpoint
+    from fimoe_lab.resources import sample_path
+
+    path = sample_path("mixtral-bf16")
+    ck = open_checkpoint(path)
+    m = model_from_checkpoint(path)
+    assert (m.hidden, m.moe_intermediate, m.experts, m.top_k) == (ck.hidden, ck.intermediate, ck.num_experts, ck.top_k)
+    ck.close()
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    c = model_from_config(tmp_path / "config.json")
+    assert (c.hidden, c.moe_intermediate, c.experts, c.top_k) == (m.hidden, m.moe_intermediate, m.experts, m.top_k)
+
+
+def test_cli_tune_weighted_profile_gpu_and_json(capsys, tmp_path):
+    from fimoe_lab.cli import main
+
+    out = tmp_path / "t.json"
+    argv = [
+        "tune",
+        "--hidden",
+        "2048",
+        "--intermediate",
+        "768",
+        "--experts",
+        "128",
+        "--top-k",
+        "8",
+        "--format",
+        "bf16",
+        "--tp",
+        "8",
+        "--tokens",
+        "1:6,512:3,4096:1",
+        "--gpu",
+        "h200",
+        "--source",
+        "snapshot",
+        "--json-out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "recommended: intermediate -> 128" in text and "H200" in text and "not measurements" in text
+    d = json.loads(out.read_text())
+    assert d["attrs"]["weights"] == [6.0, 3.0, 1.0] and all("predicted_us" in r for r in d["rows"])
+    assert main(["tune", "--format", "bf16", "--source", "snapshot"]) == 2
+    assert "--hidden" in capsys.readouterr().err
+
+
+def test_cli_gpu_choices_are_the_cost_table():
+    from fimoe_lab.cli.tune import GPU_NAMES
+
+    assert set(GPU_NAMES) == set(GPUS)
+
+
+def test_tune_on_a_preset_answers_in_under_2s_from_the_snapshot(capsys):
+    from fimoe_lab.cli import main
+
+    main(["tune", "--model", "deepseek-v3", "--format", "nvfp4", "--tp", "4", "--source", "snapshot"])  # warm imports
+    start = time.perf_counter()
+    assert main(["tune", "--model", "kimi-k2", "--format", "nvfp4", "--tp", "8", "--source", "snapshot"]) == 0
+    assert time.perf_counter() - start < 2.0
+    assert "recommended:" in capsys.readouterr().out
