@@ -77,10 +77,18 @@ def load_cases(path: Path | str) -> list[dict]:
                 f"{p} does not exist; a golden set is NAME.json + NAME.safetensors",
                 fix="put both files of the set in one folder",
             )
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(blobs), framework="pt") as tensors:
-        return _resolve(json.loads(data.read_text()), tensors)
+    try:
+        with safe_open(str(blobs), framework="pt") as tensors:
+            return _resolve(json.loads(data.read_text()), tensors)
+    except (SafetensorError, ValueError, KeyError, TypeError) as exc:
+        if isinstance(exc, FimoeError):
+            raise
+        raise FimoeError(
+            f"{path}: not a readable golden set ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})",
+            fix="copy the golden set again (NAME.json + NAME.safetensors, recorded from FlashInfer on a GPU)",
+        ) from None
 
 
 def decode(value: Any) -> Any:

@@ -13,6 +13,7 @@ values per byte (``(E, P*I, H/2)``, ``(E, H, I/2)``).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -43,6 +44,9 @@ __all__ = [
     "align_fp4_moe_weights_for_fi",
     "align_fp4_moe_hidden_dim_for_fi",
     "pad_trtllm_moe_weights",
+    "interleave_cute_dsl_moe_weights",
+    "deinterleave_gated_rows",
+    "interleave_moe_scales_for_sm90_mixed_gemm",
     "TrtllmMoePaddedWeights",
     "align_moe_weights_for_fi",
     "align_mxfp8_moe_weights_for_fi_trtllm",
@@ -339,6 +343,71 @@ def pad_trtllm_moe_weights(
     return TrtllmMoePaddedWeights(
         o1, s1, o2, s2, plan.padded_hidden, plan.padded_intermediate, hidden_size, intermediate_size
     )
+
+
+CUTE_DSL_GROUP_ROWS, CUTE_DSL_SWAP_AB_GROUP_ROWS = 64, 16
+"""Row groups of the CuTe-DSL gated FC1 interleave: 64, or 16 with swap_ab (SM100/103)."""
+
+
+def _row_bytes(x: torch.Tensor, rows_dim: int = 1) -> int:
+    return math.prod(x.shape[rows_dim + 1 :]) * x.element_size()
+
+
+@_boundary
+def interleave_cute_dsl_moe_weights(
+    weight: torch.Tensor, block_scales: torch.Tensor, swap_ab: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer 0.7.x's CuTe-DSL gated FC1 interleave (drop-in, same signature).
+
+    ``weight (E, 2I, K_bytes)`` and its row-major ``block_scales (E, 2I, K/sf)``, halves
+    ``[up; gate]``, get :func:`fimoe_lab.steps.interleave_row_groups` with groups of 64 rows
+    (16 with ``swap_ab``): same shapes and dtypes, rows permuted. Needs ``I % group == 0``.
+    """
+    if weight.ndim != 3 or block_scales.ndim != 3:
+        raise LayoutError(
+            f"weight {tuple(weight.shape)} and block_scales {tuple(block_scales.shape)} must be 3-D (experts, rows, cols)"
+        )
+    if weight.shape[:2] != block_scales.shape[:2]:
+        raise LayoutError(
+            f"weight {tuple(weight.shape)} and block_scales {tuple(block_scales.shape)} differ in experts or rows"
+        )
+    check_same_device(weight=weight, block_scales=block_scales)
+    if not isinstance(swap_ab, bool):
+        raise LayoutError(f"swap_ab must be a bool, got {swap_ab!r}")
+    group = CUTE_DSL_SWAP_AB_GROUP_ROWS if swap_ab else CUTE_DSL_GROUP_ROWS
+    rows = weight.shape[1]
+    w = apply_map(steps.interleave_row_groups(rows, _row_bytes(weight), group), weight, "weight")
+    s = apply_map(steps.interleave_row_groups(rows, _row_bytes(block_scales), group), block_scales, "block_scales")
+    return w.view(weight.shape), s.view(block_scales.shape)
+
+
+@_boundary
+def deinterleave_gated_rows(x: torch.Tensor, block: int) -> torch.Tensor:
+    """FlashInfer 0.7.x's ``deinterleave_gated_rows``: undo a ``block``-row interleave of two halves.
+
+    ``x [M, ...]`` (one expert; rows ``[A0, B0, A1, B1, ...]`` in ``block``-row chunks) ->
+    ``[A; B]``: the inverse of :func:`fimoe_lab.steps.interleave_row_groups` (``block`` 1: of
+    the gated-activation interleave). Needs ``M % (2 * block) == 0``.
+    """
+    if x.ndim < 1:
+        raise LayoutError("deinterleave_gated_rows needs a tensor with a row dimension")
+    m = steps.interleave_row_groups(x.shape[0], _row_bytes(x, 0), block).inverse()
+    return apply_map(m, x[None], "x").view(x.shape)
+
+
+@_boundary
+def interleave_moe_scales_for_sm90_mixed_gemm(scales: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    """FlashInfer 0.7.x's scale folding for the SM90 mixed-input MoE GEMM (drop-in, same signature).
+
+    ``scales (E, R, K/group_size)`` (uint8 UE8M0 with group 32 for MXFP4, bf16 with group 128
+    for W4A8) -> ``(E, R/64, K/128, F, P)`` in the same dtype, by
+    :func:`fimoe_lab.steps.fold_scales_sm90_mixed` (its docstring has the equation).
+    """
+    if scales.ndim != 3:
+        raise LayoutError(f"scales must be 3-D (experts, rows, K/group_size), got {tuple(scales.shape)}")
+    m = steps.fold_scales_sm90_mixed(scales.shape[1], scales.shape[2], scales.element_size(), group_size)
+    out = apply_map(m, scales.contiguous(), "scales")
+    return out.view(torch.uint8).view(scales.dtype).reshape((scales.shape[0],) + m.out_shape[:-1] + (-1,))
 
 
 @lru_cache(maxsize=256)

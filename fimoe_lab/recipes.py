@@ -56,6 +56,8 @@ __all__ = [
     "plan_shuffle_mxfp8",
     "plan_fp4_trtllm_weights",
     "plan_trtllm_bf16_block_layout",
+    "plan_trtllm_mxint4",
+    "MXINT4_SCALE_BLOCK",
     "chain",
 ]
 
@@ -422,6 +424,56 @@ def plan_trtllm_bf16_block_layout(
     return LayerPlan(w13, w2, None, None, intermediate, hidden, intermediate, hidden, "BF16 TRT-LLM block layout")
 
 
+MXINT4_SCALE_BLOCK = 32
+"""Values per bf16 scale of MxInt4 (int4 weights, two per byte, group-quantised along K)."""
+
+
+@lru_cache(maxsize=256)
+def plan_trtllm_mxint4(intermediate: int, hidden: int, is_gated: bool = True, swap_w31: bool = True) -> LayerPlan:
+    """MxInt4 (packed int4 weights, one bf16 scale per 32 values) into TRT-LLM's layout
+    (FlashInfer 0.7.x ``prepare_trtllm_mxint4_weights``, from already quantised tensors).
+
+    W13 ``[P*I, H/2]`` bytes: W31 swap (``swap_w31``, a ``[gate; up]`` checkpoint; FlashInfer's
+    own helper starts from ``[up; gate]``), gated interleave (if gated), epilogue shuffle
+    (tile 128), BlockMajorK 128 B -> ``[H/256, P*I, 128]``; its scales ``[P*I, H/32]`` bf16: the
+    same rows, then the 128x4 swizzle of 2-byte elements. W2 ``[H, I/2]``: shuffle +
+    BlockMajorK; its scales ``[H, I/32]``: shuffle + swizzle. Needs H and I multiples of 256.
+    """
+    for size, name in ((intermediate, "intermediate"), (hidden, "hidden")):
+        if size < 1 or size % 256:
+            raise LayoutError(
+                f"MxInt4: {name} {size} is not a multiple of 256 (TRT-LLM MxInt4)", fix="pad it to a multiple of 256"
+            )
+    p = 2 if is_gated else 1
+    etm, bk, sb = TRTLLM_EPILOGUE_TILE_M, BLOCK_MAJOR_K_BYTES, MXINT4_SCALE_BLOCK
+
+    def rows(m: int, cols_bytes: int, fused: bool) -> Optional[IndexMap]:
+        gated = fused and is_gated
+        return chain(
+            steps.swap_w13_to_w31_rows(m, cols_bytes) if gated and swap_w31 else None,
+            steps.interleave_rows_for_gated_act(m, cols_bytes) if gated else None,
+            steps.shuffle_rows_for_epilogue(m, cols_bytes, etm),
+        )
+
+    def weight(m: int, k: int, fused: bool) -> IndexMap:
+        return present(chain(rows(m, k // 2, fused), steps.block_major_k(m, k // 2, bk)))
+
+    def scale(m: int, k: int, fused: bool) -> IndexMap:
+        return present(chain(rows(m, 2 * (k // sb), fused), steps.swizzle_scales_128x4(m, k // sb, 2)))
+
+    return LayerPlan(
+        weight(p * intermediate, hidden, True),
+        weight(hidden, intermediate, False),
+        scale(p * intermediate, hidden, True),
+        scale(hidden, intermediate, False),
+        intermediate,
+        hidden,
+        intermediate,
+        hidden,
+        "MxInt4 TRT-LLM",
+    )
+
+
 # ----------------------------------------------------------------------------- FP8 layers
 def _swap(rows: int, cols_bytes: int, is_act_and_mul: bool) -> Optional[IndexMap]:
     return steps.swap_w13_to_w31_rows(rows, cols_bytes) if is_act_and_mul else None
@@ -630,7 +682,6 @@ def plan_layer(
         raise LayoutError(f"unknown backend {backend!r}", fix=f"choose one of {', '.join(BACKENDS)}")
     profile = get_engine(engine)
     _check_whole_blocks(fmt, intermediate, hidden)
-    p = projections(is_act_and_mul)
     trt = backend == "trtllm"
     if fmt in ("fp8", "fp8-block", "mxfp8"):
         rule = profile.alignment(fmt, backend)
@@ -650,43 +701,61 @@ def plan_layer(
     da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name)
     ia, ha = intermediate_alignment or da, hidden_alignment or dh
     if fmt == "bf16":
-        pad = plan_align(intermediate, hidden, 2, is_act_and_mul, ia, ha)
-        ip, hp = pad.padded_intermediate, pad.padded_hidden
-        if trt:
-            inner = plan_trtllm_bf16_block_layout(p * ip, hp, ip, is_gated)
-            w13, w2 = inner.w13, inner.w2
-        else:
-            w13, w2 = _swap(p * ip, 2 * hp, is_act_and_mul), None
-        return LayerPlan(
-            chain(pad.w13, w13),
-            chain(pad.w2, w2),
-            None,
-            None,
-            intermediate,
-            hidden,
-            ip,
-            hp,
-            f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}",
-        )
+        return _plan_bf16(trt, intermediate, hidden, is_act_and_mul, is_gated, ia, ha)
+    return _plan_fp4(fmt, backend, profile.name, intermediate, hidden, is_act_and_mul, is_gated, ia, ha)
+
+
+def _plan_bf16(
+    trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, ia: int, ha: int
+) -> LayerPlan:
+    """BF16: pad (each projection on its own), then TRT-LLM's block layout or CUTLASS's W31 swap."""
+    p = projections(is_act_and_mul)
+    pad = plan_align(intermediate, hidden, 2, is_act_and_mul, ia, ha)
+    ip, hp = pad.padded_intermediate, pad.padded_hidden
+    if trt:
+        inner = plan_trtllm_bf16_block_layout(p * ip, hp, ip, is_gated)
+        w13, w2 = inner.w13, inner.w2
+    else:
+        w13, w2 = _swap(p * ip, 2 * hp, is_act_and_mul), None
+    return LayerPlan(
+        chain(pad.w13, w13),
+        chain(pad.w2, w2),
+        None,
+        None,
+        intermediate,
+        hidden,
+        ip,
+        hp,
+        f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}",
+    )
+
+
+def _plan_fp4(
+    fmt: str,
+    backend: str,
+    engine: str,
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    ia: int,
+    ha: int,
+) -> LayerPlan:
+    """NVFP4 / MXFP4: pad (scales with the profile's byte), then TRT-LLM's steps or CUTLASS's
+    W31 swap and (in every profile but the legacy one) 128x4-swizzled scales."""
+    p, trt = projections(is_act_and_mul), backend == "trtllm"
     block = FORMATS[fmt].scale_block
-    pad = plan_align_fp4(intermediate, hidden, is_act_and_mul, ia, ha, block, scale_fill(fmt, backend, profile.name))
+    pad = plan_align_fp4(intermediate, hidden, is_act_and_mul, ia, ha, block, scale_fill(fmt, backend, engine))
     ip, hp = pad.padded_intermediate, pad.padded_hidden
     name = f"{fmt.upper()} {'TRT-LLM' if trt else 'CUTLASS'}"
     if not trt:
-        swizzled = profile.cutlass_fp4_scales == "128x4"
-        return LayerPlan(
-            chain(pad.w13, _swap(p * ip, hp // 2, is_act_and_mul)),
-            pad.w2,
-            _cutlass_fp4_scales(
-                pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul), p * ip, hp // block, swizzled
-            ),
-            _cutlass_fp4_scales(pad.w2_scale, None, hp, ip // block, swizzled),
-            intermediate,
-            hidden,
-            ip,
-            hp,
-            name,
+        swizzled = get_engine(engine).cutlass_fp4_scales == "128x4"
+        w13s = _cutlass_fp4_scales(
+            pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul), p * ip, hp // block, swizzled
         )
+        w2s = _cutlass_fp4_scales(pad.w2_scale, None, hp, ip // block, swizzled)
+        w13 = chain(pad.w13, _swap(p * ip, hp // 2, is_act_and_mul))
+        return LayerPlan(w13, pad.w2, w13s, w2s, intermediate, hidden, ip, hp, name)
     inner = plan_fp4_trtllm_weights(ip, hp, is_act_and_mul, is_gated, block)
     return LayerPlan(
         chain(pad.w13, inner.w13),

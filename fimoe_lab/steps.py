@@ -22,10 +22,13 @@ __all__ = [
     "permute_rows",
     "swap_w13_to_w31_rows",
     "interleave_rows_for_gated_act",
+    "interleave_row_groups",
     "shuffle_block_size",
     "shuffle_rows_for_epilogue",
     "block_major_k",
     "swizzle_scales_128x4",
+    "swizzle_scales_8x4",
+    "fold_scales_sm90_mixed",
     "STEPS",
     "build",
 ]
@@ -131,6 +134,30 @@ def interleave_rows_for_gated_act(rows: int, cols_bytes: int) -> IndexMap:
     return permute_rows(src, cols_bytes, "interleave_rows_for_gated_act", dict(rows=rows, cols_bytes=cols_bytes))
 
 
+@cache
+def interleave_row_groups(rows: int, cols_bytes: int, group: int) -> IndexMap:
+    """Interleave the two row halves in groups of ``group`` rows (CuTe-DSL gated FC1).
+
+    ``[M, K] -> [M, K]`` with ``G = M / (2 * group)`` groups per half: output group ``2j + h``
+    is group ``j`` of half ``h``, ``src[(2j + h) * group + r] = (h * G + j) * group + r``.
+    FlashInfer 0.7.x's ``interleave_cute_dsl_moe_weights`` uses group 64 (16 with swap_ab on
+    SM100/103); its ``deinterleave_gated_rows(x, group)`` is the inverse; group 1 is
+    :func:`interleave_rows_for_gated_act`. Needs ``M % (2 * group) == 0``.
+    """
+    if group < 1 or rows % (2 * group):
+        raise LayoutError(
+            f"interleave_row_groups: {rows} rows is not a multiple of 2 x {group} (each half a whole number "
+            f"of {group}-row groups)",
+            fix=f"pad the intermediate size to a multiple of {group} first",
+        )
+    g = rows // (2 * group)
+    h = torch.arange(2)[None, :, None]
+    j = torch.arange(g)[:, None, None]
+    r = torch.arange(group)[None, None, :]
+    src = ((h * g + j) * group + r).reshape(-1)
+    return permute_rows(src, cols_bytes, "interleave_row_groups", dict(rows=rows, cols_bytes=cols_bytes, group=group))
+
+
 def shuffle_block_size(epilogue_tile_m: int) -> int:
     """Rows per shuffle block: 32 when ``epilogue_tile_m % 128 == 0``, else 16."""
     return 32 if epilogue_tile_m % 128 == 0 else 16
@@ -217,15 +244,91 @@ def swizzle_scales_128x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
     )
 
 
+@cache
+def swizzle_scales_8x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
+    """The 8x4 swizzled block-scale layout (FlashInfer's ``SfLayout.layout_8x4``, ``SWIZZLED_8x4``).
+
+    ``[R, C]`` scales -> ``[Rp, Cp]`` with ``Rp = ceil8(R)``, ``Cp = ceil4(C)``, padding 0,
+    scale ``(r, c)`` at flat element ``(r//8)*(Cp/4)*32 + (c//4)*32 + (r%8)*4 + c%4``: 8-row x
+    4-column atoms stored row-major, atoms ordered K-tile fastest (``get_sf_out_offset_8x4`` in
+    FlashInfer's quantization kernels; the activation quantizer's small-M layout).
+    """
+    if rows < 1 or cols < 1:
+        raise LayoutError(f"swizzle_scales_8x4: empty scale matrix [{rows}, {cols}]")
+    rp, cp = round_up(rows, 8), round_up(cols, 4)
+    r = torch.arange(rp)[:, None]
+    c = torch.arange(cp)[None, :]
+    offset = (r // 8) * (cp // 4) * 32 + (c // 4) * 32 + (r % 8) * 4 + c % 4
+    inside = (r < rows) & (c < cols)
+    src = torch.empty(rp * cp, dtype=torch.int64)
+    src[offset.reshape(-1)] = torch.where(inside, r * cols + c, -1).reshape(-1)
+    return IndexMap(
+        src,
+        itemsize,
+        (rows, cols * itemsize),
+        (rp, cp * itemsize),
+        (0,),
+        "swizzle_scales_8x4",
+        dict(rows=rows, cols=cols, itemsize=itemsize),
+    )
+
+
+@cache
+def fold_scales_sm90_mixed(rows: int, cols: int, itemsize: int = 1, group_size: int = 32) -> IndexMap:
+    """SM90 mixed-input MoE GEMM scale folding (FlashInfer >= 0.6.15,
+    ``interleave_moe_scales_for_sm90_mixed_gemm``).
+
+    ``[R, C]`` scales (``C = K / group_size``, ``itemsize`` bytes each: 1 for UE8M0 MXFP4 with
+    group 32, 2 for bf16 W4A8 with group 128) -> ``[R/64, K/128, F, P]`` with ``P = 16 /
+    itemsize`` scales (16 B), ``S = 128 / group_size`` scale groups per K128 block,
+    ``Ms = P / S`` M slices and ``F = 64 / Ms`` folded rows: scale ``(a*64 + s*F + f, k*S + g)``
+    lands at ``[a, k, f, s*S + g]``. Needs ``R % 64 == 0`` and ``C % S == 0``.
+    """
+    if group_size < 1 or 128 % group_size or itemsize not in (1, 2, 4, 8, 16):
+        raise LayoutError(f"fold_scales_sm90_mixed: group_size {group_size} must divide 128, itemsize {itemsize}")
+    per_16b, per_k128 = 16 // itemsize, 128 // group_size
+    if per_16b % per_k128 or 64 % (per_16b // per_k128):
+        raise LayoutError(
+            f"fold_scales_sm90_mixed: {itemsize}-byte scales with group {group_size} do not fold into 64-row blocks"
+        )
+    slices = per_16b // per_k128
+    folded = 64 // slices
+    if rows < 1 or rows % 64 or cols < 1 or cols % per_k128:
+        raise LayoutError(
+            f"fold_scales_sm90_mixed: [{rows}, {cols}] scales need rows % 64 == 0 and columns % {per_k128} == 0",
+            fix="pad the rows to a multiple of 64 and K to a multiple of 128 first",
+        )
+    k128 = cols // per_k128
+    a = torch.arange(rows // 64)[:, None, None, None, None]
+    sl = torch.arange(slices)[None, :, None, None, None]
+    f = torch.arange(folded)[None, None, :, None, None]
+    k = torch.arange(k128)[None, None, None, :, None]
+    g = torch.arange(per_k128)[None, None, None, None, :]
+    src_in = (a * 64 + sl * folded + f) * cols + k * per_k128 + g  # indexed (a, s, f, k, g)
+    src = src_in.permute(0, 3, 2, 1, 4).reshape(-1)  # output order (a, k, f, s, g)
+    return IndexMap(
+        src,
+        itemsize,
+        (rows, cols * itemsize),
+        (rows // 64, k128, folded, 16),
+        (),
+        "fold_scales_sm90_mixed",
+        dict(rows=rows, cols=cols, itemsize=itemsize, group_size=group_size),
+    )
+
+
 STEPS = {
     f.__name__: f
     for f in (
         pad_projections,
         swap_w13_to_w31_rows,
         interleave_rows_for_gated_act,
+        interleave_row_groups,
         shuffle_rows_for_epilogue,
         block_major_k,
         swizzle_scales_128x4,
+        swizzle_scales_8x4,
+        fold_scales_sm90_mixed,
     )
 }
 """Every primitive step by kind: ``STEPS[m.kind](**m.params)`` rebuilds ``m``."""

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from fimoe_lab.checkpoints import safe_io
 from fimoe_lab.checkpoints.conventions import CONVENTIONS, Convention
 from fimoe_lab.checkpoints.inspect import LayerReport, format_report, inspect_checkpoint
 from fimoe_lab.checkpoints.moe_reference import layer_forward, moe_forward, random_routing
@@ -39,6 +40,7 @@ __all__ = [
     "moe_forward",
     "open_checkpoint",
     "random_routing",
+    "safe_io",
     "read_kernel_metadata",
     "restore_checkpoint",
     "restore_layers",

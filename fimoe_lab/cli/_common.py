@@ -26,13 +26,15 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NO_ANSWER = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 EXIT_MEANINGS = {
     EXIT_OK: "done, every check passed",
     EXIT_FAILED: "a check failed (a round trip or golden case differs), or an internal error",
     EXIT_BAD_INPUT: "bad input: the one 'error:' line says what is wrong and how to fix it",
     EXIT_NO_ANSWER: "no answer: the source does not know (e.g. a shape outside the tactic snapshot)",
-    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C); an interrupted write leaves nothing behind",
+    EXIT_TERMINATED: "terminated (SIGTERM); an interrupted write leaves nothing behind",
 }
 EXIT_STATUS_HELP = "exit status:\n" + "\n".join(f"{code}: {text}" for code, text in EXIT_MEANINGS.items())
 
@@ -104,7 +106,10 @@ def report_error(
     if debug:
         traceback.print_exception(exc, file=stream)
     if isinstance(exc, KeyboardInterrupt):
-        line, code = "interrupted", EXIT_INTERRUPTED
+        signum = getattr(exc, "signum", None)  # SIGTERM while writing (fimoe_lab.checkpoints.safe_io.Terminated)
+        line, code = (
+            ("interrupted", EXIT_INTERRUPTED) if signum is None else (f"terminated by signal {signum}", 128 + signum)
+        )
     elif isinstance(exc, FimoeError):
         line, code = f"error: {exc.within(command) if command else exc}", EXIT_BAD_INPUT
     elif isinstance(exc, BAD_PATH_ERRORS):
@@ -138,6 +143,21 @@ def lower_choice(valid: Iterable[str]) -> Callable[[str], str]:
         value = text.strip().lower()
         if value not in valid:
             raise argparse.ArgumentTypeError(f"{text!r} is not one of: {', '.join(valid)}")
+        return value
+
+    return parse
+
+
+def positive_int(flag: str) -> Callable[[str], int]:
+    """argparse ``type``: an integer >= 1 (sizes, alignments, counts)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive integer, got {text!r}")
         return value
 
     return parse

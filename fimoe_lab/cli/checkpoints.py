@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from fimoe_lab import specs
-from fimoe_lab.cli._common import EXIT_OK, checkpoint_path, int_list, show_progress
+from fimoe_lab.cli._common import EXIT_OK, checkpoint_path, int_list, positive_int, show_progress
 from fimoe_lab.resources import sample_names
 
 
@@ -88,17 +88,22 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
     c.add_argument("path", metavar="PATH", help="checkpoint directory or sample name")
     c.add_argument("out", metavar="OUT", help="output .safetensors file")
     c.add_argument("--backend", required=True, choices=specs.BACKENDS, help="FlashInfer MoE backend")
-    c.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1)")
+    c.add_argument("--tp", type=positive_int("--tp"), default=1, metavar="N", help="tensor-parallel size (default 1)")
     c.add_argument("--rank", type=int, default=0, metavar="R", help="tensor-parallel rank to write (default 0)")
     c.add_argument("--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all)")
     c.add_argument(
         "--intermediate-alignment",
-        type=int,
+        type=positive_int("--intermediate-alignment"),
         metavar="A",
         help="pad the intermediate size to a multiple of A "
         "(default: the backend's rule; 'inspect' says when the default fails)",
     )
-    c.add_argument("--hidden-alignment", type=int, metavar="A", help="pad the hidden size to a multiple of A")
+    c.add_argument(
+        "--hidden-alignment",
+        type=positive_int("--hidden-alignment"),
+        metavar="A",
+        help="pad the hidden size to a multiple of A",
+    )
     c.add_argument(
         "--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)"
     )

@@ -206,7 +206,7 @@ def _demo_layer(ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir) -
         target = out_dir / f"{path.name}-L{layer_idx}-{backend}-tp{tp}.safetensors"
         start = time.perf_counter()
         try:
-            ck.convert_checkpoint(path, target, backend, tp, 0, layers=[layer_idx])
+            ck.convert_checkpoint(path, target, backend, tp, 0, layers=[layer_idx], force=True)  # its own files only
         except FimoeError as exc:
             print(f"{path.name:<20} {layer_idx:>5} {layer.fmt:<10} {backend:<8} cannot convert: {exc}")
             cannot.append(f"{path.name} L{layer_idx} {backend}")

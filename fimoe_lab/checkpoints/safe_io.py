@@ -1,0 +1,372 @@
+"""Writing outputs without ever losing data, and reading inputs without trusting them.
+
+Outputs (``convert``'s file, ``restore``'s directory):
+
+- :func:`check_output` runs before anything is read: OUT must not be ``.``/``..``, the input,
+  inside the input, or a parent of it; an existing OUT is replaced only with ``force`` and
+  only when this tool wrote it (a file whose safetensors metadata has the ``fimoe_lab``
+  key; a directory holding :data:`MARKER` and nothing but what ``restore`` writes).
+- :class:`OutputLock`: ``.<name>.lock`` beside OUT, created with ``O_EXCL``; a second writer
+  of the same OUT fails at once; a lock whose process is gone (by pid) is taken over.
+- :func:`atomic_file` / :func:`atomic_dir`: a temporary created exclusively in OUT's
+  directory (``O_EXCL | O_NOFOLLOW``, or an exclusive ``mkdir``), fsynced, then ``os.replace``\\ d;
+  removed on any error, on SIGINT and on SIGTERM (:func:`signals_raise`, installed only
+  while writing); those of a writer killed by SIGKILL are swept by the next writer (:func:`sweep_stale`). Files get ``0o666 & ~umask`` (0644 under the usual umask).
+
+Inputs: :func:`regular_file` refuses FIFOs, devices and sockets (opening one may block
+forever); :func:`read_json` bounds the bytes read; :func:`inside` keeps index paths in
+the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import stat
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO, Optional
+
+from fimoe_lab.errors import CheckpointError
+
+__all__ = [
+    "MARKER",
+    "RESTORE_FILES",
+    "check_output",
+    "OutputLock",
+    "atomic_file",
+    "atomic_dir",
+    "signals_raise",
+    "regular_file",
+    "read_json",
+    "inside",
+    "safetensors_metadata",
+]
+
+MARKER = ".fimoe-lab-restored"
+"""File inside a directory written by ``restore``: what lets ``--force`` replace it."""
+RESTORE_FILES = frozenset({MARKER, "config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"})
+"""Everything ``restore`` writes; a directory with anything else is never replaced."""
+MAX_JSON_BYTES = 64 << 20
+"""config.json, the index and a safetensors header above this size are refused (real ones are < 10 MB)."""
+
+
+# ============================================================================ inputs
+def regular_file(path: Path, what: str) -> os.stat_result:
+    """``os.stat(path)`` if it is a regular file (symlinks followed); else CheckpointError / FileNotFoundError."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(2, f"no such {what}", str(path)) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO, device or socket"
+        raise CheckpointError(f"{path} ({what}) is {kind}, not a regular file", fix=f"pass the path of a real {what}")
+    return st
+
+
+def read_json(path: Path, what: str) -> Any:
+    """Parse a JSON file of at most :data:`MAX_JSON_BYTES` (a regular file) with one clear error."""
+    st = regular_file(path, what)
+    if st.st_size > MAX_JSON_BYTES:
+        raise CheckpointError(
+            f"{path} ({what}) is {st.st_size} bytes, over the {MAX_JSON_BYTES >> 20} MB limit",
+            fix="check that it is the right file",
+        )
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} ({what}) is not valid JSON: {exc}", fix=f"restore the original {what}") from None
+
+
+def inside(root: Path, name: object, what: str) -> Path:
+    """``root / name`` for a relative ``name`` without ``..`` whose real path stays in ``root``.
+
+    A Hugging Face cache snapshot (``<repo>/snapshots/<rev>``) links its files into
+    ``<repo>/blobs``: those links are followed too.
+    """
+    bad = not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts or "\0" in name
+    if bad:
+        raise CheckpointError(
+            f"{what} names {name!r}: not a plain relative path inside {root}",
+            fix="the index was edited; restore model.safetensors.index.json from the model's original files",
+        )
+    path = root / str(name)
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    allowed = [base]
+    if Path(base).parent.name == "snapshots":
+        allowed.append(os.path.join(os.path.dirname(os.path.dirname(base)), "blobs"))
+    if not any(real == a or real.startswith(a + os.sep) for a in allowed):
+        raise CheckpointError(
+            f"{what} {name!r} resolves to {real}, outside the checkpoint directory {base}",
+            fix="copy the shard into the checkpoint directory instead of linking out of it",
+        )
+    return path
+
+
+def safetensors_metadata(path: Path) -> Optional[dict]:
+    """The ``__metadata__`` of a safetensors file, from its bounded header only (None if it is not one)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return None
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_JSON_BYTES:
+                return None
+            header = json.loads(f.read(n))
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+# ============================================================================ where OUT may go
+def _real(p: Path) -> Path:
+    return Path(os.path.realpath(p))
+
+
+def _refuse(out: Path, why: str, fix: str) -> None:
+    raise CheckpointError(f"output {out} {why}", fix=fix)
+
+
+def check_output(out: Path, inputs: list[Path], force: bool, kind: str) -> None:
+    """Refuse an OUT (``kind`` ``file`` or ``dir``) that could destroy data, before anything is read."""
+    if out.name in ("", ".", "..") or str(out) in (".", "..", os.sep):
+        _refuse(out, "is a directory name, not a new output", "name a new file or directory, e.g. ./out")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        _refuse(out, f"cannot be written: its directory {parent} does not exist", f"create {parent} first")
+    r_out = _real(out)
+    for src in inputs:
+        r_src = _real(src)
+        if r_out == r_src or r_src in r_out.parents:
+            _refuse(out, f"is {'' if r_out == r_src else 'inside '}the input {src}", "write the output elsewhere")
+        if r_out in r_src.parents:
+            _refuse(out, f"is a parent of the input {src}", "write the output elsewhere")
+    if not os.path.lexists(out):
+        return
+    if not force:
+        _refuse(out, "exists", "pass --force to overwrite it (only an output this tool wrote is replaced)")
+    st = os.lstat(out)
+    if stat.S_ISLNK(st.st_mode):
+        _refuse(out, "is a symbolic link; it is never replaced", "remove the link or choose another output")
+    if kind == "file":
+        if not stat.S_ISREG(st.st_mode) or "fimoe_lab" not in (safetensors_metadata(out) or {}):
+            _refuse(out, "exists and was not written by 'fimoe-lab convert'", "choose another output or remove it")
+    else:
+        names = set(os.listdir(out)) if stat.S_ISDIR(st.st_mode) else set()
+        if MARKER not in names or not names <= RESTORE_FILES:
+            _refuse(
+                out,
+                "exists and is not a directory written by 'fimoe-lab restore' (only those are replaced)",
+                "choose another output directory or remove it",
+            )
+
+
+class OutputLock:
+    """``.<name>.lock`` beside ``out`` (``O_EXCL``), holding our pid; removed on exit."""
+
+    def __init__(self, out: Path):
+        self.path = out.parent / f".{out.name}.lock"
+        self.out = out
+
+    def __enter__(self) -> OutputLock:
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                pid = self._holder()
+                if pid is not None and _alive(pid):
+                    raise CheckpointError(
+                        f"another fimoe-lab (pid {pid}) is writing {self.out} (lock {self.path})",
+                        fix="wait for it to finish, or write to another output",
+                    ) from None
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return self
+        raise CheckpointError(f"could not take the lock {self.path}", fix="remove it if no fimoe-lab is running")
+
+    def _holder(self) -> Optional[int]:
+        try:
+            with open(self.path, "rb") as f:
+                return int(f.read(32).decode() or "0") or None
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ============================================================================ atomic writes
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM while an output is written (so the temporary is removed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """While writing: SIGINT raises KeyboardInterrupt, SIGTERM :class:`Terminated`; previous handlers restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def create_new(path: Path) -> BinaryIO:
+    """Open a new file for writing: ``O_EXCL | O_NOFOLLOW``, mode ``0o666 & ~umask``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path, flags, 0o666), "wb")
+
+
+def _fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _temp_name(out: Path, kind: str = "tmp") -> Path:
+    return out.parent / f".{out.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def sweep_stale(out: Path) -> list[Path]:
+    """Remove the temporaries of ``out`` left by writers that were killed (SIGKILL): their pid is gone.
+
+    Called while holding :class:`OutputLock`, so no live writer of ``out`` owns them.
+    """
+    removed = []
+    for kind in ("tmp", "old"):
+        for p in out.parent.glob(f".{glob_escape(out.name)}.{kind}-*-*"):
+            pid = p.name[len(f".{out.name}.{kind}-") :].split("-")[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                if kind == "old" and not os.path.lexists(out):
+                    os.rename(p, out)  # killed between moving the old output aside and putting the new one in
+                elif p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)
+                removed.append(p)
+    return removed
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with glob's special characters escaped."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+@contextlib.contextmanager
+def atomic_file(out: Path) -> Iterator[BinaryIO]:
+    """Yield a new temporary file beside ``out``; on success fsync it and ``os.replace`` it onto ``out``."""
+    tmp = _temp_name(out)
+    with signals_raise(), OutputLock(out):
+        sweep_stale(out)
+        try:
+            with create_new(tmp) as handle:
+                yield handle
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, out)
+            _fsync_dir(out.parent)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """Yield a new temporary directory beside ``out`` (``mkdir``, exclusive); on success put it at ``out``.
+
+    An existing ``out`` (already vetted by :func:`check_output`) is moved aside first and
+    removed only after the new one is in place (moved back if that fails).
+    """
+    with signals_raise(), OutputLock(out):
+        sweep_stale(out)
+        tmp = _temp_name(out)
+        os.mkdir(tmp, 0o777)  # exclusive, mode 0o777 & ~umask
+        old: Optional[Path] = None
+        try:
+            yield tmp
+            for p in tmp.iterdir():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+            if os.path.lexists(out):
+                old = _temp_name(out, "old")
+                os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                if old is not None:
+                    os.rename(old, out)
+                    old = None
+                raise
+            _fsync_dir(out.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json(path: Path, obj: object) -> None:
+    """A new JSON file (:func:`create_new`)."""
+    with create_new(path) as f:
+        f.write((json.dumps(obj, indent=2) + "\n").encode())
+
+
+def open_safetensors(path: Path, what: str = "safetensors file") -> Any:
+    """``safe_open(path)`` of a regular file; a corrupt or truncated one raises one CheckpointError."""
+    from safetensors import SafetensorError, safe_open
+
+    regular_file(Path(path), what)
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({one_line(exc)})",
+            fix="it is truncated or corrupt: copy or download it again",
+        ) from None
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's text on one line, at most 300 characters (header parse errors can be long)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."

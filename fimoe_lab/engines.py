@@ -1,0 +1,170 @@
+"""Engine profiles: what each inference engine's preparation code does by default, as data.
+
+A profile names an engine and version and fixes every default in which the engines'
+preparation of FlashInfer fused-MoE weights differs: the padding (alignments), the byte
+written into padded block scales, the layout of CUTLASS FP4 block scales, the FlashInfer
+version whose helpers it matches (signatures, permute-index cache keys). Recipes read the
+profile (``recipes.default_alignments(..., engine=)``, ``recipes.plan_layer(..., engine=)``);
+converted files record its name. Torch-free, like :mod:`fimoe_lab.specs` (the CLI builds its
+``--engine`` choices from :data:`ENGINE_CHOICES`).
+
+Sources (read from the published wheels and the engines' source; docs/design.md, "Engine
+profiles"): vLLM 0.34.0 pins FlashInfer 0.7.3, SGLang 0.5.23 pins 0.7.2; FlashInfer 0.7.4
+is the newest; 0.6.13 is the version the seed and the goldens come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fimoe_lab.errors import FimoeError
+
+__all__ = [
+    "Alignment",
+    "EngineProfile",
+    "ENGINES",
+    "ENGINE_CHOICES",
+    "DEFAULT_ENGINE",
+    "LEGACY_ENGINE",
+    "get_engine",
+]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """A profile's padding of one ``"format/backend"``, overriding the base table.
+
+    ``intermediate``/``hidden``: the multiple to pad to (None: the base table's value);
+    ``per_token_non_gated_hidden``: the hidden multiple when activations are NVFP4
+    per-token quantised and the activation is not gated (vLLM's
+    ``trtllm_nvfp4_hidden_alignment``: 512, because 256-aligned shapes left the default
+    tactic without a config).
+    """
+
+    intermediate: Optional[int] = None
+    hidden: Optional[int] = None
+    per_token_non_gated_hidden: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """One engine and version.
+
+    Attributes:
+        name: the ``--engine`` value (``vllm-0.34``).
+        engine: ``vllm``, ``sglang``, ``flashinfer`` or ``fimoe_lab``.
+        version: the engine's version.
+        flashinfer: the FlashInfer version it runs (pins).
+        alignments: ``{"format/backend": Alignment}``, overrides of the base table in
+            :func:`fimoe_lab.recipes.default_alignments` (which is FlashInfer 0.6.13's era).
+        scale_fill: ``{"format/backend": byte}``, the byte written into padded block scales
+            where it differs from ``specs.FORMATS[fmt].scale_fill`` (FlashInfer 0.7.x's
+            ``pad_trtllm_moe_weights``: 0x38 = E4M3 1.0 for NVFP4, 127 = UE8M0 1.0 for MXFP4).
+        cutlass_fp4_scales: ``"128x4"`` (the block scales of NVFP4 / MXFP4 / MXFP4xMXFP8 are
+            swizzled for the CUTLASS kernel, as vLLM, SGLang and FlashInfer's own
+            ``prepare_cutlass_*`` do) or ``"linear"`` (only the legacy profile: what fimoe_lab
+            wrote before the fix, kept so that those files restore).
+        permute_cache_key_parts: parts of FlashInfer's permute-index cache key: 2
+            (``(name, shape)``, FlashInfer < 0.6.17) or 5 (``(name, shape, epilogue_tile_m,
+            num_elts_per_sf, is_gated_act_gemm)``, >= 0.6.17).
+        transforms: the optional 0.7.x transforms the engine has (names of drop-ins).
+        choice: listed as an ``--engine`` choice (the legacy profile is not).
+        note: one line for tables and ``--help``.
+    """
+
+    name: str
+    engine: str
+    version: str
+    flashinfer: str
+    alignments: dict[str, Alignment] = field(default_factory=dict)
+    scale_fill: dict[str, int] = field(default_factory=dict)
+    cutlass_fp4_scales: str = "128x4"
+    permute_cache_key_parts: int = 5
+    transforms: tuple[str, ...] = ()
+    choice: bool = True
+    note: str = ""
+
+    def alignment(self, fmt: str, backend: str) -> Alignment:
+        """This profile's override for ``fmt``/``backend`` (empty when none)."""
+        return self.alignments.get(f"{fmt}/{backend}", Alignment())
+
+
+_TRANSFORMS_07 = ("pad_trtllm_moe_weights", "align_fp4_moe_hidden_dim_for_fi")
+
+ENGINES: dict[str, EngineProfile] = {
+    p.name: p
+    for p in (
+        EngineProfile(
+            "vllm-0.34",
+            "vllm",
+            "0.34.0",
+            "0.7.3",
+            alignments={
+                "bf16/trtllm": Alignment(intermediate=128),
+                "nvfp4/trtllm": Alignment(hidden=256, per_token_non_gated_hidden=512),
+            },
+            transforms=("align_fp4_moe_hidden_dim_for_fi",),
+            note="vLLM 0.34.0 (FlashInfer 0.7.3): BF16 TRT-LLM I 128, NVFP4 TRT-LLM H 256 (512 per-token non-gated)",
+        ),
+        EngineProfile(
+            "sglang-0.5.23",
+            "sglang",
+            "0.5.23",
+            "0.7.2",
+            alignments={
+                "bf16/trtllm": Alignment(intermediate=128),
+                "fp8/trtllm": Alignment(intermediate=128),
+                "fp8/cutlass": Alignment(intermediate=128),
+                "nvfp4/trtllm": Alignment(hidden=1, per_token_non_gated_hidden=512),
+            },
+            scale_fill={"mxfp8/trtllm": 0},
+            note="SGLang 0.5.23 (FlashInfer 0.7.2): I 128 at weight creation, MXFP8 pad scales 0",
+        ),
+        EngineProfile(
+            "flashinfer-0.7.4",
+            "flashinfer",
+            "0.7.4",
+            "0.7.4",
+            scale_fill={"nvfp4/trtllm": 0x38, "mxfp4/trtllm": 127},
+            transforms=_TRANSFORMS_07,
+            note="FlashInfer 0.7.4: pad scales neutral (0x38 NVFP4, 127 MXFP4), five-part permute cache keys",
+        ),
+        EngineProfile(
+            "flashinfer-0.6.13",
+            "flashinfer",
+            "0.6.13",
+            "0.6.13",
+            permute_cache_key_parts=2,
+            note="FlashInfer 0.6.13 and the vLLM of its era (the seed, the goldens)",
+        ),
+        EngineProfile(
+            "fimoe-legacy",
+            "fimoe_lab",
+            "0.2",
+            "0.6.13",
+            cutlass_fp4_scales="linear",
+            permute_cache_key_parts=2,
+            choice=False,
+            note="files converted before engine profiles: flashinfer-0.6.13 with linear CUTLASS FP4 scales",
+        ),
+    )
+}
+"""Every profile by name."""
+
+ENGINE_CHOICES: tuple[str, ...] = tuple(name for name, p in ENGINES.items() if p.choice)
+"""The ``--engine`` choices (newest vLLM first)."""
+
+DEFAULT_ENGINE = "vllm-0.34"
+"""What ``plan_layer``, ``convert``, ``inspect``, ``tune`` and the lab use when no engine is named."""
+
+LEGACY_ENGINE = "fimoe-legacy"
+"""What a converted file that records no engine was written with (``restore`` rebuilds with it)."""
+
+
+def get_engine(name: Optional[str]) -> EngineProfile:
+    """The profile ``name`` (None: :data:`DEFAULT_ENGINE`); one clear error for an unknown name."""
+    key = DEFAULT_ENGINE if name is None else name.strip().lower()
+    if key not in ENGINES:
+        raise FimoeError(f"unknown engine {name!r}", fix=f"choose one of {', '.join(ENGINE_CHOICES)}")
+    return ENGINES[key]

@@ -1,0 +1,97 @@
+"""``fimoe-lab lab`` is private: 127.0.0.1, token authentication always on (the token kept off the
+command line), notebooks copied to a user workspace, never opened inside the package or checkout."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fimoe_lab.cli import build_parser, lab, main
+from fimoe_lab.errors import FimoeError
+from fimoe_lab.resources import notebooks_dir
+
+
+def test_the_server_listens_locally_with_a_random_token_kept_off_the_command_line(tmp_path):
+    argv, env = lab.jupyterlab_command(tmp_path / "nb", 8899, tmp_path / "state", open_browser=False)
+    _, env2 = lab.jupyterlab_command(tmp_path / "nb", 8899, tmp_path / "state", open_browser=False)
+    token = env["JUPYTER_TOKEN"]
+    assert len(token) >= 32 and token != env2["JUPYTER_TOKEN"]  # random per launch
+    joined = " ".join(argv)
+    assert "--ServerApp.ip=127.0.0.1" in joined
+    assert token not in joined and "token=" not in joined.lower()  # /proc/PID/cmdline is world-readable
+    assert "disable_check_xsrf" not in joined and "password" not in joined.lower()
+
+
+def test_ip_and_token_pass_through_and_an_empty_token_is_refused(tmp_path):
+    argv, env = lab.jupyterlab_command(tmp_path / "nb", 1, tmp_path / "s", False, token="s3cret-token", ip="10.1.2.3")
+    assert "--ServerApp.ip=10.1.2.3" in argv and env["JUPYTER_TOKEN"] == "s3cret-token"
+    for empty in ("", "  "):
+        with pytest.raises(FimoeError, match="authentication off"):
+            lab.jupyterlab_command(tmp_path / "nb", 1, tmp_path / "s", False, token=empty)
+    args = build_parser().parse_args(["lab", "--ip", "0.0.0.0", "--token", "abc", "--no-browser"])
+    assert (args.ip, args.token) == ("0.0.0.0", "abc")
+    assert build_parser().parse_args(["lab"]).ip == "127.0.0.1"
+
+
+def test_the_default_workspace_is_the_users_not_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path)
+    folder = lab._notebook_dir(None)
+    assert folder == tmp_path / "data" / "fimoe-lab" / "notebooks"
+    shipped = sorted(p.name for p in notebooks_dir().glob("*.ipynb"))
+    assert shipped and sorted(p.name for p in folder.glob("*.ipynb")) == shipped
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing written into the current directory
+
+
+@pytest.mark.parametrize("where", ["package", "notebooks", "checkout"])
+def test_a_folder_inside_the_package_or_checkout_is_refused(where, capsys):
+    package = Path(lab.__file__).resolve().parents[1]
+    folder = {"package": package, "notebooks": notebooks_dir(), "checkout": package.parent / "tests"}[where]
+    if where == "checkout" and not (package.parent / "pyproject.toml").is_file():
+        pytest.skip("installed without its checkout")
+    if importlib.util.find_spec("jupyterlab") is None:
+        with pytest.raises(FimoeError, match="the package or its checkout"):
+            lab._notebook_dir(folder)
+        return
+    assert main(["lab", "--dir", str(folder), "--no-browser"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the package or its checkout" in err[0] and "(fix: " in err[0]
+
+
+def test_a_running_server_refuses_requests_without_the_token(tmp_path):
+    if importlib.util.find_spec("jupyterlab") is None:
+        pytest.skip("jupyterlab is not installed")
+    port = lab.free_port()
+    (tmp_path / "nb").mkdir()
+    argv, env = lab.jupyterlab_command(tmp_path / "nb", port, tmp_path / "state", open_browser=False)
+    log = open(tmp_path / "log", "w")  # noqa: SIM115 - closed below
+    server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api/contents"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, (tmp_path / "log").read_text()[-2000:]
+            try:
+                with urllib.request.urlopen(f"{url}?token={env['JUPYTER_TOKEN']}", timeout=2) as r:
+                    assert r.status == 200
+                    break
+            except urllib.error.HTTPError:
+                raise
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.3)
+        for bad in ("", "?token=wrong"):
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(url + bad, timeout=5)
+            assert info.value.code == 403
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=20)
+        log.close()
