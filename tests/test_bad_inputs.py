@@ -188,6 +188,15 @@ META_EDITS = {
         lambda m: m["checksums"].update({k: "f" * 64 for k in list(m["checksums"])[:1]}),
         "checksum mismatch",
     ),
+    "huge-checkpoint-shape": (
+        lambda m: _layer(m)["tensors"]["w13"]["checkpoint"].update(shape=[1, 1 << 20, 1 << 20]),
+        "not one the file's tensors can hold",
+    ),
+    "tp-size-none": (lambda m: m.update(tp_size=None), "metadata field 'tp_size'"),
+    "tp-rank-negative": (lambda m: m.update(tp_rank=-1), "metadata field 'tp_rank'"),
+    "config-not-object": (lambda m: m.update(config=2**40), "metadata field 'config'"),
+    "prefix-missing": (lambda m: m.pop("prefix"), "no 'prefix'"),
+    "convention-unknown": (lambda m: m.update(convention="nobody"), "unknown checkpoint convention"),
     "checksum-missing": (lambda m: m["checksums"].pop(sorted(m["checksums"])[0]), "no checksum recorded"),
 }
 
@@ -325,6 +334,12 @@ def _config_edit(keys: tuple[str, ...], value):
     return edit
 
 
+def _set_config(ck: Path, **kv) -> None:
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.update(kv)
+    (ck / "config.json").write_text(json.dumps(cfg))
+
+
 def _index_edit(fn):
     def edit(ck: Path) -> None:
         index = ck / "model.safetensors.index.json"
@@ -401,6 +416,7 @@ CHECKPOINT_EDITS = {
     "hidden-huge": (_config_edit(("hidden_size",), 1 << 40), "not an integer in"),
     "hidden-float": (_config_edit(("hidden_size",), 256.0), "not an integer in"),
     "intermediate-negative": (_config_edit(INTERMEDIATE_KEYS, -8), "not an integer in"),
+    "intermediate-one": (_config_edit(INTERMEDIATE_KEYS, 1), None),
     "intermediate-huge": (_config_edit(INTERMEDIATE_KEYS, 1 << 20), "shards hold"),
     "config-not-json": (lambda ck: (ck / "config.json").write_text("{"), "not valid JSON"),
     "config-list": (lambda ck: (ck / "config.json").write_text("[]"), "not a JSON object"),
@@ -437,6 +453,16 @@ def test_convert_and_inspect_refuse_a_tampered_checkpoint(command, sample, edit,
     out = tmp_path / "k.safetensors"
     argv = ["convert", ck, out, "--backend", BACKEND] if command == "convert" else ["inspect", ck, "--tp", "1"]
     expect_error(argv, capsys, out, [ck], match)
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+@pytest.mark.parametrize("value", [{"a": 1}, "7", "nan", True, [7.0]], ids=["object", "string", "nan", "bool", "list"])
+def test_gpt_oss_activation_parameters_must_be_numbers(command, value, tmp_path, capsys):
+    ck = copy_sample("gpt-oss-mxfp4", tmp_path)
+    _set_config(ck, swiglu_limit=float(value) if value == "nan" else value)
+    out = tmp_path / "k.safetensors"
+    argv = ["convert", ck, out, "--backend", BACKEND] if command == "convert" else ["inspect", ck, "--tp", "1"]
+    expect_error(argv, capsys, out, [ck], "swiglu_limit is")
 
 
 # ============================================================================ misused paths and flags
@@ -844,7 +870,7 @@ def test_two_writers_of_one_output_one_wins(forker, tmp_path):
     assert leftovers(out) == ["k.safetensors"] and _restores(out, tmp_path)
 
 
-AS_EDITS = ["huge-both", "huge-intermediate"]
+AS_EDITS = ["huge-both", "huge-intermediate", "huge-checkpoint-shape"]
 
 
 @pytest.mark.parametrize("edit", AS_EDITS + ["none"])

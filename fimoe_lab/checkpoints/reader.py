@@ -281,6 +281,18 @@ class Checkpoint:
             fix="add the key from the model's original config.json",
         )
 
+    def config_float(self, key: str, default: float) -> float:
+        """A finite number from config.json (``default`` when absent)."""
+        v = self.config.get(key, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise CheckpointError(
+                f"{self.path / 'config.json'}: {key} is {v!r}, not a finite number",
+                fix="restore the value from the model's original config.json",
+            )
+        return float(v)
+
     @property
     def hidden(self) -> int:
         return self.config_int(("hidden_size",), "hidden size")
@@ -343,6 +355,12 @@ class Checkpoint:
         spec = get_format(fmt)
         block = spec.scale_block or 1
         if conv.fused:
+            if full_i % block:
+                raise CheckpointError(
+                    f"{self.path / 'config.json'}: intermediate size {full_i} is not a multiple of the {block}-value "
+                    f"{fmt.upper()} block, so the packed expert tensors cannot have the shape the convention needs",
+                    fix="check that config.json belongs to these weights",
+                )
             per_rank = -(-(full_i // block) // tp_size) * block
             r0, r1 = tp_rank * per_rank, min((tp_rank + 1) * per_rank, full_i)
             if r1 <= r0:
@@ -392,10 +410,9 @@ class Checkpoint:
         reader = _FusedReader if conv.fused else _PerExpertReader
         moe = reader(self, layer, tp_size, tp_rank, r0, r1, load, progress).run()
         if conv.activation == "swiglu_oai":
-            cfg = self.config
             moe.activation_params = {
-                "alpha": float(cfg.get("swiglu_alpha", 1.702)),
-                "limit": float(cfg.get("swiglu_limit", 7.0)),
+                "alpha": self.config_float("swiglu_alpha", 1.702),
+                "limit": self.config_float("swiglu_limit", 7.0),
             }
         return moe
 

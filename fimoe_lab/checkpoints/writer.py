@@ -19,9 +19,15 @@ The metadata key ``fimoe_lab`` holds JSON (file format version 2), per layer:
 steps equal the rebuilt ones, and applies ``plan.inverse()``. Version-1 files (a ``builder``
 module path and display names of the steps) still restore: see :func:`check_record`.
 
-The file is streamed (header first, one layer in memory at a time) to a temporary name
-beside the output and renamed only when complete: an interrupted or failed conversion
-leaves no output file behind.
+- ``checksums``: ``{tensor name: sha256 hex of its bytes}``, computed while streaming;
+  :func:`restore_layers` verifies each tensor it reads (:func:`verify_checksum`).
+
+The file is streamed (header first, one layer in memory at a time) to a temporary created
+exclusively beside the output, fsynced and renamed only when complete
+(:mod:`fimoe_lab.checkpoints.safe_io`): an interrupted or failed conversion leaves no output
+file behind, and an existing output is replaced only with ``force`` and only if this tool
+wrote it. Restore bounds every size a record gives by the file's own bytes before it builds
+anything (:func:`_check_sizes`).
 """
 
 from __future__ import annotations
@@ -520,7 +526,32 @@ def read_kernel_metadata(path: str | os.PathLike) -> dict:
         )
     if not isinstance(meta.get("layers"), dict) or not isinstance(meta.get("checksums", {}), dict):
         raise CheckpointError(f"{path}: its metadata has no table of layers", fix=_EDITED)
+    _check_fields(path, meta)
     return meta
+
+
+def _is_int(v: object, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "prefix": (lambda v: isinstance(v, str), "a string"),
+    "block": (lambda v: isinstance(v, str), "a string"),
+    "convention": (lambda v: v is None or isinstance(v, str), "a convention name"),
+    "config": (lambda v: v is None or isinstance(v, dict), "a JSON object"),
+    "tp_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
+    "tp_rank": (lambda v: _is_int(v, 0), "an integer >= 0"),
+}
+"""Top-level metadata fields that restore uses, and the form ``convert`` writes them in."""
+
+
+def _check_fields(path: str | os.PathLike, meta: dict) -> None:
+    for key, (ok, form) in _FIELDS.items():
+        if key in meta and not ok(meta[key]):
+            raise CheckpointError(f"{path}: metadata field {key!r} is {meta[key]!r}, not {form}", fix=_EDITED)
+    for key in ("prefix", "block"):
+        if key not in meta:
+            raise CheckpointError(f"{path}: metadata has no {key!r}", fix=_EDITED)
 
 
 _EDITED = "the file was modified after conversion; convert the checkpoint again"
@@ -661,6 +692,17 @@ def _check_sizes(f, rec: dict, name: Callable[[str], str]) -> None:
             f"({sl.get_dtype()} {shape})",
             fix=_EDITED,
         )
+    _check_shapes(rec, per_expert * max(1, shape[0] if shape else 1))
+
+
+def _check_shapes(rec: dict, limit: int) -> None:
+    """Every shape a record gives (checkpoint, kernel, extras) is a list of ints >= 0 whose element
+    count is at most ``limit`` (the bytes of the file's own w13 tensor, the largest one)."""
+    shapes = [(n, t[k]["shape"]) for n, t in rec["tensors"].items() for k in ("checkpoint", "kernel")]
+    shapes += [(n, x[k]) for n, x in rec["extras"].items() for k in ("shape", "kernel_shape")]
+    for n, sh in shapes:
+        if not isinstance(sh, list) or not all(_is_int(d, 0) for d in sh) or math.prod(sh) > limit:
+            raise CheckpointError(f"{n}: recorded shape {sh!r} is not one the file's tensors can hold", fix=_EDITED)
 
 
 def _restore_layer(f, meta: dict, idx: int, rec: dict) -> MoELayer:

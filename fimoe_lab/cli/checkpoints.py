@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "restore",
         help="map a converted kernel-layout file back to a checkpoint in its original naming convention",
         description=(
-            "Rebuild each layer's plan from the recorded arguments, check its steps against the recorded ones, apply the "
+            "Rebuild each layer's plan from the recorded arguments, check its steps against the recorded ones and each "
+            "tensor against the SHA-256 convert recorded (a corrupt or edited file is refused), apply the "
             "inverse (padding dropped) and write OUT_DIR: config.json, index and one shard with the expert tensors in the "
             "source's naming convention, byte-identical to the source (for a TP shard: the rank's slice)."
         ),
