@@ -46,8 +46,8 @@ def _short(exc: Exception) -> str:
     return " ".join((exc.message if isinstance(exc, FimoeError) else str(exc)).split())
 
 
-def _describe(layer: MoELayer, backend: str, alignment: Optional[int] = None) -> str:
-    plan = build_plan(plan_args(layer, backend, alignment))
+def _describe(layer: MoELayer, backend: str, alignment: Optional[int] = None, engine: Optional[str] = None) -> str:
+    plan = build_plan(plan_args(layer, backend, alignment, engine=engine))
     maps = plan.maps()
     src = sum(m.in_bytes for m in maps.values())
     dst = sum(m.out_bytes for m in maps.values())
@@ -66,15 +66,16 @@ def _describe(layer: MoELayer, backend: str, alignment: Optional[int] = None) ->
     return text
 
 
-def backend_needs(layer: MoELayer, backend: str) -> str:
-    """One line: what ``backend`` needs for this (per-rank) layer: padding, or why it fails and the fix."""
+def backend_needs(layer: MoELayer, backend: str, engine: Optional[str] = None) -> str:
+    """One line: what ``backend`` needs for this (per-rank) layer under ``engine``'s profile
+    (default: the newest vLLM's): padding, or why it fails and the fix."""
     try:
-        return _describe(layer, backend)
+        return _describe(layer, backend, engine=engine)
     except ValueError as exc:
-        a = suggest_alignment(layer, backend)
+        a = suggest_alignment(layer, backend, engine)
         if a is None:
             return f"cannot lay out: {_short(exc)}"
-        return f"default fails ({_short(exc)}); --intermediate-alignment {a}: {_describe(layer, backend, a)}"
+        return f"default fails ({_short(exc)}); --intermediate-alignment {a}: {_describe(layer, backend, a, engine)}"
 
 
 def scale_health(layer: MoELayer) -> list[str]:
@@ -152,9 +153,13 @@ def _sign_and_subnormal(s: torch.Tensor, scale_dtype: str, what: str) -> list[st
 
 
 def inspect_checkpoint(
-    path: str | os.PathLike, layers: Optional[Sequence[int]] = None, tps: Sequence[int] = (1, 2, 4, 8)
+    path: str | os.PathLike,
+    layers: Optional[Sequence[int]] = None,
+    tps: Sequence[int] = (1, 2, 4, 8),
+    engine: Optional[str] = None,
 ) -> list[LayerReport]:
-    """A :class:`LayerReport` per MoE layer (all, or ``layers``) of the checkpoint at ``path``."""
+    """A :class:`LayerReport` per MoE layer (all, or ``layers``) of the checkpoint at ``path``;
+    paddings as ``engine``'s profile applies them (default: the newest vLLM's)."""
     reports = []
     with Checkpoint(path) as ck:
         conv = ck.convention
@@ -194,7 +199,7 @@ def inspect_checkpoint(
                 row["shard"] = f"I/tp = {sizes[0]}" + (f" (last {sizes[-1]})" if sizes[-1] != sizes[0] else "")
                 shard = ck.read_layer(idx, tp, 0, load="none")
                 for backend in BACKENDS:
-                    row[backend] = backend_needs(shard, backend)
+                    row[backend] = backend_needs(shard, backend, engine)
                 rep.tp[tp] = row
             reports.append(rep)
     return reports

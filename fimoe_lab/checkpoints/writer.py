@@ -45,7 +45,7 @@ from typing import Optional
 
 import torch
 
-from fimoe_lab import recipes
+from fimoe_lab import engines, recipes
 from fimoe_lab.checkpoints import conventions, safe_io
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
@@ -92,13 +92,11 @@ def plan_args(
 ) -> dict:
     """The record that rebuilds this layer's plan: ``{"recipe": id, "args": plan_layer keyword arguments}``.
 
-    ``engine``: the profile (:mod:`fimoe_lab.engines`), recorded by its resolved name so that
-    ``restore`` rebuilds with the same defaults. None: ``engines.LEGACY_ENGINE``, what this
-    module's callers (convert, the version-1 shape check) wrote before they took an engine;
-    once they pass one (convert: ``engines.DEFAULT_ENGINE`` unless ``--engine`` names another)
-    only the version-1 check relies on this default.
+    ``engine``: the profile (:mod:`fimoe_lab.engines`; None: ``engines.DEFAULT_ENGINE``),
+    recorded by its resolved name so that ``restore`` rebuilds with the same defaults. Files
+    that record none were written before profiles and rebuild with ``engines.LEGACY_ENGINE``
+    (:func:`build_plan`).
     """
-    from fimoe_lab import engines  # here, not at the top: this function owns the engine record
 
     if layer.fmt not in weight_formats():
         raise CheckpointError(
@@ -116,7 +114,7 @@ def plan_args(
             "is_gated": layer.is_gated,
             "intermediate_alignment": intermediate_alignment,
             "hidden_alignment": hidden_alignment,
-            "engine": engines.LEGACY_ENGINE if engine is None else engines.get_engine(engine).name,
+            "engine": engines.get_engine(engine or engines.DEFAULT_ENGINE).name,
         },
     }
 
@@ -129,7 +127,6 @@ def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
     before engine profiles) rebuilds with ``fimoe_lab.engines.LEGACY_ENGINE``, the defaults
     it was written with.
     """
-    from fimoe_lab import engines
 
     args = dict(record.get("args") or {})
     args.setdefault("engine", engines.LEGACY_ENGINE)
@@ -165,11 +162,11 @@ def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
 TRY_ALIGNMENTS = (16, 32, 64, 128, 256)
 
 
-def suggest_alignment(layer: MoELayer, backend: str) -> Optional[int]:
+def suggest_alignment(layer: MoELayer, backend: str, engine: Optional[str] = None) -> Optional[int]:
     """The smallest intermediate alignment in :data:`TRY_ALIGNMENTS` whose plan builds for this layer, or None."""
     for a in TRY_ALIGNMENTS:
         try:
-            build_plan(plan_args(layer, backend, a))
+            build_plan(plan_args(layer, backend, a, engine=engine))
             return a
         except ValueError:
             continue
@@ -177,14 +174,20 @@ def suggest_alignment(layer: MoELayer, backend: str) -> Optional[int]:
 
 
 def convert_layer(
-    layer: MoELayer, backend: str, intermediate_alignment: Optional[int] = None, hidden_alignment: Optional[int] = None
+    layer: MoELayer,
+    backend: str,
+    intermediate_alignment: Optional[int] = None,
+    hidden_alignment: Optional[int] = None,
+    engine: Optional[str] = None,
 ) -> tuple[dict[str, torch.Tensor], LayerPlan, dict]:
     """One layer into the kernel layout: ``(tensors by kernel name, plan, plan spec)``.
 
-    Only bytes move (block scales are not clamped; see ``inspect`` for dead scales).
-    Biases (gpt-oss) follow their weight's rows; other extras pass unchanged.
+    ``engine``: the profile whose defaults and layouts apply (:mod:`fimoe_lab.engines`;
+    None: the newest vLLM's, ``engines.DEFAULT_ENGINE``). Only bytes move (block scales are
+    not clamped; see ``inspect`` for dead scales). Biases (gpt-oss) follow their weight's
+    rows; other extras pass unchanged.
     """
-    spec = plan_args(layer, backend, intermediate_alignment, hidden_alignment)
+    spec = plan_args(layer, backend, intermediate_alignment, hidden_alignment, engine=engine)
     plan = build_plan(spec)
     outs = plan.apply(
         layer.w13.contiguous(),
@@ -324,7 +327,9 @@ def _dtype_shape(dtype: torch.dtype, shape: Sequence[int]) -> dict:
     return {"dtype": dtype_name(dtype), "shape": list(shape)}
 
 
-def _dry_run(layer: MoELayer, backend: str, ia: Optional[int], ha: Optional[int]) -> tuple[dict, LayerPlan, dict]:
+def _dry_run(
+    layer: MoELayer, backend: str, ia: Optional[int], ha: Optional[int], engine: Optional[str] = None
+) -> tuple[dict, LayerPlan, dict]:
     """Kernel ``(dtype, shape)`` by kernel name of a layer (shapes only; meta tensors allowed), from
     a one-expert conversion; with the plan and its :func:`plan_args` record."""
 
@@ -333,13 +338,15 @@ def _dry_run(layer: MoELayer, backend: str, ia: Optional[int], ha: Optional[int]
 
     probe = layer.with_tensors(**{n: one_expert(t) for n, t in layer.tensors().items()})
     probe = replace(probe, extras={n: one_expert(t) for n, t in layer.extras.items()})
-    tensors, plan, spec = convert_layer(probe, backend, ia, ha)
+    tensors, plan, spec = convert_layer(probe, backend, ia, ha, engine)
     return {n: (t.dtype, (layer.num_experts,) + tuple(t.shape[1:])) for n, t in tensors.items()}, plan, spec
 
 
-def _kernel_specs(layer: MoELayer, backend: str, ia: Optional[int], ha: Optional[int]) -> tuple[dict, dict]:
+def _kernel_specs(
+    layer: MoELayer, backend: str, ia: Optional[int], ha: Optional[int], engine: Optional[str] = None
+) -> tuple[dict, dict]:
     """Kernel dtypes/shapes of a layer (:func:`_dry_run`) and its metadata record (module docstring)."""
-    kernel, plan, spec = _dry_run(layer, backend, ia, ha)
+    kernel, plan, spec = _dry_run(layer, backend, ia, ha, engine)
     record = {
         "plan": spec,
         "description": plan.description,
@@ -382,6 +389,7 @@ def write_kernel_layout(
     info: Optional[dict] = None,
     progress: bool = False,
     force: bool = False,
+    engine: Optional[str] = None,
 ) -> Path:
     """Convert and stream layers into one kernel-layout safetensors file at ``out`` (atomically).
 
@@ -398,9 +406,9 @@ def write_kernel_layout(
     records = {}
     for idx, shape_layer, _ in sources:
         try:
-            kernel, record = _kernel_specs(shape_layer, backend, intermediate_alignment, hidden_alignment)
+            kernel, record = _kernel_specs(shape_layer, backend, intermediate_alignment, hidden_alignment, engine)
         except ValueError as exc:
-            a = suggest_alignment(shape_layer, backend) if intermediate_alignment is None else None
+            a = suggest_alignment(shape_layer, backend, engine) if intermediate_alignment is None else None
             fix = (
                 f"intermediate alignment {a} works (CLI: --intermediate-alignment {a})"
                 if a
@@ -437,7 +445,7 @@ def write_kernel_layout(
         writer = _StreamWriter(handle, specs, {"fimoe_lab": meta}, checksum_key="fimoe_lab")
         for idx, _, load in sources:
             layer = load()
-            tensors, _, _ = convert_layer(layer, backend, intermediate_alignment, hidden_alignment)
+            tensors, _, _ = convert_layer(layer, backend, intermediate_alignment, hidden_alignment, engine)
             for name in (n for n in specs if n.startswith(_out_name(prefix, block, idx, ""))):
                 t = tensors[name.rsplit(".", 1)[-1]]
                 writer.write(name, t)
@@ -460,8 +468,11 @@ def convert_checkpoint(
     hidden_alignment: Optional[int] = None,
     progress: bool = False,
     force: bool = False,
+    engine: Optional[str] = None,
 ) -> Path:
     """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``.
+
+    ``engine``: the profile (``vllm-0.34`` by default; :mod:`fimoe_lab.engines`), recorded in the file.
 
     ``out`` is vetted before anything is read (never the input, inside it or a parent of it;
     an existing one only with ``force`` and only if this tool wrote it).
@@ -500,6 +511,7 @@ def convert_checkpoint(
             info=info,
             progress=progress,
             force=force,
+            engine=engine,
         )
 
 
@@ -615,7 +627,11 @@ def _shape_layer(rec: dict) -> MoELayer:
 def _check_v1_shapes(rec: dict) -> None:
     args = rec["plan"]["args"]
     kernel, _, _ = _dry_run(
-        _shape_layer(rec), args["backend"], args["intermediate_alignment"], args["hidden_alignment"]
+        _shape_layer(rec),
+        args["backend"],
+        args["intermediate_alignment"],
+        args["hidden_alignment"],
+        engines.LEGACY_ENGINE,
     )
     recorded = {trec["name"]: (trec["kernel"]["dtype"], trec["kernel"]["shape"]) for trec in rec["tensors"].values()}
     recorded.update({n: (x["dtype"], x["kernel_shape"]) for n, x in rec["extras"].items()})

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+from fimoe_lab import engines
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.resources import sample_names, sample_path
 
@@ -189,4 +190,16 @@ def checkpoint_path(value: str) -> Path:
         return sample_path(value)
     raise FileNotFoundError(
         f"{value}: no such checkpoint directory or sample; samples: {', '.join(sample_names()) or 'none'}"
+    )
+
+
+def add_engine_option(parser: argparse.ArgumentParser) -> None:
+    """``--engine``: the engine profile whose defaults and layouts apply (choices from the profile table)."""
+    parser.add_argument(
+        "--engine",
+        choices=engines.ENGINE_CHOICES,
+        default=engines.DEFAULT_ENGINE,
+        metavar="ENGINE",
+        help=f"engine profile whose default paddings, pad bytes and scale layouts apply: "
+        f"{', '.join(engines.ENGINE_CHOICES)} (default {engines.DEFAULT_ENGINE})",
     )

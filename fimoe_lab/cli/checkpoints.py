@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from fimoe_lab import specs
-from fimoe_lab.cli._common import EXIT_OK, checkpoint_path, int_list, positive_int, show_progress
+from fimoe_lab.cli._common import EXIT_OK, add_engine_option, checkpoint_path, int_list, positive_int, show_progress
 from fimoe_lab.resources import sample_names
 
 
@@ -69,6 +69,7 @@ def _register_inspect(sub: argparse._SubParsersAction, note: str) -> None:
         metavar="T,T,..",
         help="TP sizes to check (default 1,2,4,8)",
     )
+    add_engine_option(p)
     p.set_defaults(handler=run_inspect)
 
 
@@ -113,6 +114,7 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         action="store_true",
         help="replace OUT if it exists and was written by convert (never any other file)",
     )
+    add_engine_option(c)
     c.set_defaults(handler=run_convert)
 
 
@@ -121,7 +123,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     path = checkpoint_path(args.path)
     print(f"{path}\n")
-    print(format_report(inspect_checkpoint(path, args.layer, args.tp)))
+    print(format_report(inspect_checkpoint(path, args.layer, args.tp, args.engine)))
     return EXIT_OK
 
 
@@ -139,6 +141,7 @@ def run_convert(args: argparse.Namespace) -> int:
         args.hidden_alignment,
         progress=show_progress(args.no_progress),
         force=args.force,
+        engine=args.engine,
     )
     meta = read_kernel_metadata(out)
     for idx, rec in meta["layers"].items():

@@ -11,7 +11,7 @@ import argparse
 import time
 
 from fimoe_lab import specs
-from fimoe_lab.cli._common import EXIT_FAILED, EXIT_OK, checkpoint_path, int_list
+from fimoe_lab.cli._common import EXIT_FAILED, EXIT_OK, add_engine_option, checkpoint_path, int_list
 from fimoe_lab.errors import CheckpointError, FimoeError, LayoutError
 
 
@@ -78,6 +78,7 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
         type=int_list("--where", "5,3", minimum=0),
         help="trace this w13 output byte (coordinates in the output shape) to its source",
     )
+    add_engine_option(p)
     p.set_defaults(handler=run_plan)
 
 
@@ -129,7 +130,7 @@ def run_plan(args: argparse.Namespace) -> int:
     pairs = [(fmt, backend) for fmt in formats for backend in backends]
     for fmt, backend in pairs:
         try:
-            plan = plan_layer(fmt, backend, args.intermediate, args.hidden, gated, gated)
+            plan = plan_layer(fmt, backend, args.intermediate, args.hidden, gated, gated, engine=args.engine)
         except FimoeError as exc:
             print(f"{fmt:<10} {backend:<8} cannot run: {exc}")
             cannot.append(f"{fmt} {backend}")

@@ -15,7 +15,16 @@ import argparse
 import sys
 
 from fimoe_lab import specs
-from fimoe_lab.cli._common import EXIT_NO_ANSWER, EXIT_OK, int_list, lower_choice, one_line, print_json, show_progress
+from fimoe_lab.cli._common import (
+    EXIT_NO_ANSWER,
+    EXIT_OK,
+    add_engine_option,
+    int_list,
+    lower_choice,
+    one_line,
+    print_json,
+    show_progress,
+)
 from fimoe_lab.errors import FormatError, OracleError
 from fimoe_lab.presets import PRESETS, get_preset
 
@@ -95,6 +104,7 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
         help="token profile: counts, optionally weighted T:w (default 1,8,64,512,4096,16384, equal weights)",
     )
     t.add_argument("--gpu", choices=GPU_NAMES, default="b200", help="target GPU of the time model (default b200)")
+    add_engine_option(t)
     t.add_argument(
         "--source",
         choices=SOURCES,
@@ -267,6 +277,7 @@ def run_tune(a: argparse.Namespace) -> int:
             weights=weights,
             gpu=a.gpu,
             progress=show_progress(),
+            engine=a.engine,
         )
     finally:
         oracle.close()

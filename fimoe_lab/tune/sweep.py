@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from ..engines import DEFAULT_ENGINE
 from ..errors import FimoeError
 from ..presets import ModelPreset, get_preset
 from ..recipes import default_alignments, plan_layer
@@ -51,7 +52,9 @@ TOKENS: tuple[int, ...] = (1, 8, 64, 512, 4096, 16384)
 TPS: tuple[int, ...] = (1, 2, 4, 8)
 
 
-def reference_alignments(preset: ModelPreset, fmt: str, per_token: bool = False) -> tuple[int, int]:
+def reference_alignments(
+    preset: ModelPreset, fmt: str, per_token: bool = False, engine: Optional[str] = None
+) -> tuple[int, int]:
     """``(intermediate, hidden)`` alignments ``fimoe-lab convert`` pads ``preset`` to in ``fmt`` on TRT-LLM.
 
     ``recipes.default_alignments(plan_format, "trtllm", is_act_and_mul, is_gated)`` with
@@ -60,7 +63,9 @@ def reference_alignments(preset: ModelPreset, fmt: str, per_token: bool = False)
     tactic_format(fmt)
     act = get_activation(preset.activation)
     plan_fmt = FORMATS[fmt.strip().lower()].plan_format
-    return default_alignments(plan_fmt, "trtllm", act.is_act_and_mul, act.gated, per_token_activation=per_token)
+    return default_alignments(
+        plan_fmt, "trtllm", act.is_act_and_mul, act.gated, per_token_activation=per_token, engine=engine
+    )
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ def paddings(
     hidden_aligns: Sequence[int] = HIDDEN_ALIGNS,
     fmt: Optional[str] = None,
     per_token: bool = False,
+    engine: Optional[str] = None,
 ) -> list[Padding]:
     """Every (intermediate alignment, hidden alignment) choice for ``preset`` at ``tp``.
 
@@ -95,7 +101,7 @@ def paddings(
     """
     inter = preset.local_intermediate(tp)
     pairs = [(ia, ha) for ia in inter_aligns for ha in hidden_aligns]
-    reference = reference_alignments(preset, fmt, per_token) if fmt is not None else None
+    reference = reference_alignments(preset, fmt, per_token, engine) if fmt is not None else None
     if reference is not None and reference not in pairs:
         pairs.append(reference)
     return [Padding(ia, ha, inter, preset.hidden, round_up(inter, ia), round_up(preset.hidden, ha)) for ia, ha in pairs]
@@ -126,10 +132,11 @@ def queries_for(
     tokens: Sequence[int] = TOKENS,
     inter_aligns: Sequence[int] = INTER_ALIGNS,
     hidden_aligns: Sequence[int] = HIDDEN_ALIGNS,
+    engine: Optional[str] = None,
 ) -> list[TacticQuery]:
     """The oracle queries a sweep of (preset, fmt, tp) needs (deduplicated, normalized)."""
     seen, out = set(), []
-    for p in paddings(preset, tp, inter_aligns, hidden_aligns, fmt, per_token):
+    for p in paddings(preset, tp, inter_aligns, hidden_aligns, fmt, per_token, engine):
         for t in tokens:
             q = _query(preset, fmt, p, t, per_token, layout)
             if q.key() not in seen:
@@ -191,7 +198,9 @@ def _minimal(df, tcols: list[str]) -> Optional[dict]:
     }
 
 
-def convert_check(preset: ModelPreset, fmt: str, tp: int, inter_align: int, hidden_align: int) -> Optional[str]:
+def convert_check(
+    preset: ModelPreset, fmt: str, tp: int, inter_align: int, hidden_align: int, engine: Optional[str] = None
+) -> Optional[str]:
     """None when ``convert`` applies this padding on TRT-LLM at ``tp``, else why not.
 
     Builds the layer plan with :func:`fimoe_lab.recipes.plan_layer` (the format's layout
@@ -202,7 +211,7 @@ def convert_check(preset: ModelPreset, fmt: str, tp: int, inter_align: int, hidd
     """
     act = get_activation(preset.activation)
     inter = preset.local_intermediate(tp)
-    is_default = (inter_align, hidden_align) == reference_alignments(preset, fmt)
+    is_default = (inter_align, hidden_align) == reference_alignments(preset, fmt, engine=engine)
     try:
         plan = plan_layer(
             FORMATS[fmt].plan_format,
@@ -213,6 +222,7 @@ def convert_check(preset: ModelPreset, fmt: str, tp: int, inter_align: int, hidd
             act.gated,
             None if is_default else inter_align,  # convert without alignment options
             None if is_default else hidden_align,
+            engine=engine,
         )
     except FimoeError as exc:
         return exc.message
@@ -221,16 +231,18 @@ def convert_check(preset: ModelPreset, fmt: str, tp: int, inter_align: int, hidd
     return None if got == want else f"convert pads to intermediate x hidden {got}, not {want}"
 
 
-def tp_alternatives(preset: ModelPreset, fmt: str, tp: int, per_token: bool = False) -> list[str]:
+def tp_alternatives(
+    preset: ModelPreset, fmt: str, tp: int, per_token: bool = False, engine: Optional[str] = None
+) -> list[str]:
     """What works instead of a TP size whose shard ``convert`` refuses: other TP sizes, expert parallelism."""
-    ref = reference_alignments(preset, fmt, per_token)
+    ref = reference_alignments(preset, fmt, per_token, engine)
     ok_tps = [
         t
         for t in (1, 2, 4, 8, 16)
-        if t != tp and preset.moe_intermediate % t == 0 and convert_check(preset, fmt, t, *ref) is None
+        if t != tp and preset.moe_intermediate % t == 0 and convert_check(preset, fmt, t, *ref, engine) is None
     ]
     out = [f"--tp {' or '.join(map(str, ok_tps))} (whole scale blocks per rank)"] if ok_tps else []
-    if preset.experts % tp == 0 and convert_check(preset, fmt, 1, *ref) is None:
+    if preset.experts % tp == 0 and convert_check(preset, fmt, 1, *ref, engine) is None:
         out.append(
             f"expert parallelism over {tp} ranks ({preset.experts // tp} whole experts each, intermediate "
             f"{preset.moe_intermediate} unsplit: tune with --tp 1 and {preset.experts // tp} experts)"
@@ -367,6 +379,7 @@ def sweep(
     progress: bool = False,
     weights: Optional[Sequence[float]] = None,
     gpu: str = "b200",
+    engine: Optional[str] = None,
 ):
     """Tactic counts, predicted time and padding waste for every alignment choice of (preset, fmt, tp).
 
@@ -396,13 +409,13 @@ def sweep(
             f"token weights {weights} do not fit tokens {list(tokens)}", fix="one weight >= 0 per token count"
         )
     oracle = oracle or TacticOracle()
-    qs = queries_for(p, fmt, tp, per_token, layout, tokens, inter_aligns, hidden_aligns)
+    qs = queries_for(p, fmt, tp, per_token, layout, tokens, inter_aligns, hidden_aligns, engine)
     answers = {q.key(): a for q, a in zip(qs, oracle.ask_many(qs, progress=progress))}
-    ref = reference_alignments(p, fmt, per_token)
+    ref = reference_alignments(p, fmt, per_token, engine)
     matrices = get_activation(p.activation).projections + 1  # W13 (P x I x H) + W2 (H x I)
     mbytes_per_element = p.experts * matrices * FORMATS[fmt].bits_per_weight / 8 / 1e6
     rows = []
-    for pad in paddings(p, tp, inter_aligns, hidden_aligns, fmt, per_token):
+    for pad in paddings(p, tp, inter_aligns, hidden_aligns, fmt, per_token, engine):
         got = [answers[_query(p, fmt, pad, t, per_token, layout).key()] for t in tokens]
         reason = next((a.reason for a in got if a.reason), None)
         source = next((a.source for a in got if a.source), None)
@@ -410,8 +423,8 @@ def sweep(
         rows[-1]["predicted_us"], rows[-1]["transform_us"] = _times(p, fmt, pad, got, tokens, weights, g)
     df = pd.DataFrame(rows)
     df["predicted_us"] = df["predicted_us"].astype(float)
-    split = convert_check(p, fmt, tp, *ref)
-    recommendation = None if split else _judge(df, tokens, lambda ia, ha: convert_check(p, fmt, tp, ia, ha))
+    split = convert_check(p, fmt, tp, *ref, engine)
+    recommendation = None if split else _judge(df, tokens, lambda ia, ha: convert_check(p, fmt, tp, ia, ha, engine))
     if split:
         _judge(df, tokens, lambda ia, ha: split)
     df.attrs.update(
@@ -424,7 +437,8 @@ def sweep(
         gpu=g.name,
         recommendation=recommendation,
         no_recommendation=None if recommendation else _no_recommendation(df, tokens, split),
-        alternatives=tp_alternatives(p, fmt, tp, per_token) if split else [],
+        alternatives=tp_alternatives(p, fmt, tp, per_token, engine) if split else [],
+        engine=engine or DEFAULT_ENGINE,
         why=_why(df, recommendation),
         minimal=_minimal(df, [f"t{t}" for t in tokens]),
         reference={"inter_align": ref[0], "hidden_align": ref[1]},
