@@ -16,12 +16,12 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, NamedTuple, Optional, TypeVar
 
 import torch
 
 from fimoe_lab import engines, recipes, steps
+from fimoe_lab.caches import cached
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
 from fimoe_lab.layout import IndexMap
@@ -410,7 +410,7 @@ def interleave_moe_scales_for_sm90_mixed_gemm(scales: torch.Tensor, group_size: 
     return out.view(torch.uint8).view(scales.dtype).reshape((scales.shape[0],) + m.out_shape[:-1] + (-1,))
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_align_mxfp8_moe_weights(
     intermediate: int,
     hidden: int,
@@ -531,11 +531,34 @@ _shuffle_mxfp8_moe_weights = shuffle_mxfp8_moe_weights
 def _apply_in_place(
     pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_experts: Optional[int]
 ) -> list[torch.Tensor]:
-    """Check every tensor first, then permute each in place (inputs untouched on a check failure)."""
+    """Permute each tensor in place, all or nothing.
+
+    Every tensor is checked before any byte moves (and two that share memory are refused).
+    If a later tensor fails midway, its own transform undoes itself
+    (:func:`fimoe_lab.kernels.execute_in_place`) and the tensors already done are put back
+    with their inverse maps, so the caller gets every input as it was, and the error.
+    """
     for m, t, name in pairs:
         m.check_input(t, name)
+        if not m.is_permutation:
+            raise LayoutError(f"{name}: {m.name} pads or drops bytes, so it cannot run in place")
+    for i, (_, a, na) in enumerate(pairs):
+        for _, b, nb in pairs[i + 1 :]:
+            if a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+                raise LayoutError(f"{na} and {nb} share memory", fix="pass separate tensors")
+    done: list[tuple[IndexMap, torch.Tensor]] = []
     with torch.no_grad():
-        return [m.apply_(t, scratch_experts) for m, t, _ in pairs]
+        try:
+            for m, t, _ in pairs:
+                m.apply_(t, scratch_experts)
+                done.append((m, t))
+        except BaseException:
+            for m, t in reversed(done):  # in the output layout: back to the input's
+                m.inverse().apply_(
+                    t.view(t.shape[0], -1).view(torch.uint8).view((t.shape[0],) + m.out_shape), scratch_experts
+                )
+            raise
+    return [t.view(t.shape[0], -1).view((t.shape[0],) + m.out_elements(t.element_size())) for m, t, _ in pairs]
 
 
 @_boundary

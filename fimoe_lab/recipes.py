@@ -21,10 +21,10 @@ Kernel constants (FlashInfer 0.6.13-0.7.4, DESIGN §3):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 from fimoe_lab import steps
+from fimoe_lab.caches import cached
 from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap, compose
@@ -76,7 +76,7 @@ def projections(is_act_and_mul: bool) -> int:
     return 2 if is_act_and_mul else 1
 
 
-@lru_cache(maxsize=1024)  # steps are cached by shape, so the same steps give the same composed map
+@cached
 def chain(*maps: Optional[IndexMap]) -> Optional[IndexMap]:
     """Compose the maps that are not None (None when none is left)."""
     present = [m for m in maps if m is not None]
@@ -155,7 +155,7 @@ def scale_fill(fmt: str, backend: str, engine: Optional[str] = None) -> int:
 
 
 # ----------------------------------------------------------------------------- padding
-@lru_cache(maxsize=256)
+@cached
 def plan_align(
     intermediate: int,
     hidden: int,
@@ -201,12 +201,14 @@ def plan_align(
                     f"padded {name} {size} is not a multiple of the scale block {scale_block}",
                     fix=f"choose an alignment that is a multiple of {scale_block}",
                 )
-        w13_s = steps.pad_projections(p, intermediate, ip, w13_scale_cols, hp // scale_block, scale_fill)
-        w2_s = steps.pad_projections(1, hidden, hp, w2_scale_cols, ip // scale_block, scale_fill)
+        c13 = hidden // scale_block if w13_scale_cols is None else w13_scale_cols  # one scale per block
+        c2 = intermediate // scale_block if w2_scale_cols is None else w2_scale_cols
+        w13_s = steps.pad_projections(p, intermediate, ip, c13, hp // scale_block, scale_fill)
+        w2_s = steps.pad_projections(1, hidden, hp, c2, ip // scale_block, scale_fill)
     return LayerPlan(w13, w2, w13_s, w2_s, intermediate, hidden, ip, hp, description)
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_align_fp4(
     intermediate: int,
     hidden: int,
@@ -239,7 +241,7 @@ TRTLLM_OUTPUT_HIDDEN_ALIGNMENT = 128
 """GEMM2's N of the TRT-LLM MoE ops given ``valid_hidden_size``: W2 rows pad only to this (FlashInfer 0.7.x)."""
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_pad_trtllm_moe_weights(
     intermediate: int,
     hidden: int,
@@ -295,7 +297,7 @@ def plan_pad_trtllm_moe_weights(
 
 
 # ----------------------------------------------------------------------------- row shuffles
-@lru_cache(maxsize=256)
+@cached
 def plan_rotate_fp8_per_tensor(w13_rows: int, hidden: int, intermediate: int, is_gated: bool) -> LayerPlan:
     """Gated interleave (if gated) and epilogue shuffle (tile 128) of both FP8 weights."""
     etm = TRTLLM_EPILOGUE_TILE_M
@@ -305,7 +307,7 @@ def plan_rotate_fp8_per_tensor(w13_rows: int, hidden: int, intermediate: int, is
     return LayerPlan(w13, w2, None, None, intermediate, hidden, intermediate, hidden, "FP8 per-tensor TRT-LLM rotate")
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_shuffle_deepseek_fp8(w13_rows: int, hidden: int, intermediate: int) -> LayerPlan:
     """Epilogue shuffle (tile 64) then BlockMajorK (128 B) for both FP8 weights, no swap."""
 
@@ -327,7 +329,7 @@ def plan_shuffle_deepseek_fp8(w13_rows: int, hidden: int, intermediate: int) -> 
     )
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_shuffle_mxfp8(
     w13_rows: int, hidden: int, intermediate: int, is_gated: bool, w13_scale_cols: int, w2_scale_cols: int
 ) -> LayerPlan:
@@ -360,7 +362,7 @@ def plan_shuffle_mxfp8(
     )
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_fp4_trtllm_weights(
     intermediate: int, hidden: int, is_act_and_mul: bool = True, is_gated: bool = True, scale_block: int = 16
 ) -> LayerPlan:
@@ -407,7 +409,7 @@ def plan_fp4_trtllm_weights(
     )
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_trtllm_bf16_block_layout(
     w13_rows: int, hidden: int, intermediate: int, is_gated_act_gemm: bool = True, itemsize: int = 2
 ) -> LayerPlan:
@@ -428,7 +430,7 @@ MXINT4_SCALE_BLOCK = 32
 """Values per bf16 scale of MxInt4 (int4 weights, two per byte, group-quantised along K)."""
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_trtllm_mxint4(intermediate: int, hidden: int, is_gated: bool = True, swap_w31: bool = True) -> LayerPlan:
     """MxInt4 (packed int4 weights, one bf16 scale per 32 values) into TRT-LLM's layout
     (FlashInfer 0.7.x ``prepare_trtllm_mxint4_weights``, from already quantised tensors).
@@ -479,7 +481,7 @@ def _swap(rows: int, cols_bytes: int, is_act_and_mul: bool) -> Optional[IndexMap
     return steps.swap_w13_to_w31_rows(rows, cols_bytes) if is_act_and_mul else None
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_fp8_per_tensor(
     intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, trtllm: bool
 ) -> LayerPlan:
@@ -503,7 +505,7 @@ def plan_fp8_per_tensor(
     )
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_fp8_block(
     intermediate: int,
     hidden: int,
@@ -540,7 +542,7 @@ def plan_fp8_block(
     )
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_mxfp8(
     intermediate: int,
     hidden: int,
@@ -657,7 +659,7 @@ def _check_whole_blocks(fmt: str, intermediate: int, hidden: int) -> None:
             )
 
 
-@lru_cache(maxsize=256)
+@cached
 def plan_layer(
     fmt: str,
     backend: str,

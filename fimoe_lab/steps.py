@@ -8,11 +8,11 @@ cached by its arguments, so a model with 58 identical MoE layers builds each map
 from __future__ import annotations
 
 import math
-from functools import cache
 from typing import Any
 
 import torch
 
+from fimoe_lab.caches import cached
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap
 
@@ -41,7 +41,7 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-@cache
+@cached
 def pad_projections(
     num_projections: int,
     rows: int,
@@ -108,7 +108,7 @@ def _check_even(rows: int, what: str) -> None:
         )
 
 
-@cache
+@cached
 def swap_w13_to_w31_rows(rows: int, cols_bytes: int) -> IndexMap:
     """Swap the two row halves: checkpoints store ``[gate; up]``, FlashInfer wants ``[up; gate]``.
 
@@ -120,7 +120,7 @@ def swap_w13_to_w31_rows(rows: int, cols_bytes: int) -> IndexMap:
     return permute_rows(src, cols_bytes, "swap_w13_to_w31_rows", dict(rows=rows, cols_bytes=cols_bytes))
 
 
-@cache
+@cached
 def interleave_rows_for_gated_act(rows: int, cols_bytes: int) -> IndexMap:
     """Interleave the two halves row by row: ``src[2j] = j``, ``src[2j+1] = M/2 + j``.
 
@@ -134,7 +134,7 @@ def interleave_rows_for_gated_act(rows: int, cols_bytes: int) -> IndexMap:
     return permute_rows(src, cols_bytes, "interleave_rows_for_gated_act", dict(rows=rows, cols_bytes=cols_bytes))
 
 
-@cache
+@cached
 def interleave_row_groups(rows: int, cols_bytes: int, group: int) -> IndexMap:
     """Interleave the two row halves in groups of ``group`` rows (CuTe-DSL gated FC1).
 
@@ -163,7 +163,7 @@ def shuffle_block_size(epilogue_tile_m: int) -> int:
     return 32 if epilogue_tile_m % 128 == 0 else 16
 
 
-@cache
+@cached
 def shuffle_rows_for_epilogue(rows: int, cols_bytes: int, epilogue_tile_m: int) -> IndexMap:
     """Row shuffle of ``shuffle_matrix_a`` for TRT-LLM's transposed-MMA epilogue tiles.
 
@@ -190,7 +190,7 @@ def shuffle_rows_for_epilogue(rows: int, cols_bytes: int, epilogue_tile_m: int) 
     )
 
 
-@cache
+@cached
 def block_major_k(rows: int, cols_bytes: int, block_bytes: int = 128) -> IndexMap:
     """Re-tile ``[M, K]`` into ``[K / bk, M, bk]``: ``out[kb, m, j] = in[m, kb*bk + j]``.
 
@@ -215,7 +215,7 @@ def block_major_k(rows: int, cols_bytes: int, block_bytes: int = 128) -> IndexMa
     )
 
 
-@cache
+@cached
 def swizzle_scales_128x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
     """FlashInfer's ``block_scale_interleave``: the 128x4 swizzle of a block-scale matrix.
 
@@ -244,7 +244,7 @@ def swizzle_scales_128x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
     )
 
 
-@cache
+@cached
 def swizzle_scales_8x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
     """The 8x4 swizzled block-scale layout (FlashInfer's ``SfLayout.layout_8x4``, ``SWIZZLED_8x4``).
 
@@ -273,7 +273,7 @@ def swizzle_scales_8x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
     )
 
 
-@cache
+@cached
 def fold_scales_sm90_mixed(rows: int, cols: int, itemsize: int = 1, group_size: int = 32) -> IndexMap:
     """SM90 mixed-input MoE GEMM scale folding (FlashInfer >= 0.6.15,
     ``interleave_moe_scales_for_sm90_mixed_gemm``).

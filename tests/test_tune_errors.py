@@ -125,6 +125,50 @@ def test_worker_exit_is_reported_and_restarted():
     assert w.restarts == 1
 
 
+def test_worker_that_hangs_is_stopped_after_the_timeout_and_restarted():
+    code = (
+        "import sys, json, time; print(json.dumps({'ready': True}), flush=True); sys.stdin.readline(); time.sleep(60)"
+    )
+    w = _Worker([sys.executable, "-c", code], env=None, timeout=1.0)
+    with pytest.raises(WorkerDied, match=r"no answer within 1 s to this query; it was stopped"):
+        w.ask({"x": 1})
+    assert w.proc is None  # killed, not left running
+    with pytest.raises(WorkerDied, match="no answer"):  # the next query starts a fresh worker
+        w.ask({"x": 2})
+    assert w.restarts == 1
+
+
+def test_worker_that_never_says_ready_is_stopped():
+    w = _Worker([sys.executable, "-c", "import time; time.sleep(60)"], env=None, timeout=1.0)
+    with pytest.raises(WorkerDied, match="while starting"):
+        w.ask({"x": 1})
+
+
+@pytest.mark.parametrize("answer", ["{'id': 999, 'ok': True, 'configs': []}", "'not json at all'", "[1, 2]"])
+def test_worker_answer_out_of_turn_is_refused(answer):
+    code = (
+        "import sys, json; print(json.dumps({'ready': True}), flush=True); "
+        f"sys.stdin.readline(); print(json.dumps({answer}) if not isinstance({answer}, str) else {answer}, flush=True); "
+        "sys.stdin.readline()"
+    )
+    w = _Worker([sys.executable, "-c", code], env=None, timeout=10.0)
+    with pytest.raises(WorkerDied, match="out of turn .expected id 1."):
+        w.ask({"x": 1})
+    assert w.proc is None
+
+
+def test_worker_answer_with_its_id_is_returned():
+    code = (
+        "import sys, json; print(json.dumps({'ready': True}), flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    req = json.loads(line); print(json.dumps({'id': req['id'], 'ok': True, 'echo': req['x']}), flush=True)"
+    )
+    w = _Worker([sys.executable, "-c", code], env=None, timeout=10.0)
+    assert w.ask({"x": 7}) == {"id": 1, "ok": True, "echo": 7}
+    assert w.ask({"x": 8})["echo"] == 8
+    w.close()
+
+
 def _cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "fimoe_lab", *args],

@@ -31,6 +31,7 @@ import gzip
 import importlib.metadata as md
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -290,19 +291,46 @@ class WorkerDied(RuntimeError):
 
 
 class _Worker:
-    """A long-lived subprocess around FlashInfer's op; restarted when it dies."""
+    """A long-lived subprocess around FlashInfer's op; restarted when it dies.
+
+    Every answer must come within ``timeout`` seconds and carry the id of its request; a
+    worker that hangs or answers out of turn is killed (and restarted for the next query).
+    """
 
     def __init__(self, argv: list, env: dict, timeout: float = 120.0):
         self.argv, self.env, self.timeout = argv, env, timeout
         self.proc: Optional[subprocess.Popen] = None
         self.hello: dict = {}
         self._stderr = collections.deque(maxlen=60)
+        self._lines: queue.Queue = queue.Queue()
         self._n = 0
         self.restarts = -1
 
     def _drain(self, stream):
         for line in stream:
             self._stderr.append(line.rstrip())
+
+    @staticmethod
+    def _pump(stream, lines: queue.Queue) -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put("")  # end of output: the worker is gone
+
+    def _next_line(self, when: str) -> str:
+        """The worker's next line of output, or "" when it ended; killed after ``timeout`` seconds."""
+        try:
+            return self._lines.get(timeout=self.timeout)
+        except queue.Empty:
+            self._kill()
+            raise WorkerDied(
+                f"the tactic worker gave no answer within {self.timeout:.0f} s {when}; it was stopped"
+            ) from None
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
     def start(self):
         self.restarts += 1
@@ -317,7 +345,9 @@ class _Worker:
             bufsize=1,
         )
         threading.Thread(target=self._drain, args=(self.proc.stderr,), daemon=True).start()
-        line = self.proc.stdout.readline()
+        self._lines = queue.Queue()
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines), daemon=True).start()
+        line = self._next_line("while starting")
         if not line:
             raise WorkerDied(self._death_note("while starting"))
         self.hello = json.loads(line)
@@ -339,14 +369,21 @@ class _Worker:
         try:
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
+            line = self._next_line("to this query")
         except (BrokenPipeError, OSError):
             line = ""
         if not line:
             note = self._death_note("during this query")
             self.proc = None
             raise WorkerDied(note)
-        return json.loads(line)
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict) or answer.get("id") != req["id"]:
+            self._kill()
+            raise WorkerDied(f"the tactic worker answered out of turn (expected id {req['id']}): {line.strip()[:200]}")
+        return answer
 
     def close(self):
         if self.proc and self.proc.poll() is None:

@@ -1,0 +1,102 @@
+"""One byte budget for every cache of built maps and plans, and one way to empty them.
+
+Steps, recipes and plans are cached by their arguments, so a model with 58 identical MoE
+layers builds each map once. Their index tensors (and the compiled forms and device copies
+cached on each map) are large for real shapes, so the caches share one budget in bytes:
+when an insert would pass it, the least recently used entries of all caches go first.
+:func:`clear_caches` empties every one of them, so the maps they held (and whatever the
+maps cached on themselves) can be freed.
+
+The budget is ``FIMOE_LAB_CACHE_BYTES`` (default 2 GiB), or :func:`set_cache_budget`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar, cast
+
+from fimoe_lab.errors import FimoeError
+
+__all__ = ["cached", "clear_caches", "set_cache_budget", "cache_bytes"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_lock = threading.RLock()
+_entries: OrderedDict[tuple[Hashable, ...], tuple[Any, int]] = OrderedDict()  # (function, args) -> (value, bytes)
+_total = 0
+_budget = int(os.environ.get("FIMOE_LAB_CACHE_BYTES", str(2 << 30)))
+
+
+def value_bytes(value: Any) -> int:
+    """Bytes a cached value holds: the index tensors of every map in it (maps, plans, tuples)."""
+    src = getattr(value, "src", None)
+    if src is not None and hasattr(src, "nbytes"):
+        parts = getattr(value, "parts", ())
+        return int(src.nbytes) + sum(value_bytes(p) for p in parts)
+    maps = getattr(value, "maps", None)
+    if callable(maps):
+        return sum(value_bytes(m) for m in maps().values())
+    if isinstance(value, (tuple, list)):
+        return sum(value_bytes(v) for v in value)
+    return 0
+
+
+def _evict_for(size: int) -> None:
+    global _total
+    while _entries and _total + size > _budget:
+        _, (_, freed) = _entries.popitem(last=False)
+        _total -= freed
+
+
+def cached(fn: F) -> F:
+    """Cache ``fn`` by its (hashable) arguments within the shared byte budget."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        global _total
+        key = (fn.__module__, fn.__qualname__, args, tuple(sorted(kwargs.items())))
+        with _lock:
+            hit = _entries.get(key)
+            if hit is not None:
+                _entries.move_to_end(key)
+                return hit[0]
+        value = fn(*args, **kwargs)
+        size = value_bytes(value)
+        with _lock:
+            if key not in _entries and size <= _budget:
+                _evict_for(size)
+                _entries[key] = (value, size)
+                _total += size
+        return value
+
+    return cast(F, wrapper)
+
+
+def clear_caches() -> int:
+    """Empty every cache of maps and plans; returns the bytes they held."""
+    global _total
+    with _lock:
+        freed = _total
+        _entries.clear()
+        _total = 0
+    return freed
+
+
+def set_cache_budget(nbytes: int) -> None:
+    """Set the shared budget (bytes), evicting least recently used entries now if it shrank."""
+    global _budget
+    if nbytes < 0:
+        raise FimoeError(f"a cache budget is a number of bytes >= 0, got {nbytes}", fix="pass 0 or more")
+    with _lock:
+        _budget = int(nbytes)
+        _evict_for(0)
+
+
+def cache_bytes() -> tuple[int, int, int]:
+    """``(entries, bytes held, budget)`` of the shared cache."""
+    with _lock:
+        return len(_entries), _total, _budget
