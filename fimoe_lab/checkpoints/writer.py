@@ -261,6 +261,7 @@ class _StreamWriter:
             offset += size
         self.metadata, self.checksum_key = metadata, checksum_key
         self.sums = {name: PLACEHOLDER for name in specs}
+        self._pending: Optional[tuple[str, threading.Thread, dict]] = None  # the checksum still running
         raw = self._header()
         self.handle, self.start, self.pos, self.header_len = handle, 8 + len(raw), 0, len(raw)
         handle.write(struct.pack("<Q", len(raw)))
@@ -284,19 +285,30 @@ class _StreamWriter:
             if self.checksum_key is not None:
                 self.sums[name] = hashlib.sha256(data).hexdigest()
             self.handle.write(data)
-        else:  # hash on a second thread while this one writes (both release the GIL)
+        else:  # hash on a second thread while this one writes and transforms the next tensor
+            self._join_hash()
             digest: dict = {}
             worker = threading.Thread(target=lambda: digest.setdefault("h", hashlib.sha256(data).hexdigest()))
             worker.start()
+            self._pending = (name, worker, digest)
             try:
                 self.handle.write(data)
-            finally:
-                worker.join()
-            self.sums[name] = digest["h"]
+            except BaseException:
+                self._join_hash()
+                raise
         self.pos += data.nbytes
+
+    def _join_hash(self) -> None:
+        """Wait for the checksum still being computed (at most one: it holds its tensor's bytes)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            name, worker, digest = pending
+            worker.join()
+            self.sums[name] = digest["h"]
 
     def finish(self) -> None:
         """Rewrite the header with the checksums (same length: every digest is 64 hex digits)."""
+        self._join_hash()
         if self.checksum_key is None:
             return
         raw = self._header()
