@@ -8,6 +8,7 @@ cached by its arguments, so a model with 58 identical MoE layers builds each map
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -224,12 +225,30 @@ def swizzle_scales_128x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
     ``(r//128)*(Cp/4)*512 + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4``: the
     tensor-core's 128-row x 4-column scale atom laid out as 32 x 16 elements.
     """
+    return _swizzle_scale_atoms(
+        rows, cols, itemsize, 128, lambda r, c: (r % 32) * 16 + (r // 32) * 4 + c, "swizzle_scales_128x4"
+    )
+
+
+def _swizzle_scale_atoms(
+    rows: int,
+    cols: int,
+    itemsize: int,
+    atom_rows: int,
+    within: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    kind: str,
+) -> IndexMap:
+    """A block-scale swizzle in ``atom_rows`` x 4 atoms: ``[R, C] -> [Rp, Cp]`` (``Rp = ceil(R)`` to
+    ``atom_rows``, ``Cp = ceil4(C)``, padding 0), scale ``(r, c)`` at flat element
+    ``(r//A)*(Cp/4)*4A + (c//4)*4A + within(r % A, c % 4)`` with ``A = atom_rows``: atoms ordered
+    K-tile fastest, ``within`` the order inside one atom."""
     if rows < 1 or cols < 1:
-        raise LayoutError(f"swizzle_scales_128x4: empty scale matrix [{rows}, {cols}]")
-    rp, cp = round_up(rows, 128), round_up(cols, 4)
+        raise LayoutError(f"{kind}: empty scale matrix [{rows}, {cols}]")
+    rp, cp = round_up(rows, atom_rows), round_up(cols, 4)
+    atom = 4 * atom_rows
     r = torch.arange(rp)[:, None]
     c = torch.arange(cp)[None, :]
-    offset = (r // 128) * (cp // 4) * 512 + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+    offset = (r // atom_rows) * (cp // 4) * atom + (c // 4) * atom + within(r % atom_rows, c % 4)
     inside = (r < rows) & (c < cols)
     src = torch.empty(rp * cp, dtype=torch.int64)
     src[offset.reshape(-1)] = torch.where(inside, r * cols + c, -1).reshape(-1)
@@ -239,7 +258,7 @@ def swizzle_scales_128x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
         (rows, cols * itemsize),
         (rp, cp * itemsize),
         (0,),
-        "swizzle_scales_128x4",
+        kind,
         dict(rows=rows, cols=cols, itemsize=itemsize),
     )
 
@@ -253,24 +272,7 @@ def swizzle_scales_8x4(rows: int, cols: int, itemsize: int = 1) -> IndexMap:
     4-column atoms stored row-major, atoms ordered K-tile fastest (``get_sf_out_offset_8x4`` in
     FlashInfer's quantization kernels; the activation quantizer's small-M layout).
     """
-    if rows < 1 or cols < 1:
-        raise LayoutError(f"swizzle_scales_8x4: empty scale matrix [{rows}, {cols}]")
-    rp, cp = round_up(rows, 8), round_up(cols, 4)
-    r = torch.arange(rp)[:, None]
-    c = torch.arange(cp)[None, :]
-    offset = (r // 8) * (cp // 4) * 32 + (c // 4) * 32 + (r % 8) * 4 + c % 4
-    inside = (r < rows) & (c < cols)
-    src = torch.empty(rp * cp, dtype=torch.int64)
-    src[offset.reshape(-1)] = torch.where(inside, r * cols + c, -1).reshape(-1)
-    return IndexMap(
-        src,
-        itemsize,
-        (rows, cols * itemsize),
-        (rp, cp * itemsize),
-        (0,),
-        "swizzle_scales_8x4",
-        dict(rows=rows, cols=cols, itemsize=itemsize),
-    )
+    return _swizzle_scale_atoms(rows, cols, itemsize, 8, lambda r, c: r * 4 + c, "swizzle_scales_8x4")
 
 
 @cached
