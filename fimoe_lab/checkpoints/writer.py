@@ -620,8 +620,14 @@ def _shape_layer(rec: dict) -> MoELayer:
     def meta(spec: dict) -> torch.Tensor:
         return torch.empty(spec["shape"], dtype=conventions.SAFETENSORS_DTYPES[spec["dtype"]], device="meta")
 
-    args, trecs = rec["plan"]["args"], rec["tensors"]
+    trecs = rec["tensors"]
     t = {n: meta(trecs[n]["checkpoint"]) if n in trecs else None for n in KERNEL_NAMES}
+    return _layer_from_record(rec, t, {n: meta(x) for n, x in rec["extras"].items()})
+
+
+def _layer_from_record(rec: dict, t: dict, extras: dict, **where: object) -> MoELayer:
+    """The :class:`MoELayer` a layer record describes, holding tensors ``t`` (by plan name) and ``extras``."""
+    args = rec["plan"]["args"]
     return MoELayer(
         args["fmt"],
         t["w13"],
@@ -630,9 +636,10 @@ def _shape_layer(rec: dict) -> MoELayer:
         t["w2_scale"],
         args["intermediate"],
         args["hidden"],
-        {n: meta(x) for n, x in rec["extras"].items()},
+        extras,
         is_act_and_mul=args["is_act_and_mul"],
         is_gated=args["is_gated"],
+        **where,
     )
 
 
@@ -748,24 +755,16 @@ def _restore_layer(f, meta: dict, idx: int, rec: dict) -> MoELayer:
     for n, x in rec["extras"].items():
         raw = _read_kernel(f, meta, name(n), {"dtype": x["dtype"], "shape": x["kernel_shape"]})
         extras[n] = _map_extra(plan, n, raw, inverse=True)
-    args = rec["plan"]["args"]
-    return MoELayer(
-        args["fmt"],
-        t["w13"],
-        t["w2"],
-        t["w13_scale"],
-        t["w2_scale"],
-        args["intermediate"],
-        args["hidden"],
+    return _layer_from_record(
+        rec,
+        t,
         extras,
-        idx,
-        meta.get("convention"),
-        meta.get("tp_size", 1),
-        meta.get("tp_rank", 0),
-        rec["activation"],
-        rec["activation_params"],
-        args["is_act_and_mul"],
-        args["is_gated"],
+        layer=idx,
+        convention=meta.get("convention"),
+        tp_size=meta.get("tp_size", 1),
+        tp_rank=meta.get("tp_rank", 0),
+        activation=rec["activation"],
+        activation_params=rec["activation_params"],
     )
 
 
