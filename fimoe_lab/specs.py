@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from fimoe_lab.errors import FormatError
@@ -148,6 +148,34 @@ class FormatSpec:
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1, "int32": 4}
 
+_NVFP4 = FormatSpec(
+    "nvfp4",
+    "NVFP4: E2M1 pairs with an E4M3 scale per 16 values, NVFP4 activations",
+    "uint8",
+    values_per_byte=2,
+    scale_dtype="float8_e4m3fn",
+    scale_block=16,
+    vector_scaled=True,
+    bits_per_weight=4.0 + 8 / 16,
+    codec="nvfp4",
+    tactic_intermediate_multiple=64,
+    tactics=TacticEnums("E2m1", "E2m1", "NoneFp8", "major-k", per_token_ok=True),
+)
+
+_MXFP4 = FormatSpec(
+    "mxfp4",
+    "MXFP4 weights (E2M1, UE8M0 per 32) with BF16 activations (gpt-oss)",
+    "uint8",
+    values_per_byte=2,
+    scale_dtype="uint8",
+    scale_block=32,
+    vector_scaled=True,
+    bits_per_weight=4.0 + 8 / 32,
+    codec="mxfp4",
+    tactic_intermediate_multiple=128,
+    tactics=TacticEnums("Bfloat16", "MxE2m1", "NoneFp8", "major-k"),
+)
+
 FORMATS: dict[str, FormatSpec] = {
     f.name: f
     for f in (
@@ -193,57 +221,27 @@ FORMATS: dict[str, FormatSpec] = {
             tactic_intermediate_multiple=128,
             tactics=TacticEnums("MxE4m3", "MxE4m3", "MxFp8", "major-k"),
         ),
-        FormatSpec(
-            "nvfp4",
-            "NVFP4: E2M1 pairs with an E4M3 scale per 16 values, NVFP4 activations",
-            "uint8",
-            values_per_byte=2,
-            scale_dtype="float8_e4m3fn",
-            scale_block=16,
-            vector_scaled=True,
-            bits_per_weight=4.0 + 8 / 16,
-            codec="nvfp4",
-            tactic_intermediate_multiple=64,
-            tactics=TacticEnums("E2m1", "E2m1", "NoneFp8", "major-k", per_token_ok=True),
-        ),
-        FormatSpec(
-            "mxfp4",
-            "MXFP4 weights (E2M1, UE8M0 per 32) with BF16 activations (gpt-oss)",
-            "uint8",
-            values_per_byte=2,
-            scale_dtype="uint8",
-            scale_block=32,
-            vector_scaled=True,
-            bits_per_weight=4.0 + 8 / 32,
-            codec="mxfp4",
-            tactic_intermediate_multiple=128,
-            tactics=TacticEnums("Bfloat16", "MxE2m1", "NoneFp8", "major-k"),
-        ),
-        FormatSpec(
-            "mxfp4-mxfp8",
-            "MXFP4 weights with MXFP8 activations",
-            "uint8",
-            values_per_byte=2,
-            scale_dtype="uint8",
-            scale_block=32,
-            vector_scaled=True,
-            bits_per_weight=4.0 + 8 / 32,
+        _NVFP4,
+        _MXFP4,
+        replace(
+            _MXFP4,
+            name="mxfp4-mxfp8",
+            description="MXFP4 weights with MXFP8 activations",
             layout_format="mxfp4",
+            codec=None,
             weights=False,
+            tactic_intermediate_multiple=0,
             tactics=TacticEnums("MxE4m3", "MxE2m1", "NoneFp8", "major-k"),
         ),
-        FormatSpec(
-            "nvfp4-per-token",
-            "NVFP4 activations with a per-token global scale (quantizer only)",
-            "uint8",
-            values_per_byte=2,
-            scale_dtype="float8_e4m3fn",
-            scale_block=16,
-            vector_scaled=True,
-            bits_per_weight=4.0 + 8 / 16,
+        replace(
+            _NVFP4,
+            name="nvfp4-per-token",
+            description="NVFP4 activations with a per-token global scale (quantizer only)",
             codec="nvfp4_per_token",
             weights=False,
             backends=(),
+            tactic_intermediate_multiple=0,
+            tactics=None,
         ),
     )
 }
