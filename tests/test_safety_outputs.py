@@ -188,3 +188,15 @@ def test_a_damaged_golden_set_is_one_clear_error(damage, tmp_path, capsys):
     assert main(["goldens", str(target)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: goldens: ") and "(fix: " in err[0]
+
+
+def test_output_lock_is_reentrant_in_one_process_and_released_at_the_outermost_exit(tmp_path):
+    from fimoe_lab.checkpoints.safe_io import OutputLock
+
+    out = tmp_path / "k.safetensors"
+    lock = tmp_path / ".k.safetensors.lock"
+    with OutputLock(out):
+        with OutputLock(out):  # convert takes it before reading and again where it writes
+            assert lock.read_text() == str(os.getpid())
+        assert lock.exists()  # still held by the outer writer
+    assert not lock.exists()

@@ -169,14 +169,30 @@ def check_output(out: Path, inputs: list[Path], force: bool, kind: str) -> None:
             )
 
 
+_HELD: dict[Path, int] = {}
+"""Locks this process holds, with their nesting depth (a writer may take its output's lock
+early, before reading its input, and again where it writes)."""
+
+
 class OutputLock:
-    """``.<name>.lock`` beside ``out`` (``O_EXCL``), holding our pid; removed on exit."""
+    """``.<name>.lock`` beside ``out`` (``O_EXCL``), holding our pid; removed on the outermost exit.
+
+    Re-entrant within one process; any other process that wants the same output fails at once.
+    """
 
     def __init__(self, out: Path):
         self.path = out.parent / f".{out.name}.lock"
         self.out = out
 
     def __enter__(self) -> OutputLock:
+        if self.path in _HELD:
+            _HELD[self.path] += 1
+            return self
+        self._acquire()
+        _HELD[self.path] = 1
+        return self
+
+    def _acquire(self) -> None:
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -192,7 +208,7 @@ class OutputLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(str(os.getpid()))
-            return self
+            return
         raise CheckpointError(f"could not take the lock {self.path}", fix="remove it if no fimoe-lab is running")
 
     def _holder(self) -> Optional[int]:
@@ -203,6 +219,10 @@ class OutputLock:
             return None
 
     def __exit__(self, *exc: object) -> None:
+        _HELD[self.path] -= 1
+        if _HELD[self.path]:
+            return
+        del _HELD[self.path]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 

@@ -490,7 +490,7 @@ def convert_checkpoint(
     an existing one only with ``force`` and only if this tool wrote it).
     """
     safe_io.check_output(Path(out), [Path(src)], force, "file")
-    with Checkpoint(src) as ck:
+    with safe_io.OutputLock(Path(out)), Checkpoint(src) as ck:  # a second writer of OUT fails before reading
         wanted = ck.moe_layers if layers is None else list(layers)
         missing = [l for l in wanted if l not in ck.moe_layers]
         if missing:
@@ -804,6 +804,12 @@ def restore_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, forc
     """
     out = Path(out_dir)
     safe_io.check_output(out, [Path(path)], force, "dir")
+    with safe_io.OutputLock(out):  # a second writer of OUT fails before reading
+        return _restore_into(path, out)
+
+
+def _restore_into(path: str | os.PathLike, out: Path) -> Path:
+    """The body of :func:`restore_checkpoint`, under its output's lock."""
     meta, layers = restore_layers(path)
     if not meta.get("convention"):
         raise CheckpointError(
