@@ -22,7 +22,7 @@ for _ in range(200):
     execute(em, x, out)
 torch.cuda.synchronize()
 best = []
-for r in range(5):
+for _ in range(5):
     t = time.perf_counter()
     for _ in range(2000):
         execute(em, x, out)
@@ -37,7 +37,7 @@ for _ in range(3):
 torch.cuda.synchronize()
 ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 ts = []
-for r in range(20):
+for _ in range(20):
     ev[0].record()
     execute(emb, xb, ob)
     execute(emb, xb, ob)
