@@ -420,24 +420,16 @@ def plan_align_mxfp8_moe_weights(
     min_alignment: int = MXFP8_INTERMEDIATE_ALIGNMENT,
     hidden_alignment: int = MXFP8_HIDDEN_ALIGNMENT,
 ) -> LayerPlan:
-    """Plan of :func:`align_mxfp8_moe_weights_for_fi_trtllm`; scale block = hidden / scale cols."""
-    if w13_scale_cols < 1 or hidden % w13_scale_cols:
-        raise LayoutError(
-            f"align_mxfp8: hidden {hidden} is not a whole number of scale blocks for {w13_scale_cols} "
-            f"scale columns (MXFP8 has one UE8M0 scale per 32 values)"
-        )
-    return recipes.plan_align(
+    """Plan of :func:`align_mxfp8_moe_weights_for_fi_trtllm`: :func:`recipes.plan_align_mxfp8`, pad scales 127."""
+    return recipes.plan_align_mxfp8(
         intermediate,
         hidden,
-        1,
         is_act_and_mul,
+        w13_scale_cols,
+        w2_scale_cols,
         min_alignment,
         hidden_alignment,
-        scale_block=hidden // w13_scale_cols,
-        scale_fill=FORMATS["mxfp8"].scale_fill,
-        w13_scale_cols=w13_scale_cols,
-        w2_scale_cols=w2_scale_cols,
-        description="align_mxfp8_moe_weights_for_fi_trtllm",
+        FORMATS["mxfp8"].scale_fill,
     )
 
 

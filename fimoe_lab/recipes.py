@@ -46,6 +46,7 @@ __all__ = [
     "plan_layer",
     "plan_align",
     "plan_align_fp4",
+    "plan_align_mxfp8",
     "plan_pad_trtllm_moe_weights",
     "TRTLLM_OUTPUT_HIDDEN_ALIGNMENT",
     "plan_fp8_per_tensor",
@@ -206,6 +207,39 @@ def plan_align(
         w13_s = steps.pad_projections(p, intermediate, ip, c13, hp // scale_block, scale_fill)
         w2_s = steps.pad_projections(1, hidden, hp, c2, ip // scale_block, scale_fill)
     return LayerPlan(w13, w2, w13_s, w2_s, intermediate, hidden, ip, hp, description)
+
+
+@cached
+def plan_align_mxfp8(
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    w13_scale_cols: int,
+    w2_scale_cols: int,
+    min_alignment: int,
+    hidden_alignment: int,
+    scale_fill: int,
+) -> LayerPlan:
+    """Pad MXFP8 weights (1 byte) and their UE8M0 scales, one per ``hidden / w13_scale_cols``
+    values; padded scales ``scale_fill`` (127 = UE8M0 1.0, so padded lanes add nothing)."""
+    if w13_scale_cols < 1 or hidden % w13_scale_cols:
+        raise LayoutError(
+            f"hidden {hidden} is not a whole number of scale blocks for {w13_scale_cols} scale columns "
+            f"(MXFP8 has one UE8M0 scale per 32 values)"
+        )
+    return plan_align(
+        intermediate,
+        hidden,
+        1,
+        is_act_and_mul,
+        min_alignment,
+        hidden_alignment,
+        scale_block=hidden // w13_scale_cols,
+        scale_fill=scale_fill,
+        w13_scale_cols=w13_scale_cols,
+        w2_scale_cols=w2_scale_cols,
+        description="align_mxfp8_moe_weights_for_fi_trtllm",
+    )
 
 
 @cached
@@ -574,27 +608,19 @@ def plan_mxfp8(
             hidden,
             "MXFP8 CUTLASS",
         )
-    if w13_scale_cols < 1 or hidden % w13_scale_cols:
-        raise LayoutError(
-            f"hidden {hidden} is not a whole number of scale blocks for {w13_scale_cols} scale columns "
-            f"(MXFP8 has one UE8M0 scale per 32 values)"
-        )
     da, dh = default_alignments("mxfp8", "trtllm", is_act_and_mul, is_gated)
-    block = hidden // w13_scale_cols
-    pad = plan_align(
+    pad = plan_align_mxfp8(
         intermediate,
         hidden,
-        1,
         is_act_and_mul,
+        w13_scale_cols,
+        w2_scale_cols,
         intermediate_alignment or da,
         hidden_alignment or dh,
-        scale_block=block,
-        scale_fill=FORMATS["mxfp8"].scale_fill if scale_fill is None else scale_fill,
-        w13_scale_cols=w13_scale_cols,
-        w2_scale_cols=w2_scale_cols,
-        description="align_mxfp8_moe_weights_for_fi_trtllm",
+        FORMATS["mxfp8"].scale_fill if scale_fill is None else scale_fill,
     )
     ip, hp = pad.padded_intermediate, pad.padded_hidden
+    block = hidden // w13_scale_cols  # checked to divide by plan_align_mxfp8
     shuffle = plan_shuffle_mxfp8(p * ip, hp, ip, is_gated, hp // block, ip // block)
     return LayerPlan(
         chain(pad.w13, _swap(p * ip, hp, is_act_and_mul), shuffle.w13),
