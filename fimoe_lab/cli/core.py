@@ -11,7 +11,7 @@ import argparse
 import time
 
 from fimoe_lab import specs
-from fimoe_lab.cli._common import EXIT_FAILED, EXIT_OK, add_engine_option, checkpoint_path, int_list
+from fimoe_lab.cli._common import EXIT_FAILED, EXIT_OK, add_engine_option, checkpoint_path, int_list, positive_int
 from fimoe_lab.errors import CheckpointError, FimoeError, LayoutError
 
 
@@ -44,7 +44,9 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
         ),
     )
     d.add_argument("paths", nargs="*", help="checkpoint directories or sample names (default: every shipped sample)")
-    d.add_argument("--tp", type=int, default=2, help="tensor-parallel size to shard to (rank 0; default 2)")
+    d.add_argument(
+        "--tp", type=positive_int("--tp"), default=2, help="tensor-parallel size to shard to (rank 0; default 2)"
+    )
     d.add_argument(
         "--out", default="fimoe-demo-out", help="where the kernel-layout files go (default ./fimoe-demo-out)"
     )
