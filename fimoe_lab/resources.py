@@ -5,7 +5,7 @@ same files: all of them sit under the package directory (setuptools package-data
 ``pyproject.toml``), never beside it. Layout::
 
     fimoe_lab/data/samples/<name>/        sample checkpoints (scripts/make_sample_checkpoints.py)
-    fimoe_lab/data/tactics/*.json.gz      TRTLLM-Gen tactic snapshots (scripts/make_tactic_snapshot.py)
+    fimoe_lab/data/tactics/*.json.gz      TRTLLM-Gen kernel tables (scripts/extract_trtllm_kernels.py)
     fimoe_lab/data/rcp_approx_delta.bin   the measured rcp.approx.ftz.f32 table (scripts/make_rcp_table.py)
     fimoe_lab/notebooks/*.ipynb           the lab's notebooks
 
@@ -63,7 +63,7 @@ def sample_path(name: str) -> Path:
 
 
 def tactics_dir() -> Path:
-    """Recorded TRTLLM-Gen tactic snapshots (``tactics-fi<version>-<kernel set>.json.gz``)."""
+    """TRTLLM-Gen kernel tables read by :mod:`fimoe_lab.tune.validity` (``kernels-fi<version>-<kernel set>.json.gz``)."""
     return data_dir() / "tactics"
 
 

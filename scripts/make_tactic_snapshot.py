@@ -1,5 +1,8 @@
 #!/usr/bin/env python
-"""Record a tactic snapshot from the live oracle into fimoe_lab/data/tactics/.
+"""Record a tactic snapshot from the live oracle into tests/fixtures/tactics/.
+
+The snapshot is FlashInfer's own answers on a grid of shapes; the tests check the validity
+model (``fimoe_lab/tune/validity.py``, what the package answers from) against it.
 
 Covers every preset x every tuner format (``specs.tuner_formats()``; nvfp4 with and
 without per-token scaling) x TP 1/2/4/8 x the sweep's alignment grid (intermediate
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fimoe_lab.presets import PRESETS  # noqa: E402
 from fimoe_lab.specs import FORMATS, tuner_formats  # noqa: E402
-from fimoe_lab.tune.oracle import TacticOracle, TacticQuery, snapshot_dir  # noqa: E402
+from fimoe_lab.tune.oracle import TacticOracle, TacticQuery  # noqa: E402
 from fimoe_lab.tune.sweep import HIDDEN_ALIGNS, INTER_ALIGNS, TOKENS, TPS, queries_for  # noqa: E402
 
 
@@ -81,7 +84,7 @@ def all_queries() -> list[TacticQuery]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", help="output file (default: fimoe_lab/data/tactics/tactics-fi<ver>-<kset>.json.gz)")
+    ap.add_argument("--out", help="output file (default: tests/fixtures/tactics/tactics-fi<ver>-<kset>.json.gz)")
     a = ap.parse_args(argv)
     oracle = TacticOracle(mode="live")
     src = oracle.source()
@@ -123,7 +126,8 @@ def main(argv=None) -> int:
         },
         "value": "{tile_N: number of configs} or {'error': reason}",
     }
-    out = Path(a.out) if a.out else snapshot_dir() / f"tactics-fi{meta['flashinfer']}-{khash}.json.gz"
+    fixtures = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tactics"
+    out = Path(a.out) if a.out else fixtures / f"tactics-fi{meta['flashinfer']}-{khash}.json.gz"
     out.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(out, "wt", compresslevel=9) as f:
         json.dump({"meta": meta, "entries": entries}, f, separators=(",", ":"), sort_keys=True)

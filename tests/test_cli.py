@@ -1,5 +1,6 @@
 """The command line: main job, plan tracing, goldens, help without heavy imports, errors and exit codes."""
 
+import gzip
 import io
 import json
 import re
@@ -16,6 +17,7 @@ from fimoe_lab.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED,
 from fimoe_lab.cli.lab import working_copy
 from fimoe_lab.errors import CheckpointError, LayoutError
 from fimoe_lab.resources import notebooks_dir
+from fimoe_lab.tune.validity import find_table
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("demo", "plan", "goldens", "inspect", "convert", "restore", "tune", "tactics", "lab")
@@ -193,33 +195,40 @@ def test_goldens_with_nothing_to_replay_exits_2(tmp_path, monkeypatch, capsys):
     assert line.startswith("error: goldens: ") and "missing.json" in line
 
 
-def test_tune_with_counts_the_snapshot_does_not_know_exits_3(capsys):
+def test_tune_with_counts_the_source_does_not_know_exits_3(tmp_path, monkeypatch, capsys):
     pytest.importorskip("pandas")
-    assert (
-        main(
-            [
-                "tune",
-                "--model",
-                "deepseek-v3",
-                "--format",
-                "bf16",
-                "--tp",
-                "8",
-                "--source",
-                "snapshot",
-                "--tokens",
-                "1,1000000",
-            ]
-        )
-        == EXIT_NO_ANSWER
-    )
-    captured = capsys.readouterr()
-    assert "inter_align" in captured.out and "recommended: " in captured.out  # the table is still printed
-    (line,) = captured.err.splitlines()
-    unknown = re.match(
-        r"no answer: (\d+) of (\d+) tactic counts are unknown to this source \(not in the snapshot", line
-    )
-    assert unknown and 2 * int(unknown[1]) == int(unknown[2]), line  # every row's count at 1e6 tokens, none at 1
+    # only a kernel table of another FlashInfer is shipped: the installed one's answers are unknown
+    with gzip.open(find_table().path, "rt") as f:
+        raw = json.load(f)
+    raw["meta"].update(flashinfer="0.0.1", kernel_set="batched_gemm-0-0@0000000000000000")
+    with gzip.open(tmp_path / "kernels-fi0.0.1-000000000000.json.gz", "wt") as f:
+        json.dump(raw, f)
+    monkeypatch.setenv("FIMOE_LAB_TACTICS_DIR", str(tmp_path))
+    argv = ["tune", "--model", "deepseek-v3", "--format", "bf16", "--tp", "8", "--source", "model", "--tokens", "1,8"]
+    assert main(argv) == EXIT_NO_ANSWER
+    (line,) = capsys.readouterr().err.splitlines()
+    unknown = re.match(r"no answer: (\d+) of (\d+) tactic counts are unknown to this source \(the installed", line)
+    assert unknown and unknown[1] == unknown[2], line
+    assert "kernel set is not shipped (shipped: FlashInfer 0.0.1" in line
+
+
+def test_tune_at_a_million_tokens_is_answered(capsys):
+    pytest.importorskip("pandas")
+    argv = [
+        "tune",
+        "--model",
+        "deepseek-v3",
+        "--format",
+        "bf16",
+        "--tp",
+        "8",
+        "--source",
+        "model",
+        "--tokens",
+        "1,1000000",
+    ]
+    assert main(argv) == 0
+    assert "no answer" not in capsys.readouterr().err
 
 
 def test_debug_prints_the_traceback_before_or_after_the_command(tmp_path, capsys):

@@ -4,7 +4,7 @@ Builds the wheel from a copy of what setuptools reads (``pyproject.toml``, the r
 package), installs it with ``pip --target`` into a temporary site folder and runs the
 commands with ``PYTHONPATH`` set to that folder only, from an unrelated temporary
 directory, so the installed copy (not this checkout) is imported and its packaged data
-(sample checkpoints, tactic snapshot, rcp table, notebooks) is what gets read.
+(sample checkpoints, TRTLLM-Gen kernel table, rcp table, notebooks) is what gets read.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import json, torch, fimoe_lab
 from fimoe_lab import resources
 from fimoe_lab.checkpoints import sample_names
 from fimoe_lab.formats import rcp_approx_ftz
-from fimoe_lab.tune.oracle import Snapshot
+from fimoe_lab.tune.validity import find_table
 x = torch.tensor([0x3F80E832], dtype=torch.int32).view(torch.float32)
 print(json.dumps({
     "package": fimoe_lab.__file__,
     "dirs": [str(d) for d in (resources.samples_dir(), resources.tactics_dir(), resources.notebooks_dir())],
     "samples": sample_names(),
-    "snapshot": str(Snapshot.find().path),
+    "kernels": str(find_table().path),
     "notebooks": sorted(p.name for p in resources.notebooks_dir().glob("*.ipynb")),
     "rcp_bits": rcp_approx_ftz(x).view(torch.int32).item(),
 }))
@@ -128,7 +128,7 @@ def test_installed_copy_finds_its_own_data(site, tmp_path):
     assert Path(got["package"]).is_relative_to(site)
     assert all(Path(d).is_relative_to(site) and Path(d).is_dir() for d in got["dirs"])
     assert got["samples"] == sorted(p.name for p in resources.samples_dir().iterdir() if p.is_dir()) and got["samples"]
-    assert Path(got["snapshot"]).is_relative_to(site)
+    assert Path(got["kernels"]).is_relative_to(site)
     assert got["notebooks"] == sorted(p.name for p in resources.notebooks_dir().glob("*.ipynb")) and got["notebooks"]
     assert got["rcp_bits"] == 0x3F7E32E1  # measured on an H200: 1 ulp above the correctly rounded 1/x
 

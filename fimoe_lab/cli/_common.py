@@ -33,7 +33,7 @@ EXIT_MEANINGS = {
     EXIT_OK: "done, every check passed",
     EXIT_FAILED: "a check failed (a round trip or golden case differs), or an internal error",
     EXIT_BAD_INPUT: "bad input: the one 'error:' line says what is wrong and how to fix it",
-    EXIT_NO_ANSWER: "no answer: the source does not know (e.g. a shape outside the tactic snapshot)",
+    EXIT_NO_ANSWER: "no answer: the source does not know (e.g. an installed FlashInfer whose kernel set is not shipped)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C); an interrupted write leaves nothing behind",
     EXIT_TERMINATED: "terminated (SIGTERM); an interrupted write leaves nothing behind",
 }

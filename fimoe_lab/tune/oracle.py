@@ -7,8 +7,11 @@ answer is the tactic space the autotuner picks from, and an empty answer is the
 * natively, on a Blackwell (SM10x) GPU, through FlashInfer's JIT module;
 * elsewhere through the module built by ``python -m fimoe_lab.tune.build`` and an
   LD_PRELOAD shim that presents the CUDA runtime as an SM100 device;
-* or, with neither, from a recorded snapshot (``fimoe_lab/data/tactics/*.json.gz``): a shape
-  outside the snapshot is answered as *unknown*, never guessed.
+* or, with neither, from :mod:`fimoe_lab.tune.validity`, a re-implementation of the op's
+  decision on the kernel set's metadata shipped as package data
+  (``fimoe_lab/data/tactics/kernels-fi<version>-<kernel set>.json.gz``), exact for any shape
+  (checked against the live module in ``tests/test_tune_validity.py``).  Only where the
+  installed FlashInfer's kernel set is not shipped is an answer *unknown*, never guessed.
 
 Live queries always run in a worker subprocess (one JSON request per line), so an
 ``exit()`` inside FlashInfer kills the worker, is reported as such, and the worker is
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import gzip
 import importlib.metadata as md
 import json
 import os
@@ -40,21 +42,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fimoe_lab import resources
 from fimoe_lab.errors import FimoeError, OracleError
 from fimoe_lab.specs import ACTIVATIONS, FORMATS, LAYOUTS, TacticEnums, get_activation, tuner_formats
+
+from . import validity
 
 __all__ = [
     "OracleError",
     "TacticQuery",
     "TacticAnswer",
     "TacticOracle",
-    "Snapshot",
     "WorkerDied",
     "tactic_format",
     "kernel_activation",
-    "snapshot_dir",
+    "MAX_GEMM_DIM",
 ]
+
+
+# Largest hidden/intermediate size the op handles without 32-bit overflow: it forms
+# (bits per element * padding * K) in int32, at most 16 * K for the tuner's formats.
+MAX_GEMM_DIM = 2**26 - 1
 
 
 def tactic_format(name: str) -> TacticEnums:
@@ -70,7 +77,7 @@ def kernel_activation(name: str) -> str:
     that runs the same FlashInfer ``ActivationType`` as ``name`` (aliases included).
 
     swiglu, silu and swiglu_oai -> ``swiglu`` (one Swiglu kernel); geglu, gelu -> ``geglu``;
-    relu2 -> ``relu2``: the names the recorded snapshots use.
+    relu2 -> ``relu2``: the names query keys use.
     """
     try:
         act = get_activation(name)
@@ -104,7 +111,9 @@ class TacticQuery:
         """The query in canonical names (format, kernel activation, layout), checked.
 
         :class:`OracleError` for an unknown format, activation or layout, per-token
-        scaling where the format has none, a size below 1, or ``top_k > experts``.
+        scaling where the format has none, a size below 1, ``top_k > experts``, or sizes the
+        op's 32-bit arithmetic overflows (hidden or intermediate > :data:`MAX_GEMM_DIM`,
+        ``tokens * top_k >= 2**31``).
         """
         tactics = tactic_format(self.format)
         layout = (self.layout or tactics.default_layout).strip().lower()
@@ -130,6 +139,14 @@ class TacticQuery:
             raise OracleError(
                 f"top_k={self.top_k} exceeds experts={self.experts}", fix="top_k is at most the number of local experts"
             )
+        # The op sizes its problems in 32-bit integers (K * bits per element, tokens * top_k).
+        big = [(n, getattr(self, n)) for n in ("hidden", "intermediate") if getattr(self, n) > MAX_GEMM_DIM]
+        if big or self.tokens * self.top_k >= 2**31:
+            what = ", ".join(f"{n}={v}" for n, v in big) or f"tokens * top_k = {self.tokens * self.top_k}"
+            raise OracleError(
+                f"{what} overflows the 32-bit size arithmetic of FlashInfer's op (shape {shape})",
+                fix=f"hidden and intermediate at most {MAX_GEMM_DIM}, tokens * top_k below 2**31",
+            )
         return TacticQuery(
             self.format.strip().lower(),
             kernel_activation(self.activation),
@@ -143,7 +160,7 @@ class TacticQuery:
         )
 
     def key(self) -> str:
-        """Canonical snapshot key (call on a normalized query)."""
+        """Canonical query key (call on a normalized query)."""
         return "|".join(
             str(x)
             for x in (
@@ -187,10 +204,11 @@ class TacticQuery:
 class TacticAnswer:
     """The oracle's answer for one query.
 
-    count: number of valid tactics, or None when unknown (outside the snapshot, or the
-    live query failed without an answer).  per_tile: {tile_N: number of configs}.
-    configs: the full [tile_N, config] list (live answers only).  reason: why count is
-    0 or None.  source: where the answer came from (live/snapshot, FlashInfer version,
+    count: number of valid tactics, or None when unknown (the installed FlashInfer's
+    kernel set is not shipped for the model, or the live query failed without an answer).
+    per_tile: {tile_N: number of configs}.  configs: the full ((tile_N, config), ...) list in
+    the op's order (() for a rejection; None when unknown).  reason: why count is
+    0 or None.  source: where the answer came from (live/model, FlashInfer version,
     kernel set).
     """
 
@@ -217,13 +235,7 @@ class TacticAnswer:
         return d
 
 
-# --------------------------------------------------------------------------- snapshot
-def snapshot_dir() -> Path:
-    """``$FIMOE_LAB_TACTICS_DIR`` or the package's snapshots (:func:`fimoe_lab.resources.tactics_dir`)."""
-    env = os.environ.get("FIMOE_LAB_TACTICS_DIR")
-    return Path(env) if env else resources.tactics_dir()
-
-
+# --------------------------------------------------------------------------- model
 def _installed(dist: str) -> Optional[str]:
     try:
         return md.version(dist)
@@ -231,58 +243,78 @@ def _installed(dist: str) -> Optional[str]:
         return None
 
 
-class Snapshot:
-    """Recorded answers: {key: {tile: count}} or {key: {"error": reason}}; see make_tactic_snapshot.py."""
+def _shipped_names() -> str:
+    names = [
+        f"FlashInfer {t.flashinfer} ({t.kernel_set})"
+        for t in (validity.KernelTable(p) for p in validity.shipped_tables())
+    ]
+    return "; ".join(names) or "none"
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        with gzip.open(self.path, "rt") as f:
-            raw = json.load(f)
-        self.meta: dict = raw["meta"]
-        self.entries: dict = raw["entries"]
+
+class _Model:
+    """Answers from :mod:`fimoe_lab.tune.validity` for one shipped kernel table.
+
+    ``table`` None: the installed FlashInfer's kernel set is not shipped; every answer is
+    unknown, with ``unknown`` saying which kernel sets are.
+    """
+
+    def __init__(self, table: Optional[validity.KernelTable], unknown: str = "", sm: int = 100):
+        self.table, self.unknown, self.sm = table, unknown, sm
+        fi = _installed("flashinfer-python")
+        if table is None:
+            self._source = {"kind": "model", "flashinfer": fi, "kernel_set": None}
+        else:
+            self._source = table.source()
+            if fi is None:
+                self._source["note"] = f"FlashInfer is not installed; answers are for FlashInfer {table.flashinfer}"
 
     @classmethod
-    def find(cls, path: Optional[Path] = None) -> Optional[Snapshot]:
-        """The snapshot at ``path``, else the one for the installed FlashInfer, else the newest."""
+    def load(cls, path: Optional[os.PathLike] = None, sm: int = 100) -> _Model:
         if path:
-            return cls(Path(path))
-        d = snapshot_dir()
-        files = sorted(d.glob("tactics-*.json.gz")) if d.is_dir() else []
-        if not files:
-            return None
+            return cls(validity.KernelTable(Path(path)), sm=sm)
+        if not validity.shipped_tables():
+            raise OracleError(
+                f"no TRTLLM-Gen kernel table found in {validity.kernels_dir()} and no live FlashInfer module",
+                fix="build the module with `python -m fimoe_lab.tune.build`",
+            )
         fi = _installed("flashinfer-python")
-        match = [f for f in files if fi and f.name.startswith(f"tactics-fi{fi}-")]
-        return cls((match or files)[-1])
+        table = validity.find_table(fi) if fi else validity.find_table()
+        if table is None:
+            return cls(
+                None,
+                f"the installed FlashInfer {fi}'s kernel set is not shipped (shipped: {_shipped_names()}); "
+                "build the module with `python -m fimoe_lab.tune.build` for live answers",
+                sm,
+            )
+        return cls(table, sm=sm)
 
     def source(self) -> dict:
-        src = {
-            "kind": "snapshot",
-            "file": self.path.name,
-            "flashinfer": self.meta.get("flashinfer"),
-            "kernel_set": self.meta.get("kernel_set"),
-        }
-        fi = _installed("flashinfer-python")
-        if fi and fi != src["flashinfer"]:
-            src["note"] = f"recorded with FlashInfer {src['flashinfer']}; installed is {fi}"
-        return src
+        return dict(self._source)
 
     def answer(self, q: TacticQuery) -> TacticAnswer:
         src = self.source()
-        e = self.entries.get(q.key())
-        if e is None:
-            return TacticAnswer(
-                q,
-                None,
-                {},
-                src,
-                reason="not in the snapshot (unknown; build the module "
-                "with `python -m fimoe_lab.tune.build` for live answers)",
-            )
-        if "error" in e:
-            return TacticAnswer(q, 0, {}, src, reason=e["error"])
-        per_tile = {int(k): v for k, v in e.items()}
-        reason = None if per_tile else "no valid config (FlashInfer returned an empty list)"
-        return TacticAnswer(q, sum(per_tile.values()), per_tile, src, reason=reason)
+        if self.table is None:
+            return TacticAnswer(q, None, {}, src, reason=self.unknown)
+        r = q.request()
+        m = validity.answer(
+            self.table,
+            r["dtype_act"],
+            r["dtype_weights"],
+            r["fp8_quantization_type"],
+            r["activation"],
+            r["weight_layout"],
+            r["use_per_token_scaling"],
+            q.hidden,
+            q.intermediate,
+            q.experts,
+            q.top_k,
+            q.tokens,
+            sm=self.sm,
+        )
+        if m.error:
+            return TacticAnswer(q, 0, {}, src, reason=f"FlashInfer rejects the query: {m.error}", configs=())
+        reason = None if m.configs else "no valid config (FlashInfer returns an empty list)"
+        return TacticAnswer(q, m.count, dict(m.per_tile), src, reason=reason, configs=m.configs)
 
 
 # --------------------------------------------------------------------------- worker
@@ -396,33 +428,52 @@ class _Worker:
 
 
 def _blackwell_gpu() -> bool:
+    return _device_sm() // 10 == 10
+
+
+def _device_sm() -> int:
+    """SM version of CUDA device 0 (e.g. 100, 103), 0 without one."""
     try:
         import torch
 
-        return bool(torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] == 10)
+        if not torch.cuda.is_available():
+            return 0
+        major, minor = torch.cuda.get_device_capability(0)
+        return 10 * major + minor
     except Exception:
-        return False
+        return 0
 
 
 class TacticOracle:
     """Answers which TRTLLM-Gen MoE tactics are valid for a shape.
 
-    mode: "auto" (native on a Blackwell GPU, else the built module + shim, else the
-    snapshot), "native", "live" (the built module + shim), or "snapshot".
-    snapshot: path of a snapshot file (default: the one in :func:`snapshot_dir` matching the
-    installed FlashInfer).
+    mode: "auto" (native on a Blackwell GPU, else the built module + shim, else the model),
+    "native", "live" (the built module + shim), or "model" (:mod:`fimoe_lab.tune.validity`
+    on the shipped kernel table of the installed FlashInfer; "snapshot" is the same, the
+    name of the offline source before the model).  kernels: path of a kernel table for the
+    model (default: the shipped one matching the installed FlashInfer, or the newest shipped
+    when FlashInfer is not installed).  sm: the Blackwell device answered for, 100
+    (B200/GB200, the default) or 103 (B300/GB300: the SM103 builds of the patched-F2FP MxFP4
+    kernels); the shim presents that SM, and "native" requires the GPU to be it.
 
-    >>> o = TacticOracle(mode="snapshot")
+    >>> o = TacticOracle(mode="model")
     >>> a = o.query("nvfp4", "swiglu", hidden=3072, intermediate=1920, experts=128, top_k=6, tokens=8,
     ...             per_token=True)
     >>> a.count, a.source["kind"]       # doctest: +SKIP
     """
 
-    def __init__(self, mode: str = "auto", snapshot: Optional[os.PathLike] = None):
-        if mode not in ("auto", "native", "live", "snapshot"):
-            raise OracleError(f"unknown oracle mode {mode!r}", fix="choose one of auto, native, live, snapshot")
-        self._snapshot_path = snapshot
-        self._snap: Optional[Snapshot] = None
+    MODES = ("auto", "native", "live", "model", "snapshot")
+
+    SMS = (100, 103)
+
+    def __init__(self, mode: str = "auto", kernels: Optional[os.PathLike] = None, sm: Optional[int] = None):
+        if mode not in self.MODES:
+            raise OracleError(f"unknown oracle mode {mode!r}", fix=f"choose one of {', '.join(self.MODES)}")
+        if sm is not None and sm not in self.SMS:
+            raise OracleError(f"unknown Blackwell SM version {sm!r}", fix="choose 100 (B200/GB200) or 103 (B300/GB300)")
+        self._kernels_path = kernels
+        self._sm = sm
+        self._model: Optional[_Model] = None
         self._worker: Optional[_Worker] = None
         self._cache: dict = {}
         self.mode = self._resolve(mode)
@@ -431,16 +482,21 @@ class TacticOracle:
 
     # -- setup ----------------------------------------------------------------
     def _resolve(self, mode: str) -> str:
-        if mode == "snapshot":
-            self._load_snapshot(required=True)
-            return "snapshot"
+        if mode in ("model", "snapshot"):
+            self._model = _Model.load(self._kernels_path, self._sm or 100)
+            return "model"
         if mode in ("auto", "native") and _blackwell_gpu():
+            if self._sm is not None and self._sm != _device_sm():
+                raise OracleError(
+                    f"sm={self._sm} asked, but the GPU is SM{_device_sm()}",
+                    fix="drop sm (the GPU answers for itself), or use mode='model' for another SM",
+                )
             self._worker = _Worker([sys.executable, "-m", "fimoe_lab.tune._worker", "native"], self._env())
             return "native"
         if mode == "native":
             raise OracleError(
                 "mode='native' needs a Blackwell (SM10x) GPU; none is visible",
-                fix="use mode='auto' (built module or snapshot) or mode='snapshot'",
+                fix="use mode='auto' (built module or model) or mode='model'",
             )
         from . import build
 
@@ -450,6 +506,8 @@ class TacticOracle:
             env["LD_PRELOAD"] = (man.shim_path + " " + env.get("LD_PRELOAD", "")).strip()
             libs = [str(Path(man.cuda_home) / "lib64")] if man.cuda_home else []
             env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")]).strip(":")
+            if self._sm is not None:
+                env["FIMOE_SHIM_SM"] = str(self._sm)  # the device the shim presents
             self._worker = _Worker([sys.executable, "-m", "fimoe_lab.tune._worker", "shim", man.so_path], env)
             self.manifest = man
             return "live"
@@ -459,10 +517,10 @@ class TacticOracle:
             hint = (" (also missing: " + "; ".join(probs) + ")") if probs else ""
             raise OracleError(
                 f"no built TRTLLM-Gen MoE module for the installed FlashInfer ({pre.flashinfer_version})",
-                fix=f"run `python -m fimoe_lab.tune.build`{hint}, or use mode='snapshot'",
+                fix=f"run `python -m fimoe_lab.tune.build`{hint}, or use mode='model'",
             )
-        self._load_snapshot(required=True)
-        return "snapshot"
+        self._model = _Model.load(self._kernels_path, self._sm or 100)
+        return "model"
 
     @staticmethod
     def _env() -> dict:
@@ -471,24 +529,15 @@ class TacticOracle:
         env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         return env
 
-    def _load_snapshot(self, required: bool) -> Optional[Snapshot]:
-        if self._snap is None:
-            self._snap = Snapshot.find(self._snapshot_path)
-        if self._snap is None and required:
-            raise OracleError(
-                f"no tactic snapshot found in {snapshot_dir()} and no live FlashInfer module",
-                fix="build the module with `python -m fimoe_lab.tune.build`",
-            )
-        return self._snap
-
     @property
-    def snapshot(self) -> Optional[Snapshot]:
-        return self._load_snapshot(required=False)
+    def kernel_table(self) -> Optional[validity.KernelTable]:
+        """The model's kernel table (mode "model"; None where the kernel set is not shipped)."""
+        return self._model.table if self._model else None
 
     def source(self) -> dict:
         """Where answers come from now."""
-        if self.mode == "snapshot":
-            return self._snap.source()  # type: ignore[union-attr]
+        if self._model is not None:
+            return self._model.source()
         w = self._worker
         if w is not None and not w.hello:
             try:
@@ -529,8 +578,8 @@ class TacticOracle:
         k = q.key()
         if k in self._cache:
             return self._cache[k]
-        if self.mode == "snapshot":
-            ans = self._snap.answer(q)  # type: ignore[union-attr]
+        if self._model is not None:
+            ans = self._model.answer(q)
         else:
             ans = self._live(q)
         if ans.known:
@@ -559,7 +608,7 @@ class TacticOracle:
             "kernel_set": w.hello.get("kernel_set"),
         }
         if not r.get("ok"):
-            return TacticAnswer(q, 0, {}, src, reason=f"FlashInfer rejected the query: {r.get('error')}")
+            return TacticAnswer(q, 0, {}, src, reason=f"FlashInfer rejected the query: {r.get('error')}", configs=())
         configs = tuple((int(a), int(b)) for a, b in r["configs"])
         per_tile = dict(collections.Counter(t for t, _ in configs))
         reason = None if configs else "no valid config (FlashInfer returned an empty list)"
