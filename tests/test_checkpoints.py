@@ -271,9 +271,11 @@ def test_no_experts_at_all(tmp_path):
 
 def test_missing_config_key_and_file(tmp_path):
     path = copy_checkpoint(
-        "qwen3-moe-bf16", tmp_path / "c", config=lambda c: {k: v for k, v in c.items() if k != "moe_intermediate_size"}
+        "qwen3-moe-bf16",
+        tmp_path / "c",
+        config=lambda c: {k: v for k, v in c.items() if k not in ("moe_intermediate_size", "intermediate_size")},
     )
-    _raises(path, "moe_intermediate_size", "config.json")
+    _raises(path, "moe_intermediate_size or intermediate_size", "config.json")
     (path / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         open_checkpoint(path)

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from fimoe_lab.checkpoints.conventions import dtype_name
+from fimoe_lab.checkpoints.conventions import MISSING_LAYOUT, dtype_name, stored_format
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.checkpoints.writer import build_plan, plan_args, suggest_alignment
 from fimoe_lab.errors import FimoeError
@@ -39,6 +39,8 @@ class LayerReport:
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     tp: dict[int, dict[str, str]] = field(default_factory=dict)
     health: list[str] = field(default_factory=list)
+    name: str = ""
+    mtp: bool = False
 
 
 def _short(exc: Exception) -> str:
@@ -68,7 +70,11 @@ def _describe(layer: MoELayer, backend: str, alignment: Optional[int] = None, en
 
 def backend_needs(layer: MoELayer, backend: str, engine: Optional[str] = None) -> str:
     """One line: what ``backend`` needs for this (per-rank) layer under ``engine``'s profile
-    (default: the newest vLLM's): padding, or why it fails and the fix."""
+    (default: the newest vLLM's): padding, or why it fails and the fix (for a format with
+    no layout, :data:`~fimoe_lab.checkpoints.conventions.MISSING_LAYOUT`)."""
+    missing = MISSING_LAYOUT.get(layer.fmt, {}).get(backend)
+    if missing is not None:
+        return f"cannot convert {layer.fmt}: {missing}"
     try:
         return _describe(layer, backend, engine=engine)
     except ValueError as exc:
@@ -82,13 +88,13 @@ def scale_health(layer: MoELayer) -> list[str]:
     """Warnings about the layer's scales: NaN/Inf, all-zero experts, tiny (dead) block scales, NVFP4 globals."""
     out: list[str] = []
     parts = layer.quantized()
-    if not parts:
+    if not parts and layer.w13_scale is None:
         return ["unquantized (bf16): no scales"]
-    per_expert = {}
-    for name, q in parts:
-        s = decoded_scales(q).reshape(layer.num_experts, -1)
-        per_expert[name] = s
-    s = torch.cat(list(per_expert.values()), dim=1)
+    if parts:
+        scales = [decoded_scales(q) for _, q in parts]
+    else:  # a format without a codec (CHECKPOINT_FORMATS) stores plain float scales
+        scales = [t.float() for t in (layer.w13_scale, layer.w2_scale) if t is not None]
+    s = torch.cat([t.reshape(layer.num_experts, -1) for t in scales], dim=1)
     bad = ~torch.isfinite(s)
     if bad.any():
         ex = bad.any(1).nonzero().flatten().tolist()
@@ -110,8 +116,17 @@ def scale_health(layer: MoELayer) -> list[str]:
     zeros = int((s == 0).sum()) - sum(s.shape[1] for _ in zero_experts)
     if zeros > 0:
         out.append(f"{zeros} block scales are 0 (all-zero blocks; harmless unless unexpected)")
-    out.extend(_sign_and_subnormal(s, FORMATS[layer.fmt].scale_dtype, "block scales"))
-    for key in ("w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale"):
+    out.extend(_sign_and_subnormal(s, stored_format(layer.fmt).scale_dtype, "block scales"))
+    for key in (
+        "w13_weight_scale_2",
+        "w2_weight_scale_2",
+        "w13_input_scale",
+        "w2_input_scale",
+        "w13_weight_global_scale",
+        "w2_weight_global_scale",
+        "w13_input_global_scale",
+        "w2_input_global_scale",
+    ):
         t = layer.extras.get(key)
         if t is None:
             continue
@@ -120,12 +135,18 @@ def scale_health(layer: MoELayer) -> list[str]:
             if mask.any():
                 out.append(f"{key}: {what} in experts {mask.any(1).nonzero().flatten().tolist()}")
         out.extend(_sign_and_subnormal(t, "float32", key))
-    g = layer.extras.get("w13_weight_scale_2")
-    if g is not None and not torch.equal(g[:, 0], g[:, 1]):
-        ex = (g[:, 0] != g[:, 1]).nonzero().flatten().tolist()
+    for key in ("w13_weight_scale_2", "w13_weight_global_scale"):
+        g = layer.extras.get(key)
+        if g is not None and not torch.equal(g[:, 0], g[:, 1]):
+            ex = (g[:, 0] != g[:, 1]).nonzero().flatten().tolist()
+            out.append(
+                f"experts {ex}: gate and up have different {key[4:]}; the kernel takes one per w13 (vLLM uses "
+                f"gate's), so up is off by their ratio"
+            )
+    if layer.w13_scale is not None and layer.w13_scale.dim() == 2 and not torch.equal(*layer.w13_scale.unbind(1)):
         out.append(
-            f"experts {ex}: gate and up have different weight_scale_2; the kernel takes one per w13 (vLLM uses "
-            f"gate's), so up is off by their ratio"
+            "gate and up have different per-tensor scales (w13_scale (E, 2)): the kernel takes one per w13, so "
+            "engines requantize both to the larger (vLLM's ModelOpt FP8 path)"
         )
     return out or ["ok: all scales finite, positive and normal, none zero or below 1e-10"]
 
@@ -164,11 +185,12 @@ def inspect_checkpoint(
     with Checkpoint(path) as ck:
         conv = ck.convention
         wanted = ck.moe_layers if layers is None else list(layers)
-        try:
-            top_k = ck.top_k
-        except CheckpointError:
-            top_k = None
+        mtp = set(ck.mtp_layers)
         for idx in wanted:
+            try:
+                top_k: Optional[int] = ck.config_size("top_k", idx)
+            except CheckpointError:
+                top_k = None
             full = ck.read_layer(idx, load="scales")
             tensors = {
                 n: (dtype_name(t.dtype), tuple(t.shape))
@@ -183,15 +205,17 @@ def inspect_checkpoint(
                 full.num_experts,
                 top_k,
                 ck.hidden,
-                ck.intermediate,
+                ck.config_size("intermediate", idx),
                 conv.gate_up_order,
                 tensors,
                 health=scale_health(full),
+                name=ck.layer_names[idx],
+                mtp=idx in mtp,
             )
             for tp in tps:
                 row: dict[str, str] = {}
                 try:
-                    sizes = [end - start for start, end in (ck.shard_bounds(tp, r) for r in range(tp))]
+                    sizes = [end - start for start, end in (ck.shard_bounds(tp, r, idx) for r in range(tp))]
                 except CheckpointError as exc:
                     row["shard"] = f"cannot shard: {_short(exc)}"
                     rep.tp[tp] = row
@@ -209,7 +233,8 @@ def format_report(reports: Sequence[LayerReport]) -> str:
     """The text ``fimoe-lab inspect`` prints."""
     lines = []
     for r in reports:
-        lines.append(f"layer {r.layer}: {r.convention} [{r.models}]  format {r.fmt}")
+        where = f" ({r.name}{', MTP' if r.mtp else ''})" if r.name else ""
+        lines.append(f"layer {r.layer}{where}: {r.convention} [{r.models}]  format {r.fmt}")
         lines.append(
             f"  experts {r.num_experts}"
             + (f", top-{r.top_k}" if r.top_k else "")

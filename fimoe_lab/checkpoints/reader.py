@@ -2,22 +2,34 @@
 
 Tensors are read one at a time through ``safetensors.safe_open`` slices (memory-mapped):
 only the rows/columns of the requested tensor-parallel rank are read, never a whole file.
-Every tensor is checked against the shape ``config.json`` implies and the dtype its
-convention prescribes before it is read.
+Every tensor is checked against the shape ``config.json`` implies (sizes through the one
+alias table :data:`~fimoe_lab.checkpoints.conventions.CONFIG_KEYS`, per-layer lists by
+layer) and the dtype its convention prescribes before it is read.
 
 Stacked layout (what :class:`MoELayer` holds, the "checkpoint layout" of
-:class:`~fimoe_lab.plan.LayerPlan`), with ``I`` the per-rank intermediate size and
-``v`` = 2 values per byte for FP4 formats, else 1:
+:class:`~fimoe_lab.plan.LayerPlan`), with ``I`` the per-rank intermediate size, ``P`` 2
+projections in ``w13`` for gated activations (1 for ReLU^2: ``up`` only) and ``v`` = 2
+values per byte for packed 4-bit formats, else 1:
 
-- ``w13`` ``(E, 2I, H/v)`` rows ``[gate; up]``; ``w2`` ``(E, H, I/v)``;
+- ``w13`` ``(E, P*I, H/v)`` rows ``[gate; up]``; ``w2`` ``(E, H, I/v)``; fused, transposed
+  (Llama-4, Qwen3-VL), flattened (DBRX) and interleaved (gpt-oss) files are read into it;
 - ``fp8-block``: ``w13_scale`` float32 ``(E, 2*ceil(I/128), ceil(H/128))`` (gate's block
-  rows then up's), ``w2_scale`` ``(E, ceil(H/128), ceil(I/128))``;
+  rows then up's), ``w2_scale`` ``(E, ceil(H/128), ceil(I/128))`` (BF16 files widen exactly);
+- ``fp8`` (ModelOpt per-tensor): ``w13_scale`` ``(E, 2)`` (gate, up), ``w2_scale`` ``(E,)``;
+  extras ``w13_input_scale`` ``(E, 2)``, ``w2_input_scale`` ``(E,)``;
+- ``fp8-channel``: ``w13_scale`` float32 ``(E, 2I, 1)``, ``w2_scale`` ``(E, H, 1)``;
 - ``nvfp4``: ``w13_scale`` float8_e4m3fn ``(E, 2I, H/16)``, ``w2_scale`` ``(E, H, I/16)``;
-  extras ``w13_weight_scale_2``/``w13_input_scale`` ``(E, 2)`` (gate, up) and
-  ``w2_weight_scale_2``/``w2_input_scale`` ``(E,)``;
+  extras ``w13_weight_scale_2``/``w13_input_scale`` (ModelOpt) or ``w13_weight_global_scale``
+  /``w13_input_global_scale`` (compressed-tensors) ``(E, 2)`` (gate, up), ``w2_*`` ``(E,)``;
+- ``int4-group``: the int32 words' bytes, ``w13`` uint8 ``(E, 2I, H/2)``; ``w13_scale``
+  bfloat16 ``(E, 2I, H/32)``, ``w2_scale`` ``(E, H, I/32)``;
 - ``mxfp4``: ``w13_scale`` uint8 UE8M0 ``(E, 2I, H/32)``, ``w2_scale`` ``(E, H, I/32)``;
   extras ``w13_bias`` bf16 ``(E, 2I)``, ``w2_bias`` ``(E, H)`` (zeros on ranks > 0, as in vLLM,
   so that the ranks' partial outputs sum to the full layer's).
+
+Layers are numbered by their index; MTP (next-token-prediction) layers under another prefix
+(Qwen3-Next ``mtp.layers.k``) after the model's (``num_hidden_layers + k``), each with its
+own path (:attr:`Checkpoint.layer_names`): never merged with a model layer.
 
 Tensor parallelism follows the serving engines (see :meth:`Checkpoint.shard_bounds`): rank
 ``r`` takes the same intermediate rows of gate and of up and the same columns of down;
@@ -39,17 +51,33 @@ import torch
 
 from fimoe_lab import formats
 from fimoe_lab.checkpoints import conventions, safe_io
-from fimoe_lab.checkpoints.conventions import Convention, dtype_name
+from fimoe_lab.checkpoints.conventions import CONFIG_KEYS, Convention, config_value, dtype_name, stored_format
 from fimoe_lab.errors import CheckpointError
 from fimoe_lab.formats import QuantizedTensor
-from fimoe_lab.specs import get_format
 
 __all__ = ["CheckpointError", "MoELayer", "Checkpoint", "open_checkpoint"]
 
 MAX_CONFIG_INT = 1 << 24
 """Largest size or count config.json may give (real models: hidden < 32768, experts < 1024)."""
 
-_LAYER_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe)\.experts\.")
+
+def _expert_pattern() -> re.Pattern[str]:
+    """Names of expert tensors of any convention: ``<prefix>(layers|blocks|block).<L>.<module>.<e>.`` or
+    ``...<module>.<fused name>``; groups ``prefix`` and ``layer``."""
+    alts = set()
+    for c in conventions.CONVENTIONS:
+        if c.fused_layout is None:
+            alts.add(re.escape(c.module) + r"\.\d+\.")
+        else:
+            f = c.fused_layout
+            names = (*f.w13, f.w2, *(f.scales or ()), *(f.biases or ()))
+            alts.update(re.escape(f"{c.module}.{n}") + "$" for n in names)
+    return re.compile(
+        r"^(?P<prefix>(?:.*\.)?(?:layers|blocks|block)\.)(?P<layer>\d+)\.(?:" + "|".join(sorted(alts)) + ")"
+    )
+
+
+_EXPERT_RE = _expert_pattern()
 
 
 # ============================================================================ the stacked layer
@@ -97,21 +125,34 @@ class MoELayer:
 
         Parts are ``gate``, ``up``, ``down`` where the scales differ per projection: block
         scales spanning rows (``scale_block_rows > 1``, fp8-block: a block row never mixes
-        gate and up) or a global scale per projection (``w13_weight_scale_2`` ``(E, 2)``,
-        nvfp4); else ``w13``, ``w2``. Empty for formats without a quantizer (``bf16``).
+        gate and up), a global scale per projection (``w13_weight_scale_2`` or
+        ``w13_weight_global_scale`` ``(E, 2)``, nvfp4) or one scale per projection
+        (``w13_scale`` ``(E, 2)``, ModelOpt fp8); else ``w13``, ``w2``. Empty for formats
+        without a quantizer (``bf16``, and the read-only :data:`~fimoe_lab.checkpoints.conventions.CHECKPOINT_FORMATS`).
         """
-        spec, i = get_format(self.fmt), self.intermediate
-        if spec.codec is None:
+        spec, i = stored_format(self.fmt), self.intermediate
+        if spec.codec is None or self.w13_scale is None:
             return []
-        f, block, ws2 = self.fmt, spec.scale_block, self.extras.get("w13_weight_scale_2")
-        if spec.scale_block_rows == 1 and ws2 is None:
+        f, block = self.fmt, spec.scale_block
+        ws2, gs = self.extras.get("w13_weight_scale_2"), self.extras.get("w13_weight_global_scale")
+        per_proj = self.w13_scale.dim() == 2  # one scale per projection (ModelOpt FP8): (E, 2)
+        if spec.scale_block_rows == 1 and ws2 is None and gs is None and not per_proj:
             return [
                 ("w13", QuantizedTensor(self.w13, self.w13_scale, None, f, block)),
                 ("w2", QuantizedTensor(self.w2, self.w2_scale, None, f, block)),
             ]
         g_gate = g_up = g_down = None
-        if ws2 is not None:  # stored as weight_scale_2 = 1 / global scale
+        if ws2 is not None:  # ModelOpt: weight_scale_2 = 1 / global scale
             g_gate, g_up, g_down = 1.0 / ws2[:, 0], 1.0 / ws2[:, 1], 1.0 / self.extras["w2_weight_scale_2"]
+        if gs is not None:  # compressed-tensors: the global scale itself
+            g_gate, g_up, g_down = gs[:, 0], gs[:, 1], self.extras["w2_weight_global_scale"]
+        if per_proj:
+            s = self.w13_scale
+            return [
+                ("gate", QuantizedTensor(self.w13[:, :i], s[:, 0], None, f, block)),
+                ("up", QuantizedTensor(self.w13[:, i:], s[:, 1], None, f, block)),
+                ("down", QuantizedTensor(self.w2, self.w2_scale, None, f, block)),
+            ]
         half = self.w13_scale.shape[1] // 2
         return [
             ("gate", QuantizedTensor(self.w13[:, :i], self.w13_scale[:, :half], g_gate, f, block)),
@@ -123,6 +164,11 @@ class MoELayer:
         """float32 ``w13`` ``(E, 2I, H)`` and ``w2`` ``(E, H, I)``, dequantized with :mod:`fimoe_lab.formats`."""
         parts = {name: formats.dequantize(q) for name, q in self.quantized()}
         if not parts:
+            if stored_format(self.fmt).codec is not None or self.w13_scale is not None:
+                raise CheckpointError(
+                    f"format {self.fmt!r} has no dequantizer in fimoe_lab.formats",
+                    fix="inspect and restore work; compare its bytes instead of values",
+                )
             return self.w13.float(), self.w2.float()
         if "w13" in parts:
             return parts["w13"], parts["w2"]
@@ -133,8 +179,13 @@ class MoELayer:
 class Checkpoint:
     """A safetensors checkpoint directory (``config.json`` + shards, index optional), read lazily.
 
-    ``convention`` is detected from tensor names and dtypes; sizes come from ``config.json``.
-    Use as a context manager (or call :meth:`close`) to release the memory-mapped files.
+    ``convention`` is detected from tensor names and dtypes (every MoE layer must follow
+    the same one); sizes come from ``config.json`` through :data:`conventions.CONFIG_KEYS`.
+    MoE layers are numbered by their index; a layer under another prefix than the model's
+    (MTP / next-token-prediction layers: Qwen3-Next ``mtp.layers.0``) is numbered after the
+    model's layers (``num_hidden_layers + k``, as DeepSeek-V3 numbers its ``model.layers.61``)
+    and keeps its own name (:attr:`layer_names`). Use as a context manager (or call
+    :meth:`close`) to release the memory-mapped files.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -152,19 +203,25 @@ class Checkpoint:
             raise CheckpointError(f"{config_path} is not a JSON object", fix="restore the model's original config.json")
         self.weight_map = self._weight_map()
         self._handles: dict[str, object] = {}
-        self._layers = self._find_moe_layers()
-        first = next(iter(self._layers), None)
-        if first is None:
-            sample = [n for n in self.weight_map if "expert" in n][:5] or list(self.weight_map)[:5]
+        self.prefix, self._layers = self._find_moe_layers()
+        if not self._layers:
+            sample = [n for n in self.weight_map if "expert" in n][:6] or list(self.weight_map)[:6]
             raise CheckpointError(
                 f"{self.path}: no MoE expert tensors follow a known naming convention "
-                f"('<prefix>layers.<L>.mlp.experts.' or '.block_sparse_moe.experts.'); known conventions: "
+                f"('<prefix>layers.<L>.<module>.<e>.<proj>...' or a fused '<module>.<name>'); known conventions: "
                 + "; ".join(f"{c.name}: {c.pattern()}" for c in conventions.CONVENTIONS)
-                + f". Tensor names seen: {sample}",
+                + f". Tensor names seen: {sample}; closest known convention: {self._closest(sample)}",
                 fix="add an entry to fimoe_lab/checkpoints/conventions.py",
             )
-        self.prefix = self._layers[first]
-        self.convention: Convention = self._detect(first)
+        self.convention: Convention = self._detect(next(iter(self._layers)))
+        for idx in list(self._layers)[1:]:
+            other = self._detect(idx)
+            if other is not self.convention:
+                raise CheckpointError(
+                    f"{self.path}: layer {idx} ({self._layers[idx]}) follows {other.name}, layer "
+                    f"{next(iter(self._layers))} follows {self.convention.name}: one checkpoint, one convention",
+                    fix="convert the layers of each convention separately (--layers)",
+                )
 
     # ------------------------------------------------------------------ files
     def _weight_map(self) -> dict[str, str]:
@@ -226,24 +283,82 @@ class Checkpoint:
         return conventions.SAFETENSORS_DTYPES.get(dt, dt), tuple(s.get_shape())
 
     # ------------------------------------------------------------------ structure
-    def _find_moe_layers(self) -> dict[int, str]:
-        layers: dict[int, str] = {}
+    def _find_moe_layers(self) -> tuple[str, dict[int, str]]:
+        """The model's layer prefix and ``{layer index: layer path}`` of every MoE layer (module docstring)."""
+        found: dict[tuple[str, int], None] = {}
         for name in self.weight_map:
-            m = _LAYER_RE.match(name)
+            m = _EXPERT_RE.match(name)
             if m:
-                layers.setdefault(int(m["layer"]), m["prefix"])
-        return dict(sorted(layers.items()))
+                found.setdefault((m["prefix"], int(m["layer"])))
+        if not found:
+            return "", {}
+        counts: dict[str, int] = {}
+        for prefix, _ in found:
+            counts[prefix] = counts.get(prefix, 0) + 1
+        main = max(counts, key=lambda p: (counts[p], -len(p)))
+        layers = {idx: f"{prefix}{idx}" for prefix, idx in found if prefix == main}
+        _, n_layers = config_value(self.config, "layers")
+        first_extra = n_layers if isinstance(n_layers, int) and not isinstance(n_layers, bool) else max(layers) + 1
+        for prefix, idx in sorted(p for p in found if p[0] != main):
+            number = first_extra + idx
+            if number in layers:
+                raise CheckpointError(
+                    f"{self.path}: MTP layer {prefix}{idx} would be numbered {number}, which {layers[number]} has",
+                    fix="check num_hidden_layers in config.json",
+                )
+            layers[number] = f"{prefix}{idx}"
+        return main, dict(sorted(layers.items()))
 
     @property
     def moe_layers(self) -> list[int]:
-        """Indices of the layers that hold routed experts."""
+        """Indices of the layers that hold routed experts (MTP layers included, numbered after the model's)."""
         return list(self._layers)
 
+    @property
+    def layer_names(self) -> dict[int, str]:
+        """``{layer index: its path in the checkpoint}`` (``model.layers.3``, ``mtp.layers.0``)."""
+        return dict(self._layers)
+
+    @property
+    def mtp_layers(self) -> list[int]:
+        """The MoE layers past ``num_hidden_layers`` (MTP / next-token-prediction layers), by index."""
+        _, n = config_value(self.config, "layers")
+        return [i for i in self._layers if isinstance(n, int) and i >= n]
+
+    def _closest(self, names: Sequence[str]) -> str:
+        """The convention whose tensor names share the most dotted parts with ``names`` (its weight dtype
+        among theirs breaking ties), as ``name (pattern)``."""
+        seen = {part for n in names for part in n.split(".")}
+        dtypes = {self.header(n)[0] for n in names}
+
+        def score(c: Convention) -> tuple[int, bool]:
+            f = c.fused_layout
+            own = [*c.module.split("."), c.weight_suffix, *(p for p in c.projections or () if p)]
+            if f is not None:
+                own += [part for n in (*f.w13, f.w2) for part in n.split(".")]
+            return len(seen & set(own)), c.file_weight_dtype in dtypes
+
+        best = max(conventions.CONVENTIONS, key=score)
+        return f"{best.name} ({best.pattern()})"
+
+    def _scale_kind_ok(self, conv: Convention, base: str) -> bool:
+        """Tell FP8 conventions with the same names apart by their scale's shape (block, row, tensor)."""
+        if conv.fused_layout is not None or conv.scale_suffix is None:
+            return True
+        proj = 0 if conv.gated else 1
+        _, wshape = self.header(conv.expert_key("", 0, 0, proj, base=base))
+        _, sshape = self.header(conv.expert_key("", 0, 0, proj, conv.scale_suffix, base))
+        if conv.scales == "tensor":  # ModelOpt () or compressed-tensors (1,)
+            return sshape == conv.scalar_shape
+        if conv.scales == "row":
+            return len(sshape) == 2 and sshape[1] == 1 and sshape[0] == wshape[0]
+        return len(sshape) == 2 and not (sshape[1] == 1 and sshape[0] == wshape[0] > 1)
+
     def _detect(self, layer: int) -> Convention:
-        prefix = self._layers[layer]
+        base = self._layers[layer]
         for conv in conventions.CONVENTIONS:
             ok = True
-            for name, dtype in conv.signature(prefix, layer).items():
+            for name, dtype in conv.signature(base).items():
                 present = name in self.weight_map
                 if dtype is None:
                     ok &= not present
@@ -251,35 +366,49 @@ class Checkpoint:
                     ok &= present and self.header(name)[0] == dtype
                 if not ok:
                     break
-            if ok:
+            if ok and self._scale_kind_ok(conv, base):
                 return conv
-        found = sorted(n for n in self.weight_map if n.startswith(f"{prefix}{layer}.") and ".experts." in n)[:6]
+        found = sorted(n for n in self.weight_map if n.startswith(f"{base}."))[:8]
         found_s = ", ".join(f"{n} ({dtype_name(self.header(n)[0])})" for n in found)
         raise CheckpointError(
             f"{self.path}: layer {layer}'s expert tensors follow no known naming convention. Expected one of: "
             + "; ".join(f"{c.name}: {c.pattern()}" for c in conventions.CONVENTIONS)
-            + f". Found: {found_s}",
+            + f". Found: {found_s}; closest known convention: {self._closest(found)}",
             fix="add an entry to fimoe_lab/checkpoints/conventions.py",
         )
 
-    def config_int(self, keys: Sequence[str], what: str) -> int:
-        """The first of ``keys`` present in config.json (also under ``text_config``), as int."""
-        text = self.config.get("text_config")
-        for cfg in (self.config, text if isinstance(text, dict) else {}):
-            for k in keys:
-                if k in cfg and cfg[k] is not None:
-                    v = cfg[k]
-                    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_CONFIG_INT:
-                        raise CheckpointError(
-                            f"{self.path / 'config.json'}: {k} is {v!r}, not an integer in [1, {MAX_CONFIG_INT}]",
-                            fix="restore the value from the model's original config.json",
-                        )
-                    return v
-        raise CheckpointError(
-            f"{self.path / 'config.json'}: no {what} ({' or '.join(keys)}); the {self.convention.name} convention "
-            f"reads it from there",
-            fix="add the key from the model's original config.json",
-        )
+    def _config_entry(self, what: str, layer: Optional[int]) -> tuple[str, object]:
+        key, v = config_value(self.config, what)
+        if key is None:
+            raise CheckpointError(
+                f"{self.path / 'config.json'}: no {what} size ({' or '.join(CONFIG_KEYS[what])}); the "
+                f"{self.convention.name} convention reads it from there",
+                fix="add the key from the model's original config.json",
+            )
+        if isinstance(v, list):  # per layer (Hunyuan-A13B)
+            idx = self.moe_layers[0] if layer is None else layer
+            if not 0 <= idx < len(v):
+                raise CheckpointError(
+                    f"{self.path / 'config.json'}: {key} is a per-layer list of {len(v)} entries, layer {idx} has none",
+                    fix="restore the list from the model's original config.json",
+                )
+            key, v = f"{key}[{idx}]", v[idx]
+        return key, v
+
+    def config_size(self, what: str, layer: Optional[int] = None) -> int:
+        """A :data:`conventions.CONFIG_KEYS` size (``hidden``, ``intermediate``, ``experts``, ``top_k``) of
+        ``layer`` (default the first MoE layer) from config.json, as an int in ``[1, MAX_CONFIG_INT]``."""
+        key, v = self._config_entry(what, layer)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_CONFIG_INT:
+            raise CheckpointError(
+                f"{self.path / 'config.json'}: {key} is {v!r}, not an integer in [1, {MAX_CONFIG_INT}]",
+                fix="restore the value from the model's original config.json",
+            )
+        return v
+
+    def _size_keys(self, layer: Optional[int]) -> dict[str, str]:
+        """The config.json key each size of ``layer`` comes from (for messages)."""
+        return {w: self._config_entry(w, layer)[0] for w in ("hidden", "intermediate", "experts")}
 
     def config_float(self, key: str, default: float) -> float:
         """A finite number from config.json (``default`` when absent)."""
@@ -295,27 +424,29 @@ class Checkpoint:
 
     @property
     def hidden(self) -> int:
-        return self.config_int(("hidden_size",), "hidden size")
+        return self.config_size("hidden")
 
     @property
     def intermediate(self) -> int:
-        """The full (unsharded) MoE intermediate size from config.json."""
-        return self.config_int(self.convention.intermediate_keys, "MoE intermediate size")
+        """The full (unsharded) MoE intermediate size of the first MoE layer (:meth:`config_size` per layer)."""
+        return self.config_size("intermediate")
 
     @property
     def num_experts(self) -> int:
-        return self.config_int(self.convention.expert_keys, "routed expert count")
+        return self.config_size("experts")
 
     @property
     def top_k(self) -> int:
-        return self.config_int(self.convention.top_k_keys, "experts per token")
+        return self.config_size("top_k")
 
     @property
     def fmt(self) -> str:
         return self.convention.fmt
 
     # ------------------------------------------------------------------ reading
-    def _check(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], role: str) -> None:
+    def _check(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], role: str, layer: Optional[int] = None
+    ) -> None:
         if name not in self.weight_map:
             raise CheckpointError(
                 f"missing tensor {name} ({role}): expected {dtype_name(dtype)} {list(shape)} for the "
@@ -323,12 +454,13 @@ class Checkpoint:
                 fix="re-download the shard that holds it or check num experts/intermediate in config.json",
             )
         got_dtype, got_shape = self.header(name)
-        scalar_ok = shape == () and math.prod(got_shape) == 1
+        scalar_ok = len(shape) <= 1 and math.prod(shape) == 1 and math.prod(got_shape) == 1 and len(got_shape) <= 1
         if got_dtype != dtype or (got_shape != shape and not scalar_ok):
             raise CheckpointError(
                 f"{name} ({role}) in {self.weight_map[name]}: expected {dtype_name(dtype)} {list(shape)}, found "
-                f"{dtype_name(got_dtype)} {list(got_shape)} (config.json: hidden {self.hidden}, intermediate "
-                f"{self.intermediate}, {self.num_experts} experts)",
+                f"{dtype_name(got_dtype)} {list(got_shape)} (config.json: "
+                + ", ".join(f"{k} {self.config_size(w, layer)}" for w, k in self._size_keys(layer).items())
+                + ")",
                 fix=f"check that config.json belongs to these weights and that the convention is {self.convention.name}",
             )
 
@@ -339,22 +471,24 @@ class Checkpoint:
         s = self._handle(name).get_slice(name)
         return s[index] if index else s[:]
 
-    def shard_bounds(self, tp_size: int, tp_rank: int) -> tuple[int, int]:
-        """Intermediate rows ``[start, end)`` of rank ``tp_rank`` of ``tp_size``, as serving engines shard.
+    def shard_bounds(self, tp_size: int, tp_rank: int, layer: Optional[int] = None) -> tuple[int, int]:
+        """Intermediate rows ``[start, end)`` of rank ``tp_rank`` of ``tp_size`` for ``layer`` (default the
+        first MoE layer; sizes may differ per layer), as serving engines shard.
 
-        Per-expert conventions (vLLM's FusedMoE loader): ``I % tp == 0``, equal shards, and a
-        shard must not cut a scale block (vLLM refuses that for FP8 block scales). gpt-oss
-        (vLLM's MXFP4 loader): whole 32-value blocks, ``ceil(blocks / tp)`` per rank, the
-        last ranks smaller, so any tp works until a rank would get nothing.
+        Per-expert and plain fused conventions (vLLM's FusedMoE loader): ``I % tp == 0``, equal
+        shards, and a shard must not cut a scale block (vLLM refuses that for FP8 block scales).
+        gpt-oss (vLLM's MXFP4 loader): whole 32-value blocks, ``ceil(blocks / tp)`` per rank,
+        the last ranks smaller, so any tp works until a rank would get nothing.
         """
-        conv, fmt, full_i = self.convention, self.fmt, self.intermediate
+        conv, fmt = self.convention, self.fmt
         if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
             raise CheckpointError(
                 f"tensor-parallel rank {tp_rank} of {tp_size} is not valid", fix="choose tp >= 1 and 0 <= rank < tp"
             )
-        spec = get_format(fmt)
+        full_i = self.config_size("intermediate", layer)
+        spec = conv.spec
         block = spec.scale_block or 1
-        if conv.fused:
+        if conv.fused_layout is not None and conv.fused_layout.blocks:
             if full_i % block:
                 raise CheckpointError(
                     f"{self.path / 'config.json'}: intermediate size {full_i} is not a multiple of the {block}-value "
@@ -374,17 +508,20 @@ class Checkpoint:
         if full_i % tp_size:
             raise CheckpointError(
                 f"tp={tp_size} does not divide the intermediate size {full_i} (config.json "
-                f"{'/'.join(conv.intermediate_keys)}): rank shards would differ in size",
+                f"{self._config_entry('intermediate', layer)[0]}): rank shards would differ in size",
                 fix=f"pick tp from {[t for t in range(1, 9) if full_i % t == 0]}",
             )
         il = full_i // tp_size
-        if tp_size > 1 and il % block:
-            shape = f"{spec.scale_block_rows}x{block}" if spec.scale_block_rows > 1 else f"{block}-value"
+        # a packed int32 holds 8 values: a shard of the down projection must start on one
+        per_element = spec.values_per_byte * conv.file_weight_dtype.itemsize // conv.weight_dtype.itemsize
+        unit = max(block, per_element)
+        if tp_size > 1 and il % unit:
+            shape = f"{spec.scale_block_rows}x{block}" if spec.scale_block_rows > 1 else f"{unit}-value"
             raise CheckpointError(
-                f"tp={tp_size} gives intermediate {il} per rank, not a multiple of the {block} values of one {shape} "
+                f"tp={tp_size} gives intermediate {il} per rank, not a multiple of the {unit} values of one {shape} "
                 f"{fmt.upper()} scale block, so rank {tp_rank}'s slice [{tp_rank * il}, {(tp_rank + 1) * il}) of the "
                 f"down projection's scales would cut a block (vLLM refuses this too)",
-                fix=f"tp in {[t for t in range(1, 9) if full_i % t == 0 and (full_i // t) % block == 0]}, or pad the "
+                fix=f"tp in {[t for t in range(1, 9) if full_i % t == 0 and (full_i // t) % unit == 0]}, or pad the "
                 f"intermediate size before sharding",
             )
         return tp_rank * il, (tp_rank + 1) * il
@@ -406,8 +543,9 @@ class Checkpoint:
         if load not in ("all", "scales", "none"):
             raise CheckpointError(f"load={load!r} is not a read mode", fix="pass load='all', 'scales' or 'none'")
         conv = self.convention
-        r0, r1 = self.shard_bounds(tp_size, tp_rank)
-        reader = _FusedReader if conv.fused else _PerExpertReader
+        r0, r1 = self.shard_bounds(tp_size, tp_rank, layer)
+        f = conv.fused_layout
+        reader = _PerExpertReader if f is None else _BlocksReader if f.blocks else _FusedReader
         moe = reader(self, layer, tp_size, tp_rank, r0, r1, load, progress).run()
         if conv.activation == "swiglu_oai":
             moe.activation_params = {
@@ -427,9 +565,11 @@ class _LayerReader:
         self.r0, self.r1, self.il = r0, r1, r1 - r0
         self.load, self.progress = load, progress
         self.conv, self.fmt = ckpt.convention, ckpt.fmt
-        self.prefix = ckpt._layers[layer]
-        self.E, self.H, self.I = ckpt.num_experts, ckpt.hidden, ckpt.intermediate
-        self.spec = get_format(self.fmt)
+        self.base = ckpt._layers[layer]
+        self.E, self.H = ckpt.config_size("experts", layer), ckpt.hidden
+        self.I = ckpt.config_size("intermediate", layer)
+        self.P = 2 if self.conv.gated else 1
+        self.spec = self.conv.spec
         self.v = self.spec.values_per_byte
         for size, name in ((self.H, "hidden"), (self.I, "intermediate")):
             if self.spec.packed and size % self.spec.scale_block:
@@ -438,7 +578,7 @@ class _LayerReader:
                     f"value {self.fmt} scale block, so its packed tensors cannot have the shape the convention needs",
                     fix="check that config.json belongs to these weights",
                 )
-        need = self.E * 3 * self.I * self.H * self.conv.weight_dtype.itemsize // self.v
+        need = self.E * (self.P + 1) * self.I * self.H * self.conv.weight_dtype.itemsize // self.v
         have = ckpt.data_bytes()
         if need > have:
             raise CheckpointError(
@@ -447,11 +587,17 @@ class _LayerReader:
                 fix="check that config.json belongs to these weights (expert count, hidden and intermediate sizes)",
             )
 
+    def key(self, name: str) -> str:
+        return self.conv.fused_key("", 0, name, self.base)
+
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, is_scale: bool) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu" if self.wants(is_scale) else "meta")
 
     def wants(self, is_scale: bool) -> bool:
         return self.load == "all" or (self.load == "scales" and is_scale)
+
+    def check(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], role: str) -> None:
+        self.ck._check(name, dtype, shape, role, self.layer)
 
     def finish(self, w13, w2, s13, s2, extras) -> MoELayer:
         return MoELayer(
@@ -468,156 +614,234 @@ class _LayerReader:
             self.tp_size,
             self.tp_rank,
             self.conv.activation,
+            is_act_and_mul=self.conv.gated,
+            is_gated=self.conv.gated,
         )
 
 
 class _PerExpertReader(_LayerReader):
-    """DeepSeek/Kimi FP8, Qwen3/Mixtral BF16, ModelOpt NVFP4: one tensor per expert and projection."""
+    """One tensor per expert and projection (DeepSeek/Kimi/Qwen3/MiniMax FP8, compressed-tensors,
+    ModelOpt, BF16 gate_proj/up_proj/down_proj or w1/w3/w2, Nemotron's up_proj/down_proj)."""
 
-    def scale_spec(self, proj: int) -> tuple[tuple[int, int], tuple[slice, slice]]:
-        """Full scale shape of projection ``proj`` and this rank's slice of it.
+    def scale_spec(self, proj: int) -> tuple[tuple[int, ...], tuple, int]:
+        """Full stored scale shape of projection ``proj``, this rank's slice of it and the stacked rows it gives.
 
-        One scale covers ``scale_block_rows x scale_block`` values of its weight ``(rows,
-        cols)`` (``specs.FORMATS``), so the scales are ``(ceil(rows/br), ceil(cols/bc))``;
-        gate and up are sliced along their rows, down along its columns.
+        Block scales: one covers ``scale_block_rows x scale_block`` values of its weight
+        ``(rows, cols)`` (``specs.FORMATS``), so they are ``(ceil(rows/br), ceil(cols/bc))``,
+        gate and up sliced along their rows, down along its columns; row scales ``(rows, 1)``
+        (down's whole); tensor scales one value (read as a scalar).
         """
-        br, bc = self.spec.scale_block_rows, self.spec.scale_block
         rows, cols = (self.I, self.H) if proj < 2 else (self.H, self.I)
+        kind = self.conv.scales
+        if kind == "tensor":
+            return (), None, 1
+        if kind == "row":
+            return (
+                (rows, 1),
+                ((slice(self.r0, self.r1), slice(None)) if proj < 2 else ()),
+                (self.il if proj < 2 else rows),
+            )
+        br, bc = self.spec.scale_block_rows, self.spec.scale_block
         full = (-(-rows // br), -(-cols // bc))
         along = br if proj < 2 else bc
         lo, hi = self.r0 // along, -(-self.r1 // along)
         sl = (slice(lo, hi), slice(None)) if proj < 2 else (slice(None), slice(lo, hi))
-        return full, sl
+        return full, sl, (hi - lo if proj < 2 else full[0])
 
     def run(self) -> MoELayer:
-        c, E, H, I, il, v = self.conv, self.E, self.H, self.I, self.il, self.v
-        plan = []  # (name, dtype, full shape, slice, destination, role)
-        w13 = self.buffer((E, 2 * il, H // v), c.weight_dtype, False)
+        c, E, H, I, il, v, P = self.conv, self.E, self.H, self.I, self.il, self.v, self.P
+        per = c.file_weight_dtype.itemsize // c.weight_dtype.itemsize  # an int32 of packed int4 holds 4 bytes
+        plan = []  # (name, file dtype, full shape, slice, destination, is scale, role)
+        w13 = self.buffer((E, P * il, H // v), c.weight_dtype, False)
         w2 = self.buffer((E, H, il // v), c.weight_dtype, False)
         s13 = s2 = None
         extras: dict[str, torch.Tensor] = {}
         if c.scale_suffix:
-            (g_rows, g_cols), gsl = self.scale_spec(0)
-            nr = len(range(*gsl[0].indices(g_rows)))
-            s13 = self.buffer((E, 2 * nr, g_cols), c.scale_dtype, True)
-            (d_rows, d_cols), dsl = self.scale_spec(2)
-            s2 = self.buffer((E, d_rows, len(range(*dsl[1].indices(d_cols)))), c.scale_dtype, True)
-        for stack, shape in (("w13", (E, 2)), ("w2", (E,))):
+            _, _, n13 = self.scale_spec(0)
+            full2, _, _ = self.scale_spec(2)
+            if c.scales == "tensor":
+                s13, s2 = self.buffer((E, P), c.scale_dtype, True), self.buffer((E,), c.scale_dtype, True)
+            else:
+                _, sl2, _ = self.scale_spec(2)
+                cols2 = full2[1] if c.scales == "row" else len(range(*sl2[1].indices(full2[1])))
+                g_cols = self.scale_spec(0)[0][1]
+                s13 = self.buffer((E, P * n13, g_cols), c.scale_dtype, True)
+                s2 = self.buffer((E, full2[0], cols2), c.scale_dtype, True)
+        for stack, shape in (("w13", (E, P)), ("w2", (E,))):
             for extra in c.scalar_extras:
                 extras[f"{stack}_{extra}"] = self.buffer(shape, torch.float32, True)
         for e in range(E):
-            for proj in range(3):
+            for proj in range(2 - P, 3):
+                k = proj - (2 - P)  # position in w13 (0 gate or up, 1 up)
                 if proj < 2:
-                    shape, sl, dest = (
-                        (I, H // v),
-                        (slice(self.r0, self.r1), slice(None)),
-                        (w13, e, slice(proj * il, (proj + 1) * il)),
-                    )
+                    shape = (I, H // v // per)
+                    sl = (slice(self.r0, self.r1), slice(None))
+                    dest = (w13, e, slice(k * il, (k + 1) * il))
                 else:
-                    shape, sl, dest = (
-                        (H, I // v),
-                        (slice(None), slice(self.r0 // v, self.r1 // v)),
-                        (w2, e, slice(None)),
-                    )
+                    shape = (H, I // v // per)
+                    sl = (slice(None), slice(self.r0 // v // per, self.r1 // v // per))
+                    dest = (w2, e, slice(None))
                 plan.append(
-                    (c.expert_key(self.prefix, self.layer, e, proj), c.weight_dtype, shape, sl, dest, False, "weight")
+                    (
+                        c.expert_key("", 0, e, proj, base=self.base),
+                        c.file_weight_dtype,
+                        shape,
+                        sl,
+                        dest,
+                        False,
+                        "weight",
+                    )
                 )
+                if c.shape_suffix:  # compressed-tensors' record of the unpacked (rows, cols)
+                    key = c.expert_key("", 0, e, proj, c.shape_suffix, self.base)
+                    plan.append((key, torch.int32, (2,), [shape[0], shape[1] * v * per], None, True, "weight shape"))
                 if s13 is not None:
-                    full, ssl = self.scale_spec(proj)
-                    nr = s13.shape[1] // 2
-                    sdest = (s13, e, slice(proj * nr, (proj + 1) * nr)) if proj < 2 else (s2, e, slice(None))
+                    full, ssl, n = self.scale_spec(proj)
+                    if c.scales == "tensor":
+                        sdest = (s13, e, k) if proj < 2 else (s2, e)
+                    else:
+                        sdest = (s13, e, slice(k * n, (k + 1) * n)) if proj < 2 else (s2, e, slice(None))
                     plan.append(
                         (
-                            c.expert_key(self.prefix, self.layer, e, proj, c.scale_suffix),
-                            c.scale_dtype,
+                            c.expert_key("", 0, e, proj, c.scale_suffix, self.base),
+                            c.file_scale_dtype,
                             full,
                             ssl,
                             sdest,
                             True,
-                            "block scale",
+                            f"{c.scales} scale",
                         )
                     )
                 for extra in c.scalar_extras:
                     buf = extras[f"{'w13' if proj < 2 else 'w2'}_{extra}"]
                     plan.append(
                         (
-                            c.expert_key(self.prefix, self.layer, e, proj, extra),
+                            c.expert_key("", 0, e, proj, extra, self.base),
                             torch.float32,
-                            (),
+                            c.scalar_shape,
                             None,
-                            (buf, e, proj) if proj < 2 else (buf, e),
+                            (buf, e, k) if proj < 2 else (buf, e),
                             True,
                             extra,
                         )
                     )
         for name, dtype, shape, _, _, _, role in plan:
-            self.ck._check(name, dtype, shape, role)
-        items = [p for p in plan if self.wants(p[5])]
+            self.check(name, dtype, shape, role)
+        for name, _, _, want, dest, _, _ in plan:
+            if dest is None and self.load != "none":  # weight_shape must give the weight's (rows, cols)
+                got = self.ck._read(name).tolist()
+                if got != want:
+                    raise CheckpointError(
+                        f"{name} is {got}, the weight it describes is {want} by config.json",
+                        fix="check that config.json belongs to these weights",
+                    )
+        items = [p for p in plan if p[4] is not None and self.wants(p[5])]
         if self.progress and items:
             from tqdm.auto import tqdm
 
             items = tqdm(items, desc=f"layer {self.layer}", unit="tensor", leave=False)
         for name, _, _, sl, dest, _, _ in items:
-            dest[0][dest[1:]] = self.ck._read(name, sl)
+            t = self.ck._read(name, sl)
+            if t.dtype != dest[0].dtype and t.dtype == torch.int32:  # packed int4: its bytes
+                t = t.view(torch.uint8)
+            dest[0][dest[1:]] = t  # BF16 stored scales widen to float32 exactly
         return self.finish(w13, w2, s13, s2, extras)
 
 
 class _FusedReader(_LayerReader):
-    """gpt-oss: all experts in one tensor per projection, gate/up rows interleaved."""
+    """All experts in one tensor per projection, BF16: Granite ``input_linear`` ``(E, 2I, H)``,
+    Llama-4 / Qwen3-VL ``gate_up_proj`` ``(E, H, 2I)`` (transposed), DBRX ``w1``/``v1``/``w2`` ``(E*I, H)``."""
+
+    def run(self) -> MoELayer:
+        c, f, E, H, I, r0, r1 = self.conv, self.conv.fused_layout, self.E, self.H, self.I, self.r0, self.r1
+        assert f is not None
+        wd = c.file_weight_dtype
+        if f.flat:
+            shapes = {n: (E * I, H) for n in (*f.w13, f.w2)}
+        elif f.transposed:
+            shapes = {f.w13[0]: (E, H, 2 * I), f.w2: (E, I, H)}
+        else:
+            shapes = {f.w13[0]: (E, 2 * I, H), f.w2: (E, H, I)}
+        for n, shape in shapes.items():
+            self.check(self.key(n), wd, shape, n)
+        if not self.wants(False):
+            return self.finish(
+                torch.empty((E, 2 * self.il, H), dtype=wd, device="meta"),
+                torch.empty((E, H, self.il), dtype=wd, device="meta"),
+                None,
+                None,
+                {},
+            )
+        read = lambda n, sl: self.ck._read(self.key(n), sl)  # noqa: E731
+        if f.flat:  # expert e's rows are e*I .. (e+1)*I of each tensor
+            rows = lambda n: torch.stack([read(n, (slice(e * I + r0, e * I + r1),)) for e in range(E)])  # noqa: E731
+            w13 = torch.cat([rows(f.w13[0]), rows(f.w13[1])], dim=1)
+            w2 = rows(f.w2).transpose(1, 2)
+        elif f.transposed:
+            gu = f.w13[0]
+            gate = read(gu, (slice(None), slice(None), slice(r0, r1)))
+            up = read(gu, (slice(None), slice(None), slice(I + r0, I + r1)))
+            w13 = torch.cat([gate, up], dim=2).transpose(1, 2)
+            w2 = read(f.w2, (slice(None), slice(r0, r1))).transpose(1, 2)
+        else:
+            gu = f.w13[0]
+            w13 = torch.cat([read(gu, (slice(None), slice(r0, r1))), read(gu, (slice(None), slice(I + r0, I + r1)))], 1)
+            w2 = read(f.w2, (slice(None), slice(None), slice(r0, r1)))
+        return self.finish(w13.contiguous(), w2.contiguous(), None, None, {})
+
+
+class _BlocksReader(_LayerReader):
+    """gpt-oss (HF names and ``original/``): MXFP4 blocks of all experts per projection, gate/up rows interleaved."""
 
     def run(self) -> MoELayer:
         """Blocks ``(E, rows, cols/b, b/v)`` and scales ``(E, rows, cols/b)`` per projection (``b`` the
         format's scale block, ``v`` values per byte: MXFP4 32 and 2); this rank's rows of gate_up
         (``2 * r0 : 2 * r1``, interleaved) and columns of down (whole blocks)."""
-        c, E, H, I, il, b = self.conv, self.E, self.H, self.I, self.il, self.spec.scale_block
+        c, f, E, H, I, il, b = self.conv, self.conv.fused_layout, self.E, self.H, self.I, self.il, self.spec.scale_block
+        assert f is not None and f.scales is not None
         bb = b // self.v  # bytes per block
-        wd, sd = c.weight_dtype, c.scale_dtype
-        key = lambda n: c.fused_key(self.prefix, self.layer, n)  # noqa: E731
+        wd, sd = c.file_weight_dtype, c.file_scale_dtype
         up_rows, down_cols = (
             (slice(None), slice(2 * self.r0, 2 * self.r1)),
             (slice(None), slice(None), slice(self.r0 // b, self.r1 // b)),
         )
-        specs = [
-            ("gate_up_proj_blocks", wd, (E, 2 * I, H // b, bb), up_rows, False),
-            ("gate_up_proj_scales", sd, (E, 2 * I, H // b), up_rows, True),
-            ("down_proj_blocks", wd, (E, H, I // b, bb), down_cols, False),
-            ("down_proj_scales", sd, (E, H, I // b), down_cols, True),
+        g13, g2 = f.w13[0], f.w2
+        specs = [  # (role, name, dtype, full shape, slice, is scale, rank shape)
+            ("w13", g13, wd, (E, 2 * I, H // b, bb), up_rows, False, (E, 2 * il, H // self.v)),
+            ("s13", f.scales[0], sd, (E, 2 * I, H // b), up_rows, True, (E, 2 * il, H // b)),
+            ("w2", g2, wd, (E, H, I // b, bb), down_cols, False, (E, H, il // self.v)),
+            ("s2", f.scales[1], sd, (E, H, I // b), down_cols, True, (E, H, il // b)),
         ]
-        has_bias = key("gate_up_proj_bias") in self.ck.weight_map
+        has_bias = f.biases is not None and self.key(f.biases[0]) in self.ck.weight_map
         if has_bias:
+            assert f.biases is not None
             specs += [
-                ("gate_up_proj_bias", torch.bfloat16, (E, 2 * I), (slice(None), slice(2 * self.r0, 2 * self.r1)), True),
-                ("down_proj_bias", torch.bfloat16, (E, H), (), True),
+                (
+                    "b13",
+                    f.biases[0],
+                    torch.bfloat16,
+                    (E, 2 * I),
+                    (slice(None), slice(2 * self.r0, 2 * self.r1)),
+                    True,
+                    (E, 2 * il),
+                ),
+                ("b2", f.biases[1], torch.bfloat16, (E, H), (), True, (E, H)),
             ]
-        for name, dtype, shape, _, _ in specs:
-            self.ck._check(key(name), dtype, shape, f"{self.fmt.upper()} {name.replace('_', ' ')}")
-        out_shapes = {
-            "gate_up_proj_blocks": (E, 2 * il, H // self.v),
-            "gate_up_proj_scales": (E, 2 * il, H // b),
-            "down_proj_blocks": (E, H, il // self.v),
-            "down_proj_scales": (E, H, il // b),
-            "gate_up_proj_bias": (E, 2 * il),
-            "down_proj_bias": (E, H),
-        }
+        for _, name, dtype, shape, _, _, _ in specs:
+            self.check(self.key(name), dtype, shape, f"{self.fmt.upper()} {name.replace('_', ' ')}")
         got = {}
-        for name, dtype, _, sl, is_scale in specs:
+        for role, name, dtype, _, sl, is_scale, out_shape in specs:
             if not self.wants(is_scale):
-                got[name] = torch.empty(out_shapes[name], dtype=dtype, device="meta")
+                got[role] = torch.empty(out_shape, dtype=dtype, device="meta")
                 continue
-            t = self.ck._read(key(name), sl).reshape(out_shapes[name])
-            if name.startswith("gate_up"):  # rows g0, u0, g1, u1, ... -> [gate; up]
+            t = self.ck._read(self.key(name), sl).reshape(out_shape)
+            if role in ("w13", "s13", "b13"):  # rows g0, u0, g1, u1, ... -> [gate; up]
                 t = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
-            got[name] = t.contiguous()
+            got[role] = t.contiguous()
         if has_bias and self.tp_rank > 0 and self.wants(True):  # vLLM: only rank 0 adds the down bias
-            got["down_proj_bias"] = torch.zeros_like(got["down_proj_bias"])
-        extras = {"w13_bias": got["gate_up_proj_bias"], "w2_bias": got["down_proj_bias"]} if has_bias else {}
-        return self.finish(
-            got["gate_up_proj_blocks"],
-            got["down_proj_blocks"],
-            got["gate_up_proj_scales"],
-            got["down_proj_scales"],
-            extras,
-        )
+            got["b2"] = torch.zeros_like(got["b2"])
+        extras = {"w13_bias": got["b13"], "w2_bias": got["b2"]} if has_bias else {}
+        return self.finish(got["w13"], got["w2"], got["s13"], got["s2"], extras)
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
