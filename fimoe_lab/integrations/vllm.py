@@ -1,0 +1,255 @@
+"""fimoe_lab inside vLLM 0.34: ``install()`` makes its FlashInfer MoE weight preparation fast.
+
+Replaced (profile ``vllm-0.34``), each where vLLM looks it up (see :mod:`fimoe_lab.integrations`):
+
+- ``quantization/utils/flashinfer_utils``: ``swap_w13_to_w31``,
+  ``rotate_weights_for_fi_trtllm_fp8_per_tensor_moe`` (in place, as vLLM's),
+  ``convert_moe_weights_to_flashinfer_trtllm_block_layout`` (BF16 TRT-LLM, in place; fills the
+  caller's permute-index cache under FlashInfer 0.7.x's five-part keys),
+  ``align_moe_weights_for_fi``, ``align_fp4_moe_weights_for_fi``,
+  ``align_fp4_moe_hidden_dim_for_fi``, ``align_mxfp8_moe_weights_for_fi_trtllm``,
+  ``_shuffle_deepseek_fp8_moe_weights``, ``_shuffle_mxfp8_moe_weights`` (3-D scales; flattened
+  ones stay with vLLM's code, which mis-indexes them: replacing it would change the result).
+  vLLM's own
+  ``prepare_fp8_moe_layer_for_fi`` keeps running (its in-place scale clamp and parameter
+  aliasing stay vLLM's) and calls these by module lookup, so FP8 per-tensor, DeepSeek FP8
+  block and MXFP8 get fast with it.
+- ``quantization/utils/flashinfer_fp4_moe``: ``prepare_static_weights_for_trtllm_fp4_moe``
+  (NVFP4 TRT-LLM: W13 gated interleave + epilogue shuffle, W2 shuffle, scales the same rows
+  then the 128x4 swizzle: :func:`fimoe_lab.recipes.plan_fp4_trtllm_weights` without the W31
+  swap, which vLLM's ``reorder_w1w3_to_w3w1`` did before), and the two ``align_fp4_*`` names
+  it imported.
+- ``fused_moe/oracle/mxfp4``: ``convert_gpt_oss_weight_to_mxfp4_moe_kernel_format`` for the
+  FlashInfer TRT-LLM backends (gpt-oss MXFP4: weights, scales and biases; every other backend
+  runs vLLM's code).
+- Modules that imported them by name: ``fused_moe/oracle/unquantized`` (BF16),
+  ``oracle/mxfp4`` and ``utils/b12x_moe`` (``swap_w13_to_w31``).
+
+Not replaced: the already batched non-gpt-oss MXFP4 TRT-LLM path.
+
+vLLM plugin (``vllm.general_plugins`` entry point :func:`register`): set
+``FIMOE_LAB_INSTALL=1`` in the serving environment.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Optional
+
+from fimoe_lab.integrations import Integration, Patch, guarded
+
+__all__ = ["INTEGRATION", "PROFILE", "install", "uninstall", "installed", "register"]
+
+PROFILE = "vllm-0.34"
+FLASHINFER_UTILS = "vllm.model_executor.layers.quantization.utils.flashinfer_utils"
+FLASHINFER_FP4_MOE = "vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe"
+ORACLE_MXFP4 = "vllm.model_executor.layers.fused_moe.oracle.mxfp4"
+
+
+def _drop_in(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Replacement factory: ``fimoe_lab.prepare.<name>`` (same signature as vLLM's)."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        from fimoe_lab import prepare
+
+        return guarded(getattr(prepare, name), original, f"{original.__module__}.{name}")
+
+    return make
+
+
+def _rotate(original: Callable[..., Any]) -> Callable[..., Any]:
+    from fimoe_lab import prepare
+
+    def ours(gemm1_weights: Any, gemm2_weights: Any, is_gated_activation: bool) -> None:
+        prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights, gemm2_weights, is_gated_activation)
+
+    return guarded(ours, original, f"{FLASHINFER_UTILS}.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe")
+
+
+def _bf16_block_layout(original: Callable[..., Any]) -> Callable[..., Any]:
+    from fimoe_lab import prepare
+
+    def ours(
+        cache_permute_indices: dict[Any, Any], w13_weight: Any, w2_weight: Any, is_gated_act_gemm: bool = True
+    ) -> Any:
+        return prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(
+            cache_permute_indices, w13_weight, w2_weight, is_gated_act_gemm, engine=PROFILE
+        )
+
+    return guarded(ours, original, f"{FLASHINFER_UTILS}.convert_moe_weights_to_flashinfer_trtllm_block_layout")
+
+
+def _shuffle_mxfp8(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's own code for flattened ``(E, rows*cols)`` scales: it indexes their columns as rows
+    (garbage or an IndexError); ours would return the right layout, which is a change."""
+    from fimoe_lab import prepare
+
+    def ours(w13: Any, w2: Any, w13_scale: Any, w2_scale: Any, is_gated: bool) -> Any:
+        if w13_scale.ndim != 3 or w2_scale.ndim != 3:
+            return original(w13, w2, w13_scale, w2_scale, is_gated)
+        return prepare.shuffle_mxfp8_moe_weights(w13, w2, w13_scale, w2_scale, is_gated)
+
+    return guarded(ours, original, f"{FLASHINFER_UTILS}._shuffle_mxfp8_moe_weights")
+
+
+def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The TRT-LLM branch of ``convert_gpt_oss_weight_to_mxfp4_moe_kernel_format``; other backends stay vLLM's.
+
+    gpt-oss W13 rows arrive interleaved ``g0, u0, g1, u1, ...``; vLLM swaps each pair and
+    shuffles (tile 128) weights, UE8M0 scales (then the 128x4 swizzle) and float32 biases.
+    Here: the inverse gated interleave (back to ``[gate; up]``) composed with
+    :func:`fimoe_lab.recipes.plan_fp4_trtllm_weights` (``scale_block`` 32: swap, interleave,
+    shuffle); W2 and its scale and bias the plan's shuffle. vLLM's permute-index cache gets
+    the entries its loop would add (FlashInfer's own helper, one expert per tensor).
+    """
+    import torch
+
+    from fimoe_lab import recipes, steps
+    from fimoe_lab.errors import LayoutError
+
+    oracle = importlib.import_module(ORACLE_MXFP4)
+
+    def ours(
+        mxfp4_backend: Any,
+        layer: Any,
+        w13_weight: Any,
+        w2_weight: Any,
+        w13_weight_scale: Any,
+        w2_weight_scale: Any,
+        w13_bias: Any = None,
+        w2_bias: Any = None,
+        w13_input_scale: Any = None,
+        w2_input_scale: Any = None,
+        _cache_permute_indices: Optional[dict[Any, Any]] = None,
+    ) -> Any:
+        args = (mxfp4_backend, layer, w13_weight, w2_weight, w13_weight_scale, w2_weight_scale, w13_bias, w2_bias)
+        kwargs = dict(
+            w13_input_scale=w13_input_scale,
+            w2_input_scale=w2_input_scale,
+            _cache_permute_indices=_cache_permute_indices,
+        )
+        if (
+            mxfp4_backend not in oracle.TRTLLM_BACKENDS
+            or _cache_permute_indices is None
+            or w13_bias is None
+            or w2_bias is None
+        ):
+            return original(*args, **kwargs)
+        from flashinfer.fused_moe.core import get_w2_permute_indices_with_cache
+
+        w13, w2 = w13_weight.data.view(torch.uint8), w2_weight.data.view(torch.uint8)
+        s13, s2 = w13_weight_scale.data.view(torch.uint8), w2_weight_scale.data.view(torch.uint8)
+        b13, b2 = w13_bias.data.to(torch.float32), w2_bias.data.to(torch.float32)
+        experts, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
+        inter = rows // 2
+        if s13.shape[-1] % 4 or s2.shape[-1] % 4:
+            raise LayoutError(
+                f"MXFP4 scales {tuple(s13.shape)}, {tuple(s2.shape)}: the 128x4 swizzle keeps the shape only for columns % 4 == 0"
+            )
+        for t, sf in ((w13, None), (s13, 16), (b13, None), (w2, None), (s2, 16), (b2, None)):
+            one = t[0].reshape(-1, 1) if t.ndim == 2 else t[0]  # a bias: (rows, 1), as vLLM passes it
+            get_w2_permute_indices_with_cache(
+                _cache_permute_indices, one, recipes.TRTLLM_EPILOGUE_TILE_M, num_elts_per_sf=sf
+            )
+        plan = recipes.plan_fp4_trtllm_weights(inter, hidden, True, True, scale_block=32)
+
+        def pairs(cols_bytes: int) -> Any:
+            return steps.interleave_rows_for_gated_act(rows, cols_bytes).inverse()
+
+        w13_map = pairs(w13.shape[2]) >> recipes.present(plan.w13)
+        maps = (
+            (w13_map, w13),
+            (pairs(s13.shape[2]) >> recipes.present(plan.w13_scale), s13),
+            (recipes.present(plan.w2), w2),
+            (recipes.present(plan.w2_scale), s2),
+            (w13_map.for_row_vectors(4), b13.reshape(experts, rows, 1).contiguous()),
+            (recipes.present(plan.w2).for_row_vectors(4), b2.reshape(experts, -1, 1).contiguous()),
+        )
+        o13, o13s, o2, o2s, ob13, ob2 = (m.apply(x.contiguous()) for m, x in maps)
+        return (
+            o13,
+            o2,
+            o13s.reshape(experts, rows, hidden // 32).view(torch.float8_e4m3fn),
+            o2s.reshape(experts, hidden, inter // 32).view(torch.float8_e4m3fn),
+            ob13.reshape(experts, -1),
+            ob2.reshape(experts, -1),
+        )
+
+    return guarded(ours, original, f"{ORACLE_MXFP4}.convert_gpt_oss_weight_to_mxfp4_moe_kernel_format")
+
+
+def _fp4_trtllm(original: Callable[..., Any]) -> Callable[..., Any]:
+    from fimoe_lab.integrations._fp4 import prepare_static_weights_for_trtllm_fp4_moe
+
+    def ours(
+        gemm1_weights: Any,
+        gemm2_weights: Any,
+        gemm1_scales_linear_fp4_bytes: Any,
+        gemm2_scales_linear_fp4_bytes: Any,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        is_gated_activation: bool,
+    ) -> Any:
+        return prepare_static_weights_for_trtllm_fp4_moe(
+            gemm1_weights,
+            gemm2_weights,
+            gemm1_scales_linear_fp4_bytes,
+            gemm2_scales_linear_fp4_bytes,
+            hidden_size,
+            intermediate_size,
+            num_experts,
+            is_gated_activation,
+        )
+
+    return guarded(ours, original, f"{FLASHINFER_FP4_MOE}.prepare_static_weights_for_trtllm_fp4_moe")
+
+
+_FU_DROP_INS = (
+    "swap_w13_to_w31",
+    "align_moe_weights_for_fi",
+    "align_fp4_moe_weights_for_fi",
+    "align_fp4_moe_hidden_dim_for_fi",
+    "align_mxfp8_moe_weights_for_fi_trtllm",
+    "_shuffle_deepseek_fp8_moe_weights",
+)
+
+INTEGRATION = Integration(
+    profile=PROFILE,
+    distribution="vllm",
+    package="vllm",
+    patches=(
+        *(Patch(FLASHINFER_UTILS, name, _drop_in(name)) for name in _FU_DROP_INS),
+        Patch(FLASHINFER_UTILS, "_shuffle_mxfp8_moe_weights", _shuffle_mxfp8),
+        Patch(FLASHINFER_UTILS, "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe", _rotate),
+        Patch(FLASHINFER_UTILS, "convert_moe_weights_to_flashinfer_trtllm_block_layout", _bf16_block_layout),
+        Patch(FLASHINFER_FP4_MOE, "prepare_static_weights_for_trtllm_fp4_moe", _fp4_trtllm),
+        Patch(ORACLE_MXFP4, "convert_gpt_oss_weight_to_mxfp4_moe_kernel_format", _gpt_oss_mxfp4),
+    ),
+    # The pin 0.7.3 is not on the package index: the tests ran with 0.7.4. FlashInfer's index
+    # helpers vLLM's code calls are the same in 0.7.2 and 0.7.4 (assertion messages aside).
+    also_tested_flashinfer=("0.7.4",),
+)
+"""vLLM 0.34's patches (the engine's version and FlashInfer pin come from the ``vllm-0.34`` profile)."""
+
+
+def install(force: bool = False) -> None:
+    """Replace vLLM's FlashInfer MoE preparation functions (module docstring); refuses untested versions."""
+    INTEGRATION.install(force=force)
+
+
+def uninstall() -> None:
+    """Restore vLLM's own functions everywhere they were replaced."""
+    INTEGRATION.uninstall()
+
+
+def installed(force: bool = False) -> AbstractContextManager[Integration]:
+    """Context manager: installed inside the ``with`` block, restored after."""
+    return INTEGRATION.installed(force=force)
+
+
+def register() -> None:
+    """vLLM ``general_plugins`` entry point: installs when ``FIMOE_LAB_INSTALL`` is ``1`` (or ``force``)."""
+    INTEGRATION.install_from_env()
