@@ -171,7 +171,7 @@ def test_tp_shards_tile_the_full_layer():
         ("mixtral-bf16", 3, 0, ["tp=3 does not divide the intermediate size 464"]),
         ("deepseek-v3-fp8", 4, 0, ["intermediate 64 per rank", "128", "(fix: tp in [1, 2]"]),
         ("deepseek-r1-nvfp4", 8, 0, ["intermediate 40 per rank", "16-value NVFP4"]),
-        ("gpt-oss-mxfp4", 8, 5, ["rank 5 gets no intermediate rows", "10 MXFP4 blocks"]),
+        ("gpt-oss-mxfp4", 8, 5, ["ranks from 5 on get no intermediate rows", "10 MXFP4 blocks"]),
         ("qwen3-moe-bf16", 2, 2, ["rank 2 of 2 is not valid"]),
     ],
 )

@@ -69,11 +69,10 @@ def test_per_token_only_for_nvfp4(snap):
         snap.query("mxfp8", "swiglu", 2048, 768, 128, 8, 1, per_token=True)
 
 
-def test_outside_snapshot_is_unknown_not_guessed(snap):
+def test_shape_outside_the_old_snapshot_is_answered_by_the_model(snap):
     a = snap.query("bf16", "swiglu", 2048 + 7, 777, 128, 8, 3)
-    assert a.count is None and not a.known
-    assert "not in the snapshot" in a.reason
-    assert a.source["kind"] == "snapshot"
+    assert a.known and a.count == 0 and a.reason  # odd K: no BlockMajorK kernel takes it
+    assert a.source["kind"] == "model"
 
 
 def test_live_without_module_says_how_to_build(tmp_path, monkeypatch):
@@ -87,7 +86,7 @@ def test_no_snapshot_no_module(tmp_path, monkeypatch):
     monkeypatch.setenv("FIMOE_LAB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("FIMOE_LAB_TACTICS_DIR", str(tmp_path / "none"))
     monkeypatch.setattr("fimoe_lab.tune.oracle._blackwell_gpu", lambda: False)
-    with pytest.raises(OracleError, match="no tactic snapshot"):
+    with pytest.raises(OracleError, match="no TRTLLM-Gen kernel table found"):
         TacticOracle(mode="auto")
 
 
@@ -186,7 +185,7 @@ def test_cli_unknown_format_and_preset():
     assert r.returncode == 2 and "deepseek-v3" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_cli_tactics_json_outside_snapshot():
+def test_cli_tactics_json_outside_the_old_snapshot_is_answered():
     r = _cli(
         "tactics",
         "--format",
@@ -203,10 +202,9 @@ def test_cli_tactics_json_outside_snapshot():
         "1,8",
         "--json",
         "--source",
-        "snapshot",
+        "model",
     )
-    assert r.returncode == 3, r.stderr  # the source has no answer: exit 3, the JSON still printed
-    assert "2 of 2 tactic counts are unknown" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [d["tokens"] for d in out] == [1, 8]
-    assert all(d["count"] is None and "not in the snapshot" in d["reason"] for d in out)
+    assert all(d["count"] == 0 and d["reason"] for d in out)

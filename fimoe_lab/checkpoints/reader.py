@@ -49,10 +49,10 @@ from typing import Optional
 
 import torch
 
-from fimoe_lab import formats
+from fimoe_lab import formats, shapes
 from fimoe_lab.checkpoints import conventions, safe_io
 from fimoe_lab.checkpoints.conventions import CONFIG_KEYS, Convention, config_value, dtype_name, stored_format
-from fimoe_lab.errors import CheckpointError
+from fimoe_lab.errors import CheckpointError, LayoutError
 from fimoe_lab.formats import QuantizedTensor
 
 __all__ = ["CheckpointError", "MoELayer", "Checkpoint", "open_checkpoint"]
@@ -487,44 +487,20 @@ class Checkpoint:
             )
         full_i = self.config_size("intermediate", layer)
         spec = conv.spec
-        block = spec.scale_block or 1
-        if conv.fused_layout is not None and conv.fused_layout.blocks:
-            if full_i % block:
-                raise CheckpointError(
-                    f"{self.path / 'config.json'}: intermediate size {full_i} is not a multiple of the {block}-value "
-                    f"{fmt.upper()} block, so the packed expert tensors cannot have the shape the convention needs",
-                    fix="check that config.json belongs to these weights",
-                )
-            per_rank = -(-(full_i // block) // tp_size) * block
-            r0, r1 = tp_rank * per_rank, min((tp_rank + 1) * per_rank, full_i)
-            if r1 <= r0:
-                raise CheckpointError(
-                    f"tp={tp_size}: rank {tp_rank} gets no intermediate rows ({full_i} values = {full_i // block} "
-                    f"{fmt.upper()} blocks, {per_rank // block} per rank, so ranks from {-(-full_i // per_rank)} on "
-                    f"are empty)",
-                    fix=f"tp <= {full_i // block}",
-                )
-            return r0, r1
-        if full_i % tp_size:
-            raise CheckpointError(
-                f"tp={tp_size} does not divide the intermediate size {full_i} (config.json "
-                f"{self._config_entry('intermediate', layer)[0]}): rank shards would differ in size",
-                fix=f"pick tp from {[t for t in range(1, 9) if full_i % t == 0]}",
-            )
-        il = full_i // tp_size
         # a packed int32 holds 8 values: a shard of the down projection must start on one
         per_element = spec.values_per_byte * conv.file_weight_dtype.itemsize // conv.weight_dtype.itemsize
-        unit = max(block, per_element)
-        if tp_size > 1 and il % unit:
-            shape = f"{spec.scale_block_rows}x{block}" if spec.scale_block_rows > 1 else f"{unit}-value"
-            raise CheckpointError(
-                f"tp={tp_size} gives intermediate {il} per rank, not a multiple of the {unit} values of one {shape} "
-                f"{fmt.upper()} scale block, so rank {tp_rank}'s slice [{tp_rank * il}, {(tp_rank + 1) * il}) of the "
-                f"down projection's scales would cut a block (vLLM refuses this too)",
-                fix=f"tp in {[t for t in range(1, 9) if full_i % t == 0 and (full_i // t) % unit == 0]}, or pad the "
-                f"intermediate size before sharding",
+        whole_blocks = conv.fused_layout is not None and bool(conv.fused_layout.blocks)
+        try:
+            sizes = shapes.rank_intermediates(
+                full_i, tp_size, fmt, whole_blocks, block=max(spec.scale_block or 1, per_element)
             )
-        return tp_rank * il, (tp_rank + 1) * il
+        except LayoutError as exc:
+            key = self._config_entry("intermediate", layer)[0]
+            raise CheckpointError(
+                f"{self.path / 'config.json'} ({key} = {full_i}): {exc.message}", fix=exc.fix
+            ) from None
+        r0 = sum(sizes[:tp_rank])
+        return r0, r0 + sizes[tp_rank]
 
     def read_layer(
         self, layer: int, tp_size: int = 1, tp_rank: int = 0, load: str = "all", progress: bool = False

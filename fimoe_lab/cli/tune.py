@@ -5,8 +5,9 @@
         --experts 128 --top-k 6 --tokens 1,8,64 --json
 
 Parsers read the torch-free tables (:mod:`fimoe_lab.specs`, :mod:`fimoe_lab.presets`);
-the oracle, pandas and matplotlib are imported inside the handlers. An answer the
-source does not know (a shape outside the recorded snapshot) exits 3.
+the oracle is imported inside the handlers; ``tune`` needs neither torch nor pandas
+(``--measure`` imports torch, ``--plot`` pandas and matplotlib). An answer the source does
+not know (a kernel set that is not shipped) exits 3.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from fimoe_lab.cli._common import (
 from fimoe_lab.errors import FormatError, OracleError
 from fimoe_lab.presets import PRESETS, get_preset
 
-SOURCES = ("auto", "live", "native", "snapshot")
+SOURCES = ("auto", "live", "native", "model", "snapshot")  # TacticOracle.MODES (checked by a test)
 GPU_NAMES = ("b200", "gb200", "b300", "h200", "h100")  # the rows of fimoe_lab.tune.cost.GPUS (checked by a test)
 TOKENS_TYPE = int_list("--tokens", "1,8,64")
 
@@ -66,13 +67,16 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
         "tune",
         help="padding sweep for a model: tactics per padding, predicted time, recommendation",
         description="For a model (a preset, a checkpoint directory, a config.json or explicit sizes), a "
-        "format and a tensor-parallel size: pad the per-rank intermediate and hidden sizes to each "
-        "alignment, count the TRTLLM-Gen MoE tactics FlashInfer offers per token count, predict the "
-        "layer's time on the target GPU over the token profile (an estimate: weight bytes / bandwidth, "
-        "padded FLOPs / peak / tile efficiency), and recommend the fastest padding that has a tactic at "
-        "every token count and that 'fimoe-lab convert' applies (its layer plan is built to check). "
-        "The default padding ('convert' without alignment options) is REF. Exits 3 when a count is "
-        "unknown to the source.",
+        "format and a tensor-parallel size: shard the intermediate size per rank as the checkpoint reader "
+        "does (equal shards, or whole MXFP4 blocks for gpt-oss), pad each rank's intermediate and the hidden "
+        "size to each alignment, count the TRTLLM-Gen MoE tactics FlashInfer offers per token count "
+        "(Blackwell; on Hopper the CUTLASS backend has no tactic list), predict the layer's time on the "
+        "target GPU over the token profile (an estimate: weight bytes / bandwidth, padded FLOPs / peak / "
+        "tile efficiency), and recommend the fastest padding that has a tactic at every token count and "
+        "that 'fimoe-lab convert' applies to every rank (the padding rule of its layer plan). The default "
+        "padding ('convert' without alignment options) is REF. Per-tactic timing needs a Blackwell GPU; "
+        "--measure times the padded GEMMs live on any CUDA GPU. Exits 3 when a count is unknown to the "
+        "source.",
         epilog="presets: " + ", ".join(presets) + "\nformats: " + ", ".join(formats),
     )
     t.add_argument("checkpoint", nargs="?", default=None, help="a checkpoint directory (instead of --model)")
@@ -104,13 +108,28 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
         help="token profile: counts, optionally weighted T:w (default 1,8,64,512,4096,16384, equal weights)",
     )
     t.add_argument("--gpu", choices=GPU_NAMES, default="b200", help="target GPU of the time model (default b200)")
+    t.add_argument(
+        "--backend",
+        choices=specs.BACKENDS,
+        default=None,
+        help="FlashInfer MoE backend (default: what --gpu runs: trtllm on Blackwell, cutlass on Hopper; "
+        "cutlass has no TRTLLM-Gen tactics, its rows are every padding convert applies)",
+    )
+    t.add_argument(
+        "--measure",
+        action="store_true",
+        help="also time each padded shape live on this CUDA GPU (torch._grouped_mm of the two expert GEMMs "
+        "per token count; bf16, fp8 rowwise where torch has it): adds measured_us beside predicted_us",
+    )
     add_engine_option(t)
     t.add_argument(
         "--source",
         choices=SOURCES,
         default="auto",
-        help="where answers come from (auto: GPU, else built module, else snapshot)",
+        help="where tactic answers come from (auto: Blackwell GPU, else built module, else the shipped "
+        "validity model; model: that model only)",
     )
+    t.add_argument("--json", action="store_true", help="print the rows (with predicted_us) and attrs as JSON")
     t.add_argument("--csv", help="also write the table to this CSV file")
     t.add_argument("--json-out", help="also write the table (rows with predicted_us) and recommendation to JSON")
     t.add_argument("--plot", help="save the heatmap and waste-vs-tactics figures to this PNG prefix")
@@ -246,28 +265,27 @@ def _model(a: argparse.Namespace):
         over.get("top_k", base.top_k),
         a.act or base.activation,
         base.name,
+        base.checkpoint_formats,
     )
 
 
 def run_tune(a: argparse.Namespace) -> int:
-    try:
-        import pandas as pd
-
-        from fimoe_lab.tune.sweep import TOKENS, export, summary, sweep
-    except ImportError as e:
-        raise OracleError(f"`tune` needs pandas ({e})", fix="pip install 'fimoe_lab[tune]'") from None
     from fimoe_lab.tune.oracle import TacticOracle
+    from fimoe_lab.tune.sweep import TOKENS, export, run, summary, table
 
     p = _model(a)
-    if a.tp < 1 or p.moe_intermediate % a.tp:
-        raise OracleError(
-            f"{p.name}: moe_intermediate {p.moe_intermediate} is not divisible by --tp {a.tp}",
-            fix="choose a --tp that divides it",
-        )
+    if a.measure:  # before any work: no GPU, one clear error and nothing estimated in its place
+        from fimoe_lab.tune.timing import require_cuda
+
+        require_cuda()
+    if a.tp < 1:
+        raise OracleError(f"--tp {a.tp} is not a tensor-parallel size", fix="pass --tp >= 1")
     tokens, weights = a.tokens or (TOKENS, None)
-    oracle = TacticOracle(mode=a.source)
+    oracle = None
     try:
-        df = sweep(
+        if a.backend != "cutlass" and (a.backend == "trtllm" or _gpu_runs_trtllm(a.gpu)):
+            oracle = TacticOracle(mode=a.source)
+        s = run(
             p,
             a.format,
             a.tp,
@@ -278,38 +296,50 @@ def run_tune(a: argparse.Namespace) -> int:
             gpu=a.gpu,
             progress=show_progress(),
             engine=a.engine,
+            backend=a.backend,
         )
     finally:
-        oracle.close()
-    tcols = [f"t{t}" for t in df.attrs["tokens"]]
-    with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_rows", 200):
-        view = df[
-            ["inter_align", "hidden_align", "intermediate", "hidden"]
-            + tcols
-            + ["extra_bytes_pct", "predicted_us", "pareto", "reference", "recommended", "flag"]
-        ].copy()
-        view["extra_bytes_pct"] = view["extra_bytes_pct"].round(2)
-        view["predicted_us"] = view["predicted_us"].round(1)
-        view["pareto"] = view["pareto"].map({True: "P", False: ""})
-        view["reference"] = view["reference"].map({True: "REF", False: ""})
-        view["recommended"] = view["recommended"].map({True: "<==", False: ""})
-        print(view.to_string(index=False))
-    print()
-    print(summary(df))
+        if oracle is not None:
+            oracle.close()
+    if a.measure:
+        from fimoe_lab.tune.timing import measure_sweep
+
+        measure_sweep(s, p)
+    if a.json:
+        print_json({"attrs": s.attrs, "rows": s.rows})
+    else:
+        if s.rows:
+            print(table(s))
+            print()
+        print(summary(s))
     for path in (a.csv, a.json_out):
         if path:
-            export(df, path)
+            export(s, path)
     if a.plot:
-        _save_plots(df, a.plot)
-    unknown = int(df[tcols].isna().sum().sum())
+        _save_plots(s, a.plot)
+    unknown = [r.get("reason") for r in s.rows for c in s.tcols if r[c] is None]
     if unknown:
-        return _no_answer(unknown, df[tcols].size, list(df["reason"]))
+        return _no_answer(len(unknown), len(s.rows) * len(s.tcols), unknown)
     return EXIT_OK
 
 
-def _save_plots(df, prefix: str) -> None:
-    """``<prefix>_heatmap.png`` (tactics per padding and token count) and ``<prefix>_waste.png``."""
-    from fimoe_lab.viz.figures import sweep_tactics_figure, sweep_waste_figure
+def _gpu_runs_trtllm(gpu: str) -> bool:
+    from fimoe_lab.tune.cost import get_gpu
+
+    return get_gpu(gpu).trtllm_gen
+
+
+def _save_plots(s, prefix: str) -> None:
+    """``<prefix>_heatmap.png`` (tactics per padding and token count) and ``<prefix>_waste.png`` (needs pandas)."""
+    try:
+        from fimoe_lab.tune.sweep import to_frame
+        from fimoe_lab.viz.figures import sweep_tactics_figure, sweep_waste_figure
+
+        df = to_frame(s)
+    except ImportError as e:
+        raise OracleError(
+            f"`tune --plot` needs pandas and matplotlib ({e})", fix="pip install 'fimoe_lab[tune]'"
+        ) from None
 
     for draw, suffix in ((sweep_tactics_figure, "_heatmap.png"), (sweep_waste_figure, "_waste.png")):
         draw(df).savefig(prefix + suffix, dpi=120, bbox_inches="tight")
