@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -38,6 +39,11 @@ from fimoe_lab.errors import CheckpointError
 __all__ = [
     "MARKER",
     "RESTORE_FILES",
+    "INDEX",
+    "SHARD_RE",
+    "shard_name",
+    "AtomicFile",
+    "single_output",
     "check_output",
     "OutputLock",
     "atomic_file",
@@ -51,8 +57,15 @@ __all__ = [
 
 MARKER = ".fimoe-lab-restored"
 """File inside a directory written by ``restore``: what lets ``--force`` replace it."""
-RESTORE_FILES = frozenset({MARKER, "config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"})
-"""Everything ``restore`` writes; a directory with anything else is never replaced."""
+INDEX = "model.safetensors.index.json"
+"""The Hugging Face index of a sharded safetensors checkpoint (``weight_map``: tensor name -> shard file)."""
+RESTORE_FILES = frozenset({MARKER, "config.json", INDEX})
+"""The fixed names ``restore`` writes, besides its shards (:data:`SHARD_RE`); a directory with anything
+else is never replaced."""
+SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
+"""A shard in the Hugging Face convention: ``model-0000k-of-0000n.safetensors`` (``1 <= k <= n``)."""
+RANK_RE = re.compile(r"^rank-(\d+)$")
+"""The directory of one tensor-parallel rank in ``convert --rank all`` output."""
 MAX_JSON_BYTES = 64 << 20
 """config.json, the index and a safetensors header above this size are refused (real ones are < 10 MB)."""
 
@@ -135,8 +148,19 @@ def _refuse(out: Path, why: str, fix: str) -> None:
     raise CheckpointError(f"output {out} {why}", fix=fix)
 
 
-def check_output(out: Path, inputs: list[Path], force: bool, kind: str) -> None:
-    """Refuse an OUT (``kind`` ``file`` or ``dir``) that could destroy data, before anything is read."""
+def shard_name(k: int, n: int) -> str:
+    """Shard ``k`` (from 1) of ``n``: ``model-0000k-of-0000n.safetensors``."""
+    return f"model-{k:05d}-of-{n:05d}.safetensors"
+
+
+def check_output(out: Path, inputs: list[Path], force: bool, kind: str, resume: bool = False) -> None:
+    """Refuse an OUT that could destroy data, before anything is read.
+
+    ``kind``: ``file`` (convert's single file), ``dir`` (restore's directory) or ``shards``
+    (convert's sharded directory: an existing one is resumed with ``resume`` or rewritten with
+    ``force``, and only when everything in it is what convert writes, :func:`foreign_entry`;
+    an empty directory is used as it is).
+    """
     if out.name in ("", ".", "..") or str(out) in (".", "..", os.sep):
         _refuse(out, "is a directory name, not a new output", "name a new file or directory, e.g. ./out")
     parent = out.parent if str(out.parent) else Path(".")
@@ -151,22 +175,98 @@ def check_output(out: Path, inputs: list[Path], force: bool, kind: str) -> None:
             _refuse(out, f"is a parent of the input {src}", "write the output elsewhere")
     if not os.path.lexists(out):
         return
+    st = os.lstat(out)
+    if stat.S_ISLNK(st.st_mode) and (force or resume):
+        _refuse(out, "is a symbolic link; it is never replaced", "remove the link or choose another output")
+    if kind == "shards":
+        _check_shards_dir(out, force, resume)
+        return
     if not force:
         _refuse(out, "exists", "pass --force to overwrite it (only an output this tool wrote is replaced)")
-    st = os.lstat(out)
-    if stat.S_ISLNK(st.st_mode):
-        _refuse(out, "is a symbolic link; it is never replaced", "remove the link or choose another output")
     if kind == "file":
         if not stat.S_ISREG(st.st_mode) or "fimoe_lab" not in (safetensors_metadata(out) or {}):
             _refuse(out, "exists and was not written by 'fimoe-lab convert'", "choose another output or remove it")
     else:
         names = set(os.listdir(out)) if stat.S_ISDIR(st.st_mode) else set()
-        if MARKER not in names or not names <= RESTORE_FILES:
+        if MARKER not in names or not all(n in RESTORE_FILES or SHARD_RE.match(n) for n in names):
             _refuse(
                 out,
                 "exists and is not a directory written by 'fimoe-lab restore' (only those are replaced)",
                 "choose another output directory or remove it",
             )
+
+
+def _check_shards_dir(out: Path, force: bool, resume: bool) -> None:
+    if not stat.S_ISDIR(os.lstat(out).st_mode):
+        _refuse(out, "exists and is not a directory", "name a new directory, or a .safetensors file for one file")
+    if not os.listdir(out):
+        return
+    if not (force or resume):
+        _refuse(
+            out,
+            "exists",
+            "pass --resume to finish an interrupted convert, or --force to rewrite it (only an output convert wrote)",
+        )
+    bad = foreign_entry(out)
+    if bad is not None:
+        _refuse(
+            out,
+            f"holds {bad}, not written by 'fimoe-lab convert' (only its own directories are resumed or replaced)",
+            "choose another output directory or remove it",
+        )
+
+
+def single_output(out: Path, single_file: Optional[bool]) -> bool:
+    """Whether convert writes one file at ``out``: ``single_file``, or (None) ``out`` ends in ``.safetensors``
+    or is an existing file (not a directory); else a directory of shards."""
+    if single_file is not None:
+        return single_file
+    return out.suffix == ".safetensors" or (os.path.lexists(out) and not os.path.isdir(out))
+
+
+_OWN_HIDDEN_RE = re.compile(r"^\.(?P<base>.+?)(?:\.lock|\.(?:tmp|old)-\d+-[0-9a-f]+)$")
+"""A lock or temporary beside an output (:class:`OutputLock`, :func:`_temp_name`)."""
+
+
+def foreign_entry(d: Path) -> Optional[str]:
+    """The first entry of ``d`` that convert's sharded output does not hold (None: all are its own).
+
+    Its own: the index, shards (regular files with ``fimoe_lab`` metadata), their locks and
+    temporaries, and ``rank-<r>`` directories of the same kind (``--rank all``).
+    """
+    for name in sorted(os.listdir(d)):
+        p = d / name
+        st = os.lstat(p)
+        if name == INDEX and stat.S_ISREG(st.st_mode):
+            continue
+        if SHARD_RE.match(name) and stat.S_ISREG(st.st_mode) and "fimoe_lab" in (safetensors_metadata(p) or {}):
+            continue
+        hidden = _OWN_HIDDEN_RE.match(name)
+        if hidden and (hidden["base"] == INDEX or SHARD_RE.match(hidden["base"])):
+            continue
+        if RANK_RE.match(name) and stat.S_ISDIR(st.st_mode):
+            inner = foreign_entry(p)
+            if inner is None:
+                continue
+            return f"{name}/{inner}"
+        return name
+    return None
+
+
+def remove_own(d: Path, keep: set[str]) -> None:
+    """Remove the shards, index and rank directories convert wrote in ``d`` except the names in ``keep``
+    (only after :func:`foreign_entry` said every entry is convert's own)."""
+    for name in os.listdir(d):
+        p = d / name
+        if name in keep or name.startswith("."):
+            continue
+        if RANK_RE.match(name) and p.is_dir() and not p.is_symlink():
+            if foreign_entry(p) is None:
+                remove_own(p, set())
+                with contextlib.suppress(OSError):
+                    os.rmdir(p)
+        elif (name == INDEX or SHARD_RE.match(name)) and p.is_file() and not p.is_symlink():
+            os.unlink(p)
 
 
 _HELD: dict[Path, int] = {}
@@ -311,23 +411,63 @@ def glob_escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
+class AtomicFile:
+    """A new temporary beside ``out`` (:func:`create_new`, holding ``out``'s :class:`OutputLock`) that
+    becomes ``out`` on :meth:`commit` (fsync, ``os.replace``) and is removed on :meth:`discard`.
+
+    Several may be open at once and finish in any order (the shards of one convert);
+    :func:`atomic_file` is the one-file context-manager form.
+    """
+
+    def __init__(self, out: Path):
+        self.out, self.tmp, self.open = out, _temp_name(out), True
+        self._lock = OutputLock(out)
+        self._lock.__enter__()
+        try:
+            sweep_stale(out)
+            self.handle = create_new(self.tmp)
+        except BaseException:
+            self._lock.__exit__()
+            raise
+
+    def commit(self) -> None:
+        """fsync the temporary and put it at ``out`` (removed instead if that fails)."""
+        try:
+            self.handle.flush()
+            os.fsync(self.handle.fileno())
+            self.handle.close()
+            os.replace(self.tmp, self.out)
+            _fsync_dir(self.out.parent)
+        except BaseException:
+            self.discard()
+            raise
+        self.open = False
+        self._lock.__exit__()
+
+    def discard(self) -> None:
+        """Remove the temporary (nothing happens after :meth:`commit` or a first discard)."""
+        if not self.open:
+            return
+        self.open = False
+        try:
+            self.handle.close()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp)
+            self._lock.__exit__()
+
+
 @contextlib.contextmanager
 def atomic_file(out: Path) -> Iterator[BinaryIO]:
     """Yield a new temporary file beside ``out``; on success fsync it and ``os.replace`` it onto ``out``."""
-    tmp = _temp_name(out)
-    with signals_raise(), OutputLock(out):
-        sweep_stale(out)
+    with signals_raise():
+        f = AtomicFile(out)
         try:
-            with create_new(tmp) as handle:
-                yield handle
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, out)
-            _fsync_dir(out.parent)
+            yield f.handle
         except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            f.discard()
             raise
+        f.commit()
 
 
 @contextlib.contextmanager

@@ -1,11 +1,13 @@
-"""Kernel-layout files: convert checkpoint layers with a LayerPlan, write them atomically, restore.
+"""Kernel-layout files: convert checkpoint layers with a LayerPlan, stream them out, restore.
 
-``convert`` writes one safetensors file with, per MoE layer, ``w13_weight``, ``w2_weight``,
-``w13_weight_scale``, ``w2_weight_scale`` in FlashInfer's kernel layout (vLLM's parameter
-names), gpt-oss biases moved with their weight's rows, and the other extras unchanged (NVFP4
-``weight_scale_2``/``input_scale``).
+``convert`` writes, per MoE layer, ``w13_weight``, ``w2_weight``, ``w13_weight_scale``,
+``w2_weight_scale`` in FlashInfer's kernel layout (vLLM's parameter names), gpt-oss biases
+moved with their weight's rows, and the other extras unchanged (NVFP4
+``weight_scale_2``/``input_scale``): into a directory of shards in the Hugging Face convention
+(``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``), or one file.
 
-The metadata key ``fimoe_lab`` holds JSON (file format version 2), per layer:
+The metadata key ``fimoe_lab`` holds JSON (file format version 2; every shard holds the same,
+with the checksums of its own tensors), per layer:
 
 - ``plan``: ``{"recipe": "<fmt>/<backend>", "args": {...}}``, the :data:`fimoe_lab.recipes.RECIPES`
   id and the :func:`fimoe_lab.recipes.plan_layer` arguments (format, backend, sizes, gating,
@@ -20,14 +22,17 @@ steps equal the rebuilt ones, and applies ``plan.inverse()``. Version-1 files (a
 module path and display names of the steps) still restore: see :func:`check_record`.
 
 - ``checksums``: ``{tensor name: sha256 hex of its bytes}``, computed while streaming;
-  :func:`restore_layers` verifies each tensor it reads (:func:`verify_checksum`).
+  restore verifies each tensor it reads (:func:`check_digest`).
 
-The file is streamed (header first, one layer in memory at a time) to a temporary created
-exclusively beside the output, fsynced and renamed only when complete
-(:mod:`fimoe_lab.checkpoints.safe_io`): an interrupted or failed conversion leaves no output
-file behind, and an existing output is replaced only with ``force`` and only if this tool
-wrote it. Restore bounds every size a record gives by the file's own bytes before it builds
-anything (:func:`_check_sizes`).
+Streaming (:mod:`fimoe_lab.checkpoints.stream`): one layer is read at a time and converted a
+chunk of experts at a time (every map works expert by expert), while worker threads hash
+and write earlier chunks at their offsets; restore reads each tensor a chunk of experts at
+a time (safetensors slices) and writes the layer before reading the next. Every file goes to
+a temporary created exclusively beside it, fsynced and renamed only when complete
+(:mod:`fimoe_lab.checkpoints.safe_io`): an interrupted or failed conversion leaves no partial
+file (and, sharded, no index until every shard is in place), and an existing output is
+replaced only with ``force`` and only if this tool wrote it. Restore bounds every size a
+record gives by the file's own bytes before it builds anything (:func:`_check_sizes`).
 """
 
 from __future__ import annotations
@@ -36,17 +41,17 @@ import hashlib
 import json
 import math
 import os
-import struct
-import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from fimoe_lab import engines, recipes
-from fimoe_lab.checkpoints import conventions, safe_io
+from fimoe_lab.checkpoints import conventions, safe_io, stream
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.errors import FimoeError
@@ -63,12 +68,15 @@ __all__ = [
     "suggest_alignment",
     "convert_layer",
     "write_kernel_layout",
+    "layout_plan",
+    "stream_layers",
     "convert_checkpoint",
     "read_kernel_metadata",
     "check_record",
     "restore_layers",
     "restore_checkpoint",
-    "verify_checksum",
+    "check_digest",
+    "KernelFiles",
 ]
 
 FORMAT_VERSION = 2
@@ -231,101 +239,6 @@ def _extra_steps(plan: LayerPlan, name: str) -> dict:
     return {"rows_of": weight, "steps": m.row_steps().spec() if m is not None else []}
 
 
-# ============================================================================ streaming safetensors
-class _StreamWriter:
-    """Writes a safetensors file whose tensor names, dtypes and shapes are known up front.
-
-    With ``checksum_key``, the JSON metadata under that key gets ``"checksums": {tensor name:
-    sha256 hex of its bytes}``, computed while the bytes stream out: the header is written
-    first with placeholders of the same length, and :meth:`finish` rewrites it in place.
-    """
-
-    def __init__(
-        self,
-        handle,
-        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-        metadata: dict,
-        checksum_key: Optional[str] = None,
-    ):
-        offset = 0
-        self.expected = {}
-        self.entries: dict = {}
-        for name, (dtype, shape) in specs.items():
-            size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            self.entries[name] = {
-                "dtype": dtype_name(dtype),
-                "shape": list(shape),
-                "data_offsets": [offset, offset + size],
-            }
-            self.expected[name] = (dtype, tuple(shape), offset)
-            offset += size
-        self.metadata, self.checksum_key = metadata, checksum_key
-        self.sums = {name: PLACEHOLDER for name in specs}
-        self._pending: Optional[tuple[str, threading.Thread, dict]] = None  # the checksum still running
-        raw = self._header()
-        self.handle, self.start, self.pos, self.header_len = handle, 8 + len(raw), 0, len(raw)
-        handle.write(struct.pack("<Q", len(raw)))
-        handle.write(raw)
-
-    def _header(self) -> bytes:
-        meta = dict(self.metadata)
-        if self.checksum_key is not None:
-            meta[self.checksum_key] = json.dumps({**self.metadata[self.checksum_key], "checksums": self.sums})
-        raw = json.dumps({"__metadata__": meta, **self.entries}, separators=(",", ":")).encode()
-        return raw + b" " * (-len(raw) % 8)
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        dtype, shape, offset = self.expected[name]
-        if t.dtype != dtype or tuple(t.shape) != shape or offset != self.pos:
-            raise CheckpointError(
-                f"internal: {name} is {t.dtype} {tuple(t.shape)} at {self.pos}, header says {dtype} {shape} at {offset}"
-            )
-        data = memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-        if self.checksum_key is None or data.nbytes < HASH_THREAD_MIN:
-            if self.checksum_key is not None:
-                self.sums[name] = hashlib.sha256(data).hexdigest()
-            self.handle.write(data)
-        else:  # hash on a second thread while this one writes and transforms the next tensor
-            self._join_hash()
-            digest: dict = {}
-            worker = threading.Thread(target=lambda: digest.setdefault("h", hashlib.sha256(data).hexdigest()))
-            worker.start()
-            self._pending = (name, worker, digest)
-            try:
-                self.handle.write(data)
-            except BaseException:
-                self._join_hash()
-                raise
-        self.pos += data.nbytes
-
-    def _join_hash(self) -> None:
-        """Wait for the checksum still being computed (at most one: it holds its tensor's bytes)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            name, worker, digest = pending
-            worker.join()
-            self.sums[name] = digest["h"]
-
-    def finish(self) -> None:
-        """Rewrite the header with the checksums (same length: every digest is 64 hex digits)."""
-        self._join_hash()
-        if self.checksum_key is None:
-            return
-        raw = self._header()
-        if len(raw) != self.header_len:
-            raise CheckpointError(f"internal: header length changed from {self.header_len} to {len(raw)}")
-        self.handle.flush()
-        self.handle.seek(8)
-        self.handle.write(raw)
-        self.handle.seek(0, os.SEEK_END)
-
-
-HASH_THREAD_MIN = 1 << 20
-"""Tensors of at least this many bytes are hashed on a second thread, overlapping the write."""
-PLACEHOLDER = "0" * 64
-"""A checksum not yet computed (the length of a sha256 hex digest)."""
-
-
 # ============================================================================ writing
 LayerSource = tuple[int, MoELayer, Callable[[], MoELayer]]
 """(layer index, layer with shapes only (meta tensors allowed), loader of the real layer)."""
@@ -402,18 +315,77 @@ def write_kernel_layout(
     progress: bool = False,
     force: bool = False,
     engine: Optional[str] = None,
+    single_file: Optional[bool] = None,
+    shard_size: Optional[int] = None,
+    resume: bool = False,
+    device: str = "cpu",
 ) -> Path:
-    """Convert and stream layers into one kernel-layout safetensors file at ``out`` (atomically).
+    """Convert and stream layers into the kernel layout at ``out``: one safetensors file
+    (:func:`~fimoe_lab.checkpoints.safe_io.single_output`: ``single_file``, or ``out`` ends in
+    ``.safetensors`` or is a file), else a directory of shards of at most ``shard_size`` bytes
+    (default :data:`~fimoe_lab.checkpoints.stream.SHARD_BYTES`) with a Hugging Face index.
 
-    ``sources``: ``(layer index, shape-only layer, loader)``; every plan is built and
-    checked (so a layer that cannot be laid out fails before anything is written), then
-    the layers are loaded, converted and written one at a time. ``info`` goes into the
-    metadata (source path, convention, config, TP rank), with a sha256 per tensor.
-    An existing ``out`` is replaced only with ``force`` and only if this tool wrote it
-    (:func:`fimoe_lab.checkpoints.safe_io.check_output`).
+    ``sources``: ``(layer index, shape-only layer, loader)``; every plan is built and checked
+    first (a layer that cannot be laid out fails before anything is written), then each layer
+    is loaded and converted in chunks of experts (:func:`convert_layer` on
+    ``experts[e0:e1]``; every map works expert by expert), each chunk hashed and written at its
+    offset by worker threads while the next is converted (:mod:`fimoe_lab.checkpoints.stream`).
+    Memory: the loaded layer and a few chunks. ``device`` ``cuda`` converts on the GPU,
+    through pinned host buffers. ``info`` goes into the metadata, with a sha256 per tensor.
+
+    A single file is written to a temporary and renamed when complete; shards are renamed one by
+    one and the index written last, so an interrupted run leaves finished shards and no index,
+    and ``resume`` keeps the shards that verify (:func:`~fimoe_lab.checkpoints.stream.verify_shard`).
+    An existing ``out`` is replaced only with ``force`` (or resumed) and only if this tool wrote it.
     """
     out = Path(out)
-    safe_io.check_output(out, [], force, "file")
+    single = safe_io.single_output(out, single_file)
+    safe_io.check_output(out, [], force or (resume and single), "file" if single else "shards", resume)
+    dev = _device(device)
+    how = {"intermediate_alignment": intermediate_alignment, "hidden_alignment": hidden_alignment, "engine": engine}
+    specs, meta = layout_plan(sources, backend, prefix=prefix, block=block, info=info, **how)
+    if not single:
+        os.makedirs(out, exist_ok=True)
+    with safe_io.signals_raise(), safe_io.OutputLock(out):
+        target = stream.ShardedOutput(
+            out,
+            specs,
+            {"fimoe_lab": meta},
+            single=single,
+            shard_bytes=shard_size or stream.SHARD_BYTES,
+            checksum_key="fimoe_lab",
+            resume=resume,
+        )
+        bar = _progress_bar(progress, specs, target, out)
+        workers = stream.Workers(hashing=True)
+        ok = False
+        try:
+            stream_layers(target, workers, sources, backend, meta, dev=dev, bar=bar, **how)
+            target.finish(workers)
+            ok = True
+        finally:
+            workers.close(abort=not ok)
+            if not ok:
+                target.discard()
+            if bar is not None:
+                bar.close()
+    return out
+
+
+def layout_plan(
+    sources: Sequence[LayerSource],
+    backend: str,
+    *,
+    intermediate_alignment: Optional[int],
+    hidden_alignment: Optional[int],
+    engine: Optional[str],
+    prefix: str,
+    block: str,
+    info: Optional[dict],
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict]:
+    """What :func:`write_kernel_layout` writes, from shapes alone: ``(kernel dtype and shape by output tensor
+    name, in order; the ``fimoe_lab`` metadata)``. Deterministic (a distributed convert builds it on every
+    process); a layer that cannot be laid out is one CheckpointError naming an alignment that works."""
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     records = {}
     for idx, shape_layer, _ in sources:
@@ -443,30 +415,111 @@ def write_kernel_layout(
         **(info or {}),
         "layers": records,
     }
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    return specs, meta
 
-        bar = tqdm(
-            total=sum(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for d, s in specs.values()),
-            unit="B",
-            unit_scale=True,
-            desc=f"convert -> {Path(out).name}",
-        )
-    with safe_io.atomic_file(out) as handle:
-        writer = _StreamWriter(handle, specs, {"fimoe_lab": meta}, checksum_key="fimoe_lab")
-        for idx, _, load in sources:
-            layer = load()
-            tensors, _, _ = convert_layer(layer, backend, intermediate_alignment, hidden_alignment, engine)
-            for name in (n for n in specs if n.startswith(_out_name(prefix, block, idx, ""))):
-                t = tensors[name.rsplit(".", 1)[-1]]
-                writer.write(name, t)
+
+def stream_layers(
+    target: stream.ShardedOutput,
+    workers: stream.Workers,
+    sources: Sequence[LayerSource],
+    backend: str,
+    meta: dict,
+    *,
+    intermediate_alignment: Optional[int],
+    hidden_alignment: Optional[int],
+    engine: Optional[str],
+    dev: torch.device,
+    bar: Any = None,
+) -> None:
+    """Load, convert and put into ``target`` every layer of ``sources`` that holds a tensor ``target`` still
+    needs (:meth:`~fimoe_lab.checkpoints.stream.ShardedOutput.needed`), one layer in memory, a chunk of
+    experts at a time (:func:`_converted_chunks`); ``meta``: from :func:`layout_plan`."""
+    prefix, block = meta["prefix"], meta["block"]
+    for idx, _, load in sources:
+        names = {
+            n: _out_name(prefix, block, idx, n) for n in (*KERNEL_NAMES.values(), *meta["layers"][str(idx)]["extras"])
+        }
+        if not any(target.needed(full) for full in names.values() if full in target.specs):
+            continue
+        workers.drain()  # the previous layer's chunks are out: one layer in memory
+        chunks = _converted_chunks(load(), backend, intermediate_alignment, hidden_alignment, engine, dev)
+        for tensors in chunks:  # the layer is freed with the generator once its last chunk is out
+            for n in list(tensors):
+                t = tensors.pop(n)
+                target.put(workers, names[n], t)
                 if bar is not None:
                     bar.update(t.numel() * t.element_size())
-        writer.finish()
-    if bar is not None:
-        bar.close()
-    return Path(out)
+                del t
+
+
+def _progress_bar(progress: bool, specs: dict, target: stream.ShardedOutput, out: Path) -> Any:
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    total = sum(
+        int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size()
+        for n, (d, s) in specs.items()
+        if target.needed(n)
+    )
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"convert -> {out.name}")
+
+
+def _device(device: str) -> torch.device:
+    """``cpu`` or a CUDA device torch can use (else one CheckpointError)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise CheckpointError(f"device {device!r} is not 'cpu' or 'cuda[:N]'", fix="pass --device cpu or --device cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(
+            f"--device {device}: torch sees no CUDA GPU on this machine (torch.cuda.is_available() is False)",
+            fix="run on a GPU host with a CUDA build of torch, or convert with --device cpu",
+        )
+    return dev
+
+
+def _converted_chunks(
+    layer: MoELayer,
+    backend: str,
+    ia: Optional[int],
+    ha: Optional[int],
+    engine: Optional[str],
+    dev: torch.device,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The layer in the kernel layout, a chunk of experts at a time (:func:`convert_layer` on ``[e0:e1]`` of every
+    tensor; kernel tensors by name, on the CPU). With a CUDA ``dev``: staged through pinned host buffers."""
+    parts = {n: t for n, t in layer.tensors().items() if t is not None}
+    e_count = layer.num_experts
+    layer_bytes = sum(t.numel() * t.element_size() for t in (*parts.values(), *layer.extras.values()))
+    step = stream.experts_per_chunk(layer_bytes // max(1, e_count), layer_bytes)
+    for e0 in range(0, e_count, step):
+        cut = lambda t, e0=e0: _to_device(t[e0 : e0 + step].contiguous(), dev)  # noqa: E731
+        sub = replace(
+            layer.with_tensors(**{n: cut(t) for n, t in parts.items()}),
+            extras={n: cut(t) for n, t in layer.extras.items()},
+        )
+        tensors, _, _ = convert_layer(sub, backend, ia, ha, engine)
+        if dev.type == "cuda":
+            tensors = {n: _to_host(t) for n, t in tensors.items()}
+            torch.cuda.current_stream(dev).synchronize()
+        yield {n: t.contiguous() for n, t in tensors.items()}
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    if dev.type == "cpu":
+        return t
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t)
+    return pinned.to(dev, non_blocking=True)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t, non_blocking=True)
+    return pinned
 
 
 def convert_checkpoint(
@@ -474,64 +527,123 @@ def convert_checkpoint(
     out: str | os.PathLike,
     backend: str,
     tp_size: int = 1,
-    tp_rank: int = 0,
+    tp_rank: int | str = 0,
     layers: Optional[Iterable[int]] = None,
     intermediate_alignment: Optional[int] = None,
     hidden_alignment: Optional[int] = None,
     progress: bool = False,
     force: bool = False,
     engine: Optional[str] = None,
+    single_file: Optional[bool] = None,
+    shard_size: Optional[int] = None,
+    resume: bool = False,
+    device: str = "cpu",
 ) -> Path:
     """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``.
 
     ``engine``: the profile (``vllm-0.34`` by default; :mod:`fimoe_lab.engines`), recorded in the file.
+    Output, streaming, ``resume`` and ``device``: :func:`write_kernel_layout`. ``tp_rank="all"``
+    writes every rank, rank ``r`` into the sharded directory ``out/rank-<r>``.
 
     ``out`` is vetted before anything is read (never the input, inside it or a parent of it;
-    an existing one only with ``force`` and only if this tool wrote it).
+    an existing one only with ``force`` or ``resume`` and only if this tool wrote it).
     """
-    safe_io.check_output(Path(out), [Path(src)], force, "file")
-    with safe_io.OutputLock(Path(out)), Checkpoint(src) as ck:  # a second writer of OUT fails before reading
-        wanted = ck.moe_layers if layers is None else list(layers)
-        missing = [l for l in wanted if l not in ck.moe_layers]
-        if missing:
-            raise CheckpointError(
-                f"{src}: layers {missing} have no routed experts", fix=f"choose from the MoE layers {ck.moe_layers}"
+    out = Path(out)
+    single = safe_io.single_output(out, single_file)
+    ranks = _ranks(tp_size, tp_rank, single)
+    safe_io.check_output(out, [Path(src)], force or (resume and single), "file" if single else "shards", resume)
+    _device(device)
+    # a second writer of OUT fails before reading; SIGTERM from here on removes the lock (and any temporary)
+    with safe_io.signals_raise(), safe_io.OutputLock(out), Checkpoint(src) as ck:
+        wanted = wanted_layers(ck, src, layers)
+        about = source_info(ck, src)
+        if tp_rank == "all":
+            os.makedirs(out, exist_ok=True)
+        for rank in ranks:
+            sources = layer_sources(ck, wanted, tp_size, rank, progress)
+            info = {**about, "tp_size": tp_size, "tp_rank": rank}
+            write_kernel_layout(
+                out / f"rank-{rank}" if tp_rank == "all" else out,
+                sources,
+                backend,
+                intermediate_alignment=intermediate_alignment,
+                hidden_alignment=hidden_alignment,
+                prefix=ck.prefix,
+                block=ck.convention.block,
+                info=info,
+                progress=progress,
+                force=force,
+                engine=engine,
+                single_file=single,
+                shard_size=shard_size,
+                resume=resume,
+                device=device,
             )
-        sources = [
-            (
-                l,
-                ck.read_layer(l, tp_size, tp_rank, load="none"),
-                (lambda l=l: ck.read_layer(l, tp_size, tp_rank, progress=progress)),
-            )
-            for l in wanted
-        ]
-        info = {
-            "source": str(Path(src).resolve()),
-            "convention": ck.convention.name,
-            "config": ck.config,
-            "tp_size": tp_size,
-            "tp_rank": tp_rank,
-        }
-        return write_kernel_layout(
-            out,
-            sources,
-            backend,
-            intermediate_alignment=intermediate_alignment,
-            hidden_alignment=hidden_alignment,
-            prefix=ck.prefix,
-            block=ck.convention.block,
-            info=info,
-            progress=progress,
-            force=force,
-            engine=engine,
+        if tp_rank == "all":
+            safe_io.remove_own(out, {f"rank-{r}" for r in ranks})
+    return out
+
+
+def wanted_layers(ck: Checkpoint, src: str | os.PathLike, layers: Optional[Iterable[int]]) -> list[int]:
+    """``layers`` (None: every MoE layer of ``ck``); a layer without routed experts is one CheckpointError."""
+    wanted = ck.moe_layers if layers is None else list(layers)
+    missing = [l for l in wanted if l not in ck.moe_layers]
+    if missing:
+        raise CheckpointError(
+            f"{src}: layers {missing} have no routed experts", fix=f"choose from the MoE layers {ck.moe_layers}"
         )
+    return wanted
+
+
+def source_info(ck: Checkpoint, src: str | os.PathLike) -> dict:
+    """The metadata about the source: its resolved path, ``source_files`` ``{file: [size, mtime_ns]}``
+    (what ``resume`` compares), convention and config."""
+    files = sorted(set(ck.weight_map.values()))
+    return {
+        "source": str(Path(src).resolve()),
+        "source_files": {f: [st.st_size, st.st_mtime_ns] for f in files for st in [os.stat(ck.path / f)]},
+        "convention": ck.convention.name,
+        "config": ck.config,
+    }
+
+
+def layer_sources(ck: Checkpoint, wanted: list[int], tp_size: int, rank: int, progress: bool) -> list[LayerSource]:
+    """:data:`LayerSource` of each wanted layer of TP rank ``rank``: shapes now, tensors when loaded."""
+    return [
+        (
+            l,
+            ck.read_layer(l, tp_size, rank, load="none"),
+            (lambda l=l: ck.read_layer(l, tp_size, rank, progress=progress)),
+        )
+        for l in wanted
+    ]
+
+
+def _ranks(tp_size: int, tp_rank: int | str, single: bool) -> list[int]:
+    if tp_rank == "all":
+        if single:
+            raise CheckpointError(
+                "--rank all writes one sharded directory per rank (OUT/rank-<r>), not one file",
+                fix="give OUT as a directory (without .safetensors), or one --rank",
+            )
+        return list(range(tp_size))
+    if not isinstance(tp_rank, int) or isinstance(tp_rank, bool):
+        raise CheckpointError(
+            f"tensor-parallel rank {tp_rank!r} is not an integer or 'all'", fix="pass --rank R or --rank all"
+        )
+    return [tp_rank]
 
 
 # ============================================================================ restoring
 def read_kernel_metadata(path: str | os.PathLike) -> dict:
-    """The ``fimoe_lab`` metadata of a kernel-layout file (``CheckpointError`` if it has none or a newer version)."""
-    with safe_io.open_safetensors(Path(path), "kernel-layout file") as f:
-        raw = (f.metadata() or {}).get("fimoe_lab")
+    """The ``fimoe_lab`` metadata of what convert wrote: a file, or a sharded directory (its shards'
+    metadata, which must agree, with their checksums merged). ``CheckpointError`` if it has none or a
+    newer version."""
+    with KernelFiles(path) as kf:
+        return kf.meta
+
+
+def _parse_meta(path: Path, raw: Optional[str]) -> dict:
     if raw is None:
         raise CheckpointError(
             f"{path} has no 'fimoe_lab' metadata: it was not written by 'fimoe-lab convert', so the "
@@ -552,6 +664,76 @@ def read_kernel_metadata(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path}: its metadata has no table of layers", fix=_EDITED)
     _check_fields(path, meta)
     return meta
+
+
+class KernelFiles:
+    """What convert wrote, opened for reading tensor by tensor (safetensors slices, memory-mapped): one
+    file, or a directory with ``model.safetensors.index.json`` and its shards (each kept inside the
+    directory). ``meta``: see :func:`read_kernel_metadata`."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if self.path.is_dir():
+            self.where = self._index()
+            root = self.path
+        else:
+            root = self.path.parent
+            self.where = {}
+        files = sorted(set(self.where.values())) or [self.path.name]
+        self._handles = {f: safe_io.open_safetensors(root / f, "kernel-layout file") for f in files}
+        metas = {f: _parse_meta(root / f, (h.metadata() or {}).get("fimoe_lab")) for f, h in self._handles.items()}
+        self._keys = {f: set(h.keys()) for f, h in self._handles.items()}
+        if not self.where:
+            self.where = dict.fromkeys(self._keys[files[0]], files[0])
+        first = metas[files[0]]
+        common = {k: v for k, v in first.items() if k != "checksums"}
+        for f, m in metas.items():
+            if {k: v for k, v in m.items() if k != "checksums"} != common:
+                raise CheckpointError(f"{root / f}: its metadata differs from {root / files[0]}'s", fix=_EDITED)
+        self.meta = dict(first)
+        if "checksums" in first:
+            self.meta["checksums"] = {n: h for m in metas.values() for n, h in m.get("checksums", {}).items()}
+
+    def _index(self) -> dict[str, str]:
+        index = self.path / safe_io.INDEX
+        if not os.path.lexists(index):
+            ranks = sorted(p.name for p in self.path.iterdir() if safe_io.RANK_RE.match(p.name))
+            if ranks:
+                raise CheckpointError(
+                    f"{self.path} holds one converted directory per rank ({', '.join(ranks)})",
+                    fix=f"restore one of them, e.g. {self.path / ranks[0]}",
+                )
+            raise CheckpointError(
+                f"{self.path} is a directory without {safe_io.INDEX}: not a finished 'fimoe-lab convert' output",
+                fix="pass a file or directory convert wrote; finish an interrupted one with 'fimoe-lab convert --resume'",
+            )
+        data = safe_io.read_json(index, "safetensors index")
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if (
+            not isinstance(wm, dict)
+            or not wm
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items())
+        ):
+            raise CheckpointError(f"{index} has no 'weight_map' of tensor names to shard files", fix=_EDITED)
+        for file in set(wm.values()):
+            safe_io.inside(self.path, file, "the index's shard")
+        return dict(wm)
+
+    def keys(self) -> set[str]:
+        """Names of the tensors the files hold (where the index puts them)."""
+        return {n for n, f in self.where.items() if n in self._keys[f]}
+
+    def get_slice(self, name: str) -> Any:
+        return self._handles[self.where[name]].get_slice(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> KernelFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _is_int(v: object, lo: int) -> bool:
@@ -581,14 +763,13 @@ def _check_fields(path: str | os.PathLike, meta: dict) -> None:
 _EDITED = "the file was modified after conversion; convert the checkpoint again"
 
 
-def verify_checksum(meta: dict, name: str, t: torch.Tensor) -> None:
-    """Refuse tensor ``name`` if its bytes' sha256 differs from the one ``convert`` recorded."""
+def check_digest(meta: dict, name: str, got: str) -> None:
+    """Refuse tensor ``name`` if ``got``, the sha256 of its bytes, differs from the one ``convert`` recorded."""
     want = meta.get("checksums", {}).get(name)
     if want is None:
         if "checksums" in meta:
             raise CheckpointError(f"{name}: no checksum recorded for it", fix=_EDITED)
         return  # written before checksums were recorded
-    got = hashlib.sha256(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())).hexdigest()
     if got != want:
         raise CheckpointError(
             f"{name}: checksum mismatch (sha256 {got[:16]}..., recorded {str(want)[:16]}...): the tensor's bytes are "
@@ -688,17 +869,40 @@ def _as_checkpoint(t: torch.Tensor, spec: dict) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(shape[0], -1).view(dtype).reshape(shape)
 
 
-def _read_kernel(f, meta: dict, name: str, spec: dict) -> torch.Tensor:
-    if name not in f.keys():
-        raise CheckpointError(f"{name} is recorded in the metadata but not in the file", fix=_EDITED)
-    t = f.get_tensor(name)
-    if (dtype_name(t.dtype), list(t.shape)) != (spec["dtype"], spec["shape"]):
-        raise CheckpointError(
-            f"{name} is {dtype_name(t.dtype)} {list(t.shape)}, metadata says {spec['dtype']} {spec['shape']}",
-            fix=_EDITED,
-        )
-    verify_checksum(meta, name, t)
-    return t
+class _Back:
+    """One kernel tensor being read back: ``name`` (kernel ``kspec``) into a new tensor ``out`` in the checkpoint
+    layout ``cspec``, a chunk of experts at a time (safetensors slices), each chunk mapped back by ``m`` (None:
+    unchanged) and hashed (its sha256 checked by :meth:`check` once every chunk is in)."""
+
+    def __init__(self, kf: KernelFiles, name: str, kspec: dict, cspec: dict, m: Optional[IndexMap]):
+        if name not in kf.keys():
+            raise CheckpointError(f"{name} is recorded in the metadata but not in the file", fix=_EDITED)
+        self.sl, self.name, self.cspec, self.m = kf.get_slice(name), name, cspec, m
+        shape = list(self.sl.get_shape())
+        if (self.sl.get_dtype(), shape) != (kspec["dtype"], kspec["shape"]):
+            raise CheckpointError(
+                f"{name} is {self.sl.get_dtype()} {shape}, metadata says {kspec['dtype']} {kspec['shape']}", fix=_EDITED
+            )
+        if not shape or shape[:1] != cspec["shape"][:1]:
+            raise CheckpointError(
+                f"{name}: kernel shape {shape} and checkpoint shape {cspec['shape']} do not start with one expert count",
+                fix=_EDITED,
+            )
+        self.experts = shape[0]
+        self.expert_bytes = math.prod(shape[1:]) * conventions.SAFETENSORS_DTYPES[kspec["dtype"]].itemsize
+        self.out = torch.empty(cspec["shape"], dtype=conventions.SAFETENSORS_DTYPES[cspec["dtype"]])
+        self.digest = hashlib.sha256()
+
+    def read(self, e0: int, e1: int, hasher: ThreadPoolExecutor) -> Future:
+        """Experts ``[e0, e1)``: hashed on ``hasher`` (in order) while they are mapped back into ``out``."""
+        x = self.sl[e0:e1].contiguous()
+        hashed = hasher.submit(self.digest.update, stream.byte_view(x))
+        back = x if self.m is None else apply_map(self.m, x, self.name)
+        self.out[e0:e1] = _as_checkpoint(back, {**self.cspec, "shape": [e1 - e0, *self.cspec["shape"][1:]]})
+        return hashed
+
+    def check(self, meta: dict) -> None:
+        check_digest(meta, self.name, self.digest.hexdigest())
 
 
 MAX_SIZE = 1 << 24
@@ -740,99 +944,241 @@ def _check_shapes(rec: dict, limit: int) -> None:
             raise CheckpointError(f"{n}: recorded shape {sh!r} is not one the file's tensors can hold", fix=_EDITED)
 
 
-def _restore_layer(f, meta: dict, idx: int, rec: dict) -> MoELayer:
+def _restore_layer(
+    kf: KernelFiles, meta: dict, idx: int, rec: dict, ready: Optional[Callable[[MoELayer, int], None]] = None
+) -> MoELayer:
+    """Layer ``idx`` back in the checkpoint layout, read and mapped back a chunk of experts at a time, every
+    tensor's sha256 checked at the end. ``ready(layer, e)`` is called when experts ``[0, e)`` of every tensor
+    are in place (their checksums not checked yet): restore writes them out while it reads the next chunk."""
     name = lambda n: _out_name(meta["prefix"], meta["block"], idx, n)  # noqa: E731
-    _check_sizes(f, rec, name)
+    _check_sizes(kf, rec, name)
     plan = build_plan(rec["plan"], meta["version"])
     check_record(rec, plan, meta["version"])
-    kernel = {n: _read_kernel(f, meta, name(trec["name"]), trec["kernel"]) for n, trec in rec["tensors"].items()}
-    back = plan.inverse().apply(*(kernel.get(n) for n in KERNEL_NAMES))
-    t = {
-        n: (_as_checkpoint(x, rec["tensors"][n]["checkpoint"]) if n in rec["tensors"] else None)
-        for n, x in zip(KERNEL_NAMES, back)
-    }
+    inverse = plan.inverse().maps()
+    missing = [n for n in inverse if n not in rec["tensors"]]
+    if missing:
+        raise CheckpointError(f"{plan.description}: {missing[0]} is required by the plan but not recorded", fix=_EDITED)
+    backs: dict[str, _Back] = {}
+    for n, trec in rec["tensors"].items():
+        if n not in KERNEL_NAMES:
+            raise CheckpointError(f"layer {idx} records a tensor {n!r}, not one of {list(KERNEL_NAMES)}", fix=_EDITED)
+        backs[n] = _Back(kf, name(trec["name"]), trec["kernel"], trec["checkpoint"], inverse.get(n))
     extras = {}
     for n, x in rec["extras"].items():
-        raw = _read_kernel(f, meta, name(n), {"dtype": x["dtype"], "shape": x["kernel_shape"]})
-        extras[n] = _map_extra(plan, n, raw, inverse=True)
-    return _layer_from_record(
+        dtype = conventions.SAFETENSORS_DTYPES[x["dtype"]]
+        m = _extra_map(plan, n, torch.empty((), dtype=dtype))
+        kspec, cspec = {"dtype": x["dtype"], "shape": x["kernel_shape"]}, {"dtype": x["dtype"], "shape": x["shape"]}
+        extras[n] = _Back(kf, name(n), kspec, cspec, None if m is None else m.inverse())
+    every = [*backs.values(), *extras.values()]
+    counts = {b.experts for b in every}
+    if len(counts) > 1:
+        raise CheckpointError(f"layer {idx}: its tensors hold different expert counts {sorted(counts)}", fix=_EDITED)
+    e_count = counts.pop() if counts else 0
+    layer = _layer_from_record(
         rec,
-        t,
-        extras,
-        layer=idx,
-        convention=meta.get("convention"),
-        tp_size=meta.get("tp_size", 1),
-        tp_rank=meta.get("tp_rank", 0),
-        activation=rec["activation"],
-        activation_params=rec["activation_params"],
+        {n: backs[n].out if n in backs else None for n in KERNEL_NAMES},
+        {n: b.out for n, b in extras.items()},
+        **_where(meta, idx, rec),
     )
+    per_expert = sum(b.expert_bytes for b in every)
+    step = stream.experts_per_chunk(per_expert, per_expert * e_count)
+    with ThreadPoolExecutor(1) as hasher:  # hashes a chunk while the next is mapped back
+        previous: list[Future] = []
+        for e0 in range(0, e_count, step):
+            e1 = min(e0 + step, e_count)
+            hashed = [b.read(e0, e1, hasher) for b in every]
+            for h in previous:
+                h.result()
+            previous = hashed
+            if ready is not None:
+                ready(layer, e1)
+        for h in previous:
+            h.result()
+    for b in every:
+        b.check(meta)
+    return layer
+
+
+def _where(meta: dict, idx: int, rec: dict) -> dict:
+    """The :class:`MoELayer` fields a restored layer takes from the file's metadata."""
+    return {
+        "layer": idx,
+        "convention": meta.get("convention"),
+        "tp_size": meta.get("tp_size", 1),
+        "tp_rank": meta.get("tp_rank", 0),
+        "activation": rec["activation"],
+        "activation_params": rec["activation_params"],
+    }
+
+
+@contextmanager
+def _layer_errors(path: str | os.PathLike, idx: str) -> Iterator[None]:
+    """Any error while restoring layer ``idx`` as one CheckpointError naming the file and the layer."""
+    try:
+        yield
+    except FimoeError as exc:
+        raise exc.within(f"{path}: layer {idx}") from None
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{path}: layer {idx}: the metadata does not have the form convert writes "
+            f"({type(exc).__name__}: {safe_io.one_line(exc)})",
+            fix=_EDITED,
+        ) from None
+
+
+def _iter_layers(path: str | os.PathLike, kf: KernelFiles) -> Iterator[MoELayer]:
+    for idx, rec in kf.meta["layers"].items():
+        with _layer_errors(path, idx):
+            layer = _restore_layer(kf, kf.meta, int(idx), rec)
+        yield layer
+        del layer  # not held while the next layer is read
 
 
 def restore_layers(path: str | os.PathLike) -> tuple[dict, list[MoELayer]]:
-    """Map a kernel-layout file (version 1 or 2) back to the checkpoint layout: ``(metadata, layers)``.
+    """Map a kernel-layout file or sharded directory (version 1 or 2) back to the checkpoint layout, all layers
+    in memory: ``(metadata, layers)`` (``restore_checkpoint`` streams them instead).
 
     Rebuilds each layer's plan from the recorded recipe and arguments, checks it against the
     record (:func:`check_record`), verifies each tensor's recorded sha256 and applies the
-    inverse plan (padding dropped). Metadata that does not have the shape ``convert`` writes
+    inverse (padding dropped). Metadata that does not have the shape ``convert`` writes
     is refused with one CheckpointError.
     """
-    meta = read_kernel_metadata(path)
-    layers = []
-    with safe_io.open_safetensors(Path(path), "kernel-layout file") as f:
-        for idx, rec in meta["layers"].items():
-            try:
-                layers.append(_restore_layer(f, meta, int(idx), rec))
-            except FimoeError as exc:
-                raise exc.within(f"{path}: layer {idx}") from None
-            except (KeyError, TypeError, AttributeError, IndexError, ValueError, RuntimeError) as exc:
-                raise CheckpointError(
-                    f"{path}: layer {idx}: the metadata does not have the form convert writes "
-                    f"({type(exc).__name__}: {safe_io.one_line(exc)})",
-                    fix=_EDITED,
-                ) from None
-    return meta, layers
+    with KernelFiles(path) as kf:
+        return kf.meta, list(_iter_layers(path, kf))
 
 
-def restore_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
-    """Write a kernel-layout file back as a checkpoint directory in its original naming convention.
+def restore_checkpoint(
+    path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False, shard_size: Optional[int] = None
+) -> Path:
+    """Write a kernel-layout file or sharded directory back as a checkpoint directory in its original naming
+    convention.
 
-    The result (``config.json``, index, one shard, and the marker
+    The result (``config.json``, shards of at most ``shard_size`` bytes (default
+    :data:`~fimoe_lab.checkpoints.stream.SHARD_BYTES`) with their index, and the marker
     :data:`~fimoe_lab.checkpoints.safe_io.MARKER`) holds the MoE expert tensors of the
     converted layers, byte-identical to the source's (for a TP shard: the rank's slice,
-    with config.json's intermediate size set to the shard's). Written atomically; an
-    existing ``out_dir`` is replaced only with ``force`` and only if ``restore`` wrote it.
+    with config.json's intermediate size set to the shard's). Streamed: one layer in memory,
+    read and mapped back a chunk of experts at a time, written before the next layer is read.
+    Written atomically; an existing ``out_dir`` is replaced only with ``force`` and only if
+    ``restore`` wrote it.
     """
     out = Path(out_dir)
     safe_io.check_output(out, [Path(path)], force, "dir")
-    with safe_io.OutputLock(out):  # a second writer of OUT fails before reading
-        return _restore_into(path, out)
+    with safe_io.signals_raise(), safe_io.OutputLock(out):  # a second writer of OUT fails before reading
+        return _restore_into(path, out, shard_size or stream.SHARD_BYTES)
 
 
-def _restore_into(path: str | os.PathLike, out: Path) -> Path:
-    """The body of :func:`restore_checkpoint`, under its output's lock."""
-    meta, layers = restore_layers(path)
-    if not meta.get("convention"):
-        raise CheckpointError(
-            f"{path}: no source convention recorded (written from in-memory layers)", fix="use restore_layers()"
+def _restored_specs(path: str | os.PathLike, kf: KernelFiles, conv: conventions.Convention) -> dict:
+    """Names, dtypes and shapes of every tensor restore writes, from the records alone (meta tensors)."""
+    meta, specs = kf.meta, {}
+    for idx, rec in meta["layers"].items():
+        with _layer_errors(path, idx):
+            name = lambda n, idx=idx: _out_name(meta["prefix"], meta["block"], int(idx), n)  # noqa: E731
+            _check_sizes(kf, rec, name)
+            layer = replace(_shape_layer(rec), **_where(meta, int(idx), rec))
+            for k, v in conv.to_tensors(meta["prefix"], int(idx), layer).items():
+                specs[k] = (v.dtype, tuple(v.shape))
+    return specs
+
+
+class _Emit:
+    """Queues a restored layer's output tensors (``Convention.to_tensors``) for writing as soon as the experts
+    they hold are in place: the views into the layer's buffers chunk by chunk (:meth:`ready`), the tensors
+    ``to_tensors`` copies (fused experts, scalar extras) once the whole layer is in and verified (:meth:`rest`)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        conv: conventions.Convention,
+        prefix: str,
+        specs: dict,
+        target: stream.ShardedOutput,
+        workers: stream.Workers,
+    ):
+        self.path, self.conv, self.prefix, self.specs, self.target, self.workers = (
+            path,
+            conv,
+            prefix,
+            specs,
+            target,
+            workers,
         )
-    conv = conventions.get(meta["convention"])
-    tensors: dict[str, torch.Tensor] = {}
-    for layer in layers:
-        tensors.update(conv.to_tensors(meta["prefix"], layer.layer, layer))
-    config = dict(meta.get("config") or {})
-    if layers and meta.get("tp_size", 1) > 1:
-        config[next((k for k in conv.intermediate_keys if k in config), conv.intermediate_keys[0])] = layers[
-            0
-        ].intermediate
-    shard = "model-00001-of-00001.safetensors"
-    with safe_io.atomic_dir(out) as tmp:
-        with safe_io.create_new(tmp / shard) as handle:
-            writer = _StreamWriter(handle, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, {"format": "pt"})
-            for k, v in tensors.items():
-                writer.write(k, v)
-        total = sum(v.numel() * v.element_size() for v in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": {k: shard for k in sorted(tensors)}}
-        safe_io.write_json(tmp / "model.safetensors.index.json", index)
-        safe_io.write_json(tmp / "config.json", config)
-        safe_io.write_json(tmp / safe_io.MARKER, {"restored_from": str(Path(path).resolve())})
+        self.waiting: Optional[list[tuple[int, str, torch.Tensor]]] = None
+        self.sent: set[str] = set()
+
+    def ready(self, layer: MoELayer, done: int) -> None:
+        """Experts ``[0, done)`` of every buffer of ``layer`` are in place."""
+        if self.waiting is None:
+            buffers = [t for t in (*layer.tensors().values(), *layer.extras.values()) if t is not None and t.numel()]
+            self.waiting = []
+            for k, t in self.conv.to_tensors(self.prefix, layer.layer, layer).items():
+                last = _last_expert(t, buffers)
+                if last is not None:
+                    self.waiting.append((last, k, t))
+        later = []
+        for last, k, t in self.waiting:
+            if last < done:
+                self._put(k, t)
+            else:
+                later.append((last, k, t))
+        self.waiting = later
+
+    def rest(self, layer: MoELayer) -> None:
+        """Queue every output tensor not queued yet (the layer is complete and its checksums verified)."""
+        for k, t in self.conv.to_tensors(self.prefix, layer.layer, layer).items():
+            if k not in self.sent:
+                self._put(k, t)
+
+    def _put(self, k: str, t: torch.Tensor) -> None:
+        if k not in self.specs:
+            raise CheckpointError(f"{self.path}: {k} is not among the tensors its records give", fix=_EDITED)
+        self.sent.add(k)
+        self.target.put(self.workers, k, t.contiguous())
+
+
+def _last_expert(t: torch.Tensor, buffers: list[torch.Tensor]) -> Optional[int]:
+    """The last expert of the buffer that ``t`` is a view of (None: ``t`` is a copy, of no buffer)."""
+    if not t.numel():
+        return 0
+    for b in buffers:
+        if t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+            return (t.data_ptr() + t.nbytes - 1 - b.data_ptr()) // (b.nbytes // b.shape[0])
+    return None
+
+
+def _restore_into(path: str | os.PathLike, out: Path, shard_bytes: int) -> Path:
+    """The body of :func:`restore_checkpoint`, under its output's lock."""
+    with KernelFiles(path) as kf:
+        meta = kf.meta
+        if not meta.get("convention"):
+            raise CheckpointError(
+                f"{path}: no source convention recorded (written from in-memory layers)", fix="use restore_layers()"
+            )
+        conv = conventions.get(meta["convention"])
+        specs = _restored_specs(path, kf, conv)
+        config = dict(meta.get("config") or {})
+        first = next(iter(meta["layers"].values()), None)
+        if first is not None and meta.get("tp_size", 1) > 1:
+            key = next((k for k in conv.intermediate_keys if k in config), conv.intermediate_keys[0])
+            config[key] = first["plan"]["args"]["intermediate"]
+        with safe_io.atomic_dir(out) as tmp:
+            target = stream.ShardedOutput(tmp, specs, {"format": "pt"}, single=False, shard_bytes=shard_bytes)
+            workers = stream.Workers(hashing=False)
+            ok = False
+            try:
+                for idx, rec in meta["layers"].items():
+                    emit = _Emit(path, conv, meta["prefix"], specs, target, workers)
+                    with _layer_errors(path, idx):
+                        layer = _restore_layer(kf, meta, int(idx), rec, emit.ready)
+                        emit.rest(layer)
+                    del layer, emit
+                    workers.drain()  # this layer is out (and freed) before the next is read
+                target.finish(workers)
+                ok = True
+            finally:
+                workers.close(abort=not ok)
+                if not ok:
+                    target.discard()
+            safe_io.write_json(tmp / "config.json", config)
+            safe_io.write_json(tmp / safe_io.MARKER, {"restored_from": str(Path(path).resolve())})
     return out
