@@ -10,7 +10,9 @@ converted files record its name. Torch-free, like :mod:`fimoe_lab.specs` (the CL
 
 Sources (read from the published wheels and the engines' source; docs/design.md, "Engine
 profiles"): vLLM 0.34.0 pins FlashInfer 0.7.3, SGLang 0.5.23 pins 0.7.2; FlashInfer 0.7.4
-is the newest; 0.6.13 is the version the seed and the goldens come from.
+is the newest; 0.6.13 is the version the seed and the goldens come from. The vLLM and SGLang
+profiles are checked byte for byte against those engines' own preparation code, run in their
+environments (``tests/engine_oracles/``, ``tests/test_engine_parity_*.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class Alignment:
     """A profile's padding of one ``"format/backend"``, overriding the base table.
 
     ``intermediate``/``hidden``: the multiple to pad to (None: the base table's value);
+    ``non_gated_intermediate``: the intermediate multiple of a non-gated layer (one projection)
+    where it differs from ``intermediate`` (vLLM's CUTLASS NVFP4 pads a non-gated ``I`` to the
+    128 rows of its swizzled scales);
     ``per_token_non_gated_hidden``: the hidden multiple when activations are NVFP4
     per-token quantised and the activation is not gated (vLLM's
     ``trtllm_nvfp4_hidden_alignment``: 512, because 256-aligned shapes left the default
@@ -44,6 +49,7 @@ class Alignment:
 
     intermediate: Optional[int] = None
     hidden: Optional[int] = None
+    non_gated_intermediate: Optional[int] = None
     per_token_non_gated_hidden: Optional[int] = None
 
 
@@ -65,9 +71,30 @@ class EngineProfile:
             swizzled for the CUTLASS kernel, as vLLM, SGLang and FlashInfer's own
             ``prepare_cutlass_*`` do) or ``"linear"`` (only the legacy profile: what fimoe_lab
             wrote before the fix, kept so that those files restore).
+        cutlass_mxfp8_scales: ``"128x4"`` (MXFP8 block scales swizzled for FlashInfer 0.7.x's
+            CUTLASS MXFP8 MoE, as its ``prepare_cutlass_mxfp8_weights`` quantises them with
+            ``is_sf_swizzled_layout=True``; neither vLLM 0.34 nor SGLang 0.5.23 has a FlashInfer
+            CUTLASS MXFP8 path of its own) or ``"linear"`` (FlashInfer 0.6.13's era and the
+            legacy profile: what fimoe_lab wrote before).
+        nvfp4_quantizer: the FlashInfer NVFP4 quantizer kernels it runs
+            (``nvfp4QuantAndPerTokenScaleKernel``, ``cvt_warp_fp16_to_fp4``), by the version whose
+            source fixes them: ``"0.6.13"`` encodes an all-zero per-token row with
+            ``rcp(0) = inf`` (its scale bytes 0x7F, ``inf * 0 = NaN``); ``"0.7.2"`` encodes it with
+            0 (scale bytes 0x00, codes 0); ``"0.7.4"`` also gives a nonzero block whose E4M3 scale
+            rounds to 0 the output scale 0 (codes 0, not +-6).
         permute_cache_key_parts: parts of FlashInfer's permute-index cache key: 2
             (``(name, shape)``, FlashInfer < 0.6.17) or 5 (``(name, shape, epilogue_tile_m,
             num_elts_per_sf, is_gated_act_gemm)``, >= 0.6.17).
+        gate_up_kept: ``"format/backend"`` recipes in which the engine hands the kernel W13 as
+            ``[gate; up]`` (no W31 swap before the gated interleave): SGLang 0.5.23's BF16
+            (``UnquantizedFusedMoEMethod``; its loader loads up first only for CUTLASS), FP8
+            per-tensor (``align_fp8_moe_weights_for_flashinfer_trtllm`` without
+            ``swap_w13_halves``) and MXFP8 (``align_mxfp8_moe_weights_for_flashinfer_trtllm``)
+            TRT-LLM paths, where vLLM swaps first.
+        trtllm_plain: ``"format/backend"`` recipes whose weights and scales the engine hands the
+            TRT-LLM kernel in the checkpoint layout (``use_shuffled_weight=False``, MajorK, no
+            W31 swap): SGLang 0.5.23's DeepSeek FP8 (its runner sets ``use_shuffled_weight`` only
+            for MXFP8).
         transforms: the optional 0.7.x transforms the engine has (names of drop-ins).
         choice: listed as an ``--engine`` choice (the legacy profile is not).
         note: one line for tables and ``--help``.
@@ -80,7 +107,11 @@ class EngineProfile:
     alignments: dict[str, Alignment] = field(default_factory=dict)
     scale_fill: dict[str, int] = field(default_factory=dict)
     cutlass_fp4_scales: str = "128x4"
+    cutlass_mxfp8_scales: str = "128x4"
+    nvfp4_quantizer: str = "0.7.2"
     permute_cache_key_parts: int = 5
+    gate_up_kept: tuple[str, ...] = ()
+    trtllm_plain: tuple[str, ...] = ()
     transforms: tuple[str, ...] = ()
     choice: bool = True
     note: str = ""
@@ -91,6 +122,8 @@ class EngineProfile:
 
 
 _TRANSFORMS_07 = ("pad_trtllm_moe_weights", "align_fp4_moe_hidden_dim_for_fi")
+_MXFP8_CUTLASS_07 = Alignment(intermediate=128, hidden=128)
+"""FlashInfer 0.7.x's CUTLASS MXFP8 MoE: H and I multiples of 128 (``prepare_cutlass_mxfp8_weights``)."""
 
 ENGINES: dict[str, EngineProfile] = {
     p.name: p
@@ -103,9 +136,14 @@ ENGINES: dict[str, EngineProfile] = {
             alignments={
                 "bf16/trtllm": Alignment(intermediate=128),
                 "nvfp4/trtllm": Alignment(hidden=256, per_token_non_gated_hidden=512),
+                "nvfp4/cutlass": Alignment(non_gated_intermediate=128),
+                "mxfp4/trtllm": Alignment(intermediate=128, hidden=256),
+                "mxfp4/cutlass": Alignment(intermediate=128, hidden=128),
+                "mxfp8/cutlass": _MXFP8_CUTLASS_07,
             },
             transforms=("align_fp4_moe_hidden_dim_for_fi",),
-            note="vLLM 0.34.0 (FlashInfer 0.7.3): BF16 TRT-LLM I 128, NVFP4 TRT-LLM H 256 (512 per-token non-gated)",
+            note="vLLM 0.34.0 (FlashInfer 0.7.3): BF16 TRT-LLM I 128, NVFP4 TRT-LLM H 256 (512 per-token non-gated), "
+            "NVFP4 CUTLASS non-gated I 128, MXFP4 TRT-LLM I 128 H 256, MXFP4 CUTLASS I/H 128",
         ),
         EngineProfile(
             "sglang-0.5.23",
@@ -116,25 +154,36 @@ ENGINES: dict[str, EngineProfile] = {
                 "bf16/trtllm": Alignment(intermediate=128),
                 "fp8/trtllm": Alignment(intermediate=128),
                 "fp8/cutlass": Alignment(intermediate=128),
+                "mxfp8/trtllm": Alignment(intermediate=128, hidden=1),
+                "mxfp8/cutlass": _MXFP8_CUTLASS_07,
                 "nvfp4/trtllm": Alignment(hidden=1, per_token_non_gated_hidden=512),
+                "mxfp4/trtllm": Alignment(intermediate=128, hidden=256),
             },
             scale_fill={"mxfp8/trtllm": 0},
-            note="SGLang 0.5.23 (FlashInfer 0.7.2): I 128 at weight creation, MXFP8 pad scales 0",
+            gate_up_kept=("bf16/trtllm", "fp8/trtllm", "mxfp8/trtllm"),
+            trtllm_plain=("fp8-block/trtllm",),
+            note="SGLang 0.5.23 (FlashInfer 0.7.2): I 128 at weight creation (MXFP4 TRT-LLM H 256), MXFP8 TRT-LLM H "
+            "unpadded and pad scales 0, BF16/FP8/MXFP8 TRT-LLM W13 kept [gate; up], DeepSeek FP8 TRT-LLM unshuffled",
         ),
         EngineProfile(
             "flashinfer-0.7.4",
             "flashinfer",
             "0.7.4",
             "0.7.4",
+            alignments={"mxfp8/cutlass": _MXFP8_CUTLASS_07},
             scale_fill={"nvfp4/trtllm": 0x38, "mxfp4/trtllm": 127},
+            nvfp4_quantizer="0.7.4",
             transforms=_TRANSFORMS_07,
-            note="FlashInfer 0.7.4: pad scales neutral (0x38 NVFP4, 127 MXFP4), five-part permute cache keys",
+            note="FlashInfer 0.7.4: pad scales neutral (0x38 NVFP4, 127 MXFP4), five-part permute cache keys, "
+            "NVFP4 quantizer zeroes underflowed blocks",
         ),
         EngineProfile(
             "flashinfer-0.6.13",
             "flashinfer",
             "0.6.13",
             "0.6.13",
+            cutlass_mxfp8_scales="linear",
+            nvfp4_quantizer="0.6.13",
             permute_cache_key_parts=2,
             note="FlashInfer 0.6.13 and the vLLM of its era (the seed, the goldens)",
         ),
@@ -144,6 +193,8 @@ ENGINES: dict[str, EngineProfile] = {
             "0.2",
             "0.6.13",
             cutlass_fp4_scales="linear",
+            cutlass_mxfp8_scales="linear",
+            nvfp4_quantizer="0.6.13",
             permute_cache_key_parts=2,
             choice=False,
             note="files converted before engine profiles: flashinfer-0.6.13 with linear CUTLASS FP4 scales",

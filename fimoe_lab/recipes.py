@@ -29,7 +29,8 @@ from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.plan import LayerPlan
-from fimoe_lab.specs import BACKENDS, FORMATS, check_backend, get_format, weight_formats
+from fimoe_lab.shapes import FI_MOE_INTERMEDIATE_MULTIPLE, default_alignments, padded_shape, projections
+from fimoe_lab.specs import FORMATS, get_format
 
 __all__ = [
     "TRTLLM_EPILOGUE_TILE_M",
@@ -67,14 +68,6 @@ DEEPSEEK_EPILOGUE_TILE_M = 64
 BLOCK_MAJOR_K_BYTES = 128
 SCALE_SWIZZLE_ROWS = 128
 """Rows of the 128x4 scale atom; also the row block of TRT-LLM's scale shuffle."""
-FI_MOE_INTERMEDIATE_MULTIPLE = 16
-"""Per-rank intermediate multiple FlashInfer's gated MoE kernels need (vLLM pads to it with
-``align_moe_weights_for_fi``); 128 for non-gated FP8."""
-
-
-def projections(is_act_and_mul: bool) -> int:
-    """Stacked projections in W13: 2 (gate and up) or 1."""
-    return 2 if is_act_and_mul else 1
 
 
 @cached
@@ -97,56 +90,6 @@ def trtllm_nvfp4_hidden_alignment(per_token_activation: bool, is_act_and_mul: bo
     (256-aligned shapes left the default tactic without a config, e.g. Nemotron hidden
     2688 -> 2816), else 256."""
     return 512 if per_token_activation and not is_act_and_mul else 256
-
-
-def default_alignments(
-    fmt: str,
-    backend: str,
-    is_act_and_mul: bool = True,
-    is_gated: bool = True,
-    engine: Optional[str] = None,
-    per_token_activation: bool = False,
-) -> tuple[int, int]:
-    """``(intermediate, hidden)`` multiples a plan pads to when none is given.
-
-    The one default every command uses: the base table below (FlashInfer 0.6.13's era),
-    overridden by the engine profile's ``alignments`` (:mod:`fimoe_lab.engines`; None: the
-    default engine). Base, per format and backend (1 = no padding):
-
-    ============  =========================  ==================
-    format        TRT-LLM                    CUTLASS
-    ============  =========================  ==================
-    bf16          64, 64 (whole 128 B K      1, 1
-                  blocks of BlockMajorK)
-    fp8           16 gated / 128 non-gated   same
-    fp8-block     1, 1 (no padding)          1, 1
-    mxfp8         128, 256                   1, 1
-    nvfp4         128/P, 1 (128-row scale    16, 1
-                  shuffle)
-    mxfp4         256, 256 (what vLLM        32, 32
-                  allocates)
-    ============  =========================  ==================
-
-    ``per_token_activation``: NVFP4 activations quantised per token, where a profile's
-    ``per_token_non_gated_hidden`` applies to a non-gated activation.
-    """
-    fmt = get_format(fmt).plan_format
-    check_backend(backend)
-    trt = backend == "trtllm"
-    p = projections(is_act_and_mul)
-    table = {
-        "bf16": (64, 64) if trt else (1, 1),
-        "fp8": (FI_MOE_INTERMEDIATE_MULTIPLE if is_gated else 128, 1),
-        "fp8-block": (1, 1),
-        "mxfp8": (128, 256) if trt else (1, 1),
-        "nvfp4": (128 // p, 1) if trt else (16, 1),
-        "mxfp4": (256, 256) if trt else (32, 32),
-    }
-    ia, ha = table[fmt]
-    rule = get_engine(engine).alignment(fmt, backend)
-    if rule.per_token_non_gated_hidden and per_token_activation and not is_gated:
-        return rule.intermediate or ia, rule.per_token_non_gated_hidden
-    return rule.intermediate or ia, rule.hidden or ha
 
 
 def scale_fill(fmt: str, backend: str, engine: Optional[str] = None) -> int:
@@ -445,16 +388,20 @@ def plan_fp4_trtllm_weights(
 
 @cached
 def plan_trtllm_bf16_block_layout(
-    w13_rows: int, hidden: int, intermediate: int, is_gated_act_gemm: bool = True, itemsize: int = 2
+    w13_rows: int,
+    hidden: int,
+    intermediate: int,
+    is_gated_act_gemm: bool = True,
+    itemsize: int = 2,
+    swap: bool = True,
 ) -> LayerPlan:
-    """W31 swap + gated interleave (if gated), epilogue shuffle 128, BlockMajorK 128 B."""
+    """W31 swap (``swap``) + gated interleave (if gated), epilogue shuffle 128, BlockMajorK 128 B."""
     etm, bk = TRTLLM_EPILOGUE_TILE_M, BLOCK_MAJOR_K_BYTES
     c13, c2 = hidden * itemsize, intermediate * itemsize
-    gated = (
-        (steps.swap_w13_to_w31_rows(w13_rows, c13), steps.interleave_rows_for_gated_act(w13_rows, c13))
-        if is_gated_act_gemm
-        else ()
-    )
+    gated: tuple[IndexMap, ...] = ()
+    if is_gated_act_gemm:
+        first = (steps.swap_w13_to_w31_rows(w13_rows, c13),) if swap else ()
+        gated = (*first, steps.interleave_rows_for_gated_act(w13_rows, c13))
     w13 = compose(*gated, steps.shuffle_rows_for_epilogue(w13_rows, c13, etm), steps.block_major_k(w13_rows, c13, bk))
     w2 = steps.shuffle_rows_for_epilogue(hidden, c2, etm) >> steps.block_major_k(hidden, c2, bk)
     return LayerPlan(w13, w2, None, None, intermediate, hidden, intermediate, hidden, "BF16 TRT-LLM block layout")
@@ -517,17 +464,18 @@ def _swap(rows: int, cols_bytes: int, is_act_and_mul: bool) -> Optional[IndexMap
 
 @cached
 def plan_fp8_per_tensor(
-    intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, trtllm: bool
+    intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, trtllm: bool, swap: bool = True
 ) -> LayerPlan:
-    """FP8 per-tensor: pad I (16 gated, 128 non-gated), swap; TRT-LLM adds the gated
-    interleave and the epilogue shuffle (tile 128)."""
+    """FP8 per-tensor: pad I (16 gated, 128 non-gated), swap (``swap``; a profile's
+    ``gate_up_kept`` turns it off); TRT-LLM adds the gated interleave and the epilogue
+    shuffle (tile 128)."""
     p = projections(is_act_and_mul)
     min_alignment = default_alignments("fp8", "trtllm" if trtllm else "cutlass", is_act_and_mul, is_gated)[0]
     pad = plan_align(intermediate, hidden, 1, is_act_and_mul, min_alignment)
     ip = pad.padded_intermediate
     rotate = plan_rotate_fp8_per_tensor(p * ip, hidden, ip, is_gated) if trtllm else None
     return LayerPlan(
-        chain(pad.w13, _swap(p * ip, hidden, is_act_and_mul), rotate.w13 if rotate else None),
+        chain(pad.w13, _swap(p * ip, hidden, is_act_and_mul and swap), rotate.w13 if rotate else None),
         chain(pad.w2, rotate.w2 if rotate else None),
         None,
         None,
@@ -588,27 +536,21 @@ def plan_mxfp8(
     intermediate_alignment: Optional[int] = None,
     hidden_alignment: Optional[int] = None,
     scale_fill: Optional[int] = None,
+    swap: bool = True,
+    cutlass_swizzled: bool = False,
 ) -> LayerPlan:
     """MXFP8 (UE8M0 scale per 32 values, scales follow their rows).
 
     TRT-LLM: pad (I 128, H 256; padded scales ``scale_fill``, default 127 = UE8M0 1.0;
-    SGLang 0.5.23 writes 0), swap, gated interleave, shuffle (tile 128); scales also
-    128x4-swizzled. CUTLASS: swap weights and scales.
+    SGLang 0.5.23 writes 0), swap (``swap``; SGLang 0.5.23 keeps ``[gate; up]``), gated
+    interleave, shuffle (tile 128); scales also 128x4-swizzled. CUTLASS: pad (only to the
+    alignments given: ``plan_layer`` passes the profile's, 128 and 128 for FlashInfer 0.7.x,
+    whose CUTLASS MXFP8 binding needs them; vLLM's ``prepare_fp8_moe_layer_for_fi`` pads
+    nothing), swap weights and scales; with ``cutlass_swizzled`` the scales ``[R, C]`` then
+    go through the 128x4 swizzle to ``[ceil128(R), ceil4(C)]`` (FlashInfer 0.7.x).
     """
     p = projections(is_act_and_mul)
-    if not trtllm:
-        return LayerPlan(
-            _swap(p * intermediate, hidden, is_act_and_mul),
-            None,
-            _swap(p * intermediate, w13_scale_cols, is_act_and_mul),
-            None,
-            intermediate,
-            hidden,
-            intermediate,
-            hidden,
-            "MXFP8 CUTLASS",
-        )
-    da, dh = default_alignments("mxfp8", "trtllm", is_act_and_mul, is_gated)
+    da, dh = default_alignments("mxfp8", "trtllm", is_act_and_mul, is_gated) if trtllm else (1, 1)
     pad = plan_align_mxfp8(
         intermediate,
         hidden,
@@ -621,11 +563,28 @@ def plan_mxfp8(
     )
     ip, hp = pad.padded_intermediate, pad.padded_hidden
     block = hidden // w13_scale_cols  # checked to divide by plan_align_mxfp8
+    if not trtllm:
+        c13, c2 = hp // block, ip // block
+        return LayerPlan(
+            chain(pad.w13, _swap(p * ip, hp, is_act_and_mul)),
+            pad.w2,
+            chain(
+                pad.w13_scale,
+                _swap(p * ip, c13, is_act_and_mul),
+                steps.swizzle_scales_128x4(p * ip, c13) if cutlass_swizzled else None,
+            ),
+            chain(pad.w2_scale, steps.swizzle_scales_128x4(hp, c2) if cutlass_swizzled else None),
+            intermediate,
+            hidden,
+            ip,
+            hp,
+            "MXFP8 CUTLASS",
+        )
     shuffle = plan_shuffle_mxfp8(p * ip, hp, ip, is_gated, hp // block, ip // block)
     return LayerPlan(
-        chain(pad.w13, _swap(p * ip, hp, is_act_and_mul), shuffle.w13),
+        chain(pad.w13, _swap(p * ip, hp, is_act_and_mul and swap), shuffle.w13),
         chain(pad.w2, shuffle.w2),
-        chain(pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul), shuffle.w13_scale),
+        chain(pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul and swap), shuffle.w13_scale),
         chain(pad.w2_scale, shuffle.w2_scale),
         intermediate,
         hidden,
@@ -663,26 +622,13 @@ RECIPES: dict[str, Recipe] = {
         Recipe("fp8-block", "trtllm", "W31 swap (weights and block scales), epilogue shuffle 64, BlockMajorK 128 B"),
         Recipe("fp8-block", "cutlass", "W31 swap (weights and block scales)"),
         Recipe("mxfp8", "trtllm", "pad I/H (scales 127), W31 swap, gated interleave, shuffle 128, scales 128x4"),
-        Recipe("mxfp8", "cutlass", "W31 swap (weights and scales)"),
+        Recipe("mxfp8", "cutlass", "W31 swap (weights and scales), scales 128x4 (0.7.x profiles)"),
         Recipe("nvfp4", "trtllm", "pad, W31 swap, gated interleave, shuffle 128, scales 128x4"),
         Recipe("nvfp4", "cutlass", "pad, W31 swap (weights and scales)"),
         Recipe("mxfp4", "trtllm", "pad, W31 swap, gated interleave, shuffle 128, scales 128x4"),
         Recipe("mxfp4", "cutlass", "pad, W31 swap (weights and scales)"),
     )
 }
-
-
-def _check_whole_blocks(fmt: str, intermediate: int, hidden: int) -> None:
-    spec = FORMATS[fmt]
-    if not spec.vector_scaled:
-        return
-    for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):
-        if size % spec.scale_block:
-            raise LayoutError(
-                f"{fmt}: {what} {size} is not a multiple of {spec.scale_block} (one block scale per "
-                f"{spec.scale_block} values), so no {fmt} checkpoint holds it",
-                fix="a tensor-parallel shard must keep whole scale blocks; choose another TP size",
-            )
 
 
 @cached
@@ -696,6 +642,7 @@ def plan_layer(
     intermediate_alignment: Optional[int] = None,
     hidden_alignment: Optional[int] = None,
     engine: Optional[str] = None,
+    per_token_activation: bool = False,
 ) -> LayerPlan:
     """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
 
@@ -703,14 +650,56 @@ def plan_layer(
     default to :func:`default_alignments` of ``engine`` (a profile in
     :mod:`fimoe_lab.engines`; None: the default engine), as do the padded scale bytes and
     the CUTLASS FP4 scale layout; pass other alignments to try what the tuner recommends.
+    ``per_token_activation``: NVFP4 activations quantised per token (the profile's
+    per-token hidden alignment applies, e.g. vLLM's 512 for a non-gated layer on TRT-LLM).
     """
-    if fmt not in weight_formats():
-        raise LayoutError(f"unknown format {fmt!r}", fix=f"choose one of {', '.join(weight_formats())}")
-    if backend not in BACKENDS:
-        raise LayoutError(f"unknown backend {backend!r}", fix=f"choose one of {', '.join(BACKENDS)}")
+    args = (intermediate_alignment, hidden_alignment, engine, per_token_activation)
+    # the sizes (and the refusals) are shapes.padded_shape's, the one rule the tuner also reads
+    want = padded_shape(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args)
+    plan = _build_layer_plan(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args)
+    if (plan.padded_intermediate, plan.padded_hidden) != want:
+        raise LayoutError(
+            f"internal: the {fmt}/{backend} plan pads ({intermediate}, {hidden}) to "
+            f"({plan.padded_intermediate}, {plan.padded_hidden}), shapes.padded_shape says {want}"
+        )
+    return plan
+
+
+def _build_layer_plan(
+    fmt: str,
+    backend: str,
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    intermediate_alignment: Optional[int],
+    hidden_alignment: Optional[int],
+    engine: Optional[str],
+    per_token_activation: bool,
+) -> LayerPlan:
     profile = get_engine(engine)
-    _check_whole_blocks(fmt, intermediate, hidden)
     trt = backend == "trtllm"
+    swap = recipe_id(fmt, backend) not in profile.gate_up_kept
+    if trt and recipe_id(fmt, backend) in profile.trtllm_plain:  # the engine hands TRT-LLM the checkpoint layout
+        desc = f"{fmt} TRT-LLM in the checkpoint layout (use_shuffled_weight=False)"
+        return LayerPlan(None, None, None, None, intermediate, hidden, intermediate, hidden, desc)
+    if fmt == "mxfp8" and (trt or not (intermediate_alignment or hidden_alignment)):
+        da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name)
+        block = FORMATS["mxfp8"].scale_block
+        return plan_mxfp8(
+            intermediate,
+            hidden,
+            is_act_and_mul,
+            is_gated,
+            trt,
+            hidden // block,
+            intermediate // block,
+            intermediate_alignment or da,
+            hidden_alignment or dh,
+            scale_fill(fmt, backend, profile.name),
+            swap,
+            profile.cutlass_mxfp8_scales == "128x4",
+        )
     if fmt in ("fp8", "fp8-block", "mxfp8"):
         rule = profile.alignment(fmt, backend)
         if not (intermediate_alignment or hidden_alignment) and (rule.intermediate or rule.hidden):
@@ -725,23 +714,24 @@ def plan_layer(
             intermediate_alignment,
             hidden_alignment,
             scale_fill(fmt, backend, profile.name),
+            swap,
         )
-    da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name)
+    da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name, per_token_activation)
     ia, ha = intermediate_alignment or da, hidden_alignment or dh
     if fmt == "bf16":
-        return _plan_bf16(trt, intermediate, hidden, is_act_and_mul, is_gated, ia, ha)
+        return _plan_bf16(trt, intermediate, hidden, is_act_and_mul, is_gated, ia, ha, swap)
     return _plan_fp4(fmt, backend, profile.name, intermediate, hidden, is_act_and_mul, is_gated, ia, ha)
 
 
 def _plan_bf16(
-    trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, ia: int, ha: int
+    trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, ia: int, ha: int, swap: bool
 ) -> LayerPlan:
     """BF16: pad (each projection on its own), then TRT-LLM's block layout or CUTLASS's W31 swap."""
     p = projections(is_act_and_mul)
     pad = plan_align(intermediate, hidden, 2, is_act_and_mul, ia, ha)
     ip, hp = pad.padded_intermediate, pad.padded_hidden
     if trt:
-        inner = plan_trtllm_bf16_block_layout(p * ip, hp, ip, is_gated)
+        inner = plan_trtllm_bf16_block_layout(p * ip, hp, ip, is_gated, swap=swap)
         w13, w2 = inner.w13, inner.w2
     else:
         w13, w2 = _swap(p * ip, 2 * hp, is_act_and_mul), None
@@ -817,11 +807,11 @@ def _cutlass_fp4_scales(
 
 
 def _fp8_inner(
-    fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, fill: int
+    fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, fill: int, swap: bool
 ) -> LayerPlan:
     p = projections(is_act_and_mul)
     if fmt == "fp8":
-        return plan_fp8_per_tensor(intermediate, hidden, is_act_and_mul, is_gated, trt)
+        return plan_fp8_per_tensor(intermediate, hidden, is_act_and_mul, is_gated, trt, swap)
     if fmt == "mxfp8":
         block = FORMATS["mxfp8"].scale_block
         return plan_mxfp8(
@@ -845,15 +835,16 @@ def _plan_fp8_family(
     intermediate_alignment: Optional[int],
     hidden_alignment: Optional[int],
     fill: int,
+    swap: bool = True,
 ) -> LayerPlan:
     """FP8 per-tensor, DeepSeek FP8 block and MXFP8, with optional extra padding of the weights
-    first; ``fill``: the byte of padded MXFP8 scales."""
+    first; ``fill``: the byte of padded MXFP8 scales; ``swap``: FP8 per-tensor's W31 swap."""
     if not (intermediate_alignment or hidden_alignment):
-        return _fp8_inner(fmt, trt, intermediate, hidden, is_act_and_mul, is_gated, fill)
+        return _fp8_inner(fmt, trt, intermediate, hidden, is_act_and_mul, is_gated, fill, swap)
     padded = plan_align(intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or 1, hidden_alignment or 1)
     if padded.w13 is not None and fmt != "fp8":
         raise LayoutError(f"custom alignments for {fmt} scales are not supported yet", fix="use the default rules")
-    inner = _fp8_inner(fmt, trt, padded.padded_intermediate, padded.padded_hidden, is_act_and_mul, is_gated, fill)
+    inner = _fp8_inner(fmt, trt, padded.padded_intermediate, padded.padded_hidden, is_act_and_mul, is_gated, fill, swap)
     return LayerPlan(
         chain(padded.w13, inner.w13),
         chain(padded.w2, inner.w2),

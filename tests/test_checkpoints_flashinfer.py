@@ -16,11 +16,12 @@ if HAS_FLASHINFER:
     from flashinfer.fused_moe.core import get_w2_permute_indices_with_cache
 
 
-def vllm_trtllm_mxfp4(path, tp: int, rank: int, pad_i: int = 256, pad_h: int = 256) -> dict[str, torch.Tensor]:
+def vllm_trtllm_mxfp4(path, tp: int, rank: int, pad_i: int = 128, pad_h: int = 256) -> dict[str, torch.Tensor]:
     """vLLM's SM100 FlashInfer TRT-LLM MXFP4 preparation of gpt-oss layer 0, from the raw checkpoint tensors.
 
     Load: whole-block shards (ceil), rows kept interleaved, copied into zero buffers padded to
-    I, H multiples of 256. Prepare: swap every two rows of w13, its scales and its bias, then per
+    I a multiple of 128 and H of 256 (vLLM 0.34; gpt-oss 2880 x 2880 -> 2944 x 3072, as vLLM's own
+    code gives in tests/test_engine_parity_vllm.py). Prepare: swap every two rows of w13, its scales and its bias, then per
     expert FlashInfer's row permutation (epilogue tile 128; the biases take their weight's) and
     the 128x4 scale interleave. (vLLM also casts the biases to fp32; that is a dtype, not a layout.)
     """

@@ -15,7 +15,7 @@ from helpers import random_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fimoe_lab import engines, recipes
+from fimoe_lab import engine_check, engines, recipes
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.specs import FORMATS
 
@@ -169,7 +169,11 @@ def test_profiles_table():
         ("sglang-0.5.23", "nvfp4", "trtllm", False, True, (128, 512)),
         ("sglang-0.5.23", "nvfp4", "trtllm", True, True, (64, 1)),
         ("sglang-0.5.23", "fp8", "cutlass", True, False, (128, 1)),
-        ("vllm-0.34", "mxfp4", "trtllm", True, False, (256, 256)),
+        ("vllm-0.34", "mxfp4", "trtllm", True, False, (128, 256)),
+        ("sglang-0.5.23", "mxfp4", "trtllm", True, False, (128, 256)),
+        ("vllm-0.34", "mxfp4", "cutlass", True, False, (128, 128)),
+        ("vllm-0.34", "nvfp4", "cutlass", False, False, (128, 1)),
+        ("vllm-0.34", "nvfp4", "cutlass", True, False, (16, 1)),
         ("flashinfer-0.7.4", "mxfp8", "trtllm", True, False, (128, 256)),
     ],
 )
@@ -177,8 +181,16 @@ def test_default_alignments_per_engine(engine, fmt, backend, gated, per_token, w
     assert recipes.default_alignments(fmt, backend, gated, gated, engine, per_token) == want
 
 
-def test_vllm_pads_gpt_oss_intermediate_to_3072():
-    assert recipes.plan_layer("mxfp4", "trtllm", 2880, 2880, engine="vllm-0.34").padded_intermediate == 3072
+def test_vllm_pads_gpt_oss_to_2944_by_3072():
+    """vLLM 0.34's ``mxfp4_round_up_hidden_size_and_intermediate_size`` for TRT-LLM: I to 128, H to 256."""
+    plan = recipes.plan_layer("mxfp4", "trtllm", 2880, 2880, engine="vllm-0.34")
+    assert (plan.padded_intermediate, plan.padded_hidden) == (2944, 3072)
+    assert (
+        recipes.plan_layer(
+            "nvfp4", "trtllm", 640, 2688, False, False, engine="vllm-0.34", per_token_activation=True
+        ).padded_hidden
+        == 3072
+    )
     assert recipes.plan_layer("bf16", "trtllm", 1856 // 2, 2688, engine="vllm-0.34").padded_intermediate == 1024
 
 
@@ -417,3 +429,80 @@ def test_sm90_mixed_scale_folding_against_a_loop(rows, cols, dtype, group):
     assert torch.equal(m.inverse().apply(m.apply(x.view(torch.uint8))), x.view(torch.uint8))
     with pytest.raises(FimoeError, match="rows % 64 == 0"):
         interleave_moe_scales_for_sm90_mixed_gemm(x[:, :32], group)
+
+
+# ----------------------------------------------------------------------------- the engine-layout check
+@settings(max_examples=25, deadline=None)
+@given(
+    engine=st.sampled_from(sorted(engines.ENGINES)),
+    fmt=st.sampled_from(["nvfp4", "mxfp4", "mxfp8"]),
+    inter_blocks=st.integers(1, 10),
+    hidden_blocks=st.integers(1, 10),
+    gated=st.booleans(),
+)
+def test_engine_check_accepts_every_profiles_cutlass_scales(engine, fmt, inter_blocks, hidden_blocks, gated):
+    block = FORMATS[fmt].scale_block
+    plan = recipes.plan_layer(fmt, "cutlass", inter_blocks * block, hidden_blocks * block, gated, gated, engine=engine)
+    assert engine_check.check_plan_scales(fmt, plan, gated, 2, engine)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "written_with"), [("nvfp4", "fimoe-legacy"), ("mxfp4", "fimoe-legacy"), ("mxfp8", "flashinfer-0.6.13")]
+)
+def test_engine_check_catches_linear_scales(fmt, written_with):
+    """The check sees what the round trip cannot: scales left linear are not the 0.7.x engines' layout."""
+    plan = recipes.plan_layer(fmt, "cutlass", 128, 256, engine=written_with)
+    assert engine_check.check_plan_scales(fmt, plan, True, 2, written_with)
+    assert not engine_check.check_plan_scales(fmt, plan, True, 2, "vllm-0.34")
+
+
+def test_engine_layout_formula_places_each_scale_by_the_documented_offset():
+    """(r, c) -> (r//128)*(K/4)*512 + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4, checked element by element."""
+    rows, cols = 200, 6
+    codes = torch.arange(rows * cols, dtype=torch.int64).reshape(1, rows, cols)
+    lo = (codes % 251 + 1).to(torch.uint8)  # bytes that name (r, c) together with hi
+    hi = (codes // 251 + 1).to(torch.uint8)
+    m, k = 256, 8
+    for plane, ref in ((lo, codes % 251 + 1), (hi, codes // 251 + 1)):
+        out = engine_check.cutlass_scale_layout(plane, 1, rows, cols, 0, True).reshape(-1)
+        for r in range(rows):
+            for c in range(cols):
+                at = (r // 128) * (k // 4) * 512 + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+                assert out[at] == ref[0, r, c]
+        assert out.numel() == m * k
+
+
+@pytest.mark.parametrize(
+    ("engine", "swizzled", "padded"), [("vllm-0.34", True, (128, 256)), ("flashinfer-0.6.13", False, (96, 160))]
+)
+def test_mxfp8_cutlass_scales_per_profile(engine, swizzled, padded):
+    """FlashInfer 0.7.x's CUTLASS MXFP8 MoE reads 128x4-swizzled scales of H, I padded to 128."""
+    plan = recipes.plan_layer("mxfp8", "cutlass", 96, 160, engine=engine)
+    assert (plan.padded_intermediate, plan.padded_hidden) == padded
+    kinds = [s.kind for s in plan.w13_scale.steps]
+    assert ("swizzle_scales_128x4" in kinds) is swizzled
+    assert engine_check.check_plan_scales("mxfp8", plan, True, 2, engine)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp8"])
+def test_sglang_keeps_gate_and_up_in_checkpoint_order_on_trtllm(fmt):
+    """SGLang 0.5.23 interleaves [gate; up] as loaded (no W31 swap) for BF16, FP8 and MXFP8 on TRT-LLM."""
+    for engine, swapped in (("sglang-0.5.23", False), ("vllm-0.34", True)):
+        plan = recipes.plan_layer(fmt, "trtllm", 128, 256, engine=engine)
+        kinds = [s.kind for s in plan.w13.steps]
+        assert ("swap_w13_to_w31_rows" in kinds) is swapped, (engine, kinds)
+        assert "interleave_rows_for_gated_act" in kinds
+
+
+def test_vllm_mxfp8_cutlass_drop_in_pads_nothing_and_keeps_scales_linear():
+    """vLLM's ``prepare_fp8_moe_layer_for_fi`` (MXFP8, not TRT-LLM) only swaps; the 0.7.x recipe differs."""
+    plan = recipes.plan_mxfp8(96, 160, True, True, False, 5, 3)
+    assert (plan.padded_intermediate, plan.padded_hidden) == (96, 160)
+    assert [s.kind for s in plan.w13_scale.steps] == ["swap_w13_to_w31_rows"] and plan.w2_scale is None
+
+
+def test_sglang_hands_deepseek_fp8_to_trtllm_unshuffled():
+    """SGLang 0.5.23's runner calls trtllm_fp8_block_scale_moe with use_shuffled_weight=False for DeepSeek FP8."""
+    plan = recipes.plan_layer("fp8-block", "trtllm", 256, 512, engine="sglang-0.5.23")
+    assert plan.maps() == {} and (plan.padded_intermediate, plan.padded_hidden) == (256, 512)
+    assert "block_major_k" in [s.kind for s in recipes.plan_layer("fp8-block", "trtllm", 256, 512).w13.steps]

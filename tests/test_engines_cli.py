@@ -83,3 +83,25 @@ def test_tune_reference_row_is_the_engines_convert_default():
         refs[engine] = (int(row.inter_align), int(row.intermediate))
         assert df.attrs["engine"] == engine
     assert refs == {"vllm-0.34": (128, 128), "flashinfer-0.6.13": (64, 128)}
+
+
+def test_plan_per_token_pads_a_non_gated_nvfp4_hidden_to_512(capsys):
+    args = ["plan", "--format", "nvfp4", "--backend", "trtllm", "--intermediate", "640", "--hidden", "2688"]
+    assert main([*args, "--non-gated", "--per-token", "--experts", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "per-token NVFP4 activations" in out and "(3072, 320)" in out  # vLLM: 2688 -> 3072
+    assert main([*args, "--non-gated", "--experts", "1"]) == 0
+    assert "(2816, 320)" in capsys.readouterr().out  # 256 without per-token
+
+
+@pytest.mark.parametrize("engine", ["vllm-0.34", "flashinfer-0.6.13"])
+def test_plan_checks_cutlass_scales_against_the_engine_layout(engine, capsys):
+    args = ["plan", "--backend", "cutlass", "--intermediate", "96", "--hidden", "160", "--experts", "2"]
+    assert main([*args, "--format", "mxfp8", "--engine", engine]) == 0
+    assert f"vs the engine layout ({engine}, independent formula): exact" in capsys.readouterr().out
+
+
+def test_demo_checks_written_cutlass_scales_against_the_engine_layout(tmp_path, capsys):
+    assert main(["demo", "deepseek-r1-nvfp4", "--out", str(tmp_path)]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if " cutlass " in r]
+    assert rows and all("scales = engine layout" in r for r in rows)

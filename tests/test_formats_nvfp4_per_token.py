@@ -43,9 +43,9 @@ SMALL_BLOCK = pad16([1, -1, 0.5, 0.25, 0.125])  # scale e4m3(1/6) = 0.171875 (0x
 SMALL_CODES = pad16([7, 15, 5, 3, 1])
 
 
-def quantize_row(values: list[float], dtype=torch.bfloat16):
+def quantize_row(values: list[float], dtype=torch.bfloat16, engine=None):
     x = torch.tensor([values], dtype=torch.float32).to(dtype)
-    packed, sf, scale = quantize_nvfp4_per_token_input(x)
+    packed, sf, scale = quantize_nvfp4_per_token_input(x, engine=engine)
     return codes.unpack_nibbles(packed)[0].tolist(), sf[0].tolist(), scale[0].item()
 
 
@@ -79,27 +79,51 @@ def test_every_e2m1_value_comes_back_in_order_with_row_amax_6():
     assert packed[0].tolist() == [0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]
 
 
-def test_an_all_zero_row_gets_nan_scale_bytes_like_the_cuda_kernel():
-    got_codes, got_sf, got_scale = quantize_row([0.0] * 16 + [-0.0] * 16)
+def test_an_all_zero_row_gets_nan_scale_bytes_in_flashinfer_0_6_13():
+    got_codes, got_sf, got_scale = quantize_row([0.0] * 16 + [-0.0] * 16, engine="flashinfer-0.6.13")
     assert got_scale == 0.0
     assert got_sf == [0x7F, 0x7F]  # rcp(0) = inf; inf * 0 = NaN; e4m3(NaN) = 0x7F
     assert got_codes == [0] * 16 + [8] * 16
 
 
-def test_a_block_whose_scale_underflows_saturates_its_codes():
+@pytest.mark.parametrize("engine", [None, "vllm-0.34", "sglang-0.5.23", "flashinfer-0.7.4"])
+def test_an_all_zero_row_gets_zero_scale_bytes_in_flashinfer_0_7(engine):
+    """FlashInfer >= 0.7.2: ``globalEncodeScale = perTokenScale != 0 ? rcp(perTokenScale) : 0``."""
+    got_codes, got_sf, got_scale = quantize_row([0.0] * 16 + [-0.0] * 16, engine=engine)
+    assert (got_scale, got_sf) == (0.0, [0x00, 0x00])  # 0 * (0 * rcp(6)) = 0; e4m3(0) = 0x00
+    assert got_codes == [0] * 16 + [8] * 16  # block amax 0: output scale 0, -0.0 keeps its sign bit
+
+
+@pytest.mark.parametrize("engine", ["flashinfer-0.6.13", None])
+def test_a_block_whose_scale_underflows_saturates_its_codes(engine):
     row = pad16([2.0**100]) + pad16([1.0, -1.0])  # block 2 scale ~ 448 * 2**-100 -> e4m3 0 -> out = inf
-    got_codes, got_sf, got_scale = quantize_row(row)
+    got_codes, got_sf, got_scale = quantize_row(row, engine=engine)
     assert got_scale == expected_per_token_scale(2.0**100)
     assert got_sf == [0x7E, 0x00]
     assert got_codes == pad16([7]) + [7, 15] + [7] * 14  # x * inf = +-inf -> +-6; 0 * inf = NaN -> +6
 
 
+def test_a_block_whose_scale_underflows_gets_zero_codes_in_flashinfer_0_7_4():
+    """0.7.4: ``outputScale = fp8SFVal != 0 ? rcp(..) : 0`` (a zero E4M3 scale zeroes the block)."""
+    row = pad16([2.0**100]) + pad16([1.0, -1.0])
+    got_codes, got_sf, _ = quantize_row(row, engine="flashinfer-0.7.4")
+    assert got_sf == [0x7E, 0x00]
+    assert got_codes == pad16([7]) + [0, 8] + [0] * 14
+
+
 def test_a_row_whose_per_token_scale_flushes_to_zero():
     row = pad16([2.0**-120, 0.0, -(2.0**-121)]) + [0.0] * 16  # 2**-120 / 2688 is subnormal: FTZ -> 0
-    got_codes, got_sf, got_scale = quantize_row(row)
+    got_codes, got_sf, got_scale = quantize_row(row, engine="flashinfer-0.6.13")
     assert got_scale == 0.0
     assert got_sf == [0x7E, 0x7F]  # inf * amax -> 448; inf * 0 -> NaN
     assert got_codes == [7, 7, 15] + [7] * 13 + [0] * 16  # zeros * inf = NaN -> +6 in the live block
+    # 0.7.2: encode 0 -> scale 0 for every block; the live block's output scale rcp(0 * rcp(0)) = NaN,
+    # and every value times NaN is NaN -> +6
+    got_codes, got_sf, _ = quantize_row(row, engine="sglang-0.5.23")
+    assert got_sf == [0x00, 0x00]
+    assert got_codes == [7] * 16 + [0] * 16
+    got_codes, got_sf, _ = quantize_row(row, engine="flashinfer-0.7.4")  # zero scale: codes 0
+    assert (got_sf, got_codes) == ([0x00, 0x00], [0, 0, 8] + [0] * 29)
 
 
 def test_per_token_scale_is_row_amax_times_float32_base_bit_for_bit():
@@ -165,8 +189,9 @@ def test_matches_flashinfer_nvfp4_quantize_per_token_on_blackwell():
     flashinfer = pytest.importorskip("flashinfer")
     g = torch.Generator().manual_seed(14)
     x = (torch.randn(300, 2048, generator=g) * torch.logspace(-3, 3, 300)[:, None]).bfloat16().cuda()
-    x[7] = 0  # all-zero row: 0x7F scale bytes
-    ours = quantize_nvfp4_per_token_input(x)
+    x[7] = 0  # all-zero row: 0x7F scale bytes in 0.6.13, 0x00 from 0.7.2
+    version = tuple(int(v) for v in flashinfer.__version__.split(".")[:2])
+    ours = quantize_nvfp4_per_token_input(x, engine="flashinfer-0.6.13" if version < (0, 7) else "sglang-0.5.23")
     theirs = flashinfer.nvfp4_quantize(
         x,
         nvfp4_per_token.NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE,

@@ -75,6 +75,12 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", type=int, default=4, help="experts to run on (default 4)")
     p.add_argument("--non-gated", action="store_true", help="non-gated activation (ReLU^2): W1 has I rows, no gate/up")
     p.add_argument(
+        "--per-token",
+        action="store_true",
+        help="NVFP4 activations quantised per token (the profile's hidden alignment for it, e.g. vLLM's 512 "
+        "for a non-gated layer on TRT-LLM)",
+    )
+    p.add_argument(
         "--where",
         metavar="I,J[,K]",
         type=int_list("--where", "5,3", minimum=0),
@@ -116,6 +122,22 @@ def _plan_rows(fmt: str, backend: str, plan, experts: int) -> int:
     return failures
 
 
+def _plan_engine_scales(fmt: str, backend: str, plan, gated: bool, experts: int, engine) -> int:
+    """Compare the plan's CUTLASS block scales with the engines' layout written independently
+    (:mod:`fimoe_lab.engine_check`); print one row, return 1 when they differ."""
+    from fimoe_lab.engine_check import CUTLASS_CHECKED, check_plan_scales
+    from fimoe_lab.engines import get_engine
+
+    if backend != "cutlass" or fmt not in CUTLASS_CHECKED:
+        return 0
+    ok = check_plan_scales(fmt, plan, gated, experts, engine)
+    print(
+        f"{fmt:<10} {backend:<8} {'scales':<10} vs the engine layout ({get_engine(engine).name}, independent "
+        f"formula): {'exact' if ok else 'MISMATCH'}"
+    )
+    return int(not ok)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from fimoe_lab.recipes import plan_layer
 
@@ -124,7 +146,7 @@ def run_plan(args: argparse.Namespace) -> int:
     gated = not args.non_gated
     print(
         f"layer: intermediate {args.intermediate}, hidden {args.hidden}, {args.experts} experts, "
-        f"{'gated' if gated else 'non-gated'}\n"
+        f"{'gated' if gated else 'non-gated'}{', per-token NVFP4 activations' if args.per_token else ''}\n"
     )
     print(_PLAN_HEADER)
     print("-" * len(_PLAN_HEADER))
@@ -132,12 +154,22 @@ def run_plan(args: argparse.Namespace) -> int:
     pairs = [(fmt, backend) for fmt in formats for backend in backends]
     for fmt, backend in pairs:
         try:
-            plan = plan_layer(fmt, backend, args.intermediate, args.hidden, gated, gated, engine=args.engine)
+            plan = plan_layer(
+                fmt,
+                backend,
+                args.intermediate,
+                args.hidden,
+                gated,
+                gated,
+                engine=args.engine,
+                per_token_activation=args.per_token,
+            )
         except FimoeError as exc:
             print(f"{fmt:<10} {backend:<8} cannot run: {exc}")
             cannot.append(f"{fmt} {backend}")
             continue
         failures += _plan_rows(fmt, backend, plan, args.experts)
+        failures += _plan_engine_scales(fmt, backend, plan, gated, args.experts, args.engine)
         if args.where and plan.w13 is not None:
             try:
                 trace = plan.w13.provenance(args.where)
@@ -221,13 +253,46 @@ def _demo_layer(ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir) -
             for a, b in zip(layer.tensors().values(), restored.tensors().values(), strict=True)
         )
         ok = same and torch.equal(ck.layer_forward(restored, x, ids, weights), reference)
-        failures += not ok
+        engine_ok = _demo_engine_scales(target, meta, layer_idx, layer) if backend == "cutlass" else None
+        failures += not ok or engine_ok is False
         padded = meta["layers"][str(layer_idx)]["padded_intermediate"]
+        check = "bytes + forward exact" if ok else "MISMATCH"
+        if engine_ok is not None:
+            check += ", scales = engine layout" if engine_ok else ", scales differ from the engine layout"
         print(
             f"{path.name:<20} {layer_idx:>5} {layer.fmt:<10} {backend:<8} {layer.intermediate:>5} "
-            f"{padded:>8} {target.stat().st_size:>8} {ms:7.1f}  {'bytes + forward exact' if ok else 'MISMATCH'}"
+            f"{padded:>8} {target.stat().st_size:>8} {ms:7.1f}  {check}"
         )
     return failures, cannot
+
+
+def _demo_engine_scales(target, meta: dict, layer_idx: int, layer):
+    """The written CUTLASS block scales against the engines' layout computed independently from the
+    checkpoint's scales (:func:`fimoe_lab.engine_check.engine_scales`); None where there are none."""
+    import torch
+
+    from fimoe_lab.checkpoints.writer import KernelFiles, _out_name
+    from fimoe_lab.engine_check import CUTLASS_CHECKED, engine_scales
+
+    rec = meta["layers"][str(layer_idx)]
+    if layer.fmt not in CUTLASS_CHECKED or layer.w13_scale is None or layer.w2_scale is None:
+        return None
+    want = engine_scales(
+        layer.fmt,
+        layer.w13_scale,
+        layer.w2_scale,
+        layer.is_act_and_mul,
+        rec["padded_intermediate"],
+        rec["padded_hidden"],
+        rec["plan"]["args"].get("engine"),
+    )
+    with KernelFiles(target) as kf:
+        for name, expected in zip(("w13_scale", "w2_scale"), want):
+            key = _out_name(meta["prefix"], meta["block"], layer_idx, rec["tensors"][name]["name"])
+            got = kf.get_slice(key)[:].contiguous()
+            if not torch.equal(got.view(torch.uint8).reshape(-1), expected.reshape(-1)):
+                return False
+    return True
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.specs import FORMATS
 
@@ -37,7 +38,9 @@ FMT = "nvfp4"
 BLOCK = FORMATS[FMT].scale_block
 
 
-def encode_blocks(blocks: torch.Tensor, encode_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_blocks(
+    blocks: torch.Tensor, encode_scale: torch.Tensor, zero_scale_zero_codes: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """E2M1 codes and E4M3 scale bits of blocks of 16, exactly as FlashInfer's CUDA kernel.
 
     ``blocks``: float32 ``(..., n, 16)``, already flushed to zero (:func:`~.codes.ftz`);
@@ -53,18 +56,27 @@ def encode_blocks(blocks: torch.Tensor, encode_scale: torch.Tensor) -> tuple[tor
     Consequences kept on purpose: a block whose scale underflows to 0 while vecMax != 0
     gets ``out = inf`` and codes +-6 (0 * inf = NaN -> +6); a row of zeros under
     ``encode_scale = inf`` gets scale byte 0x7F (inf * 0 = NaN) and codes 0.
+    ``zero_scale_zero_codes`` (FlashInfer 0.7.4's kernel): ``out = sf != 0 ? ... : 0``
+    instead, so such a block gets codes 0.
     """
     vec_max = blocks.abs().amax(dim=-1)
     rcp6 = rcp_approx_ftz(torch.tensor(E2M1_MAX, device=blocks.device))
     sf_bits = e4m3_encode(ftz(encode_scale * ftz(vec_max * rcp6)))
     sf_back = ftz(e4m3_decode(sf_bits) * rcp_approx_ftz(encode_scale))
-    out_scale = torch.where(vec_max != 0, rcp_approx_ftz(sf_back), torch.zeros_like(sf_back))
+    live = (sf_bits != 0) if zero_scale_zero_codes else (vec_max != 0)
+    out_scale = torch.where(live, rcp_approx_ftz(sf_back), torch.zeros_like(sf_back))
     codes = e2m1_encode(ftz(blocks * out_scale[..., None]))
     return codes, sf_bits
 
 
-def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) -> QuantizedTensor:
+def quantize(
+    x: torch.Tensor, global_scale: torch.Tensor | float | None = None, engine: str | None = None
+) -> QuantizedTensor:
     """Quantize ``(..., rows, cols)`` float (cols % 16 == 0) to NVFP4, weights convention.
+
+    ``engine``: the profile (:mod:`fimoe_lab.engines`; None: the default) whose FlashInfer
+    kernel the arithmetic follows (``nvfp4_quantizer``: 0.7.4 zeroes the codes of a block
+    whose scale underflows).
 
     ``global_scale``: fp32 encode scale broadcastable to ``x.shape[:-2]`` (one per matrix,
     e.g. per expert); default ``448*6 / amax`` of each matrix (1.0 for an all-zero one).
@@ -91,7 +103,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) 
             fix=f"pass a scalar or a tensor of shape {tuple(x.shape[:-2])}",
         ) from None
     blocks = xf.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    codes, sf_bits = encode_blocks(blocks, gs[..., None, None])
+    codes, sf_bits = encode_blocks(blocks, gs[..., None, None], get_engine(engine).nvfp4_quantizer == "0.7.4")
     return QuantizedTensor(pack_nibbles(codes.reshape(x.shape)), sf_bits.view(torch.float8_e4m3fn), gs, FMT, BLOCK)
 
 
