@@ -16,6 +16,7 @@ import torch
 from fimoe_lab.caches import cached
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap
+from fimoe_lab.shapes import round_up
 
 __all__ = [
     "round_up",
@@ -33,13 +34,6 @@ __all__ = [
     "STEPS",
     "build",
 ]
-
-
-def round_up(value: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``value``."""
-    if multiple < 1:
-        raise LayoutError(f"alignment must be a positive integer, got {multiple}")
-    return -(-value // multiple) * multiple
 
 
 @cached
