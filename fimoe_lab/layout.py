@@ -199,7 +199,7 @@ class IndexMap:
             self._cache["is_permutation"] = (
                 self.in_bytes == self.out_bytes
                 and not bool((self.src < 0).any())
-                and bool(torch.equal(torch.sort(self.src).values, torch.arange(self.n_out_cells)))
+                and bool(torch.bincount(self.src, minlength=self.n_out_cells).eq(1).all())
             )
         return cast(bool, self._cache["is_permutation"])
 

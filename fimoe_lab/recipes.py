@@ -42,6 +42,7 @@ __all__ = [
     "Recipe",
     "recipe_id",
     "default_alignments",
+    "projections",
     "scale_fill",
     "trtllm_nvfp4_hidden_alignment",
     "plan_layer",

@@ -20,7 +20,7 @@ from fimoe_lab.resources import notebooks_dir
 from fimoe_lab.tune.validity import find_table
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("demo", "plan", "goldens", "inspect", "convert", "restore", "tune", "tactics", "lab")
+COMMANDS = ("demo", "plan", "goldens", "inspect", "convert", "restore", "tune", "tactics", "lab", "warmup", "diagnose")
 HEAVY = ("torch", "numpy", "pandas", "matplotlib", "safetensors")
 
 

@@ -351,3 +351,25 @@ def test_fast_forms_are_recognised():
     s = plan_layer("nvfp4", "trtllm", 256, 512).w13_scale.compiled()
     assert s.swizzle is not None and s.swizzle[1:] == (8, 512)
     assert plan_layer("fp8", "trtllm", 256, 512).w13.compiled().padrows is None
+
+
+STREAM_CASES = CASES + [("mxfp8", 256, 768, {})]  # 24-byte scale rows: 6 words, a 4-word vector part and a tail
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
+@pytest.mark.parametrize("offset", [0, 16])
+@pytest.mark.parametrize("fmt,inter,hidden,kw", STREAM_CASES)
+def test_numba_streaming_paths_bit_exact(monkeypatch, fmt, inter, hidden, kw, offset):
+    """The numba kernels' streaming-store paths (taken for outputs >= STREAM_MIN_BYTES, here
+    forced for every size) are bit-exact on every map, with an output 64-byte aligned
+    (streaming cells) or only 16-byte aligned (plain memcpy cells, vector swizzle)."""
+    from fimoe_lab.kernels import numba_gather
+
+    monkeypatch.setattr(numba_gather, "STREAM_MIN_BYTES", 0)
+    for m in plan_layer(fmt, "trtllm", inter, hidden, **kw).maps().values():
+        for x in (structured(m, 3), random_bytes((3, m.in_bytes), torch.uint8, seed=m.out_bytes % 997)):
+            raw = torch.full((3 * m.out_bytes + 64,), 0xAB, dtype=torch.uint8)
+            out = raw[offset : offset + 3 * m.out_bytes].view(3, m.out_bytes)
+            numba_gather.gather_numba(m.compiled(), x, out)
+            assert torch.equal(out, reference(m, x)), m.name
+            assert (raw[:offset] == 0xAB).all() and (raw[offset + 3 * m.out_bytes :] == 0xAB).all()

@@ -23,11 +23,13 @@ EXPERTS = 3
 
 
 def maps():
-    """Two real maps: a row/column gather (bf16 weights) and a row gather + 128x4 scale swizzle (nvfp4 scales)."""
+    """Three real maps: a row/column gather (bf16 weights), a row gather + 128x4 scale swizzle
+    (nvfp4 scales) and a row gather with right-padded rows (non-gated fp8 w2, 232 -> 256)."""
     bf16 = plan_layer("bf16", "trtllm", 256, 256).w13.compiled()
     nvfp4 = plan_layer("nvfp4", "trtllm", 256, 256).w13_scale.compiled()
-    assert nvfp4.swizzle is not None  # the swizzle loop is covered too
-    return {"gather": bf16, "swizzle": nvfp4}
+    padded = plan_layer("fp8", "trtllm", 232, 320, is_act_and_mul=False, is_gated=False).w2.compiled()
+    assert nvfp4.swizzle is not None and padded.padrows is not None  # the fast loops are covered too
+    return {"gather": bf16, "swizzle": nvfp4, "padrows": padded}
 
 
 def loop_oracle(em, x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +64,12 @@ def corrupt(em, how: str):
         rows = swizzle[0].copy()
         rows[0] = em.in_bytes  # a row far past the input
         swizzle = (rows, *swizzle[1:])
-    return dataclasses.replace(em, src=src, swizzle=swizzle, _dev={})
+    padrows = em.padrows
+    if padrows is not None and how.startswith("src"):
+        rows = padrows[0].copy()
+        rows[-1] = em.in_bytes  # a row far past the input
+        padrows = (rows, *padrows[1:])
+    return dataclasses.replace(em, src=src, swizzle=swizzle, padrows=padrows, _dev={})
 
 
 HOWS = [
@@ -76,7 +83,7 @@ HOWS = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["gather", "swizzle"])
+@pytest.mark.parametrize("kind", ["gather", "swizzle", "padrows"])
 @pytest.mark.parametrize("how", HOWS)
 def test_a_corrupted_map_is_refused_before_any_byte_moves(kind, how):
     em = corrupt(maps()[kind], how)
@@ -88,7 +95,7 @@ def test_a_corrupted_map_is_refused_before_any_byte_moves(kind, how):
     assert bool((out == 0xAB).all())
 
 
-@pytest.mark.parametrize("kind", ["gather", "swizzle"])
+@pytest.mark.parametrize("kind", ["gather", "swizzle", "padrows"])
 def test_buffers_that_do_not_fit_the_map_are_refused(kind):
     em = maps()[kind]
     x = random_bytes((EXPERTS, em.in_bytes - 4), torch.uint8, seed=4)
@@ -97,7 +104,7 @@ def test_buffers_that_do_not_fit_the_map_are_refused(kind):
         numba_gather.gather_numba(em, x, out)
 
 
-@pytest.mark.parametrize("kind", ["gather", "swizzle"])
+@pytest.mark.parametrize("kind", ["gather", "swizzle", "padrows"])
 def test_an_intact_map_still_runs_and_matches_the_loop(kind):
     em = maps()[kind]
     x = random_bytes((EXPERTS, em.in_bytes), torch.uint8, seed=5)
@@ -105,6 +112,26 @@ def test_an_intact_map_still_runs_and_matches_the_loop(kind):
     numba_gather.gather_numba(em, x, out)
     assert em._dev.get("bounds_ok") is True  # checked once, then cached on the map
     assert torch.equal(out, loop_oracle(em, x))  # src defines the map whatever fast loop runs it
+
+
+@pytest.mark.parametrize("field", ["row", "fill-code", "widths"])
+def test_corrupted_padded_rows_alone_are_refused(field):
+    """The padded-rows form is checked on its own (its loop does not read ``src``)."""
+    em = maps()["padrows"]
+    rows, c_in, c_out, code = em.padrows
+    rows = rows.copy()
+    if field == "row":
+        rows[len(rows) // 2] = em.in_bytes // c_in
+    elif field == "fill-code":
+        code = -2 - max(1, len(em.fills))
+    else:
+        c_in = c_out + 1
+    bad = dataclasses.replace(em, padrows=(rows, c_in, c_out, code), _dev={})
+    x = random_bytes((EXPERTS, em.in_bytes), torch.uint8, seed=7)
+    out = torch.full((EXPERTS, em.out_bytes), 0xAB, dtype=torch.uint8)
+    with pytest.raises(LayoutError, match="padded rows"):
+        numba_gather.gather_numba(bad, x, out)
+    assert bool((out == 0xAB).all())
 
 
 def test_in_place_run_refuses_a_corrupted_permutation():

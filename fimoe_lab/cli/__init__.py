@@ -2,7 +2,7 @@
 
 One module per group of commands (:mod:`.core`: demo, plan, goldens;
 :mod:`.checkpoints`: inspect, convert, restore; :mod:`.tune`: tune, tactics;
-:mod:`.lab`: lab), each with ``register(subparsers)``; what they share is in
+:mod:`.lab`: lab; :mod:`.warmup`: warmup; :mod:`.diagnose`: diagnose), each with ``register(subparsers)``; what they share is in
 :mod:`._common`. Parsers are built from torch-free tables only, so ``--help`` never
 imports torch, numpy or pandas; handlers import what they need when they run.
 
@@ -17,12 +17,12 @@ import argparse
 from collections.abc import Callable
 from typing import Optional
 
-from fimoe_lab.cli import checkpoints, core, lab, tune
+from fimoe_lab.cli import checkpoints, core, diagnose, lab, tune, warmup
 from fimoe_lab.cli._common import EXIT_BAD_INPUT, EXIT_STATUS_HELP, Parser, report_error
 
 __all__ = ["build_parser", "main"]
 
-COMMAND_GROUPS = (core, checkpoints, tune, lab)
+COMMAND_GROUPS = (core, checkpoints, tune, lab, warmup, diagnose)
 
 _DEBUG_HELP = "on an error, print the traceback too"
 

@@ -1,11 +1,15 @@
 """The CPU executor: parallel numba loops, no Python loop per expert or row.
 
-``prange`` runs over (expert, block of output cells) tasks of about 16 KB, visiting
-cells band by band of their sources; a cell of 16 bytes or more moves with one LLVM
-``memcpy`` (fill: ``memset``), a smaller one as a run of 8-, 4-, 2- or 1-byte words. A row gather followed by the 128x4
-scale swizzle has its own loop (one task per 128-row band: the band's source rows
-stay in cache while its output is written in order). Compiled on first use and
-cached on disk next to this module.
+``prange`` runs over (expert, block of about ``TASK_BYTES`` output cells) tasks, visiting
+cells in the order of their sources (:func:`visit_order`: every task reads its input
+front to back); a cell of 16 bytes or more moves with one ``memcpy`` (fill: ``memset``),
+a smaller one as a run of 8-, 4-, 2- or 1-byte words. A row gather followed by the 128x4
+scale swizzle has its own loop (:func:`_swizzle`: one task per 128-row band, 4x4 word
+transposes in vector registers, the source rows of a later band prefetched). Outputs of
+at least ``STREAM_MIN_BYTES`` are written with non-temporal (streaming) stores, which skip
+the read of each destination line that a plain store costs: 64-byte aligned cells of
+whole lines, and the swizzle's 16-byte stores. Compiled on first use and cached on disk
+next to this module (``NUMBA_CACHE_DIR`` elsewhere); :mod:`fimoe_lab.warmup` compiles ahead.
 """
 
 from __future__ import annotations
@@ -22,10 +26,8 @@ from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_d
 
 __all__ = ["check_map", "gather_numba", "inplace_cycles_numba", "parallel_copy", "TASK_BYTES"]
 
-TASK_BYTES = 16384
-"""Output bytes per parallel task (measured best on the 2-core CI machine)."""
-BAND_BYTES = 1 << 17
-"""Input bytes per source band of the visit order."""
+TASK_BYTES = 1 << 16
+"""Output bytes per parallel task of the cell gather (measured on the 2-core CI machine)."""
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -77,6 +79,107 @@ def _fill_bytes(typingctx, dst, value, n):
     return sig, codegen
 
 
+@intrinsic
+def _stream_bytes(typingctx, dst, src, n):
+    """Copy ``n`` bytes (``n % 64 == 0``, ``dst % 64 == 0``) with 64-byte non-temporal stores.
+
+    Streaming stores skip the read-for-ownership of the destination line, so a large output
+    costs one read and one write per byte (a plain store costs two reads and a write).
+    """
+    sig = types.void(types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        d, s, k = args
+        i8p = ir.IntType(8).as_pointer()
+        vp = ir.VectorType(ir.IntType(64), 8).as_pointer()
+        dp, sp = builder.inttoptr(d, i8p), builder.inttoptr(s, i8p)
+        nt = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        with cgutils.for_range(builder, builder.lshr(k, ir.Constant(k.type, 6))) as loop:
+            off = builder.shl(loop.index, ir.Constant(k.type, 6))
+            v = builder.load(builder.bitcast(builder.gep(sp, [off]), vp), align=1)
+            builder.store(v, builder.bitcast(builder.gep(dp, [off]), vp), align=64).set_metadata("nontemporal", nt)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """A full fence (x86: ``mfence``): this thread's streaming stores are visible before its
+    later stores, e.g. the end of its task (streaming stores are weakly ordered)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _prefetch(typingctx, addr):
+    """Software prefetch of the line at ``addr`` into L2 (``prefetcht1``; never faults)."""
+    sig = types.void(types.intp)
+
+    def codegen(context, builder, signature, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
+        )
+        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(2), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _transpose4_codegen(streaming: bool):
+    def codegen(context, builder, signature, args):
+        d, stride, a0, a1, a2, a3 = args
+        i8p = ir.IntType(8).as_pointer()
+        vt = ir.VectorType(ir.IntType(32), 4)
+        v = [builder.load(builder.inttoptr(a, vt.as_pointer()), align=4) for a in (a0, a1, a2, a3)]
+
+        def mix(p, q, lanes):
+            return builder.shuffle_vector(p, q, ir.Constant(ir.VectorType(ir.IntType(32), 4), lanes))
+
+        lo01, hi01 = mix(v[0], v[1], [0, 4, 1, 5]), mix(v[0], v[1], [2, 6, 3, 7])
+        lo23, hi23 = mix(v[2], v[3], [0, 4, 1, 5]), mix(v[2], v[3], [2, 6, 3, 7])
+        outs = (
+            mix(lo01, lo23, [0, 1, 4, 5]),
+            mix(lo01, lo23, [2, 3, 6, 7]),
+            mix(hi01, hi23, [0, 1, 4, 5]),
+            mix(hi01, hi23, [2, 3, 6, 7]),
+        )
+        base = builder.inttoptr(d, i8p)
+        nt = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        for j, o in enumerate(outs):
+            off = builder.mul(stride, ir.Constant(stride.type, j))
+            st = builder.store(o, builder.bitcast(builder.gep(base, [off]), vt.as_pointer()), align=16)
+            if streaming:
+                st.set_metadata("nontemporal", nt)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _transpose4(typingctx, dst, stride, a0, a1, a2, a3):
+    """Four 4-byte words from each of ``a0..a3`` -> word ``j`` of every source at ``dst + j*stride``
+    (16-byte aligned), in source order: a 4x4 transpose of 32-bit words, as vector shuffles."""
+    return types.void(*([types.intp] * 6)), _transpose4_codegen(False)
+
+
+@intrinsic
+def _transpose4_stream(typingctx, dst, stride, a0, a1, a2, a3):
+    """:func:`_transpose4` with non-temporal stores."""
+    return types.void(*([types.intp] * 6)), _transpose4_codegen(True)
+
+
+STREAM_MIN_BYTES = 1 << 22
+"""Outputs of at least this many bytes (more than a core's share of the last-level cache) are
+written with non-temporal stores where the kernel has them (64-byte aligned cells, the 128x4
+swizzle); smaller ones stay in cache for whoever reads them next."""
+
 CYCLES_TILE_BYTES = 1 << 20
 """Bytes per cycle-plan tile on the CPU (a tile's sources are staged in a private buffer)."""
 
@@ -85,8 +188,10 @@ MEMCPY_MIN_CELL = 16
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _gather_memcpy(x, out, src, fill_bytes, visit, cell, n_in, n_out, block):  # pragma: no cover
-    """x, out: flat uint8; one memcpy (or memset) per output cell, banded visit order."""
+def _gather_memcpy(x, out, src, fill_bytes, visit, cell, n_in, n_out, block, stream):  # pragma: no cover
+    """x, out: flat uint8; one memcpy (or memset) per output cell, cells in ``visit`` order.
+    ``stream``: cells are whole 64-byte lines of a 64-byte aligned output, written with
+    non-temporal stores (:func:`_stream_bytes`)."""
     xa = x.ctypes.data
     oa = out.ctypes.data
     experts = out.size // (n_out * cell)
@@ -100,43 +205,132 @@ def _gather_memcpy(x, out, src, fill_bytes, visit, cell, n_in, n_out, block):  #
         for j in range(lo, hi):
             i = visit[j]
             s = src[i]
-            if s >= 0:
-                _copy_bytes(ob + i * cell, xb + s * cell, cell)
-            else:
+            if s < 0:
                 _fill_bytes(ob + i * cell, fill_bytes[-1 - s], cell)
+            elif stream:
+                _stream_bytes(ob + i * cell, xb + s * cell, cell)
+            else:
+                _copy_bytes(ob + i * cell, xb + s * cell, cell)
+        if stream:
+            _store_fence()
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _swizzle(x, out, rows, fills, cw):  # pragma: no cover - compiled
-    """x (E, n_in_rows*cw) words, out (E, n_rows*cw): row gather then the 128x4 swizzle."""
+def _pad_rows(x, out, rows, visit, fill_bytes, c_in, c_out, col_code, block, stream):  # pragma: no cover - compiled
+    """x, out: flat uint8; output row ``i`` (``c_out`` bytes) is input row ``rows[i]`` (``c_in``
+    bytes) then ``c_out - c_in`` bytes of fill ``col_code``, or all fill ``rows[i]`` when negative;
+    rows in ``visit`` order. ``stream``: rows of whole 64-byte lines in a 64-byte aligned output
+    (:func:`_stream_bytes`)."""
+    xa = x.ctypes.data
+    oa = out.ctypes.data
+    n_rows = rows.size
+    experts = out.size // (n_rows * c_out)
+    n_in = x.size // max(1, experts)
+    nb = (n_rows + block - 1) // block
+    tail = fill_bytes[-1 - col_code]
+    for t in prange(experts * nb):
+        e = t // nb
+        lo = (t - e * nb) * block
+        hi = min(lo + block, n_rows)
+        xb = xa + e * n_in
+        ob = oa + e * n_rows * c_out
+        for j in range(lo, hi):
+            i = visit[j]
+            s = rows[i]
+            d = ob + i * c_out
+            if s < 0:
+                _fill_bytes(d, fill_bytes[-1 - s], c_out)
+                continue
+            if stream:
+                _stream_bytes(d, xb + s * c_in, c_in)
+            else:
+                _copy_bytes(d, xb + s * c_in, c_in)
+            _fill_bytes(d + c_in, tail, c_out - c_in)
+        if stream:
+            _store_fence()
+
+
+SWIZZLE_PREFETCH_BANDS = 2
+"""The 128x4 swizzle prefetches the source rows of the band this many bands ahead (its rows
+are scattered by the row permutation, so the hardware prefetcher does not see them)."""
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _swizzle(x, out, rows, fills, cw, stream):  # pragma: no cover - compiled
+    """x (E, n_in_rows*cw) int32 words, out (E, n_rows*cw), 16-byte aligned: row gather then the
+    128x4 swizzle, ``out[e, (band*cw + kk)*128 + 4*p + q] = x[e, rows[band*128 + 32*q + p]*cw + kk]``.
+
+    One task per (expert, 128-row band); the band's output is written front to back, 16
+    bytes at a time (words ``kk..kk+3`` of four source rows, transposed in registers:
+    :func:`_transpose4`), while the source rows of the band ``SWIZZLE_PREFETCH_BANDS`` ahead
+    are prefetched. Bands holding fill rows, and the last ``cw % 4`` words, take a word loop.
+    """
     experts = x.shape[0]
     n_bands = out.shape[1] // (128 * cw)
+    xa = x.ctypes.data
+    oa = out.ctypes.data
+    in_b = x.shape[1] * 4
+    out_b = out.shape[1] * 4
+    row_b = cw * 4
+    kv = cw - cw % 4
     for t in prange(experts * n_bands):
         e = t // n_bands
         band = t - e * n_bands
-        base = band * 128 * cw
-        xe = x[e]
-        oe = out[e]
-        for kk in range(cw):
-            o = base + kk * 128
+        r = rows[band * 128 : band * 128 + 128]
+        xe = xa + e * in_b
+        ob = oa + e * out_b + band * 128 * row_b
+        ahead = band + SWIZZLE_PREFETCH_BANDS
+        if ahead < n_bands:
+            for j in range(ahead * 128, ahead * 128 + 128):
+                if rows[j] >= 0:
+                    for b in range(0, row_b, 64):
+                        _prefetch(xe + rows[j] * row_b + b)
+        first = 0
+        if r.min() >= 0:
+            first = kv
+            for kk in range(0, kv, 4):
+                o = ob + kk * 512
+                c = kk * 4
+                for p in range(32):
+                    a0 = xe + r[p] * row_b + c
+                    a1 = xe + r[32 + p] * row_b + c
+                    a2 = xe + r[64 + p] * row_b + c
+                    a3 = xe + r[96 + p] * row_b + c
+                    if stream:
+                        _transpose4_stream(o + p * 16, 512, a0, a1, a2, a3)
+                    else:
+                        _transpose4(o + p * 16, 512, a0, a1, a2, a3)
+        xw = x[e]
+        ow = out[e]
+        wb = band * 128 * cw
+        for kk in range(first, cw):
             for p in range(32):
                 for q in range(4):
-                    s = rows[band * 128 + q * 32 + p]
-                    if s >= 0:
-                        oe[o + p * 4 + q] = xe[s * cw + kk]
-                    else:
-                        oe[o + p * 4 + q] = fills[-1 - s]
+                    s = r[q * 32 + p]
+                    ow[wb + kk * 128 + p * 4 + q] = xw[s * cw + kk] if s >= 0 else fills[-1 - s]
+        if stream:
+            _store_fence()
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def parallel_copy(x, out):  # pragma: no cover - compiled
-    """``out[:] = x`` over 1-D arrays with every thread: a memcpy ceiling for the benchmark."""
+def parallel_copy(x, out, stream):  # pragma: no cover - compiled
+    """``out[:] = x`` over 1-D uint8 arrays with every thread, 64 KB a task: the memcpy ceiling
+    of the benchmark. ``stream``: non-temporal stores (``out`` 64-byte aligned), as a
+    large ``memcpy`` does."""
     n = x.size
     chunk = 1 << 16
+    xa = x.ctypes.data
+    oa = out.ctypes.data
     for c in prange((n + chunk - 1) // chunk):
         lo = c * chunk
         hi = min(lo + chunk, n)
-        out[lo:hi] = x[lo:hi]
+        if stream:
+            body = (hi - lo) & ~63
+            _stream_bytes(oa + lo, xa + lo, body)
+            _copy_bytes(oa + lo + body, xa + lo + body, hi - lo - body)
+            _store_fence()
+        else:
+            _copy_bytes(oa + lo, xa + lo, hi - lo)
 
 
 def check_map(em: ExecMap) -> None:
@@ -145,7 +339,10 @@ def check_map(em: ExecMap) -> None:
     Must hold: ``src`` int32 ``(n_out,)`` with ``-max(1, len(fills)) <= src[i] < n_in``;
     ``n_in * cell_bytes <= in_bytes`` and ``n_out * cell_bytes == out_bytes``; for the
     swizzle, ``rows`` int32 of at least ``out_bytes / (4 * cw)`` entries, each
-    ``-max(1, len(fills)) <= rows[r] < in_bytes / (4 * cw)``. Checked once per map (cached on it).
+    ``-max(1, len(fills)) <= rows[r] < in_bytes / (4 * cw)``; for padded rows, ``rows`` int32
+    ``(out_bytes / c_out,)``, ``0 < c_in <= c_out``, each row ``-max(1, len(fills)) <= rows[r]``
+    and ``(rows[r] + 1) * c_in <= in_bytes``, the column fill code in ``[-max(1, len(fills)), -1]``.
+    Checked once per map (cached on it).
     """
     if em._dev.get("bounds_ok"):
         return
@@ -171,6 +368,19 @@ def check_map(em: ExecMap) -> None:
             raise bad(f"swizzle rows {rows.dtype} {rows.shape} with {cw} words per row do not cover the output")
         if rows.size and (int(rows.min()) < -n_fill or int(rows.max()) >= n_rows_in):
             raise bad(f"swizzle rows span [{int(rows.min())}, {int(rows.max())}], outside [-{n_fill}, {n_rows_in})")
+    if em.padrows is not None:
+        rows, c_in, c_out, col_code = em.padrows
+        rows = np.asarray(rows)
+        if (
+            rows.dtype != np.int32
+            or rows.ndim != 1
+            or not 0 < c_in <= c_out
+            or rows.size * c_out != em.out_bytes
+            or not -n_fill <= col_code < 0
+        ):
+            raise bad(f"padded rows {rows.dtype} {rows.shape} of {c_in} -> {c_out} B do not cover the output")
+        if rows.size and (int(rows.min()) < -n_fill or (int(rows.max()) + 1) * c_in > em.in_bytes):
+            raise bad(f"padded rows span [{int(rows.min())}, {int(rows.max())}], outside the input")
     em._dev["bounds_ok"] = True
 
 
@@ -193,12 +403,29 @@ def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     _check_buffers(em, xb, ob)
     word = aligned_word(em.word, xb, ob)
     dt = word_dtype(word)
-    if em.swizzle is not None and word == 4:
+    big = ob.numel() >= STREAM_MIN_BYTES
+    if em.swizzle is not None and word == 4 and xb.data_ptr() % 16 == 0 and ob.data_ptr() % 16 == 0:
         rows, cw, _ = em.swizzle
-        _swizzle(xb.view(dt).numpy(), ob.view(dt).numpy(), rows, em.fill_words(4), cw)
+        _swizzle(xb.view(dt).numpy(), ob.view(dt).numpy(), rows, em.fill_words(4), cw, big)
+        return
+    fill_bytes = np.array(em.fills or (0,), dtype=np.int32)
+    if em.padrows is not None:
+        rows, c_in, c_out, col_code = em.padrows
+        lined = c_in % 64 == 0 and c_out % 64 == 0 and ob.data_ptr() % 64 == 0
+        _pad_rows(
+            xb.numpy().reshape(-1),
+            ob.numpy().reshape(-1),
+            rows,
+            _source_order(em, "visit_rows", rows, c_in),
+            fill_bytes,
+            c_in,
+            c_out,
+            col_code,
+            max(1, TASK_BYTES // c_out),
+            big and lined,
+        )
         return
     if em.cell_bytes >= MEMCPY_MIN_CELL:
-        fill_bytes = np.array(em.fills or (0,), dtype=np.int32)
         _gather_memcpy(
             xb.numpy().reshape(-1),
             ob.numpy().reshape(-1),
@@ -209,6 +436,7 @@ def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
             em.n_in,
             em.n_out,
             max(1, TASK_BYTES // em.cell_bytes),
+            big and em.cell_bytes % 64 == 0 and ob.data_ptr() % 64 == 0,
         )
         return
     fills = em.fill_words(word)
@@ -293,15 +521,20 @@ def inplace_cycles_numba(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
 
 
 def visit_order(em: ExecMap) -> np.ndarray:
-    """Output cells ordered by source band (about BAND_BYTES of input), then by position.
+    """Output cells in the order of their source cells (fills last), cached on the map.
 
-    Cells are copied in this order: a band of source rows stays in cache (and in the
-    TLB) while all the output cells it feeds are written, in runs. For block-major-K
-    this turns 128-byte reads at a 7 KB stride into reads of a cached band.
+    Cells are copied in this order, so every task reads one run of its experts' input
+    front to back (the hardware prefetcher follows it) and writes whole cells wherever
+    they go: with streaming stores a scattered write of whole 64-byte lines costs no more
+    than a sequential one. For block-major-K this turns 128-byte reads at a row's stride
+    into one sequential read.
     """
-    key = "visit"
+    return _source_order(em, "visit", em.src, em.cell_bytes)
+
+
+def _source_order(em: ExecMap, key: str, src: np.ndarray, cell: int) -> np.ndarray:
+    """Indices of ``src`` sorted by source (fill codes last), cached on the map under ``key``."""
     if key not in em._dev:
-        band = max(1, BAND_BYTES // em.cell_bytes)
-        src = em.src.astype(np.int64)
-        em._dev[key] = np.lexsort((np.arange(src.size), np.where(src >= 0, src // band, -1))).astype(np.int32)
+        s = src.astype(np.int64)
+        em._dev[key] = np.argsort(np.where(s >= 0, s, em.in_bytes // cell), kind="stable").astype(np.int32)
     return em._dev[key]

@@ -1,0 +1,81 @@
+"""``fimoe-lab warmup``: compile ahead what a model's transforms need (plans, maps, kernels).
+
+    fimoe-lab warmup --model deepseek-v3 --format fp8-block --device cuda
+    fimoe-lab warmup --hidden 7168 --inter 2048 --experts 256 --format mxfp8 --json
+
+The parser reads only the torch-free tables (:mod:`fimoe_lab.specs`, :mod:`fimoe_lab.presets`);
+torch and the executors are imported by the handler (:func:`fimoe_lab.warmup.warmup`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from fimoe_lab import specs
+from fimoe_lab.cli._common import EXIT_OK, lower_choice, positive_int, print_json
+from fimoe_lab.presets import PRESETS
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    w = sub.add_parser(
+        "warmup",
+        help="compile ahead the plans, maps and kernels a model's transforms need",
+        description="Build the layer plans of a model (a preset or explicit sizes) for each format and backend, "
+        "compile their index maps, and run each map once, out of place and in place, through the executor a "
+        "full layer picks on each device, on a few experts of random bytes. Kernels compile or load from the "
+        "on-disk caches (numba: next to fimoe_lab/kernels or NUMBA_CACHE_DIR; Triton: TRITON_CACHE_DIR), so "
+        "the first real transform of a later process, or of this one, does not wait for them.",
+        epilog="presets: " + ", ".join(sorted(PRESETS)) + "\nformats: " + ", ".join(specs.weight_formats()),
+    )
+    w.add_argument("--model", type=lower_choice(sorted(PRESETS)), help="a model preset (sizes and formats)")
+    w.add_argument(
+        "--format",
+        dest="formats",
+        action="append",
+        type=lower_choice(specs.weight_formats()),
+        help="a weight format (repeatable; default: the preset's checkpoint formats)",
+    )
+    w.add_argument(
+        "--backend",
+        dest="backends",
+        action="append",
+        type=lower_choice(specs.BACKENDS),
+        help="a FlashInfer backend (repeatable; default trtllm)",
+    )
+    w.add_argument(
+        "--device", dest="devices", action="append", help="a torch device, e.g. cpu or cuda (repeatable; default cpu)"
+    )
+    w.add_argument("--tp", type=positive_int("--tp"), default=1, help="tensor-parallel size (default 1)")
+    w.add_argument("--hidden", type=positive_int("--hidden"), help="hidden size (overrides the preset's)")
+    w.add_argument("--inter", type=positive_int("--inter"), help="per-rank intermediate size (overrides the preset's)")
+    w.add_argument("--experts", type=positive_int("--experts"), help="experts per layer (overrides the preset's)")
+    w.add_argument("--no-in-place", action="store_true", help="skip the in-place kernels")
+    w.add_argument("--json", action="store_true", help="print one JSON object (maps run, seconds)")
+    w.set_defaults(handler=run_warmup)
+
+
+def run_warmup(args: argparse.Namespace) -> int:
+    from fimoe_lab.warmup import warmup
+
+    t = time.perf_counter()
+    done = warmup(
+        model=args.model,
+        formats=args.formats,
+        backends=tuple(args.backends or ("trtllm",)),
+        devices=tuple(args.devices or ("cpu",)),
+        tp=args.tp,
+        hidden=args.hidden,
+        intermediate=args.inter,
+        experts=args.experts,
+        in_place=not args.no_in_place,
+    )
+    total = time.perf_counter() - t
+    if args.json:
+        print_json({"seconds": round(total, 3), "runs": [vars(r) | {"seconds": round(r.seconds, 4)} for r in done]})
+        return EXIT_OK
+    for r in done:
+        mode = "in place" if r.in_place else "out of place"
+        print(f"{r.fmt}/{r.backend}/{r.tensor} on {r.device}: {r.executor}, {mode}, {r.seconds:.3f} s")
+    print(f"warmed {len(done)} runs in {total:.2f} s")
+    return EXIT_OK
