@@ -95,3 +95,12 @@ def test_a_running_server_refuses_requests_without_the_token(tmp_path):
         os.killpg(server.pid, 15)
         server.wait(timeout=20)
         log.close()
+
+
+def test_theme_goes_to_the_servers_own_settings(tmp_path):
+    lab.jupyterlab_command(tmp_path / "nb", 1, tmp_path / "s", False, theme="dark")
+    settings = tmp_path / "s" / "settings" / "@jupyterlab" / "apputils-extension" / "themes.jupyterlab-settings"
+    assert settings.read_text() == '{"theme": "JupyterLab Dark"}'
+    with pytest.raises(FimoeError, match="unknown theme 'sepia'"):
+        lab.jupyterlab_command(tmp_path / "nb", 1, tmp_path / "s2", False, theme="sepia")
+    assert build_parser().parse_args(["lab", "--theme", "light"]).theme == "light"

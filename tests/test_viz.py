@@ -6,6 +6,7 @@ the code under test; figures are checked through the arrays their artists hold.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -44,6 +45,12 @@ def ref_w13_rows(inter: int, padded: int, etm: int = 128, swap: bool = True) -> 
 def ref_swizzle_offset(r: np.ndarray, c: np.ndarray, cols: int) -> np.ndarray:
     cp = -(-cols // 4) * 4
     return (r // 128) * (cp // 4) * 512 + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def drawn_pairs(fig) -> list[tuple[int, int]]:
+    """(checkpoint row, kernel row) of every line of a row figure, read off its hover texts."""
+    pairs = [re.match(r"checkpoint row (\d+) .*-> kernel row (\d+)", t) for t in figures.hover_texts(fig).values()]
+    return [(int(p.group(1)), int(p.group(2))) for p in pairs if p]
 
 
 def artist_array(ax, kind: str = "image", index: int = 0) -> np.ndarray:
@@ -122,8 +129,7 @@ def test_row_figure_draws_the_flow_and_the_values():
     fig = figures.row_permutation_figure(plan.w13, window=(16, 48), values=values)
     lines, every, moved = fig.axes[:3]
     flow = data.row_flow(plan.w13)
-    drawn = [(int(l.get_ydata()[0]), int(l.get_ydata()[1])) for l in lines.lines if len(l.get_xdata()) == 2]
-    assert drawn == [(int(flow.src_rows[d]), d) for d in range(16, 48)]
+    assert drawn_pairs(fig) == [(int(flow.src_rows[d]), d) for d in range(16, 48)]
     scatter = artist_array(every, "points")
     real = flow.src_rows >= 0
     assert np.array_equal(scatter[real, 1], flow.src_rows[real])
@@ -144,8 +150,8 @@ def test_observed_rows_find_a_planted_swap():
     assert np.array_equal(bad, ref_w13_rows(128, 128, swap=False))
     assert (bad != good).all()
     fig = figures.row_permutation_figure(plan.w13, observed=bad)
-    crosses = artist_array(fig.axes[1], "points", 2)
-    assert len(crosses) == 256
+    crosses = fig.axes[1].lines[0]
+    assert len(crosses.get_xdata()) == 256 and crosses.get_label() == "observed != planned (256 rows)"
 
 
 # ----------------------------------------------------------------------------- tiles and swizzle
@@ -158,7 +164,7 @@ def test_tile_view_is_block_major_k():
     assert np.array_equal(view.block_of_input, np.repeat(np.arange(2), 64)[None, :].repeat(64, 0))
     fig = figures.tile_figure(m, 2, "source column")
     assert np.array_equal(artist_array(fig.axes[0]), view.block_of_input)
-    assert np.array_equal(artist_array(fig.axes[1]), view.src_col)
+    assert np.array_equal(artist_array(fig.axes[2]), view.src_col)
 
 
 @pytest.mark.parametrize("rows,cols", [(128, 4), (256, 8), (200, 6), (130, 3)])
@@ -178,8 +184,16 @@ def test_swizzle_figure_shows_the_chosen_atom():
     assert view.atoms == 2 * 128 // 128 * (512 // 16 // 4)
     fig = figures.swizzle_figure(plan.w13_scale, atom=3)
     assert np.array_equal(artist_array(fig.axes[0]), view.dest_atom)
-    assert np.array_equal(artist_array(fig.axes[1]), view.src_row)
-    assert np.array_equal(artist_array(fig.axes[2]), view.src_col[96:128])
+    assert np.array_equal(artist_array(fig.axes[2]), view.src_row)
+    zoom = view.src_col[96:128]  # colour: source column mod 10 (tab10), grey fill
+    assert np.array_equal(artist_array(fig.axes[4]), np.where(zoom >= 0, zoom % 10, np.nan), equal_nan=True)
+    # the zoom labels each group (one kernel row) with its kernel row and its checkpoint row
+    labels = [t.get_text() for t in fig.axes[4].texts]
+    assert len(labels) == 128
+    for line in range(32):
+        for g in range(4):
+            k, c = view.kernel_row[96 + line, 4 * g], view.src_row[96 + line, 4 * g]
+            assert labels[4 * line + g] == f"k{k} <- " + (f"c{c}" if c >= 0 else "pad")
     with pytest.raises(LayoutError, match="atom 99 is outside 0..15"):
         figures.swizzle_figure(plan.w13_scale, atom=99)
 
@@ -246,7 +260,7 @@ def test_provenance_figure_marks_source_and_kernel_element():
     layer = sources.sample_layer("mxfp8", experts=2, intermediate=96, hidden=256)
     before = layer.magnitude("w13", 1)
     fig = figures.provenance_figure(plan.w13, (5, 17), before)
-    ax_b, ax_a = fig.axes[:2]
+    ax_b, ax_a = fig.axes[0], fig.axes[2]
     src = plan.w13.provenance((5, 17)).source
     assert tuple(int(v[0]) for v in reversed(ax_b.lines[0].get_data())) == src
     assert tuple(int(v[0]) for v in reversed(ax_a.lines[0].get_data())) == (5, 17)
@@ -261,8 +275,8 @@ def test_compare_figure_shows_zero_difference_only_for_the_right_preparation():
     unswizzled = data.gather_values(compose(*plan.w13_scale.steps[:-1]), scales)
     ok = figures.compare_figure(plan.w13_scale, scales, good)
     bad = figures.compare_figure(plan.w13_scale, scales, unswizzled)
-    assert np.nanmax(artist_array(ok.axes[2])) == 0
-    assert np.nanmax(artist_array(bad.axes[2])) > 0
+    assert np.nanmax(artist_array(ok.axes[4])) == 0
+    assert np.nanmax(artist_array(bad.axes[4])) > 0
 
 
 def test_sample_layer_is_structured():

@@ -10,8 +10,9 @@ import pytest
 pytest.importorskip("ipywidgets")
 pytest.importorskip("matplotlib")
 
-from fimoe_lab import prepare  # noqa: E402
+from fimoe_lab import prepare, recipes  # noqa: E402
 from fimoe_lab.viz import data, sources, widgets  # noqa: E402
+from tests.test_viz import drawn_pairs  # noqa: E402
 
 
 def image(fig, axis: int) -> np.ndarray:
@@ -25,20 +26,19 @@ def same(drawn: np.ndarray, sources_: np.ndarray) -> bool:
 
 def test_row_explorer_window_colour_and_expert():
     w = widgets.RowExplorer()
-    assert w.image.value[:4] == b"\x89PNG"
+    assert w.svg.startswith("<svg") and w.view.value == w.svg
     flow = w.state["flow"]
     assert np.array_equal(flow.src_rows, data.row_flow(prepare.plan_layer("mxfp8", "trtllm", 96, 256).w13).src_rows)
 
-    first = w.image.value
+    first = w.svg
     w.colour_by.value = "shuffle block"
-    assert w.image.value != first
+    assert w.svg != first
     legend = [t.get_text() for t in w.figure.axes[1].get_legend().get_texts()]
     assert legend[:2] == ["shuffle block 0", "shuffle block 1"]
 
     w.start.value = 64
     assert w.state["window"] == (64, 128)
-    drawn = [int(l.get_ydata()[1]) for l in w.figure.axes[0].lines if len(l.get_xdata()) == 2]
-    assert drawn == [d for d in range(64, 128) if flow.src_rows[d] >= 0]
+    assert drawn_pairs(w.figure) == [(int(flow.src_rows[d]), d) for d in range(64, 128) if flow.src_rows[d] >= 0]
 
     before = image(w.figure, 2)
     w.expert.value = 3
@@ -63,14 +63,15 @@ def test_tile_explorer_atoms_and_tiles():
     view = w.state["view"]
     assert list(w.tensor.options) == ["w13_scale", "w2_scale"] and w.atom.max == view.atoms - 1
     w.atom.value = 2
-    assert same(image(w.figure, 2), view.src_col[64:96])
+    zoom = view.src_col[64:96]
+    assert same(image(w.figure, 4), np.where(zoom >= 0, zoom % 10, -1))
     w.source.value = "seeded:bf16"
     assert list(w.tensor.options) == ["w13", "w2"]
     assert w.state["tensor"] == "w13"
     tiles = data.tile_view(w.state["plan"].w13, 2)
-    assert same(image(w.figure, 1), tiles.src_col)
+    assert same(image(w.figure, 2), tiles.src_col)
     w.colour_by.value = "source row"
-    assert same(image(w.figure, 1), tiles.src_row)
+    assert same(image(w.figure, 2), tiles.src_row)
 
 
 def test_every_weight_format_has_a_seeded_layer():
@@ -82,20 +83,22 @@ def test_every_weight_format_has_a_seeded_layer():
     w = widgets.TileExplorer()
     assert list(w.backend.options) == list(specs.BACKENDS)
     w.source.value = "seeded:mxfp4"
-    # MXFP4 TRT-LLM: intermediate 96 -> 256 (the default), w13 scales 2*256 rows x 256/32 columns = 8 atoms
-    assert w.state["fmt"] == "mxfp4" and w.state["view"].atoms == 8 and w.atom.max == 7
-    assert same(image(w.figure, 1), w.state["view"].src_row)
-    assert np.nanmax(image(w.figure, 1)) == 2 * 96 - 1  # every checkpoint scale row lands somewhere
+    # MXFP4 TRT-LLM: intermediate 96 -> round_up(96, default alignment); w13 scales 2*I' rows x 256/32 columns
+    align = recipes.default_alignments("mxfp4", "trtllm")[0]
+    atoms = 2 * (-(-96 // align) * align) // 128 * (256 // 32 // 4)
+    assert w.state["fmt"] == "mxfp4" and w.state["view"].atoms == atoms and w.atom.max == atoms - 1
+    assert same(image(w.figure, 2), w.state["view"].src_row)
+    assert np.nanmax(image(w.figure, 2)) == 2 * 96 - 1  # every checkpoint scale row lands somewhere
 
 
 def test_padding_explorer_tp_and_errors():
     w = widgets.PaddingExplorer(intermediate=384, hidden=512, experts=4, fmt="fp8", tp=1)
     assert w.state["report"].local_intermediate == 384
-    first = w.image.value
+    first = w.svg
     w.tp.value = 8
     report = w.state["report"]
     assert report.local_intermediate == 48 and report.plan.padded_intermediate == 48
-    assert w.image.value != first
+    assert w.svg != first
     w.inter_align.value = 128
     assert w.state["report"].plan.padded_intermediate == 128 and w.state["report"].fill_bytes > 0
     shown = w.figure
@@ -110,7 +113,7 @@ def test_provenance_explorer_follows_the_chosen_element():
     m = w.state["plan"].w13
     assert w.state["coords"] == (40, 200)
     assert w.state["chain"][-1][2] == m.provenance((40, 200)).source
-    ax = w.figure.axes[1]
+    ax = w.figure.axes[2]
     assert (ax.lines[0].get_xdata()[0], ax.lines[0].get_ydata()[0]) == (200, 40)
     w.tensor.value = "w13_scale"
     assert w.state["coords"][0] < 256 and w.state["coords"][1] < 8
@@ -126,14 +129,15 @@ def test_tuner_explorer_explains_a_missing_tuner():
 def test_tuner_explorer_draws_the_snapshot_sweep():
     pytest.importorskip("pandas")
     w = widgets.TunerExplorer("gpt-oss-120b", "fp8", 8)
+    w.view_kind.value = "tactics heatmap"
     sweep = w.state["sweep"]
     grid = sweep.pivot(index="inter_align", columns="hidden_align", values="min_tactics").to_numpy(dtype=float)
     assert np.array_equal(image(w.figure, 0), grid)
     rec = sweep[sweep["recommended"]].iloc[0]
     assert f"intermediate {int(rec.intermediate)} (align {int(rec.inter_align)})" in w.message.value
-    first = w.image.value
+    first = w.svg
     w.tp.value = 2
-    assert w.state["sweep"].attrs["tp"] == 2 and w.image.value != first
+    assert w.state["sweep"].attrs["tp"] == 2 and w.svg != first
 
 
 def test_explorers_on_a_shipped_sample_checkpoint():

@@ -34,6 +34,8 @@ LOCAL_IP = "127.0.0.1"
 
 # JupyterLab plugins that reach the network or nag on start; disabled for our server only
 DISABLED_PLUGINS = ("@jupyterlab/apputils-extension:announcements", "@jupyterlab/extensionmanager-extension")
+THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
+"""``--theme`` choices: JupyterLab's own theme names."""
 
 
 def default_workspace() -> Path:
@@ -71,6 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ip", default=LOCAL_IP, help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--token", default=None, help="authentication token (default: a random one); never empty")
     p.add_argument("--no-browser", action="store_true", help="do not open a web browser")
+    p.add_argument(
+        "--theme",
+        choices=sorted(THEMES),
+        default=None,
+        help="JupyterLab theme for this server (default: JupyterLab's; the lab's figures follow either)",
+    )
     p.set_defaults(handler=run_lab)
 
 
@@ -97,19 +105,26 @@ def jupyterlab_command(
     open_browser: bool = True,
     token: Optional[str] = None,
     ip: str = LOCAL_IP,
+    theme: Optional[str] = None,
 ) -> tuple[list[str], dict]:
     """``(argv, env)`` that start JupyterLab on ``notebook_dir`` at ``ip:port`` with token authentication.
 
     ``env["JUPYTER_TOKEN"]`` holds the token (``token``, or a random one; an empty one is
     refused: authentication is never off). No news feed, update check or extension-manager
     queries (the network may be closed); settings and workspaces live in ``state_dir`` so
-    the user's own are not touched.
+    the user's own are not touched. ``theme``: a :data:`THEMES` key written to those settings.
     """
     if token is not None and not token.strip():
         raise FimoeError("an empty --token would turn authentication off", fix="pass a non-empty token or none")
     labconfig = state_dir / "config" / "labconfig"
     labconfig.mkdir(parents=True, exist_ok=True)
     (labconfig / "page_config.json").write_text(json.dumps({"disabledExtensions": {p: True for p in DISABLED_PLUGINS}}))
+    if theme is not None:
+        if theme not in THEMES:
+            raise FimoeError(f"unknown theme {theme!r}", fix=f"choose one of {', '.join(sorted(THEMES))}")
+        themes = state_dir / "settings" / "@jupyterlab" / "apputils-extension"
+        themes.mkdir(parents=True, exist_ok=True)
+        (themes / "themes.jupyterlab-settings").write_text(json.dumps({"theme": THEMES[theme]}))
     argv = [
         sys.executable,
         "-m",
@@ -165,7 +180,9 @@ def run_lab(args: argparse.Namespace) -> int:
         print(f"note: listening on {args.ip}: other machines can reach it (the token still guards it)", file=sys.stderr)
     port = args.port or free_port()
     with tempfile.TemporaryDirectory(prefix="fimoe-lab-") as state:
-        argv, env = jupyterlab_command(notebook_dir, port, Path(state), not args.no_browser, args.token, args.ip)
+        argv, env = jupyterlab_command(
+            notebook_dir, port, Path(state), not args.no_browser, args.token, args.ip, args.theme
+        )
         host = "127.0.0.1" if args.ip in ("0.0.0.0", "::", "") else args.ip
         print(f"open: http://{host}:{port}/lab?token={env['JUPYTER_TOKEN']}", file=sys.stderr)
         return subprocess.call(argv, env=env)

@@ -11,8 +11,10 @@ fp32 scales). Steps are told apart by ``kind``/``params``, never by display name
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -41,7 +43,45 @@ __all__ = [
     "PaddingReport",
     "padding_report",
     "provenance_rows",
+    "FLAG_NAMES",
+    "value_flags",
+    "Downsampled",
+    "downsample",
+    "sample_grid",
+    "RowWindow",
+    "row_window",
+    "memo",
+    "row_element_sources",
+    "fill_mask",
+    "gather_mask",
+    "chain_diff",
 ]
+
+T = TypeVar("T")
+MEMO_ENTRIES = 16
+"""Results :func:`memo` keeps (a real-size expert's element map is ~120 MB: this bounds the memory)."""
+_MEMO: OrderedDict = OrderedDict()
+
+
+def memo(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, kept for the last :data:`MEMO_ENTRIES` distinct calls.
+
+    Arrays, tensors and index maps are keyed by identity (and held, so an id is never
+    reused while its entry lives); other arguments by value. The lab's inputs are cached,
+    read-only objects (a layer's plans and per-expert values), so a redraw at DeepSeek
+    size recomputes only what its control changed.
+    """
+    key = (getattr(fn, "__qualname__", repr(fn)),) + tuple(
+        ("id", id(a)) if isinstance(a, (np.ndarray, torch.Tensor, IndexMap)) else a for a in args
+    )
+    if key in _MEMO:
+        _MEMO.move_to_end(key)
+        return _MEMO[key][1]  # type: ignore[no-any-return]
+    out = fn(*args)
+    _MEMO[key] = (args, out)
+    while len(_MEMO) > MEMO_ENTRIES:
+        _MEMO.popitem(last=False)
+    return out
 
 
 def itemsize_of(fmt: str, tensor: str) -> int:
@@ -74,6 +114,26 @@ def element_sources(m: IndexMap, itemsize: int = 1) -> np.ndarray:
     return np.where(src >= 0, src, -1).reshape(shape)
 
 
+def fill_mask(m: IndexMap, itemsize: int = 1) -> np.ndarray:
+    """bool of :func:`display_2d` (``m``'s output in elements): True where the element is fill."""
+    return display_2d(element_sources(m, itemsize) < 0)
+
+
+def row_element_sources(m: IndexMap, rows: np.ndarray, itemsize: int = 1) -> np.ndarray:
+    """:func:`element_sources` of output rows ``rows`` of a 2-D map only: int64 ``(len(rows), out elements)``.
+
+    Reads just those rows of ``m.src``, so a window of a real-size map costs the window.
+    """
+    if len(m.out_shape) != 2:
+        raise LayoutError(f"{m.name} has output {m.out_shape}; a row window needs a 2-D map", fix="use element_sources")
+    _check_itemsize(m, itemsize)
+    cell, (out_rows, out_cols) = m.cell_bytes, m.out_shape
+    cells = m.src.view(out_rows, out_cols // cell)[torch.as_tensor(rows, dtype=torch.int64)].numpy()
+    byte_src = np.where(cells[..., None] >= 0, cells[..., None] * cell + np.arange(cell), -1).reshape(len(rows), -1)
+    elem = byte_src[:, ::itemsize]
+    return np.where(elem >= 0, elem // itemsize, -1)
+
+
 def display_2d(a: np.ndarray) -> np.ndarray:
     """A 3-D kernel layout ``(K/bk, M, bk)`` shown as ``(K/bk * M, bk)``; 2-D unchanged."""
     return a.reshape(-1, a.shape[-1]) if a.ndim > 2 else a
@@ -94,6 +154,12 @@ def gather_values(m: IndexMap, values: np.ndarray | torch.Tensor, itemsize: int 
         )
     src = element_sources(m, itemsize)
     return np.where(src >= 0, v.reshape(-1)[np.maximum(src, 0)], np.nan)
+
+
+def gather_mask(m: IndexMap, mask: np.ndarray, itemsize: int = 1) -> np.ndarray:
+    """A bool ``mask`` in ``m``'s input elements moved through ``m`` (fill: False), :func:`display_2d` shape."""
+    src = display_2d(element_sources(m, itemsize))
+    return np.where(src >= 0, np.asarray(mask).reshape(-1)[np.maximum(src, 0)], False)
 
 
 # ----------------------------------------------------------------------------- rows
@@ -168,6 +234,63 @@ def row_flow(m: IndexMap, projections: int = 2) -> RowFlow:
     return RowFlow(first.astype(np.int64), in_rows, projections, tuple(s.kind for s in rows_map.steps), block, etm)
 
 
+@dataclass(frozen=True)
+class RowWindow:
+    """A window of a :class:`RowFlow`, kept on both sides at once.
+
+    ``side`` "kernel": kernel rows ``lo..hi-1`` and the checkpoint rows they come from;
+    "checkpoint": checkpoint rows ``lo..hi-1`` and the kernel rows they land in.
+    ``pairs`` int64 ``(n, 2)`` of ``(checkpoint row, kernel row)`` (checkpoint -1: a padding
+    kernel row). ``ckpt_rows``/``kernel_rows``: the sorted distinct rows on each side; a row's
+    position on its side is its index there, so a swap offset (gate rows ``0..`` next to
+    up rows ``I..``) keeps every 16/32-row shuffle visible instead of stretching the axis.
+    """
+
+    side: str
+    lo: int
+    hi: int
+    pairs: np.ndarray
+    ckpt_rows: np.ndarray
+    kernel_rows: np.ndarray
+
+    def positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per pair, the position of its checkpoint row (-1: padding) and of its kernel row."""
+        c, k = self.pairs[:, 0], self.pairs[:, 1]
+        cpos = np.where(c >= 0, np.searchsorted(self.ckpt_rows, c), -1)
+        return cpos, np.searchsorted(self.kernel_rows, k)
+
+    @staticmethod
+    def gaps(rows: np.ndarray) -> np.ndarray:
+        """Positions ``p`` where ``rows[p] - rows[p-1] > 1``: a jump the axis does not draw."""
+        return np.flatnonzero(np.diff(rows) > 1) + 1
+
+
+def row_window(flow: RowFlow, lo: int, hi: int, side: str = "kernel") -> RowWindow:
+    """The rows of ``flow`` in ``lo..hi-1`` on ``side`` ("kernel" or "checkpoint"), with their partners.
+
+    A checkpoint row lands in exactly one kernel row (row steps move whole rows and only
+    add padding), so both sides of the window hold the same number of real rows.
+    """
+    rows = flow.out_rows if side == "kernel" else flow.in_rows
+    if side not in ("kernel", "checkpoint"):
+        raise LayoutError(f"a row window is on the 'kernel' or 'checkpoint' side, not {side!r}", fix="pick one")
+    lo, hi = max(0, lo), min(rows, hi)
+    if lo >= hi:
+        raise LayoutError(f"row window {lo}..{hi - 1} is empty", fix=f"{side} rows are 0..{rows - 1}")
+    if side == "kernel":
+        k = np.arange(lo, hi)
+        c = flow.src_rows[lo:hi]
+    else:
+        dest = np.full(flow.in_rows, -1, dtype=np.int64)
+        real = flow.src_rows >= 0
+        dest[flow.src_rows[real]] = np.flatnonzero(real)
+        c = np.arange(lo, hi)
+        k = dest[lo:hi]
+        c, k = c[k >= 0], k[k >= 0]
+    pairs = np.stack([c, k], axis=1).astype(np.int64)
+    return RowWindow(side, lo, hi, pairs, np.unique(c[c >= 0]), np.unique(k))
+
+
 def observed_row_sources(checkpoint: torch.Tensor, kernel: torch.Tensor) -> np.ndarray:
     """For each row of ``kernel`` ``(R', K)``, the row of ``checkpoint`` ``(R, K)`` with the same bytes.
 
@@ -224,6 +347,83 @@ def tile_view(m: IndexMap, itemsize: int = 1) -> TileView:
     )
 
 
+# ----------------------------------------------------------------------------- values at any size
+FLAG_NAMES = ("data", "padding", "dead scale", "Inf", "NaN")
+"""Per-element flags of a value view, by code; a coarse pixel shows the highest code it covers."""
+
+
+def value_flags(values: np.ndarray, pad: Optional[np.ndarray] = None, dead: Optional[np.ndarray] = None) -> np.ndarray:
+    """uint8 flag code per element of ``values`` (any shape), indexing :data:`FLAG_NAMES`.
+
+    ``pad`` (bool, same shape): fill elements; ``dead`` (bool): elements whose block scale
+    is below :data:`fimoe_lab.formats.health.TINY_SCALE`; NaN/Inf are read off ``values``
+    (a padding element's NaN is padding, not NaN).
+    """
+    v = np.asarray(values, dtype=np.float64)
+    flags = np.zeros(v.shape, dtype=np.uint8)
+    if dead is not None:
+        flags[np.broadcast_to(dead, v.shape)] = FLAG_NAMES.index("dead scale")
+    flags[np.isinf(v)] = FLAG_NAMES.index("Inf")
+    flags[np.isnan(v)] = FLAG_NAMES.index("NaN")
+    if pad is not None:
+        flags[np.broadcast_to(pad, v.shape)] = FLAG_NAMES.index("padding")
+    return flags
+
+
+@dataclass(frozen=True)
+class Downsampled:
+    """A 2-D value view reduced to at most ``max_side`` pixels per side.
+
+    ``values`` ``(ceil(R/fr), ceil(C/fc))``: the largest finite value of each ``fr x fc``
+    block of elements (NaN when the block has none); ``flags``: the highest flag code in
+    the block (so one NaN among 10^4 elements stays visible); ``block = (fr, fc)``;
+    ``shape = (R, C)`` the element shape, for axes in elements.
+    """
+
+    values: np.ndarray
+    flags: np.ndarray
+    block: tuple[int, int]
+    shape: tuple[int, int]
+
+    def counts(self, flags: np.ndarray) -> dict[str, int]:
+        """Element count per flag name of the full-size ``flags`` (names with a count only)."""
+        n = np.bincount(flags.reshape(-1), minlength=len(FLAG_NAMES))
+        return {name: int(c) for name, c in zip(FLAG_NAMES, n) if c and name != "data"}
+
+
+def _blocks(a: np.ndarray, fr: int, fc: int, fill) -> np.ndarray:
+    r, c = a.shape
+    padded = np.pad(a, ((0, -r % fr), (0, -c % fc)), constant_values=fill)
+    return padded.reshape(padded.shape[0] // fr, fr, padded.shape[1] // fc, fc)
+
+
+def downsample(values: np.ndarray, flags: np.ndarray, max_side: int = 512) -> Downsampled:
+    """``values`` ``(R, C)`` (float) and its ``flags`` reduced to at most ``max_side`` per side.
+
+    Block ``fr = ceil(R / max_side)``, ``fc = ceil(C / max_side)``; value = max over the
+    block's finite elements, flag = max code (:class:`Downsampled`).
+    """
+    v = np.asarray(values, dtype=np.float64)
+    fr, fc = -(-v.shape[0] // max_side), -(-v.shape[1] // max_side)
+    if fr == fc == 1:
+        return Downsampled(np.where(np.isfinite(v), v, np.nan), flags, (1, 1), v.shape)
+    finite = np.where(np.isfinite(v), v, -np.inf)
+    top = _blocks(finite, fr, fc, -np.inf).max(axis=(1, 3))
+    return Downsampled(
+        np.where(np.isfinite(top), top, np.nan), _blocks(flags, fr, fc, 0).max(axis=(1, 3)), (fr, fc), v.shape
+    )
+
+
+def sample_grid(a: np.ndarray, max_side: int = 512) -> tuple[np.ndarray, tuple[int, int]]:
+    """Every ``(fr, fc)``-th element of an index array ``a`` ``(R, C)`` (at most ``max_side`` per side).
+
+    Index maps (source rows, columns) do not average: the view shows the first element of
+    each block, and the caller says so. Returns the sample and ``(fr, fc)``.
+    """
+    fr, fc = -(-a.shape[0] // max_side), -(-a.shape[1] // max_side)
+    return a[::fr, ::fc], (fr, fc)
+
+
 @dataclass(frozen=True)
 class SwizzleView:
     """A 128x4-swizzled scale buffer, atom by atom.
@@ -233,11 +433,15 @@ class SwizzleView:
     ``src_row``/``src_col``: input coordinates of each buffer scale (-1 fill);
     ``dest_atom``/``dest_offset`` ``(in_rows, in_cols)``: where each linear scale lands.
     ``atom_origin`` ``(atoms, 2)``: the (row block, column block) of the swizzled
-    ``[Rp, Cp]`` matrix each atom holds.
+    ``[Rp, Cp]`` matrix each atom holds. ``kernel_row``/``kernel_col`` ``(atoms*32, 16)``:
+    the row and column of the swizzle step's own input (the kernel-side, row-permuted
+    ``[Rp, Cp]`` matrix) each buffer scale comes from.
     """
 
     src_row: np.ndarray
     src_col: np.ndarray
+    kernel_row: np.ndarray
+    kernel_col: np.ndarray
     dest_atom: np.ndarray
     dest_offset: np.ndarray
     atom_origin: np.ndarray
@@ -275,9 +479,14 @@ def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
     dest = dest.reshape(in_rows, in_cols)
     cp_atoms = m.out_shape[-1] // itemsize // 4
     atoms = np.arange(src.size // ATOM)
+    last = m.steps[-1]
+    k_src = element_sources(last, itemsize).reshape(-1)
+    k_cols = last.in_shape[-1] // itemsize
     return SwizzleView(
         np.where(src >= 0, src // in_cols, -1).reshape(-1, 16),
         np.where(src >= 0, src % in_cols, -1).reshape(-1, 16),
+        np.where(k_src >= 0, k_src // k_cols, -1).reshape(-1, 16),
+        np.where(k_src >= 0, k_src % k_cols, -1).reshape(-1, 16),
         np.where(dest >= 0, dest // ATOM, -1),
         dest,
         np.stack([atoms // cp_atoms, atoms % cp_atoms], axis=1),
@@ -396,3 +605,28 @@ def provenance_rows(
     byte_coords = tuple(coords[:-1]) + (coords[-1] * itemsize,)
     chain = m.provenance(byte_coords).in_elements(itemsize)
     return [(s.step, s.shape, s.coords) for s in chain.stages]
+
+
+# ----------------------------------------------------------------------------- A/B
+def chain_diff(a: IndexMap, b: IndexMap) -> list[tuple[str, Optional[str], Optional[str]]]:
+    """The step chains of two maps side by side: ``[(op, step of a, step of b)]``.
+
+    ``op`` is "same" (equal kind and parameters), "changed" (same kind, other parameters),
+    "only A" or "only B"; steps are written ``kind(param=value, ...)``. The alignment is
+    difflib's over the step kinds.
+    """
+    import difflib
+
+    def text(step: IndexMap) -> str:
+        return f"{step.kind}({', '.join(f'{k}={v}' for k, v in step.params.items())})"
+
+    ka, kb = [s.kind for s in a.steps], [s.kind for s in b.steps]
+    out: list[tuple[str, Optional[str], Optional[str]]] = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=ka, b=kb, autojunk=False).get_opcodes():
+        if op == "equal":
+            for sa, sb in zip(a.steps[i1:i2], b.steps[j1:j2]):
+                out.append(("same" if sa.params == sb.params else "changed", text(sa), text(sb)))
+        else:
+            out += [("only A", text(s), None) for s in a.steps[i1:i2]]
+            out += [("only B", None, text(s)) for s in b.steps[j1:j2]]
+    return out

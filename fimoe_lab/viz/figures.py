@@ -1,26 +1,42 @@
 """Plain plotting functions: each returns a matplotlib ``Figure`` drawn from :mod:`.data`.
 
-No pyplot state: figures are ``matplotlib.figure.Figure`` objects (Agg), shown in a
-notebook with ``display(fig)`` and saved with ``fig.savefig``. The arrays each panel
-draws are exactly the :mod:`.data` arrays (tests compare them).
+No pyplot state: figures are ``matplotlib.figure.Figure`` objects (Agg), drawn in the
+lab's style (:data:`STYLE`: no text below :data:`MIN_FONT` points, legends outside the
+data, a colourbar with its unit on every heatmap). :func:`to_svg` renders one for a
+notebook (vector, shown at its natural size, black drawn as ``currentColor`` so it reads
+in JupyterLab's light and dark themes, with hover text); :func:`to_png` at 2x for files.
+Value views mark padding (grey), NaN, Inf and dead scales (:data:`FLAG_COLOURS`) and
+reduce anything larger than :data:`MAX_SIDE` per side (:func:`data.downsample`); axes
+are always in elements. The arrays each panel draws are the :mod:`.data` arrays (tests
+compare them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Optional
+import functools
+import io
+import re
+from collections.abc import Callable, Sequence
+from typing import Optional, TypeVar
 
 import numpy as np
-from matplotlib import colormaps
-from matplotlib.colors import ListedColormap
+from matplotlib import colormaps, rc_context
+from matplotlib.artist import Artist
+from matplotlib.axes import Axes
+from matplotlib.colors import ListedColormap, to_rgba
 from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
+from matplotlib.patches import Patch, Rectangle
 
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.viz import data
 
 __all__ = [
+    "MIN_FONT",
+    "STYLE",
+    "to_svg",
+    "to_png",
+    "hover_texts",
     "row_permutation_figure",
     "tile_figure",
     "swizzle_figure",
@@ -28,12 +44,106 @@ __all__ = [
     "provenance_figure",
     "compare_figure",
     "tuner_figure",
+    "frontier_figure",
+    "side_by_side",
+    "marker_svg",
+    "chain_text",
     "sweep_tactics_figure",
     "sweep_waste_figure",
 ]
 
-PAD_COLOUR = (0.75, 0.75, 0.75, 1.0)
+MIN_FONT = 8.0
+"""No text of a lab figure is smaller than this (points)."""
+STYLE = {
+    "font.size": 9,
+    "axes.titlesize": 9,
+    "axes.labelsize": 9,
+    "xtick.labelsize": MIN_FONT,
+    "ytick.labelsize": MIN_FONT,
+    "legend.fontsize": MIN_FONT,
+    "legend.title_fontsize": MIN_FONT,
+    "figure.titlesize": 10,
+    "legend.frameon": False,
+    "image.interpolation": "none",
+    "svg.fonttype": "none",
+    "svg.hashsalt": "fimoe-lab",
+}
+"""rcParams every figure is drawn under (``svg.fonttype`` none: text stays text, sharp at any zoom)."""
+
+PAD_COLOUR = (0.62, 0.62, 0.62, 1.0)
+FLAG_COLOURS = {"padding": PAD_COLOUR, "dead scale": "#00e5ff", "Inf": "#ff2a00", "NaN": "#ff00ff"}
+"""Marker colour of each :data:`data.FLAG_NAMES` flag but data (drawn over the value heatmap)."""
 MAGNITUDE_CMAP = "viridis"
+MAX_SIDE = 512
+"""Heatmaps larger than this per side are reduced (:func:`data.downsample`, :func:`data.sample_grid`)."""
+MAX_INDEX_SIDE = 1024
+"""Index views (source rows, columns, atoms) larger than this per side show every k-th element."""
+MAX_POINTS = 2048
+"""Row views with more rows draw "all rows" as an image of at most :data:`MAX_SIDE` per side."""
+SVG_DPI = 144
+"""Resolution of the rasters inside an SVG (heatmap pixels are data; this only sets large scatters)."""
+
+F = TypeVar("F", bound=Callable[..., Figure])
+
+
+def styled(fn: F) -> F:
+    """Draw ``fn``'s figure under :data:`STYLE`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with rc_context(STYLE):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def hover(artist: Artist, text: str) -> None:
+    """Give ``artist`` hover text: :func:`to_svg` writes it as the SVG ``<title>`` of the artist's group."""
+    fig = artist.get_figure(root=True) if hasattr(artist, "get_figure") else artist.figure
+    texts = hover_texts(fig)
+    gid = f"fimoe-hover-{len(texts)}"
+    artist.set_gid(gid)
+    texts[gid] = text
+
+
+def hover_texts(fig: Figure) -> dict[str, str]:
+    """``{gid: text}`` of every artist of ``fig`` with hover text (see :func:`hover`)."""
+    if not hasattr(fig, "_fimoe_hover"):
+        fig._fimoe_hover = {}  # type: ignore[attr-defined]
+    return fig._fimoe_hover  # type: ignore[attr-defined,no-any-return]
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def to_svg(fig: Figure) -> str:
+    """``fig`` as an SVG string for inline HTML: transparent, black drawn as ``currentColor``.
+
+    In a notebook the text and axes then take the page's text colour (light on JupyterLab's
+    dark theme, dark on the light one); sizes are the figure's own (``width``/``height`` in
+    points: shown at natural size, scaled down only to fit a narrower page); hover texts
+    become ``<title>`` elements.
+    """
+    buf = io.StringIO()
+    with rc_context(STYLE):
+        fig.savefig(buf, format="svg", transparent=True, dpi=SVG_DPI, metadata={"Date": None})
+    svg = buf.getvalue()
+    svg = svg[svg.index("<svg") :]
+    svg = svg.replace("#000000", "currentColor").replace(
+        "<svg ", '<svg fill="currentColor" style="max-width:100%;height:auto" ', 1
+    )
+    for gid, text in hover_texts(fig).items():
+        svg = re.sub(f'(<g id="{gid}"[^>]*>)', lambda m, t=text: f"{m.group(1)}<title>{_escape(t)}</title>", svg)
+    return svg
+
+
+def to_png(fig: Figure, scale: float = 2.0, facecolor: str = "white") -> bytes:
+    """PNG bytes of ``fig`` at ``scale`` x 100 dpi (2x: sharp on hi-DPI screens), on ``facecolor``."""
+    buf = io.BytesIO()
+    with rc_context(STYLE):
+        fig.savefig(buf, format="png", dpi=100 * scale, facecolor=facecolor)
+    return buf.getvalue()
 
 
 def _group_colours(n_groups: int) -> list:
@@ -57,6 +167,96 @@ def _cmap(name: str):
     return colormaps[name].with_extremes(bad=PAD_COLOUR)
 
 
+def panel_row(
+    panels: Sequence[tuple[float, float, float, bool]], height: float, top: float = 0.65, bottom: float = 0.75
+) -> tuple[Figure, list[tuple[Axes, Optional[Axes]]]]:
+    """A figure of panels left to right at fixed sizes in inches (no layout engine: a redraw
+    of a real-size view must not spend its budget on layout).
+
+    ``panels``: ``(left margin, axes width, right margin, colourbar)`` per panel; the
+    colourbar (0.12 in, 0.08 in from its axes) sits inside the right margin. ``top`` and
+    ``bottom`` margins hold titles, the suptitle, x labels and the legends below the axes.
+    Returns the figure and ``(axes, colourbar axes or None)`` per panel.
+    """
+    width = sum(left + w + right for left, w, right, _ in panels)
+    fig = Figure(figsize=(width, height))
+    x, out = 0.0, []
+    y, h = bottom / height, (height - top - bottom) / height
+    for left, w, right, bar in panels:
+        ax = fig.add_axes(((x + left) / width, y, w / width, h))
+        cax = fig.add_axes(((x + left + w + 0.08) / width, y, 0.12 / width, h)) if bar else None
+        out.append((ax, cax))
+        x += left + w + right
+    return fig, out
+
+
+def _extent(shape: tuple[int, int]) -> tuple[float, float, float, float]:
+    """imshow extent putting element ``(r, c)`` of a ``shape`` array at axes ``(c, r)``."""
+    return (-0.5, shape[1] - 0.5, shape[0] - 0.5, -0.5)
+
+
+def _index_image(fig: Figure, ax: Axes, cax: Optional[Axes], a: np.ndarray, label: str, cmap: str = "viridis"):
+    """An index array (-1: fill, grey) at most :data:`MAX_INDEX_SIDE` per side, axes in elements, colourbar
+    ``label``. Returns the sampling step ``(rows, cols)`` (every k-th element shown), for the title."""
+    shown, block = data.sample_grid(a, MAX_INDEX_SIDE)
+    im = ax.imshow(_masked(shown), aspect="auto", cmap=_cmap(cmap), extent=_extent(a.shape))
+    _colourbar(fig, im, ax, cax, label)
+    return block
+
+
+def _reduce(values: np.ndarray, pad, dead) -> tuple[data.Downsampled, dict[str, int]]:
+    """A value view's flags, reduction and flag counts (kept by :func:`data.memo` per input arrays)."""
+    flags = data.value_flags(values, pad, dead)
+    small = data.downsample(values, flags, MAX_SIDE)
+    return small, small.counts(flags)
+
+
+def _colourbar(fig: Figure, mappable, ax: Axes, cax: Optional[Axes], label: str, **kw):
+    """A colourbar with its unit in ``label``: in ``cax`` when the layout gives one, else beside ``ax``."""
+    if cax is not None:
+        return fig.colorbar(mappable, cax=cax, label=label, **kw)
+    return fig.colorbar(mappable, ax=ax, label=label, pad=0.01, **kw)
+
+
+def value_image(
+    fig: Figure,
+    ax: Axes,
+    cax: Optional[Axes],
+    values: np.ndarray,
+    label: str,
+    pad: Optional[np.ndarray] = None,
+    dead: Optional[np.ndarray] = None,
+    vmax: Optional[float] = None,
+    cmap: str = MAGNITUDE_CMAP,
+) -> data.Downsampled:
+    """Draw a value view: the values (largest per pixel; padding grey), a colourbar and a flag legend.
+
+    ``values`` ``(R, C)`` float; ``pad``/``dead`` bool masks of the same shape. Pixels holding
+    NaN, Inf or a dead scale are painted in :data:`FLAG_COLOURS` by a second image, drawn
+    only when there is one. Returns what was drawn (the first image holds ``.values`` with
+    every flagged pixel masked).
+    """
+    small, counts = data.memo(_reduce, values, pad, dead)
+    top = vmax if vmax is not None else (float(np.nanmax(small.values)) if np.isfinite(small.values).any() else 1.0)
+    ext = _extent(small.shape)
+    shown = np.ma.masked_array(small.values, mask=small.flags > 0)  # padding: the colour map's grey
+    im = ax.imshow(shown, aspect="auto", cmap=_cmap(cmap), vmin=0, vmax=top or 1.0, extent=ext)
+    marked = small.flags > data.FLAG_NAMES.index("padding")
+    if marked.any():  # NaN / Inf / dead scale: an overlay (drawn only when there is one: it costs an image)
+        overlay = np.zeros(small.flags.shape + (4,))
+        for name, colour in FLAG_COLOURS.items():
+            overlay[small.flags == data.FLAG_NAMES.index(name)] = to_rgba(colour)
+        ax.imshow(overlay, aspect="auto", extent=ext)
+    _colourbar(fig, im, ax, cax, label)
+    if counts:
+        handles = [Patch(color=FLAG_COLOURS[n], label=f"{n}: {c:,}") for n, c in counts.items()]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, -0.12), ncols=min(4, len(handles)))
+    if small.block != (1, 1):
+        ax.set_title(f"pixel = {small.block[0]}x{small.block[1]} elements (max)", loc="right", fontsize=MIN_FONT)
+    return small
+
+
+@styled
 def row_permutation_figure(
     m: IndexMap,
     projections: int = 2,
@@ -65,200 +265,261 @@ def row_permutation_figure(
     values: Optional[np.ndarray] = None,
     itemsize: int = 1,
     observed: Optional[np.ndarray] = None,
+    side: str = "kernel",
+    dead: Optional[np.ndarray] = None,
 ) -> Figure:
     """Source row -> kernel row for ``m``'s row steps (pad, swap, interleave, epilogue shuffle).
 
-    Panels: (1) the kernel rows ``window = (lo, hi)`` with a line from each one's source
-    row; (2) every kernel row's source row, the window shaded; (3, when ``values``
-    ``(rows, elements)`` of one expert is given) those values moved through the row
-    steps for the window's rows. ``observed`` ``(out_rows,)``: rows a suspect tensor
-    really holds (:func:`data.observed_row_sources`); mismatches are marked with red x.
-    Colours: ``colour_by`` in ``RowFlow.colour_modes()``.
+    Panels: (1) the window ``(lo, hi)`` of rows on ``side`` ("kernel" or "checkpoint",
+    :func:`data.row_window`) with a line from each checkpoint row to its kernel row; each
+    side has its own axis listing only the rows in the window (a dashed line marks a
+    jump), so a swap offset does not squash the shuffle; (2) every kernel row's source row,
+    the window shaded; (3, when ``values`` ``(rows, elements)`` of one expert is given)
+    those values moved through the row steps, for the window's kernel rows, with NaN/Inf
+    and ``dead`` (bool, like ``values``) scales marked. ``observed`` ``(out_rows,)``: rows
+    a suspect tensor really holds (:func:`data.observed_row_sources`); mismatches are
+    marked with red x. Colours: ``colour_by`` in ``RowFlow.colour_modes()``. Every line
+    has hover text (checkpoint row, kernel row, group, steps).
     """
-    flow = data.row_flow(m, projections)
-    lo, hi = max(0, window[0]), min(flow.out_rows, window[1])
-    if lo >= hi:
-        raise LayoutError(f"row window {window} is empty", fix=f"kernel rows are 0..{flow.out_rows - 1}")
+    flow = data.memo(data.row_flow, m, projections)
+    win = data.row_window(flow, window[0], window[1], side)
     codes, labels = flow.groups(colour_by)
     colours = _group_colours(len(labels))
-    panels = 3 if values is not None else 2
-    fig = Figure(figsize=(4.2 * panels, 4.6), layout="constrained")
-    ax_lines, ax_all = fig.add_subplot(1, panels, 1), fig.add_subplot(1, panels, 2)
+    layout = [(0.5, 3.0, 0.1, False), (0.9, 3.2, 1.5, False)]
+    fig, axes = panel_row(layout + ([(0.6, 3.4, 0.9, True)] if values is not None else []), 5.2, bottom=0.95)
+    (ax_lines, _), (ax_all, _) = axes[:2]
+    chain = " >> ".join(flow.steps)
 
-    dst = np.arange(lo, hi)
-    src = flow.src_rows[lo:hi]
-    for d, s, k in zip(dst, src, codes[lo:hi]):
-        if s >= 0:
-            ax_lines.plot([0, 1], [s, d], color=colours[k], lw=1.2)
+    cpos, kpos = win.positions()
+    nc, nk = max(len(win.ckpt_rows) - 1, 1), max(len(win.kernel_rows) - 1, 1)
+    for (c, k), cp, kp in zip(win.pairs, cpos, kpos):
+        group = labels[codes[k]]
+        if c >= 0:
+            (line,) = ax_lines.plot([0, 1], [cp / nc, kp / nk], color=colours[codes[k]], lw=1.2)
+            hover(line, f"checkpoint row {c} ({group}) -> kernel row {k}\nsteps: {chain}")
         else:
-            ax_lines.plot([1], [d], marker="s", color=PAD_COLOUR, ms=4)
-    real = src[src >= 0]
+            (line,) = ax_lines.plot([1], [kp / nk], marker="s", color=PAD_COLOUR, ms=4)
+            hover(line, f"kernel row {k}: padding\nsteps: {chain}")
+    for x, rows, n, ha in ((0, win.ckpt_rows, nc, "right"), (1, win.kernel_rows, nk, "left")):
+        step = max(1, -(-len(rows) // 24))
+        for p in range(0, len(rows), step):
+            ax_lines.text(x + (-0.04 if x == 0 else 0.04), p / n, str(rows[p]), ha=ha, va="center", fontsize=MIN_FONT)
+        for g in data.RowWindow.gaps(rows):
+            ax_lines.plot([x - 0.06, x + 0.06], [(g - 0.5) / n] * 2, ls="--", color="0.5", lw=1)
     ax_lines.set_xticks([0, 1], ["checkpoint row", "kernel row"])
-    ax_lines.set_xlim(-0.15, 1.15)
-    top = min(lo, int(real.min()) if real.size else lo)
-    bottom = max(hi - 1, int(real.max()) if real.size else hi - 1)
-    ax_lines.set_ylim(bottom + 0.5, top - 0.5)
-    ax_lines.set_ylabel("row")
-    ax_lines.set_title(f"kernel rows {lo}..{hi - 1}")
+    ax_lines.set_yticks([])
+    ax_lines.set_xlim(-0.35, 1.35)
+    ax_lines.set_ylim(1.03, -0.03)
+    for spine in ("left", "right", "top"):
+        ax_lines.spines[spine].set_visible(False)
+    ax_lines.set_title(f"{side} rows {win.lo}..{win.hi - 1} (dashed: rows skipped)")
 
     out = np.arange(flow.out_rows)
-    ax_all.scatter(out, np.where(flow.src_rows >= 0, flow.src_rows, np.nan), c=[colours[k] for k in codes], s=6)
-    pads = out[flow.src_rows < 0]
-    ax_all.scatter(pads, np.full(pads.size, -0.02 * flow.in_rows), c=[PAD_COLOUR], s=6, marker="s")
+    if flow.out_rows <= MAX_POINTS:
+        ax_all.scatter(out, np.where(flow.src_rows >= 0, flow.src_rows, np.nan), c=[colours[k] for k in codes], s=6)
+        pads = out[flow.src_rows < 0]
+        ax_all.scatter(pads, np.full(pads.size, -0.02 * flow.in_rows), c=[PAD_COLOUR], s=6, marker="s")
+    else:  # DeepSeek size: one pixel per (kernel rows, checkpoint rows) block, coloured by the group
+        fx, fy = -(-flow.out_rows // MAX_SIDE), -(-flow.in_rows // MAX_SIDE)
+        grid = np.zeros((-(-flow.in_rows // fy), -(-flow.out_rows // fx), 4))
+        real = flow.src_rows >= 0
+        grid[flow.src_rows[real] // fy, out[real] // fx] = np.asarray([to_rgba(c) for c in colours])[codes[real]]
+        ax_all.imshow(grid, aspect="auto", extent=(-0.5, flow.out_rows - 0.5, flow.in_rows - 0.5, -0.5))
+        ax_all.invert_yaxis()
+        ax_all.plot(
+            out[~real][[0, -1]] if (~real).any() else [],
+            [-0.02 * flow.in_rows] * (2 if (~real).any() else 0),
+            "-",
+            color=PAD_COLOUR,
+            lw=4,
+        )
+    handles = [Patch(color=colours[k], label=labels[k]) for k in sorted(set(codes.tolist()))][:12]
     if observed is not None:
         wrong = np.flatnonzero(observed != flow.src_rows)
-        ax_all.scatter(
+        (crosses,) = ax_all.plot(
             wrong,
             np.where(observed[wrong] >= 0, observed[wrong], -0.04 * flow.in_rows),
-            marker="x",
-            c="red",
-            s=14,
+            "x",
+            color="red",
+            ms=4,
             label=f"observed != planned ({wrong.size} rows)",
         )
-        ax_all.legend(loc="upper left", fontsize=7)
-    ax_all.axvspan(lo - 0.5, hi - 0.5, color="gold", alpha=0.25)
+        handles.append(crosses)
+    if side == "kernel":
+        ax_all.axvspan(win.lo - 0.5, win.hi - 0.5, color="gold", alpha=0.3)
+    else:
+        ax_all.axhspan(win.lo - 0.5, win.hi - 0.5, color="gold", alpha=0.3)
+    ax_all.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), title=colour_by)
     ax_all.set_xlabel("kernel row")
     ax_all.set_ylabel("checkpoint row (grey squares: padding)")
-    ax_all.set_title("all rows")
-    handles = [Rectangle((0, 0), 1, 1, color=colours[k]) for k in sorted(set(codes.tolist()))][:12]
-    names = [labels[k] for k in sorted(set(codes.tolist()))][:12]
-    ax_all.legend(handles, names, loc="lower right", fontsize=7, title=colour_by, title_fontsize=7)
-    if observed is not None:
-        ax_all.add_artist(ax_all.legend_)
+    ax_all.set_title(f"all rows (shaded: the window; {int((flow.src_rows < 0).sum())} padding rows)")
 
     if values is not None:
-        rows_map = m.row_steps()
-        moved = data.gather_values(rows_map, values, itemsize)
-        ax_v = fig.add_subplot(1, panels, 3)
-        ax_v.imshow(
-            _masked(moved[lo:hi]),
-            aspect="auto",
-            cmap=_cmap(MAGNITUDE_CMAP),
-            interpolation="nearest",
-            extent=(-0.5, moved.shape[1] - 0.5, hi - 0.5, lo - 0.5),
-        )
-        ax_v.set_title("values in kernel rows (grey: padding)")
+        src = data.row_element_sources(data.memo(IndexMap.row_steps, m), win.kernel_rows, itemsize)
+        pad = src < 0
+        moved = np.where(pad, np.nan, np.asarray(values, dtype=np.float64).reshape(-1)[np.maximum(src, 0)])
+        bad = None if dead is None else np.asarray(dead).reshape(-1)[np.maximum(src, 0)] & ~pad
+        ax_v, cax = axes[2]
+        value_image(fig, ax_v, cax, moved, "|value| (dequantized)", pad, bad)
+        ax_v.set_yticks(*_row_ticks(win.kernel_rows))
+        ax_v.set_ylabel("kernel row")
         ax_v.set_xlabel("element")
-    fig.suptitle(" >> ".join(flow.steps), fontsize=9)
+        ax_v.set_title("values in the kernel rows", loc="left")
+    fig.suptitle(chain)
     return fig
 
 
+def _chain(m: IndexMap) -> str:
+    """``m``'s step kinds joined by ``>>`` (its full name, with every parameter, is in the message line)."""
+    return " >> ".join(s.kind for s in m.steps)
+
+
+def _row_ticks(rows: np.ndarray) -> tuple[list[int], list[str]]:
+    """Tick positions (image rows) and labels (their row numbers), at most 16."""
+    step = max(1, -(-len(rows) // 16))
+    pos = list(range(0, len(rows), step))
+    return pos, [str(rows[p]) for p in pos]
+
+
+@styled
 def tile_figure(m: IndexMap, itemsize: int = 1, colour_by: str = "source column") -> Figure:
     """Block-major-K re-tiling: each input element's K block, and each tile element's source.
 
     Left: the input ``[M, K]`` coloured by the K block (of ``bk`` bytes) it lands in.
     Right: the output ``(K/bk, M, bk)`` drawn as ``(K/bk * M, bk)``, coloured by source
-    ``colour_by`` ("source column" or "source row"); white lines separate the K blocks.
+    ``colour_by`` ("source column" or "source row"); lines separate the K blocks.
     """
-    view = data.tile_view(m, itemsize)
+    view = data.memo(data.tile_view, m, itemsize)
     shown = {"source column": view.src_col, "source row": view.src_row}
     if colour_by not in shown:
         raise LayoutError(f"cannot colour tiles by {colour_by!r}", fix=f"choose one of {', '.join(shown)}")
-    fig = Figure(figsize=(10, 4.6), layout="constrained")
-    ax_in, ax_out = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    fig, ((ax_in, cax_in), (ax_out, cax_out)) = panel_row([(0.8, 3.8, 0.9, True), (0.8, 3.8, 1.0, True)], 5.2)
+    sample, _ = data.sample_grid(view.block_of_input, MAX_INDEX_SIDE)
     im = ax_in.imshow(
-        _masked(view.block_of_input),
+        _masked(sample),
         aspect="auto",
         cmap=_categorical(view.blocks),
         vmin=-0.5,
         vmax=view.blocks - 0.5,
-        interpolation="nearest",
+        extent=_extent(view.block_of_input.shape),
     )
-    fig.colorbar(im, ax=ax_in, label="K block in the output", ticks=range(view.blocks))
+    ticks = range(0, view.blocks, max(1, view.blocks // 16))
+    _colourbar(fig, im, ax_in, cax_in, "K block in the output (index)", ticks=ticks)
     ax_in.set_title(f"input [{view.block_of_input.shape[0]}, {view.block_of_input.shape[1]}] elements")
-    ax_in.set_xlabel("column")
+    ax_in.set_xlabel("column (element)")
     ax_in.set_ylabel("row")
-    im = ax_out.imshow(_masked(shown[colour_by]), aspect="auto", cmap=_cmap("viridis"), interpolation="nearest")
-    for b in range(1, view.blocks):
-        ax_out.axhline(b * view.rows - 0.5, color="white", lw=1)
-    fig.colorbar(im, ax=ax_out, label=colour_by)
+    step = _index_image(fig, ax_out, cax_out, shown[colour_by], f"{colour_by} (element index)")
+    if view.blocks <= 64:
+        for b in range(1, view.blocks):
+            ax_out.axhline(b * view.rows - 0.5, color="white", lw=1)
     ax_out.set_title(
         f"output ({view.blocks}, {view.rows}, {view.block_cols}) as ({view.blocks}x{view.rows}, {view.block_cols})"
+        + (f", every {step[0]}th row" if step[0] > 1 else ""),
+        loc="left",
     )
     ax_out.set_xlabel("element in block")
     ax_out.set_ylabel("K block x row")
-    fig.suptitle(view.name, fontsize=9)
+    fig.suptitle(_chain(m))
     return fig
 
 
+@styled
 def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
     """The 128x4 scale swizzle, atom by atom.
 
     Left: the linear scale matrix ``[rows, cols]`` coloured by the atom each scale lands
-    in, the scales of atom ``atom`` outlined in red. Middle: the swizzled buffer as
+    in, the scales of atom ``atom`` marked red. Middle: the swizzled buffer as
     ``(atoms*32, 16)`` coloured by source row (grey: padding), the atom shaded. Right:
-    atom ``atom`` close up, coloured by source column, its source row written on each
-    line of 16.
+    atom ``atom`` close up: 32 lines of 4 groups of 4 scales; each group is one kernel row
+    (a row of the swizzle's input) and is labelled ``k<kernel row> <- c<checkpoint row>``;
+    colour: source column. Each group has hover text (kernel and checkpoint row and columns).
     """
-    view = data.swizzle_view(m, itemsize)
+    view = data.memo(data.swizzle_view, m, itemsize)
     if not 0 <= atom < view.atoms:
         raise LayoutError(
             f"atom {atom} is outside 0..{view.atoms - 1} of {view.name}", fix=f"pick an atom in 0..{view.atoms - 1}"
         )
-    fig = Figure(figsize=(13, 4.8), layout="constrained")
-    ax_lin, ax_buf, ax_atom = (fig.add_subplot(1, 3, k) for k in (1, 2, 3))
+    fig, ((ax_lin, cax_lin), (ax_buf, cax_buf), (ax_atom, cax_atom)) = panel_row(
+        [(0.8, 3.0, 1.0, True), (0.8, 3.0, 1.0, True), (0.7, 5.4, 1.0, True)], 6.6, bottom=0.6
+    )
+    sample, _ = data.sample_grid(view.dest_atom, MAX_INDEX_SIDE)
     im = ax_lin.imshow(
-        _masked(view.dest_atom),
+        _masked(sample),
         aspect="auto",
-        cmap=_categorical(view.atoms),
+        cmap=_categorical(min(view.atoms, 20)) if view.atoms <= 20 else _cmap("viridis"),
         vmin=-0.5,
         vmax=view.atoms - 0.5,
-        interpolation="nearest",
+        extent=_extent(view.dest_atom.shape),
     )
-    chosen = np.pad(view.dest_atom == atom, 1).astype(float)
-    ax_lin.contour(
-        np.arange(-1, chosen.shape[1] - 1),
-        np.arange(-1, chosen.shape[0] - 1),
-        chosen,
-        levels=[0.5],
-        colors="black",
-        linewidths=2,
-    )
-    fig.colorbar(im, ax=ax_lin, label="destination atom (outlined: the chosen one)", ticks=range(view.atoms))
+    chosen = data.downsample(
+        (view.dest_atom == atom).astype(float), np.zeros(view.dest_atom.shape, np.uint8), MAX_SIDE
+    ).values
+    overlay = np.zeros(chosen.shape + (4,))
+    overlay[chosen > 0] = to_rgba("white", 0.7)
+    ax_lin.imshow(overlay, aspect="auto", extent=_extent(view.dest_atom.shape))
+    _colourbar(fig, im, ax_lin, cax_lin, "destination atom (index; veiled: the chosen one)")
     ax_lin.set_title(f"linear scales [{view.dest_atom.shape[0]}, {view.dest_atom.shape[1]}]")
     ax_lin.set_xlabel("scale column")
-    ax_lin.set_ylabel("row")
-    im = ax_buf.imshow(_masked(view.src_row), aspect="auto", cmap=_cmap("viridis"), interpolation="nearest")
-    ax_buf.axhspan(atom * 32 - 0.5, atom * 32 + 31.5, color="red", alpha=0.2)
-    fig.colorbar(im, ax=ax_buf, label="source row")
-    ax_buf.set_title(f"swizzled buffer: {view.atoms} atoms x 512")
+    ax_lin.set_ylabel("checkpoint row")
+    step = _index_image(fig, ax_buf, cax_buf, view.src_row, "source row (checkpoint row index)")
+    ax_buf.axhspan(atom * 32 - 0.5, atom * 32 + 31.5, color="red", alpha=0.3)
+    ax_buf.set_title(
+        f"swizzled buffer: {view.atoms} atoms x 512" + (f" (every {step[0]}th line)" if step[0] > 1 else ""), loc="left"
+    )
     ax_buf.set_xlabel("offset % 16")
     ax_buf.set_ylabel("offset // 16")
-    zoom_col = view.src_col[atom * 32 : (atom + 1) * 32]
-    zoom_row = view.src_row[atom * 32 : (atom + 1) * 32]
-    ax_atom.imshow(_masked(zoom_col), aspect="auto", cmap=_cmap("tab10"), interpolation="nearest")
+    lines = slice(atom * 32, (atom + 1) * 32)
+    zoom_col, zoom_row, zoom_k = view.src_col[lines], view.src_row[lines], view.kernel_row[lines]
+    zoom_kc = view.kernel_col[lines]
+    im = ax_atom.imshow(
+        np.ma.masked_array(zoom_col % 10, mask=zoom_col < 0), aspect="auto", cmap=_cmap("tab10"), vmin=-0.5, vmax=9.5
+    )
+    _colourbar(fig, im, ax_atom, cax_atom, "source column (scale index, mod 10 colours)")
     for line in range(32):
-        firsts = zoom_row[line]
-        label = " ".join(str(int(v)) if v >= 0 else "-" for v in firsts[::4])
-        ax_atom.text(15.6, line, label, fontsize=5, va="center")
-    ax_atom.set_xlim(-0.5, 24)
+        for g in range(4):
+            k, c = int(zoom_k[line, 4 * g]), int(zoom_row[line, 4 * g])
+            text = f"k{k} <- " + (f"c{c}" if c >= 0 else "pad")
+            label = ax_atom.text(4 * g + 1.5, line, text, ha="center", va="center", fontsize=MIN_FONT, color="#111111")
+            cols = zoom_col[line, 4 * g : 4 * g + 4]
+            hover(
+                label,
+                f"buffer offsets {512 * atom + 16 * line + 4 * g}..{512 * atom + 16 * line + 4 * g + 3}\n"
+                f"kernel row {k}, columns {int(zoom_kc[line, 4 * g])}..{int(zoom_kc[line, 4 * g + 3])}\n"
+                + (f"checkpoint row {c}, columns {cols.min()}..{cols.max()}" if c >= 0 else "padding")
+                + "\nstep: swizzle_scales_128x4",
+            )
+    for x in (3.5, 7.5, 11.5):
+        ax_atom.axvline(x, color="white", lw=1.5)
+    ax_atom.set_xticks([1.5, 5.5, 9.5, 13.5], ["group 0", "group 1", "group 2", "group 3"])
+    ax_atom.set_yticks(range(0, 32, 4))
+    ax_atom.set_ylabel("line (16 scales)")
     rb, cb = view.atom_origin[atom]
     ax_atom.set_title(
-        f"atom {atom}: swizzled rows {128 * rb}..{128 * rb + 127}, cols {4 * cb}..{4 * cb + 3}", fontsize=9
+        f"atom {atom}: kernel rows {128 * rb}..{128 * rb + 127}, cols {4 * cb}..{4 * cb + 3} "
+        "(k: kernel row, c: checkpoint row)",
+        loc="left",
     )
-    ax_atom.set_xlabel("colour: source column; text: source rows")
-    fig.suptitle(view.name, fontsize=9)
+    fig.suptitle(_chain(m))
     return fig
 
 
-MAX_MASK_SIDE = 512
+MAX_MASK_SIDE = MAX_SIDE
 
 
 def coarse_mask(mask: np.ndarray, max_side: int = MAX_MASK_SIDE) -> tuple[np.ndarray, tuple[int, int]]:
     """``mask`` reduced to at most ``max_side`` per side: a pixel is True when any element in its
     block is (so thin padding stays visible). Returns the mask and the block ``(rows, cols)``."""
-    fr, fc = -(-mask.shape[0] // max_side), -(-mask.shape[1] // max_side)
-    if fr == fc == 1:
-        return mask, (1, 1)
-    padded = np.pad(mask, ((0, -mask.shape[0] % fr), (0, -mask.shape[1] % fc)))
-    return padded.reshape(padded.shape[0] // fr, fr, padded.shape[1] // fc, fc).any(axis=(1, 3)), (fr, fc)
+    small = data.downsample(mask.astype(float), mask.astype(np.uint8), max_side)
+    return small.flags.astype(bool), small.block
 
 
+@styled
 def padding_figure(report: data.PaddingReport) -> Figure:
     """Padding of every tensor of a layer: the padded matrix (top) and the kernel layout (bottom).
 
-    Padding is drawn dark, data light; each title gives the tensor's padding bytes per expert.
-    Masks wider than 512 are drawn with :func:`coarse_mask` (the title gives the block).
+    Padding is drawn dark, data light (legend below); each title gives the tensor's padding
+    bytes per expert. Axes are in elements; masks wider than 512 are drawn with
+    :func:`coarse_mask` (the title gives the block).
     """
     names = list(report.tensors)
     if not names:
@@ -266,54 +527,97 @@ def padding_figure(report: data.PaddingReport) -> Figure:
             f"{report.plan.description} pads nothing and moves nothing: no tensor to draw",
             fix="pick another backend, format or alignment",
         )
-    fig = Figure(figsize=(3.3 * len(names), 6.2), layout="constrained")
-    cmap = ListedColormap([(0.93, 0.93, 0.85), (0.55, 0.1, 0.1)])
+    fig = Figure(figsize=(3.4 * len(names), 6.8), layout="constrained")
+    colours = [(0.93, 0.93, 0.85), (0.55, 0.1, 0.1)]
+    cmap = ListedColormap(colours)
     for k, name in enumerate(names):
         t = report.tensors[name]
         for row, (mask, where) in enumerate(((t.padded_mask, "padded"), (t.kernel_mask, "kernel layout"))):
             ax = fig.add_subplot(2, len(names), row * len(names) + k + 1)
             shown, block = coarse_mask(mask)
-            ax.imshow(shown, aspect="auto", cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
+            ax.imshow(shown, aspect="auto", cmap=cmap, vmin=0, vmax=1, extent=_extent(mask.shape))
             note = f"\n{t.fill_bytes:,} B of {t.out_bytes:,} B pad" if row == 0 else ""
             note += f"\n(pixel = {block[0]}x{block[1]} elements)" if block != (1, 1) else ""
-            ax.set_title(f"{name} {where} {mask.shape}{note}", fontsize=8)
-            ax.tick_params(labelsize=7)
-    fig.suptitle(report.summary(), fontsize=8, wrap=True)
+            ax.set_title(f"{name} {where} {mask.shape}{note}")
+            ax.set_xlabel("element")
+            if k == 0:
+                ax.set_ylabel("row")
+    fig.legend(
+        handles=[Patch(color=colours[0], label="data"), Patch(color=colours[1], label="padding")],
+        loc="outside lower center",
+        ncols=2,
+    )
+    fig.suptitle(report.summary(), wrap=True)
     return fig
 
 
-def provenance_figure(m: IndexMap, coords: Sequence[int], before: np.ndarray, itemsize: int = 1) -> Figure:
+@styled
+def provenance_figure(
+    m: IndexMap,
+    coords: Sequence[int],
+    before: np.ndarray,
+    itemsize: int = 1,
+    dead: Optional[np.ndarray] = None,
+) -> Figure:
     """Where one kernel element comes from, on real values.
 
     Left: ``before``, one expert's checkpoint-layout values ``(rows, elements)`` (e.g.
     dequantized magnitudes) with the source marked; right: the same values moved
-    through ``m`` (the kernel layout, :func:`data.display_2d`) with the chosen element
-    ``coords`` (in ``m.out_shape`` elements) marked. The step chain is printed below.
+    through ``m`` (the kernel layout, :func:`data.display_2d`) with the chosen element ``coords`` (in ``m.out_shape`` elements) marked.
+    NaN/Inf and ``dead`` scales (bool like ``before``) are marked on both. The step chain
+    is printed below.
     """
     chain = data.provenance_rows(m, tuple(coords), itemsize)
-    after = data.display_2d(data.gather_values(m, before, itemsize))
+    after2 = data.display_2d(data.memo(data.gather_values, m, before, itemsize))
     out_shape = m.out_shape[:-1] + (m.out_shape[-1] // itemsize,)
     flat = int(np.ravel_multi_index(tuple(coords), out_shape))
-    ar, ac = divmod(flat, after.shape[1])
-    fig = Figure(figsize=(11, 5.6), layout="constrained")
-    grid = fig.add_gridspec(2, 2, height_ratios=[4, 1.3])
-    ax_b, ax_a = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
-    vmax = float(np.nanmax(before))
-    ax_b.imshow(before, aspect="auto", cmap=_cmap(MAGNITUDE_CMAP), vmin=0, vmax=vmax, interpolation="nearest")
-    ax_b.set_title(f"checkpoint layout {before.shape}")
+    ar, ac = divmod(flat, after2.shape[1])
+    fig, ((ax_b, cax_b), (ax_a, cax_a)) = panel_row(
+        [(0.8, 4.4, 1.0, True), (0.8, 4.4, 1.0, True)], 6.8, top=0.4, bottom=2.1
+    )
+    finite = np.isfinite(before)
+    vmax = float(before[finite].max()) if finite.any() else 1.0
+    value_image(fig, ax_b, cax_b, before, "|value| (dequantized)", None, dead, vmax)
+    ax_b.set_title(f"checkpoint layout {before.shape} elements", loc="left")
     source = chain[-1][2]
-    if source is not None:
-        ax_b.plot(source[-1], source[0], marker="o", ms=10, mfc="none", mec="red", mew=2)
-    ax_a.imshow(_masked(after), aspect="auto", cmap=_cmap(MAGNITUDE_CMAP), vmin=0, vmax=vmax, interpolation="nearest")
-    ax_a.plot(ac, ar, marker="o", ms=10, mfc="none", mec="red", mew=2)
-    ax_a.set_title(f"kernel layout {after.shape} (grey: padding)")
-    ax_t = fig.add_subplot(grid[1, :])
-    ax_t.axis("off")
-    lines = [f"{('padding' if c is None else str(c)):<14} in {str(shape):<14} {stage}" for stage, shape, c in chain]
-    ax_t.text(0, 1, "\n".join(lines), family="monospace", fontsize=7, va="top")
+    ax_b.plot(*(source[::-1] if source is not None else (np.nan, np.nan)), **MARKER)
+    pad = data.memo(data.fill_mask, m, itemsize)
+    dead_after = None if dead is None else data.memo(data.gather_mask, m, dead, itemsize)
+    value_image(fig, ax_a, cax_a, after2, "|value| (dequantized)", pad, dead_after, vmax)
+    ax_a.plot(ac, ar, **MARKER)
+    ax_a.set_title(f"kernel layout {after2.shape} elements", loc="left")
+    fig.text(0.01, 1.35 / 6.8, chain_text(chain), family="monospace", fontsize=MIN_FONT, va="top")
     return fig
 
 
+def chain_text(chain: list) -> str:
+    """A provenance chain (:func:`data.provenance_rows`) as lines ``coords in shape stage``."""
+    return "\n".join(
+        f"{('padding' if c is None else str(c)):<16} in {str(shape):<16} {stage}" for stage, shape, c in chain
+    )
+
+
+MARKER = dict(marker="o", ms=12, mfc="none", mec="red", mew=2)
+"""The chosen element's marker on a value view."""
+
+
+def marker_svg(ax: Axes, x: float, y: float) -> str:
+    """An SVG circle drawn like :data:`MARKER` at data ``(x, y)`` of ``ax``, in :func:`to_svg`'s coordinates
+    (points from the top left), for moving a marker without rendering the figure again."""
+    if not (np.isfinite(x) and np.isfinite(y)):
+        return ""
+    fig = ax.get_figure(root=True)
+    px, py = ax.transData.transform((x, y))
+    scale = 72.0 / fig.dpi
+    height = fig.get_size_inches()[1] * 72.0
+    r = MARKER["ms"] / 2
+    return (
+        f'<circle cx="{px * scale:.2f}" cy="{height - py * scale:.2f}" r="{r}" fill="none" '
+        f'stroke="red" stroke-width="{MARKER["mew"]}"/>'
+    )
+
+
+@styled
 def compare_figure(
     m: IndexMap, checkpoint: np.ndarray, kernel: np.ndarray, itemsize: int = 1, title: str = ""
 ) -> Figure:
@@ -322,30 +626,37 @@ def compare_figure(
     ``checkpoint``: one expert's values ``(rows, elements)`` in the checkpoint layout;
     ``kernel``: the same expert's values as some preparation left them (``m.out_shape``
     in elements). A correct preparation gives back the checkpoint exactly (difference 0);
-    a missing or extra step shows as a broken pattern and a non-zero difference.
+    a missing or extra step shows as a broken pattern and a non-zero difference. NaN and
+    Inf are marked on every panel.
     """
     recovered = data.gather_values(m.inverse(), kernel, itemsize)
     diff = np.abs(recovered - checkpoint)
-    fig = Figure(figsize=(12, 4.4), layout="constrained")
-    vmax = float(np.nanmax(checkpoint))
+    fig, axes = panel_row([(0.7, 3.2, 1.0, True)] * 3, 5.0, bottom=0.95)
+    finite = np.isfinite(checkpoint)
+    vmax = float(np.abs(checkpoint[finite]).max()) if finite.any() else 1.0
+    diff_max = float(np.nanmax(np.where(np.isfinite(diff), diff, np.nan))) if np.isfinite(diff).any() else 0.0
     for k, (img, name) in enumerate(
         (
             (checkpoint, "checkpoint"),
             (recovered, "kernel tensor, un-done by the plan"),
-            (diff, f"|difference|: max {np.nanmax(diff):.3g}"),
+            (diff, f"|difference|: max {diff_max:.3g}"),
         )
     ):
-        ax = fig.add_subplot(1, 3, k + 1)
-        ax.imshow(
-            _masked(img),
-            aspect="auto",
-            cmap=_cmap("magma" if k == 2 else MAGNITUDE_CMAP),
-            vmin=0,
-            vmax=vmax,
-            interpolation="nearest",
+        ax, cax = axes[k]
+        value_image(
+            fig,
+            ax,
+            cax,
+            img,
+            "|difference| (value units)" if k == 2 else "value (as given)",
+            None,
+            None,
+            vmax,
+            "magma" if k == 2 else MAGNITUDE_CMAP,
         )
-        ax.set_title(name, fontsize=9)
-    fig.suptitle(title or m.name, fontsize=9)
+        ax.set_title(name, loc="left")
+        ax.set_xlabel("element")
+    fig.suptitle(title or _chain(m))
     return fig
 
 
@@ -354,6 +665,7 @@ def _token_columns(sweep) -> list[str]:
     return [c for c in sweep.columns if c.startswith("t") and c[1:].isdigit()]
 
 
+@styled
 def tuner_figure(sweep, tokens: Optional[int] = None) -> Figure:
     """The tuner's tactic heatmap: tactics per (intermediate alignment, hidden alignment).
 
@@ -380,11 +692,13 @@ def tuner_figure(sweep, tokens: Optional[int] = None) -> Figure:
     fig = Figure(figsize=(1.1 * len(ha) + 3, 0.55 * len(ia) + 2), layout="constrained")
     ax = fig.add_subplot(1, 1, 1)
     im = ax.imshow(_masked(grid), cmap=_cmap("viridis"), aspect="auto")
-    fig.colorbar(im, ax=ax, label=f"valid tactics ({column})")
+    _colourbar(fig, im, ax, None, f"valid tactics ({column}, count)")
     for (i, j), w in np.ndenumerate(waste):
         if w == w:
             bright = np.nanmax(grid) > 0 and grid[i, j] > 0.6 * np.nanmax(grid)
-            ax.text(j, i, f"+{w:.1f}%", ha="center", va="center", fontsize=7, color="black" if bright else "white")
+            ax.text(
+                j, i, f"+{w:.1f}%", ha="center", va="center", fontsize=MIN_FONT, color="#111111" if bright else "white"
+            )
     for flag, colour in (("recommended", "lime"), ("reference", "red")):
         for _, r in sweep[sweep[flag]].iterrows():
             i, j = ia.index(r["inter_align"]), ha.index(r["hidden_align"])
@@ -393,7 +707,7 @@ def tuner_figure(sweep, tokens: Optional[int] = None) -> Figure:
     ax.set_yticks(range(len(ia)), [str(v) for v in ia])
     ax.set_xlabel("hidden alignment")
     ax.set_ylabel("intermediate alignment")
-    ax.set_title(_sweep_title(sweep, "green = recommended, red = convert's default"), fontsize=9)
+    ax.set_title(_sweep_title(sweep, "green = recommended, red = convert's default"), fontsize=MIN_FONT + 1)
     return fig
 
 
@@ -402,6 +716,7 @@ def _sweep_title(sweep, what: str) -> str:
     return f"{attrs.get('preset', '')} {attrs.get('format', '')} TP {attrs.get('tp', '')}: {what}"
 
 
+@styled
 def sweep_tactics_figure(sweep) -> Figure:
     """Tactic counts of every padding of a sweep at every token count.
 
@@ -411,7 +726,7 @@ def sweep_tactics_figure(sweep) -> Figure:
     """
     tcols = _token_columns(sweep)
     counts = sweep[tcols].astype(float).to_numpy()
-    fig = Figure(figsize=(1.0 + 0.8 * len(tcols) + 3, 0.3 * len(sweep) + 1.5), layout="constrained")
+    fig = Figure(figsize=(1.0 + 0.8 * len(tcols) + 3, 0.32 * len(sweep) + 1.5), layout="constrained")
     ax = fig.add_subplot(1, 1, 1)
     im = ax.imshow(_masked(counts), aspect="auto", cmap=_cmap("viridis"), interpolation="nearest")
     ax.set_xticks(range(len(tcols)), [c[1:] for c in tcols])
@@ -421,7 +736,7 @@ def sweep_tactics_figure(sweep) -> Figure:
         + (" *" if r.recommended else "")
         for r in sweep.itertuples()
     ]
-    ax.set_yticks(range(len(sweep)), labels, fontsize=7)
+    ax.set_yticks(range(len(sweep)), labels, fontsize=MIN_FONT)
     ax.set_xlabel("tokens")
     top = np.nanmax(counts) if np.isfinite(counts).any() else 0.0
     for (i, j), v in np.ndenumerate(counts):
@@ -431,14 +746,15 @@ def sweep_tactics_figure(sweep) -> Figure:
             "?" if v != v else int(v),
             ha="center",
             va="center",
-            fontsize=6,
-            color="white" if (v == v and v < top / 2) else "black",
+            fontsize=MIN_FONT,
+            color="white" if (v == v and v < top / 2) else "#111111",
         )
-    fig.colorbar(im, ax=ax, label="valid tactics")
-    ax.set_title(_sweep_title(sweep, "tactics (REF = convert's default, * = recommended)"), fontsize=9)
+    _colourbar(fig, im, ax, None, "valid tactics (count)")
+    ax.set_title(_sweep_title(sweep, "tactics (REF = convert's default, * = recommended)"), fontsize=MIN_FONT + 1)
     return fig
 
 
+@styled
 def sweep_waste_figure(sweep) -> Figure:
     """Extra weight bytes (%) against the minimum tactic count over token counts, one point per padding.
 
@@ -451,8 +767,65 @@ def sweep_waste_figure(sweep) -> Figure:
     ax.scatter(sweep["extra_bytes_pct"], least, c=["tab:green" if f else "tab:red" for f in sweep["full"]])
     for r, y in zip(sweep.itertuples(), least):
         if r.reference or r.recommended:
-            ax.annotate("REF" if r.reference else "REC", (r.extra_bytes_pct, y), fontsize=8)
+            ax.annotate("REF" if r.reference else "REC", (r.extra_bytes_pct, y), fontsize=MIN_FONT)
     ax.set_xlabel("extra weight bytes / FLOPs (%)")
     ax.set_ylabel("min tactics over token counts")
-    ax.set_title(_sweep_title(sweep, "waste vs tactics"), fontsize=9)
+    ax.set_title(_sweep_title(sweep, "waste vs tactics"), fontsize=MIN_FONT + 1)
+    return fig
+
+
+@styled
+def frontier_figure(sweep) -> Figure:
+    """The tuner's frontier: predicted time against extra weight bytes, one point per padding.
+
+    ``sweep``: :func:`fimoe_lab.tune.sweep.sweep`'s DataFrame (``extra_bytes_pct``,
+    ``predicted_us``, ``min_tactics``, ``pareto``, ``recommended``, ``reference``). Colour:
+    the least tactic count over token counts; the ``pareto`` rows joined by a line; boxes:
+    green = recommended, red = convert's default. Paddings without a predicted time (no
+    tactic at some token count) sit on the bottom edge as grey x.
+    """
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    t = sweep["predicted_us"].astype(float).to_numpy()
+    x = sweep["extra_bytes_pct"].astype(float).to_numpy()
+    tactics = sweep["min_tactics"].astype(float).to_numpy()
+    ok = np.isfinite(t)
+    dots = ax.scatter(x[ok], t[ok], c=tactics[ok], cmap="viridis", s=28, zorder=3)
+    _colourbar(fig, dots, ax, None, "min tactics over token counts (count)")
+    floor = float(np.nanmin(t)) if ok.any() else 0.0
+    ax.plot(x[~ok], np.full((~ok).sum(), floor), "x", color=PAD_COLOUR, label="no tactic at some T")
+    front = sweep[sweep["pareto"]].sort_values("extra_bytes_pct")
+    ax.plot(front["extra_bytes_pct"], front["predicted_us"], "-", color="tab:blue", lw=1, label="frontier")
+    for flag, colour in (("recommended", "lime"), ("reference", "red")):
+        rows = sweep[sweep[flag]]
+        ax.plot(rows["extra_bytes_pct"], rows["predicted_us"], "s", mfc="none", mec=colour, ms=11, mew=2, label=flag)
+    ax.set_xlabel("extra weight bytes (%)")
+    ax.set_ylabel("predicted time over the token profile (us, estimate)")
+    fig.legend(loc="outside lower center", ncols=4)
+    ax.set_title(_sweep_title(sweep, f"frontier on {sweep.attrs.get('gpu', '')}"), fontsize=MIN_FONT + 1)
+    return fig
+
+
+def side_by_side(a: Figure, b: Figure, label_a: str = "A", label_b: str = "B") -> Figure:
+    """Two figures as one (A above B), each drawn at its own size and labelled: for A/B views.
+
+    The panels are the two figures rendered at 2x (:func:`to_png`) and shown as images, so
+    the arrays stay in ``a`` and ``b`` (kept as ``fig.parts``) for tests and scripts.
+    """
+    from PIL import Image
+
+    parts = [np.asarray(Image.open(io.BytesIO(to_png(f)))) for f in (a, b)]
+    width = max(f.get_size_inches()[0] for f in (a, b))
+    heights = [f.get_size_inches()[1] for f in (a, b)]
+    with rc_context(STYLE):
+        fig = Figure(figsize=(width, sum(heights) + 0.6))
+        top = 1.0
+        for img, f, label in zip(parts, (a, b), (label_a, label_b)):
+            h = (f.get_size_inches()[1] + 0.3) / fig.get_size_inches()[1]
+            ax = fig.add_axes((0, top - h, f.get_size_inches()[0] / width, h - 0.3 / fig.get_size_inches()[1]))
+            ax.imshow(img, interpolation="antialiased")
+            ax.axis("off")
+            fig.text(0.005, top - 0.01, label, fontsize=12, fontweight="bold", va="top")
+            top -= h
+    fig.parts = (a, b)  # type: ignore[attr-defined]
     return fig

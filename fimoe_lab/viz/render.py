@@ -2,7 +2,9 @@
 
 ``%load_ext fimoe_lab.viz`` (or :func:`register`) makes every :class:`IndexMap`,
 :class:`LayerPlan` and :class:`Provenance` display as an HTML table of its steps, with
-a thumbnail of where each output byte comes from; the core classes are untouched.
+a thumbnail of where each output byte comes from, and every matplotlib ``Figure`` as the
+lab's inline SVG (:func:`fimoe_lab.viz.figures.to_svg`: vector, natural size, readable
+in JupyterLab's light and dark themes); the core classes are untouched.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from matplotlib.figure import Figure
 from fimoe_lab.layout import IndexMap, Provenance
 from fimoe_lab.plan import LayerPlan
 
-__all__ = ["map_html", "plan_html", "provenance_html", "register"]
+__all__ = ["map_html", "plan_html", "provenance_html", "figure_html", "register"]
 
 THUMBNAIL_MAX_BYTES = 1 << 22  # maps larger than this (bytes per expert) render without a thumbnail
 TABLE = "<table style='font-family:monospace;font-size:12px;border-collapse:collapse'>"
@@ -83,8 +85,19 @@ def provenance_html(p: Provenance) -> str:
     return f"{TABLE}{rows}</table>"
 
 
+def figure_html(fig: Figure) -> str:
+    """HTML for a figure: its theme-aware SVG (:func:`fimoe_lab.viz.figures.to_svg`) in a ``fimoe-figure`` div."""
+    from fimoe_lab.viz.figures import to_svg
+
+    return f"<div class='fimoe-figure' style='max-width:100%;overflow-x:auto'>{to_svg(fig)}</div>"
+
+
 def register(ip=None) -> None:
-    """Make IPython render the core's values as HTML (``%load_ext fimoe_lab.viz`` calls this)."""
+    """Make IPython render the core's values and figures as HTML (``%load_ext fimoe_lab.viz`` calls this).
+
+    Figures then carry only the SVG (the inline backend's PNG, a fixed-DPI raster on a
+    white slab, is switched off for them).
+    """
     if ip is None:
         from IPython import get_ipython
 
@@ -93,3 +106,5 @@ def register(ip=None) -> None:
     formatter.for_type(IndexMap, map_html)
     formatter.for_type(LayerPlan, plan_html)
     formatter.for_type(Provenance, provenance_html)
+    formatter.for_type(Figure, figure_html)
+    ip.display_formatter.formatters["image/png"].for_type(Figure, lambda fig: None)

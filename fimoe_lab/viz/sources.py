@@ -34,6 +34,7 @@ __all__ = [
     "sample_names",
     "preset_names",
     "tactic_sweep",
+    "tuner_choices",
 ]
 
 PLAN_FORMATS = weight_formats()
@@ -70,6 +71,7 @@ class ExpertTensors:
     moe: Any
     source: str
     _plans: dict = field(default_factory=dict, repr=False)
+    _values: dict = field(default_factory=dict, repr=False)
 
     @property
     def fmt(self) -> str:
@@ -106,7 +108,42 @@ class ExpertTensors:
 
     def magnitude(self, name: str, expert: int = 0) -> np.ndarray:
         """float64 ``(rows, elements)`` of one expert: |dequantized weight| per stored element
-        (per byte for packed fp4: the larger of its two values), or the decoded scales."""
+        (per byte for packed fp4: the larger of its two values), or the decoded scales.
+
+        Kept per ``(name, expert)`` (a real-size expert dequantizes in about a second), read-only."""
+        key = ("magnitude", name, expert)
+        if key not in self._values:
+            self._values[key] = self._magnitude(name, expert)
+            self._values[key].flags.writeable = False
+        return self._values[key]
+
+    def dead(self, name: str, expert: int = 0) -> np.ndarray:
+        """bool, shaped like :meth:`magnitude`: True where the element's decoded block scale is
+        below :data:`fimoe_lab.formats.health.TINY_SCALE` (a dead scale; for a scale tensor,
+        the scale itself). All False for an unscaled format.
+
+        A scale of shape ``(rs, cs)`` (per tensor: ``(1, 1)``) covers ``ceil(R/rs) x ceil(C/cs)`` of the ``(R, C)``
+        stored elements.
+        """
+        key = ("dead", name, expert)
+        if key not in self._values:
+            self._values[key] = self._dead(name, expert)
+            self._values[key].flags.writeable = False
+        return self._values[key]
+
+    def _dead(self, name: str, expert: int) -> np.ndarray:
+        from fimoe_lab.formats.health import TINY_SCALE
+
+        shape = self.magnitude(name, expert).shape
+        scale_name = name if name.endswith("_scale") else f"{name}_scale"
+        if scale_name not in self.tensors:
+            return np.zeros(shape, dtype=bool)
+        tiny = self.magnitude(scale_name, expert) < TINY_SCALE
+        tiny = tiny.reshape(-1, 1) if tiny.ndim < 2 else tiny  # per tensor (or per projection)
+        fr, fc = -(-shape[0] // tiny.shape[0]), -(-shape[1] // tiny.shape[1])
+        return np.ascontiguousarray(np.repeat(np.repeat(tiny, fr, axis=0), fc, axis=1)[: shape[0], : shape[1]])
+
+    def _magnitude(self, name: str, expert: int) -> np.ndarray:
         if not 0 <= expert < self.experts:
             raise LayoutError(
                 f"expert {expert} is outside 0..{self.experts - 1} of this layer",
@@ -220,15 +257,26 @@ def preset_names() -> list[str]:
     return sorted(presets.PRESETS)
 
 
-def tactic_sweep(preset: str, fmt: str, tp: int, mode: str = "snapshot"):
+def tuner_choices() -> tuple[list[str], list[str]]:
+    """``(GPU names, engine profile names)`` the tuner knows (empty when it is not installed)."""
+    try:
+        cost = _require("fimoe_lab.tune.cost", "the tuner view")
+    except LabUnavailable:
+        return [], []
+    from fimoe_lab.engines import ENGINES
+
+    return sorted(cost.GPUS), sorted(ENGINES)
+
+
+def tactic_sweep(preset: str, fmt: str, tp: int, mode: str = "snapshot", **kwargs: Any):
     """The tuner's table for ``preset`` in ``fmt`` at tensor-parallel size ``tp``.
 
     A pandas DataFrame, one row per (``inter_align``, ``hidden_align``), with tactic counts
     ``t<T>`` per token count, ``min_tactics``, ``extra_bytes_pct``, ``reference``,
     ``recommended``; see :func:`fimoe_lab.tune.sweep.sweep`. ``mode``: the tactic oracle's
     (``snapshot``: the recorded FlashInfer 0.6.13 answers, fast and offline; ``auto``: live
-    where possible).
+    where possible). ``kwargs`` go to ``sweep`` (``tokens``, ``per_token``, ``gpu``, ``engine``).
     """
     sweep = _require("fimoe_lab.tune.sweep", "the tuner view")
     oracle = _require("fimoe_lab.tune.oracle", "the tuner view")
-    return sweep.sweep(preset, fmt, tp, oracle=oracle.TacticOracle(mode))
+    return sweep.sweep(preset, fmt, tp, oracle=oracle.TacticOracle(mode), **kwargs)

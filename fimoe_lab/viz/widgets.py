@@ -1,23 +1,29 @@
 """ipywidgets explorers: controls + the figure of :mod:`.figures`, redrawn on every change.
 
-Each explorer is a ``VBox`` of controls, a PNG ``Image`` of the current figure and an
-``HTML`` line (the summary, or the error that explains a bad choice). After each
-redraw ``explorer.figure`` holds the matplotlib Figure and ``explorer.state`` the
-inputs it was drawn from, so scripts and tests can read what is shown.
+Each explorer is a ``VBox`` of controls, the current figure as inline SVG
+(:func:`figures.to_svg`: vector, natural size, follows JupyterLab's light or dark theme,
+hover text on lines and cells), a message line (the summary, or the error that explains a
+bad choice: the explorer keeps its last figure and any later change redraws) and an
+export row (save PNG at 2x / SVG, show the code that draws the figure). After each redraw
+``explorer.figure`` holds the matplotlib Figure, ``explorer.svg`` its SVG and
+``explorer.state`` the inputs it was drawn from, so scripts and tests can read what is
+shown. Redraws are cached per control state (:attr:`_Explorer.CACHE`), data per layer.
 
-Explorers take a layer (:class:`~fimoe_lab.viz.sources.ExpertTensors`: a shipped
-sample, a checkpoint through ``sources.load_layer``, or ``sources.sample_layer``);
-without one they offer a layer menu: a seeded layer per format and the shipped sample
-checkpoints. Their plans are the ones ``fimoe-lab convert`` applies; the backends and
-formats on offer are the rows of :mod:`fimoe_lab.specs`.
+Layer explorers take a layer (:class:`~fimoe_lab.viz.sources.ExpertTensors`) or offer a
+menu: seeded layers per format (shape typed in the ``I x H`` box), the shipped sample
+checkpoints, and any checkpoint loaded through the path box with its layer, TP size and
+TP rank (:func:`sources.load_layer`). Their plans are the ones ``fimoe-lab convert``
+applies; the backends and formats on offer are the rows of :mod:`fimoe_lab.specs`.
 """
 
 from __future__ import annotations
 
 import html
-import io
+import re
+from collections import OrderedDict
 from functools import lru_cache
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import ipywidgets as W
 import numpy as np
@@ -27,28 +33,47 @@ from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.specs import BACKENDS
 from fimoe_lab.viz import data, figures, sources
 
-__all__ = ["RowExplorer", "TileExplorer", "PaddingExplorer", "ProvenanceExplorer", "TunerExplorer"]
+__all__ = [
+    "RowExplorer",
+    "TileExplorer",
+    "PaddingExplorer",
+    "ProvenanceExplorer",
+    "TunerExplorer",
+    "DiagnoseExplorer",
+    "CompareExplorer",
+]
 
-DPI = 72
-
-
-def figure_png(fig: Figure, dpi: int = DPI) -> bytes:
-    """PNG bytes of ``fig``."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
+STYLE = {"description_width": "90px"}
 SEEDED_SIZES = {"fp8-block": 128, "nvfp4": 128}  # seeded intermediate: 96 shows padding where the format allows
+TP_SIZES = (1, 2, 4, 8, 16)
+
+
+def figure_png(fig: Figure) -> bytes:
+    """PNG bytes of ``fig`` at 2x (:func:`figures.to_png`)."""
+    return figures.to_png(fig)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"I x H"`` (e.g. ``"96x256"``) -> ``(I, H)``; a :class:`LayoutError` otherwise."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX*, ]\s*(\d+)\s*", text)
+    if not m or not all(int(v) > 0 for v in m.groups()):
+        raise LayoutError(f"shape {text!r} is not 'I x H'", fix="type the intermediate and hidden size, e.g. 96x256")
+    return int(m.group(1)), int(m.group(2))
 
 
 @lru_cache(maxsize=16)
 def _layer(key: str) -> sources.ExpertTensors:
-    """``seeded:<format>`` (a seeded sample layer) or ``sample:<name>`` (a shipped sample checkpoint)."""
-    kind, name = key.split(":", 1)
+    """``seeded:<format>[:I:H]`` (a seeded sample layer), ``sample:<name>`` (a shipped sample
+    checkpoint) or ``path:<layer>:<tp size>:<tp rank>:<path>`` (a checkpoint directory)."""
+    kind, rest = key.split(":", 1)
     if kind == "seeded":
-        return sources.sample_layer(name, experts=4, intermediate=SEEDED_SIZES.get(name, 96), hidden=256)
-    return sources.load_layer(name)
+        fmt, *shape = rest.split(":")
+        inter, hidden = (int(shape[0]), int(shape[1])) if shape else (SEEDED_SIZES.get(fmt, 96), 256)
+        return sources.sample_layer(fmt, experts=4, intermediate=inter, hidden=hidden)
+    if kind == "path":
+        layer, tp, rank, path = rest.split(":", 3)
+        return sources.load_layer(path, None if layer == "first" else int(layer), int(tp), int(rank))
+    return sources.load_layer(rest)
 
 
 def layer_choices() -> list[tuple[str, str]]:
@@ -61,28 +86,52 @@ def layer_choices() -> list[tuple[str, str]]:
     return seeded + shipped
 
 
-def _dropdown(description: str, options, value=None) -> W.Dropdown:
+def _dropdown(description: str, options, value=None, width: str = "230px") -> W.Dropdown:
     options = list(options)
     return W.Dropdown(
         options=options,
         value=value if value is not None else options[0],
         description=description,
-        layout=W.Layout(width="220px"),
-        style={"description_width": "80px"},
+        layout=W.Layout(width=width),
+        style=STYLE,
     )
 
 
+def _int_box(description: str, value: int, width: str = "230px") -> W.IntText:
+    return W.IntText(value, description=description, style=STYLE, layout=W.Layout(width=width))
+
+
+def _slider(description: str, value: int, top: int, step: int = 1) -> W.IntSlider:
+    return W.IntSlider(value, 0, top, step=step, description=description, style=STYLE, continuous_update=False)
+
+
 class _Explorer(W.VBox):
-    """Controls, figure and message; subclasses define ``_controls`` and ``_draw``."""
+    """Controls, figure, message and export row; subclasses define ``_draw`` (and ``code``)."""
+
+    CACHE = 12
+    """Figures kept per explorer, by control state: going back to a setting is instant."""
 
     def __init__(self, controls: list):
-        self.image = W.Image(format="png", layout=W.Layout(max_width="100%", display="none"))  # shown once drawn
+        self.view = W.HTML(layout=W.Layout(overflow="auto", max_width="100%"))
+        self.view.add_class("fimoe-figure")
         self.message = W.HTML()
+        self.message.add_class("fimoe-message")
         self.figure: Optional[Figure] = None
+        self.svg = ""
         self.state: dict = {}
         self._busy = False
+        self._drawn: OrderedDict = OrderedDict()
+        self.save_name = W.Text(placeholder="file name (default: fimoe-<explorer>)", layout=W.Layout(width="260px"))
+        save_png, save_svg = W.Button(description="save PNG"), W.Button(description="save SVG")
+        show_code = W.Button(description="copy as code")
+        save_png.on_click(lambda _: self.save("png"))
+        save_svg.on_click(lambda _: self.save("svg"))
+        show_code.on_click(lambda _: self._show_code())
+        self.code_box = W.Textarea(layout=W.Layout(width="100%", height="90px", display="none"))
+        self.controls = controls
         rows = [W.HBox(controls[i : i + 4]) for i in range(0, len(controls), 4)]
-        super().__init__(rows + [self.message, self.image])
+        export = W.HBox([self.save_name, save_png, save_svg, show_code])
+        super().__init__(rows + [self.message, self.view, export, self.code_box])
         for c in controls:
             c.observe(self.refresh, names="value")
         self.refresh()
@@ -90,27 +139,72 @@ class _Explorer(W.VBox):
     def _draw(self) -> tuple[Figure, str]:
         raise NotImplementedError
 
+    def _key(self) -> tuple:
+        """The control state a figure is drawn from (the cache key)."""
+        return tuple(repr(c.value) for c in self.controls)
+
+    def code(self) -> str:
+        """Python that draws the current figure without the explorer."""
+        raise NotImplementedError
+
     def refresh(self, *_) -> None:
-        """Redraw from the controls' values; a bad combination shows its error instead."""
+        """Redraw from the controls' values; a bad combination shows its error instead.
+
+        Any error leaves the last figure in place and says why; the next change redraws.
+        """
         if self._busy:
             return
         self._busy = True
         try:
-            fig, note = self._draw()
-        except (FimoeError, sources.LabUnavailable) as exc:
+            key = self._key()
+            if key in self._drawn:
+                self._drawn.move_to_end(key)
+                fig, svg, note, state = self._drawn[key]
+                self.state = dict(state)
+            else:
+                fig, note, *given = self._draw()
+                parts = getattr(fig, "parts", None)  # an A/B figure: each part as its own vector SVG
+                if given:  # the explorer rendered it (a marker moved on a figure already drawn)
+                    svg = given[0]
+                elif parts:
+                    svg = "".join(f"<div><b>{label}</b></div>{figures.to_svg(p)}" for label, p in zip("AB", parts))
+                else:
+                    svg = figures.to_svg(fig)
+                self._drawn[self._key()] = (fig, svg, note, dict(self.state))
+                while len(self._drawn) > self.CACHE:
+                    self._drawn.popitem(last=False)
+        except (FimoeError, sources.LabUnavailable, ValueError, KeyError, OSError) as exc:
             shown = "figure not updated" if self.figure is not None else "no figure"
-            self.message.value = f"<span style='color:#a00'>{html.escape(str(exc))} ({shown})</span>"
+            self.message.value = f"<span style='color:#d33'>{html.escape(str(exc))} ({shown})</span>"
             return
         finally:
             self._busy = False
-        self.figure = fig
-        self.image.value = figure_png(fig)
-        self.image.layout.display = None
+        self.figure, self.svg = fig, svg
+        self.view.value = svg
         self.message.value = html.escape(note)
+
+    def save(self, fmt: str, path: Optional[str] = None) -> Path:
+        """Write the shown figure as ``fmt`` ("png": 2x on white, "svg": vector) to ``path``
+        (default: the name box, or ``fimoe-<explorer>``); returns the file written."""
+        if self.figure is None:
+            raise LayoutError("there is no figure to save yet", fix="pick a setting that draws one")
+        name = path or self.save_name.value.strip() or f"fimoe-{type(self).__name__.lower()}"
+        out = Path(name).with_suffix(f".{fmt}")
+        if fmt == "png":
+            out.write_bytes(figures.to_png(self.figure))
+        else:
+            out.write_text(self.svg)
+        self.message.value = html.escape(f"saved {out.resolve()}")
+        return out
+
+    def _show_code(self) -> None:
+        self.code_box.value = self.code()
+        self.code_box.layout.display = None
 
 
 class _LayerExplorer(_Explorer):
-    """An explorer over one layer's plan: format (sample layers only), backend, tensor, expert."""
+    """An explorer over one layer's plan: layer menu (seeded shape, path box, layer, TP size
+    and rank), backend, tensor, expert."""
 
     tensor_filter = staticmethod(lambda m: True)
 
@@ -128,18 +222,78 @@ class _LayerExplorer(_Explorer):
             options=choices,
             value="given" if layer is not None else source,
             description="layer",
-            layout=W.Layout(width="330px"),
-            style={"description_width": "80px"},
+            layout=W.Layout(width="360px"),
+            style=STYLE,
         )
         self.source.disabled = layer is not None
+        self.shape = W.Text(
+            "",
+            placeholder="I x H",
+            description="seeded I x H",
+            style=STYLE,
+            layout=W.Layout(width="230px"),
+            continuous_update=False,
+        )
         self.backend = _dropdown("backend", BACKENDS, backend)
         self.tensor = _dropdown("tensor", data.TENSOR_NAMES, tensor)
-        self.expert = W.IntSlider(0, 0, 3, description="expert", style={"description_width": "80px"})
-        super().__init__([self.source, self.backend, self.tensor, self.expert] + extra)
+        self.expert = _slider("expert", 0, 3)
+        self.path = W.Text(
+            placeholder="checkpoint directory or sample name",
+            description="checkpoint",
+            style=STYLE,
+            layout=W.Layout(width="360px"),
+        )
+        self.layer_index = W.Text("first", description="MoE layer", style=STYLE, layout=W.Layout(width="160px"))
+        self.tp_size = _dropdown("TP size", TP_SIZES, 1, "160px")
+        self.tp_rank = W.BoundedIntText(
+            0, min=0, max=max(TP_SIZES) - 1, description="TP rank", style=STYLE, layout=W.Layout(width="160px")
+        )
+        load = W.Button(description="load", button_style="primary")
+        load.on_click(lambda _: self.load())
+        self.loader = W.HBox([self.path, self.layer_index, self.tp_size, self.tp_rank, load])
+        super().__init__([self.source, self.shape, self.backend, self.tensor, self.expert] + extra)
+        self.children = (self.loader,) + tuple(self.children)
+
+    def load(self, path: Optional[str] = None) -> None:
+        """Read the checkpoint in the path box (or ``path``) at the chosen layer, TP size and
+        rank, add it to the layer menu and show it; an unreadable one only sets the message."""
+        where = (path or self.path.value).strip()
+        layer = self.layer_index.value.strip() or "first"
+        try:
+            if not where:
+                raise LayoutError("the checkpoint box is empty", fix="type a checkpoint directory or a sample name")
+            if layer != "first" and not layer.isdigit():
+                raise LayoutError(f"MoE layer {layer!r} is not a number", fix="type a layer index or 'first'")
+            if not 0 <= self.tp_rank.value < self.tp_size.value:
+                raise LayoutError(
+                    f"TP rank {self.tp_rank.value} is outside 0..{self.tp_size.value - 1}",
+                    fix=f"pick a rank in 0..{self.tp_size.value - 1}",
+                )
+            key = f"path:{layer}:{self.tp_size.value}:{self.tp_rank.value}:{where}"
+            loaded = _layer(key)
+        except (FimoeError, sources.LabUnavailable, ValueError, OSError) as exc:
+            self.message.value = f"<span style='color:#d33'>{html.escape(str(exc))} (layer not changed)</span>"
+            return
+        if self.layer_given is not None:
+            self.layer_given = loaded
+            self.source.options = [(loaded.source, "given")]
+        else:
+            self.source.options = [o for o in self.source.options if o[1] != key] + [(loaded.source, key)]
+            self.source.value = key
+        self.refresh()
 
     @property
     def layer(self) -> sources.ExpertTensors:
-        return self.layer_given or _layer(self.source.value)
+        if self.layer_given is not None:
+            return self.layer_given
+        key = self.source.value
+        if key.startswith("seeded:") and self.shape.value.strip():
+            inter, hidden = parse_shape(self.shape.value)
+            key = f"{key}:{inter}:{hidden}"
+        return _layer(key)
+
+    def _key(self) -> tuple:
+        return super()._key() + (id(self.layer_given),)
 
     def current_map(self):
         """The index map of the chosen tensor in the chosen backend's plan for this layer."""
@@ -160,46 +314,91 @@ class _LayerExplorer(_Explorer):
             fmt=layer.fmt,
             backend=self.backend.value,
             tensor=self.tensor.value,
-            expert=self.expert.value,
+            expert=min(self.expert.value, layer.experts - 1),
             plan=plan,
             layer=layer,
         )
         return maps[self.tensor.value]
 
+    def _layer_code(self) -> str:
+        """Python for the shown layer and map (``layer``, ``m``, ``size``)."""
+        key = self.source.value
+        layer = self.layer
+        if self.layer_given is not None or key.startswith(("sample:", "path:")):
+            if key.startswith("path:"):
+                idx, tp, rank, path = key.split(":", 4)[1:]
+                args = f"{path!r}, {None if idx == 'first' else int(idx)}, {tp}, {rank}"
+            else:
+                args = repr(layer.source.split(" layer ")[0])
+            load = f"layer = sources.load_layer({args})"
+        else:
+            load = (
+                f"layer = sources.sample_layer({layer.fmt!r}, experts={layer.experts}, "
+                f"intermediate={layer.intermediate}, hidden={layer.hidden})"
+            )
+        return (
+            "from fimoe_lab.viz import data, figures, sources\n"
+            f"{load}\n"
+            f"m = layer.plan({self.backend.value!r}).maps()[{self.tensor.value!r}]\n"
+            f"size = data.itemsize_of(layer.fmt, {self.tensor.value!r})\n"
+        )
+
 
 class RowExplorer(_LayerExplorer):
-    """Row permutations: source -> kernel row for pad, W13/W31 swap, gated interleave and the
-    epilogue-tile shuffle (any composed chain), coloured by origin, shuffle block or
-    epilogue tile, with a row-window zoom and the expert's values in the window."""
+    """Row permutations: checkpoint row -> kernel row for pad, W13/W31 swap, gated interleave
+    and the epilogue-tile shuffle (any composed chain), coloured by origin, shuffle block or
+    epilogue tile (the modes the chain has), with a row window on the kernel or the
+    checkpoint side and the expert's values (NaN/Inf/dead scales marked) in the window."""
 
     tensor_filter = staticmethod(lambda m: len(m.steps[0].out_shape) == 2 and m.steps[0].kind != "swizzle_scales_128x4")
 
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
         self.colour_by = _dropdown("colour by", ("origin", "shuffle block", "epilogue tile"))
-        self.start = W.IntSlider(0, 0, 1024, step=8, description="first row", style={"description_width": "80px"})
+        self.side = _dropdown("window on", ("kernel", "checkpoint"))
+        self.start = _slider("first row", 0, 1024, 8)
         self.size = _dropdown("rows", (16, 32, 64, 128, 256), 64)
-        super().__init__(layer, [self.colour_by, self.start, self.size], **kwargs)
+        super().__init__(layer, [self.colour_by, self.side, self.start, self.size], **kwargs)
 
     def _draw(self):
         m = self.current_map()
-        flow = data.row_flow(m, 2 if self.tensor.value.startswith("w13") and self.layer.gated else 1)
-        self.start.max = max(0, flow.out_rows - 8)
-        window = (self.start.value, self.start.value + self.size.value)
-        values = self.layer.magnitude(self.tensor.value, self.expert.value)
-        size = data.itemsize_of(self.layer.fmt, self.tensor.value)
-        fig = figures.row_permutation_figure(m, flow.projections, window, self.colour_by.value, values, size)
-        self.state.update(flow=flow, window=window)
-        return fig, f"{self.state['plan'].description}: {m}"
+        name, expert = self.tensor.value, self.state["expert"]
+        flow = data.memo(data.row_flow, m, 2 if name.startswith("w13") and self.layer.gated else 1)
+        modes = flow.colour_modes()
+        note = ""
+        if self.colour_by.value not in modes:
+            note = f" (colouring by {self.colour_by.value!r} needs an epilogue shuffle: shown by origin)"
+        colour = self.colour_by.value if self.colour_by.value in modes else "origin"
+        rows = flow.out_rows if self.side.value == "kernel" else flow.in_rows
+        self.start.max = max(0, rows - 8)
+        window = (min(self.start.value, self.start.max), min(self.start.value, self.start.max) + self.size.value)
+        values = self.layer.magnitude(name, expert)
+        dead = self.layer.dead(name, expert)
+        size = data.itemsize_of(self.layer.fmt, name)
+        fig = figures.row_permutation_figure(
+            m, flow.projections, window, colour, values, size, side=self.side.value, dead=dead
+        )
+        self.state.update(flow=flow, window=window, colour_by=colour, side=self.side.value)
+        return fig, f"{self.state['plan'].description}: {m}{note}"
+
+    def code(self) -> str:
+        s = self.state
+        return self._layer_code() + (
+            f"flow = data.row_flow(m, {s['flow'].projections})\n"
+            f"fig = figures.row_permutation_figure(m, {s['flow'].projections}, {s['window']}, {s['colour_by']!r}, "
+            f"layer.magnitude({s['tensor']!r}, {s['expert']}), size, side={s['side']!r}, "
+            f"dead=layer.dead({s['tensor']!r}, {s['expert']}))\n"
+        )
 
 
 class TileExplorer(_LayerExplorer):
     """Block-major-K tiles (bf16 / fp8-block TRT-LLM weights) and the 128x4 scale swizzle
-    (mxfp8 / nvfp4 TRT-LLM scales), atom by atom."""
+    (mxfp8 / nvfp4 / mxfp4 TRT-LLM scales), atom by atom, each group of the atom labelled
+    with its kernel row and checkpoint row."""
 
     tensor_filter = staticmethod(lambda m: len(m.out_shape) == 3 or m.steps[-1].kind == "swizzle_scales_128x4")
 
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
-        self.atom = W.IntSlider(0, 0, 64, description="atom", style={"description_width": "80px"})
+        self.atom = _slider("atom", 0, 64)
         self.colour_by = _dropdown("colour by", ("source column", "source row"))
         kwargs.setdefault("tensor", "w13_scale")
         super().__init__(layer, [self.atom, self.colour_by], **kwargs)
@@ -208,41 +407,99 @@ class TileExplorer(_LayerExplorer):
         m = self.current_map()
         size = data.itemsize_of(self.layer.fmt, self.tensor.value)
         if len(m.out_shape) == 3:
+            self.state.update(kind="tiles", colour_by=self.colour_by.value)
             return figures.tile_figure(m, size, self.colour_by.value), f"block-major-K: {m}"
-        view = data.swizzle_view(m, size)
+        view = data.memo(data.swizzle_view, m, size)
         self.atom.max = view.atoms - 1
-        self.state.update(view=view)
-        return figures.swizzle_figure(m, size, min(self.atom.value, view.atoms - 1)), f"{view.atoms} atoms: {m}"
+        atom = min(self.atom.value, view.atoms - 1)
+        self.state.update(view=view, kind="swizzle", atom=atom)
+        return figures.swizzle_figure(m, size, atom), f"{view.atoms} atoms: {m}"
+
+    def code(self) -> str:
+        s = self.state
+        call = (
+            f"figures.tile_figure(m, size, {s['colour_by']!r})"
+            if s["kind"] == "tiles"
+            else f"figures.swizzle_figure(m, size, atom={s['atom']})"
+        )
+        return self._layer_code() + f"fig = {call}\n"
 
 
 class ProvenanceExplorer(_LayerExplorer):
-    """Pick a kernel-layout element (row, column of the drawn layout): its source (expert,
-    row, column), the chain of steps, and before/after heatmaps of the expert's values."""
+    """Type an element: on the kernel side (row, column of the drawn kernel layout) its source
+    (expert, row, column) and the chain of steps; on the checkpoint side where it lands.
+    Before/after heatmaps of the expert's values, NaN/Inf/dead scales marked. The heatmaps
+    are drawn once per (layer, backend, tensor, expert); a new element only moves the two
+    markers (:func:`figures.marker_svg`) and rewrites the chain, so it costs no rendering."""
+
+    CACHE = 0  # the figure is shared between elements (its markers move): nothing to keep per setting
 
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
-        self.row = W.IntSlider(0, 0, 4096, description="kernel row", style={"description_width": "80px"})
-        self.col = W.IntSlider(0, 0, 4096, description="kernel col", style={"description_width": "80px"})
-        super().__init__(layer, [self.row, self.col], **kwargs)
+        self.pick = _dropdown("element of", ("kernel", "checkpoint"))
+        self.row = _int_box("row", 0, "160px")
+        self.col = _int_box("column", 0, "160px")
+        self._static: Optional[tuple] = None
+        super().__init__(layer, [self.pick, self.row, self.col], **kwargs)
 
     def _draw(self):
         m = self.current_map()
-        size = data.itemsize_of(self.layer.fmt, self.tensor.value)
+        name, expert = self.tensor.value, self.state["expert"]
+        size = data.itemsize_of(self.layer.fmt, name)
         out = m.out_shape[:-1] + (m.out_shape[-1] // size,)
         rows, cols = (out[0] * out[1], out[2]) if len(out) == 3 else out
-        self.row.max, self.col.max = rows - 1, cols - 1
-        flat = min(self.row.value, rows - 1) * cols + min(self.col.value, cols - 1)
+        before = self.layer.magnitude(name, expert)
+        bounds = (rows, cols) if self.pick.value == "kernel" else before.shape
+        r, c = self.row.value, self.col.value
+        clamped = [
+            f"{what} {v} is outside 0..{top - 1}: shown {min(max(v, 0), top - 1)}"
+            for what, v, top in (("row", r, bounds[0]), ("column", c, bounds[1]))
+            if not 0 <= v < top
+        ]
+        r, c = min(max(r, 0), bounds[0] - 1), min(max(c, 0), bounds[1] - 1)
+        if self.pick.value == "kernel":
+            flat = r * cols + c
+        else:
+            hits = np.flatnonzero(data.memo(data.element_sources, m, size).reshape(-1) == r * before.shape[1] + c)
+            flat = int(hits[0])
         coords = tuple(int(v) for v in np.unravel_index(flat, out))
-        before = self.layer.magnitude(self.tensor.value, self.expert.value)
         chain = data.provenance_rows(m, coords, size)
-        self.state.update(coords=coords, chain=chain)
+        self.state.update(coords=coords, chain=chain, pick=self.pick.value)
         src = chain[-1][2]
-        where = "padding" if src is None else f"expert {self.expert.value}, row {src[0]}, column {src[-1]}"
-        return figures.provenance_figure(m, coords, before, size), f"kernel {coords} <- {where}"
+        where = "padding" if src is None else f"expert {expert}, row {src[0]}, column {src[-1]}"
+        static = (id(self.layer), self.backend.value, name, expert)
+        if self._static is None or self._static[0] != static:
+            # draw the heatmaps once per (layer, plan, tensor, expert); an element change only moves the markers
+            fig = figures.provenance_figure(m, coords, before, size, dead=self.layer.dead(name, expert))
+            markers = [ax.lines[0] for ax in (fig.axes[0], fig.axes[2])]
+            chain_label = fig.texts[-1]
+            for artist in markers + [chain_label]:
+                artist.set_visible(False)
+            self._static = (static, fig, figures.to_svg(fig), markers, chain_label)
+        _, fig, svg, markers, chain_label = self._static
+        ar, ac = divmod(flat, cols)
+        points = [(src[-1], src[0]) if src is not None else (np.nan, np.nan), (ac, ar)]
+        for line, (x, y) in zip(markers, points):
+            line.set_data([x], [y])
+            line.set_visible(True)
+        chain_label.set_text(figures.chain_text(chain))
+        chain_label.set_visible(True)
+        circles = "".join(figures.marker_svg(line.axes, x, y) for line, (x, y) in zip(markers, points))
+        chain_html = f"<pre style='font-size:11px;margin:0'>{html.escape(figures.chain_text(chain))}</pre>"
+        note = f"kernel {coords} <- {where}" + "".join(f"; {n}" for n in clamped)
+        return fig, note, svg.replace("</svg>", circles + "</svg>") + chain_html
+
+    def code(self) -> str:
+        s = self.state
+        return self._layer_code() + (
+            f"fig = figures.provenance_figure(m, {s['coords']}, layer.magnitude({s['tensor']!r}, {s['expert']}), "
+            f"size, dead=layer.dead({s['tensor']!r}, {s['expert']}))\n"
+        )
 
 
 class PaddingExplorer(_Explorer):
     """Padding masks of w13, w2 and their scales for a format, backend, TP size and
-    alignment, with the waste in bytes and %."""
+    alignment, with the waste in bytes and %; sizes typed in or read from a checkpoint
+    (path box: its first MoE layer at TP 1)."""
 
     def __init__(
         self,
@@ -255,17 +512,22 @@ class PaddingExplorer(_Explorer):
         inter_align="default",
         hidden_align="default",
     ):
-        style = {"description_width": "80px"}
         self.fmt = _dropdown("format", sources.PLAN_FORMATS, fmt)
         self.backend = _dropdown("backend", BACKENDS, backend)
-        self.tp = _dropdown("TP", (1, 2, 4, 8), tp)
-        self.intermediate = W.IntText(
-            intermediate, description="intermediate", style=style, layout=W.Layout(width="220px")
+        self.tp = _dropdown("TP", TP_SIZES, tp)
+        self.intermediate = _int_box("intermediate", intermediate)
+        self.hidden = _int_box("hidden", hidden)
+        self.experts = _int_box("experts", experts)
+        self.inter_align = _dropdown("I align", ("default", 16, 32, 64, 128, 256), inter_align)
+        self.hidden_align = _dropdown("H align", ("default", 128, 256, 512, 1024), hidden_align)
+        self.path = W.Text(
+            placeholder="checkpoint directory or sample name",
+            description="checkpoint",
+            style=STYLE,
+            layout=W.Layout(width="360px"),
         )
-        self.hidden = W.IntText(hidden, description="hidden", style=style, layout=W.Layout(width="220px"))
-        self.experts = W.IntText(experts, description="experts", style=style, layout=W.Layout(width="220px"))
-        self.inter_align = _dropdown("I align", ("default", 16, 64, 128), inter_align)
-        self.hidden_align = _dropdown("H align", ("default", 256, 512, 1024), hidden_align)
+        load = W.Button(description="load sizes", button_style="primary")
+        load.on_click(lambda _: self.load())
         super().__init__(
             [
                 self.fmt,
@@ -278,6 +540,30 @@ class PaddingExplorer(_Explorer):
                 self.hidden_align,
             ]
         )
+        self.children = (W.HBox([self.path, load]),) + tuple(self.children)
+
+    def load(self, path: Optional[str] = None) -> None:
+        """Set format and sizes from a checkpoint's first MoE layer (the path box, or ``path``)."""
+        where = (path or self.path.value).strip()
+        try:
+            if not where:
+                raise LayoutError("the checkpoint box is empty", fix="type a checkpoint directory or a sample name")
+            layer = _layer(f"path:first:1:0:{where}")
+            if layer.fmt not in sources.PLAN_FORMATS:
+                raise LayoutError(
+                    f"no padding view for format {layer.fmt!r}",
+                    fix=f"padding views exist for {', '.join(sources.PLAN_FORMATS)}",
+                )
+        except (FimoeError, sources.LabUnavailable, ValueError, OSError) as exc:
+            self.message.value = f"<span style='color:#d33'>{html.escape(str(exc))} (sizes not changed)</span>"
+            return
+        self._busy = True
+        try:
+            self.fmt.value, self.intermediate.value = layer.fmt, layer.intermediate
+            self.hidden.value, self.experts.value = layer.hidden, layer.experts
+        finally:
+            self._busy = False
+        self.refresh()
 
     @classmethod
     def from_layer(cls, layer: sources.ExpertTensors, **kwargs) -> PaddingExplorer:
@@ -289,11 +575,11 @@ class PaddingExplorer(_Explorer):
             )
         return cls(layer.intermediate, layer.hidden, layer.experts, layer.fmt, **kwargs)
 
-    def _draw(self):
+    def _args(self) -> tuple:
         def align(w):
             return None if w.value == "default" else int(w.value)
 
-        report = data.padding_report(
+        return (
             self.fmt.value,
             self.backend.value,
             self.intermediate.value,
@@ -303,27 +589,76 @@ class PaddingExplorer(_Explorer):
             align(self.inter_align),
             align(self.hidden_align),
         )
+
+    def _draw(self):
+        report = data.padding_report(*self._args())
         self.state = dict(report=report)
         return figures.padding_figure(report), report.summary()
 
+    def code(self) -> str:
+        return (
+            "from fimoe_lab.viz import data, figures\n"
+            f"report = data.padding_report{self._args()!r}\n"
+            "fig = figures.padding_figure(report)\n"
+        )
+
 
 class TunerExplorer(_Explorer):
-    """The tuner's tactic heatmap, waste and recommendation for a preset, format and TP
-    (``mode``: the tactic oracle's, ``snapshot`` by default: recorded answers, offline)."""
+    """The tuner for a preset, format and TP: tactic heatmap, frontier (predicted time against
+    extra bytes) and recommendation, over a typed token profile (``tokens``), per-token
+    activation scales, a GPU and an engine profile (:func:`fimoe_lab.tune.sweep.sweep`;
+    ``mode``: the tactic oracle's, ``snapshot`` by default: recorded answers, offline)."""
 
-    def __init__(self, preset: str = "qwen3-30b-a3b", fmt: str = "nvfp4", tp: int = 1, mode: str = "snapshot"):
+    def __init__(
+        self,
+        preset: str = "qwen3-30b-a3b",
+        fmt: str = "nvfp4",
+        tp: int = 1,
+        mode: str = "snapshot",
+        tokens: str = "",
+        gpu: str = "b200",
+        engine: str = "default",
+    ):
         self.mode = mode
         presets = sources.preset_names()
         self.preset = _dropdown(
             "preset", presets or [preset], preset if preset in presets or not presets else presets[0]
         )
         self.fmt = _dropdown("format", sources.TUNER_FORMATS, fmt)
-        self.tp = _dropdown("TP", (1, 2, 4, 8), tp)
-        super().__init__([self.preset, self.fmt, self.tp])
+        self.tp = _dropdown("TP", TP_SIZES[:4], tp)
+        self.tokens = W.Text(
+            tokens,
+            placeholder="tokens, e.g. 1,64,4096 (default: the tuner's)",
+            description="tokens",
+            style=STYLE,
+            layout=W.Layout(width="360px"),
+            continuous_update=False,
+        )
+        self.per_token = W.Checkbox(False, description="per-token scales", style=STYLE)
+        gpus, engines = sources.tuner_choices()
+        self.gpu = _dropdown("GPU", gpus or [gpu], gpu if gpu in gpus or not gpus else gpus[0])
+        self.engine = _dropdown("engine", ["default"] + engines, engine)
+        self.view_kind = _dropdown("show", ("frontier", "tactics heatmap"))
+        super().__init__(
+            [self.preset, self.fmt, self.tp, self.view_kind, self.tokens, self.per_token, self.gpu, self.engine]
+        )
+
+    def _kwargs(self) -> dict[str, Any]:
+        text = self.tokens.value.strip()
+        kw: dict[str, Any] = dict(per_token=self.per_token.value, gpu=self.gpu.value)
+        if text:
+            parts = [p for p in re.split(r"[,\s]+", text) if p]
+            if not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise LayoutError(f"tokens {text!r} are not positive integers", fix="type e.g. 1,64,4096")
+            kw["tokens"] = tuple(int(p) for p in parts)
+        if self.engine.value != "default":
+            kw["engine"] = self.engine.value
+        return kw
 
     def _draw(self):
-        sweep = sources.tactic_sweep(self.preset.value, self.fmt.value, self.tp.value, self.mode)
-        self.state = dict(sweep=sweep)
+        kw = self._kwargs()
+        sweep = sources.tactic_sweep(self.preset.value, self.fmt.value, self.tp.value, self.mode, **kw)
+        self.state = dict(sweep=sweep, kwargs=kw)
         rec = sweep.attrs.get("recommendation")
         note = (
             f"recommended: intermediate {rec['intermediate']} (align {rec['inter_align']}), hidden "
@@ -332,4 +667,154 @@ class TunerExplorer(_Explorer):
             if rec
             else f"no recommendation: {sweep.attrs.get('no_recommendation')}"
         )
-        return figures.tuner_figure(sweep), note
+        fig = figures.frontier_figure(sweep) if self.view_kind.value == "frontier" else figures.tuner_figure(sweep)
+        return fig, note
+
+    def code(self) -> str:
+        call = "frontier_figure" if self.view_kind.value == "frontier" else "tuner_figure"
+        kw = "".join(f", {k}={v!r}" for k, v in self.state.get("kwargs", {}).items())
+        return (
+            "from fimoe_lab.viz import figures, sources\n"
+            f"sweep = sources.tactic_sweep({self.preset.value!r}, {self.fmt.value!r}, {self.tp.value}, "
+            f"{self.mode!r}{kw})\n"
+            f"fig = figures.{call}(sweep)\n"
+        )
+
+
+class DiagnoseExplorer(_Explorer):
+    """``fimoe-lab diagnose`` as an explorer: a checkpoint (path box, MoE layer, TP size and
+    rank) and a file of dumped kernel tensors; the message ranks the plan variants per
+    tensor (:func:`fimoe_lab.diagnose.diagnose`), the figure takes the chosen tensor's
+    dump back through the planned map next to the checkpoint."""
+
+    def __init__(self, checkpoint: str = "", dump: str = "", layer: str = "first", tp_size: int = 1, tp_rank: int = 0):
+        self.checkpoint = W.Text(
+            checkpoint,
+            placeholder="checkpoint directory or sample name",
+            description="checkpoint",
+            style=STYLE,
+            layout=W.Layout(width="360px"),
+            continuous_update=False,
+        )
+        self.dump = W.Text(
+            dump,
+            placeholder="dumped kernel tensors (.safetensors / .pt)",
+            description="kernel dump",
+            style=STYLE,
+            layout=W.Layout(width="360px"),
+            continuous_update=False,
+        )
+        self.layer_index = W.Text(
+            layer, description="MoE layer", style=STYLE, layout=W.Layout(width="160px"), continuous_update=False
+        )
+        self.tp_size = _dropdown("TP size", TP_SIZES, tp_size, "160px")
+        self.tp_rank = _int_box("TP rank", tp_rank, "160px")
+        self.tensor = _dropdown("tensor", data.TENSOR_NAMES)
+        super().__init__([self.checkpoint, self.dump, self.layer_index, self.tp_size, self.tp_rank, self.tensor])
+
+    def _draw(self):
+        from fimoe_lab import diagnose
+
+        if not self.checkpoint.value.strip() or not self.dump.value.strip():
+            raise LayoutError("type a checkpoint and a file of dumped kernel tensors", fix="fill both boxes")
+        layer = self.layer_index.value.strip()
+        if layer != "first" and not layer.isdigit():
+            raise LayoutError(f"MoE layer {layer!r} is not a number", fix="type a layer index or 'first'")
+        moe = _layer(f"path:{layer}:{self.tp_size.value}:{self.tp_rank.value}:{self.checkpoint.value.strip()}").moe
+        dumped = diagnose.load_dump(self.dump.value.strip())
+        result = diagnose.diagnose(moe, dumped, source=self.checkpoint.value.strip())
+        roles = list(result.tensors)
+        if self.tensor.value not in roles:
+            self._busy = True
+            try:
+                self.tensor.options, self.tensor.value = roles, roles[0]
+            finally:
+                self._busy = False
+        chosen = result.tensors[self.tensor.value]
+        self.state = dict(diagnosis=result, tensor=self.tensor.value)
+        fig = diagnose.figure(chosen, moe, dumped[chosen.dumped_name])
+        return fig, " | ".join(t.summary() for t in result.tensors.values())
+
+    def code(self) -> str:
+        layer = self.layer_index.value.strip()
+        return (
+            "from fimoe_lab import diagnose\nfrom fimoe_lab.viz import sources\n"
+            f"moe = sources.load_layer({self.checkpoint.value.strip()!r}, {None if layer == 'first' else int(layer)}, "
+            f"{self.tp_size.value}, {self.tp_rank.value}).moe\n"
+            f"dumped = diagnose.load_dump({self.dump.value.strip()!r})\n"
+            "result = diagnose.diagnose(moe, dumped)\nprint(result.summary())\n"
+            f"fig = diagnose.figure(result.tensors[{self.tensor.value!r}], moe, "
+            f"dumped[result.tensors[{self.tensor.value!r}].dumped_name])\n"
+        )
+
+
+class CompareExplorer(_LayerExplorer):
+    """A/B: the chosen tensor of one layer under two plans (backend, engine profile, TP size,
+    intermediate alignment each), the diff of their step chains (message) and both row
+    pictures side by side (B's controls are the ones marked B)."""
+
+    tensor_filter = staticmethod(RowExplorer.tensor_filter)
+
+    def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
+        engines = ["default"] + sources.tuner_choices()[1]
+        self.engine_a = _dropdown("A engine", engines)
+        self.align_a = _dropdown("A I align", ("default", 16, 32, 64, 128, 256))
+        self.backend_b = _dropdown("B backend", BACKENDS, "cutlass" if "cutlass" in BACKENDS else None)
+        self.engine_b = _dropdown("B engine", engines)
+        self.align_b = _dropdown("B I align", ("default", 16, 32, 64, 128, 256))
+        self.tp_b = _dropdown("B TP", TP_SIZES)
+        extra = [self.engine_a, self.align_a, self.backend_b, self.engine_b, self.align_b, self.tp_b]
+        super().__init__(layer, extra, **kwargs)
+
+    def _plan_args(self, backend: str, engine: str, align, tp: int) -> tuple:
+        """``recipes.plan_layer`` arguments of one side: the layer's format and sizes at TP ``tp``."""
+        layer = self.layer
+        if layer.intermediate % tp:
+            raise LayoutError(
+                f"intermediate {layer.intermediate} does not split into {tp} shards",
+                fix="pick a TP size that divides it",
+            )
+        return (
+            layer.fmt,
+            backend,
+            layer.intermediate // tp,
+            layer.hidden,
+            layer.gated,
+            layer.moe.is_gated,
+            None if align == "default" else int(align),
+            None,
+            None if engine == "default" else engine,
+        )
+
+    def _draw(self):
+        self.current_map()
+        name = self.tensor.value
+        from fimoe_lab.recipes import plan_layer
+
+        args_a = self._plan_args(self.backend.value, self.engine_a.value, self.align_a.value, 1)
+        args_b = self._plan_args(self.backend_b.value, self.engine_b.value, self.align_b.value, self.tp_b.value)
+        a, b = plan_layer(*args_a), plan_layer(*args_b)
+        ma, mb = a.maps().get(name), b.maps().get(name)
+        if ma is None or mb is None:
+            raise LayoutError(f"plan {'A' if ma is None else 'B'} does not move {name}", fix="pick another tensor")
+        diff = data.chain_diff(ma, mb)
+        projections = 2 if name.startswith("w13") and self.layer.gated else 1
+        fig_a = figures.row_permutation_figure(ma, projections, (0, 64))
+        fig_b = figures.row_permutation_figure(mb, projections, (0, 64))
+        self.state.update(a=a, b=b, args=(args_a, args_b), diff=diff, projections=projections)
+        changed = [f"{op}: {sa or ''} | {sb or ''}" for op, sa, sb in diff if op != "same"]
+        note = f"A {a.description} vs B {b.description} (TP {self.tp_b.value}): " + (
+            "; ".join(changed) if changed else "same steps"
+        )
+        return figures.side_by_side(fig_a, fig_b, "A", "B"), note
+
+    def code(self) -> str:
+        s = self.state
+        t, p = s["tensor"], s["projections"]
+        return (
+            "from fimoe_lab.recipes import plan_layer\nfrom fimoe_lab.viz import data, figures\n"
+            f"a, b = plan_layer{s['args'][0]!r}.maps()[{t!r}], plan_layer{s['args'][1]!r}.maps()[{t!r}]\n"
+            "for row in data.chain_diff(a, b):\n    print(*row, sep=' | ')\n"
+            f"fig = figures.side_by_side(figures.row_permutation_figure(a, {p}, (0, 64)), "
+            f"figures.row_permutation_figure(b, {p}, (0, 64)))\n"
+        )

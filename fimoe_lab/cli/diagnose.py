@@ -1,0 +1,67 @@
+"""``fimoe-lab diagnose CHECKPOINT KERNEL_TENSORS``: which preparation produced these kernel tensors.
+
+The parser reads only torch-free tables; :mod:`fimoe_lab.diagnose` (torch) is imported by
+the handler. Nothing is written unless ``--figure`` names a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fimoe_lab.cli._common import EXIT_FAILED, EXIT_OK, checkpoint_path, int_list, positive_int, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "diagnose",
+        help="find which plan variant (swap or not, interleave, swizzle, epilogue tile, padding, engine) "
+        "explains tensors dumped from an engine",
+        description=(
+            "Read one MoE layer of CHECKPOINT and the kernel tensors an engine used (KERNEL_TENSORS: a .safetensors "
+            "file or a .pt dict loaded with weights_only=True; names with w13/gemm1 and w2/gemm2, scales with 'scale', "
+            "experts first). Every plan of every backend and engine profile, each with one step left out, another "
+            "epilogue_tile_m or another intermediate padding, is applied to the checkpoint and compared byte by byte "
+            "(fill bytes excluded) with the dump, per expert. Prints, per tensor, the variant that explains the bytes "
+            "and how much the planned one matches. Exit 0 when every tensor is explained exactly, 1 otherwise."
+        ),
+        epilog="example: fimoe-lab diagnose deepseek-r1-nvfp4 dumped_layer3.safetensors --layer 3 --figure diag.png",
+    )
+    p.add_argument("checkpoint", type=checkpoint_path, metavar="CHECKPOINT", help="checkpoint directory or sample name")
+    p.add_argument("kernel_tensors", type=Path, metavar="KERNEL_TENSORS", help=".safetensors or .pt of dumped tensors")
+    p.add_argument("--layer", type=int, default=None, help="MoE layer index (default: the first MoE layer)")
+    p.add_argument("--tp-size", type=positive_int("--tp-size"), default=1, help="TP size the engine ran (default 1)")
+    p.add_argument("--tp-rank", type=int, default=0, help="TP rank the dump comes from (default 0)")
+    p.add_argument(
+        "--experts",
+        type=int_list("--experts", "0,1,2", minimum=0),
+        default=None,
+        help="experts to compare (default: the first 8)",
+    )
+    p.add_argument("--figure", type=Path, default=None, help="write the comparison figure of the first tensor (PNG)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.set_defaults(handler=run_diagnose)
+
+
+def run_diagnose(args: argparse.Namespace) -> int:
+    from fimoe_lab.checkpoints import open_checkpoint
+    from fimoe_lab.diagnose import diagnose, figure, load_dump
+
+    dumped = load_dump(args.kernel_tensors)
+    ckpt = open_checkpoint(args.checkpoint)
+    layer = ckpt.moe_layers[0] if args.layer is None else args.layer
+    moe = ckpt.read_layer(layer, args.tp_size, args.tp_rank)
+    source = f"{args.checkpoint} layer {layer} (TP rank {args.tp_rank} of {args.tp_size}) vs {args.kernel_tensors}"
+    result = diagnose(moe, dumped, args.experts, source)
+    if args.figure is not None:
+        first = next(iter(result.tensors.values()))
+        from fimoe_lab.viz.figures import to_png
+
+        args.figure.write_bytes(to_png(figure(first, moe, dumped[first.dumped_name])))
+        print(f"figure: {args.figure}", file=sys.stderr)
+    if args.json:
+        print_json(result.to_json())
+    else:
+        print(result.summary())
+    return EXIT_OK if all(t.explained() for t in result.tensors.values()) else EXIT_FAILED

@@ -1,0 +1,316 @@
+"""Which preparation produced these kernel tensors? ("why is my MoE output garbage")
+
+Given one MoE layer of a checkpoint and the tensors an engine handed to the kernel
+(dumped to safetensors or a ``.pt`` dict), :func:`diagnose` searches plan variants and
+reports, per tensor and per expert, which one explains the dumped bytes:
+
+- the plan of every backend (``specs.BACKENDS``) and engine profile (``engines.ENGINES``),
+  as :func:`fimoe_lab.recipes.plan_layer` builds it;
+- each of those with one step left out (no W13->W31 swap, no gated interleave, no
+  epilogue shuffle, no 128x4 scale swizzle, no block-major-K tiles, ...);
+- each with the epilogue shuffle of another ``epilogue_tile_m`` (:data:`EPILOGUE_TILES`);
+- each with another intermediate padding (:data:`INTER_ALIGNS`).
+
+A variant explains a dumped tensor ``D`` ``(E, ...)`` when its output has ``D``'s bytes
+per expert and, applied to the checkpoint tensor ``C`` ``(E, ...)``, reproduces them:
+``match(e) = mean over real (non-fill) output bytes b of [map(C[e])[b] == D[e][b]]``.
+Fill bytes are not compared (engines pad with their own values). Dumped names are read
+by :func:`tensor_role` (``w13``/``gemm1``/``w31`` weight and scale, ``w2``/``gemm2`` ...).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from fimoe_lab.engines import ENGINES
+from fimoe_lab.errors import FimoeError, LayoutError
+from fimoe_lab.layout import IndexMap, compose
+from fimoe_lab.recipes import plan_layer
+from fimoe_lab.specs import BACKENDS
+from fimoe_lab.steps import shuffle_rows_for_epilogue
+
+__all__ = [
+    "EPILOGUE_TILES",
+    "INTER_ALIGNS",
+    "Variant",
+    "TensorDiagnosis",
+    "Diagnosis",
+    "tensor_role",
+    "load_dump",
+    "variants",
+    "diagnose",
+]
+
+EPILOGUE_TILES = (64, 128)
+"""``epilogue_tile_m`` values tried in place of the planned one."""
+INTER_ALIGNS = (1, 16, 32, 64, 128, 256)
+"""Intermediate alignments tried in place of the planned one."""
+DEFAULT_EXPERTS = 8
+"""Experts compared by default (the first ones): a real layer has hundreds."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One candidate preparation of a tensor: ``m`` and how it differs from a plan (``name``)."""
+
+    name: str
+    m: IndexMap
+
+
+@dataclass
+class TensorDiagnosis:
+    """Per dumped tensor: every variant that fits its shape, with its per-expert match, best first.
+
+    ``ranked``: ``[(variant name, [match per expert])]``; ``planned``: the name of the plan
+    ``fimoe-lab convert`` applies (default engine, first backend that fits).
+    """
+
+    role: str
+    dumped_name: str
+    experts: list[int]
+    ranked: list[tuple[str, list[float]]]
+    planned: Optional[str]
+    maps: dict[str, IndexMap] = field(repr=False, default_factory=dict)
+
+    @property
+    def best(self) -> Optional[tuple[str, list[float]]]:
+        return self.ranked[0] if self.ranked else None
+
+    def explained(self) -> bool:
+        """True when the best variant reproduces every compared expert exactly."""
+        return bool(self.best and min(self.best[1]) == 1.0)
+
+    def summary(self) -> str:
+        if not self.ranked:
+            return f"{self.role} ({self.dumped_name}): no variant has its shape"
+        name, match = self.ranked[0]
+        worst = [e for e, v in zip(self.experts, match) if v < 1.0]
+        verdict = (
+            "explains" if not worst else f"best fit ({100 * min(match):.1f}% worst expert; experts {worst} differ)"
+        )
+        line = f"{self.role} ({self.dumped_name}): {name} {verdict}, {100 * sum(match) / len(match):.1f}% of bytes"
+        if self.planned and self.planned != name:
+            planned = dict(self.ranked).get(self.planned)
+            if planned is not None:
+                line += f"; the planned '{self.planned}' matches {100 * sum(planned) / len(planned):.1f}%"
+        return line
+
+
+@dataclass
+class Diagnosis:
+    """The result of :func:`diagnose`: one :class:`TensorDiagnosis` per dumped tensor it recognized."""
+
+    source: str
+    tensors: dict[str, TensorDiagnosis]
+    ignored: list[str]
+
+    def summary(self) -> str:
+        lines = [self.source] + [t.summary() for t in self.tensors.values()]
+        if self.ignored:
+            lines.append(f"not compared (name not recognized or shape fits no variant): {', '.join(self.ignored)}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "tensors": {
+                role: {
+                    "dumped_name": t.dumped_name,
+                    "experts": t.experts,
+                    "explained": t.explained(),
+                    "best": t.best[0] if t.best else None,
+                    "planned": t.planned,
+                    "ranked": [{"variant": n, "match": m} for n, m in t.ranked[:10]],
+                }
+                for role, t in self.tensors.items()
+            },
+            "ignored": self.ignored,
+        }
+
+
+def tensor_role(name: str) -> Optional[str]:
+    """``w13``, ``w2``, ``w13_scale`` or ``w2_scale`` for a dumped tensor name, or None.
+
+    W13: a name with ``w13``, ``w31``, ``w1_w3``, ``w3_w1`` or ``gemm1``; W2: ``w2``,
+    ``gemm2`` or ``down``; a scale: ``scale`` but not a global/second/input scale.
+    """
+    n = name.lower().replace(".", "_")
+    if any(k in n for k in ("scale_2", "global", "input", "alpha", "bias")):
+        return None
+    if any(k in n for k in ("w13", "w31", "w1_w3", "w3_w1", "gemm1")):
+        base = "w13"
+    elif any(k in n for k in ("w2", "gemm2", "down")):
+        base = "w2"
+    else:
+        return None
+    return f"{base}_scale" if "scale" in n else base
+
+
+def load_dump(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Tensors dumped from an engine: a ``.safetensors`` file or a ``.pt``/``.pth`` dict (``weights_only=True``)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FimoeError(f"kernel tensors {p} do not exist", fix="pass a .safetensors or .pt file of dumped tensors")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return dict(load_file(str(p)))
+    if p.suffix in (".pt", ".pth"):
+        obj = torch.load(str(p), map_location="cpu", weights_only=True)
+        if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return {str(k): v for k, v in obj.items()}
+        raise FimoeError(f"{p} does not hold a dict of tensors", fix="save {name: tensor} with torch.save")
+    raise FimoeError(f"kernel tensors {p} are not .safetensors or .pt", fix="dump them with safetensors or torch.save")
+
+
+def _fingerprint(m: IndexMap) -> tuple[Any, ...]:
+    src = m.src
+    return (m.in_shape, m.out_shape, m.cell_bytes, int(src.sum()), int((src * torch.arange(src.numel())).sum()))
+
+
+def _composed(*maps: IndexMap) -> Optional[IndexMap]:
+    """``compose(*maps)``, or None when their shapes do not chain (a step that cannot be left out)."""
+    try:
+        return compose(*maps)
+    except LayoutError:
+        return None
+
+
+def _variants_of(base: str, m: IndexMap) -> Iterable[Variant]:
+    yield Variant(base, m)
+    for k, step in enumerate(m.steps):
+        if step.kind == "pad_projections":
+            continue
+        rest = m.steps[:k] + m.steps[k + 1 :]
+        dropped = _composed(*rest) if rest else None
+        if dropped is not None:
+            yield Variant(f"{base} without {step.kind}", dropped)
+        if step.kind == "shuffle_rows_for_epilogue":
+            for etm in EPILOGUE_TILES:
+                if etm == step.params["epilogue_tile_m"]:
+                    continue
+                rows, cols = step.in_shape[0], step.in_shape[1]
+                other = _composed(*m.steps[:k], shuffle_rows_for_epilogue(rows, cols, etm), *m.steps[k + 1 :])
+                if other is not None:
+                    yield Variant(f"{base} with epilogue_tile_m={etm}", other)
+
+
+def variants(moe: Any, role: str) -> tuple[list[Variant], Optional[str]]:
+    """Every candidate map of tensor ``role`` for the checkpoint layer ``moe`` (a
+    :class:`~fimoe_lab.checkpoints.MoELayer`), deduplicated; and the planned variant's name
+    (default engine, the first backend with a plan)."""
+    out: dict[tuple[Any, ...], Variant] = {}
+    planned = None
+    for engine in [None] + sorted(ENGINES):
+        for backend in BACKENDS:
+            for align in (None,) + INTER_ALIGNS:
+                try:
+                    plan = plan_layer(
+                        moe.fmt,
+                        backend,
+                        moe.intermediate,
+                        moe.hidden,
+                        moe.is_act_and_mul,
+                        moe.is_gated,
+                        align,
+                        None,
+                        engine,
+                    )
+                except (FimoeError, ValueError):
+                    continue
+                m = plan.maps().get(role)
+                if m is None:
+                    continue
+                base = f"{engine or 'default engine'}/{backend}" + (
+                    f", intermediate aligned to {align}" if align else ""
+                )
+                if engine is None and align is None and planned is None:
+                    planned = base
+                for v in _variants_of(base, m) if align is None else [Variant(base, m)]:
+                    out.setdefault(_fingerprint(v.m), v)
+    return list(out.values()), planned
+
+
+def _match(m: IndexMap, checkpoint: torch.Tensor, dumped: torch.Tensor) -> list[float]:
+    """Per expert, the fraction of ``m``'s real output bytes of ``checkpoint`` equal to ``dumped``'s."""
+    got = m.apply(checkpoint).contiguous().view(torch.uint8).reshape(checkpoint.shape[0], -1)
+    want = dumped.contiguous().view(torch.uint8).reshape(dumped.shape[0], -1)
+    real = (m.refined(1).src >= 0)[None, :]
+    same = ((got == want) & real).sum(dim=1).double() / max(int(real.sum()), 1)
+    return [float(v) for v in same]
+
+
+def diagnose(
+    moe: Any,
+    dumped: dict[str, torch.Tensor],
+    experts: Optional[Sequence[int]] = None,
+    source: str = "",
+) -> Diagnosis:
+    """Rank the plan variants (:func:`variants`) by how well they reproduce each dumped tensor.
+
+    ``moe``: the checkpoint layer (``w13 (E, P*I, H)``, ...); ``dumped``: ``{name: tensor}``
+    with ``E`` experts first (names read by :func:`tensor_role`); ``experts``: which experts
+    to compare (default: the first :data:`DEFAULT_EXPERTS`).
+    """
+    if experts is None:
+        experts = list(range(min(DEFAULT_EXPERTS, int(moe.num_experts))))
+    bad = [e for e in experts if not 0 <= e < moe.num_experts]
+    if bad:
+        raise FimoeError(
+            f"experts {bad} are outside 0..{moe.num_experts - 1} of this layer",
+            fix=f"pick experts in 0..{moe.num_experts - 1}",
+        )
+    index = torch.tensor(list(experts), dtype=torch.int64)
+    tensors = moe.tensors()
+    found: dict[str, TensorDiagnosis] = {}
+    ignored = []
+    for name, d in dumped.items():
+        role = tensor_role(name)
+        if role is None or role in found or tensors.get(role) is None or d.ndim < 2 or d.shape[0] != moe.num_experts:
+            ignored.append(name)
+            continue
+        ckpt, dump = tensors[role][index], d[index]
+        per_expert = dump[0].numel() * dump.element_size()
+        cands, planned = variants(moe, role)
+        fits = [
+            v for v in cands if v.m.out_bytes == per_expert and v.m.in_bytes == ckpt[0].numel() * ckpt.element_size()
+        ]
+        if not fits:
+            ignored.append(name)
+            continue
+        ranked = sorted(((v.name, _match(v.m, ckpt, dump)) for v in fits), key=lambda r: -sum(r[1]))
+        found[role] = TensorDiagnosis(role, name, list(experts), ranked, planned, {v.name: v.m for v in fits})
+    if not found:
+        raise FimoeError(
+            f"none of the dumped tensors ({', '.join(dumped) or 'none'}) is a w13/w2 weight or scale of this layer",
+            fix="dump the layer's kernel tensors with their expert dimension first (names with w13/gemm1, w2/gemm2)",
+        )
+    return Diagnosis(source, found, ignored)
+
+
+def figure(diag: TensorDiagnosis, moe: Any, dumped: torch.Tensor, expert: Optional[int] = None) -> Any:
+    """The comparison figure: the dumped tensor taken back through the planned map and through the best one.
+
+    Panels are :func:`fimoe_lab.viz.figures.compare_figure` of the worst-matching expert
+    (or ``expert``), on bytes (each panel's values are the stored bytes, so a misplaced
+    row or scale shows as a broken pattern).
+    """
+    from fimoe_lab.viz import figures
+
+    best = diag.best
+    if best is None:
+        raise LayoutError(f"{diag.role}: no variant to draw", fix="diagnose a tensor with a matching shape")
+    name, match = best
+    k = match.index(min(match)) if expert is None else diag.experts.index(expert)
+    e = diag.experts[k]
+    m = diag.maps[diag.planned] if diag.planned in diag.maps else diag.maps[name]
+    ckpt = moe.tensors()[diag.role][e].contiguous().view(torch.uint8).reshape(m.in_shape).double().numpy()
+    kernel = dumped[e].contiguous().view(torch.uint8).reshape(m.out_shape).double().numpy()
+    title = f"{diag.role} expert {e}: dumped bytes un-done by '{diag.planned or name}' (best fit: '{name}')"
+    return figures.compare_figure(m, ckpt, kernel, 1, title)

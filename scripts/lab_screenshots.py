@@ -1,0 +1,329 @@
+"""Run the lab notebooks in JupyterLab + headless Chromium, use the explorers, take screenshots.
+
+The command users type (``fimoe-lab lab``, through :func:`fimoe_lab.cli.lab.jupyterlab_command`)
+starts JupyterLab on a copy of the notebooks; Chromium (Debian's, through Playwright) opens
+each notebook at device scale factor 2, runs every cell, then:
+
+- on the layout tour (``interact=True``): changes the row explorer's colouring (its SVG
+  must change), checks the hover texts (``<title>``), types a provenance element (the
+  message must name it), loads a checkpoint through the path box, and uses "copy as code"
+  and "save PNG";
+- takes a screenshot of the first explorer in the light theme, switches JupyterLab to its
+  dark theme (Settings > Theme) and takes another.
+
+:func:`capture` returns what it saw (the test checks it); run as a script it writes the
+README's screenshots::
+
+    python scripts/lab_screenshots.py                # -> docs/screenshots/<notebook>_<theme>.png
+    python scripts/lab_screenshots.py --out /tmp/s --notebooks 01_layout_tour.ipynb
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fimoe_lab import resources  # noqa: E402
+from fimoe_lab.cli.lab import free_port, jupyterlab_command  # noqa: E402
+
+NOTEBOOKS = ("01_layout_tour.ipynb", "02_checkpoint_debugging.ipynb", "03_alignment_tuning.ipynb")
+VIEWPORT = {"width": 1500, "height": 1000}
+SCALE = 2  # device pixels per CSS pixel: text is rasterized at this resolution
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+
+def chromium() -> str | None:
+    """A Chromium binary: ``$FIMOE_CHROMIUM``, else ``chromium``/``chromium-browser``/``google-chrome`` on PATH."""
+    for name in (os.environ.get("FIMOE_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+class Deadline:
+    """Milliseconds left of a budget, for every wait."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def ms(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the browser run went past its {self.seconds:.0f} s budget")
+        return left * 1000
+
+
+def log(message: str) -> None:
+    """One progress line on stderr (time since the start of the run)."""
+    print(f"[{time.monotonic() - START:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+START = time.monotonic()
+
+
+def _wait_for_server(url: str, server: subprocess.Popen, log: Path, deadline: Deadline) -> None:
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"JupyterLab exited with code {server.returncode}:\n{log.read_text()[-2000:]}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
+            if r.status == 200:
+                return
+        deadline.ms()
+        time.sleep(0.5)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=10)
+
+
+def _accept_kernel_dialog(page) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    with contextlib.suppress(PlaywrightTimeout):
+        page.locator(".jp-Dialog .jp-mod-accept").click(timeout=3000)
+
+
+def _menu(page, top: str, *items: str, deadline: Deadline) -> None:
+    page.locator(".lm-MenuBar-item", has_text=top).first.click(timeout=deadline.ms())
+    for item in items:
+        page.locator(".lm-Menu-item:visible", has_text=item).first.click(timeout=deadline.ms())
+
+
+def _run_all(page, deadline: Deadline) -> None:
+    """Run every cell and wait until each code cell has its execution count."""
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=deadline.ms())
+    _accept_kernel_dialog(page)
+    _menu(page, "Run", "Run All Cells", deadline=deadline)
+    _accept_kernel_dialog(page)
+    log("running all cells")
+    page.wait_for_function(
+        """() => {
+            const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
+            return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+        }""",
+        timeout=deadline.ms(),
+        polling=500,
+    )
+
+
+def _figure_key(explorer) -> str:
+    return explorer.locator(".fimoe-figure").first.inner_html()
+
+
+def _interact(page, deadline: Deadline) -> dict:
+    """Use the layout tour's explorers; return what each action changed."""
+    seen: dict = {}
+    colour = page.locator("select:has(option[value='shuffle block'])").first
+    rows = page.locator(".widget-vbox", has=colour).first
+    rows.locator(".fimoe-figure svg").first.wait_for(timeout=deadline.ms())
+    log("row explorer drawn")
+    before = _figure_key(rows)
+    colour.select_option(label="shuffle block", timeout=deadline.ms())
+    page.wait_for_function(
+        "([el, old]) => el.innerHTML !== old",
+        arg=[rows.locator(".fimoe-figure").first.element_handle(timeout=deadline.ms()), before],
+        timeout=deadline.ms(),
+    )
+    seen["colour_changed_figure"] = True
+    log("colour changed the figure")
+    titles = rows.locator(".fimoe-figure svg title")
+    seen["hover_titles"] = titles.count()
+    seen["hover_example"] = titles.first.text_content(timeout=deadline.ms())
+
+    path = rows.locator(".widget-text:has(label:text-is('checkpoint')) input").first
+    path.fill("deepseek-v3-fp8", timeout=deadline.ms())
+    rows.locator("button:text-is('load')").first.click(timeout=deadline.ms())
+    message = rows.locator(".fimoe-message").first
+    page.wait_for_function(
+        "el => el.textContent.includes('DeepSeek FP8')", arg=message.element_handle(), timeout=deadline.ms()
+    )
+    seen["path_box_message"] = message.text_content().strip()
+    log("path box loaded a checkpoint")
+
+    rows.locator("button:text-is('copy as code')").first.click(timeout=deadline.ms())
+    code = rows.locator("textarea").first
+    code.wait_for(state="visible", timeout=deadline.ms())
+    seen["code"] = code.input_value(timeout=deadline.ms())
+    rows.locator("button:text-is('save PNG')").first.click(timeout=deadline.ms())
+    page.wait_for_function(
+        "el => el.textContent.includes('saved ')", arg=message.element_handle(), timeout=deadline.ms()
+    )
+    seen["saved"] = message.text_content().strip()
+    log("copy as code, save PNG")
+
+    pick = page.locator("select:has(option[value='checkpoint']):has(option[value='kernel'])")
+    prov = page.locator(".widget-vbox", has=page.locator(".widget-inline-hbox:has(label:text-is('column'))")).first
+    row_box = prov.locator(".widget-inline-hbox:has(label:text-is('row')) input").first
+    row_box.fill("40", timeout=deadline.ms())
+    row_box.press("Enter", timeout=deadline.ms())
+    prov_message = prov.locator(".fimoe-message").first
+    page.wait_for_function(
+        "el => el.textContent.includes('kernel (40,')", arg=prov_message.element_handle(), timeout=deadline.ms()
+    )
+    seen["provenance"] = prov_message.text_content().strip()
+    log("provenance element typed")
+    seen["pick_menus"] = pick.count()
+    return seen
+
+
+def _screenshot(page, path: Path, deadline: Deadline) -> None:
+    first = page.locator(".fimoe-figure svg").first
+    first.scroll_into_view_if_needed(timeout=deadline.ms())
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(path))
+
+
+def capture(
+    out: Path, notebooks=NOTEBOOKS, themes=("light", "dark"), interact: bool = True, budget_s: float = 600
+) -> dict:
+    """Run ``notebooks`` in JupyterLab + Chromium, use the tour's explorers, screenshot each theme.
+
+    One JupyterLab server and browser per notebook (a second notebook in the same session
+    was seen never to start "Run All"). Returns ``{"screenshots": [paths], "interactions":
+    {...}, "tracebacks": {notebook: n}, "figures": {notebook: n}}``; raises when Chromium
+    or a wait fails. ``budget_s`` bounds the whole run.
+    """
+    deadline = Deadline(budget_s)
+    result: dict = {"screenshots": [], "interactions": {}, "tracebacks": {}, "figures": {}}
+    for name in notebooks:
+        one = _capture(out, name, themes, interact, deadline)
+        result["screenshots"] += one["screenshots"]
+        result["interactions"].update(one["interactions"])
+        result["tracebacks"].update(one["tracebacks"])
+        result["figures"].update(one["figures"])
+    return result
+
+
+def _capture(out: Path, notebook: str, themes, interact: bool, deadline: Deadline) -> dict:
+    """:func:`capture` of one notebook on its own server."""
+    notebooks = [notebook]
+    from playwright.sync_api import sync_playwright
+
+    binary = chromium()
+    if binary is None:
+        raise RuntimeError("no chromium binary on PATH (.ci/install-browser.sh installs one)")
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"screenshots": [], "interactions": {}, "tracebacks": {}, "figures": {}}
+    with tempfile.TemporaryDirectory(prefix="fimoe-lab-shots-") as tmp:
+        work = Path(tmp) / "notebooks"
+        shutil.copytree(resources.notebooks_dir(), work)  # JupyterLab saves into its copy, never the package
+        port = free_port()
+        argv, env = jupyterlab_command(work, port, Path(tmp) / "state", open_browser=False, theme=themes[0])
+        tracker = Path(tmp) / "state" / "settings" / "@jupyterlab" / "notebook-extension"
+        tracker.mkdir(parents=True, exist_ok=True)  # render every cell (no windowing): outputs exist to be checked
+        (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["OMP_NUM_THREADS"] = "1"
+        log_path = Path(tmp) / "jupyterlab.log"
+        with open(log_path, "w") as server_log:
+            server = subprocess.Popen(
+                argv, env=env, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                token = env["JUPYTER_TOKEN"]
+                _wait_for_server(f"http://127.0.0.1:{port}/api/status?token={token}", server, log_path, deadline)
+                log("JupyterLab is up")
+                with sync_playwright() as pw:
+                    browser = pw.chromium.launch(executable_path=binary, args=CHROMIUM_FLAGS, timeout=deadline.ms())
+                    try:
+                        context = browser.new_context(viewport=VIEWPORT, device_scale_factor=SCALE)
+                        for name in notebooks:
+                            page = context.new_page()
+                            try:
+                                page.goto(
+                                    f"http://127.0.0.1:{port}/lab/tree/{name}?token={token}", timeout=deadline.ms()
+                                )
+                                page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=deadline.ms())
+                                log(f"{name}: opened")
+                                if page.locator("#filebrowser").is_visible():  # the notebook gets the width
+                                    _menu(page, "View", "File Browser", deadline=deadline)
+                                page.locator(".jp-NotebookPanel .jp-Cell").first.click(timeout=deadline.ms())
+                                _run_all(page, deadline)
+                                log(f"{name}: every cell ran")
+                                page.wait_for_timeout(500)
+                                if interact and name == NOTEBOOKS[0]:
+                                    result["interactions"] = _interact(page, deadline)
+                                    log(f"{name}: explorers used")
+                                result["figures"][name] = page.locator(".fimoe-figure svg").count()
+                                result["tracebacks"][name] = (
+                                    page.locator(
+                                        ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+                                    )
+                                    .filter(has_text="Traceback")
+                                    .count()
+                                )
+                                for k, theme in enumerate(themes):
+                                    if k:
+                                        _menu(
+                                            page, "Settings", "Theme", f"JupyterLab {theme.title()}", deadline=deadline
+                                        )
+                                        page.wait_for_function(
+                                            "t => document.body.dataset.jpThemeName === t",
+                                            arg=f"JupyterLab {theme.title()}",
+                                            timeout=deadline.ms(),
+                                        )
+                                    shot = out / f"{Path(name).stem}_{theme}.png"
+                                    _screenshot(page, shot, deadline)
+                                    result["screenshots"].append(shot)
+                                    log(f"{name}: {shot}")
+                                if len(themes) > 1:  # back to the first theme for the next notebook
+                                    _menu(
+                                        page, "Settings", "Theme", f"JupyterLab {themes[0].title()}", deadline=deadline
+                                    )
+                            except Exception:
+                                page.screenshot(path=str(out / f"failure_{Path(name).stem}.png"))
+                                raise
+                            finally:
+                                page.close()
+                    finally:
+                        browser.close()
+            finally:
+                _stop(server)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots")
+    ap.add_argument("--notebooks", nargs="*", default=list(NOTEBOOKS))
+    ap.add_argument("--budget", type=float, default=900, help="seconds for the whole run")
+    args = ap.parse_args()
+    result = capture(args.out, args.notebooks, budget_s=args.budget)
+    for shot in result["screenshots"]:
+        print(shot)
+    print(json.dumps({k: v for k, v in result.items() if k != "screenshots"}, indent=1, default=str))
+    return 1 if any(result["tracebacks"].values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
