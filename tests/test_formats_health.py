@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fimoe_lab import formats
-from fimoe_lab.formats import check_quantized
+from fimoe_lab.formats import check_quantized, nvfp4_per_token
 from fimoe_lab.formats.health import HOPPER_ZEROS
 
 HAS_CUDA = torch.cuda.is_available()
@@ -58,11 +58,21 @@ def test_dead_expert_scales_below_1e_10_are_flagged_with_their_position():
 
 
 def test_nan_scales_of_all_zero_rows_are_explained():
+    # FlashInfer 0.6.13's per-token kernel gives an all-zero row scale byte 0x7F (NaN): flagged, explained
     x = sample()
     x[1, 5] = 0
-    warnings = check_quantized(formats.get("nvfp4-per-token").quantize(x), x)
+    warnings = check_quantized(nvfp4_per_token.quantize(x, engine="flashinfer-0.6.13"), x)
     assert len(warnings) == 1
     assert "16 of 8192 block scales are NaN/inf at [[1, 5, 0]" in warnings[0] and "all-zero rows" in warnings[0]
+
+
+def test_all_zero_rows_under_the_0_7_kernel_have_zero_scales_and_no_warning():
+    # FlashInfer 0.7.x (the default vllm-0.34 profile) writes scale byte 0x00 for an all-zero row
+    x = sample()
+    x[1, 5] = 0
+    q = nvfp4_per_token.quantize(x)
+    assert check_quantized(q, x) == []
+    assert not q.scales.view(torch.uint8)[1, 5].any()
 
 
 def test_nan_global_scale_and_shape_mismatch():
