@@ -27,7 +27,7 @@ from typing import Optional
 
 from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import LayoutError
-from fimoe_lab.specs import BACKENDS, FORMATS, check_backend, get_format, weight_formats
+from fimoe_lab.specs import BACKENDS, FORMATS, FormatSpec, check_backend, get_format, weight_formats
 
 __all__ = [
     "FI_MOE_INTERMEDIATE_MULTIPLE",
@@ -114,9 +114,10 @@ def default_alignments(
 
 
 def rank_intermediates(
-    intermediate: int, tp: int, fmt: str, whole_block_shards: bool = False, block: Optional[int] = None
+    intermediate: int, tp: int, fmt: str | FormatSpec, whole_block_shards: bool = False, block: Optional[int] = None
 ) -> tuple[int, ...]:
-    """The intermediate size of each of ``tp`` ranks, as the checkpoint reader shards ``fmt``.
+    """The intermediate size of each of ``tp`` ranks, as the checkpoint reader shards ``fmt`` (a name in
+    :data:`fimoe_lab.specs.FORMATS`, or the spec of a checkpoint-only format).
 
     ``b`` = ``block`` or the format's scale block along the intermediate dim (1 without one);
     ``block`` lets a reader ask for a larger unit (values packed in an int32 word).
@@ -127,7 +128,7 @@ def rank_intermediates(
     ``s = ceil(I / b / tp) * b``, and every rank must get at least one block.
     Raises :class:`LayoutError` saying which condition fails.
     """
-    spec = get_format(fmt)
+    spec = fmt if isinstance(fmt, FormatSpec) else get_format(fmt)
     block = block or spec.scale_block or 1
     if tp < 1 or intermediate < 1:
         raise LayoutError(f"tp {tp} and intermediate {intermediate} must be positive", fix="pass tp >= 1")

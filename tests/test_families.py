@@ -115,13 +115,34 @@ def test_inspect_reports_every_layer_with_its_own_sizes(root, family):
 
 
 # ---------------------------------------------------------------------------- convert and restore
-def restored_name(name: str, meta: dict, family: str) -> str:
-    """Where restore writes a tensor: under its own layer path when the file records the layers' paths
-    (``layer_names``); before that, an MTP layer under the model's prefix and its number."""
-    mtp = gen.MTP.get(family)
-    if mtp is None or "layer_names" in meta or not name.startswith(mtp + ".") or mtp.startswith(meta["prefix"]):
-        return name
-    return f"{meta['prefix']}{len(gen.FAMILIES[family].layers) - 1}{name[len(mtp) :]}"
+def _leaf_changes(a: object, b: object, path: tuple = ()) -> dict[tuple, tuple[object, object]]:
+    """``{path: (a's value, b's value)}`` of every JSON leaf (or key present on one side only) that differs."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: dict[tuple, tuple[object, object]] = {}
+        for k in {*a, *b}:
+            out.update(_leaf_changes(a.get(k, "<absent>"), b.get(k, "<absent>"), (*path, k)))
+        return out
+    return {} if a == b else {path: (a, b)}
+
+
+def check_restored_config(family: str, back: Path, tp: int, rank: int) -> None:
+    """Restored config.json: the source's, with only the intermediate size changed where the source holds it
+    (nested keys stay nested; a per-layer list keeps its length, each model layer's entry its rank size)."""
+    fam = gen.FAMILIES[family]
+    got = json.loads((back / "config.json").read_text())
+    changes = _leaf_changes(fam.config, got)
+    if tp == 1:
+        assert changes == {}, changes
+        return
+    assert len(changes) == 1, changes
+    (path, (before, after)) = next(iter(changes.items()))
+    size = {b: (lambda r: r[1] - r[0])(gen.rank_bounds(family, b, tp, rank)) for b in fam.layers}
+    if isinstance(before, list):
+        assert isinstance(after, list) and len(after) == len(before), (path, before, after)
+        model = {int(b.rsplit(".", 1)[1]): b for b in fam.layers if b != gen.MTP.get(family)}
+        assert after == [size[model[i]] if i in model else v for i, v in enumerate(before)], (path, after)
+    else:
+        assert before == gen.intermediate(fam, fam.layers[0]) and after == size[fam.layers[0]], (path, before, after)
 
 
 @pytest.mark.parametrize("family", CONVERTIBLE)
@@ -132,13 +153,15 @@ def test_convert_and_restore_every_rank_byte_exact(root, tmp_path, family):
             kernel = tmp_path / f"{backend}-{tp}-{rank}.safetensors"
             convert_checkpoint(root / family, kernel, backend, tp, rank)
             meta = read_kernel_metadata(kernel)
+            assert list(meta["layer_names"].values()) == list(gen.FAMILIES[family].layers)
             w13 = [n for n in load_file(kernel) if n.endswith(".w13_weight")]
             assert len(w13) == n_layers, w13  # MTP layers are layers of their own, never merged
             back = tmp_path / f"{backend}-{tp}-{rank}"
             restore_checkpoint(kernel, back)
             got = all_tensors(back)
-            want = {restored_name(k, meta, family): v for k, v in gen.file_tensors(family, tp, rank).items()}
-            assert sorted(got) == sorted(want), (backend, tp, rank)
+            want = gen.file_tensors(family, tp, rank)
+            assert sorted(got) == sorted(want), (backend, tp, rank)  # MTP layers under their own path
+            check_restored_config(family, back, tp, rank)
             for name, t in want.items():
                 assert same_tensor(got[name], t.contiguous()), (family, backend, tp, rank, name)
 
@@ -149,7 +172,8 @@ def test_format_without_layout_is_refused_and_writes_back_byte_exact(root, tmp_p
     for backend in ("trtllm", "cutlass"):
         with pytest.raises(CheckpointError) as info:
             convert_checkpoint(root / family, tmp_path / f"{backend}.safetensors", backend)
-        assert conv.fmt in str(info.value) and backend in str(info.value)
+        msg = str(info.value)
+        assert f"{conv.fmt} has no {backend} layout: {conv_table.MISSING_LAYOUT[conv.fmt][backend]}" in msg, msg
         assert not (tmp_path / f"{backend}.safetensors").exists()
     with open_checkpoint(root / family) as ck:
         for tp, rank in RANKS:

@@ -480,7 +480,7 @@ class Checkpoint:
         gpt-oss (vLLM's MXFP4 loader): whole 32-value blocks, ``ceil(blocks / tp)`` per rank,
         the last ranks smaller, so any tp works until a rank would get nothing.
         """
-        conv, fmt = self.convention, self.fmt
+        conv = self.convention
         if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
             raise CheckpointError(
                 f"tensor-parallel rank {tp_rank} of {tp_size} is not valid", fix="choose tp >= 1 and 0 <= rank < tp"
@@ -492,24 +492,33 @@ class Checkpoint:
         whole_blocks = conv.fused_layout is not None and bool(conv.fused_layout.blocks)
         try:
             sizes = shapes.rank_intermediates(
-                full_i, tp_size, fmt, whole_blocks, block=max(spec.scale_block or 1, per_element)
+                full_i, tp_size, spec, whole_blocks, block=max(spec.scale_block or 1, per_element)
             )
         except LayoutError as exc:
             key = self._config_entry("intermediate", layer)[0]
             raise CheckpointError(
-                f"{self.path / 'config.json'} ({key} = {full_i}): {exc.message}", fix=exc.fix
+                f"{exc.message} ({self.path / 'config.json'}: {key} = {full_i})", fix=exc.fix
             ) from None
         r0 = sum(sizes[:tp_rank])
         return r0, r0 + sizes[tp_rank]
 
     def read_layer(
-        self, layer: int, tp_size: int = 1, tp_rank: int = 0, load: str = "all", progress: bool = False
+        self,
+        layer: int,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        load: str = "all",
+        progress: bool = False,
+        experts: Optional[tuple[int, int]] = None,
     ) -> MoELayer:
         """Stack layer ``layer``'s experts for rank ``tp_rank`` of ``tp_size``.
 
         ``load``: ``all`` reads everything; ``scales`` leaves weights as ``meta`` tensors
         (shapes only; for health checks); ``none`` reads nothing (shapes and checks only).
-        Every tensor is checked (present, dtype, shape) before any is read.
+        ``experts``: ``(e0, e1)`` with ``0 <= e0 < e1 <= E`` reads experts ``e0 .. e1-1`` only
+        (every stacked tensor and extra ``(e1 - e0, ...)``, byte-identical to ``[e0:e1]`` of the
+        whole layer's; the tensors of those experts checked); None: all ``E``. Every tensor is
+        checked (present, dtype, shape) before any is read.
         """
         if layer not in self._layers:
             raise CheckpointError(
@@ -520,9 +529,16 @@ class Checkpoint:
             raise CheckpointError(f"load={load!r} is not a read mode", fix="pass load='all', 'scales' or 'none'")
         conv = self.convention
         r0, r1 = self.shard_bounds(tp_size, tp_rank, layer)
+        e_count = self.config_size("experts", layer)
+        e0, e1 = (0, e_count) if experts is None else experts
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in (e0, e1)) or not 0 <= e0 < e1 <= e_count:
+            raise CheckpointError(
+                f"experts {experts!r} is not a range (e0, e1) with 0 <= e0 < e1 <= {e_count} (layer {layer}'s experts)",
+                fix=f"pass experts=(e0, e1) within [0, {e_count}], or None for all",
+            )
         f = conv.fused_layout
         reader = _PerExpertReader if f is None else _BlocksReader if f.blocks else _FusedReader
-        moe = reader(self, layer, tp_size, tp_rank, r0, r1, load, progress).run()
+        moe = reader(self, layer, tp_size, tp_rank, r0, r1, load, progress, (e0, e1)).run()
         if conv.activation == "swiglu_oai":
             moe.activation_params = {
                 "alpha": self.config_float("swiglu_alpha", 1.702),
@@ -532,13 +548,24 @@ class Checkpoint:
 
 
 class _LayerReader:
-    """Shared state of one read: sizes, slices and the output buffers."""
+    """Shared state of one read: sizes, slices and the output buffers (``n = e1 - e0`` experts of ``E``)."""
 
     def __init__(
-        self, ckpt: Checkpoint, layer: int, tp_size: int, tp_rank: int, r0: int, r1: int, load: str, progress: bool
+        self,
+        ckpt: Checkpoint,
+        layer: int,
+        tp_size: int,
+        tp_rank: int,
+        r0: int,
+        r1: int,
+        load: str,
+        progress: bool,
+        experts: tuple[int, int],
     ):
         self.ck, self.layer, self.tp_size, self.tp_rank = ckpt, layer, tp_size, tp_rank
         self.r0, self.r1, self.il = r0, r1, r1 - r0
+        self.e0, self.e1 = experts
+        self.n = self.e1 - self.e0
         self.load, self.progress = load, progress
         self.conv, self.fmt = ckpt.convention, ckpt.fmt
         self.base = ckpt._layers[layer]
@@ -625,38 +652,39 @@ class _PerExpertReader(_LayerReader):
         return full, sl, (hi - lo if proj < 2 else full[0])
 
     def run(self) -> MoELayer:
-        c, E, H, I, il, v, P = self.conv, self.E, self.H, self.I, self.il, self.v, self.P
+        c, n, H, I, il, v, P = self.conv, self.n, self.H, self.I, self.il, self.v, self.P
         per = c.file_weight_dtype.itemsize // c.weight_dtype.itemsize  # an int32 of packed int4 holds 4 bytes
         plan = []  # (name, file dtype, full shape, slice, destination, is scale, role)
-        w13 = self.buffer((E, P * il, H // v), c.weight_dtype, False)
-        w2 = self.buffer((E, H, il // v), c.weight_dtype, False)
+        w13 = self.buffer((n, P * il, H // v), c.weight_dtype, False)
+        w2 = self.buffer((n, H, il // v), c.weight_dtype, False)
         s13 = s2 = None
         extras: dict[str, torch.Tensor] = {}
         if c.scale_suffix:
             _, _, n13 = self.scale_spec(0)
             full2, _, _ = self.scale_spec(2)
             if c.scales == "tensor":
-                s13, s2 = self.buffer((E, P), c.scale_dtype, True), self.buffer((E,), c.scale_dtype, True)
+                s13, s2 = self.buffer((n, P), c.scale_dtype, True), self.buffer((n,), c.scale_dtype, True)
             else:
                 _, sl2, _ = self.scale_spec(2)
                 cols2 = full2[1] if c.scales == "row" else len(range(*sl2[1].indices(full2[1])))
                 g_cols = self.scale_spec(0)[0][1]
-                s13 = self.buffer((E, P * n13, g_cols), c.scale_dtype, True)
-                s2 = self.buffer((E, full2[0], cols2), c.scale_dtype, True)
-        for stack, shape in (("w13", (E, P)), ("w2", (E,))):
+                s13 = self.buffer((n, P * n13, g_cols), c.scale_dtype, True)
+                s2 = self.buffer((n, full2[0], cols2), c.scale_dtype, True)
+        for stack, shape in (("w13", (n, P)), ("w2", (n,))):
             for extra in c.scalar_extras:
                 extras[f"{stack}_{extra}"] = self.buffer(shape, torch.float32, True)
-        for e in range(E):
+        for e in range(self.e0, self.e1):
+            d = e - self.e0  # its place in the buffers
             for proj in range(2 - P, 3):
                 k = proj - (2 - P)  # position in w13 (0 gate or up, 1 up)
                 if proj < 2:
                     shape = (I, H // v // per)
                     sl = (slice(self.r0, self.r1), slice(None))
-                    dest = (w13, e, slice(k * il, (k + 1) * il))
+                    dest = (w13, d, slice(k * il, (k + 1) * il))
                 else:
                     shape = (H, I // v // per)
                     sl = (slice(None), slice(self.r0 // v // per, self.r1 // v // per))
-                    dest = (w2, e, slice(None))
+                    dest = (w2, d, slice(None))
                 plan.append(
                     (
                         c.expert_key("", 0, e, proj, base=self.base),
@@ -672,11 +700,11 @@ class _PerExpertReader(_LayerReader):
                     key = c.expert_key("", 0, e, proj, c.shape_suffix, self.base)
                     plan.append((key, torch.int32, (2,), [shape[0], shape[1] * v * per], None, True, "weight shape"))
                 if s13 is not None:
-                    full, ssl, n = self.scale_spec(proj)
+                    full, ssl, rows = self.scale_spec(proj)
                     if c.scales == "tensor":
-                        sdest = (s13, e, k) if proj < 2 else (s2, e)
+                        sdest = (s13, d, k) if proj < 2 else (s2, d)
                     else:
-                        sdest = (s13, e, slice(k * n, (k + 1) * n)) if proj < 2 else (s2, e, slice(None))
+                        sdest = (s13, d, slice(k * rows, (k + 1) * rows)) if proj < 2 else (s2, d, slice(None))
                     plan.append(
                         (
                             c.expert_key("", 0, e, proj, c.scale_suffix, self.base),
@@ -696,7 +724,7 @@ class _PerExpertReader(_LayerReader):
                             torch.float32,
                             c.scalar_shape,
                             None,
-                            (buf, e, k) if proj < 2 else (buf, e),
+                            (buf, d, k) if proj < 2 else (buf, d),
                             True,
                             extra,
                         )
@@ -731,7 +759,7 @@ class _FusedReader(_LayerReader):
     def run(self) -> MoELayer:
         c, f, E, H, I, r0, r1 = self.conv, self.conv.fused_layout, self.E, self.H, self.I, self.r0, self.r1
         assert f is not None
-        wd = c.file_weight_dtype
+        wd, ex = c.file_weight_dtype, slice(self.e0, self.e1)
         if f.flat:
             shapes = {n: (E * I, H) for n in (*f.w13, f.w2)}
         elif f.transposed:
@@ -742,27 +770,29 @@ class _FusedReader(_LayerReader):
             self.check(self.key(n), wd, shape, n)
         if not self.wants(False):
             return self.finish(
-                torch.empty((E, 2 * self.il, H), dtype=wd, device="meta"),
-                torch.empty((E, H, self.il), dtype=wd, device="meta"),
+                torch.empty((self.n, 2 * self.il, H), dtype=wd, device="meta"),
+                torch.empty((self.n, H, self.il), dtype=wd, device="meta"),
                 None,
                 None,
                 {},
             )
         read = lambda n, sl: self.ck._read(self.key(n), sl)  # noqa: E731
         if f.flat:  # expert e's rows are e*I .. (e+1)*I of each tensor
-            rows = lambda n: torch.stack([read(n, (slice(e * I + r0, e * I + r1),)) for e in range(E)])  # noqa: E731
+            rows = lambda n: torch.stack(  # noqa: E731
+                [read(n, (slice(e * I + r0, e * I + r1),)) for e in range(self.e0, self.e1)]
+            )
             w13 = torch.cat([rows(f.w13[0]), rows(f.w13[1])], dim=1)
             w2 = rows(f.w2).transpose(1, 2)
         elif f.transposed:
             gu = f.w13[0]
-            gate = read(gu, (slice(None), slice(None), slice(r0, r1)))
-            up = read(gu, (slice(None), slice(None), slice(I + r0, I + r1)))
+            gate = read(gu, (ex, slice(None), slice(r0, r1)))
+            up = read(gu, (ex, slice(None), slice(I + r0, I + r1)))
             w13 = torch.cat([gate, up], dim=2).transpose(1, 2)
-            w2 = read(f.w2, (slice(None), slice(r0, r1))).transpose(1, 2)
+            w2 = read(f.w2, (ex, slice(r0, r1))).transpose(1, 2)
         else:
             gu = f.w13[0]
-            w13 = torch.cat([read(gu, (slice(None), slice(r0, r1))), read(gu, (slice(None), slice(I + r0, I + r1)))], 1)
-            w2 = read(f.w2, (slice(None), slice(None), slice(r0, r1)))
+            w13 = torch.cat([read(gu, (ex, slice(r0, r1))), read(gu, (ex, slice(I + r0, I + r1)))], 1)
+            w2 = read(f.w2, (ex, slice(None), slice(r0, r1)))
         return self.finish(w13.contiguous(), w2.contiguous(), None, None, {})
 
 
@@ -775,18 +805,18 @@ class _BlocksReader(_LayerReader):
         (``2 * r0 : 2 * r1``, interleaved) and columns of down (whole blocks)."""
         c, f, E, H, I, il, b = self.conv, self.conv.fused_layout, self.E, self.H, self.I, self.il, self.spec.scale_block
         assert f is not None and f.scales is not None
-        bb = b // self.v  # bytes per block
+        bb, n, ex = b // self.v, self.n, slice(self.e0, self.e1)  # bytes per block, experts read
         wd, sd = c.file_weight_dtype, c.file_scale_dtype
         up_rows, down_cols = (
-            (slice(None), slice(2 * self.r0, 2 * self.r1)),
-            (slice(None), slice(None), slice(self.r0 // b, self.r1 // b)),
+            (ex, slice(2 * self.r0, 2 * self.r1)),
+            (ex, slice(None), slice(self.r0 // b, self.r1 // b)),
         )
         g13, g2 = f.w13[0], f.w2
         specs = [  # (role, name, dtype, full shape, slice, is scale, rank shape)
-            ("w13", g13, wd, (E, 2 * I, H // b, bb), up_rows, False, (E, 2 * il, H // self.v)),
-            ("s13", f.scales[0], sd, (E, 2 * I, H // b), up_rows, True, (E, 2 * il, H // b)),
-            ("w2", g2, wd, (E, H, I // b, bb), down_cols, False, (E, H, il // self.v)),
-            ("s2", f.scales[1], sd, (E, H, I // b), down_cols, True, (E, H, il // b)),
+            ("w13", g13, wd, (E, 2 * I, H // b, bb), up_rows, False, (n, 2 * il, H // self.v)),
+            ("s13", f.scales[0], sd, (E, 2 * I, H // b), up_rows, True, (n, 2 * il, H // b)),
+            ("w2", g2, wd, (E, H, I // b, bb), down_cols, False, (n, H, il // self.v)),
+            ("s2", f.scales[1], sd, (E, H, I // b), down_cols, True, (n, H, il // b)),
         ]
         has_bias = f.biases is not None and self.key(f.biases[0]) in self.ck.weight_map
         if has_bias:
@@ -797,11 +827,11 @@ class _BlocksReader(_LayerReader):
                     f.biases[0],
                     torch.bfloat16,
                     (E, 2 * I),
-                    (slice(None), slice(2 * self.r0, 2 * self.r1)),
+                    (ex, slice(2 * self.r0, 2 * self.r1)),
                     True,
-                    (E, 2 * il),
+                    (n, 2 * il),
                 ),
-                ("b2", f.biases[1], torch.bfloat16, (E, H), (), True, (E, H)),
+                ("b2", f.biases[1], torch.bfloat16, (E, H), (ex,), True, (n, H)),
             ]
         for _, name, dtype, shape, _, _, _ in specs:
             self.check(self.key(name), dtype, shape, f"{self.fmt.upper()} {name.replace('_', ' ')}")

@@ -15,7 +15,8 @@
   complete and the index last, after any old index was removed: a crash leaves finished
   shards and no index. With ``resume``, a shard already at its name is kept only if
   :func:`verify_shard` passes (same header and metadata as this run would write, every
-  tensor's bytes matching its recorded sha256); the others are written again.
+  tensor's bytes matching its recorded sha256), its lock and temporaries left by a writer killed
+  after the rename swept (a live writer's lock fails the run); the others are written again.
 """
 
 from __future__ import annotations
@@ -354,6 +355,8 @@ class ShardedOutput:
             for k in sorted(self.owned):
                 if verify_shard(self.paths[k], self._entries(k), metadata, checksum_key):
                     self.done.add(k)
+                    with safe_io.OutputLock(self.paths[k]):  # a writer killed after its rename left lock/temporaries
+                        safe_io.sweep_stale(self.paths[k])
 
     def _entries(self, k: int) -> dict:
         return header_entries({n: self.specs[n] for n in self.groups[k]})[0]

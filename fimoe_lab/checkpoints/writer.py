@@ -70,6 +70,8 @@ __all__ = [
     "write_kernel_layout",
     "layout_plan",
     "stream_layers",
+    "expert_range",
+    "LayerLoader",
     "convert_checkpoint",
     "read_kernel_metadata",
     "check_record",
@@ -103,9 +105,15 @@ def plan_args(
     ``engine``: the profile (:mod:`fimoe_lab.engines`; None: ``engines.DEFAULT_ENGINE``),
     recorded by its resolved name so that ``restore`` rebuilds with the same defaults. Files
     that record none were written before profiles and rebuild with ``engines.LEGACY_ENGINE``
-    (:func:`build_plan`).
+    (:func:`build_plan`). A checkpoint-only format (``conventions.MISSING_LAYOUT``) is refused naming the
+    layout ``backend`` lacks.
     """
-
+    missing = conventions.MISSING_LAYOUT.get(layer.fmt, {}).get(backend)
+    if missing:
+        raise CheckpointError(
+            f"{layer.fmt} has no {backend} layout: {missing}",
+            fix="inspect and restore work on it; convert needs that layout",
+        )
     if layer.fmt not in weight_formats():
         raise CheckpointError(
             f"no layout plan for format {layer.fmt!r}",
@@ -433,17 +441,17 @@ def stream_layers(
 ) -> None:
     """Load, convert and put into ``target`` every layer of ``sources`` that holds a tensor ``target`` still
     needs (:meth:`~fimoe_lab.checkpoints.stream.ShardedOutput.needed`), one layer in memory, a chunk of
-    experts at a time (:func:`_converted_chunks`); ``meta``: from :func:`layout_plan`."""
+    experts at a time (:func:`_layer_chunks`); ``meta``: from :func:`layout_plan`."""
     prefix, block = meta["prefix"], meta["block"]
-    for idx, _, load in sources:
+    for idx, shape_layer, load in sources:
         names = {
             n: _out_name(prefix, block, idx, n) for n in (*KERNEL_NAMES.values(), *meta["layers"][str(idx)]["extras"])
         }
         if not any(target.needed(full) for full in names.values() if full in target.specs):
             continue
         workers.drain()  # the previous layer's chunks are out: one layer in memory
-        chunks = _converted_chunks(load(), backend, intermediate_alignment, hidden_alignment, engine, dev)
-        for tensors in chunks:  # the layer is freed with the generator once its last chunk is out
+        chunks = _layer_chunks(shape_layer, load, backend, intermediate_alignment, hidden_alignment, engine, dev)
+        for tensors in chunks:  # each block is freed with the generator once its last chunk is out
             for n in list(tensors):
                 t = tensors.pop(n)
                 target.put(workers, names[n], t)
@@ -488,13 +496,14 @@ def _converted_chunks(
     ha: Optional[int],
     engine: Optional[str],
     dev: torch.device,
+    step: Optional[int] = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """The layer in the kernel layout, a chunk of experts at a time (:func:`convert_layer` on ``[e0:e1]`` of every
-    tensor; kernel tensors by name, on the CPU). With a CUDA ``dev``: staged through pinned host buffers."""
+    """The layer in the kernel layout, a chunk of ``step`` experts at a time (default :func:`_chunk_experts`;
+    :func:`convert_layer` on ``[e0:e1]`` of every tensor; kernel tensors by name, on the CPU). With a CUDA
+    ``dev``: staged through pinned host buffers."""
     parts = {n: t for n, t in layer.tensors().items() if t is not None}
     e_count = layer.num_experts
-    layer_bytes = sum(t.numel() * t.element_size() for t in (*parts.values(), *layer.extras.values()))
-    step = stream.experts_per_chunk(layer_bytes // max(1, e_count), layer_bytes)
+    step = step or _chunk_experts(layer)
     for e0 in range(0, e_count, step):
         cut = lambda t, e0=e0: _to_device(t[e0 : e0 + step].contiguous(), dev)  # noqa: E731
         sub = replace(
@@ -506,6 +515,41 @@ def _converted_chunks(
             tensors = {n: _to_host(t) for n, t in tensors.items()}
             torch.cuda.current_stream(dev).synchronize()
         yield {n: t.contiguous() for n, t in tensors.items()}
+
+
+def _chunk_experts(layer: MoELayer) -> int:
+    """Experts per chunk of ``layer`` (shapes suffice: meta tensors allowed), :func:`stream.experts_per_chunk`."""
+    parts = [t for t in (*layer.tensors().values(), *layer.extras.values()) if t is not None]
+    layer_bytes = sum(t.numel() * t.element_size() for t in parts)
+    return stream.experts_per_chunk(layer_bytes // max(1, layer.num_experts), layer_bytes)
+
+
+def _layer_chunks(
+    shape_layer: MoELayer,
+    load: Callable[[], MoELayer],
+    backend: str,
+    ia: Optional[int],
+    ha: Optional[int],
+    engine: Optional[str],
+    dev: torch.device,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """:func:`_converted_chunks` of one layer. From a checkpoint (a :class:`LayerLoader`): read a block of
+    experts (one chunk, :func:`_chunk_experts`) at a time on a reader thread, block ``k+1`` while block ``k``
+    is converted and handed to the writers, so reading overlaps the transform and about two blocks are
+    resident. Any other loader: the whole layer, chunked."""
+    if not isinstance(load, LayerLoader):
+        yield from _converted_chunks(load(), backend, ia, ha, engine, dev)
+        return
+    step, e_count = _chunk_experts(shape_layer), shape_layer.num_experts
+    blocks = [(e0, min(e0 + step, e_count)) for e0 in range(0, e_count, step)]
+    with ThreadPoolExecutor(1, thread_name_prefix="fimoe-lab-reader") as reader:
+        pending = reader.submit(load, blocks[0])
+        for after in [*blocks[1:], None]:
+            block = pending.result()
+            if after is not None:
+                pending = reader.submit(load, after)
+            yield from _converted_chunks(block, backend, ia, ha, engine, dev, step)
+            del block
 
 
 def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
@@ -538,8 +582,13 @@ def convert_checkpoint(
     shard_size: Optional[int] = None,
     resume: bool = False,
     device: str = "cpu",
+    ep_size: int = 1,
 ) -> Path:
     """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``.
+
+    ``ep_size``: expert parallelism within the ``tp_size`` ranks (:func:`rank_part`): rank ``r`` holds the
+    contiguous experts :func:`expert_range` of EP rank ``r // (tp_size / ep_size)``, sliced along the
+    intermediate dim as rank ``r % (tp_size / ep_size)`` of ``tp_size / ep_size`` (SGLang's moe-TP).
 
     ``engine``: the profile (``vllm-0.34`` by default; :mod:`fimoe_lab.engines`), recorded in the file.
     Output, streaming, ``resume`` and ``device``: :func:`write_kernel_layout`. ``tp_rank="all"``
@@ -551,6 +600,7 @@ def convert_checkpoint(
     out = Path(out)
     single = safe_io.single_output(out, single_file)
     ranks = _ranks(tp_size, tp_rank, single)
+    moe_tp_size(tp_size, ep_size)
     safe_io.check_output(out, [Path(src)], force or (resume and single), "file" if single else "shards", resume)
     _device(device)
     # a second writer of OUT fails before reading; SIGTERM from here on removes the lock (and any temporary)
@@ -560,8 +610,7 @@ def convert_checkpoint(
         if tp_rank == "all":
             os.makedirs(out, exist_ok=True)
         for rank in ranks:
-            sources = layer_sources(ck, wanted, tp_size, rank, progress)
-            info = {**about, "tp_size": tp_size, "tp_rank": rank}
+            sources, info = rank_part(ck, wanted, about, tp_size, ep_size, rank, progress)
             write_kernel_layout(
                 out / f"rank-{rank}" if tp_rank == "all" else out,
                 sources,
@@ -607,15 +656,91 @@ def source_info(ck: Checkpoint, src: str | os.PathLike) -> dict:
     }
 
 
-def layer_sources(ck: Checkpoint, wanted: list[int], tp_size: int, rank: int, progress: bool) -> list[LayerSource]:
-    """:data:`LayerSource` of each wanted layer of TP rank ``rank``: shapes now, tensors when loaded."""
-    return [
-        (
-            l,
-            ck.read_layer(l, tp_size, rank, load="none"),
-            (lambda l=l: ck.read_layer(l, tp_size, rank, progress=progress)),
+class LayerLoader:
+    """Loader of layer ``layer`` of rank ``rank`` of ``tp_size`` of a checkpoint: ``load()`` reads the whole
+    layer, ``load((e0, e1))`` experts ``e0 .. e1-1`` (:meth:`Checkpoint.read_layer`'s ``experts``)."""
+
+    def __init__(self, ck: Checkpoint, layer: int, tp_size: int, rank: int, progress: bool):
+        self.ck, self.layer, self.tp_size, self.rank, self.progress = ck, layer, tp_size, rank, progress
+
+    def __call__(self, experts: Optional[tuple[int, int]] = None) -> MoELayer:
+        return self.ck.read_layer(self.layer, self.tp_size, self.rank, progress=self.progress, experts=experts)
+
+
+def rank_info(about: dict, ck: Checkpoint, wanted: list[int], tp_size: int, rank: int) -> dict:
+    """What every shard of TP rank ``rank`` records besides the plan: ``about`` (:func:`source_info`), the TP
+    size and rank, and each wanted layer's name in the checkpoint (``layer_names``)."""
+    return {
+        **about,
+        "tp_size": tp_size,
+        "tp_rank": rank,
+        "layer_names": {str(l): ck.layer_names[l] for l in wanted},
+    }
+
+
+def moe_tp_size(tp_size: int, ep_size: int) -> int:
+    """The moe-TP size ``tp_size / ep_size`` (``ep_size`` must divide ``tp_size``, as SGLang requires)."""
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1 or tp_size % ep_size:
+        raise CheckpointError(
+            f"expert-parallel size {ep_size!r} does not divide the tensor-parallel size {tp_size}",
+            fix="pass --ep N with N dividing --tp (--tp 8 --ep 8: experts split 8 ways, no intermediate slicing)",
         )
-        for l in wanted
+    return tp_size // ep_size
+
+
+def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """Experts ``[e0, e1)`` of EP rank ``ep_rank`` of ``ep_size``: contiguous, ``E // n`` each and one more for
+    the first ``E % n`` ranks, ``e0 = rank * (E // n) + min(rank, E % n)`` (vLLM's linear placement; SGLang's
+    ``E / n`` per rank when ``n`` divides ``E``)."""
+    base, rem = divmod(num_experts, ep_size)
+    e0 = ep_rank * base + min(ep_rank, rem)
+    return e0, e0 + base + (1 if ep_rank < rem else 0)
+
+
+def _experts(layer: MoELayer, e0: int, e1: int) -> MoELayer:
+    """Experts ``[e0, e1)`` of ``layer`` (every tensor and extra sliced along its leading expert dim)."""
+    return replace(
+        layer.with_tensors(**{n: None if t is None else t[e0:e1] for n, t in layer.tensors().items()}),
+        extras={n: t[e0:e1] for n, t in layer.extras.items()},
+    )
+
+
+def rank_part(
+    ck: Checkpoint, wanted: list[int], about: dict, tp_size: int, ep_size: int, rank: int, progress: bool
+) -> tuple[list[LayerSource], dict]:
+    """Rank ``rank``'s :data:`LayerSource` list and metadata info (:func:`rank_info`). With ``ep_size > 1``:
+    moe-TP rank ``rank % m`` of ``m = tp_size / ep_size`` (:func:`moe_tp_size`), experts
+    :func:`expert_range` of EP rank ``rank // m`` only (read as such), and the info records ``ep_size``,
+    ``ep_rank``, ``experts`` ``[e0, e1)`` and ``num_experts`` (every layer must have the same count)."""
+    if ep_size == 1:  # the reader checks the rank
+        return layer_sources(ck, wanted, tp_size, rank, progress), rank_info(about, ck, wanted, tp_size, rank)
+    if not 0 <= rank < tp_size:
+        raise CheckpointError(
+            f"tensor-parallel rank {rank} is not valid for --tp {tp_size}", fix=f"pass --rank 0..{tp_size - 1} or all"
+        )
+    mtp = moe_tp_size(tp_size, ep_size)
+    ep_rank, tp_rank = divmod(rank, mtp)
+    sources = layer_sources(ck, wanted, mtp, tp_rank, progress)
+    info = rank_info(about, ck, wanted, mtp, tp_rank)
+    counts = sorted({shape.num_experts for _, shape, _ in sources})
+    if len(counts) != 1 or counts[0] < ep_size:
+        raise CheckpointError(
+            f"--ep {ep_size} needs layers of one expert count of at least {ep_size}; these have {counts}",
+            fix="convert the layers of each expert count separately (--layer), with --ep at most that count",
+        )
+    e0, e1 = expert_range(counts[0], ep_size, ep_rank)
+    info.update(ep_size=ep_size, ep_rank=ep_rank, experts=[e0, e1], num_experts=counts[0])
+    part: list[LayerSource] = [
+        (l, _experts(shape, e0, e1), (lambda load=load: load((e0, e1)))) for l, shape, load in sources
+    ]
+    return part, info
+
+
+def layer_sources(ck: Checkpoint, wanted: list[int], tp_size: int, rank: int, progress: bool) -> list[LayerSource]:
+    """:data:`LayerSource` of each wanted layer of TP rank ``rank``: shapes now, tensors when loaded
+    (a :class:`LayerLoader`, read a block of experts at a time by :func:`stream_layers`)."""
+    return [
+        (l, ck.read_layer(l, tp_size, rank, load="none"), LayerLoader(ck, l, tp_size, rank, progress)) for l in wanted
     ]
 
 
@@ -747,6 +872,10 @@ _FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "config": (lambda v: v is None or isinstance(v, dict), "a JSON object"),
     "tp_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
     "tp_rank": (lambda v: _is_int(v, 0), "an integer >= 0"),
+    "layer_names": (
+        lambda v: v is None or (isinstance(v, dict) and all(isinstance(x, str) for kv in v.items() for x in kv)),
+        "a table of layer paths",
+    ),
 }
 """Top-level metadata fields that restore uses, and the form ``convert`` writes them in."""
 
@@ -1062,6 +1191,10 @@ def restore_checkpoint(
     Written atomically; an existing ``out_dir`` is replaced only with ``force`` and only if
     ``restore`` wrote it.
     """
+    from fimoe_lab.checkpoints import expert_parallel
+
+    if expert_parallel.rank_dirs(Path(path)):  # convert --rank all: EP ranks are reassembled
+        return expert_parallel.restore_ranks(path, out_dir, force, shard_size)
     out = Path(out_dir)
     safe_io.check_output(out, [Path(path)], force, "dir")
     with safe_io.signals_raise(), safe_io.OutputLock(out):  # a second writer of OUT fails before reading
@@ -1076,7 +1209,7 @@ def _restored_specs(path: str | os.PathLike, kf: KernelFiles, conv: conventions.
             name = lambda n, idx=idx: _out_name(meta["prefix"], meta["block"], int(idx), n)  # noqa: E731
             _check_sizes(kf, rec, name)
             layer = replace(_shape_layer(rec), **_where(meta, int(idx), rec))
-            for k, v in conv.to_tensors(meta["prefix"], int(idx), layer).items():
+            for k, v in conv.to_tensors(meta["prefix"], int(idx), layer, _layer_path(meta, idx)).items():
                 specs[k] = (v.dtype, tuple(v.shape))
     return specs
 
@@ -1094,6 +1227,7 @@ class _Emit:
         specs: dict,
         target: stream.ShardedOutput,
         workers: stream.Workers,
+        base: Optional[str],
     ):
         self.path, self.conv, self.prefix, self.specs, self.target, self.workers = (
             path,
@@ -1103,6 +1237,7 @@ class _Emit:
             target,
             workers,
         )
+        self.base = base
         self.waiting: Optional[list[tuple[int, str, torch.Tensor]]] = None
         self.sent: set[str] = set()
 
@@ -1111,7 +1246,7 @@ class _Emit:
         if self.waiting is None:
             buffers = [t for t in (*layer.tensors().values(), *layer.extras.values()) if t is not None and t.numel()]
             self.waiting = []
-            for k, t in self.conv.to_tensors(self.prefix, layer.layer, layer).items():
+            for k, t in self.conv.to_tensors(self.prefix, layer.layer, layer, self.base).items():
                 last = _last_expert(t, buffers)
                 if last is not None:
                     self.waiting.append((last, k, t))
@@ -1125,7 +1260,7 @@ class _Emit:
 
     def rest(self, layer: MoELayer) -> None:
         """Queue every output tensor not queued yet (the layer is complete and its checksums verified)."""
-        for k, t in self.conv.to_tensors(self.prefix, layer.layer, layer).items():
+        for k, t in self.conv.to_tensors(self.prefix, layer.layer, layer, self.base).items():
             if k not in self.sent:
                 self._put(k, t)
 
@@ -1146,6 +1281,35 @@ def _last_expert(t: torch.Tensor, buffers: list[torch.Tensor]) -> Optional[int]:
     return None
 
 
+def _layer_path(meta: dict, idx: str) -> Optional[str]:
+    """The source path of layer ``idx`` (``mtp.layers.0``) as convert recorded it; None: ``{prefix}{idx}``."""
+    return (meta.get("layer_names") or {}).get(idx)
+
+
+def _restored_config(meta: dict) -> dict:
+    """The source's config.json, for a TP shard (``tp_size > 1``) with the intermediate size set to the rank's:
+    under the key :func:`conventions.config_value` reads it from (top level or ``text_config``; a dotted key
+    nested), a per-layer list entry by entry for the converted layers (the others kept)."""
+    config = json.loads(json.dumps(meta.get("config") or {}))
+    sizes = {int(i): rec["plan"]["args"]["intermediate"] for i, rec in meta["layers"].items()}
+    if not sizes or meta.get("tp_size", 1) == 1:
+        return config
+    key, value = conventions.config_value(config, "intermediate")
+    *parents, leaf = (key or conventions.CONFIG_KEYS["intermediate"][0]).split(".")
+    node = config
+    for level in (config, config.get("text_config")):
+        for part in parents:
+            level = level.get(part) if isinstance(level, dict) else None
+        if isinstance(level, dict) and level.get(leaf) is not None:
+            node = level
+            break
+    if isinstance(value, list):
+        node[leaf] = [sizes.get(i, v) for i, v in enumerate(value)]
+    else:
+        node[leaf] = sizes[min(sizes)]
+    return config
+
+
 def _restore_into(path: str | os.PathLike, out: Path, shard_bytes: int) -> Path:
     """The body of :func:`restore_checkpoint`, under its output's lock."""
     with KernelFiles(path) as kf:
@@ -1154,20 +1318,22 @@ def _restore_into(path: str | os.PathLike, out: Path, shard_bytes: int) -> Path:
             raise CheckpointError(
                 f"{path}: no source convention recorded (written from in-memory layers)", fix="use restore_layers()"
             )
+        if meta.get("ep_size", 1) > 1:
+            raise CheckpointError(
+                f"{path} holds experts [e0, e1) = {meta.get('experts')} of {meta.get('num_experts')} (EP rank "
+                f"{meta.get('ep_rank')} of {meta['ep_size']}) under local indices",
+                fix=f"restore the directory of every rank, {Path(path).parent}, to reassemble the experts",
+            )
         conv = conventions.get(meta["convention"])
         specs = _restored_specs(path, kf, conv)
-        config = dict(meta.get("config") or {})
-        first = next(iter(meta["layers"].values()), None)
-        if first is not None and meta.get("tp_size", 1) > 1:
-            key = next((k for k in conv.intermediate_keys if k in config), conv.intermediate_keys[0])
-            config[key] = first["plan"]["args"]["intermediate"]
+        config = _restored_config(meta)
         with safe_io.atomic_dir(out) as tmp:
             target = stream.ShardedOutput(tmp, specs, {"format": "pt"}, single=False, shard_bytes=shard_bytes)
             workers = stream.Workers(hashing=False)
             ok = False
             try:
                 for idx, rec in meta["layers"].items():
-                    emit = _Emit(path, conv, meta["prefix"], specs, target, workers)
+                    emit = _Emit(path, conv, meta["prefix"], specs, target, workers, _layer_path(meta, idx))
                     with _layer_errors(path, idx):
                         layer = _restore_layer(kf, meta, int(idx), rec, emit.ready)
                         emit.rest(layer)

@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "kernel_file",
         metavar="KERNEL",
-        help="what 'fimoe-lab convert' wrote: a .safetensors file or a sharded directory (for --rank all: one rank-<r>)",
+        help="what 'fimoe-lab convert' wrote: a .safetensors file or a sharded directory (for --rank all: one rank-<r>; "
+        "for --ep N --tp N --rank all: OUT itself, whose ranks' experts are reassembled)",
     )
     r.add_argument("out_dir", metavar="OUT_DIR", help="output checkpoint directory")
     r.add_argument(
@@ -140,6 +141,14 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
     c.add_argument("--backend", required=True, choices=specs.BACKENDS, help="FlashInfer MoE backend")
     c.add_argument("--tp", type=positive_int("--tp"), default=1, metavar="N", help="tensor-parallel size (default 1)")
     c.add_argument(
+        "--ep",
+        type=positive_int("--ep"),
+        default=1,
+        metavar="N",
+        help="expert-parallel size dividing --tp (default 1): rank r holds the contiguous experts of EP rank "
+        "r // (TP/N) (vLLM/SGLang's placement), sliced as moe-TP rank r %% (TP/N); restore of OUT reassembles them",
+    )
+    c.add_argument(
         "--rank",
         type=tp_rank,
         default=0,
@@ -222,6 +231,7 @@ def run_convert(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         resume=args.resume,
         device=args.device,
+        ep_size=args.ep,
     )
     _print_written(args, Path(out))
     return EXIT_OK
@@ -245,6 +255,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         resume=args.resume,
         device=args.device,
+        ep_size=args.ep,
     )
     if done["rank"] != 0:
         return EXIT_OK  # process 0 reports for all
