@@ -324,6 +324,8 @@ def sweep(presets, dev, args):
     scores = {"rows": {i: [] for i in range(len(rows_cfgs))}, "words": {i: [] for i in range(len(words_cfgs))}}
     for preset, experts, hidden, inter, fmts in presets:
         for fmt, label, kw in fmts:
+            if args.labels is not None and label not in args.labels:
+                continue
             plan = plan_layer(fmt, "trtllm", inter, hidden, **kw)
             for tensor, m in plan.maps().items():
                 em = m.compiled()
@@ -422,6 +424,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print the JSON list on stdout, the table on stderr")
     ap.add_argument("--out", help="write the full JSON (records + environment) here")
     ap.add_argument("--presets", nargs="*", default=list(PRESETS))
+    ap.add_argument("--labels", nargs="*", default=None, help="only these formats, e.g. deepseek_block bf16_block")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--loop-repeats", type=int, default=None)
     ap.add_argument("--no-baselines", action="store_true")
@@ -485,6 +488,8 @@ def main(argv=None):
     records = []
     for preset, experts, hidden, inter, fmts in presets:
         for fmt, label, kw in fmts:
+            if args.labels is not None and label not in args.labels:
+                continue
             plan = plan_layer(fmt, "trtllm", inter, hidden, **kw)
             for tensor, m in plan.maps().items():
                 n = experts

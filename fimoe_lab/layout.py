@@ -198,8 +198,8 @@ class IndexMap:
         if "is_permutation" not in self._cache:
             self._cache["is_permutation"] = (
                 self.in_bytes == self.out_bytes
-                and not bool((self.src < 0).any())
-                and bool(torch.bincount(self.src, minlength=self.n_out_cells).eq(1).all())
+                and not self._has_fill
+                and bool((np.bincount(self.src.numpy(), minlength=self.n_out_cells) == 1).all())
             )
         return cast(bool, self._cache["is_permutation"])
 
@@ -216,11 +216,21 @@ class IndexMap:
         if self.cell_bytes % cell_bytes:
             raise LayoutError(f"{self.name}: cannot refine {self.cell_bytes}-byte cells to {cell_bytes}")
         f = self.cell_bytes // cell_bytes
-        sub = torch.arange(f, dtype=torch.int64)
-        src = torch.where(
-            (self.src >= 0)[:, None], self.src[:, None] * f + sub, self.src[:, None].expand(-1, f)
-        ).reshape(-1)
-        return self._with(src, cell_bytes)
+        s = self.src.numpy()[:, None]
+        # numpy, single-threaded: plans are built from small index tensors many times
+        src = s * f + np.arange(f, dtype=np.int64)
+        if self._has_fill:
+            src = np.where(s >= 0, src, s)
+        out = self._with(torch.from_numpy(src.reshape(-1)), cell_bytes)
+        out._cache["has_fill"] = self._has_fill
+        return out
+
+    @property
+    def _has_fill(self) -> bool:
+        """True when some output cell is fill (``src < 0``); cached."""
+        if "has_fill" not in self._cache:
+            self._cache["has_fill"] = bool(self.src.numel()) and int(self.src.numpy().min()) < 0
+        return cast(bool, self._cache["has_fill"])
 
     def coarsened(self) -> IndexMap:
         """The same map over the widest cells it allows.
@@ -239,9 +249,13 @@ class IndexMap:
         n = src.size
         if n == 0:
             return self
-        prev, cur = src[:-1], src[1:]
-        cont = np.where(cur >= 0, (prev >= 0) & (cur == prev + 1), cur == prev)
-        breaks = np.flatnonzero(~cont) + 1
+        step = np.diff(src)
+        if self._has_fill:
+            prev, cur = src[:-1], src[1:]
+            brk = np.where(cur >= 0, (prev < 0) | (step != 1), step != 0)
+        else:
+            brk = step != 1  # one temporary fewer: these maps reach millions of cells
+        breaks = np.flatnonzero(brk) + 1
         vals = src[np.concatenate([[0], breaks])]
         g = reduce(math.gcd, [n, self.n_in_cells], 0)
         if breaks.size:
@@ -251,9 +265,9 @@ class IndexMap:
             g = math.gcd(g, int(np.gcd.reduce(pos)))
         if g <= 1:
             return self
-        head = self.src.view(-1, g)[:, 0]
-        src_c = torch.where(head >= 0, head // g, head)
-        return self._with(src_c, self.cell_bytes * g)
+        head = src.reshape(-1, g)[:, 0]
+        src_c = np.where(head >= 0, head // g, head) if self._has_fill else head // g
+        return self._with(torch.from_numpy(src_c), self.cell_bytes * g)
 
     # ------------------------------------------------------------ algebra
     def then(self, other: IndexMap) -> IndexMap:
@@ -265,11 +279,16 @@ class IndexMap:
             )
         cell = math.gcd(self.cell_bytes, other.cell_bytes)
         a, b = self.refined(cell), other.refined(cell)
-        shifted_fill = b.src - len(a.fills)
-        src = torch.where(b.src >= 0, a.src[b.src.clamp(min=0)], shifted_fill)
+        bs = b.src.numpy()
+        if b._has_fill:
+            src = np.where(bs >= 0, a.src.numpy()[np.maximum(bs, 0)], bs - len(a.fills))
+        else:
+            src = a.src.numpy()[bs]
         fills = a.fills + b.fills
         parts = self.steps + other.steps
-        return IndexMap(src, cell, self.in_shape, other.out_shape, fills, "chain", {}, parts)._deduped_fills()
+        return IndexMap(
+            torch.from_numpy(src), cell, self.in_shape, other.out_shape, fills, "chain", {}, parts
+        )._deduped_fills()
 
     def __rshift__(self, other: IndexMap) -> IndexMap:
         return self.then(other)
@@ -278,9 +297,10 @@ class IndexMap:
         if len(set(self.fills)) == len(self.fills):
             return self
         unique = tuple(dict.fromkeys(self.fills))
-        remap = torch.tensor([-1 - unique.index(v) for v in self.fills], dtype=torch.int64)
-        src = torch.where(self.src >= 0, self.src, remap[(-1 - self.src).clamp(min=0)])
-        return self._with(src, self.cell_bytes, unique)
+        remap = np.array([-1 - unique.index(v) for v in self.fills], dtype=np.int64)
+        s = self.src.numpy()
+        src = np.where(s >= 0, s, remap[np.maximum(-1 - s, 0)])
+        return self._with(torch.from_numpy(src), self.cell_bytes, unique)
 
     def inverse(self) -> IndexMap:
         """The map from this map's output back to its input.
@@ -309,8 +329,13 @@ class IndexMap:
         """Two maps are equal when they move every byte to the same place (and fill alike)."""
         if not isinstance(other, IndexMap):
             return NotImplemented
+        if self is other:
+            return True
         if self.in_shape != other.in_shape or self.out_shape != other.out_shape:
             return False
+        probe = np.linspace(0, self.out_bytes - 1, num=min(self.out_bytes, 257), dtype=np.int64)
+        if not np.array_equal(self._probe_bytes(probe), other._probe_bytes(probe)):
+            return False  # cheap reject: caches compare maps of equal shapes on lookup
         cell = math.gcd(self.cell_bytes, other.cell_bytes)
         a, b = self.refined(cell), other.refined(cell)
         if not torch.equal(a.src >= 0, b.src >= 0):
@@ -321,6 +346,15 @@ class IndexMap:
         fb = torch.tensor(b.fills or (0,), dtype=torch.int64)[(-1 - b.src).clamp(min=0)]
         mask = a.src < 0
         return bool(torch.equal(fa[mask], fb[mask]))
+
+    def _probe_bytes(self, at: np.ndarray) -> np.ndarray:
+        """Source byte of each output byte offset ``at`` (fill byte ``v``: ``-1 - v``)."""
+        s = self.src.numpy()[at // self.cell_bytes]
+        fills = np.array(self.fills or (0,), dtype=np.int64)
+        out: np.ndarray = np.where(
+            s >= 0, s * self.cell_bytes + at % self.cell_bytes, -1 - fills[np.maximum(-1 - s, 0)]
+        )
+        return out
 
     def __hash__(self) -> int:
         return hash((self.in_shape, self.out_shape))

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from fimoe_lab.caches import cached
@@ -65,10 +66,10 @@ def pad_projections(
         raise LayoutError(f"fill must be a byte value 0..255, got {fill}")
     cell = math.gcd(cols_bytes, padded_cols_bytes)
     cin, cout = cols_bytes // cell, padded_cols_bytes // cell
-    src = torch.full((num_projections, padded_rows, cout), -1, dtype=torch.int64)
-    p = torch.arange(num_projections)[:, None, None]
-    r = torch.arange(rows)[None, :, None]
-    c = torch.arange(cin)[None, None, :]
+    src = np.full((num_projections, padded_rows, cout), -1, dtype=np.int64)
+    p = np.arange(num_projections, dtype=np.int64)[:, None, None]
+    r = np.arange(rows, dtype=np.int64)[None, :, None]
+    c = np.arange(cin, dtype=np.int64)[None, None, :]
     src[:, :rows, :cin] = (p * rows + r) * cin + c
     params = dict(
         num_projections=num_projections,
@@ -79,7 +80,7 @@ def pad_projections(
         fill=fill,
     )
     return IndexMap(
-        src.reshape(-1),
+        torch.from_numpy(src.reshape(-1)),
         cell,
         (num_projections * rows, cols_bytes),
         (num_projections * padded_rows, padded_cols_bytes),
@@ -198,9 +199,9 @@ def block_major_k(rows: int, cols_bytes: int, block_bytes: int = 128) -> IndexMa
             f"pad the hidden/intermediate dim so that K*itemsize is a multiple of {block_bytes}"
         )
     kb = cols_bytes // block_bytes
-    src = (torch.arange(rows)[None, :] * kb + torch.arange(kb)[:, None]).reshape(-1)
+    src = (np.arange(rows, dtype=np.int64)[None, :] * kb + np.arange(kb, dtype=np.int64)[:, None]).reshape(-1)
     return IndexMap(
-        src,
+        torch.from_numpy(src),
         block_bytes,
         (rows, cols_bytes),
         (kb, rows, block_bytes),
@@ -229,7 +230,7 @@ def _swizzle_scale_atoms(
     cols: int,
     itemsize: int,
     atom_rows: int,
-    within: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    within: Callable[[np.ndarray, np.ndarray], np.ndarray],
     kind: str,
 ) -> IndexMap:
     """A block-scale swizzle in ``atom_rows`` x 4 atoms: ``[R, C] -> [Rp, Cp]`` (``Rp = ceil(R)`` to
@@ -240,14 +241,19 @@ def _swizzle_scale_atoms(
         raise LayoutError(f"{kind}: empty scale matrix [{rows}, {cols}]")
     rp, cp = round_up(rows, atom_rows), round_up(cols, 4)
     atom = 4 * atom_rows
-    r = torch.arange(rp)[:, None]
-    c = torch.arange(cp)[None, :]
-    offset = (r // atom_rows) * (cp // 4) * atom + (c // 4) * atom + within(r % atom_rows, c % 4)
-    inside = (r < rows) & (c < cols)
-    src = torch.empty(rp * cp, dtype=torch.int64)
-    src[offset.reshape(-1)] = torch.where(inside, r * cols + c, -1).reshape(-1)
+    # built in output order (one pass, numpy): output (tile ``rb``, K tile ``kb``, slot ``w``)
+    # holds scale (rb*A + ar[w], kb*4 + ac[w]), (ar, ac) the atom slot's inverse of ``within``
+    slots = within(np.arange(atom_rows, dtype=np.int64)[:, None], np.arange(4, dtype=np.int64)[None, :])
+    ar, ac = np.empty(atom, dtype=np.int64), np.empty(atom, dtype=np.int64)
+    ar[slots.reshape(-1)] = np.repeat(np.arange(atom_rows, dtype=np.int64), 4)
+    ac[slots.reshape(-1)] = np.tile(np.arange(4, dtype=np.int64), atom_rows)
+    r0 = (np.arange(rp // atom_rows, dtype=np.int64) * atom_rows)[:, None, None]
+    c0 = (np.arange(cp // 4, dtype=np.int64) * 4)[None, :, None]
+    src = (r0 * cols + c0) + (ar * cols + ac)
+    if rp != rows or cp != cols:
+        src = np.where((r0 + ar < rows) & (c0 + ac < cols), src, -1)
     return IndexMap(
-        src,
+        torch.from_numpy(src.reshape(-1)),
         itemsize,
         (rows, cols * itemsize),
         (rp, cp * itemsize),
@@ -295,15 +301,15 @@ def fold_scales_sm90_mixed(rows: int, cols: int, itemsize: int = 1, group_size: 
             fix="pad the rows to a multiple of 64 and K to a multiple of 128 first",
         )
     k128 = cols // per_k128
-    a = torch.arange(rows // 64)[:, None, None, None, None]
-    sl = torch.arange(slices)[None, :, None, None, None]
-    f = torch.arange(folded)[None, None, :, None, None]
-    k = torch.arange(k128)[None, None, None, :, None]
-    g = torch.arange(per_k128)[None, None, None, None, :]
+    a = np.arange(rows // 64, dtype=np.int64)[:, None, None, None, None]
+    sl = np.arange(slices, dtype=np.int64)[None, :, None, None, None]
+    f = np.arange(folded, dtype=np.int64)[None, None, :, None, None]
+    k = np.arange(k128, dtype=np.int64)[None, None, None, :, None]
+    g = np.arange(per_k128, dtype=np.int64)[None, None, None, None, :]
     src_in = (a * 64 + sl * folded + f) * cols + k * per_k128 + g  # indexed (a, s, f, k, g)
-    src = src_in.permute(0, 3, 2, 1, 4).reshape(-1)  # output order (a, k, f, s, g)
+    src = src_in.transpose(0, 3, 2, 1, 4).reshape(-1)  # output order (a, k, f, s, g)
     return IndexMap(
-        src,
+        torch.from_numpy(src),
         itemsize,
         (rows, cols * itemsize),
         (rows // 64, k128, folded, 16),

@@ -193,6 +193,38 @@ def _interact(page, deadline: Deadline) -> dict:
     seen["provenance"] = prov_message.text_content().strip()
     log("provenance element typed")
     seen["pick_menus"] = pick.count()
+    seen.update(_click_to_trace(page, prov, prov_message, deadline))
+    return seen
+
+
+def _click_to_trace(page, prov, prov_message, deadline: Deadline) -> dict:
+    """Click the kernel heatmap 30 px below the traced element's marker, then the checkpoint
+    heatmap on the marker of the clicked element's source; return the messages and the side."""
+    circles = prov.locator(".fimoe-figure svg circle")
+    circles.nth(1).wait_for(timeout=deadline.ms())
+    circles.nth(1).scroll_into_view_if_needed(timeout=deadline.ms())
+    box = circles.nth(1).bounding_box(timeout=deadline.ms())
+    before = prov_message.text_content()
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2 + 30)
+    page.wait_for_function(
+        "([el, old]) => el.textContent !== old && el.textContent.startsWith('kernel (')",
+        arg=[prov_message.element_handle(), before],
+        timeout=deadline.ms(),
+    )
+    seen = {"clicked_kernel": prov_message.text_content().strip()}
+    log("kernel cell clicked")
+    circles.nth(0).scroll_into_view_if_needed(timeout=deadline.ms())
+    box = circles.nth(0).bounding_box(timeout=deadline.ms())
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    side = prov.locator("select:has(option[value='checkpoint'])").first
+    page.wait_for_function(
+        "el => el.selectedOptions[0].textContent === 'checkpoint'", arg=side.element_handle(), timeout=deadline.ms()
+    )
+    page.wait_for_function(
+        "el => el.textContent.startsWith('kernel (')", arg=prov_message.element_handle(), timeout=deadline.ms()
+    )
+    seen["clicked_checkpoint"] = prov_message.text_content().strip()
+    log("checkpoint cell clicked")
     return seen
 
 

@@ -57,6 +57,11 @@ def test_the_lab_in_a_real_browser():
     )
     assert seen["saved"].startswith("saved ") and seen["saved"].endswith(".png")
     assert seen["provenance"].startswith("kernel (40, ")
+    # click-to-trace: a kernel cell below row 40 is traced back; its source, clicked on the checkpoint
+    # side, lands on the same kernel element
+    clicked = seen["clicked_kernel"].split(" <- ")
+    assert clicked[0] != "kernel (40, 0)" and clicked[1].startswith("expert 0, row ")
+    assert seen["clicked_checkpoint"].split(" <- ")[0] == clicked[0]
 
     luminance = {}
     for shot in result["screenshots"]:

@@ -373,3 +373,41 @@ def test_numba_streaming_paths_bit_exact(monkeypatch, fmt, inter, hidden, kw, of
             numba_gather.gather_numba(m.compiled(), x, out)
             assert torch.equal(out, reference(m, x)), m.name
             assert (raw[:offset] == 0xAB).all() and (raw[offset + 3 * m.out_bytes :] == 0xAB).all()
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("cell", [4, 8, 16, 64, 128])
+def test_numba_cell_gathers_follow_sources_in_visit_order(monkeypatch, cell, stream):
+    """The cell loops read each cell's source beside the visit order (``visit_sources``,
+    no dependent load); on a random gather with repeated sources and two fill codes the
+    output is still the map's, whichever kernel the cell size picks (word loop, memcpy,
+    streaming stores)."""
+    from fimoe_lab.kernels import numba_gather
+    from fimoe_lab.layout import IndexMap
+
+    monkeypatch.setattr(numba_gather, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
+    g = torch.Generator().manual_seed(cell)
+    n_in, n_out = 300, 517
+    src = torch.randint(0, n_in, (n_out,), generator=g)
+    src[torch.rand(n_out, generator=g) < 0.2] = -1
+    src[torch.rand(n_out, generator=g) < 0.1] = -2
+    m = IndexMap(src, cell, (n_in * cell,), (n_out * cell,), (0x5A, 0xC3))
+    em = m.compiled()
+    order = numba_gather.visit_order(em)
+    assert numba_gather.visit_sources(em).tolist() == em.src[order].tolist()
+    for x in (random_bytes((3, m.in_bytes), torch.uint8, seed=cell), coords_bytes(3, m.in_bytes)):
+        raw = torch.full((3 * m.out_bytes + 64,), 0xAB, dtype=torch.uint8)
+        off = (-raw.data_ptr()) % 64
+        out = raw[off : off + 3 * m.out_bytes].view(3, m.out_bytes)
+        numba_gather.gather_numba(em, x, out)
+        assert torch.equal(out, reference(m, x))
+        assert (raw[:off] == 0xAB).all() and (raw[off + 3 * m.out_bytes :] == 0xAB).all()
+
+
+def coords_bytes(experts: int, nbytes: int) -> torch.Tensor:
+    """Bytes that encode their position: 4-byte words (expert << 24 | word index)."""
+    words = torch.arange(nbytes // 4, dtype=torch.int32)[None, :] + (
+        torch.arange(experts, dtype=torch.int32)[:, None] << 24
+    )
+    return words.view(torch.uint8).reshape(experts, nbytes)

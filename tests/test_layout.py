@@ -208,3 +208,75 @@ def test_fill_bytes_above_127_survive_every_cpu_backend():
         execute(m.compiled(), x, out, backend)
         assert torch.equal(out[:, :3, :3], x), backend
         assert (out[:, 3:, :] == 200).all() and (out[:, :, 3:] == 200).all(), backend
+
+
+def _random_map(rng, n_in: int, n_out: int, cell: int, fills: tuple[int, ...]) -> IndexMap:
+    """Random gather over ``cell``-byte cells: sources anywhere, about a quarter fill codes."""
+    src = torch.randint(0, n_in, (n_out,), generator=rng)
+    if fills:
+        fill = torch.rand(n_out, generator=rng) < 0.25
+        src[fill] = -1 - torch.randint(0, len(fills), (int(fill.sum()),), generator=rng)
+    return IndexMap(src, cell, (n_in * cell,), (n_out * cell,), fills)
+
+
+def _byte_table(m: IndexMap) -> list[int]:
+    """Oracle, pure Python: source byte of every output byte, fill byte ``v`` as ``-1 - v``."""
+    c = m.cell_bytes
+    return [s * c + k if s >= 0 else -1 - m.fills[-1 - s] for s in m.src.tolist() for k in range(c)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    cells=st.tuples(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8])),
+    n=st.integers(1, 24),
+    fills=st.tuples(st.sampled_from([(), (0,), (127, 0), (7, 7)]), st.sampled_from([(), (255,), (0, 9)])),
+)
+def test_then_refined_coarsened_match_a_byte_table(seed, cells, n, fills):
+    """Composition (numpy gathers, fill codes shifted and deduplicated), refining and
+    coarsening agree with composing the two byte tables in Python."""
+    rng = torch.Generator().manual_seed(seed)
+    width = 8 * n
+    a = _random_map(rng, width // cells[0], width // cells[0], cells[0], fills[0])
+    b = _random_map(rng, width // cells[1], width // cells[1], cells[1], fills[1])
+    ta, tb = _byte_table(a), _byte_table(b)
+    want = [ta[s] if s >= 0 else s for s in tb]
+    ab = a >> b
+    assert _byte_table(ab.refined(1)) == want
+    assert _byte_table(ab.coarsened().refined(1)) == want
+    assert len(set(ab.fills)) == len(ab.fills)
+    assert ab == ab.refined(1) and ab.coarsened() == ab
+
+
+def test_equality_compares_every_byte_beyond_the_cheap_probe():
+    """``==`` first compares a sample of output bytes (cache lookups compare maps of equal
+    shapes), then every byte: a change anywhere, or a different fill byte, makes maps differ."""
+    n = 4096
+    base = IndexMap(torch.arange(n), 4, (4 * n,), (4 * n,), ())
+    assert base == base.refined(1) == base.refined(2).coarsened()
+    for i in (1, 2, n // 2 + 1, n - 2):  # 257 probes over 16 KB: none of these cells is probed whole
+        moved = base.src.clone()
+        moved[i], moved[i + 1] = moved[i + 1].clone(), moved[i].clone()
+        assert base != IndexMap(moved, 4, base.in_shape, base.out_shape, ())
+    holes = base.src.clone()
+    holes[5] = -1
+    zero = IndexMap(holes, 4, base.in_shape, base.out_shape, (0,))
+    assert zero != IndexMap(holes, 4, base.in_shape, base.out_shape, (1,))
+    assert zero == IndexMap(torch.where(holes >= 0, holes, -2), 4, base.in_shape, base.out_shape, (9, 0))
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 300), cols=st.integers(1, 13), itemsize=st.sampled_from([1, 2, 4]))
+def test_scale_swizzles_match_the_formula_at_every_scale(rows, cols, itemsize):
+    """Every output element of both atom swizzles against the scatter formula (loops)."""
+    for fn, atom, within in (
+        (steps.swizzle_scales_128x4, 128, lambda r, c: (r % 32) * 16 + (r // 32) * 4 + c),
+        (steps.swizzle_scales_8x4, 8, lambda r, c: r * 4 + c),
+    ):
+        m = fn(rows, cols, itemsize)
+        rp, cp = -(-rows // atom) * atom, -(-cols // 4) * 4
+        want = [-1] * (rp * cp)
+        for r in range(rows):
+            for c in range(cols):
+                want[(r // atom) * (cp // 4) * 4 * atom + (c // 4) * 4 * atom + within(r % atom, c % 4)] = r * cols + c
+        assert m.src.tolist() == want and m.cell_bytes == itemsize

@@ -188,14 +188,26 @@ def test_swizzle_figure_shows_the_chosen_atom():
     zoom = view.src_col[96:128]  # colour: source column mod 10 (tab10), grey fill
     assert np.array_equal(artist_array(fig.axes[4]), np.where(zoom >= 0, zoom % 10, np.nan), equal_nan=True)
     # the zoom labels each group (one kernel row) with its kernel row and its checkpoint row
-    labels = [t.get_text() for t in fig.axes[4].texts]
-    assert len(labels) == 128
+    *labels, title = [t.get_text() for t in fig.axes[4].texts]
+    assert len(labels) == 128 and title.startswith("atom 3: kernel rows 0..127, cols 12..15")
     for line in range(32):
         for g in range(4):
             k, c = view.kernel_row[96 + line, 4 * g], view.src_row[96 + line, 4 * g]
             assert labels[4 * line + g] == f"k{k} <- " + (f"c{c}" if c >= 0 else "pad")
+    assert np.array_equal(fig.axes[0].images[1].get_array()[..., 3] > 0, view.dest_atom == 3)  # the veil
     with pytest.raises(LayoutError, match="atom 99 is outside 0..15"):
         figures.swizzle_figure(plan.w13_scale, atom=99)
+
+
+def test_swizzle_veil_of_a_reduced_panel_covers_every_pixel_holding_the_atom():
+    m = prepare.plan_layer("nvfp4", "trtllm", 2048, 1024).w13_scale  # 4096 scale rows: drawn 8 rows a pixel
+    view = data.swizzle_view(m)
+    fig = figures.swizzle_figure(m, atom=0)
+    for atom in (0, 37, view.atoms - 1):
+        figures.show_atom(fig, atom)
+        want = data.downsample((view.dest_atom == atom).astype(float), np.zeros(view.dest_atom.shape, np.uint8))
+        assert np.array_equal(fig.axes[0].images[1].get_array()[..., 3] > 0, want.values > 0)
+        assert fig.axes[2].patches[0].get_y() == atom * 32 - 0.5  # the shaded buffer lines
 
 
 # ----------------------------------------------------------------------------- padding

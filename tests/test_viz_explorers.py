@@ -60,6 +60,39 @@ def test_provenance_from_the_checkpoint_side_lands_where_the_map_says():
     assert w.state["chain"][-1][2] == (1, 5)
 
 
+def svg_point(ax, x: float, y: float) -> tuple[float, float]:
+    """Where data point ``(x, y)`` of ``ax`` is in the explorer's SVG (the centre of the circle
+    :func:`figures.marker_svg` draws there): what a click on that cell reports."""
+    circle = figures.marker_svg(ax, x, y)
+    return float(re.search(r'cx="([\d.]+)"', circle).group(1)), float(re.search(r'cy="([\d.]+)"', circle).group(1))
+
+
+def test_clicking_a_kernel_cell_traces_it_and_a_checkpoint_cell_shows_where_it_lands():
+    w = widgets.ProvenanceExplorer()
+    ref = ref_w13_rows(96, 128)  # the seeded MXFP8 w13: kernel row -> checkpoint row
+    checkpoint_ax, kernel_ax = w.figure.axes[0], w.figure.axes[2]
+    w.click(*svg_point(kernel_ax, 7.2, 40.3))  # a click lands anywhere in the cell
+    assert w.pick.value == "kernel" and w.state["coords"] == (40, 7)
+    assert w.state["chain"][-1][2] == (int(ref[40]), 7) and message(w).startswith("kernel (40, 7) <- expert 0, row ")
+    target = int(np.flatnonzero(ref == 3)[0])
+    w.click(*svg_point(checkpoint_ax, 11, 3))
+    assert w.pick.value == "checkpoint" and (w.row.value, w.col.value) == (3, 11)
+    assert w.state["coords"] == (target, 11) and w.state["chain"][-1][2] == (3, 11)
+    w.click(1.0, 1.0)  # the figure's corner: no heatmap there, nothing changes
+    assert w.state["coords"] == (target, 11) and not is_error(w)
+    if widgets.anywidget is not None:  # the browser's report goes the same way
+        w.view.click = [*svg_point(kernel_ax, 2, 9), 1]
+        assert w.pick.value == "kernel" and w.state["coords"] == (9, 2)
+
+
+def test_without_anywidget_the_figure_is_html_and_typing_still_traces(monkeypatch):
+    monkeypatch.setattr(widgets, "anywidget", None)  # what an install without anywidget imports
+    w = widgets.ProvenanceExplorer()
+    assert type(w.view) is widgets.W.HTML and w.view.value == w.svg
+    w.row.value = 40
+    assert w.state["chain"][-1][2] == (int(ref_w13_rows(96, 128)[40]), 0)
+
+
 def test_path_box_loads_a_checkpoint_at_a_layer_and_tp_rank():
     checkpoints = pytest.importorskip("fimoe_lab.checkpoints")
     if "mixtral-bf16" not in checkpoints.sample_names():
@@ -105,12 +138,34 @@ def test_export_writes_png_and_svg_and_the_code_draws_the_same_figure(tmp_path):
 
 
 def test_redraws_are_cached_per_setting():
-    w = widgets.TileExplorer()
+    w = widgets.RowExplorer()
     first = w.figure
-    w.atom.value = 2
+    w.start.value = 8
     assert w.figure is not first
-    w.atom.value = 0
-    assert w.figure is first and w.state["atom"] == 0
+    w.start.value = 0
+    assert w.figure is first and w.state["window"][0] == 0
+
+
+def svg_texts(svg: str) -> list[str]:
+    """Every ``<text>`` and ``<title>`` string of an SVG, sorted (what a reader sees and hovers)."""
+    return sorted(re.findall(r"<(?:text|title)\b[^>]*>([^<]*)</", svg))
+
+
+def test_an_atom_change_redraws_only_the_atom_layer(tmp_path):
+    w = widgets.TileExplorer()  # seeded MXFP8 w13 scales: 4 atoms
+    fig, base = w.figure, w.svg[: w.svg.rindex("<g>")]
+    w.atom.value = 3
+    assert w.figure is fig and w.svg.startswith(base)  # the grid, buffer and axes were not drawn again
+    assert w.svg.count("<svg") == 1 and w.svg.endswith("</g></svg>")
+    # the layered SVG says exactly what a fresh full drawing of atom 3 says (labels, title, hover texts)
+    fresh = figures.swizzle_figure(w.state["plan"].w13_scale, data.itemsize_of("mxfp8", "w13_scale"), 3)
+    assert svg_texts(w.svg) == svg_texts(figures.to_svg(fresh))
+    assert "atom 3: kernel rows" in w.svg
+    titles = re.findall(r"<title>buffer offsets (\d+)\.\.", w.svg)
+    assert [int(t) for t in titles] == [512 * 3 + 4 * i for i in range(128)]
+    # the figure object moved too: a PNG export shows atom 3
+    assert [t.get_text() for t in w.figure.axes[4].texts] == [t.get_text() for t in fresh.axes[4].texts]
+    assert w.save("png", str(tmp_path / "atom")).read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fimoe_lab.tune") is None, reason="the tuner is not installed")

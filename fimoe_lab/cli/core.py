@@ -2,16 +2,28 @@
 steps, and the replay of FlashInfer's recorded outputs.
 
 Parsers read only the torch-free tables (:mod:`fimoe_lab.specs`); torch and the plans are
-imported inside the handlers.
+imported inside the handlers. Each handler builds one record per row; ``--json`` prints them
+as one JSON object on stdout (the fields are in each command's ``--help``), else the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
+from collections.abc import Callable
+from typing import Any
 
 from fimoe_lab import specs
-from fimoe_lab.cli._common import EXIT_FAILED, EXIT_OK, add_engine_option, checkpoint_path, int_list, positive_int
+from fimoe_lab.cli._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_engine_option,
+    checkpoint_path,
+    int_list,
+    positive_int,
+    print_json,
+)
 from fimoe_lab.errors import CheckpointError, FimoeError, LayoutError
 
 
@@ -29,7 +41,39 @@ def register(sub: argparse._SubParsersAction) -> None:
         nargs="*",
         help="golden sets, NAME.json beside NAME.safetensors (default: $FIMOE_GOLDENS or shared/goldens beside the checkout)",
     )
+    _add_json(g, GOLDENS_JSON)
     g.set_defaults(handler=run_goldens)
+
+
+GOLDENS_JSON = (
+    '{"cases": [{"file": golden set, "name", "ok": reproduced byte for byte, "detail"}], "reproduced": int, '
+    '"total": int}'
+)
+PLAN_JSON = (
+    '{"layer": {"intermediate", "hidden", "experts", "gated", "per_token"}, "engine": the engine profile, '
+    '"plans": [{"format", "backend", "cannot": null or why this pair cannot lay out the sizes, "tensors": '
+    '[{"name", "in_shape", "out_shape" (bytes per expert), "pad_percent", "ms", "round_trip": exact, "steps": '
+    '[step kinds]}], "engine_scales": null (not checked), true or false, "where": null or [{"step", "shape", '
+    '"coords" (bytes; null: fill), "fill"}] from the output back to the input}], "failures": round trips that '
+    "differ}"
+)
+DEMO_JSON = (
+    '{"tp", "out": folder, "health": [{"checkpoint", "layer", "warning"}], "layers": [{"checkpoint", "layer", '
+    '"format", "backend", "intermediate" (per rank), "padded_intermediate", "bytes" (file size), "ms", "exact": '
+    'bytes and reference forward, "engine_scales": null (not checked), true or false, "cannot": null or why it '
+    'cannot convert}], "failures": round trips that differ}'
+)
+
+
+def _add_json(p: argparse.ArgumentParser, schema: str) -> None:
+    p.add_argument(
+        "--json", action="store_true", help=f"print the result as one JSON object on stdout, nothing else: {schema}"
+    )
+
+
+def _shower(args: argparse.Namespace, text: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], None]:
+    """``show(record)``: print the record's table row, or nothing with ``--json`` (the JSON comes at the end)."""
+    return (lambda rec: None) if args.json else (lambda rec: print(text(rec)))
 
 
 def _register_demo(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +94,7 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--out", default="fimoe-demo-out", help="where the kernel-layout files go (default ./fimoe-demo-out)"
     )
+    _add_json(d, DEMO_JSON)
     d.set_defaults(handler=run_demo)
 
 
@@ -87,6 +132,7 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
         help="trace this w13 output byte (coordinates in the output shape) to its source",
     )
     add_engine_option(p)
+    _add_json(p, PLAN_JSON)
     p.set_defaults(handler=run_plan)
 
 
@@ -97,62 +143,69 @@ _PLAN_HEADER = (
 )
 
 
-def _plan_rows(fmt: str, backend: str, plan, experts: int) -> int:
-    """Apply each map of ``plan`` to random bytes (1..255) on ``experts`` experts, invert, print one row per tensor.
-
-    Returns the number of round trips that did not give the input back.
-    """
+def _plan_rows(plan, experts: int) -> list[dict[str, Any]]:
+    """Apply each map of ``plan`` to random bytes (1..255) on ``experts`` experts and invert it:
+    one record per tensor (shapes in bytes, padding %, ms, whether the round trip is exact, steps)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    failures = 0
+    rows = []
     for name, m in plan.maps().items():
         x = torch.randint(1, 256, (experts,) + m.in_shape, generator=g, dtype=torch.uint8)
         start = time.perf_counter()
         out = m.apply(x)
         ms = (time.perf_counter() - start) * 1e3
-        ok = torch.equal(m.inverse().apply(out), x)
-        failures += not ok
-        pad = 100.0 * (1 - m.in_bytes / m.out_bytes)
-        chain = " >> ".join(s.kind for s in m.steps)
-        print(
-            f"{fmt:<10} {backend:<8} {name:<10} {str(m.in_shape):<14} {str(m.out_shape):<18} {pad:6.1f} "
-            f"{ms:7.2f}  {'ok' if ok else 'MISMATCH':<10}  {chain}"
+        rows.append(
+            dict(
+                name=name,
+                in_shape=list(m.in_shape),
+                out_shape=list(m.out_shape),
+                pad_percent=round(100.0 * (1 - m.in_bytes / m.out_bytes), 3),
+                ms=round(ms, 3),
+                round_trip=torch.equal(m.inverse().apply(out), x),
+                steps=[s.kind for s in m.steps],
+            )
         )
-    return failures
+    return rows
 
 
-def _plan_engine_scales(fmt: str, backend: str, plan, gated: bool, experts: int, engine) -> int:
+def _plan_text(fmt: str, backend: str, t: dict[str, Any]) -> str:
+    return (
+        f"{fmt:<10} {backend:<8} {t['name']:<10} {str(tuple(t['in_shape'])):<14} {str(tuple(t['out_shape'])):<18} "
+        f"{t['pad_percent']:6.1f} {t['ms']:7.2f}  {'ok' if t['round_trip'] else 'MISMATCH':<10}  "
+        + " >> ".join(t["steps"])
+    )
+
+
+def _plan_engine_scales(fmt: str, backend: str, plan, gated: bool, experts: int, engine) -> bool | None:
     """Compare the plan's CUTLASS block scales with the engines' layout written independently
-    (:mod:`fimoe_lab.engine_check`); print one row, return 1 when they differ."""
+    (:mod:`fimoe_lab.engine_check`); None where that check does not apply."""
     from fimoe_lab.engine_check import CUTLASS_CHECKED, check_plan_scales
-    from fimoe_lab.engines import get_engine
 
     if backend != "cutlass" or fmt not in CUTLASS_CHECKED:
-        return 0
-    ok = check_plan_scales(fmt, plan, gated, experts, engine)
-    print(
-        f"{fmt:<10} {backend:<8} {'scales':<10} vs the engine layout ({get_engine(engine).name}, independent "
-        f"formula): {'exact' if ok else 'MISMATCH'}"
-    )
-    return int(not ok)
+        return None
+    return bool(check_plan_scales(fmt, plan, gated, experts, engine))
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from fimoe_lab.engines import get_engine
     from fimoe_lab.recipes import plan_layer
 
     formats = specs.weight_formats() if args.format == "all" else (args.format,)
     backends = specs.BACKENDS if args.backend == "all" else (args.backend,)
     gated = not args.non_gated
-    print(
+    say = _shower(args, str)
+    say(
         f"layer: intermediate {args.intermediate}, hidden {args.hidden}, {args.experts} experts, "
         f"{'gated' if gated else 'non-gated'}{', per-token NVFP4 activations' if args.per_token else ''}\n"
     )
-    print(_PLAN_HEADER)
-    print("-" * len(_PLAN_HEADER))
-    failures, cannot = 0, []
+    say(_PLAN_HEADER)
+    say("-" * len(_PLAN_HEADER))
+    failures, cannot, plans = 0, [], []
     pairs = [(fmt, backend) for fmt in formats for backend in backends]
     for fmt, backend in pairs:
+        rec: dict[str, Any] = dict(format=fmt, backend=backend, cannot=None, tensors=[], engine_scales=None, where=None)
+        plans.append(rec)
         try:
             plan = plan_layer(
                 fmt,
@@ -165,26 +218,48 @@ def run_plan(args: argparse.Namespace) -> int:
                 per_token_activation=args.per_token,
             )
         except FimoeError as exc:
-            print(f"{fmt:<10} {backend:<8} cannot run: {exc}")
+            rec["cannot"] = str(exc)
+            say(f"{fmt:<10} {backend:<8} cannot run: {exc}")
             cannot.append(f"{fmt} {backend}")
             continue
-        failures += _plan_rows(fmt, backend, plan, args.experts)
-        failures += _plan_engine_scales(fmt, backend, plan, gated, args.experts, args.engine)
+        rec["tensors"] = _plan_rows(plan, args.experts)
+        for t in rec["tensors"]:
+            say(_plan_text(fmt, backend, t))
+        failures += sum(not t["round_trip"] for t in rec["tensors"])
+        rec["engine_scales"] = _plan_engine_scales(fmt, backend, plan, gated, args.experts, args.engine)
+        if rec["engine_scales"] is not None:
+            failures += not rec["engine_scales"]
+            say(
+                f"{fmt:<10} {backend:<8} {'scales':<10} vs the engine layout ({get_engine(args.engine).name}, "
+                f"independent formula): {'exact' if rec['engine_scales'] else 'MISMATCH'}"
+            )
         if args.where and plan.w13 is not None:
             try:
                 trace = plan.w13.provenance(args.where)
             except FimoeError as exc:
                 raise exc.within(f"plan --where on {fmt} {backend} w13") from None
-            print(f"\n{fmt} {backend}: w13 output byte {args.where} comes from\n{trace}\n")
+            rec["where"] = [dataclasses.asdict(stage) for stage in trace.stages]
+            say(f"\n{fmt} {backend}: w13 output byte {args.where} comes from\n{trace}\n")
+    if args.json:
+        layer = dict(
+            intermediate=args.intermediate,
+            hidden=args.hidden,
+            experts=args.experts,
+            gated=gated,
+            per_token=args.per_token,
+        )
+        print_json(dict(layer=layer, engine=args.engine, plans=plans, failures=failures))
     if failures:
-        print(f"\n{failures} round trips FAILED")
+        say(f"\n{failures} round trips FAILED")
         return EXIT_FAILED
     if len(cannot) < len(pairs):
-        print("\nall round trips exact")
+        say("\nall round trips exact")
     if cannot:
         raise LayoutError(
             f"{', '.join(cannot)} cannot lay out intermediate {args.intermediate}, hidden {args.hidden}",
-            fix="the 'cannot run' rows above name the constraint; change the sizes or the format",
+            fix="the 'cannot run' rows above name the constraint; change the sizes or the format"
+            if not args.json
+            else "the plans' 'cannot' fields name the constraint; change the sizes or the format",
         )
     return EXIT_OK
 
@@ -196,20 +271,24 @@ def run_goldens(args: argparse.Namespace) -> int:
     paths = args.paths or goldens.default_golden_paths()
     if not paths:
         raise FileNotFoundError("no golden files: pass paths or set FIMOE_GOLDENS")
-    bad = total = 0
+    show = _shower(args, lambda r: f"{'ok ' if r['ok'] else 'BAD'} {r['name']:<44} {r['detail']}")
+    cases = []
     for path in paths:
         for case in goldens.load_cases(path):
             result = goldens.run_case(case)
-            total += 1
-            bad += not result.ok
-            print(f"{'ok ' if result.ok else 'BAD'} {result.name:<44} {result.detail}")
-    if not total:
+            cases.append(dict(file=str(path), name=result.name, ok=bool(result.ok), detail=result.detail))
+            show(cases[-1])
+    if not cases:
         raise FimoeError(
             f"no golden cases in {', '.join(map(str, paths))}: nothing was replayed",
             fix="pass golden files that hold cases, or set FIMOE_GOLDENS",
         )
-    print(f"\n{total - bad}/{total} golden cases reproduced")
-    return EXIT_FAILED if bad else EXIT_OK
+    good = sum(c["ok"] for c in cases)
+    if args.json:
+        print_json(dict(cases=cases, reproduced=good, total=len(cases)))
+    else:
+        print(f"\n{good}/{len(cases)} golden cases reproduced")
+    return EXIT_OK if good == len(cases) else EXIT_FAILED
 
 
 # ----------------------------------------------------------------------------- demo
@@ -219,32 +298,54 @@ _DEMO_HEADER = (
 )
 
 
-def _print_health(path, ck) -> None:
-    for report in ck.inspect_checkpoint(path):
-        for warning in report.health:
-            if not warning.startswith(("ok", "unquantized")):
-                print(f"{path.name:<20} {report.layer:>5} scale health: {warning}")
+def _health(path, ck) -> list[dict[str, Any]]:
+    """The scale-health warnings of every MoE layer of the checkpoint at ``path`` (not "ok" / "unquantized")."""
+    return [
+        dict(checkpoint=path.name, layer=report.layer, warning=warning)
+        for report in ck.inspect_checkpoint(path)
+        for warning in report.health
+        if not warning.startswith(("ok", "unquantized"))
+    ]
 
 
-def _demo_layer(ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir) -> tuple[int, list[str]]:
+def _demo_text(r: dict[str, Any]) -> str:
+    head = f"{r['checkpoint']:<20} {r['layer']:>5} {r['format']:<10} {r['backend']:<8}"
+    if r["cannot"] is not None:
+        return f"{head} cannot convert: {r['cannot']}"
+    check = "bytes + forward exact" if r["exact"] else "MISMATCH"
+    if r["engine_scales"] is not None:
+        check += ", scales = engine layout" if r["engine_scales"] else ", scales differ from the engine layout"
+    return f"{head} {r['intermediate']:>5} {r['padded_intermediate']:>8} {r['bytes']:>8} {r['ms']:7.1f}  {check}"
+
+
+def _demo_layer(ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir) -> list[dict[str, Any]]:
     """Convert one layer for every backend, restore it, compare bytes and the reference forward.
 
-    Returns (round trips that differ, "<checkpoint> L<n> <backend>" pairs that cannot convert).
+    One record per backend (:data:`DEMO_JSON`'s ``layers``); ``cannot`` says why a backend cannot convert it.
     """
     import torch
 
     x = torch.randn(16, layer.hidden, generator=torch.Generator().manual_seed(layer_idx))
     ids, weights = ck.random_routing(16, layer.num_experts, min(top_k, layer.num_experts), seed=layer_idx)
     reference = ck.layer_forward(layer, x, ids, weights)
-    failures, cannot = 0, []
+    records = []
     for backend in specs.BACKENDS:
         target = out_dir / f"{path.name}-L{layer_idx}-{backend}-tp{tp}.safetensors"
+        rec: dict[str, Any] = dict(checkpoint=path.name, layer=layer_idx, format=layer.fmt, backend=backend)
+        records.append(rec)
         start = time.perf_counter()
         try:
             ck.convert_checkpoint(path, target, backend, tp, 0, layers=[layer_idx], force=True)  # its own files only
         except FimoeError as exc:
-            print(f"{path.name:<20} {layer_idx:>5} {layer.fmt:<10} {backend:<8} cannot convert: {exc}")
-            cannot.append(f"{path.name} L{layer_idx} {backend}")
+            rec.update(
+                intermediate=layer.intermediate,
+                padded_intermediate=None,
+                bytes=None,
+                ms=None,
+                exact=None,
+                engine_scales=None,
+                cannot=str(exc),
+            )
             continue
         ms = (time.perf_counter() - start) * 1e3
         meta, (restored,) = ck.restore_layers(target)
@@ -252,18 +353,16 @@ def _demo_layer(ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir) -
             (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             for a, b in zip(layer.tensors().values(), restored.tensors().values(), strict=True)
         )
-        ok = same and torch.equal(ck.layer_forward(restored, x, ids, weights), reference)
-        engine_ok = _demo_engine_scales(target, meta, layer_idx, layer) if backend == "cutlass" else None
-        failures += not ok or engine_ok is False
-        padded = meta["layers"][str(layer_idx)]["padded_intermediate"]
-        check = "bytes + forward exact" if ok else "MISMATCH"
-        if engine_ok is not None:
-            check += ", scales = engine layout" if engine_ok else ", scales differ from the engine layout"
-        print(
-            f"{path.name:<20} {layer_idx:>5} {layer.fmt:<10} {backend:<8} {layer.intermediate:>5} "
-            f"{padded:>8} {target.stat().st_size:>8} {ms:7.1f}  {check}"
+        rec.update(
+            intermediate=layer.intermediate,
+            padded_intermediate=meta["layers"][str(layer_idx)]["padded_intermediate"],
+            bytes=target.stat().st_size,
+            ms=round(ms, 3),
+            exact=bool(same and torch.equal(ck.layer_forward(restored, x, ids, weights), reference)),
+            engine_scales=_demo_engine_scales(target, meta, layer_idx, layer) if backend == "cutlass" else None,
+            cannot=None,
         )
-    return failures, cannot
+    return records
 
 
 def _demo_engine_scales(target, meta: dict, layer_idx: int, layer):
@@ -308,18 +407,26 @@ def run_demo(args: argparse.Namespace) -> int:
     paths = [checkpoint_path(name) for name in names]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(_DEMO_HEADER)
-    print("-" * len(_DEMO_HEADER))
-    failures, cannot = 0, []
+    say = _shower(args, str)
+    say(_DEMO_HEADER)
+    say("-" * len(_DEMO_HEADER))
+    health, layers = [], []
     for path in paths:
-        _print_health(path, ck)
+        found = _health(path, ck)
+        health += found
+        for h in found:
+            say(f"{h['checkpoint']:<20} {h['layer']:>5} scale health: {h['warning']}")
         with ck.open_checkpoint(path) as ckpt:
             for layer_idx in ckpt.moe_layers:
                 layer = ckpt.read_layer(layer_idx, args.tp, 0)
-                bad, refused = _demo_layer(ck, path, layer_idx, layer, ckpt.top_k, args.tp, out_dir)
-                failures += bad
-                cannot.extend(refused)
-    print(
+                for rec in _demo_layer(ck, path, layer_idx, layer, ckpt.top_k, args.tp, out_dir):
+                    layers.append(rec)
+                    say(_demo_text(rec))
+    failures = sum(r["cannot"] is None and (not r["exact"] or r["engine_scales"] is False) for r in layers)
+    cannot = [f"{r['checkpoint']} L{r['layer']} {r['backend']}" for r in layers if r["cannot"] is not None]
+    if args.json:
+        print_json(dict(tp=args.tp, out=str(out_dir), health=health, layers=layers, failures=failures))
+    say(
         f"\nkernel-layout files in {out_dir}/ ; "
         + ("every round trip exact" if not failures else f"{failures} round trips FAILED")
     )

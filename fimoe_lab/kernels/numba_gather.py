@@ -2,7 +2,8 @@
 
 ``prange`` runs over (expert, block of about ``TASK_BYTES`` output cells) tasks, visiting
 cells in the order of their sources (:func:`visit_order`: every task reads its input
-front to back); a cell of 16 bytes or more moves with one ``memcpy`` (fill: ``memset``),
+front to back, and reads each cell's source from :func:`visit_sources` beside it rather
+than through the visit index); a cell of 16 bytes or more moves with one ``memcpy`` (fill: ``memset``),
 a smaller one as a run of 8-, 4-, 2- or 1-byte words. A row gather followed by the 128x4
 scale swizzle has its own loop (:func:`_swizzle`: one task per 128-row band, 4x4 word
 transposes in vector registers, the source rows of a later band prefetched). Outputs of
@@ -24,7 +25,15 @@ from numba.extending import intrinsic
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
 
-__all__ = ["check_map", "gather_numba", "inplace_cycles_numba", "parallel_copy", "TASK_BYTES"]
+__all__ = [
+    "check_map",
+    "gather_numba",
+    "inplace_cycles_numba",
+    "parallel_copy",
+    "visit_order",
+    "visit_sources",
+    "TASK_BYTES",
+]
 
 TASK_BYTES = 1 << 16
 """Output bytes per parallel task of the cell gather (measured on the 2-core CI machine)."""
@@ -32,6 +41,8 @@ TASK_BYTES = 1 << 16
 
 @njit(parallel=True, cache=True, nogil=True)
 def _gather(x, out, src, fills, visit, block):  # pragma: no cover - compiled
+    """x (E, n_in, w), out (E, n_out, w) words: output cell ``visit[j]`` is input cell
+    ``src[j]`` (in visit order, :func:`visit_sources`) or fill word ``fills[-1 - src[j]]``."""
     experts, n_out, w = out.shape
     nb = (n_out + block - 1) // block
     for t in prange(experts * nb):
@@ -42,7 +53,7 @@ def _gather(x, out, src, fills, visit, block):  # pragma: no cover - compiled
         oe = out[e]
         for j in range(lo, hi):
             i = visit[j]
-            s = src[i]
+            s = src[j]
             if s >= 0:
                 for k in range(w):
                     oe[i, k] = xe[s, k]
@@ -189,9 +200,10 @@ MEMCPY_MIN_CELL = 16
 
 @njit(parallel=True, cache=True, nogil=True)
 def _gather_memcpy(x, out, src, fill_bytes, visit, cell, n_in, n_out, block, stream):  # pragma: no cover
-    """x, out: flat uint8; one memcpy (or memset) per output cell, cells in ``visit`` order.
-    ``stream``: cells are whole 64-byte lines of a 64-byte aligned output, written with
-    non-temporal stores (:func:`_stream_bytes`)."""
+    """x, out: flat uint8; one memcpy (or memset) per output cell: output cell ``visit[j]``
+    from input cell ``src[j]`` (``src`` in visit order, :func:`visit_sources`: the loop
+    reads both front to back, no dependent load). ``stream``: cells are whole 64-byte lines
+    of a 64-byte aligned output, written with non-temporal stores (:func:`_stream_bytes`)."""
     xa = x.ctypes.data
     oa = out.ctypes.data
     experts = out.size // (n_out * cell)
@@ -204,7 +216,7 @@ def _gather_memcpy(x, out, src, fill_bytes, visit, cell, n_in, n_out, block, str
         ob = oa + e * n_out * cell
         for j in range(lo, hi):
             i = visit[j]
-            s = src[i]
+            s = src[j]
             if s < 0:
                 _fill_bytes(ob + i * cell, fill_bytes[-1 - s], cell)
             elif stream:
@@ -429,7 +441,7 @@ def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
         _gather_memcpy(
             xb.numpy().reshape(-1),
             ob.numpy().reshape(-1),
-            em.src,
+            visit_sources(em),
             fill_bytes,
             visit_order(em),
             em.cell_bytes,
@@ -448,7 +460,7 @@ def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     wpc = em.cell_bytes // word
     xa = xa.reshape(experts, em.n_in, wpc)
     oa = oa.reshape(experts, em.n_out, wpc)
-    _gather(xa, oa, em.src, fills, visit_order(em), max(1, TASK_BYTES // em.cell_bytes))
+    _gather(xa, oa, visit_sources(em), fills, visit_order(em), max(1, TASK_BYTES // em.cell_bytes))
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -530,6 +542,16 @@ def visit_order(em: ExecMap) -> np.ndarray:
     into one sequential read.
     """
     return _source_order(em, "visit", em.src, em.cell_bytes)
+
+
+def visit_sources(em: ExecMap) -> np.ndarray:
+    """``em.src[visit_order(em)]``: the source (or fill code) of each cell in visit order,
+    int32, cached on the map. Reading it front to back beside the visit order spares the
+    cell loop a dependent load (``src[visit[j]]``: a random access per cell), which was
+    the limit of small-cell gathers such as block-major-K."""
+    if "visit_src" not in em._dev:
+        em._dev["visit_src"] = np.ascontiguousarray(em.src[visit_order(em)])
+    return em._dev["visit_src"]
 
 
 def _source_order(em: ExecMap, key: str, src: np.ndarray, cell: int) -> np.ndarray:

@@ -397,6 +397,12 @@ def _blocks(a: np.ndarray, fr: int, fc: int, fill) -> np.ndarray:
     return padded.reshape(padded.shape[0] // fr, fr, padded.shape[1] // fc, fc)
 
 
+def reduction(shape: tuple[int, ...], max_side: int = 512) -> tuple[int, int]:
+    """The block ``(fr, fc) = (ceil(R / max_side), ceil(C / max_side))`` that brings ``shape``
+    ``(R, C)`` to at most ``max_side`` pixels per side (:func:`downsample`, :func:`sample_grid`)."""
+    return -(-shape[0] // max_side), -(-shape[1] // max_side)
+
+
 def downsample(values: np.ndarray, flags: np.ndarray, max_side: int = 512) -> Downsampled:
     """``values`` ``(R, C)`` (float) and its ``flags`` reduced to at most ``max_side`` per side.
 
@@ -404,7 +410,7 @@ def downsample(values: np.ndarray, flags: np.ndarray, max_side: int = 512) -> Do
     block's finite elements, flag = max code (:class:`Downsampled`).
     """
     v = np.asarray(values, dtype=np.float64)
-    fr, fc = -(-v.shape[0] // max_side), -(-v.shape[1] // max_side)
+    fr, fc = reduction(v.shape, max_side)
     if fr == fc == 1:
         return Downsampled(np.where(np.isfinite(v), v, np.nan), flags, (1, 1), v.shape)
     finite = np.where(np.isfinite(v), v, -np.inf)
@@ -420,7 +426,7 @@ def sample_grid(a: np.ndarray, max_side: int = 512) -> tuple[np.ndarray, tuple[i
     Index maps (source rows, columns) do not average: the view shows the first element of
     each block, and the caller says so. Returns the sample and ``(fr, fc)``.
     """
-    fr, fc = -(-a.shape[0] // max_side), -(-a.shape[1] // max_side)
+    fr, fc = reduction(a.shape, max_side)
     return a[::fr, ::fc], (fr, fc)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Optional, TypeVar
 
 import numpy as np
-from matplotlib import colormaps, rc_context
+from matplotlib import colormaps, rc_context, rcParams
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.colors import ListedColormap, to_rgba
@@ -133,9 +133,12 @@ def to_svg(fig: Figure) -> str:
     svg = svg.replace("#000000", "currentColor").replace(
         "<svg ", '<svg fill="currentColor" style="max-width:100%;height:auto" ', 1
     )
-    for gid, text in hover_texts(fig).items():
-        svg = re.sub(f'(<g id="{gid}"[^>]*>)', lambda m, t=text: f"{m.group(1)}<title>{_escape(t)}</title>", svg)
-    return svg
+    texts = hover_texts(fig)
+    return re.sub(
+        r'(<g id="(fimoe-hover-\d+)"[^>]*>)',
+        lambda m: m.group(1) + (f"<title>{_escape(texts[m.group(2)])}</title>" if m.group(2) in texts else ""),
+        svg,
+    )
 
 
 def to_png(fig: Figure, scale: float = 2.0, facecolor: str = "white") -> bytes:
@@ -428,17 +431,16 @@ def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
     """The 128x4 scale swizzle, atom by atom.
 
     Left: the linear scale matrix ``[rows, cols]`` coloured by the atom each scale lands
-    in, the scales of atom ``atom`` marked red. Middle: the swizzled buffer as
+    in, the scales of atom ``atom`` veiled white. Middle: the swizzled buffer as
     ``(atoms*32, 16)`` coloured by source row (grey: padding), the atom shaded. Right:
     atom ``atom`` close up: 32 lines of 4 groups of 4 scales; each group is one kernel row
     (a row of the swizzle's input) and is labelled ``k<kernel row> <- c<checkpoint row>``;
     colour: source column. Each group has hover text (kernel and checkpoint row and columns).
+    The atom-dependent artists are :func:`atom_artists`; :func:`show_atom` moves them to
+    another atom without drawing the figure again.
     """
     view = data.memo(data.swizzle_view, m, itemsize)
-    if not 0 <= atom < view.atoms:
-        raise LayoutError(
-            f"atom {atom} is outside 0..{view.atoms - 1} of {view.name}", fix=f"pick an atom in 0..{view.atoms - 1}"
-        )
+    _check_atom(view, atom)
     fig, ((ax_lin, cax_lin), (ax_buf, cax_buf), (ax_atom, cax_atom)) = panel_row(
         [(0.8, 3.0, 1.0, True), (0.8, 3.0, 1.0, True), (0.7, 5.4, 1.0, True)], 6.6, bottom=0.6
     )
@@ -451,56 +453,141 @@ def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
         vmax=view.atoms - 0.5,
         extent=_extent(view.dest_atom.shape),
     )
-    chosen = data.downsample(
-        (view.dest_atom == atom).astype(float), np.zeros(view.dest_atom.shape, np.uint8), MAX_SIDE
-    ).values
-    overlay = np.zeros(chosen.shape + (4,))
-    overlay[chosen > 0] = to_rgba("white", 0.7)
-    ax_lin.imshow(overlay, aspect="auto", extent=_extent(view.dest_atom.shape))
+    veil = ax_lin.imshow(np.zeros((1, 1, 4)), aspect="auto", extent=_extent(view.dest_atom.shape))
     _colourbar(fig, im, ax_lin, cax_lin, "destination atom (index; veiled: the chosen one)")
     ax_lin.set_title(f"linear scales [{view.dest_atom.shape[0]}, {view.dest_atom.shape[1]}]")
     ax_lin.set_xlabel("scale column")
     ax_lin.set_ylabel("checkpoint row")
     step = _index_image(fig, ax_buf, cax_buf, view.src_row, "source row (checkpoint row index)")
-    ax_buf.axhspan(atom * 32 - 0.5, atom * 32 + 31.5, color="red", alpha=0.3)
+    span = ax_buf.axhspan(-0.5, 31.5, color="red", alpha=0.3)
     ax_buf.set_title(
         f"swizzled buffer: {view.atoms} atoms x 512" + (f" (every {step[0]}th line)" if step[0] > 1 else ""), loc="left"
     )
     ax_buf.set_xlabel("offset % 16")
     ax_buf.set_ylabel("offset // 16")
-    lines = slice(atom * 32, (atom + 1) * 32)
-    zoom_col, zoom_row, zoom_k = view.src_col[lines], view.src_row[lines], view.kernel_row[lines]
-    zoom_kc = view.kernel_col[lines]
-    im = ax_atom.imshow(
-        np.ma.masked_array(zoom_col % 10, mask=zoom_col < 0), aspect="auto", cmap=_cmap("tab10"), vmin=-0.5, vmax=9.5
-    )
-    _colourbar(fig, im, ax_atom, cax_atom, "source column (scale index, mod 10 colours)")
-    for line in range(32):
-        for g in range(4):
-            k, c = int(zoom_k[line, 4 * g]), int(zoom_row[line, 4 * g])
-            text = f"k{k} <- " + (f"c{c}" if c >= 0 else "pad")
-            label = ax_atom.text(4 * g + 1.5, line, text, ha="center", va="center", fontsize=MIN_FONT, color="#111111")
-            cols = zoom_col[line, 4 * g : 4 * g + 4]
-            hover(
-                label,
-                f"buffer offsets {512 * atom + 16 * line + 4 * g}..{512 * atom + 16 * line + 4 * g + 3}\n"
-                f"kernel row {k}, columns {int(zoom_kc[line, 4 * g])}..{int(zoom_kc[line, 4 * g + 3])}\n"
-                + (f"checkpoint row {c}, columns {cols.min()}..{cols.max()}" if c >= 0 else "padding")
-                + "\nstep: swizzle_scales_128x4",
-            )
-    for x in (3.5, 7.5, 11.5):
-        ax_atom.axvline(x, color="white", lw=1.5)
+    zoom = ax_atom.imshow(np.zeros((32, 16)), aspect="auto", cmap=_cmap("tab10"), vmin=-0.5, vmax=9.5)
+    _colourbar(fig, zoom, ax_atom, cax_atom, "source column (scale index, mod 10 colours)")
+    rules = [ax_atom.axvline(x, color="white", lw=1.5) for x in (3.5, 7.5, 11.5)]
+    labels = [
+        ax_atom.text(4 * g + 1.5, line, "", ha="center", va="center", fontsize=MIN_FONT, color="#111111")
+        for line in range(32)
+        for g in range(4)
+    ]
+    for label in labels:
+        hover(label, "")
     ax_atom.set_xticks([1.5, 5.5, 9.5, 13.5], ["group 0", "group 1", "group 2", "group 3"])
     ax_atom.set_yticks(range(0, 32, 4))
     ax_atom.set_ylabel("line (16 scales)")
-    rb, cb = view.atom_origin[atom]
-    ax_atom.set_title(
-        f"atom {atom}: kernel rows {128 * rb}..{128 * rb + 127}, cols {4 * cb}..{4 * cb + 3} "
-        "(k: kernel row, c: checkpoint row)",
-        loc="left",
+    # the title as a plain text at the title's place (a title is placed from the tick labels, which the atom layer omits)
+    title = ax_atom.annotate(
+        " ",
+        (0, 1),
+        xycoords="axes fraction",
+        xytext=(0, rcParams["axes.titlepad"]),
+        textcoords="offset points",
+        va="baseline",
+        fontsize=rcParams["axes.titlesize"],
     )
     fig.suptitle(_chain(m))
+    fig._fimoe_atom = dict(
+        view=view,
+        veil=veil,
+        span=span,
+        zoom=zoom,
+        rules=rules + list(ax_atom.spines.values()),
+        labels=labels,
+        title=title,
+    )  # type: ignore[attr-defined]
+    show_atom(fig, atom)
     return fig
+
+
+def _check_atom(view: data.SwizzleView, atom: int) -> None:
+    if not 0 <= atom < view.atoms:
+        raise LayoutError(
+            f"atom {atom} is outside 0..{view.atoms - 1} of {view.name}", fix=f"pick an atom in 0..{view.atoms - 1}"
+        )
+
+
+def atom_artists(fig: Figure) -> list[Artist]:
+    """The artists of a :func:`swizzle_figure` that depend on the atom shown (veil, buffer band,
+    close-up image with its group rules and frame, its 128 labels and its title), bottom to top."""
+    a = fig._fimoe_atom  # type: ignore[attr-defined]
+    return [a["veil"], a["span"], a["zoom"], *a["rules"], a["title"], *a["labels"]]
+
+
+def show_atom(fig: Figure, atom: int) -> None:
+    """Move a :func:`swizzle_figure` to atom ``atom`` in place: shade buffer lines
+    ``32*atom .. 32*atom+31``, veil their sources (the scales with ``dest_atom == atom``) on
+    the linear panel (a reduced pixel is veiled when it holds one), and redraw the close-up
+    (``src_col % 10`` of those lines, grey fill) with its labels, hover texts and title; the
+    grid, axes and colourbars stay as drawn."""
+    a = fig._fimoe_atom  # type: ignore[attr-defined]
+    view: data.SwizzleView = a["view"]
+    _check_atom(view, atom)
+    lines = slice(atom * 32, (atom + 1) * 32)
+    zoom_col, zoom_row, zoom_k = view.src_col[lines], view.src_row[lines], view.kernel_row[lines]
+    # the veil: a pixel of the reduced linear panel is white when it holds a scale of the atom
+    fr, fc = data.reduction(view.dest_atom.shape, MAX_SIDE)
+    overlay = np.zeros((-(-view.dest_atom.shape[0] // fr), -(-view.dest_atom.shape[1] // fc), 4))
+    real = zoom_row >= 0
+    overlay[zoom_row[real] // fr, zoom_col[real] // fc] = to_rgba("white", 0.7)
+    a["veil"].set_data(overlay)
+    a["span"].set_y(atom * 32 - 0.5)
+    zoom_kc = view.kernel_col[lines]
+    a["zoom"].set_data(np.ma.masked_array(zoom_col % 10, mask=zoom_col < 0))
+    texts = hover_texts(fig)
+    for i, label in enumerate(a["labels"]):
+        line, g = divmod(i, 4)
+        k, c = int(zoom_k[line, 4 * g]), int(zoom_row[line, 4 * g])
+        label.set_text(f"k{k} <- " + (f"c{c}" if c >= 0 else "pad"))
+        cols = zoom_col[line, 4 * g : 4 * g + 4]
+        texts[label.get_gid()] = (
+            f"buffer offsets {512 * atom + 16 * line + 4 * g}..{512 * atom + 16 * line + 4 * g + 3}\n"
+            f"kernel row {k}, columns {int(zoom_kc[line, 4 * g])}..{int(zoom_kc[line, 4 * g + 3])}\n"
+            + (f"checkpoint row {c}, columns {cols.min()}..{cols.max()}" if c >= 0 else "padding")
+            + "\nstep: swizzle_scales_128x4"
+        )
+    rb, cb = view.atom_origin[atom]
+    a["title"].set_text(
+        f"atom {atom}: kernel rows {128 * rb}..{128 * rb + 127}, cols {4 * cb}..{4 * cb + 3} "
+        "(k: kernel row, c: checkpoint row)"
+    )
+
+
+def svg_without(fig: Figure, moving: Sequence[Artist]) -> str:
+    """:func:`to_svg` of ``fig`` with ``moving`` hidden: the layer a view draws once when later
+    changes touch only ``moving`` (see :func:`svg_only`, :func:`stack_svg`)."""
+    shown = [x.get_visible() for x in moving]
+    try:
+        for x in moving:
+            x.set_visible(False)
+        return to_svg(fig)
+    finally:
+        for x, v in zip(moving, shown):
+            x.set_visible(v)
+
+
+def svg_only(fig: Figure, moving: Sequence[Artist]) -> str:
+    """The SVG content (no ``<svg>`` element) of ``moving`` alone, in :func:`to_svg`'s coordinates:
+    no figure or axes background, ticks, spines or other artists are drawn, so it costs only
+    ``moving``. Put it over :func:`svg_without` with :func:`stack_svg`."""
+    every = fig.findobj()
+    shown = {id(x): x.get_visible() for x in every}
+    keep = {id(x) for x in moving} | {id(fig)} | {id(x.axes) for x in moving if x.axes is not None}
+    try:
+        for x in every:
+            x.set_visible(shown[id(x)] and id(x) in keep)
+        top = to_svg(fig)
+    finally:
+        for x in every:
+            x.set_visible(shown[id(x)])
+    return top[top.index(">", top.index("<svg")) + 1 : top.rindex("</svg>")]
+
+
+def stack_svg(base: str, top: str) -> str:
+    """The SVG ``base`` with the layer ``top`` (:func:`svg_only`) drawn over it, as one valid SVG."""
+    return base[: base.rindex("</svg>")] + f"<g>{top}</g></svg>"
 
 
 MAX_MASK_SIDE = MAX_SIDE
@@ -615,6 +702,19 @@ def marker_svg(ax: Axes, x: float, y: float) -> str:
         f'<circle cx="{px * scale:.2f}" cy="{height - py * scale:.2f}" r="{r}" fill="none" '
         f'stroke="red" stroke-width="{MARKER["mew"]}"/>'
     )
+
+
+def at_svg_point(fig: Figure, x: float, y: float) -> Optional[tuple[Axes, float, float]]:
+    """The axes under point ``(x, y)`` of :func:`to_svg`'s coordinates (points from the top left,
+    what a click on the SVG reports) and the data coordinates there (the inverse of
+    :func:`marker_svg`); None outside every axes."""
+    scale = fig.dpi / 72.0
+    px, py = x * scale, (fig.get_size_inches()[1] * 72.0 - y) * scale
+    for ax in fig.axes:
+        if ax.bbox.contains(px, py):
+            dx, dy = ax.transData.inverted().transform((px, py))
+            return ax, float(dx), float(dy)
+    return None
 
 
 @styled

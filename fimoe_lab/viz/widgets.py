@@ -33,6 +33,12 @@ from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.specs import BACKENDS
 from fimoe_lab.viz import data, figures, sources
 
+try:  # clicks on a figure need anywidget (the lab extra); without it the figure is plain HTML
+    import anywidget
+    import traitlets
+except ImportError:  # pragma: no cover - exercised where anywidget is absent
+    anywidget = None
+
 __all__ = [
     "RowExplorer",
     "TileExplorer",
@@ -105,6 +111,43 @@ def _slider(description: str, value: int, top: int, step: int = 1) -> W.IntSlide
     return W.IntSlider(value, 0, top, step=step, description=description, style=STYLE, continuous_update=False)
 
 
+_CANVAS_JS = """
+function render({ model, el }) {
+  const draw = () => { el.innerHTML = model.get("value"); };
+  draw();
+  model.on("change:value", draw);
+  el.addEventListener("click", (event) => {
+    const svg = el.querySelector("svg");
+    if (!svg) return;
+    const point = svg.createSVGPoint();
+    point.x = event.clientX;
+    point.y = event.clientY;
+    const p = point.matrixTransform(svg.getScreenCTM().inverse());
+    model.set("click", [p.x, p.y, Date.now()]);
+    model.save_changes();
+  });
+}
+export default { render };
+"""
+
+if anywidget is not None:
+
+    class SvgCanvas(anywidget.AnyWidget):
+        """The figure as inline SVG (``value``, like ``W.HTML``) that reports clicks: ``click`` is
+        ``[x, y, time]``, ``(x, y)`` in the SVG's user units (points from the top left, see
+        :func:`figures.at_svg_point`)."""
+
+        _esm = _CANVAS_JS
+        value = traitlets.Unicode("").tag(sync=True)
+        click = traitlets.List([]).tag(sync=True)
+
+
+def _figure_view() -> W.DOMWidget:
+    """Where an explorer shows its figure: a :class:`SvgCanvas` with anywidget, else ``W.HTML``."""
+    layout = W.Layout(overflow="auto", max_width="100%")
+    return SvgCanvas(layout=layout) if anywidget is not None else W.HTML(layout=layout)
+
+
 class _Explorer(W.VBox):
     """Controls, figure, message and export row; subclasses define ``_draw`` (and ``code``)."""
 
@@ -112,7 +155,7 @@ class _Explorer(W.VBox):
     """Figures kept per explorer, by control state: going back to a setting is instant."""
 
     def __init__(self, controls: list):
-        self.view = W.HTML(layout=W.Layout(overflow="auto", max_width="100%"))
+        self.view = _figure_view()
         self.view.add_class("fimoe-figure")
         self.message = W.HTML()
         self.message.add_class("fimoe-message")
@@ -397,9 +440,14 @@ class TileExplorer(_LayerExplorer):
 
     tensor_filter = staticmethod(lambda m: len(m.out_shape) == 3 or m.steps[-1].kind == "swizzle_scales_128x4")
 
+    CACHE = 0  # the swizzle figure is shared between atoms (its atom layer moves): nothing to keep per setting
+    TENSORS = 4
+    """Swizzle figures kept (by layer, backend and tensor): going back to a tensor redraws only its atom layer."""
+
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
         self.atom = _slider("atom", 0, 64)
         self.colour_by = _dropdown("colour by", ("source column", "source row"))
+        self._static: OrderedDict = OrderedDict()  # (layer, backend, tensor) -> (figure, SVG without the atom layer)
         kwargs.setdefault("tensor", "w13_scale")
         super().__init__(layer, [self.atom, self.colour_by], **kwargs)
 
@@ -413,7 +461,18 @@ class TileExplorer(_LayerExplorer):
         self.atom.max = view.atoms - 1
         atom = min(self.atom.value, view.atoms - 1)
         self.state.update(view=view, kind="swizzle", atom=atom)
-        return figures.swizzle_figure(m, size, atom), f"{view.atoms} atoms: {m}"
+        static = (id(self.layer), self.backend.value, self.tensor.value)
+        if static not in self._static:
+            # the grid, buffer and axes are drawn once per tensor; an atom change redraws only the atom layer
+            fig = figures.swizzle_figure(m, size, atom)
+            self._static[static] = (fig, figures.svg_without(fig, figures.atom_artists(fig)))
+            while len(self._static) > self.TENSORS:
+                self._static.popitem(last=False)
+        self._static.move_to_end(static)
+        fig, base = self._static[static]
+        figures.show_atom(fig, atom)
+        top = figures.svg_only(fig, figures.atom_artists(fig))
+        return fig, f"{view.atoms} atoms: {m}", figures.stack_svg(base, top)
 
     def code(self) -> str:
         s = self.state
@@ -426,7 +485,7 @@ class TileExplorer(_LayerExplorer):
 
 
 class ProvenanceExplorer(_LayerExplorer):
-    """Type an element: on the kernel side (row, column of the drawn kernel layout) its source
+    """Type or click an element (:meth:`click`: a cell of either heatmap): on the kernel side (row, column of the drawn kernel layout) its source
     (expert, row, column) and the chain of steps; on the checkpoint side where it lands.
     Before/after heatmaps of the expert's values, NaN/Inf/dead scales marked. The heatmaps
     are drawn once per (layer, backend, tensor, expert); a new element only moves the two
@@ -440,6 +499,27 @@ class ProvenanceExplorer(_LayerExplorer):
         self.col = _int_box("column", 0, "160px")
         self._static: Optional[tuple] = None
         super().__init__(layer, [self.pick, self.row, self.col], **kwargs)
+        if anywidget is not None:
+            self.view.observe(lambda change: self.click(*change["new"][:2]), names="click")
+
+    def click(self, x: float, y: float) -> None:
+        """Follow the heatmap cell under point ``(x, y)`` of the shown SVG (points from its top
+        left, what the figure reports on a click): a kernel-side cell is traced back through
+        every step, a checkpoint-side cell shows where it lands. Elsewhere nothing changes."""
+        if self.figure is None:
+            return
+        hit = figures.at_svg_point(self.figure, x, y)
+        sides = {id(self.figure.axes[0]): "checkpoint", id(self.figure.axes[2]): "kernel"}
+        if hit is None or id(hit[0]) not in sides:
+            return
+        ax, col, row = hit
+        self._busy = True
+        try:
+            self.pick.value = sides[id(ax)]
+            self.row.value, self.col.value = round(row), round(col)
+        finally:
+            self._busy = False
+        self.refresh()
 
     def _draw(self):
         m = self.current_map()
