@@ -258,16 +258,9 @@ def convert_distributed(
                 report["kept"] += len(own) - len(todo)
                 report["written"] += len(todo)
                 report["bytes"] += sum(u.bytes for u in mine if u.tp_rank == r and u.shard in todo)
-                workers = stream.Workers(hashing=True)
-                ok = False
-                try:
+                with stream.workers_for(target, hashing=True) as workers:
                     writer.stream_layers(target, workers, sources[r], backend, meta, dev=dev, **how)
                     target.commit_rest(workers)
-                    ok = True
-                finally:
-                    workers.close(abort=not ok)
-                    if not ok:
-                        target.discard()
         report["seconds"] = time.perf_counter() - start
         with _Step(rank, "writing the index"):
             if rank == 0:

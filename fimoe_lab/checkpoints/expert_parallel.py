@@ -131,9 +131,7 @@ def restore_ranks(
             target = stream.ShardedOutput(
                 tmp, specs, {"format": "pt"}, single=False, shard_bytes=shard_size or stream.SHARD_BYTES
             )
-            workers = stream.Workers(hashing=False)
-            ok = False
-            try:
+            with stream.workers_for(target, hashing=False) as workers:
                 for idx in meta["layers"]:
                     with writer._layer_errors(path, idx):
                         full = _cat(
@@ -149,11 +147,6 @@ def restore_ranks(
                         target.put(workers, k, tensors.pop(k).contiguous())
                     workers.drain()  # this layer is out (and freed) before the next is read
                 target.finish(workers)
-                ok = True
-            finally:
-                workers.close(abort=not ok)
-                if not ok:
-                    target.discard()
             safe_io.write_json(tmp / "config.json", writer._restored_config(meta))
             safe_io.write_json(tmp / safe_io.MARKER, {"restored_from": str(path.resolve())})
     return out

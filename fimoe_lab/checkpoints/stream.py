@@ -27,7 +27,8 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +44,7 @@ __all__ = [
     "Workers",
     "ShardFile",
     "ShardedOutput",
+    "workers_for",
     "plan_shards",
     "verify_shard",
     "experts_per_chunk",
@@ -425,3 +427,18 @@ class ShardedOutput:
         for shard in self.open.values():
             shard.discard()
         self.open.clear()
+
+
+@contextmanager
+def workers_for(target: ShardedOutput, hashing: bool) -> Iterator[Workers]:
+    """:class:`Workers` for writing ``target`` inside a ``with`` block (finish or commit inside it):
+    closed at the end; on an exception, aborted first and ``target``'s temporaries discarded."""
+    workers = Workers(hashing=hashing)
+    ok = False
+    try:
+        yield workers
+        ok = True
+    finally:
+        workers.close(abort=not ok)
+        if not ok:
+            target.discard()

@@ -365,16 +365,11 @@ def write_kernel_layout(
             resume=resume,
         )
         bar = _progress_bar(progress, specs, target, out)
-        workers = stream.Workers(hashing=True)
-        ok = False
         try:
-            stream_layers(target, workers, sources, backend, meta, dev=dev, bar=bar, **how)
-            target.finish(workers)
-            ok = True
+            with stream.workers_for(target, hashing=True) as workers:
+                stream_layers(target, workers, sources, backend, meta, dev=dev, bar=bar, **how)
+                target.finish(workers)
         finally:
-            workers.close(abort=not ok)
-            if not ok:
-                target.discard()
             if bar is not None:
                 bar.close()
     return out
@@ -1329,9 +1324,7 @@ def _restore_into(path: str | os.PathLike, out: Path, shard_bytes: int) -> Path:
         config = _restored_config(meta)
         with safe_io.atomic_dir(out) as tmp:
             target = stream.ShardedOutput(tmp, specs, {"format": "pt"}, single=False, shard_bytes=shard_bytes)
-            workers = stream.Workers(hashing=False)
-            ok = False
-            try:
+            with stream.workers_for(target, hashing=False) as workers:
                 for idx, rec in meta["layers"].items():
                     emit = _Emit(path, conv, meta["prefix"], specs, target, workers, _layer_path(meta, idx))
                     with _layer_errors(path, idx):
@@ -1340,11 +1333,6 @@ def _restore_into(path: str | os.PathLike, out: Path, shard_bytes: int) -> Path:
                     del layer, emit
                     workers.drain()  # this layer is out (and freed) before the next is read
                 target.finish(workers)
-                ok = True
-            finally:
-                workers.close(abort=not ok)
-                if not ok:
-                    target.discard()
             safe_io.write_json(tmp / "config.json", config)
             safe_io.write_json(tmp / safe_io.MARKER, {"restored_from": str(Path(path).resolve())})
     return out
