@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tactic_snapshot import random_queries  # noqa: E402
 
 from fimoe_lab.tune import validity  # noqa: E402
-from fimoe_lab.tune.oracle import TacticOracle  # noqa: E402
+from fimoe_lab.tune.oracle import TacticOracle, model_answer  # noqa: E402
 
 
 def _pct(xs: list, p: float) -> float:
@@ -54,20 +54,7 @@ def main(argv=None) -> int:
 
     def one(q, r) -> float:
         t0 = time.thread_time()
-        validity.answer(
-            table,
-            r["dtype_act"],
-            r["dtype_weights"],
-            r["fp8_quantization_type"],
-            r["activation"],
-            r["weight_layout"],
-            r["use_per_token_scaling"],
-            q.hidden,
-            q.intermediate,
-            q.experts,
-            q.top_k,
-            q.tokens,
-        )
+        model_answer(table, q, request=r)
         return time.thread_time() - t0
 
     reqs = [(q, q.request()) for q in qs]

@@ -32,7 +32,7 @@ from fimoe_lab.cli import main
 from fimoe_lab.errors import OracleError
 from fimoe_lab.specs import FORMATS, tuner_formats
 from fimoe_lab.tune import build, validity
-from fimoe_lab.tune.oracle import MAX_GEMM_DIM, TacticOracle, TacticQuery
+from fimoe_lab.tune.oracle import MAX_GEMM_DIM, TacticOracle, TacticQuery, model_answer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,24 +42,6 @@ def table() -> validity.KernelTable:
     t = validity.find_table()
     assert t is not None, f"no kernel table shipped in {validity.kernels_dir()}"
     return t
-
-
-def model_answer(table: validity.KernelTable, q: TacticQuery) -> validity.ModelAnswer:
-    r = q.request()
-    return validity.answer(
-        table,
-        r["dtype_act"],
-        r["dtype_weights"],
-        r["fp8_quantization_type"],
-        r["activation"],
-        r["weight_layout"],
-        r["use_per_token_scaling"],
-        q.hidden,
-        q.intermediate,
-        q.experts,
-        q.top_k,
-        q.tokens,
-    )
 
 
 # --------------------------------------------------------------------------- (a) snapshot

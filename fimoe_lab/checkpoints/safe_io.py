@@ -52,6 +52,7 @@ __all__ = [
     "regular_file",
     "read_json",
     "inside",
+    "safetensors_header",
     "safetensors_metadata",
 ]
 
@@ -122,8 +123,9 @@ def inside(root: Path, name: object, what: str) -> Path:
     return path
 
 
-def safetensors_metadata(path: Path) -> Optional[dict]:
-    """The ``__metadata__`` of a safetensors file, from its bounded header only (None if it is not one)."""
+def safetensors_header(path: Path) -> Optional[tuple[dict, int]]:
+    """``(header, data offset)`` of a safetensors file: the 8-byte length ``n`` then ``n`` bytes of JSON
+    (at most ``MAX_JSON_BYTES``), data from ``8 + n``; None if it is not one or cannot be read."""
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -133,10 +135,16 @@ def safetensors_metadata(path: Path) -> Optional[dict]:
             if n > MAX_JSON_BYTES:
                 return None
             header = json.loads(f.read(n))
-        meta = header.get("__metadata__") if isinstance(header, dict) else None
-        return meta if isinstance(meta, dict) else None
+        return (header, 8 + n) if isinstance(header, dict) else None
     except (OSError, ValueError, UnicodeDecodeError):
         return None
+
+
+def safetensors_metadata(path: Path) -> Optional[dict]:
+    """The ``__metadata__`` of a safetensors file, from its bounded header only (None if it is not one)."""
+    got = safetensors_header(path)
+    meta = got[0].get("__metadata__") if got else None
+    return meta if isinstance(meta, dict) else None
 
 
 # ============================================================================ where OUT may go

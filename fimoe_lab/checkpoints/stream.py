@@ -260,21 +260,6 @@ def header_bytes(metadata: dict, entries: dict) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
-def _read_header(path: Path) -> Optional[tuple[dict, int]]:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return None
-            (n,) = struct.unpack("<Q", head)
-            if n > safe_io.MAX_JSON_BYTES:
-                return None
-            header = json.loads(f.read(n))
-        return (header, 8 + n) if isinstance(header, dict) else None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
 def verify_shard(path: Path, entries: dict, metadata: dict, checksum_key: str) -> bool:
     """Whether the file at ``path`` is the complete shard this run would write: the same tensor entries and
     metadata (checksums aside), its full size, and every tensor's bytes matching its recorded sha256."""
@@ -282,7 +267,7 @@ def verify_shard(path: Path, entries: dict, metadata: dict, checksum_key: str) -
         st = safe_io.regular_file(path, "shard")
     except (OSError, CheckpointError):
         return False
-    got = _read_header(path)
+    got = safe_io.safetensors_header(path)
     if got is None:
         return False
     header, start = got

@@ -56,6 +56,7 @@ __all__ = [
     "tactic_format",
     "kernel_activation",
     "MAX_GEMM_DIM",
+    "model_answer",
 ]
 
 
@@ -251,6 +252,29 @@ def _shipped_names() -> str:
     return "; ".join(names) or "none"
 
 
+def model_answer(
+    table: validity.KernelTable, q: TacticQuery, sm: int = 100, request: Optional[dict] = None
+) -> validity.ModelAnswer:
+    """:func:`fimoe_lab.tune.validity.answer` for ``q`` on ``table`` (``request``: ``q.request()``, when
+    the caller already has it)."""
+    r = request or q.request()
+    return validity.answer(
+        table,
+        r["dtype_act"],
+        r["dtype_weights"],
+        r["fp8_quantization_type"],
+        r["activation"],
+        r["weight_layout"],
+        r["use_per_token_scaling"],
+        q.hidden,
+        q.intermediate,
+        q.experts,
+        q.top_k,
+        q.tokens,
+        sm=sm,
+    )
+
+
 class _Model:
     """Answers from :mod:`fimoe_lab.tune.validity` for one shipped kernel table.
 
@@ -295,22 +319,7 @@ class _Model:
         src = self.source()
         if self.table is None:
             return TacticAnswer(q, None, {}, src, reason=self.unknown)
-        r = q.request()
-        m = validity.answer(
-            self.table,
-            r["dtype_act"],
-            r["dtype_weights"],
-            r["fp8_quantization_type"],
-            r["activation"],
-            r["weight_layout"],
-            r["use_per_token_scaling"],
-            q.hidden,
-            q.intermediate,
-            q.experts,
-            q.top_k,
-            q.tokens,
-            sm=self.sm,
-        )
+        m = model_answer(self.table, q, sm=self.sm)
         if m.error:
             return TacticAnswer(q, 0, {}, src, reason=f"FlashInfer rejects the query: {m.error}", configs=())
         reason = None if m.configs else "no valid config (FlashInfer returns an empty list)"
