@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
+from typing import Any
 
 from fimoe_lab import specs
 from fimoe_lab.cli._common import EXIT_OK, add_engine_option, checkpoint_path, int_list, positive_int, show_progress
@@ -215,7 +216,15 @@ def run_convert(args: argparse.Namespace) -> int:
 
     if args.distributed:
         return _run_distributed(args)
-    out = convert_checkpoint(
+    positional, options = _convert_args(args)
+    out = convert_checkpoint(*positional, progress=show_progress(args.no_progress), **options)
+    _print_written(args, Path(out))
+    return EXIT_OK
+
+
+def _convert_args(args: argparse.Namespace) -> tuple[tuple, dict[str, Any]]:
+    """The arguments ``convert`` passes to the one-process and the distributed convert alike."""
+    positional = (
         checkpoint_path(args.path),
         args.out,
         args.backend,
@@ -224,39 +233,24 @@ def run_convert(args: argparse.Namespace) -> int:
         args.layer,
         args.intermediate_alignment,
         args.hidden_alignment,
-        progress=show_progress(args.no_progress),
-        force=args.force,
-        engine=args.engine,
-        single_file=True if args.single_file else None,
-        shard_size=args.shard_size,
-        resume=args.resume,
-        device=args.device,
-        ep_size=args.ep,
     )
-    _print_written(args, Path(out))
-    return EXIT_OK
+    options = {
+        "force": args.force,
+        "engine": args.engine,
+        "single_file": True if args.single_file else None,
+        "shard_size": args.shard_size,
+        "resume": args.resume,
+        "device": args.device,
+        "ep_size": args.ep,
+    }
+    return positional, options
 
 
 def _run_distributed(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints.distributed import convert_distributed
 
-    done = convert_distributed(
-        checkpoint_path(args.path),
-        args.out,
-        args.backend,
-        args.tp,
-        args.rank,
-        args.layer,
-        args.intermediate_alignment,
-        args.hidden_alignment,
-        force=args.force,
-        engine=args.engine,
-        single_file=True if args.single_file else None,
-        shard_size=args.shard_size,
-        resume=args.resume,
-        device=args.device,
-        ep_size=args.ep,
-    )
+    positional, options = _convert_args(args)
+    done = convert_distributed(*positional, **options)
     if done["rank"] != 0:
         return EXIT_OK  # process 0 reports for all
     _print_written(args, Path(args.out))
