@@ -165,6 +165,18 @@ def _check_w13_w2(
     return num_experts, intermediate, hidden
 
 
+def _check_nvfp4_scales(
+    w13_scale: torch.Tensor, w2_scale: torch.Tensor, experts: int, p: int, intermediate: int, hidden: int
+) -> None:
+    """NVFP4 block scales, one per 16 values: ``w13_scale (E, P*I, H/16)``, ``w2_scale (E, H, I/16)``."""
+    for name, t, shape in (
+        ("w13_scale", w13_scale, (experts, p * intermediate, hidden // 16)),
+        ("w2_scale", w2_scale, (experts, hidden, intermediate // 16)),
+    ):
+        if tuple(t.shape) != shape:
+            raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape} (one scale per 16 FP4 values)")
+
+
 def _check_fp8_weights(**weights: torch.Tensor) -> None:
     """Same device, 3-D ``(experts, rows, cols)``, 1-byte elements."""
     check_same_device(**weights)
@@ -234,13 +246,7 @@ def align_fp4_moe_weights_for_fi(
     """
     _, intermediate, hidden = _check_w13_w2(w13, w2, is_act_and_mul, packed_fp4=True)
     check_same_device(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
-    p = _projections(is_act_and_mul)
-    for name, t, shape in (
-        ("w13_scale", w13_scale, (w13.shape[0], p * intermediate, hidden // 16)),
-        ("w2_scale", w2_scale, (w2.shape[0], hidden, intermediate // 16)),
-    ):
-        if tuple(t.shape) != shape:
-            raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape} (one scale per 16 FP4 values)")
+    _check_nvfp4_scales(w13_scale, w2_scale, w2.shape[0], _projections(is_act_and_mul), intermediate, hidden)
     plan = plan_align_fp4_moe_weights(intermediate, hidden, is_act_and_mul, min_alignment)
     o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)
     return o13, o13s, o2, o2s, plan.padded_intermediate
@@ -266,13 +272,7 @@ def align_fp4_moe_hidden_dim_for_fi(
     intermediate, hidden = w2.shape[2] * 2, w13.shape[2] * 2
     is_act_and_mul = w13.shape[1] == 2 * intermediate
     _check_w13_w2(w13, w2, is_act_and_mul, packed_fp4=True)
-    p = _projections(is_act_and_mul)
-    for name, t, shape in (
-        ("w13_scale", w13_scale, (w13.shape[0], p * intermediate, hidden // 16)),
-        ("w2_scale", w2_scale, (w2.shape[0], hidden, intermediate // 16)),
-    ):
-        if tuple(t.shape) != shape:
-            raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape} (one scale per 16 FP4 values)")
+    _check_nvfp4_scales(w13_scale, w2_scale, w2.shape[0], _projections(is_act_and_mul), intermediate, hidden)
     plan = plan_align_fp4_moe_weights(intermediate, hidden, is_act_and_mul, 1, min_alignment)
     if plan.padded_hidden == hidden:
         return w13, w13_scale, w2, w2_scale, hidden
