@@ -13,7 +13,13 @@ Modes, each ``--runs`` fresh processes:
 - ``empty-cache``: ``NUMBA_CACHE_DIR`` and ``TRITON_CACHE_DIR`` point at new empty
   directories, so every kernel compiles;
 - ``warmed-up``: ``fimoe_lab.warmup.warmup`` for the drop-in's format ran in the
-  process before the first call (what ``fimoe-lab warmup`` buys a serving engine).
+  process before the first call (what ``fimoe-lab warmup`` buys a serving engine);
+- ``warm-cache-sync``: as ``warm-cache`` with ``FIMOE_BACKGROUND_LOAD=0``: the first call
+  loads numba in its own thread instead of running on torch while numba loads in the
+  background (:mod:`fimoe_lab.kernels.registry`).
+
+Modes are run in turn (``--runs`` rounds of every mode), so a shared machine's load drifts
+over all of them alike.
 
     python benchmarks/cold_start.py --device cpu --experts 8
     PYTHONPATH=. python3 benchmarks/cold_start.py --device cuda --experts 256 --out cold.json
@@ -114,7 +120,9 @@ def run_child(args: argparse.Namespace, mode: str, env: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", default="warm-cache", choices=("warm-cache", "empty-cache", "warmed-up"))
+    ap.add_argument(
+        "--mode", default="warm-cache", choices=("warm-cache", "warm-cache-sync", "empty-cache", "warmed-up")
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dropin", default="rotate", choices=sorted(DROPINS))
     ap.add_argument("--experts", type=int, default=8)
@@ -131,22 +139,26 @@ def main(argv: list[str] | None = None) -> None:
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     run_child(args, "warm-cache", env)  # prime the on-disk caches
     results = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "dropin": args.dropin, "modes": {}}
-    for mode in args.modes:
-        runs = []
-        for _ in range(args.runs):
+    all_runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for _ in range(args.runs):
+        for mode in args.modes:
             e = dict(env)
             if mode == "empty-cache":
                 tmp = tempfile.mkdtemp(prefix="fimoe_cold_")
                 e["NUMBA_CACHE_DIR"] = os.path.join(tmp, "numba")
                 e["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
-            runs.append(run_child(args, mode, e))
+            if mode == "warm-cache-sync":
+                e["FIMOE_BACKGROUND_LOAD"] = "0"
+            all_runs[mode].append(run_child(args, mode, e))
+    for mode, runs in all_runs.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         results["modes"][mode] = {"runs": runs, "median": med}
         print(
             f"{args.dropin} {args.device} E={args.experts} {mode:<12} first {med['first_call_s']:.3f} s, "
             f"warm {med['warm_call_s']:.3f} s, overhead {med['overhead_s']:.3f} s "
             f"(warm-up {med['warmup_s']:.3f} s, import fimoe_lab {med['import_fimoe_lab_s']:.3f} s, "
-            f"torch {med['import_torch_s']:.3f} s)",
+            f"torch {med['import_torch_s']:.3f} s); overhead per run "
+            + ", ".join(f"{r['overhead_s']:.3f}" for r in runs),
             flush=True,
         )
     if args.out:

@@ -1,7 +1,7 @@
 """Streaming convert and restore at real size: throughput against `cp`, peak memory against one layer.
 
     PYTHONPATH=. python benchmarks/convert_stream.py [--dir DIR] [--layers 4] [--experts 16]
-        [--backend trtllm] [--device cpu[,cuda]] [--shard-size BYTES] [--json OUT.json] [--keep]
+        [--backend trtllm] [--device cpu[,cuda]] [--lanes 1,2] [--shard-size BYTES] [--json OUT.json] [--keep]
 
 Generates a checkpoint with DeepSeek-V3 dimensions (FP8 block-128, hidden 7168, MoE intermediate
 2048; ``--experts`` routed experts per layer, ``--layers`` MoE layers, one source shard per
@@ -10,7 +10,9 @@ layer; the defaults give 4 x 0.70 GB = 2.8 GB), then, each in a child process of
 - ``cp``: ``cp --reflink=never`` of the source shards, then ``sync`` of the copies (convert and
   restore fsync what they write, so the copy is fsynced too), and ``cp`` alone;
 - ``convert``: ``convert_checkpoint`` into a sharded directory, once per ``--device`` (a comma
-  list: ``cpu,cuda`` converts on both, and the two outputs must be byte-identical);
+  list: ``cpu,cuda`` converts on both, and the two outputs must be byte-identical); with
+  ``--lanes 1,2``, once per number of writer threads (``FIMOE_WRITE_LANES``) too, outputs
+  again byte-identical;
 - ``restore``: ``restore_checkpoint`` of the last one;
 
 then checks that the restored expert tensors equal the source's byte for byte. Every run reads
@@ -130,10 +132,12 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps({"seconds": seconds, "vm_hwm": _status("VmHWM"), "anon_peak": anon, "anon_base": base}))
 
 
-def run_child(kind: str, src: Path, dst: Path, a: argparse.Namespace, device: str) -> dict:
+def run_child(kind: str, src: Path, dst: Path, a: argparse.Namespace, device: str, lanes: str = "") -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--src", str(src), "--dst", str(dst)]
     cmd += ["--backend", a.backend, "--device", device, "--shard-size", str(a.shard_size)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if lanes:
+        env["FIMOE_WRITE_LANES"] = lanes
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -182,6 +186,8 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--backend", default="trtllm")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--lanes", default="", help="writer threads to compare, e.g. 1,2 (default: the library's choice)")
+    ap.add_argument("--repeat", type=int, default=1, help="convert runs per device and lane count (alternated)")
     ap.add_argument("--shard-size", type=int, default=5 * 10**9)
     ap.add_argument("--json", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
@@ -218,13 +224,20 @@ def main() -> int:
         cp_only = timed_cp(src, work / "cp", fsync=False)
         shutil.rmtree(work / "cp")
         shutil.rmtree(work / "cp-sync")
-        devices = a.device.split(",")
-        converts = {}
-        for dev in devices:
-            converts[dev] = run_child("convert", src, work / f"kernel-{dev}", a, dev)
-        last = work / f"kernel-{devices[-1]}"
+        runs = [(d, n) for d in a.device.split(",") for n in (a.lanes.split(",") if a.lanes else [""])]
+        converts, outs = {}, []
+        for i in range(a.repeat):
+            for dev, n in runs:
+                key = dev + (f" lanes={n}" if n else "") + (f" #{i + 1}" if a.repeat > 1 else "")
+                outs.append(work / f"kernel-{dev}-{n or 'default'}-{i}")
+                converts[key] = run_child("convert", src, outs[-1], a, dev, n)
+                if len(outs) > 1:  # compare, then keep one output at a time on the disk
+                    same = _same_files(outs[-2], outs[-1])
+                    results["kernel_outputs_identical"] = results.get("kernel_outputs_identical", True) and same
+                    shutil.rmtree(outs[-2])
+        last = outs[-1]
         rest = run_child("restore", last, work / "restored", a, "cpu")
-        same_kernels = all(_same_files(work / f"kernel-{d}", last) for d in devices)
+        same_kernels = results.get("kernel_outputs_identical", True)
         ok = same_experts(src, work / "restored") and same_kernels
         results.update(
             cp_s=cp_sync,

@@ -95,6 +95,10 @@ class EngineProfile:
             TRT-LLM kernel in the checkpoint layout (``use_shuffled_weight=False``, MajorK, no
             W31 swap): SGLang 0.5.23's DeepSeek FP8 (its runner sets ``use_shuffled_weight`` only
             for MXFP8).
+        sm90_mixed_layout: the SM90 mixed-input (MXFP4 weights, BF16 activations) weight interleave of the
+            FlashInfer it runs (``steps.SM90_MIXED_LAYOUTS``): ``"0.6.16"`` (bits permuted inside 32-bit
+            words, FlashInfer >= 0.6.16, PR #3738) or ``"0.6.10"`` (nibbles swapped inside byte pairs,
+            0.6.10 to 0.6.15.post1; its scales ``[K/128, rows * 4]``, not folded in 64-row blocks).
         transforms: the optional 0.7.x transforms the engine has (names of drop-ins).
         choice: listed as an ``--engine`` choice (the legacy profile is not).
         note: one line for tables and ``--help``.
@@ -112,6 +116,7 @@ class EngineProfile:
     permute_cache_key_parts: int = 5
     gate_up_kept: tuple[str, ...] = ()
     trtllm_plain: tuple[str, ...] = ()
+    sm90_mixed_layout: str = "0.6.16"
     transforms: tuple[str, ...] = ()
     choice: bool = True
     note: str = ""
@@ -121,7 +126,10 @@ class EngineProfile:
         return self.alignments.get(f"{fmt}/{backend}", Alignment())
 
 
-_TRANSFORMS_07 = ("pad_trtllm_moe_weights", "align_fp4_moe_hidden_dim_for_fi")
+_SM90_MIXED = ("interleave_moe_weights_for_sm90_mixed_gemm", "interleave_moe_scales_for_sm90_mixed_gemm")
+"""FlashInfer's SM90 MXFP4 x BF16 CUTLASS MoE preparation (vLLM 0.34 ``FLASHINFER_CUTLASS_MXFP4_BF16``, SGLang
+0.5.23 ``cutlass_sm90``): W31 swap, then the weight interleave of both weights and the scale folding."""
+_TRANSFORMS_07 = ("pad_trtllm_moe_weights", "align_fp4_moe_hidden_dim_for_fi") + _SM90_MIXED
 _MXFP8_CUTLASS_07 = Alignment(intermediate=128, hidden=128)
 """FlashInfer 0.7.x's CUTLASS MXFP8 MoE: H and I multiples of 128 (``prepare_cutlass_mxfp8_weights``)."""
 
@@ -141,7 +149,7 @@ ENGINES: dict[str, EngineProfile] = {
                 "mxfp4/cutlass": Alignment(intermediate=128, hidden=128),
                 "mxfp8/cutlass": _MXFP8_CUTLASS_07,
             },
-            transforms=("align_fp4_moe_hidden_dim_for_fi",),
+            transforms=("align_fp4_moe_hidden_dim_for_fi",) + _SM90_MIXED,
             note="vLLM 0.34.0 (FlashInfer 0.7.3): BF16 TRT-LLM I 128, NVFP4 TRT-LLM H 256 (512 per-token non-gated), "
             "NVFP4 CUTLASS non-gated I 128, MXFP4 TRT-LLM I 128 H 256, MXFP4 CUTLASS I/H 128",
         ),
@@ -162,6 +170,7 @@ ENGINES: dict[str, EngineProfile] = {
             scale_fill={"mxfp8/trtllm": 0},
             gate_up_kept=("bf16/trtllm", "fp8/trtllm", "mxfp8/trtllm"),
             trtllm_plain=("fp8-block/trtllm",),
+            transforms=_SM90_MIXED,
             note="SGLang 0.5.23 (FlashInfer 0.7.2): I 128 at weight creation (MXFP4 TRT-LLM H 256), MXFP8 TRT-LLM H "
             "unpadded and pad scales 0, BF16/FP8/MXFP8 TRT-LLM W13 kept [gate; up], DeepSeek FP8 TRT-LLM unshuffled",
         ),
@@ -185,6 +194,8 @@ ENGINES: dict[str, EngineProfile] = {
             cutlass_mxfp8_scales="linear",
             nvfp4_quantizer="0.6.13",
             permute_cache_key_parts=2,
+            sm90_mixed_layout="0.6.10",
+            transforms=_SM90_MIXED,
             note="FlashInfer 0.6.13 and the vLLM of its era (the seed, the goldens)",
         ),
         EngineProfile(
@@ -196,6 +207,7 @@ ENGINES: dict[str, EngineProfile] = {
             cutlass_mxfp8_scales="linear",
             nvfp4_quantizer="0.6.13",
             permute_cache_key_parts=2,
+            sm90_mixed_layout="0.6.10",
             choice=False,
             note="files converted before engine profiles: flashinfer-0.6.13 with linear CUTLASS FP4 scales",
         ),

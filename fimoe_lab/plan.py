@@ -5,17 +5,24 @@
 produces, applies to real tensors (any dtype, CPU or CUDA, scales 3-D or flattened
 ``(E, rows*cols)``), and inverts: ``plan.inverse().apply(*plan.apply(...))`` returns the
 checkpoint layout byte for byte (padding dropped).
+
+Index maps move whole bytes. A tensor may also carry a **word bit step** (``word_bits``: a
+``(32,) -> (32,)`` map on the bit view of one little-endian 32-bit word, e.g.
+:func:`fimoe_lab.steps.sm90_mixed_word_bits`), run on every aligned word of the tensor by
+:func:`fimoe_lab.steps.apply_word_bits` *after* its byte map; the inverse plan undoes the bits
+*first* (``word_bits_first``), then the byte map.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
 
 import torch
 
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap
+from fimoe_lab.steps import apply_word_bits
 
 __all__ = ["BIAS_ROWS", "LayerPlan", "apply_map", "check_same_device"]
 
@@ -56,6 +63,10 @@ class LayerPlan:
 
     ``intermediate``/``hidden`` are the checkpoint sizes, ``padded_*`` what the kernel
     sees. ``description`` names the backend path (e.g. "MXFP8 TRT-LLM").
+
+    ``word_bits``: per tensor name, a word bit step (module docstring) applied to every aligned
+    32-bit word of that tensor after its byte map, or before the byte map when
+    ``word_bits_first`` (what :meth:`inverse` gives): ``out = bits(map(x))``, ``x = map^-1(bits^-1(out))``.
     """
 
     w13: Optional[IndexMap]
@@ -67,10 +78,39 @@ class LayerPlan:
     padded_intermediate: int
     padded_hidden: int
     description: str = ""
+    word_bits: dict[str, IndexMap] = field(default_factory=dict, hash=False)
+    word_bits_first: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.word_bits) - set(TENSOR_NAMES))
+        if unknown:
+            raise LayoutError(f"word bit steps for {unknown}, not tensors of a layer plan", fix=f"use {TENSOR_NAMES}")
 
     def maps(self) -> dict[str, IndexMap]:
-        """The non-trivial maps by tensor name."""
+        """The non-trivial byte maps by tensor name (word bit steps: :attr:`word_bits`)."""
         return {n: getattr(self, n) for n in TENSOR_NAMES if getattr(self, n) is not None}
+
+    def moved(self) -> tuple[str, ...]:
+        """The tensors whose bytes or bits move (a byte map, a word bit step or both), in tensor order."""
+        return tuple(n for n in TENSOR_NAMES if getattr(self, n) is not None or n in self.word_bits)
+
+    def tensor_steps(self, name: str) -> list[dict[str, Any]]:
+        """The primitive steps of tensor ``name`` in the order they run (``[{"kind", "params"}, ...]``,
+        what a converted file records; [] when it stays as it is)."""
+        m, bits = getattr(self, name), self.word_bits.get(name)
+        parts = [m.spec() if m is not None else [], bits.spec() if bits is not None else []]
+        return [s for part in (parts[::-1] if self.word_bits_first else parts) for s in part]
+
+    def apply_tensor(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Tensor ``name`` through its byte map and word bit step in plan order (``x`` itself when none)."""
+        m, bits = getattr(self, name), self.word_bits.get(name)
+        if bits is not None and self.word_bits_first:
+            x = _word_bits(bits, x)
+        if m is not None:
+            x = apply_map(m, x, name)
+        if bits is not None and not self.word_bits_first:
+            x = _word_bits(bits, x)
+        return x
 
     def check(self, **tensors: Optional[torch.Tensor]) -> None:
         """Validate every given tensor against its map before any byte moves."""
@@ -80,7 +120,17 @@ class LayerPlan:
             if x is None:
                 raise LayoutError(f"{self.description}: {name} is required (its map is {m.name})")
             m.check_experts(x, f"{self.description} (intermediate={self.intermediate}, hidden={self.hidden}): {name}")
-        experts = {n: t.shape[0] for n, t in tensors.items() if t is not None and t.ndim >= 1 and n in self.maps()}
+        for name, bits in self.word_bits.items():
+            x = tensors.get(name)
+            if x is None:
+                raise LayoutError(f"{self.description}: {name} is required (its word bit step is {bits.name})")
+            if (x[:1].numel() * x.element_size()) % 4:
+                raise LayoutError(
+                    f"{self.description}: {name} {tuple(x.shape)} {x.dtype} does not hold whole 32-bit words per expert "
+                    f"(its word bit step {bits.name} permutes the bits of every word)",
+                    fix="pass the packed weights as the plan's shapes give them",
+                )
+        experts = {n: t.shape[0] for n, t in tensors.items() if t is not None and t.ndim >= 1 and n in self.moved()}
         if len(set(experts.values())) > 1:
             raise LayoutError(f"{self.description}: expert counts differ: {experts}")
 
@@ -94,8 +144,7 @@ class LayerPlan:
         """Return ``(w13, w2, w13_scale, w2_scale)`` in the kernel layout (new tensors)."""
         given = dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
         self.check(**given)
-        maps = self.maps()
-        return tuple(apply_map(maps[n], x, n) if n in maps and x is not None else x for n, x in given.items())
+        return tuple(self.apply_tensor(n, x) if x is not None else x for n, x in given.items())
 
     def bias_map(self, name: str, itemsize: int) -> Optional[IndexMap]:
         """The map of a per-row bias: ``w13_bias (E, P*I)`` follows w13's rows, ``w2_bias (E, H)`` w2's.
@@ -114,9 +163,17 @@ class LayerPlan:
         return replace(
             self,
             **inv,
+            word_bits={n: bits.inverse() for n, bits in self.word_bits.items()},
+            word_bits_first=not self.word_bits_first,
             intermediate=self.padded_intermediate,
             hidden=self.padded_hidden,
             padded_intermediate=self.intermediate,
             padded_hidden=self.hidden,
             description=f"inverse of {self.description}",
         )
+
+
+def _word_bits(bits: IndexMap, x: torch.Tensor) -> torch.Tensor:
+    """``bits`` on every aligned 32-bit word of ``x`` (any dtype, read as its bytes; same dtype and shape)."""
+    raw = x.contiguous()
+    return apply_word_bits(bits, raw.view(torch.uint8)).view(raw.dtype)

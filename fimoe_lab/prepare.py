@@ -47,6 +47,7 @@ __all__ = [
     "interleave_cute_dsl_moe_weights",
     "deinterleave_gated_rows",
     "interleave_moe_scales_for_sm90_mixed_gemm",
+    "interleave_moe_weights_for_sm90_mixed_gemm",
     "TrtllmMoePaddedWeights",
     "align_moe_weights_for_fi",
     "align_mxfp8_moe_weights_for_fi_trtllm",
@@ -408,6 +409,33 @@ def interleave_moe_scales_for_sm90_mixed_gemm(scales: torch.Tensor, group_size: 
     m = steps.fold_scales_sm90_mixed(scales.shape[1], scales.shape[2], scales.element_size(), group_size)
     out = apply_map(m, scales.contiguous(), "scales")
     return out.view(torch.uint8).view(scales.dtype).reshape((scales.shape[0],) + m.out_shape[:-1] + (-1,))
+
+
+@_boundary
+def interleave_moe_weights_for_sm90_mixed_gemm(weight: torch.Tensor, quant_type: str = "fp4") -> torch.Tensor:
+    """FlashInfer's 4-bit weight interleave for the SM90 mixed-input MoE GEMM (drop-in, same signature).
+
+    ``weight (E, N, K/2)`` uint8 (two 4-bit values per byte) -> a new uint8 tensor of the same shape,
+    by :func:`fimoe_lab.steps.sm90_mixed_weight_map` (layout 0.6.16, FlashInfer >= 0.6.16 and every
+    0.7.x): byte moves inside 16-row x 64-value blocks, then (``"fp4"``, ``"fp4_fp8"``) a fixed bit
+    permutation of every 32-bit word (the step docstrings have the equations). ``quant_type``:
+    ``"fp4"`` MXFP4 x BF16 (what vLLM 0.34 and SGLang 0.5.23 call), ``"fp4_fp8"`` MXFP4 x FP8,
+    ``"int4"`` INT4 x FP8. Needs ``N % 16 == 0`` and ``K % 64 == 0``. CPU and CUDA (FlashInfer's
+    runs on CUDA only); the input is not modified.
+    """
+    if weight.ndim != 3:
+        raise LayoutError(f"weight must be 3-D (num_experts, n, k/2), got shape {tuple(weight.shape)}")
+    if weight.dtype != torch.uint8:
+        raise LayoutError(
+            f"weight must be uint8 (packed 4-bit), got {weight.dtype}", fix="pass the packed weights viewed as uint8"
+        )
+    if quant_type not in steps.SM90_MIXED_QUANT_TYPES:
+        raise LayoutError(
+            f"quant_type must be one of {list(steps.SM90_MIXED_QUANT_TYPES)}, got {quant_type!r}",
+            fix="'fp4' for MXFP4 weights with BF16 activations",
+        )
+    m = steps.sm90_mixed_weight_map(weight.shape[1], weight.shape[2], quant_type)
+    return m.apply(weight.contiguous())
 
 
 @cached

@@ -110,8 +110,10 @@ PRESETS: dict[str, ModelPreset] = {
             8,
             "swiglu",
             checkpoint_formats=("fp8-block",),
-            serving_formats=("fp8-block", "nvfp4"),
-            notes="Kimi-K2-Thinking ships INT4 (MxInt4) experts, not covered here.",
+            serving_formats=("fp8-block", "nvfp4", "mxint4"),
+            notes="Kimi-K2-Thinking has the same MoE shapes with INT4 experts (compressed-tensors int4, a BF16 "
+            "scale per 32): convert lays them out as mxint4 (TRT-LLM only, no padding: per-rank I and H "
+            "multiples of 256, so TP 1..8); tune/tactics --format mxint4.",
             source="ParagEkbote/hf-model-inspector model_inspection_report.md; HF moonshotai/Kimi-K2-Instruct config.json",
         ),
         # Source: zyzshishui/slime scripts/models/qwen3-30B-A3B.sh (hidden 2048,

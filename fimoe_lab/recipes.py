@@ -60,7 +60,12 @@ __all__ = [
     "plan_fp4_trtllm_weights",
     "plan_trtllm_bf16_block_layout",
     "plan_trtllm_mxint4",
+    "plan_mxint4",
     "MXINT4_SCALE_BLOCK",
+    "SM90_MIXED_ALIGNMENT",
+    "ACTIVATION_DTYPES",
+    "activation_layout",
+    "plan_cutlass_mxfp4_bf16",
     "chain",
 ]
 
@@ -458,6 +463,42 @@ def plan_trtllm_mxint4(intermediate: int, hidden: int, is_gated: bool = True, sw
     )
 
 
+def plan_mxint4(
+    backend: str,
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool = True,
+    is_gated: bool = True,
+    intermediate_alignment: Optional[int] = None,
+    hidden_alignment: Optional[int] = None,
+    engine: Optional[str] = None,
+    per_token_activation: bool = False,
+) -> LayerPlan:
+    """``plan_layer`` for MxInt4: :func:`plan_trtllm_mxint4` of a ``[gate; up]`` checkpoint, which is what
+    vLLM 0.34's ``prepare_static_weights_for_trtllm_mxint4_moe`` hands the kernel (every profile: the
+    0.7.x helper is the same).
+
+    Constraints: backend ``trtllm`` (no CUTLASS MxInt4 MoE), SwiGLU (gated, act-and-mul; the
+    TRTLLM-Gen MxInt4 runner takes only Swiglu), no per-token activations (BF16 activations), and no
+    padding: vLLM pads nothing, so ``I`` and ``H`` must already be multiples of 256 and alignments
+    given must not pad them. Shapes: W13 ``[2I, H/2] -> [H/256, 2I, 128]`` bytes, scales
+    ``[2I, H/32]`` bf16 -> 128x4-swizzled, the same for W2 ``[H, I/2]`` and ``[H, I/32]``.
+    """
+    get_engine(engine)  # an unknown profile is refused here as everywhere
+    need = [
+        (backend == "trtllm", f"MxInt4 has no {backend} layout", "use --backend trtllm"),
+        (is_act_and_mul and is_gated, "MxInt4 TRT-LLM takes SwiGLU (gated) layers only", "a gated activation"),
+        (not per_token_activation, "MxInt4 has BF16 activations, not per-token NVFP4", "drop per_token_activation"),
+    ]
+    for size, a, what in ((intermediate, intermediate_alignment, "intermediate"), (hidden, hidden_alignment, "hidden")):
+        padded = steps.round_up(size, a or 1)
+        need.append((padded == size, f"MxInt4: {what} {size} padded to {padded}: vLLM pads nothing", "no alignment"))
+    for ok, message, fix in need:
+        if not ok:
+            raise LayoutError(message, fix=fix)
+    return plan_trtllm_mxint4(intermediate, hidden, True)
+
+
 # ----------------------------------------------------------------------------- FP8 layers
 def _swap(rows: int, cols_bytes: int, is_act_and_mul: bool) -> Optional[IndexMap]:
     return steps.swap_w13_to_w31_rows(rows, cols_bytes) if is_act_and_mul else None
@@ -628,8 +669,33 @@ RECIPES: dict[str, Recipe] = {
         Recipe("nvfp4", "cutlass", "pad, W31 swap (weights and scales)"),
         Recipe("mxfp4", "trtllm", "pad, W31 swap, gated interleave, shuffle 128, scales 128x4"),
         Recipe("mxfp4", "cutlass", "pad, W31 swap (weights and scales)"),
+        Recipe("mxint4", "trtllm", "W31 swap, gated interleave, shuffle 128, BlockMajorK 128 B, bf16 scales 128x4"),
     )
 }
+
+
+ACTIVATION_DTYPES: dict[str, tuple[str, ...]] = {"mxfp4/cutlass": ("mxfp8", "bf16")}
+"""Recipes with a kernel layout per activation dtype, the default first. MXFP4 on CUTLASS: ``mxfp8`` is
+the MXFP4 x MXFP8 layout (W31 swap, 128x4 scales; FlashInfer's SM100 kernel), ``bf16`` the Hopper (SM90)
+mixed-input GEMM's (vLLM 0.34 ``FLASHINFER_CUTLASS_MXFP4_BF16``, SGLang 0.5.23 ``cutlass_sm90``:
+:func:`plan_cutlass_mxfp4_bf16`). Every other recipe has one layout."""
+
+
+def activation_layout(fmt: str, backend: str, activation_dtype: Optional[str]) -> Optional[str]:
+    """``activation_dtype`` when it selects a layout other than the recipe's default, else None.
+
+    Raises :class:`LayoutError` for a dtype the recipe ``fmt/backend`` has no layout for
+    (:data:`ACTIVATION_DTYPES`)."""
+    if activation_dtype is None:
+        return None
+    choices = ACTIVATION_DTYPES.get(recipe_id(fmt, backend), ())
+    if activation_dtype not in choices:
+        pairs = ", ".join(f"{r} ({'/'.join(c)})" for r, c in ACTIVATION_DTYPES.items())
+        raise LayoutError(
+            f"{fmt} on {backend} has no layout chosen by activation dtype {activation_dtype!r}",
+            fix=f"activation_dtype applies to {pairs} only; leave it None otherwise",
+        )
+    return None if activation_dtype == choices[0] else activation_dtype
 
 
 @cached
@@ -644,6 +710,7 @@ def plan_layer(
     hidden_alignment: Optional[int] = None,
     engine: Optional[str] = None,
     per_token_activation: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> LayerPlan:
     """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
 
@@ -653,7 +720,26 @@ def plan_layer(
     the CUTLASS FP4 scale layout; pass other alignments to try what the tuner recommends.
     ``per_token_activation``: NVFP4 activations quantised per token (the profile's
     per-token hidden alignment applies, e.g. vLLM's 512 for a non-gated layer on TRT-LLM).
+    ``activation_dtype``: the activations the kernel takes, where a recipe has a layout for more than
+    one (:data:`ACTIVATION_DTYPES`; None: the recipe's default): ``"bf16"`` for MXFP4 on CUTLASS is the
+    Hopper (SM90) mixed-input layout, :func:`plan_cutlass_mxfp4_bf16` (alignments default to 128).
     """
+    if activation_layout(fmt, backend, activation_dtype) == "bf16":
+        return _plan_sm90_mixed(
+            intermediate, hidden, is_act_and_mul, is_gated, intermediate_alignment, hidden_alignment, engine
+        )
+    if fmt == "mxint4":  # its own rule (no padding, TRT-LLM only): plan_mxint4
+        return plan_mxint4(
+            backend,
+            intermediate,
+            hidden,
+            is_act_and_mul,
+            is_gated,
+            intermediate_alignment,
+            hidden_alignment,
+            engine,
+            per_token_activation,
+        )
     args = (intermediate_alignment, hidden_alignment, engine, per_token_activation)
     # the sizes (and the refusals) are shapes.padded_shape's, the one rule the tuner also reads
     want = padded_shape(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args)
@@ -661,6 +747,28 @@ def plan_layer(
     if (plan.padded_intermediate, plan.padded_hidden) != want:
         raise LayoutError(
             f"internal: the {fmt}/{backend} plan pads ({intermediate}, {hidden}) to "
+            f"({plan.padded_intermediate}, {plan.padded_hidden}), shapes.padded_shape says {want}"
+        )
+    return plan
+
+
+def _plan_sm90_mixed(
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    intermediate_alignment: Optional[int],
+    hidden_alignment: Optional[int],
+    engine: Optional[str],
+) -> LayerPlan:
+    """:func:`plan_cutlass_mxfp4_bf16` with ``plan_layer``'s arguments, its sizes checked against
+    ``shapes.padded_shape`` (the one padding rule) with the same alignments (default 128)."""
+    ia, ha = intermediate_alignment or SM90_MIXED_ALIGNMENT, hidden_alignment or SM90_MIXED_ALIGNMENT
+    want = padded_shape("mxfp4", "cutlass", intermediate, hidden, is_act_and_mul, is_gated, ia, ha, engine)
+    plan = plan_cutlass_mxfp4_bf16(intermediate, hidden, is_act_and_mul, engine, ia, ha)
+    if (plan.padded_intermediate, plan.padded_hidden) != want:
+        raise LayoutError(
+            f"internal: the SM90 MXFP4 x BF16 plan pads ({intermediate}, {hidden}) to "
             f"({plan.padded_intermediate}, {plan.padded_hidden}), shapes.padded_shape says {want}"
         )
     return plan
@@ -857,3 +965,56 @@ def _plan_fp8_family(
         inner.padded_hidden,
         inner.description,
     )
+
+
+# ----------------------------------------------------------------------------- SM90 MXFP4 x BF16
+SM90_MIXED_ALIGNMENT = 128
+"""I and H multiple of the SM90 MXFP4 x BF16 CUTLASS MoE: vLLM 0.34 (``FLASHINFER_CUTLASS_MXFP4_BF16``) and SGLang
+0.5.23 (``cutlass_sm90``) both pad to 128 (the scale folding needs rows % 64 and K % 128)."""
+
+
+@cached
+def plan_cutlass_mxfp4_bf16(
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool = True,
+    engine: Optional[str] = None,
+    intermediate_alignment: int = SM90_MIXED_ALIGNMENT,
+    hidden_alignment: int = SM90_MIXED_ALIGNMENT,
+) -> LayerPlan:
+    """MXFP4 weights with BF16 activations on the Hopper (SM90) CUTLASS MoE, as the engines prepare them.
+
+    vLLM 0.34 (``oracle/mxfp4.py``, ``FLASHINFER_CUTLASS_MXFP4_BF16``) and SGLang 0.5.23
+    (``_process_weights_for_sm90_cutlass``): pad ``I``/``H`` to their alignments (weights and scales 0,
+    each projection on its own), W31 swap of W13 and its scales, then on both weights FlashInfer's
+    ``interleave_moe_weights_for_sm90_mixed_gemm(w, "fp4")`` (:func:`steps.sm90_mixed_weight_map`,
+    layout ``profile.sm90_mixed_layout``) and on both scales ``interleave_moe_scales_for_sm90_mixed_gemm``
+    (0.6.16 layout: :func:`steps.fold_scales_sm90_mixed` ``[R, K/32] -> [R/64, K/128, 16, 16]``; 0.6.10
+    layout: :func:`steps.block_major_k` with 4-byte blocks, ``[R, K/32] -> [K/128, R, 4]``). Shapes:
+    W13 ``[P*I, H/2]``, W2 ``[H, I/2]`` bytes, scales ``[P*I, H/32]``, ``[H, I/32]``.
+
+    A :class:`LayerPlan` whose weights end in the byte step :func:`steps.interleave_sm90_mixed_weights`
+    and carry the word bit step :func:`steps.sm90_mixed_word_bits` (``word_bits``, run after the byte
+    maps, undone first by the inverse); a per-row bias follows the pad and W31 swap only, as in vLLM.
+    """
+    profile = get_engine(engine)
+    p, block = projections(is_act_and_mul), FORMATS["mxfp4"].scale_block
+    pad = plan_align_fp4(intermediate, hidden, is_act_and_mul, intermediate_alignment, hidden_alignment, block, 0)
+    ip, hp = pad.padded_intermediate, pad.padded_hidden
+    layout = profile.sm90_mixed_layout
+
+    def weights(rows: int, cols_bytes: int) -> IndexMap:
+        return steps.interleave_sm90_mixed_weights(rows, cols_bytes, "fp4")
+
+    def scales(rows: int, cols: int) -> IndexMap:
+        if layout == "0.6.10":
+            return steps.block_major_k(rows, cols, 128 // block)
+        return steps.fold_scales_sm90_mixed(rows, cols, 1, block)
+
+    w13 = present(chain(pad.w13, _swap(p * ip, hp // 2, is_act_and_mul), weights(p * ip, hp // 2)))
+    w2 = present(chain(pad.w2, weights(hp, ip // 2)))
+    s13 = chain(pad.w13_scale, _swap(p * ip, hp // block, is_act_and_mul), scales(p * ip, hp // block))
+    s2 = chain(pad.w2_scale, scales(hp, ip // block))
+    desc = f"MXFP4 x BF16 SM90 CUTLASS ({profile.name}, FlashInfer {layout} interleave)"
+    bits = steps.sm90_mixed_word_bits("fp4", layout)
+    return LayerPlan(w13, w2, s13, s2, intermediate, hidden, ip, hp, desc, word_bits={"w13": bits, "w2": bits})

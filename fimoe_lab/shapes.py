@@ -14,8 +14,9 @@ seconds, before torch could even load) and ``convert`` cannot disagree:
   only, every size condition the plan's steps check (whole scale blocks, ``round_up``
   padding, the default alignments, the epilogue-shuffle row blocks of 32 (16 for DeepSeek
   FP8), 128-byte BlockMajorK columns, 128-row scale shuffles, even W13 rows for the W31
-  swap); ``tests/test_tune_shapes.py`` checks it against ``plan_layer`` on random and
-  structured shapes of every format, backend and activation kind.
+  swap; MxInt4's own rule: TRT-LLM SwiGLU only, no padding, multiples of 256);
+  ``tests/test_tune_shapes.py`` checks it against ``plan_layer`` on random and structured
+  shapes of every format (MxInt4 included), backend and activation kind.
 
 :func:`default_alignments` is the one default padding every command uses
 (``recipes.default_alignments`` re-exports it).
@@ -86,7 +87,12 @@ def default_alignments(
                   shuffle)
     mxfp4         256, 256 (what vLLM        32, 32
                   allocates)
+    mxint4        1, 1 (no padding, every    refused (no CUTLASS
+                  profile: vLLM pads none)   MxInt4 MoE)
     ============  =========================  ==================
+
+    A backend that is not in the format's ``backends`` (:data:`fimoe_lab.specs.FORMATS`) is
+    refused with a :class:`~fimoe_lab.errors.LayoutError`.
 
     ``per_token_activation``: NVFP4 activations quantised per token, where a profile's
     ``per_token_non_gated_hidden`` applies to a layer without fused gate/up (vLLM's
@@ -95,6 +101,11 @@ def default_alignments(
     """
     fmt = get_format(fmt).plan_format
     check_backend(backend)
+    _need(
+        backend in FORMATS[fmt].backends,
+        f"{fmt} has no {backend} layout (backends: {', '.join(FORMATS[fmt].backends)})",
+        fix=f"use --backend {' or '.join(FORMATS[fmt].backends)}",
+    )
     trt = backend == "trtllm"
     p = projections(is_act_and_mul)
     table = {
@@ -104,6 +115,7 @@ def default_alignments(
         "mxfp8": (128, 256) if trt else (1, 1),
         "nvfp4": (128 // p, 1) if trt else (16, 1),
         "mxfp4": (256, 256) if trt else (32, 32),
+        "mxint4": (1, 1),
     }
     ia, ha = table[fmt]
     rule = get_engine(engine).alignment(fmt, backend)
@@ -216,6 +228,51 @@ def _pad_blocks(intermediate: int, hidden: int, ia: int, ha: int, block: int, va
     return i, h
 
 
+def _mxint4_shape(
+    backend: str,
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    intermediate_alignment: Optional[int],
+    hidden_alignment: Optional[int],
+    per_token_activation: bool,
+) -> tuple[int, int]:
+    """MxInt4 (``recipes.plan_mxint4``, then ``recipes.plan_trtllm_mxint4``): no padding, ``(I', H') = (I, H)``.
+
+    Constraints, in the plan's order: backend ``trtllm``; gated act-and-mul (the plan checks gatedness
+    only, so GeGLU passes, although the TRTLLM-Gen MxInt4 runner always runs SwiGLU); no per-token
+    activations (BF16 activations); an alignment given must not pad (``round_up(I, a_I) == I``,
+    ``round_up(H, a_H) == H``: vLLM pads nothing); ``I`` and ``H`` positive multiples of 256.
+    """
+    _need(backend == "trtllm", f"MxInt4 has no {backend} layout", fix="use --backend trtllm")
+    _need(is_act_and_mul and is_gated, "MxInt4 TRT-LLM takes SwiGLU (gated) layers only", fix="a gated activation")
+    _need(
+        not per_token_activation,
+        "MxInt4 has BF16 activations, not per-token NVFP4",
+        fix="drop per_token_activation",
+    )
+    for size, a, what in ((intermediate, intermediate_alignment, "intermediate"), (hidden, hidden_alignment, "hidden")):
+        padded = round_up(size, a or 1)
+        _need(padded == size, f"MxInt4: {what} {size} padded to {padded}: vLLM pads nothing", fix="no alignment")
+    for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):
+        _need(
+            size >= 1 and size % _MXINT4_MULTIPLE == 0,
+            f"MxInt4: {what} {size} is not a multiple of {_MXINT4_MULTIPLE} (TRT-LLM MxInt4)",
+            fix=f"pad it to a multiple of {_MXINT4_MULTIPLE}",
+        )
+    return intermediate, hidden
+
+
+_MXINT4_MULTIPLE = 256
+"""MxInt4 TRT-LLM: ``I`` and ``H`` multiples of 256: a 128-byte BlockMajorK block holds 256 packed int4
+values along K (W13's K is ``H``, W2's is ``I``)."""
+
+_OWN_RULES = {"mxint4": _mxint4_shape}
+"""Formats ``plan_layer`` lays out by their own rule, not from checkpoint weights of that name
+(``specs.FormatSpec.weights`` False): MxInt4, laid out from int4-group checkpoints."""
+
+
 def padded_shape(
     fmt: str,
     backend: str,
@@ -238,13 +295,19 @@ def padded_shape(
     blocks (and bytes); TRT-LLM ``P*I'`` and ``H'`` multiples of 32 (DeepSeek FP8: 16), BF16
     and DeepSeek FP8 K bytes multiples of 128, FP4 ``P*I'`` and ``H'`` and MXFP8 ``P*I'``,
     ``I'``, ``H'`` multiples of 128 (scale shuffle, 128x4 swizzle); DeepSeek FP8 gated
-    ``I % 128 == 0``.
+    ``I % 128 == 0``. MxInt4 (its own rule, :func:`_mxint4_shape`): TRT-LLM, gated, no per-token, no
+    padding, ``I`` and ``H`` multiples of 256.
     """
-    if fmt not in weight_formats():
-        raise LayoutError(f"unknown format {fmt!r}", fix=f"choose one of {', '.join(weight_formats())}")
+    known = (*weight_formats(), *_OWN_RULES)
+    if fmt not in known:
+        raise LayoutError(f"unknown format {fmt!r}", fix=f"choose one of {', '.join(known)}")
     if backend not in BACKENDS:
         raise LayoutError(f"unknown backend {backend!r}", fix=f"choose one of {', '.join(BACKENDS)}")
     profile = get_engine(engine)
+    if fmt in _OWN_RULES:
+        own = _OWN_RULES[fmt]
+        ia, ha = intermediate_alignment, hidden_alignment
+        return own(backend, intermediate, hidden, is_act_and_mul, is_gated, ia, ha, per_token_activation)
     spec = FORMATS[fmt]
     if spec.vector_scaled:
         for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):

@@ -145,6 +145,12 @@ class FormatSpec:
         """``dequantize(q, dtype=torch.float32) -> Tensor`` (imports torch)."""
         return self._codec().dequantize  # type: ignore[no-any-return]
 
+    @property
+    def max_abs_per_byte(self) -> Callable[..., Any]:
+        """Packed formats: ``max_abs_per_byte(q) -> Tensor``, per byte the larger ``|value|`` of its two
+        (``dequantize(q).abs()`` max-reduced over pairs, without unpacking; imports torch)."""
+        return self._codec().max_abs_per_byte  # type: ignore[no-any-return]
+
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1, "int32": 4}
 
@@ -232,6 +238,20 @@ FORMATS: dict[str, FormatSpec] = {
             weights=False,
             tactic_intermediate_multiple=0,
             tactics=TacticEnums("MxE4m3", "MxE2m1", "NoneFp8", "major-k"),
+        ),
+        FormatSpec(
+            "mxint4",
+            "MxInt4: signed int4 pairs (two's complement) with a BF16 scale per 32 values, BF16 activations "
+            "(TRT-LLM only; checkpoints store it as int4-group, q + 8)",
+            "uint8",
+            values_per_byte=2,
+            scale_dtype="bfloat16",
+            scale_block=32,
+            vector_scaled=True,
+            bits_per_weight=4.0 + 16 / 32,
+            backends=("trtllm",),
+            weights=False,  # laid out from int4-group checkpoints only (shapes.padded_shape has its own rule)
+            tactics=TacticEnums("Bfloat16", "MxInt4", "NoneFp8", "block-major-k"),
         ),
         replace(
             _NVFP4,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,15 @@ __all__ = [
     "swizzle_scales_128x4",
     "swizzle_scales_8x4",
     "fold_scales_sm90_mixed",
+    "SM90_MIXED_QUANT_TYPES",
+    "SM90_MIXED_LAYOUTS",
+    "interleave_sm90_mixed_weights",
+    "sm90_mixed_word_bits",
+    "sm90_mixed_weight_map",
+    "word_bit_shifts",
+    "word_bit_table",
+    "apply_word_bits",
+    "WordBitMap",
     "STEPS",
     "build",
 ]
@@ -319,6 +329,234 @@ def fold_scales_sm90_mixed(rows: int, cols: int, itemsize: int = 1, group_size: 
     )
 
 
+# ----------------------------------------------------------------- SM90 mixed-input weights
+SM90_MIXED_QUANT_TYPES = ("fp4", "fp4_fp8", "int4")
+"""``quant_type`` of FlashInfer's ``interleave_moe_weights_for_sm90_mixed_gemm`` (its CUDA binding's 1, 2, 0)."""
+
+SM90_MIXED_LAYOUTS = ("0.6.16", "0.6.10")
+"""The FlashInfer release that introduced each SM90 mixed-input weight layout: ``"0.6.16"`` (PR #3738; every
+0.6.16+ and 0.7.x release) and ``"0.6.10"`` (PR #3084; 0.6.10 to 0.6.15.post1, so FlashInfer 0.6.13)."""
+
+
+def _check_sm90_mixed(rows: int, cols_bytes: int, quant_type: str, layout: str) -> None:
+    if quant_type not in SM90_MIXED_QUANT_TYPES:
+        raise LayoutError(f"unknown SM90 mixed-GEMM quant_type {quant_type!r}", fix="use 'fp4', 'fp4_fp8' or 'int4'")
+    if layout not in SM90_MIXED_LAYOUTS:
+        raise LayoutError(f"unknown SM90 mixed-GEMM weight layout {layout!r}", fix="use '0.6.16' or '0.6.10'")
+    if quant_type == "fp4_fp8" and layout != "0.6.16":
+        raise LayoutError("quant_type 'fp4_fp8' exists from FlashInfer 0.6.16 on", fix="use layout '0.6.16'")
+    if rows < 1 or rows % 16 or cols_bytes < 1 or cols_bytes % 32:
+        raise LayoutError(
+            f"SM90 mixed-GEMM interleave: packed 4-bit weights [{rows}, {cols_bytes} B] need rows % 16 == 0 and "
+            f"K % 64 == 0 (K = {2 * cols_bytes} values, 2 per byte)",
+            fix="pad the intermediate and hidden sizes to multiples of 64 (vLLM and SGLang pad both to 128)",
+        )
+
+
+@cached
+def interleave_sm90_mixed_weights(rows: int, cols_bytes: int, quant_type: str = "fp4") -> IndexMap:
+    """The byte moves of FlashInfer's SM90 mixed-input weight interleave (``interleave_moe_weights_for_sm90_mixed_gemm``).
+
+    ``[N, K/2]`` packed 4-bit weights -> the same shape; with ``W[r, c]`` the input bytes, for every
+    16-row band (first rows ``r = 16b + i``, ``i < 8``, paired with ``r + 8``) and 32-byte column
+    partition ``p`` (64 values), and FlashInfer's lane ``l``:
+
+    - ``fp4`` (``l < 16``, ``m = l // 4``, ``q = l % 4``, ``c = 32p + 8m + q``): output
+      32-bit word at row ``r + 8 (m % 2)``, bytes ``32p + 16 (m // 2) + 4q .. +3`` gathers
+      ``[W[r, c], W[r+8, c], W[r, c+4], W[r+8, c+4]]`` (its bits are then permuted by
+      :func:`sm90_mixed_word_bits`);
+    - ``int4`` and ``fp4_fp8``, 2-byte cells (``l < 16``, column ``16p + l`` in 2-byte
+      units): cells ``W2[r, 16p + l]`` and ``W2[r+8, 16p + l]`` land side by side at row
+      ``r + 8 ((l % 8) // 4)``, 2-byte column ``16p + 8 (l // 8) + 2 (l % 4)``.
+
+    The byte moves are the same in both layouts (``SM90_MIXED_LAYOUTS``): FlashInfer 0.6.10-0.6.15's fp4
+    kernel (``l < 32``) puts bytes ``W[r, 32p + l]``, ``W[r+8, 32p + l]`` side by side at row
+    ``r + 8 ((l // 8) % 2)``, byte ``32p + 16 (l // 16) + 4 (l % 4) + 2 ((l % 8) // 4)``, which with
+    ``l = 8m + 4 (j // 2) + q`` is the move above; the layouts differ only in :func:`sm90_mixed_word_bits`.
+
+    Every output 32-bit word is aligned, so the bit step acts word by word. Needs ``N % 16 == 0`` and
+    ``K % 64 == 0`` (FlashInfer 0.7.4 checks both). Fact reference: ``moe_gemm_mixed_utils.cu``
+    (``interleave_{fp4,fp4_fp8,int4}_weights_for_sm90_mixed_gemm_kernel``) under
+    ``csrc/nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/`` of FlashInfer 0.7.4 and 0.6.13.
+    """
+    _check_sm90_mixed(rows, cols_bytes, quant_type, "0.6.16")
+    i64 = np.int64
+    first = (np.arange(rows // 16, dtype=i64)[:, None] * 16 + np.arange(8, dtype=i64)[None, :]).reshape(-1, 1, 1, 1)
+    if quant_type == "fp4":
+        cell, width = 1, cols_bytes
+        p = np.arange(cols_bytes // 32, dtype=i64)[None, :, None, None] * 32
+        lane = np.arange(16, dtype=i64)[None, None, :, None]
+        j = np.arange(4, dtype=i64)[None, None, None, :]
+        m, q = lane // 4, lane % 4
+        dst = (first + 8 * (m % 2)) * width + p + 16 * (m // 2) + 4 * q + j
+        src = (first + 8 * (j % 2)) * width + p + 8 * m + q + 4 * (j // 2)
+    else:
+        cell, width = 2, cols_bytes // 2
+        p = np.arange(cols_bytes // 32, dtype=i64)[None, :, None, None] * 16
+        lane = np.arange(16, dtype=i64)[None, None, :, None]
+        h = np.arange(2, dtype=i64)[None, None, None, :]
+        dst = (first + 8 * ((lane % 8) // 4)) * width + p + 8 * (lane // 8) + 2 * (lane % 4) + h
+        src = (first + 8 * h) * width + p + lane
+    dst, src = np.broadcast_arrays(dst, src)
+    out = np.empty(rows * width, dtype=i64)
+    out[dst.reshape(-1)] = src.reshape(-1)
+    params = dict(rows=rows, cols_bytes=cols_bytes, quant_type=quant_type)
+    shape = (rows, cols_bytes)
+    return IndexMap(torch.from_numpy(out), cell, shape, shape, (), "interleave_sm90_mixed_weights", params)
+
+
+_FP4_HALF_WORD: tuple[tuple[int, int], ...] = (
+    (4, 0), (4, 1), (4, 2), (2, 0), (2, 1), (2, 2), (0, 0), (0, 1),
+    (0, 2), (4, 3), (6, 1), (6, 2), (2, 3), (6, 0), (6, 3), (0, 3),
+)  # fmt: skip
+"""Bits 0..15 of each 16-bit half ``h`` of an fp4 0.6.16 output word: ``(n, b)`` is bit ``b`` of nibble
+``n + h`` of the gathered word (bit 3 of a nibble is the E2M1 sign)."""
+
+
+def _sm90_word_bit_sources(quant_type: str, layout: str) -> np.ndarray:
+    """Source bit (0..31) of every bit of an output word, the word read little-endian."""
+    if quant_type == "int4":
+        return np.arange(32, dtype=np.int64)
+    if layout == "0.6.10":  # each 16-bit half: nibbles [lo a, hi a, lo b, hi b] -> [lo a, lo b, hi a, hi b]
+        nib = np.array([0, 2, 1, 3, 4, 6, 5, 7], dtype=np.int64)
+        return (nib[:, None] * 4 + np.arange(4, dtype=np.int64)[None, :]).reshape(-1)
+    if quant_type == "fp4_fp8":  # magnitudes stay; the sign of nibble t moves to nibble 2t+1 (t < 4) or 2(t-4)
+        src = np.arange(32, dtype=np.int64)
+        for t in range(8):
+            src[4 * (2 * t + 1 if t < 4 else 2 * (t - 4)) + 3] = 4 * t + 3
+        return src
+    return np.array([4 * (n + h) + b for h in (0, 1) for n, b in _FP4_HALF_WORD], dtype=np.int64)
+
+
+@cached
+def sm90_mixed_word_bits(quant_type: str = "fp4", layout: str = "0.6.16") -> IndexMap:
+    """The bit moves inside each 32-bit word of FlashInfer's SM90 mixed-input weight interleave.
+
+    A map on the **bit view** of one little-endian 32-bit word: ``(32,) -> (32,)`` one-byte cells, cell
+    ``d`` = bit ``d`` (``apply_word_bits`` runs it on every aligned word of a tensor; as an index map
+    it composes, inverts and traces like any other). ``out_bit[d] = in_bit[src[d]]``; nibble ``t`` of a
+    word is bits ``4t..4t+3`` (bit 3 the E2M1 sign), values ``2k, 2k+1`` of byte ``k``. For ``fp4``,
+    layout 0.6.16, half ``h`` (bits ``16h..16h+15``) takes nibbles ``h, 2+h, 4+h, 6+h``: bits 0-2 the
+    magnitude (E2M1 bits 0-2) of nibble ``4+h``, 3-5 of ``2+h``, 6-8 of ``h``, 9 the sign of ``4+h``,
+    10, 11, 13 bits 1, 2, 0 of nibble ``6+h``, 12 the sign of ``2+h``, 14 of ``6+h``, 15 of ``h``.
+    ``fp4_fp8``: bits stay but for the signs, sign of nibble ``t`` -> nibble ``2t+1`` (``t < 4``) or
+    ``2(t-4)``. ``fp4`` layout 0.6.10: in each 16-bit half nibbles 1 and 2 swap. ``int4``: identity.
+    Fact reference: the mask/shift lists of ``interleave_fp4_weights_for_sm90_mixed_gemm_kernel`` and
+    ``preprocess_fp4x8_signs_for_fp8`` (``moe_gemm_mixed_utils.cu``, FlashInfer 0.7.4 / 0.6.13).
+    """
+    _check_sm90_mixed(16, 32, quant_type, layout)
+    src = torch.from_numpy(_sm90_word_bit_sources(quant_type, layout))
+    params = dict(quant_type=quant_type, layout=layout)
+    return IndexMap(src, 1, (32,), (32,), (), "sm90_mixed_word_bits", params)
+
+
+def word_bit_shifts(bits: IndexMap) -> tuple[tuple[int, int], ...]:
+    """``bits`` (a permutation of the 32 bits of a word, :func:`sm90_mixed_word_bits` or its inverse) as
+    ``(shift, mask)`` pairs: ``out = OR over pairs of (w & mask) << shift`` (``>> -shift`` when negative)."""
+    if bits.in_shape != (32,) or bits.out_shape != (32,) or bits.cell_bytes != 1 or not bits.is_permutation:
+        raise LayoutError(f"{bits.name} is not a permutation of the 32 bits of a word (a (32,) -> (32,) bit map)")
+    groups: dict[int, int] = {}
+    for d, s in enumerate(bits.src.tolist()):
+        groups[d - s] = groups.get(d - s, 0) | (1 << s)
+    return tuple(sorted(groups.items()))
+
+
+def word_bit_table(bits: IndexMap) -> np.ndarray:
+    """``bits`` as a lookup table: int32 ``(4, 256)``, row ``j`` the output word bits that byte ``j`` of a
+    word with value ``v`` sets; ``out = T[0][b0] | T[1][b1] | T[2][b2] | T[3][b3]`` (same as the pairs of
+    :func:`word_bit_shifts`, which also validates ``bits``)."""
+    word_bit_shifts(bits)
+    table = np.zeros((4, 256), dtype=np.int64)
+    values = np.arange(256, dtype=np.int64)
+    for d, s in enumerate(bits.src.tolist()):
+        table[s // 8] |= ((values >> (s % 8)) & 1) << d
+    return np.where(table >= 1 << 31, table - (1 << 32), table).astype(np.int32)
+
+
+def apply_word_bits(bits: IndexMap, x: torch.Tensor, chunk_words: int = 1 << 20) -> torch.Tensor:
+    """Apply the word bit map ``bits`` to every aligned little-endian 32-bit word of ``x`` (a new tensor).
+
+    ``x``: contiguous ``uint8`` of any shape with ``numel % 4 == 0`` (CPU or CUDA); the result has its
+    shape. Four table lookups per word (:func:`word_bit_table`), ``chunk_words`` words at a time.
+    """
+    if x.dtype != torch.uint8 or not x.is_contiguous() or x.numel() % 4:
+        raise LayoutError(
+            f"word bit maps run on contiguous uint8 tensors of whole 32-bit words, got {x.dtype} "
+            f"{tuple(x.shape)} ({'' if x.is_contiguous() else 'not '}contiguous)",
+            fix="pass the packed weights as a contiguous uint8 tensor",
+        )
+    table = word_bit_table(bits)
+    src = x.reshape(-1, 4)
+    out = torch.empty(src.shape[0], dtype=torch.int32, device=x.device)
+    on_cpu = x.device.type == "cpu"
+    lut = torch.from_numpy(table).to(x.device)
+    for start in range(0, src.shape[0], chunk_words):
+        part = src[start : start + chunk_words]
+        if on_cpu:  # numpy indexes with the bytes themselves (no int64 index tensor)
+            b, acc = part.numpy(), out[start : start + chunk_words].numpy()
+            np.bitwise_or(table[0][b[:, 0]], table[1][b[:, 1]], out=acc)
+            acc |= table[2][b[:, 2]]
+            acc |= table[3][b[:, 3]]
+        else:
+            acc_t = lut[0][part[:, 0].long()] | lut[1][part[:, 1].long()]
+            out[start : start + chunk_words] = acc_t | lut[2][part[:, 2].long()] | lut[3][part[:, 3].long()]
+    return out.view(torch.uint8).view(x.shape)
+
+
+@dataclass(frozen=True)
+class WordBitMap:
+    """A byte map, then a bit map on every aligned 32-bit word of its output: ``out = bits(gather(in))``.
+
+    Index maps move whole bytes; FlashInfer's SM90 mixed-input fp4 interleave also moves bits between
+    bytes, so it is this pair of primitive steps: ``gather`` (an :class:`IndexMap`, e.g.
+    :func:`interleave_sm90_mixed_weights`, composable with the padding and W31 swap before it) and
+    ``bits`` (a ``(32,) -> (32,)`` map on the bit view of one word, :func:`sm90_mixed_word_bits`).
+    ``spec()`` lists both; :meth:`undo` inverts (``bits`` first); :meth:`source_bits` traces every bit.
+    """
+
+    gather: IndexMap
+    bits: IndexMap
+
+    def __post_init__(self) -> None:
+        word_bit_shifts(self.bits)  # refuses anything but a permutation of a word's 32 bits
+        if self.gather.out_bytes % 4:
+            raise LayoutError(f"{self.gather.name}: {self.gather.out_bytes} output bytes are not whole 32-bit words")
+
+    @property
+    def name(self) -> str:
+        return f"{self.gather.name} >> {self.bits.name} (every 32-bit word)"
+
+    def spec(self) -> list[dict[str, Any]]:
+        """The primitive steps, byte steps first (what a converted file would record)."""
+        return self.gather.spec() + self.bits.spec()
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``(E, *in_shape)`` uint8 -> ``(E, *out_shape)`` uint8 (a new tensor)."""
+        return apply_word_bits(self.bits, self.gather.apply(x))
+
+    def undo(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse: ``(E, *out_shape)`` uint8 back to ``(E, *in_shape)`` (padding dropped)."""
+        return self.gather.inverse().apply(apply_word_bits(self.bits.inverse(), y.contiguous()))
+
+    def source_bits(self) -> torch.Tensor:
+        """int64 ``(out_bytes * 8,)``: the input bit offset (``8 * byte + bit``, bit 0 the least
+        significant) of every output bit of one expert, ``-1`` for fill."""
+        table = self.bits.src
+        byte_src = self.gather.source_bytes().reshape(-1)
+        o = torch.arange(self.gather.out_bytes * 8)
+        s = table[o % 32]
+        gathered = byte_src[(o // 32) * 4 + s // 8]
+        return torch.where(gathered >= 0, gathered * 8 + s % 8, -1)
+
+
+def sm90_mixed_weight_map(rows: int, cols_bytes: int, quant_type: str = "fp4", layout: str = "0.6.16") -> WordBitMap:
+    """FlashInfer's ``interleave_moe_weights_for_sm90_mixed_gemm`` on one expert ``[N, K/2]`` as a
+    :class:`WordBitMap`: :func:`interleave_sm90_mixed_weights` then :func:`sm90_mixed_word_bits`."""
+    return WordBitMap(
+        interleave_sm90_mixed_weights(rows, cols_bytes, quant_type), sm90_mixed_word_bits(quant_type, layout)
+    )
+
+
 STEPS = {
     f.__name__: f
     for f in (
@@ -331,6 +569,8 @@ STEPS = {
         swizzle_scales_128x4,
         swizzle_scales_8x4,
         fold_scales_sm90_mixed,
+        interleave_sm90_mixed_weights,
+        sm90_mixed_word_bits,
     )
 }
 """Every primitive step by kind: ``STEPS[m.kind](**m.params)`` rebuilds ``m``."""

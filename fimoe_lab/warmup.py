@@ -2,7 +2,8 @@
 
 A fresh process pays, on its first transform, for building the layer's plans and index
 maps, importing the executor (numba or Triton) and compiling its kernels or loading them
-from the on-disk cache (numba ``cache=True`` next to :mod:`fimoe_lab.kernels`,
+from the on-disk cache (on the CPU numba loads on a background thread while torch stands
+in: :mod:`fimoe_lab.kernels.registry`) (numba ``cache=True`` next to :mod:`fimoe_lab.kernels`,
 ``NUMBA_CACHE_DIR``; Triton's ``TRITON_CACHE_DIR``). :func:`warmup` does all of that for
 the given model, formats, backends and devices, so a serving engine can pay it at start-up
 (or a build step can fill the on-disk caches once): it builds each layer plan (cached by
@@ -26,7 +27,7 @@ from typing import Optional
 import torch
 
 from fimoe_lab.errors import FormatError
-from fimoe_lab.kernels import ExecMap, execute, execute_in_place, pick_backend
+from fimoe_lab.kernels import ExecMap, execute, execute_in_place, load_executor, pick_backend
 from fimoe_lab.presets import get_preset
 from fimoe_lab.recipes import plan_layer
 from fimoe_lab.specs import BACKENDS, get_activation, weight_formats
@@ -125,6 +126,8 @@ def _run_map(
     n = warm_experts(experts, dev)
     out_name = pick_backend(dev, experts * em.out_bytes)
     in_name = pick_backend(dev, experts * em.in_bytes)
+    for name in {out_name, in_name}:
+        load_executor(name)  # now, not on a background thread: later calls run on it at once
     g = torch.Generator(device=dev).manual_seed(experts)
     x = torch.randint(0, 256, (n, em.in_bytes), dtype=torch.uint8, device=dev, generator=g)
     runs = []

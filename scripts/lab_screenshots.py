@@ -8,6 +8,10 @@ each notebook at device scale factor 2, runs every cell, then:
   must change), checks the hover texts (``<title>``), types a provenance element (the
   message must name it), loads a checkpoint through the path box, and uses "copy as code"
   and "save PNG";
+- on every notebook (``interact=True``, :data:`CHECKS`): points at a figure (the hover tip
+  names row, column, value and source), clicks a cell (the trace and its chain appear),
+  loads a checkpoint through an explorer's path box, changes an A/B comparison's plan B and
+  exports (save SVG, copy as code);
 - takes a screenshot of the first explorer in the light theme, switches JupyterLab to its
   dark theme (Settings > Theme) and takes another.
 
@@ -38,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from fimoe_lab import resources  # noqa: E402
 from fimoe_lab.cli.lab import free_port, jupyterlab_command  # noqa: E402
+from fimoe_lab.viz.figures import POINTABLE  # noqa: E402
 
 NOTEBOOKS = ("01_layout_tour.ipynb", "02_checkpoint_debugging.ipynb", "03_alignment_tuning.ipynb")
 VIEWPORT = {"width": 1500, "height": 1000}
@@ -53,6 +58,23 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
     "--disable-dev-shm-usage",
 ]
+
+
+CHECKS = {
+    "01_layout_tour.ipynb": dict(
+        point=[("B backend", 1)], load=("B backend", "qwen3-moe-bf16", "A BF16"), ab="B backend"
+    ),
+    "02_checkpoint_debugging.ipynb": dict(
+        point=[("column", 2), ("B backend", 1)], load=("B backend", "deepseek-r1-nvfp4", "A NVFP4"), ab="B backend"
+    ),
+    "03_alignment_tuning.ipynb": dict(
+        point=[("B backend", 1)], load=("B backend", "qwen3-moe-bf16", "A BF16"), ab="B backend"
+    ),
+}
+"""What each notebook's run does with its explorers (each explorer is found by a control label it
+has): ``point``: (explorer, axes index) to hover and click; ``load``: (explorer, checkpoint, text
+the message must then hold) for the path box; ``ab``: the A/B explorer whose plan B changes (TP 2)
+and that is exported."""
 
 
 def chromium() -> str | None:
@@ -228,6 +250,91 @@ def _click_to_trace(page, prov, prov_message, deadline: Deadline) -> dict:
     return seen
 
 
+def _explorer(page, label: str):
+    """The explorer (a widget VBox) with a control labelled ``label``; the last one on the page."""
+    return page.locator(".widget-vbox", has=page.locator(f"label:text-is('{label}')")).last
+
+
+def _changed(page, el, old: str, deadline: Deadline, needle: str = "") -> str:
+    """Wait until ``el``'s text differs from ``old`` (and holds ``needle``); return it."""
+    page.wait_for_function(
+        "([el, old, needle]) => el.textContent !== old && el.textContent.includes(needle)",
+        arg=[el.element_handle(timeout=deadline.ms()), old, needle],
+        timeout=deadline.ms(),
+    )
+    return el.text_content().strip()
+
+
+def _point_and_click(page, explorer, axes: int, deadline: Deadline) -> dict:
+    """Hover over the middle of pointable axes ``axes`` of the explorer's first picture (the tip
+    must appear), then click there (the message must name the traced kernel element)."""
+    frame = explorer.locator(f".fimoe-figure svg [id='{POINTABLE}-{axes}']").first
+    frame.scroll_into_view_if_needed(timeout=deadline.ms())
+    box = frame.bounding_box(timeout=deadline.ms())
+    x, y = box["x"] + box["width"] * 0.37, box["y"] + box["height"] * 0.41
+    tip = explorer.locator(".fimoe-tip").first
+    page.mouse.move(x - 5, y - 5)
+    page.mouse.move(x, y, steps=3)
+    page.wait_for_function(
+        "el => el.style.display === 'block' && el.textContent.includes('row ')",
+        arg=tip.element_handle(timeout=deadline.ms()),
+        timeout=deadline.ms(),
+    )
+    seen = {"hover": tip.text_content()}
+    message = explorer.locator(".fimoe-message").first
+    old = message.text_content()
+    page.mouse.click(x, y)
+    seen["clicked"] = _changed(page, message, old, deadline, "kernel (")
+    seen["chain"] = explorer.locator(".fimoe-trace").first.text_content() or explorer.locator(
+        ".fimoe-figure pre"
+    ).first.text_content(timeout=deadline.ms())
+    return seen
+
+
+def _load(page, explorer, where: str, expect: str, deadline: Deadline) -> str:
+    """Load checkpoint ``where`` through the explorer's path box; the message must then hold ``expect``."""
+    explorer.locator(".widget-text:has(label:text-is('checkpoint')) input").first.fill(where, timeout=deadline.ms())
+    message = explorer.locator(".fimoe-message").first
+    old = message.text_content()
+    explorer.locator("button:text-is('load')").first.click(timeout=deadline.ms())
+    return _changed(page, message, old, deadline, expect)
+
+
+def _ab_and_export(page, explorer, deadline: Deadline) -> dict:
+    """Set the A/B explorer's plan B to TP 2 (message and pictures change), then save SVG and copy as code."""
+    message = explorer.locator(".fimoe-message").first
+    old, figure = message.text_content(), _figure_key(explorer)
+    explorer.locator(".widget-dropdown:has(label:text-is('B TP')) select").first.select_option(
+        label="2", timeout=deadline.ms()
+    )
+    seen = {"ab": _changed(page, message, old, deadline, "(TP 2)")}
+    seen["ab_figure_changed"] = _figure_key(explorer) != figure
+    seen["ab_pictures"] = explorer.locator(".fimoe-figure svg").count()
+    old = message.text_content()
+    explorer.locator("button:text-is('save SVG')").first.click(timeout=deadline.ms())
+    seen["saved"] = _changed(page, message, old, deadline, "saved ")
+    explorer.locator("button:text-is('copy as code')").first.click(timeout=deadline.ms())
+    code = explorer.locator("textarea").first
+    code.wait_for(state="visible", timeout=deadline.ms())
+    seen["code"] = code.input_value(timeout=deadline.ms())
+    return seen
+
+
+def _instrument(page, name: str, deadline: Deadline) -> dict:
+    """:data:`CHECKS` of notebook ``name``: point and click, path box, A/B and export."""
+    check = CHECKS[name]
+    seen: dict = {"points": []}
+    for label, axes in check["point"]:
+        seen["points"].append(_point_and_click(page, _explorer(page, label), axes, deadline))
+        log(f"{name}: pointed at and clicked the explorer with {label!r}")
+    label, where, expect = check["load"]
+    seen["loaded"] = _load(page, _explorer(page, label), where, expect, deadline)
+    log(f"{name}: path box loaded {where}")
+    seen.update(_ab_and_export(page, _explorer(page, check["ab"]), deadline))
+    log(f"{name}: A/B changed, exported")
+    return seen
+
+
 def _screenshot(page, path: Path, deadline: Deadline) -> None:
     first = page.locator(".fimoe-figure svg").first
     first.scroll_into_view_if_needed(timeout=deadline.ms())
@@ -246,13 +353,12 @@ def capture(
     or a wait fails. ``budget_s`` bounds the whole run.
     """
     deadline = Deadline(budget_s)
-    result: dict = {"screenshots": [], "interactions": {}, "tracebacks": {}, "figures": {}}
+    result: dict = {"screenshots": [], "interactions": {}, "instruments": {}, "tracebacks": {}, "figures": {}}
     for name in notebooks:
         one = _capture(out, name, themes, interact, deadline)
         result["screenshots"] += one["screenshots"]
-        result["interactions"].update(one["interactions"])
-        result["tracebacks"].update(one["tracebacks"])
-        result["figures"].update(one["figures"])
+        for key in ("interactions", "instruments", "tracebacks", "figures"):
+            result[key].update(one[key])
     return result
 
 
@@ -265,7 +371,7 @@ def _capture(out: Path, notebook: str, themes, interact: bool, deadline: Deadlin
     if binary is None:
         raise RuntimeError("no chromium binary on PATH (.ci/install-browser.sh installs one)")
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"screenshots": [], "interactions": {}, "tracebacks": {}, "figures": {}}
+    result: dict = {"screenshots": [], "interactions": {}, "instruments": {}, "tracebacks": {}, "figures": {}}
     with tempfile.TemporaryDirectory(prefix="fimoe-lab-shots-") as tmp:
         work = Path(tmp) / "notebooks"
         shutil.copytree(resources.notebooks_dir(), work)  # JupyterLab saves into its copy, never the package
@@ -306,6 +412,8 @@ def _capture(out: Path, notebook: str, themes, interact: bool, deadline: Deadlin
                                 if interact and name == NOTEBOOKS[0]:
                                     result["interactions"] = _interact(page, deadline)
                                     log(f"{name}: explorers used")
+                                if interact and name in CHECKS:
+                                    result["instruments"][name] = _instrument(page, name, deadline)
                                 result["figures"][name] = page.locator(".fimoe-figure svg").count()
                                 result["tracebacks"][name] = (
                                     page.locator(

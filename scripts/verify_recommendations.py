@@ -1,7 +1,7 @@
 """Check every tuner recommendation against what consumes it (issue 14's Must-hold).
 
-For every preset x tuner format x TP 1/2/4/8 x GPU (b200, h200) x per-token (where the format
-has it): the recommendation, when there is one, has tactics at every token count; for every
+For every preset x tuner format x TP 1/2/4/8 x GPU (b200: TRT-LLM, h200: CUTLASS; each where the
+format has that backend, so MxInt4 on b200 only) x per-token (where the format has it): the recommendation, when there is one, has tactics at every token count; for every
 distinct rank size (as the reader shards) ``recipes.plan_layer`` with the recommended alignments
 pads exactly to the recommended sizes; no padding with fewer extra bytes that convert accepts is
 predicted at least as fast. A run without a recommendation must give a reason. Prints each
@@ -19,6 +19,7 @@ from fimoe_lab.errors import FimoeError
 from fimoe_lab.presets import PRESETS
 from fimoe_lab.recipes import plan_layer
 from fimoe_lab.specs import FORMATS, get_activation, tuner_formats
+from fimoe_lab.tune.cost import get_gpu
 from fimoe_lab.tune.oracle import TacticOracle
 from fimoe_lab.tune.sweep import convert_check, rank_sizes, run
 
@@ -76,8 +77,13 @@ def main() -> int:
     for name, p in PRESETS.items():
         for fmt in tuner_formats():
             per_token = (False, True) if FORMATS[fmt].tactics.per_token_ok else (False,)
+            gpus = [
+                g
+                for g in ("b200", "h200")
+                if ("trtllm" if get_gpu(g).trtllm_gen else "cutlass") in FORMATS[fmt].backends
+            ]
             for tp in (1, 2, 4, 8):
-                for gpu in ("b200", "h200"):
+                for gpu in gpus:
                     for pt in per_token:
                         s = run(p, fmt, tp, oracle, per_token=pt, gpu=gpu)
                         runs += 1

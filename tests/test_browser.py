@@ -1,13 +1,16 @@
-"""Real browser test: JupyterLab on 127.0.0.1 (the ``fimoe-lab lab`` launch), the layout tour run in
-headless Chromium at device scale factor 2, its explorers used the way a person does.
+"""Real browser test: JupyterLab on 127.0.0.1 (the ``fimoe-lab lab`` launch), every lab notebook run
+in headless Chromium at device scale factor 2, its explorers used the way a person does.
 
 Through :func:`scripts.lab_screenshots.capture`: the figures render (inline SVG), change when
 a control changes, carry hover text, a checkpoint loads through the path box, "copy as code"
-and "save PNG" work, a typed provenance element is followed; screenshots in the light and
-the dark theme are taken at 2x and checked for size and content. ``FIMOE_BROWSER_ALL=1``
-runs every notebook (what ``scripts/lab_screenshots.py`` does for the README). Screenshots
-go to ``$FIMOE_ARTIFACTS`` (default ``test-artifacts/``). Bounded by ``BUDGET_S``;
-JupyterLab and Chromium are shut down in every case.
+and "save PNG" work, a typed provenance element is followed; in every notebook
+(``lab_screenshots.CHECKS``) pointing at a figure shows the element's row, column, value,
+source and steps, a click traces it (chain under the figure), a checkpoint loads through a
+path box, an A/B comparison changes plan B, and the figure is saved and copied as code;
+screenshots in the light and the dark theme are taken at 2x and checked for size and
+content. ``FIMOE_BROWSER_NOTEBOOKS=1`` runs the first notebook only (a quicker local check).
+Screenshots go to ``$FIMOE_ARTIFACTS`` (default ``test-artifacts/``). Bounded by ``BUDGET_S``
+per notebook; JupyterLab and Chromium are shut down in every case.
 
 Needs Playwright's Python package and a Chromium binary (Debian's ``chromium``; Playwright's
 own browser download is not used). Without them the test is skipped, or fails under CI.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +46,7 @@ def test_the_lab_in_a_real_browser():
     from PIL import Image
 
     artifacts = Path(os.environ.get("FIMOE_ARTIFACTS", ROOT / "test-artifacts"))
-    notebooks = shots.NOTEBOOKS if os.environ.get("FIMOE_BROWSER_ALL") else shots.NOTEBOOKS[:1]
+    notebooks = shots.NOTEBOOKS[: int(os.environ.get("FIMOE_BROWSER_NOTEBOOKS", len(shots.NOTEBOOKS)))]
     result = shots.capture(artifacts, notebooks, budget_s=BUDGET_S * len(notebooks))
 
     assert not any(result["tracebacks"].values()), result["tracebacks"]
@@ -62,6 +66,18 @@ def test_the_lab_in_a_real_browser():
     clicked = seen["clicked_kernel"].split(" <- ")
     assert clicked[0] != "kernel (40, 0)" and clicked[1].startswith("expert 0, row ")
     assert seen["clicked_checkpoint"].split(" <- ")[0] == clicked[0]
+
+    for name in notebooks:  # point and see, path box, A/B and export in each notebook
+        got, check = result["instruments"][name], shots.CHECKS[name]
+        assert len(got["points"]) == len(check["point"])
+        for point in got["points"]:
+            assert re.match(r"(kernel|checkpoint) row \d+, column \d+", point["hover"]), point["hover"]
+            assert " <- " in point["hover"] and "moved by: " in point["hover"]
+            assert "kernel (" in point["clicked"] and re.search(r"(input|fill) of \w+", point["chain"]), point
+        assert check["load"][2] in got["loaded"]
+        assert "(TP 2)" in got["ab"] and got["ab_figure_changed"] and got["ab_pictures"] == 2
+        assert got["saved"].startswith("saved ") and got["saved"].endswith(".svg")
+        assert "figures.side_by_side(" in got["code"]
 
     luminance = {}
     for shot in result["screenshots"]:

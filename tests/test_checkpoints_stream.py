@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -335,3 +336,60 @@ def test_shard_sizes_read_like_hugging_face(text, size):
     from fimoe_lab.cli.checkpoints import byte_size
 
     assert byte_size(text) == size
+
+
+# ---------------------------------------------------------------------------- writer lanes
+@pytest.mark.parametrize("lanes", ["1", "3"])
+def test_several_writer_lanes_write_the_same_bytes(lanes, tmp_path, monkeypatch):
+    """Chunks dealt to 1 or 3 pwrite threads (one expert per chunk: many chunks per lane) give
+    files byte-identical to the one-lane convert, checksums included."""
+    monkeypatch.setattr(stream, "CHUNK_MIN", 1)
+    monkeypatch.setattr(stream, "CHUNK_MAX", 1)
+    src = sample_path("deepseek-v3-fp8")
+    monkeypatch.setenv(stream.LANES_ENV, "1")
+    one = convert_checkpoint(src, tmp_path / "one", "trtllm", shard_size=SHARD)
+    monkeypatch.setenv(stream.LANES_ENV, lanes)
+    assert stream.write_lanes() == int(lanes)
+    probe = stream.Workers(hashing=False)
+    probe.close(abort=False)
+    assert probe.lanes == int(lanes)
+    many = convert_checkpoint(src, tmp_path / "many", "trtllm", shard_size=SHARD)
+    names = sorted(p.name for p in one.iterdir())
+    assert len(names) > 2 and names == sorted(p.name for p in many.iterdir())
+    for n in names:
+        assert (one / n).read_bytes() == (many / n).read_bytes(), n
+
+
+@pytest.mark.parametrize("raw", ["0", "-2", "two", ""])
+def test_a_bad_writer_lane_count_is_one_clear_error(raw, monkeypatch):
+    monkeypatch.setenv(stream.LANES_ENV, raw)
+    with pytest.raises(CheckpointError, match=stream.LANES_ENV) as info:
+        stream.write_lanes()
+    assert info.value.fix
+
+
+def test_a_failing_write_is_raised_and_the_jobs_queued_behind_it_skipped():
+    """Six jobs dealt to three lanes: job 0 fails on lane 0; drain raises it, and job 3 (lane 0,
+    queued behind it) never runs."""
+    workers = stream.Workers(hashing=False, lanes=3)
+    ran: list[int] = []
+    gate = threading.Event()
+
+    def job(k: int):
+        def run() -> None:
+            if k == 0:
+                raise OSError("disk full (injected)")
+            gate.wait(5)
+            ran.append(k)
+
+        return run
+
+    try:
+        for k in range(6):
+            workers.submit(job(k))
+        gate.set()
+        with pytest.raises(OSError, match="injected"):
+            workers.drain()
+    finally:
+        workers.close(abort=True)
+    assert 0 not in ran and 3 not in ran

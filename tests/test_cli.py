@@ -296,3 +296,20 @@ def test_lab_working_copy_fills_missing_notebooks_and_keeps_edits(tmp_path):
     assert (target / shipped[0].name).read_text() == '{"edited": true}'
     for notebook in shipped[1:]:
         assert (target / notebook.name).read_bytes() == notebook.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "argv, codes", [(["inspect", "deepseek-v3-fp8", "--json"], {141}), (["plan", "--help"], {0, 141})]
+)
+def test_a_closed_stdout_pipe_ends_quietly_with_141(argv, codes):
+    """``fimoe-lab ... | head``: the reader went away before the output was written. Exit 141 (128 + SIGPIPE;
+    argparse's help swallows the failed write itself: 0), nothing on stderr (no traceback from the write, nor
+    from the flush at interpreter exit)."""
+    code = (
+        "import os, sys\n"
+        "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"  # stdout: a pipe nobody reads any more
+        "from fimoe_lab.cli import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode in codes and done.stderr == ""

@@ -1,5 +1,6 @@
-"""``--json`` on ``plan``, ``demo`` and ``goldens``: one JSON object on stdout and nothing else,
-the fields the ``--help`` text names, the same facts as the table, and the same exit codes."""
+"""``--json`` on ``plan``, ``demo``, ``goldens``, ``inspect``, ``convert`` and ``restore``: one JSON object on
+stdout and nothing else, the fields the ``--help`` text names, the same facts as the table (and, for the
+checkpoint commands, as the safetensors headers and the written files' sizes), and the same exit codes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from fimoe_lab.cli import build_parser, main
 from fimoe_lab.cli._common import EXIT_BAD_INPUT
 from fimoe_lab.cli.core import DEMO_JSON, GOLDENS_JSON, PLAN_JSON
+from fimoe_lab.resources import sample_names, sample_path
 from tests.test_viz import ref_w13_rows
 
 
@@ -41,7 +43,8 @@ def test_plan_json_has_the_table_facts_and_traces_a_byte(capsys):
     code, doc, err = run_json(capsys, argv + ["--where", "5,3"])
     assert code == 0 and err == ""
     assert set(doc) | set(doc["layer"]) | {k for p in doc["plans"] for k in p} <= keys_of(PLAN_JSON)
-    assert doc["layer"] == dict(intermediate=96, hidden=160, experts=4, gated=True, per_token=False)
+    want = dict(intermediate=96, hidden=160, experts=4, gated=True, per_token=False, mxfp4_activation=None)
+    assert doc["layer"] == want
     (plan,) = doc["plans"]
     assert plan["cannot"] is None and doc["failures"] == 0
     assert all(t["round_trip"] for t in plan["tensors"])
@@ -82,7 +85,10 @@ def test_plan_json_shapes_for_any_size(capsys, inter, hidden, experts):
         return
     assert code == 0 and doc["failures"] == 0 and doc["layer"]["experts"] == experts
     shapes = {t["name"]: t for t in plan["tensors"]}
-    assert shapes["w13"]["in_shape"] == [2 * inter, hidden] and shapes["w2"]["in_shape"] == [hidden, inter]
+    # w2 is listed only when a step moves it (FP8 per-tensor on CUTLASS pads nothing and keeps w2 as it is)
+    assert shapes["w13"]["in_shape"] == [2 * inter, hidden] and shapes.get("w2", {"in_shape": [hidden, inter]})[
+        "in_shape"
+    ] == [hidden, inter]
     for t in plan["tensors"]:
         want = 100.0 * (1 - math.prod(t["in_shape"]) / math.prod(t["out_shape"]))
         assert abs(t["pad_percent"] - want) < 1e-3 and t["round_trip"]
@@ -117,3 +123,268 @@ def test_goldens_json(capsys, tmp_path, monkeypatch):
     assert out.out == "" and len(out.err.splitlines()) == 1 and out.err.startswith("error: goldens: ")
     if not paths:
         pytest.skip("no golden files found (set FIMOE_GOLDENS or place shared/goldens beside the checkout)")
+
+
+# ----------------------------------------------------------------------------- inspect, convert, restore
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "I16": 2, "F32": 4, "I32": 4}
+"""Bytes per element of each safetensors dtype (the format's own table, written out here)."""
+KERNEL_SUFFIXES = (".w13_weight", ".w2_weight", ".w13_weight_scale", ".w2_weight_scale")
+
+
+def header_entries(files) -> dict[str, dict]:
+    """Every tensor's header entry (dtype, shape, data_offsets) of the safetensors ``files``, read by safe_io."""
+    from fimoe_lab.checkpoints.safe_io import safetensors_header
+
+    entries: dict[str, dict] = {}
+    for f in files:
+        header, _ = safetensors_header(f)
+        entries.update({k: v for k, v in header.items() if k != "__metadata__"})
+    return entries
+
+
+def nbytes(entry: dict) -> int:
+    start, end = entry["data_offsets"]
+    assert end - start == math.prod(entry["shape"]) * ITEMSIZE[entry["dtype"]]
+    return end - start
+
+
+PROGRESS_LINE = re.compile(r"convert -> (\S+): (\d+)% \((\d+\.\d\d) of (\d+\.\d\d) MB\)")
+
+
+def plain_progress(err: str) -> bool:
+    """stderr of a convert whose stderr is no terminal: plain progress lines only (no carriage return, no bar),
+    per output rising percentages that end at 100%."""
+    assert "\r" not in err and "\x1b" not in err
+    seen: dict[str, list[int]] = {}
+    for line in err.splitlines():
+        m = PROGRESS_LINE.fullmatch(line)
+        assert m, line
+        seen.setdefault(m[1], []).append(int(m[2]))
+    assert seen and all(p == sorted(set(p)) and p[-1] == 100 for p in seen.values()), seen
+    return True
+
+
+def test_plain_progress_prints_a_line_per_update_that_crosses_a_tenth():
+    import io
+    import random
+
+    from fimoe_lab.cli._common import PlainProgress
+
+    rng = random.Random(0)
+    for total in (1, 7, 10, 999, 123_456):
+        stream = io.StringIO()
+        bar, done, want = PlainProgress(total=total, desc="convert -> x", stream=stream), 0, []
+        while done < total:
+            n = rng.randint(1, max(1, total // 3))
+            before, done = done, min(done + n, total)
+            crossed = [k for k in range(1, 11) if before * 10 < k * total <= done * 10]  # tenths reached now
+            if crossed:
+                want.append(f"convert -> x: {10 * crossed[-1]}% ({done / 1e6:.2f} of {total / 1e6:.2f} MB)")
+            bar.update(done - before)
+        bar.close()
+        assert stream.getvalue().splitlines() == want and want[-1].startswith("convert -> x: 100%")
+
+
+def test_help_of_the_checkpoint_commands_gives_their_json_fields():
+    from fimoe_lab.cli.checkpoints import CONVERT_JSON, INSPECT_JSON, RESTORE_JSON
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for command, schema in (("inspect", INSPECT_JSON), ("convert", CONVERT_JSON), ("restore", RESTORE_JSON)):
+        text = " ".join(sub[command].format_help().split())
+        assert "--json" in text and " ".join(schema.split()) in text
+
+
+def _convert_as_inspect_says(capsys, tmp_path, sample: str, layer: dict, backend: str, need: dict) -> None:
+    """Convert ``layer`` for ``backend`` at TP 1 with the alignment inspect recommends: the written kernel tensors
+    hold ``kernel_bytes`` per expert, the sizes and step chains are the ones inspect predicted."""
+    from fimoe_lab.checkpoints.writer import KERNEL_NAMES
+
+    out = tmp_path / f"{sample}-{layer['layer']}-{backend}.safetensors"
+    argv = ["convert", sample, str(out), "--backend", backend, "--layer", str(layer["layer"])]
+    argv += ["--intermediate-alignment", str(need["alignment"])] if need["status"] == "aligned" else []
+    code, doc, err = run_json(capsys, argv)
+    assert code == 0 and err == ""  # no progress in a log or pipe unless --progress
+    assert doc["ranks"][0]["files"] == [{"name": out.name, "bytes": out.stat().st_size, "kept": False}]
+    written = header_entries([out])
+    kernel = sum(nbytes(e) for name, e in written.items() if name.endswith(KERNEL_SUFFIXES))
+    assert kernel == need["kernel_bytes"] * layer["experts"]
+    (rec,) = doc["layers"]
+    assert (rec["padded_intermediate"], rec["padded_hidden"]) == (need["padded_intermediate"], need["padded_hidden"])
+    chains = {t["name"]: t["steps"] for t in rec["tensors"]}
+    assert {KERNEL_NAMES[t["name"]]: t["steps"] for t in need["tensors"]}.items() <= chains.items()
+    for t in rec["tensors"]:  # every kernel tensor's header is what the JSON says
+        entry = next(e for name, e in written.items() if name.endswith("." + t["name"]))
+        assert entry["shape"] == t["kernel_shape"] and entry["dtype"] == t["dtype"]
+
+
+def check_tactics(capsys, layer: dict, need: dict) -> None:
+    """A TRT-LLM plan's tactic counts are what ``fimoe-lab tactics`` answers for its padded shape, and a shape
+    without any tactic at some token count is a warning on the printed line."""
+    from fimoe_lab.cli.checkpoints import TACTIC_TOKENS
+
+    sizes = ["--hidden", need["padded_hidden"], "--inter", need["padded_intermediate"], "--experts", layer["experts"]]
+    argv = ["tactics", "--format", layer["format"], "--act", layer["activation"], *sizes, "--top-k", layer["top_k"]]
+    code, answers, _ = run_json(capsys, [*map(str, argv), "--tokens", ",".join(map(str, TACTIC_TOKENS))])
+    assert code == 0 and need["tactics"] == {str(a["tokens"]): a["count"] for a in answers}
+    none = [str(t) for t, c in need["tactics"].items() if c == 0]
+    assert (f"no TRT-LLM tactic at {', '.join(none)} tokens" in need["text"]) == bool(none)
+
+
+@pytest.mark.parametrize("sample", sample_names())
+def test_inspect_json_agrees_with_the_headers_and_with_what_convert_writes(sample, tmp_path, capsys):
+    from fimoe_lab.cli.checkpoints import INSPECT_JSON
+
+    code, doc, err = run_json(capsys, ["inspect", sample, "--tp", "1,2,3"])
+    assert code == 0 and err == "" and doc["tp"] == [1, 2, 3] and doc["html"] is None
+    fields = keys_of(INSPECT_JSON)
+    source = header_entries(sorted(sample_path(sample).glob("*.safetensors")))
+    for layer in doc["layers"]:
+        assert set(doc) | set(layer) | {k for t in layer["tp"] for k in t} <= fields
+        # the tensors inspect lists are the layer's expert tensors in the shards' headers, byte for byte
+        mine = {k: e for k, e in source.items() if k.startswith(layer["name"] + ".") and ".experts." in k}
+        listed = sum(math.prod(t["shape"]) * ITEMSIZE[t["dtype"]] for t in layer["tensors"])
+        assert sum(nbytes(e) for e in mine.values()) == listed > 0
+        assert {e["dtype"] for e in mine.values()} == {t["dtype"] for t in layer["tensors"]}
+        weights = {t["name"]: t for t in layer["tensors"] if t["name"] in ("w13", "w2", "w13_scale", "w2_scale")}
+        per_expert = sum(math.prod(t["shape"][1:]) * ITEMSIZE[t["dtype"]] for t in weights.values())
+        for tp in layer["tp"]:
+            assert (tp["sizes"] is None) == (tp["cannot"] is not None)
+            if tp["sizes"] is not None:
+                assert sum(tp["sizes"]) == layer["intermediate"] and len(tp["sizes"]) == tp["tp"]
+            for backend, need in tp["backends"].items():
+                assert set(need) <= fields and need["backend"] == backend and need["engine"] == doc["engine"]
+                if need["status"] in ("cannot", "no-layout"):
+                    assert need["padded_intermediate"] is None and need["reason"]
+                    continue
+                assert need["intermediate"] == tp["sizes"][0] and need["padded_intermediate"] >= need["intermediate"]
+                assert need["pad_bytes"] == need["kernel_bytes"] - need["checkpoint_bytes"]
+                assert need["pad_bytes"] == sum(t["pad_bytes"] for t in need["tensors"])
+                for t in need["tensors"]:
+                    assert t["pad_bytes"] == math.prod(t["out_shape"]) - math.prod(t["in_shape"])
+                if backend == "trtllm":
+                    check_tactics(capsys, layer, need)
+                if tp["tp"] == 1:
+                    assert need["checkpoint_bytes"] == per_expert
+                    _convert_as_inspect_says(capsys, tmp_path, sample, layer, backend, need)
+    # the table prints the same lines
+    assert main(["inspect", sample, "--tp", "1,2,3"]) == 0
+    text = capsys.readouterr().out
+    for layer in doc["layers"]:
+        for tp in layer["tp"]:
+            assert all(need["text"] in text for need in tp["backends"].values())
+
+
+def _files_of(d) -> list[dict]:
+    return [dict(name=f.name, bytes=f.stat().st_size, kept=False) for f in sorted(d.glob("*.safetensors"))]
+
+
+def test_convert_json_lists_each_rank_and_what_resume_kept(tmp_path, capsys):
+    from fimoe_lab.cli.checkpoints import CONVERT_JSON
+
+    out = tmp_path / "out"
+    argv = ["convert", "deepseek-v3-fp8", str(out), "--backend", "trtllm", "--tp", "2", "--rank", "all"]
+    argv += ["--shard-size", "100KB", "--progress"]  # plain progress lines on stderr
+    code, doc, err = run_json(capsys, argv)
+    assert code == 0 and plain_progress(err)
+    fields = keys_of(CONVERT_JSON)
+    assert set(doc) | {k for r in doc["ranks"] for k in r} <= fields
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1] and doc["processes"] is None
+    for r in doc["ranks"]:
+        d = out / f"rank-{r['rank']}"
+        assert r["out"] == str(d) and r["files"] == _files_of(d) and len(r["files"]) > 1
+        assert r["bytes"] == sum(f.stat().st_size for f in d.glob("*.safetensors")) and r["written"] == len(r["files"])
+        for f in d.glob("*.safetensors"):  # a file is its header and its tensors' bytes, nothing else
+            from fimoe_lab.checkpoints.safe_io import safetensors_header
+
+            _, offset = safetensors_header(f)
+            assert f.stat().st_size == offset + sum(nbytes(e) for e in header_entries([f]).values())
+    assert doc["bytes"] == doc["written_bytes"] == sum(r["bytes"] for r in doc["ranks"]) and doc["mb_per_s"] > 0
+    # an interrupted run: one shard of rank 1 and its index missing; --resume writes only that shard
+    victim = doc["ranks"][1]["files"][1]
+    (out / "rank-1" / victim["name"]).unlink()
+    (out / "rank-1" / "model.safetensors.index.json").unlink()
+    code, again, err = run_json(capsys, argv + ["--resume"])
+    assert code == 0 and plain_progress(err)
+    assert [(r["written"], r["kept"]) for r in again["ranks"]] == [(0, len(doc["ranks"][0]["files"])), (1, 2)]
+    assert [f["name"] for r in again["ranks"] for f in r["files"] if not f["kept"]] == [victim["name"]]
+    assert again["written_bytes"] == victim["bytes"] and again["bytes"] == doc["bytes"]
+    # the text says the same
+    assert main(argv + ["--force"]) == 0
+    text = capsys.readouterr().out
+    for r in doc["ranks"]:
+        line = (
+            f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB, {len(r['files'])} shards, tp rank {r['rank']} of 2, trtllm)"
+        )
+        assert line in text
+
+
+def test_restore_json_lists_the_files_it_wrote(tmp_path, capsys):
+    from fimoe_lab.cli.checkpoints import RESTORE_JSON
+
+    kernel = tmp_path / "k.safetensors"
+    assert main(["convert", "qwen3-moe-bf16", str(kernel), "--backend", "trtllm"]) == 0
+    capsys.readouterr()
+    code, doc, err = run_json(capsys, ["restore", str(kernel), str(tmp_path / "back"), "--shard-size", "1MB"])
+    assert code == 0 and err == "" and set(doc) <= keys_of(RESTORE_JSON)
+    back = tmp_path / "back"
+    assert doc["files"] == [dict(name=f.name, bytes=f.stat().st_size) for f in sorted(back.iterdir())]
+    shards = sorted(back.glob("*.safetensors"))
+    assert doc["shards"] == len(shards) > 1 and doc["bytes"] == sum(f.stat().st_size for f in back.iterdir())
+    assert (
+        doc["tensors"]
+        == len(header_entries(shards))
+        == len(json.loads((back / "model.safetensors.index.json").read_text())["weight_map"])
+    )
+
+
+def test_checkpoint_commands_with_json_fail_with_one_line_and_an_empty_stdout(tmp_path, capsys):
+    taken = tmp_path / "taken.safetensors"
+    taken.write_bytes(b"the user's bytes")
+    for argv, where in (
+        (["inspect", str(tmp_path / "nope")], "inspect"),
+        (["convert", "mixtral-bf16", str(taken), "--backend", "trtllm"], "convert"),
+        (["restore", str(taken), str(tmp_path / "back")], "restore"),
+    ):
+        assert main(argv + ["--json"]) == EXIT_BAD_INPUT
+        out = capsys.readouterr()
+        assert out.out == "" and len(out.err.splitlines()) == 1 and out.err.startswith(f"error: {where}: ")
+    assert taken.read_bytes() == b"the user's bytes" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "taken.safetensors"
+    ]
+
+
+def test_convert_json_with_ep_gives_each_rank_its_experts(tmp_path, capsys):
+    out = tmp_path / "ep"
+    argv = ["convert", "deepseek-v3-fp8", str(out), "--backend", "cutlass", "--tp", "2", "--ep", "2", "--rank", "all"]
+    code, doc, err = run_json(capsys, argv)
+    assert code == 0 and err == "" and doc["ep"] == 2
+    experts = 6  # the sample's n_routed_experts, split into two contiguous halves
+    assert [r["experts"] for r in doc["ranks"]] == [[0, experts // 2], [experts // 2, experts]]
+    for r in doc["ranks"]:
+        entries = header_entries(sorted((out / f"rank-{r['rank']}").glob("*.safetensors")))
+        w13 = next(e for name, e in entries.items() if name.endswith(".w13_weight"))
+        assert w13["shape"][0] == r["experts"][1] - r["experts"][0]
+
+
+def test_distributed_convert_json_is_one_document_from_process_0(tmp_path):
+    """Two processes under torch.distributed: stdout holds process 0's JSON alone, with each process's shards."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "d"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fimoe_lab"]
+    cmd += ["convert", "deepseek-v3-fp8", str(out), "--backend", "trtllm", "--tp", "2", "--rank", "all"]
+    cmd += ["--shard-size", "40000", "--distributed", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, start_new_session=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads(done.stdout)  # exactly one JSON document
+    procs = doc["processes"]
+    assert [p["rank"] for p in procs] == [0, 1] and all(p["written"] > 0 and p["mb_per_s"] > 0 for p in procs)
+    files = [f for r in doc["ranks"] for f in r["files"]]
+    assert sum(p["written"] for p in procs) == len(files) and not any(f["kept"] for f in files)
+    for r in doc["ranks"]:
+        assert r["files"] == _files_of(out / f"rank-{r['rank']}")

@@ -4,8 +4,9 @@ The oracle is ``scripts/make_family_samples.py``, which names and lays out every
 itself (it does not use the reader's convention table): the reader's stacked layer must
 hold the generator's gate rows first and up rows second, and ``restore`` of each rank's
 conversion must write back exactly the generator's tensors for that rank (names and
-bytes). Formats with no kernel layout (INT4 pack-quantized, FP8 per channel) are refused
-by ``convert`` and still read, inspect and write back byte-exact.
+bytes). A backend with no kernel layout for a format (INT4 pack-quantized on CUTLASS, FP8 per
+channel on both) is refused by ``convert`` naming the missing piece, and the family still reads,
+inspects and writes back byte-exact; INT4 pack-quantized converts for TRT-LLM (MxInt4).
 """
 
 from __future__ import annotations
@@ -33,8 +34,15 @@ from fimoe_lab.checkpoints import conventions as conv_table
 from scripts import make_family_samples as gen
 
 FAMILIES = list(gen.FAMILIES)
-READ_ONLY = [f for f in FAMILIES if conv_table.get(gen.FAMILIES[f].convention).missing_layout]
-CONVERTIBLE = [f for f in FAMILIES if f not in READ_ONLY]
+
+
+def _missing(family: str) -> dict[str, str]:
+    return conv_table.get(gen.FAMILIES[family].convention).missing_layout
+
+
+READ_ONLY = [f for f in FAMILIES if _missing(f)]
+CONVERTIBLE = [(f, b) for f in FAMILIES for b in ("trtllm", "cutlass") if b not in _missing(f)]
+REFUSED = [(f, b) for f in FAMILIES for b in ("trtllm", "cutlass") if b in _missing(f)]
 RANKS = ((1, 0), (2, 0), (2, 1))
 
 
@@ -111,7 +119,7 @@ def test_inspect_reports_every_layer_with_its_own_sizes(root, family):
         missing = conv_table.get(fam.convention).missing_layout
         for backend in ("trtllm", "cutlass"):
             line = r.tp[1][backend]
-            assert (missing[backend] in line) if missing else ("cannot" not in line), line
+            assert (missing[backend] in line) if backend in missing else ("cannot" not in line), line
 
 
 # ---------------------------------------------------------------------------- convert and restore
@@ -145,36 +153,43 @@ def check_restored_config(family: str, back: Path, tp: int, rank: int) -> None:
         assert before == gen.intermediate(fam, fam.layers[0]) and after == size[fam.layers[0]], (path, before, after)
 
 
-@pytest.mark.parametrize("family", CONVERTIBLE)
-def test_convert_and_restore_every_rank_byte_exact(root, tmp_path, family):
+def test_int4_converts_for_trtllm_only():
+    assert ("kimi-k2-thinking-int4", "trtllm") in CONVERTIBLE and ("kimi-k2-thinking-int4", "cutlass") in REFUSED
+
+
+@pytest.mark.parametrize("family,backend", CONVERTIBLE)
+def test_convert_and_restore_every_rank_byte_exact(root, tmp_path, family, backend):
     n_layers = len(gen.FAMILIES[family].layers)
-    for backend in ("trtllm", "cutlass"):
-        for tp, rank in RANKS:
-            kernel = tmp_path / f"{backend}-{tp}-{rank}.safetensors"
-            convert_checkpoint(root / family, kernel, backend, tp, rank)
-            meta = read_kernel_metadata(kernel)
-            assert list(meta["layer_names"].values()) == list(gen.FAMILIES[family].layers)
-            w13 = [n for n in load_file(kernel) if n.endswith(".w13_weight")]
-            assert len(w13) == n_layers, w13  # MTP layers are layers of their own, never merged
-            back = tmp_path / f"{backend}-{tp}-{rank}"
-            restore_checkpoint(kernel, back)
-            got = all_tensors(back)
-            want = gen.file_tensors(family, tp, rank)
-            assert sorted(got) == sorted(want), (backend, tp, rank)  # MTP layers under their own path
-            check_restored_config(family, back, tp, rank)
-            for name, t in want.items():
-                assert same_tensor(got[name], t.contiguous()), (family, backend, tp, rank, name)
+    for tp, rank in RANKS:
+        kernel = tmp_path / f"{backend}-{tp}-{rank}.safetensors"
+        convert_checkpoint(root / family, kernel, backend, tp, rank)
+        meta = read_kernel_metadata(kernel)
+        assert list(meta["layer_names"].values()) == list(gen.FAMILIES[family].layers)
+        w13 = [n for n in load_file(kernel) if n.endswith(".w13_weight")]
+        assert len(w13) == n_layers, w13  # MTP layers are layers of their own, never merged
+        back = tmp_path / f"{backend}-{tp}-{rank}"
+        restore_checkpoint(kernel, back)
+        got = all_tensors(back)
+        want = gen.file_tensors(family, tp, rank)
+        assert sorted(got) == sorted(want), (backend, tp, rank)  # MTP layers under their own path
+        check_restored_config(family, back, tp, rank)
+        for name, t in want.items():
+            assert same_tensor(got[name], t.contiguous()), (family, backend, tp, rank, name)
+
+
+@pytest.mark.parametrize("family,backend", REFUSED)
+def test_backend_without_layout_is_refused_naming_the_missing_piece(root, tmp_path, family, backend):
+    conv = conv_table.get(gen.FAMILIES[family].convention)
+    with pytest.raises(CheckpointError) as info:
+        convert_checkpoint(root / family, tmp_path / f"{backend}.safetensors", backend)
+    msg = str(info.value)
+    assert f"{conv.fmt} has no {backend} layout: {conv_table.MISSING_LAYOUT[conv.fmt][backend]}" in msg, msg
+    assert not (tmp_path / f"{backend}.safetensors").exists()
 
 
 @pytest.mark.parametrize("family", READ_ONLY)
-def test_format_without_layout_is_refused_and_writes_back_byte_exact(root, tmp_path, family):
+def test_format_without_a_layout_writes_back_byte_exact(root, family):
     conv = conv_table.get(gen.FAMILIES[family].convention)
-    for backend in ("trtllm", "cutlass"):
-        with pytest.raises(CheckpointError) as info:
-            convert_checkpoint(root / family, tmp_path / f"{backend}.safetensors", backend)
-        msg = str(info.value)
-        assert f"{conv.fmt} has no {backend} layout: {conv_table.MISSING_LAYOUT[conv.fmt][backend]}" in msg, msg
-        assert not (tmp_path / f"{backend}.safetensors").exists()
     with open_checkpoint(root / family) as ck:
         for tp, rank in RANKS:
             back: dict[str, torch.Tensor] = {}

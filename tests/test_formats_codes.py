@@ -241,3 +241,24 @@ def test_rcp_approx_is_within_one_ulp_of_the_true_reciprocal_across_exponents():
 
 def test_rcp_approx_nan_stays_nan():
     assert math.isnan(codes.rcp_approx_ftz(torch.tensor([math.nan])).item())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_max_abs_per_byte_is_the_pairwise_max_of_the_dequantized_values(fmt):
+    """The lab's per-byte magnitude from the bytes (a 256-entry table) equals dequantize().abs() max-reduced over
+    each byte's two values, bit for bit: on every byte value with random scales (negative and dead ones too)."""
+    from fimoe_lab import formats
+
+    spec = formats.get(fmt)
+    torch.manual_seed(7)
+    q = spec.quantize(torch.randn(3, 32, 256) * torch.logspace(-4, 3, 32)[None, :, None])
+    every = torch.arange(256, dtype=torch.uint8).repeat(3, 32, 1)[..., : q.values.shape[-1]]
+    scales = q.scales.view(torch.uint8).clone()
+    scales[0, 0] = torch.arange(scales.shape[-1], dtype=torch.uint8) * 17  # sign bits, zero, NaN patterns
+    for values in (q.values, every):
+        probe = formats.QuantizedTensor(values, scales.view(q.scales.dtype), q.global_scale, q.fmt, q.block_size)
+        want = formats.dequantize(probe).abs()
+        want = want.reshape(*want.shape[:-1], -1, 2).amax(dim=-1)
+        got = spec.max_abs_per_byte(probe)
+        assert got.shape == want.shape and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -411,3 +411,57 @@ def coords_bytes(experts: int, nbytes: int) -> torch.Tensor:
         torch.arange(experts, dtype=torch.int32)[:, None] << 24
     )
     return words.view(torch.uint8).reshape(experts, nbytes)
+
+
+STAND_IN_CHILD = """
+import json, os, sys, torch
+from fimoe_lab import kernels
+from fimoe_lab.prepare import plan_layer
+m = plan_layer("fp8", "trtllm", 256, 2048).w13
+em = m.compiled()
+g = torch.Generator().manual_seed(7)
+x = torch.randint(0, 256, (4, m.in_bytes), dtype=torch.uint8, generator=g)
+first = kernels.get_executor(None, "cpu", 1 << 30).name
+out = torch.empty((4, m.out_bytes), dtype=torch.uint8)
+kernels.execute(em, x, out)
+want = torch.empty_like(out)
+kernels.execute(em, x, want, backend="torch")
+kernels.load_executor("numba")
+after = kernels.get_executor(None, "cpu", 1 << 30).name
+out2 = torch.empty_like(out)
+kernels.execute(em, x, out2)
+print(json.dumps([first, after, kernels.executor_ready("numba"), torch.equal(out, want), torch.equal(out2, want)]))
+"""
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")
+@pytest.mark.parametrize("background", ["1", "0"])
+def test_a_fresh_process_runs_on_torch_while_numba_loads(background):
+    """In a fresh process the first default CPU call does not wait for numba: torch stands in
+    (same bytes) while numba loads on a thread; after ``load_executor`` numba runs. With
+    ``FIMOE_BACKGROUND_LOAD=0`` the first call loads numba itself and runs on it."""
+    import json
+    import os
+
+    env = {**os.environ, "FIMOE_BACKGROUND_LOAD": background}
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", STAND_IN_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, after, ready, same1, same2 = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first == ("torch" if background == "1" else "numba")
+    assert after == "numba" and ready and same1 and same2
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")
+def test_numba_gather_refuses_a_strided_output_and_leaves_it_untouched():
+    """The numba loops write through the tensor's own memory: a non-contiguous ``out`` (which a
+    reshape would silently copy) is refused before any byte moves."""
+    from fimoe_lab.kernels import numba_gather
+
+    m = plan_layer("fp8", "trtllm", 256, 512).w13
+    x = random_bytes((2, m.in_bytes), torch.uint8, seed=11)
+    wide = torch.full((2, 2 * m.out_bytes), 0xAB, dtype=torch.uint8)
+    out = wide[:, ::2]
+    with pytest.raises(LayoutError, match="contiguous"):
+        numba_gather.gather_numba(m.compiled(), x, out)
+    assert bool((wide == 0xAB).all())

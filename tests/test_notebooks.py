@@ -88,7 +88,7 @@ def test_layout_tour(tmp_path, monkeypatch):
     assert int(offsets.group(1)) == 4
     assert [int(offsets.group(k)) for k in (2, 3, 4)] == [8 * 16, 24 * 16, 8 * 16 + 2 * 4]
     assert plan.w13_scale.provenance(8 * 16).source == (0, 0)
-    assert count(rich, "application/vnd.jupyter.widget-view+json") == 4
+    assert count(rich, "application/vnd.jupyter.widget-view+json") == 5  # rows, tiles, padding, provenance, A/B
     html = [d["text/html"] for d in rich if "text/html" in d]
     assert any("LayerPlan" in h and "swizzle_scales_128x4" in h for h in html)
     assert any("fill byte" in h or "input of pad_projections" in h for h in html)
@@ -109,7 +109,7 @@ def test_checkpoint_debugging_finds_the_planted_bugs(tmp_path, monkeypatch):
     assert 30 <= int(wrong.group(1)) <= 100
     assert "suspect B equals the plan without swizzle_scales_128x4: True" in text
     assert figures_shown(rich) == 4
-    assert count(rich, "application/vnd.jupyter.widget-view+json") == 1
+    assert count(rich, "application/vnd.jupyter.widget-view+json") == 2  # provenance, A/B
     assert any("DeepSeek FP8 TRT-LLM" in d.get("text/html", "") for d in rich)
     assert elapsed < 60
 
@@ -130,7 +130,7 @@ def test_alignment_tuning_reports_the_waste(tmp_path, monkeypatch):
     assert np.allclose(rows, expected)
     assert "TP 8: intermediate 2880 -> 360 per shard -> padded 384" in text
     assert figures_shown(rich) == 2
-    assert count(rich, "application/vnd.jupyter.widget-view+json") == 2
+    assert count(rich, "application/vnd.jupyter.widget-view+json") == 3  # padding, A/B, tuner
     tune = pytest.importorskip("fimoe_lab.tune.sweep")
     from fimoe_lab.tune.oracle import TacticOracle
 

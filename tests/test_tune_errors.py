@@ -19,7 +19,7 @@ def test_unknown_format_lists_valid(snap):
     with pytest.raises(
         OracleError,
         match=r"unknown format 'int4' \(fix: choose one of bf16, fp8, fp8-block, mxfp8, "
-        r"nvfp4, mxfp4, mxfp4-mxfp8\)",
+        r"nvfp4, mxfp4, mxfp4-mxfp8, mxint4\)",
     ):
         snap.query("int4", "swiglu", 2048, 768, 128, 8, 1)
     with pytest.raises(OracleError, match="unknown format 'nvfp4-per-token'"):  # a quantizer, not a tuner format

@@ -26,14 +26,15 @@ def o():
 
 
 def _combos(n: int, seed: int = 14) -> list:
-    """Random (preset, serving format, TP, GPU) combinations the issue does not list (TP 3 and 6 too)."""
+    """Random (preset, serving format, TP, GPU) combinations the issue does not list (TP 3 and 6 too), each
+    GPU where it runs a backend of the format (Hopper CUTLASS: not MxInt4)."""
     allc = [
         (p.name, f, tp, gpu)
         for p in PRESETS.values()
         for f in p.serving_formats
         for tp in (1, 2, 3, 4, 6, 8)
         for gpu in ("b200", "h200")
-        if (p.name, f, tp) not in ISSUE
+        if (p.name, f, tp) not in ISSUE and ("trtllm" if get_gpu(gpu).trtllm_gen else "cutlass") in FORMATS[f].backends
     ]
     return random.Random(seed).sample(allc, n)
 
@@ -257,3 +258,51 @@ def test_cost_model_without_tiles_and_with_calibration_constants():
     assert layer_time_us(slow, "bf16", "swiglu", 128, 2048, 128, 8, 1, None) == pytest.approx(10.0 + 2 * t1)
     t = layer_time_us(g, "bf16", "swiglu", 128, 2048, 128, 8, 16384, None)
     assert layer_time_us(slow, "bf16", "swiglu", 128, 2048, 128, 8, 16384, None) == pytest.approx(10.0 + 4 * t)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_kimi_k2_thinking_mxint4_recommends_its_unpadded_shards(o, tp):
+    """MxInt4 pads nothing: each TP's recommendation is the shard itself, with the recorded-FlashInfer counts
+    (test_tune_validity) at every T, and convert's real plan lays it out at that size."""
+    s = run("kimi-k2", "mxint4", tp, o)
+    rec, inter = s.attrs["recommendation"], 2048 // tp
+    assert s.attrs["backend"] == "trtllm" and s.attrs["source"]["kind"] == "model"
+    assert s.attrs["reference"] == {"inter_align": 1, "hidden_align": 1} and s.attrs["cutlass_alignments"] == {}
+    assert (rec["intermediate"], rec["intermediate_last"], rec["hidden"]) == (inter, inter, 7168)
+    assert rec["extra_bytes_pct"] == 0 and rec["full"] and all(r["intermediate"] == inter for r in s.rows)
+    row = next(r for r in s.rows if r["recommended"])
+    want = [o.query("mxint4", "swiglu", 7168, inter, 384, 8, t).count for t in s.attrs["tokens"]]
+    assert [row[c] for c in s.tcols] == want and min(want) >= 48  # 72/48 at I 256, 144/80 above
+    assert _convert_pads(get_preset("kimi-k2"), "mxint4", tp, rec["inter_align"], rec["hidden_align"], True) == {
+        (inter, 7168)
+    }
+
+
+def test_kimi_k2_thinking_mxint4_refuses_what_convert_refuses(o):
+    s = run("kimi-k2", "mxint4", 16, o)  # 128 per rank: kernels exist, convert (vLLM) pads nothing
+    assert s.attrs["recommendation"] is None and all(r["min_tactics"] > 0 for r in s.rows)
+    assert "intermediate 128 is not a multiple of 256" in s.attrs["no_recommendation"]
+    assert s.attrs["alternatives"][0] == "--tp 1 or 2 or 4 or 8 (shards convert accepts)"
+    with pytest.raises(FimoeError, match="not a multiple of 256"):
+        _convert_pads(get_preset("kimi-k2"), "mxint4", 16, 1, 1, True)
+    relu2 = run("nemotron3-nano", "mxint4", 1, o)  # ReLU^2: the op answers (as SwiGLU), convert refuses
+    assert relu2.attrs["recommendation"] is None and "SwiGLU (gated) layers only" in relu2.attrs["no_recommendation"]
+    assert any(r["min_tactics"] for r in relu2.rows) and not any(r["recommended"] for r in relu2.rows)
+    with pytest.raises(FimoeError, match="mxint4 runs on TRT-LLM only .*h200 \\(SM90\\) runs CUTLASS"):
+        run("kimi-k2", "mxint4", 8, o, gpu="h200")
+    with pytest.raises(FimoeError, match="mxint4 has no cutlass layout"):
+        run("kimi-k2", "mxint4", 8, o, backend="cutlass")
+
+
+def test_cli_tune_kimi_k2_mxint4_json_and_hopper_refusal(capsys):
+    from fimoe_lab.cli import main
+
+    assert main(["tune", "--model", "kimi-k2", "--format", "mxint4", "--tp", "8", "--json", "--source", "model"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["attrs"]["source"]["kind"] == "model" and d["attrs"]["format"] == "mxint4"
+    assert all(isinstance(r[f"t{t}"], int) for r in d["rows"] for t in d["attrs"]["tokens"])
+    assert [d["rows"][0][f"t{t}"] for t in (1, 4096)] == [72, 48]
+    assert d["attrs"]["recommendation"]["intermediate"] == 256 and d["attrs"]["recommendation"]["hidden"] == 7168
+    assert main(["tune", "--model", "kimi-k2", "--format", "mxint4", "--gpu", "h100", "--source", "model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mxint4 runs on TRT-LLM only" in err[0] and "(fix: pick a Blackwell --gpu" in err[0]

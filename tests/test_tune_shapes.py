@@ -1,5 +1,6 @@
 """fimoe_lab.shapes (torch-free) against what convert really does: plan_layer's padding and the reader's shards."""
 
+import collections
 import itertools
 import random
 import zlib
@@ -65,12 +66,71 @@ def test_padded_shape_is_plan_layers_rule_on_model_shards(fmt):
         assert shape_result(fmt, backend, i, h, act, ia, ha, None) == plan_result(fmt, backend, i, h, act, ia, ha, None)
 
 
+# MxInt4 (laid out from int4-group checkpoints; its own rule): sizes around multiples of 256, so that
+# both the accepted and the refused side of every condition are drawn
+_MXINT4_SIZES = st.one_of(
+    st.integers(1, 4096), st.integers(1, 32).map(lambda k: 256 * k), st.integers(1, 64).map(lambda k: 128 * k)
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    backend=st.sampled_from(BACKENDS),
+    i=_MXINT4_SIZES,
+    h=_MXINT4_SIZES,
+    act=st.sampled_from(ACTS),
+    ia=st.sampled_from(ALIGNS),
+    ha=st.sampled_from(ALIGNS),
+    engine=st.sampled_from((None,) + ENGINE_CHOICES),
+    per_token=st.booleans(),
+)
+def test_padded_shape_is_plan_layers_mxint4_rule_on_random_shapes(backend, i, h, act, ia, ha, engine, per_token):
+    args = ("mxint4", backend, i, h, act, ia, ha, engine, per_token)
+    assert shape_result(*args) == plan_result(*args)
+
+
+def test_padded_shape_is_plan_layers_mxint4_rule_on_kimi_shards():
+    """Structured: Kimi-K2-Thinking's per-rank sizes (I 2048 / TP 1..16, H 7168), the int4 family sample's
+    (512, 256), off-by-one and off-by-32 neighbours, x every alignment pair, both activation kinds and
+    backends. Every condition is met and missed at least once."""
+    sizes = sorted({2048 // tp for tp in (1, 2, 4, 8, 16)} | {512, 256, 255, 257, 224, 288, 7168, 7136})
+    results = collections.Counter()
+    for backend, i, h, act, ia, ha in itertools.product(BACKENDS, sizes, (7168, 256, 7200), ACTS, ALIGNS, ALIGNS):
+        got = shape_result("mxint4", backend, i, h, act, ia, ha, None)
+        assert got == plan_result("mxint4", backend, i, h, act, ia, ha, None), (backend, i, h, act, ia, ha)
+        results["refused" if got == "refused" else "laid out"] += 1
+        if got != "refused":  # no padding, ever
+            assert got == (i, h) and backend == "trtllm" and act == (True, True) and i % 256 == h % 256 == 0
+    assert results["laid out"] > 100 and results["refused"] > 1000, results
+    assert shapes.padded_shape("mxint4", "trtllm", 256, 7168) == (256, 7168)  # Kimi TP8
+    for bad, match in [
+        (dict(backend="cutlass"), "MxInt4 has no cutlass layout"),
+        (dict(is_act_and_mul=False, is_gated=False), "SwiGLU \\(gated\\) layers only"),
+        (dict(per_token_activation=True), "not per-token NVFP4"),
+        (dict(hidden_alignment=2048), "hidden 7168 padded to 8192: vLLM pads nothing"),
+        (dict(intermediate=128), "intermediate 128 is not a multiple of 256"),
+    ]:
+        kw = dict(backend="trtllm", intermediate=256, hidden=7168) | bad
+        with pytest.raises(FimoeError, match=match):
+            shapes.padded_shape("mxint4", **kw)
+
+
 def test_default_alignments_is_the_recipes_function_on_every_input():
     for fmt, backend, act, engine, per_token in itertools.product(
         weight_formats(), BACKENDS, ACTS, (None,) + ENGINE_CHOICES, (False, True)
     ):
         args = (fmt, backend, *act, engine, per_token)
         assert shapes.default_alignments(*args) == recipes.default_alignments(*args)
+
+
+def test_mxint4_default_alignments_pad_nothing_on_trtllm_and_refuse_cutlass():
+    """What plan_mxint4 builds without alignments on every profile (vLLM pads nothing), and no CUTLASS row."""
+    for act, engine in itertools.product(ACTS, (None,) + ENGINE_CHOICES):
+        assert shapes.default_alignments("mxint4", "trtllm", *act, engine) == (1, 1)
+        with pytest.raises(FimoeError, match="mxint4 has no cutlass layout .*fix: use --backend trtllm"):
+            shapes.default_alignments("mxint4", "cutlass", *act, engine)
+    plan = recipes.plan_layer("mxint4", "trtllm", 512, 256)  # the family sample's shape, no alignments given
+    assert (plan.padded_intermediate, plan.padded_hidden) == (512, 256)
 
 
 def _whole_blocks(conv) -> bool:

@@ -341,3 +341,46 @@ def test_no_kernel_table_and_no_module_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr("fimoe_lab.tune.oracle._blackwell_gpu", lambda: False)
     with pytest.raises(OracleError, match="no TRTLLM-Gen kernel table"):
         TacticOracle(mode="auto")
+
+
+# --------------------------------------------------------------------------- MxInt4
+# FlashInfer 0.6.13's own answers (trtllm_get_valid_moe_configs of the built module through the SM100
+# shim, kernel set batched_gemm-91e0ba0-896b90b@ffc4f52df6ff9010), recorded 2026-12-03: the snapshot
+# fixture predates MxInt4 as a tuner format and holds no MxInt4 shape. Kimi-K2-Thinking (H 7168, 384
+# experts, top-8) per-rank I of TP 1..16 (convert refuses 128: not a multiple of 256), an EP rank (48
+# experts), I and H off the 128 grid (empty), ReLU^2/GeGLU and MajorK (the op runs MxInt4 as SwiGLU,
+# BlockMajorK whatever is asked). Key: intermediate, hidden, experts, activation, layout, tokens.
+_MXINT4_LIVE = {
+    **{(i, 7168, 384, "swiglu", None, t): {8: 16, 16: 64, 32: 64} for i in (2048, 1024, 512) for t in (1, 64)},
+    **{(i, 7168, 384, "swiglu", None, t): {64: 64, 128: 16} for i in (2048, 1024, 512) for t in (4096, 16384)},
+    **{(i, 7168, 384, "swiglu", None, t): {8: 8, 16: 32, 32: 32} for i in (256, 128) for t in (1, 64)},
+    **{(256, 7168, 384, "swiglu", None, t): {64: 32, 128: 16} for t in (4096, 16384)},
+    **{(128, 7168, 384, "swiglu", None, t): {64: 32, 128: 8} for t in (4096, 16384)},
+    (256, 7168, 48, "swiglu", None, 64): {8: 8, 16: 32, 32: 32, 64: 32},
+    (384, 7168, 384, "swiglu", None, 64): {8: 16, 16: 64, 32: 64},
+    (300, 7168, 384, "swiglu", None, 64): {},
+    (256, 7200, 384, "swiglu", None, 64): {},
+    (256, 7168, 384, "relu2", None, 64): {8: 8, 16: 32, 32: 32},
+    (512, 7168, 384, "geglu", None, 1): {8: 16, 16: 64, 32: 64},
+    (256, 7168, 384, "swiglu", "major-k", 64): {8: 8, 16: 32, 32: 32},
+}
+
+
+def test_model_answers_mxint4_as_flashinfer_recorded(table):
+    o = TacticOracle(mode="model")
+    for (inter, hidden, experts, act, layout, tokens), want in _MXINT4_LIVE.items():
+        a = o.ask(TacticQuery("mxint4", act, hidden, inter, experts, 8, tokens, False, layout))
+        assert a.known and a.source["kind"] == "model"
+        assert (a.per_tile, a.count) == (want, sum(want.values())), (inter, hidden, experts, act, layout, tokens)
+        assert (a.reason is None) == bool(want), a.reason  # an empty list says so
+    with pytest.raises(OracleError, match="per-token activation scaling exists only for nvfp4"):
+        TacticQuery("mxint4", "swiglu", 7168, 256, 384, 8, 1, per_token=True).normalized()
+
+
+def test_cli_tactics_mxint4_json_gives_the_recorded_counts_from_the_model(capsys):
+    args = ["tactics", "--format", "MxInt4", "--hidden", "7168", "--inter", "256", "--experts", "384", "--top-k", "8"]
+    assert main(args + ["--tokens", "1,64,4096,16384", "--json", "--source", "model"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [d["count"] for d in out] == [72, 72, 48, 48] and all(isinstance(d["count"], int) for d in out)
+    assert [d["per_tile"] for d in out] == [{"8": 8, "16": 32, "32": 32}] * 2 + [{"64": 32, "128": 16}] * 2
+    assert {d["source"]["kind"] for d in out} == {"model"} and out[0]["source"]["flashinfer"] == "0.6.13"

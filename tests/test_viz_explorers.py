@@ -81,7 +81,7 @@ def test_clicking_a_kernel_cell_traces_it_and_a_checkpoint_cell_shows_where_it_l
     w.click(1.0, 1.0)  # the figure's corner: no heatmap there, nothing changes
     assert w.state["coords"] == (target, 11) and not is_error(w)
     if widgets.anywidget is not None:  # the browser's report goes the same way
-        w.view.click = [*svg_point(kernel_ax, 2, 9), 1]
+        w.view.click = [*svg_point(kernel_ax, 2, 9), 0, 1]  # x, y, SVG part, time
         assert w.pick.value == "kernel" and w.state["coords"] == (9, 2)
 
 
@@ -137,13 +137,42 @@ def test_export_writes_png_and_svg_and_the_code_draws_the_same_figure(tmp_path):
     assert scope["report"].summary() == pad.state["report"].summary()
 
 
-def test_redraws_are_cached_per_setting():
-    w = widgets.RowExplorer()
-    first = w.figure
-    w.start.value = 8
-    assert w.figure is not first
+def test_a_window_or_side_change_redraws_only_the_window_layer():
+    layer = sources.sample_layer("nvfp4", experts=2, intermediate=128, hidden=256)
+    w = widgets.RowExplorer(layer)
+    w.expert.value = 1
+    fig, base = w.figure, w.svg[: w.svg.rindex(f'<g class="{figures.LAYER}">')]
+    w.start.value = 72
+    w.side.value = "checkpoint"
+    assert w.figure is fig and w.svg.startswith(base)  # lines, shading and values only were drawn again
+    s = w.state
+    fresh = figures.row_permutation_figure(
+        s["plan"].w13,
+        2,
+        s["window"],
+        s["colour_by"],
+        layer.magnitude("w13", 1),
+        data.itemsize_of("nvfp4", "w13"),
+        side="checkpoint",
+        dead=layer.dead("w13", 1),
+    )
+    assert svg_texts(w.svg) == svg_texts(figures.to_svg(fresh))  # what a full drawing says, no more, no less
+    assert drawn_pairs(w.figure) == drawn_pairs(fresh) and len(drawn_pairs(fresh)) == 64
+    shown, expect = (np.ma.filled(f.axes[2].images[0].get_array(), np.nan) for f in (w.figure, fresh))
+    assert np.array_equal(shown, expect, equal_nan=True) and np.isfinite(shown).any()
+    w.colour_by.value = "shuffle block"  # recoloured in place: the all-rows panel and the lines
+    fresh = figures.row_permutation_figure(
+        s["plan"].w13, 2, s["window"], "shuffle block", layer.magnitude("w13", 1), 1, side="checkpoint"
+    )
+    assert w.figure is fig and svg_texts(w.svg) == svg_texts(figures.to_svg(fresh))
+    legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert legend == [t.get_text() for t in fresh.axes[1].get_legend().get_texts()] and "shuffle block 0" in legend
+    assert w.svg.count(figures.LAYER) == 2 and w.svg.count("<svg") == 1
+    w.colour_by.value = "origin"
+    w.side.value = "kernel"
     w.start.value = 0
-    assert w.figure is first and w.state["window"][0] == 0
+    assert w.figure is fig and w.state["window"] == (0, 64)
+    assert drawn_pairs(w.figure) == [(int(c), k) for k, c in enumerate(s["flow"].src_rows[:64]) if c >= 0]
 
 
 def svg_texts(svg: str) -> list[str]:
@@ -153,10 +182,10 @@ def svg_texts(svg: str) -> list[str]:
 
 def test_an_atom_change_redraws_only_the_atom_layer(tmp_path):
     w = widgets.TileExplorer()  # seeded MXFP8 w13 scales: 4 atoms
-    fig, base = w.figure, w.svg[: w.svg.rindex("<g>")]
+    fig, base = w.figure, w.svg[: w.svg.rindex(f'<g class="{figures.LAYER}">')]
     w.atom.value = 3
     assert w.figure is fig and w.svg.startswith(base)  # the grid, buffer and axes were not drawn again
-    assert w.svg.count("<svg") == 1 and w.svg.endswith("</g></svg>")
+    assert w.svg.count("<svg") == 1 and w.svg.count(figures.LAYER) == 1 and w.svg.endswith("</g></svg>")
     # the layered SVG says exactly what a fresh full drawing of atom 3 says (labels, title, hover texts)
     fresh = figures.swizzle_figure(w.state["plan"].w13_scale, data.itemsize_of("mxfp8", "w13_scale"), 3)
     assert svg_texts(w.svg) == svg_texts(figures.to_svg(fresh))

@@ -75,6 +75,7 @@ __all__ = [
     "CONFIG_KEYS",
     "CHECKPOINT_FORMATS",
     "MISSING_LAYOUT",
+    "WEIGHT_XOR",
     "get",
     "stored_format",
     "config_value",
@@ -146,7 +147,8 @@ CHECKPOINT_FORMATS: dict[str, FormatSpec] = {
             scale_block=32,
             vector_scaled=True,
             bits_per_weight=4.0 + 16 / 32,
-            backends=(),
+            backends=("trtllm",),
+            layout_format="mxint4",
             weights=False,
         ),
         FormatSpec(
@@ -161,13 +163,23 @@ CHECKPOINT_FORMATS: dict[str, FormatSpec] = {
     )
 }
 """Formats checkpoints store that :data:`fimoe_lab.specs.FORMATS` has no layout for: read,
-inspected and restored byte-exact; ``convert`` refuses them (:data:`MISSING_LAYOUT` says what is missing)."""
+inspected and restored byte-exact; ``convert`` lays one out only where ``layout_format`` names a format of
+``specs.FORMATS`` (int4-group -> ``mxint4``, TRT-LLM; with :data:`WEIGHT_XOR`), and refuses the rest
+(:data:`MISSING_LAYOUT` says what is missing)."""
+
+WEIGHT_XOR: dict[str, int] = {"int4-group": 0x88}
+"""Checkpoint formats whose weight bytes differ from their ``layout_format``'s by a constant XOR, applied to
+every weight byte (not the scales) before the layout steps, and again after the inverse by ``restore`` (an
+XOR is its own inverse). int4-group stores each 4-bit value as ``q + 8`` (compressed-tensors ``uint4b8``,
+``q`` in [-8, 7]); MxInt4 kernels read ``q`` in two's complement, ``(q + 8) mod 16 XOR 8 = q mod 16``, so
+each nibble XOR 8, each byte XOR 0x88 (vLLM 0.34 does the same nibble by nibble:
+``convert_packed_uint4b8_to_signed_int4_inplace`` inside ``prepare_static_weights_for_trtllm_mxint4_moe``)."""
 
 MISSING_LAYOUT: dict[str, dict[str, str]] = {
     "int4-group": {
-        "trtllm": "no MxInt4 row in fimoe_lab.specs.FORMATS and no recipe for it (the plan exists: "
-        "recipes.plan_trtllm_mxint4, FlashInfer 0.7.x prepare_trtllm_mxint4_weights)",
-        "cutlass": "no INT4 group-scaled MoE layout for CUTLASS in fimoe_lab",
+        "cutlass": "no W4A16 (INT4, a BF16 scale per 32) MoE layout for CUTLASS in fimoe_lab: FlashInfer's CUTLASS "
+        "INT4 MoE is W4A8 (use_w4_group_scaling, FP8 activations) and is not laid out here; --backend trtllm "
+        "takes it as MxInt4",
     },
     "fp8-channel": {
         backend: f"no per-output-channel FP8 MoE layout for {backend} in fimoe_lab.specs.FORMATS "

@@ -179,10 +179,14 @@ def convert_distributed(
     device: str = "cpu",
     single_file: Optional[bool] = None,
     ep_size: int = 1,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> dict[str, Any]:
     """:func:`~fimoe_lab.checkpoints.writer.convert_checkpoint` (sharded output) split across the processes
     of the launcher's group (module docstring); every process calls it with the same arguments.
 
+    ``per_token``: per-token NVFP4 activations, ``activation_dtype``: the kernel's activations (MXFP4 on
+    CUTLASS: ``bf16`` for the SM90 layout), as in ``convert_checkpoint`` (recorded in every plan).
     ``tp_rank``: one rank (default 0) or ``all``: every TP rank, rank ``r`` into ``out/rank-<r>``, as
     :func:`~fimoe_lab.checkpoints.writer.convert_checkpoint` does (``ep_size`` too). ``device`` ``cuda``:
     ``cuda:LOCAL_RANK``.
@@ -203,6 +207,8 @@ def convert_distributed(
         "intermediate_alignment": intermediate_alignment,
         "hidden_alignment": hidden_alignment,
         "engine": engine,
+        "per_token": per_token,
+        "activation_dtype": activation_dtype,
     }
     writer._device(device)
     with ExitStack() as stack:

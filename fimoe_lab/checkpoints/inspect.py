@@ -5,27 +5,43 @@ Reads only headers and scales (never the weights), so it is quick on real checkp
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
 
+from fimoe_lab import recipes
 from fimoe_lab.checkpoints.conventions import MISSING_LAYOUT, dtype_name, stored_format
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
-from fimoe_lab.checkpoints.writer import build_plan, plan_args, suggest_alignment
+from fimoe_lab.checkpoints.writer import build_plan, layout_format, plan_args, suggest_alignment
+from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.formats.health import TINY_SCALE, decoded_scales
 from fimoe_lab.recipes import FI_MOE_INTERMEDIATE_MULTIPLE
-from fimoe_lab.specs import BACKENDS, FORMATS
+from fimoe_lab.specs import BACKENDS
 
-__all__ = ["LayerReport", "inspect_checkpoint", "format_report", "backend_needs", "scale_health"]
+__all__ = [
+    "LayerReport",
+    "BackendNeed",
+    "inspect_checkpoint",
+    "format_report",
+    "backend_need",
+    "backend_needs",
+    "scale_health",
+]
 
 
 @dataclass
 class LayerReport:
-    """What ``fimoe-lab inspect`` prints for one MoE layer."""
+    """What ``fimoe-lab inspect`` prints for one MoE layer.
+
+    ``tp[t]``: the printed row at TP ``t`` (``shard`` and one line per backend); ``shards[t]``:
+    ``{"sizes": [intermediate of each rank] or None, "cannot": None or why it does not shard}``;
+    ``plans[t][backend]``: the :class:`BackendNeed` of rank 0 behind the printed line.
+    """
 
     layer: int
     convention: str
@@ -41,6 +57,36 @@ class LayerReport:
     health: list[str] = field(default_factory=list)
     name: str = ""
     mtp: bool = False
+    activation: str = "silu"
+    shards: dict[int, dict] = field(default_factory=dict)
+    plans: dict[int, dict[str, BackendNeed]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The record ``inspect --json`` prints for this layer (see ``fimoe-lab inspect --help``)."""
+        return dict(
+            layer=self.layer,
+            name=self.name,
+            mtp=self.mtp,
+            convention=self.convention,
+            models=self.models,
+            format=self.fmt,
+            experts=self.num_experts,
+            top_k=self.top_k,
+            hidden=self.hidden,
+            intermediate=self.intermediate,
+            gate_up_order=self.gate_up_order,
+            activation=self.activation,
+            tensors=[dict(name=n, dtype=dt, shape=list(shape)) for n, (dt, shape) in self.tensors.items()],
+            tp=[
+                dict(
+                    tp=t,
+                    **self.shards.get(t, {}),
+                    backends={b: need.to_json() for b, need in self.plans.get(t, {}).items()},
+                )
+                for t in self.tp
+            ],
+            health=list(self.health),
+        )
 
 
 def _short(exc: Exception) -> str:
@@ -48,40 +94,149 @@ def _short(exc: Exception) -> str:
     return " ".join((exc.message if isinstance(exc, FimoeError) else str(exc)).split())
 
 
-def _describe(layer: MoELayer, backend: str, alignment: Optional[int] = None, engine: Optional[str] = None) -> str:
-    plan = build_plan(plan_args(layer, backend, alignment, engine=engine))
+@dataclass
+class BackendNeed:
+    """What one FlashInfer backend needs for one TP rank's slice of a layer under one engine profile.
+
+    ``status``: ``ok`` (the profile's default paddings lay it out), ``aligned`` (the default fails
+    for ``reason``; ``--intermediate-alignment alignment`` works and the plan facts are that
+    plan's), ``cannot`` (no alignment tried works: ``reason``) or ``no-layout`` (the format has
+    no layout for this backend, :data:`~fimoe_lab.checkpoints.conventions.MISSING_LAYOUT`).
+    Bytes are per expert over w13, w2 and their scales: ``pad_bytes = kernel_bytes -
+    checkpoint_bytes``; ``tensors``: per tensor ``{"name", "in_shape", "out_shape"`` (bytes per
+    expert), ``"pad_bytes", "steps"`` (step kinds, checkpoint to kernel)``}``; ``plan``: the
+    :func:`~fimoe_lab.checkpoints.writer.plan_args` record that rebuilds the plan (what convert records);
+    ``tactics``: ``{tokens: valid TRTLLM-Gen tactics of the padded shape}`` where a caller that may ask the
+    tuner filled it (the CLI; None: not asked), a count None where the tactic source does not know.
+    """
+
+    backend: str
+    fmt: str
+    status: str
+    intermediate: int
+    hidden: int
+    engine: str
+    reason: Optional[str] = None
+    alignment: Optional[int] = None
+    padded_intermediate: Optional[int] = None
+    padded_hidden: Optional[int] = None
+    checkpoint_bytes: int = 0
+    kernel_bytes: int = 0
+    tensors: list[dict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    plan: Optional[dict] = None
+    tactics: Optional[dict[str, Optional[int]]] = None
+
+    @property
+    def pad_bytes(self) -> int:
+        return self.kernel_bytes - self.checkpoint_bytes
+
+    def plan_text(self) -> str:
+        """The plan's paddings and tactic warnings on one line (``no padding`` when it pads nothing)."""
+        pads = []
+        if self.padded_intermediate != self.intermediate:
+            pads.append(f"I {self.intermediate}->{self.padded_intermediate}")
+        if self.padded_hidden != self.hidden:
+            pads.append(f"H {self.hidden}->{self.padded_hidden}")
+        pct = 100 * self.pad_bytes / max(self.checkpoint_bytes, 1)
+        text = ("pad " + ", ".join(pads) + f" (+{pct:.0f}% bytes)") if pads else "no padding"
+        return "; ".join([text, *self.warnings])
+
+    def text(self) -> str:
+        """The one line ``inspect`` prints for this backend."""
+        if self.status == "no-layout":
+            return f"cannot convert {self.fmt}: {self.reason}"
+        if self.status == "cannot":
+            return f"cannot lay out: {self.reason}"
+        if self.status == "aligned":
+            return f"default fails ({self.reason}); --intermediate-alignment {self.alignment}: {self.plan_text()}"
+        return self.plan_text()
+
+    def to_json(self) -> dict:
+        """The record ``inspect --json`` prints (every field, ``pad_bytes`` and the ``text`` line)."""
+        doc = {k: v for k, v in asdict(self).items() if k != "fmt"}  # the layer's "format"
+        return {**doc, "pad_bytes": self.pad_bytes, "text": self.text()}
+
+
+def _plan_facts(
+    layer: MoELayer,
+    backend: str,
+    alignment: Optional[int],
+    engine: str,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
+) -> dict:
+    """Padded sizes, bytes per expert, per-tensor step chains (word bit steps included) and tactic warnings of the
+    plan ``convert`` builds."""
+    record = plan_args(layer, backend, alignment, None, engine, per_token, activation_dtype)
+    plan = build_plan(record)
     maps = plan.maps()
-    src = sum(m.in_bytes for m in maps.values())
-    dst = sum(m.out_bytes for m in maps.values())
-    pads = []
-    if plan.padded_intermediate != plan.intermediate:
-        pads.append(f"I {plan.intermediate}->{plan.padded_intermediate}")
-    if plan.padded_hidden != plan.hidden:
-        pads.append(f"H {plan.hidden}->{plan.padded_hidden}")
-    text = ("pad " + ", ".join(pads) + f" (+{100 * (dst - src) / max(src, 1):.0f}% bytes)") if pads else "no padding"
-    need = FORMATS[layer.fmt].tactic_intermediate_multiple
+    tensors = []
+    for name, t in layer.tensors().items():  # shapes only (meta tensors); a tensor no step moves is unchanged
+        if t is None:
+            continue
+        rows = t.shape[1] if t.dim() > 2 else 1
+        shape = [rows, t[0].numel() * t.element_size() // rows]
+        m = maps.get(name)
+        tensors.append(
+            dict(
+                name=name,
+                in_shape=list(m.in_shape) if m else shape,
+                out_shape=list(m.out_shape) if m else shape,
+                pad_bytes=m.out_bytes - m.in_bytes if m else 0,
+                steps=[s["kind"] for s in plan.tensor_steps(name)],
+            )
+        )
+    warnings = []
+    need = stored_format(layer.fmt).tactic_intermediate_multiple
     if backend == "trtllm" and need and plan.padded_intermediate % need:
-        text += f"; I%{need}!=0: few/no TRT-LLM tactics"
-    cutlass_need = FI_MOE_INTERMEDIATE_MULTIPLE
-    if backend == "cutlass" and plan.padded_intermediate % cutlass_need:
-        text += f"; I%{cutlass_need}!=0: FlashInfer MoE needs it (align_moe_weights_for_fi)"
-    return text
+        warnings.append(f"I%{need}!=0: few/no TRT-LLM tactics")
+    if backend == "cutlass" and plan.padded_intermediate % FI_MOE_INTERMEDIATE_MULTIPLE:
+        warnings.append(f"I%{FI_MOE_INTERMEDIATE_MULTIPLE}!=0: FlashInfer MoE needs it (align_moe_weights_for_fi)")
+    return dict(
+        padded_intermediate=plan.padded_intermediate,
+        padded_hidden=plan.padded_hidden,
+        checkpoint_bytes=sum(math.prod(t["in_shape"]) for t in tensors),
+        kernel_bytes=sum(math.prod(t["out_shape"]) for t in tensors),
+        tensors=tensors,
+        warnings=warnings,
+        plan=record,
+    )
+
+
+def backend_need(
+    layer: MoELayer,
+    backend: str,
+    engine: Optional[str] = None,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
+) -> BackendNeed:
+    """What ``backend`` needs for this (per-rank) layer under ``engine``'s profile (default: the
+    newest vLLM's): the default plan's paddings, or why it fails and the alignment that fixes it;
+    ``per_token``: with per-token NVFP4 activations (``convert --per-token``'s paddings);
+    ``activation_dtype``: the kernel's activations (``convert --mxfp4-activation``)."""
+    name = get_engine(engine).name
+    need = BackendNeed(backend, layer.fmt, "ok", layer.intermediate, layer.hidden, name)
+    missing = MISSING_LAYOUT.get(layer.fmt, {}).get(backend)
+    if missing is not None:
+        need.status, need.reason = "no-layout", missing
+        return need
+    try:
+        facts = _plan_facts(layer, backend, None, name, per_token, activation_dtype)
+    except ValueError as exc:
+        need.reason, need.alignment = _short(exc), suggest_alignment(layer, backend, name, per_token, activation_dtype)
+        if need.alignment is None:
+            need.status = "cannot"
+            return need
+        need.status, facts = "aligned", _plan_facts(layer, backend, need.alignment, name, per_token, activation_dtype)
+    for key, value in facts.items():
+        setattr(need, key, value)
+    return need
 
 
 def backend_needs(layer: MoELayer, backend: str, engine: Optional[str] = None) -> str:
-    """One line: what ``backend`` needs for this (per-rank) layer under ``engine``'s profile
-    (default: the newest vLLM's): padding, or why it fails and the fix (for a format with
-    no layout, :data:`~fimoe_lab.checkpoints.conventions.MISSING_LAYOUT`)."""
-    missing = MISSING_LAYOUT.get(layer.fmt, {}).get(backend)
-    if missing is not None:
-        return f"cannot convert {layer.fmt}: {missing}"
-    try:
-        return _describe(layer, backend, engine=engine)
-    except ValueError as exc:
-        a = suggest_alignment(layer, backend, engine)
-        if a is None:
-            return f"cannot lay out: {_short(exc)}"
-        return f"default fails ({_short(exc)}); --intermediate-alignment {a}: {_describe(layer, backend, a, engine)}"
+    """One line: what ``backend`` needs for this (per-rank) layer (:func:`backend_need`'s text)."""
+    return backend_need(layer, backend, engine).text()
 
 
 def scale_health(layer: MoELayer) -> list[str]:
@@ -178,12 +333,18 @@ def inspect_checkpoint(
     layers: Optional[Sequence[int]] = None,
     tps: Sequence[int] = (1, 2, 4, 8),
     engine: Optional[str] = None,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> list[LayerReport]:
     """A :class:`LayerReport` per MoE layer (all, or ``layers``) of the checkpoint at ``path``;
-    paddings as ``engine``'s profile applies them (default: the newest vLLM's)."""
+    paddings as ``engine``'s profile applies them (default: the newest vLLM's), with ``per_token``
+    NVFP4 activations where given (``convert --per-token``); ``activation_dtype`` (``convert
+    --mxfp4-activation``) for the backends whose recipe has a layout per activation dtype, refused
+    for a checkpoint format with none."""
     reports = []
     with Checkpoint(path) as ck:
         conv = ck.convention
+        acts = _activation_dtypes(ck.fmt, activation_dtype)
         wanted = ck.moe_layers if layers is None else list(layers)
         mtp = set(ck.mtp_layers)
         for idx in wanted:
@@ -211,6 +372,7 @@ def inspect_checkpoint(
                 health=scale_health(full),
                 name=ck.layer_names[idx],
                 mtp=idx in mtp,
+                activation=full.activation,
             )
             for tp in tps:
                 row: dict[str, str] = {}
@@ -218,15 +380,29 @@ def inspect_checkpoint(
                     sizes = [end - start for start, end in (ck.shard_bounds(tp, r, idx) for r in range(tp))]
                 except CheckpointError as exc:
                     row["shard"] = f"cannot shard: {_short(exc)}"
-                    rep.tp[tp] = row
+                    rep.tp[tp], rep.shards[tp] = row, {"sizes": None, "cannot": _short(exc)}
                     continue
                 row["shard"] = f"I/tp = {sizes[0]}" + (f" (last {sizes[-1]})" if sizes[-1] != sizes[0] else "")
+                rep.shards[tp] = {"sizes": sizes, "cannot": None}
                 shard = ck.read_layer(idx, tp, 0, load="none")
-                for backend in BACKENDS:
-                    row[backend] = backend_needs(shard, backend, engine)
+                rep.plans[tp] = {b: backend_need(shard, b, engine, per_token, acts[b]) for b in BACKENDS}
+                row.update({backend: need.text() for backend, need in rep.plans[tp].items()})
                 rep.tp[tp] = row
             reports.append(rep)
     return reports
+
+
+def _activation_dtypes(fmt: str, activation_dtype: Optional[str]) -> dict[str, Optional[str]]:
+    """``activation_dtype`` for each backend whose recipe for ``fmt`` lays out by activation dtype, else None;
+    a dtype that no backend's recipe for ``fmt`` offers is one CheckpointError."""
+    offers = {b: recipes.ACTIVATION_DTYPES.get(recipes.recipe_id(layout_format(fmt), b), ()) for b in BACKENDS}
+    if activation_dtype is not None and not any(activation_dtype in c for c in offers.values()):
+        raise CheckpointError(
+            f"--mxfp4-activation {activation_dtype} does not apply to {fmt} weights: only "
+            f"{', '.join(recipes.ACTIVATION_DTYPES)} has a kernel layout per activation dtype",
+            fix="drop --mxfp4-activation, or inspect an MXFP4 checkpoint",
+        )
+    return {b: activation_dtype if activation_dtype in offers[b] else None for b in BACKENDS}
 
 
 def format_report(reports: Sequence[LayerReport]) -> str:

@@ -740,7 +740,7 @@ class _PerExpertReader(_LayerReader):
                         fix="check that config.json belongs to these weights",
                     )
         items = [p for p in plan if p[4] is not None and self.wants(p[5])]
-        if self.progress and items:
+        if self.progress is True and items:  # a terminal's live bar; plain progress (a bar class) counts bytes only
             from tqdm.auto import tqdm
 
             items = tqdm(items, desc=f"layer {self.layer}", unit="tensor", leave=False)

@@ -1,8 +1,11 @@
 """Streaming safetensors output: chunks written by offset from worker threads, shards, resume.
 
-- :class:`Workers`: a writer thread (``os.pwrite``) and, for checksums, :data:`HASH_LANES`
-  hashing threads (``hashlib.sha256``; a tensor's chunks always go to the same one) behind the caller, each fed through a queue of :data:`DEPTH` jobs; both
-  release the GIL, so the caller transforms the next chunk while this one is hashed and written.
+- :class:`Workers`: :func:`write_lanes` writer threads (``os.pwrite``; chunks dealt to them in
+  turn: each chunk is written at its own offset, so their order does not matter) and, for
+  checksums, :data:`HASH_LANES` hashing threads (``hashlib.sha256``; a tensor's chunks always go
+  to the same one, in order) behind the caller, fed through queues of about :data:`DEPTH` jobs
+  in all per kind; both release the GIL, so the caller transforms the next chunk while this one
+  is hashed and written. A shard is finished only after every queue is drained.
 - :class:`ShardFile`: one safetensors file whose tensor names, dtypes and shapes are known up
   front. The header is written first, with checksum placeholders of the same length; each
   tensor arrives as chunks along its leading (expert) dim, in order per tensor, any order
@@ -42,6 +45,7 @@ __all__ = [
     "DEPTH",
     "SHARD_BYTES",
     "Workers",
+    "write_lanes",
     "ShardFile",
     "ShardedOutput",
     "workers_for",
@@ -63,6 +67,26 @@ PLACEHOLDER = "0" * 64
 """A checksum not yet computed (the length of a sha256 hex digest)."""
 READ_BYTES = 16 << 20
 """Bytes read at a time when a shard is verified."""
+LANES_ENV = "FIMOE_WRITE_LANES"
+"""Environment variable overriding the number of writer threads (:func:`write_lanes`)."""
+
+
+def write_lanes() -> int:
+    """Writer threads: ``$FIMOE_WRITE_LANES`` when set (an integer >= 1), else
+    ``clamp(cpu_count // 4, 1, 4)`` (one thread copies into the page cache at a few GB/s; a host
+    with many cores and a fast disk needs several, a small one has no core to spare for them)."""
+    raw = os.environ.get(LANES_ENV)
+    if raw is not None:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise CheckpointError(
+                f"{LANES_ENV}={raw!r} is not a whole number >= 1", fix=f"unset {LANES_ENV} or set it to 1, 2, ..."
+            )
+        return n
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 def experts_per_chunk(expert_bytes: int, layer_bytes: int) -> int:
@@ -97,17 +121,26 @@ def plan_shards(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], shard_byt
 
 # ============================================================================ worker threads
 class Workers:
-    """A writer thread and (``hashing``) :data:`HASH_LANES` hashing threads, each running its jobs in order.
+    """``lanes`` writer threads (default :func:`write_lanes`) and (``hashing``) :data:`HASH_LANES`
+    hashing threads, each running its jobs in order.
 
-    :meth:`submit` blocks while a queue is full (so at most ``DEPTH + 1`` jobs' tensors per queue are
-    alive); the first error of a job is raised by the next :meth:`submit` or :meth:`drain`,
+    Writes are dealt to the writer threads in turn, digests to hashing thread ``lane %
+    HASH_LANES``. :meth:`submit` blocks while a queue is full (each writer queue holds
+    ``max(2, DEPTH // lanes)`` jobs, so about ``DEPTH`` chunks are in flight whatever the
+    lanes); the first error of a job is raised by the next :meth:`submit` or :meth:`drain`,
     and the jobs after it are skipped.
     """
 
-    def __init__(self, hashing: bool):
+    def __init__(self, hashing: bool, lanes: Optional[int] = None):
         self._error: Optional[BaseException] = None
         self._abort = False
-        self._queues: list[queue.Queue] = [queue.Queue(DEPTH) for _ in range(1 + HASH_LANES * hashing)]
+        self.lanes = write_lanes() if lanes is None else lanes
+        if self.lanes < 1:
+            raise CheckpointError(f"internal: {self.lanes} writer lanes")
+        self._next = 0
+        depth = max(2, DEPTH // self.lanes)
+        self._queues: list[queue.Queue] = [queue.Queue(depth) for _ in range(self.lanes)]
+        self._queues += [queue.Queue(DEPTH) for _ in range(HASH_LANES * hashing)]
         self._threads = [
             threading.Thread(target=self._run, args=(q,), name=f"fimoe-lab-worker-{i}", daemon=True)
             for i, q in enumerate(self._queues)
@@ -135,11 +168,12 @@ class Workers:
             raise self._error
 
     def submit(self, write: Callable[[], None], digest: Optional[Callable[[], None]] = None, lane: int = 0) -> None:
-        """Queue ``write`` and (hashing) ``digest`` on hashing thread ``lane % HASH_LANES``."""
+        """Queue ``write`` on the next writer thread and (hashing) ``digest`` on hashing thread ``lane % HASH_LANES``."""
         self.check()
-        self._queues[0].put(write)
+        self._queues[self._next].put(write)
+        self._next = (self._next + 1) % self.lanes
         if digest is not None:
-            self._queues[1 + lane % HASH_LANES].put(digest)
+            self._queues[self.lanes + lane % HASH_LANES].put(digest)
 
     def drain(self) -> None:
         """Wait until every job submitted so far has run; raise the first error."""

@@ -13,12 +13,13 @@ with the checksums of its own tensors), per layer:
   id and the :func:`fimoe_lab.recipes.plan_layer` arguments (format, backend, sizes, gating,
   alignments) that rebuild the plan (plans are deterministic);
 - ``tensors``: per tensor its kernel name, its steps as ``[{"kind", "params"}, ...]``
-  (:meth:`IndexMap.spec`, each step rebuilt by ``steps.build(kind, params)``) and its
-  checkpoint and kernel dtype/shape; ``extras``: dtype/shape, and for a per-row bias the
+  (:meth:`IndexMap.spec`, each step rebuilt by ``steps.build(kind, params)``; a word bit step,
+  ``sm90_mixed_word_bits`` of the SM90 MXFP4 x BF16 layout, comes after the byte steps and runs on
+  every 32-bit word of the tensor: :attr:`LayerPlan.word_bits`) and its checkpoint and kernel dtype/shape; ``extras``: dtype/shape, and for a per-row bias the
   weight whose rows it follows (``rows_of``) with those row steps.
 
 :func:`restore_layers` rebuilds the plan from recipe and arguments, checks that the recorded
-steps equal the rebuilt ones, and applies ``plan.inverse()``. Version-1 files (a ``builder``
+steps equal the rebuilt ones, and applies ``plan.inverse()`` (word bits undone first). Version-1 files (a ``builder``
 module path and display names of the steps) still restore: see :func:`check_record`.
 
 - ``checksums``: ``{tensor name: sha256 hex of its bytes}``, computed while streaming;
@@ -45,6 +46,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -57,7 +59,7 @@ from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import BIAS_ROWS, LayerPlan, apply_map
-from fimoe_lab.specs import weight_formats
+from fimoe_lab.specs import FORMATS, weight_formats
 
 __all__ = [
     "FORMAT_VERSION",
@@ -99,8 +101,19 @@ def plan_args(
     intermediate_alignment: Optional[int] = None,
     hidden_alignment: Optional[int] = None,
     engine: Optional[str] = None,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> dict:
     """The record that rebuilds this layer's plan: ``{"recipe": id, "args": plan_layer keyword arguments}``.
+
+    ``per_token``: NVFP4 activations quantised per token (``plan_layer``'s ``per_token_activation``: the
+    profile's per-token paddings apply), recorded as ``args["per_token_activation"]``; files written without
+    it rebuild with False (``plan_layer``'s default). Refused for a format without per-token activations
+    (``specs.FORMATS[fmt].tactics.per_token_ok``). ``activation_dtype``: the activations the kernel takes where
+    the recipe has a layout per activation dtype (``recipes.ACTIVATION_DTYPES``: ``"bf16"`` for MXFP4 on CUTLASS is
+    the Hopper SM90 mixed-input layout), recorded as ``args["activation_dtype"]`` when given; refused for
+    any other recipe. A checkpoint format whose ``layout_format`` names a
+    format of ``specs.FORMATS`` (int4-group -> mxint4) is planned as that format.
 
     ``engine``: the profile (:mod:`fimoe_lab.engines`; None: ``engines.DEFAULT_ENGINE``),
     recorded by its resolved name so that ``restore`` rebuilds with the same defaults. Files
@@ -114,15 +127,23 @@ def plan_args(
             f"{layer.fmt} has no {backend} layout: {missing}",
             fix="inspect and restore work on it; convert needs that layout",
         )
-    if layer.fmt not in weight_formats():
+    fmt = layout_format(layer.fmt)
+    if recipes.recipe_id(fmt, backend) not in recipes.RECIPES:
         raise CheckpointError(
             f"no layout plan for format {layer.fmt!r}",
             fix=f"convert one of the weight formats {', '.join(weight_formats())}",
         )
+    tactics = FORMATS[fmt].tactics
+    if per_token and not (tactics is not None and tactics.per_token_ok):
+        raise CheckpointError(
+            f"--per-token (per-token NVFP4 activations) does not apply to {layer.fmt} weights",
+            fix="drop --per-token (it is for NVFP4 checkpoints)",
+        )
+    _check_activation_dtype(layer.fmt, fmt, backend, activation_dtype)
     return {
-        "recipe": recipes.recipe_id(layer.fmt, backend),
+        "recipe": recipes.recipe_id(fmt, backend),
         "args": {
-            "fmt": layer.fmt,
+            "fmt": fmt,
             "backend": backend,
             "intermediate": layer.intermediate,
             "hidden": layer.hidden,
@@ -131,8 +152,38 @@ def plan_args(
             "intermediate_alignment": intermediate_alignment,
             "hidden_alignment": hidden_alignment,
             "engine": engines.get_engine(engine or engines.DEFAULT_ENGINE).name,
+            "per_token_activation": bool(per_token),
+            **({} if activation_dtype is None else {"activation_dtype": activation_dtype}),
         },
     }
+
+
+def _check_activation_dtype(checkpoint_fmt: str, fmt: str, backend: str, activation_dtype: Optional[str]) -> None:
+    """Refuse an ``activation_dtype`` that the recipe ``fmt/backend`` has no layout for (one line and the fix)."""
+    choices = recipes.ACTIVATION_DTYPES.get(recipes.recipe_id(fmt, backend), ())
+    if activation_dtype is None or activation_dtype in choices:
+        return
+    if choices:
+        raise CheckpointError(
+            f"--mxfp4-activation {activation_dtype}: {fmt} on {backend} has layouts for {' or '.join(choices)} "
+            "activations only",
+            fix=f"pass --mxfp4-activation {' or '.join(choices)} (default {choices[0]})",
+        )
+    where = ", ".join(f"{r} ({' or '.join(c)})" for r, c in recipes.ACTIVATION_DTYPES.items())
+    raise CheckpointError(
+        f"--mxfp4-activation {activation_dtype} does not apply to {checkpoint_fmt} weights on {backend}: only "
+        f"{where} has a kernel layout per activation dtype",
+        fix="drop --mxfp4-activation, or convert an MXFP4 checkpoint with --backend cutlass",
+    )
+
+
+def layout_format(fmt: str) -> str:
+    """The ``specs.FORMATS`` format whose recipe lays out checkpoint format ``fmt`` (itself, or its
+    ``layout_format``: int4-group -> mxint4)."""
+    try:
+        return conventions.stored_format(fmt).plan_format
+    except ValueError:
+        return fmt
 
 
 def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
@@ -146,6 +197,15 @@ def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
 
     args = dict(record.get("args") or {})
     args.setdefault("engine", engines.LEGACY_ENGINE)
+    if not isinstance(args.get("per_token_activation", False), bool):
+        raise CheckpointError(
+            f"per_token_activation {args['per_token_activation']!r} in the plan record is not true or false",
+            fix=_EDITED,
+        )
+    if not isinstance(args.get("activation_dtype"), (str, type(None))):
+        raise CheckpointError(
+            f"activation_dtype {args['activation_dtype']!r} in the plan record is not a dtype name", fix=_EDITED
+        )
     if args["engine"] not in engines.ENGINES:
         raise CheckpointError(
             f"unknown engine profile {args['engine']!r} in the plan record",
@@ -178,11 +238,17 @@ def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
 TRY_ALIGNMENTS = (16, 32, 64, 128, 256)
 
 
-def suggest_alignment(layer: MoELayer, backend: str, engine: Optional[str] = None) -> Optional[int]:
+def suggest_alignment(
+    layer: MoELayer,
+    backend: str,
+    engine: Optional[str] = None,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
+) -> Optional[int]:
     """The smallest intermediate alignment in :data:`TRY_ALIGNMENTS` whose plan builds for this layer, or None."""
     for a in TRY_ALIGNMENTS:
         try:
-            build_plan(plan_args(layer, backend, a, engine=engine))
+            build_plan(plan_args(layer, backend, a, None, engine, per_token, activation_dtype))
             return a
         except ValueError:
             continue
@@ -195,19 +261,23 @@ def convert_layer(
     intermediate_alignment: Optional[int] = None,
     hidden_alignment: Optional[int] = None,
     engine: Optional[str] = None,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> tuple[dict[str, torch.Tensor], LayerPlan, dict]:
     """One layer into the kernel layout: ``(tensors by kernel name, plan, plan spec)``.
 
     ``engine``: the profile whose defaults and layouts apply (:mod:`fimoe_lab.engines`;
     None: the newest vLLM's, ``engines.DEFAULT_ENGINE``). Only bytes move (block scales are
     not clamped; see ``inspect`` for dead scales). Biases (gpt-oss) follow their weight's
-    rows; other extras pass unchanged.
+    rows; other extras pass unchanged. ``per_token``, ``activation_dtype``: :func:`plan_args`. A checkpoint format
+    with a :data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR` byte (int4-group: ``q + 8`` ->
+    two's complement) has its weight bytes XORed with it first (a copy; the layer is untouched).
     """
-    spec = plan_args(layer, backend, intermediate_alignment, hidden_alignment, engine=engine)
+    spec = plan_args(layer, backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
     plan = build_plan(spec)
     outs = plan.apply(
-        layer.w13.contiguous(),
-        layer.w2.contiguous(),
+        _xor_weight(layer.w13.contiguous(), layer.fmt),
+        _xor_weight(layer.w2.contiguous(), layer.fmt),
         None if layer.w13_scale is None else layer.w13_scale.contiguous(),
         None if layer.w2_scale is None else layer.w2_scale.contiguous(),
     )
@@ -215,6 +285,16 @@ def convert_layer(
     for name, t in layer.extras.items():
         tensors[name] = _map_extra(plan, name, t, inverse=False)
     return tensors, plan, spec
+
+
+def _xor_weight(t: torch.Tensor, checkpoint_fmt: str) -> torch.Tensor:
+    """``t`` (a weight in checkpoint format ``checkpoint_fmt``) with every byte XORed with the format's
+    :data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR` byte (a new tensor), or ``t`` itself without one.
+    Its own inverse: convert applies it before the layout steps, restore after their inverse."""
+    xor = conventions.WEIGHT_XOR.get(checkpoint_fmt, 0)
+    if not xor:
+        return t
+    return (t.contiguous().view(torch.uint8) ^ xor).view(t.dtype)
 
 
 def _extra_map(plan: LayerPlan, name: str, t: torch.Tensor) -> Optional[IndexMap]:
@@ -232,8 +312,7 @@ def _map_extra(plan: LayerPlan, name: str, t: torch.Tensor, inverse: bool) -> to
 
 def _tensor_steps(plan: LayerPlan, name: str) -> list[dict]:
     """What a file records as the steps of tensor ``name``: ``[{"kind", "params"}, ...]`` ([] when unmoved)."""
-    m = plan.maps().get(name)
-    return m.spec() if m is not None else []
+    return plan.tensor_steps(name)
 
 
 def _extra_steps(plan: LayerPlan, name: str) -> dict:
@@ -261,7 +340,13 @@ def _dtype_shape(dtype: torch.dtype, shape: Sequence[int]) -> dict:
 
 
 def _dry_run(
-    layer: MoELayer, backend: str, ia: Optional[int], ha: Optional[int], engine: Optional[str] = None
+    layer: MoELayer,
+    backend: str,
+    ia: Optional[int],
+    ha: Optional[int],
+    engine: Optional[str] = None,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> tuple[dict, LayerPlan, dict]:
     """Kernel ``(dtype, shape)`` by kernel name of a layer (shapes only; meta tensors allowed), from
     a one-expert conversion; with the plan and its :func:`plan_args` record."""
@@ -271,17 +356,25 @@ def _dry_run(
 
     probe = layer.with_tensors(**{n: one_expert(t) for n, t in layer.tensors().items()})
     probe = replace(probe, extras={n: one_expert(t) for n, t in layer.extras.items()})
-    tensors, plan, spec = convert_layer(probe, backend, ia, ha, engine)
+    tensors, plan, spec = convert_layer(probe, backend, ia, ha, engine, per_token, activation_dtype)
     return {n: (t.dtype, (layer.num_experts,) + tuple(t.shape[1:])) for n, t in tensors.items()}, plan, spec
 
 
 def _kernel_specs(
-    layer: MoELayer, backend: str, ia: Optional[int], ha: Optional[int], engine: Optional[str] = None
+    layer: MoELayer,
+    backend: str,
+    ia: Optional[int],
+    ha: Optional[int],
+    engine: Optional[str] = None,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> tuple[dict, dict]:
-    """Kernel dtypes/shapes of a layer (:func:`_dry_run`) and its metadata record (module docstring)."""
-    kernel, plan, spec = _dry_run(layer, backend, ia, ha, engine)
+    """Kernel dtypes/shapes of a layer (:func:`_dry_run`) and its metadata record (module docstring;
+    ``checkpoint_format`` only where the layer's format is not the recipe's, int4-group for mxint4)."""
+    kernel, plan, spec = _dry_run(layer, backend, ia, ha, engine, per_token, activation_dtype)
     record = {
         "plan": spec,
+        **({"checkpoint_format": layer.fmt} if layer.fmt != spec["args"]["fmt"] else {}),
         "description": plan.description,
         "padded_intermediate": plan.padded_intermediate,
         "padded_hidden": plan.padded_hidden,
@@ -327,6 +420,8 @@ def write_kernel_layout(
     shard_size: Optional[int] = None,
     resume: bool = False,
     device: str = "cpu",
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> Path:
     """Convert and stream layers into the kernel layout at ``out``: one safetensors file
     (:func:`~fimoe_lab.checkpoints.safe_io.single_output`: ``single_file``, or ``out`` ends in
@@ -350,7 +445,13 @@ def write_kernel_layout(
     single = safe_io.single_output(out, single_file)
     safe_io.check_output(out, [], force or (resume and single), "file" if single else "shards", resume)
     dev = _device(device)
-    how = {"intermediate_alignment": intermediate_alignment, "hidden_alignment": hidden_alignment, "engine": engine}
+    how = {
+        "intermediate_alignment": intermediate_alignment,
+        "hidden_alignment": hidden_alignment,
+        "engine": engine,
+        "per_token": per_token,
+        "activation_dtype": activation_dtype,
+    }
     specs, meta = layout_plan(sources, backend, prefix=prefix, block=block, info=info, **how)
     if not single:
         os.makedirs(out, exist_ok=True)
@@ -385,6 +486,8 @@ def layout_plan(
     prefix: str,
     block: str,
     info: Optional[dict],
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict]:
     """What :func:`write_kernel_layout` writes, from shapes alone: ``(kernel dtype and shape by output tensor
     name, in order; the ``fimoe_lab`` metadata)``. Deterministic (a distributed convert builds it on every
@@ -393,9 +496,15 @@ def layout_plan(
     records = {}
     for idx, shape_layer, _ in sources:
         try:
-            kernel, record = _kernel_specs(shape_layer, backend, intermediate_alignment, hidden_alignment, engine)
+            kernel, record = _kernel_specs(
+                shape_layer, backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype
+            )
         except ValueError as exc:
-            a = suggest_alignment(shape_layer, backend, engine) if intermediate_alignment is None else None
+            a = (
+                suggest_alignment(shape_layer, backend, engine, per_token, activation_dtype)
+                if intermediate_alignment is None
+                else None
+            )
             fix = (
                 f"intermediate alignment {a} works (CLI: --intermediate-alignment {a})"
                 if a
@@ -433,6 +542,8 @@ def stream_layers(
     engine: Optional[str],
     dev: torch.device,
     bar: Any = None,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> None:
     """Load, convert and put into ``target`` every layer of ``sources`` that holds a tensor ``target`` still
     needs (:meth:`~fimoe_lab.checkpoints.stream.ShardedOutput.needed`), one layer in memory, a chunk of
@@ -445,7 +556,8 @@ def stream_layers(
         if not any(target.needed(full) for full in names.values() if full in target.specs):
             continue
         workers.drain()  # the previous layer's chunks are out: one layer in memory
-        chunks = _layer_chunks(shape_layer, load, backend, intermediate_alignment, hidden_alignment, engine, dev)
+        how = (intermediate_alignment, hidden_alignment, engine, dev, per_token, activation_dtype)
+        chunks = _layer_chunks(shape_layer, load, backend, *how)
         for tensors in chunks:  # each block is freed with the generator once its last chunk is out
             for n in list(tensors):
                 t = tensors.pop(n)
@@ -455,7 +567,9 @@ def stream_layers(
                 del t
 
 
-def _progress_bar(progress: bool, specs: dict, target: stream.ShardedOutput, out: Path) -> Any:
+def _progress_bar(progress: Any, specs: dict, target: stream.ShardedOutput, out: Path) -> Any:
+    """None (``progress`` false), a tqdm bar (True), or ``progress(total=, unit=, unit_scale=, desc=)`` when it is a
+    bar class of that interface (the CLI's plain lines for logs and pipes, ``cli._common.PlainProgress``)."""
     if not progress:
         return None
     from tqdm.auto import tqdm
@@ -465,7 +579,8 @@ def _progress_bar(progress: bool, specs: dict, target: stream.ShardedOutput, out
         for n, (d, s) in specs.items()
         if target.needed(n)
     )
-    return tqdm(total=total, unit="B", unit_scale=True, desc=f"convert -> {out.name}")
+    bar = progress if callable(progress) else tqdm
+    return bar(total=total, unit="B", unit_scale=True, desc=f"convert -> {out.name}")
 
 
 def _device(device: str) -> torch.device:
@@ -491,6 +606,8 @@ def _converted_chunks(
     ha: Optional[int],
     engine: Optional[str],
     dev: torch.device,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
     step: Optional[int] = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The layer in the kernel layout, a chunk of ``step`` experts at a time (default :func:`_chunk_experts`;
@@ -505,7 +622,7 @@ def _converted_chunks(
             layer.with_tensors(**{n: cut(t) for n, t in parts.items()}),
             extras={n: cut(t) for n, t in layer.extras.items()},
         )
-        tensors, _, _ = convert_layer(sub, backend, ia, ha, engine)
+        tensors, _, _ = convert_layer(sub, backend, ia, ha, engine, per_token, activation_dtype)
         if dev.type == "cuda":
             tensors = {n: _to_host(t) for n, t in tensors.items()}
             torch.cuda.current_stream(dev).synchronize()
@@ -527,13 +644,15 @@ def _layer_chunks(
     ha: Optional[int],
     engine: Optional[str],
     dev: torch.device,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """:func:`_converted_chunks` of one layer. From a checkpoint (a :class:`LayerLoader`): read a block of
     experts (one chunk, :func:`_chunk_experts`) at a time on a reader thread, block ``k+1`` while block ``k``
     is converted and handed to the writers, so reading overlaps the transform and about two blocks are
     resident. Any other loader: the whole layer, chunked."""
     if not isinstance(load, LayerLoader):
-        yield from _converted_chunks(load(), backend, ia, ha, engine, dev)
+        yield from _converted_chunks(load(), backend, ia, ha, engine, dev, per_token, activation_dtype)
         return
     step, e_count = _chunk_experts(shape_layer), shape_layer.num_experts
     blocks = [(e0, min(e0 + step, e_count)) for e0 in range(0, e_count, step)]
@@ -543,7 +662,7 @@ def _layer_chunks(
             block = pending.result()
             if after is not None:
                 pending = reader.submit(load, after)
-            yield from _converted_chunks(block, backend, ia, ha, engine, dev, step)
+            yield from _converted_chunks(block, backend, ia, ha, engine, dev, per_token, activation_dtype, step)
             del block
 
 
@@ -578,8 +697,16 @@ def convert_checkpoint(
     resume: bool = False,
     device: str = "cpu",
     ep_size: int = 1,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
 ) -> Path:
     """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``.
+
+    ``per_token``: NVFP4 activations quantised per token: the engine profile's per-token paddings apply
+    (``recipes.plan_layer(..., per_token_activation=True)``), recorded in every layer's plan arguments;
+    refused (before anything is written) for a format without per-token activations. ``activation_dtype``:
+    the kernel's activations where the recipe has a layout per activation dtype (``"bf16"``: MXFP4 on the
+    Hopper SM90 CUTLASS kernel, :func:`fimoe_lab.recipes.plan_cutlass_mxfp4_bf16`), recorded likewise.
 
     ``ep_size``: expert parallelism within the ``tp_size`` ranks (:func:`rank_part`): rank ``r`` holds the
     contiguous experts :func:`expert_range` of EP rank ``r // (tp_size / ep_size)``, sliced along the
@@ -622,6 +749,8 @@ def convert_checkpoint(
                 shard_size=shard_size,
                 resume=resume,
                 device=device,
+                per_token=per_token,
+                activation_dtype=activation_dtype,
             )
         if tp_rank == "all":
             safe_io.remove_own(out, {f"rank-{r}" for r in ranks})
@@ -931,10 +1060,11 @@ def _shape_layer(rec: dict) -> MoELayer:
 
 
 def _layer_from_record(rec: dict, t: dict, extras: dict, **where: object) -> MoELayer:
-    """The :class:`MoELayer` a layer record describes, holding tensors ``t`` (by plan name) and ``extras``."""
+    """The :class:`MoELayer` a layer record describes, holding tensors ``t`` (by plan name) and ``extras``;
+    its format the recorded ``checkpoint_format`` (int4-group) or else the recipe's."""
     args = rec["plan"]["args"]
     return MoELayer(
-        args["fmt"],
+        _checkpoint_format(rec),
         t["w13"],
         t["w2"],
         t["w13_scale"],
@@ -946,6 +1076,16 @@ def _layer_from_record(rec: dict, t: dict, extras: dict, **where: object) -> MoE
         is_gated=args["is_gated"],
         **where,
     )
+
+
+def _checkpoint_format(rec: dict) -> str:
+    """The checkpoint format of a layer record: ``checkpoint_format`` where convert recorded one (a format
+    laid out as another: int4-group as mxint4), else the recipe's ``fmt``; refused unless it lays out as that."""
+    fmt = rec["plan"]["args"]["fmt"]
+    stored = rec.get("checkpoint_format", fmt)
+    if not isinstance(stored, str) or layout_format(stored) != fmt:
+        raise CheckpointError(f"checkpoint format {stored!r} is not laid out as {fmt!r}", fix=_EDITED)
+    return stored
 
 
 def _check_v1_shapes(rec: dict) -> None:
@@ -995,10 +1135,20 @@ def _as_checkpoint(t: torch.Tensor, spec: dict) -> torch.Tensor:
 
 class _Back:
     """One kernel tensor being read back: ``name`` (kernel ``kspec``) into a new tensor ``out`` in the checkpoint
-    layout ``cspec``, a chunk of experts at a time (safetensors slices), each chunk mapped back by ``m`` (None:
-    unchanged) and hashed (its sha256 checked by :meth:`check` once every chunk is in)."""
+    layout ``cspec``, a chunk of experts at a time (safetensors slices), each chunk mapped back by ``m`` (a
+    function of the chunk; None: unchanged) and hashed (its sha256 checked by :meth:`check` once every chunk is in); ``xor``: a byte every
+    byte is XORed with after the map (:data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR`; 0: none)."""
 
-    def __init__(self, kf: KernelFiles, name: str, kspec: dict, cspec: dict, m: Optional[IndexMap]):
+    def __init__(
+        self,
+        kf: KernelFiles,
+        name: str,
+        kspec: dict,
+        cspec: dict,
+        m: Optional[Callable[[torch.Tensor], torch.Tensor]],
+        xor: int = 0,
+    ):
+        self.xor = xor
         if name not in kf.keys():
             raise CheckpointError(f"{name} is recorded in the metadata but not in the file", fix=_EDITED)
         self.sl, self.name, self.cspec, self.m = kf.get_slice(name), name, cspec, m
@@ -1021,7 +1171,9 @@ class _Back:
         """Experts ``[e0, e1)``: hashed on ``hasher`` (in order) while they are mapped back into ``out``."""
         x = self.sl[e0:e1].contiguous()
         hashed = hasher.submit(self.digest.update, stream.byte_view(x))
-        back = x if self.m is None else apply_map(self.m, x, self.name)
+        back = x if self.m is None else self.m(x)
+        if self.xor:
+            back = back.contiguous().view(torch.uint8) ^ self.xor
         self.out[e0:e1] = _as_checkpoint(back, {**self.cspec, "shape": [e1 - e0, *self.cspec["shape"][1:]]})
         return hashed
 
@@ -1035,8 +1187,9 @@ MAX_SIZE = 1 << 24
 
 def _check_sizes(f, rec: dict, name: Callable[[str], str]) -> None:
     """Bound what a record makes restore build: sizes are ints in ``[1, MAX_SIZE]`` and one expert's
-    ``I x H`` values fit in its ``w13`` kernel tensor as the file holds it (so a plan is never larger
-    than the file's own bytes)."""
+    ``I x H`` values fit in its ``w13`` kernel tensor as the file holds it (bytes times the recorded format's
+    values per byte: a non-gated packed FP4 W13 holds ``I x H / 2`` bytes), so a plan is never larger than
+    twice the file's own bytes."""
     args = rec["plan"]["args"]
     sizes = {k: args.get(k) for k in ("intermediate", "hidden")}
     for k, v in sizes.items():
@@ -1049,7 +1202,8 @@ def _check_sizes(f, rec: dict, name: Callable[[str], str]) -> None:
     shape = list(sl.get_shape())
     dtype = conventions.SAFETENSORS_DTYPES.get(sl.get_dtype())
     per_expert = (math.prod(shape[1:]) if shape else 0) * (torch.empty((), dtype=dtype).element_size() if dtype else 1)
-    if sizes["intermediate"] * sizes["hidden"] > per_expert:
+    packed = getattr(FORMATS.get(str(args.get("fmt"))), "values_per_byte", 1)  # a non-gated FP4 W13: I*H/2 bytes
+    if sizes["intermediate"] * sizes["hidden"] > per_expert * packed:
         raise CheckpointError(
             f"recorded sizes intermediate {sizes['intermediate']} x hidden {sizes['hidden']} do not fit {w13} "
             f"({sl.get_dtype()} {shape})",
@@ -1078,21 +1232,24 @@ def _restore_layer(
     _check_sizes(kf, rec, name)
     plan = build_plan(rec["plan"], meta["version"])
     check_record(rec, plan, meta["version"])
-    inverse = plan.inverse().maps()
-    missing = [n for n in inverse if n not in rec["tensors"]]
+    inverse = plan.inverse()
+    missing = [n for n in inverse.moved() if n not in rec["tensors"]]
     if missing:
         raise CheckpointError(f"{plan.description}: {missing[0]} is required by the plan but not recorded", fix=_EDITED)
     backs: dict[str, _Back] = {}
     for n, trec in rec["tensors"].items():
         if n not in KERNEL_NAMES:
             raise CheckpointError(f"layer {idx} records a tensor {n!r}, not one of {list(KERNEL_NAMES)}", fix=_EDITED)
-        backs[n] = _Back(kf, name(trec["name"]), trec["kernel"], trec["checkpoint"], inverse.get(n))
+        xor = conventions.WEIGHT_XOR.get(_checkpoint_format(rec), 0) if n in ("w13", "w2") else 0
+        back = partial(inverse.apply_tensor, n) if n in inverse.moved() else None  # word bits undone first
+        backs[n] = _Back(kf, name(trec["name"]), trec["kernel"], trec["checkpoint"], back, xor)
     extras = {}
     for n, x in rec["extras"].items():
         dtype = conventions.SAFETENSORS_DTYPES[x["dtype"]]
         m = _extra_map(plan, n, torch.empty((), dtype=dtype))
         kspec, cspec = {"dtype": x["dtype"], "shape": x["kernel_shape"]}, {"dtype": x["dtype"], "shape": x["shape"]}
-        extras[n] = _Back(kf, name(n), kspec, cspec, None if m is None else m.inverse())
+        undo = None if m is None else partial(apply_map, m.inverse(), what=name(n))
+        extras[n] = _Back(kf, name(n), kspec, cspec, undo)
     every = [*backs.values(), *extras.values()]
     counts = {b.experts for b in every}
     if len(counts) > 1:

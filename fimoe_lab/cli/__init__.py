@@ -14,11 +14,13 @@ internal error (one line, exit 1, ``--debug`` for the traceback); see
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Callable
 from typing import Optional
 
 from fimoe_lab.cli import checkpoints, core, diagnose, lab, tune, warmup
-from fimoe_lab.cli._common import EXIT_BAD_INPUT, EXIT_STATUS_HELP, Parser, report_error
+from fimoe_lab.cli._common import EXIT_BAD_INPUT, EXIT_PIPE_CLOSED, EXIT_STATUS_HELP, Parser, report_error
 
 __all__ = ["build_parser", "main"]
 
@@ -49,6 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run one command; returns its exit status (argparse usage errors and --help raise SystemExit)."""
+    try:
+        try:
+            code = _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not as a message at interpreter exit
+        return code
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_PIPE_CLOSED
+
+
+def _run(argv: Optional[list[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Optional[Callable[[argparse.Namespace], int]] = getattr(args, "handler", None)
@@ -57,5 +71,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_BAD_INPUT
     try:
         return int(handler(args) or 0)
+    except BrokenPipeError:
+        raise
     except (Exception, KeyboardInterrupt) as exc:
         return report_error(exc, args.command, args.debug)
+
+
+def _stdout_to_devnull() -> None:
+    """After the reader of stdout went away (``| head``): point fd 1 at /dev/null, so that the flush
+    at interpreter exit does not fail again and print a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor (captured): nothing to redirect
+        pass
+    finally:
+        os.close(devnull)

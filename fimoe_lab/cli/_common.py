@@ -27,6 +27,7 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NO_ANSWER = 3
 EXIT_INTERRUPTED = 130
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a command killed by the signal reports
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 EXIT_MEANINGS = {
@@ -35,6 +36,7 @@ EXIT_MEANINGS = {
     EXIT_BAD_INPUT: "bad input: the one 'error:' line says what is wrong and how to fix it",
     EXIT_NO_ANSWER: "no answer: the source does not know (e.g. an installed FlashInfer whose kernel set is not shipped)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C); an interrupted write leaves nothing behind",
+    EXIT_PIPE_CLOSED: "the reader of stdout closed it (e.g. '| head'): the output stops there, silently",
     EXIT_TERMINATED: "terminated (SIGTERM); an interrupted write leaves nothing behind",
 }
 EXIT_STATUS_HELP = "exit status:\n" + "\n".join(f"{code}: {text}" for code, text in EXIT_MEANINGS.items())
@@ -131,9 +133,53 @@ def print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=1))
 
 
+def add_json_option(parser: argparse.ArgumentParser, schema: str) -> None:
+    """``--json``: the command prints one JSON document on stdout (:func:`print_json`) and nothing else there;
+    ``schema`` (its fields) goes into the ``--help`` text. Errors stay one line on stderr."""
+    parser.add_argument(
+        "--json", action="store_true", help=f"print the result as one JSON object on stdout, nothing else: {schema}"
+    )
+
+
 def show_progress(disabled: bool = False) -> bool:
     """Progress bars go to stderr, and only when it is a terminal (never into logs or pipes)."""
     return not disabled and sys.stderr.isatty()
+
+
+class PlainProgress:
+    """Progress for logs and pipes: a line on stderr when an update completes another tenth of ``total`` (at most
+    ``steps`` lines, the last at 100%), no carriage return; tqdm's ``update``/``close``, which the writers call.
+    Each line prints ``100 * floor(done * steps / total) / steps`` percent and ``done`` of ``total`` in MB."""
+
+    def __init__(self, total: int, desc: str = "", stream: TextIO | None = None, steps: int = 10, **_: Any) -> None:
+        self.total, self.desc, self.steps = max(int(total), 0), desc, steps
+        self.done, self.shown = 0, 0
+        self.stream = stream or sys.stderr
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        reached = self.steps if self.total == 0 else min(self.done * self.steps // self.total, self.steps)
+        if reached > self.shown:  # one line per update that crosses a tenth (a big chunk may cross several)
+            self.shown = reached
+            print(
+                f"{self.desc}: {100 * reached // self.steps}% ({self.done / 1e6:.2f} of {self.total / 1e6:.2f} MB)",
+                file=self.stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        """Nothing to clear: every line printed stays as it is."""
+
+
+def progress_for(disabled: bool = False, plain: bool = False) -> bool | type[PlainProgress]:
+    """What a command that streams bytes shows on stderr: a live bar (True) on a terminal; in a log or pipe nothing
+    (False: a failure stays one line), or :class:`PlainProgress` lines when ``plain`` (``--progress``); nothing
+    when ``disabled`` (``--no-progress``). No carriage return ever reaches a file or a pipe."""
+    if disabled:
+        return False
+    if sys.stderr.isatty():
+        return True
+    return PlainProgress if plain else False
 
 
 def lower_choice(valid: Iterable[str]) -> Callable[[str], str]:

@@ -8,11 +8,22 @@ from __future__ import annotations
 
 import argparse
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 from fimoe_lab import specs
-from fimoe_lab.cli._common import EXIT_OK, add_engine_option, checkpoint_path, int_list, positive_int, show_progress
+from fimoe_lab.cli._common import (
+    EXIT_OK,
+    add_engine_option,
+    add_json_option,
+    checkpoint_path,
+    int_list,
+    positive_int,
+    print_json,
+    progress_for,
+)
+from fimoe_lab.cli.core import add_mxfp4_activation_option
 from fimoe_lab.resources import sample_names
 
 
@@ -53,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="replace OUT_DIR if it exists and was written by restore (never any other directory)",
     )
     _add_shard_size(r)
+    add_json_option(r, RESTORE_JSON)
     r.set_defaults(handler=run_restore)
 
 
@@ -112,8 +124,36 @@ def _register_inspect(sub: argparse._SubParsersAction, note: str) -> None:
         metavar="T,T,..",
         help="TP sizes to check (default 1,2,4,8)",
     )
+    p.add_argument(
+        "--per-token",
+        action="store_true",
+        help="paddings with per-token NVFP4 activations (what convert --per-token writes; NVFP4 only)",
+    )
+    add_mxfp4_activation_option(p, "the CUTLASS plans as convert --mxfp4-activation writes them")
     add_engine_option(p)
+    add_json_option(p, INSPECT_JSON)
+    p.add_argument(
+        "--html",
+        metavar="REPORT",
+        help="also write a self-contained HTML report (summary, layers, step chains with their padding cost, "
+        "warnings, layout pictures; inline CSS and SVG, light and dark) to REPORT",
+    )
+    p.add_argument("--force", action="store_true", help="replace REPORT if it exists and was written by inspect --html")
     p.set_defaults(handler=run_inspect)
+
+
+INSPECT_JSON = (
+    '{"path", "engine": the resolved profile, "per_token", "tp": [TP sizes], "layers": [{"layer", "name", "mtp", '
+    '"convention", "models", "format", "experts", "top_k", "hidden", "intermediate", "gate_up_order", "activation", '
+    '"tensors": '
+    '[{"name", "dtype", "shape"}], "tp": [{"tp", "sizes": [intermediate per rank] or null, "cannot": null or why it '
+    'does not shard, "backends": {BACKEND: {"backend", "engine", "status": ok, aligned, cannot or no-layout, "reason", "alignment": the '
+    '--intermediate-alignment that works, "intermediate", "hidden" (rank 0), "padded_intermediate", "padded_hidden", '
+    '"checkpoint_bytes", "kernel_bytes", "pad_bytes" (per expert), "tensors": [{"name", "in_shape", "out_shape", '
+    '"pad_bytes", "steps"}], "warnings", "plan": what convert records, "tactics": null or {tokens: valid '
+    'TRTLLM-Gen tactics of the padded shape, exact}, "text": the printed line}}}], "health": '
+    '[scale health lines]}], "html": null or the report written}'
+)
 
 
 def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
@@ -171,7 +211,14 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         help="pad the hidden size to a multiple of A",
     )
     c.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)"
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is one on stderr when it is a terminal)",
+    )
+    c.add_argument(
+        "--progress",
+        action="store_true",
+        help="progress on stderr also when it is a log or pipe: plain lines (no carriage return), one per tenth done",
     )
     c.add_argument(
         "--force",
@@ -198,17 +245,82 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         "... --distributed): the shards of every --rank are split across the processes, each writes its own, process "
         "0 writes the index when all succeeded; the files are those of one process (cuda: each on cuda:LOCAL_RANK)",
     )
+    c.add_argument(
+        "--per-token",
+        action="store_true",
+        help="NVFP4 activations quantised per token: the engine profile's per-token paddings (vLLM: hidden 512 "
+        "for a non-gated layer on TRT-LLM), recorded in the file; NVFP4 checkpoints only",
+    )
+    add_mxfp4_activation_option(c, "recorded in the file")
     add_engine_option(c)
+    add_json_option(c, CONVERT_JSON)
     c.set_defaults(handler=run_convert)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import format_report, inspect_checkpoint
+    from fimoe_lab.engines import get_engine
 
     path = checkpoint_path(args.path)
+    html = Path(args.html) if args.html else None
+    if html is not None:
+        from fimoe_lab.viz.report import check_report_output
+
+        check_report_output(html, [path], args.force)  # before anything is read
+    reports = inspect_checkpoint(path, args.layer, args.tp, args.engine, args.per_token, args.mxfp4_activation)
+    add_tactics(reports, args.per_token)
+    engine = get_engine(args.engine).name
+    if html is not None:
+        from fimoe_lab.viz.report import report_html, write_report
+
+        write_report(html, report_html(path, reports, engine, args.tp, per_token=args.per_token))
+    if args.json:
+        layers = [r.to_json() for r in reports]
+        doc = dict(path=str(path), engine=engine, per_token=args.per_token, tp=list(args.tp), layers=layers)
+        print_json({**doc, "html": None if html is None else str(html)})
+        return EXIT_OK
     print(f"{path}\n")
-    print(format_report(inspect_checkpoint(path, args.layer, args.tp, args.engine)))
+    print(format_report(reports))
+    if html is not None:
+        print(f"wrote {html}")
     return EXIT_OK
+
+
+TACTIC_TOKENS = (1, 64, 1024, 8192)
+"""Token counts at which ``inspect`` counts the TRTLLM-Gen tactics of each TRT-LLM plan's padded shape."""
+
+
+def add_tactics(reports: list, per_token: bool = False) -> None:
+    """Fill ``tactics`` of every TRT-LLM plan in ``reports``: the valid TRTLLM-Gen tactics of its padded shape
+    (local experts, the layer's top-k, per token count of :data:`TACTIC_TOKENS`), from the tuner's exact
+    validity model of the shipped kernel set (:class:`fimoe_lab.tune.oracle.TacticOracle`, ``model``); a
+    count of 0 adds a warning to the plan (and to its printed line). Formats the tuner does not know stay None."""
+    from fimoe_lab.errors import OracleError
+    from fimoe_lab.specs import tuner_formats
+    from fimoe_lab.tune.oracle import TacticOracle, TacticQuery
+
+    oracle = TacticOracle(mode="model")
+    try:
+        for r in reports:
+            for tp, needs in r.plans.items():
+                need = needs.get("trtllm")
+                if r.fmt not in tuner_formats() or need is None or need.padded_intermediate is None:
+                    continue
+                sizes = (need.padded_hidden, need.padded_intermediate, r.num_experts, r.top_k or 1)
+                try:
+                    counts = {
+                        t: oracle.ask(TacticQuery(r.fmt, r.activation, *sizes, t, per_token)).count
+                        for t in TACTIC_TOKENS
+                    }
+                except OracleError:
+                    continue
+                need.tactics = {str(t): c for t, c in counts.items()}
+                none = [t for t, c in counts.items() if c == 0]
+                if none:
+                    need.warnings.append(f"no TRT-LLM tactic at {', '.join(map(str, none))} tokens")
+                    r.tp[tp]["trtllm"] = need.text()
+    finally:
+        oracle.close()
 
 
 def run_convert(args: argparse.Namespace) -> int:
@@ -217,9 +329,29 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.distributed:
         return _run_distributed(args)
     positional, options = _convert_args(args)
-    out = convert_checkpoint(*positional, progress=show_progress(args.no_progress), **options)
-    _print_written(args, Path(out))
+    before, start = _file_ids(Path(args.out)) if args.resume else {}, time.time()
+    out = convert_checkpoint(*positional, progress=progress_for(args.no_progress, args.progress), **options)
+    doc = _written(args, Path(out), before, start)
+    if args.json:
+        print_json(doc)
+    else:
+        _print_written(args, doc)
     return EXIT_OK
+
+
+CONVERT_JSON = (
+    '{"source", "out", "backend", "engine", "tp", "ep", "rank": R or "all", "per_token", "intermediate_alignment", '
+    '"hidden_alignment": as given (null: the profile default), "layers": [{"layer", "description", "intermediate", '
+    '"padded_intermediate", "hidden", "padded_hidden", "tensors": [{"name", "checkpoint_shape", "kernel_shape", '
+    '"dtype", "steps"}]}] (rank 0), "ranks": [{"rank", "out", "sharded", "experts": [first, end) with --ep, else null, '
+    '"files": [{"name", "bytes", "kept": kept from an earlier run by --resume}], "bytes", "written", "kept", "seconds": from the start or the previous rank to its last file '
+    'written}], "bytes": all files, "written_bytes", "seconds", "mb_per_s": written bytes per second, "processes": '
+    'null or, with --distributed, [{"rank", "units", "written", "kept", "bytes", "seconds", "mb_per_s"}]}'
+)
+RESTORE_JSON = (
+    '{"source", "out", "files": [{"name", "bytes"}], "shards", "tensors": restored tensors (index), "bytes", '
+    '"seconds", "mb_per_s"}'
+)
 
 
 def _convert_args(args: argparse.Namespace) -> tuple[tuple, dict[str, Any]]:
@@ -242,57 +374,171 @@ def _convert_args(args: argparse.Namespace) -> tuple[tuple, dict[str, Any]]:
         "resume": args.resume,
         "device": args.device,
         "ep_size": args.ep,
+        "per_token": args.per_token,
+        "activation_dtype": args.mxfp4_activation,
     }
     return positional, options
+
+
+def _file_ids(out: Path) -> dict[Path, tuple[int, int, int]]:
+    """``{file: (inode, size, mtime_ns)}`` of the safetensors files at ``out`` (itself, in it, or in its rank
+    directories): a file with the same identity after a ``--resume`` run was kept, not written."""
+    if out.is_file():
+        files = [out]
+    else:
+        files = sorted(out.glob("*.safetensors")) + sorted(out.glob("rank-*/*.safetensors")) if out.is_dir() else []
+    return {f: (st.st_ino, st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]}
+
+
+def _written_layers(meta: dict) -> list[dict[str, Any]]:
+    """The layer records of convert's metadata as ``convert --json`` lists them."""
+    return [
+        dict(
+            layer=int(idx),
+            description=rec["description"],
+            intermediate=rec["plan"]["args"]["intermediate"],
+            padded_intermediate=rec["padded_intermediate"],
+            hidden=rec["plan"]["args"]["hidden"],
+            padded_hidden=rec["padded_hidden"],
+            tensors=[
+                dict(
+                    name=t["name"],
+                    checkpoint_shape=t["checkpoint"]["shape"],
+                    kernel_shape=t["kernel"]["shape"],
+                    dtype=t["kernel"]["dtype"],
+                    steps=[step["kind"] for step in t["steps"]],
+                )
+                for t in rec["tensors"].values()
+            ],
+        )
+        for idx, rec in meta["layers"].items()
+    ]
+
+
+def _written_ranks(args: argparse.Namespace, out: Path, before: dict, start: float) -> list[dict[str, Any]]:
+    """Per TP rank: its output, experts (``--ep``: the metadata's range), files (bytes, kept by ``--resume``),
+    and seconds to its last file written."""
+    from fimoe_lab.checkpoints import read_kernel_metadata
+
+    ranks = list(range(args.tp)) if args.rank == "all" else [args.rank]
+    outputs = [out / f"rank-{r}" for r in ranks] if args.rank == "all" else [out]
+    done, last = [], start
+    for rank, o in zip(ranks, outputs):
+        ids = _file_ids(o)
+        files = [dict(name=f.name, bytes=i[1], kept=before.get(f) == i) for f, i in ids.items()]
+        new = [i[2] / 1e9 for f, i in ids.items() if before.get(f) != i]
+        end = max([last, *new])
+        size = sum(f["bytes"] for f in files)
+        kept = sum(f["kept"] for f in files)
+        experts = read_kernel_metadata(o).get("experts")  # [e0, e1) of an EP rank; None: every expert
+        rec = dict(rank=rank, out=str(o), sharded=o.is_dir(), experts=experts, files=files, bytes=size)
+        rec["written"] = len(files) - kept
+        done.append({**rec, "kept": kept, "seconds": round(end - last, 3)})
+        last = end
+    return done
+
+
+def _written(args: argparse.Namespace, out: Path, before: dict, start: float) -> dict[str, Any]:
+    """What ``convert`` wrote (:data:`CONVERT_JSON`), read back from the files and their metadata."""
+    from fimoe_lab.checkpoints import read_kernel_metadata
+    from fimoe_lab.engines import get_engine
+
+    seconds = time.time() - start
+    ranks = _written_ranks(args, out, before, start)
+    meta = read_kernel_metadata(Path(ranks[0]["out"]))
+    written = sum(f["bytes"] for r in ranks for f in r["files"] if not f["kept"])
+    return dict(
+        source=str(checkpoint_path(args.path)),
+        out=str(out),
+        backend=args.backend,
+        engine=get_engine(args.engine).name,
+        tp=args.tp,
+        ep=args.ep,
+        rank=args.rank,
+        per_token=args.per_token,
+        intermediate_alignment=args.intermediate_alignment,
+        hidden_alignment=args.hidden_alignment,
+        layers=_written_layers(meta),
+        ranks=ranks,
+        bytes=sum(r["bytes"] for r in ranks),
+        written_bytes=written,
+        seconds=round(seconds, 3),
+        mb_per_s=round(written / max(seconds, 1e-9) / 1e6, 3),
+        processes=None,
+    )
 
 
 def _run_distributed(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints.distributed import convert_distributed
 
     positional, options = _convert_args(args)
+    before, start = _file_ids(Path(args.out)) if args.resume else {}, time.time()
     done = convert_distributed(*positional, **options)
     if done["rank"] != 0:
         return EXIT_OK  # process 0 reports for all
-    _print_written(args, Path(args.out))
+    doc = _written(args, Path(args.out), before, start)
     reports = done["processes"]
-    for r in reports:
-        rate = r["bytes"] / max(r["seconds"], 1e-9) / 1e6
+    doc["processes"] = [
+        {**r, "seconds": round(r["seconds"], 3), "mb_per_s": round(r["bytes"] / max(r["seconds"], 1e-9) / 1e6, 3)}
+        for r in reports
+    ]
+    if args.json:
+        print_json(doc)
+        return EXIT_OK
+    _print_written(args, doc)
+    for r in doc["processes"]:
         print(
             f"process {r['rank']}: wrote {r['written']} shards ({r['bytes'] / 1e6:.2f} MB in {r['seconds']:.2f} s, "
-            f"{rate:.1f} MB/s), kept {r['kept']}"
+            f"{r['mb_per_s']:.1f} MB/s), kept {r['kept']}"
         )
     kept, total = sum(r["kept"] for r in reports), sum(r["kept"] + r["written"] for r in reports)
     print(f"{len(reports)} processes: kept {kept} of {total} shards, wrote the rest")
     return EXIT_OK
 
 
-def _print_written(args: argparse.Namespace, out: Path) -> None:
-    from fimoe_lab.checkpoints import read_kernel_metadata
-
-    ranks = range(args.tp) if args.rank == "all" else [args.rank]
-    outputs = [out / f"rank-{r}" for r in ranks] if args.rank == "all" else [out]
-    meta = read_kernel_metadata(outputs[0])
-    for idx, rec in meta["layers"].items():
+def _print_written(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    """The text form of :func:`_written`'s record."""
+    for layer in doc["layers"]:
         print(
-            f"layer {idx}: {rec['description']}, intermediate {rec['plan']['args']['intermediate']}->"
-            f"{rec['padded_intermediate']}, hidden {rec['plan']['args']['hidden']}->{rec['padded_hidden']}"
+            f"layer {layer['layer']}: {layer['description']}, intermediate {layer['intermediate']}->"
+            f"{layer['padded_intermediate']}, hidden {layer['hidden']}->{layer['padded_hidden']}"
         )
-        for t in rec["tensors"].values():
+        for t in layer["tensors"]:
             print(
-                f"  {t['name']:<18} {t['checkpoint']['shape']} -> {t['kernel']['shape']} {t['kernel']['dtype']}: "
-                f"{' >> '.join(step['kind'] for step in t['steps']) or 'unchanged'}"
+                f"  {t['name']:<18} {t['checkpoint_shape']} -> {t['kernel_shape']} {t['dtype']}: "
+                f"{' >> '.join(t['steps']) or 'unchanged'}"
             )
-    for rank, o in zip(ranks, outputs):
-        files = sorted(o.glob("*.safetensors")) if o.is_dir() else [o]
-        size = sum(f.stat().st_size for f in files) / 1e6
-        shards = f", {len(files)} shard{'s' * (len(files) > 1)}" if o.is_dir() else ""
-        print(f"wrote {o} ({size:.2f} MB{shards}, tp rank {rank} of {args.tp}, {args.backend})")
+    for r in doc["ranks"]:
+        n = len(r["files"])
+        shards = f", {n} shard{'s' * (n > 1)}" if r["sharded"] else ""
+        print(f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB{shards}, tp rank {r['rank']} of {args.tp}, {args.backend})")
 
 
 def run_restore(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import restore_checkpoint
+    from fimoe_lab.checkpoints.safe_io import INDEX, read_json
 
+    start = time.time()
     out = restore_checkpoint(args.kernel_file, args.out_dir, force=args.force, shard_size=args.shard_size)
-    shards = len(list(out.glob("*.safetensors")))
-    print(f"wrote {out} (config.json, model.safetensors.index.json, {shards} shard{'s' * (shards > 1)})")
+    seconds = time.time() - start
+    shards = sorted(out.glob("*.safetensors"))
+    if not args.json:
+        n = len(shards)
+        print(f"wrote {out} (config.json, model.safetensors.index.json, {n} shard{'s' * (n > 1)})")
+        return EXIT_OK
+    files = [dict(name=f.name, bytes=f.stat().st_size) for f in sorted(p for p in out.iterdir() if p.is_file())]
+    size = sum(f["bytes"] for f in files)
+    tensors = len(read_json(out / INDEX, "index")["weight_map"])
+    print_json(
+        dict(
+            source=str(args.kernel_file),
+            out=str(out),
+            files=files,
+            shards=len(shards),
+            tensors=tensors,
+            bytes=size,
+            seconds=round(seconds, 3),
+            mb_per_s=round(size / max(seconds, 1e-9) / 1e6, 3),
+        )
+    )
     return EXIT_OK

@@ -50,7 +50,8 @@ GOLDENS_JSON = (
     '"total": int}'
 )
 PLAN_JSON = (
-    '{"layer": {"intermediate", "hidden", "experts", "gated", "per_token"}, "engine": the engine profile, '
+    '{"layer": {"intermediate", "hidden", "experts", "gated", "per_token", "mxfp4_activation"}, "engine": the engine '
+    "profile, "
     '"plans": [{"format", "backend", "cannot": null or why this pair cannot lay out the sizes, "tensors": '
     '[{"name", "in_shape", "out_shape" (bytes per expert), "pad_percent", "ms", "round_trip": exact, "steps": '
     '[step kinds]}], "engine_scales": null (not checked), true or false, "where": null or [{"step", "shape", '
@@ -59,10 +60,23 @@ PLAN_JSON = (
 )
 DEMO_JSON = (
     '{"tp", "out": folder, "health": [{"checkpoint", "layer", "warning"}], "layers": [{"checkpoint", "layer", '
-    '"format", "backend", "intermediate" (per rank), "padded_intermediate", "bytes" (file size), "ms", "exact": '
+    '"format", "backend", "mxfp4_activation": null or the layout\'s activation dtype, "intermediate" (per rank), '
+    '"padded_intermediate", "bytes" (file size), "ms", "exact": '
     'bytes and reference forward, "engine_scales": null (not checked), true or false, "cannot": null or why it '
     'cannot convert}], "failures": round trips that differ}'
 )
+
+
+def add_mxfp4_activation_option(p: argparse.ArgumentParser, what: str) -> None:
+    """``--mxfp4-activation DTYPE``: the activations the MXFP4 CUTLASS kernel takes, which choose its weight
+    layout (``recipes.ACTIVATION_DTYPES``, checked where the plan is built: no torch at parse time)."""
+    p.add_argument(
+        "--mxfp4-activation",
+        metavar="DTYPE",
+        help=f"{what}: the activations the MXFP4 CUTLASS kernel takes, which fix its layout: bf16 = the Hopper "
+        "(SM90) mixed-input GEMM (vLLM FLASHINFER_CUTLASS_MXFP4_BF16, SGLang cutlass_sm90: weights interleaved "
+        "and their bits permuted, scales folded); default mxfp8 = the MXFP4 x MXFP8 layout. MXFP4 on CUTLASS only",
+    )
 
 
 def _add_json(p: argparse.ArgumentParser, schema: str) -> None:
@@ -94,6 +108,7 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--out", default="fimoe-demo-out", help="where the kernel-layout files go (default ./fimoe-demo-out)"
     )
+    add_mxfp4_activation_option(d, "the CUTLASS layout of MXFP4 layers")
     _add_json(d, DEMO_JSON)
     d.set_defaults(handler=run_demo)
 
@@ -131,6 +146,7 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
         type=int_list("--where", "5,3", minimum=0),
         help="trace this w13 output byte (coordinates in the output shape) to its source",
     )
+    add_mxfp4_activation_option(p, "the MXFP4 CUTLASS plan")
     add_engine_option(p)
     _add_json(p, PLAN_JSON)
     p.set_defaults(handler=run_plan)
@@ -144,16 +160,17 @@ _PLAN_HEADER = (
 
 
 def _plan_rows(plan, experts: int) -> list[dict[str, Any]]:
-    """Apply each map of ``plan`` to random bytes (1..255) on ``experts`` experts and invert it:
-    one record per tensor (shapes in bytes, padding %, ms, whether the round trip is exact, steps)."""
+    """Apply each tensor's steps of ``plan`` (byte map, then any word bit step) to random bytes (1..255) on
+    ``experts`` experts and invert them: one record per tensor (shapes in bytes, padding %, ms, whether the
+    round trip is exact, steps)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    rows = []
+    rows, inverse = [], plan.inverse()
     for name, m in plan.maps().items():
         x = torch.randint(1, 256, (experts,) + m.in_shape, generator=g, dtype=torch.uint8)
         start = time.perf_counter()
-        out = m.apply(x)
+        out = plan.apply_tensor(name, x)
         ms = (time.perf_counter() - start) * 1e3
         rows.append(
             dict(
@@ -162,8 +179,8 @@ def _plan_rows(plan, experts: int) -> list[dict[str, Any]]:
                 out_shape=list(m.out_shape),
                 pad_percent=round(100.0 * (1 - m.in_bytes / m.out_bytes), 3),
                 ms=round(ms, 3),
-                round_trip=torch.equal(m.inverse().apply(out), x),
-                steps=[s.kind for s in m.steps],
+                round_trip=torch.equal(inverse.apply_tensor(name, out).reshape(x.shape), x),
+                steps=[s["kind"] for s in plan.tensor_steps(name)],
             )
         )
     return rows
@@ -179,12 +196,30 @@ def _plan_text(fmt: str, backend: str, t: dict[str, Any]) -> str:
 
 def _plan_engine_scales(fmt: str, backend: str, plan, gated: bool, experts: int, engine) -> bool | None:
     """Compare the plan's CUTLASS block scales with the engines' layout written independently
-    (:mod:`fimoe_lab.engine_check`); None where that check does not apply."""
+    (:mod:`fimoe_lab.engine_check`); None where that check does not apply (the SM90 MXFP4 x BF16 layout,
+    a plan with word bit steps: not covered by it)."""
     from fimoe_lab.engine_check import CUTLASS_CHECKED, check_plan_scales
 
-    if backend != "cutlass" or fmt not in CUTLASS_CHECKED:
+    if backend != "cutlass" or fmt not in CUTLASS_CHECKED or plan.word_bits:
         return None
     return bool(check_plan_scales(fmt, plan, gated, experts, engine))
+
+
+def _activation_for(pairs: list[tuple[str, str]], dtype: str | None) -> dict[tuple[str, str], str | None]:
+    """``dtype`` (``--mxfp4-activation``) for each (format, backend) whose recipe has a layout per activation
+    dtype, None for the others; refused when none of ``pairs`` has one (one line and the fix)."""
+    from fimoe_lab.recipes import ACTIVATION_DTYPES, activation_layout, recipe_id
+
+    takes = {pair: recipe_id(*pair) in ACTIVATION_DTYPES for pair in pairs}
+    if dtype is not None and not any(takes.values()):
+        raise LayoutError(
+            f"--mxfp4-activation {dtype} does not apply to {', '.join(f'{f} {b}' for f, b in pairs)}: only "
+            f"{', '.join(ACTIVATION_DTYPES)} has a kernel layout per activation dtype",
+            fix="drop --mxfp4-activation, or ask for --format mxfp4 --backend cutlass",
+        )
+    for pair in (p for p, took in takes.items() if took):
+        activation_layout(*pair, dtype)  # a dtype the recipe has no layout for: refused before any plan
+    return {pair: dtype if took else None for pair, took in takes.items()}
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -193,6 +228,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     formats = specs.weight_formats() if args.format == "all" else (args.format,)
     backends = specs.BACKENDS if args.backend == "all" else (args.backend,)
+    acts = _activation_for([(fmt, backend) for fmt in formats for backend in backends], args.mxfp4_activation)
     gated = not args.non_gated
     say = _shower(args, str)
     say(
@@ -216,6 +252,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 gated,
                 engine=args.engine,
                 per_token_activation=args.per_token,
+                activation_dtype=acts[fmt, backend],
             )
         except FimoeError as exc:
             rec["cannot"] = str(exc)
@@ -247,6 +284,7 @@ def run_plan(args: argparse.Namespace) -> int:
             experts=args.experts,
             gated=gated,
             per_token=args.per_token,
+            mxfp4_activation=args.mxfp4_activation,
         )
         print_json(dict(layer=layer, engine=args.engine, plans=plans, failures=failures))
     if failures:
@@ -313,17 +351,25 @@ def _demo_text(r: dict[str, Any]) -> str:
     if r["cannot"] is not None:
         return f"{head} cannot convert: {r['cannot']}"
     check = "bytes + forward exact" if r["exact"] else "MISMATCH"
+    if r.get("mxfp4_activation"):
+        check += f" ({r['mxfp4_activation']}-activation layout)"
     if r["engine_scales"] is not None:
         check += ", scales = engine layout" if r["engine_scales"] else ", scales differ from the engine layout"
     return f"{head} {r['intermediate']:>5} {r['padded_intermediate']:>8} {r['bytes']:>8} {r['ms']:7.1f}  {check}"
 
 
-def _demo_layer(ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir) -> list[dict[str, Any]]:
+def _demo_layer(
+    ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir, act: str | None = None
+) -> list[dict[str, Any]]:
     """Convert one layer for every backend, restore it, compare bytes and the reference forward.
 
     One record per backend (:data:`DEMO_JSON`'s ``layers``); ``cannot`` says why a backend cannot convert it.
+    ``act``: ``--mxfp4-activation``, for the backends whose recipe of the layer's format lays out by it.
     """
     import torch
+
+    from fimoe_lab.checkpoints.writer import layout_format
+    from fimoe_lab.recipes import ACTIVATION_DTYPES, activation_layout, recipe_id
 
     x = torch.randn(16, layer.hidden, generator=torch.Generator().manual_seed(layer_idx))
     ids, weights = ck.random_routing(16, layer.num_experts, min(top_k, layer.num_experts), seed=layer_idx)
@@ -331,11 +377,15 @@ def _demo_layer(ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir) -
     records = []
     for backend in specs.BACKENDS:
         target = out_dir / f"{path.name}-L{layer_idx}-{backend}-tp{tp}.safetensors"
-        rec: dict[str, Any] = dict(checkpoint=path.name, layer=layer_idx, format=layer.fmt, backend=backend)
+        fmt = layout_format(layer.fmt)
+        a = act if recipe_id(fmt, backend) in ACTIVATION_DTYPES else None
+        rec: dict[str, Any] = dict(
+            checkpoint=path.name, layer=layer_idx, format=layer.fmt, backend=backend, mxfp4_activation=a
+        )
         records.append(rec)
         start = time.perf_counter()
-        try:
-            ck.convert_checkpoint(path, target, backend, tp, 0, layers=[layer_idx], force=True)  # its own files only
+        try:  # its own files only
+            ck.convert_checkpoint(path, target, backend, tp, 0, layers=[layer_idx], force=True, activation_dtype=a)
         except FimoeError as exc:
             rec.update(
                 intermediate=layer.intermediate,
@@ -359,7 +409,11 @@ def _demo_layer(ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir) -
             bytes=target.stat().st_size,
             ms=round(ms, 3),
             exact=bool(same and torch.equal(ck.layer_forward(restored, x, ids, weights), reference)),
-            engine_scales=_demo_engine_scales(target, meta, layer_idx, layer) if backend == "cutlass" else None,
+            engine_scales=(
+                _demo_engine_scales(target, meta, layer_idx, layer)
+                if backend == "cutlass" and activation_layout(fmt, backend, a) is None  # not the SM90 layout
+                else None
+            ),
             cannot=None,
         )
     return records
@@ -394,6 +448,19 @@ def _demo_engine_scales(target, meta: dict, layer_idx: int, layer):
     return True
 
 
+def _check_demo_activation(dtype: str | None) -> None:
+    """Refuse a ``--mxfp4-activation`` that no recipe lays out by (one line and the fix), before any work."""
+    from fimoe_lab.recipes import ACTIVATION_DTYPES
+
+    offered = sorted({d for choices in ACTIVATION_DTYPES.values() for d in choices})
+    if dtype is not None and dtype not in offered:
+        layouts = ", ".join(f"{r}: {' or '.join(c)}" for r, c in ACTIVATION_DTYPES.items())
+        raise LayoutError(
+            f"--mxfp4-activation {dtype}: no recipe has a layout for {dtype} activations ({layouts})",
+            fix=f"pass one of {', '.join(offered)}",
+        )
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -405,6 +472,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "no sample checkpoints found (run python scripts/make_sample_checkpoints.py) and no paths given"
         )
     paths = [checkpoint_path(name) for name in names]
+    _check_demo_activation(args.mxfp4_activation)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     say = _shower(args, str)
@@ -419,7 +487,7 @@ def run_demo(args: argparse.Namespace) -> int:
         with ck.open_checkpoint(path) as ckpt:
             for layer_idx in ckpt.moe_layers:
                 layer = ckpt.read_layer(layer_idx, args.tp, 0)
-                for rec in _demo_layer(ck, path, layer_idx, layer, ckpt.top_k, args.tp, out_dir):
+                for rec in _demo_layer(ck, path, layer_idx, layer, ckpt.top_k, args.tp, out_dir, args.mxfp4_activation):
                     layers.append(rec)
                     say(_demo_text(rec))
     failures = sum(r["cannot"] is None and (not r["exact"] or r["engine_scales"] is False) for r in layers)

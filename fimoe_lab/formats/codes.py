@@ -74,6 +74,15 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return table[codes.long() & 0xF]
 
 
+def e2m1_pair_max_abs(packed: torch.Tensor) -> torch.Tensor:
+    """Packed uint8 ``(...)`` (two E2M1 codes per byte) -> float32 ``(...)``: per byte
+    ``max(|e2m1(b & 0xF)|, |e2m1(b >> 4)|)``, one lookup in a 256-entry table (no unpacking)."""
+    magnitude = e2m1_decode(torch.arange(16, dtype=torch.uint8, device=packed.device)).abs()
+    every_byte = torch.arange(256, device=packed.device)
+    table = torch.maximum(magnitude[every_byte & 0xF], magnitude[every_byte >> 4])
+    return table[packed.long()]
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``(..., 2n)`` -> packed uint8 ``(..., n)``, element ``2j`` in the low nibble.
 

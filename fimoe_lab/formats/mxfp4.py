@@ -19,6 +19,7 @@ from .codes import (
     E2M1_MAX,
     e2m1_decode,
     e2m1_encode,
+    e2m1_pair_max_abs,
     ftz,
     pack_nibbles,
     rcp_approx_ftz,
@@ -56,5 +57,17 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     """``(..., cols)`` = e2m1 * 2**(scale - 127) per block of 32, in ``dtype``."""
     require_format(q, FMT, "mxfp4.dequantize")
     v = e2m1_decode(unpack_nibbles(q.values))
-    blocks = v.reshape(*v.shape[:-1], v.shape[-1] // BLOCK, BLOCK) * ue8m0_decode(q.scales)[..., None]
-    return blocks.reshape(v.shape).to(dtype)
+    return _scaled(v.reshape(*v.shape[:-1], v.shape[-1] // BLOCK, BLOCK), q).reshape(v.shape).to(dtype)
+
+
+def max_abs_per_byte(q: QuantizedTensor) -> torch.Tensor:
+    """float32 ``(..., cols/2)``: per stored byte the larger ``|value|`` of its two, equal to
+    ``dequantize(q).abs()`` reduced by max over each pair, without unpacking (one 256-entry lookup per byte)."""
+    require_format(q, FMT, "mxfp4.max_abs_per_byte")
+    m = e2m1_pair_max_abs(q.values)
+    return _scaled(m.reshape(*m.shape[:-1], m.shape[-1] // (BLOCK // 2), BLOCK // 2), q).reshape(m.shape).abs()
+
+
+def _scaled(blocks: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+    """``blocks (..., cols/32, k)`` of E2M1 values x their block's UE8M0 scale ``2**(e - 127)``."""
+    return blocks * ue8m0_decode(q.scales)[..., None]

@@ -25,6 +25,7 @@ from .codes import (
     E4M3_MAX,
     e2m1_decode,
     e2m1_encode,
+    e2m1_pair_max_abs,
     e4m3_decode,
     e4m3_encode,
     ftz,
@@ -115,11 +116,23 @@ def block_values(q: QuantizedTensor) -> torch.Tensor:
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(..., rows, cols)`` = e2m1 * e4m3 scale / global_scale, in ``dtype``."""
+    return _scaled(block_values(q), q).reshape(q.shape).to(dtype)
+
+
+def max_abs_per_byte(q: QuantizedTensor) -> torch.Tensor:
+    """float32 ``(..., rows, cols/2)``: per stored byte the larger ``|value|`` of its two, equal to
+    ``dequantize(q).abs()`` reduced by max over each pair (``|x * s / g| = |x| * |s| / |g|`` exactly, monotone in ``|x|``, so the max commutes with it),
+    without unpacking: one 256-entry lookup per byte (the lab's per-byte view of a real-size expert)."""
+    m = e2m1_pair_max_abs(q.values)
+    return _scaled(m.reshape(*m.shape[:-1], m.shape[-1] // (BLOCK // 2), BLOCK // 2), q).reshape(m.shape).abs()
+
+
+def _scaled(blocks: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+    """``blocks (..., rows, cols/16, k)`` of E2M1 values x their block's E4M3 scale / the global scale."""
     require_format(q, FMT, "nvfp4.dequantize")
     if q.global_scale is None:
         raise FormatError(
             "nvfp4.dequantize: the QuantizedTensor has no global_scale",
             fix="pass the encode scale the values were quantized with",
         )
-    blocks = block_values(q) * e4m3_decode(q.scales)[..., None] / q.global_scale[..., None, None, None]
-    return blocks.reshape(q.shape).to(dtype)
+    return blocks * e4m3_decode(q.scales)[..., None] / q.global_scale[..., None, None, None]

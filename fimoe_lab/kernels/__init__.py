@@ -10,7 +10,8 @@ layout side: :meth:`fimoe_lab.layout.IndexMap.compiled` turns a map into the
   wide-word ``index_select`` (:mod:`.torch_gather`);
 - CPU: the parallel numba gather (:mod:`.numba_gather`) when numba imports and the
   output is at least :data:`NUMBA_MIN_BYTES` (below that, compiling costs more than it
-  saves), else torch.
+  saves), else torch. In a fresh process numba loads on a background thread and torch
+  stands in until it is ready (:func:`load_executor` loads it now).
 
 Every backend is bit-exact with the map (tests/test_kernels.py). In place, the map's
 cycles (:mod:`.cycles`) are followed where the executor has a cycle strategy.
@@ -30,7 +31,9 @@ from fimoe_lab.kernels.registry import (
     EXECUTORS,
     NUMBA_MIN_BYTES,
     available_backends,
+    executor_ready,
     get_executor,
+    load_executor,
     pick_backend,
 )
 
@@ -40,6 +43,8 @@ __all__ = [
     "default_scratch_experts",
     "available_backends",
     "pick_backend",
+    "load_executor",
+    "executor_ready",
     "ExecMap",
     "EXECUTORS",
     "InPlaceError",

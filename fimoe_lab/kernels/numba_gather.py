@@ -9,7 +9,7 @@ scale swizzle has its own loop (:func:`_swizzle`: one task per 128-row band, 4x4
 transposes in vector registers, the source rows of a later band prefetched). Outputs of
 at least ``STREAM_MIN_BYTES`` are written with non-temporal (streaming) stores, which skip
 the read of each destination line that a plain store costs: 64-byte aligned cells of
-whole lines, and the swizzle's 16-byte stores. Compiled on first use and cached on disk
+whole lines, and the swizzle's whole-line stores. Compiled on first use and cached on disk
 next to this module (``NUMBA_CACHE_DIR`` elsewhere); :mod:`fimoe_lab.warmup` compiles ahead.
 """
 
@@ -23,9 +23,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fimoe_lab.errors import LayoutError
-from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
+from fimoe_lab.kernels.compiled import ExecMap, aligned_word, word_dtype
 
 __all__ = [
+    "preload",
     "check_map",
     "gather_numba",
     "inplace_cycles_numba",
@@ -180,10 +181,50 @@ def _transpose4(typingctx, dst, stride, a0, a1, a2, a3):
     return types.void(*([types.intp] * 6)), _transpose4_codegen(False)
 
 
+def _lines16_codegen(context, builder, signature, args):
+    """Four :func:`_transpose4` side by side (sources ``a[4p + q]``, ``p, q < 4``), stored as
+    whole 64-byte lines: line ``j`` at ``dst + j*stride`` holds word ``j`` of the 16 sources,
+    written with one non-temporal 64-byte store (``dst`` and ``stride`` multiples of 64)."""
+    d, stride = args[0], args[1]
+    srcs = [builder.extract_value(args[2], k) for k in range(16)]
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    vt = ir.VectorType(i32, 4)
+
+    def mix(p, q, lanes):
+        return builder.shuffle_vector(p, q, ir.Constant(ir.VectorType(i32, len(lanes)), lanes))
+
+    cols = []  # cols[p][j]: word j of sources 4p..4p+3
+    for p in range(4):
+        v = [builder.load(builder.inttoptr(a, vt.as_pointer()), align=4) for a in srcs[4 * p : 4 * p + 4]]
+        lo01, hi01 = mix(v[0], v[1], [0, 4, 1, 5]), mix(v[0], v[1], [2, 6, 3, 7])
+        lo23, hi23 = mix(v[2], v[3], [0, 4, 1, 5]), mix(v[2], v[3], [2, 6, 3, 7])
+        cols.append(
+            (
+                mix(lo01, lo23, [0, 1, 4, 5]),
+                mix(lo01, lo23, [2, 3, 6, 7]),
+                mix(hi01, hi23, [0, 1, 4, 5]),
+                mix(hi01, hi23, [2, 3, 6, 7]),
+            )
+        )
+    base = builder.inttoptr(d, i8p)
+    nt = builder.module.add_metadata([ir.Constant(i32, 1)])
+    line_t = ir.VectorType(i32, 16)
+    for j in range(4):
+        lo = mix(cols[0][j], cols[1][j], list(range(8)))
+        hi = mix(cols[2][j], cols[3][j], list(range(8)))
+        line = mix(lo, hi, list(range(16)))
+        off = builder.mul(stride, ir.Constant(stride.type, j))
+        st = builder.store(line, builder.bitcast(builder.gep(base, [off]), line_t.as_pointer()), align=64)
+        st.set_metadata("nontemporal", nt)
+    return context.get_dummy_value()
+
+
 @intrinsic
-def _transpose4_stream(typingctx, dst, stride, a0, a1, a2, a3):
-    """:func:`_transpose4` with non-temporal stores."""
-    return types.void(*([types.intp] * 6)), _transpose4_codegen(True)
+def _transpose16_lines(typingctx, dst, stride, addrs):
+    """Four 4x4 word transposes (:func:`_transpose4`) written as four whole 64-byte lines with
+    non-temporal stores (:func:`_lines16_codegen`): a line is filled by one store, so the write
+    combining never flushes part of a line."""
+    return types.void(types.intp, types.intp, types.UniTuple(types.intp, 16)), _lines16_codegen
 
 
 STREAM_MIN_BYTES = 1 << 22
@@ -199,20 +240,20 @@ MEMCPY_MIN_CELL = 16
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _gather_memcpy(x, out, src, fill_bytes, visit, cell, n_in, n_out, block, stream):  # pragma: no cover
-    """x, out: flat uint8; one memcpy (or memset) per output cell: output cell ``visit[j]``
+def _gather_memcpy(xa, oa, experts, src, fill_bytes, visit, cell, in_bytes, n_out, block, stream):  # pragma: no cover
+    """xa, oa: addresses of ``experts`` experts' input (``in_bytes`` each) and output
+    (``n_out * cell``); one memcpy (or memset) per output cell: output cell ``visit[j]``
     from input cell ``src[j]`` (``src`` in visit order, :func:`visit_sources`: the loop
     reads both front to back, no dependent load). ``stream``: cells are whole 64-byte lines
-    of a 64-byte aligned output, written with non-temporal stores (:func:`_stream_bytes`)."""
-    xa = x.ctypes.data
-    oa = out.ctypes.data
-    experts = out.size // (n_out * cell)
+    of a 64-byte aligned output, written with non-temporal stores (:func:`_stream_bytes`).
+    Addresses, not arrays: the launch then costs no array conversion (a small tensor's
+    transform is a few tens of microseconds)."""
     nb = (n_out + block - 1) // block
     for t in prange(experts * nb):
         e = t // nb
         lo = (t - e * nb) * block
         hi = min(lo + block, n_out)
-        xb = xa + e * n_in * cell
+        xb = xa + e * in_bytes
         ob = oa + e * n_out * cell
         for j in range(lo, hi):
             i = visit[j]
@@ -269,13 +310,16 @@ are scattered by the row permutation, so the hardware prefetcher does not see th
 
 @njit(parallel=True, cache=True, nogil=True)
 def _swizzle(x, out, rows, fills, cw, stream):  # pragma: no cover - compiled
-    """x (E, n_in_rows*cw) int32 words, out (E, n_rows*cw), 16-byte aligned: row gather then the
-    128x4 swizzle, ``out[e, (band*cw + kk)*128 + 4*p + q] = x[e, rows[band*128 + 32*q + p]*cw + kk]``.
+    """x (E, n_in_rows*cw) int32 words, out (E, n_rows*cw), 16-byte aligned (``stream``: out
+    64-byte aligned): row gather then the 128x4 swizzle,
+    ``out[e, (band*cw + kk)*128 + 4*p + q] = x[e, rows[band*128 + 32*q + p]*cw + kk]``.
 
     One task per (expert, 128-row band); the band's output is written front to back, 16
     bytes at a time (words ``kk..kk+3`` of four source rows, transposed in registers:
-    :func:`_transpose4`), while the source rows of the band ``SWIZZLE_PREFETCH_BANDS`` ahead
-    are prefetched. Bands holding fill rows, and the last ``cw % 4`` words, take a word loop.
+    :func:`_transpose4`), or with ``stream`` 64 bytes at a time (four transposes side by
+    side make four whole lines, each one non-temporal store: :func:`_transpose16_lines`),
+    while the source rows of the band ``SWIZZLE_PREFETCH_BANDS`` ahead are prefetched.
+    Bands holding fill rows, and the last ``cw % 4`` words, take a word loop.
     """
     experts = x.shape[0]
     n_bands = out.shape[1] // (128 * cw)
@@ -303,15 +347,37 @@ def _swizzle(x, out, rows, fills, cw, stream):  # pragma: no cover - compiled
             for kk in range(0, kv, 4):
                 o = ob + kk * 512
                 c = kk * 4
+                if stream:
+                    for p in range(0, 32, 4):
+                        _transpose16_lines(
+                            o + p * 16,
+                            512,
+                            (
+                                xe + r[p] * row_b + c,
+                                xe + r[32 + p] * row_b + c,
+                                xe + r[64 + p] * row_b + c,
+                                xe + r[96 + p] * row_b + c,
+                                xe + r[p + 1] * row_b + c,
+                                xe + r[33 + p] * row_b + c,
+                                xe + r[65 + p] * row_b + c,
+                                xe + r[97 + p] * row_b + c,
+                                xe + r[p + 2] * row_b + c,
+                                xe + r[34 + p] * row_b + c,
+                                xe + r[66 + p] * row_b + c,
+                                xe + r[98 + p] * row_b + c,
+                                xe + r[p + 3] * row_b + c,
+                                xe + r[35 + p] * row_b + c,
+                                xe + r[67 + p] * row_b + c,
+                                xe + r[99 + p] * row_b + c,
+                            ),
+                        )
+                    continue
                 for p in range(32):
                     a0 = xe + r[p] * row_b + c
                     a1 = xe + r[32 + p] * row_b + c
                     a2 = xe + r[64 + p] * row_b + c
                     a3 = xe + r[96 + p] * row_b + c
-                    if stream:
-                        _transpose4_stream(o + p * 16, 512, a0, a1, a2, a3)
-                    else:
-                        _transpose4(o + p * 16, 512, a0, a1, a2, a3)
+                    _transpose4(o + p * 16, 512, a0, a1, a2, a3)
         xw = x[e]
         ow = out[e]
         wb = band * 128 * cw
@@ -396,71 +462,117 @@ def check_map(em: ExecMap) -> None:
     em._dev["bounds_ok"] = True
 
 
-def _check_buffers(em: ExecMap, xb: torch.Tensor, ob: torch.Tensor) -> None:
-    if xb.shape[1] != em.in_bytes or ob.shape[1] != em.out_bytes or ob.shape[0] != xb.shape[0]:
-        raise LayoutError(
-            f"{em.name}: buffers of {tuple(xb.shape)} and {tuple(ob.shape)} bytes, map needs (E, {em.in_bytes}) "
-            f"-> (E, {em.out_bytes})",
-            fix="pass the tensors the map was compiled for",
-        )
+def _check_buffers(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
+    """Raise :class:`LayoutError` unless ``x`` and ``out`` are contiguous ``(E, ...)`` CPU tensors of
+    ``em.in_bytes`` and ``em.out_bytes`` per expert."""
+    e = x.shape[0] if x.ndim else -1
+    if (
+        out.ndim
+        and out.shape[0] == e
+        and x.nbytes == e * em.in_bytes
+        and out.nbytes == e * em.out_bytes
+        and x.is_contiguous()
+        and out.is_contiguous()
+        and x.is_cpu
+        and out.is_cpu
+    ):
+        return
+    raise LayoutError(
+        f"{em.name}: buffers of {tuple(x.shape)} {x.dtype} and {tuple(out.shape)} {out.dtype} "
+        f"(contiguous CPU tensors needed), map needs (E, {em.in_bytes}) -> (E, {em.out_bytes}) bytes",
+        fix="pass the contiguous CPU tensors the map was compiled for",
+    )
+
+
+def _flat(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a 1-D uint8 array (no copy)."""
+    return t.view(torch.uint8).numpy().reshape(-1)
+
+
+def _alignment(address: int) -> int:
+    """The largest power of two <= 64 dividing ``address`` (64 for 0)."""
+    return min(64, address & -address) if address else 64
 
 
 def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[e, i] = x[e, src[i]]`` (or fill) for every expert of CPU tensors (bounds checked: :func:`check_map`)."""
-    experts = x.shape[0]
+    """``out[e, i] = x[e, src[i]]`` (or fill) for every expert of CPU tensors (bounds checked: :func:`check_map`).
+
+    The loop and its constant arguments are chosen once per map and alignment class
+    (:func:`_runner`, cached on the map), so a call costs the checks and one kernel launch.
+    """
+    experts = x.shape[0] if x.ndim else 0
     if experts == 0 or em.out_bytes == 0:
         return
     check_map(em)
-    xb, ob = byte_views(x, out)
-    _check_buffers(em, xb, ob)
-    word = aligned_word(em.word, xb, ob)
-    dt = word_dtype(word)
-    big = ob.numel() >= STREAM_MIN_BYTES
-    if em.swizzle is not None and word == 4 and xb.data_ptr() % 16 == 0 and ob.data_ptr() % 16 == 0:
+    _check_buffers(em, x, out)
+    xp, op = x.data_ptr(), out.data_ptr()
+    key = ("numba_run", _alignment(xp | op), _alignment(op), out.nbytes >= STREAM_MIN_BYTES)
+    run = em._dev.get(key)
+    if run is None:
+        run = em._dev[key] = _runner(em, *key[1:])
+    run(x, out, experts)
+
+
+def _runner(em: ExecMap, both: int, out_align: int, big: bool):
+    """``run(x, out, experts)`` over the checked tensors, for buffers whose addresses are both
+    multiples of ``both`` and the output's of ``out_align`` (powers of two <= 64); ``big``:
+    streaming stores where the loop has them (:data:`STREAM_MIN_BYTES`)."""
+    word = min(em.word, both)
+    if em.swizzle is not None and word == 4 and both >= 16:
         rows, cw, _ = em.swizzle
-        _swizzle(xb.view(dt).numpy(), ob.view(dt).numpy(), rows, em.fill_words(4), cw, big)
-        return
+        fills4 = em.fill_words(4)
+        lines = big and out_align == 64  # whole-line streaming stores need 64-byte aligned lines
+
+        def swizzle(x, out, experts):
+            x, out = _flat(x), _flat(out)
+            _swizzle(
+                x.view(np.int32).reshape(experts, -1), out.view(np.int32).reshape(experts, -1), rows, fills4, cw, lines
+            )
+
+        return swizzle
     fill_bytes = np.array(em.fills or (0,), dtype=np.int32)
     if em.padrows is not None:
         rows, c_in, c_out, col_code = em.padrows
-        lined = c_in % 64 == 0 and c_out % 64 == 0 and ob.data_ptr() % 64 == 0
-        _pad_rows(
-            xb.numpy().reshape(-1),
-            ob.numpy().reshape(-1),
-            rows,
-            _source_order(em, "visit_rows", rows, c_in),
-            fill_bytes,
-            c_in,
-            c_out,
-            col_code,
-            max(1, TASK_BYTES // c_out),
-            big and lined,
-        )
-        return
+        visit = _source_order(em, "visit_rows", rows, c_in)
+        block = max(1, TASK_BYTES // c_out)
+        lined = big and c_in % 64 == 0 and c_out % 64 == 0 and out_align == 64
+
+        def pad_rows(x, out, experts):
+            x, out = _flat(x), _flat(out)
+            _pad_rows(x, out, rows, visit, fill_bytes, c_in, c_out, col_code, block, lined)
+
+        return pad_rows
     if em.cell_bytes >= MEMCPY_MIN_CELL:
-        _gather_memcpy(
-            xb.numpy().reshape(-1),
-            ob.numpy().reshape(-1),
-            visit_sources(em),
-            fill_bytes,
-            visit_order(em),
-            em.cell_bytes,
-            em.n_in,
-            em.n_out,
-            max(1, TASK_BYTES // em.cell_bytes),
-            big and em.cell_bytes % 64 == 0 and ob.data_ptr() % 64 == 0,
-        )
-        return
+        cell, in_bytes, n_out, src, visit = em.cell_bytes, em.in_bytes, em.n_out, visit_sources(em), visit_order(em)
+        block = max(1, TASK_BYTES // cell)
+        stream = big and cell % 64 == 0 and out_align == 64
+
+        def cells(x, out, experts):
+            _gather_memcpy(
+                x.data_ptr(), out.data_ptr(), experts, src, fill_bytes, visit, cell, in_bytes, n_out, block, stream
+            )
+
+        return cells
+    return _word_runner(em, word, both)
+
+
+def _word_runner(em: ExecMap, word: int, both: int):
+    """The cell loop :func:`_gather` over ``word``-byte words (16 when cells and buffers allow:
+    plain SSE moves, no arithmetic touches the bits)."""
     fills = em.fill_words(word)
-    xa, oa = xb.view(dt).numpy(), ob.view(dt).numpy()
-    if word == 8 and em.cell_bytes % 16 == 0 and xb.data_ptr() % 16 == 0 and ob.data_ptr() % 16 == 0:
-        # 16-byte moves (plain SSE loads/stores; no arithmetic touches the bits)
-        word, xa, oa = 16, xa.view(np.complex128), oa.view(np.complex128)
-        fills = fills.repeat(2).view(np.complex128)
+    np_word = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}[word]
+    if word == 8 and em.cell_bytes % 16 == 0 and both >= 16:
+        word, np_word, fills = 16, np.complex128, fills.repeat(2).view(np.complex128)
     wpc = em.cell_bytes // word
-    xa = xa.reshape(experts, em.n_in, wpc)
-    oa = oa.reshape(experts, em.n_out, wpc)
-    _gather(xa, oa, visit_sources(em), fills, visit_order(em), max(1, TASK_BYTES // em.cell_bytes))
+    n_in, n_out, src, visit = em.n_in, em.n_out, visit_sources(em), visit_order(em)
+    block = max(1, TASK_BYTES // em.cell_bytes)
+
+    def words(x, out, experts):
+        x, out = _flat(x), _flat(out)
+        xa, oa = x.view(np_word).reshape(experts, n_in, wpc), out.view(np_word).reshape(experts, n_out, wpc)
+        _gather(xa, oa, src, fills, visit, block)
+
+    return words
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -530,6 +642,25 @@ def inplace_cycles_numba(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
             _save_cells(part, b, plan.saved)
             _cycle_tiles(part, b, plan.dst, plan.src, plan.tile_slots)
         yield s0 + part.shape[0], buf
+
+
+def preload() -> None:
+    """Load the kernels most transforms run (numba's set-up, the threading layer, then the
+    parallel copy, the cell copy, the 128x4 swizzle and the in-place cycle tiles of 8-byte
+    words from the on-disk cache, compiling them when absent), each run once on a few bytes
+    with the argument types of the real calls."""
+    a = np.arange(256, dtype=np.uint8)
+    b = np.empty_like(a)
+    parallel_copy(a, b, False)
+    one = np.zeros(1, dtype=np.int32)
+    fill = np.zeros(1, dtype=np.int32)
+    _gather_memcpy(a.ctypes.data, b.ctypes.data, 1, one, fill, one, 64, 64, 1, 1, False)
+    words = a.view(np.int32).reshape(1, -1)  # one band of 128 rows of 1 word is 512 bytes: none here
+    _swizzle(words[:, :0], b.view(np.int32).reshape(1, -1)[:, :0], np.zeros(128, dtype=np.int32), fill, 1, False)
+    rows = a.view(np.int64).reshape(1, -1, 1)  # in place along cycles, rows of 8-byte words (row permutations)
+    saved = np.empty((1, 1, 1), dtype=np.int64)
+    _save_cells(rows, saved, one)
+    _cycle_tiles(rows, saved, one, one, 1)
 
 
 def visit_order(em: ExecMap) -> np.ndarray:

@@ -16,6 +16,14 @@ it for cells of at least :data:`CYCLES_MIN_CELL` bytes), ``copy-then-gather`` (e
 executor: :mod:`.copy_then_gather`). ``auto`` takes the first strategy that fits the
 map and prefers it. Implementations load on first call (numba and Triton import only
 when used) and are looked up on every call.
+
+Cold start: an executor with a ``load`` step and a ``stand_in`` (numba: importing numba and
+loading its kernels from the on-disk cache costs about a second) is loaded on a background
+thread when a default call first picks it; until the load is done, default calls run on the
+stand-in (torch), which gives the same bytes (every executor is bit-exact), so the first
+transform of a fresh process does not wait for the import. :func:`load_executor` loads one
+now (``fimoe_lab.warmup`` and the benchmarks call it); ``FIMOE_BACKGROUND_LOAD=0`` loads in
+the calling thread instead.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional
@@ -41,6 +51,8 @@ __all__ = [
     "get_executor",
     "pick_backend",
     "available_backends",
+    "load_executor",
+    "executor_ready",
 ]
 
 NUMBA_MIN_BYTES = 1 << 20
@@ -78,7 +90,9 @@ class InPlace:
 class Executor:
     """One executor: where it runs (``devices``: device types, None = any; ``needs``: a
     package that must import), the smallest output it is preferred for, its gather and
-    its in-place strategies (preferred first)."""
+    its in-place strategies (preferred first); ``load``: what loading it ahead of its first
+    gather takes (imports, cached kernels), run in the background while default calls go to
+    the executor named ``stand_in`` (module docstring)."""
 
     name: str
     devices: Optional[tuple[str, ...]]
@@ -86,6 +100,8 @@ class Executor:
     min_bytes: int
     gather: Gather
     in_place: tuple[InPlace, ...]
+    load: Optional[Callable[[], None]] = None
+    stand_in: Optional[str] = None
 
     def available(self, device: torch.device | str) -> bool:
         """Whether this executor can run on ``device`` here."""
@@ -142,6 +158,10 @@ def _gather_triton(em, x, out):
     _module("triton_gather").gather_triton(em, x, out)
 
 
+def _load_numba() -> None:
+    _module("numba_gather").preload()
+
+
 def _cycles_numba(em, flat, scratch_experts, config):
     return _module("numba_gather").inplace_cycles_numba(em, flat, scratch_experts)
 
@@ -184,6 +204,8 @@ EXECUTORS: dict[str, Executor] = {
                 InPlace("cycles", _cycles_numba, prefers=lambda em: em.cell_bytes >= CYCLES_MIN_CELL),
                 _copy_then_gather(_gather_numba),
             ),
+            load=_load_numba,
+            stand_in="torch",
         ),
         Executor("torch", None, None, 0, _gather_torch, (_copy_then_gather(_gather_torch),)),
     )
@@ -207,9 +229,9 @@ def _pick(kind: str, out_bytes: int) -> str:
 
 
 def get_executor(name: Optional[str], device: torch.device | str, out_bytes: int) -> Executor:
-    """Executor ``name`` (None: :func:`pick_backend`), checked to run on ``device``."""
+    """Executor ``name`` (None: :func:`pick_backend`, or its stand-in while it loads), checked to run on ``device``."""
     if name is None:
-        return EXECUTORS[pick_backend(device, out_bytes)]
+        return _loaded_or_stand_in(EXECUTORS[pick_backend(device, out_bytes)])
     if name not in EXECUTORS:
         raise FormatError(f"unknown executor backend {name!r}", fix=f"choose one of {', '.join(EXECUTORS)}")
     ex = EXECUTORS[name]
@@ -223,3 +245,71 @@ def get_executor(name: Optional[str], device: torch.device | str, out_bytes: int
             fix=f"choose one of {', '.join(available_backends(device))}",
         )
     return ex
+
+
+# ============================================================================ loading in the background
+BACKGROUND_ENV = "FIMOE_BACKGROUND_LOAD"
+"""Set to ``0`` to load executors in the calling thread (no stand-in runs)."""
+
+
+class _Loads:
+    """Executors loaded (``ready``), loading (``threads``) or whose background load failed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.threads: dict[str, threading.Thread] = {}
+        self.ready: set[str] = set()
+        self.failed: set[str] = set()
+
+
+_LOADS = _Loads()
+
+
+def executor_ready(name: str) -> bool:
+    """Whether executor ``name`` is loaded (or needs no loading): default calls then run on it."""
+    return EXECUTORS[name].load is None or name in _LOADS.ready
+
+
+def load_executor(name: str) -> None:
+    """Load executor ``name`` now (imports, kernels from the on-disk cache), waiting for a background
+    load under way; default calls use it from then on. An error of the load is raised here."""
+    if executor_ready(name):
+        return
+    with _LOADS.lock:
+        thread = _LOADS.threads.get(name)
+    if thread is not None:
+        thread.join()
+        if name in _LOADS.ready:
+            return
+    load = EXECUTORS[name].load
+    if load is not None:
+        load()
+    _LOADS.ready.add(name)
+
+
+def _background_load(ex: Executor) -> None:
+    try:
+        if ex.load is not None:
+            ex.load()
+    except BaseException:  # the executor's own call raises it again, in the caller's thread
+        _LOADS.failed.add(ex.name)
+    else:
+        _LOADS.ready.add(ex.name)
+
+
+def _loaded_or_stand_in(ex: Executor) -> Executor:
+    """``ex`` once loaded; before that, start its load in the background and return its stand-in
+    (in the calling thread instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in)."""
+    if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
+        return ex
+    if ex.stand_in is None or os.environ.get(BACKGROUND_ENV, "1") == "0":
+        load_executor(ex.name)
+        return ex
+    with _LOADS.lock:
+        if ex.name not in _LOADS.threads:
+            thread = threading.Thread(
+                target=_background_load, args=(ex,), name=f"fimoe-lab-load-{ex.name}", daemon=True
+            )
+            _LOADS.threads[ex.name] = thread
+            thread.start()
+    return ex if ex.name in _LOADS.ready else EXECUTORS[ex.stand_in]

@@ -16,7 +16,9 @@ The recommendation is the candidate (a tactic at every token count) with the lea
 predicted time that convert accepts; ties go to fewer bytes. On the CUTLASS backend (what
 Hopper runs; TRTLLM-Gen kernels are SM100-only) there are no tactic counts: every padding
 convert accepts is a candidate, and the alignments CUTLASS needs are convert's CUTLASS
-defaults (:func:`fimoe_lab.shapes.default_alignments`).
+defaults (:func:`fimoe_lab.shapes.default_alignments`). A format without a CUTLASS layout
+(``specs.FORMATS[f].backends``: MxInt4, Kimi-K2-Thinking's INT4 experts) is TRT-LLM only:
+refused on Hopper; convert never pads it, so only rows at the shard's own size can be recommended.
 
 :func:`run` needs neither torch nor pandas (the CLI answers in well under two seconds);
 :func:`sweep` returns the same table as a pandas DataFrame (``attrs`` = the run's facts),
@@ -36,7 +38,7 @@ from ..errors import FimoeError, OracleError
 from ..presets import ModelPreset, get_preset
 from ..shapes import default_alignments, padded_shape, rank_intermediates, round_up
 from ..specs import FORMATS, get_activation
-from .cost import GpuSpec, get_gpu, layer_time_us, profile_time_us, transform_us
+from .cost import GPUS, GpuSpec, get_gpu, layer_time_us, profile_time_us, transform_us
 from .models import whole_block_shards
 from .oracle import TacticAnswer, TacticOracle, TacticQuery, tactic_format
 
@@ -475,10 +477,17 @@ def _why(rows: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def _backend(gpu: GpuSpec, backend: Optional[str]) -> str:
-    """``backend``, or the one ``gpu`` runs (TRT-LLM on SM100-family GPUs, else CUTLASS)."""
+def _backend(gpu: GpuSpec, backend: Optional[str], fmt: str) -> str:
+    """``backend``, or the one ``gpu`` runs (TRT-LLM on SM100-family GPUs, else CUTLASS); refused where
+    ``fmt`` has no layout for it (``specs.FORMATS[fmt].backends``: MxInt4 is TRT-LLM only)."""
+    blackwell = ", ".join(n for n, g in GPUS.items() if g.trtllm_gen)
     if backend is None:
-        return "trtllm" if gpu.trtllm_gen else "cutlass"
+        backend = "trtllm" if gpu.trtllm_gen else "cutlass"
+        if backend not in FORMATS[fmt].backends:
+            raise OracleError(
+                f"{fmt} runs on TRT-LLM only (TRTLLM-Gen kernels, SM100 family); {gpu.name} (SM{gpu.sm}) runs CUTLASS",
+                fix=f"pick a Blackwell --gpu ({blackwell})",
+            )
     if backend == "trtllm" and not gpu.trtllm_gen:
         raise OracleError(
             f"TRTLLM-Gen MoE kernels run only on SM100-family GPUs, not on {gpu.name} (SM{gpu.sm})",
@@ -486,6 +495,11 @@ def _backend(gpu: GpuSpec, backend: Optional[str]) -> str:
         )
     if backend not in ("trtllm", "cutlass"):
         raise OracleError(f"unknown backend {backend!r}", fix="choose trtllm or cutlass")
+    if backend not in FORMATS[fmt].backends:
+        raise OracleError(
+            f"{fmt} has no {backend} layout (backends: {', '.join(FORMATS[fmt].backends)})",
+            fix=f"use --backend {' or '.join(FORMATS[fmt].backends)}",
+        )
     return backend
 
 
@@ -507,14 +521,15 @@ def run(
 ) -> Sweep:
     """The sweep without torch or pandas: a :class:`Sweep` (rows and attrs as :func:`sweep` documents).
 
-    ``backend``: None picks what ``gpu`` runs (TRT-LLM on Blackwell, CUTLASS on Hopper);
+    ``backend``: None picks what ``gpu`` runs (TRT-LLM on Blackwell, CUTLASS on Hopper), refused
+    (:class:`OracleError`) where ``fmt`` has no layout for it (MxInt4 is TRT-LLM only);
     the oracle is asked only on TRT-LLM (an oracle is made when none is given).
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     fmt = fmt.strip().lower()
     tactic_format(fmt)
     g = get_gpu(gpu)
-    be = _backend(g, backend)
+    be = _backend(g, backend, fmt)
     weights = list(weights) if weights is not None else [1.0] * len(tokens)
     if len(weights) != len(tokens) or min(weights) < 0 or sum(weights) <= 0:
         raise FimoeError(
@@ -588,7 +603,9 @@ def run(
 
 def _cutlass_alternative(p: ModelPreset, fmt: str, tp: int, per_token: bool, engine: Optional[str]) -> list[str]:
     """The CUTLASS backend, when no padding has TRTLLM-Gen tactics at every T and convert lays it out for
-    CUTLASS (not offered for per-token NVFP4 activations, a TRTLLM-Gen mode)."""
+    CUTLASS (not offered for per-token NVFP4 activations, a TRTLLM-Gen mode, nor for a TRT-LLM-only format)."""
+    if "cutlass" not in FORMATS[fmt].backends:
+        return []
     ia, ha = reference_alignments(p, fmt, per_token, engine, "cutlass")
     if convert_check(p, fmt, tp, ia, ha, engine, "cutlass", per_token) is not None:
         return []
@@ -596,7 +613,10 @@ def _cutlass_alternative(p: ModelPreset, fmt: str, tp: int, per_token: bool, eng
 
 
 def _cutlass_needs(p: ModelPreset, fmt: str, per_token: bool, engine: Optional[str]) -> dict[str, int]:
-    """The intermediate and hidden multiples CUTLASS needs: convert's CUTLASS default (one table)."""
+    """The intermediate and hidden multiples CUTLASS needs: convert's CUTLASS default (one table); empty
+    for a format without a CUTLASS layout (MxInt4)."""
+    if "cutlass" not in FORMATS[fmt].backends:
+        return {}
     ia, ha = reference_alignments(p, fmt, per_token, engine, "cutlass")
     return {"inter_align": ia, "hidden_align": ha}
 

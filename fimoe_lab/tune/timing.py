@@ -68,7 +68,7 @@ def require_cuda() -> Any:
 def gemm_dtype(fmt: str) -> str:
     """``"fp8"`` for formats with FP8 activations and weights of one byte (timed as FP8 rowwise), else ``"bf16"``.
 
-    FP4 and MXFP4 weights have no grouped GEMM in torch: they are timed in bf16 (an upper
+    FP4, MXFP4 and MxInt4 weights have no grouped GEMM in torch: they are timed in bf16 (an upper
     bound of their compute, not of their weight bytes).
     """
     spec = FORMATS[fmt]

@@ -55,6 +55,10 @@ __all__ = [
     "fill_mask",
     "gather_mask",
     "chain_diff",
+    "landing",
+    "Cells",
+    "Trace",
+    "trace_cell",
 ]
 
 T = TypeVar("T")
@@ -636,3 +640,165 @@ def chain_diff(a: IndexMap, b: IndexMap) -> list[tuple[str, Optional[str], Optio
             out += [("only A", text(s), None) for s in a.steps[i1:i2]]
             out += [("only B", None, text(s)) for s in b.steps[j1:j2]]
     return out
+
+
+# ----------------------------------------------------------------------------- point and trace
+def landing(m: IndexMap, coords: tuple[int, ...], itemsize: int = 1) -> Optional[tuple[int, ...]]:
+    """Where input element ``coords`` (in ``m.in_shape`` elements) lands: its coordinates in
+    ``m.out_shape`` elements, or None when ``m`` drops it. ``out[landing(x)] = in[x]``."""
+    in_shape = m.in_shape[:-1] + (m.in_shape[-1] // itemsize,)
+    if len(coords) != len(in_shape) or any(not 0 <= c < d for c, d in zip(coords, in_shape)):
+        raise LayoutError(f"element {tuple(coords)} is outside {m.name}'s input {in_shape} elements")
+    byte = int(np.ravel_multi_index(tuple(coords), in_shape)) * itemsize
+    cell = int(memo(_destinations, m)[byte // m.cell_bytes])
+    if cell < 0:
+        return None
+    out_byte = cell * m.cell_bytes + byte % m.cell_bytes
+    out_shape = m.out_shape[:-1] + (m.out_shape[-1] // itemsize,)
+    return tuple(int(v) for v in np.unravel_index(out_byte // itemsize, out_shape))
+
+
+def _destinations(m: IndexMap) -> np.ndarray:
+    """int64 ``(input cells,)``: the output cell each input cell of ``m`` is copied to (-1: dropped)."""
+    src = m.src.numpy()
+    dest = np.full(m.n_in_cells, -1, dtype=np.int64)
+    taken = src >= 0
+    dest[src[taken]] = np.flatnonzero(taken)
+    return dest
+
+
+@dataclass(frozen=True)
+class Cells:
+    """What a point on one axes of a figure means (for clicks and hover, :func:`trace_cell`).
+
+    ``side``: "kernel" (the axes shows ``m``'s output as :func:`display_2d` rows) or
+    "checkpoint" (``m``'s input); ``itemsize``: bytes per element of the tensor ``m`` moves;
+    ``shape``: the drawn grid ``(grid rows, grid columns)``; ``rows``: the row on ``side`` of
+    each grid row (None: the same); ``values``: what each grid cell shows (None: nothing to
+    read); ``scale``: grid cells per data unit ``(y, x)`` (a lines panel puts row p at
+    ``y = p / n``); ``transpose``: data x is the grid row (an all-rows scatter: x = kernel
+    row); ``x_range``: the data x this entry covers (several entries can share an axes);
+    ``x_at``: the data x of a one-column grid (where its marker goes). A one-column grid is
+    a row view: its column is 0. ``width``: on the kernel side, the grid's row length in
+    elements when it is not the output's (a swizzled buffer drawn 16 wide): grid cell
+    ``(i, j)`` is output element ``rows[i] * width + j`` in flat order.
+    """
+
+    side: str
+    m: IndexMap
+    itemsize: int
+    shape: tuple[int, int]
+    rows: Optional[np.ndarray] = None
+    values: Optional[np.ndarray] = None
+    scale: tuple[float, float] = (1.0, 1.0)
+    transpose: bool = False
+    x_range: Optional[tuple[float, float]] = None
+    x_at: Optional[float] = None
+    width: Optional[int] = None
+
+    def locate(self, x: float, y: float) -> Optional[tuple[int, int, int, int]]:
+        """``(grid row, grid column, row on side, column on side)`` at data ``(x, y)``, or None."""
+        if self.x_range is not None and not self.x_range[0] <= x < self.x_range[1]:
+            return None
+        if not (np.isfinite(x) and np.isfinite(y)):
+            return None
+        gy, gx = (x, y) if self.transpose else (y, x)
+        i = int(round(gy * self.scale[0]))
+        j = 0 if self.shape[1] == 1 else int(round(gx * self.scale[1]))
+        if not (0 <= i < self.shape[0] and 0 <= j < self.shape[1]):
+            return None
+        return i, j, (int(self.rows[i]) if self.rows is not None else i), j
+
+    def place(self, trace: Trace) -> Optional[tuple[float, float]]:
+        """Data ``(x, y)`` of ``trace``'s element on this grid's side, or None when it is not drawn here."""
+        where = trace.kernel if self.side == "kernel" else trace.checkpoint
+        if self.transpose or where is None:
+            return None
+        row, col = where
+        if self.side == "kernel" and self.width:
+            row, col = divmod(row * _out_elements(self.m, self.itemsize)[-1] + col, self.width)
+        if self.rows is None:
+            i = row
+        else:
+            hit = np.flatnonzero(self.rows == row)
+            if not hit.size:
+                return None
+            i = int(hit[0])
+        j = 0 if self.shape[1] == 1 else col
+        if not (0 <= i < self.shape[0] and 0 <= j < self.shape[1]):
+            return None
+        x = self.x_at if self.shape[1] == 1 and self.x_at is not None else j / self.scale[1]
+        return float(x), i / self.scale[0]
+
+    def value(self, i: int, j: int) -> Optional[float]:
+        """What grid cell ``(i, j)`` shows (None: nothing)."""
+        return None if self.values is None else float(np.asarray(self.values)[i, j])
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One element followed through a map: ``kernel`` (display-2-D ``(row, col)`` of the
+    output, None when the input element is dropped), ``checkpoint`` (``(row, col)`` of the
+    input, None for padding), ``chain`` (:func:`provenance_rows`: output first), ``side``
+    (the side that was pointed at) and ``value`` (what the pointed cell shows)."""
+
+    side: str
+    kernel: Optional[tuple[int, int]]
+    checkpoint: Optional[tuple[int, int]]
+    chain: list
+    value: Optional[float] = None
+
+    @property
+    def moved_by(self) -> str:
+        """The steps that moved this element (its position before and after differs), kernel side
+        first; "padding (<step>)" when a step wrote it as fill."""
+        moved = []
+        for (_, _, after), (stage, _, before) in zip(self.chain, self.chain[1:]):
+            name = stage.split(" of ", 1)[-1]
+            if stage.startswith("fill of "):
+                moved.append(f"padding ({name})")
+            elif before != after:
+                moved.append(name)
+        return ", ".join(moved) or "no step (it stays in place)"
+
+    def summary(self) -> str:
+        """``kernel (r, c) <- checkpoint (r, c)`` (or ``padding``), one line."""
+        k = "dropped" if self.kernel is None else f"kernel {self.kernel}"
+        c = "padding" if self.checkpoint is None else f"checkpoint {self.checkpoint}"
+        return f"{k} <- {c}" if self.side == "kernel" else f"{c} -> {k}"
+
+    def hover(self) -> str:
+        """Row, column, value, source element and the steps that moved it (hover text)."""
+        here = self.kernel if self.side == "kernel" else self.checkpoint
+        if here is None:
+            return self.summary()
+        if self.value is None:
+            value = ""
+        else:
+            value = ", value NaN" if np.isnan(self.value) else f", value {self.value:.4g}"
+        return f"{self.side} row {here[0]}, column {here[1]}{value}\n{self.summary()}\nmoved by: {self.moved_by}"
+
+
+def _out_elements(m: IndexMap, itemsize: int) -> tuple[int, ...]:
+    return m.out_shape[:-1] + (m.out_shape[-1] // itemsize,)
+
+
+def trace_cell(cells: Cells, i: int, j: int) -> Trace:
+    """Follow grid cell ``(i, j)`` of ``cells`` through its map: a kernel cell back to its
+    checkpoint element (every step), a checkpoint cell to where it lands."""
+    m, size = cells.m, cells.itemsize
+    row = int(cells.rows[i]) if cells.rows is not None else i
+    out_shape = _out_elements(m, size)
+    cols = out_shape[-1]
+    if cells.side == "kernel":
+        coords = tuple(int(v) for v in np.unravel_index(row * (cells.width or cols) + j, out_shape))
+    else:
+        landed = landing(m, (row, j), size)
+        if landed is None:
+            return Trace("checkpoint", None, (row, j), [], cells.value(i, j))
+        coords = landed
+    chain = provenance_rows(m, coords, size)
+    flat = int(np.ravel_multi_index(coords, out_shape))
+    src = chain[-1][2]
+    ckpt = None if src is None else (int(src[0]), int(src[-1]))
+    return Trace(cells.side, divmod(flat, cols), ckpt, chain, cells.value(i, j))

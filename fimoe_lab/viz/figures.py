@@ -17,15 +17,17 @@ import functools
 import io
 import re
 from collections.abc import Callable, Sequence
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import numpy as np
 from matplotlib import colormaps, rc_context, rcParams
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
-from matplotlib.colors import ListedColormap, to_rgba
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import ListedColormap, Normalize, to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.text import Text
 
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap
@@ -47,6 +49,9 @@ __all__ = [
     "frontier_figure",
     "side_by_side",
     "marker_svg",
+    "cells_of",
+    "cell_at",
+    "trace_markers",
     "chain_text",
     "sweep_tactics_figure",
     "sweep_waste_figure",
@@ -83,7 +88,7 @@ MAX_POINTS = 2048
 SVG_DPI = 144
 """Resolution of the rasters inside an SVG (heatmap pixels are data; this only sets large scatters)."""
 
-F = TypeVar("F", bound=Callable[..., Figure])
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def styled(fn: F) -> F:
@@ -113,6 +118,10 @@ def hover_texts(fig: Figure) -> dict[str, str]:
     return fig._fimoe_hover  # type: ignore[attr-defined,no-any-return]
 
 
+POINTABLE = "fimoe-cells"
+"""SVG id prefix of the frame of each axes whose cells a click traces (:func:`cells_of`)."""
+
+
 def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
@@ -126,6 +135,10 @@ def to_svg(fig: Figure) -> str:
     become ``<title>`` elements.
     """
     buf = io.StringIO()
+    pointable = cells_of(fig)
+    for k, ax in enumerate(fig.axes):  # the axes a click traces: their frame is findable in the page
+        if id(ax) in pointable:
+            ax.patch.set_gid(f"{POINTABLE}-{k}")
     with rc_context(STYLE):
         fig.savefig(buf, format="svg", transparent=True, dpi=SVG_DPI, metadata={"Date": None})
     svg = buf.getvalue()
@@ -239,24 +252,63 @@ def value_image(
     only when there is one. Returns what was drawn (the first image holds ``.values`` with
     every flagged pixel masked).
     """
+    small, drawn, _ = value_layer(ax, values, pad, dead, vmax, cmap)
+    _colourbar(fig, drawn[0], ax, cax, label)
+    return small
+
+
+def value_layer(
+    ax: Axes,
+    values: np.ndarray,
+    pad: Optional[np.ndarray] = None,
+    dead: Optional[np.ndarray] = None,
+    vmax: Optional[float] = None,
+    cmap: str = MAGNITUDE_CMAP,
+) -> tuple[data.Downsampled, list[Artist], Text]:
+    """:func:`value_image` without its colourbar: the image, the flag overlay, the flag legend and
+    the reduction note (right title). Returns what was drawn, the artists it added (image first)
+    and the note (the axes' own right title, set)."""
     small, counts = data.memo(_reduce, values, pad, dead)
     top = vmax if vmax is not None else (float(np.nanmax(small.values)) if np.isfinite(small.values).any() else 1.0)
     ext = _extent(small.shape)
     shown = np.ma.masked_array(small.values, mask=small.flags > 0)  # padding: the colour map's grey
-    im = ax.imshow(shown, aspect="auto", cmap=_cmap(cmap), vmin=0, vmax=top or 1.0, extent=ext)
+    artists: list[Artist] = [ax.imshow(shown, aspect="auto", cmap=_cmap(cmap), vmin=0, vmax=top or 1.0, extent=ext)]
     marked = small.flags > data.FLAG_NAMES.index("padding")
     if marked.any():  # NaN / Inf / dead scale: an overlay (drawn only when there is one: it costs an image)
         overlay = np.zeros(small.flags.shape + (4,))
         for name, colour in FLAG_COLOURS.items():
             overlay[small.flags == data.FLAG_NAMES.index(name)] = to_rgba(colour)
-        ax.imshow(overlay, aspect="auto", extent=ext)
-    _colourbar(fig, im, ax, cax, label)
+        artists.append(ax.imshow(overlay, aspect="auto", extent=ext))
     if counts:
         handles = [Patch(color=FLAG_COLOURS[n], label=f"{n}: {c:,}") for n, c in counts.items()]
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, -0.12), ncols=min(4, len(handles)))
-    if small.block != (1, 1):
-        ax.set_title(f"pixel = {small.block[0]}x{small.block[1]} elements (max)", loc="right", fontsize=MIN_FONT)
-    return small
+        artists.append(
+            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, -0.12), ncols=min(4, len(handles)))
+        )
+    elif ax.get_legend() is not None:
+        ax.get_legend().remove()
+    note = f"pixel = {small.block[0]}x{small.block[1]} elements (max)" if small.block != (1, 1) else ""
+    return small, artists, ax.set_title(note, loc="right", fontsize=MIN_FONT)
+
+
+def _finite_max(values: np.ndarray) -> float:
+    """The largest finite value of ``values`` (1.0 when there is none): a colour scale that stays put."""
+    v = np.asarray(values, dtype=np.float64)
+    finite = v[np.isfinite(v)]
+    return float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+
+
+def title_text(ax: Axes, text: str = " ") -> Text:
+    """A plain text at ``ax``'s title place (an Axes title is placed from the tick labels, which a
+    layer drawn alone by :func:`svg_only` omits)."""
+    return ax.annotate(
+        text,
+        (0, 1),
+        xycoords="axes fraction",
+        xytext=(0, rcParams["axes.titlepad"]),
+        textcoords="offset points",
+        va="baseline",
+        fontsize=rcParams["axes.titlesize"],
+    )
 
 
 @styled
@@ -279,63 +331,79 @@ def row_permutation_figure(
     jump), so a swap offset does not squash the shuffle; (2) every kernel row's source row,
     the window shaded; (3, when ``values`` ``(rows, elements)`` of one expert is given)
     those values moved through the row steps, for the window's kernel rows, with NaN/Inf
-    and ``dead`` (bool, like ``values``) scales marked. ``observed`` ``(out_rows,)``: rows
-    a suspect tensor really holds (:func:`data.observed_row_sources`); mismatches are
-    marked with red x. Colours: ``colour_by`` in ``RowFlow.colour_modes()``. Every line
-    has hover text (checkpoint row, kernel row, group, steps).
+    and ``dead`` (bool, like ``values``) scales marked; its colour scale is the expert's
+    (the same for every window). ``observed`` ``(out_rows,)``: rows a suspect tensor
+    really holds (:func:`data.observed_row_sources`); mismatches are marked with red x.
+    Colours: ``colour_by`` in ``RowFlow.colour_modes()``. Every line has hover text
+    (checkpoint row, kernel row, group, steps). The window-dependent artists are
+    :func:`row_artists`; :func:`show_rows` moves them to another window or side without
+    drawing the rest again.
     """
     flow = data.memo(data.row_flow, m, projections)
-    win = data.row_window(flow, window[0], window[1], side)
-    codes, labels = flow.groups(colour_by)
-    colours = _group_colours(len(labels))
+    flow.groups(colour_by)  # an unknown colouring fails before anything is drawn
     layout = [(0.5, 3.0, 0.1, False), (0.9, 3.2, 1.5, False)]
     fig, axes = panel_row(layout + ([(0.6, 3.4, 0.9, True)] if values is not None else []), 5.2, bottom=0.95)
     (ax_lines, _), (ax_all, _) = axes[:2]
-    chain = " >> ".join(flow.steps)
-
-    cpos, kpos = win.positions()
-    nc, nk = max(len(win.ckpt_rows) - 1, 1), max(len(win.kernel_rows) - 1, 1)
-    for (c, k), cp, kp in zip(win.pairs, cpos, kpos):
-        group = labels[codes[k]]
-        if c >= 0:
-            (line,) = ax_lines.plot([0, 1], [cp / nc, kp / nk], color=colours[codes[k]], lw=1.2)
-            hover(line, f"checkpoint row {c} ({group}) -> kernel row {k}\nsteps: {chain}")
-        else:
-            (line,) = ax_lines.plot([1], [kp / nk], marker="s", color=PAD_COLOUR, ms=4)
-            hover(line, f"kernel row {k}: padding\nsteps: {chain}")
-    for x, rows, n, ha in ((0, win.ckpt_rows, nc, "right"), (1, win.kernel_rows, nk, "left")):
-        step = max(1, -(-len(rows) // 24))
-        for p in range(0, len(rows), step):
-            ax_lines.text(x + (-0.04 if x == 0 else 0.04), p / n, str(rows[p]), ha=ha, va="center", fontsize=MIN_FONT)
-        for g in data.RowWindow.gaps(rows):
-            ax_lines.plot([x - 0.06, x + 0.06], [(g - 0.5) / n] * 2, ls="--", color="0.5", lw=1)
     ax_lines.set_xticks([0, 1], ["checkpoint row", "kernel row"])
     ax_lines.set_yticks([])
     ax_lines.set_xlim(-0.35, 1.35)
     ax_lines.set_ylim(1.03, -0.03)
     for spine in ("left", "right", "top"):
         ax_lines.spines[spine].set_visible(False)
-    ax_lines.set_title(f"{side} rows {win.lo}..{win.hi - 1} (dashed: rows skipped)")
+    if flow.out_rows > MAX_POINTS:  # the all-rows image: checkpoint row 0 at the bottom, as in the scatter
+        ax_all.set_ylim(-0.5, flow.in_rows - 0.5)
+    ax_all.set_xlabel("kernel row")
+    ax_all.set_ylabel("checkpoint row (grey squares: padding)")
+    ax_all.set_title(f"all rows (shaded: the window; {int((flow.src_rows < 0).sum())} padding rows)")
+    state = dict(m=m, flow=flow, moving=[], drop=[], gids=[], observed=observed, colour_by=None, colour_layer=[])
+    state.update(ax_lines=ax_lines, ax_all=ax_all, title=title_text(ax_lines), values=None, itemsize=itemsize)
+    state.update(row_map=data.memo(IndexMap.row_steps, m))
+    if values is not None:
+        ax_v, cax = axes[2]
+        v = np.asarray(values, dtype=np.float64)
+        top = data.memo(_finite_max, values)
+        fig.colorbar(ScalarMappable(Normalize(0, top), _cmap(MAGNITUDE_CMAP)), cax=cax, label="|value| (dequantized)")
+        ax_v.set_ylabel("kernel row")
+        ax_v.set_xlabel("element")
+        ax_v.set_title("values in the kernel rows", loc="left")
+        state.update(ax_v=ax_v, values=v, dead=None if dead is None else np.asarray(dead), top=top)
+    fig._fimoe_rows = state  # type: ignore[attr-defined]
+    show_rows(fig, window, side, colour_by)
+    fig.suptitle(" >> ".join(flow.steps))
+    return fig
 
+
+def _colour_rows(fig: Figure, colour_by: str) -> None:
+    """Colour a :func:`row_permutation_figure` by ``colour_by``: the all-rows panel and its legend
+    are drawn anew (:func:`row_layers`' colour layer); the lines follow at the next :func:`show_rows`."""
+    s = fig._fimoe_rows  # type: ignore[attr-defined]
+    codes, labels = s["flow"].groups(colour_by)
+    for artist in s["colour_layer"]:
+        artist.remove()
+    colours = _group_colours(len(labels))
+    s["colour_layer"] = _all_rows_panel(s["ax_all"], s["flow"], codes, labels, colours, colour_by, s["observed"])
+    s.update(codes=codes, labels=labels, colours=colours, colour_by=colour_by)
+
+
+def _all_rows_panel(ax_all: Axes, flow: data.RowFlow, codes, labels, colours, colour_by: str, observed) -> list[Artist]:
+    """Panel (2) of :func:`row_permutation_figure`: every kernel row's source row, coloured by group.
+    Returns the artists drawn (the colour layer)."""
     out = np.arange(flow.out_rows)
+    drawn: list[Artist] = []
     if flow.out_rows <= MAX_POINTS:
-        ax_all.scatter(out, np.where(flow.src_rows >= 0, flow.src_rows, np.nan), c=[colours[k] for k in codes], s=6)
+        src = np.where(flow.src_rows >= 0, flow.src_rows, np.nan)
+        drawn.append(ax_all.scatter(out, src, c=[colours[k] for k in codes], s=6))
         pads = out[flow.src_rows < 0]
-        ax_all.scatter(pads, np.full(pads.size, -0.02 * flow.in_rows), c=[PAD_COLOUR], s=6, marker="s")
+        drawn.append(ax_all.scatter(pads, np.full(pads.size, -0.02 * flow.in_rows), c=[PAD_COLOUR], s=6, marker="s"))
     else:  # DeepSeek size: one pixel per (kernel rows, checkpoint rows) block, coloured by the group
         fx, fy = -(-flow.out_rows // MAX_SIDE), -(-flow.in_rows // MAX_SIDE)
         grid = np.zeros((-(-flow.in_rows // fy), -(-flow.out_rows // fx), 4))
         real = flow.src_rows >= 0
         grid[flow.src_rows[real] // fy, out[real] // fx] = np.asarray([to_rgba(c) for c in colours])[codes[real]]
-        ax_all.imshow(grid, aspect="auto", extent=(-0.5, flow.out_rows - 0.5, flow.in_rows - 0.5, -0.5))
-        ax_all.invert_yaxis()
-        ax_all.plot(
-            out[~real][[0, -1]] if (~real).any() else [],
-            [-0.02 * flow.in_rows] * (2 if (~real).any() else 0),
-            "-",
-            color=PAD_COLOUR,
-            lw=4,
-        )
+        extent = (-0.5, flow.out_rows - 0.5, -0.5, flow.in_rows - 0.5)  # row 0 at the bottom
+        drawn.append(ax_all.imshow(grid, aspect="auto", extent=extent, origin="lower"))
+        if (~real).any():
+            drawn += ax_all.plot(out[~real][[0, -1]], [-0.02 * flow.in_rows] * 2, "-", color=PAD_COLOUR, lw=4)
     handles = [Patch(color=colours[k], label=labels[k]) for k in sorted(set(codes.tolist()))][:12]
     if observed is not None:
         wrong = np.flatnonzero(observed != flow.src_rows)
@@ -348,28 +416,100 @@ def row_permutation_figure(
             label=f"observed != planned ({wrong.size} rows)",
         )
         handles.append(crosses)
-    if side == "kernel":
-        ax_all.axvspan(win.lo - 0.5, win.hi - 0.5, color="gold", alpha=0.3)
-    else:
-        ax_all.axhspan(win.lo - 0.5, win.hi - 0.5, color="gold", alpha=0.3)
-    ax_all.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), title=colour_by)
-    ax_all.set_xlabel("kernel row")
-    ax_all.set_ylabel("checkpoint row (grey squares: padding)")
-    ax_all.set_title(f"all rows (shaded: the window; {int((flow.src_rows < 0).sum())} padding rows)")
+        drawn.append(crosses)
+    drawn.append(ax_all.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), title=colour_by))
+    return drawn
 
-    if values is not None:
-        src = data.row_element_sources(data.memo(IndexMap.row_steps, m), win.kernel_rows, itemsize)
+
+def row_artists(fig: Figure) -> list[Artist]:
+    """The artists of a :func:`row_permutation_figure` that depend on the window and side (lines
+    and row numbers, the shading, the values and their row ticks), bottom to top."""
+    return list(fig._fimoe_rows["moving"])  # type: ignore[attr-defined]
+
+
+def row_layers(fig: Figure) -> list[tuple[object, list[Artist]]]:
+    """The moving layers of a :func:`row_permutation_figure`, bottom to top, each with what it
+    shows: the colouring (the all-rows panel and its legend) and the window (:func:`row_artists`)."""
+    s = fig._fimoe_rows  # type: ignore[attr-defined]
+    return [(("colour", s["colour_by"]), list(s["colour_layer"])), (("window", s["window"]), row_artists(fig))]
+
+
+@styled
+def show_rows(
+    fig: Figure, window: tuple[int, int], side: str = "kernel", colour_by: Optional[str] = None
+) -> data.RowWindow:
+    """Move a :func:`row_permutation_figure` to rows ``window`` ``(lo, hi)`` on ``side`` in place
+    (and recolour it by ``colour_by`` when given and new): the lines panel, the shading of the
+    all-rows panel and the values panel are drawn anew (:func:`row_artists`); the rest stays
+    as drawn. Returns the window shown."""
+    s = fig._fimoe_rows  # type: ignore[attr-defined]
+    flow: data.RowFlow = s["flow"]
+    win = data.row_window(flow, window[0], window[1], side)
+    if colour_by is not None and colour_by != s["colour_by"]:
+        _colour_rows(fig, colour_by)
+    texts = hover_texts(fig)
+    for artist in s["drop"]:
+        artist.remove()
+    for gid in s["gids"]:
+        texts.pop(gid, None)
+    before, row_map = len(texts), s["row_map"]
+    drop = _window_lines(s["ax_lines"], win, s["codes"], s["labels"], s["colours"], " >> ".join(flow.steps))
+    s["gids"] = list(texts)[before:]
+    s["title"].set_text(f"{side} rows {win.lo}..{win.hi - 1} (dashed: rows skipped)")
+    ax_all = s["ax_all"]
+    span = ax_all.axvspan if side == "kernel" else ax_all.axhspan
+    drop.append(span(win.lo - 0.5, win.hi - 0.5, color="gold", alpha=0.3))
+    moving = [s["title"], *drop]
+    cells = {id(ax_all): [data.Cells("kernel", row_map, 1, (flow.out_rows, 1), transpose=True)]}
+    nc, nk = max(len(win.ckpt_rows) - 1, 1), max(len(win.kernel_rows) - 1, 1)
+    cells[id(s["ax_lines"])] = [
+        data.Cells(
+            "checkpoint", row_map, 1, (len(win.ckpt_rows), 1), win.ckpt_rows, None, (nc, 1), x_range=(-1, 0.5), x_at=0
+        ),
+        data.Cells(
+            "kernel", row_map, 1, (len(win.kernel_rows), 1), win.kernel_rows, None, (nk, 1), x_range=(0.5, 2), x_at=1
+        ),
+    ]
+    if s["values"] is not None:
+        ax_v = s["ax_v"]
+        src = data.row_element_sources(s["row_map"], win.kernel_rows, s["itemsize"])
         pad = src < 0
-        moved = np.where(pad, np.nan, np.asarray(values, dtype=np.float64).reshape(-1)[np.maximum(src, 0)])
-        bad = None if dead is None else np.asarray(dead).reshape(-1)[np.maximum(src, 0)] & ~pad
-        ax_v, cax = axes[2]
-        value_image(fig, ax_v, cax, moved, "|value| (dequantized)", pad, bad)
+        moved = np.where(pad, np.nan, s["values"].reshape(-1)[np.maximum(src, 0)])
+        bad = None if s["dead"] is None else s["dead"].reshape(-1)[np.maximum(src, 0)] & ~pad
+        _, drawn, note = value_layer(ax_v, moved, pad, bad, s["top"])
         ax_v.set_yticks(*_row_ticks(win.kernel_rows))
-        ax_v.set_ylabel("kernel row")
-        ax_v.set_xlabel("element")
-        ax_v.set_title("values in the kernel rows", loc="left")
-    fig.suptitle(chain)
-    return fig
+        drop += drawn
+        moving += [*drawn, note, *ax_v.yaxis.findobj()]
+        cells[id(ax_v)] = [data.Cells("kernel", row_map, s["itemsize"], moved.shape, win.kernel_rows, moved)]
+    s["moving"], s["drop"] = moving, drop
+    s["window"] = win
+    fig._fimoe_cells = cells  # type: ignore[attr-defined]
+    return win
+
+
+def _window_lines(ax: Axes, win: data.RowWindow, codes, labels, colours, chain: str) -> list[Artist]:
+    """The lines panel of a row window: a line per (checkpoint row, kernel row), row numbers, jumps."""
+    drawn: list[Artist] = []
+    cpos, kpos = win.positions()
+    nc, nk = max(len(win.ckpt_rows) - 1, 1), max(len(win.kernel_rows) - 1, 1)
+    for (c, k), cp, kp in zip(win.pairs, cpos, kpos):
+        group = labels[codes[k]]
+        if c >= 0:
+            (line,) = ax.plot([0, 1], [cp / nc, kp / nk], color=colours[codes[k]], lw=1.2)
+            hover(line, f"checkpoint row {c} ({group}) -> kernel row {k}\nsteps: {chain}")
+        else:
+            (line,) = ax.plot([1], [kp / nk], marker="s", color=PAD_COLOUR, ms=4)
+            hover(line, f"kernel row {k}: padding\nsteps: {chain}")
+        drawn.append(line)
+    for x, rows, n, ha in ((0, win.ckpt_rows, nc, "right"), (1, win.kernel_rows, nk, "left")):
+        step = max(1, -(-len(rows) // 24))
+        for p in range(0, len(rows), step):
+            drawn.append(
+                ax.text(x + (-0.04 if x == 0 else 0.04), p / n, str(rows[p]), ha=ha, va="center", fontsize=MIN_FONT)
+            )
+        for g in data.RowWindow.gaps(rows):
+            drawn += ax.plot([x - 0.06, x + 0.06], [(g - 0.5) / n] * 2, ls="--", color="0.5", lw=1)
+    return drawn
 
 
 def _chain(m: IndexMap) -> str:
@@ -423,6 +563,10 @@ def tile_figure(m: IndexMap, itemsize: int = 1, colour_by: str = "source column"
     ax_out.set_xlabel("element in block")
     ax_out.set_ylabel("K block x row")
     fig.suptitle(_chain(m))
+    fig._fimoe_cells = {  # type: ignore[attr-defined]
+        id(ax_in): [data.Cells("checkpoint", m, itemsize, view.block_of_input.shape, values=view.block_of_input)],
+        id(ax_out): [data.Cells("kernel", m, itemsize, shown[colour_by].shape, values=shown[colour_by])],
+    }
     return fig
 
 
@@ -478,26 +622,14 @@ def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
     ax_atom.set_xticks([1.5, 5.5, 9.5, 13.5], ["group 0", "group 1", "group 2", "group 3"])
     ax_atom.set_yticks(range(0, 32, 4))
     ax_atom.set_ylabel("line (16 scales)")
-    # the title as a plain text at the title's place (a title is placed from the tick labels, which the atom layer omits)
-    title = ax_atom.annotate(
-        " ",
-        (0, 1),
-        xycoords="axes fraction",
-        xytext=(0, rcParams["axes.titlepad"]),
-        textcoords="offset points",
-        va="baseline",
-        fontsize=rcParams["axes.titlesize"],
-    )
+    title = title_text(ax_atom)
     fig.suptitle(_chain(m))
-    fig._fimoe_atom = dict(
-        view=view,
-        veil=veil,
-        span=span,
-        zoom=zoom,
-        rules=rules + list(ax_atom.spines.values()),
-        labels=labels,
-        title=title,
-    )  # type: ignore[attr-defined]
+    fig._fimoe_cells = {  # type: ignore[attr-defined]
+        id(ax_lin): [data.Cells("checkpoint", m, itemsize, view.dest_atom.shape, values=view.dest_atom)],
+        id(ax_buf): [data.Cells("kernel", m, itemsize, view.src_row.shape, values=view.src_row, width=16)],
+    }
+    moving = dict(veil=veil, span=span, zoom=zoom, rules=rules + list(ax_atom.spines.values()), labels=labels)
+    fig._fimoe_atom = dict(ax=ax_atom, m=m, itemsize=itemsize, view=view, title=title, **moving)  # type: ignore[attr-defined]
     show_atom(fig, atom)
     return fig
 
@@ -549,6 +681,10 @@ def show_atom(fig: Figure, atom: int) -> None:
             + "\nstep: swizzle_scales_128x4"
         )
     rb, cb = view.atom_origin[atom]
+    zoom_rows = np.arange(32 * atom, 32 * atom + 32)
+    cells_of(fig)[id(a["ax"])] = [
+        data.Cells("kernel", a["m"], a["itemsize"], (32, 16), zoom_rows, view.src_col[lines], width=16)
+    ]
     a["title"].set_text(
         f"atom {atom}: kernel rows {128 * rb}..{128 * rb + 127}, cols {4 * cb}..{4 * cb + 3} "
         "(k: kernel row, c: checkpoint row)"
@@ -574,7 +710,8 @@ def svg_only(fig: Figure, moving: Sequence[Artist]) -> str:
     ``moving``. Put it over :func:`svg_without` with :func:`stack_svg`."""
     every = fig.findobj()
     shown = {id(x): x.get_visible() for x in every}
-    keep = {id(x) for x in moving} | {id(fig)} | {id(x.axes) for x in moving if x.axes is not None}
+    keep = {id(c) for x in moving for c in x.findobj()}  # an artist with its parts (a legend's texts)
+    keep |= {id(fig)} | {id(x.axes) for x in moving if x.axes is not None}
     try:
         for x in every:
             x.set_visible(shown[id(x)] and id(x) in keep)
@@ -585,9 +722,13 @@ def svg_only(fig: Figure, moving: Sequence[Artist]) -> str:
     return top[top.index(">", top.index("<svg")) + 1 : top.rindex("</svg>")]
 
 
-def stack_svg(base: str, top: str) -> str:
-    """The SVG ``base`` with the layer ``top`` (:func:`svg_only`) drawn over it, as one valid SVG."""
-    return base[: base.rindex("</svg>")] + f"<g>{top}</g></svg>"
+LAYER = "fimoe-layer"
+"""The class of the group :func:`stack_svg` draws a moving layer in."""
+
+
+def stack_svg(base: str, *tops: str) -> str:
+    """The SVG ``base`` with the layers ``tops`` (:func:`svg_only`) drawn over it in order, as one valid SVG."""
+    return base[: base.rindex("</svg>")] + "".join(f'<g class="{LAYER}">{top}</g>' for top in tops) + "</svg>"
 
 
 MAX_MASK_SIDE = MAX_SIDE
@@ -673,6 +814,10 @@ def provenance_figure(
     value_image(fig, ax_a, cax_a, after2, "|value| (dequantized)", pad, dead_after, vmax)
     ax_a.plot(ac, ar, **MARKER)
     ax_a.set_title(f"kernel layout {after2.shape} elements", loc="left")
+    fig._fimoe_cells = {  # type: ignore[attr-defined]
+        id(ax_b): [data.Cells("checkpoint", m, itemsize, before.shape, values=before)],
+        id(ax_a): [data.Cells("kernel", m, itemsize, after2.shape, values=after2)],
+    }
     fig.text(0.01, 1.35 / 6.8, chain_text(chain), family="monospace", fontsize=MIN_FONT, va="top")
     return fig
 
@@ -702,6 +847,40 @@ def marker_svg(ax: Axes, x: float, y: float) -> str:
         f'<circle cx="{px * scale:.2f}" cy="{height - py * scale:.2f}" r="{r}" fill="none" '
         f'stroke="red" stroke-width="{MARKER["mew"]}"/>'
     )
+
+
+def cells_of(fig: Figure) -> dict[int, list[data.Cells]]:
+    """``{id(axes): [data.Cells]}``: what a point on each pointable axes of ``fig`` means (a
+    click traces it, :func:`data.trace_cell`); empty for figures without cells."""
+    if not hasattr(fig, "_fimoe_cells"):
+        fig._fimoe_cells = {}  # type: ignore[attr-defined]
+    return fig._fimoe_cells  # type: ignore[attr-defined,no-any-return]
+
+
+def cell_at(fig: Figure, x: float, y: float) -> Optional[tuple[Axes, data.Cells, int, int]]:
+    """The cell under point ``(x, y)`` of :func:`to_svg`'s coordinates: ``(axes, cells, grid row,
+    grid column)``, or None where no pointable axes has a cell (:func:`cells_of`)."""
+    hit = at_svg_point(fig, x, y)
+    if hit is None:
+        return None
+    ax, dx, dy = hit
+    for cells in cells_of(fig).get(id(ax), []):
+        found = cells.locate(dx, dy)
+        if found is not None:
+            return ax, cells, found[0], found[1]
+    return None
+
+
+def trace_markers(fig: Figure, trace: data.Trace) -> str:
+    """SVG circles (:func:`marker_svg`) on every pointable axes of ``fig`` that draws ``trace``'s
+    element, kernel or checkpoint side."""
+    out = []
+    for ax in fig.axes:
+        for cells in cells_of(fig).get(id(ax), []):
+            at = cells.place(trace)
+            if at is not None:
+                out.append(marker_svg(ax, *at))
+    return "".join(out)
 
 
 def at_svg_point(fig: Figure, x: float, y: float) -> Optional[tuple[Axes, float, float]]:
@@ -756,6 +935,7 @@ def compare_figure(
         )
         ax.set_title(name, loc="left")
         ax.set_xlabel("element")
+        cells_of(fig)[id(ax)] = [data.Cells("checkpoint", m, itemsize, img.shape, values=img)]
     fig.suptitle(title or _chain(m))
     return fig
 

@@ -9,6 +9,15 @@ export row (save PNG at 2x / SVG, show the code that draws the figure). After ea
 ``explorer.state`` the inputs it was drawn from, so scripts and tests can read what is
 shown. Redraws are cached per control state (:attr:`_Explorer.CACHE`), data per layer.
 
+Point and see: every explorer whose figure draws a layout (rows, tiles and the 128x4
+swizzle, provenance, A/B, diagnose) traces the cell under a click (:meth:`_Explorer.click`,
+one mechanism: the figure says what each pointable axes shows, :func:`figures.cells_of`):
+a kernel cell back through every step, a checkpoint cell to where it lands; the chain of
+step names and coordinates is shown under the figure and both ends are circled. Hovering
+shows the cell's row, column, value, source element and the steps that moved it (the
+anywidget canvas asks :meth:`_Explorer._hover`). A click outside any cell, before a
+figure exists or on an element that cannot be followed changes nothing but the message.
+
 Layer explorers take a layer (:class:`~fimoe_lab.viz.sources.ExpertTensors`) or offer a
 menu: seeded layers per format (shape typed in the ``I x H`` box), the shipped sample
 checkpoints, and any checkpoint loaded through the path box with its layer, TP size and
@@ -113,18 +122,47 @@ def _slider(description: str, value: int, top: int, step: int = 1) -> W.IntSlide
 
 _CANVAS_JS = """
 function render({ model, el }) {
-  const draw = () => { el.innerHTML = model.get("value"); };
+  const figure = document.createElement("div");
+  const tip = document.createElement("div");
+  tip.className = "fimoe-tip";
+  tip.style.cssText = "position:fixed;display:none;pointer-events:none;z-index:1000;white-space:pre;" +
+    "font:11px monospace;padding:3px 5px;border-radius:3px;background:rgba(30,30,30,0.92);color:#fff";
+  el.append(figure, tip);
+  const draw = () => { figure.innerHTML = model.get("value"); };
   draw();
   model.on("change:value", draw);
-  el.addEventListener("click", (event) => {
-    const svg = el.querySelector("svg");
-    if (!svg) return;
+  // (x, y) in the user units of the SVG under the pointer and its index among the figure's SVGs (A/B parts)
+  const locate = (event) => {
+    const svg = event.target.closest && event.target.closest("svg");
+    if (!svg || !figure.contains(svg)) return null;
+    const parts = [...figure.querySelectorAll("svg")].filter((s) => !s.parentElement.closest("svg"));
     const point = svg.createSVGPoint();
     point.x = event.clientX;
     point.y = event.clientY;
     const p = point.matrixTransform(svg.getScreenCTM().inverse());
-    model.set("click", [p.x, p.y, Date.now()]);
+    return [p.x, p.y, Math.max(0, parts.indexOf(svg))];
+  };
+  figure.addEventListener("click", (event) => {
+    const at = locate(event);
+    if (!at) return;
+    model.set("click", [...at, Date.now()]);
     model.save_changes();
+  });
+  let timer = null, last = [0, 0];
+  figure.addEventListener("mousemove", (event) => {
+    last = [event.clientX, event.clientY];
+    clearTimeout(timer);
+    const at = locate(event);
+    if (!at) { tip.style.display = "none"; return; }
+    timer = setTimeout(() => { model.set("hover", [...at, Date.now()]); model.save_changes(); }, 120);
+  });
+  figure.addEventListener("mouseleave", () => { clearTimeout(timer); tip.style.display = "none"; });
+  model.on("change:tip", () => {
+    const text = model.get("tip");
+    tip.textContent = text;
+    tip.style.left = `${last[0] + 14}px`;
+    tip.style.top = `${last[1] + 14}px`;
+    tip.style.display = text ? "block" : "none";
   });
 }
 export default { render };
@@ -133,13 +171,16 @@ export default { render };
 if anywidget is not None:
 
     class SvgCanvas(anywidget.AnyWidget):
-        """The figure as inline SVG (``value``, like ``W.HTML``) that reports clicks: ``click`` is
-        ``[x, y, time]``, ``(x, y)`` in the SVG's user units (points from the top left, see
-        :func:`figures.at_svg_point`)."""
+        """The figure as inline SVG (``value``, like ``W.HTML``) that reports where it is pointed
+        at: ``click`` and ``hover`` are ``[x, y, part, time]``, ``(x, y)`` in the SVG's user units
+        (points from the top left, see :func:`figures.at_svg_point`) and ``part`` the index of
+        the SVG (an A/B figure shows two); ``tip`` is the hover text shown at the pointer."""
 
         _esm = _CANVAS_JS
         value = traitlets.Unicode("").tag(sync=True)
         click = traitlets.List([]).tag(sync=True)
+        hover = traitlets.List([]).tag(sync=True)
+        tip = traitlets.Unicode("").tag(sync=True)
 
 
 def _figure_view() -> W.DOMWidget:
@@ -159,11 +200,14 @@ class _Explorer(W.VBox):
         self.view.add_class("fimoe-figure")
         self.message = W.HTML()
         self.message.add_class("fimoe-message")
+        self.trace_box = W.HTML()
+        self.trace_box.add_class("fimoe-trace")
         self.figure: Optional[Figure] = None
         self.svg = ""
         self.state: dict = {}
         self._busy = False
         self._drawn: OrderedDict = OrderedDict()
+        self._layers: OrderedDict = OrderedDict()  # static key -> (figure, SVG without its moving layer)
         self.save_name = W.Text(placeholder="file name (default: fimoe-<explorer>)", layout=W.Layout(width="260px"))
         save_png, save_svg = W.Button(description="save PNG"), W.Button(description="save SVG")
         show_code = W.Button(description="copy as code")
@@ -174,13 +218,41 @@ class _Explorer(W.VBox):
         self.controls = controls
         rows = [W.HBox(controls[i : i + 4]) for i in range(0, len(controls), 4)]
         export = W.HBox([self.save_name, save_png, save_svg, show_code])
-        super().__init__(rows + [self.message, self.view, export, self.code_box])
+        super().__init__(rows + [self.message, self.view, self.trace_box, export, self.code_box])
         for c in controls:
             c.observe(self.refresh, names="value")
+        if anywidget is not None:
+            self.view.observe(lambda change: self._from_page(self.click, change["new"]), names="click")
+            self.view.observe(lambda change: self._from_page(self._hover, change["new"]), names="hover")
         self.refresh()
 
     def _draw(self) -> tuple[Figure, str]:
         raise NotImplementedError
+
+    LAYERED = 4
+    """Figures kept by :meth:`_layered` (by what their static part shows)."""
+
+    def _layered(self, key: tuple, build, move, layers) -> tuple[Figure, str]:
+        """A figure drawn once per ``key`` whose later changes touch only its moving layers:
+        ``build()`` draws it (the static part is rendered once, :func:`figures.svg_without`),
+        ``move(fig)`` updates it in place, ``layers(fig)`` lists the moving layers bottom to top
+        as ``(what it shows, artists)``. Only the top layer and any layer whose "what it shows"
+        changed are rendered again (:func:`figures.svg_only`). Returns the figure and its SVG."""
+        if key in self._layers:
+            move(self._layers[key][0])
+        else:
+            fig = build()
+            every = [a for _, artists in layers(fig) for a in artists]
+            self._layers[key] = (fig, figures.svg_without(fig, every), {})
+            while len(self._layers) > self.LAYERED:
+                self._layers.popitem(last=False)
+        self._layers.move_to_end(key)
+        fig, base, rendered = self._layers[key]
+        shown = layers(fig)
+        for k, (what, artists) in enumerate(shown):
+            if k == len(shown) - 1 or k not in rendered or rendered[k][0] != what:
+                rendered[k] = (what, figures.svg_only(fig, artists))
+        return fig, figures.stack_svg(base, *(rendered[k][1] for k in range(len(shown))))
 
     def _key(self) -> tuple:
         """The control state a figure is drawn from (the cache key)."""
@@ -225,6 +297,75 @@ class _Explorer(W.VBox):
         self.figure, self.svg = fig, svg
         self.view.value = svg
         self.message.value = html.escape(note)
+        self.trace_box.value = ""
+
+    def _part(self, part: int) -> Optional[Figure]:
+        """The figure drawn as SVG number ``part`` of the view (an A/B figure shows its two parts)."""
+        parts = getattr(self.figure, "parts", None)
+        if parts:
+            return parts[part] if 0 <= part < len(parts) else None  # type: ignore[no-any-return]
+        return self.figure if part == 0 else None
+
+    def point(self, x: float, y: float, part: int = 0) -> Optional[data.Trace]:
+        """The element under point ``(x, y)`` of SVG ``part`` (points from its top left, what the
+        figure reports) followed through its map (:func:`data.trace_cell`), or None where no
+        cell is drawn (or before anything is drawn)."""
+        fig = self._part(int(part))
+        if fig is None:
+            return None
+        hit = figures.cell_at(fig, float(x), float(y))
+        if hit is None:
+            return None
+        _, cells, i, j = hit
+        return data.trace_cell(cells, i, j)
+
+    @staticmethod
+    def _from_page(handler, report) -> None:
+        """Pass a click or hover report ``[x, y, part, time]`` from the page to ``handler``; a
+        malformed one (not numbers) is ignored."""
+        numbers = isinstance(report, (list, tuple)) and len(report) >= 3
+        if numbers and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in report[:3]):
+            handler(float(report[0]), float(report[1]), int(report[2]))
+
+    def click(self, x: float, y: float, part: int = 0) -> Optional[data.Trace]:
+        """Follow the cell under point ``(x, y)`` of SVG ``part``: a kernel cell is traced back
+        through every step, a checkpoint cell shows where it lands; the chain of step names and
+        coordinates is shown under the figure, both ends are circled. Elsewhere nothing
+        changes; an element that cannot be followed only sets the message."""
+        try:
+            trace = self.point(x, y, part)
+        except (FimoeError, ValueError, IndexError) as exc:
+            self.message.value = f"<span style='color:#d33'>{html.escape(str(exc))} (nothing traced)</span>"
+            return None
+        if trace is not None:
+            self._show_trace(trace, int(part))
+        return trace
+
+    def _show_trace(self, trace: data.Trace, part: int) -> None:
+        """Show a followed element: message, chain under the figure, markers on the shown SVG."""
+        self.state["trace"] = trace
+        self.message.value = html.escape(f"{trace.summary()}; moved by: {trace.moved_by}")
+        self.trace_box.value = (
+            f"<pre style='font-size:11px;margin:0'>{html.escape(figures.chain_text(trace.chain))}</pre>"
+        )
+        pieces = self.svg.split("</svg>")
+        fig = self._part(part)
+        if fig is not None and part < len(pieces) - 1:
+            pieces[part] += figures.trace_markers(fig, trace)
+        self.view.value = "</svg>".join(pieces)
+
+    def _hover(self, x: float, y: float, part: int = 0) -> str:
+        """The hover text of the cell under ``(x, y)`` (row, column, value, source element, the steps
+        that moved it), also sent to the figure's tooltip; empty where there is no cell."""
+        try:
+            trace = self.point(x, y, part)
+            text = "" if trace is None else trace.hover()
+        except (FimoeError, ValueError, IndexError) as exc:
+            text = str(exc)
+        if anywidget is not None and isinstance(self.view, SvgCanvas):
+            self.view.tip = ""  # a change even when the text repeats: the page shows it at the new place
+            self.view.tip = text
+        return text
 
     def save(self, fmt: str, path: Optional[str] = None) -> Path:
         """Write the shown figure as ``fmt`` ("png": 2x on white, "svg": vector) to ``path``
@@ -395,6 +536,8 @@ class RowExplorer(_LayerExplorer):
 
     tensor_filter = staticmethod(lambda m: len(m.steps[0].out_shape) == 2 and m.steps[0].kind != "swizzle_scales_128x4")
 
+    CACHE = 0  # the figure is shared between windows and sides (its window layer moves): nothing to keep per setting
+
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
         self.colour_by = _dropdown("colour by", ("origin", "shuffle block", "epilogue tile"))
         self.side = _dropdown("window on", ("kernel", "checkpoint"))
@@ -416,12 +559,18 @@ class RowExplorer(_LayerExplorer):
         window = (min(self.start.value, self.start.max), min(self.start.value, self.start.max) + self.size.value)
         values = self.layer.magnitude(name, expert)
         dead = self.layer.dead(name, expert)
-        size = data.itemsize_of(self.layer.fmt, name)
-        fig = figures.row_permutation_figure(
-            m, flow.projections, window, colour, values, size, side=self.side.value, dead=dead
+        size, side = data.itemsize_of(self.layer.fmt, name), self.side.value
+        # drawn once per (layer, plan, tensor, expert, colouring); a window or side change redraws the window layer
+        fig, svg = self._layered(
+            (id(self.layer), id(m), self.backend.value, name, expert),
+            lambda: figures.row_permutation_figure(
+                m, flow.projections, window, colour, values, size, side=side, dead=dead
+            ),
+            lambda f: figures.show_rows(f, window, side, colour),
+            figures.row_layers,
         )
-        self.state.update(flow=flow, window=window, colour_by=colour, side=self.side.value)
-        return fig, f"{self.state['plan'].description}: {m}{note}"
+        self.state.update(flow=flow, window=window, colour_by=colour, side=side)
+        return fig, f"{self.state['plan'].description}: {m}{note}", svg
 
     def code(self) -> str:
         s = self.state
@@ -441,13 +590,10 @@ class TileExplorer(_LayerExplorer):
     tensor_filter = staticmethod(lambda m: len(m.out_shape) == 3 or m.steps[-1].kind == "swizzle_scales_128x4")
 
     CACHE = 0  # the swizzle figure is shared between atoms (its atom layer moves): nothing to keep per setting
-    TENSORS = 4
-    """Swizzle figures kept (by layer, backend and tensor): going back to a tensor redraws only its atom layer."""
 
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
         self.atom = _slider("atom", 0, 64)
         self.colour_by = _dropdown("colour by", ("source column", "source row"))
-        self._static: OrderedDict = OrderedDict()  # (layer, backend, tensor) -> (figure, SVG without the atom layer)
         kwargs.setdefault("tensor", "w13_scale")
         super().__init__(layer, [self.atom, self.colour_by], **kwargs)
 
@@ -461,18 +607,14 @@ class TileExplorer(_LayerExplorer):
         self.atom.max = view.atoms - 1
         atom = min(self.atom.value, view.atoms - 1)
         self.state.update(view=view, kind="swizzle", atom=atom)
-        static = (id(self.layer), self.backend.value, self.tensor.value)
-        if static not in self._static:
-            # the grid, buffer and axes are drawn once per tensor; an atom change redraws only the atom layer
-            fig = figures.swizzle_figure(m, size, atom)
-            self._static[static] = (fig, figures.svg_without(fig, figures.atom_artists(fig)))
-            while len(self._static) > self.TENSORS:
-                self._static.popitem(last=False)
-        self._static.move_to_end(static)
-        fig, base = self._static[static]
-        figures.show_atom(fig, atom)
-        top = figures.svg_only(fig, figures.atom_artists(fig))
-        return fig, f"{view.atoms} atoms: {m}", figures.stack_svg(base, top)
+        # the grid, buffer and axes are drawn once per tensor; an atom change redraws only the atom layer
+        fig, svg = self._layered(
+            (id(self.layer), id(m), self.backend.value, self.tensor.value),
+            lambda: figures.swizzle_figure(m, size, atom),
+            lambda f: figures.show_atom(f, atom),
+            lambda f: [(atom, figures.atom_artists(f))],
+        )
+        return fig, f"{view.atoms} atoms: {m}", svg
 
     def code(self) -> str:
         s = self.state
@@ -499,24 +641,16 @@ class ProvenanceExplorer(_LayerExplorer):
         self.col = _int_box("column", 0, "160px")
         self._static: Optional[tuple] = None
         super().__init__(layer, [self.pick, self.row, self.col], **kwargs)
-        if anywidget is not None:
-            self.view.observe(lambda change: self.click(*change["new"][:2]), names="click")
 
-    def click(self, x: float, y: float) -> None:
-        """Follow the heatmap cell under point ``(x, y)`` of the shown SVG (points from its top
-        left, what the figure reports on a click): a kernel-side cell is traced back through
-        every step, a checkpoint-side cell shows where it lands. Elsewhere nothing changes."""
-        if self.figure is None:
+    def _show_trace(self, trace: data.Trace, part: int) -> None:
+        """A clicked cell becomes the chosen element (the side and row, column boxes follow)."""
+        where = trace.kernel if trace.side == "kernel" else trace.checkpoint
+        if where is None:
             return
-        hit = figures.at_svg_point(self.figure, x, y)
-        sides = {id(self.figure.axes[0]): "checkpoint", id(self.figure.axes[2]): "kernel"}
-        if hit is None or id(hit[0]) not in sides:
-            return
-        ax, col, row = hit
         self._busy = True
         try:
-            self.pick.value = sides[id(ax)]
-            self.row.value, self.col.value = round(row), round(col)
+            self.pick.value = trace.side
+            self.row.value, self.col.value = where
         finally:
             self._busy = False
         self.refresh()
@@ -539,8 +673,10 @@ class ProvenanceExplorer(_LayerExplorer):
         if self.pick.value == "kernel":
             flat = r * cols + c
         else:
-            hits = np.flatnonzero(data.memo(data.element_sources, m, size).reshape(-1) == r * before.shape[1] + c)
-            flat = int(hits[0])
+            landed = data.landing(m, (r, c), size)
+            if landed is None:
+                raise LayoutError(f"checkpoint element ({r}, {c}) does not reach the kernel layout", fix="pick another")
+            flat = int(np.ravel_multi_index(landed, out))
         coords = tuple(int(v) for v in np.unravel_index(flat, out))
         chain = data.provenance_rows(m, coords, size)
         self.state.update(coords=coords, chain=chain, pick=self.pick.value)
