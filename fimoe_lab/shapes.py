@@ -28,7 +28,16 @@ from typing import Optional
 
 from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import LayoutError
-from fimoe_lab.specs import BACKENDS, FORMATS, FormatSpec, check_backend, get_format, weight_formats
+from fimoe_lab.specs import (
+    ACTIVATIONS,
+    BACKENDS,
+    FORMATS,
+    FormatSpec,
+    check_backend,
+    get_activation,
+    get_format,
+    weight_formats,
+)
 
 __all__ = [
     "FI_MOE_INTERMEDIATE_MULTIPLE",
@@ -37,6 +46,7 @@ __all__ = [
     "default_alignments",
     "rank_intermediates",
     "padded_shape",
+    "check_kernel_activation",
 ]
 
 FI_MOE_INTERMEDIATE_MULTIPLE = 16
@@ -176,6 +186,21 @@ def rank_intermediates(
     return (local,) * tp
 
 
+def check_kernel_activation(fmt: str, backend: str, activation: str) -> None:
+    """Refuse ``activation`` (a name of ``specs.ACTIVATIONS`` or an alias) where the ``fmt`` kernels on
+    ``backend`` run another one: its FlashInfer ``ActivationType`` must be in
+    ``specs.FORMATS[fmt].kernel_activations`` (empty: any). One :class:`LayoutError` naming both and the fix."""
+    spec = FORMATS.get(fmt)
+    runs = spec.kernel_activations if spec is not None else ()
+    act = get_activation(activation)
+    names = " or ".join(a.name for a in ACTIVATIONS.values() if a.flashinfer in runs)
+    _need(
+        not runs or act.flashinfer in runs,
+        f"{fmt} on {backend}: the kernel always runs {names}, not {act.name} (the layer's activation)",
+        fix=f"convert {act.name} layers to another format (bf16, fp8 or mxfp4), or only {names} layers to {fmt}",
+    )
+
+
 def _need(ok: bool, message: str, fix: Optional[str] = None) -> None:
     if not ok:
         raise LayoutError(message, fix=fix)
@@ -240,8 +265,8 @@ def _mxint4_shape(
 ) -> tuple[int, int]:
     """MxInt4 (``recipes.plan_mxint4``, then ``recipes.plan_trtllm_mxint4``): no padding, ``(I', H') = (I, H)``.
 
-    Constraints, in the plan's order: backend ``trtllm``; gated act-and-mul (the plan checks gatedness
-    only, so GeGLU passes, although the TRTLLM-Gen MxInt4 runner always runs SwiGLU); no per-token
+    Constraints, in the plan's order: backend ``trtllm``; gated act-and-mul (which gated activation is
+    :func:`check_kernel_activation`'s, where the caller knows it: the TRTLLM-Gen MxInt4 runner always runs SwiGLU); no per-token
     activations (BF16 activations); an alignment given must not pad (``round_up(I, a_I) == I``,
     ``round_up(H, a_H) == H``: vLLM pads nothing); ``I`` and ``H`` positive multiples of 256.
     """
@@ -284,8 +309,12 @@ def padded_shape(
     hidden_alignment: Optional[int] = None,
     engine: Optional[str] = None,
     per_token_activation: bool = False,
+    activation: Optional[str] = None,
 ) -> tuple[int, int]:
     """``(I', H')`` that ``plan_layer`` with the same arguments pads a rank's ``(I, H)`` to.
+
+    ``activation`` (a name of ``specs.ACTIVATIONS``; None: not checked): refused, as ``convert`` refuses
+    it, where the format's kernel runs another (:func:`check_kernel_activation`: MxInt4 runs SwiGLU only).
 
     Raises the :class:`LayoutError` that ``plan_layer`` raises for these sizes. The
     padding: ``I' = round_up(I, a_I)``, ``H' = round_up(H, a_H)`` with the alignments given
@@ -304,10 +333,15 @@ def padded_shape(
     if backend not in BACKENDS:
         raise LayoutError(f"unknown backend {backend!r}", fix=f"choose one of {', '.join(BACKENDS)}")
     profile = get_engine(engine)
-    if fmt in _OWN_RULES:
+    if fmt in _OWN_RULES:  # its own refusals (gatedness among them) first, then the activation
         own = _OWN_RULES[fmt]
         ia, ha = intermediate_alignment, hidden_alignment
-        return own(backend, intermediate, hidden, is_act_and_mul, is_gated, ia, ha, per_token_activation)
+        shape = own(backend, intermediate, hidden, is_act_and_mul, is_gated, ia, ha, per_token_activation)
+        if activation is not None:
+            check_kernel_activation(fmt, backend, activation)
+        return shape
+    if activation is not None:
+        check_kernel_activation(fmt, backend, activation)
     spec = FORMATS[fmt]
     if spec.vector_scaled:
         for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):

@@ -85,6 +85,10 @@ class FormatSpec:
         tactic_intermediate_multiple: the per-rank intermediate multiple at which the
             TRTLLM-Gen kernel set offers its full tactic space (gated; measured with
             FlashInfer 0.6.13's kernels): fewer or zero tactics below it. 0: not measured.
+        kernel_activations: FlashInfer ``ActivationType`` members (:attr:`Activation.flashinfer`) that the
+            format's MoE kernels run on every backend of ``backends``; empty: every activation the backend
+            takes. MxInt4: ``("Swiglu",)`` (the TRTLLM-Gen MxInt4 runner always runs SwiGLU; alpha, beta and
+            the clamp limit of gpt-oss's variant are its arguments). Read by ``shapes.check_kernel_activation``.
     """
 
     name: str
@@ -103,6 +107,7 @@ class FormatSpec:
     tactics: Optional[TacticEnums] = None
     weights: bool = True
     tactic_intermediate_multiple: int = 0
+    kernel_activations: tuple[str, ...] = ()
 
     @property
     def plan_format(self) -> str:
@@ -252,6 +257,7 @@ FORMATS: dict[str, FormatSpec] = {
             backends=("trtllm",),
             weights=False,  # laid out from int4-group checkpoints only (shapes.padded_shape has its own rule)
             tactics=TacticEnums("Bfloat16", "MxInt4", "NoneFp8", "block-major-k"),
+            kernel_activations=("Swiglu",),
         ),
         replace(
             _NVFP4,

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fimoe_lab.cli import main
+from fimoe_lab.cli._common import PROGRESS_LINE
 from fimoe_lab.resources import sample_names, sample_path
 
 SAMPLES = sample_names()
@@ -61,13 +62,22 @@ def run(argv: list[str], capsys) -> tuple[int, str, str]:
     return rc, got.out, got.err
 
 
-def expect_error(argv, capsys, out: Path, inputs: list[Path], match=None, code: int = 2) -> str:
-    """Run ``argv`` and check every promise of a refusal; returns the error line."""
+def error_after_progress(err: str, during: bool = True) -> list[str]:
+    """stderr of a failure: the one ``error: ... (fix: ...)`` line last, and before it nothing (a refusal before any
+    work, ``during`` False) or only plain progress lines (a failure found while writing, ``during`` True)."""
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: ") and "(fix: " in lines[-1], err
+    assert (during or len(lines) == 1) and all(PROGRESS_LINE.fullmatch(line) for line in lines[:-1]), err
+    return lines[-1:]
+
+
+def expect_error(argv, capsys, out: Path, inputs: list[Path], match=None, code: int = 2, during: bool = False) -> str:
+    """Run ``argv`` and check every promise of a refusal (``during``: found while writing, after progress lines
+    maybe); returns the error line."""
     before = {p: tree_hash(p) for p in inputs}
     rc, _, err = run(argv, capsys)
-    lines = err.strip().splitlines()
     assert rc == code, (rc, err)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "(fix: " in lines[0], err
+    lines = error_after_progress(err, during)
     assert "Traceback" not in err
     assert match is None or any(m in lines[0] for m in ([match] if isinstance(match, str) else match)), lines[0]
     assert leftovers(out) == [], leftovers(out)
@@ -201,13 +211,18 @@ META_EDITS = {
 }
 
 
+FOUND_WHILE_WRITING = {"checksum-altered", "checksum-missing"}
+"""Edits restore finds only once it has read (and queued for writing) the tensor: after progress lines."""
+
+
 @pytest.mark.parametrize("sample", SAMPLES)
 @pytest.mark.parametrize("edit", sorted(META_EDITS))
 def test_restore_refuses_tampered_metadata(kernels, sample, edit, tmp_path, capsys):
     k = copy_kernel(kernels, sample, tmp_path)
     fn, match = META_EDITS[edit]
     edit_meta(k, fn)
-    expect_error(["restore", k, tmp_path / "out"], capsys, tmp_path / "out", [k], match)
+    out = tmp_path / "out"
+    expect_error(["restore", k, out], capsys, out, [k], match, during=edit in FOUND_WHILE_WRITING)
 
 
 def test_restore_refuses_metadata_that_is_not_json(kernels, tmp_path, capsys):
@@ -236,7 +251,8 @@ def test_restore_refuses_a_flipped_byte_naming_the_tensor(kernels, sample, j, tm
     pos = lo + random.Random(f"{sample}{j}").randrange(hi - lo)
     data = data[:pos] + bytes([data[pos] ^ 0x5A]) + data[pos + 1 :]
     write_header(k, header, data)
-    expect_error(["restore", k, tmp_path / "out"], capsys, tmp_path / "out", [k], f"{name}: checksum mismatch")
+    out = tmp_path / "out"  # a checksum is checked once its tensor is read: after progress lines maybe
+    expect_error(["restore", k, out], capsys, out, [k], f"{name}: checksum mismatch", during=True)
 
 
 # ============================================================================ header fuzzing
@@ -277,8 +293,7 @@ def _fuzz_case(kernels, restored, tmp_path, capsys, mutate) -> None:
         shutil.rmtree(out)
     else:
         assert rc == 2, err
-        lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and "(fix: " in lines[0], err
+        error_after_progress(err)  # an edit may be found before or while writing
         assert leftovers(out) == []
 
 
@@ -833,28 +848,39 @@ def test_a_signal_at_a_random_point_of_convert_leaves_no_partial_output(forker, 
     assert leftovers(out) == [], (rc, killed, err)
     if killed is None:  # it was writing: the handler removed the temporary and said so on one line
         assert rc == 128 + sig and err.strip().splitlines()[-1] in ("interrupted", f"terminated by signal {sig}"), err
+        assert all(PROGRESS_LINE.fullmatch(line) for line in err.strip().splitlines()[:-1]), err  # progress before
     else:
         assert killed == sig  # before any output existed: the default action
 
 
 @pytest.mark.parametrize(
     "command,limit",
-    [("convert", 4096), ("convert", 200_000), ("convert", 900_000), ("restore", 50_000), ("restore", 600_000)],
+    [
+        ("convert", 4096),
+        ("convert", 200_000),
+        ("convert", 900_000),
+        ("convert --no-progress", 900_000),
+        ("restore", 50_000),
+        ("restore", 600_000),
+    ],
 )
 def test_a_full_disk_leaves_no_partial_output(forker, kernels, command, limit, tmp_path):
-    if command == "convert":
+    if command.startswith("convert"):
         src = copy_sample(SAMPLES[0], tmp_path)
         out = tmp_path / "k.safetensors"
-        argv = ["convert", src, out, "--backend", BACKEND]
+        argv = ["convert", src, out, "--backend", BACKEND, *command.split()[1:]]
     else:
         src = copy_kernel(kernels, SAMPLES[0], tmp_path)
         out = tmp_path / "back"
         argv = ["restore", src, out]
     before = tree_hash(src)
     [(rc, killed)] = forker.run([argv], tmp_path / "err", fsize=limit)
-    lines = (tmp_path / "err0").read_text().strip().splitlines()
-    assert (rc, killed) == (2, None) and len(lines) == 1, lines
-    assert lines[0].startswith("error: ") and "File too large" in lines[0] and "(fix: " in lines[0]
+    err = (tmp_path / "err0").read_text()
+    assert (rc, killed) == (2, None)
+    (line,) = error_after_progress(err, "--no-progress" not in argv)  # the error last, progress lines before it
+    assert "File too large" in line
+    if "--no-progress" in argv or limit >= 600_000:  # silenced: the one line; failing late: progress came first
+        assert (err == line + "\n") == ("--no-progress" in argv), err
     assert leftovers(out) == [] and tree_hash(src) == before
 
 

@@ -313,3 +313,33 @@ def test_a_closed_stdout_pipe_ends_quietly_with_141(argv, codes):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode in codes and done.stderr == ""
+
+
+def test_shared_options_read_the_same_in_every_command():
+    """An option several commands take is defined once (cli._common) and so described alike everywhere:
+    ``--json`` says what it prints and its fields, ``--per-token`` the format it applies to, ``--tp N`` its
+    default, ``--no-progress``/``--progress`` the progress rule (convert and restore, word for word)."""
+    import argparse
+
+    from fimoe_lab.cli import build_parser
+    from fimoe_lab.cli._common import PROGRESS_HELP
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    helps: dict[str, dict[str, str]] = {}
+    for command, parser in sub.items():
+        for action in parser._actions:
+            for flag in action.option_strings:
+                helps.setdefault(flag, {})[command] = action.help or ""
+    assert set(helps["--json"]) >= {"inspect", "plan", "demo", "convert", "restore", "goldens", "tune", "tactics"}
+    for command, text in helps["--json"].items():
+        assert text.startswith("print the result as one JSON ") and ", nothing else: " in text, (command, text)
+        assert text.split(": ", 1)[1][0] in "{[", (command, text)  # the fields follow
+    assert len(helps["--per-token"]) >= 5
+    for command, text in helps["--per-token"].items():
+        assert text.startswith("NVFP4 activations quantised per token (NVFP4 only): "), (command, text)
+    for command in ("convert", "warmup", "tune"):
+        assert helps["--tp"][command].startswith("tensor-parallel size") and "(default 1)" in helps["--tp"][command]
+    assert set(helps["--no-progress"]) >= {"convert", "restore"}
+    assert len(set(helps["--no-progress"].values())) == 1 and PROGRESS_HELP in helps["--no-progress"]["convert"]
+    assert len({helps["--progress"][c] for c in helps["--no-progress"]}) == 1
+    assert not [t for f in helps.values() for t in f.values() if t.rstrip().endswith("overrides")]  # what?

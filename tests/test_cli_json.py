@@ -148,41 +148,70 @@ def nbytes(entry: dict) -> int:
     return end - start
 
 
-PROGRESS_LINE = re.compile(r"convert -> (\S+): (\d+)% \((\d+\.\d\d) of (\d+\.\d\d) MB\)")
-
-
 def plain_progress(err: str) -> bool:
     """stderr of a convert whose stderr is no terminal: plain progress lines only (no carriage return, no bar),
     per output rising percentages that end at 100%."""
+    from fimoe_lab.cli._common import PROGRESS_LINE
+
     assert "\r" not in err and "\x1b" not in err
     seen: dict[str, list[int]] = {}
     for line in err.splitlines():
         m = PROGRESS_LINE.fullmatch(line)
         assert m, line
-        seen.setdefault(m[1], []).append(int(m[2]))
+        seen.setdefault(m["desc"], []).append(int(m["percent"]))
     assert seen and all(p == sorted(set(p)) and p[-1] == 100 for p in seen.values()), seen
     return True
 
 
-def test_plain_progress_prints_a_line_per_update_that_crosses_a_tenth():
+def _clock_text(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}:{(s % 3600) // 60:02d}:{s % 60:02d}"
+
+
+def test_plain_progress_prints_a_line_per_tenth_or_per_interval_with_rate_and_eta():
     import io
     import random
+    from functools import partial
 
-    from fimoe_lab.cli._common import PlainProgress
+    from fimoe_lab.cli._common import PROGRESS_LINE, PlainProgress
 
     rng = random.Random(0)
-    for total in (1, 7, 10, 999, 123_456):
-        stream = io.StringIO()
-        bar, done, want = PlainProgress(total=total, desc="convert -> x", stream=stream), 0, []
+    for total in (1, 7, 10, 999, 123_456, 50_000_000):
+        stream, now = io.StringIO(), [1000.0]  # min(now): the fake clock's one reading
+        bar = PlainProgress(total=total, desc="convert -> x", stream=stream, interval=30.0, clock=partial(min, now))
+        done, want, last, shown = 0, [], 1000.0, 0
         while done < total:
             n = rng.randint(1, max(1, total // 3))
+            now[0] += rng.choice((0.5, 7.0, 31.0))
             before, done = done, min(done + n, total)
             crossed = [k for k in range(1, 11) if before * 10 < k * total <= done * 10]  # tenths reached now
-            if crossed:
-                want.append(f"convert -> x: {10 * crossed[-1]}% ({done / 1e6:.2f} of {total / 1e6:.2f} MB)")
+            if crossed or (now[0] - last >= 30.0 and shown < 10):
+                shown, last = max(shown, *crossed, 0), now[0]
+                rate = done / (now[0] - 1000.0)
+                eta = _clock_text((total - done) / rate)
+                pct = 100 * done // total
+                want.append(
+                    f"convert -> x: {pct}% ({done / 1e6:.2f} of {total / 1e6:.2f} MB, {rate / 1e6:.1f} MB/s, ETA {eta})"
+                )
             bar.update(done - before)
         bar.close()
-        assert stream.getvalue().splitlines() == want and want[-1].startswith("convert -> x: 100%")
+        got = stream.getvalue().splitlines()
+        assert got == want and want[-1].startswith("convert -> x: 100%") and want[-1].endswith("ETA 0:00:00)")
+        assert all(PROGRESS_LINE.fullmatch(line) for line in got)
+    stream = io.StringIO()
+    PlainProgress(total=10, desc="nothing yet", stream=stream).close()  # no update, no line
+    assert stream.getvalue() == ""
+    now = [0.0]  # counted items (not bytes): as is, with their unit
+    bar = PlainProgress(total=4, desc="goldens", stream=stream, unit="cases", clock=partial(min, now))
+    for t in (2.0, 4.0, 5.0, 8.0):
+        now[0] = t
+        bar.update(1)
+    assert stream.getvalue().splitlines() == [
+        "goldens: 25% (1 of 4 cases, 0.5 cases/s, ETA 0:00:06)",
+        "goldens: 50% (2 of 4 cases, 0.5 cases/s, ETA 0:00:04)",
+        "goldens: 75% (3 of 4 cases, 0.6 cases/s, ETA 0:00:02)",
+        "goldens: 100% (4 of 4 cases, 0.5 cases/s, ETA 0:00:00)",
+    ]
 
 
 def test_help_of_the_checkpoint_commands_gives_their_json_fields():
@@ -203,7 +232,7 @@ def _convert_as_inspect_says(capsys, tmp_path, sample: str, layer: dict, backend
     argv = ["convert", sample, str(out), "--backend", backend, "--layer", str(layer["layer"])]
     argv += ["--intermediate-alignment", str(need["alignment"])] if need["status"] == "aligned" else []
     code, doc, err = run_json(capsys, argv)
-    assert code == 0 and err == ""  # no progress in a log or pipe unless --progress
+    assert code == 0 and plain_progress(err)  # progress lines on stderr (no terminal), the JSON alone on stdout
     assert doc["ranks"][0]["files"] == [{"name": out.name, "bytes": out.stat().st_size, "kept": False}]
     written = header_entries([out])
     kernel = sum(nbytes(e) for name, e in written.items() if name.endswith(KERNEL_SUFFIXES))
@@ -283,7 +312,7 @@ def test_convert_json_lists_each_rank_and_what_resume_kept(tmp_path, capsys):
 
     out = tmp_path / "out"
     argv = ["convert", "deepseek-v3-fp8", str(out), "--backend", "trtllm", "--tp", "2", "--rank", "all"]
-    argv += ["--shard-size", "100KB", "--progress"]  # plain progress lines on stderr
+    argv += ["--shard-size", "100KB", "--progress"]  # a no-op kept for old scripts: plain lines by default
     code, doc, err = run_json(capsys, argv)
     assert code == 0 and plain_progress(err)
     fields = keys_of(CONVERT_JSON)
@@ -325,7 +354,7 @@ def test_restore_json_lists_the_files_it_wrote(tmp_path, capsys):
     assert main(["convert", "qwen3-moe-bf16", str(kernel), "--backend", "trtllm"]) == 0
     capsys.readouterr()
     code, doc, err = run_json(capsys, ["restore", str(kernel), str(tmp_path / "back"), "--shard-size", "1MB"])
-    assert code == 0 and err == "" and set(doc) <= keys_of(RESTORE_JSON)
+    assert code == 0 and plain_progress(err) and set(doc) <= keys_of(RESTORE_JSON)
     back = tmp_path / "back"
     assert doc["files"] == [dict(name=f.name, bytes=f.stat().st_size) for f in sorted(back.iterdir())]
     shards = sorted(back.glob("*.safetensors"))
@@ -357,7 +386,7 @@ def test_convert_json_with_ep_gives_each_rank_its_experts(tmp_path, capsys):
     out = tmp_path / "ep"
     argv = ["convert", "deepseek-v3-fp8", str(out), "--backend", "cutlass", "--tp", "2", "--ep", "2", "--rank", "all"]
     code, doc, err = run_json(capsys, argv)
-    assert code == 0 and err == "" and doc["ep"] == 2
+    assert code == 0 and plain_progress(err) and doc["ep"] == 2
     experts = 6  # the sample's n_routed_experts, split into two contiguous halves
     assert [r["experts"] for r in doc["ranks"]] == [[0, experts // 2], [experts // 2, experts]]
     for r in doc["ranks"]:

@@ -248,3 +248,65 @@ def test_expert_parallel_ranks_restore_the_int4_checkpoint(samples, tmp_path):
     want = rank_tensors(samples["structured"], 1, 0)
     assert sorted(back) == sorted(want)
     assert all(same_tensor(back[n], t) for n, t in want.items())
+
+
+# ----------------------------------------------------------------------------- SwiGLU only
+def _int4_layer(samples: dict[str, Path], activation: str):
+    """Layer 1 of the generated int4 sample (structured bytes) as a layer of ``activation`` (a GeGLU int4
+    checkpoint has the same tensors; only its activation differs)."""
+    from dataclasses import replace
+
+    from fimoe_lab.checkpoints import open_checkpoint
+
+    with open_checkpoint(samples["structured"]) as ck:
+        layer = ck.read_layer(1)
+    return replace(layer, activation=activation)
+
+
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+def test_a_geglu_int4_layer_is_refused_naming_swiglu(samples, activation):
+    """The TRTLLM-Gen MxInt4 runner always runs SwiGLU: a GeGLU int4 layer is refused before any byte moves."""
+    from fimoe_lab.checkpoints import writer
+
+    layer = _int4_layer(samples, activation)
+    before = {n: t.clone() for n, t in layer.tensors().items() if t is not None}
+    for call in (lambda: writer.plan_args(layer, "trtllm"), lambda: writer.convert_layer(layer, "trtllm")):
+        with pytest.raises(CheckpointError) as info:
+            call()
+        msg = info.value.message
+        assert "mxint4 on trtllm: the kernel always runs swiglu or swiglu_oai, not geglu" in msg and "\n" not in msg
+        assert "geglu" in info.value.fix
+    assert all(torch.equal(layer.tensors()[n], t) for n, t in before.items())
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu", "swiglu_oai"])
+def test_swiglu_int4_layers_still_convert(samples, activation):
+    from fimoe_lab.checkpoints import writer
+
+    layer = _int4_layer(samples, activation)
+    kernel, plan, spec = writer.convert_layer(layer, "trtllm")
+    assert spec["args"]["fmt"] == "mxint4" and sum(t.numel() for t in kernel.values()) > 0
+
+
+def test_the_kernel_activation_rule_is_one_table_read_by_the_tuner_and_the_writer():
+    """``specs.FormatSpec.kernel_activations`` is the one fact: ``shapes.padded_shape`` (the tuner's rule) and
+    the tuner's convert check refuse GeGLU MxInt4 with the writer's line; other formats take GeGLU."""
+    from dataclasses import replace
+
+    from fimoe_lab import shapes
+    from fimoe_lab.errors import LayoutError
+    from fimoe_lab.presets import get_preset
+    from fimoe_lab.specs import FORMATS
+    from fimoe_lab.tune import sweep
+
+    assert FORMATS["mxint4"].kernel_activations == ("Swiglu",)
+    assert all(not f.kernel_activations for n, f in FORMATS.items() if n != "mxint4")
+    assert shapes.padded_shape("mxint4", "trtllm", 512, 256, activation="swiglu") == (512, 256)
+    with pytest.raises(LayoutError, match="always runs swiglu or swiglu_oai, not geglu"):
+        shapes.padded_shape("mxint4", "trtllm", 512, 256, activation="geglu")
+    assert shapes.padded_shape("mxint4", "trtllm", 512, 256) == (512, 256)  # activation unknown: not checked
+    assert shapes.padded_shape("bf16", "trtllm", 512, 256, activation="geglu") == (512, 256)
+    kimi = get_preset("kimi-k2")
+    assert sweep.convert_check(kimi, "mxint4", 8, 256, 256) is None
+    why = sweep.convert_check(replace(kimi, activation="geglu"), "mxint4", 8, 256, 256)
+    assert why is not None and "not geglu" in why

@@ -134,7 +134,7 @@ def test_cli_plan_round_trips_the_bit_step(capsys):
     assert cli_main([*argv, "--mxfp4-activation", "bf16", "--json"]) == 0
     (plan,) = json.loads(capsys.readouterr().out)["plans"]
     rows = {t["name"]: t for t in plan["tensors"]}
-    assert all(t["round_trip"] for t in rows.values()) and plan["engine_scales"] is None
+    assert all(t["round_trip"] for t in rows.values()) and plan["engine_scales"] is plan["engine_weights"] is True
     assert rows["w2"]["steps"] == ["pad_projections", "interleave_sm90_mixed_weights", "sm90_mixed_word_bits"]
     assert rows["w13"]["out_shape"] == [256, 128]
     assert cli_main([*argv, "--mxfp4-activation", "fp16"]) == 2

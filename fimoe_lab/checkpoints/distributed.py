@@ -181,6 +181,7 @@ def convert_distributed(
     ep_size: int = 1,
     per_token: bool = False,
     activation_dtype: Optional[str] = None,
+    progress: Any = False,
 ) -> dict[str, Any]:
     """:func:`~fimoe_lab.checkpoints.writer.convert_checkpoint` (sharded output) split across the processes
     of the launcher's group (module docstring); every process calls it with the same arguments.
@@ -189,7 +190,7 @@ def convert_distributed(
     CUTLASS: ``bf16`` for the SM90 layout), as in ``convert_checkpoint`` (recorded in every plan).
     ``tp_rank``: one rank (default 0) or ``all``: every TP rank, rank ``r`` into ``out/rank-<r>``, as
     :func:`~fimoe_lab.checkpoints.writer.convert_checkpoint` does (``ep_size`` too). ``device`` ``cuda``:
-    ``cuda:LOCAL_RANK``.
+    ``cuda:LOCAL_RANK``. ``progress``: as ``convert_checkpoint``'s, shown by process 0 alone (its own shards).
     Returns, on every process, ``{"rank": this process, "processes": [one record per process]}``, a
     record holding ``rank``, ``units`` (shards it owns), ``written``/``kept`` shards, ``bytes`` written
     and ``seconds``.
@@ -247,6 +248,7 @@ def convert_distributed(
         report: dict[str, Any] = {"rank": rank, "units": len(mine), "written": 0, "kept": 0, "bytes": 0}
         targets = {}
         with _Step(rank, "converting"):
+            bar = None
             for r in ranks:
                 own = {u.shard for u in mine if u.tp_rank == r}
                 specs, meta = plans[r]
@@ -264,9 +266,18 @@ def convert_distributed(
                 report["kept"] += len(own) - len(todo)
                 report["written"] += len(todo)
                 report["bytes"] += sum(u.bytes for u in mine if u.tp_rank == r and u.shard in todo)
-                with stream.workers_for(target, hashing=True) as workers:
-                    writer.stream_layers(target, workers, sources[r], backend, meta, dev=dev, **how)
-                    target.commit_rest(workers)
+            if rank == 0 and progress:  # one bar over the bytes this process still writes, every TP rank
+                bar = writer._progress_bar(progress, {}, targets[ranks[0]], out, total=report["bytes"])
+            try:
+                for r in ranks:
+                    with stream.workers_for(targets[r], hashing=True) as workers:
+                        writer.stream_layers(
+                            targets[r], workers, sources[r], backend, plans[r][1], dev=dev, bar=bar, **how
+                        )
+                        targets[r].commit_rest(workers)
+            finally:
+                if bar is not None:
+                    bar.close()
         report["seconds"] = time.perf_counter() - start
         with _Step(rank, "writing the index"):
             if rank == 0:

@@ -59,6 +59,7 @@ from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import BIAS_ROWS, LayerPlan, apply_map
+from fimoe_lab.shapes import check_kernel_activation
 from fimoe_lab.specs import FORMATS, weight_formats
 
 __all__ = [
@@ -140,6 +141,10 @@ def plan_args(
             fix="drop --per-token (it is for NVFP4 checkpoints)",
         )
     _check_activation_dtype(layer.fmt, fmt, backend, activation_dtype)
+    try:  # the kernel runs the layer's activation (specs.FormatSpec.kernel_activations: MxInt4 SwiGLU only)
+        check_kernel_activation(fmt, backend, layer.activation)
+    except FimoeError as exc:
+        raise CheckpointError(f"layer {layer.layer}: {exc.message}", fix=exc.fix) from None
     return {
         "recipe": recipes.recipe_id(fmt, backend),
         "args": {
@@ -561,26 +566,30 @@ def stream_layers(
         for tensors in chunks:  # each block is freed with the generator once its last chunk is out
             for n in list(tensors):
                 t = tensors.pop(n)
+                counted = bar is not None and target.needed(names[n])  # before put: a finished shard is done
                 target.put(workers, names[n], t)
-                if bar is not None:
+                if counted:
                     bar.update(t.numel() * t.element_size())
                 del t
 
 
-def _progress_bar(progress: Any, specs: dict, target: stream.ShardedOutput, out: Path) -> Any:
+def _progress_bar(
+    progress: Any, specs: dict, target: stream.ShardedOutput, out: Path, what: str = "convert", total: int = 0
+) -> Any:
     """None (``progress`` false), a tqdm bar (True), or ``progress(total=, unit=, unit_scale=, desc=)`` when it is a
-    bar class of that interface (the CLI's plain lines for logs and pipes, ``cli._common.PlainProgress``)."""
+    bar class of that interface (the CLI's plain lines for logs and pipes, ``cli._common.PlainProgress``); its
+    total: ``total`` plus the bytes of the tensors of ``specs`` that ``target`` still needs."""
     if not progress:
         return None
     from tqdm.auto import tqdm
 
-    total = sum(
+    total += sum(
         int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size()
         for n, (d, s) in specs.items()
         if target.needed(n)
     )
     bar = progress if callable(progress) else tqdm
-    return bar(total=total, unit="B", unit_scale=True, desc=f"convert -> {out.name}")
+    return bar(total=total, unit="B", unit_scale=True, desc=f"{what} -> {out.name}")
 
 
 def _device(device: str) -> torch.device:
@@ -1329,7 +1338,11 @@ def restore_layers(path: str | os.PathLike) -> tuple[dict, list[MoELayer]]:
 
 
 def restore_checkpoint(
-    path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False, shard_size: Optional[int] = None
+    path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    force: bool = False,
+    shard_size: Optional[int] = None,
+    progress: Any = False,
 ) -> Path:
     """Write a kernel-layout file or sharded directory back as a checkpoint directory in its original naming
     convention.
@@ -1338,19 +1351,20 @@ def restore_checkpoint(
     :data:`~fimoe_lab.checkpoints.stream.SHARD_BYTES`) with their index, and the marker
     :data:`~fimoe_lab.checkpoints.safe_io.MARKER`) holds the MoE expert tensors of the
     converted layers, byte-identical to the source's (for a TP shard: the rank's slice,
-    with config.json's intermediate size set to the shard's). Streamed: one layer in memory,
+    with config.json's intermediate size set to the shard's; for the OUT of ``convert --rank all``, every
+    rank's experts and intermediate slices joined: :func:`expert_parallel.restore_ranks`). Streamed: one layer in memory,
     read and mapped back a chunk of experts at a time, written before the next layer is read.
     Written atomically; an existing ``out_dir`` is replaced only with ``force`` and only if
-    ``restore`` wrote it.
+    ``restore`` wrote it. ``progress``: as :func:`write_kernel_layout`'s (bytes restored of the total).
     """
     from fimoe_lab.checkpoints import expert_parallel
 
-    if expert_parallel.rank_dirs(Path(path)):  # convert --rank all: EP ranks are reassembled
-        return expert_parallel.restore_ranks(path, out_dir, force, shard_size)
+    if expert_parallel.rank_dirs(Path(path)):  # convert --rank all: every rank's experts and slices reassembled
+        return expert_parallel.restore_ranks(path, out_dir, force, shard_size, progress)
     out = Path(out_dir)
     safe_io.check_output(out, [Path(path)], force, "dir")
     with safe_io.signals_raise(), safe_io.OutputLock(out):  # a second writer of OUT fails before reading
-        return _restore_into(path, out, shard_size or stream.SHARD_BYTES)
+        return _restore_into(path, out, shard_size or stream.SHARD_BYTES, progress)
 
 
 def _restored_specs(path: str | os.PathLike, kf: KernelFiles, conv: conventions.Convention) -> dict:
@@ -1392,6 +1406,7 @@ class _Emit:
         self.base = base
         self.waiting: Optional[list[tuple[int, str, torch.Tensor]]] = None
         self.sent: set[str] = set()
+        self.bar: Any = None  # progress (restore_checkpoint's), updated with the bytes of each tensor queued
 
     def ready(self, layer: MoELayer, done: int) -> None:
         """Experts ``[0, done)`` of every buffer of ``layer`` are in place."""
@@ -1421,6 +1436,8 @@ class _Emit:
             raise CheckpointError(f"{self.path}: {k} is not among the tensors its records give", fix=_EDITED)
         self.sent.add(k)
         self.target.put(self.workers, k, t.contiguous())
+        if self.bar is not None:
+            self.bar.update(t.nbytes)
 
 
 def _last_expert(t: torch.Tensor, buffers: list[torch.Tensor]) -> Optional[int]:
@@ -1462,7 +1479,29 @@ def _restored_config(meta: dict) -> dict:
     return config
 
 
-def _restore_into(path: str | os.PathLike, out: Path, shard_bytes: int) -> Path:
+def _restore_layers_into(
+    path: str | os.PathLike,
+    kf: KernelFiles,
+    conv: conventions.Convention,
+    specs: dict,
+    target: stream.ShardedOutput,
+    bar: Any,
+) -> None:
+    """Restore every layer of ``kf`` into ``target``, one layer in memory; ``bar`` counts the bytes queued."""
+    meta = kf.meta
+    with stream.workers_for(target, hashing=False) as workers:
+        for idx, rec in meta["layers"].items():
+            emit = _Emit(path, conv, meta["prefix"], specs, target, workers, _layer_path(meta, idx))
+            emit.bar = bar
+            with _layer_errors(path, idx):
+                layer = _restore_layer(kf, meta, int(idx), rec, emit.ready)
+                emit.rest(layer)
+            del layer, emit
+            workers.drain()  # this layer is out (and freed) before the next is read
+        target.finish(workers)
+
+
+def _restore_into(path: str | os.PathLike, out: Path, shard_bytes: int, progress: Any = False) -> Path:
     """The body of :func:`restore_checkpoint`, under its output's lock."""
     with KernelFiles(path) as kf:
         meta = kf.meta
@@ -1481,15 +1520,12 @@ def _restore_into(path: str | os.PathLike, out: Path, shard_bytes: int) -> Path:
         config = _restored_config(meta)
         with safe_io.atomic_dir(out) as tmp:
             target = stream.ShardedOutput(tmp, specs, {"format": "pt"}, single=False, shard_bytes=shard_bytes)
-            with stream.workers_for(target, hashing=False) as workers:
-                for idx, rec in meta["layers"].items():
-                    emit = _Emit(path, conv, meta["prefix"], specs, target, workers, _layer_path(meta, idx))
-                    with _layer_errors(path, idx):
-                        layer = _restore_layer(kf, meta, int(idx), rec, emit.ready)
-                        emit.rest(layer)
-                    del layer, emit
-                    workers.drain()  # this layer is out (and freed) before the next is read
-                target.finish(workers)
+            bar = _progress_bar(progress, specs, target, out, "restore")
+            try:
+                _restore_layers_into(path, kf, conv, specs, target, bar)
+            finally:
+                if bar is not None:
+                    bar.close()
             safe_io.write_json(tmp / "config.json", config)
             safe_io.write_json(tmp / safe_io.MARKER, {"restored_from": str(Path(path).resolve())})
     return out

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import re
 import sys
 import textwrap
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -133,53 +135,137 @@ def print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=1))
 
 
-def add_json_option(parser: argparse.ArgumentParser, schema: str) -> None:
-    """``--json``: the command prints one JSON document on stdout (:func:`print_json`) and nothing else there;
-    ``schema`` (its fields) goes into the ``--help`` text. Errors stay one line on stderr."""
+def add_json_option(parser: argparse.ArgumentParser, schema: str, document: str = "object") -> None:
+    """``--json``: the command prints one JSON document (an ``object`` or a ``list``) on stdout
+    (:func:`print_json`) and nothing else there; ``schema`` (its fields) goes into the ``--help`` text. Errors
+    stay one line on stderr, progress goes to stderr."""
     parser.add_argument(
-        "--json", action="store_true", help=f"print the result as one JSON object on stdout, nothing else: {schema}"
+        "--json",
+        action="store_true",
+        help=f"print the result as one JSON {document} on stdout, nothing else: {schema}",
+    )
+
+
+def add_tp_option(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--tp N``: one tensor-parallel size >= 1, default 1 (``note``: what it does in this command)."""
+    parser.add_argument(
+        "--tp",
+        type=positive_int("--tp"),
+        default=1,
+        metavar="N",
+        help=f"tensor-parallel size (default 1){': ' + note if note else ''}",
+    )
+
+
+def add_per_token_option(parser: argparse.ArgumentParser, effect: str) -> None:
+    """``--per-token``: NVFP4 activations quantised per token; ``effect``: what changes in this command."""
+    parser.add_argument(
+        "--per-token", action="store_true", help=f"NVFP4 activations quantised per token (NVFP4 only): {effect}"
+    )
+
+
+PROGRESS_LINE = re.compile(
+    r"^(?P<desc>[^\r\n]*): (?P<percent>\d{1,3})% \((?P<done>\d+(?:\.\d\d)?) of (?P<total>\d+(?:\.\d\d)?) "
+    r"(?P<unit>MB|[a-z]+), (?P<rate>\d+\.\d) (?P=unit)/s, ETA (?P<eta>\d+:\d\d:\d\d|-)\)$"
+)
+"""One line of :class:`PlainProgress` (what a test or a log parser matches)."""
+
+PROGRESS_HELP = (
+    "by default progress goes to stderr (never stdout): a live bar when stderr is a terminal, else plain lines "
+    "(percent, done of the total, rate, ETA; no carriage return), one per tenth done or every 30 s"
+)
+
+
+def add_progress_option(parser: argparse.ArgumentParser) -> None:
+    """``--no-progress`` (silences the bar and the plain lines) and ``--progress`` (accepted, a no-op: progress is
+    on by default): the one definition every long-running command uses (:func:`progress_for` reads them)."""
+    parser.add_argument("--no-progress", action="store_true", help=f"print no progress; {PROGRESS_HELP}")
+    parser.add_argument(
+        "--progress", action="store_true", help="accepted for old scripts and ignored: progress is on by default"
     )
 
 
 def show_progress(disabled: bool = False) -> bool:
-    """Progress bars go to stderr, and only when it is a terminal (never into logs or pipes)."""
+    """Whether a live bar (tqdm, carriage returns) may be drawn: on stderr, and only when it is a terminal."""
     return not disabled and sys.stderr.isatty()
 
 
-class PlainProgress:
-    """Progress for logs and pipes: a line on stderr when an update completes another tenth of ``total`` (at most
-    ``steps`` lines, the last at 100%), no carriage return; tqdm's ``update``/``close``, which the writers call.
-    Each line prints ``100 * floor(done * steps / total) / steps`` percent and ``done`` of ``total`` in MB."""
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
-    def __init__(self, total: int, desc: str = "", stream: TextIO | None = None, steps: int = 10, **_: Any) -> None:
-        self.total, self.desc, self.steps = max(int(total), 0), desc, steps
+
+class PlainProgress:
+    """Progress for logs and pipes: tqdm's ``update``/``close`` (what the writers call), printing plain lines on
+    stderr, no carriage return. A line is printed by an update that completes another tenth of ``total`` (at most
+    ``steps`` such lines, the last at 100%), or by the first update ``interval`` seconds after the previous line;
+    nothing before the first update (a refusal before any work stays one line), nothing on ``close``.
+
+    Each line (:data:`PROGRESS_LINE`): ``DESC: P% (D of T MB, R MB/s, ETA H:MM:SS)`` with ``P = floor(100 *
+    done / total)``, ``R = done / elapsed``, ``ETA = (total - done) / R`` (``-`` before any rate is known); bytes
+    (``unit`` ``B``, tqdm's) in MB, anything else counted as is (``3 of 12 cases, 0.5 cases/s``)."""
+
+    def __init__(
+        self,
+        total: int,
+        desc: str = "",
+        stream: TextIO | None = None,
+        steps: int = 10,
+        interval: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        unit: str = "B",
+        **_: Any,
+    ) -> None:
+        self.unit, self.scale = ("MB", 1e6) if unit == "B" else (unit, 1.0)
+        self.total, self.desc, self.steps, self.interval = max(int(total), 0), desc, steps, interval
         self.done, self.shown = 0, 0
         self.stream = stream or sys.stderr
+        self.clock = clock
+        self.start = self.last = clock()
 
     def update(self, n: int = 1) -> None:
         self.done += n
+        now = self.clock()
         reached = self.steps if self.total == 0 else min(self.done * self.steps // self.total, self.steps)
-        if reached > self.shown:  # one line per update that crosses a tenth (a big chunk may cross several)
-            self.shown = reached
-            print(
-                f"{self.desc}: {100 * reached // self.steps}% ({self.done / 1e6:.2f} of {self.total / 1e6:.2f} MB)",
-                file=self.stream,
-                flush=True,
-            )
+        if reached > self.shown or (now - self.last >= self.interval and self.shown < self.steps):
+            self.shown, self.last = max(reached, self.shown), now  # a big chunk may cross several tenths: one line
+            print(self.line(now), file=self.stream, flush=True)
+
+    def line(self, now: float) -> str:
+        """The line for ``done`` at time ``now``."""
+        done = min(self.done, self.total)
+        percent = 100 if self.total == 0 else 100 * done // self.total
+        rate = self.done / max(now - self.start, 1e-9)
+        eta = _clock((self.total - done) / rate) if rate > 0 else "-"
+        amount = f"{done} of {self.total}" if self.scale == 1 else f"{done / 1e6:.2f} of {self.total / 1e6:.2f}"
+        return f"{self.desc}: {percent}% ({amount} {self.unit}, {rate / self.scale:.1f} {self.unit}/s, ETA {eta})"
 
     def close(self) -> None:
-        """Nothing to clear: every line printed stays as it is."""
+        """Nothing to clear: every line printed stays as it is (and a failure's error line stays the last)."""
 
 
 def progress_for(disabled: bool = False, plain: bool = False) -> bool | type[PlainProgress]:
-    """What a command that streams bytes shows on stderr: a live bar (True) on a terminal; in a log or pipe nothing
-    (False: a failure stays one line), or :class:`PlainProgress` lines when ``plain`` (``--progress``); nothing
-    when ``disabled`` (``--no-progress``). No carriage return ever reaches a file or a pipe."""
+    """What a command that streams bytes shows on stderr (stdout, and so ``--json``, never holds progress): a live
+    bar (True) on a terminal, else :class:`PlainProgress` lines (logs, pipes, nohup, CI); nothing when ``disabled``
+    (``--no-progress``). No carriage return ever reaches a file or a pipe. ``plain`` (the old ``--progress``) is
+    ignored: plain lines are the default off a terminal."""
     if disabled:
         return False
-    if sys.stderr.isatty():
-        return True
-    return PlainProgress if plain else False
+    return True if sys.stderr.isatty() else PlainProgress
+
+
+def progress_bar(disabled: bool, total: int, desc: str, unit: str) -> Any:
+    """A bar over ``total`` ``unit`` (e.g. ``cases``) for a command's own loop, by :func:`progress_for`'s rule:
+    tqdm on a terminal, :class:`PlainProgress` lines off one, None with ``--no-progress``. Call it once the
+    inputs are checked (a refusal before any work stays one line); ``update(n)`` and ``close()`` it."""
+    how = progress_for(disabled)
+    if how is False:
+        return None
+    if how is True:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit=unit.rstrip("s"), file=sys.stderr)
+    return PlainProgress(total=total, desc=desc, unit=unit)
 
 
 def lower_choice(valid: Iterable[str]) -> Callable[[str], str]:

@@ -17,6 +17,9 @@ from fimoe_lab.cli._common import (
     EXIT_OK,
     add_engine_option,
     add_json_option,
+    add_per_token_option,
+    add_progress_option,
+    add_tp_option,
     checkpoint_path,
     int_list,
     positive_int,
@@ -54,8 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "kernel_file",
         metavar="KERNEL",
-        help="what 'fimoe-lab convert' wrote: a .safetensors file or a sharded directory (for --rank all: one rank-<r>; "
-        "for --ep N --tp N --rank all: OUT itself, whose ranks' experts are reassembled)",
+        help="what 'fimoe-lab convert' wrote: a .safetensors file or a sharded directory (for --rank all: OUT itself, "
+        "every rank's experts and intermediate slices reassembled, or one rank-<r> of a run without --ep)",
     )
     r.add_argument("out_dir", metavar="OUT_DIR", help="output checkpoint directory")
     r.add_argument(
@@ -64,6 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="replace OUT_DIR if it exists and was written by restore (never any other directory)",
     )
     _add_shard_size(r)
+    add_progress_option(r)
     add_json_option(r, RESTORE_JSON)
     r.set_defaults(handler=run_restore)
 
@@ -124,11 +128,7 @@ def _register_inspect(sub: argparse._SubParsersAction, note: str) -> None:
         metavar="T,T,..",
         help="TP sizes to check (default 1,2,4,8)",
     )
-    p.add_argument(
-        "--per-token",
-        action="store_true",
-        help="paddings with per-token NVFP4 activations (what convert --per-token writes; NVFP4 only)",
-    )
+    add_per_token_option(p, "the paddings convert --per-token writes")
     add_mxfp4_activation_option(p, "the CUTLASS plans as convert --mxfp4-activation writes them")
     add_engine_option(p)
     add_json_option(p, INSPECT_JSON)
@@ -179,8 +179,8 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
     )
     c.add_argument("path", metavar="PATH", help="checkpoint directory or sample name")
     c.add_argument("out", metavar="OUT", help="output directory (sharded), or a .safetensors file")
-    c.add_argument("--backend", required=True, choices=specs.BACKENDS, help="FlashInfer MoE backend")
-    c.add_argument("--tp", type=positive_int("--tp"), default=1, metavar="N", help="tensor-parallel size (default 1)")
+    c.add_argument("--backend", required=True, choices=specs.BACKENDS, help="FlashInfer MoE backend (required)")
+    add_tp_option(c)
     c.add_argument(
         "--ep",
         type=positive_int("--ep"),
@@ -210,16 +210,7 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         metavar="A",
         help="pad the hidden size to a multiple of A",
     )
-    c.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress bar (there is one on stderr when it is a terminal)",
-    )
-    c.add_argument(
-        "--progress",
-        action="store_true",
-        help="progress on stderr also when it is a log or pipe: plain lines (no carriage return), one per tenth done",
-    )
+    add_progress_option(c)
     c.add_argument(
         "--force",
         action="store_true",
@@ -245,11 +236,9 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         "... --distributed): the shards of every --rank are split across the processes, each writes its own, process "
         "0 writes the index when all succeeded; the files are those of one process (cuda: each on cuda:LOCAL_RANK)",
     )
-    c.add_argument(
-        "--per-token",
-        action="store_true",
-        help="NVFP4 activations quantised per token: the engine profile's per-token paddings (vLLM: hidden 512 "
-        "for a non-gated layer on TRT-LLM), recorded in the file; NVFP4 checkpoints only",
+    add_per_token_option(
+        c,
+        "the engine profile's per-token paddings (vLLM: hidden 512 for a non-gated layer on TRT-LLM), recorded in the file",
     )
     add_mxfp4_activation_option(c, "recorded in the file")
     add_engine_option(c)
@@ -330,7 +319,7 @@ def run_convert(args: argparse.Namespace) -> int:
         return _run_distributed(args)
     positional, options = _convert_args(args)
     before, start = _file_ids(Path(args.out)) if args.resume else {}, time.time()
-    out = convert_checkpoint(*positional, progress=progress_for(args.no_progress, args.progress), **options)
+    out = convert_checkpoint(*positional, progress=progress_for(args.no_progress), **options)
     doc = _written(args, Path(out), before, start)
     if args.json:
         print_json(doc)
@@ -473,7 +462,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
 
     positional, options = _convert_args(args)
     before, start = _file_ids(Path(args.out)) if args.resume else {}, time.time()
-    done = convert_distributed(*positional, **options)
+    done = convert_distributed(*positional, progress=progress_for(args.no_progress), **options)  # process 0 shows it
     if done["rank"] != 0:
         return EXIT_OK  # process 0 reports for all
     doc = _written(args, Path(args.out), before, start)
@@ -519,7 +508,13 @@ def run_restore(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints.safe_io import INDEX, read_json
 
     start = time.time()
-    out = restore_checkpoint(args.kernel_file, args.out_dir, force=args.force, shard_size=args.shard_size)
+    out = restore_checkpoint(
+        args.kernel_file,
+        args.out_dir,
+        force=args.force,
+        shard_size=args.shard_size,
+        progress=progress_for(args.no_progress),
+    )
     seconds = time.time() - start
     shards = sorted(out.glob("*.safetensors"))
     if not args.json:

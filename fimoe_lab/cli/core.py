@@ -19,10 +19,14 @@ from fimoe_lab.cli._common import (
     EXIT_FAILED,
     EXIT_OK,
     add_engine_option,
+    add_json_option,
+    add_per_token_option,
+    add_progress_option,
     checkpoint_path,
     int_list,
     positive_int,
     print_json,
+    progress_bar,
 )
 from fimoe_lab.errors import CheckpointError, FimoeError, LayoutError
 
@@ -41,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         nargs="*",
         help="golden sets, NAME.json beside NAME.safetensors (default: $FIMOE_GOLDENS or shared/goldens beside the checkout)",
     )
-    _add_json(g, GOLDENS_JSON)
+    add_progress_option(g)
+    add_json_option(g, GOLDENS_JSON)
     g.set_defaults(handler=run_goldens)
 
 
@@ -54,7 +59,8 @@ PLAN_JSON = (
     "profile, "
     '"plans": [{"format", "backend", "cannot": null or why this pair cannot lay out the sizes, "tensors": '
     '[{"name", "in_shape", "out_shape" (bytes per expert), "pad_percent", "ms", "round_trip": exact, "steps": '
-    '[step kinds]}], "engine_scales": null (not checked), true or false, "where": null or [{"step", "shape", '
+    '[step kinds]}], "engine_scales": null (not checked), true or false, "engine_weights": the same for the '
+    'weights (the SM90 MXFP4 x BF16 layout), "where": null or [{"step", "shape", '
     '"coords" (bytes; null: fill), "fill"}] from the output back to the input}], "failures": round trips that '
     "differ}"
 )
@@ -62,7 +68,8 @@ DEMO_JSON = (
     '{"tp", "out": folder, "health": [{"checkpoint", "layer", "warning"}], "layers": [{"checkpoint", "layer", '
     '"format", "backend", "mxfp4_activation": null or the layout\'s activation dtype, "intermediate" (per rank), '
     '"padded_intermediate", "bytes" (file size), "ms", "exact": '
-    'bytes and reference forward, "engine_scales": null (not checked), true or false, "cannot": null or why it '
+    'bytes and reference forward, "engine_scales": null (not checked), true or false, "engine_weights": the '
+    'same for the weights (the SM90 MXFP4 x BF16 layout), "cannot": null or why it '
     'cannot convert}], "failures": round trips that differ}'
 )
 
@@ -76,12 +83,6 @@ def add_mxfp4_activation_option(p: argparse.ArgumentParser, what: str) -> None:
         help=f"{what}: the activations the MXFP4 CUTLASS kernel takes, which fix its layout: bf16 = the Hopper "
         "(SM90) mixed-input GEMM (vLLM FLASHINFER_CUTLASS_MXFP4_BF16, SGLang cutlass_sm90: weights interleaved "
         "and their bits permuted, scales folded); default mxfp8 = the MXFP4 x MXFP8 layout. MXFP4 on CUTLASS only",
-    )
-
-
-def _add_json(p: argparse.ArgumentParser, schema: str) -> None:
-    p.add_argument(
-        "--json", action="store_true", help=f"print the result as one JSON object on stdout, nothing else: {schema}"
     )
 
 
@@ -109,7 +110,7 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
         "--out", default="fimoe-demo-out", help="where the kernel-layout files go (default ./fimoe-demo-out)"
     )
     add_mxfp4_activation_option(d, "the CUTLASS layout of MXFP4 layers")
-    _add_json(d, DEMO_JSON)
+    add_json_option(d, DEMO_JSON)
     d.set_defaults(handler=run_demo)
 
 
@@ -134,11 +135,8 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
     p.add_argument("--experts", type=int, default=4, help="experts to run on (default 4)")
     p.add_argument("--non-gated", action="store_true", help="non-gated activation (ReLU^2): W1 has I rows, no gate/up")
-    p.add_argument(
-        "--per-token",
-        action="store_true",
-        help="NVFP4 activations quantised per token (the profile's hidden alignment for it, e.g. vLLM's 512 "
-        "for a non-gated layer on TRT-LLM)",
+    add_per_token_option(
+        p, "the engine profile's per-token paddings (vLLM: hidden 512 for a non-gated layer on TRT-LLM)"
     )
     p.add_argument(
         "--where",
@@ -148,7 +146,7 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
     )
     add_mxfp4_activation_option(p, "the MXFP4 CUTLASS plan")
     add_engine_option(p)
-    _add_json(p, PLAN_JSON)
+    add_json_option(p, PLAN_JSON)
     p.set_defaults(handler=run_plan)
 
 
@@ -194,15 +192,25 @@ def _plan_text(fmt: str, backend: str, t: dict[str, Any]) -> str:
     )
 
 
-def _plan_engine_scales(fmt: str, backend: str, plan, gated: bool, experts: int, engine) -> bool | None:
-    """Compare the plan's CUTLASS block scales with the engines' layout written independently
-    (:mod:`fimoe_lab.engine_check`); None where that check does not apply (the SM90 MXFP4 x BF16 layout,
-    a plan with word bit steps: not covered by it)."""
-    from fimoe_lab.engine_check import CUTLASS_CHECKED, check_plan_scales
+def _plan_engine_check(
+    fmt: str, backend: str, plan, gated: bool, experts: int, engine, act: str | None
+) -> tuple[bool | None, bool | None]:
+    """``(scales, weights)``: the plan's CUTLASS layout against the engines' written independently
+    (:mod:`fimoe_lab.engine_check`): block scales (128x4 or linear), or, for the SM90 MXFP4 x BF16 layout
+    (``act`` selects it), scales and weights (bytes and word bits); None where a check does not apply."""
+    from fimoe_lab.engine_check import CUTLASS_CHECKED, SM90_CHECKED, check_plan_scales, check_plan_sm90_mixed
+    from fimoe_lab.recipes import activation_layout
 
-    if backend != "cutlass" or fmt not in CUTLASS_CHECKED or plan.word_bits:
-        return None
-    return bool(check_plan_scales(fmt, plan, gated, experts, engine))
+    if backend != "cutlass":
+        return None, None
+    if activation_layout(fmt, backend, act) is not None:
+        if fmt not in SM90_CHECKED:
+            return None, None
+        got = check_plan_sm90_mixed(plan, gated, experts, engine)
+        return got["scales"], got["weights"]
+    if fmt not in CUTLASS_CHECKED or plan.word_bits:
+        return None, None
+    return bool(check_plan_scales(fmt, plan, gated, experts, engine)), None
 
 
 def _activation_for(pairs: list[tuple[str, str]], dtype: str | None) -> dict[tuple[str, str], str | None]:
@@ -240,7 +248,9 @@ def run_plan(args: argparse.Namespace) -> int:
     failures, cannot, plans = 0, [], []
     pairs = [(fmt, backend) for fmt in formats for backend in backends]
     for fmt, backend in pairs:
-        rec: dict[str, Any] = dict(format=fmt, backend=backend, cannot=None, tensors=[], engine_scales=None, where=None)
+        rec: dict[str, Any] = dict(
+            format=fmt, backend=backend, cannot=None, tensors=[], engine_scales=None, engine_weights=None, where=None
+        )
         plans.append(rec)
         try:
             plan = plan_layer(
@@ -263,13 +273,15 @@ def run_plan(args: argparse.Namespace) -> int:
         for t in rec["tensors"]:
             say(_plan_text(fmt, backend, t))
         failures += sum(not t["round_trip"] for t in rec["tensors"])
-        rec["engine_scales"] = _plan_engine_scales(fmt, backend, plan, gated, args.experts, args.engine)
-        if rec["engine_scales"] is not None:
-            failures += not rec["engine_scales"]
-            say(
-                f"{fmt:<10} {backend:<8} {'scales':<10} vs the engine layout ({get_engine(args.engine).name}, "
-                f"independent formula): {'exact' if rec['engine_scales'] else 'MISMATCH'}"
-            )
+        checked = _plan_engine_check(fmt, backend, plan, gated, args.experts, args.engine, acts[fmt, backend])
+        rec["engine_scales"], rec["engine_weights"] = checked
+        for what, ok in zip(("scales", "weights"), checked):
+            if ok is not None:
+                failures += not ok
+                say(
+                    f"{fmt:<10} {backend:<8} {what:<10} vs the engine layout ({get_engine(args.engine).name}, "
+                    f"independent formula): {'exact' if ok else 'MISMATCH'}"
+                )
         if args.where and plan.w13 is not None:
             try:
                 trace = plan.w13.provenance(args.where)
@@ -310,12 +322,19 @@ def run_goldens(args: argparse.Namespace) -> int:
     if not paths:
         raise FileNotFoundError("no golden files: pass paths or set FIMOE_GOLDENS")
     show = _shower(args, lambda r: f"{'ok ' if r['ok'] else 'BAD'} {r['name']:<44} {r['detail']}")
+    todo = [(path, case) for path in paths for case in goldens.load_cases(path)]  # every file checked first
     cases = []
-    for path in paths:
-        for case in goldens.load_cases(path):
+    bar = progress_bar(args.no_progress, len(todo), "goldens", "cases") if todo else None
+    try:
+        for path, case in todo:
             result = goldens.run_case(case)
             cases.append(dict(file=str(path), name=result.name, ok=bool(result.ok), detail=result.detail))
             show(cases[-1])
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
     if not cases:
         raise FimoeError(
             f"no golden cases in {', '.join(map(str, paths))}: nothing was replayed",
@@ -355,6 +374,8 @@ def _demo_text(r: dict[str, Any]) -> str:
         check += f" ({r['mxfp4_activation']}-activation layout)"
     if r["engine_scales"] is not None:
         check += ", scales = engine layout" if r["engine_scales"] else ", scales differ from the engine layout"
+    if r.get("engine_weights") is not None:
+        check += ", weights = engine layout" if r["engine_weights"] else ", weights differ from the engine layout"
     return f"{head} {r['intermediate']:>5} {r['padded_intermediate']:>8} {r['bytes']:>8} {r['ms']:7.1f}  {check}"
 
 
@@ -394,6 +415,7 @@ def _demo_layer(
                 ms=None,
                 exact=None,
                 engine_scales=None,
+                engine_weights=None,
                 cannot=str(exc),
             )
             continue
@@ -414,9 +436,36 @@ def _demo_layer(
                 if backend == "cutlass" and activation_layout(fmt, backend, a) is None  # not the SM90 layout
                 else None
             ),
+            engine_weights=None,
             cannot=None,
         )
+        if backend == "cutlass" and activation_layout(fmt, backend, a) is not None:  # the SM90 MXFP4 x BF16 layout
+            rec["engine_scales"], rec["engine_weights"] = _demo_engine_sm90(target, meta, layer_idx, layer)
     return records
+
+
+def _demo_engine_sm90(target, meta: dict, layer_idx: int, layer) -> tuple[bool | None, bool | None]:
+    """``(scales, weights)``: the written SM90 MXFP4 x BF16 tensors against the engines' layout computed
+    independently from the checkpoint's bytes (:func:`fimoe_lab.engine_check.sm90_engine_layer`)."""
+    import torch
+
+    from fimoe_lab.checkpoints.writer import KernelFiles, _out_name
+    from fimoe_lab.engine_check import SM90_CHECKED, sm90_engine_layer
+    from fimoe_lab.engines import get_engine
+
+    rec = meta["layers"][str(layer_idx)]
+    given = {n: t for n, t in layer.tensors().items() if t is not None}
+    if layer.fmt not in SM90_CHECKED or len(given) != 4:
+        return None, None
+    layout = get_engine(rec["plan"]["args"].get("engine")).sm90_mixed_layout
+    want = sm90_engine_layer(given, layer.is_act_and_mul, rec["padded_intermediate"], rec["padded_hidden"], layout)
+    same = {}
+    with KernelFiles(target) as kf:
+        for name, expected in want.items():
+            key = _out_name(meta["prefix"], meta["block"], layer_idx, rec["tensors"][name]["name"])
+            got = kf.get_slice(key)[:].contiguous()
+            same[name] = torch.equal(got.view(torch.uint8).reshape(-1), expected.reshape(-1))
+    return same["w13_scale"] and same["w2_scale"], same["w13"] and same["w2"]
 
 
 def _demo_engine_scales(target, meta: dict, layer_idx: int, layer):
@@ -490,7 +539,10 @@ def run_demo(args: argparse.Namespace) -> int:
                 for rec in _demo_layer(ck, path, layer_idx, layer, ckpt.top_k, args.tp, out_dir, args.mxfp4_activation):
                     layers.append(rec)
                     say(_demo_text(rec))
-    failures = sum(r["cannot"] is None and (not r["exact"] or r["engine_scales"] is False) for r in layers)
+    failures = sum(
+        r["cannot"] is None and (not r["exact"] or r["engine_scales"] is False or r.get("engine_weights") is False)
+        for r in layers
+    )
     cannot = [f"{r['checkpoint']} L{r['layer']} {r['backend']}" for r in layers if r["cannot"] is not None]
     if args.json:
         print_json(dict(tp=args.tp, out=str(out_dir), health=health, layers=layers, failures=failures))

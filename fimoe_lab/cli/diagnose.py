@@ -10,7 +10,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from fimoe_lab.cli._common import EXIT_FAILED, EXIT_OK, checkpoint_path, int_list, positive_int, print_json
+from fimoe_lab.cli._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_json_option,
+    checkpoint_path,
+    int_list,
+    positive_int,
+    print_json,
+)
+
+DIAGNOSE_JSON = (
+    '{"source", "tensors": {ROLE: {"dumped_name", "experts", "explained", "best": the variant that explains it, '
+    '"planned", "ranked": [{"variant", "match": per expert}] (the best 10)}}, "ignored": dumped names not compared}'
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", type=checkpoint_path, metavar="CHECKPOINT", help="checkpoint directory or sample name")
     p.add_argument("kernel_tensors", type=Path, metavar="KERNEL_TENSORS", help=".safetensors or .pt of dumped tensors")
-    p.add_argument("--layer", type=int, default=None, help="MoE layer index (default: the first MoE layer)")
+    p.add_argument("--layer", type=int, default=None, metavar="N", help="only layer N (default: the first MoE layer)")
     p.add_argument("--tp-size", type=positive_int("--tp-size"), default=1, help="TP size the engine ran (default 1)")
     p.add_argument("--tp-rank", type=int, default=0, help="TP rank the dump comes from (default 0)")
     p.add_argument(
@@ -40,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="experts to compare (default: the first 8)",
     )
     p.add_argument("--figure", type=Path, default=None, help="write the comparison figure of the first tensor (PNG)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    add_json_option(p, DIAGNOSE_JSON)
     p.set_defaults(handler=run_diagnose)
 
 

@@ -20,6 +20,9 @@ from fimoe_lab.cli._common import (
     EXIT_NO_ANSWER,
     EXIT_OK,
     add_engine_option,
+    add_json_option,
+    add_per_token_option,
+    add_tp_option,
     int_list,
     lower_choice,
     one_line,
@@ -61,6 +64,16 @@ def token_profile(text: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
     return tokens, weights
 
 
+TUNE_JSON = (
+    '{"attrs": the inputs of the sweep and its recommendation, "rows": [the rows of the table, each with '
+    "predicted_us (and measured_us with --measure)]}"
+)
+TACTICS_JSON = (
+    '[{"tokens", "count": valid tactics or null, "per_tile": {tile_N: count}, "source", "reason" (when known), '
+    '"configs" (with --configs)} per token count]'
+)
+
+
 def _register_tune(sub: argparse._SubParsersAction) -> None:
     presets, formats = sorted(PRESETS), specs.tuner_formats()
     t = sub.add_parser(
@@ -88,9 +101,9 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument("--config", help="a Hugging Face config.json (sizes read with the checkpoint reader's keys)")
     t.add_argument("--hidden", type=int, help="hidden size (K of GEMM1); overrides the model's")
-    t.add_argument("--intermediate", type=int, help="MoE intermediate size per expert at TP 1; overrides")
-    t.add_argument("--experts", type=int, help="routed experts (e.g. experts per rank under EP); overrides")
-    t.add_argument("--top-k", type=int, help="experts per token; overrides")
+    t.add_argument("--intermediate", type=int, help="MoE intermediate size per expert at TP 1; overrides the model's")
+    t.add_argument("--experts", type=int, help="routed experts (e.g. experts per rank under EP); overrides the model's")
+    t.add_argument("--top-k", type=int, help="experts per token; overrides the model's")
     t.add_argument("--act", type=_activation, default=None, help="activation (default: the model's, else swiglu)")
     t.add_argument(
         "--format",
@@ -99,8 +112,8 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
         metavar="FMT",
         help="weight/activation format (" + ", ".join(formats) + ")",
     )
-    t.add_argument("--tp", type=int, default=1, help="tensor-parallel size (splits the intermediate size)")
-    t.add_argument("--per-token", action="store_true", help="NVFP4 with per-token activation scales")
+    add_tp_option(t, "splits the intermediate size")
+    add_per_token_option(t, "the tactics and paddings of per-token activation scales")
     t.add_argument(
         "--tokens",
         type=token_profile,
@@ -129,7 +142,7 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
         help="where tactic answers come from (auto: Blackwell GPU, else built module, else the shipped "
         "validity model; model: that model only)",
     )
-    t.add_argument("--json", action="store_true", help="print the rows (with predicted_us) and attrs as JSON")
+    add_json_option(t, TUNE_JSON)
     t.add_argument("--csv", help="also write the table to this CSV file")
     t.add_argument("--json-out", help="also write the table (rows with predicted_us) and recommendation to JSON")
     t.add_argument("--plot", help="save the heatmap and waste-vs-tactics figures to this PNG prefix")
@@ -155,7 +168,7 @@ def _register_tactics(sub: argparse._SubParsersAction) -> None:
         "--format", required=True, type=lower_choice(formats), metavar="FMT", help="one of " + ", ".join(formats)
     )
     q.add_argument("--act", default="swiglu", type=_activation, help=f"activation: {acts} (default swiglu)")
-    q.add_argument("--per-token", action="store_true", help="NVFP4 per-token activation scaling")
+    add_per_token_option(q, "the tactics of per-token activation scales")
     q.add_argument(
         "--layout",
         type=lower_choice(specs.LAYOUTS),
@@ -170,7 +183,7 @@ def _register_tactics(sub: argparse._SubParsersAction) -> None:
         "--tokens", type=TOKENS_TYPE, default=(1, 8, 64), help="comma-separated token counts (default 1,8,64)"
     )
     q.add_argument("--source", choices=SOURCES, default="auto", help="where answers come from")
-    q.add_argument("--json", action="store_true", help="print a JSON list, one object per token count")
+    add_json_option(q, TACTICS_JSON, "list")
     q.add_argument("--configs", action="store_true", help="include the full [tile_N, config] list (live only)")
     q.set_defaults(handler=run_tactics)
 

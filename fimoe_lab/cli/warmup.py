@@ -13,8 +13,13 @@ import argparse
 import time
 
 from fimoe_lab import specs
-from fimoe_lab.cli._common import EXIT_OK, lower_choice, positive_int, print_json
+from fimoe_lab.cli._common import EXIT_OK, add_json_option, add_tp_option, lower_choice, positive_int, print_json
 from fimoe_lab.presets import PRESETS
+
+WARMUP_JSON = (
+    '{"seconds": in all, "runs": [{"fmt", "backend", "tensor", "device", "executor", "in_place", "seconds"}] one per '
+    "map run}"
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,17 +46,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         dest="backends",
         action="append",
         type=lower_choice(specs.BACKENDS),
-        help="a FlashInfer backend (repeatable; default trtllm)",
+        help="a FlashInfer MoE backend (repeatable; default trtllm)",
     )
     w.add_argument(
         "--device", dest="devices", action="append", help="a torch device, e.g. cpu or cuda (repeatable; default cpu)"
     )
-    w.add_argument("--tp", type=positive_int("--tp"), default=1, help="tensor-parallel size (default 1)")
+    add_tp_option(w)
     w.add_argument("--hidden", type=positive_int("--hidden"), help="hidden size (overrides the preset's)")
     w.add_argument("--inter", type=positive_int("--inter"), help="per-rank intermediate size (overrides the preset's)")
     w.add_argument("--experts", type=positive_int("--experts"), help="experts per layer (overrides the preset's)")
     w.add_argument("--no-in-place", action="store_true", help="skip the in-place kernels")
-    w.add_argument("--json", action="store_true", help="print one JSON object (maps run, seconds)")
+    add_json_option(w, WARMUP_JSON)
     w.set_defaults(handler=run_warmup)
 
 

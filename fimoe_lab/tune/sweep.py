@@ -236,6 +236,7 @@ def convert_check(
                 None if is_default else hidden_align,
                 engine,
                 per_token,
+                activation=act.name,
             )
         except FimoeError as exc:
             return exc.message
