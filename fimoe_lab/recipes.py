@@ -29,7 +29,13 @@ from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.plan import LayerPlan
-from fimoe_lab.shapes import FI_MOE_INTERMEDIATE_MULTIPLE, default_alignments, padded_shape, projections
+from fimoe_lab.shapes import (
+    FI_MOE_INTERMEDIATE_MULTIPLE,
+    default_alignments,
+    mxint4_shape,
+    padded_shape,
+    projections,
+)
 from fimoe_lab.specs import FORMATS, get_format
 
 __all__ = [
@@ -485,17 +491,16 @@ def plan_mxint4(
     ``[2I, H/32]`` bf16 -> 128x4-swizzled, the same for W2 ``[H, I/2]`` and ``[H, I/32]``.
     """
     get_engine(engine)  # an unknown profile is refused here as everywhere
-    need = [
-        (backend == "trtllm", f"MxInt4 has no {backend} layout", "use --backend trtllm"),
-        (is_act_and_mul and is_gated, "MxInt4 TRT-LLM takes SwiGLU (gated) layers only", "a gated activation"),
-        (not per_token_activation, "MxInt4 has BF16 activations, not per-token NVFP4", "drop per_token_activation"),
-    ]
-    for size, a, what in ((intermediate, intermediate_alignment, "intermediate"), (hidden, hidden_alignment, "hidden")):
-        padded = steps.round_up(size, a or 1)
-        need.append((padded == size, f"MxInt4: {what} {size} padded to {padded}: vLLM pads nothing", "no alignment"))
-    for ok, message, fix in need:
-        if not ok:
-            raise LayoutError(message, fix=fix)
+    mxint4_shape(
+        backend,
+        intermediate,
+        hidden,
+        is_act_and_mul,
+        is_gated,
+        intermediate_alignment,
+        hidden_alignment,
+        per_token_activation,
+    )  # the one MxInt4 size rule (the tuner's): refuses with its message, never pads
     return plan_trtllm_mxint4(intermediate, hidden, True)
 
 

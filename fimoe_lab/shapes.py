@@ -47,6 +47,7 @@ __all__ = [
     "rank_intermediates",
     "padded_shape",
     "check_kernel_activation",
+    "mxint4_shape",
 ]
 
 FI_MOE_INTERMEDIATE_MULTIPLE = 16
@@ -253,7 +254,7 @@ def _pad_blocks(intermediate: int, hidden: int, ia: int, ha: int, block: int, va
     return i, h
 
 
-def _mxint4_shape(
+def mxint4_shape(
     backend: str,
     intermediate: int,
     hidden: int,
@@ -293,7 +294,7 @@ _MXINT4_MULTIPLE = 256
 """MxInt4 TRT-LLM: ``I`` and ``H`` multiples of 256: a 128-byte BlockMajorK block holds 256 packed int4
 values along K (W13's K is ``H``, W2's is ``I``)."""
 
-_OWN_RULES = {"mxint4": _mxint4_shape}
+_OWN_RULES = {"mxint4": mxint4_shape}
 """Formats ``plan_layer`` lays out by their own rule, not from checkpoint weights of that name
 (``specs.FormatSpec.weights`` False): MxInt4, laid out from int4-group checkpoints."""
 
@@ -324,7 +325,7 @@ def padded_shape(
     blocks (and bytes); TRT-LLM ``P*I'`` and ``H'`` multiples of 32 (DeepSeek FP8: 16), BF16
     and DeepSeek FP8 K bytes multiples of 128, FP4 ``P*I'`` and ``H'`` and MXFP8 ``P*I'``,
     ``I'``, ``H'`` multiples of 128 (scale shuffle, 128x4 swizzle); DeepSeek FP8 gated
-    ``I % 128 == 0``. MxInt4 (its own rule, :func:`_mxint4_shape`): TRT-LLM, gated, no per-token, no
+    ``I % 128 == 0``. MxInt4 (its own rule, :func:`mxint4_shape`): TRT-LLM, gated, no per-token, no
     padding, ``I`` and ``H`` multiples of 256.
     """
     known = (*weight_formats(), *_OWN_RULES)
