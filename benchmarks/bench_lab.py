@@ -126,6 +126,8 @@ def cases(layer: sources.ExpertTensors):
                 ("checkpoint side", setter(w, pick="checkpoint")),
                 ("click a kernel cell", click(w, 2, 2000, 1500)),
                 ("hover a checkpoint cell", click(w, 0, 100, 100, hover=True)),
+                ("expert", setter(w, expert=1)),
+                ("tensor w2", setter(w, tensor="w2")),
             ],
         ),
     ]

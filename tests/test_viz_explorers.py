@@ -167,7 +167,7 @@ def test_a_window_or_side_change_redraws_only_the_window_layer():
     assert w.figure is fig and svg_texts(w.svg) == svg_texts(figures.to_svg(fresh))
     legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
     assert legend == [t.get_text() for t in fresh.axes[1].get_legend().get_texts()] and "shuffle block 0" in legend
-    assert w.svg.count(figures.LAYER) == 2 and w.svg.count("<svg") == 1
+    assert w.svg.count(figures.LAYER) == len(figures.row_layers(fig)) == 3 and w.svg.count("<svg") == 1
     w.colour_by.value = "origin"
     w.side.value = "kernel"
     w.start.value = 0

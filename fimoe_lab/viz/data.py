@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, TypeVar
 
 import numpy as np
@@ -149,21 +149,23 @@ def gather_values(m: IndexMap, values: np.ndarray | torch.Tensor, itemsize: int 
     ``values`` has ``m.in_shape`` in elements (e.g. dequantized magnitudes of the stored
     elements); the result has ``m.out_shape`` in elements, drawn with :func:`display_2d`.
     """
-    v = np.asarray(values, dtype=np.float64)
+    v = _floats(values.numpy() if isinstance(values, torch.Tensor) else values)
     in_shape = m.in_shape[:-1] + (m.in_shape[-1] // itemsize,)
     if v.size != math.prod(in_shape):
         raise LayoutError(
             f"values of shape {v.shape} do not match {m.name}'s input {in_shape} elements of {itemsize} B",
             fix="pass one expert's values in the map's input layout",
         )
-    src = element_sources(m, itemsize)
-    return np.where(src >= 0, v.reshape(-1)[np.maximum(src, 0)], np.nan)
+    src = memo(element_sources, m, itemsize)
+    out = np.take(v.reshape(-1), src, mode="clip")  # fill (-1) reads element 0, then becomes NaN
+    out[src < 0] = np.nan
+    return out
 
 
 def gather_mask(m: IndexMap, mask: np.ndarray, itemsize: int = 1) -> np.ndarray:
     """A bool ``mask`` in ``m``'s input elements moved through ``m`` (fill: False), :func:`display_2d` shape."""
-    src = display_2d(element_sources(m, itemsize))
-    return np.where(src >= 0, np.asarray(mask).reshape(-1)[np.maximum(src, 0)], False)
+    src = display_2d(memo(element_sources, m, itemsize))
+    return np.take(np.asarray(mask).reshape(-1), src, mode="clip") & (src >= 0)
 
 
 # ----------------------------------------------------------------------------- rows
@@ -356,6 +358,12 @@ FLAG_NAMES = ("data", "padding", "dead scale", "Inf", "NaN")
 """Per-element flags of a value view, by code; a coarse pixel shows the highest code it covers."""
 
 
+def _floats(values: np.ndarray) -> np.ndarray:
+    """``values`` as a float array: float32 / float64 as given (no real-size copy), others as float64."""
+    v = np.asarray(values)
+    return v if v.dtype in (np.float32, np.float64) else v.astype(np.float64)
+
+
 def value_flags(values: np.ndarray, pad: Optional[np.ndarray] = None, dead: Optional[np.ndarray] = None) -> np.ndarray:
     """uint8 flag code per element of ``values`` (any shape), indexing :data:`FLAG_NAMES`.
 
@@ -363,7 +371,7 @@ def value_flags(values: np.ndarray, pad: Optional[np.ndarray] = None, dead: Opti
     is below :data:`fimoe_lab.formats.health.TINY_SCALE`; NaN/Inf are read off ``values``
     (a padding element's NaN is padding, not NaN).
     """
-    v = np.asarray(values, dtype=np.float64)
+    v = _floats(values)
     flags = np.zeros(v.shape, dtype=np.uint8)
     if dead is not None:
         flags[np.broadcast_to(dead, v.shape)] = FLAG_NAMES.index("dead scale")
@@ -391,14 +399,22 @@ class Downsampled:
 
     def counts(self, flags: np.ndarray) -> dict[str, int]:
         """Element count per flag name of the full-size ``flags`` (names with a count only)."""
-        n = np.bincount(flags.reshape(-1), minlength=len(FLAG_NAMES))
+        n = np.bincount(flags[flags != 0], minlength=len(FLAG_NAMES))  # flagged elements are few
         return {name: int(c) for name, c in zip(FLAG_NAMES, n) if c and name != "data"}
 
 
 def _blocks(a: np.ndarray, fr: int, fc: int, fill) -> np.ndarray:
     r, c = a.shape
-    padded = np.pad(a, ((0, -r % fr), (0, -c % fc)), constant_values=fill)
+    padded = a if r % fr == c % fc == 0 else np.pad(a, ((0, -r % fr), (0, -c % fc)), constant_values=fill)
     return padded.reshape(padded.shape[0] // fr, fr, padded.shape[1] // fc, fc)
+
+
+def _block_reduce(a: np.ndarray, fr: int, fc: int, fill, ufunc=np.maximum) -> np.ndarray:
+    """``ufunc`` over each ``fr x fc`` block of ``a`` (padded with ``fill``): ``(ceil(R/fr), ceil(C/fc))``.
+    Rows first, over whole contiguous rows (several times faster than one reduce over both block axes)."""
+    b = _blocks(a, fr, fc, fill)
+    rows = ufunc.reduce(b.reshape(b.shape[0], fr, -1), axis=1)
+    return ufunc.reduce(rows.reshape(b.shape[0], b.shape[2], fc), axis=2)  # type: ignore[no-any-return]
 
 
 def reduction(shape: tuple[int, ...], max_side: int = 512) -> tuple[int, int]:
@@ -413,15 +429,18 @@ def downsample(values: np.ndarray, flags: np.ndarray, max_side: int = 512) -> Do
     Block ``fr = ceil(R / max_side)``, ``fc = ceil(C / max_side)``; value = max over the
     block's finite elements, flag = max code (:class:`Downsampled`).
     """
-    v = np.asarray(values, dtype=np.float64)
+    v = _floats(values)
     fr, fc = reduction(v.shape, max_side)
     if fr == fc == 1:
         return Downsampled(np.where(np.isfinite(v), v, np.nan), flags, (1, 1), v.shape)
-    finite = np.where(np.isfinite(v), v, -np.inf)
-    top = _blocks(finite, fr, fc, -np.inf).max(axis=(1, 3))
-    return Downsampled(
-        np.where(np.isfinite(top), top, np.nan), _blocks(flags, fr, fc, 0).max(axis=(1, 3)), (fr, fc), v.shape
-    )
+    top = _block_reduce(v, fr, fc, -np.inf, np.fmax)  # NaN skipped; a block with +Inf is redone below
+    if np.count_nonzero(top == np.inf) > 256:  # many: one pass without the Inf instead
+        top = _block_reduce(np.where(np.isfinite(v), v, -np.inf), fr, fc, -np.inf)
+    for i, j in zip(*np.nonzero(top == np.inf)):
+        block = v[i * fr : (i + 1) * fr, j * fc : (j + 1) * fc]
+        finite = block[np.isfinite(block)]
+        top[i, j] = finite.max() if finite.size else np.nan
+    return Downsampled(np.where(np.isfinite(top), top, np.nan), _block_reduce(flags, fr, fc, 0), (fr, fc), v.shape)
 
 
 def sample_grid(a: np.ndarray, max_side: int = 512) -> tuple[np.ndarray, tuple[int, int]]:
@@ -747,6 +766,9 @@ class Trace:
     checkpoint: Optional[tuple[int, int]]
     chain: list
     value: Optional[float] = None
+    bits: Optional[list] = None
+    """For a kernel byte whose plan has a word bit step after its byte map: the source of each of its
+    8 bits after that step (:func:`word_bit_sources`), else None."""
 
     @property
     def moved_by(self) -> str:
@@ -765,7 +787,8 @@ class Trace:
         """``kernel (r, c) <- checkpoint (r, c)`` (or ``padding``), one line."""
         k = "dropped" if self.kernel is None else f"kernel {self.kernel}"
         c = "padding" if self.checkpoint is None else f"checkpoint {self.checkpoint}"
-        return f"{k} <- {c}" if self.side == "kernel" else f"{c} -> {k}"
+        bits = "" if self.bits is None else f"; {bits_text(self.bits)}"
+        return (f"{k} <- {c}" if self.side == "kernel" else f"{c} -> {k}") + bits
 
     def hover(self) -> str:
         """Row, column, value, source element and the steps that moved it (hover text)."""
@@ -802,3 +825,48 @@ def trace_cell(cells: Cells, i: int, j: int) -> Trace:
     src = chain[-1][2]
     ckpt = None if src is None else (int(src[0]), int(src[-1]))
     return Trace(cells.side, divmod(flat, cols), ckpt, chain, cells.value(i, j))
+
+
+def word_bit_sources(m: IndexMap, bits: IndexMap, flat: int) -> list[tuple[Optional[tuple[int, int]], int]]:
+    """Where each bit of kernel byte ``flat`` comes from when the word bit step ``bits`` (a ``(32,) ->
+    (32,)`` map on one little-endian word) runs after the byte map ``m`` (1-byte elements).
+
+    Bit ``b`` (0: least significant) of byte ``flat`` is bit ``t = 8 * (flat % 4) + b`` of word
+    ``flat // 4``; it comes from bit ``s = bits.src[t]`` of that word, i.e. bit ``s % 8`` of byte
+    ``g = 4 * (flat // 4) + s // 8`` of ``m``'s output, which ``m`` took from checkpoint byte
+    :func:`provenance_rows` ``(m, g)`` (``steps.WordBitMap.source_bits`` for one byte). Returns 8
+    ``((checkpoint row, column) or None for fill, bit)``, bit 0 first."""
+    table = np.asarray(bits.src).reshape(-1)
+    out_shape = _out_elements(m, 1)
+    found: dict[int, Optional[tuple[int, int]]] = {}
+    sources = []
+    for b in range(8):
+        s = int(table[8 * (flat % 4) + b])
+        if s < 0:
+            sources.append((None, -1))
+            continue
+        g = 4 * (flat // 4) + s // 8
+        if g not in found:
+            src = provenance_rows(m, tuple(int(v) for v in np.unravel_index(g, out_shape)), 1)[-1][2]
+            found[g] = None if src is None else (int(src[0]), int(src[-1]))
+        sources.append((found[g], s % 8))
+    return sources
+
+
+def with_word_bits(trace: Trace, m: IndexMap, bits: IndexMap) -> Trace:
+    """``trace`` of a kernel byte of ``m`` with the source of each of its bits after ``bits``
+    (:func:`word_bit_sources`)."""
+    if trace.kernel is None:
+        return trace
+    cols = _out_elements(m, 1)[-1]
+    return replace(trace, bits=word_bit_sources(m, bits, trace.kernel[0] * cols + trace.kernel[1]))
+
+
+def bits_text(sources: list) -> str:
+    """One line: per nibble of a kernel byte (low: bits 0-3, high: bits 4-7) the checkpoint byte and
+    bit of each of its bits, from :func:`word_bit_sources`."""
+    parts = []
+    for name, lo in (("low nibble", 0), ("high nibble", 4)):
+        bits = ", ".join("fill" if where is None else f"{where} bit {bit}" for where, bit in sources[lo : lo + 4])
+        parts.append(f"{name} (bits {lo}-{lo + 3}) <- checkpoint {bits}")
+    return "after the word bit step: " + "; ".join(parts)

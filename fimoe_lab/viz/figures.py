@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import io
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, TypeVar
 
@@ -292,9 +293,15 @@ def value_layer(
 
 def _finite_max(values: np.ndarray) -> float:
     """The largest finite value of ``values`` (1.0 when there is none): a colour scale that stays put."""
-    v = np.asarray(values, dtype=np.float64)
-    finite = v[np.isfinite(v)]
-    return float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+    v = np.asarray(values)
+    v = v if v.dtype.kind == "f" else v.astype(np.float64)
+    with warnings.catch_warnings():  # an all-NaN expert: nanmax warns and says NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        top = float(np.nanmax(v)) if v.size else np.nan  # one pass; the masked pass only when there is Inf
+    if not np.isfinite(top):
+        finite = v[np.isfinite(v)]
+        top = float(finite.max()) if finite.size else 1.0
+    return top if top > 0 else 1.0
 
 
 def title_text(ax: Axes, text: str = " ") -> Text:
@@ -360,17 +367,30 @@ def row_permutation_figure(
     state.update(row_map=data.memo(IndexMap.row_steps, m))
     if values is not None:
         ax_v, cax = axes[2]
-        v = np.asarray(values, dtype=np.float64)
-        top = data.memo(_finite_max, values)
-        fig.colorbar(ScalarMappable(Normalize(0, top), _cmap(MAGNITUDE_CMAP)), cax=cax, label="|value| (dequantized)")
+        scale = ScalarMappable(Normalize(0, 1), _cmap(MAGNITUDE_CMAP))
+        fig.colorbar(scale, cax=cax, label="|value| (dequantized)")
         ax_v.set_ylabel("kernel row")
         ax_v.set_xlabel("element")
         ax_v.set_title("values in the kernel rows", loc="left")
-        state.update(ax_v=ax_v, values=v, dead=None if dead is None else np.asarray(dead), top=top)
+        state.update(ax_v=ax_v, cax=cax, scale=scale, values=None)
     fig._fimoe_rows = state  # type: ignore[attr-defined]
+    if values is not None:
+        show_values(fig, values, dead)
     show_rows(fig, window, side, colour_by)
     fig.suptitle(" >> ".join(flow.steps))
     return fig
+
+
+def show_values(fig: Figure, values: np.ndarray, dead: Optional[np.ndarray] = None) -> None:
+    """Give a :func:`row_permutation_figure` drawn with values another expert's ``values`` (same
+    shape) and ``dead`` in place: the colour scale becomes the expert's (:func:`row_layers`' scale
+    layer); the values panel follows at the next :func:`show_rows`. Nothing else is drawn again."""
+    s = fig._fimoe_rows  # type: ignore[attr-defined]
+    v = np.asarray(values)
+    v = v if v.dtype.kind == "f" else v.astype(np.float64)  # the lab's float32 magnitudes: no copy
+    top = data.memo(_finite_max, values)
+    s["scale"].set_clim(0, top)
+    s.update(values=v, dead=None if dead is None else np.asarray(dead), top=top)
 
 
 def _colour_rows(fig: Figure, colour_by: str) -> None:
@@ -429,9 +449,11 @@ def row_artists(fig: Figure) -> list[Artist]:
 
 def row_layers(fig: Figure) -> list[tuple[object, list[Artist]]]:
     """The moving layers of a :func:`row_permutation_figure`, bottom to top, each with what it
-    shows: the colouring (the all-rows panel and its legend) and the window (:func:`row_artists`)."""
+    shows: the colouring (the all-rows panel and its legend), the colour scale (the values'
+    colourbar, per expert: :func:`show_values`) and the window (:func:`row_artists`)."""
     s = fig._fimoe_rows  # type: ignore[attr-defined]
-    return [(("colour", s["colour_by"]), list(s["colour_layer"])), (("window", s["window"]), row_artists(fig))]
+    scale = [(("scale", s["top"]), [s["cax"]])] if s["values"] is not None else []
+    return [(("colour", s["colour_by"]), list(s["colour_layer"])), *scale, (("window", s["window"]), row_artists(fig))]
 
 
 @styled
@@ -803,8 +825,7 @@ def provenance_figure(
     fig, ((ax_b, cax_b), (ax_a, cax_a)) = panel_row(
         [(0.8, 4.4, 1.0, True), (0.8, 4.4, 1.0, True)], 6.8, top=0.4, bottom=2.1
     )
-    finite = np.isfinite(before)
-    vmax = float(before[finite].max()) if finite.any() else 1.0
+    vmax = data.memo(_finite_max, before)
     value_image(fig, ax_b, cax_b, before, "|value| (dequantized)", None, dead, vmax)
     ax_b.set_title(f"checkpoint layout {before.shape} elements", loc="left")
     source = chain[-1][2]

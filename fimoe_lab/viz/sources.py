@@ -98,16 +98,20 @@ class ExpertTensors:
         """``w13``, ``w2`` and the block scales present, by name."""
         return {n: t for n, t in self.moe.tensors().items() if t is not None}
 
-    def plan(self, backend: str) -> LayerPlan:
-        """The layer plan for ``backend``: the one ``fimoe-lab convert`` applies to this layer."""
-        if backend not in self._plans:
+    def plan(self, backend: str, activation_dtype: Optional[str] = None, per_token: bool = False) -> LayerPlan:
+        """The layer plan for ``backend``: the one ``fimoe-lab convert`` applies to this layer
+        (``--mxfp4-activation`` ``activation_dtype``: ``recipes.ACTIVATION_DTYPES``; ``--per-token``
+        ``per_token``: NVFP4 activations quantised per token). Kept per argument set."""
+        key = (backend, activation_dtype, per_token)
+        if key not in self._plans:
             from fimoe_lab.checkpoints import writer
 
-            self._plans[backend] = writer.build_plan(writer.plan_args(self.moe, backend))
-        return self._plans[backend]
+            args = writer.plan_args(self.moe, backend, per_token=per_token, activation_dtype=activation_dtype)
+            self._plans[key] = writer.build_plan(args)
+        return self._plans[key]  # type: ignore[no-any-return]
 
     def magnitude(self, name: str, expert: int = 0) -> np.ndarray:
-        """float64 ``(rows, elements)`` of one expert: |dequantized weight| per stored element
+        """float32 ``(rows, elements)`` of one expert: |dequantized weight| per stored element
         (per byte for packed fp4: the larger of its two values), or the decoded scales.
 
         Kept per ``(name, expert)`` (a real-size expert dequantizes in about a second), read-only."""
@@ -154,7 +158,7 @@ class ExpertTensors:
 
         if name.endswith("_scale"):
             scales = self.tensors[name][expert]
-            return decoded_scales(QuantizedTensor(None, scales, None, self.fmt, 0)).double().numpy()
+            return decoded_scales(QuantizedTensor(None, scales, None, self.fmt, 0)).float().numpy()
         one = replace(
             self.moe,
             w13=self.moe.w13[expert : expert + 1],
@@ -167,12 +171,18 @@ class ExpertTensors:
             },
         )
         parts = [q for part, q in one.quantized() if part in _PARTS[name]]  # only the tensor shown
-        if parts:
-            return torch.cat([_stored_magnitude(q) for q in parts], dim=1)[0].double().numpy()
+        if parts:  # each part straight into its rows (no concatenated copy)
+            pieces = [_stored_magnitude(q)[0].float() for q in parts]
+            out = np.empty((sum(p.shape[0] for p in pieces), pieces[0].shape[1]), dtype=np.float32)
+            at = 0
+            for piece in pieces:
+                out[at : at + piece.shape[0]] = piece.numpy()
+                at += piece.shape[0]
+            return out
         values = dict(zip(("w13", "w2"), one.dequantized()))[name][0].abs()
         if get_format(self.fmt).packed:
             values = values.reshape(values.shape[0], -1, 2).amax(dim=-1)
-        return values.double().numpy()
+        return values.float().numpy()
 
 
 def _stored_magnitude(q: Any) -> torch.Tensor:

@@ -183,6 +183,37 @@ if anywidget is not None:
         tip = traitlets.Unicode("").tag(sync=True)
 
 
+def _activation_controls(prefix: str) -> tuple[W.Dropdown, W.Checkbox]:
+    """The plan's activation controls: the activation dtype (its options are the recipe's row of
+    ``recipes.ACTIVATION_DTYPES``, set per layer and backend by :func:`_activation_args`) and the
+    NVFP4 per-token switch (enabled where the format's tactics allow it)."""
+    dtype = _dropdown(f"{prefix}activation", ("default",), "default", "200px")
+    per_token = W.Checkbox(False, description=f"{prefix}per-token acts", indent=False, layout=W.Layout(width="160px"))
+    return dtype, per_token
+
+
+def _activation_args(fmt: str, backend: str, dtype: W.Dropdown, per_token: W.Checkbox) -> tuple[Optional[str], bool]:
+    """``(activation_dtype, per_token)`` for ``plan_layer`` from the two controls, after giving them
+    what the tables offer for ``fmt`` on ``backend``: the dtypes of ``recipes.ACTIVATION_DTYPES``
+    (one "default" entry, disabled, where the recipe has one layout), the per-token switch only
+    where ``specs.FORMATS[fmt].tactics.per_token_ok``. A choice the tables do not offer is None / False."""
+    from fimoe_lab.checkpoints.writer import layout_format
+    from fimoe_lab.recipes import ACTIVATION_DTYPES, recipe_id
+    from fimoe_lab.specs import FORMATS
+
+    planned = layout_format(fmt)
+    choices = ACTIVATION_DTYPES.get(recipe_id(planned, backend), ())
+    options = tuple(choices) or ("default",)
+    if tuple(dtype.options) != options:
+        keep = dtype.value if dtype.value in options else options[0]
+        dtype.options = options
+        dtype.value = keep
+    dtype.disabled = not choices
+    tactics = FORMATS[planned].tactics if planned in FORMATS else None
+    per_token.disabled = not (tactics is not None and tactics.per_token_ok)
+    return (dtype.value if choices else None), (bool(per_token.value) and not per_token.disabled)
+
+
 def _figure_view() -> W.DOMWidget:
     """Where an explorer shows its figure: a :class:`SvgCanvas` with anywidget, else ``W.HTML``."""
     layout = W.Layout(overflow="auto", max_width="100%")
@@ -317,7 +348,11 @@ class _Explorer(W.VBox):
         if hit is None:
             return None
         _, cells, i, j = hit
-        return data.trace_cell(cells, i, j)
+        return self._traced(cells, data.trace_cell(cells, i, j))
+
+    def _traced(self, cells: data.Cells, trace: data.Trace) -> data.Trace:
+        """What :meth:`point` returns for ``trace`` of a cell of ``cells`` (layer explorers add bits)."""
+        return trace
 
     @staticmethod
     def _from_page(handler, report) -> None:
@@ -419,6 +454,7 @@ class _LayerExplorer(_Explorer):
             continuous_update=False,
         )
         self.backend = _dropdown("backend", BACKENDS, backend)
+        self.activation, self.per_token = _activation_controls("")
         self.tensor = _dropdown("tensor", data.TENSOR_NAMES, tensor)
         self.expert = _slider("expert", 0, 3)
         self.path = W.Text(
@@ -435,7 +471,8 @@ class _LayerExplorer(_Explorer):
         load = W.Button(description="load", button_style="primary")
         load.on_click(lambda _: self.load())
         self.loader = W.HBox([self.path, self.layer_index, self.tp_size, self.tp_rank, load])
-        super().__init__([self.source, self.shape, self.backend, self.tensor, self.expert] + extra)
+        plan_controls = [self.source, self.shape, self.backend, self.activation, self.per_token]
+        super().__init__(plan_controls + [self.tensor, self.expert] + extra)
         self.children = (self.loader,) + tuple(self.children)
 
     def load(self, path: Optional[str] = None) -> None:
@@ -483,7 +520,8 @@ class _LayerExplorer(_Explorer):
         """The index map of the chosen tensor in the chosen backend's plan for this layer."""
         layer = self.layer
         self.expert.max = layer.experts - 1
-        plan = layer.plan(self.backend.value)
+        activation, per_token = _activation_args(layer.fmt, self.backend.value, self.activation, self.per_token)
+        plan = layer.plan(self.backend.value, activation, per_token)
         maps = plan.maps()
         usable = [n for n, m in maps.items() if self.tensor_filter(m)]
         if not usable:
@@ -497,12 +535,34 @@ class _LayerExplorer(_Explorer):
         self.state = dict(
             fmt=layer.fmt,
             backend=self.backend.value,
+            activation_dtype=activation,
+            per_token=per_token,
             tensor=self.tensor.value,
             expert=min(self.expert.value, layer.experts - 1),
             plan=plan,
             layer=layer,
+            word_bits=plan.word_bits.get(self.tensor.value),
         )
         return maps[self.tensor.value]
+
+    def _bits_note(self) -> str:
+        """What the message adds for a tensor whose plan has a word bit step (the views draw its byte map)."""
+        bits = self.state.get("word_bits")
+        if bits is None:
+            return ""
+        return (
+            f"; then a bit permutation on every 32-bit word follows ({bits.name}): the bytes drawn are the byte "
+            "map's, a click on a kernel byte also gives the checkpoint bit of each of its bits"
+        )
+
+    def _traced(self, cells: data.Cells, trace: data.Trace) -> data.Trace:
+        """A kernel byte of the plan's full byte map, when a word bit step follows it: with the
+        source bit of each of its 8 bits (:func:`data.with_word_bits`)."""
+        bits, m = self.state.get("word_bits"), self.state.get("plan")
+        full = m is not None and cells.m is m.maps().get(self.state.get("tensor", ""))
+        if bits is None or not full or trace.kernel is None or cells.itemsize != 1:
+            return trace
+        return data.with_word_bits(trace, cells.m, bits)
 
     def _layer_code(self) -> str:
         """Python for the shown layer and map (``layer``, ``m``, ``size``)."""
@@ -523,7 +583,8 @@ class _LayerExplorer(_Explorer):
         return (
             "from fimoe_lab.viz import data, figures, sources\n"
             f"{load}\n"
-            f"m = layer.plan({self.backend.value!r}).maps()[{self.tensor.value!r}]\n"
+            f"m = layer.plan({self.backend.value!r}, {self.state.get('activation_dtype')!r}, "
+            f"{self.state.get('per_token', False)!r}).maps()[{self.tensor.value!r}]\n"
             f"size = data.itemsize_of(layer.fmt, {self.tensor.value!r})\n"
         )
 
@@ -560,17 +621,24 @@ class RowExplorer(_LayerExplorer):
         values = self.layer.magnitude(name, expert)
         dead = self.layer.dead(name, expert)
         size, side = data.itemsize_of(self.layer.fmt, name), self.side.value
-        # drawn once per (layer, plan, tensor, expert, colouring); a window or side change redraws the window layer
+
+        # the static part is drawn once per (layer, plan, tensor); an expert change redraws the colour
+        # scale and the window layers, a window or side change the window layer (figures.row_layers)
+        def move(f):
+            if f._fimoe_rows["values"] is not values:
+                figures.show_values(f, values, dead)
+            figures.show_rows(f, window, side, colour)
+
         fig, svg = self._layered(
-            (id(self.layer), id(m), self.backend.value, name, expert),
+            (id(self.layer), id(m), self.backend.value, name),
             lambda: figures.row_permutation_figure(
                 m, flow.projections, window, colour, values, size, side=side, dead=dead
             ),
-            lambda f: figures.show_rows(f, window, side, colour),
+            move,
             figures.row_layers,
         )
         self.state.update(flow=flow, window=window, colour_by=colour, side=side)
-        return fig, f"{self.state['plan'].description}: {m}{note}", svg
+        return fig, f"{self.state['plan'].description}: {m}{note}{self._bits_note()}", svg
 
     def code(self) -> str:
         s = self.state
@@ -602,7 +670,7 @@ class TileExplorer(_LayerExplorer):
         size = data.itemsize_of(self.layer.fmt, self.tensor.value)
         if len(m.out_shape) == 3:
             self.state.update(kind="tiles", colour_by=self.colour_by.value)
-            return figures.tile_figure(m, size, self.colour_by.value), f"block-major-K: {m}"
+            return figures.tile_figure(m, size, self.colour_by.value), f"block-major-K: {m}{self._bits_note()}"
         view = data.memo(data.swizzle_view, m, size)
         self.atom.max = view.atoms - 1
         atom = min(self.atom.value, view.atoms - 1)
@@ -614,7 +682,7 @@ class TileExplorer(_LayerExplorer):
             lambda f: figures.show_atom(f, atom),
             lambda f: [(atom, figures.atom_artists(f))],
         )
-        return fig, f"{view.atoms} atoms: {m}", svg
+        return fig, f"{view.atoms} atoms: {m}{self._bits_note()}", svg
 
     def code(self) -> str:
         s = self.state
@@ -639,7 +707,7 @@ class ProvenanceExplorer(_LayerExplorer):
         self.pick = _dropdown("element of", ("kernel", "checkpoint"))
         self.row = _int_box("row", 0, "160px")
         self.col = _int_box("column", 0, "160px")
-        self._static: Optional[tuple] = None
+        self._static: OrderedDict = OrderedDict()  # static key -> (figure, SVG, markers, chain label), LAYERED kept
         super().__init__(layer, [self.pick, self.row, self.col], **kwargs)
 
     def _show_trace(self, trace: data.Trace, part: int) -> None:
@@ -682,16 +750,19 @@ class ProvenanceExplorer(_LayerExplorer):
         self.state.update(coords=coords, chain=chain, pick=self.pick.value)
         src = chain[-1][2]
         where = "padding" if src is None else f"expert {expert}, row {src[0]}, column {src[-1]}"
-        static = (id(self.layer), self.backend.value, name, expert)
-        if self._static is None or self._static[0] != static:
+        static = (id(self.layer), id(m), self.backend.value, name, expert)
+        if static not in self._static:
             # draw the heatmaps once per (layer, plan, tensor, expert); an element change only moves the markers
             fig = figures.provenance_figure(m, coords, before, size, dead=self.layer.dead(name, expert))
             markers = [ax.lines[0] for ax in (fig.axes[0], fig.axes[2])]
             chain_label = fig.texts[-1]
             for artist in markers + [chain_label]:
                 artist.set_visible(False)
-            self._static = (static, fig, figures.to_svg(fig), markers, chain_label)
-        _, fig, svg, markers, chain_label = self._static
+            self._static[static] = (fig, figures.to_svg(fig), markers, chain_label)
+            while len(self._static) > self.LAYERED:
+                self._static.popitem(last=False)
+        self._static.move_to_end(static)
+        fig, svg, markers, chain_label = self._static[static]
         ar, ac = divmod(flat, cols)
         points = [(src[-1], src[0]) if src is not None else (np.nan, np.nan), (ac, ar)]
         for line, (x, y) in zip(markers, points):
@@ -702,6 +773,9 @@ class ProvenanceExplorer(_LayerExplorer):
         circles = "".join(figures.marker_svg(line.axes, x, y) for line, (x, y) in zip(markers, points))
         chain_html = f"<pre style='font-size:11px;margin:0'>{html.escape(figures.chain_text(chain))}</pre>"
         note = f"kernel {coords} <- {where}" + "".join(f"; {n}" for n in clamped)
+        bits = self.state.get("word_bits")
+        if bits is not None and size == 1:  # the kernel byte after the word bit step: where each bit comes from
+            note += "; " + data.bits_text(data.word_bit_sources(m, bits, flat)) + self._bits_note()
         return fig, note, svg.replace("</svg>", circles + "</svg>") + chain_html
 
     def code(self) -> str:
@@ -979,11 +1053,14 @@ class CompareExplorer(_LayerExplorer):
         self.engine_b = _dropdown("B engine", engines)
         self.align_b = _dropdown("B I align", ("default", 16, 32, 64, 128, 256))
         self.tp_b = _dropdown("B TP", TP_SIZES)
+        self.activation_b, self.per_token_b = _activation_controls("B ")
         extra = [self.engine_a, self.align_a, self.backend_b, self.engine_b, self.align_b, self.tp_b]
+        extra += [self.activation_b, self.per_token_b]
         super().__init__(layer, extra, **kwargs)
 
-    def _plan_args(self, backend: str, engine: str, align, tp: int) -> tuple:
-        """``recipes.plan_layer`` arguments of one side: the layer's format and sizes at TP ``tp``."""
+    def _plan_args(self, backend: str, engine: str, align, tp: int, acts: tuple = (None, False)) -> tuple:
+        """``recipes.plan_layer`` arguments of one side: the layer's format and sizes at TP ``tp``,
+        ``acts`` = ``(activation_dtype, per_token)`` (:func:`_activation_args`)."""
         layer = self.layer
         if layer.intermediate % tp:
             raise LayoutError(
@@ -1000,6 +1077,8 @@ class CompareExplorer(_LayerExplorer):
             None if align == "default" else int(align),
             None,
             None if engine == "default" else engine,
+            acts[1],
+            acts[0],
         )
 
     def _draw(self):
@@ -1007,8 +1086,10 @@ class CompareExplorer(_LayerExplorer):
         name = self.tensor.value
         from fimoe_lab.recipes import plan_layer
 
-        args_a = self._plan_args(self.backend.value, self.engine_a.value, self.align_a.value, 1)
-        args_b = self._plan_args(self.backend_b.value, self.engine_b.value, self.align_b.value, self.tp_b.value)
+        acts_a = (self.state["activation_dtype"], self.state["per_token"])
+        acts_b = _activation_args(self.layer.fmt, self.backend_b.value, self.activation_b, self.per_token_b)
+        args_a = self._plan_args(self.backend.value, self.engine_a.value, self.align_a.value, 1, acts_a)
+        args_b = self._plan_args(self.backend_b.value, self.engine_b.value, self.align_b.value, self.tp_b.value, acts_b)
         a, b = plan_layer(*args_a), plan_layer(*args_b)
         ma, mb = a.maps().get(name), b.maps().get(name)
         if ma is None or mb is None:
@@ -1019,6 +1100,8 @@ class CompareExplorer(_LayerExplorer):
         fig_b = figures.row_permutation_figure(mb, projections, (0, 64))
         self.state.update(a=a, b=b, args=(args_a, args_b), diff=diff, projections=projections)
         changed = [f"{op}: {sa or ''} | {sb or ''}" for op, sa, sb in diff if op != "same"]
+        bits = [(side, p.word_bits.get(name)) for side, p in (("A", a), ("B", b))]
+        changed += [f"{side} then {w.name} on every 32-bit word" for side, w in bits if w is not None]
         note = f"A {a.description} vs B {b.description} (TP {self.tp_b.value}): " + (
             "; ".join(changed) if changed else "same steps"
         )
