@@ -443,3 +443,24 @@ def test_convert_reading_expert_blocks_gives_the_whole_layer_bytes_for_every_fam
 ):
     for backend, (tp, rank) in (("trtllm", (2, 1)), ("cutlass", (1, 0))):
         _block_convert_is_whole_layer_convert(family_root / family, tmp_path, backend, tp, rank)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "mxfp4", "fp8-block"])
+def test_a_non_gated_layer_dequantizes_its_one_projection(fmt):
+    """Non-gated (ReLU^2) layers: W13 holds I rows of one projection and a per-projection global scale of shape
+    (E, 1) (ModelOpt NVFP4) must not be read as [gate, up]. Oracle: each expert quantized on its own, in the test."""
+    from fimoe_lab.formats import get as get_codec
+    from fimoe_lab.viz.sources import sample_layer
+
+    layer = sample_layer(fmt, experts=3, intermediate=128, hidden=256, gated=False).moe
+    w13, w2 = layer.dequantized()
+    assert w13.shape == (3, 128, 256) and w2.shape == (3, 256, 128)
+    from fimoe_lab.viz.sources import _structured
+
+    src13, src2 = _structured(3, 128, 256, False, 0)
+    spec = get_codec(fmt)
+    for e in range(3):  # the per-expert oracle: quantize that expert alone, dequantize it
+        for got, src in ((w13[e], src13[e]), (w2[e], src2[e])):
+            want = spec.dequantize(spec.quantize(src[None]))[0]
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+            assert (got != 0).any()

@@ -127,7 +127,8 @@ class MoELayer:
         scales spanning rows (``scale_block_rows > 1``, fp8-block: a block row never mixes
         gate and up), a global scale per projection (``w13_weight_scale_2`` or
         ``w13_weight_global_scale`` ``(E, 2)``, nvfp4) or one scale per projection
-        (``w13_scale`` ``(E, 2)``, ModelOpt fp8); else ``w13``, ``w2``. Empty for formats
+        (``w13_scale`` ``(E, 2)``, ModelOpt fp8); else ``w13``, ``w2``. A non-gated layer (W13 of ``I`` rows, one
+        projection) with per-projection scales gives ``w13``, ``down``. Empty for formats
         without a quantizer (``bf16``, and the read-only :data:`~fimoe_lab.checkpoints.conventions.CHECKPOINT_FORMATS`).
         """
         spec, i = stored_format(self.fmt), self.intermediate
@@ -141,23 +142,28 @@ class MoELayer:
                 ("w13", QuantizedTensor(self.w13, self.w13_scale, None, f, block)),
                 ("w2", QuantizedTensor(self.w2, self.w2_scale, None, f, block)),
             ]
-        g_gate = g_up = g_down = None
+        g13 = g_down = None  # global scales: (E, P) for W13's P projections, (E,) for W2
         if ws2 is not None:  # ModelOpt: weight_scale_2 = 1 / global scale
-            g_gate, g_up, g_down = 1.0 / ws2[:, 0], 1.0 / ws2[:, 1], 1.0 / self.extras["w2_weight_scale_2"]
+            g13, g_down = 1.0 / ws2, 1.0 / self.extras["w2_weight_scale_2"]
         if gs is not None:  # compressed-tensors: the global scale itself
-            g_gate, g_up, g_down = gs[:, 0], gs[:, 1], self.extras["w2_weight_global_scale"]
+            g13, g_down = gs, self.extras["w2_weight_global_scale"]
+        down = ("down", QuantizedTensor(self.w2, self.w2_scale, g_down, f, block))
+        s13 = self.w13_scale
+        if self.w13.shape[1] != 2 * i:  # one projection (non-gated, ReLU^2): W13 has I rows
+            one = s13[:, 0] if per_proj else s13
+            return [("w13", QuantizedTensor(self.w13, one, None if g13 is None else g13[:, 0], f, block)), down]
+        g_gate, g_up = (None, None) if g13 is None else (g13[:, 0], g13[:, 1])
         if per_proj:
-            s = self.w13_scale
             return [
-                ("gate", QuantizedTensor(self.w13[:, :i], s[:, 0], None, f, block)),
-                ("up", QuantizedTensor(self.w13[:, i:], s[:, 1], None, f, block)),
-                ("down", QuantizedTensor(self.w2, self.w2_scale, None, f, block)),
+                ("gate", QuantizedTensor(self.w13[:, :i], s13[:, 0], None, f, block)),
+                ("up", QuantizedTensor(self.w13[:, i:], s13[:, 1], None, f, block)),
+                down,
             ]
-        half = self.w13_scale.shape[1] // 2
+        half = s13.shape[1] // 2
         return [
-            ("gate", QuantizedTensor(self.w13[:, :i], self.w13_scale[:, :half], g_gate, f, block)),
-            ("up", QuantizedTensor(self.w13[:, i:], self.w13_scale[:, half:], g_up, f, block)),
-            ("down", QuantizedTensor(self.w2, self.w2_scale, g_down, f, block)),
+            ("gate", QuantizedTensor(self.w13[:, :i], s13[:, :half], g_gate, f, block)),
+            ("up", QuantizedTensor(self.w13[:, i:], s13[:, half:], g_up, f, block)),
+            down,
         ]
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,9 +176,8 @@ class MoELayer:
                     fix="inspect and restore work; compare its bytes instead of values",
                 )
             return self.w13.float(), self.w2.float()
-        if "w13" in parts:
-            return parts["w13"], parts["w2"]
-        return torch.cat([parts["gate"], parts["up"]], dim=1), parts["down"]
+        w13 = parts["w13"] if "w13" in parts else torch.cat([parts["gate"], parts["up"]], dim=1)
+        return w13, parts["down"] if "down" in parts else parts["w2"]
 
 
 # ============================================================================ the checkpoint
