@@ -142,3 +142,16 @@ def test_the_figure_of_a_state_does_not_depend_on_the_path_taken_to_it(kind):
         walked.side.value = "kernel"
     assert walked.state["expert"] == direct.state["expert"] == 2 and not is_error(walked)
     assert normal(walked.svg) == normal(direct.svg)
+    walked.expert.value = 0  # back to an expert whose layer is kept: the kept layer is the same drawing
+    walked.expert.value = 2
+    assert normal(walked.svg) == normal(direct.svg)
+    fresh = make()  # the state drawn first by a figure that never showed another one
+    fresh._busy = True
+    fresh.expert.value = 2
+    if kind == "rows":
+        fresh.start.value = 64
+    fresh._busy = False
+    for kept in (fresh._drawn, fresh._layers, getattr(fresh, "_static", {})):
+        kept.clear()
+    fresh.refresh()
+    assert fresh.state["expert"] == 2 and normal(fresh.svg) == normal(direct.svg)

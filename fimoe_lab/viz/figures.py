@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import re
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, TypeVar
 
@@ -202,6 +204,8 @@ def panel_row(
     for left, w, right, bar in panels:
         ax = fig.add_axes(((x + left) / width, y, w / width, h))
         cax = fig.add_axes(((x + left + w + 0.08) / width, y, 0.12 / width, h)) if bar else None
+        for a in (ax, cax) if cax is not None else (ax,):  # titles at y = 1: no tick-label bboxes per render
+            a.set_title("", y=1.0)  # (where matplotlib's automatic placement puts them: no axes has top labels)
         out.append((ax, cax))
         x += left + w + right
     return fig, out
@@ -358,7 +362,11 @@ def row_permutation_figure(
     for spine in ("left", "right", "top"):
         ax_lines.spines[spine].set_visible(False)
     if flow.out_rows > MAX_POINTS:  # the all-rows image: checkpoint row 0 at the bottom, as in the scatter
+        ax_all.set_xlim(-0.5, flow.out_rows - 0.5)
         ax_all.set_ylim(-0.5, flow.in_rows - 0.5)
+    else:  # fixed limits: the window's shading (drawn later, moved) must not widen them (path-independent)
+        ax_all.set_xlim(-0.5 - 0.05 * flow.out_rows, flow.out_rows - 0.5 + 0.05 * flow.out_rows)
+        ax_all.set_ylim(-0.06 * flow.in_rows, flow.in_rows - 0.5 + 0.05 * flow.in_rows)
     ax_all.set_xlabel("kernel row")
     ax_all.set_ylabel("checkpoint row (grey squares: padding)")
     ax_all.set_title(f"all rows (shaded: the window; {int((flow.src_rows < 0).sum())} padding rows)")
@@ -815,32 +823,115 @@ def provenance_figure(
     dequantized magnitudes) with the source marked; right: the same values moved
     through ``m`` (the kernel layout, :func:`data.display_2d`) with the chosen element ``coords`` (in ``m.out_shape`` elements) marked.
     NaN/Inf and ``dead`` scales (bool like ``before``) are marked on both. The step chain
-    is printed below.
+    is printed below. The expert's part (:func:`provenance_layer`) is drawn by
+    :func:`show_provenance_values`, the element's by :func:`show_provenance_element`: an
+    explorer moves both in place.
     """
-    chain = data.provenance_rows(m, tuple(coords), itemsize)
-    after2 = data.display_2d(data.memo(data.gather_values, m, before, itemsize))
-    out_shape = m.out_shape[:-1] + (m.out_shape[-1] // itemsize,)
-    flat = int(np.ravel_multi_index(tuple(coords), out_shape))
-    ar, ac = divmod(flat, after2.shape[1])
+    fig = _provenance_base(m, tuple(before.shape), itemsize)
+    show_provenance_values(fig, before, dead)
+    show_provenance_element(fig, coords)
+    return fig
+
+
+def _provenance_base(m: IndexMap, before_shape: tuple[int, ...], itemsize: int) -> Figure:
+    """The part of :func:`provenance_figure` that depends only on ``m`` and the shapes: axes,
+    titles, colourbars (their scale set per expert), the markers and the chain text."""
+    out = m.out_shape[:-1] + (m.out_shape[-1] // itemsize,)
+    after_shape = (math.prod(out[:-1]), out[-1])
     fig, ((ax_b, cax_b), (ax_a, cax_a)) = panel_row(
         [(0.8, 4.4, 1.0, True), (0.8, 4.4, 1.0, True)], 6.8, top=0.4, bottom=2.1
     )
+    scale = ScalarMappable(Normalize(0, 1), _cmap(MAGNITUDE_CMAP))
+    for ax, cax, what, shape in ((ax_b, cax_b, "checkpoint", before_shape), (ax_a, cax_a, "kernel", after_shape)):
+        fig.colorbar(scale, cax=cax, label="|value| (dequantized)")
+        ax.set_xlim(-0.5, shape[1] - 0.5)
+        ax.set_ylim(shape[0] - 0.5, -0.5)
+        ax.set_title(f"{what} layout {tuple(shape)} elements", loc="left")
+    markers = [ax_b.plot(np.nan, np.nan, **MARKER)[0], ax_a.plot(np.nan, np.nan, **MARKER)[0]]
+    chain = fig.text(0.01, 1.35 / 6.8, " ", family="monospace", fontsize=MIN_FONT, va="top")
+    fig._fimoe_prov = dict(  # type: ignore[attr-defined]
+        m=m,
+        itemsize=itemsize,
+        axes=(ax_b, ax_a),
+        caxes=(cax_b, cax_a),
+        scale=scale,
+        markers=markers,
+        chain=chain,
+        drawn=[],
+        notes=[],
+        values=None,
+        after=None,
+        out=out,
+        gathered=OrderedDict(),
+    )
+    return fig
+
+
+GATHERED_KEPT = 2
+"""Experts whose kernel-layout values a :func:`provenance_figure` keeps (one R1 w13 expert: ~60 MB)."""
+
+
+@styled
+def show_provenance_values(fig: Figure, before: np.ndarray, dead: Optional[np.ndarray] = None) -> None:
+    """Give a :func:`provenance_figure` another expert's ``before`` values (same shape) and ``dead``
+    in place: both heatmaps, their flag legends and notes, and the colour scale (the expert's)."""
+    s = fig._fimoe_prov  # type: ignore[attr-defined]
+    m, itemsize = s["m"], s["itemsize"]
+    for artist in s["drawn"]:
+        artist.remove()
+    kept = s["gathered"]  # the last experts' kernel-layout values: going back to one gathers nothing
+    key = (id(before), id(dead))
+    if key not in kept:
+        after = data.display_2d(data.gather_values(m, before, itemsize))
+        kept[key] = (before, dead, after, None if dead is None else data.gather_mask(m, dead, itemsize))
+        while len(kept) > GATHERED_KEPT:
+            kept.popitem(last=False)
+    kept.move_to_end(key)
+    after2, dead_after = kept[key][2:]
     vmax = data.memo(_finite_max, before)
-    value_image(fig, ax_b, cax_b, before, "|value| (dequantized)", None, dead, vmax)
-    ax_b.set_title(f"checkpoint layout {before.shape} elements", loc="left")
-    source = chain[-1][2]
-    ax_b.plot(*(source[::-1] if source is not None else (np.nan, np.nan)), **MARKER)
+    s["scale"].set_clim(0, vmax)
     pad = data.memo(data.fill_mask, m, itemsize)
-    dead_after = None if dead is None else data.memo(data.gather_mask, m, dead, itemsize)
-    value_image(fig, ax_a, cax_a, after2, "|value| (dequantized)", pad, dead_after, vmax)
-    ax_a.plot(ac, ar, **MARKER)
-    ax_a.set_title(f"kernel layout {after2.shape} elements", loc="left")
+    ax_b, ax_a = s["axes"]
+    drawn, notes = [], []
+    for ax, v, p, d in ((ax_b, before, None, dead), (ax_a, after2, pad, dead_after)):
+        _, artists, note = value_layer(ax, v, p, d, vmax)
+        drawn += artists
+        notes.append(note)
+    s.update(drawn=drawn, notes=notes, values=before, after=after2)
     fig._fimoe_cells = {  # type: ignore[attr-defined]
         id(ax_b): [data.Cells("checkpoint", m, itemsize, before.shape, values=before)],
         id(ax_a): [data.Cells("kernel", m, itemsize, after2.shape, values=after2)],
     }
-    fig.text(0.01, 1.35 / 6.8, chain_text(chain), family="monospace", fontsize=MIN_FONT, va="top")
-    return fig
+
+
+def provenance_layer(fig: Figure) -> list[Artist]:
+    """The artists of a :func:`provenance_figure` that :func:`show_provenance_values` changes
+    (images, flag legends, notes, colourbars): an explorer renders them per expert."""
+    s = fig._fimoe_prov  # type: ignore[attr-defined]
+    return [*s["drawn"], *s["notes"], *s["caxes"]]
+
+
+def provenance_element(fig: Figure) -> list[Artist]:
+    """The artists of a :func:`provenance_figure` that :func:`show_provenance_element` moves (markers, chain)."""
+    s = fig._fimoe_prov  # type: ignore[attr-defined]
+    return [*s["markers"], s["chain"]]
+
+
+def show_provenance_element(fig: Figure, coords: Sequence[int]) -> list:
+    """Mark kernel element ``coords`` (in ``m.out_shape`` elements) and its source on a
+    :func:`provenance_figure` and print its chain of steps; returns the chain
+    (:func:`data.provenance_rows`)."""
+    s = fig._fimoe_prov  # type: ignore[attr-defined]
+    chain = data.provenance_rows(s["m"], tuple(coords), s["itemsize"])
+    flat = int(np.ravel_multi_index(tuple(coords), s["out"]))
+    ar, ac = divmod(flat, s["after"].shape[1])
+    source = chain[-1][2]
+    points = [(source[-1], source[0]) if source is not None else (np.nan, np.nan), (ac, ar)]
+    for line, (x, y) in zip(s["markers"], points):
+        line.set_data([x], [y])
+    s["chain"].set_text(chain_text(chain))
+    s["points"] = points
+    return chain
 
 
 def chain_text(chain: list) -> str:

@@ -698,7 +698,7 @@ class ProvenanceExplorer(_LayerExplorer):
     """Type or click an element (:meth:`click`: a cell of either heatmap): on the kernel side (row, column of the drawn kernel layout) its source
     (expert, row, column) and the chain of steps; on the checkpoint side where it lands.
     Before/after heatmaps of the expert's values, NaN/Inf/dead scales marked. The heatmaps
-    are drawn once per (layer, backend, tensor, expert); a new element only moves the two
+    are drawn once per (layer, backend, tensor) and their values layer once per expert; a new element only moves the two
     markers (:func:`figures.marker_svg`) and rewrites the chain, so it costs no rendering."""
 
     CACHE = 0  # the figure is shared between elements (its markers move): nothing to keep per setting
@@ -707,7 +707,7 @@ class ProvenanceExplorer(_LayerExplorer):
         self.pick = _dropdown("element of", ("kernel", "checkpoint"))
         self.row = _int_box("row", 0, "160px")
         self.col = _int_box("column", 0, "160px")
-        self._static: OrderedDict = OrderedDict()  # static key -> (figure, SVG, markers, chain label), LAYERED kept
+        self._static: OrderedDict = OrderedDict()  # static key -> (figure, base SVG, {expert: layer SVG}), LAYERED kept
         super().__init__(layer, [self.pick, self.row, self.col], **kwargs)
 
     def _show_trace(self, trace: data.Trace, part: int) -> None:
@@ -746,30 +746,13 @@ class ProvenanceExplorer(_LayerExplorer):
                 raise LayoutError(f"checkpoint element ({r}, {c}) does not reach the kernel layout", fix="pick another")
             flat = int(np.ravel_multi_index(landed, out))
         coords = tuple(int(v) for v in np.unravel_index(flat, out))
-        chain = data.provenance_rows(m, coords, size)
+        fig, svg = self._heatmaps(m, name, expert, size, before)
+        chain = figures.show_provenance_element(fig, coords)
         self.state.update(coords=coords, chain=chain, pick=self.pick.value)
         src = chain[-1][2]
         where = "padding" if src is None else f"expert {expert}, row {src[0]}, column {src[-1]}"
-        static = (id(self.layer), id(m), self.backend.value, name, expert)
-        if static not in self._static:
-            # draw the heatmaps once per (layer, plan, tensor, expert); an element change only moves the markers
-            fig = figures.provenance_figure(m, coords, before, size, dead=self.layer.dead(name, expert))
-            markers = [ax.lines[0] for ax in (fig.axes[0], fig.axes[2])]
-            chain_label = fig.texts[-1]
-            for artist in markers + [chain_label]:
-                artist.set_visible(False)
-            self._static[static] = (fig, figures.to_svg(fig), markers, chain_label)
-            while len(self._static) > self.LAYERED:
-                self._static.popitem(last=False)
-        self._static.move_to_end(static)
-        fig, svg, markers, chain_label = self._static[static]
-        ar, ac = divmod(flat, cols)
-        points = [(src[-1], src[0]) if src is not None else (np.nan, np.nan), (ac, ar)]
-        for line, (x, y) in zip(markers, points):
-            line.set_data([x], [y])
-            line.set_visible(True)
-        chain_label.set_text(figures.chain_text(chain))
-        chain_label.set_visible(True)
+        markers = figures.provenance_element(fig)[:2]
+        points = fig._fimoe_prov["points"]
         circles = "".join(figures.marker_svg(line.axes, x, y) for line, (x, y) in zip(markers, points))
         chain_html = f"<pre style='font-size:11px;margin:0'>{html.escape(figures.chain_text(chain))}</pre>"
         note = f"kernel {coords} <- {where}" + "".join(f"; {n}" for n in clamped)
@@ -777,6 +760,32 @@ class ProvenanceExplorer(_LayerExplorer):
         if bits is not None and size == 1:  # the kernel byte after the word bit step: where each bit comes from
             note += "; " + data.bits_text(data.word_bit_sources(m, bits, flat)) + self._bits_note()
         return fig, note, svg.replace("</svg>", circles + "</svg>") + chain_html
+
+    EXPERTS_KEPT = 8
+    """Expert layers kept per heatmap figure (going back to an expert costs no rendering)."""
+
+    def _heatmaps(self, m, name: str, expert: int, size: int, before: np.ndarray) -> tuple[Figure, str]:
+        """The heatmap figure of ``(layer, plan, tensor)`` showing ``expert`` and its SVG (markers
+        and chain hidden: they are drawn over it). The axes and titles are rendered once per
+        tensor (:func:`figures.svg_without`); an expert change renders only the expert's layer
+        (:func:`figures.provenance_layer`, :func:`figures.svg_only`), kept per expert."""
+        static = (id(self.layer), id(m), self.backend.value, name)
+        if static not in self._static:
+            fig = figures.provenance_figure(m, (0,) * len(m.out_shape), before, size, self.layer.dead(name, expert))
+            every = figures.provenance_layer(fig) + figures.provenance_element(fig)
+            self._static[static] = (fig, figures.svg_without(fig, every), OrderedDict())
+            while len(self._static) > self.LAYERED:
+                self._static.popitem(last=False)
+        self._static.move_to_end(static)
+        fig, base, layers = self._static[static]
+        if fig._fimoe_prov["values"] is not before:
+            figures.show_provenance_values(fig, before, self.layer.dead(name, expert))
+        if expert not in layers:  # svg_only draws the expert's layer alone (no markers, no chain)
+            layers[expert] = figures.svg_only(fig, figures.provenance_layer(fig))
+            while len(layers) > self.EXPERTS_KEPT:
+                layers.popitem(last=False)
+        layers.move_to_end(expert)
+        return fig, figures.stack_svg(base, layers[expert])
 
     def code(self) -> str:
         s = self.state
