@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 import torch
@@ -56,3 +58,17 @@ def all_tensors(*paths: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(f), framework="pt") as h:
             out.update({k: h.get_tensor(k) for k in h.keys()})
     return out
+
+
+def rewrite_metadata(src: Path, dst: Path, edit) -> Path:
+    """A copy of kernel file ``src`` at ``dst`` whose ``fimoe_lab`` metadata JSON went through ``edit(meta)``."""
+    raw = src.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    meta = json.loads(header["__metadata__"]["fimoe_lab"])
+    edit(meta)
+    header["__metadata__"]["fimoe_lab"] = json.dumps(meta)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+    return dst

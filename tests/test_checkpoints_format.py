@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import all_tensors, same_tensor
+from helpers import all_tensors, rewrite_metadata, same_tensor
 from safetensors.torch import save_file
 
 from fimoe_lab import recipes, steps
@@ -54,20 +53,6 @@ def rank_slice(name: str, t: torch.Tensor, lo: int, hi: int, v: int) -> torch.Te
         return t[lo:hi]
     per_column = {"weight": v, "weight_scale": 16}[suffix]  # down: columns (packed bytes, or per-16 scales)
     return t[:, lo // per_column : hi // per_column]
-
-
-def rewrite_metadata(src: Path, dst: Path, edit) -> Path:
-    """A copy of kernel file ``src`` at ``dst`` whose ``fimoe_lab`` metadata JSON went through ``edit(meta)``."""
-    raw = src.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    meta = json.loads(header["__metadata__"]["fimoe_lab"])
-    edit(meta)
-    header["__metadata__"]["fimoe_lab"] = json.dumps(meta)
-    new = json.dumps(header).encode()
-    new += b" " * (-len(new) % 8)
-    dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
-    return dst
 
 
 # ---------------------------------------------------------------------------- version 1 still restores

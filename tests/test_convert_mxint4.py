@@ -13,14 +13,13 @@ the checkpoint bytes back; CUTLASS stays refused, naming the missing piece.
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import all_tensors, same_tensor
+from helpers import all_tensors, rewrite_metadata, same_tensor
 from safetensors.torch import load_file, save_file
 
 from fimoe_lab.checkpoints import (
@@ -195,23 +194,12 @@ def test_inspect_shows_the_mxint4_layout(samples):
         assert conventions.MISSING_LAYOUT["int4-group"]["cutlass"] in rep.tp[tp]["cutlass"]
 
 
-def _edit_meta(src: Path, dst: Path, edit) -> Path:
-    raw = src.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    meta = json.loads(header["__metadata__"]["fimoe_lab"])
-    edit(meta)
-    header["__metadata__"]["fimoe_lab"] = json.dumps(meta)
-    new = json.dumps(header).encode()
-    new += b" " * (-len(new) % 8)
-    dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
-    return dst
-
-
 @pytest.mark.parametrize("value", ["nvfp4", 7, None])
 def test_restore_refuses_an_edited_checkpoint_format(samples, tmp_path, value):
     kernel = convert_checkpoint(samples["random"], tmp_path / "k.safetensors", "trtllm")
-    bad = _edit_meta(kernel, tmp_path / "bad.safetensors", lambda m: m["layers"]["1"].update(checkpoint_format=value))
+    bad = rewrite_metadata(
+        kernel, tmp_path / "bad.safetensors", lambda m: m["layers"]["1"].update(checkpoint_format=value)
+    )
     with pytest.raises(CheckpointError, match="is not laid out as 'mxint4'"):
         restore_checkpoint(bad, tmp_path / "back")
     assert not (tmp_path / "back").exists()

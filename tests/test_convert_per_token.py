@@ -12,14 +12,12 @@ and 2, and an in-memory non-gated layer of random or coordinate-coded bytes.
 
 from __future__ import annotations
 
-import json
 import socket
-import struct
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import all_tensors, coords, random_bytes, same_bytes, same_tensor
+from helpers import all_tensors, coords, random_bytes, rewrite_metadata, same_bytes, same_tensor
 from safetensors.torch import load_file
 
 from fimoe_lab import recipes
@@ -145,34 +143,21 @@ def test_non_gated_trtllm_pads_hidden_to_512_per_token_and_restores(tmp_path, ki
         assert same_tensor(getattr(back[0], n), t), n
 
 
-def _edit_meta(src: Path, dst: Path, edit) -> Path:
-    raw = src.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    meta = json.loads(header["__metadata__"]["fimoe_lab"])
-    edit(meta)
-    header["__metadata__"]["fimoe_lab"] = json.dumps(meta)
-    new = json.dumps(header).encode()
-    new += b" " * (-len(new) % 8)
-    dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
-    return dst
-
-
 def test_a_file_without_the_field_reads_as_not_per_token(tmp_path):
     layer = non_gated_layer("random")
     plain = write_kernel_layout(tmp_path / "plain.safetensors", [(0, layer, lambda: layer)], "trtllm")
     assert read_kernel_metadata(plain)["layers"]["0"]["plan"]["args"]["per_token_activation"] is False
     drop = lambda m: m["layers"]["0"]["plan"]["args"].pop("per_token_activation")  # noqa: E731
-    old = _edit_meta(plain, tmp_path / "old.safetensors", drop)  # as written before the field existed
+    old = rewrite_metadata(plain, tmp_path / "old.safetensors", drop)  # as written before the field existed
     _, (back,) = restore_layers(old)
     assert same_tensor(back.w13, layer.w13) and same_tensor(back.w2_scale, layer.w2_scale)
     # a per-token file read as not per-token no longer matches its recorded steps: the field is read
     per_token = write_kernel_layout(tmp_path / "pt.safetensors", [(0, layer, lambda: layer)], "trtllm", per_token=True)
     with pytest.raises(CheckpointError, match="does not build from the same arguments"):
-        restore_layers(_edit_meta(per_token, tmp_path / "pt-old.safetensors", drop))
+        restore_layers(rewrite_metadata(per_token, tmp_path / "pt-old.safetensors", drop))
     flip = lambda m: m["layers"]["0"]["plan"]["args"].update(per_token_activation="yes")  # noqa: E731
     with pytest.raises(CheckpointError, match="per_token_activation 'yes' in the plan record is not true or false"):
-        restore_layers(_edit_meta(per_token, tmp_path / "pt-bad.safetensors", flip))
+        restore_layers(rewrite_metadata(per_token, tmp_path / "pt-bad.safetensors", flip))
 
 
 @pytest.mark.parametrize("family,fmt", [("olmoe", "bf16"), ("kimi-k2-thinking-int4", "int4-group")])

@@ -10,8 +10,7 @@ import json
 
 import pytest
 import torch
-from helpers import all_tensors, random_bytes, same_tensor
-from test_checkpoints_format import rewrite_metadata
+from helpers import all_tensors, random_bytes, rewrite_metadata, same_tensor
 from test_sm90_mixed import engine_reference, kernel_file_tensors
 
 from fimoe_lab import recipes, steps
