@@ -29,25 +29,26 @@ __all__ = ["GoldenResult", "default_golden_paths", "load_cases", "run_case"]
 
 
 def default_golden_paths() -> list[Path]:
-    """Golden sets (their ``.json``): ``$FIMOE_GOLDENS`` (file or folder), else ``shared/goldens`` beside the checkout.
+    """Golden sets (their ``.json``): ``$FIMOE_GOLDENS`` (file or folder), else ``shared/goldens`` beside the
+    checkout, plus the sets this project recorded itself on a GPU (``goldens/`` at the checkout root).
 
     In a folder, every ``*.json`` with a ``.safetensors`` of the same name beside it.
     """
     env = os.environ.get("FIMOE_GOLDENS")
+    here = Path(__file__).resolve().parent.parent
     if env:
-        roots = [Path(env)]
-    else:
-        here = Path(__file__).resolve().parent.parent
-        roots = [here.parent / "shared" / "goldens", here / "shared" / "goldens"]
-    found: list[Path] = []
-    for root in roots:
-        if root.is_file():
-            found.append(root)
-        elif root.is_dir():
-            found.extend(p for p in sorted(root.glob("*.json")) if p.with_suffix(".safetensors").is_file())
-        if found:
-            break
-    return found
+        return _golden_files(Path(env))
+    shared = _golden_files(here.parent / "shared" / "goldens") or _golden_files(here / "shared" / "goldens")
+    return shared + _golden_files(here / "goldens")
+
+
+def _golden_files(root: Path) -> list[Path]:
+    """``root`` itself (a file), or its ``*.json`` that have a ``.safetensors`` beside them (a folder)."""
+    if root.is_file():
+        return [root]
+    if root.is_dir():
+        return [p for p in sorted(root.glob("*.json")) if p.with_suffix(".safetensors").is_file()]
+    return []
 
 
 def _resolve(value: Any, tensors: Any) -> Any:
