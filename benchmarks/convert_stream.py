@@ -9,7 +9,8 @@ layer; the defaults give 4 x 0.70 GB = 2.8 GB), then, each in a child process of
 
 - ``cp``: ``cp --reflink=never`` of the source shards, then ``sync`` of the copies (convert and
   restore fsync what they write, so the copy is fsynced too), and ``cp`` alone;
-- ``convert``: ``convert_checkpoint`` into a sharded directory, once per ``--device`` (a comma
+- ``convert``: ``convert_checkpoint`` into a sharded directory (after the device's start and the
+  kernels' load, timed apart as ``startup_s``), once per ``--device`` (a comma
   list: ``cpu,cuda`` converts on both, and the two outputs must be byte-identical); with
   ``--lanes 1,2``, once per number of writer threads (``FIMOE_WRITE_LANES``) too, outputs
   again byte-identical;
@@ -115,9 +116,25 @@ def generate(out: Path, layers: int, experts: int) -> int:
 
 # ============================================================================ the child processes
 def child(args: argparse.Namespace) -> None:
-    """One measured run: prints ``{"seconds", "vm_hwm", "anon_peak", "anon_base"}`` as JSON."""
+    """One measured run: prints ``{"seconds", "startup_s", "vm_hwm", "anon_peak", "anon_base"}`` as JSON.
+
+    A convert first starts its device and loads the kernels it will run (``fimoe_lab.warmup``, as a
+    long run pays once): ``startup_s``; ``seconds`` is the convert itself."""
     from fimoe_lab.checkpoints import convert_checkpoint, restore_checkpoint
 
+    startup = time.perf_counter()
+    if args.child == "convert":  # the device's start and the kernels' load, once per process: timed apart
+        from fimoe_lab.warmup import warmup
+
+        warmup(
+            formats=["fp8-block"],
+            backends=[args.backend],
+            devices=[args.device],
+            hidden=HIDDEN,
+            intermediate=INTERMEDIATE,
+            experts=1,
+        )
+    startup = time.perf_counter() - startup
     base = _status("RssAnon")
     peak = AnonPeak()
     start = time.perf_counter()
@@ -129,7 +146,8 @@ def child(args: argparse.Namespace) -> None:
         restore_checkpoint(args.src, args.dst, shard_size=args.shard_size)
     seconds = time.perf_counter() - start
     anon = peak.stop()
-    print(json.dumps({"seconds": seconds, "vm_hwm": _status("VmHWM"), "anon_peak": anon, "anon_base": base}))
+    out = {"seconds": seconds, "startup_s": startup, "vm_hwm": _status("VmHWM"), "anon_peak": anon, "anon_base": base}
+    print(json.dumps(out))
 
 
 def run_child(kind: str, src: Path, dst: Path, a: argparse.Namespace, device: str, lanes: str = "") -> dict:
@@ -250,6 +268,7 @@ def main() -> int:
         for r in (*converts.values(), rest):
             r["gb_per_s"] = total / r["seconds"] / 1e9
             r["of_cp"] = cp_sync / r["seconds"]
+            r["of_cp_with_startup"] = cp_sync / (r["seconds"] + r["startup_s"])
             r["anon_over_layer"] = (r["anon_peak"] - r["anon_base"]) / layer_bytes
             r["hwm_over_layer"] = r["vm_hwm"] / layer_bytes
         print(table(results))
@@ -271,7 +290,8 @@ def table(r: dict) -> str:
         f"checkpoint: {c['layers']} layers x {c['experts']} experts, hidden {c['hidden']}, MoE intermediate "
         f"{c['moe_intermediate']}, FP8 block: {gb:.2f} GB ({layer:.2f} GB per layer); {r['backend']}, "
         f"{r['cpus']} CPUs",
-        f"{'step':<14} {'s':>7} {'GB/s':>6} {'x cp':>6} {'anon peak-base GB':>18} {'/layer':>7} {'VmHWM GB':>9}",
+        f"{'step':<14} {'s':>7} {'GB/s':>6} {'x cp':>6} {'anon peak-base GB':>18} {'/layer':>7} {'VmHWM GB':>9} "
+        f"{'start s':>8}",
         f"{'cp+sync':<14} {r['cp_s']:>7.2f} {gb / r['cp_s']:>6.2f} {1:>6.2f}",
         f"{'cp':<14} {r['cp_nosync_s']:>7.2f} {gb / r['cp_nosync_s']:>6.2f} {r['cp_s'] / r['cp_nosync_s']:>6.2f}",
     ]
@@ -279,7 +299,8 @@ def table(r: dict) -> str:
     for step, x in steps:
         lines.append(
             f"{step:<14} {x['seconds']:>7.2f} {x['gb_per_s']:>6.2f} {x['of_cp']:>6.2f} "
-            f"{(x['anon_peak'] - x['anon_base']) / 1e9:>18.2f} {x['anon_over_layer']:>7.2f} {x['vm_hwm'] / 1e9:>9.2f}"
+            f"{(x['anon_peak'] - x['anon_base']) / 1e9:>18.2f} {x['anon_over_layer']:>7.2f} {x['vm_hwm'] / 1e9:>9.2f} "
+            f"{x['startup_s']:>8.2f}"
         )
     if len(r["convert"]) > 1:
         lines.append(f"kernel outputs of {', '.join(r['convert'])} byte-identical: {r['kernel_outputs_identical']}")

@@ -271,3 +271,30 @@ def test_mxint4_layout_equals_flashinfer_074_steps(tmp_path):
 def test_this_environment_is_not_the_oracle():
     """The main environment must not be 0.7.4 itself (else these tests compare a thing with itself)."""
     assert sys.executable != str(FI074)
+
+
+
+BLOCK_SCALE_INTERLEAVE_SOURCE = (
+    ("cpp/kernels/quantization.cu", "__global__ void block_scale_interleave_kernel("),
+    ("tensorrt_llm/kernels/quantization_utils.cuh", "int64_t get_sf_out_offset_128x4(int batchIdx,"),
+    ("tensorrt_llm/thop/fp4Op.cpp", "void BlockScaleInterleave(TensorView"),
+)
+"""FlashInfer's ``block_scale_interleave`` op: its kernel, the offset it writes to, and its binding (file under
+``flashinfer/data/csrc/nv_internal``, the start of the function)."""
+
+
+def _function_text(site: Path, path: str, start: str) -> str:
+    """The text of a C++ function in FlashInfer's sources under ``site``: from ``start`` to the first lone ``}``."""
+    src = (site / "flashinfer/data/csrc/nv_internal" / path).read_text()
+    i = src.index(start)
+    return src[i : src.index("\n}\n", i)]
+
+
+def test_block_scale_interleave_source_is_the_0613_one():
+    """FlashInfer's CUDA-only ``block_scale_interleave`` has no CPU path to compare with; its H200 goldens
+    (``shared/goldens``) were recorded with 0.6.13. Its kernel, offset function and binding are the same text
+    in 0.7.4, so those goldens hold for the 0.7.x profiles too."""
+    sites = [next((Path(p).parents[1] / "lib").glob("python3*/site-packages")) for p in (sys.executable, FI074)]
+    for path, start in BLOCK_SCALE_INTERLEAVE_SOURCE:
+        old, new = (_function_text(site, path, start) for site in sites)
+        assert len(old) > 300 and old == new, path

@@ -18,6 +18,49 @@ from fimoe_lab.prepare import plan_layer
 pytestmark = pytest.mark.gpu
 
 GPU_BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
+if "triton" in GPU_BACKENDS and torch.cuda.is_available():
+    kernels.load_executor("triton")  # default calls below run on Triton, not on its stand-in while it loads
+
+STAND_IN_CHILD = """
+import json, torch
+from fimoe_lab import kernels
+from fimoe_lab.prepare import plan_layer
+m = plan_layer("fp8", "trtllm", 256, 2048).w13
+x = torch.randint(0, 256, (4, m.in_bytes), dtype=torch.uint8, device="cuda")
+first = kernels.get_executor(None, "cuda", 1 << 30).name
+y = x.clone()
+kernels.execute_in_place(m.compiled(), y)
+want = x.clone()
+kernels.execute_in_place(m.compiled(), want, backend="torch")
+kernels.load_executor("triton")
+after = kernels.get_executor(None, "cuda", 1 << 30).name
+z = x.clone()
+kernels.execute_in_place(m.compiled(), z)
+tuned = kernels.get_executor(None, "cuda", 1 << 30, wait=True).name
+print(json.dumps([first, after, tuned, torch.equal(y, want), torch.equal(z, want), not torch.equal(x, want)]))
+"""
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+@pytest.mark.parametrize("background", ["1", "0"])
+def test_gpu_fresh_process_runs_on_torch_while_triton_loads(background):
+    """A fresh process's first default CUDA call does not wait for Triton's import and cache key: torch
+    stands in (same bytes) while Triton loads on a thread; after ``load_executor`` Triton runs. With
+    ``FIMOE_BACKGROUND_LOAD=0`` the first call loads Triton itself."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FIMOE_BACKGROUND_LOAD": background}
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", STAND_IN_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, after, tuned, same1, same2, moved = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first == ("torch" if background == "1" else "triton")
+    assert after == tuned == "triton" and same1 and same2 and moved
+
 
 CASES = [
     ("fp8", 256, 512, {}),

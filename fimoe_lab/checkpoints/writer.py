@@ -1176,9 +1176,13 @@ class _Back:
         self.out = torch.empty(cspec["shape"], dtype=conventions.SAFETENSORS_DTYPES[cspec["dtype"]])
         self.digest = hashlib.sha256()
 
-    def read(self, e0: int, e1: int, hasher: ThreadPoolExecutor) -> Future:
-        """Experts ``[e0, e1)``: hashed on ``hasher`` (in order) while they are mapped back into ``out``."""
-        x = self.sl[e0:e1].contiguous()
+    def fetch(self, e0: int, e1: int) -> torch.Tensor:
+        """Experts ``[e0, e1)`` as the file holds them (read from the file, nothing mapped)."""
+        return self.sl[e0:e1].contiguous()
+
+    def place(self, e0: int, e1: int, x: torch.Tensor, hasher: ThreadPoolExecutor) -> Future:
+        """Experts ``[e0, e1)`` (``x``, from :meth:`fetch`): hashed on ``hasher`` (in order) while they are mapped
+        back into ``out``."""
         hashed = hasher.submit(self.digest.update, stream.byte_view(x))
         back = x if self.m is None else self.m(x)
         if self.xor:
@@ -1272,11 +1276,17 @@ def _restore_layer(
     )
     per_expert = sum(b.expert_bytes for b in every)
     step = stream.experts_per_chunk(per_expert, per_expert * e_count)
-    with ThreadPoolExecutor(1) as hasher:  # hashes a chunk while the next is mapped back
+    chunks = [(e0, min(e0 + step, e_count)) for e0 in range(0, e_count, step)]
+    fetch = lambda e0, e1: [b.fetch(e0, e1) for b in every]  # noqa: E731
+    # chunk k+1 is read on `reader` while chunk k is mapped back here and hashed on `hasher`
+    with ThreadPoolExecutor(1) as hasher, ThreadPoolExecutor(1, thread_name_prefix="fimoe-lab-reader") as reader:
+        pending = [reader.submit(fetch, *c) for c in chunks[:1]]
         previous: list[Future] = []
-        for e0 in range(0, e_count, step):
-            e1 = min(e0 + step, e_count)
-            hashed = [b.read(e0, e1, hasher) for b in every]
+        for k, (e0, e1) in enumerate(chunks):
+            xs = pending.pop().result()
+            pending += [reader.submit(fetch, *c) for c in chunks[k + 1 : k + 2]]
+            hashed = [b.place(e0, e1, x, hasher) for b, x in zip(every, xs)]
+            del xs
             for h in previous:
                 h.result()
             previous = hashed

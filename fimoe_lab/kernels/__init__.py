@@ -198,7 +198,7 @@ def execute_in_place(
         return
     chunk = _check_in_place(em, x, scratch_experts)
     flat, _ = byte_views(x, x)
-    ex = get_executor(backend, x.device, flat.numel())
+    ex = get_executor(backend, x.device, flat.numel(), wait=bool(config))  # a tuned call runs on its executor
     strategy = ex.strategy(em, (config or {}).get("inplace", "auto"))
     start = 0
     try:

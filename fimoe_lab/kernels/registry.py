@@ -18,7 +18,8 @@ map and prefers it. Implementations load on first call (numba and Triton import 
 when used) and are looked up on every call.
 
 Cold start: an executor with a ``load`` step and a ``stand_in`` (numba: importing numba and
-loading its kernels from the on-disk cache costs about a second) is loaded on a background
+loading its kernels from the on-disk cache costs about a second; Triton: importing it and its
+compiler cache key, ~0.5 s on the H200 host) is loaded on a background
 thread when a default call first picks it; until the load is done, default calls run on the
 stand-in (torch), which gives the same bytes (every executor is bit-exact), so the first
 transform of a fresh process does not wait for the import. :func:`load_executor` loads one
@@ -162,6 +163,10 @@ def _load_numba() -> None:
     _module("numba_gather").preload()
 
 
+def _load_triton() -> None:
+    _module("triton_gather").preload()
+
+
 def _cycles_numba(em, flat, scratch_experts, config):
     return _module("numba_gather").inplace_cycles_numba(em, flat, scratch_experts)
 
@@ -193,6 +198,8 @@ EXECUTORS: dict[str, Executor] = {
                 InPlace("cycles", _cycles_triton),
                 _copy_then_gather(_gather_triton),
             ),
+            load=_load_triton,
+            stand_in="torch",
         ),
         Executor(
             "numba",
@@ -228,10 +235,15 @@ def _pick(kind: str, out_bytes: int) -> str:
     return next(e.name for e in EXECUTORS.values() if e.preferred(kind, out_bytes))
 
 
-def get_executor(name: Optional[str], device: torch.device | str, out_bytes: int) -> Executor:
-    """Executor ``name`` (None: :func:`pick_backend`, or its stand-in while it loads), checked to run on ``device``."""
+def get_executor(name: Optional[str], device: torch.device | str, out_bytes: int, wait: bool = False) -> Executor:
+    """Executor ``name`` (None: :func:`pick_backend`, or its stand-in while it loads; with ``wait``, loaded
+    now: a call that tunes the executor's own strategies), checked to run on ``device``."""
     if name is None:
-        return _loaded_or_stand_in(EXECUTORS[pick_backend(device, out_bytes)])
+        ex = EXECUTORS[pick_backend(device, out_bytes)]
+        if wait:
+            load_executor(ex.name)
+            return ex
+        return _loaded_or_stand_in(ex)
     if name not in EXECUTORS:
         raise FormatError(f"unknown executor backend {name!r}", fix=f"choose one of {', '.join(EXECUTORS)}")
     ex = EXECUTORS[name]
