@@ -66,7 +66,7 @@ def test_chunked_conversion_gives_the_whole_layer_bytes(sample, backend, monkeyp
         layer = ck.read_layer(ck.moe_layers[-1])
     align = 64 if sample == "deepseek-r1-nvfp4" and backend == "trtllm" else None
     whole, _, _ = convert_layer(layer, backend, align)
-    chunks = list(writer._converted_chunks(layer, backend, align, None, None, torch.device("cpu")))
+    chunks = list(writer._converted_chunks(layer, writer.LayoutChoice(backend, align), torch.device("cpu")))
     assert len(chunks) == layer.num_experts > 1
     for name, t in whole.items():
         assert same_tensor(torch.cat([c[name] for c in chunks]), t), name

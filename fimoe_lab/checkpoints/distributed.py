@@ -204,13 +204,7 @@ def convert_distributed(
     ranks = writer._ranks(tp_size, tp_rank, False)
     writer.moe_tp_size(tp_size, ep_size)
     dirs = {r: out / f"rank-{r}" if tp_rank == "all" else out for r in ranks}
-    how: dict[str, Any] = {
-        "intermediate_alignment": intermediate_alignment,
-        "hidden_alignment": hidden_alignment,
-        "engine": engine,
-        "per_token": per_token,
-        "activation_dtype": activation_dtype,
-    }
+    choice = writer.LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
     writer._device(device)
     with ExitStack() as stack:
         rank, world, device = stack.enter_context(process_group(device))
@@ -226,9 +220,7 @@ def convert_distributed(
             parts = {r: writer.rank_part(ck, wanted, about, tp_size, ep_size, r, False) for r in ranks}
             sources = {r: parts[r][0] for r in ranks}
             plans = {
-                r: writer.layout_plan(
-                    sources[r], backend, prefix=ck.prefix, block=ck.convention.block, info=parts[r][1], **how
-                )
+                r: writer.layout_plan(sources[r], choice, prefix=ck.prefix, block=ck.convention.block, info=parts[r][1])
                 for r in ranks
             }
             digest = hashlib.sha256(json.dumps([[str(p[0]), p[1]] for p in plans.values()], default=str).encode())
@@ -271,9 +263,7 @@ def convert_distributed(
             try:
                 for r in ranks:
                     with stream.workers_for(targets[r], hashing=True) as workers:
-                        writer.stream_layers(
-                            targets[r], workers, sources[r], backend, plans[r][1], dev=dev, bar=bar, **how
-                        )
+                        writer.stream_layers(targets[r], workers, sources[r], plans[r][1], choice, dev=dev, bar=bar)
                         targets[r].commit_rest(workers)
             finally:
                 if bar is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -16,7 +16,7 @@ import torch
 from fimoe_lab import recipes
 from fimoe_lab.checkpoints.conventions import MISSING_LAYOUT, dtype_name, stored_format
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
-from fimoe_lab.checkpoints.writer import build_plan, layout_format, plan_args, suggest_alignment
+from fimoe_lab.checkpoints.writer import LayoutChoice, build_plan, layout_format, plan_args, suggest_alignment
 from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.formats.health import TINY_SCALE, decoded_scales
@@ -158,17 +158,11 @@ class BackendNeed:
         return {**doc, "pad_bytes": self.pad_bytes, "text": self.text()}
 
 
-def _plan_facts(
-    layer: MoELayer,
-    backend: str,
-    alignment: Optional[int],
-    engine: str,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
-) -> dict:
+def _plan_facts(layer: MoELayer, choice: LayoutChoice) -> dict:
     """Padded sizes, bytes per expert, per-tensor step chains (word bit steps included) and tactic warnings of the
     plan ``convert`` builds."""
-    record = plan_args(layer, backend, alignment, None, engine, per_token, activation_dtype)
+    backend = choice.backend
+    record = plan_args(layer, **choice.kwargs())
     plan = build_plan(record)
     maps = plan.maps()
     tensors = []
@@ -217,18 +211,19 @@ def backend_need(
     ``activation_dtype``: the kernel's activations (``convert --mxfp4-activation``)."""
     name = get_engine(engine).name
     need = BackendNeed(backend, layer.fmt, "ok", layer.intermediate, layer.hidden, name)
+    choice = LayoutChoice(backend, engine=name, per_token=per_token, activation_dtype=activation_dtype)
     missing = MISSING_LAYOUT.get(layer.fmt, {}).get(backend)
     if missing is not None:
         need.status, need.reason = "no-layout", missing
         return need
     try:
-        facts = _plan_facts(layer, backend, None, name, per_token, activation_dtype)
+        facts = _plan_facts(layer, choice)
     except ValueError as exc:
-        need.reason, need.alignment = _short(exc), suggest_alignment(layer, backend, name, per_token, activation_dtype)
+        need.reason, need.alignment = _short(exc), suggest_alignment(layer, choice)
         if need.alignment is None:
             need.status = "cannot"
             return need
-        need.status, facts = "aligned", _plan_facts(layer, backend, need.alignment, name, per_token, activation_dtype)
+        need.status, facts = "aligned", _plan_facts(layer, replace(choice, intermediate_alignment=need.alignment))
     for key, value in facts.items():
         setattr(need, key, value)
     return need

@@ -45,7 +45,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional
@@ -66,6 +66,7 @@ __all__ = [
     "FORMAT_VERSION",
     "READ_VERSIONS",
     "KERNEL_NAMES",
+    "LayoutChoice",
     "plan_args",
     "build_plan",
     "suggest_alignment",
@@ -96,6 +97,24 @@ KERNEL_NAMES = {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight
 
 
 # ============================================================================ plans
+@dataclass(frozen=True)
+class LayoutChoice:
+    """What a convert asks of every layer's plan, whatever the layer: the kernel ``backend``, the alignments
+    (None: the engine profile's), the ``engine`` profile (None: ``engines.DEFAULT_ENGINE``), ``per_token`` NVFP4
+    activations and the ``activation_dtype`` where a recipe has a layout per dtype. The fields are
+    :func:`plan_args`'s and :func:`convert_layer`'s keyword arguments (``**choice.kwargs()``)."""
+
+    backend: str
+    intermediate_alignment: Optional[int] = None
+    hidden_alignment: Optional[int] = None
+    engine: Optional[str] = None
+    per_token: bool = False
+    activation_dtype: Optional[str] = None
+
+    def kwargs(self) -> dict:
+        return asdict(self)
+
+
 def plan_args(
     layer: MoELayer,
     backend: str,
@@ -243,17 +262,12 @@ def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
 TRY_ALIGNMENTS = (16, 32, 64, 128, 256)
 
 
-def suggest_alignment(
-    layer: MoELayer,
-    backend: str,
-    engine: Optional[str] = None,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
-) -> Optional[int]:
-    """The smallest intermediate alignment in :data:`TRY_ALIGNMENTS` whose plan builds for this layer, or None."""
+def suggest_alignment(layer: MoELayer, choice: LayoutChoice) -> Optional[int]:
+    """The smallest intermediate alignment in :data:`TRY_ALIGNMENTS` whose plan builds for this layer (the rest of
+    ``choice`` kept, the hidden alignment the profile's), or None."""
     for a in TRY_ALIGNMENTS:
         try:
-            build_plan(plan_args(layer, backend, a, None, engine, per_token, activation_dtype))
+            build_plan(plan_args(layer, **replace(choice, intermediate_alignment=a, hidden_alignment=None).kwargs()))
             return a
         except ValueError:
             continue
@@ -344,15 +358,7 @@ def _dtype_shape(dtype: torch.dtype, shape: Sequence[int]) -> dict:
     return {"dtype": dtype_name(dtype), "shape": list(shape)}
 
 
-def _dry_run(
-    layer: MoELayer,
-    backend: str,
-    ia: Optional[int],
-    ha: Optional[int],
-    engine: Optional[str] = None,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
-) -> tuple[dict, LayerPlan, dict]:
+def _dry_run(layer: MoELayer, choice: LayoutChoice) -> tuple[dict, LayerPlan, dict]:
     """Kernel ``(dtype, shape)`` by kernel name of a layer (shapes only; meta tensors allowed), from
     a one-expert conversion; with the plan and its :func:`plan_args` record."""
 
@@ -361,22 +367,14 @@ def _dry_run(
 
     probe = layer.with_tensors(**{n: one_expert(t) for n, t in layer.tensors().items()})
     probe = replace(probe, extras={n: one_expert(t) for n, t in layer.extras.items()})
-    tensors, plan, spec = convert_layer(probe, backend, ia, ha, engine, per_token, activation_dtype)
+    tensors, plan, spec = convert_layer(probe, **choice.kwargs())
     return {n: (t.dtype, (layer.num_experts,) + tuple(t.shape[1:])) for n, t in tensors.items()}, plan, spec
 
 
-def _kernel_specs(
-    layer: MoELayer,
-    backend: str,
-    ia: Optional[int],
-    ha: Optional[int],
-    engine: Optional[str] = None,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
-) -> tuple[dict, dict]:
+def _kernel_specs(layer: MoELayer, choice: LayoutChoice) -> tuple[dict, dict]:
     """Kernel dtypes/shapes of a layer (:func:`_dry_run`) and its metadata record (module docstring;
     ``checkpoint_format`` only where the layer's format is not the recipe's, int4-group for mxint4)."""
-    kernel, plan, spec = _dry_run(layer, backend, ia, ha, engine, per_token, activation_dtype)
+    kernel, plan, spec = _dry_run(layer, choice)
     record = {
         "plan": spec,
         **({"checkpoint_format": layer.fmt} if layer.fmt != spec["args"]["fmt"] else {}),
@@ -450,14 +448,8 @@ def write_kernel_layout(
     single = safe_io.single_output(out, single_file)
     safe_io.check_output(out, [], force or (resume and single), "file" if single else "shards", resume)
     dev = _device(device)
-    how = {
-        "intermediate_alignment": intermediate_alignment,
-        "hidden_alignment": hidden_alignment,
-        "engine": engine,
-        "per_token": per_token,
-        "activation_dtype": activation_dtype,
-    }
-    specs, meta = layout_plan(sources, backend, prefix=prefix, block=block, info=info, **how)
+    choice = LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
+    specs, meta = layout_plan(sources, choice, prefix=prefix, block=block, info=info)
     if not single:
         os.makedirs(out, exist_ok=True)
     with safe_io.signals_raise(), safe_io.OutputLock(out):
@@ -473,7 +465,7 @@ def write_kernel_layout(
         bar = _progress_bar(progress, specs, target, out)
         try:
             with stream.workers_for(target, hashing=True) as workers:
-                stream_layers(target, workers, sources, backend, meta, dev=dev, bar=bar, **how)
+                stream_layers(target, workers, sources, meta, choice, dev=dev, bar=bar)
                 target.finish(workers)
         finally:
             if bar is not None:
@@ -482,17 +474,7 @@ def write_kernel_layout(
 
 
 def layout_plan(
-    sources: Sequence[LayerSource],
-    backend: str,
-    *,
-    intermediate_alignment: Optional[int],
-    hidden_alignment: Optional[int],
-    engine: Optional[str],
-    prefix: str,
-    block: str,
-    info: Optional[dict],
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
+    sources: Sequence[LayerSource], choice: LayoutChoice, *, prefix: str, block: str, info: Optional[dict]
 ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict]:
     """What :func:`write_kernel_layout` writes, from shapes alone: ``(kernel dtype and shape by output tensor
     name, in order; the ``fimoe_lab`` metadata)``. Deterministic (a distributed convert builds it on every
@@ -501,15 +483,9 @@ def layout_plan(
     records = {}
     for idx, shape_layer, _ in sources:
         try:
-            kernel, record = _kernel_specs(
-                shape_layer, backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype
-            )
+            kernel, record = _kernel_specs(shape_layer, choice)
         except ValueError as exc:
-            a = (
-                suggest_alignment(shape_layer, backend, engine, per_token, activation_dtype)
-                if intermediate_alignment is None
-                else None
-            )
+            a = suggest_alignment(shape_layer, choice) if choice.intermediate_alignment is None else None
             fix = (
                 f"intermediate alignment {a} works (CLI: --intermediate-alignment {a})"
                 if a
@@ -517,7 +493,7 @@ def layout_plan(
             )
             raise CheckpointError(
                 f"layer {idx} ({shape_layer.fmt}, intermediate {shape_layer.intermediate}, hidden "
-                f"{shape_layer.hidden}) cannot be laid out for {backend}: "
+                f"{shape_layer.hidden}) cannot be laid out for {choice.backend}: "
                 f"{exc.message if isinstance(exc, FimoeError) else exc}",
                 fix=fix,
             ) from exc
@@ -526,7 +502,7 @@ def layout_plan(
         records[str(idx)] = record
     meta = {
         "version": FORMAT_VERSION,
-        "backend": backend,
+        "backend": choice.backend,
         "prefix": prefix,
         "block": block,
         **(info or {}),
@@ -539,16 +515,11 @@ def stream_layers(
     target: stream.ShardedOutput,
     workers: stream.Workers,
     sources: Sequence[LayerSource],
-    backend: str,
     meta: dict,
+    choice: LayoutChoice,
     *,
-    intermediate_alignment: Optional[int],
-    hidden_alignment: Optional[int],
-    engine: Optional[str],
     dev: torch.device,
     bar: Any = None,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
 ) -> None:
     """Load, convert and put into ``target`` every layer of ``sources`` that holds a tensor ``target`` still
     needs (:meth:`~fimoe_lab.checkpoints.stream.ShardedOutput.needed`), one layer in memory, a chunk of
@@ -561,8 +532,7 @@ def stream_layers(
         if not any(target.needed(full) for full in names.values() if full in target.specs):
             continue
         workers.drain()  # the previous layer's chunks are out: one layer in memory
-        how = (intermediate_alignment, hidden_alignment, engine, dev, per_token, activation_dtype)
-        chunks = _layer_chunks(shape_layer, load, backend, *how)
+        chunks = _layer_chunks(shape_layer, load, choice, dev)
         for tensors in chunks:  # each block is freed with the generator once its last chunk is out
             for n in list(tensors):
                 t = tensors.pop(n)
@@ -609,15 +579,7 @@ def _device(device: str) -> torch.device:
 
 
 def _converted_chunks(
-    layer: MoELayer,
-    backend: str,
-    ia: Optional[int],
-    ha: Optional[int],
-    engine: Optional[str],
-    dev: torch.device,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
-    step: Optional[int] = None,
+    layer: MoELayer, choice: LayoutChoice, dev: torch.device, step: Optional[int] = None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The layer in the kernel layout, a chunk of ``step`` experts at a time (default :func:`_chunk_experts`;
     :func:`convert_layer` on ``[e0:e1]`` of every tensor; kernel tensors by name, on the CPU). With a CUDA
@@ -631,7 +593,7 @@ def _converted_chunks(
             layer.with_tensors(**{n: cut(t) for n, t in parts.items()}),
             extras={n: cut(t) for n, t in layer.extras.items()},
         )
-        tensors, _, _ = convert_layer(sub, backend, ia, ha, engine, per_token, activation_dtype)
+        tensors, _, _ = convert_layer(sub, **choice.kwargs())
         if dev.type == "cuda":
             tensors = {n: _to_host(t) for n, t in tensors.items()}
             torch.cuda.current_stream(dev).synchronize()
@@ -646,22 +608,14 @@ def _chunk_experts(layer: MoELayer) -> int:
 
 
 def _layer_chunks(
-    shape_layer: MoELayer,
-    load: Callable[[], MoELayer],
-    backend: str,
-    ia: Optional[int],
-    ha: Optional[int],
-    engine: Optional[str],
-    dev: torch.device,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
+    shape_layer: MoELayer, load: Callable[[], MoELayer], choice: LayoutChoice, dev: torch.device
 ) -> Iterator[dict[str, torch.Tensor]]:
     """:func:`_converted_chunks` of one layer. From a checkpoint (a :class:`LayerLoader`): read a block of
     experts (one chunk, :func:`_chunk_experts`) at a time on a reader thread, block ``k+1`` while block ``k``
     is converted and handed to the writers, so reading overlaps the transform and about two blocks are
     resident. Any other loader: the whole layer, chunked."""
     if not isinstance(load, LayerLoader):
-        yield from _converted_chunks(load(), backend, ia, ha, engine, dev, per_token, activation_dtype)
+        yield from _converted_chunks(load(), choice, dev)
         return
     step, e_count = _chunk_experts(shape_layer), shape_layer.num_experts
     blocks = [(e0, min(e0 + step, e_count)) for e0 in range(0, e_count, step)]
@@ -671,7 +625,7 @@ def _layer_chunks(
             block = pending.result()
             if after is not None:
                 pending = reader.submit(load, after)
-            yield from _converted_chunks(block, backend, ia, ha, engine, dev, per_token, activation_dtype, step)
+            yield from _converted_chunks(block, choice, dev, step)
             del block
 
 
@@ -1099,13 +1053,10 @@ def _checkpoint_format(rec: dict) -> str:
 
 def _check_v1_shapes(rec: dict) -> None:
     args = rec["plan"]["args"]
-    kernel, _, _ = _dry_run(
-        _shape_layer(rec),
-        args["backend"],
-        args["intermediate_alignment"],
-        args["hidden_alignment"],
-        engines.LEGACY_ENGINE,
+    choice = LayoutChoice(
+        args["backend"], args["intermediate_alignment"], args["hidden_alignment"], engines.LEGACY_ENGINE
     )
+    kernel, _, _ = _dry_run(_shape_layer(rec), choice)
     recorded = {trec["name"]: (trec["kernel"]["dtype"], trec["kernel"]["shape"]) for trec in rec["tensors"].values()}
     recorded.update({n: (x["dtype"], x["kernel_shape"]) for n, x in rec["extras"].items()})
     for name, want in recorded.items():
