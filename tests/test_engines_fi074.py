@@ -273,7 +273,6 @@ def test_this_environment_is_not_the_oracle():
     assert sys.executable != str(FI074)
 
 
-
 BLOCK_SCALE_INTERLEAVE_SOURCE = (
     ("cpp/kernels/quantization.cu", "__global__ void block_scale_interleave_kernel("),
     ("tensorrt_llm/kernels/quantization_utils.cuh", "int64_t get_sf_out_offset_128x4(int batchIdx,"),
