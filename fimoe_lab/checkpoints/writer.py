@@ -44,7 +44,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -1229,14 +1229,16 @@ def _restore_layer(
     step = stream.experts_per_chunk(per_expert, per_expert * e_count)
     chunks = [(e0, min(e0 + step, e_count)) for e0 in range(0, e_count, step)]
     fetch = lambda e0, e1: [b.fetch(e0, e1) for b in every]  # noqa: E731
-    # chunk k+1 is read on `reader` while chunk k is mapped back here and hashed on `hasher`
-    with ThreadPoolExecutor(1) as hasher, ThreadPoolExecutor(1, thread_name_prefix="fimoe-lab-reader") as reader:
+    # chunk k+1 is read on `reader` while chunk k is mapped back here and hashed, tensor i on hasher i % lanes
+    with ExitStack() as stack:
+        reader = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="fimoe-lab-reader"))
+        hashers = [stack.enter_context(ThreadPoolExecutor(1)) for _ in range(stream.HASH_LANES)]
         pending = [reader.submit(fetch, *c) for c in chunks[:1]]
         previous: list[Future] = []
         for k, (e0, e1) in enumerate(chunks):
             xs = pending.pop().result()
             pending += [reader.submit(fetch, *c) for c in chunks[k + 1 : k + 2]]
-            hashed = [b.place(e0, e1, x, hasher) for b, x in zip(every, xs)]
+            hashed = [b.place(e0, e1, x, hashers[i % len(hashers)]) for i, (b, x) in enumerate(zip(every, xs))]
             del xs
             for h in previous:
                 h.result()
