@@ -249,6 +249,14 @@ def test_coarse_mask_keeps_thin_padding_visible():
     assert block == (4, 2) and shown.shape == (500, 350) and shown[-1].all() and not shown[:-1].any()
 
 
+@pytest.mark.parametrize("shape,side", [((37, 1000), 16), ((1025, 3), 512), ((9, 9), 4)])
+def test_reduced_mask_is_true_where_its_block_holds_a_true(shape, side):
+    mask = np.random.default_rng(3).random(shape) < 0.01
+    small, (fr, fc) = data.reduce_mask(mask, side)
+    want = [[mask[i : i + fr, j : j + fc].any() for j in range(0, shape[1], fc)] for i in range(0, shape[0], fr)]
+    assert (fr, fc) == data.reduction(shape, side) and np.array_equal(small, np.array(want))
+
+
 # ----------------------------------------------------------------------------- provenance and values
 def test_gather_values_round_trips_and_provenance_agrees():
     plan = prepare.plan_layer("bf16", "trtllm", 96, 256)
@@ -265,6 +273,91 @@ def test_gather_values_round_trips_and_provenance_agrees():
             assert np.isnan(moved[coords])
         else:
             assert moved[coords] == values[src]
+
+
+CELL_MAPS = [  # (format, backend, intermediate, tensor, coarsened): fill, 3-D tiles, 4-byte scales, cells over rows
+    ("mxfp8", "trtllm", 96, "w13", False),
+    ("mxfp8", "trtllm", 96, "w2", False),
+    ("nvfp4", "trtllm", 96, "w13_scale", False),
+    ("bf16", "trtllm", 96, "w13", False),
+    ("bf16", "trtllm", 96, "w2", False),
+    ("fp8-block", "trtllm", 128, "w13_scale", False),
+    ("nvfp4", "cutlass", 96, "w13", True),
+]
+
+
+def cell_map(fmt: str, backend: str, inter: int, name: str, coarse: bool) -> tuple[IndexMap, int]:
+    m = prepare.plan_layer(fmt, backend, inter, 256).maps()[name]
+    return (m.coarsened() if coarse else m), data.itemsize_of(fmt, name)
+
+
+@pytest.mark.parametrize("case", CELL_MAPS)
+def test_gathers_a_cell_at_a_time_equal_the_element_map(case):
+    m, size = cell_map(*case)
+    src = data.element_sources(m, size)  # the per-element map (oracle)
+    rng = np.random.default_rng(0)
+    values = rng.random(m.in_shape[:-1] + (m.in_shape[-1] // size,)).astype(np.float32)
+    want = np.where(src >= 0, values.reshape(-1)[np.maximum(src, 0)], np.nan)
+    assert np.array_equal(data.gather_values(m, values, size), want, equal_nan=True)
+    mask = rng.random(values.shape) < 0.3
+    assert np.array_equal(
+        data.gather_mask(m, mask, size), data.display_2d(mask.reshape(-1)[np.maximum(src, 0)] & (src >= 0))
+    )
+    assert np.array_equal(data.fill_mask(m, size), data.display_2d(src < 0))
+    assert data.has_fill(m) == bool((src < 0).any())
+
+
+@pytest.mark.parametrize("side", [5, 16, 512])
+@pytest.mark.parametrize("case", CELL_MAPS)
+def test_gathered_values_read_and_reduce_like_the_built_layout(case, side):
+    m, size = cell_map(*case)
+    rng = np.random.default_rng(1)
+    values = rng.random(m.in_shape[:-1] + (m.in_shape[-1] // size,)).astype(np.float32)
+    full = data.display_2d(data.gather_values(m, values, size))
+    g = data.Gathered(m, values, size)
+    assert g.shape == full.shape and np.array_equal(g.full(), full, equal_nan=True)
+    for i, j in zip(rng.integers(full.shape[0], size=20), rng.integers(full.shape[1], size=20)):
+        assert np.array_equal(g[i, j], full[i, j], equal_nan=True)
+    pad = data.fill_mask(m, size) if data.has_fill(m) else None
+    flags = data.value_flags(full, pad)
+    want = data.downsample(full, flags, side)
+    for shown in (g, full):  # reduced straight from the checkpoint values, and from the built layout
+        small, counts = data.reduce_view(shown, pad, None, side, finite=True)
+        assert small.block == want.block and small.shape == want.shape
+        assert np.array_equal(small.values, want.values, equal_nan=True)
+        assert np.array_equal(small.flags, want.flags) and counts == want.counts(flags)
+
+
+def test_reduce_view_builds_the_flags_when_values_are_not_all_finite():
+    v = np.random.default_rng(2).random((40, 30))
+    v[3, 4], v[20, 7] = np.nan, np.inf
+    dead = np.zeros(v.shape, bool)
+    dead[30:, :5] = True
+    assert not data.all_finite(v) and data.all_finite(np.nan_to_num(v, posinf=1.0))
+    flags = data.value_flags(v, None, dead)
+    small, counts = data.reduce_view(v, None, dead, 8)
+    want = data.downsample(v, flags, 8)
+    assert np.array_equal(small.values, want.values, equal_nan=True) and np.array_equal(small.flags, want.flags)
+    assert counts == {"dead scale": 50, "Inf": 1, "NaN": 1}
+
+
+def test_magnitude_is_read_in_row_bands(monkeypatch):
+    """A band of a few rows at a time gives the whole tensor's magnitudes (packed fp4: per byte
+    the larger of its two values; mxfp8: |value|), from the dequantized layer (oracle)."""
+    monkeypatch.setattr(sources, "BAND_BYTES", 100)  # bands of 1-3 rows
+    for fmt in ("nvfp4", "mxfp8"):
+        layer = sources.sample_layer(fmt, experts=2, intermediate=64, hidden=128)
+        w13, w2 = (t[1].abs() for t in layer.moe.dequantized())
+        if fmt == "nvfp4":
+            w13, w2 = (t.reshape(t.shape[0], -1, 2).amax(dim=-1) for t in (w13, w2))
+        assert np.array_equal(layer.magnitude("w13", 1), w13.float().numpy())
+        assert np.array_equal(layer.magnitude("w2", 1), w2.float().numpy())
+
+
+def test_no_dead_scale_costs_no_mask_memory():
+    layer = sources.sample_layer("nvfp4", experts=2, intermediate=64, hidden=128)
+    dead = layer.dead("w13", 1)
+    assert dead.shape == layer.magnitude("w13", 1).shape and not dead.any() and dead.strides == (0, 0)
 
 
 def test_provenance_figure_marks_source_and_kernel_element():
@@ -366,3 +459,18 @@ def test_lab_command_is_offline_and_local(tmp_path):
     assert "announcements" in (tmp_path / "state" / "config" / "labconfig" / "page_config.json").read_text()
     args = build_parser().parse_args(["lab", "--no-browser", "--port", "9000"])
     assert args.no_browser and args.port == 9000
+
+
+def test_decoded_values_are_kept_for_the_last_experts_only():
+    """A layer keeps at most ``VALUES_KEPT`` decoded arrays (the least recently used dropped); one dropped and
+    asked again is decoded again to the same values, and each equals a dequantize-then-abs of its expert."""
+    layer = sources.sample_layer("nvfp4", experts=sources.VALUES_KEPT + 3, intermediate=64, hidden=128)
+    first = [layer.magnitude("w2", e).copy() for e in range(layer.experts)]
+    assert len(layer._values) == sources.VALUES_KEPT
+    assert ("magnitude", "w2", 0) not in layer._values
+    again = layer.magnitude("w2", 0)
+    assert np.array_equal(again, first[0]) and not again.flags.writeable
+    w2 = dict(zip(("w13", "w2"), layer.moe.dequantized()))["w2"]
+    for e in (0, layer.experts - 1):
+        want = w2[e].abs().reshape(w2.shape[1], -1, 2).amax(-1).float().numpy()
+        assert np.array_equal(first[e], want)

@@ -3,6 +3,7 @@ export, the tuner's controls and frontier, and cached redraws."""
 
 from __future__ import annotations
 
+import gc
 import html
 import importlib.util
 import re
@@ -263,3 +264,27 @@ def test_a_new_provenance_element_moves_the_markers_without_redrawing():
     # the figure itself (save PNG / SVG) shows the same element
     assert (ax.lines[0].get_xdata()[0], ax.lines[0].get_ydata()[0]) == (200, 40)
     assert figures.chain_text(w.state["chain"]) == w.figure.texts[-1].get_text()
+
+
+def test_a_redraw_pauses_the_garbage_collector_and_leaves_it_as_it_was():
+    w = widgets.RowExplorer()
+    seen = []
+    draw = w._draw
+
+    def spy():
+        seen.append(gc.isenabled())
+        return draw()
+
+    w._draw = spy
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        w.start.value = 8
+        assert seen == [False] and gc.isenabled() and not is_error(w)
+        w.shape.value = "not a shape"  # an error inside the redraw
+        assert is_error(w) and len(seen) == 2 and gc.isenabled()
+        gc.disable()
+        w.shape.value = ""
+        assert len(seen) == 3 and not gc.isenabled() and not is_error(w)
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -32,6 +32,7 @@ __all__ = [
     "element_sources",
     "display_2d",
     "gather_values",
+    "Gathered",
     "RowFlow",
     "row_flow",
     "observed_row_sources",
@@ -48,11 +49,15 @@ __all__ = [
     "Downsampled",
     "downsample",
     "sample_grid",
+    "all_finite",
+    "reduce_mask",
+    "reduce_view",
     "RowWindow",
     "row_window",
     "memo",
     "row_element_sources",
     "fill_mask",
+    "has_fill",
     "gather_mask",
     "chain_diff",
     "landing",
@@ -63,7 +68,8 @@ __all__ = [
 
 T = TypeVar("T")
 MEMO_ENTRIES = 16
-"""Results :func:`memo` keeps (a real-size expert's element map is ~120 MB: this bounds the memory)."""
+"""Results :func:`memo` keeps. This bounds the memory: the largest at R1 size are a swizzle view (w13
+scales: ~45 MB of int32) and a fill mask (one byte per element: ~15 MB); element maps are not built."""
 _MEMO: OrderedDict = OrderedDict()
 
 
@@ -118,26 +124,23 @@ def element_sources(m: IndexMap, itemsize: int = 1) -> np.ndarray:
     return np.maximum(src, -1).reshape(shape)  # every fill code (negative) as -1
 
 
-SOURCES_KEPT = 4
-"""Element maps :func:`kept_sources` keeps apart from :func:`memo` (whose turnover from clicks and
-views would drop them: a new expert then gathers without rebuilding the map)."""
-_SOURCES: OrderedDict = OrderedDict()
+def _cell_elements(m: IndexMap, itemsize: int) -> int:
+    """Elements of ``itemsize`` bytes per cell of ``m`` (a cell moves whole elements: checked)."""
+    _check_itemsize(m, itemsize)
+    return m.cell_bytes // itemsize
 
 
-def kept_sources(m: IndexMap, itemsize: int = 1) -> np.ndarray:
-    """:func:`element_sources`, kept (do not write to it) for the last :data:`SOURCES_KEPT` maps (keyed by identity, held)."""
-    key = (id(m), itemsize)
-    if key not in _SOURCES:
-        _SOURCES[key] = (m, element_sources(m, itemsize))  # writeable: np.take copies a read-only index
-        while len(_SOURCES) > SOURCES_KEPT:
-            _SOURCES.popitem(last=False)
-    _SOURCES.move_to_end(key)
-    return _SOURCES[key][1]  # type: ignore[no-any-return]
+def has_fill(m: IndexMap) -> bool:
+    """True when some output cell of ``m`` is fill (read off its cells)."""
+    return bool(m.src.numel()) and int(m.src.min()) < 0
 
 
 def fill_mask(m: IndexMap, itemsize: int = 1) -> np.ndarray:
-    """bool of :func:`display_2d` (``m``'s output in elements): True where the element is fill."""
-    return display_2d(kept_sources(m, itemsize) < 0)
+    """bool of :func:`display_2d` (``m``'s output in elements): True where the element is fill.
+
+    Read off ``m``'s cells (each covers ``cell_bytes / itemsize`` elements), never an element map."""
+    k = _cell_elements(m, itemsize)
+    return display_2d(np.repeat(m.src.numpy() < 0, k).reshape(_out_elements(m, itemsize)))
 
 
 def row_element_sources(m: IndexMap, rows: np.ndarray, itemsize: int = 1) -> np.ndarray:
@@ -160,6 +163,23 @@ def display_2d(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1, a.shape[-1]) if a.ndim > 2 else a
 
 
+def _gather_cells(m: IndexMap, a: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    """``a`` (``m.in_shape`` in elements, any dtype) moved through ``m`` a whole cell at a time (one
+    row gather of ``cell_bytes / itemsize`` elements per output cell: no element map, which is ~120 MB
+    of int64 for one R1 expert). Returns ``(out, fill)``: ``out`` with ``m.out_shape`` in elements (a fill
+    cell holds input cell 0), ``fill`` bool per output cell."""
+    k = _cell_elements(m, itemsize)
+    in_shape = m.in_shape[:-1] + (m.in_shape[-1] // itemsize,)
+    if a.size != math.prod(in_shape):
+        raise LayoutError(
+            f"values of shape {a.shape} do not match {m.name}'s input {in_shape} elements of {itemsize} B",
+            fix="pass one expert's values in the map's input layout",
+        )
+    src = m.src.numpy()
+    out = np.take(a.reshape(-1, k), src, axis=0, mode="clip")  # fill (negative) reads cell 0
+    return out, src < 0
+
+
 def gather_values(m: IndexMap, values: np.ndarray | torch.Tensor, itemsize: int = 1) -> np.ndarray:
     """Move one expert's per-element ``values`` ``(rows, cols)`` through ``m``: float, NaN = fill.
 
@@ -167,22 +187,74 @@ def gather_values(m: IndexMap, values: np.ndarray | torch.Tensor, itemsize: int 
     elements); the result has ``m.out_shape`` in elements, drawn with :func:`display_2d`.
     """
     v = _floats(values.numpy() if isinstance(values, torch.Tensor) else values)
-    in_shape = m.in_shape[:-1] + (m.in_shape[-1] // itemsize,)
-    if v.size != math.prod(in_shape):
-        raise LayoutError(
-            f"values of shape {v.shape} do not match {m.name}'s input {in_shape} elements of {itemsize} B",
-            fix="pass one expert's values in the map's input layout",
-        )
-    src = kept_sources(m, itemsize)
-    out = np.take(v.reshape(-1), src, mode="clip")  # fill (-1) reads element 0, then becomes NaN
-    out[src < 0] = np.nan
-    return out
+    out, fill = _gather_cells(m, v, itemsize)
+    out[fill] = np.nan
+    return out.reshape(_out_elements(m, itemsize))
 
 
 def gather_mask(m: IndexMap, mask: np.ndarray, itemsize: int = 1) -> np.ndarray:
     """A bool ``mask`` in ``m``'s input elements moved through ``m`` (fill: False), :func:`display_2d` shape."""
-    src = display_2d(kept_sources(m, itemsize))
-    return np.take(np.asarray(mask).reshape(-1), src, mode="clip") & (src >= 0)
+    out, fill = _gather_cells(m, np.asarray(mask, dtype=bool), itemsize)
+    out[fill] = False
+    return display_2d(out.reshape(_out_elements(m, itemsize)))
+
+
+@dataclass(frozen=True, eq=False)
+class Gathered:
+    """``display_2d(gather_values(m, values, itemsize))`` left unbuilt (one R1 expert: 60 MB): ``[i, j]``
+    reads one element through ``m``'s cells (hover), :func:`reduce_view` reduces it for a heatmap
+    straight from ``values``. Keyed by identity (:func:`memo`)."""
+
+    m: IndexMap
+    values: np.ndarray
+    itemsize: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        out = _out_elements(self.m, self.itemsize)
+        return math.prod(out[:-1]), out[-1]
+
+    def __getitem__(self, ij: tuple[int, int]) -> float:
+        rows, cols = self.shape
+        i, j = (int(v) for v in ij)
+        if not (0 <= i < rows and 0 <= j < cols):
+            raise IndexError(f"element ({i}, {j}) is outside {self.shape}")
+        byte = (i * cols + j) * self.itemsize
+        cell = int(self.m.src[byte // self.m.cell_bytes])
+        if cell < 0:
+            return math.nan
+        return float(self.values.reshape(-1)[(cell * self.m.cell_bytes + byte % self.m.cell_bytes) // self.itemsize])
+
+    def full(self) -> np.ndarray:
+        """The gathered values, built (:func:`gather_values`, :func:`display_2d`)."""
+        return display_2d(gather_values(self.m, self.values, self.itemsize))
+
+
+def _gathered_top(g: Gathered, fr: int, fc: int) -> np.ndarray:
+    """The largest value per ``fr x fc`` block of ``g``'s display: ``_block_reduce(g.full(), fr, fc, -inf,
+    np.fmax)`` where a block has a finite value (else NaN or -inf, as there: both mean none). Rows first:
+    for each offset ``j < fr`` rows ``j, j + fr, ...`` are gathered into one buffer of ``1/fr`` of the
+    display (a whole cell at a time: pieces of a cell that never straddle a display row) and folded
+    in with ``fmax``; no full-size array is built."""
+    rows, cols = g.shape
+    m, v = g.m, _floats(g.values)
+    k = m.cell_bytes // g.itemsize
+    piece = math.gcd(k, cols)
+    src = m.src.numpy()
+    if k > piece:  # cells span display rows: split each into k / piece pieces
+        f = k // piece
+        src = np.where(src[:, None] >= 0, src[:, None] * f + np.arange(f), -1).reshape(-1)
+    grid = src.reshape(rows, cols // piece)
+    pieces = v.reshape(-1, piece)
+    acc = np.full((-(-rows // fr), cols), np.nan, dtype=v.dtype)
+    buf = np.empty((acc.shape[0], cols // piece, piece), dtype=v.dtype)
+    for j in range(fr):
+        sub = grid[j::fr]
+        n = len(sub)
+        np.take(pieces, sub, axis=0, mode="clip", out=buf[:n])  # fill (negative) reads piece 0
+        buf[:n][sub < 0] = np.nan
+        np.fmax(acc[:n], buf[:n].reshape(n, cols), out=acc[:n])
+    return _block_reduce(acc, 1, fc, -np.inf, np.fmax)
 
 
 # ----------------------------------------------------------------------------- rows
@@ -429,10 +501,17 @@ def _blocks(a: np.ndarray, fr: int, fc: int, fill) -> np.ndarray:
 
 def _block_reduce(a: np.ndarray, fr: int, fc: int, fill, ufunc=np.maximum) -> np.ndarray:
     """``ufunc`` over each ``fr x fc`` block of ``a`` (padded with ``fill``): ``(ceil(R/fr), ceil(C/fc))``.
-    Rows first, over whole contiguous rows (several times faster than one reduce over both block axes)."""
+    Rows first, over whole contiguous rows (several times faster than one reduce over both block axes),
+    then each block's columns folded in one strided slice at a time (a reduce over a short inner axis
+    is ~10x slower: 12 ms against 1.3 ms for 512 x 3584 float32 in blocks of 7)."""
     b = _blocks(a, fr, fc, fill)
-    rows = ufunc.reduce(b.reshape(b.shape[0], fr, -1), axis=1)
-    return ufunc.reduce(rows.reshape(b.shape[0], b.shape[2], fc), axis=2)  # type: ignore[no-any-return]
+    rows = b.reshape(b.shape[0], fr, -1)
+    rows = rows[:, 0] if fr == 1 else ufunc.reduce(rows, axis=1)
+    cols = rows.reshape(b.shape[0], b.shape[2], fc)
+    out = cols[..., 0].copy()
+    for k in range(1, fc):
+        ufunc(out, cols[..., k], out=out)
+    return out
 
 
 def reduction(shape: tuple[int, ...], max_side: int = 512) -> tuple[int, int]:
@@ -459,6 +538,56 @@ def downsample(values: np.ndarray, flags: np.ndarray, max_side: int = 512) -> Do
         finite = block[np.isfinite(block)]
         top[i, j] = finite.max() if finite.size else np.nan
     return Downsampled(np.where(np.isfinite(top), top, np.nan), _block_reduce(flags, fr, fc, 0), (fr, fc), v.shape)
+
+
+def reduce_mask(mask: np.ndarray, max_side: int = 512) -> tuple[np.ndarray, tuple[int, int]]:
+    """bool ``mask`` ``(R, C)`` reduced to at most ``max_side`` per side (blocks of :func:`reduction`): a
+    pixel is True when any element of its block is. Returns the mask and the block ``(fr, fc)``."""
+    fr, fc = reduction(mask.shape, max_side)
+    return _block_reduce(np.asarray(mask, dtype=bool), fr, fc, False), (fr, fc)
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """True when every element of ``values`` is finite: two reductions (max, min: NaN and +-Inf
+    reach them), no full-size temporary."""
+    v = np.asarray(values)
+    if v.dtype.kind != "f" or not v.size:
+        return True
+    return bool(np.isfinite(v.max()) and np.isfinite(v.min()))
+
+
+def reduce_view(
+    values: np.ndarray | Gathered,
+    pad: Optional[np.ndarray] = None,
+    dead: Optional[np.ndarray] = None,
+    max_side: int = 512,
+    finite: bool = False,
+) -> tuple[Downsampled, dict[str, int]]:
+    """``downsample(values, value_flags(values, pad, dead), max_side)`` and its flag counts.
+
+    ``finite``: the caller knows every value outside ``pad`` is finite (gathered from finite
+    values). Then, with no dead element, the only flag is padding and nothing per element is
+    flagged or counted: the flags are ``pad`` reduced (a real-size expert: no 15 MB flag array,
+    no NaN/Inf passes), and :class:`Gathered` values are reduced without being built.
+    Otherwise the per-element flags are built; the result is the same.
+    """
+    if finite and (dead is None or not np.any(dead)):
+        fr, fc = reduction(values.shape, max_side)
+        if isinstance(values, Gathered):
+            top = _gathered_top(values, fr, fc)
+        else:  # finite but padding (NaN, skipped)
+            top = _block_reduce(_floats(values), fr, fc, -np.inf, np.fmax)
+        if pad is None:
+            flags, counts = np.zeros(top.shape, np.uint8), {}
+        else:
+            flags = _block_reduce(np.asarray(pad), fr, fc, False).astype(np.uint8) * FLAG_NAMES.index("padding")
+            n = int(np.count_nonzero(pad))
+            counts = {"padding": n} if n else {}
+        return Downsampled(np.where(np.isfinite(top), top, np.nan), flags, (fr, fc), tuple(values.shape)), counts
+    v = values.full() if isinstance(values, Gathered) else _floats(values)
+    flags = value_flags(v, pad, dead)
+    small = downsample(v, flags, max_side)
+    return small, small.counts(flags)
 
 
 def sample_grid(a: np.ndarray, max_side: int = 512) -> tuple[np.ndarray, tuple[int, int]]:
@@ -503,12 +632,33 @@ ATOM = 512
 
 
 def _row_col(flat: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(row, column)`` of flat indices ``flat`` into a ``(-1, cols)`` matrix; -1 for both where ``flat`` < 0."""
-    row, col = np.divmod(flat, cols)
-    fill = flat < 0
-    row[fill] = -1
-    col[fill] = -1
+    """``(row, column)`` of flat indices ``flat`` into a ``(-1, cols)`` matrix; -1 for both where ``flat`` is -1."""
+    row, col = np.divmod(flat, cols)  # np.divmod: numpy's % alone is several times slower at R1 size
+    col[flat < 0] = -1  # row: -1 // cols is already -1
     return row, col
+
+
+def _flat_sources(m: IndexMap, itemsize: int) -> np.ndarray:
+    """:func:`element_sources` of ``m``, flat, in int32 where the input's elements fit (a scale map's
+    always do): half the memory, and fresh memory is what a real-size view pays for."""
+    wide = m.in_bytes // itemsize >= 2**31
+    src = m.refined(itemsize).src.numpy().astype(np.int64 if wide else np.int32)
+    np.maximum(src, -1, out=src)  # every fill code (negative) as -1
+    return src
+
+
+def _taken_at(src: np.ndarray, size: int, fill: bool) -> np.ndarray:
+    """Where each of ``size`` inputs is taken in ``src`` (``out[i] = in[src[i]]``; negative: fill, only
+    when ``fill``): its position, -1 where none takes it. int32 (int64 past 2**31 positions): half the
+    fresh memory of an R1 scale map's inverse, which a click or a new tensor pays for."""
+    dtype = np.int64 if src.size >= 2**31 else np.int32
+    dest = np.full(size, -1, dtype=dtype)
+    if fill:
+        taken = src >= 0
+        dest[src[taken]] = np.flatnonzero(taken)
+    else:
+        dest[src] = np.arange(src.size, dtype=dtype)
+    return dest
 
 
 def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
@@ -516,36 +666,34 @@ def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
 
     ``m`` is a chain that ends with ``swizzle_scales_128x4`` (e.g. a plan's
     ``w13_scale``: pad, row permutation, swizzle); sources are the chain's input.
+    Indices are int32 (int64 only past 2**31 elements).
     """
     if m.steps[-1].kind != "swizzle_scales_128x4":
         raise LayoutError(
             f"{m.name} does not end with swizzle_scales_128x4; there is no swizzled buffer to draw",
             fix="pick a TRT-LLM scale map (w13_scale or w2_scale of mxfp8, nvfp4 or mxfp4)",
         )
-    src = element_sources(m, itemsize).reshape(-1)
+    _check_itemsize(m, itemsize)
+    src = _flat_sources(m, itemsize)
     if src.size % ATOM:
         raise LayoutError(
             f"{m.name}: buffer of {src.size} scales is not whole 512-scale atoms",
             fix="pad the scales to 128 rows and 4 columns first",
         )
     in_rows, in_cols = m.in_shape[0], m.in_shape[-1] // itemsize
-    dest = np.full(in_rows * in_cols, -1, dtype=np.int64)
-    taken = src >= 0
-    dest[src[taken]] = np.flatnonzero(taken)
-    dest = dest.reshape(in_rows, in_cols)
+    dest = _taken_at(src, in_rows * in_cols, has_fill(m)).reshape(in_rows, in_cols)
     cp_atoms = m.out_shape[-1] // itemsize // 4
     atoms = np.arange(src.size // ATOM)
     last = m.steps[-1]
-    k_src = element_sources(last, itemsize).reshape(-1)
-    k_cols = last.in_shape[-1] // itemsize
-    rows, cols = _row_col(src, in_cols)  # np.divmod: numpy's % alone is several times slower at R1 size
-    k_rows, k_cols_of = _row_col(k_src, k_cols)
+    _check_itemsize(last, itemsize)
+    rows, cols = _row_col(src, in_cols)
+    k_rows, k_cols_of = _row_col(_flat_sources(last, itemsize), last.in_shape[-1] // itemsize)
     return SwizzleView(
         rows.reshape(-1, 16),
         cols.reshape(-1, 16),
         k_rows.reshape(-1, 16),
         k_cols_of.reshape(-1, 16),
-        np.where(dest >= 0, dest // ATOM, -1),
+        dest // ATOM,  # -1 (dropped) stays -1
         dest,
         np.stack([atoms // cp_atoms, atoms % cp_atoms], axis=1),
         m.name,
@@ -573,12 +721,12 @@ class TensorPadding:
     @property
     def padded_mask(self) -> np.ndarray:
         """bool ``(rows, elements)`` over the padded matrix before any permutation (True = padding)."""
-        return display_2d(element_sources(_padded_stage(self.m), self.itemsize) < 0)
+        return fill_mask(_padded_stage(self.m), self.itemsize)
 
     @property
     def kernel_mask(self) -> np.ndarray:
         """bool over the kernel layout as stored (:func:`display_2d`), True = padding."""
-        return display_2d(element_sources(self.m, self.itemsize) < 0)
+        return fill_mask(self.m, self.itemsize)
 
 
 @dataclass(frozen=True)
@@ -707,12 +855,8 @@ def landing(m: IndexMap, coords: tuple[int, ...], itemsize: int = 1) -> Optional
 
 
 def _destinations(m: IndexMap) -> np.ndarray:
-    """int64 ``(input cells,)``: the output cell each input cell of ``m`` is copied to (-1: dropped)."""
-    src = m.src.numpy()
-    dest = np.full(m.n_in_cells, -1, dtype=np.int64)
-    taken = src >= 0
-    dest[src[taken]] = np.flatnonzero(taken)
-    return dest
+    """``(input cells,)``: the output cell each input cell of ``m`` is copied to (-1: dropped)."""
+    return _taken_at(m.src.numpy(), m.n_in_cells, has_fill(m))
 
 
 @dataclass(frozen=True)
@@ -737,7 +881,7 @@ class Cells:
     itemsize: int
     shape: tuple[int, int]
     rows: Optional[np.ndarray] = None
-    values: Optional[np.ndarray] = None
+    values: Optional[np.ndarray | Gathered] = None
     scale: tuple[float, float] = (1.0, 1.0)
     transpose: bool = False
     x_range: Optional[tuple[float, float]] = None
@@ -780,7 +924,7 @@ class Cells:
 
     def value(self, i: int, j: int) -> Optional[float]:
         """What grid cell ``(i, j)`` shows (None: nothing)."""
-        return None if self.values is None else float(np.asarray(self.values)[i, j])
+        return None if self.values is None else float(self.values[i, j])
 
 
 @dataclass(frozen=True)

@@ -225,13 +225,6 @@ def _index_image(fig: Figure, ax: Axes, cax: Optional[Axes], a: np.ndarray, labe
     return block
 
 
-def _reduce(values: np.ndarray, pad, dead) -> tuple[data.Downsampled, dict[str, int]]:
-    """A value view's flags, reduction and flag counts (kept by :func:`data.memo` per input arrays)."""
-    flags = data.value_flags(values, pad, dead)
-    small = data.downsample(values, flags, MAX_SIDE)
-    return small, small.counts(flags)
-
-
 def _colourbar(fig: Figure, mappable, ax: Axes, cax: Optional[Axes], label: str, **kw):
     """A colourbar with its unit in ``label``: in ``cax`` when the layout gives one, else beside ``ax``."""
     if cax is not None:
@@ -269,11 +262,13 @@ def value_layer(
     dead: Optional[np.ndarray] = None,
     vmax: Optional[float] = None,
     cmap: str = MAGNITUDE_CMAP,
+    finite: bool = False,
 ) -> tuple[data.Downsampled, list[Artist], Text]:
     """:func:`value_image` without its colourbar: the image, the flag overlay, the flag legend and
     the reduction note (right title). Returns what was drawn, the artists it added (image first)
-    and the note (the axes' own right title, set)."""
-    small, counts = data.memo(_reduce, values, pad, dead)
+    and the note (the axes' own right title, set). ``finite``: every value outside ``pad`` is
+    known to be finite (:func:`data.reduce_view` then skips the per-element flags)."""
+    small, counts = data.memo(data.reduce_view, values, pad, dead, MAX_SIDE, finite)
     top = vmax if vmax is not None else (float(np.nanmax(small.values)) if np.isfinite(small.values).any() else 1.0)
     ext = _extent(small.shape)
     shown = np.ma.masked_array(small.values, mask=small.flags > 0)  # padding: the colour map's grey
@@ -738,17 +733,26 @@ def svg_only(fig: Figure, moving: Sequence[Artist]) -> str:
     """The SVG content (no ``<svg>`` element) of ``moving`` alone, in :func:`to_svg`'s coordinates:
     no figure or axes background, ticks, spines or other artists are drawn, so it costs only
     ``moving``. Put it over :func:`svg_without` with :func:`stack_svg`."""
-    every = fig.findobj()
-    shown = {id(x): x.get_visible() for x in every}
     keep = {id(c) for x in moving for c in x.findobj()}  # an artist with its parts (a legend's texts)
-    keep |= {id(fig)} | {id(x.axes) for x in moving if x.axes is not None}
+    path = {id(fig)} | {id(x.axes) for x in moving if x.axes is not None}  # drawn only to reach ``moving``
+    hidden: list[Artist] = []
+
+    def hide(parent: Artist) -> None:  # hiding an artist skips its parts: only the top of each hidden branch is set
+        for x in parent.get_children():
+            if id(x) in keep:
+                continue
+            if id(x) in path:
+                hide(x)
+            elif x.get_visible():
+                x.set_visible(False)
+                hidden.append(x)
+
     try:
-        for x in every:
-            x.set_visible(shown[id(x)] and id(x) in keep)
+        hide(fig)
         top = to_svg(fig)
     finally:
-        for x in every:
-            x.set_visible(shown[id(x)])
+        for x in hidden:
+            x.set_visible(True)
     return top[top.index(">", top.index("<svg")) + 1 : top.rindex("</svg>")]
 
 
@@ -767,8 +771,7 @@ MAX_MASK_SIDE = MAX_SIDE
 def coarse_mask(mask: np.ndarray, max_side: int = MAX_MASK_SIDE) -> tuple[np.ndarray, tuple[int, int]]:
     """``mask`` reduced to at most ``max_side`` per side: a pixel is True when any element in its
     block is (so thin padding stays visible). Returns the mask and the block ``(rows, cols)``."""
-    small = data.downsample(mask.astype(float), mask.astype(np.uint8), max_side)
-    return small.flags.astype(bool), small.block
+    return data.reduce_mask(mask, max_side)
 
 
 @styled
@@ -868,7 +871,8 @@ def _provenance_base(m: IndexMap, before_shape: tuple[int, ...], itemsize: int) 
 
 
 GATHERED_KEPT = 2
-"""Experts whose kernel-layout values a :func:`provenance_figure` keeps (one R1 w13 expert: ~60 MB)."""
+"""Experts whose kernel-layout values a :func:`provenance_figure` keeps (built only when some value is
+NaN/Inf or some scale dead: one R1 w13 expert ~60 MB; else a :class:`data.Gathered`, a few bytes)."""
 
 
 @styled
@@ -879,22 +883,28 @@ def show_provenance_values(fig: Figure, before: np.ndarray, dead: Optional[np.nd
     m, itemsize = s["m"], s["itemsize"]
     for artist in s["drawn"]:
         artist.remove()
+    finite = data.memo(data.all_finite, before)  # then so is every kernel value but padding
     kept = s["gathered"]  # the last experts' kernel-layout values: going back to one gathers nothing
     key = (id(before), id(dead))
     if key not in kept:
-        after = data.display_2d(data.gather_values(m, before, itemsize))
-        kept[key] = (before, dead, after, None if dead is None else data.gather_mask(m, dead, itemsize))
+        live = dead if dead is not None and bool(np.any(dead)) else None  # usually no dead scale: nothing to flag
+        if finite and live is None:  # only padding to flag: reduced without building the kernel layout
+            after: np.ndarray | data.Gathered = data.Gathered(m, before, itemsize)
+        else:
+            after = data.display_2d(data.gather_values(m, before, itemsize))
+        kept[key] = (before, dead, after, None if live is None else data.gather_mask(m, live, itemsize))
         while len(kept) > GATHERED_KEPT:
             kept.popitem(last=False)
     kept.move_to_end(key)
     after2, dead_after = kept[key][2:]
+    dead = dead if dead_after is not None else None
     vmax = data.memo(_finite_max, before)
     s["scale"].set_clim(0, vmax)
-    pad = data.memo(data.fill_mask, m, itemsize)
+    pad = data.memo(data.fill_mask, m, itemsize) if data.has_fill(m) else None
     ax_b, ax_a = s["axes"]
     drawn, notes = [], []
     for ax, v, p, d in ((ax_b, before, None, dead), (ax_a, after2, pad, dead_after)):
-        _, artists, note = value_layer(ax, v, p, d, vmax)
+        _, artists, note = value_layer(ax, v, p, d, vmax, finite=finite)
         drawn += artists
         notes.append(note)
     s.update(drawn=drawn, notes=notes, values=before, after=after2)

@@ -13,6 +13,8 @@ The explorers only see :class:`ExpertTensors` and the tuner's DataFrame.
 from __future__ import annotations
 
 import importlib
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -59,6 +61,12 @@ def _require(module: str, what: str):
         raise
 
 
+VALUES_KEPT = 6
+"""Decoded arrays (a tensor of one expert: magnitudes or dead-scale masks) an :class:`ExpertTensors` keeps, the
+least recently used dropped: one real-size expert's magnitudes are ~60 MB (DeepSeek-R1 NVFP4 w13), so
+browsing a 256-expert layer stays within a few hundred MB."""
+
+
 @dataclass
 class ExpertTensors:
     """One MoE layer's experts in the checkpoint layout, and the plans the lab draws on them.
@@ -71,7 +79,7 @@ class ExpertTensors:
     moe: Any
     source: str
     _plans: dict = field(default_factory=dict, repr=False)
-    _values: dict = field(default_factory=dict, repr=False)
+    _values: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     @property
     def fmt(self) -> str:
@@ -115,25 +123,30 @@ class ExpertTensors:
         (per byte for packed fp4: the larger of its two values), or the decoded scales.
 
         Kept per ``(name, expert)`` (a real-size expert dequantizes in about a second), read-only."""
-        key = ("magnitude", name, expert)
-        if key not in self._values:
-            self._values[key] = self._magnitude(name, expert)
-            self._values[key].flags.writeable = False
-        return self._values[key]
+        return self._kept(("magnitude", name, expert), lambda: self._magnitude(name, expert))
 
     def dead(self, name: str, expert: int = 0) -> np.ndarray:
         """bool, shaped like :meth:`magnitude`: True where the element's decoded block scale is
         below :data:`fimoe_lab.formats.health.TINY_SCALE` (a dead scale; for a scale tensor,
-        the scale itself). All False for an unscaled format.
+        the scale itself). All False for an unscaled format, or when no scale is dead (then a
+        broadcast view: no memory per element).
 
         A scale of shape ``(rs, cs)`` (per tensor: ``(1, 1)``) covers ``ceil(R/rs) x ceil(C/cs)`` of the ``(R, C)``
         stored elements.
         """
-        key = ("dead", name, expert)
-        if key not in self._values:
-            self._values[key] = self._dead(name, expert)
+        return self._kept(("dead", name, expert), lambda: self._dead(name, expert))
+
+    def _kept(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
+        """``make()`` kept read-only under ``key``; the least recently used of more than :data:`VALUES_KEPT`
+        dropped (made again when asked)."""
+        if key in self._values:
+            self._values.move_to_end(key)
+        else:
+            self._values[key] = make()
             self._values[key].flags.writeable = False
-        return self._values[key]
+            while len(self._values) > VALUES_KEPT:
+                self._values.popitem(last=False)
+        return self._values[key]  # type: ignore[no-any-return]
 
     def _dead(self, name: str, expert: int) -> np.ndarray:
         from fimoe_lab.formats.health import TINY_SCALE
@@ -141,8 +154,10 @@ class ExpertTensors:
         shape = self.magnitude(name, expert).shape
         scale_name = name if name.endswith("_scale") else f"{name}_scale"
         if scale_name not in self.tensors:
-            return np.zeros(shape, dtype=bool)
+            return np.broadcast_to(np.False_, shape)
         tiny = self.magnitude(scale_name, expert) < TINY_SCALE
+        if not tiny.any():  # the usual case: no full-size mask (one R1 expert: 15 MB of fresh memory)
+            return np.broadcast_to(np.False_, shape)
         tiny = tiny.reshape(-1, 1) if tiny.ndim < 2 else tiny  # per tensor (or per projection)
         fr, fc = -(-shape[0] // tiny.shape[0]), -(-shape[1] // tiny.shape[1])
         return np.ascontiguousarray(np.repeat(np.repeat(tiny, fr, axis=0), fc, axis=1)[: shape[0], : shape[1]])
@@ -171,18 +186,42 @@ class ExpertTensors:
             },
         )
         parts = [q for part, q in one.quantized() if part in _PARTS[name]]  # only the tensor shown
-        if parts:  # each part straight into its rows (no concatenated copy)
-            pieces = [_stored_magnitude(q)[0].float() for q in parts]
-            out = np.empty((sum(p.shape[0] for p in pieces), pieces[0].shape[1]), dtype=np.float32)
+        if parts:  # each part straight into its rows (no concatenated copy), a band of rows at a time
+            rows = sum(q.values.shape[-2] for q in parts)
+            # torch's allocator, not numpy's: numpy advises huge pages for large arrays, and their first
+            # touch was 5-10x slower on the lab's 2-core VM (benchmarks/bench_lab.py, RESULTS.md)
+            out = torch.empty((rows, parts[0].values.shape[-1]), dtype=torch.float32).numpy()
             at = 0
-            for piece in pieces:
-                out[at : at + piece.shape[0]] = piece.numpy()
-                at += piece.shape[0]
+            for q in parts:
+                for band in _row_bands(q):
+                    piece = _stored_magnitude(band)[0].float().numpy()
+                    out[at : at + piece.shape[0]] = piece
+                    at += piece.shape[0]
             return out
         values = dict(zip(("w13", "w2"), one.dequantized()))[name][0].abs()
         if get_format(self.fmt).packed:
             values = values.reshape(values.shape[0], -1, 2).amax(dim=-1)
         return values.float().numpy()
+
+
+BAND_BYTES = 1 << 20
+"""Stored bytes per band of :func:`_row_bands`: each band's float32 temporaries stay a few MB (an R1
+expert's whole-tensor temporaries are 30 MB each, and fresh memory costs page faults)."""
+
+
+def _row_bands(q: Any) -> list[Any]:
+    """One expert's QuantizedTensor ``q`` (``(1, rows, cols)``) as bands of whole rows of about
+    :data:`BAND_BYTES` stored bytes, each with its rows of block scales (checkpoint layout: a scale row
+    per value row); ``[q]`` when its scales are not per row (per tensor)."""
+    rows, cols = q.values.shape[-2:]
+    scales = q.scales
+    if scales is None or scales.ndim < 2 or scales.shape[-2] != rows:
+        return [q]
+    step = max(1, BAND_BYTES // max(1, cols * q.values.element_size()))
+    return [
+        replace(q, values=q.values[..., a : a + step, :], scales=scales[..., a : a + step, :])
+        for a in range(0, rows, step)
+    ]
 
 
 def _stored_magnitude(q: Any) -> torch.Tensor:

@@ -27,9 +27,12 @@ applies; the backends and formats on offer are the rows of :mod:`fimoe_lab.specs
 
 from __future__ import annotations
 
+import gc
 import html
 import re
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
@@ -74,6 +77,23 @@ def parse_shape(text: str) -> tuple[int, int]:
     if not m or not all(int(v) > 0 for v in m.groups()):
         raise LayoutError(f"shape {text!r} is not 'I x H'", fix="type the intermediate and hidden size, e.g. 96x256")
     return int(m.group(1)), int(m.group(2))
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for one redraw, as it was after. A new figure allocates
+    ~10^5 objects (matplotlib artists), enough to start a full collection, which walks every object of
+    the kernel (~3.4 * 10^5 after the three layer explorers on an R1 layer: 0.15-0.3 s on a 2-core VM,
+    a third to half of a new tensor's redraw in benchmarks/bench_lab.py, where none runs now). Paused,
+    the redraw's objects are collected after it, as young objects (a few ms), and full collections
+    become rare; no memory is held longer than one redraw's garbage (freed at the next collection)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @lru_cache(maxsize=16)
@@ -297,9 +317,15 @@ class _Explorer(W.VBox):
         """Redraw from the controls' values; a bad combination shows its error instead.
 
         Any error leaves the last figure in place and says why; the next change redraws.
+        The garbage collector is paused meanwhile (:func:`_collector_paused`).
         """
         if self._busy:
             return
+        with _collector_paused():
+            self._redraw()
+
+    def _redraw(self) -> None:
+        """:meth:`refresh`'s work."""
         self._busy = True
         try:
             key = self._key()
