@@ -16,7 +16,9 @@ layer; the defaults give 4 x 0.70 GB = 2.8 GB), then, each in a child process of
   again byte-identical;
 - ``restore``: ``restore_checkpoint`` of the last one;
 
-then checks that the restored expert tensors equal the source's byte for byte. Every run reads
+then checks that the restored expert tensors equal the source's byte for byte. Each convert and the
+restore is also paired with a ``cp`` + ``sync`` of its own input timed right before it (``cp_pair_s``,
+``of_cp_pair``): on a disk whose speed drifts between runs that pair is the fair comparison. Every run reads
 a source the page cache has just seen (generated or copied), so the figures compare the tools,
 not a cold disk. Peak memory: ``VmHWM`` of the child, and the peak of ``RssAnon`` (anonymous
 memory: what the process allocated, without the memory-mapped input pages the kernel can drop)
@@ -170,6 +172,16 @@ def timed_cp(src: Path, dst: Path, fsync: bool) -> float:
     return time.perf_counter() - start
 
 
+def paired_cp(src: Path, work: Path) -> float:
+    """``cp`` + ``sync`` of ``src``'s shards timed right before a run (then deleted): the disk's figure under the
+    same conditions as that run. Where a disk's speed drifts (a VM's write bursts, writeback of the previous
+    run), the pair is the fair comparison; ``cp_s`` (measured once, first) is not."""
+    dst = work / "cp-pair"
+    seconds = timed_cp(src, dst, fsync=True)
+    shutil.rmtree(dst)
+    return seconds
+
+
 def _same_files(a: Path, b: Path) -> bool:
     names = sorted(p.name for p in a.iterdir())
     if names != sorted(p.name for p in b.iterdir()):
@@ -248,13 +260,17 @@ def main() -> int:
             for dev, n in runs:
                 key = dev + (f" lanes={n}" if n else "") + (f" #{i + 1}" if a.repeat > 1 else "")
                 outs.append(work / f"kernel-{dev}-{n or 'default'}-{i}")
+                paired = paired_cp(src, work)
                 converts[key] = run_child("convert", src, outs[-1], a, dev, n)
+                converts[key]["cp_pair_s"] = paired
                 if len(outs) > 1:  # compare, then keep one output at a time on the disk
                     same = _same_files(outs[-2], outs[-1])
                     results["kernel_outputs_identical"] = results.get("kernel_outputs_identical", True) and same
                     shutil.rmtree(outs[-2])
         last = outs[-1]
+        paired = paired_cp(last, work)
         rest = run_child("restore", last, work / "restored", a, "cpu")
+        rest["cp_pair_s"] = paired
         same_kernels = results.get("kernel_outputs_identical", True)
         ok = same_experts(src, work / "restored") and same_kernels
         results.update(
@@ -269,6 +285,8 @@ def main() -> int:
             r["gb_per_s"] = total / r["seconds"] / 1e9
             r["of_cp"] = cp_sync / r["seconds"]
             r["of_cp_with_startup"] = cp_sync / (r["seconds"] + r["startup_s"])
+            r["of_cp_pair"] = r["cp_pair_s"] / r["seconds"]
+            r["of_plain_cp"] = cp_only / r["seconds"]
             r["anon_over_layer"] = (r["anon_peak"] - r["anon_base"]) / layer_bytes
             r["hwm_over_layer"] = r["vm_hwm"] / layer_bytes
         print(table(results))
@@ -291,7 +309,7 @@ def table(r: dict) -> str:
         f"{c['moe_intermediate']}, FP8 block: {gb:.2f} GB ({layer:.2f} GB per layer); {r['backend']}, "
         f"{r['cpus']} CPUs",
         f"{'step':<14} {'s':>7} {'GB/s':>6} {'x cp':>6} {'anon peak-base GB':>18} {'/layer':>7} {'VmHWM GB':>9} "
-        f"{'start s':>8}",
+        f"{'start s':>8} {'paired cp s':>12} {'x paired':>9} {'x plain cp':>11}",
         f"{'cp+sync':<14} {r['cp_s']:>7.2f} {gb / r['cp_s']:>6.2f} {1:>6.2f}",
         f"{'cp':<14} {r['cp_nosync_s']:>7.2f} {gb / r['cp_nosync_s']:>6.2f} {r['cp_s'] / r['cp_nosync_s']:>6.2f}",
     ]
@@ -300,7 +318,7 @@ def table(r: dict) -> str:
         lines.append(
             f"{step:<14} {x['seconds']:>7.2f} {x['gb_per_s']:>6.2f} {x['of_cp']:>6.2f} "
             f"{(x['anon_peak'] - x['anon_base']) / 1e9:>18.2f} {x['anon_over_layer']:>7.2f} {x['vm_hwm'] / 1e9:>9.2f} "
-            f"{x['startup_s']:>8.2f}"
+            f"{x['startup_s']:>8.2f} {x['cp_pair_s']:>12.2f} {x['of_cp_pair']:>9.2f} {x['of_plain_cp']:>11.2f}"
         )
     if len(r["convert"]) > 1:
         lines.append(f"kernel outputs of {', '.join(r['convert'])} byte-identical: {r['kernel_outputs_identical']}")
