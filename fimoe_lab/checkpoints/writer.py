@@ -613,25 +613,36 @@ def _layer_chunks(
     """:func:`_converted_chunks` of one layer. From a checkpoint (a :class:`LayerLoader`): read a block of
     experts (one chunk, :func:`_chunk_experts`) at a time on a reader thread, block ``k+1`` while block ``k``
     is converted and handed to the writers, so reading overlaps the transform and about two blocks are
-    resident. Any other loader: the whole layer, chunked."""
+    resident; for a CUDA ``dev`` the reader also stages each block in pinned memory (:func:`_pinned`). Any other
+    loader: the whole layer, chunked."""
     if not isinstance(load, LayerLoader):
         yield from _converted_chunks(load(), choice, dev)
         return
     step, e_count = _chunk_experts(shape_layer), shape_layer.num_experts
     blocks = [(e0, min(e0 + step, e_count)) for e0 in range(0, e_count, step)]
+    read = (lambda b: _pinned(load(b))) if dev.type == "cuda" else load
     with ThreadPoolExecutor(1, thread_name_prefix="fimoe-lab-reader") as reader:
-        pending = reader.submit(load, blocks[0])
+        pending = reader.submit(read, blocks[0])
         for after in [*blocks[1:], None]:
             block = pending.result()
             if after is not None:
-                pending = reader.submit(load, after)
+                pending = reader.submit(read, after)
             yield from _converted_chunks(block, choice, dev, step)
             del block
+
+
+def _pinned(layer: MoELayer) -> MoELayer:
+    """``layer`` with every tensor copied into page-locked host memory. Run on the reader thread, so that this
+    copy overlaps the previous block's GPU work, and the chunks cut from it go to the GPU without another."""
+    pinned = {n: t.pin_memory() for n, t in layer.tensors().items() if t is not None}
+    return replace(layer.with_tensors(**pinned), extras={n: t.pin_memory() for n, t in layer.extras.items()})
 
 
 def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     if dev.type == "cpu":
         return t
+    if t.is_pinned():  # a chunk of a block staged by _pinned
+        return t.to(dev, non_blocking=True)
     pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     pinned.copy_(t)
     return pinned.to(dev, non_blocking=True)
