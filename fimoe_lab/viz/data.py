@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import Any, Optional, TypeVar
 
@@ -55,6 +55,7 @@ __all__ = [
     "RowWindow",
     "row_window",
     "memo",
+    "lru_get",
     "row_element_sources",
     "fill_mask",
     "has_fill",
@@ -84,14 +85,18 @@ def memo(fn: Callable[..., T], *args: Any) -> T:
     key = (getattr(fn, "__qualname__", repr(fn)),) + tuple(
         ("id", id(a)) if isinstance(a, (np.ndarray, torch.Tensor, IndexMap)) else a for a in args
     )
-    if key in _MEMO:
-        _MEMO.move_to_end(key)
-        return _MEMO[key][1]  # type: ignore[no-any-return]
-    out = fn(*args)
-    _MEMO[key] = (args, out)
-    while len(_MEMO) > MEMO_ENTRIES:
-        _MEMO.popitem(last=False)
-    return out
+    return lru_get(_MEMO, key, lambda: (args, fn(*args)), MEMO_ENTRIES)[1]  # type: ignore[no-any-return]
+
+
+def lru_get(cache: OrderedDict, key: Hashable, make: Callable[[], Any], limit: int) -> Any:
+    """``cache[key]``, from ``make()`` when absent; past ``limit`` entries the least recently used are dropped."""
+    if key in cache:
+        cache.move_to_end(key)
+    else:
+        cache[key] = make()
+        while len(cache) > limit:
+            cache.popitem(last=False)
+    return cache[key]
 
 
 def itemsize_of(fmt: str, tensor: str) -> int:
@@ -113,15 +118,19 @@ def _check_itemsize(m: IndexMap, itemsize: int) -> None:
         )
 
 
-def element_sources(m: IndexMap, itemsize: int = 1) -> np.ndarray:
+def element_sources(m: IndexMap, itemsize: int = 1, narrow: bool = False) -> np.ndarray:
     """int64 array of ``m.out_shape`` in elements: the flat input element of each output element.
 
-    ``-1`` marks fill. The last dim of ``out_shape`` is divided by ``itemsize``.
+    ``-1`` marks fill. The last dim of ``out_shape`` is divided by ``itemsize``. ``narrow``: int32 where the
+    input's elements fit (a scale map's always do): half the memory, and fresh memory is what a real-size
+    view pays for.
     """
     _check_itemsize(m, itemsize)
     src = m.refined(itemsize).src.numpy()
     shape = m.out_shape[:-1] + (m.out_shape[-1] // itemsize,)
-    return np.maximum(src, -1).reshape(shape)  # every fill code (negative) as -1
+    out = src.astype(np.int32 if narrow and m.in_bytes // itemsize < 2**31 else np.int64)
+    np.maximum(out, -1, out=out)  # every fill code (negative) as -1
+    return out.reshape(shape)
 
 
 def _cell_elements(m: IndexMap, itemsize: int) -> int:
@@ -638,15 +647,6 @@ def _row_col(flat: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
     return row, col
 
 
-def _flat_sources(m: IndexMap, itemsize: int) -> np.ndarray:
-    """:func:`element_sources` of ``m``, flat, in int32 where the input's elements fit (a scale map's
-    always do): half the memory, and fresh memory is what a real-size view pays for."""
-    wide = m.in_bytes // itemsize >= 2**31
-    src = m.refined(itemsize).src.numpy().astype(np.int64 if wide else np.int32)
-    np.maximum(src, -1, out=src)  # every fill code (negative) as -1
-    return src
-
-
 def _taken_at(src: np.ndarray, size: int, fill: bool) -> np.ndarray:
     """Where each of ``size`` inputs is taken in ``src`` (``out[i] = in[src[i]]``; negative: fill, only
     when ``fill``): its position, -1 where none takes it. int32 (int64 past 2**31 positions): half the
@@ -673,8 +673,7 @@ def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
             f"{m.name} does not end with swizzle_scales_128x4; there is no swizzled buffer to draw",
             fix="pick a TRT-LLM scale map (w13_scale or w2_scale of mxfp8, nvfp4 or mxfp4)",
         )
-    _check_itemsize(m, itemsize)
-    src = _flat_sources(m, itemsize)
+    src = element_sources(m, itemsize, narrow=True).reshape(-1)
     if src.size % ATOM:
         raise LayoutError(
             f"{m.name}: buffer of {src.size} scales is not whole 512-scale atoms",
@@ -685,9 +684,9 @@ def swizzle_view(m: IndexMap, itemsize: int = 1) -> SwizzleView:
     cp_atoms = m.out_shape[-1] // itemsize // 4
     atoms = np.arange(src.size // ATOM)
     last = m.steps[-1]
-    _check_itemsize(last, itemsize)
     rows, cols = _row_col(src, in_cols)
-    k_rows, k_cols_of = _row_col(_flat_sources(last, itemsize), last.in_shape[-1] // itemsize)
+    k_src = element_sources(last, itemsize, narrow=True).reshape(-1)
+    k_rows, k_cols_of = _row_col(k_src, last.in_shape[-1] // itemsize)
     return SwizzleView(
         rows.reshape(-1, 16),
         cols.reshape(-1, 16),

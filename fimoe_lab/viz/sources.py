@@ -25,6 +25,7 @@ import torch
 from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.plan import LayerPlan
 from fimoe_lab.specs import get_format, tuner_formats, weight_formats
+from fimoe_lab.viz.data import lru_get
 
 __all__ = [
     "ExpertTensors",
@@ -139,14 +140,13 @@ class ExpertTensors:
     def _kept(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
         """``make()`` kept read-only under ``key``; the least recently used of more than :data:`VALUES_KEPT`
         dropped (made again when asked)."""
-        if key in self._values:
-            self._values.move_to_end(key)
-        else:
-            self._values[key] = make()
-            self._values[key].flags.writeable = False
-            while len(self._values) > VALUES_KEPT:
-                self._values.popitem(last=False)
-        return self._values[key]  # type: ignore[no-any-return]
+
+        def read_only() -> np.ndarray:
+            a = make()
+            a.flags.writeable = False
+            return a
+
+        return lru_get(self._values, key, read_only, VALUES_KEPT)  # type: ignore[no-any-return]
 
     def _dead(self, name: str, expert: int) -> np.ndarray:
         from fimoe_lab.formats.health import TINY_SCALE
