@@ -95,13 +95,19 @@ def oracle(w: torch.Tensor, quant_type: str = "fp4", layout: str = "0.6.16") -> 
 VARIANTS = [("fp4", "0.6.16"), ("fp4_fp8", "0.6.16"), ("int4", "0.6.16"), ("fp4", "0.6.10"), ("int4", "0.6.10")]
 
 
-def nibble_coordinates(experts: int, rows: int, cols_bytes: int) -> torch.Tensor:
-    """Structured input: the 4-bit value at (expert, row, value v) is ``(3 e + 5 row + v) % 16``, never all zero."""
-    e = torch.arange(experts)[:, None, None]
-    r = torch.arange(rows)[None, :, None]
-    v = torch.arange(2 * cols_bytes)[None, None, :]
-    nib = (3 * e + 5 * r + v) % 16
-    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
+def _golden_script():
+    """``scripts/golden_sm90_mixed.py`` as a module (it records the H200 golden; its inputs serve here too)."""
+    spec = importlib.util.spec_from_file_location("golden_sm90_mixed", ROOT / "scripts" / "golden_sm90_mixed.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SCRIPT = _golden_script()
+nibble_coordinates = SCRIPT.nibble_coordinates
+"""Structured input ``(experts, rows, bytes)``: the 4-bit value at (expert, row, value v) is ``(3 e + 5 row + v)
+% 16``, never all zero (the golden script's, so the recorded inputs and these are one rule)."""
 
 
 def bit_sources(fn, rows: int, cols_bytes: int) -> torch.Tensor:
@@ -552,10 +558,7 @@ def test_against_flashinfer_cuda_golden():
 def test_golden_script_format_by_dry_run(tmp_path):
     """The script's files load with ``goldens.load_cases`` and pass the checks above (its ``--dry-run``
     records fimoe_lab's own bytes: this checks the format and the kernel loop, not FlashInfer)."""
-    spec = importlib.util.spec_from_file_location("golden_sm90_mixed", ROOT / "scripts" / "golden_sm90_mixed.py")
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = SCRIPT
     assert script.main(["--dry-run", "--small", "--out", str(tmp_path)]) == 0
     cases = goldens.load_cases(tmp_path / "sm90_mixed.json")
     assert len(cases) == 3 * (2 * 3 + 12) + 2 and len({c["name"] for c in cases}) == len(cases)
