@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from fimoe_lab import prepare, recipes  # noqa: E402
+from fimoe_lab import kernels, prepare, recipes  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -201,6 +201,9 @@ def bench_case(name, dev, args):
     n_in = sum(t.nbytes for t in ins)
     rec = {"dropin": name, "bytes_in": n_in, "in_place": in_place, "experts": ins[0].shape[0]}
     rec["first_s"] = time_call(lambda: call(*ins), dev)
+    # the first calls of a fresh process may run on a stand-in while the executor loads in
+    # the background; "warm" is the loaded executor's
+    kernels.load_executor(kernels.pick_backend(dev, max(t.nbytes for t in ins)))
     outs = call(*ins)
     n_out = n_in if in_place else sum(t.nbytes for t in outs)
     rec["bytes_out"] = n_out

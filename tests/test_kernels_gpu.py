@@ -119,6 +119,31 @@ def test_gpu_bit_exact(m, backend):
         assert torch.equal(out, reference(m, x))
 
 
+TILE_CONFIGS = [
+    {"evict": False, "store_cs": False, "wide_below": 0},
+    {"wide_below": 4096, "max_bw": 64},
+    {"swizzle_wide_below": 64},
+    {"swizzle_wide_below": 128, "swizzle_kw": 128},
+    {"swizzle_wide_below": 8, "swizzle_kw": 8},
+]
+
+
+@pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("m", list(maps()))
+def test_gpu_tile_choices_bit_exact(m, cfg):
+    """Every row / column chunking (masked overhangs) and cache hint moves the same bytes."""
+    from fimoe_lab.kernels.triton_gather import gather_triton
+
+    experts = 3 if m.in_bytes > (1 << 22) else 5
+    for x in inputs(m, experts):
+        if m.in_bytes % 4:
+            continue
+        out = torch.full((experts, m.out_bytes), 0xAB, dtype=torch.uint8, device="cuda")
+        gather_triton(m.compiled(), x, out, cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(out, reference(m, x))
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_unaligned_and_typed(backend):
     m = plan_layer("bf16", "trtllm", 256, 256).w13
@@ -154,14 +179,14 @@ def test_gpu_in_place(backend, strategy, scratch):
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
-@pytest.mark.parametrize("tile_words,cycle_bw", [(64, 1), (256, 8), (8192, 256)])
-def test_gpu_in_place_cycles_tile_sizes(tile_words, cycle_bw):
+@pytest.mark.parametrize("cycle_slots,cycle_bw", [(64, 1), (32, 8), (32, 256), (256, 64)])
+def test_gpu_in_place_cycles_tile_sizes(cycle_slots, cycle_bw):
     """Tiny tiles cut many cycles (most cells saved aside); big ones cut few."""
     for m in (plan_layer("fp8-block", "trtllm", 256, 512).w13, plan_layer("nvfp4", "trtllm", 256, 512).w13):
         for x in inputs(m, 4):
             want = reference(m, x)
             execute_in_place(
-                m.compiled(), x, 1, config={"inplace": "cycles", "tile_words": tile_words, "cycle_bw": cycle_bw}
+                m.compiled(), x, 1, config={"inplace": "cycles", "cycle_slots": cycle_slots, "cycle_bw": cycle_bw}
             )
             torch.cuda.synchronize()
             assert torch.equal(x, want)
@@ -233,7 +258,7 @@ def test_gpu_in_place_bands_refuses_other_maps():
         # the whole (single) launch ran, then the caller fails once
         ("inplace_swizzled_bands", "mxfp8", "w13_scale", 2, None, 0),
         # two chunks launched (tiny tiles: one expert per chunk), then the caller fails once
-        ("inplace_cycles", "fp8-block", "w13", 1, {"inplace": "cycles", "tile_words": 2, "cycle_bw": 1}, 1),
+        ("inplace_cycles", "fp8-block", "w13", 1, {"inplace": "cycles", "cycle_slots": 2, "cycle_bw": 1}, 1),
     ],
 )
 def test_gpu_in_place_error_midway_is_undone(monkeypatch, runner, fmt, tensor, scratch, config, fail_after):

@@ -4,7 +4,9 @@ Three tile shapes, chosen from the map's executable form:
 
 - ``rows``: cells of 16 bytes or more. A program moves one ``BM x BW`` tile of 4-byte
   words: ``BM`` output cells, ``BW`` consecutive words of each, so every row of the tile
-  is a contiguous run of its source cell and loads/stores are 16-byte vectors.
+  is a contiguous run of its source cell and loads/stores are 16-byte vectors. ``BW`` is
+  the cell's largest power-of-two divisor in words, or (under ``wide_below``) one
+  power-of-two chunk as wide as the cell with its overhang masked.
 - ``swizzle``: a row permutation (any chain of row steps, fill rows allowed) followed
   by the 128x4 scale swizzle. A program loads a 128-row band x ``KW`` words of its
   source rows (coalesced), transposes the (4, 32) row grid in registers, and stores one
@@ -12,7 +14,8 @@ Three tile shapes, chosen from the map's executable form:
 - ``words``: anything else (cells under 16 bytes): one program per block of output
   words, each word fetched on its own.
 
-Grid: (tiles per expert, experts). Fill cells (``src < 0``) take their fill word from a
+``evict`` / ``store_cs`` make loads evict-first and stores streaming (off: no gain
+measured on the H200, benchmarks/RESULTS.md). Grid: (tiles per expert, experts). Fill cells (``src < 0``) take their fill word from a
 tiny table; a row gather whose rows are padded on the right uses the ``rows`` kernel
 over whole output rows.
 
@@ -38,18 +41,39 @@ CONFIG = {
     "tile_words": 4096,
     "num_warps": 4,
     "evict": False,
+    "store_cs": False,
     "block_1d": 8192,
     "warps_1d": 8,
     "max_bw": 1024,
-    "swizzle_kw": 32,
+    "wide_below": 128,
+    "swizzle_kw": 128,
+    "swizzle_wide_below": 128,
     "swizzle_warps": 4,
     "use_swizzle": True,
     # in place (the strategy itself is chosen by the registry: config["inplace"])
     "cycle_bw": 64,
+    "cycle_slots": 128,
     "band_words": 64,
     "band_per_sm": 32,
     "band_warps": 4,
 }
+
+
+@triton.jit
+def _load(ptr, mask, EVICT: tl.constexpr):
+    """EVICT: each source byte is read once, so its lines leave L2 first."""
+    if EVICT:
+        return tl.load(ptr, mask=mask, eviction_policy="evict_first")
+    return tl.load(ptr, mask=mask)
+
+
+@triton.jit
+def _store(ptr, v, mask, STCS: tl.constexpr):
+    """STCS: streaming stores (``st.global.cs``), the output is not read again by this launch."""
+    if STCS:
+        tl.store(ptr, v, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(ptr, v, mask=mask)
 
 
 @triton.jit
@@ -68,8 +92,11 @@ def _rows_tile(
     EVICT: tl.constexpr,
     WI: tl.constexpr,
     CF: tl.constexpr,
+    CM: tl.constexpr,
+    STCS: tl.constexpr,
 ):
-    # output rows of W words from input rows of WI words (WI < W: columns >= WI are fill CF)
+    # output rows of W words from input rows of WI words (WI < W: columns >= WI are fill CF);
+    # CM: the NC chunks of BW words overhang the row (BW * NC > W), columns >= W are masked
     rb = t // NC
     cc = t % NC
     rows = rb * BM + tl.arange(0, BM)
@@ -84,24 +111,38 @@ def _rows_tile(
         m = rmask
     cols = cc * BW + tl.arange(0, BW)
     src = xb + s.to(tl.int64)[:, None] * WI + cols[None, :]
+    sm = rmask[:, None]
+    if CM:
+        sm = sm & (cols < W)[None, :]
     if WI < W:
         cin = cols < WI
         lm = m[:, None] & cin[None, :]
     else:
         lm = m[:, None]
-    if EVICT:
-        v = tl.load(src, mask=lm, eviction_policy="evict_first")
-    else:
-        v = tl.load(src, mask=lm)
+    if CM:
+        lm = lm & (cols < W)[None, :]
+    v = _load(src, lm, EVICT)
     if WI < W:
         v = tl.where(cin[None, :], v, tl.load(fill_ptr + CF))
     if HAS_FILL:
         v = tl.where(valid[:, None], v, fw[:, None])
-    tl.store(ob + rows.to(tl.int64)[:, None] * W + cols[None, :], v, mask=rmask[:, None])
+    _store(ob + rows.to(tl.int64)[:, None] * W + cols[None, :], v, sm, STCS)
 
 
 @triton.jit
-def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.constexpr, HAS_FILL: tl.constexpr):
+def _words_block(
+    xb,
+    ob,
+    src_ptr,
+    fill_ptr,
+    n_out,
+    t,
+    W: tl.constexpr,
+    B: tl.constexpr,
+    HAS_FILL: tl.constexpr,
+    EVICT: tl.constexpr,
+    STCS: tl.constexpr,
+):
     j = t * B + tl.arange(0, B)
     m = j < n_out * W
     cell = j // W
@@ -110,11 +151,11 @@ def _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W: tl.constexpr, B: tl.con
         valid = s >= 0
         fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0), mask=m, other=0)
         s = tl.maximum(s, 0)
-        v = tl.load(xb + s.to(tl.int64) * W + j % W, mask=m & valid)
+        v = _load(xb + s.to(tl.int64) * W + j % W, m & valid, EVICT)
         v = tl.where(valid, v, fw)
     else:
-        v = tl.load(xb + s.to(tl.int64) * W + j % W, mask=m)
-    tl.store(ob + j, v, mask=m)
+        v = _load(xb + s.to(tl.int64) * W + j % W, m, EVICT)
+    _store(ob + j, v, m, STCS)
 
 
 @triton.jit
@@ -127,7 +168,17 @@ def _swizzle_128x4(v, NB: tl.constexpr, KW: tl.constexpr):
 
 @triton.jit
 def _swizzle_tile(
-    xb, ob, rows_ptr, fill_ptr, t, CW: tl.constexpr, KW: tl.constexpr, NK: tl.constexpr, HAS_FILL: tl.constexpr
+    xb,
+    ob,
+    rows_ptr,
+    fill_ptr,
+    t,
+    CW: tl.constexpr,
+    KW: tl.constexpr,
+    NK: tl.constexpr,
+    HAS_FILL: tl.constexpr,
+    EVICT: tl.constexpr,
+    STCS: tl.constexpr,
 ):
     band = t // NK
     kc = t % NK
@@ -138,12 +189,18 @@ def _swizzle_tile(
         fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0))
         s = tl.maximum(s, 0)
     k = kc * KW + tl.arange(0, KW)
-    v = tl.load(xb + s.to(tl.int64)[:, None] * CW + k[None, :])
+    p = tl.arange(0, KW * 128)
+    if KW * NK > CW:  # the last chunk overhangs the row: words >= CW are masked
+        v = _load(xb + s.to(tl.int64)[:, None] * CW + k[None, :], (k < CW)[None, :], EVICT)
+        om = kc * KW + p // 128 < CW
+    else:
+        v = _load(xb + s.to(tl.int64)[:, None] * CW + k[None, :], None, EVICT)
+        om = None
     if HAS_FILL:
         v = tl.where(valid[:, None], v, fw[:, None])
     v = _swizzle_128x4(v, 1, KW)
     base = band.to(tl.int64) * 128 * CW + kc * (KW * 128)
-    tl.store(ob + base + tl.arange(0, KW * 128), v)
+    _store(ob + base + p, v, om, STCS)
 
 
 @triton.jit
@@ -167,17 +224,19 @@ def _gather_kernel(
     EVICT: tl.constexpr,
     WI: tl.constexpr,
     CF: tl.constexpr,
+    CM: tl.constexpr,
+    STCS: tl.constexpr,
 ):
     t = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
     xb = x_ptr + e * in_words
     ob = out_ptr + e * out_words
     if KIND == 0:
-        _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t, W, BM, BW, NC, HAS_FILL, EVICT, WI, CF)
+        _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t, W, BM, BW, NC, HAS_FILL, EVICT, WI, CF, CM, STCS)
     elif KIND == 1:
-        _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL)
+        _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL, EVICT, STCS)
     else:
-        _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, HAS_FILL)
+        _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, HAS_FILL, EVICT, STCS)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -185,6 +244,18 @@ def _pow2_divisor(n: int, cap: int) -> int:
     while p * 2 <= cap and n % (p * 2) == 0:
         p *= 2
     return p
+
+
+def _row_chunks(w: int, cap: int, wide_below: int) -> tuple[int, int]:
+    """Words per tile row ``bw`` (a power of two: Triton's ``arange``) and chunks per row
+    ``cdiv(w, bw)`` for rows of ``w`` words: the largest power-of-two divisor of ``w`` up to
+    ``cap``; if that is under ``wide_below``, one power-of-two chunk as wide as the row up to
+    ``cap`` instead, its overhang masked (a row split into narrow chunks spreads over as many
+    programs, and DRAM pages are opened once per chunk)."""
+    bw = _pow2_divisor(w, cap)
+    if bw < wide_below:
+        bw = min(triton.next_power_of_2(w), cap)
+    return bw, triton.cdiv(w, bw)
 
 
 def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
@@ -195,30 +266,25 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
     if pr is not None and pr[1] % 4 == 0 and pr[2] % 4 == 0:
         rows_src, c_in, c_out, col_code = pr
         w, wi = c_out // 4, c_in // 4
-        bw = _pow2_divisor(w, cfg["max_bw"])
+        bw, nc = _row_chunks(w, cfg["max_bw"], cfg["wide_below"])
         n_rows = rows_src.size
         bm = max(1, min(cfg["tile_words"] // bw, triton.next_power_of_2(n_rows)))
-        nc = w // bw
-        meta = dict(
-            KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code, num_warps=cfg["num_warps"]
-        )
-        return meta, triton.cdiv(n_rows, bm) * nc, (rows_src, n_rows)
+        meta = dict(KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code, CM=bw * nc > w)
+        return dict(meta, num_warps=cfg["num_warps"]), triton.cdiv(n_rows, bm) * nc, (rows_src, n_rows)
     swz = em.swizzle if (cfg["use_swizzle"] and word == 4) else None
     if swz is not None:
         rows_src, cw, rows_out = swz
-        kw = _pow2_divisor(cw, cfg["swizzle_kw"])
+        kw, nk = _row_chunks(cw, cfg["swizzle_kw"], cfg["swizzle_wide_below"])
         if kw >= 4:
-            nk = cw // kw
-            meta = dict(KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, num_warps=cfg["swizzle_warps"])
-            return meta, (rows_out // 128) * nk, (rows_src, rows_out)
+            meta = dict(KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, CM=False)
+            return dict(meta, num_warps=cfg["swizzle_warps"]), (rows_out // 128) * nk, (rows_src, rows_out)
     if em.cell_bytes >= 16 and wpc >= 4:
-        bw = _pow2_divisor(wpc, cfg["max_bw"])
+        bw, nc = _row_chunks(wpc, cfg["max_bw"], cfg["wide_below"])
         bm = max(1, min(cfg["tile_words"] // bw, triton.next_power_of_2(em.n_out)))
-        nc = wpc // bw
-        meta = dict(KIND=0, W=wpc, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wpc, CF=0, num_warps=cfg["num_warps"])
-        return meta, triton.cdiv(em.n_out, bm) * nc, None
+        meta = dict(KIND=0, W=wpc, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wpc, CF=0, CM=bw * nc > wpc)
+        return dict(meta, num_warps=cfg["num_warps"]), triton.cdiv(em.n_out, bm) * nc, None
     b = min(cfg["block_1d"], triton.next_power_of_2(em.n_out * wpc))
-    meta = dict(KIND=1, W=wpc, BM=1, BW=1, NC=1, B=b, KW=1, NK=1, WI=wpc, CF=0, num_warps=cfg["warps_1d"])
+    meta = dict(KIND=1, W=wpc, BM=1, BW=1, NC=1, B=b, KW=1, NK=1, WI=wpc, CF=0, CM=False, num_warps=cfg["warps_1d"])
     return meta, triton.cdiv(em.n_out * wpc, b), None
 
 
@@ -265,6 +331,7 @@ def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict 
         n_out,
         HAS_FILL=em.has_fill,
         EVICT=cfg["evict"],
+        STCS=cfg["store_cs"],
         **meta,
     )
 
@@ -283,6 +350,8 @@ def _cycle_kernel(
     BM: tl.constexpr,
     BW: tl.constexpr,
     NC: tl.constexpr,
+    EVICT: tl.constexpr,
+    STCS: tl.constexpr,
 ):
     """One tile of a cycle plan for expert ``program_id(1)``: ``BM`` slots x ``BW`` words.
 
@@ -304,11 +373,11 @@ def _cycle_kernel(
         d = tl.load(dst_ptr + slots, mask=m, other=0).to(tl.int64)
         s = tl.load(src_ptr + slots, mask=m, other=0).to(tl.int64)
         here = s >= 0
-        v = tl.load(xb + tl.maximum(s, 0)[:, None] * W + cols[None, :], mask=(m & here)[:, None])
+        v = _load(xb + tl.maximum(s, 0)[:, None] * W + cols[None, :], (m & here)[:, None], EVICT)
         vb = tl.load(bb + tl.maximum(-1 - s, 0)[:, None] * W + cols[None, :], mask=(m & ~here)[:, None])
         v = tl.where(here[:, None], v, vb)
         tl.debug_barrier()  # every load of the tile is done before any store overwrites a source
-        tl.store(xb + d[:, None] * W + cols[None, :], v, mask=m[:, None])
+        _store(xb + d[:, None] * W + cols[None, :], v, m[:, None], STCS)
 
 
 def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
@@ -329,7 +398,7 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
     word = aligned_word(min(em.word, 4), flat)
     wpc = em.cell_bytes // word
     bw = _pow2_divisor(wpc, cfg["cycle_bw"])
-    bm = triton.next_power_of_2(max(1, cfg["tile_words"] // bw))
+    bm = triton.next_power_of_2(max(1, cfg["cycle_slots"]))
     nc = wpc // bw
     plan = cycle_plan(em, bm)
     if plan.moved == 0:
@@ -342,7 +411,7 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
     scratch = torch.empty((per * n_saved * wpc,), dtype=dt, device=flat.device)
     xw = flat.view(dt)
     ew = nbytes // word
-    meta = dict(W=wpc, BM=bm, BW=bw, NC=nc, num_warps=cfg["num_warps"])
+    meta = dict(W=wpc, BM=bm, BW=bw, NC=nc, EVICT=cfg["evict"], STCS=cfg["store_cs"], num_warps=cfg["num_warps"])
     for s0 in range(0, experts, per):
         cnt = min(per, experts - s0)
         part = xw[s0 : s0 + cnt]
