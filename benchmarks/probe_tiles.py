@@ -39,13 +39,17 @@ from fimoe_lab.kernels import triton_gather as tg  # noqa: E402
 from fimoe_lab.prepare import plan_layer  # noqa: E402
 
 CUDA = torch.device("cuda")
-PREVIOUS = {"wide_below": 0, "swizzle_kw": 32, "swizzle_wide_below": 0}
+PREVIOUS = {"wide_below": 0, "swizzle_kw": 32, "swizzle_wide_below": 0, "tile_2d_max_cell": 0}
 OUT_OF_PLACE = {
     "default": {},
     "previous": PREVIOUS,
     "hints": {"evict": True, "store_cs": True},
     "narrow": {"wide_below": 0},
     "swz_kw32": {"swizzle_kw": 32, "swizzle_wide_below": 0},
+    "1d": {"tile_2d_max_cell": 0},
+    "2d_run8": {"run_cells": 8},
+    "2d_run32": {"run_cells": 32},
+    "2d_tw8192": {"tile_words": 8192},
 }
 IN_PLACE = {
     "ip_default": {},
@@ -138,6 +142,8 @@ def applies(name: str, em) -> bool:
         return em.swizzle is not None
     if name == "narrow":
         return em.swizzle is None
+    if name.startswith(("1d", "2d")):
+        return em.cell_bytes <= 256 and em.swizzle is None
     return True
 
 

@@ -125,6 +125,8 @@ TILE_CONFIGS = [
     {"swizzle_wide_below": 64},
     {"swizzle_wide_below": 128, "swizzle_kw": 128},
     {"swizzle_wide_below": 8, "swizzle_kw": 8},
+    {"tile_2d_max_cell": 0},
+    {"tile_2d_max_cell": 1 << 20, "run_cells": 2, "tile_words": 256},
 ]
 
 

@@ -6,7 +6,9 @@ Three tile shapes, chosen from the map's executable form:
   words: ``BM`` output cells, ``BW`` consecutive words of each, so every row of the tile
   is a contiguous run of its source cell and loads/stores are 16-byte vectors. ``BW`` is
   the cell's largest power-of-two divisor in words, or (under ``wide_below``) one
-  power-of-two chunk as wide as the cell with its overhang masked.
+  power-of-two chunk as wide as the cell with its overhang masked. Small cells of a
+  map that transposes them (block-major-K) take 2-D tiles: runs of consecutive output
+  cells in consecutive lines, so reads and writes both come in runs.
 - ``swizzle``: a row permutation (any chain of row steps, fill rows allowed) followed
   by the 128x4 scale swizzle. A program loads a 128-row band x ``KW`` words of its
   source rows (coalesced), transposes the (4, 32) row grid in registers, and stores one
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +49,8 @@ CONFIG = {
     "warps_1d": 8,
     "max_bw": 1024,
     "wide_below": 128,
+    "tile_2d_max_cell": 256,  # bytes; 0: 1-D tiles only
+    "run_cells": 16,
     "swizzle_kw": 128,
     "swizzle_wide_below": 128,
     "swizzle_warps": 4,
@@ -94,12 +99,20 @@ def _rows_tile(
     CF: tl.constexpr,
     CM: tl.constexpr,
     STCS: tl.constexpr,
+    S2: tl.constexpr,
+    R2: tl.constexpr,
 ):
     # output rows of W words from input rows of WI words (WI < W: columns >= WI are fill CF);
-    # CM: the NC chunks of BW words overhang the row (BW * NC > W), columns >= W are masked
+    # CM: the NC chunks of BW words overhang the row (BW * NC > W), columns >= W are masked.
+    # S2 > 0: the output cells are lines of S2 and tile rb is BM // R2 lines x R2 cells of them
     rb = t // NC
     cc = t % NC
-    rows = rb * BM + tl.arange(0, BM)
+    j = tl.arange(0, BM)
+    if S2 > 0:
+        runs = S2 // R2
+        rows = ((rb // runs) * (BM // R2) + j // R2) * S2 + (rb % runs) * R2 + j % R2
+    else:
+        rows = rb * BM + j
     rmask = rows < n_out
     s = tl.load(src_ptr + rows, mask=rmask, other=0)
     if HAS_FILL:
@@ -226,13 +239,15 @@ def _gather_kernel(
     CF: tl.constexpr,
     CM: tl.constexpr,
     STCS: tl.constexpr,
+    S2: tl.constexpr,
+    R2: tl.constexpr,
 ):
     t = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
     xb = x_ptr + e * in_words
     ob = out_ptr + e * out_words
     if KIND == 0:
-        _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t, W, BM, BW, NC, HAS_FILL, EVICT, WI, CF, CM, STCS)
+        _rows_tile(xb, ob, src_ptr, fill_ptr, n_out, t, W, BM, BW, NC, HAS_FILL, EVICT, WI, CF, CM, STCS, S2, R2)
     elif KIND == 1:
         _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL, EVICT, STCS)
     else:
@@ -282,10 +297,38 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         bw, nc = _row_chunks(wpc, cfg["max_bw"], cfg["wide_below"])
         bm = max(1, min(cfg["tile_words"] // bw, triton.next_power_of_2(em.n_out)))
         meta = dict(KIND=0, W=wpc, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wpc, CF=0, CM=bw * nc > wpc)
+        small = nc == 1 and em.cell_bytes <= cfg["tile_2d_max_cell"]
+        lines = _transposed_tiles(em, bm, cfg["run_cells"]) if small else None
+        if lines is not None:
+            meta.update(S2=lines[0], R2=lines[1])
         return dict(meta, num_warps=cfg["num_warps"]), triton.cdiv(em.n_out, bm) * nc, None
     b = min(cfg["block_1d"], triton.next_power_of_2(em.n_out * wpc))
     meta = dict(KIND=1, W=wpc, BM=1, BW=1, NC=1, B=b, KW=1, NK=1, WI=wpc, CF=0, CM=False, num_warps=cfg["warps_1d"])
     return meta, triton.cdiv(em.n_out * wpc, b), None
+
+
+def _transposed_tiles(em: ExecMap, bm: int, run_cells: int) -> tuple[int, int] | None:
+    """``(S, R)`` for ``rows`` tiles of ``R`` consecutive output cells in each of ``bm // R``
+    consecutive lines of ``S`` cells, when the map transposes cells (block-major-K: output
+    cell ``(kb, n)`` of lines of ``S = N`` reads input cell ``(n, kb)``): consecutive output
+    cells come from cells apart in the input, and the next input cell of the first one is
+    ``S`` output cells on. Such a tile reads runs of ``bm // R`` input cells and writes runs
+    of ``R`` output cells, where a 1-D tile reads ``bm`` scattered cells. Any tiling moves
+    the same bytes; None: 1-D tiles (no such ``S``, or it does not divide into ``R x
+    bm // R`` tiles with ``R`` and ``bm // R`` at least 2)."""
+    key = ("transposed tiles", bm, run_cells)
+    if key not in em._dev:
+        src, n = em.src, em.n_out
+        found = None
+        if n >= 4 and src[0] >= 0 and src[1] != src[0] + 1:
+            hits = np.flatnonzero(src == src[0] + 1)
+            if hits.size and n % int(hits[0]) == 0:
+                s2 = int(hits[0])
+                r2 = _pow2_divisor(s2, min(run_cells, bm // 2))
+                if r2 >= 2 and (n // s2) % (bm // r2) == 0:
+                    found = (s2, r2)
+        em._dev[key] = found
+    return em._dev[key]
 
 
 def _rows_on(em: ExecMap, rows_src, device, kind: int) -> torch.Tensor:
@@ -332,7 +375,7 @@ def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict 
         HAS_FILL=em.has_fill,
         EVICT=cfg["evict"],
         STCS=cfg["store_cs"],
-        **meta,
+        **dict(dict(S2=0, R2=1), **meta),
     )
 
 
