@@ -145,8 +145,10 @@ def make_case(name, experts, dev, g):
         ins = [rnd(e, 2 * i, 2 * h).view(torch.bfloat16), rnd(e, h, 2 * i).view(torch.bfloat16)]
         plan = recipes.plan_trtllm_bf16_block_layout(2 * i, h, i, True)
 
+        cache: dict = {}  # one dict for every call, as an engine passes its own across layers
+
         def call(a, b):
-            return prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, a, b)
+            return prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(cache, a, b)
 
         def seed(a, b):
             seed_per_expert_in_place(plan.w13, a)

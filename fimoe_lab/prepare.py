@@ -675,7 +675,8 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
         (m13, k13), (w2_weight.shape[1], w2_weight.shape[2] * 2), is_gated_act_gemm, engine=engine
     )
     for key, rows_map in ((key13, flashinfer_w13_rows), (key2, plan.w2.row_steps())):
-        cache_permute_indices.setdefault(key, rows_map.row_sources().to(w13_weight.device))
+        if key not in cache_permute_indices:  # built (and copied to the device) once per shape
+            cache_permute_indices[key] = rows_map.row_sources().to(w13_weight.device)
     o13, o2 = _apply_in_place(
         [(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts
     )
