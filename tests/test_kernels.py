@@ -376,6 +376,33 @@ def test_numba_streaming_paths_bit_exact(monkeypatch, fmt, inter, hidden, kw, of
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
+@pytest.mark.parametrize("spread_min", [0, 1 << 30])
+@pytest.mark.parametrize(
+    "fmt,inter,hidden",
+    [("nvfp4", 2048, 7168), ("mxfp8", 2048, 7168), ("mxfp8", 192, 4096), ("nvfp4", 256, 512), ("mxfp8", 256, 768)],
+)
+def test_numba_swizzle_prefetch_paths_bit_exact(monkeypatch, spread_min, fmt, inter, hidden):
+    """The 128x4 swizzle's two prefetch schedules (the next band spread over the column steps,
+    or bands ahead at once) leave the output of every scale map the map's: rows of 16-448
+    bytes, fill rows (padded MXFP8), several bands and experts, streaming and plain stores."""
+    from fimoe_lab.kernels import numba_gather
+
+    monkeypatch.setattr(numba_gather, "SWIZZLE_SPREAD_MIN_ROW_BYTES", spread_min)
+    plan = plan_layer(fmt, "trtllm", inter, hidden)
+    swizzled = [m for m in (plan.w13_scale, plan.w2_scale) if m.compiled().swizzle is not None]
+    assert swizzled
+    for m in swizzled:
+        for stream in (0, 1 << 62):
+            monkeypatch.setattr(numba_gather, "STREAM_MIN_BYTES", stream)
+            for x in (coords_bytes(3, m.in_bytes), random_bytes((3, m.in_bytes), torch.uint8, seed=inter)):
+                raw = torch.full((3 * m.out_bytes + 64,), 0xAB, dtype=torch.uint8)
+                off = (-raw.data_ptr()) % 64
+                out = raw[off : off + 3 * m.out_bytes].view(3, m.out_bytes)
+                numba_gather.gather_numba(m.compiled(), x, out)
+                assert torch.equal(out, reference(m, x)), (m.name, stream)
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("cell", [4, 8, 16, 64, 128])
 def test_numba_cell_gathers_follow_sources_in_visit_order(monkeypatch, cell, stream):
