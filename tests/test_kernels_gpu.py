@@ -120,7 +120,7 @@ def test_gpu_bit_exact(m, backend):
 
 
 TILE_CONFIGS = [
-    {"evict": False, "store_cs": False, "wide_below": 0},
+    {"evict": True, "store_cs": True, "wide_below": 0},
     {"wide_below": 4096, "max_bw": 64},
     {"swizzle_wide_below": 64},
     {"swizzle_wide_below": 128, "swizzle_kw": 128},
