@@ -1,0 +1,100 @@
+"""Tile shapes of the GPU executor (:mod:`.triton_gather`), as plain arithmetic on the
+executable map: which kernel (``KIND`` 0 ``rows``, 1 ``words``, 2 ``swizzle``), its
+constants and the tile count. Kept apart from Triton so the tiling itself is tested on any
+machine (every output word covered by exactly one tile: ``tests/test_tiles.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fimoe_lab.kernels.compiled import ExecMap
+
+__all__ = ["cdiv", "launch_plan", "next_pow2", "pow2_divisor", "row_chunks", "transposed_tiles"]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides ``n`` and is at most ``cap`` (1 if none is)."""
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def row_chunks(w: int, cap: int, wide_below: int) -> tuple[int, int]:
+    """Words per tile row ``bw`` (a power of two: Triton's ``arange``) and chunks per row
+    ``cdiv(w, bw)`` for rows of ``w`` words: the largest power-of-two divisor of ``w`` up to
+    ``cap``; if that is under ``wide_below``, one power-of-two chunk as wide as the row up to
+    ``cap`` instead, its overhang masked (a row split into narrow chunks spreads over as many
+    programs, and DRAM pages are opened once per chunk)."""
+    bw = pow2_divisor(w, cap)
+    if bw < wide_below:
+        bw = min(next_pow2(w), cap)
+    return bw, cdiv(w, bw)
+
+
+def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
+    """Kernel constants for ``em`` moved as ``word``-byte words, the tile count per expert,
+    and (swizzle / padded rows) the source-row table used instead of ``em.src``."""
+    wpc = em.cell_bytes // word
+    pr = em.padrows if (cfg.get("use_padrows", True) and word == 4) else None
+    if pr is not None and pr[1] % 4 == 0 and pr[2] % 4 == 0:
+        rows_src, c_in, c_out, col_code = pr
+        w, wi = c_out // 4, c_in // 4
+        bw, nc = row_chunks(w, cfg["max_bw"], cfg["wide_below"])
+        n_rows = rows_src.size
+        bm = max(1, min(cfg["tile_words"] // bw, next_pow2(n_rows)))
+        meta = dict(
+            KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code, CM=bw * nc > w, S2=0, R2=1
+        )
+        return dict(meta, num_warps=cfg["num_warps"]), cdiv(n_rows, bm) * nc, (rows_src, n_rows)
+    swz = em.swizzle if (cfg["use_swizzle"] and word == 4) else None
+    if swz is not None:
+        rows_src, cw, rows_out = swz
+        kw, nk = row_chunks(cw, cfg["swizzle_kw"], cfg["swizzle_wide_below"])
+        if kw >= 4:
+            meta = dict(KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, CM=False, S2=0, R2=1)
+            return dict(meta, num_warps=cfg["swizzle_warps"]), (rows_out // 128) * nk, (rows_src, rows_out)
+    if em.cell_bytes >= 16 and wpc >= 4:
+        bw, nc = row_chunks(wpc, cfg["max_bw"], cfg["wide_below"])
+        bm = max(1, min(cfg["tile_words"] // bw, next_pow2(em.n_out)))
+        small = nc == 1 and em.cell_bytes <= cfg["tile_2d_max_cell"]
+        s2, r2 = (transposed_tiles(em, bm, cfg["run_cells"]) if small else None) or (0, 1)
+        meta = dict(KIND=0, W=wpc, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wpc, CF=0, CM=bw * nc > wpc, S2=s2, R2=r2)
+        return dict(meta, num_warps=cfg["num_warps"]), cdiv(em.n_out, bm) * nc, None
+    b = min(cfg["block_1d"], next_pow2(em.n_out * wpc))
+    meta = dict(KIND=1, W=wpc, BM=1, BW=1, NC=1, B=b, KW=1, NK=1, WI=wpc, CF=0, CM=False, S2=0, R2=1)
+    return dict(meta, num_warps=cfg["warps_1d"]), cdiv(em.n_out * wpc, b), None
+
+
+def transposed_tiles(em: ExecMap, bm: int, run_cells: int) -> tuple[int, int] | None:
+    """``(S, R)`` for ``rows`` tiles of ``R`` consecutive output cells in each of ``bm // R``
+    consecutive lines of ``S`` cells, when the map transposes cells (block-major-K: output
+    cell ``(kb, n)`` of lines of ``S = N`` reads input cell ``(n, kb)``): consecutive output
+    cells come from cells apart in the input, and the next input cell of the first one is
+    ``S`` output cells on. Such a tile reads runs of ``bm // R`` input cells and writes runs
+    of ``R`` output cells, where a 1-D tile reads ``bm`` scattered cells. Any tiling moves
+    the same bytes; None: 1-D tiles (no such ``S``, or it does not divide into ``R x
+    bm // R`` tiles with ``R`` and ``bm // R`` at least 2)."""
+    key = ("transposed tiles", bm, run_cells)
+    if key not in em._dev:
+        src, n = em.src, em.n_out
+        found = None
+        if n >= 4 and src[0] >= 0 and src[1] != src[0] + 1:
+            hits = np.flatnonzero(src == src[0] + 1)
+            if hits.size and n % int(hits[0]) == 0:
+                s2 = int(hits[0])
+                r2 = pow2_divisor(s2, min(run_cells, bm // 2))
+                if r2 >= 2 and (n // s2) % (bm // r2) == 0:
+                    found = (s2, r2)
+        em._dev[key] = found
+    return em._dev[key]

@@ -1,0 +1,133 @@
+"""The GPU executor's tiling (:mod:`fimoe_lab.kernels.tiles`) without a GPU: for every kernel
+shape it picks, the tiles' stores, with their masks, cover every output word exactly once.
+The kernels' index formulas are re-derived here from their docstrings; the bytes they move
+are checked on the device (``tests/test_kernels_gpu.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from fimoe_lab.errors import LayoutError
+from fimoe_lab.kernels import tiles
+from fimoe_lab.prepare import plan_layer
+
+# the executor's defaults, written out: this module must not import Triton
+DEFAULTS = dict(
+    tile_words=4096,
+    num_warps=4,
+    block_1d=8192,
+    warps_1d=8,
+    max_bw=1024,
+    wide_below=128,
+    tile_2d_max_cell=256,
+    run_cells=16,
+    swizzle_kw=128,
+    swizzle_wide_below=128,
+    swizzle_warps=4,
+    use_swizzle=True,
+)
+CONFIGS = [
+    {},
+    {"tile_2d_max_cell": 0},
+    {"wide_below": 0, "swizzle_kw": 32, "swizzle_wide_below": 0},
+    {"wide_below": 4096, "max_bw": 64},
+    {"run_cells": 2, "tile_words": 256, "tile_2d_max_cell": 1 << 20},
+    {"swizzle_wide_below": 8, "swizzle_kw": 8},
+    {"use_swizzle": False, "use_padrows": False},
+]
+
+
+def store_counts(em, word: int, cfg: dict) -> tuple[dict, np.ndarray]:
+    """How many times each output word is stored by the tiles of ``launch_plan``."""
+    meta, n_tiles, rows = tiles.launch_plan(em, word, cfg)
+    t = np.arange(n_tiles, dtype=np.int64)
+    kind, w = meta["KIND"], meta["W"]
+    if kind == 0:  # rows: cell rows (1-D or 2-D tiles) x masked word columns
+        n = rows[1] if rows is not None else em.n_out
+        bm, bw, nc, s2, r2 = meta["BM"], meta["BW"], meta["NC"], meta["S2"], meta["R2"]
+        rb, cc, j = t // nc, t % nc, np.arange(bm)
+        if s2:
+            runs = s2 // r2
+            cells = ((rb // runs)[:, None] * (bm // r2) + j // r2) * s2 + (rb % runs)[:, None] * r2 + j % r2
+        else:
+            cells = rb[:, None] * bm + j
+        cols = cc[:, None] * bw + np.arange(bw)
+        where = (cells < n)[:, :, None] & (cols < w)[:, None, :]
+        flat = cells[:, :, None] * w + cols[:, None, :]
+        return meta, np.bincount(flat[where], minlength=n * w)
+    if kind == 2:  # swizzle: band x column chunk, one contiguous (masked) run of the band
+        n_rows, kw, nk = rows[1], meta["KW"], meta["NK"]
+        band, kc, p = t // nk, t % nk, np.arange(kw * 128)
+        pos = band[:, None] * 128 * w + kc[:, None] * (kw * 128) + p
+        where = kc[:, None] * kw + p // 128 < w
+        return meta, np.bincount(pos[where], minlength=n_rows * w)
+    j = t[:, None] * meta["B"] + np.arange(meta["B"])  # words: blocks of output words
+    return meta, np.bincount(j[j < em.n_out * w], minlength=em.n_out * w)
+
+
+def check(m, cfg):
+    em = m.compiled()
+    seen = set()
+    for word in (w for w in (1, 2, 4) if w <= min(em.word, 4)):
+        meta, counts = store_counts(em, word, dict(DEFAULTS, **cfg))
+        assert (counts == 1).all(), (m.name, word, cfg, meta)
+        seen.add((meta["KIND"], meta["S2"] > 0, meta["BW"] * meta["NC"] > meta["W"]))
+    return seen
+
+
+MAPS = [  # production hidden sizes with few rows: every kernel shape, small arrays
+    ("fp8-block", 512, 2048, {}),
+    ("bf16", 384, 1024, {}),
+    ("fp8-block", 384, 1024, {}),
+    ("fp8", 256, 7168, {}),
+    ("nvfp4", 512, 7168, {}),
+    ("mxfp8", 512, 7168, {}),
+    ("mxfp8", 256, 768, {}),
+    ("mxfp8", 192, 4096, {}),
+    ("fp8", 1856, 2688, dict(is_act_and_mul=False, is_gated=False)),
+    ("fp8", 232, 320, dict(is_act_and_mul=False, is_gated=False)),
+    ("bf16", 96, 160, {}),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "defaults")
+def test_tiles_store_every_output_word_once(cfg):
+    kinds = set()
+    for fmt, inter, hidden, kw in MAPS:
+        for m in plan_layer(fmt, "trtllm", inter, hidden, **kw).maps().values():
+            kinds |= check(m, cfg)
+    if not cfg:  # the defaults reach every kernel shape: rows 1-D and 2-D, masked chunks, swizzle, words
+        assert {k for k, *_ in kinds} == {0, 1, 2}
+        assert (0, True, False) in kinds and any(k == 0 and over for k, _, over in kinds)
+
+
+def test_transposing_maps_take_2d_tiles_and_others_do_not():
+    """Block-major-K and the BF16 block layout (output cell (kb, n) <- input cell (n, kb)) get
+    lines of N cells; a row permutation (cells of kilobytes) keeps 1-D tiles."""
+    blk = plan_layer("fp8-block", "trtllm", 2048, 7168)
+    assert tiles.transposed_tiles(blk.w13.compiled(), 128, 16) == (2 * 2048, 16)
+    assert tiles.transposed_tiles(blk.w2.compiled(), 128, 16) == (7168, 16)
+    assert tiles.transposed_tiles(plan_layer("bf16", "trtllm", 1536, 4096).w2.compiled(), 128, 16) == (4096, 16)
+    rotate = plan_layer("fp8", "trtllm", 2048, 7168).w13.compiled()  # rows of 7168 B
+    assert tiles.launch_plan(rotate, 4, DEFAULTS)[0]["S2"] == 0
+    assert tiles.launch_plan(blk.w13.compiled(), 4, DEFAULTS)[0]["S2"] == 2 * 2048
+    assert tiles.launch_plan(blk.w13.compiled(), 4, dict(DEFAULTS, tile_2d_max_cell=0))[0]["S2"] == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    fmt=st.sampled_from(["fp8-block", "bf16", "mxfp8", "nvfp4", "fp8"]),
+    inter=st.integers(1, 24).map(lambda k: 64 * k),
+    hidden=st.integers(2, 24).map(lambda k: 128 * k),
+    cfg=st.sampled_from(CONFIGS),
+)
+def test_tiles_cover_random_shapes(fmt, inter, hidden, cfg):
+    try:
+        plan = plan_layer(fmt, "trtllm", inter, hidden)
+    except LayoutError:
+        assume(False)
+    for m in plan.maps().values():
+        check(m, cfg)
