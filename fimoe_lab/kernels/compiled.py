@@ -80,6 +80,22 @@ class ExecMap:
             self._dev["inverse"] = self.compile_inverse()
         return self._dev["inverse"]
 
+    def transpose_lines(self) -> int | None:
+        """``S`` when the map transposes its cells (block-major-K: output cell ``(kb, n)``, in
+        lines of ``S = N`` cells, reads input cell ``(n, kb)``), found as: consecutive output
+        cells 0 and 1 come from input cells apart, the input cell after output cell 0's is
+        ``S`` output cells on, and ``S`` divides the output. Executors tile such maps in 2-D
+        (runs of output cells in consecutive lines read runs of input cells). None
+        otherwise; cached."""
+        if "transpose lines" not in self._dev:
+            src, n, found = self.src, self.n_out, None
+            if n >= 4 and src[0] >= 0 and src[1] != src[0] + 1:
+                hits = np.flatnonzero(src == src[0] + 1)
+                if hits.size and n % int(hits[0]) == 0:
+                    found = int(hits[0])
+            self._dev["transpose lines"] = found
+        return self._dev["transpose lines"]
+
     def fill_words(self, word: int) -> np.ndarray:
         dt = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}[word]
         vals = [fill_word(b, word) for b in self.fills] or [0]

@@ -6,8 +6,6 @@ machine (every output word covered by exactly one tile: ``tests/test_tiles.py``)
 
 from __future__ import annotations
 
-import numpy as np
-
 from fimoe_lab.kernels.compiled import ExecMap
 
 __all__ = ["cdiv", "launch_plan", "next_pow2", "pow2_divisor", "row_chunks", "transposed_tiles"]
@@ -78,23 +76,15 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
 
 def transposed_tiles(em: ExecMap, bm: int, run_cells: int) -> tuple[int, int] | None:
     """``(S, R)`` for ``rows`` tiles of ``R`` consecutive output cells in each of ``bm // R``
-    consecutive lines of ``S`` cells, when the map transposes cells (block-major-K: output
-    cell ``(kb, n)`` of lines of ``S = N`` reads input cell ``(n, kb)``): consecutive output
-    cells come from cells apart in the input, and the next input cell of the first one is
-    ``S`` output cells on. Such a tile reads runs of ``bm // R`` input cells and writes runs
-    of ``R`` output cells, where a 1-D tile reads ``bm`` scattered cells. Any tiling moves
-    the same bytes; None: 1-D tiles (no such ``S``, or it does not divide into ``R x
-    bm // R`` tiles with ``R`` and ``bm // R`` at least 2)."""
-    key = ("transposed tiles", bm, run_cells)
-    if key not in em._dev:
-        src, n = em.src, em.n_out
-        found = None
-        if n >= 4 and src[0] >= 0 and src[1] != src[0] + 1:
-            hits = np.flatnonzero(src == src[0] + 1)
-            if hits.size and n % int(hits[0]) == 0:
-                s2 = int(hits[0])
-                r2 = pow2_divisor(s2, min(run_cells, bm // 2))
-                if r2 >= 2 and (n // s2) % (bm // r2) == 0:
-                    found = (s2, r2)
-        em._dev[key] = found
-    return em._dev[key]
+    consecutive lines of ``S`` cells of a map that transposes its cells
+    (:meth:`~fimoe_lab.kernels.compiled.ExecMap.transpose_lines`): such a tile reads runs
+    of ``bm // R`` input cells and writes runs of ``R`` output cells, where a 1-D tile reads
+    ``bm`` scattered cells. Any tiling moves the same bytes; None: 1-D tiles (no such ``S``,
+    or it does not divide into ``R x bm // R`` tiles with ``R`` and ``bm // R`` at least 2)."""
+    s2 = em.transpose_lines()
+    if s2 is None:
+        return None
+    r2 = pow2_divisor(s2, min(run_cells, bm // 2))
+    if r2 < 2 or (em.n_out // s2) % (bm // r2):
+        return None
+    return s2, r2
