@@ -14,21 +14,7 @@ from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels import tiles
 from fimoe_lab.prepare import plan_layer
 
-# the executor's defaults, written out: this module must not import Triton
-DEFAULTS = dict(
-    tile_words=4096,
-    num_warps=4,
-    block_1d=8192,
-    warps_1d=8,
-    max_bw=1024,
-    wide_below=128,
-    tile_2d_max_cell=256,
-    run_cells=16,
-    swizzle_kw=128,
-    swizzle_wide_below=128,
-    swizzle_warps=4,
-    use_swizzle=True,
-)
+DEFAULTS = tiles.CONFIG  # the Triton executor's own table (kernels/tiles.py: no Triton needed)
 CONFIGS = [
     {},
     {"tile_2d_max_cell": 0},

@@ -37,31 +37,7 @@ import triton
 import triton.language as tl
 
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
-from fimoe_lab.kernels.tiles import launch_plan, pow2_divisor
-
-# Tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
-CONFIG = {
-    "tile_words": 4096,
-    "num_warps": 4,
-    "evict": False,
-    "store_cs": False,
-    "block_1d": 8192,
-    "warps_1d": 8,
-    "max_bw": 1024,
-    "wide_below": 128,
-    "tile_2d_max_cell": 256,  # bytes; 0: 1-D tiles only
-    "run_cells": 16,
-    "swizzle_kw": 128,
-    "swizzle_wide_below": 128,
-    "swizzle_warps": 4,
-    "use_swizzle": True,
-    # in place (the strategy itself is chosen by the registry: config["inplace"])
-    "cycle_bw": 64,
-    "cycle_slots": 128,
-    "band_words": 64,
-    "band_per_sm": 32,
-    "band_warps": 4,
-}
+from fimoe_lab.kernels.tiles import CONFIG, launch_plan, pow2_divisor
 
 
 @triton.jit
