@@ -110,14 +110,17 @@ def generate(out: Path, layers: int = GEN_LAYERS) -> Path:
 DRIVER = textwrap.dedent(
     """
     import json, sys
+    from pathlib import Path
     import torch.distributed as dist
     from fimoe_lab.checkpoints.distributed import convert_distributed
     dist.init_process_group("gloo")  # one group for every job (convert_distributed uses it as it is)
+    said = Path(sys.argv[2]) / f"refusals-{dist.get_rank()}.jsonl"  # a file each: no shared pipe to interleave
     for job in json.loads(sys.argv[1]):
         try:
             convert_distributed(**job)
         except ValueError as exc:  # an expected refusal: every process says what it raised, and goes on
-            print(json.dumps({"rank": dist.get_rank(), "type": type(exc).__name__, "error": str(exc)}), flush=True)
+            with said.open("a") as f:
+                f.write(json.dumps({"rank": dist.get_rank(), "type": type(exc).__name__, "error": str(exc)}) + "\\n")
     dist.destroy_process_group()
     """
 )
@@ -189,7 +192,9 @@ def first_launch(tmp_path_factory):
     jobs.append({"src": str(gen), "out": str(killed), "backend": "cutlass", "shard_size": GEN_SHARD})
     driver = tmp / "driver.py"
     driver.write_text(DRIVER)
-    proc = start([*LAUNCH, driver, json.dumps(jobs)])
+    said = tmp / "said"
+    said.mkdir()
+    proc = start([*LAUNCH, driver, json.dumps(jobs), said])
     victim: list[int] = []
     watcher = threading.Thread(target=_kill_rank_1_in_a_shard, args=(proc, killed, victim), daemon=True)
     watcher.start()
@@ -201,10 +206,10 @@ def first_launch(tmp_path_factory):
     want = convert_checkpoint(gen, tmp / "gen-out", "cutlass", shard_size=GEN_SHARD)
     watcher.join(LAUNCH_TIMEOUT)
     try:
-        printed, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+        _, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
     finally:
         stop(proc)
-    lines = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for f in sorted(said.glob("*.jsonl")) for line in f.read_text().splitlines()]
     refusals = sorted((r["rank"], r["type"], r["error"]) for r in lines)
     return {
         "refusals": refusals,
