@@ -329,8 +329,8 @@ def sweep(presets, dev, args):
     with the best worst-case ratio to the copy."""
     from fimoe_lab.kernels import triton_gather as tg
 
-    rows_cfgs = [dict(tile_words=tw, num_warps=nw) for tw, nw in [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]]
-    words_cfgs = [dict(block_1d=b, warps_1d=w, use_swizzle=False) for b, w in [(2048, 4), (4096, 8), (8192, 8)]]
+    rows_cfgs = [dict(tile_words=tw, num_warps=nw) for tw, nw in [(512, 4), (1024, 4), (2048, 4), (4096, 8)]]
+    words_cfgs = [dict(block_1d=b, warps_1d=w, use_swizzle=False) for b, w in [(1024, 4), (2048, 4), (8192, 8)]]
     words_cfgs += [
         dict(swizzle_kw=k, swizzle_warps=w, use_swizzle=True) for k, w in [(16, 4), (32, 4), (32, 8), (64, 8)]
     ]

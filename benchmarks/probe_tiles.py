@@ -11,7 +11,9 @@ masked chunk), ``swizzle_kw`` / ``swizzle_wide_below`` (the same for the 128x4 s
 swizzle's columns), ``evict`` / ``store_cs`` (evict-first loads, streaming stores). In
 place (permutations): the in-place ceiling (a Triton kernel storing each block where it
 read it: the same bytes read and written at the same addresses, no permutation) and the
-default strategy, with the hints, and with the previous 64-slot cycle tiles.
+default strategy, with the hints, with the previous 64-slot cycle tiles, and for the W2
+scales (bands-local maps) the cooperative launch and other band counts a program.
+``tw*``: smaller tiles (ATen's elementwise kernels move 2-4 KB a block of 128 threads).
 ``--copies GB`` first times copy kernels (Triton tile sizes, cache hints, a persistent
 grid; ATen's elementwise ``neg``) against torch ``copy_``, the driver's memcpy. Ratio =
 (bytes read + written) / time, over the copy's 2 x input / time
@@ -43,18 +45,40 @@ PREVIOUS = {"wide_below": 0, "swizzle_kw": 32, "swizzle_wide_below": 0, "tile_2d
 OUT_OF_PLACE = {
     "default": {},
     "previous": PREVIOUS,
+    "s4": {"tile_words": 4096, "tile_2d_words": 4096},  # session 4's tiles
     "hints": {"evict": True, "store_cs": True},
     "narrow": {"wide_below": 0},
     "swz_kw32": {"swizzle_kw": 32, "swizzle_wide_below": 0},
+    "swz_kw64": {"swizzle_kw": 64},
+    "swz_w2": {"swizzle_warps": 2},
+    "swz_w8": {"swizzle_warps": 8},
     "1d": {"tile_2d_max_cell": 0},
     "2d_run8": {"run_cells": 8},
     "2d_run32": {"run_cells": 32},
-    "2d_tw8192": {"tile_words": 8192},
+    "2d_tw2048": {"tile_2d_words": 2048},
+    "2d_tw512": {"tile_2d_words": 512},
+    "tw256": {"tile_words": 256},
+    "tw1024": {"tile_words": 1024},
+    "tw512_w2": {"num_warps": 2},
+    "tw256_w2": {"tile_words": 256, "num_warps": 2},
+    "wide_below64": {"wide_below": 64},
+    "max_bw512": {"max_bw": 512},
 }
 IN_PLACE = {
     "ip_default": {},
     "ip_hints": {"evict": True, "store_cs": True},
     "ip_slots64": {"inplace": "cycles", "cycle_slots": 64},
+    "ip_s32": {"cycle_slots": 32},
+    "ip_s64_bw32": {"cycle_slots": 64, "cycle_bw": 32},
+    "ip_w8": {"cycle_warps": 8},
+    "ip_s256": {"cycle_slots": 256},
+    "ip_bw128": {"cycle_bw": 128},
+    "ip_s256_w8": {"cycle_slots": 256, "cycle_warps": 8},
+    "ip_bw128_w8": {"cycle_bw": 128, "cycle_warps": 8},
+    "ip_coop": {"local_max_words": 0},  # W2 scales: the cooperative launch instead of the bands-local one
+    "ip_local4k": {"local_words": 4096},
+    "ip_band32": {"band_words": 32},
+    "ip_band128": {"band_words": 128},
 }
 
 
@@ -107,7 +131,7 @@ def copies(rounds: int, gb: float) -> dict:
     y = torch.empty_like(x)
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     fns = {"torch_neg (ATen elementwise)": lambda: torch.neg(x, out=y)}
-    for b, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16), (16384, 8)):
+    for b, w in ((512, 1), (512, 4), (1024, 2), (1024, 4), (2048, 4), (4096, 8), (16384, 16)):
         fns[f"triton B={b} w={w}"] = lambda b=b, w=w: _copy[(triton.cdiv(n, b),)](x, y, n, B=b, num_warps=w)
     for ev, cs in ((True, False), (False, True), (True, True)):
         fns[f"triton 4096/8 evict={ev} cs={cs}"] = lambda ev=ev, cs=cs: _copy_hinted[(triton.cdiv(n, 4096),)](
@@ -140,10 +164,16 @@ def maps():
 def applies(name: str, em) -> bool:
     if name.startswith("swz"):
         return em.swizzle is not None
-    if name == "narrow":
+    if name.startswith(("narrow", "tw", "s4", "wide", "max_bw")):
         return em.swizzle is None
     if name.startswith(("1d", "2d")):
-        return em.cell_bytes <= 256 and em.swizzle is None
+        return em.cell_bytes <= 256 and em.swizzle is None and em.transpose_lines() is not None
+    if name.startswith(("ip_coop", "ip_local")):
+        return em.bands_local()
+    if name.startswith("ip_band"):
+        return em.swizzle is not None and not em.bands_local()
+    if name.startswith(("ip_s", "ip_w")):
+        return em.swizzle is None
     return True
 
 
@@ -169,7 +199,7 @@ def main():
         dst = torch.empty_like(x)
         xw, dw = x.view(torch.int32).view(-1), dst.view(torch.int32).view(-1)
         n = xw.numel()
-        fns = {"triton_copy": lambda: _copy[(triton.cdiv(n, 4096),)](xw, dw, n, B=4096, num_warps=8)}
+        fns = {"triton_copy": lambda: _copy[(triton.cdiv(n, 512),)](xw, dw, n, B=512, num_warps=4)}
         exact = {}
         for name, cfg in OUT_OF_PLACE.items():
             if not applies(name, em) or (args.configs is not None and name not in args.configs):
@@ -183,9 +213,9 @@ def main():
             y = x.clone()
             yw = y.view(torch.int32).view(-1)
             sc = default_scratch_experts(experts)
-            fns["ip_ceiling"] = lambda: _same_place[(triton.cdiv(n, 4096),)](yw, n, B=4096, num_warps=8)
+            fns["ip_ceiling"] = lambda: _same_place[(triton.cdiv(n, 512),)](yw, n, B=512, num_warps=4)
             for name, cfg in IN_PLACE.items():
-                if args.configs is not None and name not in args.configs:
+                if not applies(name, em) or (args.configs is not None and name not in args.configs):
                     continue
                 z = x[:3].clone()
                 execute_in_place(em, z, 1, config=cfg)

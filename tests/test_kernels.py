@@ -353,6 +353,25 @@ def test_fast_forms_are_recognised():
     assert plan_layer("fp8", "trtllm", 256, 512).w13.compiled().padrows is None
 
 
+@pytest.mark.parametrize("m", all_maps())
+def test_bands_local_says_whether_each_output_band_reads_only_its_own_rows(m, request):
+    """Oracle: every source row's bytes hold its band number (row // 128); after the map, a
+    local map's output band ``b`` (its 128 x row-bytes region) holds only ``b``."""
+    em = m.compiled()
+    if em.swizzle is None:
+        assert not em.bands_local()
+        return
+    rows, cw, n_rows = em.swizzle
+    band_bytes = 128 * cw * 4
+    assert m.in_bytes == n_rows * cw * 4 == m.out_bytes
+    x = (torch.arange(n_rows) // 128 + 1).repeat_interleave(cw * 4).to(torch.uint8)[None]
+    out = reference(m, x)[0].view(-1, band_bytes)
+    own = (out == (torch.arange(out.shape[0]) + 1).to(torch.uint8)[:, None]).all().item()
+    assert em.bands_local() == own
+    w2 = request.node.callspec.id.endswith("w2_scale")
+    assert em.bands_local() == w2  # W2: the TRT-LLM shuffle alone (128-row epilogue tiles); W13 interleaves gate/up
+
+
 STREAM_CASES = CASES + [("mxfp8", 256, 768, {})]  # 24-byte scale rows: 6 words, a 4-word vector part and a tail
 
 

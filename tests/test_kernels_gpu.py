@@ -6,6 +6,7 @@ Run on the lent H200 (benchmarks/RESULTS.md gives the command and the outcome).
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -126,7 +127,8 @@ TILE_CONFIGS = [
     {"swizzle_wide_below": 128, "swizzle_kw": 128},
     {"swizzle_wide_below": 8, "swizzle_kw": 8},
     {"tile_2d_max_cell": 0},
-    {"tile_2d_max_cell": 1 << 20, "run_cells": 2, "tile_words": 256},
+    {"tile_words": 4096, "tile_2d_words": 4096},
+    {"tile_2d_max_cell": 1 << 20, "run_cells": 2, "tile_words": 256, "tile_2d_words": 256},
 ]
 
 
@@ -219,8 +221,44 @@ def test_gpu_in_place_bands(band_words, per_sm, warps):
                 m.compiled(),
                 x,
                 1,
-                config={"inplace": "bands", "band_words": band_words, "band_per_sm": per_sm, "band_warps": warps},
+                config={
+                    "inplace": "bands",
+                    "band_words": band_words,
+                    "band_per_sm": per_sm,
+                    "band_warps": warps,
+                    "local_max_words": 0,  # W2 maps too: the cooperative launch (the local one: below)
+                },
             )
+            torch.cuda.synchronize()
+            assert torch.equal(x, want)
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+@pytest.mark.parametrize("local_words,warps", [(1, 4), (4096, 4), (8192, 8), (1 << 20, 4)])
+def test_gpu_in_place_bands_local(monkeypatch, local_words, warps):
+    """W2 scale maps (each band reads only its own rows): one plain launch of whole bands,
+    one band a program up to all of an expert's (band counts not a power of two: masked),
+    rows of 2 to 64 words (6 and 12: masked 8- and 16-word rows). The cooperative kernel is not launched."""
+    from fimoe_lab.kernels import triton_gather
+
+    monkeypatch.setattr(triton_gather, "_swizzled_bands_in_place", None)  # any use of it fails
+    for fmt, inter, hidden in (
+        ("nvfp4", 256, 512),
+        ("mxfp8", 256, 512),
+        ("mxfp8", 768, 1280),
+        ("nvfp4", 512, 1280),
+        ("mxfp8", 1536, 768),
+        ("nvfp4", 4096, 256),
+    ):
+        m = plan_layer(fmt, "trtllm", inter, hidden).w2_scale
+        assert m.in_bytes == m.out_bytes and m.compiled().bands_local()
+        for x in inputs(m, 37):
+            want = reference(m, x)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                execute_in_place(
+                    m.compiled(), x, 1, config={"inplace": "bands", "local_words": local_words, "band_warps": warps}
+                )
             torch.cuda.synchronize()
             assert torch.equal(x, want)
 

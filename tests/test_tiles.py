@@ -18,9 +18,10 @@ DEFAULTS = tiles.CONFIG  # the Triton executor's own table (kernels/tiles.py: no
 CONFIGS = [
     {},
     {"tile_2d_max_cell": 0},
+    {"tile_words": 4096, "tile_2d_words": 4096},
     {"wide_below": 0, "swizzle_kw": 32, "swizzle_wide_below": 0},
     {"wide_below": 4096, "max_bw": 64},
-    {"run_cells": 2, "tile_words": 256, "tile_2d_max_cell": 1 << 20},
+    {"run_cells": 2, "tile_words": 256, "tile_2d_words": 256, "tile_2d_max_cell": 1 << 20},
     {"swizzle_wide_below": 8, "swizzle_kw": 8},
     {"use_swizzle": False, "use_padrows": False},
 ]

@@ -96,6 +96,19 @@ class ExecMap:
             self._dev["transpose lines"] = found
         return self._dev["transpose lines"]
 
+    def bands_local(self) -> bool:
+        """True for a ``swizzle`` map whose every output band of 128 rows reads only source
+        rows of that band (``src_row[r] // 128 == r // 128``, no fill rows: the TRT-LLM row
+        shuffle of W2 scales, 128 rows an epilogue tile). In place, a band is then read and
+        written by one program with no exchange between bands; cached."""
+        if "bands local" not in self._dev:
+            local = False
+            if self.swizzle is not None and self.is_permutation:
+                rows = np.asarray(self.swizzle[0])
+                local = bool(rows.size and (rows >= 0).all() and (rows // 128 == np.arange(rows.size) // 128).all())
+            self._dev["bands local"] = local
+        return self._dev["bands local"]
+
     def fill_words(self, word: int) -> np.ndarray:
         dt = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}[word]
         vals = [fill_word(b, word) for b in self.fills] or [0]

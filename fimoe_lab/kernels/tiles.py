@@ -12,7 +12,8 @@ __all__ = ["CONFIG", "cdiv", "launch_plan", "next_pow2", "pow2_divisor", "row_ch
 
 # The Triton executor's tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
 CONFIG = {
-    "tile_words": 4096,
+    "tile_words": 512,  # 1-D rows tiles: 2 KB a program of 128 threads, as ATen's elementwise kernels
+    "tile_2d_words": 1024,  # 2-D tiles (runs of small transposed cells)
     "num_warps": 4,
     "evict": False,
     "store_cs": False,
@@ -29,9 +30,12 @@ CONFIG = {
     # in place (the strategy itself is chosen by the registry: config["inplace"])
     "cycle_bw": 64,
     "cycle_slots": 128,
+    "cycle_warps": 4,
     "band_words": 64,
     "band_per_sm": 32,
     "band_warps": 4,
+    "local_words": 2048,  # in place, bands-local scale maps: words a program moves (whole bands)
+    "local_max_words": 16384,  # ... and the widest band taken that way (wider: the cooperative launch)
 }
 
 
@@ -89,8 +93,12 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
     if em.cell_bytes >= 16 and wpc >= 4:
         bw, nc = row_chunks(wpc, cfg["max_bw"], cfg["wide_below"])
         bm = max(1, min(cfg["tile_words"] // bw, next_pow2(em.n_out)))
-        small = nc == 1 and em.cell_bytes <= cfg["tile_2d_max_cell"]
-        s2, r2 = (transposed_tiles(em, bm, cfg["run_cells"]) if small else None) or (0, 1)
+        s2, r2 = 0, 1
+        if nc == 1 and em.cell_bytes <= cfg["tile_2d_max_cell"]:
+            bm2 = max(1, min(cfg["tile_2d_words"] // bw, next_pow2(em.n_out)))
+            found = transposed_tiles(em, bm2, cfg["run_cells"])
+            if found:
+                (s2, r2), bm = found, bm2
         meta = dict(KIND=0, W=wpc, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wpc, CF=0, CM=bw * nc > wpc, S2=s2, R2=r2)
         return dict(meta, num_warps=cfg["num_warps"]), cdiv(em.n_out, bm) * nc, None
     b = min(cfg["block_1d"], next_pow2(em.n_out * wpc))

@@ -353,7 +353,7 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
     scratch = torch.empty((per * n_saved * wpc,), dtype=dt, device=flat.device)
     xw = flat.view(dt)
     ew = nbytes // word
-    meta = dict(W=wpc, BM=bm, BW=bw, NC=nc, EVICT=cfg["evict"], STCS=cfg["store_cs"], num_warps=cfg["num_warps"])
+    meta = dict(W=wpc, BM=bm, BW=bw, NC=nc, EVICT=cfg["evict"], STCS=cfg["store_cs"], num_warps=cfg["cycle_warps"])
     for s0 in range(0, experts, per):
         cnt = min(per, experts - s0)
         part = xw[s0 : s0 + cnt]
@@ -458,6 +458,28 @@ def _swizzled_bands_in_place(
         v = vn
 
 
+@triton.jit
+def _swizzled_bands_local(
+    x_ptr, rows_ptr, expert_words, n_bands, per, CW: tl.constexpr, KW: tl.constexpr, NB: tl.constexpr
+):
+    """Row permutation then 128x4 swizzle, in place, for maps whose output bands read only
+    their own rows (:meth:`ExecMap.bands_local`): program ``t`` loads ``NB`` whole bands
+    (``KW >= CW`` words a row) of expert ``t // per``, waits until all its threads have
+    loaded, and stores them swizzled over the same bytes. No other program touches them."""
+    t = tl.program_id(0)
+    e = t // per
+    v = _load_bands(x_ptr, rows_ptr, t, True, per, n_bands, expert_words, CW, KW, 1, NB)
+    tl.debug_barrier()
+    j = tl.arange(0, NB * KW * 128)
+    band = (t % per) * NB + j // (KW * 128)
+    rem = j % (KW * 128)
+    tl.store(
+        x_ptr + e.to(tl.int64) * expert_words + band.to(tl.int64) * (128 * CW) + rem,
+        _swizzle_128x4(v, NB, KW),
+        mask=(rem < CW * 128) & (band < n_bands),
+    )
+
+
 def _blocks_per_sm(kernel, props) -> int:
     """How many programs of a compiled Triton ``kernel`` one SM holds at once (registers,
     shared memory, threads; Hopper allocation granularities)."""
@@ -473,7 +495,10 @@ def _blocks_per_sm(kernel, props) -> int:
 
 def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
     """In place for maps of the ``swizzle`` form (a row permutation, then the 128x4
-    scale swizzle; 4-byte words) with no scratch: :func:`_swizzled_bands_in_place`
+    scale swizzle; 4-byte words) with no scratch. A map whose bands read only their own
+    rows (:meth:`ExecMap.bands_local`, bands up to ``local_max_words``) takes
+    :func:`_swizzled_bands_local`, one plain launch of whole bands. Any other:
+    :func:`_swizzled_bands_in_place`
     holds each expert's bytes in registers across the programs working on it, in items
     of about ``band_words`` words a row (narrow rows: several bands an item; wide
     ones: a band's columns in chunks). Needs the items of one expert resident at
@@ -483,10 +508,27 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     cfg = dict(CONFIG, **(config or {}))
     experts, nbytes = flat.shape
     rows, cw, n_rows = em.swizzle
-    item_words = triton.next_power_of_2(cfg["band_words"])
-    kw = min(triton.next_power_of_2(cw), item_words)
-    nk = triton.cdiv(cw, kw)
     n_bands = n_rows // 128
+    kw = triton.next_power_of_2(cw)
+    if em.bands_local() and kw * 128 <= cfg["local_max_words"]:
+        nb = max(1, min(triton.next_power_of_2(n_bands), cfg["local_words"] // (kw * 128)))
+        per = triton.cdiv(n_bands, nb)
+        _swizzled_bands_local[(experts * per,)](
+            flat.view(torch.int32),
+            _rows_on(em, rows, flat.device, 2),
+            nbytes // 4,
+            n_bands,
+            per,
+            CW=cw,
+            KW=kw,
+            NB=nb,
+            num_warps=cfg["band_warps"],
+        )
+        yield experts, None
+        return
+    item_words = triton.next_power_of_2(cfg["band_words"])
+    kw = min(kw, item_words)
+    nk = triton.cdiv(cw, kw)
     nb = min(triton.next_power_of_2(n_bands), item_words // kw) if nk == 1 else 1
     per = triton.cdiv(n_bands, nb) * nk
     counters = torch.zeros(experts, dtype=torch.int32, device=flat.device)
