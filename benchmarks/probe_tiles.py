@@ -55,6 +55,8 @@ OUT_OF_PLACE = {
     "1d": {"tile_2d_max_cell": 0},
     "2d_run8": {"run_cells": 8},
     "2d_run32": {"run_cells": 32},
+    "2d_run4": {"run_cells": 4},
+    "2d_run8_tw2048": {"run_cells": 8, "tile_2d_words": 2048},
     "2d_tw2048": {"tile_2d_words": 2048},
     "2d_tw512": {"tile_2d_words": 512},
     "tw256": {"tile_words": 256},
@@ -79,6 +81,8 @@ IN_PLACE = {
     "ip_local4k": {"local_words": 4096},
     "ip_band32": {"band_words": 32},
     "ip_band128": {"band_words": 128},
+    "ip_bandw8": {"band_warps": 8},
+    "ip_bandw2": {"band_warps": 2},
 }
 
 
