@@ -13,7 +13,8 @@ place (permutations): the in-place ceiling (a Triton kernel storing each block w
 read it: the same bytes read and written at the same addresses, no permutation) and the
 default strategy, with the hints, with the previous 64-slot cycle tiles, and for the W2
 scales (bands-local maps) the cooperative launch and other band counts a program.
-``tw*``: smaller tiles (ATen's elementwise kernels move 2-4 KB a block of 128 threads).
+``s4``: session 4's 4096-word tiles; ``tw*`` / ``2d_*``: other tile sizes and run shapes;
+``ip_s*`` / ``ip_bw*`` / ``ip_w8``: other cycle tiles; ``ip_band*``: other cooperative items.
 ``--copies GB`` first times copy kernels (Triton tile sizes, cache hints, a persistent
 grid; ATen's elementwise ``neg``) against torch ``copy_``, the driver's memcpy. Ratio =
 (bytes read + written) / time, over the copy's 2 x input / time
@@ -81,6 +82,7 @@ IN_PLACE = {
     "ip_local4k": {"local_words": 4096},
     "ip_band32": {"band_words": 32},
     "ip_band128": {"band_words": 128},
+    "ip_ctg": {"inplace": "copy-then-gather"},  # the scratch (2%) might stay in L2 between the two launches
     "ip_bandw8": {"band_warps": 8},
     "ip_bandw2": {"band_warps": 2},
 }
