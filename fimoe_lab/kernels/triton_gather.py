@@ -24,8 +24,9 @@ padded on the right uses the ``rows`` kernel over whole output rows.
 In place (permutations only, :mod:`.cycles`): :func:`inplace_cycles` runs the map's
 cycle plan, tiles that only read cells they overwrite themselves, so each byte
 crosses memory once; :func:`inplace_swizzled_bands` does scale maps (a row permutation,
-then the 128x4 swizzle) in one cooperative launch with no scratch: each expert's
-bytes are held in registers by the programs that write it.
+then the 128x4 swizzle) in one launch with no scratch: a program per group of whole
+bands when each band reads only its own rows (W2 scales), else a cooperative launch in
+which each expert's bytes are held in registers by the programs that write it.
 """
 
 from __future__ import annotations
