@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from fimoe_lab.kernels.compiled import ExecMap
 
-__all__ = ["CONFIG", "cdiv", "launch_plan", "next_pow2", "pow2_divisor", "row_chunks", "transposed_tiles"]
+__all__ = [
+    "CONFIG",
+    "cdiv",
+    "cells_per_tile",
+    "launch_plan",
+    "next_pow2",
+    "pow2_divisor",
+    "row_chunks",
+    "transposed_tiles",
+]
 
 # The Triton executor's tile sizes, chosen on the H200 (benchmarks/RESULTS.md); override for sweeps.
 CONFIG = {
@@ -68,6 +77,12 @@ def row_chunks(w: int, cap: int, wide_below: int) -> tuple[int, int]:
     return bw, cdiv(w, bw)
 
 
+def cells_per_tile(words: int, bw: int, n: int) -> int:
+    """Cells (rows) a tile of about ``words`` words takes in chunks of ``bw`` words: at least
+    one, at most the power of two covering all ``n``."""
+    return max(1, min(words // bw, next_pow2(n)))
+
+
 def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
     """Kernel constants for ``em`` moved as ``word``-byte words, the tile count per expert,
     and (swizzle / padded rows) the source-row table used instead of ``em.src``."""
@@ -78,7 +93,7 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         w, wi = c_out // 4, c_in // 4
         bw, nc = row_chunks(w, cfg["max_bw"], cfg["wide_below"])
         n_rows = rows_src.size
-        bm = max(1, min(cfg["tile_words"] // bw, next_pow2(n_rows)))
+        bm = cells_per_tile(cfg["tile_words"], bw, n_rows)
         meta = dict(
             KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code, CM=bw * nc > w, S2=0, R2=1
         )
@@ -92,10 +107,10 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
             return dict(meta, num_warps=cfg["swizzle_warps"]), (rows_out // 128) * nk, (rows_src, rows_out)
     if em.cell_bytes >= 16 and wpc >= 4:
         bw, nc = row_chunks(wpc, cfg["max_bw"], cfg["wide_below"])
-        bm = max(1, min(cfg["tile_words"] // bw, next_pow2(em.n_out)))
+        bm = cells_per_tile(cfg["tile_words"], bw, em.n_out)
         s2, r2 = 0, 1
         if nc == 1 and em.cell_bytes <= cfg["tile_2d_max_cell"]:
-            bm2 = max(1, min(cfg["tile_2d_words"] // bw, next_pow2(em.n_out)))
+            bm2 = cells_per_tile(cfg["tile_2d_words"], bw, em.n_out)
             found = transposed_tiles(em, bm2, cfg["run_cells"])
             if found:
                 (s2, r2), bm = found, bm2

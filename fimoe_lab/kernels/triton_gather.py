@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
-from fimoe_lab.kernels.tiles import CONFIG, launch_plan, pow2_divisor
+from fimoe_lab.kernels.tiles import CONFIG, cells_per_tile, launch_plan, pow2_divisor
 
 
 @triton.jit
@@ -410,6 +410,32 @@ def _load_bands(
 
 
 @triton.jit
+def _store_bands(
+    x_ptr,
+    w,
+    t,
+    per,
+    n_bands,
+    expert_words,
+    CW: tl.constexpr,
+    KW: tl.constexpr,
+    NK: tl.constexpr,
+    NB: tl.constexpr,
+):
+    """Store item ``t``'s swizzled words ``w`` (:func:`_swizzle_128x4` of what
+    :func:`_load_bands` read for it) at its ``NB`` output bands, column chunk ``t % NK``."""
+    j = tl.arange(0, NB * KW * 128)
+    band = ((t % per) // NK) * NB + j // (KW * 128)
+    rem = j % (KW * 128)
+    kc = t % NK
+    tl.store(
+        x_ptr + (t // per).to(tl.int64) * expert_words + band.to(tl.int64) * (128 * CW) + kc * (KW * 128) + rem,
+        w,
+        mask=(rem < (CW - kc * KW) * 128) & (band < n_bands),
+    )
+
+
+@triton.jit
 def _swizzled_bands_in_place(
     x_ptr,
     rows_ptr,
@@ -439,22 +465,12 @@ def _swizzled_bands_in_place(
     v = _load_bands(x_ptr, rows_ptr, t, t < total, per, n_bands, expert_words, CW, KW, NK, NB)
     if t < total:
         _signal(cnt_ptr + t // per)
-    j = tl.arange(0, NB * KW * 128)
-    b, rem = j // (KW * 128), j % (KW * 128)
     while t < total:
-        e = t // per
         vn = _load_bands(x_ptr, rows_ptr, t + g, t + g < total, per, n_bands, expert_words, CW, KW, NK, NB)
         if t + g < total:
             _signal(cnt_ptr + (t + g) // per)
-        _wait_for(cnt_ptr + e, per)
-        w = _swizzle_128x4(v, NB, KW)
-        band = ((t % per) // NK) * NB + b
-        kc = t % NK
-        tl.store(
-            x_ptr + e.to(tl.int64) * expert_words + band.to(tl.int64) * (128 * CW) + kc * (KW * 128) + rem,
-            w,
-            mask=(rem < (CW - kc * KW) * 128) & (band < n_bands),
-        )
+        _wait_for(cnt_ptr + t // per, per)
+        _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, NK, NB)
         t += g
         v = vn
 
@@ -468,17 +484,9 @@ def _swizzled_bands_local(
     (``KW >= CW`` words a row) of expert ``t // per``, waits until all its threads have
     loaded, and stores them swizzled over the same bytes. No other program touches them."""
     t = tl.program_id(0)
-    e = t // per
     v = _load_bands(x_ptr, rows_ptr, t, True, per, n_bands, expert_words, CW, KW, 1, NB)
     tl.debug_barrier()
-    j = tl.arange(0, NB * KW * 128)
-    band = (t % per) * NB + j // (KW * 128)
-    rem = j % (KW * 128)
-    tl.store(
-        x_ptr + e.to(tl.int64) * expert_words + band.to(tl.int64) * (128 * CW) + rem,
-        _swizzle_128x4(v, NB, KW),
-        mask=(rem < CW * 128) & (band < n_bands),
-    )
+    _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, 1, NB)
 
 
 def _blocks_per_sm(kernel, props) -> int:
@@ -512,7 +520,7 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     n_bands = n_rows // 128
     kw = triton.next_power_of_2(cw)
     if em.bands_local() and kw * 128 <= cfg["local_max_words"]:
-        nb = max(1, min(triton.next_power_of_2(n_bands), cfg["local_words"] // (kw * 128)))
+        nb = cells_per_tile(cfg["local_words"], kw * 128, n_bands)
         per = triton.cdiv(n_bands, nb)
         _swizzled_bands_local[(experts * per,)](
             flat.view(torch.int32),
@@ -530,7 +538,7 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     item_words = triton.next_power_of_2(cfg["band_words"])
     kw = min(kw, item_words)
     nk = triton.cdiv(cw, kw)
-    nb = min(triton.next_power_of_2(n_bands), item_words // kw) if nk == 1 else 1
+    nb = cells_per_tile(item_words, kw, n_bands) if nk == 1 else 1
     per = triton.cdiv(n_bands, nb) * nk
     counters = torch.zeros(experts, dtype=torch.int32, device=flat.device)
     args = (flat.view(torch.int32), _rows_on(em, rows, flat.device, 2), counters, experts, nbytes // 4, n_bands, per)
