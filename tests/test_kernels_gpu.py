@@ -204,7 +204,10 @@ def test_gpu_in_place_bands(band_words, per_sm, warps):
     """Scale maps without scratch: narrow items (a band's columns in chunks), wide ones
     (several bands an item, band counts not a multiple of it), few programs per SM (an
     expert's items spread over rounds of 40 experts), per_sm 0 (no room: the cycle plan
-    runs instead)."""
+    runs instead). The counters the launches share are zero after each (the next call,
+    on other inputs, relies on it), on the default stream and on a side stream."""
+    from fimoe_lab.kernels import triton_gather
+
     for fmt, name, inter, hidden, engine in (
         ("nvfp4", "w13_scale", 256, 512, None),
         ("nvfp4", "w2_scale", 256, 512, None),
@@ -231,6 +234,18 @@ def test_gpu_in_place_bands(band_words, per_sm, warps):
             )
             torch.cuda.synchronize()
             assert torch.equal(x, want)
+            assert all(int(c.abs().sum()) == 0 for c in triton_gather._COUNTERS.values())
+        side = torch.cuda.Stream()
+        x = inputs(m, 40)[0]
+        want = reference(m, x)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            execute_in_place(
+                m.compiled(), x, 1, config={"inplace": "bands", "band_words": band_words, "local_max_words": 0}
+            )
+        side.synchronize()
+        assert torch.equal(x, want)
+        assert int(triton_gather._COUNTERS[(str(x.device), side.cuda_stream)].abs().sum()) == 0
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
@@ -356,3 +371,27 @@ def test_gpu_apply_refuses_overlap_and_forced_backends_agree():
         m.apply(x, out=x)
     outs = [m.apply(x, backend=b) for b in GPU_BACKENDS]
     assert all(torch.equal(o, outs[0]) for o in outs) and torch.equal(outs[0].reshape(3, -1), reference(m, x))
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+def test_gpu_launch_reuses_a_compiled_kernel_only_for_the_same_key():
+    """``triton_launch.launch`` asks Triton once per launch key and then starts the compiled
+    kernel itself: a second call with the same key adds no runner; an address that is not a
+    multiple of 16 bytes (4-byte aligned: still 4-byte words), another expert count (grid)
+    or another map is a new key, and every call is exact against the per-expert loop."""
+    from fimoe_lab.kernels import triton_launch
+
+    m = plan_layer("fp8", "trtllm", 256, 512).w13  # 4-byte words
+    em = m.compiled()
+    triton_launch._RUNNERS.clear()
+    for experts, offset in ((3, 0), (3, 0), (3, 4), (5, 0), (5, 4), (3, 0)):
+        for x in inputs(m, experts):
+            buf = torch.zeros((experts, m.in_bytes + 16), dtype=torch.uint8, device="cuda")
+            xs = buf.view(-1)[offset : offset + experts * m.in_bytes].view(experts, m.in_bytes)
+            xs.copy_(x)
+            ob = torch.zeros(experts * m.out_bytes + 16, dtype=torch.uint8, device="cuda")
+            out = ob[offset : offset + experts * m.out_bytes].view(experts, m.out_bytes)
+            execute(em, xs, out, backend="triton")
+            torch.cuda.synchronize()
+            assert torch.equal(out, reference(m, x))
+    assert len(triton_launch._RUNNERS) == 4  # (3, aligned) (3, offset 4) (5, aligned) (5, offset 4)

@@ -37,8 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fimoe_lab.kernels.compiled import ExecMap, aligned_word, byte_views, word_dtype
+from fimoe_lab.kernels.compiled import ExecMap, aligned_word, word_dtype
 from fimoe_lab.kernels.tiles import CONFIG, cells_per_tile, launch_plan, pow2_divisor
+from fimoe_lab.kernels.triton_launch import Pointer, launch
 
 
 @triton.jit
@@ -239,21 +240,30 @@ def _rows_on(em: ExecMap, rows_src, device, kind: int) -> torch.Tensor:
     return em._dev[key]
 
 
-def _prepare(em: ExecMap, xb: torch.Tensor, ob: torch.Tensor, cfg: dict):
-    word = aligned_word(min(em.word, 4), xb, ob)
-    meta, tiles, rows = launch_plan(em, word, cfg)
-    n_out = em.n_out
-    if rows is not None:
-        rows_src, n_out = rows
-        src = _rows_on(em, rows_src, xb.device, meta["KIND"])
-    else:
-        src = em.src_on(xb.device)
-    return word, meta, tiles, src, em.fills_on(xb.device, word), n_out
+def _prepare(em: ExecMap, word: int, device: torch.device, config: dict | None):
+    """Kernel constants, tiles an expert, source table, fill table and output cells of a
+    gather launch in ``word``-byte words: cached on ``em`` per word size, device and
+    config (each call of a serving loop finds them there)."""
+    cfg = dict(CONFIG, **(config or {}))
+    key = ("launch", word, device, tuple(cfg.items()))
+    got = em._dev.get(key)
+    if got is None:
+        meta, tiles, rows = launch_plan(em, word, cfg)
+        n_out = em.n_out
+        if rows is not None:
+            rows_src, n_out = rows
+            src = _rows_on(em, rows_src, device, meta["KIND"])
+        else:
+            src = em.src_on(device)
+        meta = dict(meta, HAS_FILL=em.has_fill, EVICT=cfg["evict"], STCS=cfg["store_cs"])
+        got = em._dev[key] = (meta, tiles, src, em.fills_on(device, word), n_out)
+    return got
 
 
 def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict | None = None) -> None:
-    """``out[e, i] = x[e, src[i]]`` (or fill) for every expert, one launch."""
-    cfg = dict(CONFIG, **(config or {}))
+    """``out[e, i] = x[e, src[i]]`` (or fill) for every expert, one launch. ``x`` and
+    ``out`` contiguous (the caller checks), moved in the widest word (up to 4 bytes) that
+    divides the cell and both addresses."""
     experts = x.shape[0]
     if experts == 0 or em.out_bytes == 0:
         return
@@ -261,20 +271,22 @@ def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict 
         for s in range(0, experts, 65535):
             gather_triton(em, x[s : s + 65535], out[s : s + 65535], config)
         return
-    xb, ob = byte_views(x, out)
-    word, meta, tiles, src, fills, n_out = _prepare(em, xb, ob, cfg)
-    xw, ow = xb.view(word_dtype(word)), ob.view(word_dtype(word))
-    _gather_kernel[(tiles, experts)](
-        xw,
-        ow,
+    xp, op = x.data_ptr(), out.data_ptr()
+    word = min(em.word, 4)
+    while word > 1 and (xp % word or op % word):
+        word //= 2
+    meta, tiles, src, fills, n_out = _prepare(em, word, x.device, config)
+    dt = word_dtype(word)
+    launch(
+        _gather_kernel,
+        (tiles, experts),
+        Pointer(xp, dt),
+        Pointer(op, dt),
         src,
         fills,
         em.in_bytes // word,
         em.out_bytes // word,
         n_out,
-        HAS_FILL=em.has_fill,
-        EVICT=cfg["evict"],
-        STCS=cfg["store_cs"],
         **meta,
     )
 
@@ -359,11 +371,31 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
         cnt = min(per, experts - s0)
         part = xw[s0 : s0 + cnt]
         if n_saved:
-            _cycle_kernel[(triton.cdiv(n_saved, bm) * nc, cnt)](
-                part, scratch, saved, saved, n_saved, ew, n_saved * wpc, SAVE=True, **meta
+            launch(
+                _cycle_kernel,
+                (triton.cdiv(n_saved, bm) * nc, cnt),
+                part,
+                scratch,
+                saved,
+                saved,
+                n_saved,
+                ew,
+                n_saved * wpc,
+                SAVE=True,
+                **meta,
             )
-        _cycle_kernel[(plan.n_tiles * nc, cnt)](
-            part, scratch, dst, src, plan.moved, ew, n_saved * wpc, SAVE=False, **meta
+        launch(
+            _cycle_kernel,
+            (plan.n_tiles * nc, cnt),
+            part,
+            scratch,
+            dst,
+            src,
+            plan.moved,
+            ew,
+            n_saved * wpc,
+            SAVE=False,
+            **meta,
         )
         yield s0 + cnt, scratch
 
@@ -436,6 +468,17 @@ def _store_bands(
 
 
 @triton.jit
+def _count_done(cnt_ptr, done_ptr, per):
+    """Count one stored item of the expert whose two counters these are; the item that
+    completes it (``per`` stored, so every item of the expert has passed its wait) sets both
+    back to zero, ready for the next launch on the same stream."""
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == per - 1:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _swizzled_bands_in_place(
     x_ptr,
     rows_ptr,
@@ -458,7 +501,8 @@ def _swizzled_bands_in_place(
     items are on distinct resident programs (cooperative launch) in the same round:
     every wait ends. The next item is loaded (and counted) before waiting on this one:
     it belongs to another expert, which nobody writes before this program counted its
-    load. Each byte is read and written once."""
+    load. Each byte is read and written once. ``cnt_ptr`` holds two counters an expert
+    (items loaded, items stored), zero on entry and zero again on exit (:func:`_count_done`)."""
     total = experts * per
     g = tl.num_programs(0)
     t = tl.program_id(0)
@@ -471,6 +515,7 @@ def _swizzled_bands_in_place(
             _signal(cnt_ptr + (t + g) // per)
         _wait_for(cnt_ptr + t // per, per)
         _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, NK, NB)
+        _count_done(cnt_ptr + t // per, cnt_ptr + experts + t // per, per)
         t += g
         v = vn
 
@@ -502,6 +547,21 @@ def _blocks_per_sm(kernel, props) -> int:
     return max(0, min(by_regs, by_smem, by_threads, 32))
 
 
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` int32 counters, zero, for the cooperative launch on ``device``'s current
+    stream: allocated (zeroed) once and grown when a launch needs more; every launch leaves
+    the ones it used at zero again. One set a stream, so concurrent launches on two streams
+    do not share them."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < n:
+        have = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have
+
+
 def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
     """In place for maps of the ``swizzle`` form (a row permutation, then the 128x4
     scale swizzle; 4-byte words) with no scratch. A map whose bands read only their own
@@ -522,7 +582,9 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     if em.bands_local() and kw * 128 <= cfg["local_max_words"]:
         nb = cells_per_tile(cfg["local_words"], kw * 128, n_bands)
         per = triton.cdiv(n_bands, nb)
-        _swizzled_bands_local[(experts * per,)](
+        launch(
+            _swizzled_bands_local,
+            (experts * per,),
             flat.view(torch.int32),
             _rows_on(em, rows, flat.device, 2),
             nbytes // 4,
@@ -540,7 +602,7 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     nk = triton.cdiv(cw, kw)
     nb = cells_per_tile(item_words, kw, n_bands) if nk == 1 else 1
     per = triton.cdiv(n_bands, nb) * nk
-    counters = torch.zeros(experts, dtype=torch.int32, device=flat.device)
+    counters = _counters(flat.device, 2 * experts)
     args = (flat.view(torch.int32), _rows_on(em, rows, flat.device, 2), counters, experts, nbytes // 4, n_bands, per)
     meta = dict(CW=cw, KW=kw, NK=nk, NB=nb, num_warps=cfg["band_warps"])
     try:
@@ -551,7 +613,7 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
         per_sm = min(em._dev[occ], cfg["band_per_sm"])
         grid = min(props.multi_processor_count * per_sm, experts * per) // per * per
         if grid:
-            _swizzled_bands_in_place[(grid,)](*args, launch_cooperative_grid=True, **meta)
+            launch(_swizzled_bands_in_place, (grid,), *args, **meta, launch_cooperative_grid=True)
     except Exception as exc:  # noqa: BLE001 - raised before anything moved
         warnings.warn(
             f"in-place scale launch did not start ({exc}); running the cycle plan instead", RuntimeWarning, stacklevel=2

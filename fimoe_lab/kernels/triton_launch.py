@@ -1,0 +1,82 @@
+"""Triton launches at the cost of the launch alone.
+
+``kernel[grid](*args, **meta)`` binds the arguments, builds Triton's specialisation key and
+looks the compiled kernel up on every call: on the H200's host that, with our own plan
+lookup, put 40-65 us of host time in front of each launch, and a call that finds the device
+idle (one large transform, timed alone) waits for all of it (``benchmarks/RESULTS.md``).
+:func:`launch` asks Triton once per *launch key* and then starts the compiled kernel
+directly (its ``CompiledKernel[grid]`` runner, ~15 us).
+
+The launch key holds everything Triton specialises a compiled kernel on, and more: the
+kernel, the grid, every constexpr and option, each integer argument's exact value, and
+each tensor (or :class:`Pointer`) argument's dtype and whether its address is a multiple
+of 16 bytes, and the current device. Tensors go to the launch as their addresses.
+Two calls with the same key get the same compiled kernel from Triton, so reusing it is
+exact; a call with any other value is a new key and goes through Triton first.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+__all__ = ["Pointer", "launch"]
+
+_RUNNERS: dict = {}
+_PARAMS: dict = {}
+
+
+class Pointer:
+    """A device address of ``dtype`` elements: what a kernel's pointer parameter takes,
+    without building a tensor view to carry the element type."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype):
+        self.address = address
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _param_names(kernel) -> tuple:
+    names = _PARAMS.get(kernel)
+    if names is None:
+        names = _PARAMS[kernel] = tuple(inspect.signature(kernel.fn).parameters)
+    return names
+
+
+def launch(kernel, grid: tuple, *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)`` on the current device and stream: positional
+    ``args`` are the kernel's leading runtime parameters (tensors, :class:`Pointer`,
+    integers), ``meta`` its constexprs (by name) and launch options (``num_warps``,
+    ``launch_cooperative_grid``)."""
+    parts = [torch.cuda.current_device(), kernel, grid, tuple(meta.items())]
+    values = []
+    for a in args:
+        if isinstance(a, (torch.Tensor, Pointer)):
+            p = a.data_ptr()
+            parts.append((a.dtype, p % 16 == 0))
+            values.append(p)
+        else:
+            parts.append((type(a), a))
+            values.append(a)
+    key = tuple(parts)
+    run = _RUNNERS.get(key)
+    if run is None:
+        if len(_RUNNERS) >= 4096:  # shapes come and go (tests, sweeps): start over rather than grow
+            _RUNNERS.clear()
+        compiled = kernel.warmup(*args, grid=grid, **meta)
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        if not hasattr(compiled, "__getitem__"):  # a Triton without the runner: its own launch path
+            kernel[grid](*args, **meta)
+            return
+        names = _param_names(kernel)
+        tail = tuple(meta[n] for n in names[len(args) :])
+        runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
+        run = _RUNNERS[key] = (runner, tail)
+    runner, tail = run
+    runner(*values, *tail)
