@@ -8,7 +8,7 @@ output checked bit-exact against the default config's.
 Out of place: the defaults against the previous ones (``PREVIOUS``) and each change
 alone undone: ``wide_below`` (a row whose power-of-two chunk is narrower moves as one
 masked chunk), ``swizzle_kw`` / ``swizzle_wide_below`` (the same for the 128x4 scale
-swizzle's columns), ``evict`` / ``store_cs`` (evict-first loads, streaming stores). In
+swizzle's columns; ``swz_kw4`` / ``8`` / ``16``: narrower swizzle tiles), ``evict`` / ``store_cs`` (evict-first loads, streaming stores). In
 place (permutations): the in-place ceiling (a Triton kernel storing each block where it
 read it: the same bytes read and written at the same addresses, no permutation) and the
 default strategy, with the hints, with the previous 64-slot cycle tiles, and for the W2
@@ -51,6 +51,10 @@ OUT_OF_PLACE = {
     "narrow": {"wide_below": 0},
     "swz_kw32": {"swizzle_kw": 32, "swizzle_wide_below": 0},
     "swz_kw64": {"swizzle_kw": 64},
+    "swz_kw4": {"swizzle_kw": 4, "swizzle_wide_below": 0},  # 2 KB tiles (128 rows x 4 words), as the copy's
+    "swz_kw4_w2": {"swizzle_kw": 4, "swizzle_wide_below": 0, "swizzle_warps": 2},
+    "swz_kw8": {"swizzle_kw": 8, "swizzle_wide_below": 0},
+    "swz_kw16": {"swizzle_kw": 16, "swizzle_wide_below": 0},
     "swz_w2": {"swizzle_warps": 2},
     "swz_w8": {"swizzle_warps": 8},
     "1d": {"tile_2d_max_cell": 0},
