@@ -60,18 +60,21 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def timeit(fn, dev, repeats, warmup=1, min_sample=2e-3):
+def timeit(fn, dev, repeats, warmup=1, min_sample=2e-3, inner=None):
     """Median seconds per call over ``repeats`` samples after ``warmup`` calls.
 
     On CUDA each sample is timed with events around ``inner`` back-to-back calls, with
-    ``inner`` chosen so a sample lasts at least ``min_sample`` seconds: the host's launch
-    overhead then overlaps the device work, as it does in a real conversion of many
-    tensors (the same rule is applied to the copy ceiling).
+    ``inner`` (unless given) chosen so a sample lasts at least ``min_sample`` seconds: the
+    host's launch overhead then overlaps the device work, as it does in a real conversion
+    of many tensors (the same rule is applied to the copy ceiling).
     """
     for _ in range(warmup):
         fn()
     sync(dev)
-    inner = 1
+    if inner is None:
+        inner = 1
+    elif dev.type == "cuda":
+        min_sample = 0
     if dev.type == "cuda" and min_sample:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()

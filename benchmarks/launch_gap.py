@@ -41,18 +41,7 @@ CUDA = torch.device("cuda")
 
 def event_us(fn, calls: int, reps: int = 9) -> float:
     """Median microseconds a call over ``reps`` samples of ``calls`` back-to-back calls between events."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(ts)
+    return timeit(fn, CUDA, reps, warmup=1, inner=calls) * 1e6
 
 
 def host_us(fn, calls: int = 1, reps: int = 9) -> float:
