@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-__all__ = ["Pointer", "launch"]
+__all__ = ["OWN_PATH", "Pointer", "first_launch", "launch"]
 
 _RUNNERS: dict = {}
 _PARAMS: dict = {}
@@ -68,15 +68,39 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     if run is None:
         if len(_RUNNERS) >= 4096:  # shapes come and go (tests, sweeps): start over rather than grow
             _RUNNERS.clear()
-        compiled = kernel.warmup(*args, grid=grid, **meta)
-        if hasattr(compiled, "result"):
-            compiled = compiled.result()
-        if not hasattr(compiled, "__getitem__"):  # a Triton without the runner: its own launch path
-            kernel[grid](*args, **meta)
-            return
-        names = _param_names(kernel)
-        tail = tuple(meta[n] for n in names[len(args) :])
+        _RUNNERS[key] = first_launch(kernel, grid, args, meta, values)
+    elif run is OWN_PATH:
+        kernel[grid](*args, **meta)
+    else:
+        runner, tail = run
+        runner(*values, *tail)
+
+
+OWN_PATH = "own path"
+"""What :func:`first_launch` returns when the compiled kernel's runner does not take the call:
+later calls with that key go through ``kernel[grid]`` as before."""
+
+
+def first_launch(kernel, grid: tuple, args: tuple, meta: dict, values: list):
+    """Launch once and say how to launch the same key again: ``(runner, tail)``, the
+    compiled kernel's ``CompiledKernel[grid]`` runner and the constexpr values it takes
+    after ``values`` (the runtime arguments as addresses and integers), or
+    :data:`OWN_PATH`. Triton versions differ in what the runner takes (3.3 on: every
+    parameter, constexprs included; before: the runtime ones), so both are tried: the
+    launcher parses its arguments before it starts anything, so a call refused with a
+    ``TypeError`` has moved nothing; if neither is taken, ``kernel[grid]`` launches. Any
+    other error (the driver refusing the grid) is raised as it is, nothing launched."""
+    compiled = kernel.warmup(*args, grid=grid, **meta)
+    if hasattr(compiled, "result"):
+        compiled = compiled.result()
+    if hasattr(compiled, "__getitem__"):
         runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
-        run = _RUNNERS[key] = (runner, tail)
-    runner, tail = run
-    runner(*values, *tail)
+        names = _param_names(kernel)
+        for tail in (tuple(meta[n] for n in names[len(args) :]), ()):
+            try:
+                runner(*values, *tail)
+            except TypeError:  # its arguments refused before anything started: the next convention
+                continue
+            return runner, tail
+    kernel[grid](*args, **meta)
+    return OWN_PATH
