@@ -39,7 +39,7 @@ import triton.language as tl
 
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, word_dtype
 from fimoe_lab.kernels.tiles import CONFIG, cells_per_tile, launch_plan, pow2_divisor
-from fimoe_lab.kernels.triton_launch import Pointer, launch
+from fimoe_lab.kernels.triton_launch import INTERPRETED, Pointer, launch
 
 
 @triton.jit
@@ -277,11 +277,15 @@ def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict 
         word //= 2
     meta, tiles, src, fills, n_out = _prepare(em, word, x.device, config)
     dt = word_dtype(word)
+    if INTERPRETED:  # the interpreter reads tensors, not addresses
+        xw, ow = x.reshape(-1).view(dt), out.reshape(-1).view(dt)
+    else:
+        xw, ow = Pointer(xp, dt), Pointer(op, dt)
     launch(
         _gather_kernel,
         (tiles, experts),
-        Pointer(xp, dt),
-        Pointer(op, dt),
+        xw,
+        ow,
         src,
         fills,
         em.in_bytes // word,

@@ -18,13 +18,17 @@ exact; a call with any other value is a new key and goes through Triton first.
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 
-__all__ = ["OWN_PATH", "Pointer", "first_launch", "launch"]
+__all__ = ["INTERPRETED", "OWN_PATH", "Pointer", "first_launch", "launch"]
 
 _RUNNERS: dict = {}
 _PARAMS: dict = {}
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Triton's interpreter (``TRITON_INTERPRET=1``, read when Triton wraps the kernels): kernels run
+on the CPU from tensors, through ``kernel[grid]``; nothing is compiled or bound."""
 
 
 class Pointer:
@@ -53,6 +57,9 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     ``args`` are the kernel's leading runtime parameters (tensors, :class:`Pointer`,
     integers), ``meta`` its constexprs (by name) and launch options (``num_warps``,
     ``launch_cooperative_grid``)."""
+    if INTERPRETED:
+        kernel[grid](*args, **meta)
+        return
     parts = [torch.cuda.current_device(), kernel, grid, tuple(meta.items())]
     values = []
     for a in args:
