@@ -200,3 +200,41 @@ def test_output_lock_is_reentrant_in_one_process_and_released_at_the_outermost_e
             assert lock.read_text() == str(os.getpid())
         assert lock.exists()  # still held by the outer writer
     assert not lock.exists()
+
+
+def test_output_lock_taken_but_not_yet_written_is_not_stale(tmp_path):
+    """A lock file is created empty and gets its pid a moment later. A second writer that finds it empty
+    waits for the pid (here: a live process's, written 0.1 s later) and refuses; it does not remove
+    the lock as stale and write the same output (what CI once saw: two concurrent converts both
+    exiting 0)."""
+    import subprocess
+    import sys
+    import threading
+
+    from fimoe_lab.checkpoints.safe_io import OutputLock
+    from fimoe_lab.errors import CheckpointError
+
+    out = tmp_path / "k.safetensors"
+    lock = tmp_path / ".k.safetensors.lock"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        lock.write_bytes(b"")
+        threading.Timer(0.1, lambda: lock.write_text(str(other.pid))).start()
+        with pytest.raises(CheckpointError, match=f"another fimoe-lab \\(pid {other.pid}\\)"), OutputLock(out):
+            pass
+        assert lock.read_text() == str(other.pid)  # still the other writer's
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_output_lock_left_empty_by_a_dead_writer_is_stale_after_the_settle_time(tmp_path, monkeypatch):
+    from fimoe_lab.checkpoints import safe_io
+
+    monkeypatch.setattr(safe_io, "LOCK_SETTLE_S", 0.2)
+    out = tmp_path / "k.safetensors"
+    lock = tmp_path / ".k.safetensors.lock"
+    lock.write_bytes(b"")  # its writer was killed between creating it and writing its pid
+    with safe_io.OutputLock(out):
+        assert lock.read_text() == str(os.getpid())
+    assert not lock.exists()

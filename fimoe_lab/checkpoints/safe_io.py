@@ -30,6 +30,7 @@ import signal
 import stat
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
@@ -277,6 +278,9 @@ def remove_own(d: Path, keep: set[str]) -> None:
             os.unlink(p)
 
 
+LOCK_SETTLE_S = 2.0
+"""How long an empty lock file is taken for one being written before it counts as stale."""
+
 _HELD: dict[Path, int] = {}
 """Locks this process holds, with their nesting depth (a writer may take its output's lock
 early, before reading its input, and again where it writes)."""
@@ -305,7 +309,7 @@ class OutputLock:
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             except FileExistsError:
-                pid = self._holder()
+                pid = self._settled_holder()
                 if pid is not None and _alive(pid):
                     raise CheckpointError(
                         f"another fimoe-lab (pid {pid}) is writing {self.out} (lock {self.path})",
@@ -318,6 +322,24 @@ class OutputLock:
                 f.write(str(os.getpid()))
             return
         raise CheckpointError(f"could not take the lock {self.path}", fix="remove it if no fimoe-lab is running")
+
+    def _settled_holder(self) -> Optional[int]:
+        """The holder's pid. A lock file is created empty and gets its pid a moment later: an empty one
+        is a lock being taken, so it is read again for up to :data:`LOCK_SETTLE_S` before it counts as stale
+        (its writer died between the two steps). Reading it as stale at once let a second writer
+        remove a live lock and write the same output."""
+        deadline = time.monotonic() + LOCK_SETTLE_S
+        while True:
+            pid = self._holder()
+            if pid is not None or time.monotonic() >= deadline or not self._empty():
+                return pid
+            time.sleep(0.005)
+
+    def _empty(self) -> bool:
+        try:
+            return self.path.stat().st_size == 0
+        except OSError:
+            return False
 
     def _holder(self) -> Optional[int]:
         try:
