@@ -73,16 +73,14 @@ def timeit(fn, dev, repeats, warmup=1, min_sample=2e-3, inner=None):
     sync(dev)
     if inner is None:
         inner = 1
-    elif dev.type == "cuda":
-        min_sample = 0
-    if dev.type == "cuda" and min_sample:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        one = a.elapsed_time(b) / 1e3
-        inner = max(1, min(50, int(min_sample / max(one, 1e-6))))
+        if dev.type == "cuda" and min_sample:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            one = a.elapsed_time(b) / 1e3
+            inner = max(1, min(50, int(min_sample / max(one, 1e-6))))
     times = []
     for _ in range(repeats):
         if dev.type == "cuda":

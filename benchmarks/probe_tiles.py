@@ -8,10 +8,10 @@ output checked bit-exact against the default config's.
 Out of place: the defaults against the previous ones (``PREVIOUS``) and each change
 alone undone: ``wide_below`` (a row whose power-of-two chunk is narrower moves as one
 masked chunk), ``swizzle_kw`` / ``swizzle_wide_below`` (the same for the 128x4 scale
-swizzle's columns; ``swz_kw4`` / ``8`` / ``16``: narrower swizzle tiles), ``evict`` / ``store_cs`` (evict-first loads, streaming stores). In
-place (permutations): the in-place ceiling (a Triton kernel storing each block where it
-read it: the same bytes read and written at the same addresses, no permutation) and the
-default strategy, with the hints, with the previous 64-slot cycle tiles, and for the W2
+swizzle's columns; ``swz_kw4`` / ``8`` / ``16``: narrower swizzle tiles), ``evict`` /
+``store_cs`` (evict-first loads, streaming stores). In place (permutations): the in-place
+ceiling (a Triton kernel storing each block where it read it: the same bytes read and
+written at the same addresses, no permutation) and the default strategy, with the hints, with the previous 64-slot cycle tiles, and for the W2
 scales (bands-local maps) the cooperative launch and other band counts a program.
 ``s4``: session 4's 4096-word tiles; ``tw*`` / ``2d_*``: other tile sizes and run shapes;
 ``ip_s*`` / ``ip_bw*`` / ``ip_w8``: other cycle tiles; ``ip_band*``: other cooperative items.

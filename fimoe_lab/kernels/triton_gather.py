@@ -271,16 +271,13 @@ def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict 
         for s in range(0, experts, 65535):
             gather_triton(em, x[s : s + 65535], out[s : s + 65535], config)
         return
-    xp, op = x.data_ptr(), out.data_ptr()
-    word = min(em.word, 4)
-    while word > 1 and (xp % word or op % word):
-        word //= 2
+    word = aligned_word(min(em.word, 4), x, out)
     meta, tiles, src, fills, n_out = _prepare(em, word, x.device, config)
     dt = word_dtype(word)
     if INTERPRETED:  # the interpreter reads tensors, not addresses
         xw, ow = x.reshape(-1).view(dt), out.reshape(-1).view(dt)
     else:
-        xw, ow = Pointer(xp, dt), Pointer(op, dt)
+        xw, ow = Pointer(x.data_ptr(), dt), Pointer(out.data_ptr(), dt)
     launch(
         _gather_kernel,
         (tiles, experts),
