@@ -124,3 +124,14 @@ def nvfp4_trtllm(w13, w2, s13, s2, gated):
         torch.stack([scale(s13[i].view(torch.uint8), True) for i in range(s13.shape[0])]),
         torch.stack([scale(s2[i].view(torch.uint8), False) for i in range(s2.shape[0])]),
     )
+
+
+def byte_gather(m, x: torch.Tensor) -> torch.Tensor:
+    """An IndexMap applied by a per-expert loop over its byte sources, on ``x``'s device:
+    ``out[e].flat[i] = x[e].flat[source_bytes[i]]``, or the fill byte where the source is a fill.
+    The oracle of every executor test (compiled GPU kernels, Triton's interpreter, CPU executors)."""
+    sb = m.source_bytes().reshape(-1).to(x.device)
+    fills = torch.tensor(m.fills or (0,), dtype=torch.uint8)
+    fill_bytes = fills[(-1 - m.refined(1).src).clamp(min=0)].to(x.device)
+    xb = x.reshape(x.shape[0], -1).view(torch.uint8)
+    return torch.stack([torch.where(sb >= 0, xb[e][sb.clamp(min=0)], fill_bytes) for e in range(xb.shape[0])])

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from helpers import coords, random_bytes
+from reference_loops import byte_gather as reference
 
 from fimoe_lab import kernels
 from fimoe_lab.errors import FormatError, LayoutError
@@ -50,19 +51,6 @@ def all_maps():
                 pytest.param(m, id=f"{fmt}-{inter}x{hidden}-{'-'.join(f'{k}{v}' for k, v in kw.items())}-{name}")
             )
     return out
-
-
-def reference(m, x: torch.Tensor) -> torch.Tensor:
-    """Per-expert loop: out[e].flat[i] = x[e].flat[source_bytes[i]] or the fill byte."""
-    sb = m.source_bytes().reshape(-1)
-    one = m.refined(1)
-    fills = torch.tensor(m.fills or (0,), dtype=torch.uint8)
-    fill_bytes = fills[(-1 - one.src).clamp(min=0)]
-    xb = x.reshape(x.shape[0], -1).view(torch.uint8).cpu()
-    outs = []
-    for e in range(xb.shape[0]):
-        outs.append(torch.where(sb >= 0, xb[e][sb.clamp(min=0)], fill_bytes))
-    return torch.stack(outs)
 
 
 def structured(m, experts: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from reference_loops import byte_gather as reference
 
 from fimoe_lab import kernels
 from fimoe_lab.errors import LayoutError
@@ -86,16 +87,6 @@ def maps():
     for fmt, inter, hidden, kw in CASES:
         for name, m in plan_layer(fmt, "trtllm", inter, hidden, **kw).maps().items():
             yield pytest.param(m, id=f"{fmt}-{inter}x{hidden}-{len(kw)}-{name}")
-
-
-def reference(m, x):
-    """Per-expert loop on the device: each expert's bytes gathered by the map's byte sources."""
-    sb = m.source_bytes().reshape(-1).to(x.device)
-    one = m.refined(1)
-    fills = torch.tensor(m.fills or (0,), dtype=torch.uint8)
-    fill_bytes = fills[(-1 - one.src).clamp(min=0)].to(x.device)
-    xb = x.reshape(x.shape[0], -1).view(torch.uint8)
-    return torch.stack([torch.where(sb >= 0, xb[e][sb.clamp(min=0)], fill_bytes) for e in range(xb.shape[0])])
 
 
 def inputs(m, experts):

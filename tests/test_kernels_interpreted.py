@@ -53,15 +53,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from fimoe_lab.kernels import triton_gather as tg
 from fimoe_lab.prepare import plan_layer
+from reference_loops import byte_gather as reference
 
 layers, tables, in_place = json.loads(sys.argv[1])
-
-
-def reference(m, x):
-    sb = m.source_bytes().reshape(-1)
-    fills = torch.tensor(m.fills or (0,), dtype=torch.uint8)
-    fill_bytes = fills[(-1 - m.refined(1).src).clamp(min=0)]
-    return torch.stack([torch.where(sb >= 0, x[e][sb.clamp(min=0)], fill_bytes) for e in range(x.shape[0])])
 
 
 def inputs(m, experts, offset):
@@ -112,7 +106,7 @@ print(json.dumps(results))
 def interpreted():
     if not os.path.exists(PYTHON):
         pytest.skip(f"no Triton interpreter environment at {PYTHON} (.ci/run makes .venv-triton)")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "TRITON_INTERPRET": "1"}
     spec = json.dumps([LAYERS, TILE_TABLES, IN_PLACE])
     done = subprocess.run([PYTHON, "-c", CHILD, spec], env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
