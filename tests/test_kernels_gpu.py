@@ -195,8 +195,9 @@ def test_gpu_in_place_bands(band_words, per_sm, warps):
     """Scale maps without scratch: narrow items (a band's columns in chunks), wide ones
     (several bands an item, band counts not a multiple of it), few programs per SM (an
     expert's items spread over rounds of 40 experts), per_sm 0 (no room: the cycle plan
-    runs instead). The counters the launches share are zero after each (the next call,
-    on other inputs, relies on it), on the default stream and on a side stream."""
+    runs instead). The words the launches share for their waits are consistent after each (no
+    program still counted in, no flag ahead of the launch count: the next call relies on it),
+    on the default stream and on a side stream, where a launch counts itself there only."""
     from fimoe_lab.kernels import triton_gather
 
     for fmt, name, inter, hidden, engine in (
@@ -225,18 +226,51 @@ def test_gpu_in_place_bands(band_words, per_sm, warps):
             )
             torch.cuda.synchronize()
             assert torch.equal(x, want)
-            assert all(int(c.abs().sum()) == 0 for c in triton_gather._COUNTERS.values())
+            assert all(_sync_consistent(c) for c in triton_gather._SYNC.values())
         side = torch.cuda.Stream()
         x = inputs(m, 40)[0]
         want = reference(m, x)
         side.wait_stream(torch.cuda.current_stream())
+        before = {k: int(c[0]) for k, c in triton_gather._SYNC.items()}
         with torch.cuda.stream(side):
             execute_in_place(
                 m.compiled(), x, 1, config={"inplace": "bands", "band_words": band_words, "local_max_words": 0}
             )
         side.synchronize()
         assert torch.equal(x, want)
-        assert int(triton_gather._COUNTERS[(str(x.device), side.cuda_stream)].abs().sum()) == 0
+        mine = (str(x.device), side.cuda_stream)
+        assert _sync_consistent(triton_gather._SYNC[mine]) and int(triton_gather._SYNC[mine][0]) >= 1
+        assert all(int(c[0]) == before[k] for k, c in triton_gather._SYNC.items() if k != mine)
+
+
+def _sync_consistent(words) -> bool:
+    """The cooperative launch's words between launches: nobody counted in, no flag set by a launch not yet counted."""
+    return int(words[1]) == 0 and bool((words[2:] <= words[0]).all())
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
+@pytest.mark.parametrize("band_words", [8, 64, 256])
+def test_gpu_in_place_bands_any_row_permutation(band_words):
+    """The cooperative scale launch on row permutations no engine uses (random, reversed): an
+    item then waits for readers spread over the whole expert (up to every item of it), where the
+    gate/up interleave has two. Rows of 4 to 448 bytes, 3 to 7 bands, two calls back to back on
+    the same words (the second finds the first's flags), each checked byte for byte."""
+    from fimoe_lab.kernels import triton_gather
+    from fimoe_lab.steps import permute_rows, swizzle_scales_128x4
+
+    for rows, cols, order in ((384, 4, "random"), (512, 32, "reversed"), (768, 56, "random"), (896, 448, "random")):
+        g = torch.Generator().manual_seed(rows + cols)
+        src = torch.randperm(rows, generator=g) if order == "random" else torch.arange(rows - 1, -1, -1)
+        m = permute_rows(src, cols, order, {}) >> swizzle_scales_128x4(rows, cols)
+        em = m.compiled()
+        assert em.swizzle is not None and not em.bands_local()
+        for x in inputs(m, 37):
+            want = reference(m, reference(m, x))
+            for _ in range(2):
+                execute_in_place(em, x, 1, config={"inplace": "bands", "band_words": band_words})
+            torch.cuda.synchronize()
+            assert torch.equal(x, want), (rows, cols, order)
+            assert all(_sync_consistent(c) for c in triton_gather._SYNC.values())
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")

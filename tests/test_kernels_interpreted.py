@@ -4,9 +4,10 @@ are bit-exact with a per-expert loop over each map's byte sources, on every CI r
 The GPU runs them compiled (``tests/test_kernels_gpu.py``, on the lent H200); here the same kernels and
 the same Python around them (tile choice, cached plans, the launch) run without a GPU: out of place
 for every map of five formats (1-D, 2-D, padded-row, 128x4-swizzle and per-word tiles, each tile
-table of the sweeps), and in place along cycle plans and the bands-local scale launch. Not here: the
-cooperative in-place launch, whose programs wait for each other (the interpreter runs one program at
-a time). The interpreter lives in its own environment (``.venv-triton``: Triton 3.6 on CPU torch,
+table of the sweeps), and in place along cycle plans, the bands-local scale launch and the
+cooperative scale kernel as one program (items of one or two items an expert, so every item it waits
+for was loaded before: the interpreter runs one program at a time; many programs waiting for each
+other run on the H200 in ``tests/test_kernels_gpu.py``), twice on the same synchronisation words. The interpreter lives in its own environment (``.venv-triton``: Triton 3.6 on CPU torch,
 ``.ci/run``; ``FIMOE_TRITON_PYTHON`` names another); without it these tests skip.
 """
 
@@ -45,6 +46,9 @@ IN_PLACE = [  # (format, tensor, strategy)
     ("bf16", "w2", "cycles"),
     ("mxfp8", "w2_scale", "bands"),
     ("nvfp4", "w2_scale", "bands"),
+    ("nvfp4", "w13_scale", "one program, 1 item an expert"),
+    ("nvfp4", "w13_scale", "one program, 2 items an expert"),
+    ("mxfp8", "w13_scale", "one program, 2 items an expert"),
 ]
 
 CHILD = r"""
@@ -52,6 +56,7 @@ import json, os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from fimoe_lab.kernels import triton_gather as tg
+from fimoe_lab.kernels.tiles import band_item_readers, next_pow2
 from fimoe_lab.prepare import plan_layer
 from reference_loops import byte_gather as reference
 
@@ -92,6 +97,22 @@ for fmt, tensor, strategy in in_place:
         if strategy == "cycles":
             for _ in tg.inplace_cycles(em, x, 2):
                 pass
+        elif strategy.startswith("one program"):
+            rows, cw, n_rows = em.swizzle
+            n_bands, items = n_rows // 128, int(strategy.split(", ")[1][0])
+            nb = next_pow2(n_bands) // items
+            readers = torch.from_numpy(band_item_readers(rows, cw, next_pow2(cw), 1, nb))
+            assert readers.shape[1] == (1 if items == 1 else 2)
+            sync = torch.zeros(2 + 5 * items, dtype=torch.int64)
+            for launch in (1, 2):  # the second permutes again, its flags counted by its own number
+                if launch == 2:
+                    want = reference(m, want)
+                tg._swizzled_bands_in_place[(1,)](
+                    x.view(torch.int32), torch.from_numpy(rows), readers, sync, 5, m.in_bytes // 4, n_bands, items,
+                    CW=cw, KW=next_pow2(cw), NK=1, NB=nb, ND=readers.shape[1],
+                )
+                ok &= sync[0].item() == launch and sync[1].item() == 0 and bool((sync[2:] == launch).all())
+                ok &= bool(torch.equal(x, want))
         else:
             assert em.bands_local()
             for _ in tg.inplace_swizzled_bands(em, x, 1):

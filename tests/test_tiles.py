@@ -118,3 +118,57 @@ def test_tiles_cover_random_shapes(fmt, inter, hidden, cfg):
         assume(False)
     for m in plan.maps().values():
         check(m, cfg)
+
+
+def _readers_by_loop(rows: np.ndarray, cw: int, kw: int, nk: int, nb: int) -> list[set[int]]:
+    """Item by item, word by word: who reads each word, then who reads what each item writes
+    (the in-place launch's item shapes, from ``_load_bands`` / ``_store_bands``)."""
+    n_bands = rows.size // 128
+    per = -(-n_bands // nb) * nk
+    read_by = {}
+    for t in range(per):
+        kc = t % nk
+        for b in range((t // nk) * nb, min((t // nk) * nb + nb, n_bands)):
+            for r in range(b * 128, b * 128 + 128):
+                for k in range(kc * kw, min(cw, kc * kw + kw)):
+                    read_by[int(rows[r]) * cw + k] = t
+    out = []
+    for t in range(per):
+        kc, got = t % nk, set()
+        for b in range((t // nk) * nb, min((t // nk) * nb + nb, n_bands)):
+            start = b * 128 * cw + kc * kw * 128
+            got |= {read_by[w] for w in range(start, start + min(kw, cw - kc * kw) * 128)}
+        out.append(got)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bands=st.integers(1, 6),
+    cw=st.integers(1, 9),
+    item_words=st.sampled_from([1, 2, 4, 8, 16]),
+    order=st.sampled_from(["random", "identity", "gate_up_8", "reversed"]),
+    seed=st.integers(0, 2**16),
+)
+def test_band_item_readers_name_every_item_that_reads_what_an_item_overwrites(bands, cw, item_words, order, seed):
+    """The in-place scale launch stores an item only after the items in its row of this table
+    flagged their loads: the table must hold every reader (a missing one is a silent
+    overwrite before a read), checked against a word-by-word loop, on random row permutations
+    and the TRT-LLM gate/up interleave; its padding is the item itself, its width a power of two."""
+    n = bands * 128
+    rows = {
+        "random": np.random.default_rng(seed).permutation(n),
+        "identity": np.arange(n),
+        "gate_up_8": np.stack([np.arange(n // 2).reshape(-1, 8), np.arange(n // 2, n).reshape(-1, 8)], 1).ravel(),
+        "reversed": np.arange(n)[::-1],
+    }[order]
+    kw = min(tiles.next_pow2(cw), item_words)
+    nk = tiles.cdiv(cw, kw)
+    nb = tiles.cells_per_tile(item_words, kw, bands) if nk == 1 else 1
+    table = tiles.band_item_readers(rows, cw, kw, nk, nb)
+    want = _readers_by_loop(rows, cw, kw, nk, nb)
+    assert table.shape[0] == len(want) and table.shape[1] == tiles.next_pow2(table.shape[1])
+    for t, row in enumerate(table):
+        assert set(row.tolist()) - {t} == want[t] - {t}
+    if order == "gate_up_8" and bands % 2 == 0:  # 64 rows of gate or up: at most 2 output bands read them
+        assert table.shape[1] <= tiles.next_pow2(2 * nk * (nb + 1))

@@ -6,10 +6,13 @@ machine (every output word covered by exactly one tile: ``tests/test_tiles.py``)
 
 from __future__ import annotations
 
+import numpy as np
+
 from fimoe_lab.kernels.compiled import ExecMap
 
 __all__ = [
     "CONFIG",
+    "band_item_readers",
     "cdiv",
     "cells_per_tile",
     "launch_plan",
@@ -135,3 +138,34 @@ def transposed_tiles(em: ExecMap, bm: int, run_cells: int) -> tuple[int, int] | 
     if r2 < 2 or (em.n_out // s2) % (bm // r2):
         return None
     return s2, r2
+
+
+def band_item_readers(rows: np.ndarray, cw: int, kw: int, nk: int, nb: int) -> np.ndarray:
+    """Who must have read before an item of the in-place swizzle launch may store
+    (:func:`~fimoe_lab.kernels.triton_gather.inplace_swizzled_bands`): ``(per, nd)`` int32,
+    row ``t`` the items of the same expert whose loads read a word that item ``t`` overwrites,
+    padded with ``t`` itself (its own load precedes its store anyway).
+
+    The expert is ``R = rows.size`` rows of ``cw`` 4-byte words (``R`` a multiple of 128,
+    ``rows`` a permutation); item ``t`` (``per = cdiv(R / 128, nb) * nk`` of them) reads rows
+    ``rows[r]`` for ``r`` in output bands ``(t // nk) * nb ...`` (+``nb``), word columns
+    ``[(t % nk) * kw, + kw)``, and writes, in each of those bands ``b``, the words
+    ``[b * 128 * cw + (t % nk) * kw * 128, + min(kw, cw - (t % nk) * kw) * 128)``. Then
+    ``reader[rows[r] * cw + k] = (r // 128 // nb) * nk + k // kw`` and
+    ``writer[w] = (w // (128 * cw) // nb) * nk + (w % (128 * cw)) // (kw * 128)``; item ``t``
+    waits for ``{reader[w] : writer[w] = t}``. For the TRT-LLM gate/up interleave that is 2
+    bands x ``nk`` chunks, where waiting for the whole expert is all ``per`` items."""
+    n_rows = rows.size
+    per = cdiv(n_rows // 128, nb) * nk
+    reader = np.empty((n_rows, cw), dtype=np.int64)
+    item_of_row = (np.arange(n_rows) // 128 // nb) * nk
+    reader[np.asarray(rows, dtype=np.int64)] = item_of_row[:, None] + (np.arange(cw) // kw)[None, :]
+    w = np.arange(n_rows * cw, dtype=np.int64)
+    writer = (w // (128 * cw) // nb) * nk + (w % (128 * cw)) // (kw * 128)
+    pairs = np.unique(writer * per + reader.ravel())
+    t, dep = pairs // per, pairs % per
+    counts = np.bincount(t, minlength=per)
+    table = np.repeat(np.arange(per, dtype=np.int32)[:, None], next_pow2(int(counts.max())), axis=1)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    table[t, np.arange(pairs.size) - starts[t]] = dep
+    return table

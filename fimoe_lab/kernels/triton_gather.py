@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, word_dtype
-from fimoe_lab.kernels.tiles import CONFIG, cells_per_tile, launch_plan, pow2_divisor
+from fimoe_lab.kernels.tiles import CONFIG, band_item_readers, cells_per_tile, launch_plan, pow2_divisor
 from fimoe_lab.kernels.triton_launch import INTERPRETED, Pointer, launch
 
 
@@ -402,19 +402,24 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
 
 
 @triton.jit
-def _wait_for(counter_ptr, target):
-    """Spin until ``*counter_ptr >= target`` (acquire), then line the program up."""
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+def _flag(flag_ptr, gen):
+    """Order every load and store of the program before setting one item's flag to this
+    launch's number ``gen`` (release)."""
     tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, gen, sem="release", scope="gpu")
 
 
 @triton.jit
-def _signal(counter_ptr):
-    """Order every load and store of the program before counting one item (release)."""
+def _wait_for_items(flags_ptr, readers_ptr, gen, ND: tl.constexpr):
+    """Spin until each of the ``ND`` items listed at ``readers_ptr`` (indices into its
+    expert's flags at ``flags_ptr``) has set its flag to ``gen`` (acquire); flags of earlier
+    launches hold smaller numbers. Then line the program up."""
+    p = flags_ptr + tl.load(readers_ptr + tl.arange(0, ND))
+    zero = tl.zeros([ND], dtype=tl.int64)
+    seen = tl.min(tl.atomic_add(p, zero, sem="acquire", scope="gpu"), 0)
+    while seen < gen:
+        seen = tl.min(tl.atomic_add(p, zero, sem="acquire", scope="gpu"), 0)
     tl.debug_barrier()
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -469,21 +474,11 @@ def _store_bands(
 
 
 @triton.jit
-def _count_done(cnt_ptr, done_ptr, per):
-    """Count one stored item of the expert whose two counters these are; the item that
-    completes it (``per`` stored, so every item of the expert has passed its wait) sets both
-    back to zero, ready for the next launch on the same stream."""
-    tl.debug_barrier()
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == per - 1:
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _swizzled_bands_in_place(
     x_ptr,
     rows_ptr,
-    cnt_ptr,
+    readers_ptr,
+    sync_ptr,
     experts,
     expert_words,
     n_bands,
@@ -492,33 +487,45 @@ def _swizzled_bands_in_place(
     KW: tl.constexpr,
     NK: tl.constexpr,
     NB: tl.constexpr,
+    ND: tl.constexpr,
 ):
     """Row permutation then 128x4 swizzle, in place, one cooperative launch, no scratch.
 
     An item is ``NB`` 128-row output bands x ``KW`` words (``per`` items an expert): it
-    loads its source rows (anywhere in its expert) into registers and counts itself
-    read; before storing, it waits until every item of its expert has read. Program
-    ``p`` takes items ``p, p + G, ...`` with ``G`` a multiple of ``per``, so an expert's
-    items are on distinct resident programs (cooperative launch) in the same round:
-    every wait ends. The next item is loaded (and counted) before waiting on this one:
-    it belongs to another expert, which nobody writes before this program counted its
-    load. Each byte is read and written once. ``cnt_ptr`` holds two counters an expert
-    (items loaded, items stored), zero on entry and zero again on exit (:func:`_count_done`)."""
+    loads its source rows (anywhere in its expert) into registers and flags itself read;
+    before storing, it waits for the flags of the items that read the words it overwrites
+    (``readers_ptr``: ``(per, ND)``, :func:`~fimoe_lab.kernels.tiles.band_item_readers`; 2
+    bands' items for the gate/up interleave, not the whole expert). Program ``p`` takes items
+    ``p, p + G, ...`` with ``G`` a multiple of ``per``, so an expert's items are on distinct
+    resident programs (cooperative launch) in the same round: every wait ends. The next item
+    is loaded (and flagged) before waiting on this one: it belongs to another expert, which
+    nobody writes before its readers flagged their loads. Each byte is read and written once.
+
+    ``sync_ptr``: int64 ``[launches, programs out, item flags...]``. A launch numbers itself
+    ``launches + 1``, its flags count as set when they hold that number (no reset between
+    launches, so a replayed CUDA graph works too; 64 bits never wrap), and its last program
+    out counts it."""
     total = experts * per
     g = tl.num_programs(0)
     t = tl.program_id(0)
+    gen = tl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu") + 1
+    flags_ptr = sync_ptr + 2
     v = _load_bands(x_ptr, rows_ptr, t, t < total, per, n_bands, expert_words, CW, KW, NK, NB)
     if t < total:
-        _signal(cnt_ptr + t // per)
+        _flag(flags_ptr + t, gen)
     while t < total:
         vn = _load_bands(x_ptr, rows_ptr, t + g, t + g < total, per, n_bands, expert_words, CW, KW, NK, NB)
         if t + g < total:
-            _signal(cnt_ptr + (t + g) // per)
-        _wait_for(cnt_ptr + t // per, per)
+            _flag(flags_ptr + t + g, gen)
+        first = (t // per) * per
+        _wait_for_items(flags_ptr + first, readers_ptr + (t - first) * ND, gen, ND)
         _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, NK, NB)
-        _count_done(cnt_ptr + t // per, cnt_ptr + experts + t // per, per)
         t += g
         v = vn
+    tl.debug_barrier()
+    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == g - 1:
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -548,18 +555,22 @@ def _blocks_per_sm(kernel, props) -> int:
     return max(0, min(by_regs, by_smem, by_threads, 32))
 
 
-_COUNTERS: dict = {}
+_SYNC: dict = {}
+_SYNC_OUTGROWN: list = []
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """``n`` int32 counters, zero, for the cooperative launch on ``device``'s current
-    stream: allocated (zeroed) once and grown when a launch needs more; every launch leaves
-    the ones it used at zero again. One set a stream, so concurrent launches on two streams
-    do not share them."""
+def _sync_words(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` int64 words for the cooperative launch on ``device``'s current stream
+    (:func:`_swizzled_bands_in_place`: launch count, programs out, item flags), zero when
+    made and left consistent by every launch: made once, and again larger when a launch
+    needs more. An outgrown one is kept, not freed: a captured CUDA graph may still use it.
+    One set a stream, so concurrent launches on two streams do not share them."""
     key = (str(device), torch.cuda.current_stream(device).cuda_stream)
-    have = _COUNTERS.get(key)
+    have = _SYNC.get(key)
     if have is None or have.numel() < n:
-        have = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        if have is not None:
+            _SYNC_OUTGROWN.append(have)
+        have = _SYNC[key] = torch.zeros(max(n, 1024), dtype=torch.int64, device=device)
     return have
 
 
@@ -603,12 +614,17 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     nk = triton.cdiv(cw, kw)
     nb = cells_per_tile(item_words, kw, n_bands) if nk == 1 else 1
     per = triton.cdiv(n_bands, nb) * nk
-    counters = _counters(flat.device, 2 * experts)
-    args = (flat.view(torch.int32), _rows_on(em, rows, flat.device, 2), counters, experts, nbytes // 4, n_bands, per)
-    meta = dict(CW=cw, KW=kw, NK=nk, NB=nb, num_warps=cfg["band_warps"])
+    rkey = ("band readers", str(flat.device), kw, nk, nb)
+    if rkey not in em._dev:
+        em._dev[rkey] = torch.from_numpy(band_item_readers(rows, cw, kw, nk, nb)).to(flat.device)
+    readers = em._dev[rkey]
+    sync = _sync_words(flat.device, 2 + experts * per)
+    args = (flat.view(torch.int32), _rows_on(em, rows, flat.device, 2), readers, sync, experts, nbytes // 4, n_bands)
+    args = args + (per,)
+    meta = dict(CW=cw, KW=kw, NK=nk, NB=nb, ND=readers.shape[1], num_warps=cfg["band_warps"])
     try:
         props = torch.cuda.get_device_properties(flat.device)
-        occ = ("blocks per SM", str(flat.device), kw, nb, cfg["band_warps"])
+        occ = ("blocks per SM", str(flat.device), tuple(meta.items()))
         if occ not in em._dev:
             em._dev[occ] = _blocks_per_sm(_swizzled_bands_in_place.warmup(*args, grid=(1,), **meta), props)
         per_sm = min(em._dev[occ], cfg["band_per_sm"])
