@@ -70,11 +70,6 @@ OUT_OF_PLACE = {
     "tw256_w2": {"tile_words": 256, "num_warps": 2},
     "wide_below64": {"wide_below": 64},
     "max_bw512": {"max_bw": 512},
-    "swz_b4k": {"swizzle_words": 4096},  # whole bands, about 16 KB a tile (rows of one chunk)
-    "swz_b8k": {"swizzle_words": 8192},
-    "swz_b16k": {"swizzle_words": 16384},
-    "swz_b8k_w8": {"swizzle_words": 8192, "swizzle_warps": 8},
-    "swz_b4k_w2": {"swizzle_words": 4096, "swizzle_warps": 2},
 }
 IN_PLACE = {
     "ip_default": {},

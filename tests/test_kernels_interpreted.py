@@ -38,7 +38,6 @@ TILE_TABLES = {
     "1-D only": {"tile_2d_max_cell": 0},
     "narrow chunks": {"wide_below": 0, "swizzle_wide_below": 0, "swizzle_kw": 32},
     "no fast forms": {"use_swizzle": False, "use_padrows": False},
-    "swizzle bands": {"swizzle_words": 4096},
 }
 IN_PLACE = [  # (format, tensor, strategy)
     ("fp8", "w13", "cycles"),

@@ -45,13 +45,11 @@ def store_counts(em, word: int, cfg: dict) -> tuple[dict, np.ndarray]:
         where = (cells < n)[:, :, None] & (cols < w)[:, None, :]
         flat = cells[:, :, None] * w + cols[:, None, :]
         return meta, np.bincount(flat[where], minlength=n * w)
-    if kind == 2:  # swizzle: bands x column chunk, in each band one contiguous (masked) run
-        n_rows, kw, nk, nb = rows[1], meta["KW"], meta["NK"], meta["BM"]
-        assert nb == 1 or nk == 1
-        kc, j = t % nk, np.arange(nb * kw * 128)
-        band, rem = (t // nk)[:, None] * nb + j // (kw * 128), j % (kw * 128)
-        pos = band * 128 * w + kc[:, None] * (kw * 128) + rem
-        where = (rem < (w - kc[:, None] * kw) * 128) & (band * 128 < n_rows)
+    if kind == 2:  # swizzle: band x column chunk, one contiguous (masked) run of the band
+        n_rows, kw, nk = rows[1], meta["KW"], meta["NK"]
+        band, kc, p = t // nk, t % nk, np.arange(kw * 128)
+        pos = band[:, None] * 128 * w + kc[:, None] * (kw * 128) + p
+        where = kc[:, None] * kw + p // 128 < w
         return meta, np.bincount(pos[where], minlength=n_rows * w)
     j = t[:, None] * meta["B"] + np.arange(meta["B"])  # words: blocks of output words
     return meta, np.bincount(j[j < em.n_out * w], minlength=em.n_out * w)

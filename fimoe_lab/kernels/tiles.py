@@ -38,7 +38,6 @@ CONFIG = {
     "swizzle_kw": 128,
     "swizzle_wide_below": 128,
     "swizzle_warps": 4,
-    "swizzle_words": 0,  # words a swizzle tile takes in whole bands (rows of one chunk); 0: one band
     "use_swizzle": True,
     # in place (the strategy itself is chosen by the registry: config["inplace"])
     "cycle_bw": 64,
@@ -106,11 +105,9 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
     if swz is not None:
         rows_src, cw, rows_out = swz
         kw, nk = row_chunks(cw, cfg["swizzle_kw"], cfg["swizzle_wide_below"])
-        if kw >= 4:  # BM: 128-row bands a tile (several only for rows of one chunk)
-            nb = cells_per_tile(cfg["swizzle_words"], kw * 128, rows_out // 128) if nk == 1 else 1
-            meta = dict(KIND=2, W=cw, BM=nb, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, CM=False, S2=0, R2=1)
-            tiles = cdiv(rows_out // 128, nb) * nk
-            return dict(meta, num_warps=cfg["swizzle_warps"]), tiles, (rows_src, rows_out)
+        if kw >= 4:
+            meta = dict(KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, CM=False, S2=0, R2=1)
+            return dict(meta, num_warps=cfg["swizzle_warps"]), (rows_out // 128) * nk, (rows_src, rows_out)
     if em.cell_bytes >= 16 and wpc >= 4:
         bw, nc = row_chunks(wpc, cfg["max_bw"], cfg["wide_below"])
         bm = cells_per_tile(cfg["tile_words"], bw, em.n_out)

@@ -163,54 +163,35 @@ def _swizzle_tile(
     ob,
     rows_ptr,
     fill_ptr,
-    n_rows,
     t,
     CW: tl.constexpr,
     KW: tl.constexpr,
     NK: tl.constexpr,
-    NB: tl.constexpr,
     HAS_FILL: tl.constexpr,
     EVICT: tl.constexpr,
     STCS: tl.constexpr,
 ):
-    # NB bands of 128 output rows (the last group masked at n_rows) x column chunk t % NK of KW words
-    # (NB > 1 only with NK == 1); output band b, chunk kc, position rem < min(KW, CW - kc*KW) * 128
-    # of the 128x4 order goes to word b*128*CW + kc*KW*128 + rem.
+    band = t // NK
     kc = t % NK
-    r = (t // NK) * (NB * 128) + tl.arange(0, NB * 128)
-    if NB > 1:
-        rm = r < n_rows
-        s = tl.load(rows_ptr + r, mask=rm, other=0)
-    else:
-        s = tl.load(rows_ptr + r)
+    r = band * 128 + tl.arange(0, 128)
+    s = tl.load(rows_ptr + r)
     if HAS_FILL:
         valid = s >= 0
         fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0))
         s = tl.maximum(s, 0)
     k = kc * KW + tl.arange(0, KW)
-    src = xb + s.to(tl.int64)[:, None] * CW + k[None, :]
+    p = tl.arange(0, KW * 128)
     if KW * NK > CW:  # the last chunk overhangs the row: words >= CW are masked
-        lm = (k < CW)[None, :]
-        if NB > 1:
-            lm = lm & rm[:, None]
-        v = _load(src, lm, EVICT)
-    elif NB > 1:
-        v = _load(src, rm[:, None], EVICT)
+        v = _load(xb + s.to(tl.int64)[:, None] * CW + k[None, :], (k < CW)[None, :], EVICT)
+        om = kc * KW + p // 128 < CW
     else:
-        v = _load(src, None, EVICT)
+        v = _load(xb + s.to(tl.int64)[:, None] * CW + k[None, :], None, EVICT)
+        om = None
     if HAS_FILL:
         v = tl.where(valid[:, None], v, fw[:, None])
-    v = _swizzle_128x4(v, NB, KW)
-    j = tl.arange(0, NB * KW * 128)
-    band = (t // NK) * NB + j // (KW * 128)
-    rem = j % (KW * 128)
-    dst = ob + band.to(tl.int64) * (128 * CW) + kc * (KW * 128) + rem
-    if NB > 1:
-        _store(dst, v, (rem < CW * 128) & (band * 128 < n_rows), STCS)
-    elif KW * NK > CW:
-        _store(dst, v, rem < (CW - kc * KW) * 128, STCS)
-    else:
-        _store(dst, v, None, STCS)
+    v = _swizzle_128x4(v, 1, KW)
+    base = band.to(tl.int64) * 128 * CW + kc * (KW * 128)
+    _store(ob + base + p, v, om, STCS)
 
 
 @triton.jit
@@ -248,7 +229,7 @@ def _gather_kernel(
     elif KIND == 1:
         _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL, EVICT, STCS)
     else:
-        _swizzle_tile(xb, ob, src_ptr, fill_ptr, n_out, t, W, KW, NK, BM, HAS_FILL, EVICT, STCS)
+        _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, HAS_FILL, EVICT, STCS)
 
 
 def _rows_on(em: ExecMap, rows_src, device, kind: int) -> torch.Tensor:
