@@ -94,13 +94,6 @@ IN_PLACE = {
     "ip_band_w1_bw16": {"band_warps": 1, "band_words": 16},
     "ip_band_w1_bw32": {"band_warps": 1, "band_words": 32},
     "ip_band_w2_bw32": {"band_warps": 2, "band_words": 32},
-    "ip_p2_s64": {"cycle_per_sm": 2, "cycle_slots": 64},  # one launch looping over the tiles, loads ahead
-    "ip_p3_s64": {"cycle_per_sm": 3, "cycle_slots": 64},
-    "ip_p2_bw32": {"cycle_per_sm": 2, "cycle_bw": 32},
-    "ip_p3_bw32": {"cycle_per_sm": 3, "cycle_bw": 32},
-    "ip_p4_s64_bw32": {"cycle_per_sm": 4, "cycle_slots": 64, "cycle_bw": 32},
-    "ip_p8_s32_bw32": {"cycle_per_sm": 8, "cycle_slots": 32, "cycle_bw": 32},
-    "ip_p4_s64_w8": {"cycle_per_sm": 4, "cycle_slots": 64, "cycle_warps": 8},
 }
 
 
@@ -194,7 +187,7 @@ def applies(name: str, em) -> bool:
         return em.bands_local()
     if name.startswith("ip_band"):
         return em.swizzle is not None and not em.bands_local()
-    if name.startswith(("ip_s", "ip_w", "ip_p")):
+    if name.startswith(("ip_s", "ip_w")):
         return em.swizzle is None
     return True
 

@@ -43,7 +43,6 @@ CONFIG = {
     "cycle_bw": 64,
     "cycle_slots": 128,
     "cycle_warps": 4,
-    "cycle_per_sm": 0,  # > 0: one launch of this many programs an SM looping over the tiles, loads ahead of stores
     "band_words": 64,
     "band_per_sm": 32,
     "band_warps": 4,

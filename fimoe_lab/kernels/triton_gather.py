@@ -336,101 +336,6 @@ def _cycle_kernel(
         _store(xb + d[:, None] * W + cols[None, :], v, m[:, None], STCS)
 
 
-@triton.jit
-def _cycle_sources(
-    x_ptr,
-    b_ptr,
-    dst_ptr,
-    src_ptr,
-    i,
-    live,
-    n_tiles,
-    n_slots,
-    expert_words,
-    saved_words,
-    W: tl.constexpr,
-    BM: tl.constexpr,
-    BW: tl.constexpr,
-    NC: tl.constexpr,
-    EVICT: tl.constexpr,
-):
-    """Item ``i`` (tile ``i % n_tiles`` of expert ``i // n_tiles``) of a cycle plan: its
-    destination cells and its sources' words, loaded (nothing when not ``live``)."""
-    e = (i // n_tiles).to(tl.int64)
-    t = i % n_tiles
-    slots = (t // NC) * BM + tl.arange(0, BM)
-    m = (slots < n_slots) & live
-    cols = (t % NC) * BW + tl.arange(0, BW)
-    d = tl.load(dst_ptr + slots, mask=m, other=0).to(tl.int64)
-    s = tl.load(src_ptr + slots, mask=m, other=0).to(tl.int64)
-    here = s >= 0
-    v = _load(x_ptr + e * expert_words + tl.maximum(s, 0)[:, None] * W + cols[None, :], (m & here)[:, None], EVICT)
-    vb = tl.load(
-        b_ptr + e * saved_words + tl.maximum(-1 - s, 0)[:, None] * W + cols[None, :], mask=(m & ~here)[:, None]
-    )
-    return d, here, v, vb
-
-
-@triton.jit
-def _cycle_tiles_pipelined(
-    x_ptr,
-    b_ptr,
-    dst_ptr,
-    src_ptr,
-    n_tiles,
-    total,
-    n_slots,
-    expert_words,
-    saved_words,
-    W: tl.constexpr,
-    BM: tl.constexpr,
-    BW: tl.constexpr,
-    NC: tl.constexpr,
-    EVICT: tl.constexpr,
-    STCS: tl.constexpr,
-):
-    """The tiles of a cycle plan (the saved cells already aside), ``total`` items of
-    ``n_tiles`` an expert, program ``p`` taking items ``p, p + G, ...``: the next item's
-    loads are issued before this item's stores, so a program keeps loads in flight while
-    it stores. An item's loads are consumed (the select between cell and saved word)
-    before the barrier that precedes its stores, so every thread's load of a cell is done
-    before any thread overwrites it; no other program touches an item's cells."""
-    g = tl.num_programs(0)
-    i = tl.program_id(0)
-    d, here, a, b = _cycle_sources(
-        x_ptr, b_ptr, dst_ptr, src_ptr, i, i < total, n_tiles, n_slots, expert_words, saved_words, W, BM, BW, NC, EVICT
-    )
-    v = tl.where(here[:, None], a, b)
-    while i < total:
-        j = i + g
-        dn, hn, an, bn = _cycle_sources(
-            x_ptr,
-            b_ptr,
-            dst_ptr,
-            src_ptr,
-            j,
-            j < total,
-            n_tiles,
-            n_slots,
-            expert_words,
-            saved_words,
-            W,
-            BM,
-            BW,
-            NC,
-            EVICT,
-        )
-        tl.debug_barrier()  # every thread consumed item i's loads: its cells may be overwritten
-        t = i % n_tiles
-        slots = (t // NC) * BM + tl.arange(0, BM)
-        cols = (t % NC) * BW + tl.arange(0, BW)
-        xb = x_ptr + (i // n_tiles).to(tl.int64) * expert_words
-        _store(xb + d[:, None] * W + cols[None, :], v, (slots < n_slots)[:, None], STCS)
-        v = tl.where(hn[:, None], an, bn)
-        d = dn
-        i = j
-
-
 def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config: dict | None = None):
     """Permute every expert of ``flat`` ``(E, bytes)`` in place along the map's cycles
     (:mod:`.cycles`): per chunk of experts, one launch copies the saved cells into the
@@ -480,16 +385,19 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
                 SAVE=True,
                 **meta,
             )
-        n_t = plan.n_tiles * nc
-        if cfg["cycle_per_sm"]:
-            sms = 2 if INTERPRETED else torch.cuda.get_device_properties(flat.device).multi_processor_count
-            grid = min(n_t * cnt, sms * cfg["cycle_per_sm"])
-            tail = (n_t, n_t * cnt, plan.moved, ew, n_saved * wpc)
-            launch(_cycle_tiles_pipelined, (grid,), part, scratch, dst, src, *tail, **meta)
-        else:
-            launch(
-                _cycle_kernel, (n_t, cnt), part, scratch, dst, src, plan.moved, ew, n_saved * wpc, SAVE=False, **meta
-            )
+        launch(
+            _cycle_kernel,
+            (plan.n_tiles * nc, cnt),
+            part,
+            scratch,
+            dst,
+            src,
+            plan.moved,
+            ew,
+            n_saved * wpc,
+            SAVE=False,
+            **meta,
+        )
         yield s0 + cnt, scratch
 
 
