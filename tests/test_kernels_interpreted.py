@@ -5,10 +5,11 @@ The GPU runs them compiled (``tests/test_kernels_gpu.py``, on the lent H200); he
 the same Python around them (tile choice, cached plans, the launch) run without a GPU: out of place
 for every map of five formats (1-D, 2-D, padded-row, 128x4-swizzle and per-word tiles, each tile
 table of the sweeps), and in place along cycle plans, the bands-local scale launch and the
-cooperative scale kernel as one program (items of one or two items an expert, so every item it waits
-for was loaded before: the interpreter runs one program at a time; many programs waiting for each
-other run on the H200 in ``tests/test_kernels_gpu.py``), twice on the same synchronisation words. The interpreter lives in its own environment (``.venv-triton``: Triton 3.6 on CPU torch,
-``.ci/run``; ``FIMOE_TRITON_PYTHON`` names another); without it these tests skip.
+cooperative scale kernel as one program, twice on the same synchronisation words (one or two items an
+expert, so every item it waits for was loaded before: the interpreter runs one program at a time; many
+programs waiting for each other run on the H200 in ``tests/test_kernels_gpu.py``). The interpreter
+lives in its own environment (``.venv-triton``: Triton 3.6 on CPU torch, ``.ci/run``;
+``FIMOE_TRITON_PYTHON`` names another); without it these tests skip.
 """
 
 from __future__ import annotations

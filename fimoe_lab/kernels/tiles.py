@@ -144,7 +144,8 @@ def band_item_readers(rows: np.ndarray, cw: int, kw: int, nk: int, nb: int) -> n
     """Who must have read before an item of the in-place swizzle launch may store
     (:func:`~fimoe_lab.kernels.triton_gather.inplace_swizzled_bands`): ``(per, nd)`` int32,
     row ``t`` the items of the same expert whose loads read a word that item ``t`` overwrites,
-    padded with ``t`` itself (its own load precedes its store anyway).
+    padded with ``t`` itself (its own load precedes its store anyway) to ``nd`` a power of two
+    (Triton's ``arange``).
 
     The expert is ``R = rows.size`` rows of ``cw`` 4-byte words (``R`` a multiple of 128,
     ``rows`` a permutation); item ``t`` (``per = cdiv(R / 128, nb) * nk`` of them) reads rows
