@@ -94,6 +94,8 @@ IN_PLACE = {
     "ip_band_w1_bw16": {"band_warps": 1, "band_words": 16},
     "ip_band_w1_bw32": {"band_warps": 1, "band_words": 32},
     "ip_band_w2_bw32": {"band_warps": 2, "band_words": 32},
+    "ip_evict": {"evict": True},
+    "ip_cs": {"store_cs": True},
 }
 
 

@@ -110,7 +110,7 @@ for fmt, tensor, strategy in in_place:
                     want = reference(m, want)
                 tg._swizzled_bands_in_place[(1,)](
                     x.view(torch.int32), torch.from_numpy(rows), readers, sync, 5, m.in_bytes // 4, n_bands, items,
-                    CW=cw, KW=next_pow2(cw), NK=1, NB=nb, ND=readers.shape[1],
+                    CW=cw, KW=next_pow2(cw), NK=1, NB=nb, ND=readers.shape[1], EVICT=False, STCS=False,
                 )
                 ok &= sync[0].item() == launch and sync[1].item() == 0 and bool((sync[2:] == launch).all())
                 ok &= bool(torch.equal(x, want))

@@ -435,6 +435,7 @@ def _load_bands(
     KW: tl.constexpr,
     NK: tl.constexpr,
     NB: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     """Item ``t``'s source rows (``NB`` bands of 128) x ``KW`` words; nothing when not ``live``."""
     e = t // per
@@ -442,8 +443,8 @@ def _load_bands(
     rm = live & (r < n_bands * 128)
     s = tl.load(rows_ptr + r, mask=rm, other=0).to(tl.int64)
     k = (t % NK) * KW + tl.arange(0, KW)
-    return tl.load(
-        x_ptr + e.to(tl.int64) * expert_words + s[:, None] * CW + k[None, :], mask=rm[:, None] & (k < CW)[None, :]
+    return _load(
+        x_ptr + e.to(tl.int64) * expert_words + s[:, None] * CW + k[None, :], rm[:, None] & (k < CW)[None, :], EVICT
     )
 
 
@@ -459,6 +460,7 @@ def _store_bands(
     KW: tl.constexpr,
     NK: tl.constexpr,
     NB: tl.constexpr,
+    STCS: tl.constexpr,
 ):
     """Store item ``t``'s swizzled words ``w`` (:func:`_swizzle_128x4` of what
     :func:`_load_bands` read for it) at its ``NB`` output bands, column chunk ``t % NK``."""
@@ -466,10 +468,11 @@ def _store_bands(
     band = ((t % per) // NK) * NB + j // (KW * 128)
     rem = j % (KW * 128)
     kc = t % NK
-    tl.store(
+    _store(
         x_ptr + (t // per).to(tl.int64) * expert_words + band.to(tl.int64) * (128 * CW) + kc * (KW * 128) + rem,
         w,
-        mask=(rem < (CW - kc * KW) * 128) & (band < n_bands),
+        (rem < (CW - kc * KW) * 128) & (band < n_bands),
+        STCS,
     )
 
 
@@ -488,6 +491,8 @@ def _swizzled_bands_in_place(
     NK: tl.constexpr,
     NB: tl.constexpr,
     ND: tl.constexpr,
+    EVICT: tl.constexpr,
+    STCS: tl.constexpr,
 ):
     """Row permutation then 128x4 swizzle, in place, one cooperative launch, no scratch.
 
@@ -510,16 +515,16 @@ def _swizzled_bands_in_place(
     t = tl.program_id(0)
     gen = tl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu") + 1
     flags_ptr = sync_ptr + 2
-    v = _load_bands(x_ptr, rows_ptr, t, t < total, per, n_bands, expert_words, CW, KW, NK, NB)
+    v = _load_bands(x_ptr, rows_ptr, t, t < total, per, n_bands, expert_words, CW, KW, NK, NB, EVICT)
     if t < total:
         _flag(flags_ptr + t, gen)
     while t < total:
-        vn = _load_bands(x_ptr, rows_ptr, t + g, t + g < total, per, n_bands, expert_words, CW, KW, NK, NB)
+        vn = _load_bands(x_ptr, rows_ptr, t + g, t + g < total, per, n_bands, expert_words, CW, KW, NK, NB, EVICT)
         if t + g < total:
             _flag(flags_ptr + t + g, gen)
         first = (t // per) * per
         _wait_for_items(flags_ptr + first, readers_ptr + (t - first) * ND, gen, ND)
-        _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, NK, NB)
+        _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, NK, NB, STCS)
         t += g
         v = vn
     tl.debug_barrier()
@@ -530,16 +535,25 @@ def _swizzled_bands_in_place(
 
 @triton.jit
 def _swizzled_bands_local(
-    x_ptr, rows_ptr, expert_words, n_bands, per, CW: tl.constexpr, KW: tl.constexpr, NB: tl.constexpr
+    x_ptr,
+    rows_ptr,
+    expert_words,
+    n_bands,
+    per,
+    CW: tl.constexpr,
+    KW: tl.constexpr,
+    NB: tl.constexpr,
+    EVICT: tl.constexpr,
+    STCS: tl.constexpr,
 ):
     """Row permutation then 128x4 swizzle, in place, for maps whose output bands read only
     their own rows (:meth:`ExecMap.bands_local`): program ``t`` loads ``NB`` whole bands
     (``KW >= CW`` words a row) of expert ``t // per``, waits until all its threads have
     loaded, and stores them swizzled over the same bytes. No other program touches them."""
     t = tl.program_id(0)
-    v = _load_bands(x_ptr, rows_ptr, t, True, per, n_bands, expert_words, CW, KW, 1, NB)
+    v = _load_bands(x_ptr, rows_ptr, t, True, per, n_bands, expert_words, CW, KW, 1, NB, EVICT)
     tl.debug_barrier()
-    _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, 1, NB)
+    _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, 1, NB, STCS)
 
 
 def _blocks_per_sm(kernel, props) -> int:
@@ -605,6 +619,8 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
             CW=cw,
             KW=kw,
             NB=nb,
+            EVICT=cfg["evict"],
+            STCS=cfg["store_cs"],
             num_warps=cfg["band_warps"],
         )
         yield experts, None
@@ -621,7 +637,8 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     sync = _sync_words(flat.device, 2 + experts * per)
     args = (flat.view(torch.int32), _rows_on(em, rows, flat.device, 2), readers, sync, experts, nbytes // 4, n_bands)
     args = args + (per,)
-    meta = dict(CW=cw, KW=kw, NK=nk, NB=nb, ND=readers.shape[1], num_warps=cfg["band_warps"])
+    meta = dict(CW=cw, KW=kw, NK=nk, NB=nb, ND=readers.shape[1], EVICT=cfg["evict"], STCS=cfg["store_cs"])
+    meta["num_warps"] = cfg["band_warps"]
     try:
         props = torch.cuda.get_device_properties(flat.device)
         occ = ("blocks per SM", str(flat.device), tuple(meta.items()))
