@@ -635,10 +635,18 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
         em._dev[rkey] = torch.from_numpy(band_item_readers(rows, cw, kw, nk, nb)).to(flat.device)
     readers = em._dev[rkey]
     sync = _sync_words(flat.device, 2 + experts * per)
-    args = (flat.view(torch.int32), _rows_on(em, rows, flat.device, 2), readers, sync, experts, nbytes // 4, n_bands)
-    args = args + (per,)
-    meta = dict(CW=cw, KW=kw, NK=nk, NB=nb, ND=readers.shape[1], EVICT=cfg["evict"], STCS=cfg["store_cs"])
-    meta["num_warps"] = cfg["band_warps"]
+    rows_dev = _rows_on(em, rows, flat.device, 2)
+    args = (flat.view(torch.int32), rows_dev, readers, sync, experts, nbytes // 4, n_bands, per)
+    meta = dict(
+        CW=cw,
+        KW=kw,
+        NK=nk,
+        NB=nb,
+        ND=readers.shape[1],
+        EVICT=cfg["evict"],
+        STCS=cfg["store_cs"],
+        num_warps=cfg["band_warps"],
+    )
     try:
         props = torch.cuda.get_device_properties(flat.device)
         occ = ("blocks per SM", str(flat.device), tuple(meta.items()))
