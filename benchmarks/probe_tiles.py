@@ -9,7 +9,8 @@ Out of place: the defaults against the previous ones (``PREVIOUS``) and each cha
 alone undone: ``wide_below`` (a row whose power-of-two chunk is narrower moves as one
 masked chunk), ``swizzle_kw`` / ``swizzle_wide_below`` (the same for the 128x4 scale
 swizzle's columns; ``swz_kw4`` / ``8`` / ``16``: narrower swizzle tiles), ``evict`` /
-``store_cs`` (evict-first loads, streaming stores). In place (permutations): the in-place
+``store_cs`` (evict-first loads, streaming stores), ``swz_table`` / ``ip_table`` (a
+swizzle's full row table where its bands read the first band's rows shifted). In place (permutations): the in-place
 ceiling (a Triton kernel storing each block where it read it: the same bytes read and
 written at the same addresses, no permutation) and the default strategy, with the hints, with the previous 64-slot cycle tiles, and for the W2
 scales (bands-local maps) the cooperative launch and other band counts a program.
@@ -57,6 +58,7 @@ OUT_OF_PLACE = {
     "swz_kw16": {"swizzle_kw": 16, "swizzle_wide_below": 0},
     "swz_w2": {"swizzle_warps": 2},
     "swz_w8": {"swizzle_warps": 8},
+    "swz_table": {"swizzle_band_step": False},  # one row-table entry an output row (before session 8)
     "1d": {"tile_2d_max_cell": 0},
     "2d_run8": {"run_cells": 8},
     "2d_run32": {"run_cells": 32},
@@ -78,6 +80,7 @@ IN_PLACE = {
     "ip_s32": {"cycle_slots": 32},
     "ip_s64_bw32": {"cycle_slots": 64, "cycle_bw": 32},
     "ip_w8": {"cycle_warps": 8},
+    "ip_table": {"swizzle_band_step": False},
     "ip_s256": {"cycle_slots": 256},
     "ip_bw128": {"cycle_bw": 128},
     "ip_s256_w8": {"cycle_slots": 256, "cycle_warps": 8},
@@ -179,7 +182,7 @@ def maps():
 
 
 def applies(name: str, em) -> bool:
-    if name.startswith("swz"):
+    if name.startswith(("swz", "ip_table")):
         return em.swizzle is not None
     if name.startswith(("narrow", "tw", "s4", "wide", "max_bw")):
         return em.swizzle is None

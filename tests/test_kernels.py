@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from helpers import coords, random_bytes
@@ -358,6 +359,29 @@ def test_bands_local_says_whether_each_output_band_reads_only_its_own_rows(m, re
     assert em.bands_local() == own
     w2 = request.node.callspec.id.endswith("w2_scale")
     assert em.bands_local() == w2  # W2: the TRT-LLM shuffle alone (128-row epilogue tiles); W13 interleaves gate/up
+
+
+@pytest.mark.parametrize("m", all_maps())
+def test_band_step_says_whether_every_band_reads_the_first_bands_rows_shifted(m, request):
+    """Oracle: every source row's words hold its row number + 1; the reference gather puts them in
+    the 128x4 order (band ``b``, word ``k``, row ``32 q + p`` at word ``(b * cw + k) * 128 + 4 p + q``),
+    which gives the source row of every output row, independent of the executable form."""
+    em = m.compiled()
+    if em.swizzle is None:
+        assert em.band_step() == 0
+        return
+    _, cw, n_rows = em.swizzle
+    x = (torch.arange(n_rows, dtype=torch.int32) + 1).repeat_interleave(cw).view(torch.uint8)[None]
+    words = reference(m, x)[0].view(torch.int32).view(n_rows // 128, cw, 32, 4)
+    assert (words == words[:, :1]).all()  # every word of an output row from one source row
+    src_row = (words[:, 0].transpose(1, 2).reshape(-1) - 1).numpy()  # output row 128 b + 32 q + p
+    bands = src_row.reshape(-1, 128)
+    d = int(bands[1, 0] - bands[0, 0]) if bands.shape[0] > 1 else 0
+    shifted = d > 0 and (bands == bands[0] + d * np.arange(bands.shape[0])[:, None]).all()
+    assert em.band_step() == (d if shifted else 0)
+    tensor = request.node.callspec.id.rsplit("-", 1)[-1]
+    if bands.shape[0] > 1:  # the TRT-LLM orders: gate/up halves of 64 rows a band (W13), the 128-row shuffle (W2)
+        assert em.band_step() == {"w13_scale": 64, "w2_scale": 128}[tensor]
 
 
 STREAM_CASES = CASES + [("mxfp8", 256, 768, {})]  # 24-byte scale rows: 6 words, a 4-word vector part and a tail

@@ -120,6 +120,7 @@ TILE_CONFIGS = [
     {"tile_2d_max_cell": 0},
     {"tile_words": 4096, "tile_2d_words": 4096},
     {"tile_2d_max_cell": 1 << 20, "run_cells": 2, "tile_words": 256, "tile_2d_words": 256},
+    {"swizzle_band_step": False},
 ]
 
 
@@ -189,13 +190,15 @@ def test_gpu_in_place_cycles_tile_sizes(cycle_slots, cycle_bw):
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
 @pytest.mark.parametrize(
-    "band_words,per_sm,warps", [(1, 1, 4), (4, 1, 8), (16, 2, 4), (64, 32, 8), (512, 32, 4), (64, 0, 8)]
+    "band_words,per_sm,warps,step",
+    [(1, 1, 4, True), (4, 1, 8, False), (16, 2, 4, True), (64, 32, 8, True), (512, 32, 4, False), (64, 0, 8, True)],
 )
-def test_gpu_in_place_bands(band_words, per_sm, warps):
+def test_gpu_in_place_bands(band_words, per_sm, warps, step):
     """Scale maps without scratch: narrow items (a band's columns in chunks), wide ones
     (several bands an item, band counts not a multiple of it), few programs per SM (an
     expert's items spread over rounds of 40 experts), per_sm 0 (no room: the cycle plan
-    runs instead). The words the launches share for their waits are consistent after each (no
+    runs instead), with each band's rows from the first band's 128 shifted or from the full
+    table (``swizzle_band_step``). The words the launches share for their waits are consistent after each (no
     program still counted in, no flag ahead of the launch count: the next call relies on it),
     on the default stream and on a side stream, where a launch counts itself there only."""
     from fimoe_lab.kernels import triton_gather
@@ -221,6 +224,7 @@ def test_gpu_in_place_bands(band_words, per_sm, warps):
                     "band_words": band_words,
                     "band_per_sm": per_sm,
                     "band_warps": warps,
+                    "swizzle_band_step": step,
                     "local_max_words": 0,  # W2 maps too: the cooperative launch (the local one: below)
                 },
             )
@@ -274,8 +278,10 @@ def test_gpu_in_place_bands_any_row_permutation(band_words):
 
 
 @pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs triton")
-@pytest.mark.parametrize("local_words,warps", [(1, 4), (4096, 4), (8192, 8), (1 << 20, 4)])
-def test_gpu_in_place_bands_local(monkeypatch, local_words, warps):
+@pytest.mark.parametrize(
+    "local_words,warps,step", [(1, 4, True), (4096, 4, False), (8192, 8, True), (1 << 20, 4, True)]
+)
+def test_gpu_in_place_bands_local(monkeypatch, local_words, warps, step):
     """W2 scale maps (each band reads only its own rows): one plain launch of whole bands,
     one band a program up to all of an expert's (band counts not a power of two: masked),
     rows of 2 to 64 words (6 and 12: masked 8- and 16-word rows). The cooperative kernel is not launched."""
@@ -297,7 +303,15 @@ def test_gpu_in_place_bands_local(monkeypatch, local_words, warps):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 execute_in_place(
-                    m.compiled(), x, 1, config={"inplace": "bands", "local_words": local_words, "band_warps": warps}
+                    m.compiled(),
+                    x,
+                    1,
+                    config={
+                        "inplace": "bands",
+                        "local_words": local_words,
+                        "band_warps": warps,
+                        "swizzle_band_step": step,
+                    },
                 )
             torch.cuda.synchronize()
             assert torch.equal(x, want)

@@ -39,6 +39,7 @@ TILE_TABLES = {
     "1-D only": {"tile_2d_max_cell": 0},
     "narrow chunks": {"wide_below": 0, "swizzle_wide_below": 0, "swizzle_kw": 32},
     "no fast forms": {"use_swizzle": False, "use_padrows": False},
+    "full row tables": {"swizzle_band_step": False},
 }
 IN_PLACE = [  # (format, tensor, strategy)
     ("fp8", "w13", "cycles"),
@@ -47,9 +48,12 @@ IN_PLACE = [  # (format, tensor, strategy)
     ("bf16", "w2", "cycles"),
     ("mxfp8", "w2_scale", "bands"),
     ("nvfp4", "w2_scale", "bands"),
+    ("nvfp4", "w2_scale", "bands, full row table"),
     ("nvfp4", "w13_scale", "one program, 1 item an expert"),
     ("nvfp4", "w13_scale", "one program, 2 items an expert"),
     ("mxfp8", "w13_scale", "one program, 2 items an expert"),
+    ("mxfp8", "w13_scale", "one program, 2 items an expert, full row table"),
+    ("nvfp4", "w13_scale", "one program, 1 item an expert, full row table"),
 ]
 
 CHILD = r"""
@@ -100,6 +104,8 @@ for fmt, tensor, strategy in in_place:
                 pass
         elif strategy.startswith("one program"):
             rows, cw, n_rows = em.swizzle
+            assert em.band_step() == 64  # the gate/up interleave: band b reads the first band's rows + 64 b
+            step = 0 if strategy.endswith("full row table") else 64
             n_bands, items = n_rows // 128, int(strategy.split(", ")[1][0])
             nb = next_pow2(n_bands) // items
             readers = torch.from_numpy(band_item_readers(rows, cw, next_pow2(cw), 1, nb))
@@ -109,14 +115,16 @@ for fmt, tensor, strategy in in_place:
                 if launch == 2:
                     want = reference(m, want)
                 tg._swizzled_bands_in_place[(1,)](
-                    x.view(torch.int32), torch.from_numpy(rows), readers, sync, 5, m.in_bytes // 4, n_bands, items,
-                    CW=cw, KW=next_pow2(cw), NK=1, NB=nb, ND=readers.shape[1], EVICT=False, STCS=False,
+                    x.view(torch.int32), torch.from_numpy(rows[:128] if step else rows), readers, sync, 5,
+                    m.in_bytes // 4, n_bands, items,
+                    CW=cw, KW=next_pow2(cw), NK=1, NB=nb, ND=readers.shape[1], EVICT=False, STCS=False, BS=step,
                 )
                 ok &= sync[0].item() == launch and sync[1].item() == 0 and bool((sync[2:] == launch).all())
                 ok &= bool(torch.equal(x, want))
         else:
-            assert em.bands_local()
-            for _ in tg.inplace_swizzled_bands(em, x, 1):
+            assert em.bands_local() and em.band_step() == 128
+            cfg = {"swizzle_band_step": not strategy.endswith("full row table")}
+            for _ in tg.inplace_swizzled_bands(em, x, 1, cfg):
                 pass
         ok &= bool(torch.equal(x, want))
     results[f"in-place-{fmt}-{tensor}-{strategy}"] = ok

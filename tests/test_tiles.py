@@ -172,3 +172,22 @@ def test_band_item_readers_name_every_item_that_reads_what_an_item_overwrites(ba
         assert set(row.tolist()) - {t} == want[t] - {t}
     if order == "gate_up_8" and bands % 2 == 0:  # 64 rows of gate or up: at most 2 output bands read them
         assert table.shape[1] <= tiles.next_pow2(2 * nk * (nb + 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(bands=st.integers(1, 6), step=st.integers(1, 300), seed=st.integers(0, 2**16), poke=st.booleans())
+def test_band_step_finds_bands_that_read_the_first_bands_rows_shifted(bands, step, seed, poke):
+    """``ExecMap.band_step`` against its definition, on rows made that way (then one entry moved
+    off it): ``step`` for two bands or more, 0 for one band, for a moved entry and for fill rows."""
+    from fimoe_lab.kernels.compiled import ExecMap
+
+    rng = np.random.default_rng(seed)
+    rows = (rng.permutation(128)[None, :] + step * np.arange(bands)[:, None]).ravel()
+    want = step if bands > 1 else 0
+    if poke:
+        i = int(rng.integers(128, rows.size)) if bands > 1 else 0
+        rows[i] = -1 if seed % 2 else rows[i] + 1 + int(rng.integers(0, 5))
+        want = 0
+    n = rows.size
+    em = ExecMap("rows", 4, 4, n, n, np.zeros(n, np.int32), (), False, 4 * n, 4 * n, True, swizzle=(rows, 1, n))
+    assert em.band_step() == want

@@ -109,6 +109,25 @@ class ExecMap:
             self._dev["bands local"] = local
         return self._dev["bands local"]
 
+    def band_step(self) -> int:
+        """``d > 0`` for a ``swizzle`` map whose output bands of 128 rows all read the first
+        band's source rows shifted: ``src_row[128 * b + j] == src_row[j] + b * d`` for every
+        band ``b`` (no fill rows; the TRT-LLM gate/up interleave: ``d = 64``, the W2 row
+        shuffle: ``d = 128``). An executor then reads a 128-entry table, the same for every
+        band (it stays in L1), instead of one entry an output row. 0 otherwise; cached."""
+        if "band step" not in self._dev:
+            step = 0
+            if self.swizzle is not None:
+                rows = np.asarray(self.swizzle[0], dtype=np.int64)
+                if rows.size > 128 and rows.size % 128 == 0 and (rows >= 0).all():
+                    d = int(rows[128] - rows[0])
+                    bands = rows.reshape(-1, 128)
+                    shift = np.arange(bands.shape[0], dtype=np.int64)[:, None] * d
+                    if d > 0 and np.array_equal(bands, bands[0] + shift):
+                        step = d
+            self._dev["band step"] = step
+        return self._dev["band step"]
+
     def fill_words(self, word: int) -> np.ndarray:
         dt = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}[word]
         vals = [fill_word(b, word) for b in self.fills] or [0]

@@ -39,6 +39,7 @@ CONFIG = {
     "swizzle_wide_below": 128,
     "swizzle_warps": 4,
     "use_swizzle": True,
+    "swizzle_band_step": True,  # bands that read the first band's rows shifted take a 128-row table
     # in place (the strategy itself is chosen by the registry: config["inplace"])
     "cycle_bw": 64,
     "cycle_slots": 128,
@@ -88,7 +89,9 @@ def cells_per_tile(words: int, bw: int, n: int) -> int:
 
 def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
     """Kernel constants for ``em`` moved as ``word``-byte words, the tile count per expert,
-    and (swizzle / padded rows) the source-row table used instead of ``em.src``."""
+    and (swizzle / padded rows) the source-row table used instead of ``em.src`` with the
+    output rows: for a swizzle with ``BS > 0`` (:meth:`ExecMap.band_step`) only the first
+    band's 128 entries, band ``b`` reading them plus ``b * BS``."""
     wpc = em.cell_bytes // word
     pr = em.padrows if (cfg.get("use_padrows", True) and word == 4) else None
     if pr is not None and pr[1] % 4 == 0 and pr[2] % 4 == 0:
@@ -98,7 +101,7 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         n_rows = rows_src.size
         bm = cells_per_tile(cfg["tile_words"], bw, n_rows)
         meta = dict(
-            KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code, CM=bw * nc > w, S2=0, R2=1
+            KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code, CM=bw * nc > w, S2=0, R2=1, BS=0
         )
         return dict(meta, num_warps=cfg["num_warps"]), cdiv(n_rows, bm) * nc, (rows_src, n_rows)
     swz = em.swizzle if (cfg["use_swizzle"] and word == 4) else None
@@ -106,8 +109,10 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         rows_src, cw, rows_out = swz
         kw, nk = row_chunks(cw, cfg["swizzle_kw"], cfg["swizzle_wide_below"])
         if kw >= 4:
-            meta = dict(KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, CM=False, S2=0, R2=1)
-            return dict(meta, num_warps=cfg["swizzle_warps"]), (rows_out // 128) * nk, (rows_src, rows_out)
+            step = em.band_step() if cfg["swizzle_band_step"] else 0
+            table = rows_src[:128] if step else rows_src
+            meta = dict(KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, CM=False, S2=0, R2=1, BS=step)
+            return dict(meta, num_warps=cfg["swizzle_warps"]), (rows_out // 128) * nk, (table, rows_out)
     if em.cell_bytes >= 16 and wpc >= 4:
         bw, nc = row_chunks(wpc, cfg["max_bw"], cfg["wide_below"])
         bm = cells_per_tile(cfg["tile_words"], bw, em.n_out)
@@ -117,10 +122,12 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
             found = transposed_tiles(em, bm2, cfg["run_cells"])
             if found:
                 (s2, r2), bm = found, bm2
-        meta = dict(KIND=0, W=wpc, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wpc, CF=0, CM=bw * nc > wpc, S2=s2, R2=r2)
+        meta = dict(
+            KIND=0, W=wpc, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wpc, CF=0, CM=bw * nc > wpc, S2=s2, R2=r2, BS=0
+        )
         return dict(meta, num_warps=cfg["num_warps"]), cdiv(em.n_out, bm) * nc, None
     b = min(cfg["block_1d"], next_pow2(em.n_out * wpc))
-    meta = dict(KIND=1, W=wpc, BM=1, BW=1, NC=1, B=b, KW=1, NK=1, WI=wpc, CF=0, CM=False, S2=0, R2=1)
+    meta = dict(KIND=1, W=wpc, BM=1, BW=1, NC=1, B=b, KW=1, NK=1, WI=wpc, CF=0, CM=False, S2=0, R2=1, BS=0)
     return dict(meta, num_warps=cfg["warps_1d"]), cdiv(em.n_out * wpc, b), None
 
 

@@ -158,6 +158,16 @@ def _swizzle_128x4(v, NB: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
+def _band_rows(rows_ptr, r, mask, BS: tl.constexpr):
+    """Source rows of output rows ``r`` (whole bands of 128): ``rows_ptr[r]``, or with
+    ``BS > 0`` (:meth:`ExecMap.band_step`) ``rows_ptr[r % 128] + (r // 128) * BS`` from the
+    first band's 128 entries, which every program reads (so from L1). Masked rows: any value."""
+    if BS > 0:
+        return tl.load(rows_ptr + r % 128, mask=mask) + (r // 128) * BS
+    return tl.load(rows_ptr + r, mask=mask)
+
+
+@triton.jit
 def _swizzle_tile(
     xb,
     ob,
@@ -170,11 +180,11 @@ def _swizzle_tile(
     HAS_FILL: tl.constexpr,
     EVICT: tl.constexpr,
     STCS: tl.constexpr,
+    BS: tl.constexpr,
 ):
     band = t // NK
     kc = t % NK
-    r = band * 128 + tl.arange(0, 128)
-    s = tl.load(rows_ptr + r)
+    s = _band_rows(rows_ptr, band * 128 + tl.arange(0, 128), None, BS)
     if HAS_FILL:
         valid = s >= 0
         fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0))
@@ -219,6 +229,7 @@ def _gather_kernel(
     STCS: tl.constexpr,
     S2: tl.constexpr,
     R2: tl.constexpr,
+    BS: tl.constexpr,
 ):
     t = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
@@ -229,12 +240,13 @@ def _gather_kernel(
     elif KIND == 1:
         _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL, EVICT, STCS)
     else:
-        _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, HAS_FILL, EVICT, STCS)
+        _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, HAS_FILL, EVICT, STCS, BS)
 
 
 def _rows_on(em: ExecMap, rows_src, device, kind: int) -> torch.Tensor:
-    """The source-row table of kernel ``kind`` (0 padded rows, 2 swizzle) on ``device``, cached on ``em``."""
-    key = ("rows", str(device), kind)
+    """The source-row table of kernel ``kind`` (0 padded rows, 2 swizzle) on ``device``, cached on ``em``
+    by its length (a swizzle's first band alone, :meth:`ExecMap.band_step`, is its own entry)."""
+    key = ("rows", str(device), kind, len(rows_src))
     if key not in em._dev:
         em._dev[key] = torch.from_numpy(rows_src).to(device)
     return em._dev[key]
@@ -436,12 +448,13 @@ def _load_bands(
     NK: tl.constexpr,
     NB: tl.constexpr,
     EVICT: tl.constexpr,
+    BS: tl.constexpr,
 ):
     """Item ``t``'s source rows (``NB`` bands of 128) x ``KW`` words; nothing when not ``live``."""
     e = t // per
     r = ((t % per) // NK) * (NB * 128) + tl.arange(0, NB * 128)
     rm = live & (r < n_bands * 128)
-    s = tl.load(rows_ptr + r, mask=rm, other=0).to(tl.int64)
+    s = _band_rows(rows_ptr, r, rm, BS).to(tl.int64)
     k = (t % NK) * KW + tl.arange(0, KW)
     return _load(
         x_ptr + e.to(tl.int64) * expert_words + s[:, None] * CW + k[None, :], rm[:, None] & (k < CW)[None, :], EVICT
@@ -493,6 +506,7 @@ def _swizzled_bands_in_place(
     ND: tl.constexpr,
     EVICT: tl.constexpr,
     STCS: tl.constexpr,
+    BS: tl.constexpr,
 ):
     """Row permutation then 128x4 swizzle, in place, one cooperative launch, no scratch.
 
@@ -515,11 +529,11 @@ def _swizzled_bands_in_place(
     t = tl.program_id(0)
     gen = tl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu") + 1
     flags_ptr = sync_ptr + 2
-    v = _load_bands(x_ptr, rows_ptr, t, t < total, per, n_bands, expert_words, CW, KW, NK, NB, EVICT)
+    v = _load_bands(x_ptr, rows_ptr, t, t < total, per, n_bands, expert_words, CW, KW, NK, NB, EVICT, BS)
     if t < total:
         _flag(flags_ptr + t, gen)
     while t < total:
-        vn = _load_bands(x_ptr, rows_ptr, t + g, t + g < total, per, n_bands, expert_words, CW, KW, NK, NB, EVICT)
+        vn = _load_bands(x_ptr, rows_ptr, t + g, t + g < total, per, n_bands, expert_words, CW, KW, NK, NB, EVICT, BS)
         if t + g < total:
             _flag(flags_ptr + t + g, gen)
         first = (t // per) * per
@@ -545,13 +559,14 @@ def _swizzled_bands_local(
     NB: tl.constexpr,
     EVICT: tl.constexpr,
     STCS: tl.constexpr,
+    BS: tl.constexpr,
 ):
     """Row permutation then 128x4 swizzle, in place, for maps whose output bands read only
     their own rows (:meth:`ExecMap.bands_local`): program ``t`` loads ``NB`` whole bands
     (``KW >= CW`` words a row) of expert ``t // per``, waits until all its threads have
     loaded, and stores them swizzled over the same bytes. No other program touches them."""
     t = tl.program_id(0)
-    v = _load_bands(x_ptr, rows_ptr, t, True, per, n_bands, expert_words, CW, KW, 1, NB, EVICT)
+    v = _load_bands(x_ptr, rows_ptr, t, True, per, n_bands, expert_words, CW, KW, 1, NB, EVICT, BS)
     tl.debug_barrier()
     _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, 1, NB, STCS)
 
@@ -605,6 +620,8 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     rows, cw, n_rows = em.swizzle
     n_bands = n_rows // 128
     kw = triton.next_power_of_2(cw)
+    step = em.band_step() if cfg["swizzle_band_step"] else 0
+    rows_dev = _rows_on(em, rows[:128] if step else rows, flat.device, 2)
     if em.bands_local() and kw * 128 <= cfg["local_max_words"]:
         nb = cells_per_tile(cfg["local_words"], kw * 128, n_bands)
         per = triton.cdiv(n_bands, nb)
@@ -612,7 +629,7 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
             _swizzled_bands_local,
             (experts * per,),
             flat.view(torch.int32),
-            _rows_on(em, rows, flat.device, 2),
+            rows_dev,
             nbytes // 4,
             n_bands,
             per,
@@ -621,6 +638,7 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
             NB=nb,
             EVICT=cfg["evict"],
             STCS=cfg["store_cs"],
+            BS=step,
             num_warps=cfg["band_warps"],
         )
         yield experts, None
@@ -635,7 +653,6 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
         em._dev[rkey] = torch.from_numpy(band_item_readers(rows, cw, kw, nk, nb)).to(flat.device)
     readers = em._dev[rkey]
     sync = _sync_words(flat.device, 2 + experts * per)
-    rows_dev = _rows_on(em, rows, flat.device, 2)
     args = (flat.view(torch.int32), rows_dev, readers, sync, experts, nbytes // 4, n_bands, per)
     meta = dict(
         CW=cw,
@@ -645,6 +662,7 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
         ND=readers.shape[1],
         EVICT=cfg["evict"],
         STCS=cfg["store_cs"],
+        BS=step,
         num_warps=cfg["band_warps"],
     )
     try:
