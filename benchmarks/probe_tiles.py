@@ -58,7 +58,19 @@ OUT_OF_PLACE = {
     "swz_kw16": {"swizzle_kw": 16, "swizzle_wide_below": 0},
     "swz_w2": {"swizzle_warps": 2},
     "swz_w8": {"swizzle_warps": 8},
-    "swz_table": {"swizzle_band_step": False},  # one row-table entry an output row (before session 8)
+    "swz_s7": {"swizzle_split": 1, "swizzle_warps": 4, "swizzle_band_step": False},  # session 7's swizzle tiles
+    "swz_table": {"swizzle_band_step": False},  # one row-table entry an output row
+    "swz_tb16": {"swizzle_thread_bytes": 16},  # twice the threads a tile (up to 16 warps)
+    "swz_tb64": {"swizzle_thread_bytes": 64},
+    "swz_sp1": {"swizzle_split": 1},
+    "swz_sp2": {"swizzle_split": 2},  # a band in 2 / 4 / 8 tiles by its p values (runs of 64 / 32 / 16 words)
+    "swz_sp4": {"swizzle_split": 4},
+    "swz_sp8": {"swizzle_split": 8},
+    "swz_sp4_w2": {"swizzle_split": 4, "swizzle_warps": 2},
+    "swz_sp2_w8": {"swizzle_split": 2, "swizzle_warps": 8},
+    "swz_sp4_w8": {"swizzle_split": 4, "swizzle_warps": 8},
+    "swz_sp8_w8": {"swizzle_split": 8, "swizzle_warps": 8},
+    "swz_sp2_w16": {"swizzle_split": 2, "swizzle_warps": 16},
     "1d": {"tile_2d_max_cell": 0},
     "2d_run8": {"run_cells": 8},
     "2d_run32": {"run_cells": 32},

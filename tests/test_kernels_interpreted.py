@@ -40,6 +40,8 @@ TILE_TABLES = {
     "narrow chunks": {"wide_below": 0, "swizzle_wide_below": 0, "swizzle_kw": 32},
     "no fast forms": {"use_swizzle": False, "use_padrows": False},
     "full row tables": {"swizzle_band_step": False},
+    "split bands": {"swizzle_split": 4},
+    "split bands, full row tables": {"swizzle_split": 2, "swizzle_band_step": False},
 }
 IN_PLACE = [  # (format, tensor, strategy)
     ("fp8", "w13", "cycles"),

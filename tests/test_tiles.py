@@ -24,6 +24,8 @@ CONFIGS = [
     {"run_cells": 2, "tile_words": 256, "tile_2d_words": 256, "tile_2d_max_cell": 1 << 20},
     {"swizzle_wide_below": 8, "swizzle_kw": 8},
     {"use_swizzle": False, "use_padrows": False},
+    {"swizzle_split": 2},
+    {"swizzle_split": 8, "swizzle_kw": 8, "swizzle_wide_below": 8},
 ]
 
 
@@ -45,11 +47,13 @@ def store_counts(em, word: int, cfg: dict) -> tuple[dict, np.ndarray]:
         where = (cells < n)[:, :, None] & (cols < w)[:, None, :]
         flat = cells[:, :, None] * w + cols[:, None, :]
         return meta, np.bincount(flat[where], minlength=n * w)
-    if kind == 2:  # swizzle: band x column chunk, one contiguous (masked) run of the band
-        n_rows, kw, nk = rows[1], meta["KW"], meta["NK"]
-        band, kc, p = t // nk, t % nk, np.arange(kw * 128)
-        pos = band[:, None] * 128 * w + kc[:, None] * (kw * 128) + p
-        where = kc[:, None] * kw + p // 128 < w
+    if kind == 2:  # swizzle: band x column chunk x part of the p values: a (masked) run of 128 / SP a word
+        n_rows, kw, nk, sp = rows[1], meta["KW"], meta["NK"], meta["SP"]
+        band, kc, part = t // (nk * sp), (t // sp) % nk, t % sp
+        k = kc[:, None] * kw + np.arange(kw)  # (tiles, kw) words of the row
+        j = np.arange(128 // sp)  # 4 p + q within the part
+        pos = band[:, None, None] * 128 * w + k[:, :, None] * 128 + part[:, None, None] * (128 // sp) + j
+        where = np.broadcast_to((k < w)[:, :, None], pos.shape)
         return meta, np.bincount(pos[where], minlength=n_rows * w)
     j = t[:, None] * meta["B"] + np.arange(meta["B"])  # words: blocks of output words
     return meta, np.bincount(j[j < em.n_out * w], minlength=em.n_out * w)

@@ -19,6 +19,7 @@ __all__ = [
     "next_pow2",
     "pow2_divisor",
     "row_chunks",
+    "swizzle_warps",
     "transposed_tiles",
 ]
 
@@ -37,8 +38,10 @@ CONFIG = {
     "run_cells": 16,
     "swizzle_kw": 128,
     "swizzle_wide_below": 128,
-    "swizzle_warps": 4,
+    "swizzle_warps": 0,  # 0: one thread per swizzle_thread_bytes of the tile, 4 to 16 warps
+    "swizzle_thread_bytes": 32,
     "use_swizzle": True,
+    "swizzle_split": 2,  # a band's 32 p values in this many parts, each its own tile
     "swizzle_band_step": True,  # bands that read the first band's rows shifted take a 128-row table
     # in place (the strategy itself is chosen by the registry: config["inplace"])
     "cycle_bw": 64,
@@ -101,7 +104,21 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         n_rows = rows_src.size
         bm = cells_per_tile(cfg["tile_words"], bw, n_rows)
         meta = dict(
-            KIND=0, W=w, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wi, CF=-1 - col_code, CM=bw * nc > w, S2=0, R2=1, BS=0
+            KIND=0,
+            W=w,
+            BM=bm,
+            BW=bw,
+            NC=nc,
+            B=1,
+            KW=1,
+            NK=1,
+            WI=wi,
+            CF=-1 - col_code,
+            CM=bw * nc > w,
+            S2=0,
+            R2=1,
+            BS=0,
+            SP=1,
         )
         return dict(meta, num_warps=cfg["num_warps"]), cdiv(n_rows, bm) * nc, (rows_src, n_rows)
     swz = em.swizzle if (cfg["use_swizzle"] and word == 4) else None
@@ -111,8 +128,12 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         if kw >= 4:
             step = em.band_step() if cfg["swizzle_band_step"] else 0
             table = rows_src[:128] if step else rows_src
-            meta = dict(KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, CM=False, S2=0, R2=1, BS=step)
-            return dict(meta, num_warps=cfg["swizzle_warps"]), (rows_out // 128) * nk, (table, rows_out)
+            sp = min(cfg["swizzle_split"], max(1, kw // 4))  # tiles of 2 KB or more: a 16-byte vector a thread
+            meta = dict(
+                KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, CM=False, S2=0, R2=1, BS=step, SP=sp
+            )
+            warps = cfg["swizzle_warps"] or swizzle_warps(kw * 128 // sp * 4, cfg["swizzle_thread_bytes"])
+            return dict(meta, num_warps=warps), (rows_out // 128) * nk * sp, (table, rows_out)
     if em.cell_bytes >= 16 and wpc >= 4:
         bw, nc = row_chunks(wpc, cfg["max_bw"], cfg["wide_below"])
         bm = cells_per_tile(cfg["tile_words"], bw, em.n_out)
@@ -123,12 +144,34 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
             if found:
                 (s2, r2), bm = found, bm2
         meta = dict(
-            KIND=0, W=wpc, BM=bm, BW=bw, NC=nc, B=1, KW=1, NK=1, WI=wpc, CF=0, CM=bw * nc > wpc, S2=s2, R2=r2, BS=0
+            KIND=0,
+            W=wpc,
+            BM=bm,
+            BW=bw,
+            NC=nc,
+            B=1,
+            KW=1,
+            NK=1,
+            WI=wpc,
+            CF=0,
+            CM=bw * nc > wpc,
+            S2=s2,
+            R2=r2,
+            BS=0,
+            SP=1,
         )
         return dict(meta, num_warps=cfg["num_warps"]), cdiv(em.n_out, bm) * nc, None
     b = min(cfg["block_1d"], next_pow2(em.n_out * wpc))
-    meta = dict(KIND=1, W=wpc, BM=1, BW=1, NC=1, B=b, KW=1, NK=1, WI=wpc, CF=0, CM=False, S2=0, R2=1, BS=0)
+    meta = dict(KIND=1, W=wpc, BM=1, BW=1, NC=1, B=b, KW=1, NK=1, WI=wpc, CF=0, CM=False, S2=0, R2=1, BS=0, SP=1)
     return dict(meta, num_warps=cfg["warps_1d"]), cdiv(em.n_out * wpc, b), None
+
+
+def swizzle_warps(tile_bytes: int, thread_bytes: int) -> int:
+    """Warps for a 128x4 swizzle tile of ``tile_bytes``: one thread per ``thread_bytes`` (a
+    power of two from 4 to 16 warps). Measured on the H200: more threads a tile help (the tile
+    goes through shared memory between its loads and stores) until a thread holds less than
+    one 16-byte vector of each, where the ratio to a copy drops by 0.2 or more."""
+    return max(4, min(16, next_pow2(tile_bytes // (32 * thread_bytes))))
 
 
 def transposed_tiles(em: ExecMap, bm: int, run_cells: int) -> tuple[int, int] | None:

@@ -177,31 +177,40 @@ def _swizzle_tile(
     CW: tl.constexpr,
     KW: tl.constexpr,
     NK: tl.constexpr,
+    SP: tl.constexpr,
     HAS_FILL: tl.constexpr,
     EVICT: tl.constexpr,
     STCS: tl.constexpr,
     BS: tl.constexpr,
 ):
-    band = t // NK
-    kc = t % NK
-    s = _band_rows(rows_ptr, band * 128 + tl.arange(0, 128), None, BS)
+    """Tile ``t``: band ``t // (NK * SP)``, words ``[kc * KW, + KW)`` of its rows (``kc = t // SP %
+    NK``), and of its 128 rows ``32 q + p`` those with ``p`` in part ``t % SP`` of ``32 / SP``
+    (all four ``q``). In the 128x4 order (:func:`_swizzle_128x4`) row ``32 q + p``, word ``k``
+    of band ``b`` lands on ``(b * CW + k) * 128 + 4 p + q``, so the tile reads ``4`` runs of
+    ``32 / SP`` whole rows and writes, per word, one run of ``128 / SP`` words: full sectors
+    both ways for ``SP <= 8``, however the band is split."""
+    PR: tl.constexpr = 32 // SP  # the part's p values
+    part = t % SP
+    kc = (t // SP) % NK
+    band = t // (SP * NK)
+    i = tl.arange(0, 4 * PR)  # row q * PR + pp of the tile: band row 32 q + part * PR + pp
+    s = _band_rows(rows_ptr, band * 128 + (i // PR) * 32 + part * PR + i % PR, None, BS)
     if HAS_FILL:
         valid = s >= 0
         fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0))
         s = tl.maximum(s, 0)
     k = kc * KW + tl.arange(0, KW)
-    p = tl.arange(0, KW * 128)
     if KW * NK > CW:  # the last chunk overhangs the row: words >= CW are masked
         v = _load(xb + s.to(tl.int64)[:, None] * CW + k[None, :], (k < CW)[None, :], EVICT)
-        om = kc * KW + p // 128 < CW
+        om = (k < CW)[:, None]
     else:
         v = _load(xb + s.to(tl.int64)[:, None] * CW + k[None, :], None, EVICT)
         om = None
     if HAS_FILL:
         v = tl.where(valid[:, None], v, fw[:, None])
-    v = _swizzle_128x4(v, 1, KW)
-    base = band.to(tl.int64) * 128 * CW + kc * (KW * 128)
-    _store(ob + base + p, v, om, STCS)
+    v = tl.reshape(tl.permute(tl.reshape(v, (4, PR, KW)), (2, 1, 0)), (KW, 4 * PR))  # [k, pp * 4 + q]
+    o = band.to(tl.int64) * 128 * CW + k[:, None] * 128 + part * (4 * PR) + tl.arange(0, 4 * PR)[None, :]
+    _store(ob + o, v, om, STCS)
 
 
 @triton.jit
@@ -230,6 +239,7 @@ def _gather_kernel(
     S2: tl.constexpr,
     R2: tl.constexpr,
     BS: tl.constexpr,
+    SP: tl.constexpr,
 ):
     t = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
@@ -240,7 +250,7 @@ def _gather_kernel(
     elif KIND == 1:
         _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL, EVICT, STCS)
     else:
-        _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, HAS_FILL, EVICT, STCS, BS)
+        _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, SP, HAS_FILL, EVICT, STCS, BS)
 
 
 def _rows_on(em: ExecMap, rows_src, device, kind: int) -> torch.Tensor:
