@@ -93,8 +93,6 @@ IN_PLACE = {
     "ip_s64_bw32": {"cycle_slots": 64, "cycle_bw": 32},
     "ip_w8": {"cycle_warps": 8},
     "ip_table": {"swizzle_band_step": False},
-    "ip_pf1": {"cycle_prefetch": 1},  # cycle tiles ask L2 for the next expert's lines
-    "ip_pf2": {"cycle_prefetch": 2},
     "ip_s256": {"cycle_slots": 256},
     "ip_bw128": {"cycle_bw": 128},
     "ip_s256_w8": {"cycle_slots": 256, "cycle_warps": 8},
@@ -206,7 +204,7 @@ def applies(name: str, em) -> bool:
         return em.bands_local()
     if name.startswith("ip_band"):
         return em.swizzle is not None and not em.bands_local()
-    if name.startswith(("ip_s", "ip_w", "ip_pf")):
+    if name.startswith(("ip_s", "ip_w")):
         return em.swizzle is None
     return True
 

@@ -47,8 +47,6 @@ CONFIG = {
     "cycle_bw": 64,
     "cycle_slots": 128,
     "cycle_warps": 4,
-    "cycle_prefetch": 0,  # experts ahead whose lines a cycle tile asks L2 for (0: none)
-    "cycle_prefetch_max_bytes": 1 << 62,  # ... for experts up to this size
     "band_words": 64,
     "band_per_sm": 32,
     "band_warps": 4,

@@ -315,14 +315,6 @@ def gather_triton(em: ExecMap, x: torch.Tensor, out: torch.Tensor, config: dict 
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 to fetch the 128-byte lines at ``ptrs`` and keep them (evict-last priority)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _cycle_kernel(
     x_ptr,
     b_ptr,
@@ -331,7 +323,6 @@ def _cycle_kernel(
     n_slots,
     expert_words,
     saved_words,
-    n_experts,
     SAVE: tl.constexpr,
     W: tl.constexpr,
     BM: tl.constexpr,
@@ -339,25 +330,14 @@ def _cycle_kernel(
     NC: tl.constexpr,
     EVICT: tl.constexpr,
     STCS: tl.constexpr,
-    PF: tl.constexpr,
-    PFL: tl.constexpr,
-    LW: tl.constexpr,
 ):
     """One tile of a cycle plan for expert ``program_id(1)``: ``BM`` slots x ``BW`` words.
 
     SAVE: copy the saved cells aside (``dst_ptr`` holds their positions). Else: load
     every source of the tile (a cell this tile writes, or a saved one), wait for the
-    whole program, then store; no other program touches these cells. ``PF > 0``: first
-    ask L2 for ``PFL`` lines (``LW`` words each) of expert ``e + PF``, the program's share of
-    it in address order, so that expert's tiles find their scattered cells in L2 and DRAM
-    reads it in order (``prefetch.global.L2::evict_last``; moves no byte)."""
+    whole program, then store; no other program touches these cells."""
     t = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
-    if PF > 0:  # noqa: SIM102 - a compile-time branch around a run-time one
-        if e + PF < n_experts:
-            line = t * PFL + tl.arange(0, PFL)
-            line = tl.where(line < expert_words // LW, line, 0)
-            _prefetch_l2(x_ptr + (e + PF) * expert_words + line.to(tl.int64) * LW)
     xb = x_ptr + e * expert_words
     bb = b_ptr + e * saved_words
     slots = (t // NC) * BM + tl.arange(0, BM)
@@ -410,13 +390,6 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
     xw = flat.view(dt)
     ew = nbytes // word
     meta = dict(W=wpc, BM=bm, BW=bw, NC=nc, EVICT=cfg["evict"], STCS=cfg["store_cs"], num_warps=cfg["cycle_warps"])
-    no_prefetch = dict(PF=0, PFL=1, LW=1)
-    prefetch = no_prefetch
-    if cfg["cycle_prefetch"] and not INTERPRETED and nbytes <= cfg["cycle_prefetch_max_bytes"]:
-        lw = 128 // word
-        prefetch = dict(
-            PF=cfg["cycle_prefetch"], PFL=triton.next_power_of_2(triton.cdiv(ew // lw, plan.n_tiles * nc)), LW=lw
-        )
     for s0 in range(0, experts, per):
         cnt = min(per, experts - s0)
         part = xw[s0 : s0 + cnt]
@@ -431,10 +404,8 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
                 n_saved,
                 ew,
                 n_saved * wpc,
-                cnt,
                 SAVE=True,
                 **meta,
-                **no_prefetch,
             )
         launch(
             _cycle_kernel,
@@ -446,10 +417,8 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
             plan.moved,
             ew,
             n_saved * wpc,
-            cnt,
             SAVE=False,
             **meta,
-            **prefetch,
         )
         yield s0 + cnt, scratch
 
