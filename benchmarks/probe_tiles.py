@@ -63,6 +63,7 @@ OUT_OF_PLACE = {
     "swz_tb16": {"swizzle_thread_bytes": 16},  # twice the threads a tile (up to 16 warps)
     "swz_tb64": {"swizzle_thread_bytes": 64},
     "swz_sp1": {"swizzle_split": 1},
+    "swz_nopair": {"swizzle_pair_rows": False},  # rows read in p order, not in source pairs
     "swz_sp2": {"swizzle_split": 2},  # a band in 2 / 4 / 8 tiles by its p values (runs of 64 / 32 / 16 words)
     "swz_sp4": {"swizzle_split": 4},
     "swz_sp8": {"swizzle_split": 8},

@@ -121,7 +121,7 @@ TILE_CONFIGS = [
     {"tile_words": 4096, "tile_2d_words": 4096},
     {"tile_2d_max_cell": 1 << 20, "run_cells": 2, "tile_words": 256, "tile_2d_words": 256},
     {"swizzle_band_step": False},
-    {"swizzle_split": 2},
+    {"swizzle_split": 2, "swizzle_pair_rows": False},
     {"swizzle_split": 4, "swizzle_band_step": False},
     {"swizzle_split": 8, "swizzle_kw": 8, "swizzle_wide_below": 8},
 ]

@@ -195,3 +195,31 @@ def test_band_step_finds_bands_that_read_the_first_bands_rows_shifted(bands, ste
     n = rows.size
     em = ExecMap("rows", 4, 4, n, n, np.zeros(n, np.int32), (), False, 4 * n, 4 * n, True, swizzle=(rows, 1, n))
     assert em.band_step() == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sp=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**16), kind=st.sampled_from(["shuffle", "random", "bits"])
+)
+def test_pair_bit_names_a_bit_whose_rows_read_consecutive_sources(sp, seed, kind):
+    """``pair_bit`` against its definition, every part and q of a band: TRT-LLM's W2 row shuffle
+    (pairs 8 rows apart while a part holds 16 p values or more), random orders (none), and random
+    bit permutations of the row index (a pair exactly when source bit 0 is a bit of ``pp``)."""
+    rng = np.random.default_rng(seed)
+    r = np.arange(128)
+    if kind == "shuffle":
+        rows = 32 * (r // 32) + 4 * (r % 8) + (r % 32) // 8
+    elif kind == "random":
+        rows = rng.permutation(128)
+    else:
+        perm = rng.permutation(7)  # source bit perm[k] = row bit k
+        rows = sum(((r >> k) & 1) << int(perm[k]) for k in range(7))
+    pb = tiles.pair_bit(rows, sp)
+    pr = 32 // sp
+    holds = [b for b in (1, 2, 4, 8, 16) if b < pr and all(rows[j + b] == rows[j] + 1 for j in r if (j % pr) & b == 0)]
+    assert pb == (holds[0] if holds else 0)
+    if kind == "shuffle":
+        assert pb == (8 if sp <= 2 else 0)
+    if kind == "bits":
+        k0 = int(np.flatnonzero(perm == 0)[0])  # the row bit that is source bit 0
+        assert pb == ((1 << k0) if (1 << k0) < pr else 0)

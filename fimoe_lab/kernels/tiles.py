@@ -17,6 +17,7 @@ __all__ = [
     "cells_per_tile",
     "launch_plan",
     "next_pow2",
+    "pair_bit",
     "pow2_divisor",
     "row_chunks",
     "swizzle_warps",
@@ -42,7 +43,8 @@ CONFIG = {
     "swizzle_thread_bytes": 32,
     "use_swizzle": True,
     "swizzle_split": 2,  # a band's 32 p values in this many parts, each its own tile
-    "swizzle_band_step": True,  # bands that read the first band's rows shifted take a 128-row table
+    "swizzle_band_step": True,
+    "swizzle_pair_rows": True,  # rows under 128 bytes from consecutive source rows: loaded side by side  # bands that read the first band's rows shifted take a 128-row table
     # in place (the strategy itself is chosen by the registry: config["inplace"])
     "cycle_bw": 64,
     "cycle_slots": 128,
@@ -53,6 +55,10 @@ CONFIG = {
     "local_words": 2048,  # in place, bands-local scale maps: words a program moves (whole bands)
     "local_max_words": 16384,  # ... and the widest band taken that way (wider: the cooperative launch)
 }
+
+
+# Every constexpr of the gather kernel at its neutral value; each tile shape sets its own.
+_KERNEL_CONSTANTS = dict(W=1, BM=1, BW=1, NC=1, B=1, KW=1, NK=1, WI=1, CF=0, CM=False, S2=0, R2=1, BS=0, SP=1, PB=0)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -103,23 +109,7 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         bw, nc = row_chunks(w, cfg["max_bw"], cfg["wide_below"])
         n_rows = rows_src.size
         bm = cells_per_tile(cfg["tile_words"], bw, n_rows)
-        meta = dict(
-            KIND=0,
-            W=w,
-            BM=bm,
-            BW=bw,
-            NC=nc,
-            B=1,
-            KW=1,
-            NK=1,
-            WI=wi,
-            CF=-1 - col_code,
-            CM=bw * nc > w,
-            S2=0,
-            R2=1,
-            BS=0,
-            SP=1,
-        )
+        meta = dict(_KERNEL_CONSTANTS, KIND=0, W=w, BM=bm, BW=bw, NC=nc, WI=wi, CF=-1 - col_code, CM=bw * nc > w)
         return dict(meta, num_warps=cfg["num_warps"]), cdiv(n_rows, bm) * nc, (rows_src, n_rows)
     swz = em.swizzle if (cfg["use_swizzle"] and word == 4) else None
     if swz is not None:
@@ -127,12 +117,11 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         kw, nk = row_chunks(cw, cfg["swizzle_kw"], cfg["swizzle_wide_below"])
         if kw >= 4:
             step = em.band_step() if cfg["swizzle_band_step"] else 0
-            table = rows_src[:128] if step else rows_src
             sp = min(cfg["swizzle_split"], max(1, kw // 4))  # tiles of 2 KB or more: a 16-byte vector a thread
-            meta = dict(
-                KIND=2, W=cw, BM=1, BW=1, NC=1, B=1, KW=kw, NK=nk, WI=cw, CF=0, CM=False, S2=0, R2=1, BS=step, SP=sp
-            )
+            pb = pair_bit(rows_src[:128], sp) if step and cfg["swizzle_pair_rows"] and cw * 4 < 128 else 0
+            meta = dict(_KERNEL_CONSTANTS, KIND=2, W=cw, KW=kw, NK=nk, WI=cw, BS=step, SP=sp, PB=pb)
             warps = cfg["swizzle_warps"] or swizzle_warps(kw * 128 // sp * 4, cfg["swizzle_thread_bytes"])
+            table = rows_src[:128] if step else rows_src
             return dict(meta, num_warps=warps), (rows_out // 128) * nk * sp, (table, rows_out)
     if em.cell_bytes >= 16 and wpc >= 4:
         bw, nc = row_chunks(wpc, cfg["max_bw"], cfg["wide_below"])
@@ -143,26 +132,10 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
             found = transposed_tiles(em, bm2, cfg["run_cells"])
             if found:
                 (s2, r2), bm = found, bm2
-        meta = dict(
-            KIND=0,
-            W=wpc,
-            BM=bm,
-            BW=bw,
-            NC=nc,
-            B=1,
-            KW=1,
-            NK=1,
-            WI=wpc,
-            CF=0,
-            CM=bw * nc > wpc,
-            S2=s2,
-            R2=r2,
-            BS=0,
-            SP=1,
-        )
+        meta = dict(_KERNEL_CONSTANTS, KIND=0, W=wpc, BM=bm, BW=bw, NC=nc, WI=wpc, CM=bw * nc > wpc, S2=s2, R2=r2)
         return dict(meta, num_warps=cfg["num_warps"]), cdiv(em.n_out, bm) * nc, None
     b = min(cfg["block_1d"], next_pow2(em.n_out * wpc))
-    meta = dict(KIND=1, W=wpc, BM=1, BW=1, NC=1, B=b, KW=1, NK=1, WI=wpc, CF=0, CM=False, S2=0, R2=1, BS=0, SP=1)
+    meta = dict(_KERNEL_CONSTANTS, KIND=1, W=wpc, B=b, WI=wpc)
     return dict(meta, num_warps=cfg["warps_1d"]), cdiv(em.n_out * wpc, b), None
 
 
@@ -172,6 +145,23 @@ def swizzle_warps(tile_bytes: int, thread_bytes: int) -> int:
     goes through shared memory between its loads and stores) until a thread holds less than
     one 16-byte vector of each, where the ratio to a copy drops by 0.2 or more."""
     return max(4, min(16, next_pow2(tile_bytes // (32 * thread_bytes))))
+
+
+def pair_bit(band_rows: np.ndarray, sp: int) -> int:
+    """The bit ``PB`` of ``pp`` (a power of two below ``32 / sp``) such that in every part of
+    every swizzle tile (:func:`~fimoe_lab.kernels.triton_gather._swizzle_tile`: band rows
+    ``32 q + part * 32 / sp + pp``) the row with that bit set reads the source row after the
+    one with it clear: ``band_rows[r + PB] == band_rows[r] + 1``. Loaded side by side, two
+    such rows of under 128 bytes share their lines in one request. 0 if no bit does (the
+    lowest that does otherwise; TRT-LLM's W2 shuffle: 8 for ``sp <= 2``)."""
+    rows = np.asarray(band_rows, dtype=np.int64)
+    pr = 32 // sp
+    r = np.arange(128)
+    for pb in (1 << k for k in range(max(0, pr.bit_length() - 1))):
+        low = r[(r % pr) & pb == 0]
+        if rows.size == 128 and np.array_equal(rows[low + pb], rows[low] + 1):
+            return pb
+    return 0
 
 
 def transposed_tiles(em: ExecMap, bm: int, run_cells: int) -> tuple[int, int] | None:

@@ -182,19 +182,30 @@ def _swizzle_tile(
     EVICT: tl.constexpr,
     STCS: tl.constexpr,
     BS: tl.constexpr,
+    PB: tl.constexpr,
 ):
     """Tile ``t``: band ``t // (NK * SP)``, words ``[kc * KW, + KW)`` of its rows (``kc = t // SP %
     NK``), and of its 128 rows ``32 q + p`` those with ``p`` in part ``t % SP`` of ``32 / SP``
     (all four ``q``). In the 128x4 order (:func:`_swizzle_128x4`) row ``32 q + p``, word ``k``
     of band ``b`` lands on ``(b * CW + k) * 128 + 4 p + q``, so the tile reads ``4`` runs of
     ``32 / SP`` whole rows and writes, per word, one run of ``128 / SP`` words: full sectors
-    both ways for ``SP <= 8``, however the band is split."""
+    both ways for ``SP <= 8``, however the band is split.
+
+    ``PB > 0`` (:func:`~fimoe_lab.kernels.tiles.pair_bit`): rows ``pp`` and ``pp + PB`` (bit
+    ``PB`` of ``pp`` clear) come from consecutive source rows, and the tile loads them next to
+    each other (``pp`` with that bit moved lowest), so rows narrower than a line are read in
+    pairs; the permute back to ``pp`` order is folded into the swizzle's."""
     PR: tl.constexpr = 32 // SP  # the part's p values
     part = t % SP
     kc = (t // SP) % NK
     band = t // (SP * NK)
-    i = tl.arange(0, 4 * PR)  # row q * PR + pp of the tile: band row 32 q + part * PR + pp
-    s = _band_rows(rows_ptr, band * 128 + (i // PR) * 32 + part * PR + i % PR, None, BS)
+    i = tl.arange(0, 4 * PR)  # loaded row q * PR + u of the tile: band row 32 q + part * PR + pp(u)
+    u = i % PR
+    if PB > 0:  # u = (hi * PB + lo) * 2 + bit -> pp = hi * 2 PB + bit * PB + lo
+        pp = (u // (2 * PB)) * (2 * PB) + (u % 2) * PB + (u // 2) % PB
+    else:
+        pp = u
+    s = _band_rows(rows_ptr, band * 128 + (i // PR) * 32 + part * PR + pp, None, BS)
     if HAS_FILL:
         valid = s >= 0
         fw = tl.load(fill_ptr + tl.maximum(-1 - s, 0))
@@ -208,7 +219,10 @@ def _swizzle_tile(
         om = None
     if HAS_FILL:
         v = tl.where(valid[:, None], v, fw[:, None])
-    v = tl.reshape(tl.permute(tl.reshape(v, (4, PR, KW)), (2, 1, 0)), (KW, 4 * PR))  # [k, pp * 4 + q]
+    if PB > 0:  # [q, hi, lo, bit, k] -> [k, hi, bit, lo, q] = [k, pp, q]
+        v = tl.reshape(tl.permute(tl.reshape(v, (4, PR // (2 * PB), PB, 2, KW)), (4, 1, 3, 2, 0)), (KW, 4 * PR))
+    else:
+        v = tl.reshape(tl.permute(tl.reshape(v, (4, PR, KW)), (2, 1, 0)), (KW, 4 * PR))  # [k, pp * 4 + q]
     o = band.to(tl.int64) * 128 * CW + k[:, None] * 128 + part * (4 * PR) + tl.arange(0, 4 * PR)[None, :]
     _store(ob + o, v, om, STCS)
 
@@ -240,6 +254,7 @@ def _gather_kernel(
     R2: tl.constexpr,
     BS: tl.constexpr,
     SP: tl.constexpr,
+    PB: tl.constexpr,
 ):
     t = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
@@ -250,7 +265,7 @@ def _gather_kernel(
     elif KIND == 1:
         _words_block(xb, ob, src_ptr, fill_ptr, n_out, t, W, B, HAS_FILL, EVICT, STCS)
     else:
-        _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, SP, HAS_FILL, EVICT, STCS, BS)
+        _swizzle_tile(xb, ob, src_ptr, fill_ptr, t, W, KW, NK, SP, HAS_FILL, EVICT, STCS, BS, PB)
 
 
 def _rows_on(em: ExecMap, rows_src, device, kind: int) -> torch.Tensor:
