@@ -30,7 +30,7 @@ LAYERS = [
     ("fp8", 232, 320, {"is_act_and_mul": False, "is_gated": False}),
     ("fp8-block", 256, 512, {}),
     ("mxfp8", 192, 320, {}),
-    ("mxfp8", 2048, 256, {}),  # W2 scale rows of 64 bytes: split tiles loading rows in source pairs, as DeepSeek's
+    ("mxfp8", 768, 256, {}),  # W2 scale rows of 24 bytes: half-band tiles, rows in source pairs, a masked overhang
     ("nvfp4", 256, 512, {}),
     ("bf16", 96, 160, {}),
 ]

@@ -43,8 +43,8 @@ CONFIG = {
     "swizzle_thread_bytes": 32,
     "use_swizzle": True,
     "swizzle_split": 2,  # a band's 32 p values in this many parts, each its own tile
-    "swizzle_band_step": True,
-    "swizzle_pair_rows": True,  # rows under 128 bytes from consecutive source rows: loaded side by side  # bands that read the first band's rows shifted take a 128-row table
+    "swizzle_band_step": True,  # bands that read the first band's rows shifted take a 128-row table
+    "swizzle_pair_rows": True,  # rows under 128 bytes from consecutive source rows: loaded side by side
     # in place (the strategy itself is chosen by the registry: config["inplace"])
     "cycle_bw": 64,
     "cycle_slots": 128,
@@ -151,9 +151,9 @@ def pair_bit(band_rows: np.ndarray, sp: int) -> int:
     """The bit ``PB`` of ``pp`` (a power of two below ``32 / sp``) such that in every part of
     every swizzle tile (:func:`~fimoe_lab.kernels.triton_gather._swizzle_tile`: band rows
     ``32 q + part * 32 / sp + pp``) the row with that bit set reads the source row after the
-    one with it clear: ``band_rows[r + PB] == band_rows[r] + 1``. Loaded side by side, two
-    such rows of under 128 bytes share their lines in one request. 0 if no bit does (the
-    lowest that does otherwise; TRT-LLM's W2 shuffle: 8 for ``sp <= 2``)."""
+    one with it clear: ``band_rows[r + PB] == band_rows[r] + 1``; the lowest such bit, 0 if
+    none (TRT-LLM's W2 shuffle: 8 for ``sp <= 2``). Loaded side by side, two such rows of
+    under 128 bytes share their lines in one request."""
     rows = np.asarray(band_rows, dtype=np.int64)
     pr = 32 // sp
     r = np.arange(128)
