@@ -38,7 +38,15 @@ import triton
 import triton.language as tl
 
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, word_dtype
-from fimoe_lab.kernels.tiles import CONFIG, band_item_readers, cells_per_tile, launch_plan, pow2_divisor
+from fimoe_lab.kernels.tiles import (
+    CONFIG,
+    band_item_readers,
+    cdiv,
+    cells_per_tile,
+    launch_plan,
+    next_pow2,
+    pow2_divisor,
+)
 from fimoe_lab.kernels.triton_launch import INTERPRETED, Pointer, launch
 
 
@@ -391,7 +399,7 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
     word = aligned_word(min(em.word, 4), flat)
     wpc = em.cell_bytes // word
     bw = pow2_divisor(wpc, cfg["cycle_bw"])
-    bm = triton.next_power_of_2(max(1, cfg["cycle_slots"]))
+    bm = next_pow2(max(1, cfg["cycle_slots"]))
     nc = wpc // bw
     plan = cycle_plan(em, bm)
     if plan.moved == 0:
@@ -411,7 +419,7 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int, config
         if n_saved:
             launch(
                 _cycle_kernel,
-                (triton.cdiv(n_saved, bm) * nc, cnt),
+                (cdiv(n_saved, bm) * nc, cnt),
                 part,
                 scratch,
                 saved,
@@ -644,12 +652,12 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     experts, nbytes = flat.shape
     rows, cw, n_rows = em.swizzle
     n_bands = n_rows // 128
-    kw = triton.next_power_of_2(cw)
+    kw = next_pow2(cw)
     step = em.band_step() if cfg["swizzle_band_step"] else 0
     rows_dev = _rows_on(em, rows[:128] if step else rows, flat.device, 2)
     if em.bands_local() and kw * 128 <= cfg["local_max_words"]:
         nb = cells_per_tile(cfg["local_words"], kw * 128, n_bands)
-        per = triton.cdiv(n_bands, nb)
+        per = cdiv(n_bands, nb)
         launch(
             _swizzled_bands_local,
             (experts * per,),
@@ -668,11 +676,11 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
         )
         yield experts, None
         return
-    item_words = triton.next_power_of_2(cfg["band_words"])
+    item_words = next_pow2(cfg["band_words"])
     kw = min(kw, item_words)
-    nk = triton.cdiv(cw, kw)
+    nk = cdiv(cw, kw)
     nb = cells_per_tile(item_words, kw, n_bands) if nk == 1 else 1
-    per = triton.cdiv(n_bands, nb) * nk
+    per = cdiv(n_bands, nb) * nk
     rkey = ("band readers", str(flat.device), kw, nk, nb)
     if rkey not in em._dev:
         em._dev[rkey] = torch.from_numpy(band_item_readers(rows, cw, kw, nk, nb)).to(flat.device)
