@@ -20,6 +20,7 @@ __all__ = [
     "pair_bit",
     "pow2_divisor",
     "row_chunks",
+    "swizzle_row_table",
     "swizzle_warps",
     "transposed_tiles",
 ]
@@ -113,15 +114,14 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
         return dict(meta, num_warps=cfg["num_warps"]), cdiv(n_rows, bm) * nc, (rows_src, n_rows)
     swz = em.swizzle if (cfg["use_swizzle"] and word == 4) else None
     if swz is not None:
-        rows_src, cw, rows_out = swz
+        _, cw, rows_out = swz
         kw, nk = row_chunks(cw, cfg["swizzle_kw"], cfg["swizzle_wide_below"])
         if kw >= 4:
-            step = em.band_step() if cfg["swizzle_band_step"] else 0
+            table, step = swizzle_row_table(em, cfg)
             sp = min(cfg["swizzle_split"], max(1, kw // 4))  # tiles of 2 KB or more: a 16-byte vector a thread
-            pb = pair_bit(rows_src[:128], sp) if step and cfg["swizzle_pair_rows"] and cw * 4 < 128 else 0
+            pb = pair_bit(table, sp) if step and cfg["swizzle_pair_rows"] and cw * 4 < 128 else 0
             meta = dict(_KERNEL_CONSTANTS, KIND=2, W=cw, KW=kw, NK=nk, WI=cw, BS=step, SP=sp, PB=pb)
             warps = cfg["swizzle_warps"] or swizzle_warps(kw * 128 // sp * 4, cfg["swizzle_thread_bytes"])
-            table = rows_src[:128] if step else rows_src
             return dict(meta, num_warps=warps), (rows_out // 128) * nk * sp, (table, rows_out)
     if em.cell_bytes >= 16 and wpc >= 4:
         bw, nc = row_chunks(wpc, cfg["max_bw"], cfg["wide_below"])
@@ -137,6 +137,16 @@ def launch_plan(em: ExecMap, word: int, cfg: dict) -> tuple[dict, int, object]:
     b = min(cfg["block_1d"], next_pow2(em.n_out * wpc))
     meta = dict(_KERNEL_CONSTANTS, KIND=1, W=wpc, B=b, WI=wpc)
     return dict(meta, num_warps=cfg["warps_1d"]), cdiv(em.n_out * wpc, b), None
+
+
+def swizzle_row_table(em: ExecMap, cfg: dict) -> tuple[np.ndarray, int]:
+    """The source-row table a 128x4 swizzle launch (out of place or in place) reads, and its
+    band step ``BS``: the first band's 128 entries with ``em.band_step()`` where that is not 0
+    and ``swizzle_band_step`` is on (band ``b`` reads them plus ``b * BS``), else one entry an
+    output row and 0."""
+    rows = em.swizzle[0]
+    step = em.band_step() if cfg["swizzle_band_step"] else 0
+    return (rows[:128] if step else rows), step
 
 
 def swizzle_warps(tile_bytes: int, thread_bytes: int) -> int:

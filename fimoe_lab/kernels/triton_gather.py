@@ -46,6 +46,7 @@ from fimoe_lab.kernels.tiles import (
     launch_plan,
     next_pow2,
     pow2_divisor,
+    swizzle_row_table,
 )
 from fimoe_lab.kernels.triton_launch import INTERPRETED, Pointer, launch
 
@@ -653,8 +654,8 @@ def inplace_swizzled_bands(em: ExecMap, flat: torch.Tensor, scratch_experts: int
     rows, cw, n_rows = em.swizzle
     n_bands = n_rows // 128
     kw = next_pow2(cw)
-    step = em.band_step() if cfg["swizzle_band_step"] else 0
-    rows_dev = _rows_on(em, rows[:128] if step else rows, flat.device, 2)
+    table, step = swizzle_row_table(em, cfg)
+    rows_dev = _rows_on(em, table, flat.device, 2)
     if em.bands_local() and kw * 128 <= cfg["local_max_words"]:
         nb = cells_per_tile(cfg["local_words"], kw * 128, n_bands)
         per = cdiv(n_bands, nb)
