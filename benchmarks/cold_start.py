@@ -44,6 +44,7 @@ DROPINS = {
     "rotate": ("fp8", "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe (FP8 per tensor, in place)"),
     "deepseek": ("fp8-block", "shuffle_deepseek_fp8_moe_weights (FP8 block scale, new tensors)"),
     "mxfp8": ("mxfp8", "shuffle_mxfp8_moe_weights (MXFP8 weights and scales, new tensors)"),
+    "bf16_block": ("bf16", "convert_moe_weights_to_flashinfer_trtllm_block_layout (BF16, in place)"),
 }
 
 
@@ -63,7 +64,10 @@ def child(args: argparse.Namespace) -> dict:
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randint(1, 255, shape, dtype=torch.uint8, device=dev, generator=g)
 
-    w13, w2 = rnd(e, 2 * i, h).view(torch.float8_e4m3fn), rnd(e, h, i).view(torch.float8_e4m3fn)
+    if args.dropin == "bf16_block":  # two bytes a value
+        w13, w2 = rnd(e, 2 * i, 2 * h).view(torch.bfloat16), rnd(e, h, 2 * i).view(torch.bfloat16)
+    else:
+        w13, w2 = rnd(e, 2 * i, h).view(torch.float8_e4m3fn), rnd(e, h, i).view(torch.float8_e4m3fn)
     s13, s2 = rnd(e, 2 * i, h // 32), rnd(e, h, i // 32)
 
     def sync() -> None:
@@ -76,6 +80,8 @@ def child(args: argparse.Namespace) -> dict:
         t = time.perf_counter()
         if args.dropin == "rotate":
             prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(a, b, True)
+        elif args.dropin == "bf16_block":
+            prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, a, b)
         elif args.dropin == "deepseek":
             prepare.shuffle_deepseek_fp8_moe_weights(a, b)
         else:

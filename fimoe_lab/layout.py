@@ -392,8 +392,20 @@ class IndexMap:
 
         Defined for a 2-D map in which every output row takes its bytes from a single
         input row (padding, swaps, interleaves and shuffles do; a swizzle or a re-tiling
-        does not, and raises :class:`LayoutError`).
+        does not, and raises :class:`LayoutError`). Found once per map (a pass over its
+        byte index: milliseconds for a full expert), then cached; each call returns a copy.
         """
+        if "row_sources" not in self._cache:
+            try:
+                self._cache["row_sources"] = self._find_row_sources()
+            except LayoutError as exc:
+                self._cache["row_sources"] = str(exc)
+        found = self._cache["row_sources"]
+        if isinstance(found, str):
+            raise LayoutError(found)
+        return cast(torch.Tensor, found).clone()
+
+    def _find_row_sources(self) -> torch.Tensor:
         if len(self.in_shape) != 2 or len(self.out_shape) != 2:
             raise LayoutError(
                 f"{self.name} maps {self.in_shape} -> {self.out_shape} bytes; rows are defined for 2-D maps only"
@@ -410,7 +422,13 @@ class IndexMap:
         return first
 
     def row_steps(self) -> IndexMap:
-        """The composed leading steps that keep rows as rows (before any re-tiling or swizzle)."""
+        """The composed leading steps that keep rows as rows (before any re-tiling or swizzle);
+        built once per map, then cached."""
+        if "row_steps" not in self._cache:
+            self._cache["row_steps"] = self._leading_row_steps()
+        return cast(IndexMap, self._cache["row_steps"])
+
+    def _leading_row_steps(self) -> IndexMap:
         keep: list[IndexMap] = []
         for step in self.steps:
             try:

@@ -667,16 +667,17 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
         w13_weight.shape[1], w13_weight.shape[2], w2_weight.shape[2], is_gated_act_gemm
     )
     m13, k13 = w13_weight.shape[1], w13_weight.shape[2] * 2
-    flashinfer_w13_rows = recipes.chain(
-        steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
-        steps.shuffle_rows_for_epilogue(m13, k13, recipes.TRTLLM_EPILOGUE_TILE_M),
-    )  # no W31 swap
     key13, key2 = permute_cache_keys(
         (m13, k13), (w2_weight.shape[1], w2_weight.shape[2] * 2), is_gated_act_gemm, engine=engine
     )
-    for key, rows_map in ((key13, flashinfer_w13_rows), (key2, plan.w2.row_steps())):
-        if key not in cache_permute_indices:  # built (and copied to the device) once per shape
-            cache_permute_indices[key] = rows_map.row_sources().to(w13_weight.device)
+    if key13 not in cache_permute_indices:  # built (and copied to the device) once per shape
+        flashinfer_w13_rows = recipes.chain(
+            steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
+            steps.shuffle_rows_for_epilogue(m13, k13, recipes.TRTLLM_EPILOGUE_TILE_M),
+        )  # no W31 swap
+        cache_permute_indices[key13] = flashinfer_w13_rows.row_sources().to(w13_weight.device)
+    if key2 not in cache_permute_indices:
+        cache_permute_indices[key2] = plan.w2.row_steps().row_sources().to(w13_weight.device)
     o13, o2 = _apply_in_place(
         [(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts
     )
