@@ -329,3 +329,66 @@ def test_in_place_drop_in_refuses_tensors_that_share_memory():
     w = random_bytes((4, 128, 64), FP8, seed=5)
     with pytest.raises(LayoutError, match="share memory"):
         prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w, w.view(4, 64, 128), False)
+
+
+def _hot_path_calls():
+    """Named functions a drop-in's warm call must not reach: each builds or scans a map (ms to
+    hundreds of ms on a full expert, paid before the first kernel launches)."""
+    from fimoe_lab import compile as compile_mod
+    from fimoe_lab.kernels import cycles
+    from fimoe_lab.layout import IndexMap
+
+    return [
+        (IndexMap, "_find_row_sources"),
+        (IndexMap, "_leading_row_steps"),
+        (IndexMap, "refined"),
+        (IndexMap, "then"),
+        (compile_mod, "compile_map"),
+        (cycles, "plan_permutation"),
+        (cycles, "cycle_order"),
+    ]
+
+
+WARM_DROP_INS = {
+    "rotate": lambda: prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(
+        random_bytes((2, 128, 64), FP8, seed=1), random_bytes((2, 64, 64), FP8, seed=2), True
+    ),
+    "deepseek": lambda: prepare.shuffle_deepseek_fp8_moe_weights(
+        random_bytes((2, 256, 128), FP8, seed=3), random_bytes((2, 128, 128), FP8, seed=4)
+    ),
+    "mxfp8": lambda: prepare.shuffle_mxfp8_moe_weights(
+        random_bytes((2, 256, 128), FP8, seed=5),
+        random_bytes((2, 128, 128), FP8, seed=6),
+        random_bytes((2, 256, 4), torch.uint8, seed=7),
+        random_bytes((2, 128, 4), torch.uint8, seed=8),
+        True,
+    ),
+    "bf16_block": lambda: prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(
+        {},
+        random_bytes((2, 256, 128), torch.uint8, seed=9).view(torch.bfloat16),
+        random_bytes((2, 64, 256), torch.uint8, seed=10).view(torch.bfloat16),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WARM_DROP_INS))
+def test_warm_drop_in_call_builds_and_scans_no_map(name, monkeypatch):
+    """The second call of a drop-in on a shape finds every map, plan and cycle plan in the caches;
+    the first call does build them (so the spies see the functions the drop-in uses)."""
+    seen: list[str] = []
+    for owner, attr in _hot_path_calls():
+        real = getattr(owner, attr)
+
+        def spy(*a, _real=real, _name=attr, **k):
+            seen.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(owner, attr, spy)
+    from fimoe_lab.caches import clear_caches
+
+    clear_caches()
+    WARM_DROP_INS[name]()
+    assert seen, "the first call built nothing: the spies miss the drop-in's path"
+    seen.clear()
+    WARM_DROP_INS[name]()
+    assert seen == [], f"a warm {name} call reached {sorted(set(seen))}"
