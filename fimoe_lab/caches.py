@@ -13,6 +13,7 @@ The budget is ``FIMOE_LAB_CACHE_BYTES`` (default 2 GiB), or :func:`set_cache_bud
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import threading
 from collections import OrderedDict
@@ -29,6 +30,8 @@ _lock = threading.RLock()
 _entries: OrderedDict[tuple[Hashable, ...], tuple[Any, int]] = OrderedDict()  # (function, args) -> (value, bytes)
 _total = 0
 _budget = int(os.environ.get("FIMOE_LAB_CACHE_BYTES", str(2 << 30)))
+_SCALARS = (int, bool, float, str, type(None))
+_spellings: list[dict[tuple[Hashable, ...], tuple[Hashable, ...]]] = []  # one per cached function
 
 
 def value_bytes(value: Any) -> int:
@@ -53,12 +56,29 @@ def _evict_for(size: int) -> None:
 
 
 def cached(fn: F) -> F:
-    """Cache ``fn`` by its (hashable) arguments within the shared byte budget."""
+    """Cache ``fn`` by its (hashable) arguments within the shared byte budget.
+
+    The key is the call bound to ``fn``'s signature with its defaults filled in, so
+    ``f(1, 2)``, ``f(1, b=2)`` and ``f(1)`` (``b=2`` by default) are one entry and return
+    one object: maps built once are compiled and planned once, whichever way a caller
+    (a drop-in, ``plan_layer``, the warm-up) spells the call.
+    """
+    signature = inspect.signature(fn)
+    spelled: dict[tuple[Hashable, ...], tuple[Hashable, ...]] = {}  # a call of scalars as written -> its key
+    _spellings.append(spelled)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         global _total
-        key = (fn.__module__, fn.__qualname__, args, tuple(sorted(kwargs.items())))
+        written = (args, tuple(kwargs.items()))
+        plain = all(type(a) in _SCALARS for a in args) and all(type(v) in _SCALARS for v in kwargs.values())
+        key = spelled.get(written) if plain else None
+        if key is None:  # binding costs a few us; calls of scalars (sizes, flags) remember it
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            key = (fn.__module__, fn.__qualname__, tuple(bound.arguments.items()))
+            if plain:
+                spelled[written] = key
         with _lock:
             hit = _entries.get(key)
             if hit is not None:
@@ -82,6 +102,8 @@ def clear_caches() -> int:
     with _lock:
         freed = _total
         _entries.clear()
+        for spelled in _spellings:
+            spelled.clear()
         _total = 0
     return freed
 

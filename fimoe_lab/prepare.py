@@ -684,6 +684,40 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
     return o13, o2
 
 
+# --------------------------------------------------------------------------- what the drop-ins build
+def drop_in_maps(
+    fmt: str, intermediate: int, hidden: int, is_act_and_mul: bool = True, is_gated: bool = True
+) -> dict[str, tuple[IndexMap, bool]]:
+    """The maps the TRT-LLM drop-ins of weight format ``fmt`` build for one layer, by
+    ``"drop-in/tensor"``, each with whether the drop-in runs it in place.
+
+    Sizes are what an engine passes the drop-ins: per rank and already aligned
+    (``plan_layer(...).padded_*``). These are the drop-ins' own plans (the engines swap and
+    pad in separate calls, so they are not ``plan_layer``'s composed maps), built through
+    the same cached functions, so :func:`fimoe_lab.warmup.warmup` compiles and runs the very
+    objects the first call will use. Formats without such drop-ins: ``{}``.
+    """
+    rows = _projections(is_act_and_mul) * intermediate
+    plans: dict[str, tuple[str, LayerPlan, bool]] = {}
+    maps: dict[str, tuple[IndexMap, bool]] = {}
+    if fmt == "fp8":
+        if is_act_and_mul:
+            maps["swap_w13_to_w31/w13"] = (steps.swap_w13_to_w31_rows(rows, hidden), False)
+        plans["rotate"] = ("rotate", plan_rotate_fp8_per_tensor(rows, hidden, intermediate, is_gated), True)
+    elif fmt == "fp8-block":
+        plans["deepseek"] = ("shuffle_deepseek_fp8", plan_shuffle_deepseek_fp8(rows, hidden, intermediate), False)
+    elif fmt == "mxfp8":
+        plan = plan_shuffle_mxfp8(rows, hidden, intermediate, is_gated, hidden // 32, intermediate // 32)
+        plans["mxfp8"] = ("shuffle_mxfp8", plan, False)
+    elif fmt == "bf16":
+        plan = plan_trtllm_bf16_block_layout(rows, hidden, intermediate, is_gated)
+        plans["bf16"] = ("trtllm_block_layout", plan, True)
+    for label, plan, in_place in plans.values():
+        for tensor, m in plan.maps().items():
+            maps[f"{label}/{tensor}"] = (m, in_place)
+    return maps
+
+
 # --------------------------------------------------------------------------- the layer entry point
 @_boundary
 def plan_fp8_moe_layer(

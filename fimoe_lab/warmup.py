@@ -8,7 +8,8 @@ in: :mod:`fimoe_lab.kernels.registry`) (numba ``cache=True`` next to :mod:`fimoe
 the given model, formats, backends and devices, so a serving engine can pay it at start-up
 (or a build step can fill the on-disk caches once): it builds each layer plan (cached by
 its sizes in :mod:`fimoe_lab.caches`), compiles every map (:meth:`IndexMap.compiled`) and
-runs each map, out of place and, for permutations, in place, through the executor the
+runs each map (and, for TRT-LLM, the maps the engines' drop-ins build on the aligned sizes:
+:func:`fimoe_lab.prepare.drop_in_maps`), out of place and, for permutations, in place, through the executor the
 real call will pick (:func:`fimoe_lab.kernels.pick_backend` on the full layer's size), on
 a few experts of random bytes. Kernels are specialised on dtypes and on a few size
 properties, not on the expert count, so the real call then finds them compiled.
@@ -28,6 +29,7 @@ import torch
 
 from fimoe_lab.errors import FormatError
 from fimoe_lab.kernels import ExecMap, execute, execute_in_place, load_executor, pick_backend
+from fimoe_lab.prepare import drop_in_maps
 from fimoe_lab.presets import get_preset
 from fimoe_lab.recipes import plan_layer
 from fimoe_lab.specs import BACKENDS, get_activation, weight_formats
@@ -112,10 +114,19 @@ def warmup(
             raise FormatError(f"unknown format {fmt!r}", fix=f"choose one of {', '.join(weight_formats())}")
         for backend in backends:
             plan = plan_layer(fmt, backend, inter, h, is_act_and_mul=gated, is_gated=gated)
-            for tensor, m in plan.maps().items():
+            maps = {t: (m, True) for t, m in plan.maps().items()}
+            if backend == "trtllm":  # what an engine's drop-ins build on the aligned sizes
+                maps |= drop_in_maps(fmt, plan.padded_intermediate, plan.padded_hidden, gated, gated)
+            seen: set[int] = set()
+            for tensor, (m, may_run_in_place) in maps.items():
+                if id(m) in seen:  # a drop-in's map that is plan_layer's own (nothing to pad or swap)
+                    continue
+                seen.add(id(m))
                 em = m.compiled()
                 for dev in devs:
-                    done += _run_map(fmt, backend, tensor, em, n_exp, dev, in_place and m.is_permutation)
+                    done += _run_map(
+                        fmt, backend, tensor, em, n_exp, dev, in_place and may_run_in_place and m.is_permutation
+                    )
     return done
 
 

@@ -58,3 +58,49 @@ def test_a_plan_larger_than_the_budget_is_built_but_not_kept(budget):
 def test_negative_budget_is_refused(budget):
     with pytest.raises(FimoeError, match="bytes >= 0"):
         caches.set_cache_budget(-1)
+
+
+def test_one_entry_however_the_call_is_spelled(budget):
+    """Positional, keyword and defaulted arguments name one entry: the BF16 block plan of the
+    drop-in (four positional arguments) is the one ``plan_layer`` and the warm-up build
+    (``swap=`` by keyword), so its maps are compiled and planned once."""
+    caches.clear_caches()
+    a = recipes.plan_trtllm_bf16_block_layout(256, 64, 128, True)
+    assert recipes.plan_trtllm_bf16_block_layout(256, 64, 128, True, swap=True) is a
+    assert recipes.plan_trtllm_bf16_block_layout(256, 64, 128, is_gated_act_gemm=True, itemsize=2) is a
+    assert recipes.plan_trtllm_bf16_block_layout(w13_rows=256, hidden=64, intermediate=128) is a
+    assert recipes.plan_trtllm_bf16_block_layout(256, 64, 128, True, swap=False) is not a
+    layer = recipes.plan_layer("bf16", "trtllm", 128, 64)
+    assert layer.w13 is a.w13 and layer.w2 is a.w2
+    assert caches.cache_bytes()[0] >= 2
+
+
+def test_warm_up_builds_what_each_drop_in_then_uses(budget, monkeypatch):
+    """After ``warmup`` for a drop-in's format and sizes, the drop-in's first call compiles and
+    plans no map: the warm-up's maps are the drop-in's own objects. (What it may still do: fill
+    FlashInfer's permute-index dict, which the engine hands it empty, from row-level steps.)"""
+    from test_prepare import WARM_DROP_INS
+
+    from fimoe_lab import compile as compile_mod
+    from fimoe_lab.kernels import cycles
+    from fimoe_lab.warmup import warmup
+
+    builders = [(compile_mod, "compile_map"), (cycles, "plan_permutation"), (cycles, "cycle_order")]
+
+    # drop-in -> (format, hidden, intermediate) of its shapes in WARM_DROP_INS
+    sizes = {
+        "rotate": ("fp8", 64, 64),
+        "deepseek": ("fp8-block", 128, 128),
+        "mxfp8": ("mxfp8", 256, 256),
+        "bf16_block": ("bf16", 64, 128),
+    }
+    for name, (fmt, hidden, inter) in sizes.items():
+        caches.clear_caches()
+        warmup(formats=[fmt], devices=["cpu"], hidden=hidden, intermediate=inter, experts=2)
+        seen: list[str] = []
+        with monkeypatch.context() as mp:
+            for owner, attr in builders:
+                real = getattr(owner, attr)
+                mp.setattr(owner, attr, lambda *a, _r=real, _n=attr, _s=seen, **k: _s.append(_n) or _r(*a, **k))
+            WARM_DROP_INS[name]()
+        assert seen == [], f"{name} after warm-up of {fmt}: {sorted(set(seen))}"

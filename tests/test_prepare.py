@@ -357,10 +357,10 @@ WARM_DROP_INS = {
         random_bytes((2, 256, 128), FP8, seed=3), random_bytes((2, 128, 128), FP8, seed=4)
     ),
     "mxfp8": lambda: prepare.shuffle_mxfp8_moe_weights(
-        random_bytes((2, 256, 128), FP8, seed=5),
-        random_bytes((2, 128, 128), FP8, seed=6),
-        random_bytes((2, 256, 4), torch.uint8, seed=7),
-        random_bytes((2, 128, 4), torch.uint8, seed=8),
+        random_bytes((2, 512, 256), FP8, seed=5),
+        random_bytes((2, 256, 256), FP8, seed=6),
+        random_bytes((2, 512, 8), torch.uint8, seed=7),
+        random_bytes((2, 256, 8), torch.uint8, seed=8),
         True,
     ),
     "bf16_block": lambda: prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(

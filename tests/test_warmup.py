@@ -87,7 +87,9 @@ def _cli(argv):
 def test_cli_warmup_prints_the_runs(capsys):
     assert _cli(["warmup", "--hidden", "512", "--inter", "256", "--format", "fp8", "--no-in-place"]) == 0
     out = capsys.readouterr().out
-    assert "fp8/trtllm/w13 on cpu" in out and "warmed 2 runs" in out
+    # plan_layer's W13 (swap, interleave, shuffle) and W2, then the drop-ins' own W13 maps (the
+    # engines swap, then rotate); the rotate's W2 is plan_layer's W2 (one object, run once)
+    assert "fp8/trtllm/w13 on cpu" in out and "fp8/trtllm/rotate/w13 on cpu" in out and "warmed 4 runs" in out
 
 
 def test_cli_warmup_json(capsys):
@@ -95,7 +97,8 @@ def test_cli_warmup_json(capsys):
     import json
 
     doc = json.loads(capsys.readouterr().out)
-    assert {r["tensor"] for r in doc["runs"]} == {"w13", "w2"} and doc["seconds"] >= 0
+    tensors = {r["tensor"] for r in doc["runs"]}
+    assert tensors == {"w13", "w2", "swap_w13_to_w31/w13", "rotate/w13"} and doc["seconds"] >= 0
 
 
 def test_cli_warmup_error_is_one_line():

@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "warmup",
         help="compile ahead the plans, maps and kernels a model's transforms need",
         description="Build the layer plans of a model (a preset or explicit sizes) for each format and backend, "
-        "compile their index maps, and run each map once, out of place and in place, through the executor a "
+        "compile their index maps (for trtllm also the maps the engines' drop-ins build, e.g. rotate/w13), "
+        "and run each map once, out of place and in place, through the executor a "
         "full layer picks on each device, on a few experts of random bytes. Kernels compile or load from the "
         "on-disk caches (numba: next to fimoe_lab/kernels or NUMBA_CACHE_DIR; Triton: TRITON_CACHE_DIR), so "
         "the first real transform of a later process, or of this one, does not wait for them.",
