@@ -4,8 +4,9 @@ An in-place permutation of 128-byte cells (the BlockMajorK layouts: DeepSeek FP8
 reads and writes cells scattered over each expert. This measures, on Qwen3-235B W13-sized experts
 (128 x 25 MB), a kernel that moves every cell of each expert once, out of place, with its reads
 and/or writes at random cells of 128-1024 B, against ``copy_`` of the same bytes in the same run; then
-the shipped cycle plan of the BF16 block W13 map run the same way out of place (its access pattern
-without the in-place order) and in place (``execute_in_place``).
+128-byte cells scattered both ways within experts of ``--expert-mb`` sizes (how far apart scattered
+cells may lie); then the shipped cycle plan of the BF16 block W13 map run the same way out of place
+(its access pattern without the in-place order) and in place (``execute_in_place``).
 
     PYTHONPATH=. python3 benchmarks/scattered_cells.py --out benchmarks/results/h200_scattered_cells.json
 """
@@ -51,6 +52,9 @@ def ratio(fn, copy, dev, rounds):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--expert-mb", type=int, nargs="*", default=[2, 8, 16, 32, 64, 256], help="expert sizes to scatter within"
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -75,6 +79,24 @@ def main() -> None:
 
             out[f"{cell} B cells, {name}"] = ratio(move, lambda: y.copy_(x), dev, args.rounds)
             print(f"{cell:>5} B cells, {name:<17} {out[f'{cell} B cells, {name}']:.3f}", flush=True)
+    # 128-byte cells scattered both ways within experts of other sizes, the same total bytes
+    del y
+    for mb in args.expert_mb:
+        eb = mb << 20
+        xs = x.view(-1)[: (x.numel() * 4 // eb) * eb // 4].view(-1, eb // 4)
+        ys = torch.empty_like(xs)
+        n = eb // 128
+        rp, rq = (torch.randperm(n, generator=g).to(torch.int32).to(dev) for _ in range(2))
+
+        def scattered(xs=xs, ys=ys, rp=rp, rq=rq, n=n, eb=eb):
+            _move_cells[(triton.cdiv(n, 128), xs.shape[0])](xs, ys, rp, rq, n, eb // 4, W=32, BM=128, num_warps=4)
+
+        out[f"128 B cells, both scattered, {mb} MB experts"] = ratio(scattered, lambda: ys.copy_(xs), dev, args.rounds)
+        print(
+            f"128 B cells, both scattered, {mb:>3} MB experts {out[f'128 B cells, both scattered, {mb} MB experts']:.3f}"
+        )
+        del xs, ys
+    y = torch.empty_like(x)
     em = recipes.plan_trtllm_bf16_block_layout(3072, 4096, 1536, True).w13.compiled()
     plan = cycle_plan(em, 128)
     d, s, _ = plan.on(dev)
