@@ -88,19 +88,30 @@ def test_warm_up_builds_what_each_drop_in_then_uses(budget, monkeypatch):
     builders = [(compile_mod, "compile_map"), (cycles, "plan_permutation"), (cycles, "cycle_order")]
 
     # drop-in -> (format, hidden, intermediate) of its shapes in WARM_DROP_INS
-    sizes = {
-        "rotate": ("fp8", 64, 64),
-        "deepseek": ("fp8-block", 128, 128),
-        "mxfp8": ("mxfp8", 256, 256),
-        "bf16_block": ("bf16", 64, 128),
+    import torch
+    from helpers import random_bytes
+
+    from fimoe_lab import prepare
+
+    fp8 = torch.float8_e4m3fn
+    calls = dict(WARM_DROP_INS)
+    calls["rotate, not gated"] = lambda: prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(
+        random_bytes((2, 128, 64), fp8, seed=11), random_bytes((2, 64, 128), fp8, seed=12), False
+    )  # a non-gated FP8 TRT-LLM layer's intermediate is aligned to 128
+    sizes = {  # drop-in -> (format, hidden, intermediate, gated) of its shapes
+        "rotate": ("fp8", 64, 64, True),
+        "rotate, not gated": ("fp8", 64, 128, False),
+        "deepseek": ("fp8-block", 128, 128, True),
+        "mxfp8": ("mxfp8", 256, 256, True),
+        "bf16_block": ("bf16", 64, 128, True),
     }
-    for name, (fmt, hidden, inter) in sizes.items():
+    for name, (fmt, hidden, inter, gated) in sizes.items():
         caches.clear_caches()
-        warmup(formats=[fmt], devices=["cpu"], hidden=hidden, intermediate=inter, experts=2)
+        warmup(formats=[fmt], devices=["cpu"], hidden=hidden, intermediate=inter, experts=2, gated=gated)
         seen: list[str] = []
         with monkeypatch.context() as mp:
             for owner, attr in builders:
                 real = getattr(owner, attr)
                 mp.setattr(owner, attr, lambda *a, _r=real, _n=attr, _s=seen, **k: _s.append(_n) or _r(*a, **k))
-            WARM_DROP_INS[name]()
+            calls[name]()
         assert seen == [], f"{name} after warm-up of {fmt}: {sorted(set(seen))}"
