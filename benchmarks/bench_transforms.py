@@ -60,6 +60,19 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def save_results(path, **fields):
+    """Write ``fields`` to ``path`` as JSON after the device and versions they were measured on."""
+    env = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    with open(path, "w") as f:
+        json.dump(env | fields, f, indent=1)
+
+
 def timeit(fn, dev, repeats, warmup=1, min_sample=2e-3, inner=None):
     """Median seconds per call over ``repeats`` samples after ``warmup`` calls.
 

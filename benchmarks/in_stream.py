@@ -14,7 +14,6 @@ of about ``--long-ms``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-from bench_transforms import timeit  # noqa: E402
+from bench_transforms import save_results, timeit  # noqa: E402
 from probe_tiles import maps  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -124,10 +123,7 @@ def main() -> None:
         del x, out, dst
         torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f, indent=1
-            )
+        save_results(args.out, records=records)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 from bench_dropins import CASES, make_case, time_call  # noqa: E402
+from bench_transforms import save_results  # noqa: E402
 
 from fimoe_lab import kernels  # noqa: E402
 from fimoe_lab.kernels import tiles  # noqa: E402
@@ -65,10 +66,7 @@ def main():
         del ins, src, dst
         torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {"device": torch.cuda.get_device_name(), "against": args.against, "records": records}, f, indent=1
-            )
+        save_results(args.out, against=args.against, records=records)
 
 
 if __name__ == "__main__":

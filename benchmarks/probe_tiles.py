@@ -25,7 +25,6 @@ grid; ATen's elementwise ``neg``) against torch ``copy_``, the driver's memcpy. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -36,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from bench_transforms import PRESETS, timeit  # noqa: E402
+from bench_transforms import PRESETS, save_results, timeit  # noqa: E402
 
 from fimoe_lab.kernels import default_scratch_experts, execute_in_place  # noqa: E402
 from fimoe_lab.kernels import triton_gather as tg  # noqa: E402
@@ -278,18 +277,7 @@ def main():
         del x, out, want, dst, y
         torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "torch": torch.__version__,
-                    "triton": triton.__version__,
-                    "copies": copy_ratios,
-                    "records": records,
-                },
-                f,
-                indent=1,
-            )
+        save_results(args.out, copies=copy_ratios, records=records)
 
 
 if __name__ == "__main__":

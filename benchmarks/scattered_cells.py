@@ -14,7 +14,6 @@ cells may lie); then the shipped cycle plan of the BF16 block W13 map run the sa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from bench_transforms import timeit  # noqa: E402
+from bench_transforms import save_results, timeit  # noqa: E402
 
 from fimoe_lab import recipes  # noqa: E402
 from fimoe_lab.kernels import default_scratch_experts, execute_in_place  # noqa: E402
@@ -113,17 +112,7 @@ def main() -> None:
     for k in list(out)[-2:]:
         print(f"{k:<45} {out[k]:.3f}", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "torch": torch.__version__,
-                    "triton": triton.__version__,
-                    "ratio_to_copy": out,
-                },
-                f,
-                indent=1,
-            )
+        save_results(args.out, ratio_to_copy=out)
 
 
 if __name__ == "__main__":
