@@ -52,6 +52,7 @@ __all__ = [
     "align_moe_weights_for_fi",
     "align_mxfp8_moe_weights_for_fi_trtllm",
     "convert_moe_weights_to_flashinfer_trtllm_block_layout",
+    "drop_in_maps",
     "permute_cache_keys",
     "prepare_fp8_moe_layer_for_fi",
     "quantize_nvfp4_per_token_input",
