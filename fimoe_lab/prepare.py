@@ -699,21 +699,20 @@ def drop_in_maps(
     objects the first call will use. Formats without such drop-ins: ``{}``.
     """
     rows = _projections(is_act_and_mul) * intermediate
-    plans: dict[str, tuple[str, LayerPlan, bool]] = {}
     maps: dict[str, tuple[IndexMap, bool]] = {}
+    plans: list[tuple[str, LayerPlan, bool]] = []  # (drop-in, its plan, whether it runs in place)
     if fmt == "fp8":
         if is_act_and_mul:
             maps["swap_w13_to_w31/w13"] = (steps.swap_w13_to_w31_rows(rows, hidden), False)
-        plans["rotate"] = ("rotate", plan_rotate_fp8_per_tensor(rows, hidden, intermediate, is_gated), True)
+        plans.append(("rotate", plan_rotate_fp8_per_tensor(rows, hidden, intermediate, is_gated), True))
     elif fmt == "fp8-block":
-        plans["deepseek"] = ("shuffle_deepseek_fp8", plan_shuffle_deepseek_fp8(rows, hidden, intermediate), False)
+        plans.append(("shuffle_deepseek_fp8", plan_shuffle_deepseek_fp8(rows, hidden, intermediate), False))
     elif fmt == "mxfp8":
-        plan = plan_shuffle_mxfp8(rows, hidden, intermediate, is_gated, hidden // 32, intermediate // 32)
-        plans["mxfp8"] = ("shuffle_mxfp8", plan, False)
+        scale_cols = (hidden // 32, intermediate // 32)
+        plans.append(("shuffle_mxfp8", plan_shuffle_mxfp8(rows, hidden, intermediate, is_gated, *scale_cols), False))
     elif fmt == "bf16":
-        plan = plan_trtllm_bf16_block_layout(rows, hidden, intermediate, is_gated)
-        plans["bf16"] = ("trtllm_block_layout", plan, True)
-    for label, plan, in_place in plans.values():
+        plans.append(("trtllm_block_layout", plan_trtllm_bf16_block_layout(rows, hidden, intermediate, is_gated), True))
+    for label, plan, in_place in plans:
         for tensor, m in plan.maps().items():
             maps[f"{label}/{tensor}"] = (m, in_place)
     return maps
