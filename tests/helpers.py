@@ -38,6 +38,21 @@ def random_bytes(shape, dtype, seed=0, device="cpu") -> torch.Tensor:
     return raw.view(dtype).reshape(shape).to(device)
 
 
+def spy_calls(monkeypatch, targets) -> list[str]:
+    """Wrap each ``(owner, attribute)`` function so its calls still run and their names are
+    recorded, in order, in the returned list (``monkeypatch`` undoes the wrapping)."""
+    seen: list[str] = []
+    for owner, attr in targets:
+        real = getattr(owner, attr)
+
+        def spy(*a, _real=real, _name=attr, **k):
+            seen.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(owner, attr, spy)
+    return seen
+
+
 def same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """Same shape and bytes (dtypes may differ, e.g. uint8 against float8); two Nones are the same."""
     if a is None or b is None:

@@ -79,20 +79,16 @@ def test_warm_up_builds_what_each_drop_in_then_uses(budget, monkeypatch):
     """After ``warmup`` for a drop-in's format and sizes, the drop-in's first call compiles and
     plans no map: the warm-up's maps are the drop-in's own objects. (What it may still do: fill
     FlashInfer's permute-index dict, which the engine hands it empty, from row-level steps.)"""
+    import torch
+    from helpers import random_bytes, spy_calls
     from test_prepare import WARM_DROP_INS
 
     from fimoe_lab import compile as compile_mod
+    from fimoe_lab import prepare
     from fimoe_lab.kernels import cycles
     from fimoe_lab.warmup import warmup
 
     builders = [(compile_mod, "compile_map"), (cycles, "plan_permutation"), (cycles, "cycle_order")]
-
-    # drop-in -> (format, hidden, intermediate) of its shapes in WARM_DROP_INS
-    import torch
-    from helpers import random_bytes
-
-    from fimoe_lab import prepare
-
     fp8 = torch.float8_e4m3fn
     calls = dict(WARM_DROP_INS)
     calls["rotate, not gated"] = lambda: prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(
@@ -108,10 +104,7 @@ def test_warm_up_builds_what_each_drop_in_then_uses(budget, monkeypatch):
     for name, (fmt, hidden, inter, gated) in sizes.items():
         caches.clear_caches()
         warmup(formats=[fmt], devices=["cpu"], hidden=hidden, intermediate=inter, experts=2, gated=gated)
-        seen: list[str] = []
         with monkeypatch.context() as mp:
-            for owner, attr in builders:
-                real = getattr(owner, attr)
-                mp.setattr(owner, attr, lambda *a, _r=real, _n=attr, _s=seen, **k: _s.append(_n) or _r(*a, **k))
+            seen = spy_calls(mp, builders)
             calls[name]()
         assert seen == [], f"{name} after warm-up of {fmt}: {sorted(set(seen))}"

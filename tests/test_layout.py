@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import DEVICES
-from helpers import coords, decode, random_bytes, same_bytes
+from helpers import coords, decode, random_bytes, same_bytes, spy_calls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -202,9 +202,7 @@ def test_row_sources_are_found_once_per_map_and_handed_out_as_copies(monkeypatch
     """A drop-in asks a map for its rows on every call; the pass over the byte index (ms for a
     full expert) runs once per map, a caller writing into the answer changes no later answer,
     and a map that is not a row map keeps refusing."""
-    found = []
-    real = IndexMap._find_row_sources
-    monkeypatch.setattr(IndexMap, "_find_row_sources", lambda self: found.append(self) or real(self))
+    found = spy_calls(monkeypatch, [(IndexMap, "_find_row_sources")])
     m = compose(steps.interleave_rows_for_gated_act(128, 64), steps.shuffle_rows_for_epilogue(128, 64, 64))
     first = m.row_sources()
     want = first.clone()
@@ -224,9 +222,7 @@ def test_block_layout_drop_in_finds_rows_only_for_a_new_shape(monkeypatch):
     from fimoe_lab.caches import clear_caches
 
     clear_caches()  # this test's maps are built here, whatever ran before
-    found = []
-    real = IndexMap._find_row_sources
-    monkeypatch.setattr(IndexMap, "_find_row_sources", lambda self: found.append(self) or real(self))
+    found = spy_calls(monkeypatch, [(IndexMap, "_find_row_sources")])
     cache: dict = {}
     w13 = random_bytes((2, 256, 128), torch.uint8, seed=3).view(torch.bfloat16)
     w2 = random_bytes((2, 64, 256), torch.uint8, seed=4).view(torch.bfloat16)

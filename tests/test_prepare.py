@@ -6,7 +6,7 @@ import pytest
 import reference_loops as ref
 import torch
 from conftest import DEVICES
-from helpers import coords, decode, random_bytes, same_bytes
+from helpers import coords, decode, random_bytes, same_bytes, spy_calls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -375,15 +375,7 @@ WARM_DROP_INS = {
 def test_warm_drop_in_call_builds_and_scans_no_map(name, monkeypatch):
     """The second call of a drop-in on a shape finds every map, plan and cycle plan in the caches;
     the first call does build them (so the spies see the functions the drop-in uses)."""
-    seen: list[str] = []
-    for owner, attr in _hot_path_calls():
-        real = getattr(owner, attr)
-
-        def spy(*a, _real=real, _name=attr, **k):
-            seen.append(_name)
-            return _real(*a, **k)
-
-        monkeypatch.setattr(owner, attr, spy)
+    seen = spy_calls(monkeypatch, _hot_path_calls())
     from fimoe_lab.caches import clear_caches
 
     clear_caches()
