@@ -165,11 +165,13 @@ def pair_bit(band_rows: np.ndarray, sp: int) -> int:
     none (TRT-LLM's W2 shuffle: 8 for ``sp <= 2``). Loaded side by side, two such rows of
     under 128 bytes share their lines in one request."""
     rows = np.asarray(band_rows, dtype=np.int64)
+    if rows.size != 128:
+        return 0
     pr = 32 // sp
     r = np.arange(128)
     for pb in (1 << k for k in range(max(0, pr.bit_length() - 1))):
         low = r[(r % pr) & pb == 0]
-        if rows.size == 128 and np.array_equal(rows[low + pb], rows[low] + 1):
+        if np.array_equal(rows[low + pb], rows[low] + 1):
             return pb
     return 0
 
