@@ -159,11 +159,18 @@ def _words_block(
 
 
 @triton.jit
-def _swizzle_128x4(v, NB: tl.constexpr, KW: tl.constexpr):
-    """The 128x4 scale order of ``NB`` bands of 128 rows x ``KW`` words (the block-scale
-    GEMMs read a band's 4-byte words column by column, rows interleaved by 32): band
-    ``b``, row ``32*q + p``, word ``kk`` -> position ``(b*KW + kk)*128 + p*4 + q``."""
-    return tl.reshape(tl.permute(tl.reshape(v, (NB, 4, 32, KW)), (0, 3, 2, 1)), (NB * KW * 128,))
+def _swizzle_128x4(v, NB: tl.constexpr, PR: tl.constexpr, KW: tl.constexpr, PB: tl.constexpr):
+    """The 128x4 scale order (the block-scale GEMMs read a band's 4-byte words column by column,
+    rows interleaved by 32): band ``b``, row ``32*q + p``, word ``k`` -> position
+    ``(b*KW + k)*128 + p*4 + q``, for ``NB`` bands of which ``v`` holds ``PR`` of the 32 ``p``
+    values (the rows ``(b, q, u)`` x ``KW`` words). Row ``u`` is ``p = u``, or with ``PB > 0``
+    (:func:`~fimoe_lab.kernels.tiles.pair_bit`) ``u = (hi * PB + lo) * 2 + bit`` is
+    ``p = hi * 2 PB + bit * PB + lo``. Returns ``(NB * KW, 4 * PR)``: ``[b, k, p * 4 + q]``."""
+    if PB > 0:  # [b, q, hi, lo, bit, k] -> [b, k, hi, bit, lo, q]
+        w = tl.permute(tl.reshape(v, (NB, 4, PR // (2 * PB), PB, 2, KW)), (0, 5, 2, 4, 3, 1))
+    else:  # [b, q, p, k] -> [b, k, p, q]
+        w = tl.permute(tl.reshape(v, (NB, 4, PR, KW)), (0, 3, 2, 1))
+    return tl.reshape(w, (NB * KW, 4 * PR))
 
 
 @triton.jit
@@ -228,10 +235,7 @@ def _swizzle_tile(
         om = None
     if HAS_FILL:
         v = tl.where(valid[:, None], v, fw[:, None])
-    if PB > 0:  # [q, hi, lo, bit, k] -> [k, hi, bit, lo, q] = [k, pp, q]
-        v = tl.reshape(tl.permute(tl.reshape(v, (4, PR // (2 * PB), PB, 2, KW)), (4, 1, 3, 2, 0)), (KW, 4 * PR))
-    else:
-        v = tl.reshape(tl.permute(tl.reshape(v, (4, PR, KW)), (2, 1, 0)), (KW, 4 * PR))  # [k, pp * 4 + q]
+    v = _swizzle_128x4(v, 1, PR, KW, PB)  # [k, pp * 4 + q]
     o = band.to(tl.int64) * 128 * CW + k[:, None] * 128 + part * (4 * PR) + tl.arange(0, 4 * PR)[None, :]
     _store(ob + o, v, om, STCS)
 
@@ -498,7 +502,7 @@ def _load_bands(
 @triton.jit
 def _store_bands(
     x_ptr,
-    w,
+    v,
     t,
     per,
     n_bands,
@@ -509,8 +513,9 @@ def _store_bands(
     NB: tl.constexpr,
     STCS: tl.constexpr,
 ):
-    """Store item ``t``'s swizzled words ``w`` (:func:`_swizzle_128x4` of what
-    :func:`_load_bands` read for it) at its ``NB`` output bands, column chunk ``t % NK``."""
+    """Store the rows ``v`` that :func:`_load_bands` read for item ``t``, in the 128x4 order
+    (:func:`_swizzle_128x4`), at its ``NB`` output bands, column chunk ``t % NK``."""
+    w = tl.reshape(_swizzle_128x4(v, NB, 32, KW, 0), (NB * KW * 128,))
     j = tl.arange(0, NB * KW * 128)
     band = ((t % per) // NK) * NB + j // (KW * 128)
     rem = j % (KW * 128)
@@ -572,7 +577,7 @@ def _swizzled_bands_in_place(
             _flag(flags_ptr + t + g, gen)
         first = (t // per) * per
         _wait_for_items(flags_ptr + first, readers_ptr + (t - first) * ND, gen, ND)
-        _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, NK, NB, STCS)
+        _store_bands(x_ptr, v, t, per, n_bands, expert_words, CW, KW, NK, NB, STCS)
         t += g
         v = vn
     tl.debug_barrier()
@@ -602,7 +607,7 @@ def _swizzled_bands_local(
     t = tl.program_id(0)
     v = _load_bands(x_ptr, rows_ptr, t, True, per, n_bands, expert_words, CW, KW, 1, NB, EVICT, BS)
     tl.debug_barrier()
-    _store_bands(x_ptr, _swizzle_128x4(v, NB, KW), t, per, n_bands, expert_words, CW, KW, 1, NB, STCS)
+    _store_bands(x_ptr, v, t, per, n_bands, expert_words, CW, KW, 1, NB, STCS)
 
 
 def _blocks_per_sm(kernel, props) -> int:
