@@ -708,7 +708,8 @@ def drop_in_maps(
     elif fmt == "fp8-block":
         plans.append(("shuffle_deepseek_fp8", plan_shuffle_deepseek_fp8(rows, hidden, intermediate), False))
     elif fmt == "mxfp8":
-        scale_cols = (hidden // 32, intermediate // 32)
+        block = FORMATS["mxfp8"].scale_block
+        scale_cols = (hidden // block, intermediate // block)
         plans.append(("shuffle_mxfp8", plan_shuffle_mxfp8(rows, hidden, intermediate, is_gated, *scale_cols), False))
     elif fmt == "bf16":
         plans.append(("trtllm_block_layout", plan_trtllm_bf16_block_layout(rows, hidden, intermediate, is_gated), True))
