@@ -111,6 +111,14 @@ def timeit(fn, dev, repeats, warmup=1, min_sample=2e-3, inner=None):
     return statistics.median(times)
 
 
+def ratio_to_copy(fn, copy, dev, rounds, repeats=3, **timing):
+    """Median over ``rounds`` of ``timeit(copy) / timeit(fn)``, each timed in turn with ``repeats``
+    samples and the same ``timing`` keywords of :func:`timeit` (``inner``, ``min_sample``)."""
+    return statistics.median(
+        timeit(copy, dev, repeats, **timing) / timeit(fn, dev, repeats, **timing) for _ in range(rounds)
+    )
+
+
 def _cpu_sample(fn, inner):
     """Seconds per call of ``fn`` over ``inner`` back-to-back calls."""
     t = time.perf_counter()

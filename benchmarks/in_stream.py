@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-from bench_transforms import save_results, timeit  # noqa: E402
+from bench_transforms import ratio_to_copy, save_results  # noqa: E402
 from probe_tiles import maps  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -58,12 +58,8 @@ def compare(ours, copy, scale: float, args, dev) -> dict:
         "copy": c,
         "kernel_ratio": scale * c["kernel_us"] / a["kernel_us"],
         "kernel_and_gap_ratio": scale * (c["kernel_us"] + c["gap_us"]) / (a["kernel_us"] + a["gap_us"]),
-        "timeit_ratio": statistics.median(
-            scale * timeit(copy, dev, 3) / timeit(ours, dev, 3) for _ in range(args.rounds)
-        ),
-        "timeit_long_ratio": statistics.median(
-            scale * timeit(copy, dev, 3, inner=inner) / timeit(ours, dev, 3, inner=inner) for _ in range(args.rounds)
-        ),
+        "timeit_ratio": scale * ratio_to_copy(ours, copy, dev, args.rounds),
+        "timeit_long_ratio": scale * ratio_to_copy(ours, copy, dev, args.rounds, inner=inner),
     }
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from bench_transforms import save_results, timeit  # noqa: E402
+from bench_transforms import ratio_to_copy, save_results  # noqa: E402
 
 from fimoe_lab import recipes  # noqa: E402
 from fimoe_lab.kernels import default_scratch_experts, execute_in_place  # noqa: E402
@@ -105,10 +104,7 @@ def main() -> None:
             ("staged-hints", staged_hints),
             ("oop-loop", oop_loop),
         ):
-            row[name] = statistics.median(
-                timeit(copy, dev, 3, min_sample=20e-3) / timeit(fn, dev, 3, min_sample=20e-3)
-                for _ in range(args.rounds)
-            )
+            row[name] = ratio_to_copy(fn, copy, dev, args.rounds, min_sample=20e-3)
             print(f"{label:<34} {name:<14} {row[name]:.3f}", flush=True)
         for name, fn in (("staged", staged), ("staged-hints", staged_hints), ("oop-loop", oop_loop)):
             g = torch.cuda.CUDAGraph()
@@ -119,10 +115,7 @@ def main() -> None:
             torch.cuda.current_stream().wait_stream(st)
             with torch.cuda.graph(g):
                 fn()
-            row[name + " graph"] = statistics.median(
-                timeit(copy, dev, 3, min_sample=20e-3) / timeit(g.replay, dev, 3, min_sample=20e-3)
-                for _ in range(args.rounds)
-            )
+            row[name + " graph"] = ratio_to_copy(g.replay, copy, dev, args.rounds, min_sample=20e-3)
             print(f"{label:<34} {name + ' graph':<14} {row[name + ' graph']:.3f}", flush=True)
             del g
         out[label] = row

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from bench_transforms import save_results, timeit  # noqa: E402
+from bench_transforms import ratio_to_copy, save_results  # noqa: E402
 
 from fimoe_lab import recipes  # noqa: E402
 from fimoe_lab.kernels import default_scratch_experts, execute_in_place  # noqa: E402
@@ -42,10 +41,6 @@ def _move_cells(x_ptr, y_ptr, src_ptr, dst_ptr, n_cells, expert_words, W: tl.con
     c = tl.arange(0, W)
     v = tl.load(x_ptr + e * expert_words + s[:, None] * W + c[None, :], mask=m[:, None])
     tl.store(y_ptr + e * expert_words + d[:, None] * W + c[None, :], v, mask=m[:, None])
-
-
-def ratio(fn, copy, dev, rounds):
-    return statistics.median(timeit(copy, dev, 3) / timeit(fn, dev, 3) for _ in range(rounds))
 
 
 def main() -> None:
@@ -76,7 +71,7 @@ def main() -> None:
             def move(s=s, d=d, n=n, w=w, bm=bm):
                 _move_cells[(triton.cdiv(n, bm), experts)](x, y, s, d, n, expert_bytes // 4, W=w, BM=bm, num_warps=4)
 
-            out[f"{cell} B cells, {name}"] = ratio(move, lambda: y.copy_(x), dev, args.rounds)
+            out[f"{cell} B cells, {name}"] = ratio_to_copy(move, lambda: y.copy_(x), dev, args.rounds)
             print(f"{cell:>5} B cells, {name:<17} {out[f'{cell} B cells, {name}']:.3f}", flush=True)
     # 128-byte cells scattered both ways within experts of other sizes, the same total bytes
     del y
@@ -90,7 +85,9 @@ def main() -> None:
         def scattered(xs=xs, ys=ys, rp=rp, rq=rq, n=n, eb=eb):
             _move_cells[(triton.cdiv(n, 128), xs.shape[0])](xs, ys, rp, rq, n, eb // 4, W=32, BM=128, num_warps=4)
 
-        out[f"128 B cells, both scattered, {mb} MB experts"] = ratio(scattered, lambda: ys.copy_(xs), dev, args.rounds)
+        out[f"128 B cells, both scattered, {mb} MB experts"] = ratio_to_copy(
+            scattered, lambda: ys.copy_(xs), dev, args.rounds
+        )
         print(
             f"128 B cells, both scattered, {mb:>3} MB experts {out[f'128 B cells, both scattered, {mb} MB experts']:.3f}"
         )
@@ -106,9 +103,11 @@ def main() -> None:
             x, y, s, d, plan.moved, expert_bytes // 4, W=32, BM=128, num_warps=4
         )
 
-    out["BF16 block W13 cycle plan, out of place"] = ratio(along_plan, lambda: y.copy_(x), dev, args.rounds)
+    out["BF16 block W13 cycle plan, out of place"] = ratio_to_copy(along_plan, lambda: y.copy_(x), dev, args.rounds)
     xb, sc = x.view(torch.uint8), default_scratch_experts(experts)
-    out["BF16 block W13, in place"] = ratio(lambda: execute_in_place(em, xb, sc), lambda: y.copy_(x), dev, args.rounds)
+    out["BF16 block W13, in place"] = ratio_to_copy(
+        lambda: execute_in_place(em, xb, sc), lambda: y.copy_(x), dev, args.rounds
+    )
     for k in list(out)[-2:]:
         print(f"{k:<45} {out[k]:.3f}", flush=True)
     if args.out:
