@@ -22,24 +22,25 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import prepare
+from fimoe_lab import prepare, resources
 from fimoe_lab.errors import FimoeError
 
 __all__ = ["GoldenResult", "default_golden_paths", "load_cases", "run_case"]
 
 
 def default_golden_paths() -> list[Path]:
-    """Golden sets (their ``.json``): ``$FIMOE_GOLDENS`` (file or folder), else ``shared/goldens`` beside the
-    checkout, plus the sets this project recorded itself on a GPU (``goldens/`` at the checkout root).
+    """Golden sets (their ``.json``): ``$FIMOE_GOLDENS`` (file or folder), else ``shared/goldens`` beside a
+    source checkout when there is one, plus the sets shipped with the package (``data/goldens``: recorded
+    with FlashInfer's kernels on an H200, present in the wheel too).
 
     In a folder, every ``*.json`` with a ``.safetensors`` of the same name beside it.
     """
     env = os.environ.get("FIMOE_GOLDENS")
-    here = Path(__file__).resolve().parent.parent
     if env:
         return _golden_files(Path(env))
-    shared = _golden_files(here.parent / "shared" / "goldens") or _golden_files(here / "shared" / "goldens")
-    return shared + _golden_files(here / "goldens")
+    checkout = resources.package_root().parent
+    shared = _golden_files(checkout.parent / "shared" / "goldens") or _golden_files(checkout / "shared" / "goldens")
+    return shared + _golden_files(resources.goldens_dir())
 
 
 def _golden_files(root: Path) -> list[Path]:

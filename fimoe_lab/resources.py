@@ -1,16 +1,18 @@
-"""Where the data shipped inside the fimoe_lab package lives.
+"""Where the shipped data and notebooks live.
 
-One place for every packaged path, so an installed wheel and a source checkout find the
-same files: all of them sit under the package directory (setuptools package-data, see
-``pyproject.toml``), never beside it. Layout::
+One place for every packaged path. In a source checkout they sit at the repository root,
+one copy (``data/``, ``notebooks/``); the wheel carries the same files inside the package
+(``fimoe_lab/data``, ``fimoe_lab/notebooks``, mapped by ``pyproject.toml``), so an installed
+wheel runs from site-packages alone. Layout::
 
-    fimoe_lab/data/samples/<name>/        sample checkpoints (scripts/make_sample_checkpoints.py)
-    fimoe_lab/data/tactics/*.json.gz      TRTLLM-Gen kernel tables (scripts/extract_trtllm_kernels.py)
-    fimoe_lab/data/rcp_approx_delta.bin   the measured rcp.approx.ftz.f32 table (scripts/make_rcp_table.py)
-    fimoe_lab/notebooks/*.ipynb           the lab's notebooks
+    data/samples/<name>/        sample checkpoints (scripts/make_sample_checkpoints.py)
+    data/tactics/*.json.gz      TRTLLM-Gen kernel tables (scripts/extract_trtllm_kernels.py)
+    data/rcp_approx_delta.bin   the measured rcp.approx.ftz.f32 table (scripts/make_rcp_table.py)
+    data/goldens/               FlashInfer's recorded outputs replayed by ``fimoe-lab goldens``
+    notebooks/*.ipynb           the lab's notebooks
 
-``fimoe_lab/data/README.md`` says what each holds and how it was made. Imports nothing
-heavy (the CLI's ``--help`` may call it).
+``data/README.md`` says what each holds and how it was made. Imports nothing heavy (the
+CLI's ``--help`` may call it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "tactics_dir",
     "rcp_table_path",
     "notebooks_dir",
+    "goldens_dir",
 ]
 
 
@@ -34,9 +37,15 @@ def package_root() -> Path:
     return Path(__file__).resolve().parent
 
 
+def _shipped(name: str) -> Path:
+    """``name`` inside the installed package (wheel), else at the checkout's root."""
+    inside = package_root() / name
+    return inside if inside.is_dir() else package_root().parent / name
+
+
 def data_dir() -> Path:
-    """The package's data folder, ``fimoe_lab/data``."""
-    return package_root() / "data"
+    """The shipped data folder: ``fimoe_lab/data`` in a wheel, ``data/`` in a checkout."""
+    return _shipped("data")
 
 
 def samples_dir() -> Path:
@@ -73,5 +82,10 @@ def rcp_table_path() -> Path:
 
 
 def notebooks_dir() -> Path:
-    """The lab's notebooks (``fimoe-lab lab`` opens a copy of them)."""
-    return package_root() / "notebooks"
+    """The lab's notebooks (``fimoe-lab lab`` opens a copy of them): ``notebooks/`` in a checkout."""
+    return _shipped("notebooks")
+
+
+def goldens_dir() -> Path:
+    """Golden sets shipped with the package (``data/goldens``; ``fimoe-lab goldens`` replays them)."""
+    return data_dir() / "goldens"

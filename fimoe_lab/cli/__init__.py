@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Optional
 
+from fimoe_lab import __version__
 from fimoe_lab.cli import checkpoints, core, diagnose, lab, tune, warmup
 from fimoe_lab.cli._common import EXIT_BAD_INPUT, EXIT_PIPE_CLOSED, EXIT_STATUS_HELP, Parser, report_error
 
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'fimoe-lab COMMAND --help' for the options of a command.\n" + EXIT_STATUS_HELP,
     )
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    parser.add_argument("--version", action="version", version=f"fimoe-lab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for group in COMMAND_GROUPS:
         group.register(sub)
