@@ -1,7 +1,7 @@
 """The wheel carries everything the toolkit reads: built, installed away from the checkout, run.
 
 Builds the wheel from a copy of what setuptools reads (``pyproject.toml``, the readme, the
-package), installs it with ``pip --target`` into a temporary site folder and runs the
+package, and the root ``data/`` and ``notebooks/`` that the wheel carries inside the package), installs it with ``pip --target`` into a temporary site folder and runs the
 commands with ``PYTHONPATH`` set to that folder only, from an unrelated temporary
 directory, so the installed copy (not this checkout) is imported and its packaged data
 (sample checkpoints, TRTLLM-Gen kernel table, rcp table, notebooks) is what gets read.
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
+import fimoe_lab
 from fimoe_lab import resources
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILD_INPUTS = ("pyproject.toml", "README.md", "fimoe_lab")
+BUILD_INPUTS = ("pyproject.toml", "README.md", "fimoe_lab", "data", "notebooks")
 MAX_WHEEL_BYTES = 12_000_000  # ~6 MB today, nearly all sample checkpoints
 PROBE = """
 import json, torch, fimoe_lab
@@ -43,12 +44,12 @@ print(json.dumps({
 
 
 def packaged_files() -> dict[str, bytes]:
-    """Every data file of this checkout's package, by its path inside the wheel."""
+    """Every shipped file of this checkout (``data/``, ``notebooks/``), by its path inside the wheel."""
     found = {}
-    for folder in (resources.data_dir(), resources.notebooks_dir()):
+    for folder, inside in ((resources.data_dir(), "fimoe_lab/data"), (resources.notebooks_dir(), "fimoe_lab/notebooks")):
         for f in folder.rglob("*"):
             if f.is_file() and "__pycache__" not in f.parts:
-                found[f.relative_to(resources.package_root().parent).as_posix()] = f.read_bytes()
+                found[f"{inside}/{f.relative_to(folder).as_posix()}"] = f.read_bytes()
     return found
 
 
@@ -146,3 +147,36 @@ def test_installed_lab_help(site, tmp_path):
     done = run_installed(site, tmp_path, "-m", "fimoe_lab", "lab", "--help")
     assert done.returncode == 0, done.stderr
     assert "usage: fimoe-lab lab" in done.stdout
+
+
+@pytest.mark.slow
+def test_user_extras_resolve_beside_an_engines_flashinfer_and_torch(wheel, tmp_path):
+    """``fimoe_lab[fast,tune,lab]`` with FlashInfer 0.7.4 (vLLM 0.34's line) and torch 2.13.0 in one pip
+    resolution: no conflict, and neither of the two pinned packages moved (asks the package index)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "-q",
+            "--report",
+            str(tmp_path / "report.json"),
+            f"fimoe_lab[fast,tune,lab] @ {wheel.as_uri()}",
+            "flashinfer-python==0.7.4",
+            "torch==2.13.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    chosen = {
+        item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+        for item in json.loads((tmp_path / "report.json").read_text())["install"]
+    }
+    assert chosen["flashinfer-python"] == "0.7.4"
+    assert chosen["torch"].split("+")[0] == "2.13.0"
+    assert chosen["fimoe-lab"] == fimoe_lab.__version__
