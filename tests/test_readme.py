@@ -63,3 +63,33 @@ def test_every_command_the_readme_offers_parses(argv):
     # placeholders in capitals (SRC, OUT, ...) stand for paths; /models/... for a checkpoint: a shipped sample
     sample = str(sample_path(sample_names()[0]))
     build_parser().parse_args([sample if a.startswith("/models/") else a.lower() if a.isupper() else a for a in args])
+
+
+# What users read speaks of the project and what was measured, never of how it was built.
+HISTORY = re.compile(
+    r"\bsessions? \d|\bsession's\b|\bleases?\b|\bissues? #?\d+|\bwork period|\bmachine load|_s\d+[a-z]?\b(?=[._])",
+    flags=re.I,
+)
+USER_READ = ("README.md", "CHANGELOG.md", "SECURITY.md", "docs", "notebooks", "fimoe_lab", "benchmarks", "scripts")
+TEXT = {".md", ".py", ".ipynb", ".txt", ".json", ".jsonl", ".csv", ".log", ".toml", ".sh"}
+
+
+def _user_read_files() -> list[Path]:
+    found = []
+    for name in USER_READ:
+        path = ROOT / name
+        found += [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    return found
+
+
+def test_nothing_users_read_tells_how_it_was_built():
+    hits = []
+    for f in _user_read_files():
+        rel = f.relative_to(ROOT).as_posix()
+        if HISTORY.search(f.name):
+            hits.append(f"{rel}: its name")
+        if f.suffix in TEXT and f.stat().st_size < 2_000_000:
+            for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+                if HISTORY.search(line):
+                    hits.append(f"{rel}:{n}: {line.strip()[:120]}")
+    assert not hits, "development history in what users read:\n" + "\n".join(hits[:40])

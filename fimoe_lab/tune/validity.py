@@ -321,7 +321,7 @@ class KernelTable:
                 continue
             if k.mPatchF2fp and opts.sm == 100 and k.sm not in ("Sm100a", "Sm100f"):
                 continue
-            # clusterZ > 1 is skipped for a correctness issue (FlashInfer issue 3197).
+            # clusterZ > 1 is skipped for a correctness issue (flashinfer-ai/flashinfer#3197).
             if k.mClusterDimZ <= 1:
                 out.append(k.index)
         return tuple(out)
