@@ -180,3 +180,19 @@ def test_user_extras_resolve_beside_an_engines_flashinfer_and_torch(wheel, tmp_p
     assert chosen["flashinfer-python"] == "0.7.4"
     assert chosen["torch"].split("+")[0] == "2.13.0"
     assert chosen["fimoe-lab"] == fimoe_lab.__version__
+
+
+def test_installed_goldens_replays_the_shipped_sets(site, tmp_path):
+    env_free = {k: v for k, v in os.environ.items() if k != "FIMOE_GOLDENS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "fimoe_lab", "goldens", "--json", "--no-progress"],
+        cwd=tmp_path,
+        env={**env_free, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["total"] >= 61 and report["reproduced"] == report["total"], report["total"]
+    assert all(Path(case["file"]).is_relative_to(site) for case in report["cases"])

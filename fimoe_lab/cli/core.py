@@ -37,13 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser(
         "goldens",
         help="replay the FlashInfer golden cases and compare byte for byte",
-        description="Replay reference outputs recorded from FlashInfer on a GPU (default: ../shared/goldens and the checkout's goldens/). "
+        description="Replay reference outputs recorded from FlashInfer on a GPU (default: the sets shipped with fimoe_lab, "
+        "and shared/goldens beside a source checkout). "
         "Exits 1 when a case differs, 2 when there is nothing to replay.",
     )
     g.add_argument(
         "paths",
         nargs="*",
-        help="golden sets, NAME.json beside NAME.safetensors (default: $FIMOE_GOLDENS, else shared/goldens beside the checkout and its goldens/)",
+        help="golden sets, NAME.json beside NAME.safetensors (default: $FIMOE_GOLDENS, else the shipped sets and shared/goldens beside a source checkout)",
     )
     add_progress_option(g)
     add_json_option(g, GOLDENS_JSON)
