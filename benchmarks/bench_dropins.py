@@ -9,14 +9,14 @@ For each drop-in, on one full layer of random bytes (DeepSeek-V3: 256 experts, h
   time included), the allocator's cache kept between calls;
 - ``fresh``: the same with ``torch.cuda.empty_cache()`` before each call (untimed), so
   outputs and scratch come from ``cudaMalloc``;
-- ``seed``: the seed's implementation (warm; ``seed_*`` below);
+- ``seed``: vLLM's per-expert reference code, re-created below (warm; ``seed_*`` below);
 - ``copy``: a device ``copy_`` of the same input bytes, timed the same way in the same run;
   ``ratio = (bytes in + bytes out) / time / (2 * bytes in / copy time)``;
 - ``peak extra``: device bytes allocated at the peak of a warm call above what was
   allocated before it (outputs included for the out-of-place drop-ins), and that over the
   input's size.
 
-    PYTHONPATH=. python3 benchmarks/bench_dropins.py --out benchmarks/results/h200_dropins.json
+    PYTHONPATH=. python3 benchmarks/bench_dropins.py --out benchmarks/results/dropins_h200.json
 
 CPU (smaller layers, ``--experts``) runs too, without the allocator columns.
 """
@@ -40,13 +40,13 @@ from fimoe_lab import kernels, prepare, recipes  # noqa: E402
 FP8 = torch.float8_e4m3fn
 
 
-# ------------------------------------------------------------------ the seed's implementations
-# The seed (vLLM's flashinfer_utils as given in /work/shared/seed/flashinfer_utils_reference.txt)
+# ------------------------------------------------------------------ the reference implementations
+# vLLM's flashinfer_utils (the per-expert code the drop-ins replace)
 # loops over experts for the FP8 per-tensor rotate and the BF16 block layout, and gathers
 # all experts at once (one row index per matrix) for the DeepSeek and MXFP8 shuffles. Its
-# row indices come from FlashInfer helpers, which the device image cannot import; the same
+# row indices come from FlashInfer helpers, which need not be installed where this runs; the same
 # indices are taken here from our plan's steps (each step is a fixed row/block/scale
-# permutation), so what is timed is the seed's loop and gather structure.
+# permutation), so what is timed is the reference's loop and gather structure.
 def _steps(m):
     return [(st.src, st.cell_bytes, st.fills) for st in m.steps]
 
@@ -62,7 +62,7 @@ def _gather_cells(t, src, cell, fills):
 
 
 def seed_per_expert(m, x):
-    """Per expert, per step: gather the expert's cells, then ``torch.stack`` (the seed's rotate loop)."""
+    """Per expert, per step: gather the expert's cells, then ``torch.stack`` (the reference's rotate loop)."""
     st = [(src.to(x.device), cell, fills) for src, cell, fills in _steps(m)]
     outs = []
     for e in range(x.shape[0]):
@@ -74,7 +74,7 @@ def seed_per_expert(m, x):
 
 
 def seed_per_expert_in_place(m, x):
-    """The seed's BF16 block layout: per expert, gather into one expert of scratch, copy back."""
+    """The reference's BF16 block layout: per expert, gather into one expert of scratch, copy back."""
     flat = x.reshape(x.shape[0], -1).view(torch.uint8)
     st = [(src.to(x.device), cell, fills) for src, cell, fills in _steps(m)]
     for e in range(flat.shape[0]):
@@ -86,7 +86,7 @@ def seed_per_expert_in_place(m, x):
 
 
 def seed_batched(m, x):
-    """One gather per step over all experts (the seed's DeepSeek / MXFP8 shuffles)."""
+    """One gather per step over all experts (the reference's DeepSeek / MXFP8 shuffles)."""
     t = x.reshape(x.shape[0], -1).view(torch.uint8)
     for src, cell, fills in _steps(m):
         t = _gather_cells(t, src, cell, fills)

@@ -1,4 +1,4 @@
-"""Host time per execute() call on a tiny CUDA map (launch-bound), and device time of a 7.5 GB one.
+"""Host time per execute() call on a tiny CUDA map (launch-bound), and GPU time of a 7.5 GB one.
 
     (cd OLD_TREE && PYTHONPATH=$PWD python3 /path/to/call_overhead.py old)   # e.g. a git archive of 53eb766
     python3 benchmarks/call_overhead.py new

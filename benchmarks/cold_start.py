@@ -4,7 +4,7 @@ Each measurement is a fresh Python process (``--child``) that imports torch and
 ``fimoe_lab.prepare``, builds one layer's random weights, then calls a drop-in twice on
 fresh copies of the same tensors: ``first`` pays imports of the executors, kernel
 compilation or loading from the on-disk cache, plan building; ``warm`` is the transform
-itself. ``overhead = first - warm`` is what a cold process adds (issue 17: <= 0.3 s with a
+itself. ``overhead = first - warm`` is what a cold process adds (the aim: <= 0.3 s with a
 warm kernel cache, < 3 s with an empty one).
 
 Modes, each ``--runs`` fresh processes:

@@ -4,7 +4,7 @@ profiled:
 
     ncu --profile-from-start off --clock-control none --csv \\
         --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,... \\
-        python3 benchmarks/ncu_kernels.py --only mxfp8/w2_scale --configs default swz_s7 [--experts 256]
+        python3 benchmarks/ncu_kernels.py --only mxfp8/w2_scale --configs default swz_whole_band [--experts 256]
 
 ``--configs`` takes the names of ``benchmarks/probe_tiles.py`` (out of place, and ``ip_*`` in place,
 which runs the map on a copy of the input each time). Each kernel is profiled ``--repeats`` times, in

@@ -4,7 +4,7 @@ is the median over rounds of each round's ratio to the copy; ratio as bench_drop
 
     python3 benchmarks/pair_dropins.py [--rounds 9] [--cases deepseek mxfp8] [--out pair.json]
 
-``--against`` names the other settings as JSON (default: session 4's 4096-word tiles).
+``--against`` names the other settings as JSON (default: 4096-word tiles for rows and 2-D runs, the tile size before 2 KB tiles).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from bench_transforms import save_results  # noqa: E402
 from fimoe_lab import kernels  # noqa: E402
 from fimoe_lab.kernels import tiles  # noqa: E402
 
-S4 = {"tile_words": 4096, "tile_2d_words": 4096}
+TILES_4096W = {"tile_words": 4096, "tile_2d_words": 4096}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--cases", nargs="*", default=list(CASES))
-    ap.add_argument("--against", type=json.loads, default=S4)
+    ap.add_argument("--against", type=json.loads, default=TILES_4096W)
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = torch.device("cuda")

@@ -14,7 +14,7 @@ swizzle's full row table where its bands read the first band's rows shifted). In
 ceiling (a Triton kernel storing each block where it read it: the same bytes read and
 written at the same addresses, no permutation) and the default strategy, with the hints, with the previous 64-slot cycle tiles, and for the W2
 scales (bands-local maps) the cooperative launch and other band counts a program.
-``s4``: session 4's 4096-word tiles; ``tw*`` / ``2d_*``: other tile sizes and run shapes;
+``tiles_4096w``: 4096-word tiles for rows and 2-D runs (the tile size before 2 KB tiles); ``tw*`` / ``2d_*``: other tile sizes and run shapes;
 ``ip_s*`` / ``ip_bw*`` / ``ip_w8``: other cycle tiles; ``ip_band*``: other cooperative items.
 ``--copies GB`` first times copy kernels (Triton tile sizes, cache hints, a persistent
 grid; ATen's elementwise ``neg``) against torch ``copy_``, the driver's memcpy. Ratio =
@@ -46,7 +46,7 @@ PREVIOUS = {"wide_below": 0, "swizzle_kw": 32, "swizzle_wide_below": 0, "tile_2d
 OUT_OF_PLACE = {
     "default": {},
     "previous": PREVIOUS,
-    "s4": {"tile_words": 4096, "tile_2d_words": 4096},  # session 4's tiles
+    "tiles_4096w": {"tile_words": 4096, "tile_2d_words": 4096},  # 16 KB tiles
     "hints": {"evict": True, "store_cs": True},
     "narrow": {"wide_below": 0},
     "swz_kw32": {"swizzle_kw": 32, "swizzle_wide_below": 0},
@@ -57,7 +57,8 @@ OUT_OF_PLACE = {
     "swz_kw16": {"swizzle_kw": 16, "swizzle_wide_below": 0},
     "swz_w2": {"swizzle_warps": 2},
     "swz_w8": {"swizzle_warps": 8},
-    "swz_s7": {"swizzle_split": 1, "swizzle_warps": 4, "swizzle_band_step": False},  # session 7's swizzle tiles
+    # a whole 128-row band a tile, 4 warps, a row-table entry an output row
+    "swz_whole_band": {"swizzle_split": 1, "swizzle_warps": 4, "swizzle_band_step": False},
     "swz_table": {"swizzle_band_step": False},  # one row-table entry an output row
     "swz_tb16": {"swizzle_thread_bytes": 16},  # twice the threads a tile (up to 16 warps)
     "swz_tb64": {"swizzle_thread_bytes": 64},
@@ -196,7 +197,7 @@ def maps():
 def applies(name: str, em) -> bool:
     if name.startswith(("swz", "ip_table")):
         return em.swizzle is not None
-    if name.startswith(("narrow", "tw", "s4", "wide", "max_bw")):
+    if name.startswith(("narrow", "tw", "tiles_4096w", "wide", "max_bw")):
         return em.swizzle is None
     if name.startswith(("1d", "2d")):
         return em.cell_bytes <= 256 and em.swizzle is None and em.transpose_lines() is not None

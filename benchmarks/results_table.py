@@ -1,6 +1,6 @@
 """Render a bench_transforms.py JSON file as the markdown table of RESULTS.md.
 
-python benchmarks/results_table.py benchmarks/results/h200_cuda.json
+python benchmarks/results_table.py benchmarks/results/cpu_2core.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ itself writes, for ``tests/test_sm90_mixed.py::test_against_flashinfer_cuda_gold
 
     python scripts/golden_sm90_mixed.py                  # on a GPU machine with FlashInfer >= 0.6.16
     python scripts/golden_sm90_mixed.py --out DIR        # elsewhere than shared/goldens beside the checkout
-    python scripts/golden_sm90_mixed.py --kernel-source DIR --out goldens   # FlashInfer's kernel file, built here
+    python scripts/golden_sm90_mixed.py --kernel-source DIR --out data/goldens   # FlashInfer's kernel file, built here
 
 ``--kernel-source DIR``: where FlashInfer itself cannot be imported or its JIT would build the whole SM90
 CUTLASS fused-MoE module (many minutes), the op's own CUDA file is compiled instead. ``DIR`` holds
@@ -17,7 +17,7 @@ cutlass_kernels/moe_gemm/``) and a ``VERSION`` file naming the wheel; ``nvcc -ar
 small launcher that calls the file's host function once per expert on the default stream, as FlashInfer's
 binding does (``[E, n, k/2]`` bytes, expert ``e`` at offset ``e * n * k/2``). Only the weights op is recorded
 (the scales op is torch code, checked against the wheel on the CPU), over ``KERNEL_SHAPES`` (small enough to
-commit: ``goldens/`` at the checkout root).
+commit: ``data/goldens/`` in the checkout).
 
 Writes ``DIR/sm90_mixed.json`` + ``DIR/sm90_mixed.safetensors`` in the format of ``fimoe_lab/goldens.py``
 (cases ``{"name", "fn", "inputs", "outputs", "error", "hidden", "meta"}``, tensors as ``{"dtype", "t"}``

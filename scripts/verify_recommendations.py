@@ -1,4 +1,4 @@
-"""Check every tuner recommendation against what consumes it (issue 14's Must-hold).
+"""Check every tuner recommendation against what consumes it: tactics, convert's padding, predicted time.
 
 For every preset x tuner format x TP 1/2/4/8 x GPU (b200: TRT-LLM, h200: CUTLASS; each where the
 format has that backend, so MxInt4 on b200 only) x per-token (where the format has it): the recommendation, when there is one, has tactics at every token count; for every
