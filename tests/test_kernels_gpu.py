@@ -1,6 +1,6 @@
 """GPU executors (Triton and torch wide-word) are bit-exact with the map; skipped without CUDA.
 
-Run on the lent H200 (benchmarks/RESULTS.md gives the command and the outcome).
+Run on an H200 (benchmarks/RESULTS.md gives the command and the outcome).
 """
 
 from __future__ import annotations
