@@ -187,7 +187,11 @@ def test_resume_never_trusts_a_partial_or_foreign_file(tmp_path):
     convert_checkpoint(src, out, "cutlass", shard_size=SHARD, resume=True)
     assert {p.name: p.read_bytes() for p in shards(out)} == want
     other = convert_checkpoint(src, tmp_path / "other", "trtllm", shard_size=SHARD)
-    convert_checkpoint(src, other, "cutlass", shard_size=SHARD, resume=True)  # other metadata: every shard redone
+    theirs = {p.name: p.read_bytes() for p in shards(other)}
+    with pytest.raises(CheckpointError, match=r"another convert .* --backend \('trtllm' recorded, 'cutlass' asked\)"):
+        convert_checkpoint(src, other, "cutlass", shard_size=SHARD, resume=True)  # another request: never replaced
+    assert {p.name: p.read_bytes() for p in shards(other)} == theirs
+    convert_checkpoint(src, other, "cutlass", shard_size=SHARD, force=True)  # asked to replace it: every shard redone
     assert {p.name: p.read_bytes() for p in shards(other)} == want
     (out / "notes.txt").write_text("keep me")
     for flag in ("resume", "force"):

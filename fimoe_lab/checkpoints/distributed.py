@@ -7,8 +7,8 @@ Launched by any launcher that sets the torch.distributed environment (``RANK``, 
 1. **Plan** (every process, no communication but a check): the single-process convert's plan of
    every TP rank written (:func:`~fimoe_lab.checkpoints.writer.layout_plan`: tensor specs and
    metadata; :func:`~fimoe_lab.checkpoints.stream.plan_shards`: the shards). Process 0's view of
-   the source (path, file sizes and mtimes) is broadcast, so the metadata is the same everywhere;
-   a sha256 of each process's plan is gathered and must agree.
+   the source (path, file sizes and mtimes) and the request it records are broadcast, so the
+   metadata is the same everywhere; a sha256 of each process's plan is gathered and must agree.
 2. **Split** (:func:`assign`): the work units are ``(TP rank, shard)`` in order (TP rank major,
    then shards, i.e. a contiguous layer range), with their bytes; process ``p`` of ``W`` gets the
    units whose byte midpoint lies in ``[p/W, (p+1)/W)`` of the total: a contiguous run of layer
@@ -21,8 +21,10 @@ Launched by any launcher that sets the torch.distributed environment (``RANK``, 
 4. **Finish**: every process reports ``ok`` or its error (``all_gather_object``); only if all
    succeeded does process 0 write each index (and remove stale shards). A failed process fails
    every process with its error; a killed one fails the collective (or the launcher stops the
-   others), so no index ever claims a shard that is missing. Before any shard is written,
-   process 0 checks OUT, takes its lock and removes any old index.
+   others), so no index ever claims a shard that is missing. Before anything is read,
+   process 0 checks OUT and takes its lock; after planning (before any shard is written) it refuses
+   to ``resume`` an output of another request (:func:`~fimoe_lab.checkpoints.request.check_resume`)
+   and removes any old index.
 
 The files are the single-process convert's, byte for byte: the same plan, the same shard names
 and the same metadata, each shard written whole by one process. OUT must be one directory all
@@ -46,6 +48,7 @@ from typing import Any, Optional
 
 import torch
 
+from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints import safe_io, stream, writer
 from fimoe_lab.checkpoints.reader import Checkpoint
 from fimoe_lab.errors import CheckpointError
@@ -217,6 +220,15 @@ def convert_distributed(
             ck = stack.enter_context(Checkpoint(src))
             wanted = writer.wanted_layers(ck, src, layers)
             about = _broadcast(writer.source_info(ck, src) if rank == 0 else None)
+            asked = _broadcast(
+                writer.request_of(ck, choice, tp_size, ep_size, tp_rank, wanted, False, shard_size)
+                if rank == 0
+                else None
+            )
+            if rank == 0:
+                if resume and not force:
+                    requests.check_resume(out, asked)
+                _open_dirs(out, dirs)
             parts = {r: writer.rank_part(ck, wanted, about, tp_size, ep_size, r, False) for r in ranks}
             sources = {r: parts[r][0] for r in ranks}
             plans = {
@@ -247,7 +259,7 @@ def convert_distributed(
                 target = targets[r] = stream.ShardedOutput(
                     dirs[r],
                     specs,
-                    {"fimoe_lab": meta},
+                    requests.request_metadata({"fimoe_lab": meta}, asked),
                     single=False,
                     shard_bytes=shard_bytes,
                     checksum_key="fimoe_lab",
@@ -280,15 +292,21 @@ def convert_distributed(
 
 
 def _prepare(stack: ExitStack, src: Path, out: Path, dirs: dict[int, Path], force: bool, resume: bool) -> None:
-    """Process 0, before any shard is written: vet OUT (:func:`~fimoe_lab.checkpoints.safe_io.check_output`),
-    create the directories, take OUT's lock for the whole run and remove any old index."""
+    """Process 0, before anything is read: vet OUT and its rank directories
+    (:func:`~fimoe_lab.checkpoints.safe_io.check_output`) and take OUT's lock for the whole run."""
     safe_io.check_output(out, [src], force, "shards", resume)
-    os.makedirs(out, exist_ok=True)
-    stack.enter_context(safe_io.OutputLock(out))
     for d in dirs.values():
-        if d != out:
+        if d != out and os.path.isdir(out):  # a new OUT holds no rank directory yet
             safe_io.check_output(d, [src], force, "shards", resume)
-            os.makedirs(d, exist_ok=True)
+    stack.enter_context(safe_io.OutputLock(out))
+
+
+def _open_dirs(out: Path, dirs: dict[int, Path]) -> None:
+    """Process 0, once the request may write OUT: create the directories and remove any old index
+    (no index may claim shards while they are rewritten)."""
+    os.makedirs(out, exist_ok=True)
+    for d in dirs.values():
+        os.makedirs(d, exist_ok=True)
         index = d / safe_io.INDEX
         if os.path.lexists(index):
-            os.unlink(index)  # no index may claim shards while they are (re)written
+            os.unlink(index)

@@ -221,7 +221,9 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
     c.add_argument(
         "--resume",
         action="store_true",
-        help="finish an interrupted convert into OUT: shards that verify against their checksums are kept",
+        help="finish an interrupted convert into OUT: only the same request (the same source by content and the "
+        "same options, recorded in every file convert writes; anything else is refused, naming the difference); "
+        "shards that verify against their checksums are kept",
     )
     c.add_argument(
         "--device",
