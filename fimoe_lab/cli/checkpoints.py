@@ -264,7 +264,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if html is not None:
         from fimoe_lab.viz.report import report_html, write_report
 
-        write_report(html, report_html(path, reports, engine, args.tp, per_token=args.per_token))
+        write_report(html, report_html(path, reports, engine, args.tp, per_token=args.per_token), args.force)
     if args.json:
         layers = [r.to_json() for r in reports]
         doc = dict(path=str(path), engine=engine, per_token=args.per_token, tp=list(args.tp), layers=layers)

@@ -53,6 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="experts to compare (default: the first 8)",
     )
     p.add_argument("--figure", type=Path, default=None, help="write the comparison figure of the first tensor (PNG)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the --figure file if it exists and fimoe-lab wrote it (never any other file)",
+    )
     add_json_option(p, DIAGNOSE_JSON)
     p.set_defaults(handler=run_diagnose)
 
@@ -60,7 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_diagnose(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import open_checkpoint
     from fimoe_lab.diagnose import diagnose, figure, load_dump
+    from fimoe_lab.owned_files import check_file_output, write_file_output
 
+    if args.figure is not None:  # before any work: an existing file or a link is refused now
+        check_file_output(args.figure, "png", args.force, [args.checkpoint, args.kernel_tensors])
     dumped = load_dump(args.kernel_tensors)
     ckpt = open_checkpoint(args.checkpoint)
     layer = ckpt.moe_layers[0] if args.layer is None else args.layer
@@ -71,7 +79,8 @@ def run_diagnose(args: argparse.Namespace) -> int:
         first = next(iter(result.tensors.values()))
         from fimoe_lab.viz.figures import to_png
 
-        args.figure.write_bytes(to_png(figure(first, moe, dumped[first.dumped_name])))
+        png = to_png(figure(first, moe, dumped[first.dumped_name]))
+        write_file_output(args.figure, png, "png", args.force, [args.checkpoint, args.kernel_tensors])
         print(f"figure: {args.figure}", file=sys.stderr)
     if args.json:
         print_json(result.to_json())
