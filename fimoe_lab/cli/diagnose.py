@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "explains tensors dumped from an engine",
         description=(
             "Read one MoE layer of CHECKPOINT and the kernel tensors an engine used (KERNEL_TENSORS: a .safetensors "
-            "file or a .pt dict loaded with weights_only=True; names with w13/gemm1 and w2/gemm2, scales with 'scale', "
+            "file, or one .npy array named by its file (no pickle: a .pt is refused); names with w13/gemm1 and w2/gemm2, scales with 'scale', "
             "experts first). Every plan of every backend and engine profile, each with one step left out, another "
             "epilogue_tile_m or another intermediate padding, is applied to the checkpoint and compared byte by byte "
             "(fill bytes excluded) with the dump, per expert. Prints, per tensor, the variant that explains the bytes "
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example: fimoe-lab diagnose deepseek-r1-nvfp4 dumped_layer3.safetensors --layer 3 --figure diag.png",
     )
     p.add_argument("checkpoint", type=checkpoint_path, metavar="CHECKPOINT", help="checkpoint directory or sample name")
-    p.add_argument("kernel_tensors", type=Path, metavar="KERNEL_TENSORS", help=".safetensors or .pt of dumped tensors")
+    p.add_argument("kernel_tensors", type=Path, metavar="KERNEL_TENSORS", help=".safetensors or .npy of dumped tensors")
     p.add_argument("--layer", type=int, default=None, metavar="N", help="only layer N (default: the first MoE layer)")
     p.add_argument("--tp-size", type=positive_int("--tp-size"), default=1, help="TP size the engine ran (default 1)")
     p.add_argument("--tp-rank", type=int, default=0, help="TP rank the dump comes from (default 0)")

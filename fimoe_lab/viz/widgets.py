@@ -1031,7 +1031,7 @@ class DiagnoseExplorer(_Explorer):
         )
         self.dump = W.Text(
             dump,
-            placeholder="dumped kernel tensors (.safetensors / .pt)",
+            placeholder="dumped kernel tensors (.safetensors / .npy)",
             description="kernel dump",
             style=STYLE,
             layout=W.Layout(width="360px"),
