@@ -150,7 +150,7 @@ def test_assign_splits_equal_units_evenly():
 def _pid_of_rank(lock: Path, rank: int) -> int | None:
     """The pid in a shard's lock file if that process is rank ``rank`` of the launch (its environment)."""
     try:
-        pid = int(lock.read_text() or "0")
+        pid = int(json.loads(lock.read_text() or "{}").get("pid", 0))
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except (OSError, ValueError):
         return None

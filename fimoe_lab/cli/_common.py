@@ -52,8 +52,12 @@ PATH_FIXES = {
     PermissionError: "check the permissions of the path (or write elsewhere)",
     FileExistsError: "choose another output",
 }
-# a full disk or a file-size limit: the environment, not a bug (nothing partial is left behind)
-FULL_ERRNOS = {errno.ENOSPC: "free space on the output's file system", errno.EFBIG: "raise the file-size limit"}
+# a full disk, a file-size limit or a read-only file system: the environment, not a bug (nothing partial is left behind)
+FULL_ERRNOS = {
+    errno.ENOSPC: "free space on the output's file system",
+    errno.EFBIG: "raise the file-size limit",
+    errno.EROFS: "the file system is read-only: remount it read-write",
+}
 if hasattr(errno, "EDQUOT"):
     FULL_ERRNOS[errno.EDQUOT] = "free space within your disk quota"
 
