@@ -14,7 +14,6 @@ refused: unpickling runs code from the file.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import prepare, resources
+from fimoe_lab import env, prepare, resources
 from fimoe_lab.errors import FimoeError
 
 __all__ = ["GoldenResult", "default_golden_paths", "load_cases", "run_case"]
@@ -35,9 +34,9 @@ def default_golden_paths() -> list[Path]:
 
     In a folder, every ``*.json`` with a ``.safetensors`` of the same name beside it.
     """
-    env = os.environ.get("FIMOE_GOLDENS")
-    if env:
-        return _golden_files(Path(env))
+    chosen = env.value("FIMOE_GOLDENS", None)
+    if chosen is not None:
+        return _golden_files(chosen)
     checkout = resources.package_root().parent
     shared = _golden_files(checkout.parent / "shared" / "goldens") or _golden_files(checkout / "shared" / "goldens")
     return shared + _golden_files(resources.goldens_dir())

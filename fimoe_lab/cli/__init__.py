@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Optional
 
-from fimoe_lab import __version__
+from fimoe_lab import __version__, env
 from fimoe_lab.cli import checkpoints, core, diagnose, lab, tune, warmup
 from fimoe_lab.cli._common import EXIT_BAD_INPUT, EXIT_PIPE_CLOSED, EXIT_STATUS_HELP, Parser, report_error
 
@@ -72,6 +72,7 @@ def _run(argv: Optional[list[str]]) -> int:
         parser.print_help()
         return EXIT_BAD_INPUT
     try:
+        env.check_all()  # a bad FIMOE_* value: one error line before any work
         return int(handler(args) or 0)
     except BrokenPipeError:
         raise
