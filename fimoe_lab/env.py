@@ -87,9 +87,9 @@ def parse_int(name: str, raw: str, minimum: int, maximum: int, units: bool = Fal
 
 
 def env_int(name: str, default: int, minimum: int = 0, maximum: int = 1 << 62, units: bool = False) -> int:
-    """``$name`` as an integer (:func:`parse_int`); ``default`` when unset or empty."""
+    """``$name`` as an integer (:func:`parse_int`); ``default`` when unset (an empty value is an error)."""
     raw = os.environ.get(name)
-    if raw is None or not raw.strip():
+    if raw is None:
         return default
     return parse_int(name, raw, minimum, maximum, units)
 

@@ -13,7 +13,6 @@ refused: unpickling runs code from the file.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import env, prepare, resources
+from fimoe_lab import env, prepare, resources, untrusted
 from fimoe_lab.errors import FimoeError
 
 __all__ = ["GoldenResult", "default_golden_paths", "load_cases", "run_case"]
@@ -82,8 +81,9 @@ def load_cases(path: Path | str) -> list[dict]:
 
     try:
         with safe_open(str(blobs), framework="pt") as tensors:
-            return _resolve(json.loads(data.read_text()), tensors)
-    except (SafetensorError, ValueError, KeyError, TypeError) as exc:
+            cases = untrusted.parse_json(data.read_bytes(), str(data), "copy the golden set again")
+            return _resolve(cases, tensors)
+    except (SafetensorError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         if isinstance(exc, FimoeError):
             raise
         raise FimoeError(

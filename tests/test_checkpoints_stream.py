@@ -36,6 +36,7 @@ from fimoe_lab.checkpoints import (
     writer,
 )
 from fimoe_lab.cli import main
+from fimoe_lab.errors import FimoeError
 from fimoe_lab.resources import sample_names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -367,7 +368,7 @@ def test_several_writer_lanes_write_the_same_bytes(lanes, tmp_path, monkeypatch)
 @pytest.mark.parametrize("raw", ["0", "-2", "two", ""])
 def test_a_bad_writer_lane_count_is_one_clear_error(raw, monkeypatch):
     monkeypatch.setenv(stream.LANES_ENV, raw)
-    with pytest.raises(CheckpointError, match=stream.LANES_ENV) as info:
+    with pytest.raises(FimoeError, match=stream.LANES_ENV) as info:  # the environment's error (fimoe_lab.env)
         stream.write_lanes()
     assert info.value.fix
 

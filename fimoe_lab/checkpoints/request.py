@@ -25,6 +25,7 @@ import struct
 from pathlib import Path
 from typing import Any, Optional
 
+from fimoe_lab import untrusted
 from fimoe_lab.checkpoints import safe_io
 from fimoe_lab.errors import CheckpointError
 
@@ -159,8 +160,8 @@ def check_resume(out: Path, request: dict) -> None:
     for path in _written_files(out):
         raw = (safe_io.safetensors_metadata(path) or {}).get(REQUEST_KEY)
         try:
-            recorded = json.loads(raw) if isinstance(raw, str) else None
-        except ValueError:
+            recorded = untrusted.parse_json(raw, str(path), "") if isinstance(raw, str) else None
+        except ValueError:  # FimoeError is one
             recorded = None
         if not isinstance(recorded, dict):
             raise CheckpointError(

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
+from fimoe_lab import untrusted
 from fimoe_lab.errors import CheckpointError
 
 __all__ = [
@@ -72,7 +73,7 @@ SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 """A shard in the Hugging Face convention: ``model-0000k-of-0000n.safetensors`` (``1 <= k <= n``)."""
 RANK_RE = re.compile(r"^rank-(\d+)$")
 """The directory of one tensor-parallel rank in ``convert --rank all`` output."""
-MAX_JSON_BYTES = 64 << 20
+MAX_JSON_BYTES = untrusted.MAX_JSON_BYTES
 """config.json, the index and a safetensors header above this size are refused (real ones are < 10 MB)."""
 
 
@@ -90,17 +91,15 @@ def regular_file(path: Path, what: str) -> os.stat_result:
 
 
 def read_json(path: Path, what: str) -> Any:
-    """Parse a JSON file of at most :data:`MAX_JSON_BYTES` (a regular file) with one clear error."""
+    """Parse a JSON file of at most :data:`MAX_JSON_BYTES` and :data:`~fimoe_lab.untrusted.MAX_JSON_DEPTH` levels
+    (a regular file) with one clear error."""
     st = regular_file(path, what)
     if st.st_size > MAX_JSON_BYTES:
         raise CheckpointError(
             f"{path} ({what}) is {st.st_size} bytes, over the {MAX_JSON_BYTES >> 20} MB limit",
             fix="check that it is the right file",
         )
-    try:
-        return json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} ({what}) is not valid JSON: {exc}", fix=f"restore the original {what}") from None
+    return untrusted.parse_json(path.read_bytes(), f"{path} ({what})", f"restore the original {what}", CheckpointError)
 
 
 def inside(root: Path, name: object, what: str) -> Path:
@@ -139,9 +138,9 @@ def safetensors_header(path: Path) -> Optional[tuple[dict, int]]:
             (n,) = struct.unpack("<Q", head)
             if n > MAX_JSON_BYTES:
                 return None
-            header = json.loads(f.read(n))
+            header = untrusted.parse_json(f.read(n), str(path), "")
         return (header, 8 + n) if isinstance(header, dict) else None
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError):  # FimoeError is a ValueError
         return None
 
 

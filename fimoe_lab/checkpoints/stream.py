@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from fimoe_lab import env
+from fimoe_lab import env, untrusted
 from fimoe_lab.checkpoints import safe_io
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.errors import CheckpointError
@@ -302,9 +302,9 @@ def verify_shard(path: Path, entries: dict, metadata: dict, checksum_key: str) -
     if st.st_size != start + size:
         return False
     try:
-        recorded = json.loads(meta[checksum_key])
+        recorded = untrusted.parse_json(meta[checksum_key], str(path), "")
         sums = recorded.pop("checksums")
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):  # FimoeError is a ValueError
         return False
     if recorded != json.loads(json.dumps(metadata[checksum_key])) or set(sums) != set(entries):
         return False

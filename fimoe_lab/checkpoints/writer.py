@@ -52,7 +52,7 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import engines, recipes
+from fimoe_lab import engines, recipes, untrusted
 from fimoe_lab.checkpoints import conventions, safe_io, stream
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.conventions import dtype_name
@@ -563,7 +563,7 @@ def _progress_bar(
         if target.needed(n)
     )
     bar = progress if callable(progress) else tqdm
-    return bar(total=total, unit="B", unit_scale=True, desc=f"{what} -> {out.name}")
+    return bar(total=total, unit="B", unit_scale=True, desc=untrusted.printable(f"{what} -> {out.name}"))
 
 
 def _device(device: str) -> torch.device:
@@ -908,10 +908,7 @@ def _parse_meta(path: Path, raw: Optional[str]) -> dict:
             f"steps that produced its layout are unknown",
             fix="convert the source checkpoint with 'fimoe-lab convert'",
         )
-    try:
-        meta = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: its 'fimoe_lab' metadata is not JSON ({exc})", fix=_EDITED) from None
+    meta = untrusted.parse_json(raw, f"{path}: its 'fimoe_lab' metadata", _EDITED, CheckpointError)
     if not isinstance(meta, dict) or meta.get("version") not in READ_VERSIONS:
         version = meta.get("version") if isinstance(meta, dict) else None
         raise CheckpointError(

@@ -66,6 +66,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import open_checkpoint
     from fimoe_lab.diagnose import diagnose, figure, load_dump
     from fimoe_lab.owned_files import check_file_output, write_file_output
+    from fimoe_lab.untrusted import printable
 
     if args.figure is not None:  # before any work: an existing file or a link is refused now
         check_file_output(args.figure, "png", args.force, [args.checkpoint, args.kernel_tensors])
@@ -81,7 +82,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
 
         png = to_png(figure(first, moe, dumped[first.dumped_name]))
         write_file_output(args.figure, png, "png", args.force, [args.checkpoint, args.kernel_tensors])
-        print(f"figure: {args.figure}", file=sys.stderr)
+        print(printable(f"figure: {args.figure}"), file=sys.stderr)
     if args.json:
         print_json(result.to_json())
     else:

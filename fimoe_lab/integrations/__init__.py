@@ -34,6 +34,7 @@ from typing import Any, Optional
 from fimoe_lab import env
 from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import FimoeError
+from fimoe_lab.untrusted import printable
 
 __all__ = [
     "ENV_VAR",
@@ -85,7 +86,7 @@ def guarded(ours: Callable[..., Any], original: Callable[..., Any], where: str) 
             return ours(*args, **kwargs)
         except FimoeError as exc:
             if not FALLBACKS[where]:
-                _log.warning("fimoe_lab: %s runs the engine's own code for this input: %s", where, exc)
+                _log.warning("fimoe_lab: %s runs the engine's own code for this input: %s", where, printable(exc))
             FALLBACKS[where] += 1
             return original(*args, **kwargs)
 
