@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar, cast
+from typing import Any, Optional, TypeVar, cast
 
+from fimoe_lab import env
 from fimoe_lab.errors import FimoeError
 
 __all__ = ["cached", "clear_caches", "set_cache_budget", "cache_bytes"]
@@ -29,7 +29,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 _lock = threading.RLock()
 _entries: OrderedDict[tuple[Hashable, ...], tuple[Any, int]] = OrderedDict()  # (function, args) -> (value, bytes)
 _total = 0
-_budget = int(os.environ.get("FIMOE_LAB_CACHE_BYTES", str(2 << 30)))
+_budget: Optional[int] = None  # read from the environment on first use (:func:`_limit`)
 _SCALARS = (int, bool, float, str, type(None))
 _spellings: list[dict[tuple[Hashable, ...], tuple[Hashable, ...]]] = []  # one per cached function
 
@@ -50,7 +50,7 @@ def value_bytes(value: Any) -> int:
 
 def _evict_for(size: int) -> None:
     global _total
-    while _entries and _total + size > _budget:
+    while _entries and _total + size > _limit():
         _, (_, freed) = _entries.popitem(last=False)
         _total -= freed
 
@@ -87,7 +87,7 @@ def cached(fn: F) -> F:
         value = fn(*args, **kwargs)
         size = value_bytes(value)
         with _lock:
-            if key not in _entries and size <= _budget:
+            if key not in _entries and size <= _limit():
                 _evict_for(size)
                 _entries[key] = (value, size)
                 _total += size
@@ -108,6 +108,15 @@ def clear_caches() -> int:
     return freed
 
 
+def _limit() -> int:
+    """The budget: :func:`set_cache_budget`'s, else ``$FIMOE_LAB_CACHE_BYTES`` (bytes, K/M/G/T allowed;
+    :data:`fimoe_lab.env.VARIABLES`), else 2 GiB."""
+    global _budget
+    if _budget is None:
+        _budget = int(env.value("FIMOE_LAB_CACHE_BYTES", 2 << 30))
+    return _budget
+
+
 def set_cache_budget(nbytes: int) -> None:
     """Set the shared budget (bytes), evicting least recently used entries now if it shrank."""
     global _budget
@@ -121,4 +130,4 @@ def set_cache_budget(nbytes: int) -> None:
 def cache_bytes() -> tuple[int, int, int]:
     """``(entries, bytes held, budget)`` of the shared cache."""
     with _lock:
-        return len(_entries), _total, _budget
+        return len(_entries), _total, _limit()

@@ -1,7 +1,7 @@
 """Which preparation produced these kernel tensors? ("why is my MoE output garbage")
 
 Given one MoE layer of a checkpoint and the tensors an engine handed to the kernel
-(dumped to safetensors or a ``.pt`` dict), :func:`diagnose` searches plan variants and
+(dumped to safetensors or ``.npy``; never a pickle), :func:`diagnose` searches plan variants and
 reports, per tensor and per expert, which one explains the dumped bytes:
 
 - the plan of every backend (``specs.BACKENDS``) and engine profile (``engines.ENGINES``),
@@ -20,6 +20,7 @@ by :func:`tensor_role` (``w13``/``gemm1``/``w31`` weight and scale, ``w2``/``gem
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -152,21 +153,65 @@ def tensor_role(name: str) -> Optional[str]:
     return f"{base}_scale" if "scale" in n else base
 
 
+DUMP_SUFFIXES = (".safetensors", ".npy")
+"""What :func:`load_dump` reads: no pickle (a ``.pt``/``.pth`` file is one and is refused)."""
+NPY_KINDS = "biuf"
+"""The numpy dtype kinds a ``.npy`` dump may hold (bool, signed, unsigned, float): no objects, no records."""
+
+
 def load_dump(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Tensors dumped from an engine: a ``.safetensors`` file or a ``.pt``/``.pth`` dict (``weights_only=True``)."""
+    """Tensors dumped from an engine: a ``.safetensors`` file (names from the file), or one ``.npy`` array
+    (named by the file's stem: ``gemm1_weights.npy``), read with ``allow_pickle=False``, no object or
+    record dtype, its header's shape and dtype checked against the file's size before anything is
+    allocated. Nothing is ever unpickled: a ``.pt`` is refused with how to convert it."""
     p = Path(path)
     if not p.is_file():
-        raise FimoeError(f"kernel tensors {p} do not exist", fix="pass a .safetensors or .pt file of dumped tensors")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return dict(load_file(str(p)))
+        raise FimoeError(
+            f"kernel tensors {p} do not exist or are not a regular file",
+            fix="pass a .safetensors or .npy file of dumped tensors",
+        )
     if p.suffix in (".pt", ".pth"):
-        obj = torch.load(str(p), map_location="cpu", weights_only=True)
-        if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
-            return {str(k): v for k, v in obj.items()}
-        raise FimoeError(f"{p} does not hold a dict of tensors", fix="save {name: tensor} with torch.save")
-    raise FimoeError(f"kernel tensors {p} are not .safetensors or .pt", fix="dump them with safetensors or torch.save")
+        raise FimoeError(
+            f"{p} is a pickle (torch.save); fimoe-lab never unpickles a file (it can run code)",
+            fix="save the tensors with safetensors.torch.save_file(tensors, 'dump.safetensors') where you dumped them",
+        )
+    if p.suffix == ".safetensors":
+        from fimoe_lab.checkpoints.safe_io import open_safetensors
+
+        with open_safetensors(p, "dump of kernel tensors") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    if p.suffix == ".npy":
+        return {p.stem: _load_npy(p)}
+    raise FimoeError(
+        f"kernel tensors {p} are not .safetensors or .npy", fix="dump them with safetensors.torch.save_file"
+    )
+
+
+def _load_npy(p: Path) -> torch.Tensor:
+    """One ``.npy`` array (:func:`load_dump`), or one FimoeError."""
+    import numpy as np
+
+    def bad(why: str) -> FimoeError:
+        return FimoeError(f"{p} is not a usable .npy dump: {why}", fix="save it with numpy.save(path, array)")
+
+    try:
+        with open(p, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f, max_header_size=1 << 16)
+            start = f.tell()
+    except (ValueError, OSError, EOFError, SyntaxError) as exc:
+        raise bad(f"its header is unreadable ({exc})") from None
+    if dtype.kind not in NPY_KINDS or dtype.fields is not None or dtype.hasobject:
+        raise bad(f"dtype {dtype} is not plain numbers (objects and records are refused)")
+    need = dtype.itemsize * math.prod(shape)
+    if p.stat().st_size - start != need:
+        raise bad(f"shape {shape} of {dtype} needs {need} bytes of data, the file holds {p.stat().st_size - start}")
+    try:
+        array = np.load(p, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise bad(str(exc)) from None
+    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def _fingerprint(m: IndexMap) -> tuple[Any, ...]:

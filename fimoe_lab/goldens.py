@@ -13,8 +13,6 @@ refused: unpickling runs code from the file.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import prepare, resources
+from fimoe_lab import env, prepare, resources, untrusted
 from fimoe_lab.errors import FimoeError
 
 __all__ = ["GoldenResult", "default_golden_paths", "load_cases", "run_case"]
@@ -35,9 +33,9 @@ def default_golden_paths() -> list[Path]:
 
     In a folder, every ``*.json`` with a ``.safetensors`` of the same name beside it.
     """
-    env = os.environ.get("FIMOE_GOLDENS")
-    if env:
-        return _golden_files(Path(env))
+    chosen = env.value("FIMOE_GOLDENS", None)
+    if chosen is not None:
+        return _golden_files(chosen)
     checkout = resources.package_root().parent
     shared = _golden_files(checkout.parent / "shared" / "goldens") or _golden_files(checkout / "shared" / "goldens")
     return shared + _golden_files(resources.goldens_dir())
@@ -83,14 +81,41 @@ def load_cases(path: Path | str) -> list[dict]:
 
     try:
         with safe_open(str(blobs), framework="pt") as tensors:
-            return _resolve(json.loads(data.read_text()), tensors)
-    except (SafetensorError, ValueError, KeyError, TypeError) as exc:
+            cases = untrusted.parse_json(data.read_bytes(), str(data), "copy the golden set again")
+            _check_cases(data, cases)
+            return _resolve(cases, tensors)
+    except (SafetensorError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         if isinstance(exc, FimoeError):
             raise
         raise FimoeError(
             f"{path}: not a readable golden set ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})",
             fix="copy the golden set again (NAME.json + NAME.safetensors, recorded from FlashInfer on a GPU)",
         ) from None
+
+
+def _is_case(case: Any) -> bool:
+    """A golden case: an object with a string ``name`` and ``fn``, an object of ``inputs``, and a list of
+    ``outputs`` (or the reference's ``error``)."""
+    return (
+        isinstance(case, dict)
+        and isinstance(case.get("name"), str)
+        and isinstance(case.get("fn"), str)
+        and isinstance(case.get("inputs"), dict)
+        and (isinstance(case.get("outputs"), list) or isinstance(case.get("error"), str))
+    )
+
+
+def _check_cases(data: Path, cases: Any) -> None:
+    """Refuse a golden set's JSON that is not a list of cases (:func:`_is_case`), naming the first bad one."""
+    bad = "it is not a list" if not isinstance(cases, list) else None
+    if bad is None:
+        first = next((i for i, c in enumerate(cases) if not _is_case(c)), None)
+        bad = None if first is None else f"case {first} is not an object with name, fn, inputs and outputs"
+    if bad is not None:
+        raise FimoeError(
+            f"{data}: not a golden set ({bad})",
+            fix="copy the golden set again (NAME.json + NAME.safetensors, recorded from FlashInfer on a GPU)",
+        )
 
 
 def decode(value: Any) -> Any:

@@ -150,7 +150,7 @@ def test_assign_splits_equal_units_evenly():
 def _pid_of_rank(lock: Path, rank: int) -> int | None:
     """The pid in a shard's lock file if that process is rank ``rank`` of the launch (its environment)."""
     try:
-        pid = int(lock.read_text() or "0")
+        pid = int(json.loads(lock.read_text() or "{}").get("pid", 0))
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except (OSError, ValueError):
         return None
@@ -296,6 +296,42 @@ def test_distributed_without_a_launcher_or_into_one_file_is_one_error_line(tmp_p
     assert err.count("\n") == 0 and "--distributed needs a launcher: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in err
     assert main([*args[:2], str(tmp_path / "k.safetensors"), *args[2:]]) == 2
     assert "writes a sharded directory, not one file" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_peer_that_never_starts_fails_the_run_with_one_clear_line(rank, tmp_path):
+    """One process of two is started (as rank 0, which hosts the rendezvous, or as rank 1): it fails after
+    the peer timeout with one error line, not hours later, and writes nothing."""
+    env = {**_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env.update({"MASTER_PORT": str(_free_port()), "FIMOE_DIST_TIMEOUT": "3"})
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "fimoe_lab", "convert", "qwen3-moe-bf16", out, "--backend", "cutlass"]
+    started = time.monotonic()
+    done = subprocess.run(
+        [*map(str, cmd), "--distributed", "--no-progress"], env=env, capture_output=True, text=True, timeout=90
+    )
+    assert time.monotonic() - started < 60
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "did not all join" in lines[0], done.stderr
+    assert "FIMOE_DIST_TIMEOUT" in lines[0] and "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+def test_a_bad_timeout_value_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FIMOE_DIST_TIMEOUT", "soon")
+    assert main(["convert", "qwen3-moe-bf16", str(tmp_path / "out"), "--backend", "cutlass", "--distributed"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "FIMOE_DIST_TIMEOUT='soon'" in err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -36,6 +36,7 @@ from fimoe_lab.checkpoints import (
     writer,
 )
 from fimoe_lab.cli import main
+from fimoe_lab.errors import FimoeError
 from fimoe_lab.resources import sample_names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,7 +188,11 @@ def test_resume_never_trusts_a_partial_or_foreign_file(tmp_path):
     convert_checkpoint(src, out, "cutlass", shard_size=SHARD, resume=True)
     assert {p.name: p.read_bytes() for p in shards(out)} == want
     other = convert_checkpoint(src, tmp_path / "other", "trtllm", shard_size=SHARD)
-    convert_checkpoint(src, other, "cutlass", shard_size=SHARD, resume=True)  # other metadata: every shard redone
+    theirs = {p.name: p.read_bytes() for p in shards(other)}
+    with pytest.raises(CheckpointError, match=r"another convert .* --backend \('trtllm' recorded, 'cutlass' asked\)"):
+        convert_checkpoint(src, other, "cutlass", shard_size=SHARD, resume=True)  # another request: never replaced
+    assert {p.name: p.read_bytes() for p in shards(other)} == theirs
+    convert_checkpoint(src, other, "cutlass", shard_size=SHARD, force=True)  # asked to replace it: every shard redone
     assert {p.name: p.read_bytes() for p in shards(other)} == want
     (out / "notes.txt").write_text("keep me")
     for flag in ("resume", "force"):
@@ -363,7 +368,7 @@ def test_several_writer_lanes_write_the_same_bytes(lanes, tmp_path, monkeypatch)
 @pytest.mark.parametrize("raw", ["0", "-2", "two", ""])
 def test_a_bad_writer_lane_count_is_one_clear_error(raw, monkeypatch):
     monkeypatch.setenv(stream.LANES_ENV, raw)
-    with pytest.raises(CheckpointError, match=stream.LANES_ENV) as info:
+    with pytest.raises(FimoeError, match=stream.LANES_ENV) as info:  # the environment's error (fimoe_lab.env)
         stream.write_lanes()
     assert info.value.fix
 

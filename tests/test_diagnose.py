@@ -72,8 +72,10 @@ def test_the_planned_preparation_is_recognized(layer, tmp_path):
     for role in ("w13", "w13_scale"):
         t = result.tensors[role]
         assert t.explained() and t.best[0] == t.planned, t.summary()
-    torch.save(dump, tmp_path / "dump.pt")
-    assert main(["diagnose", SAMPLE, str(tmp_path / "dump.pt"), "--experts", "0,1"]) == 0
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in dump.items()}, str(tmp_path / "dump.safetensors"))
+    assert main(["diagnose", SAMPLE, str(tmp_path / "dump.safetensors"), "--experts", "0,1"]) == 0
 
 
 def test_a_missing_swap_and_a_wrong_epilogue_tile_are_found_per_expert(layer, tmp_path, capsys):
@@ -121,8 +123,10 @@ def test_bad_inputs_are_one_line_errors(layer, tmp_path, capsys):
     (tmp_path / "x.npy").write_bytes(b"0")
     assert main(["diagnose", SAMPLE, str(tmp_path / "x.npy")]) == 2
     assert main(["diagnose", SAMPLE, str(tmp_path / "none.pt")]) == 2
-    torch.save({"router": torch.zeros(2, 2)}, tmp_path / "r.pt")
-    assert main(["diagnose", SAMPLE, str(tmp_path / "r.pt")]) == 2
+    from safetensors.torch import save_file
+
+    save_file({"router": torch.arange(4.0).reshape(2, 2)}, str(tmp_path / "r.safetensors"))
+    assert main(["diagnose", SAMPLE, str(tmp_path / "r.safetensors")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(l.startswith("error: ") and "(fix: " in l for l in err)
     with pytest.raises(FimoeError, match="outside 0.."):
@@ -134,10 +138,12 @@ def test_the_diagnose_explorer_finds_a_missing_swizzle(layer, tmp_path):
     plan = planned(layer)
     rows_only = compose(*plan.w13_scale.steps[:-1])
     assert plan.w13_scale.steps[-1].kind == "swizzle_scales_128x4"
-    torch.save({"w13_weight_scale": rows_only.apply(layer.w13_scale)}, tmp_path / "d.pt")
+    from safetensors.torch import save_file
+
+    save_file({"w13_weight_scale": rows_only.apply(layer.w13_scale).contiguous()}, str(tmp_path / "d.safetensors"))
     w = widgets.DiagnoseExplorer()
     assert "fill both boxes" in w.message.value and w.figure is None
-    w.checkpoint.value, w.dump.value = SAMPLE, str(tmp_path / "d.pt")
+    w.checkpoint.value, w.dump.value = SAMPLE, str(tmp_path / "d.safetensors")
     t = w.state["diagnosis"].tensors["w13_scale"]
     assert t.explained() and t.best[0].endswith("without swizzle_scales_128x4") and w.figure is not None
     assert "without swizzle_scales_128x4 explains" in w.message.value

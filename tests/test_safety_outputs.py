@@ -197,7 +197,7 @@ def test_output_lock_is_reentrant_in_one_process_and_released_at_the_outermost_e
     lock = tmp_path / ".k.safetensors.lock"
     with OutputLock(out):
         with OutputLock(out):  # convert takes it before reading and again where it writes
-            assert lock.read_text() == str(os.getpid())
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
         assert lock.exists()  # still held by the outer writer
     assert not lock.exists()
 
@@ -236,5 +236,5 @@ def test_output_lock_left_empty_by_a_dead_writer_is_stale_after_the_settle_time(
     lock = tmp_path / ".k.safetensors.lock"
     lock.write_bytes(b"")  # its writer was killed between creating it and writing its pid
     with safe_io.OutputLock(out):
-        assert lock.read_text() == str(os.getpid())
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert not lock.exists()

@@ -126,8 +126,12 @@ def test_diagnose_figure_click_shows_where_a_checkpoint_byte_lands(tmp_path):
         pytest.skip("sample checkpoints are not in this checkout")
     layer = sources.load_layer("deepseek-r1-nvfp4")
     plan = layer.plan("trtllm")
-    torch.save({"w13_weight_scale": plan.w13_scale.apply(layer.moe.w13_scale)}, tmp_path / "d.pt")
-    w = widgets.DiagnoseExplorer("deepseek-r1-nvfp4", str(tmp_path / "d.pt"))
+    from safetensors.torch import save_file
+
+    save_file(
+        {"w13_weight_scale": plan.w13_scale.apply(layer.moe.w13_scale).contiguous()}, str(tmp_path / "d.safetensors")
+    )
+    w = widgets.DiagnoseExplorer("deepseek-r1-nvfp4", str(tmp_path / "d.safetensors"))
     assert w.figure is not None and not is_error(w)
     m = plan.w13_scale
     t = w.click(*svg_point(w.figure.axes[0], 3, 17))

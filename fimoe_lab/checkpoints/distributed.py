@@ -7,8 +7,8 @@ Launched by any launcher that sets the torch.distributed environment (``RANK``, 
 1. **Plan** (every process, no communication but a check): the single-process convert's plan of
    every TP rank written (:func:`~fimoe_lab.checkpoints.writer.layout_plan`: tensor specs and
    metadata; :func:`~fimoe_lab.checkpoints.stream.plan_shards`: the shards). Process 0's view of
-   the source (path, file sizes and mtimes) is broadcast, so the metadata is the same everywhere;
-   a sha256 of each process's plan is gathered and must agree.
+   the source (path, file sizes and mtimes) and the request it records are broadcast, so the
+   metadata is the same everywhere; a sha256 of each process's plan is gathered and must agree.
 2. **Split** (:func:`assign`): the work units are ``(TP rank, shard)`` in order (TP rank major,
    then shards, i.e. a contiguous layer range), with their bytes; process ``p`` of ``W`` gets the
    units whose byte midpoint lies in ``[p/W, (p+1)/W)`` of the total: a contiguous run of layer
@@ -21,12 +21,18 @@ Launched by any launcher that sets the torch.distributed environment (``RANK``, 
 4. **Finish**: every process reports ``ok`` or its error (``all_gather_object``); only if all
    succeeded does process 0 write each index (and remove stale shards). A failed process fails
    every process with its error; a killed one fails the collective (or the launcher stops the
-   others), so no index ever claims a shard that is missing. Before any shard is written,
-   process 0 checks OUT, takes its lock and removes any old index.
+   others), so no index ever claims a shard that is missing. Before anything is read,
+   process 0 checks OUT and takes its lock; after planning (before any shard is written) it refuses
+   to ``resume`` an output of another request (:func:`~fimoe_lab.checkpoints.request.check_resume`)
+   and removes any old index.
 
 The files are the single-process convert's, byte for byte: the same plan, the same shard names
 and the same metadata, each shard written whole by one process. OUT must be one directory all
 processes see (a shared file system across hosts); a single ``.safetensors`` output is refused.
+Timeouts (:func:`timeouts`): the group must form, and peers answer each control message, within
+``$FIMOE_DIST_TIMEOUT`` seconds (default 300): a process that never starts fails every other with
+one clear error; waiting for the slowest process to write its part has its own limit,
+``$FIMOE_DIST_DATA_TIMEOUT`` (default 12 hours).
 Backend: ``gloo`` on CPU; with ``device="cuda"`` each process converts on ``cuda:LOCAL_RANK`` and
 the group is ``cpu:gloo,cuda:nccl`` (the control messages are small CPU objects).
 """
@@ -46,16 +52,38 @@ from typing import Any, Optional
 
 import torch
 
+from fimoe_lab import env
+from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints import safe_io, stream, writer
 from fimoe_lab.checkpoints.reader import Checkpoint
 from fimoe_lab.errors import CheckpointError
 
-__all__ = ["ENV", "TIMEOUT", "Unit", "assign", "convert_distributed", "DistributedError"]
+__all__ = [
+    "ENV",
+    "PEER_TIMEOUT_S",
+    "DATA_TIMEOUT_S",
+    "timeouts",
+    "Unit",
+    "assign",
+    "convert_distributed",
+    "DistributedError",
+]
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What a launcher sets for ``init_process_group(init_method="env://")``."""
-TIMEOUT = timedelta(hours=12)
-"""How long a collective waits for the slowest process (a process writes its whole part in between)."""
+PEER_TIMEOUT_S = 300
+"""Default seconds to wait for every process to join the group and for a peer to answer a control message
+(``$FIMOE_DIST_TIMEOUT``): a process that never starts fails the run after this, not hours later."""
+DATA_TIMEOUT_S = 12 * 3600
+"""Default seconds the processes wait for the slowest one to write its part (``$FIMOE_DIST_DATA_TIMEOUT``)."""
+
+
+def timeouts() -> tuple[timedelta, timedelta]:
+    """``(peer timeout, data-phase timeout)`` from the environment (:data:`fimoe_lab.env.VARIABLES`) or the
+    defaults :data:`PEER_TIMEOUT_S` and :data:`DATA_TIMEOUT_S`."""
+    peer = env.value("FIMOE_DIST_TIMEOUT", PEER_TIMEOUT_S)
+    data = env.value("FIMOE_DIST_DATA_TIMEOUT", DATA_TIMEOUT_S)
+    return timedelta(seconds=peer), timedelta(seconds=data)
 
 
 class DistributedError(CheckpointError):
@@ -92,11 +120,15 @@ def assign(sizes: Sequence[int], world: int) -> list[int]:
 
 # ============================================================================ the process group
 @contextmanager
-def process_group(device: str) -> Iterator[tuple[int, int, str]]:
-    """``(rank, world size, device)`` of this process in the launcher's group (created here unless the
-    caller already did; destroyed on exit if created here). ``device`` ``cuda`` becomes ``cuda:LOCAL_RANK``."""
+def process_group(device: str) -> Iterator[tuple[int, int, str, Any]]:
+    """``(rank, world size, device, data group)`` of this process in the launcher's group (created here unless
+    the caller already did, with the peer timeout of :func:`timeouts`: a process that never joins fails the
+    run with one DistributedError; destroyed on exit if created here). The data group (the same processes,
+    the data-phase timeout) is what waits for the slowest writer. ``device`` ``cuda`` becomes
+    ``cuda:LOCAL_RANK``."""
     import torch.distributed as dist
 
+    peer, data = timeouts()
     created = False
     cuda = torch.device(device).type == "cuda"
     if not dist.is_initialized():
@@ -110,22 +142,70 @@ def process_group(device: str) -> Iterator[tuple[int, int, str]]:
         if cuda and torch.cuda.is_available():
             torch.cuda.set_device(local % torch.cuda.device_count())
         backend = "cpu:gloo,cuda:nccl" if cuda and torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=TIMEOUT)
+        try:
+            with _native_log_kept_on_success():
+                dist.init_process_group(backend, timeout=peer)
+        except (RuntimeError, ValueError, TimeoutError) as exc:
+            raise DistributedError(
+                f"the {os.environ.get('WORLD_SIZE')} processes did not all join the group at "
+                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {peer.total_seconds():.0f} s "
+                f"({safe_io.one_line(exc)})",
+                fix="start every process of the launch (torchrun --nproc-per-node N starts them all; with --nnodes, "
+                "each node's torchrun), check MASTER_ADDR/MASTER_PORT, or raise FIMOE_DIST_TIMEOUT (seconds)",
+            ) from None
         created = True
     if cuda and torch.device(device).index is None and torch.cuda.is_available():
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}"
     try:
-        yield dist.get_rank(), dist.get_world_size(), device
+        with _peers("forming the data group"):
+            group = dist.new_group(timeout=data)
+        yield dist.get_rank(), dist.get_world_size(), device, group
     finally:
         if created:
             dist.destroy_process_group()
 
 
-def _gather(obj: Any) -> list[Any]:
+@contextmanager
+def _native_log_kept_on_success() -> Iterator[None]:
+    """Hold what native code writes to stderr (file descriptor 2) meanwhile: written out on success, dropped
+    on a failure (c10d logs a C++ stack trace per failed connection; the error line says it all)."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ok:
+                held.seek(0)
+                os.write(2, held.read())
+
+
+@contextmanager
+def _peers(what: str) -> Iterator[None]:
+    """A collective that fails (a peer died, or did not answer within its group's timeout) is one
+    DistributedError naming the step."""
+    try:
+        yield
+    except (RuntimeError, TimeoutError) as exc:
+        raise DistributedError(
+            f"{what}: another process stopped answering ({safe_io.one_line(exc)})",
+            fix="see the other processes' errors; run again with --resume (shards that verify are kept), raising "
+            "FIMOE_DIST_TIMEOUT or FIMOE_DIST_DATA_TIMEOUT (seconds) if a process is only slow",
+        ) from None
+
+
+def _gather(obj: Any, group: Any = None, what: str = "exchanging results") -> list[Any]:
     import torch.distributed as dist
 
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with _peers(what):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -133,7 +213,8 @@ def _broadcast(obj: Any) -> Any:
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    with _peers("planning"):
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -141,8 +222,8 @@ class _Step:
     """Run a step on every process and agree on its outcome: after the ``with`` block every process
     has the list of errors (``(rank, type, message)``); any error is raised on every process."""
 
-    def __init__(self, rank: int, what: str):
-        self.rank, self.what = rank, what
+    def __init__(self, rank: int, what: str, group: Any = None):
+        self.rank, self.what, self.group = rank, what, group
 
     def __enter__(self) -> _Step:
         return self
@@ -151,7 +232,7 @@ class _Step:
         if exc is not None and not isinstance(exc, Exception):
             return  # KeyboardInterrupt / SIGTERM: leave at once (the launcher stops the others)
         mine = None if exc is None else (self.rank, type(exc).__name__, safe_io.one_line(exc))
-        errors = [e for e in _gather(mine) if e is not None]
+        errors = [e for e in _gather(mine, self.group, self.what) if e is not None]
         if not errors or exc is not None:
             return  # all succeeded, or this process raises its own error
         r, kind_name, text = errors[0]
@@ -207,7 +288,7 @@ def convert_distributed(
     choice = writer.LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
     writer._device(device)
     with ExitStack() as stack:
-        rank, world, device = stack.enter_context(process_group(device))
+        rank, world, device, data_group = stack.enter_context(process_group(device))
         dev = writer._device(device)
         stack.enter_context(safe_io.signals_raise())
         with _Step(rank, "checking OUT"):
@@ -217,6 +298,15 @@ def convert_distributed(
             ck = stack.enter_context(Checkpoint(src))
             wanted = writer.wanted_layers(ck, src, layers)
             about = _broadcast(writer.source_info(ck, src) if rank == 0 else None)
+            asked = _broadcast(
+                writer.request_of(ck, choice, tp_size, ep_size, tp_rank, wanted, False, shard_size)
+                if rank == 0
+                else None
+            )
+            if rank == 0:
+                if resume and not force:
+                    requests.check_resume(out, asked)
+                _open_dirs(out, dirs)
             parts = {r: writer.rank_part(ck, wanted, about, tp_size, ep_size, r, False) for r in ranks}
             sources = {r: parts[r][0] for r in ranks}
             plans = {
@@ -239,7 +329,7 @@ def convert_distributed(
         start = time.perf_counter()
         report: dict[str, Any] = {"rank": rank, "units": len(mine), "written": 0, "kept": 0, "bytes": 0}
         targets = {}
-        with _Step(rank, "converting"):
+        with _Step(rank, "converting", data_group):  # waits for the slowest writer: the data-phase timeout
             bar = None
             for r in ranks:
                 own = {u.shard for u in mine if u.tp_rank == r}
@@ -247,7 +337,7 @@ def convert_distributed(
                 target = targets[r] = stream.ShardedOutput(
                     dirs[r],
                     specs,
-                    {"fimoe_lab": meta},
+                    requests.request_metadata({"fimoe_lab": meta}, asked),
                     single=False,
                     shard_bytes=shard_bytes,
                     checksum_key="fimoe_lab",
@@ -280,15 +370,21 @@ def convert_distributed(
 
 
 def _prepare(stack: ExitStack, src: Path, out: Path, dirs: dict[int, Path], force: bool, resume: bool) -> None:
-    """Process 0, before any shard is written: vet OUT (:func:`~fimoe_lab.checkpoints.safe_io.check_output`),
-    create the directories, take OUT's lock for the whole run and remove any old index."""
+    """Process 0, before anything is read: vet OUT and its rank directories
+    (:func:`~fimoe_lab.checkpoints.safe_io.check_output`) and take OUT's lock for the whole run."""
     safe_io.check_output(out, [src], force, "shards", resume)
-    os.makedirs(out, exist_ok=True)
-    stack.enter_context(safe_io.OutputLock(out))
     for d in dirs.values():
-        if d != out:
+        if d != out and os.path.isdir(out):  # a new OUT holds no rank directory yet
             safe_io.check_output(d, [src], force, "shards", resume)
-            os.makedirs(d, exist_ok=True)
+    stack.enter_context(safe_io.OutputLock(out))
+
+
+def _open_dirs(out: Path, dirs: dict[int, Path]) -> None:
+    """Process 0, once the request may write OUT: create the directories and remove any old index
+    (no index may claim shards while they are rewritten)."""
+    os.makedirs(out, exist_ok=True)
+    for d in dirs.values():
+        os.makedirs(d, exist_ok=True)
         index = d / safe_io.INDEX
         if os.path.lexists(index):
-            os.unlink(index)  # no index may claim shards while they are (re)written
+            os.unlink(index)

@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from fimoe_lab import formats, shapes
-from fimoe_lab.checkpoints import conventions, safe_io
+from fimoe_lab.checkpoints import consistency, conventions, safe_io
 from fimoe_lab.checkpoints.conventions import CONFIG_KEYS, Convention, config_value, dtype_name, stored_format
 from fimoe_lab.errors import CheckpointError, LayoutError
 from fimoe_lab.formats import QuantizedTensor
@@ -206,6 +206,8 @@ class Checkpoint:
         self.config: dict = safe_io.read_json(config_path, "config.json")
         if not isinstance(self.config, dict):
             raise CheckpointError(f"{config_path} is not a JSON object", fix="restore the model's original config.json")
+        self.shard_headers: dict[str, dict[str, int]] = {}
+        """Per shard file, its tensors and the bytes its header declares for each (:mod:`.consistency`)."""
         self.weight_map = self._weight_map()
         self._handles: dict[str, object] = {}
         self.prefix, self._layers = self._find_moe_layers()
@@ -227,6 +229,7 @@ class Checkpoint:
                     f"{next(iter(self._layers))} follows {self.convention.name}: one checkpoint, one convention",
                     fix="convert the layers of each convention separately (--layers)",
                 )
+        consistency.check_layers(self)
 
     # ------------------------------------------------------------------ files
     def _weight_map(self) -> dict[str, str]:
@@ -243,20 +246,15 @@ class Checkpoint:
                 )
             for file in set(wm.values()):
                 safe_io.inside(self.path, file, "the index's shard")
+            self.shard_headers = consistency.check_index(self.path, wm)
             return dict(wm)
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{self.path}: no model.safetensors.index.json and no *.safetensors files")
-        mapping = {}
         for f in files:
             safe_io.inside(self.path, f.name, "shard")
-            with safe_io.open_safetensors(f, "checkpoint shard") as handle:
-                mapping.update({k: f.name for k in handle.keys()})
+        mapping, self.shard_headers = consistency.weight_map_of_shards(self.path, files)
         return mapping
-
-    def data_bytes(self) -> int:
-        """Total size of the shard files (what any tensor read from them is bounded by)."""
-        return sum(os.stat(self.path / f).st_size for f in set(self.weight_map.values()) if (self.path / f).exists())
 
     def _handle(self, name: str):
         file = self.weight_map[name]
@@ -587,13 +585,8 @@ class _LayerReader:
                     fix="check that config.json belongs to these weights",
                 )
         need = self.E * (self.P + 1) * self.I * self.H * self.conv.weight_dtype.itemsize // self.v
-        have = ckpt.data_bytes()
-        if need > have:
-            raise CheckpointError(
-                f"{ckpt.path / 'config.json'}: {self.E} experts x hidden {self.H} x intermediate {self.I} need "
-                f"{need} bytes of {self.fmt} weights per layer, but the shards hold {have} bytes in all",
-                fix="check that config.json belongs to these weights (expert count, hidden and intermediate sizes)",
-            )
+        read = self.n * (self.P + 1) * self.il * self.H * self.conv.weight_dtype.itemsize // self.v
+        consistency.check_layer_read(ckpt, layer, self.E, need, read if load == "all" else 0)
 
     def key(self, name: str) -> str:
         return self.conv.fused_key("", 0, name, self.base)

@@ -6,8 +6,10 @@ Outputs (``convert``'s file, ``restore``'s directory):
   inside the input, or a parent of it; an existing OUT is replaced only with ``force`` and
   only when this tool wrote it (a file whose safetensors metadata has the ``fimoe_lab``
   key; a directory holding :data:`MARKER` and nothing but what ``restore`` writes).
-- :class:`OutputLock`: ``.<name>.lock`` beside OUT, created with ``O_EXCL``; a second writer
-  of the same OUT fails at once; a lock whose process is gone (by pid) is taken over.
+- :class:`OutputLock`: ``.<name>.lock`` beside OUT, appearing whole (a hard link of a written
+  temporary) with its holder's host, boot id, pid namespace, pid and start time; a second writer of
+  the same OUT fails at once; a lock whose process is provably gone is taken over, any other holder
+  counts as alive; a FIFO, device or link at the lock path is refused, never opened.
 - :func:`atomic_file` / :func:`atomic_dir`: a temporary created exclusively in OUT's
   directory (``O_EXCL | O_NOFOLLOW``, or an exclusive ``mkdir``), fsynced, then ``os.replace``\\ d;
   removed on any error, on SIGINT and on SIGTERM (:func:`signals_raise`, installed only
@@ -21,12 +23,14 @@ the checkpoint directory.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import struct
 import threading
@@ -35,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
+from fimoe_lab import untrusted
 from fimoe_lab.errors import CheckpointError
 
 __all__ = [
@@ -68,7 +73,7 @@ SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 """A shard in the Hugging Face convention: ``model-0000k-of-0000n.safetensors`` (``1 <= k <= n``)."""
 RANK_RE = re.compile(r"^rank-(\d+)$")
 """The directory of one tensor-parallel rank in ``convert --rank all`` output."""
-MAX_JSON_BYTES = 64 << 20
+MAX_JSON_BYTES = untrusted.MAX_JSON_BYTES
 """config.json, the index and a safetensors header above this size are refused (real ones are < 10 MB)."""
 
 
@@ -86,17 +91,15 @@ def regular_file(path: Path, what: str) -> os.stat_result:
 
 
 def read_json(path: Path, what: str) -> Any:
-    """Parse a JSON file of at most :data:`MAX_JSON_BYTES` (a regular file) with one clear error."""
+    """Parse a JSON file of at most :data:`MAX_JSON_BYTES` and :data:`~fimoe_lab.untrusted.MAX_JSON_DEPTH` levels
+    (a regular file) with one clear error."""
     st = regular_file(path, what)
     if st.st_size > MAX_JSON_BYTES:
         raise CheckpointError(
             f"{path} ({what}) is {st.st_size} bytes, over the {MAX_JSON_BYTES >> 20} MB limit",
             fix="check that it is the right file",
         )
-    try:
-        return json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} ({what}) is not valid JSON: {exc}", fix=f"restore the original {what}") from None
+    return untrusted.parse_json(path.read_bytes(), f"{path} ({what})", f"restore the original {what}", CheckpointError)
 
 
 def inside(root: Path, name: object, what: str) -> Path:
@@ -135,9 +138,9 @@ def safetensors_header(path: Path) -> Optional[tuple[dict, int]]:
             (n,) = struct.unpack("<Q", head)
             if n > MAX_JSON_BYTES:
                 return None
-            header = json.loads(f.read(n))
+            header = untrusted.parse_json(f.read(n), str(path), "")
         return (header, 8 + n) if isinstance(header, dict) else None
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError):  # FimoeError is a ValueError
         return None
 
 
@@ -287,9 +290,17 @@ early, before reading its input, and again where it writes)."""
 
 
 class OutputLock:
-    """``.<name>.lock`` beside ``out`` (``O_EXCL``), holding our pid; removed on the outermost exit.
+    """``.<name>.lock`` beside ``out``, holding :func:`holder_record` (host, boot id, pid namespace, pid and
+    process start time); removed on the outermost exit.
 
-    Re-entrant within one process; any other process that wants the same output fails at once.
+    Re-entrant within one process; any other process that wants the same output fails at once. The
+    lock file appears whole (its record is written to a temporary that is hard-linked onto the lock's
+    name, which fails if it exists), so a full disk or a kill never leaves an empty lock. A lock path
+    that is not a regular file (a FIFO, device, socket, link or directory planted there) is never
+    opened and refused. A holder is taken for gone only when it provably is: the same host, boot and
+    pid namespace as ours and its pid gone or running another process (another start time); any other
+    holder (another host, boot or pid namespace, an unreadable record) counts as alive and the error
+    says how to clear its lock.
     """
 
     def __init__(self, out: Path):
@@ -306,47 +317,94 @@ class OutputLock:
 
     def _acquire(self) -> None:
         for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            except FileExistsError:
-                pid = self._settled_holder()
-                if pid is not None and _alive(pid):
-                    raise CheckpointError(
-                        f"another fimoe-lab (pid {pid}) is writing {self.out} (lock {self.path})",
-                        fix="wait for it to finish, or write to another output",
-                    ) from None
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)  # stale: its process is gone
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
-            return
+            if self._create():
+                return
+            record = self._settled_holder()
+            why = _holder_alive(record)
+            if why is not None:
+                raise CheckpointError(
+                    f"another fimoe-lab ({why}) is writing {self.out} (lock {self.path})",
+                    fix=f"wait for it to finish, or write to another output; if no fimoe-lab writes it, remove {self.path}",
+                ) from None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # stale: its process is gone
         raise CheckpointError(f"could not take the lock {self.path}", fix="remove it if no fimoe-lab is running")
 
-    def _settled_holder(self) -> Optional[int]:
-        """The holder's pid. A lock file is created empty and gets its pid a moment later: an empty one
-        is a lock being taken, so it is read again for up to :data:`LOCK_SETTLE_S` before it counts as stale
-        (its writer died between the two steps). Reading it as stale at once let a second writer
-        remove a live lock and write the same output."""
+    def _create(self) -> bool:
+        """Create the lock whole; False if a regular file is there already (a special file is refused)."""
+        self._refuse_special()
+        body = json.dumps(holder_record()).encode()
+        tmp = _temp_name(self.out)
+        try:
+            with create_new(tmp) as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, self.path, follow_symlinks=False)
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                return self._create_in_place(body)  # a file system without hard links
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def _create_in_place(self, body: bytes) -> bool:
+        try:
+            f = create_new(self.path)
+        except FileExistsError:
+            return False
+        try:
+            with f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # never an empty or partial lock
+            raise
+        return True
+
+    def _refuse_special(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(
+                f"the lock path {self.path} of {self.out} is {_kind(st)}, not a lock fimoe-lab made",
+                fix=f"remove {self.path} (something else put it there), then run again",
+            )
+
+    def _settled_holder(self) -> Optional[dict]:
+        """The holder's record. A lock of an older fimoe-lab (or one on a file system without hard links) is
+        created empty and gets its record a moment later: an empty one is a lock being taken, so it is read
+        again for up to :data:`LOCK_SETTLE_S` before it counts as stale (its writer died between the two
+        steps). Reading it as stale at once let a second writer remove a live lock and write the same output."""
         deadline = time.monotonic() + LOCK_SETTLE_S
         while True:
-            pid = self._holder()
-            if pid is not None or time.monotonic() >= deadline or not self._empty():
-                return pid
+            raw = self._read()
+            if raw != b"" or time.monotonic() >= deadline:
+                return _parse_record(raw)
             time.sleep(0.005)
 
-    def _empty(self) -> bool:
+    def _read(self) -> Optional[bytes]:
+        """The lock's bytes (None: gone); a special file is refused, never opened for reading."""
+        self._refuse_special()
         try:
-            return self.path.stat().st_size == 0
-        except OSError:
-            return False
-
-    def _holder(self) -> Optional[int]:
-        try:
-            with open(self.path, "rb") as f:
-                return int(f.read(32).decode() or "0") or None
-        except (OSError, ValueError, UnicodeDecodeError):
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
             return None
+        except OSError:
+            return b"?"  # there but unreadable: an unknown holder
+        try:
+            return os.read(fd, 4096)
+        finally:
+            os.close(fd)
 
     def __exit__(self, *exc: object) -> None:
         _HELD[self.path] -= 1
@@ -355,6 +413,91 @@ class OutputLock:
         del _HELD[self.path]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _kind(st: os.stat_result) -> str:
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    return "a FIFO, device or socket"
+
+
+def _read_small(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """Process ``pid``'s start time (clock ticks since boot, field 22 of ``/proc/<pid>/stat``); None if
+    unknown. With the pid it names one process: a reused pid has another start time."""
+    stat_line = _read_small(f"/proc/{pid}/stat")
+    if not stat_line or ")" not in stat_line:
+        return None
+    fields = stat_line.rsplit(")", 1)[1].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def _pid_namespace() -> Optional[str]:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def holder_record(pid: Optional[int] = None) -> dict[str, Any]:
+    """What a lock holds about its writer (this process by default): ``host``, ``boot_id``
+    (``/proc/sys/kernel/random/boot_id``), ``pid_ns`` (the pid namespace), ``pid`` and ``start``
+    (:func:`_start_time`)."""
+    pid = os.getpid() if pid is None else pid
+    return {
+        "host": socket.gethostname(),
+        "boot_id": _read_small("/proc/sys/kernel/random/boot_id"),
+        "pid_ns": _pid_namespace(),
+        "pid": pid,
+        "start": _start_time(pid),
+    }
+
+
+def _parse_record(raw: Optional[bytes]) -> Optional[dict]:
+    """A lock's record; None if the lock is gone or empty; a bare pid (an older fimoe-lab) as ``{"pid": n}``;
+    ``{}`` for anything unreadable (an unknown holder)."""
+    if not raw:
+        return None
+    text = raw.decode(errors="replace").strip()
+    if text.isdigit():
+        return {"pid": int(text)}
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _holder_alive(record: Optional[dict]) -> Optional[str]:
+    """None if the holder is provably gone (no record; or our host, boot and pid namespace with its pid
+    gone or reused), else how to name it in an error."""
+    if record is None:
+        return None
+    pid = record.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return "an unknown writer: the lock holds no record fimoe-lab can read"
+    if set(record) == {"pid"}:  # an older fimoe-lab's lock: the pid alone
+        return f"pid {pid}" if _alive(pid) else None
+    here = holder_record()
+    for key, what in (("host", "on host"), ("boot_id", "from another boot of"), ("pid_ns", "in pid namespace")):
+        if record.get(key) != here[key]:
+            where = record.get("host") if key != "pid_ns" else record.get(key)
+            return f"pid {pid} {what} {where}, which cannot be checked from here"
+    if not _alive(pid):
+        return None
+    start = _start_time(pid)
+    if start is not None and record.get("start") is not None and start != record["start"]:
+        return None  # the pid now names another process
+    return f"pid {pid}"
 
 
 def _alive(pid: int) -> bool:

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from fimoe_lab import env, untrusted
 from fimoe_lab.checkpoints import safe_io
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.errors import CheckpointError
@@ -72,21 +73,10 @@ LANES_ENV = "FIMOE_WRITE_LANES"
 
 
 def write_lanes() -> int:
-    """Writer threads: ``$FIMOE_WRITE_LANES`` when set (an integer >= 1), else
+    """Writer threads: ``$FIMOE_WRITE_LANES`` when set (an integer in [1, 256]: :data:`fimoe_lab.env.VARIABLES`), else
     ``clamp(cpu_count // 4, 1, 4)`` (one thread copies into the page cache at a few GB/s; a host
     with many cores and a fast disk needs several, a small one has no core to spare for them)."""
-    raw = os.environ.get(LANES_ENV)
-    if raw is not None:
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise CheckpointError(
-                f"{LANES_ENV}={raw!r} is not a whole number >= 1", fix=f"unset {LANES_ENV} or set it to 1, 2, ..."
-            )
-        return n
-    return min(4, max(1, (os.cpu_count() or 1) // 4))
+    return int(env.value(LANES_ENV, min(4, max(1, (os.cpu_count() or 1) // 4))))
 
 
 def experts_per_chunk(expert_bytes: int, layer_bytes: int) -> int:
@@ -312,9 +302,9 @@ def verify_shard(path: Path, entries: dict, metadata: dict, checksum_key: str) -
     if st.st_size != start + size:
         return False
     try:
-        recorded = json.loads(meta[checksum_key])
+        recorded = untrusted.parse_json(meta[checksum_key], str(path), "")
         sums = recorded.pop("checksums")
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):  # FimoeError is a ValueError
         return False
     if recorded != json.loads(json.dumps(metadata[checksum_key])) or set(sums) != set(entries):
         return False

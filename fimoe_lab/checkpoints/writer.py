@@ -52,8 +52,9 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import engines, recipes
+from fimoe_lab import engines, recipes, untrusted
 from fimoe_lab.checkpoints import conventions, safe_io, stream
+from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.errors import FimoeError
@@ -425,6 +426,7 @@ def write_kernel_layout(
     device: str = "cpu",
     per_token: bool = False,
     activation_dtype: Optional[str] = None,
+    request: Optional[dict] = None,
 ) -> Path:
     """Convert and stream layers into the kernel layout at ``out``: one safetensors file
     (:func:`~fimoe_lab.checkpoints.safe_io.single_output`: ``single_file``, or ``out`` ends in
@@ -443,6 +445,8 @@ def write_kernel_layout(
     one and the index written last, so an interrupted run leaves finished shards and no index,
     and ``resume`` keeps the shards that verify (:func:`~fimoe_lab.checkpoints.stream.verify_shard`).
     An existing ``out`` is replaced only with ``force`` (or resumed) and only if this tool wrote it.
+    ``request``: what was asked (:func:`fimoe_lab.checkpoints.request.convert_request`), recorded in
+    every file written (what ``resume`` compares).
     """
     out = Path(out)
     single = safe_io.single_output(out, single_file)
@@ -456,7 +460,7 @@ def write_kernel_layout(
         target = stream.ShardedOutput(
             out,
             specs,
-            {"fimoe_lab": meta},
+            requests.request_metadata({"fimoe_lab": meta}, request),
             single=single,
             shard_bytes=shard_size or stream.SHARD_BYTES,
             checksum_key="fimoe_lab",
@@ -559,7 +563,7 @@ def _progress_bar(
         if target.needed(n)
     )
     bar = progress if callable(progress) else tqdm
-    return bar(total=total, unit="B", unit_scale=True, desc=f"{what} -> {out.name}")
+    return bar(total=total, unit="B", unit_scale=True, desc=untrusted.printable(f"{what} -> {out.name}"))
 
 
 def _device(device: str) -> torch.device:
@@ -703,6 +707,10 @@ def convert_checkpoint(
     with safe_io.signals_raise(), safe_io.OutputLock(out), Checkpoint(src) as ck:
         wanted = wanted_layers(ck, src, layers)
         about = source_info(ck, src)
+        choice = LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
+        asked = request_of(ck, choice, tp_size, ep_size, tp_rank, wanted, single, shard_size)
+        if resume and not force:
+            requests.check_resume(out, asked)
         if tp_rank == "all":
             os.makedirs(out, exist_ok=True)
         for rank in ranks:
@@ -725,10 +733,37 @@ def convert_checkpoint(
                 device=device,
                 per_token=per_token,
                 activation_dtype=activation_dtype,
+                request=asked,
             )
         if tp_rank == "all":
             safe_io.remove_own(out, {f"rank-{r}" for r in ranks})
     return out
+
+
+def request_of(
+    ck: Checkpoint,
+    choice: LayoutChoice,
+    tp_size: int,
+    ep_size: int,
+    tp_rank: int | str,
+    wanted: list[int],
+    single: bool,
+    shard_size: Optional[int],
+) -> dict:
+    """What this convert was asked (:func:`fimoe_lab.checkpoints.request.convert_request`), recorded in every
+    file it writes and compared by ``resume``."""
+    return requests.convert_request(
+        ck.path,
+        ck.config,
+        list(ck.weight_map.values()),
+        choice.kwargs(),
+        tp_size=tp_size,
+        ep_size=ep_size,
+        tp_rank=tp_rank,
+        layers=wanted,
+        single=single,
+        shard_size=shard_size or stream.SHARD_BYTES,
+    )
 
 
 def wanted_layers(ck: Checkpoint, src: str | os.PathLike, layers: Optional[Iterable[int]]) -> list[int]:
@@ -873,10 +908,7 @@ def _parse_meta(path: Path, raw: Optional[str]) -> dict:
             f"steps that produced its layout are unknown",
             fix="convert the source checkpoint with 'fimoe-lab convert'",
         )
-    try:
-        meta = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: its 'fimoe_lab' metadata is not JSON ({exc})", fix=_EDITED) from None
+    meta = untrusted.parse_json(raw, f"{path}: its 'fimoe_lab' metadata", _EDITED, CheckpointError)
     if not isinstance(meta, dict) or meta.get("version") not in READ_VERSIONS:
         version = meta.get("version") if isinstance(meta, dict) else None
         raise CheckpointError(

@@ -14,14 +14,17 @@ internal error (one line, exit 1, ``--debug`` for the traceback); see
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
-from collections.abc import Callable
-from typing import Optional
+from collections.abc import Callable, Iterator
+from typing import Optional, TextIO
 
-from fimoe_lab import __version__
+from fimoe_lab import __version__, env
 from fimoe_lab.cli import checkpoints, core, diagnose, lab, tune, warmup
 from fimoe_lab.cli._common import EXIT_BAD_INPUT, EXIT_PIPE_CLOSED, EXIT_STATUS_HELP, Parser, report_error
+from fimoe_lab.untrusted import printable
 
 __all__ = ["build_parser", "main"]
 
@@ -55,7 +58,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Run one command; returns its exit status (argparse usage errors and --help raise SystemExit)."""
     try:
         try:
-            code = _run(argv)
+            with _escaped_stdout():
+                code = _run(argv)
         finally:
             sys.stdout.flush()  # a closed pipe shows here, not as a message at interpreter exit
         return code
@@ -72,11 +76,45 @@ def _run(argv: Optional[list[str]]) -> int:
         parser.print_help()
         return EXIT_BAD_INPUT
     try:
+        env.check_all()  # a bad FIMOE_* value: one error line before any work
         return int(handler(args) or 0)
     except BrokenPipeError:
         raise
     except (Exception, KeyboardInterrupt) as exc:
         return report_error(exc, args.command, args.debug)
+
+
+class _Escaped(io.TextIOBase):
+    """A text stream that writes to ``inner`` with control characters escaped
+    (:func:`fimoe_lab.untrusted.printable`; newlines and tabs kept)."""
+
+    def __init__(self, inner: TextIO) -> None:
+        self.inner = inner
+
+    def write(self, s: str) -> int:
+        self.inner.write(printable(s, keep="\n\t"))
+        return len(s)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+    def isatty(self) -> bool:
+        return self.inner.isatty()
+
+
+@contextlib.contextmanager
+def _escaped_stdout() -> Iterator[None]:
+    """While a command runs, what it prints on stdout (reports, tables: names and paths read from files)
+    cannot move the cursor, retitle the terminal or clear it."""
+    inner = sys.stdout
+    sys.stdout = _Escaped(inner)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout = inner
 
 
 def _stdout_to_devnull() -> None:

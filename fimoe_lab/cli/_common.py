@@ -23,6 +23,7 @@ from typing import Any, NoReturn, TextIO
 from fimoe_lab import engines
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.resources import sample_names, sample_path
+from fimoe_lab.untrusted import printable
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -52,8 +53,12 @@ PATH_FIXES = {
     PermissionError: "check the permissions of the path (or write elsewhere)",
     FileExistsError: "choose another output",
 }
-# a full disk or a file-size limit: the environment, not a bug (nothing partial is left behind)
-FULL_ERRNOS = {errno.ENOSPC: "free space on the output's file system", errno.EFBIG: "raise the file-size limit"}
+# a full disk, a file-size limit or a read-only file system: the environment, not a bug (nothing partial is left behind)
+FULL_ERRNOS = {
+    errno.ENOSPC: "free space on the output's file system",
+    errno.EFBIG: "raise the file-size limit",
+    errno.EROFS: "the file system is read-only: remount it read-write",
+}
 if hasattr(errno, "EDQUOT"):
     FULL_ERRNOS[errno.EDQUOT] = "free space within your disk quota"
 
@@ -82,7 +87,9 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """A usage error: one line ``error: <prog>: <message> (fix: ...)`` on stderr, exit 2."""
-        line = one_line(f"error: {self.prog.removeprefix('fimoe-lab ')}: {message} (fix: see '{self.prog} --help')")
+        line = printable(
+            one_line(f"error: {self.prog.removeprefix('fimoe-lab ')}: {message} (fix: see '{self.prog} --help')")
+        )
         print(line, file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT)
 
@@ -126,7 +133,7 @@ def report_error(
     else:
         hint = "" if debug else " (run with --debug for the traceback)"
         line, code = f"internal error: {type(exc).__name__}: {exc}{hint}", EXIT_FAILED
-    print(one_line(line), file=stream)
+    print(printable(one_line(line)), file=stream)  # names and paths from files: no terminal escapes
     return code
 
 
@@ -217,7 +224,7 @@ class PlainProgress:
         **_: Any,
     ) -> None:
         self.unit, self.scale = ("MB", 1e6) if unit == "B" else (unit, 1.0)
-        self.total, self.desc, self.steps, self.interval = max(int(total), 0), desc, steps, interval
+        self.total, self.desc, self.steps, self.interval = max(int(total), 0), printable(desc), steps, interval
         self.done, self.shown = 0, 0
         self.stream = stream or sys.stderr
         self.clock = clock
@@ -264,7 +271,7 @@ def progress_bar(disabled: bool, total: int, desc: str, unit: str) -> Any:
     if how is True:
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, unit=unit.rstrip("s"), file=sys.stderr)
+        return tqdm(total=total, desc=printable(desc), unit=unit.rstrip("s"), file=sys.stderr)
     return PlainProgress(total=total, desc=desc, unit=unit)
 
 

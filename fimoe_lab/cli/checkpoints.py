@@ -221,7 +221,9 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
     c.add_argument(
         "--resume",
         action="store_true",
-        help="finish an interrupted convert into OUT: shards that verify against their checksums are kept",
+        help="finish an interrupted convert into OUT: only the same request (the same source by content and the "
+        "same options, recorded in every file convert writes; anything else is refused, naming the difference); "
+        "shards that verify against their checksums are kept",
     )
     c.add_argument(
         "--device",
@@ -262,7 +264,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if html is not None:
         from fimoe_lab.viz.report import report_html, write_report
 
-        write_report(html, report_html(path, reports, engine, args.tp, per_token=args.per_token))
+        write_report(html, report_html(path, reports, engine, args.tp, per_token=args.per_token), args.force)
     if args.json:
         layers = [r.to_json() for r in reports]
         doc = dict(path=str(path), engine=engine, per_token=args.per_token, tp=list(args.tp), layers=layers)

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "explains tensors dumped from an engine",
         description=(
             "Read one MoE layer of CHECKPOINT and the kernel tensors an engine used (KERNEL_TENSORS: a .safetensors "
-            "file or a .pt dict loaded with weights_only=True; names with w13/gemm1 and w2/gemm2, scales with 'scale', "
+            "file, or one .npy array named by its file (no pickle: a .pt is refused); names with w13/gemm1 and w2/gemm2, scales with 'scale', "
             "experts first). Every plan of every backend and engine profile, each with one step left out, another "
             "epilogue_tile_m or another intermediate padding, is applied to the checkpoint and compared byte by byte "
             "(fill bytes excluded) with the dump, per expert. Prints, per tensor, the variant that explains the bytes "
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example: fimoe-lab diagnose deepseek-r1-nvfp4 dumped_layer3.safetensors --layer 3 --figure diag.png",
     )
     p.add_argument("checkpoint", type=checkpoint_path, metavar="CHECKPOINT", help="checkpoint directory or sample name")
-    p.add_argument("kernel_tensors", type=Path, metavar="KERNEL_TENSORS", help=".safetensors or .pt of dumped tensors")
+    p.add_argument("kernel_tensors", type=Path, metavar="KERNEL_TENSORS", help=".safetensors or .npy of dumped tensors")
     p.add_argument("--layer", type=int, default=None, metavar="N", help="only layer N (default: the first MoE layer)")
     p.add_argument("--tp-size", type=positive_int("--tp-size"), default=1, help="TP size the engine ran (default 1)")
     p.add_argument("--tp-rank", type=int, default=0, help="TP rank the dump comes from (default 0)")
@@ -53,6 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="experts to compare (default: the first 8)",
     )
     p.add_argument("--figure", type=Path, default=None, help="write the comparison figure of the first tensor (PNG)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the --figure file if it exists and fimoe-lab wrote it (never any other file)",
+    )
     add_json_option(p, DIAGNOSE_JSON)
     p.set_defaults(handler=run_diagnose)
 
@@ -60,7 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_diagnose(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import open_checkpoint
     from fimoe_lab.diagnose import diagnose, figure, load_dump
+    from fimoe_lab.owned_files import check_file_output, write_file_output
+    from fimoe_lab.untrusted import printable
 
+    if args.figure is not None:  # before any work: an existing file or a link is refused now
+        check_file_output(args.figure, "png", args.force, [args.checkpoint, args.kernel_tensors])
     dumped = load_dump(args.kernel_tensors)
     ckpt = open_checkpoint(args.checkpoint)
     layer = ckpt.moe_layers[0] if args.layer is None else args.layer
@@ -71,8 +80,9 @@ def run_diagnose(args: argparse.Namespace) -> int:
         first = next(iter(result.tensors.values()))
         from fimoe_lab.viz.figures import to_png
 
-        args.figure.write_bytes(to_png(figure(first, moe, dumped[first.dumped_name])))
-        print(f"figure: {args.figure}", file=sys.stderr)
+        png = to_png(figure(first, moe, dumped[first.dumped_name]))
+        write_file_output(args.figure, png, "png", args.force, [args.checkpoint, args.kernel_tensors])
+        print(printable(f"figure: {args.figure}"), file=sys.stderr)
     if args.json:
         print_json(result.to_json())
     else:

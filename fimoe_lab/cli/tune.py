@@ -13,7 +13,9 @@ not know (a kernel set that is not shipped) exits 3.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
+from pathlib import Path
 
 from fimoe_lab import specs
 from fimoe_lab.cli._common import (
@@ -30,6 +32,7 @@ from fimoe_lab.cli._common import (
     show_progress,
 )
 from fimoe_lab.errors import FormatError, OracleError
+from fimoe_lab.owned_files import check_file_output, write_file_output
 from fimoe_lab.presets import PRESETS, get_preset
 
 SOURCES = ("auto", "live", "native", "model", "snapshot")  # TacticOracle.MODES (checked by a test)
@@ -146,6 +149,11 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--csv", help="also write the table to this CSV file")
     t.add_argument("--json-out", help="also write the table (rows with predicted_us) and recommendation to JSON")
     t.add_argument("--plot", help="save the heatmap and waste-vs-tactics figures to this PNG prefix")
+    t.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the --csv/--json-out/--plot files if they exist and tune wrote them (never any other file)",
+    )
     t.set_defaults(handler=run_tune)
 
 
@@ -287,6 +295,9 @@ def run_tune(a: argparse.Namespace) -> int:
     from fimoe_lab.tune.sweep import TOKENS, export, run, summary, table
 
     p = _model(a)
+    files = _output_files(a)
+    for path, kind in files:  # before any work: an existing file or a link is refused now
+        check_file_output(path, kind, a.force)
     if a.measure:  # before any work: no GPU, one clear error and nothing estimated in its place
         from fimoe_lab.tune.timing import require_cuda
 
@@ -327,9 +338,9 @@ def run_tune(a: argparse.Namespace) -> int:
         print(summary(s))
     for path in (a.csv, a.json_out):
         if path:
-            export(s, path)
+            export(s, path, a.force)
     if a.plot:
-        _save_plots(s, a.plot)
+        _save_plots(s, a.plot, a.force)
     unknown = [r.get("reason") for r in s.rows for c in s.tcols if r[c] is None]
     if unknown:
         return _no_answer(len(unknown), len(s.rows) * len(s.tcols), unknown)
@@ -342,7 +353,25 @@ def _gpu_runs_trtllm(gpu: str) -> bool:
     return get_gpu(gpu).trtllm_gen
 
 
-def _save_plots(s, prefix: str) -> None:
+PLOT_SUFFIXES = ("_heatmap.png", "_waste.png")
+"""The files ``tune --plot PREFIX`` writes: PREFIX + each."""
+
+
+def _output_files(a: argparse.Namespace) -> list[tuple[Path, str]]:
+    """The files this run of ``tune`` writes, each with its kind (:data:`fimoe_lab.owned_files.KINDS`)."""
+    files = []
+    for path in (a.csv, a.json_out):
+        if path:
+            kind = next((k for k in ("csv", "json") if path.endswith("." + k)), None)
+            if kind is None:
+                raise OracleError(
+                    f"export path {path!r} has neither a .csv nor a .json suffix", fix="name the file *.csv or *.json"
+                )
+            files.append((Path(path), kind))
+    return files + [(Path(a.plot + suffix), "png") for suffix in PLOT_SUFFIXES if a.plot]
+
+
+def _save_plots(s, prefix: str, force: bool) -> None:
     """``<prefix>_heatmap.png`` (tactics per padding and token count) and ``<prefix>_waste.png`` (needs pandas)."""
     try:
         from fimoe_lab.tune.sweep import to_frame
@@ -354,5 +383,7 @@ def _save_plots(s, prefix: str) -> None:
             f"`tune --plot` needs pandas and matplotlib ({e})", fix="pip install 'fimoe_lab[tune]'"
         ) from None
 
-    for draw, suffix in ((sweep_tactics_figure, "_heatmap.png"), (sweep_waste_figure, "_waste.png")):
-        draw(df).savefig(prefix + suffix, dpi=120, bbox_inches="tight")
+    for draw, suffix in zip((sweep_tactics_figure, sweep_waste_figure), PLOT_SUFFIXES):
+        buf = io.BytesIO()
+        draw(df).savefig(buf, format="png", dpi=120, bbox_inches="tight")
+        write_file_output(Path(prefix + suffix), buf.getvalue(), "png", force)

@@ -24,7 +24,6 @@ import functools
 import importlib
 import importlib.metadata
 import logging
-import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -32,8 +31,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from fimoe_lab import env
 from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import FimoeError
+from fimoe_lab.untrusted import printable
 
 __all__ = [
     "ENV_VAR",
@@ -44,8 +45,9 @@ __all__ = [
 ]
 
 ENV_VAR = "FIMOE_LAB_INSTALL"
-"""Read by the engine plugins: ``1`` installs (an untested version is logged and left alone),
-``force`` installs on any version, unset/``0`` does nothing."""
+"""Read by the engine plugins (:func:`fimoe_lab.env.env_switch`): a true value (``1 true yes on``)
+installs (an untested version is logged and left alone), ``force`` installs on any version, unset or
+a false value (``0 false no off``) does nothing; any other value is logged and does nothing."""
 
 FALLBACKS: Counter[str] = Counter()
 """``"module.name"`` -> how many calls fell back to the engine's own function (input refused)."""
@@ -84,7 +86,7 @@ def guarded(ours: Callable[..., Any], original: Callable[..., Any], where: str) 
             return ours(*args, **kwargs)
         except FimoeError as exc:
             if not FALLBACKS[where]:
-                _log.warning("fimoe_lab: %s runs the engine's own code for this input: %s", where, exc)
+                _log.warning("fimoe_lab: %s runs the engine's own code for this input: %s", where, printable(exc))
             FALLBACKS[where] += 1
             return original(*args, **kwargs)
 
@@ -214,8 +216,12 @@ class Integration:
     # ------------------------------------------------------------------ plugin
     def install_from_env(self) -> None:
         """What the engine plugin runs: install as :data:`ENV_VAR` says; never raise into the engine."""
-        value = os.environ.get(ENV_VAR, "").strip().lower()
-        if value in ("", "0", "false", "no"):
+        try:
+            value = env.value(ENV_VAR, False)
+        except FimoeError as exc:
+            _log.warning("fimoe_lab: not installed into %s: %s", self.distribution, exc)
+            return
+        if not value:
             return
         try:
             self.install(force=value == "force")

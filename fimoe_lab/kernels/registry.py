@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from fimoe_lab import env
 from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.kernels.compiled import ExecMap
 
@@ -261,7 +261,8 @@ def get_executor(name: Optional[str], device: torch.device | str, out_bytes: int
 
 # ============================================================================ loading in the background
 BACKGROUND_ENV = "FIMOE_BACKGROUND_LOAD"
-"""Set to ``0`` to load executors in the calling thread (no stand-in runs)."""
+"""Set to a false value (``0 false no off``: :func:`fimoe_lab.env.env_bool`) to load executors in the calling
+thread (no stand-in runs)."""
 
 
 class _Loads:
@@ -314,7 +315,7 @@ def _loaded_or_stand_in(ex: Executor) -> Executor:
     (in the calling thread instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in)."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
-    if ex.stand_in is None or os.environ.get(BACKGROUND_ENV, "1") == "0":
+    if ex.stand_in is None or not env.value(BACKGROUND_ENV, True):
         load_executor(ex.name)
         return ex
     with _LOADS.lock:

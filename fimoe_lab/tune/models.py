@@ -10,7 +10,6 @@ its convention decides the keys and the activation.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Optional
 from ..errors import CheckpointError, FimoeError
 from ..presets import ModelPreset
 from ..specs import get_activation
+from ..untrusted import parse_json
 
 __all__ = ["model_from_config", "model_from_checkpoint", "model_from_sizes", "whole_block_shards"]
 
@@ -94,9 +94,12 @@ def model_from_config(config: str | os.PathLike | Mapping, activation: Optional[
         cfg = dict(config)
     else:
         try:
-            cfg = json.loads(Path(config).read_text())
-        except (OSError, ValueError) as exc:
+            raw = Path(config).read_bytes()
+        except OSError as exc:
             raise CheckpointError(f"{where}: cannot read a JSON config ({exc})", fix="pass a config.json") from None
+        cfg = parse_json(raw, where, "pass a config.json", CheckpointError)
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{where} is not a JSON object", fix="pass a model's config.json")
     from ..checkpoints.conventions import CONFIG_KEYS, config_value
 
     sizes = {}

@@ -28,9 +28,11 @@ which :mod:`fimoe_lab.viz.figures` draws.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from ..engines import DEFAULT_ENGINE
@@ -789,18 +791,23 @@ def summary(s: Any) -> str:
     return "\n".join(lines)
 
 
-def export(s: Any, path: str) -> None:
-    """Write a sweep (:func:`run` or :func:`sweep`) to ``.csv`` or ``.json`` (rows with ``predicted_us``, plus attrs)."""
+def export(s: Any, path: str, force: bool = False) -> None:
+    """Write a sweep (:func:`run` or :func:`sweep`) to ``.csv`` or ``.json`` (rows with ``predicted_us``, plus
+    attrs; the JSON's first key ``generator``). Through :func:`fimoe_lab.owned_files.write_file_output`: an
+    existing file is replaced only with ``force`` and only if ``tune`` wrote it; never through a link."""
+    from fimoe_lab.owned_files import write_file_output
+
     sw = _as_sweep(s)
     if path.endswith(".csv"):
-        keys = list(sw.rows[0]) if sw.rows else []
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(sw.rows)
+        keys = list(sw.rows[0]) if sw.rows else ["inter_align", "hidden_align"]
+        text = io.StringIO(newline="")
+        w = csv.DictWriter(text, fieldnames=keys)
+        w.writeheader()
+        w.writerows(sw.rows)
+        write_file_output(Path(path), text.getvalue().encode(), "csv", force)
     elif path.endswith(".json"):
-        with open(path, "w") as f:
-            json.dump({"attrs": sw.attrs, "rows": sw.rows}, f, indent=1, default=str)
+        doc = {"generator": "fimoe-lab tune", "attrs": sw.attrs, "rows": sw.rows}
+        write_file_output(Path(path), json.dumps(doc, indent=1, default=str).encode(), "json", force)
     else:
         raise FimoeError(
             f"export path {path!r} has neither a .csv nor a .json suffix", fix="name the file *.csv or *.json"

@@ -44,13 +44,12 @@ import functools
 import gzip
 import json
 import math
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from fimoe_lab import resources
+from fimoe_lab import env, resources
 from fimoe_lab.errors import OracleError
 
 __all__ = [
@@ -184,8 +183,7 @@ _BLOCK = {"E2m1", "E2m3", "E3m2", "MxE2m1", "MxE4m3", "MxInt4"}
 # --------------------------------------------------------------------------- the table
 def kernels_dir() -> Path:
     """``$FIMOE_LAB_TACTICS_DIR`` or the package's tactics data folder."""
-    env = os.environ.get("FIMOE_LAB_TACTICS_DIR")
-    return Path(env) if env else resources.tactics_dir()
+    return env.value("FIMOE_LAB_TACTICS_DIR", None) or resources.tactics_dir()
 
 
 def shipped_tables() -> list[Path]:

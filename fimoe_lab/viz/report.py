@@ -11,31 +11,26 @@ and :func:`~fimoe_lab.viz.figures.row_permutation_figure`, as inline SVG through
 file beside it; light and dark through ``prefers-color-scheme``. Without matplotlib (the
 ``lab`` extra) the page says so and has no pictures.
 
-Output rules (:mod:`fimoe_lab.checkpoints.safe_io`): :func:`check_report_output` runs before
-the checkpoint is read; :func:`write_report` writes a temporary beside OUT and renames it
-(:func:`~fimoe_lab.checkpoints.safe_io.atomic_file`); an existing OUT is replaced only with
-``force`` and only when it is a report this module wrote (:data:`REPORT_MARKER` in its head).
+Output rules (:mod:`fimoe_lab.owned_files`): :func:`check_report_output` runs before
+the checkpoint is read; :func:`write_report` writes a temporary beside OUT and renames it; an
+existing OUT is replaced only with ``force`` and only when it is a report this module wrote
+(:data:`REPORT_MARKER` in its head).
 """
 
 from __future__ import annotations
 
 import html
-import os
 import re
-import secrets
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from fimoe_lab.errors import FimoeError
+from fimoe_lab import owned_files
 
 __all__ = ["REPORT_MARKER", "check_report_output", "write_report", "report_html", "layer_groups"]
 
-REPORT_MARKER = '<meta name="generator" content="fimoe-lab inspect --html">'
+REPORT_MARKER = owned_files.KINDS["html"].mark.decode()
 """In the head of every report: what lets ``--force`` replace one (and only one of these)."""
-MARKER_WINDOW = 4096
-"""Bytes of an existing file searched for :data:`REPORT_MARKER`."""
 PADDING_PICTURE_MAX_BYTES = 1 << 22
 """The padding masks are drawn only for plans whose largest map outputs at most this per expert (a
 DeepSeek-size layer's masks take 9-17 s and ~1 GB; the lab's PaddingExplorer draws them); the row
@@ -66,56 +61,16 @@ figure { margin: 0.8em 0; overflow-x: auto; } figcaption { color: var(--muted); 
 
 
 # ----------------------------------------------------------------------------- the output
-def _refuse(out: Path, why: str, fix: str) -> None:
-    raise FimoeError(f"report {out} {why}", fix=fix)
-
-
-def _probe(out: Path, parent: Path) -> None:
-    """Create and remove a file of our own in ``parent``: an unwritable directory fails now, before any work."""
-    probe = parent / f".{out.name}.probe-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-    except PermissionError as exc:
-        raise PermissionError(exc.errno, exc.strerror, str(parent)) from None
-    except OSError as exc:
-        _refuse(out, f"cannot be written: {exc.strerror}", "write the report to another directory")
-    os.unlink(probe)
-
-
 def check_report_output(out: Path, inputs: Sequence[Path], force: bool) -> None:
-    """Refuse a report path that could destroy data, before anything is read: ``.``/``..``, a
-    missing or unwritable directory, the input or a path inside it, a link, anything but a
-    regular file, an existing file without ``force``, or one this module did not write."""
-    if out.name in ("", ".", "..") or out.is_dir():
-        _refuse(out, "is a directory, not a file", "name a new .html file")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        _refuse(out, f"cannot be written: its directory {parent} does not exist", f"create {parent} first")
-    _probe(out, parent)
-    real = Path(os.path.realpath(out))
-    for src in inputs:
-        r_src = Path(os.path.realpath(src))
-        if real == r_src or r_src in real.parents:
-            _refuse(out, f"is inside the input {src}", "write the report elsewhere")
-    if not os.path.lexists(out):
-        return
-    st = os.lstat(out)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-        _refuse(out, "exists and is not a regular file; it is never replaced", "choose another report path")
-    if not force:
-        _refuse(out, "exists", "pass --force to overwrite it (only a report 'inspect --html' wrote is replaced)")
-    with open(out, "rb") as f:
-        head = f.read(MARKER_WINDOW)
-    if REPORT_MARKER.encode() not in head:
-        _refuse(out, "exists and was not written by 'fimoe-lab inspect --html'", "choose another report path")
+    """Refuse a report path that could destroy data, before anything is read
+    (:func:`fimoe_lab.owned_files.check_file_output`)."""
+    owned_files.check_file_output(out, "html", force, inputs)
 
 
-def write_report(out: Path, text: str) -> None:
-    """Write ``text`` at ``out`` through a temporary that is renamed when complete (nothing partial is left)."""
-    from fimoe_lab.checkpoints.safe_io import atomic_file
-
-    with atomic_file(out) as f:
-        f.write(text.encode())
+def write_report(out: Path, text: str, force: bool) -> None:
+    """Write ``text`` at ``out`` through a temporary that is renamed when complete (nothing partial is left;
+    :func:`fimoe_lab.owned_files.write_file_output`)."""
+    owned_files.write_file_output(out, text.encode(), "html", force)
 
 
 # ----------------------------------------------------------------------------- grouping

@@ -41,6 +41,7 @@ import ipywidgets as W
 import numpy as np
 from matplotlib.figure import Figure
 
+from fimoe_lab import owned_files
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.specs import BACKENDS
 from fimoe_lab.viz import data, figures, sources
@@ -262,8 +263,8 @@ class _Explorer(W.VBox):
         self.save_name = W.Text(placeholder="file name (default: fimoe-<explorer>)", layout=W.Layout(width="260px"))
         save_png, save_svg = W.Button(description="save PNG"), W.Button(description="save SVG")
         show_code = W.Button(description="copy as code")
-        save_png.on_click(lambda _: self.save("png"))
-        save_svg.on_click(lambda _: self.save("svg"))
+        save_png.on_click(lambda _: self._save_clicked("png"))
+        save_svg.on_click(lambda _: self._save_clicked("svg"))
         show_code.on_click(lambda _: self._show_code())
         self.code_box = W.Textarea(layout=W.Layout(width="100%", height="90px", display="none"))
         self.controls = controls
@@ -428,17 +429,24 @@ class _Explorer(W.VBox):
             self.view.tip = text
         return text
 
+    def _save_clicked(self, fmt: str) -> None:
+        """A save button: :meth:`save`, a refusal shown in the message line."""
+        try:
+            self.save(fmt)
+        except (FimoeError, OSError) as exc:
+            self.message.value = html.escape(f"not saved: {exc}")
+
     def save(self, fmt: str, path: Optional[str] = None) -> Path:
         """Write the shown figure as ``fmt`` ("png": 2x on white, "svg": vector) to ``path``
-        (default: the name box, or ``fimoe-<explorer>``); returns the file written."""
+        (default: the name box, or ``fimoe-<explorer>``); returns the file written. Through
+        :func:`fimoe_lab.owned_files.write_file_output`: an existing file of that name is replaced only
+        if fimoe-lab wrote it (a link or another file is refused), atomically."""
         if self.figure is None:
             raise LayoutError("there is no figure to save yet", fix="pick a setting that draws one")
         name = path or self.save_name.value.strip() or f"fimoe-{type(self).__name__.lower()}"
         out = Path(name).with_suffix(f".{fmt}")
-        if fmt == "png":
-            out.write_bytes(figures.to_png(self.figure))
-        else:
-            out.write_text(self.svg)
+        data = figures.to_png(self.figure) if fmt == "png" else self.svg.encode()
+        owned_files.write_file_output(out, data, fmt, force=True)
         self.message.value = html.escape(f"saved {out.resolve()}")
         return out
 
@@ -1023,7 +1031,7 @@ class DiagnoseExplorer(_Explorer):
         )
         self.dump = W.Text(
             dump,
-            placeholder="dumped kernel tensors (.safetensors / .pt)",
+            placeholder="dumped kernel tensors (.safetensors / .npy)",
             description="kernel dump",
             style=STYLE,
             layout=W.Layout(width="360px"),

@@ -1,0 +1,163 @@
+"""Every ``FIMOE_*`` environment variable fimoe-lab reads, parsed by one set of functions.
+
+Booleans have one spelling set everywhere (case and surrounding blanks ignored): true is
+:data:`TRUE` (``1 true yes on``), false is :data:`FALSE` (``0 false no off`` or empty); any other
+value is one :class:`~fimoe_lab.errors.FimoeError` naming the variable and the spellings (so
+``FIMOE_LAB_INSTALL=off`` never installs and ``FIMOE_BACKGROUND_LOAD=nope`` is an error, not a
+guess). Integers are whole decimal numbers within their bounds; paths are non-empty.
+
+:data:`VARIABLES` lists them, with their kind and what each does; :func:`value` reads one,
+:func:`check_all` (run by the CLI before any command) validates every one that is set.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from fimoe_lab.errors import FimoeError
+
+__all__ = [
+    "TRUE",
+    "FALSE",
+    "VARIABLES",
+    "Variable",
+    "value",
+    "check_all",
+    "env_bool",
+    "env_int",
+    "env_path",
+    "env_switch",
+]
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off", "")
+BOOLEAN = f"a boolean ({'/'.join(TRUE)} or {'/'.join(f for f in FALSE if f)})"
+"""How an error names the accepted spellings."""
+
+
+def _bad(name: str, raw: str, want: str) -> FimoeError:
+    return FimoeError(f"environment variable {name}={raw!r} is not {want}", fix=f"unset {name} or set it to {want}")
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """``$name`` as a boolean (module docstring); ``default`` when unset."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise _bad(name, raw, BOOLEAN)
+
+
+def env_switch(name: str, extra: str) -> str | bool:
+    """``$name`` as a boolean or the one extra word ``extra`` (``FIMOE_LAB_INSTALL=force``); False when unset."""
+    raw = os.environ.get(name)
+    if raw is not None and raw.strip().lower() == extra:
+        return extra
+    try:
+        return env_bool(name, False)
+    except FimoeError:
+        raise _bad(name, str(raw), f"{BOOLEAN} or {extra!r}") from None
+
+
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+"""Suffixes :func:`parse_int` accepts with ``units=True`` (powers of 1024, case ignored, an optional ``b``/``ib``)."""
+_NUMBER = re.compile(r"^(\d{1,30})\s*(?:([kmgt])i?)?b?$")
+
+
+def parse_int(name: str, raw: str, minimum: int, maximum: int, units: bool = False) -> int:
+    """``raw`` (the value of ``name``) as a whole number in ``[minimum, maximum]``; with ``units`` a
+    K/M/G/T suffix (powers of 1024: ``64G``, ``64GiB``) is allowed."""
+    want = f"a whole number in [{minimum}, {maximum}]" + (" (K/M/G/T suffixes allowed)" if units else "")
+    text = raw.strip().lower()
+    m = _NUMBER.match(text) if units else re.match(r"^(\d{1,30})()$", text)
+    if m is None:
+        raise _bad(name, raw, want)
+    value = int(m[1]) * UNITS[m[2] or ""]
+    if not minimum <= value <= maximum:
+        raise _bad(name, raw, want)
+    return value
+
+
+def env_int(name: str, default: int, minimum: int = 0, maximum: int = 1 << 62, units: bool = False) -> int:
+    """``$name`` as an integer (:func:`parse_int`); ``default`` when unset (an empty value is an error)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return parse_int(name, raw, minimum, maximum, units)
+
+
+def env_path(name: str) -> Optional[Path]:
+    """``$name`` as a path (``~`` expanded); None when unset or empty."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    return Path(raw).expanduser()
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One variable: its ``kind`` (``bool``, ``switch``: a boolean or the word ``extra``, ``int``, ``size``: an
+    integer with K/M/G/T allowed, ``path``), bounds for numbers, and what it does."""
+
+    name: str
+    kind: str
+    doc: str
+    minimum: int = 0
+    maximum: int = 1 << 62
+    extra: str = ""
+
+    def read(self, default: Any) -> Any:
+        """The value (``default`` when unset), or one FimoeError."""
+        if self.kind == "bool":
+            return env_bool(self.name, default)
+        if self.kind == "switch":
+            return env_switch(self.name, self.extra) if self.name in os.environ else default
+        if self.kind in ("int", "size"):
+            return env_int(self.name, default, self.minimum, self.maximum, units=self.kind == "size")
+        return env_path(self.name) or default
+
+
+VARIABLES = {
+    v.name: v
+    for v in (
+        Variable(
+            "FIMOE_LAB_INSTALL",
+            "switch",
+            "engine plugins: a true value installs fimoe_lab into vLLM/SGLang, 'force' on any version",
+            extra="force",
+        ),
+        Variable("FIMOE_BACKGROUND_LOAD", "bool", "a false value loads kernel executors in the calling thread"),
+        Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
+        Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),
+        Variable("FIMOE_LAB_MAX_MEMORY", "size", "the memory one layer of convert/restore may need (default 64 GiB)"),
+        Variable(
+            "FIMOE_LAB_CACHE", "path", "where compiled TRTLLM-Gen modules are cached (default ~/.cache/fimoe_lab)"
+        ),
+        Variable("FIMOE_LAB_TACTICS_DIR", "path", "where the tactic tables are read from (default: the shipped ones)"),
+        Variable("FIMOE_GOLDENS", "path", "golden sets to check (a file or a folder)"),
+        Variable("FIMOE_DIST_TIMEOUT", "int", "convert --distributed: seconds to wait for a peer (default 300)", 1),
+        Variable("FIMOE_DIST_DATA_TIMEOUT", "int", "convert --distributed: seconds for writing (default 43200)", 1),
+    )
+}
+"""Every variable fimoe-lab reads: what :func:`value` parses and :func:`check_all` validates."""
+
+
+def value(name: str, default: Any) -> Any:
+    """``$name`` parsed as :data:`VARIABLES` says (``default`` when unset)."""
+    return VARIABLES[name].read(default)
+
+
+def check_all() -> None:
+    """Parse every variable of :data:`VARIABLES` that is set: a bad one is one FimoeError before any work
+    (the CLI calls this first)."""
+    for v in VARIABLES.values():
+        if v.name in os.environ and v.kind != "switch":  # FIMOE_LAB_INSTALL is the engine plugins' alone
+            v.read(None)
