@@ -49,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Rebuild each layer's plan from the recorded arguments, check its steps against the recorded ones and each "
             "tensor against the SHA-256 convert recorded (a corrupt or edited file is refused), apply the "
             "inverse (padding dropped) and write OUT_DIR: config.json, index and shards with the expert tensors in the "
-            "source's naming convention, byte-identical to the source (for a TP shard: the rank's slice). Streamed: one "
+            "source's naming convention, byte-identical to the source (for a TP shard: the rank's slice), and every "
+            "tensor convert carried through unchanged: from a whole convert (one rank, or OUT of --rank all), every "
+            "tensor of the source with its name, dtype, shape and bytes, and nothing else. Streamed: one "
             "layer in memory, read a chunk of experts at a time."
         ),
         epilog="example: fimoe-lab restore /tmp/r1.kernel.safetensors /tmp/r1-restored",
@@ -163,7 +165,11 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         description=(
             "Read each MoE layer (rank --rank of --tp, sliced along the intermediate dim as serving engines shard), apply "
             "the layout plan of its format for --backend, and write w13_weight, w2_weight, w13_weight_scale, "
-            "w2_weight_scale per layer, plus extras unchanged. The metadata records the plan arguments and every step, so "
+            "w2_weight_scale per layer, plus extras unchanged. Every other tensor of the checkpoint (dense layers, "
+            "routers and their biases, shared experts, norms, embeddings, heads, MTP layers, layers left out by --layer) "
+            "is written unchanged under its own name, into rank 0's output only, so OUT is a whole checkpoint and each "
+            "tensor is stored once. The metadata records the plan arguments and every step, and the source files by "
+            "size and header digest (no path, no time: the same source converted anywhere gives the same bytes), so "
             "'fimoe-lab restore' can map the file back.\n\n"
             "OUT is a directory of shards in the Hugging Face convention (model-0000k-of-0000n.safetensors and "
             "model.safetensors.index.json, each shard with the metadata), or one file when OUT ends in .safetensors or "
