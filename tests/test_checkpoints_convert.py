@@ -316,7 +316,7 @@ def test_cli_convert_restore_and_errors(tmp_path, capsys):
     assert cli_main(["convert", "gpt-oss-mxfp4", kernel, "--backend", "trtllm", "--no-progress"]) == 2  # bad input
     assert "exists (fix: pass --force" in capsys.readouterr().err
     assert cli_main(["convert", "no-such-model", str(tmp_path / "x.safetensors"), "--backend", "cutlass"]) == 2
-    assert "no such checkpoint directory or sample" in capsys.readouterr().err
+    assert "does not exist (not a checkpoint directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["convert", "--help"])
     assert "temporary name" in capsys.readouterr().out

@@ -17,8 +17,10 @@ from fimoe_lab.cli._common import (
     EXIT_OK,
     add_engine_option,
     add_json_option,
+    add_option,
     add_per_token_option,
     add_progress_option,
+    add_rank_option,
     add_tp_option,
     checkpoint_path,
     int_list,
@@ -123,12 +125,14 @@ def _register_inspect(sub: argparse._SubParsersAction, note: str) -> None:
     p.add_argument(
         "--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all MoE layers)"
     )
-    p.add_argument(
+    add_option(
+        p,
         "--tp",
+        "--tp-size",
         type=int_list("--tp", "1,2,4,8"),
         default=(1, 2, 4, 8),
         metavar="T,T,..",
-        help="TP sizes to check (default 1,2,4,8)",
+        help="tensor-parallel sizes to check, one or several (default 1,2,4,8)",
     )
     add_per_token_option(p, "the paddings convert --per-token writes")
     add_mxfp4_activation_option(p, "the CUTLASS plans as convert --mxfp4-activation writes them")
@@ -195,13 +199,7 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         help="expert-parallel size dividing --tp (default 1): rank r holds the contiguous experts of EP rank "
         "r // (TP/N) (vLLM/SGLang's placement), sliced as moe-TP rank r %% (TP/N); restore of OUT reassembles them",
     )
-    c.add_argument(
-        "--rank",
-        type=tp_rank,
-        default=0,
-        metavar="R",
-        help="tensor-parallel rank to write (default 0), or 'all': every rank, rank r in OUT/rank-<r>",
-    )
+    add_rank_option(c, "to write (default 0), or 'all': every rank, rank r in OUT/rank-<r>", tp_rank)
     c.add_argument("--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all)")
     c.add_argument(
         "--intermediate-alignment",

@@ -22,6 +22,8 @@ from fimoe_lab.cli._common import (
     add_json_option,
     add_per_token_option,
     add_progress_option,
+    add_size_options,
+    add_tp_option,
     checkpoint_path,
     int_list,
     positive_int,
@@ -103,9 +105,7 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
         ),
     )
     d.add_argument("paths", nargs="*", help="checkpoint directories or sample names (default: every shipped sample)")
-    d.add_argument(
-        "--tp", type=positive_int("--tp"), default=2, help="tensor-parallel size to shard to (rank 0; default 2)"
-    )
+    add_tp_option(d, "the size to shard to, rank 0 written", default=2)
     d.add_argument(
         "--out", default="fimoe-demo-out", help="where the kernel-layout files go (default ./fimoe-demo-out)"
     )
@@ -131,9 +131,10 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--backend", default="all", choices=("all",) + specs.BACKENDS, help="FlashInfer backend (default: both)"
     )
-    p.add_argument("--intermediate", type=int, default=256, help="per-partition intermediate size (default 256)")
-    p.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
-    p.add_argument("--experts", type=int, default=4, help="experts to run on (default 4)")
+    add_size_options(p, "per-rank intermediate size (default 256)", "hidden size (default 512)", defaults=(256, 512))
+    p.add_argument(
+        "--experts", type=positive_int("--experts"), default=4, metavar="E", help="experts in the layer (default 4)"
+    )
     p.add_argument("--non-gated", action="store_true", help="non-gated activation (ReLU^2): W1 has I rows, no gate/up")
     add_per_token_option(
         p, "the engine profile's per-token paddings (vLLM: hidden 512 for a non-gated layer on TRT-LLM)"

@@ -14,9 +14,11 @@ from fimoe_lab.cli._common import (
     EXIT_FAILED,
     EXIT_OK,
     add_json_option,
+    add_option,
+    add_rank_option,
+    add_tp_option,
     checkpoint_path,
     int_list,
-    positive_int,
     print_json,
 )
 
@@ -41,16 +43,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
         epilog="example: fimoe-lab diagnose deepseek-r1-nvfp4 dumped_layer3.safetensors --layer 3 --figure diag.png",
     )
-    p.add_argument("checkpoint", type=checkpoint_path, metavar="CHECKPOINT", help="checkpoint directory or sample name")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory (or its config.json) or sample name")
     p.add_argument("kernel_tensors", type=Path, metavar="KERNEL_TENSORS", help=".safetensors or .pt of dumped tensors")
     p.add_argument("--layer", type=int, default=None, metavar="N", help="only layer N (default: the first MoE layer)")
-    p.add_argument("--tp-size", type=positive_int("--tp-size"), default=1, help="TP size the engine ran (default 1)")
-    p.add_argument("--tp-rank", type=int, default=0, help="TP rank the dump comes from (default 0)")
-    p.add_argument(
+    add_tp_option(p, "the size the engine ran")
+    add_rank_option(p, "the dump comes from (default 0)")
+    add_option(
+        p,
+        "--expert-ids",
         "--experts",
-        type=int_list("--experts", "0,1,2", minimum=0),
+        type=int_list("--expert-ids", "0,1,2", minimum=0),
         default=None,
-        help="experts to compare (default: the first 8)",
+        metavar="E,E,..",
+        help="the experts to compare, by index (default: the first 8)",
     )
     p.add_argument("--figure", type=Path, default=None, help="write the comparison figure of the first tensor (PNG)")
     add_json_option(p, DIAGNOSE_JSON)
@@ -61,12 +66,13 @@ def run_diagnose(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import open_checkpoint
     from fimoe_lab.diagnose import diagnose, figure, load_dump
 
+    where = checkpoint_path(args.checkpoint)  # the model first: a missing one is named before the dump
     dumped = load_dump(args.kernel_tensors)
-    ckpt = open_checkpoint(args.checkpoint)
+    ckpt = open_checkpoint(where)
     layer = ckpt.moe_layers[0] if args.layer is None else args.layer
-    moe = ckpt.read_layer(layer, args.tp_size, args.tp_rank)
-    source = f"{args.checkpoint} layer {layer} (TP rank {args.tp_rank} of {args.tp_size}) vs {args.kernel_tensors}"
-    result = diagnose(moe, dumped, args.experts, source)
+    moe = ckpt.read_layer(layer, args.tp, args.rank)
+    source = f"{args.checkpoint} layer {layer} (TP rank {args.rank} of {args.tp}) vs {args.kernel_tensors}"
+    result = diagnose(moe, dumped, args.expert_ids, source)
     if args.figure is not None:
         first = next(iter(result.tensors.values()))
         from fimoe_lab.viz.figures import to_png

@@ -13,7 +13,15 @@ import argparse
 import time
 
 from fimoe_lab import specs
-from fimoe_lab.cli._common import EXIT_OK, add_json_option, add_tp_option, lower_choice, positive_int, print_json
+from fimoe_lab.cli._common import (
+    EXIT_OK,
+    add_json_option,
+    add_size_options,
+    add_tp_option,
+    lower_choice,
+    positive_int,
+    print_json,
+)
 from fimoe_lab.presets import PRESETS
 
 WARMUP_JSON = (
@@ -53,8 +61,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--device", dest="devices", action="append", help="a torch device, e.g. cpu or cuda (repeatable; default cpu)"
     )
     add_tp_option(w)
-    w.add_argument("--hidden", type=positive_int("--hidden"), help="hidden size (overrides the preset's)")
-    w.add_argument("--inter", type=positive_int("--inter"), help="per-rank intermediate size (overrides the preset's)")
+    add_size_options(w, "per-rank intermediate size (overrides the preset's)", "hidden size (overrides the preset's)")
     w.add_argument("--experts", type=positive_int("--experts"), help="experts per layer (overrides the preset's)")
     w.add_argument("--no-in-place", action="store_true", help="skip the in-place kernels")
     add_json_option(w, WARMUP_JSON)
@@ -72,7 +79,7 @@ def run_warmup(args: argparse.Namespace) -> int:
         devices=tuple(args.devices or ("cpu",)),
         tp=args.tp,
         hidden=args.hidden,
-        intermediate=args.inter,
+        intermediate=args.intermediate,
         experts=args.experts,
         in_place=not args.no_in_place,
     )
