@@ -266,13 +266,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     if html is not None:
         from fimoe_lab.viz.report import report_html, write_report
 
-        write_report(html, report_html(path, reports, engine, args.tp, per_token=args.per_token))
+        shown = Path(args.path)  # as the user typed it (a sample by its name, not where it is installed)
+        write_report(html, report_html(shown, reports, engine, args.tp, per_token=args.per_token))
     if args.json:
         layers = [r.to_json() for r in reports]
         doc = dict(path=str(path), engine=engine, per_token=args.per_token, tp=list(args.tp), layers=layers)
         print_json({**doc, "html": None if html is None else str(html)})
         return EXIT_OK
-    print(f"{path}\n")
+    print(f"{args.path}\n")
     print(format_report(reports))
     if html is not None:
         print(f"wrote {html}")
