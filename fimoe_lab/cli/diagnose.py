@@ -23,7 +23,7 @@ from fimoe_lab.cli._common import (
 )
 
 DIAGNOSE_JSON = (
-    '{"source", "tensors": {ROLE: {"dumped_name", "experts", "explained", "best": the variant that explains it, '
+    '{"source", "tensors": {ROLE: {"dumped_name", "experts", "explained", "best": the variant that explains it, "equally": every other variant that explains it as well, '
     '"planned", "ranked": [{"variant", "match": per expert}] (the best 10)}}, "ignored": dumped names not compared}'
 )
 
@@ -38,8 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "file or a .pt dict loaded with weights_only=True; names with w13/gemm1 and w2/gemm2, scales with 'scale', "
             "experts first). Every plan of every backend and engine profile, each with one step left out, another "
             "epilogue_tile_m or another intermediate padding, is applied to the checkpoint and compared byte by byte "
-            "(fill bytes excluded) with the dump, per expert. Prints, per tensor, the variant that explains the bytes "
-            "and how much the planned one matches. Exit 0 when every tensor is explained exactly, 1 otherwise."
+            "(fill bytes excluded) with the dump, per expert. Prints, per tensor, the variant that explains the bytes, "
+            "every other variant that explains them equally (an engine profile's own plan named before a plan with a "
+            "step left out) and how much the planned one matches. Exit 0 when every tensor is explained exactly, 1 otherwise."
         ),
         epilog="example: fimoe-lab diagnose deepseek-r1-nvfp4 dumped_layer3.safetensors --layer 3 --figure diag.png",
     )
