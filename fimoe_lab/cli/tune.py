@@ -37,6 +37,14 @@ from fimoe_lab.errors import FormatError, OracleError
 from fimoe_lab.presets import PRESETS, get_preset
 
 SOURCES = ("auto", "live", "native", "model", "snapshot")  # TacticOracle.MODES (checked by a test)
+SOURCE_HELP = (
+    "where tactic answers come from: auto (default): native on a Blackwell GPU, else the model when the installed "
+    "FlashInfer's kernel table is shipped, else live, else the model; native: FlashInfer's own "
+    "trtllm_get_valid_moe_configs on this Blackwell (SM10x) GPU (refused without one); live: that op from the "
+    "module built by 'python -m fimoe_lab.tune.build', on any machine (an SM100 shim); model: the shipped "
+    "re-implementation of the op over FlashInfer's kernel table, exact for any shape, no GPU; snapshot: the same "
+    "as model (its former name)"
+)
 GPU_NAMES = ("b200", "gb200", "b300", "h200", "h100")  # the rows of fimoe_lab.tune.cost.GPUS (checked by a test)
 TOKENS_TYPE = int_list("--tokens", "1,8,64")
 
@@ -144,13 +152,7 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
         "per token count; bf16, fp8 rowwise where torch has it): adds measured_us beside predicted_us",
     )
     add_engine_option(t)
-    t.add_argument(
-        "--source",
-        choices=SOURCES,
-        default="auto",
-        help="where tactic answers come from (auto: Blackwell GPU, else built module, else the shipped "
-        "validity model; model: that model only)",
-    )
+    t.add_argument("--source", choices=SOURCES, default="auto", help=SOURCE_HELP)
     add_json_option(t, TUNE_JSON)
     t.add_argument("--csv", help="also write the table to this CSV file")
     t.add_argument("--json-out", help="also write the table (rows with predicted_us) and recommendation to JSON")
@@ -198,7 +200,7 @@ def _register_tactics(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--tokens", type=TOKENS_TYPE, default=(1, 8, 64), help="comma-separated token counts (default 1,8,64)"
     )
-    q.add_argument("--source", choices=SOURCES, default="auto", help="where answers come from")
+    q.add_argument("--source", choices=SOURCES, default="auto", help=SOURCE_HELP)
     add_json_option(q, TACTICS_JSON, "list")
     q.add_argument("--configs", action="store_true", help="include the full [tile_N, config] list (live only)")
     q.set_defaults(handler=run_tactics)
