@@ -341,8 +341,10 @@ def test_convert_json_lists_each_rank_and_what_resume_kept(tmp_path, capsys):
     assert main(argv + ["--force"]) == 0
     text = capsys.readouterr().out
     for r in doc["ranks"]:
+        kept = f", {r['unchanged']} other tensors unchanged" if r["unchanged"] else ""
         line = (
-            f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB, {len(r['files'])} shards, tp rank {r['rank']} of 2, trtllm)"
+            f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB, {len(r['files'])} shards, tp rank {r['rank']} of 2, "
+            f"trtllm{kept})"
         )
         assert line in text
 

@@ -237,3 +237,22 @@ def test_resume_keeps_the_shards_of_the_same_source_from_another_place(tmp_path,
     shards = [f for f in before if f.endswith(".safetensors")]
     assert len(shards) > 1 and rank["kept"] == len(shards) and rank["written"] == 0
     assert files_of(out) == before
+
+
+def test_the_cli_says_what_is_carried_and_restored(tmp_path, capsys):
+    """convert --json counts the unchanged tensors per rank (rank 0 holds them), the text line names them;
+    restore reports every tensor of the source."""
+    src = sample_path("deepseek-v3-fp8")
+    source = all_tensors(src)
+    experts = {k for k in source if ".experts." in k and "shared_experts" not in k}
+    argv = ["convert", "deepseek-v3-fp8", str(tmp_path / "k"), "--backend", "trtllm", "--tp", "2", "--rank", "all"]
+    assert cli_main([*argv, "--json", "--no-progress"]) == 0
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    assert [r["unchanged"] for r in ranks] == [len(source) - len(experts), 0] == [14, 0]
+    assert cli_main(["restore", str(tmp_path / "k"), str(tmp_path / "back"), "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensors"] == len(source) == 50
+    argv[2] = str(tmp_path / "k2")
+    assert cli_main([*argv, "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("rank-0" in line and "14 other tensors unchanged" in line for line in lines)
+    assert not any("rank-1" in line and "unchanged" in line for line in lines)

@@ -338,6 +338,7 @@ CONVERT_JSON = (
     '"hidden_alignment": as given (null: the profile default), "layers": [{"layer", "description", "intermediate", '
     '"padded_intermediate", "hidden", "padded_hidden", "tensors": [{"name", "checkpoint_shape", "kernel_shape", '
     '"dtype", "steps"}]}] (rank 0), "ranks": [{"rank", "out", "sharded", "experts": [first, end) with --ep, else null, '
+    '"unchanged": source tensors carried through unchanged (rank 0 holds them all), '
     '"files": [{"name", "bytes", "kept": kept from an earlier run by --resume}], "bytes", "written", "kept", "seconds": from the start or the previous rank to its last file '
     'written}], "bytes": all files, "written_bytes", "seconds", "mb_per_s": written bytes per second, "processes": '
     'null or, with --distributed, [{"rank", "units", "written", "kept", "bytes", "seconds", "mb_per_s"}]}'
@@ -410,9 +411,9 @@ def _written_layers(meta: dict) -> list[dict[str, Any]]:
 
 
 def _written_ranks(args: argparse.Namespace, out: Path, before: dict, start: float) -> list[dict[str, Any]]:
-    """Per TP rank: its output, experts (``--ep``: the metadata's range), files (bytes, kept by ``--resume``),
-    and seconds to its last file written."""
-    from fimoe_lab.checkpoints import read_kernel_metadata
+    """Per TP rank: its output, experts (``--ep``: the metadata's range), the source tensors it carries unchanged
+    (rank 0's), files (bytes, kept by ``--resume``), and seconds to its last file written."""
+    from fimoe_lab.checkpoints.writer import KernelFiles, kept_names
 
     ranks = list(range(args.tp)) if args.rank == "all" else [args.rank]
     outputs = [out / f"rank-{r}" for r in ranks] if args.rank == "all" else [out]
@@ -424,8 +425,11 @@ def _written_ranks(args: argparse.Namespace, out: Path, before: dict, start: flo
         end = max([last, *new])
         size = sum(f["bytes"] for f in files)
         kept = sum(f["kept"] for f in files)
-        experts = read_kernel_metadata(o).get("experts")  # [e0, e1) of an EP rank; None: every expert
-        rec = dict(rank=rank, out=str(o), sharded=o.is_dir(), experts=experts, files=files, bytes=size)
+        with KernelFiles(o) as kf:
+            experts = kf.meta.get("experts")  # [e0, e1) of an EP rank; None: every expert
+            unchanged = len(kept_names(kf))
+        rec = dict(rank=rank, out=str(o), sharded=o.is_dir(), experts=experts, unchanged=unchanged)
+        rec.update(files=files, bytes=size)
         rec["written"] = len(files) - kept
         done.append({**rec, "kept": kept, "seconds": round(end - last, 3)})
         last = end
@@ -505,7 +509,10 @@ def _print_written(args: argparse.Namespace, doc: dict[str, Any]) -> None:
     for r in doc["ranks"]:
         n = len(r["files"])
         shards = f", {n} shard{'s' * (n > 1)}" if r["sharded"] else ""
-        print(f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB{shards}, tp rank {r['rank']} of {args.tp}, {args.backend})")
+        kept = f", {r['unchanged']} other tensors unchanged" if r["unchanged"] else ""
+        print(
+            f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB{shards}, tp rank {r['rank']} of {args.tp}, {args.backend}{kept})"
+        )
 
 
 def run_restore(args: argparse.Namespace) -> int:
@@ -522,13 +529,13 @@ def run_restore(args: argparse.Namespace) -> int:
     )
     seconds = time.time() - start
     shards = sorted(out.glob("*.safetensors"))
+    tensors = len(read_json(out / INDEX, "index")["weight_map"])
     if not args.json:
         n = len(shards)
-        print(f"wrote {out} (config.json, model.safetensors.index.json, {n} shard{'s' * (n > 1)})")
+        print(f"wrote {out} (config.json, model.safetensors.index.json, {n} shard{'s' * (n > 1)}, {tensors} tensors)")
         return EXIT_OK
     files = [dict(name=f.name, bytes=f.stat().st_size) for f in sorted(p for p in out.iterdir() if p.is_file())]
     size = sum(f["bytes"] for f in files)
-    tensors = len(read_json(out / INDEX, "index")["weight_map"])
     print_json(
         dict(
             source=str(args.kernel_file),
