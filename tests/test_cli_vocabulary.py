@@ -157,6 +157,7 @@ def test_tune_a_config_alone_asks_for_the_format(capsys, tmp_path):
         ["convert", "{missing}", "{out}", "--backend", "trtllm"],
         ["diagnose", "{missing}", "{out}"],
         ["demo", "{missing}", "--out", "{out}"],
+        ["warmup", "--model", "{missing}"],
     ],
 )
 def test_a_missing_model_path_does_not_exist(capsys, tmp_path, argv):
@@ -165,3 +166,14 @@ def test_a_missing_model_path_does_not_exist(capsys, tmp_path, argv):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and f"{missing} does not exist" in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "model,fmt", [("deepseek-v3-fp8", "fp8-block"), ("gpt-oss-mxfp4", "mxfp4"), ("mixtral-bf16", "bf16")]
+)
+def test_warmup_takes_a_sample_and_reads_its_format(capsys, model, fmt):
+    assert main(["warmup", "--model", model, "--no-in-place", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert runs and {r["fmt"] for r in runs} == {fmt}
+    assert main(["warmup", "--model", str(sample_path(model)), "--no-in-place", "--json"]) == 0
+    assert {r["fmt"] for r in json.loads(capsys.readouterr().out)["runs"]} == {fmt}
