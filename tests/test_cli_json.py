@@ -43,7 +43,7 @@ def test_plan_json_has_the_table_facts_and_traces_a_byte(capsys):
     code, doc, err = run_json(capsys, argv + ["--where", "5,3"])
     assert code == 0 and err == ""
     assert set(doc) | set(doc["layer"]) | {k for p in doc["plans"] for k in p} <= keys_of(PLAN_JSON)
-    want = dict(intermediate=96, hidden=160, experts=4, gated=True, per_token=False, mxfp4_activation=None)
+    want = dict(intermediate=96, tp=1, hidden=160, experts=4, gated=True, per_token=False, mxfp4_activation=None)
     assert doc["layer"] == want
     (plan,) = doc["plans"]
     assert plan["cannot"] is None and doc["failures"] == 0

@@ -177,3 +177,22 @@ def test_warmup_takes_a_sample_and_reads_its_format(capsys, model, fmt):
     assert runs and {r["fmt"] for r in runs} == {fmt}
     assert main(["warmup", "--model", str(sample_path(model)), "--no-in-place", "--json"]) == 0
     assert {r["fmt"] for r in json.loads(capsys.readouterr().out)["runs"]} == {fmt}
+
+
+@pytest.mark.parametrize("fmt,inter,tp", [("bf16", 512, 4), ("fp8-block", 512, 2), ("nvfp4", 640, 2)])
+def test_plan_takes_tp_like_convert(capsys, fmt, inter, tp):
+    """plan --tp N plans rank 0's equal slice of --intermediate: the same tensors as planning I / N at TP 1."""
+    base = ["plan", "--format", fmt, "--backend", "trtllm", "--hidden", "256", "--json"]
+    assert main([*base, "--intermediate", str(inter), "--tp", str(tp)]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert main([*base, "--intermediate", str(inter // tp)]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert split["layer"]["tp"] == tp and split["plans"][0]["intermediate"] == inter // tp
+    strip = lambda doc: [{k: v for k, v in t.items() if k != "ms"} for t in doc["plans"][0]["tensors"]]  # noqa: E731
+    assert strip(split) == strip(whole) and strip(split)
+
+
+def test_plan_tp_that_cuts_a_scale_block_cannot_run(capsys):
+    code = main(["plan", "--format", "fp8-block", "--backend", "trtllm", "--intermediate", "256", "--tp", "4"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "cannot run: tp=4 gives intermediate 64 per rank" in out and len(err.splitlines()) == 1
