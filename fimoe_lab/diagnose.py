@@ -16,6 +16,9 @@ per expert and, applied to the checkpoint tensor ``C`` ``(E, ...)``, reproduces 
 ``match(e) = mean over real (non-fill) output bytes b of [map(C[e])[b] == D[e][b]]``.
 Fill bytes are not compared (engines pad with their own values). Dumped names are read
 by :func:`tensor_role` (``w13``/``gemm1``/``w31`` weight and scale, ``w2``/``gemm2`` ...).
+Variants that build the same map are one candidate under every name, and the report names every variant
+that explains the bytes equally, a profile's own plan first (an SGLang-prepared dump is
+``sglang-0.5.23/...``, with ``vllm-0.34/... without swap_w13_to_w31_rows`` named after it).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab.engines import ENGINES
+from fimoe_lab.engines import DEFAULT_ENGINE, ENGINES
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.recipes import plan_layer
@@ -58,10 +61,16 @@ DEFAULT_EXPERTS = 8
 
 @dataclass(frozen=True)
 class Variant:
-    """One candidate preparation of a tensor: ``m`` and how it differs from a plan (``name``)."""
+    """One candidate preparation of a tensor: ``m`` and how it differs from a plan (``name``); ``also``: the other
+    variants that build the same map (the same bytes), in :func:`variants`' naming order."""
 
     name: str
     m: IndexMap
+    also: tuple[str, ...] = ()
+
+
+EQUALLY_SHOWN = 6
+"""Variants named on a summary line beside the best one (the JSON lists them all)."""
 
 
 @dataclass
@@ -69,7 +78,8 @@ class TensorDiagnosis:
     """Per dumped tensor: every variant that fits its shape, with its per-expert match, best first.
 
     ``ranked``: ``[(variant name, [match per expert])]``; ``planned``: the name of the plan
-    ``fimoe-lab convert`` applies (default engine, first backend that fits).
+    ``fimoe-lab convert`` applies (default engine profile, first backend that fits); ``also``: per variant name
+    the other names of the same map (:attr:`Variant.also`).
     """
 
     role: str
@@ -78,10 +88,20 @@ class TensorDiagnosis:
     ranked: list[tuple[str, list[float]]]
     planned: Optional[str]
     maps: dict[str, IndexMap] = field(repr=False, default_factory=dict)
+    also: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def best(self) -> Optional[tuple[str, list[float]]]:
         return self.ranked[0] if self.ranked else None
+
+    def equally(self) -> list[str]:
+        """Every variant but the best that explains the bytes as well as it does (the same match on every
+        expert): the same map under other names, then other maps, each in naming order."""
+        if not self.ranked:
+            return []
+        name, match = self.ranked[0]
+        same = [n for n, m in self.ranked[1:] if m == match]
+        return [*self.also.get(name, ()), *(x for n in same for x in (n, *self.also.get(n, ())))]
 
     def explained(self) -> bool:
         """True when the best variant reproduces every compared expert exactly."""
@@ -96,6 +116,10 @@ class TensorDiagnosis:
             "explains" if not worst else f"best fit ({100 * min(match):.1f}% worst expert; experts {worst} differ)"
         )
         line = f"{self.role} ({self.dumped_name}): {name} {verdict}, {100 * sum(match) / len(match):.1f}% of bytes"
+        equal = self.equally()
+        if equal:
+            more = len(equal) - EQUALLY_SHOWN
+            line += f"; equally: {', '.join(equal[:EQUALLY_SHOWN])}" + (f" and {more} more" if more > 0 else "")
         if self.planned and self.planned != name:
             planned = dict(self.ranked).get(self.planned)
             if planned is not None:
@@ -126,6 +150,7 @@ class Diagnosis:
                     "experts": t.experts,
                     "explained": t.explained(),
                     "best": t.best[0] if t.best else None,
+                    "equally": t.equally(),
                     "planned": t.planned,
                     "ranked": [{"variant": n, "match": m} for n, m in t.ranked[:10]],
                 }
@@ -248,13 +273,16 @@ def _variants_of(base: str, m: IndexMap) -> Iterable[Variant]:
 
 def variants(moe: Any, role: str) -> tuple[list[Variant], Optional[str]]:
     """Every candidate map of tensor ``role`` for the checkpoint layer ``moe`` (a
-    :class:`~fimoe_lab.checkpoints.MoELayer`), deduplicated; and the planned variant's name
-    (default engine, the first backend with a plan)."""
-    out: dict[tuple[Any, ...], Variant] = {}
+    :class:`~fimoe_lab.checkpoints.MoELayer`), one per distinct map, named by the first of its names in this
+    order (the others in :attr:`Variant.also`): an engine profile's plan as it is, then with another intermediate
+    alignment, then with a step left out or another epilogue tile; profiles in ``engines.ENGINES`` order, the
+    default first. Also the planned variant's name (the default profile, the first backend with a plan)."""
+    found: list[tuple[tuple[int, ...], Variant]] = []
     planned = None
-    for engine in [None] + sorted(ENGINES):
-        for backend in BACKENDS:
-            for align in (None,) + INTER_ALIGNS:
+    profiles = [DEFAULT_ENGINE, *(e for e in ENGINES if e != DEFAULT_ENGINE)]
+    for ei, engine in enumerate(profiles):
+        for bi, backend in enumerate(BACKENDS):
+            for ai, align in enumerate((None,) + INTER_ALIGNS):
                 try:
                     plan = plan_layer(
                         moe.fmt,
@@ -272,14 +300,16 @@ def variants(moe: Any, role: str) -> tuple[list[Variant], Optional[str]]:
                 m = plan.maps().get(role)
                 if m is None:
                     continue
-                base = f"{engine or 'default engine'}/{backend}" + (
-                    f", intermediate aligned to {align}" if align else ""
-                )
-                if engine is None and align is None and planned is None:
+                base = f"{engine}/{backend}" + (f" (intermediate aligned to {align})" if align else "")
+                if engine == DEFAULT_ENGINE and align is None and planned is None:
                     planned = base
-                for v in _variants_of(base, m) if align is None else [Variant(base, m)]:
-                    out.setdefault(_fingerprint(v.m), v)
-    return list(out.values()), planned
+                for k, v in enumerate(_variants_of(base, m) if align is None else [Variant(base, m)]):
+                    kind = 0 if k == 0 and align is None else 1 if k == 0 else 2
+                    found.append(((kind, ei, bi, ai, k), v))
+    groups: dict[tuple[Any, ...], list[Variant]] = {}
+    for _, v in sorted(found, key=lambda f: f[0]):
+        groups.setdefault(_fingerprint(v.m), []).append(v)
+    return [Variant(vs[0].name, vs[0].m, tuple(v.name for v in vs[1:])) for vs in groups.values()], planned
 
 
 def _match(m: IndexMap, checkpoint: torch.Tensor, dumped: torch.Tensor) -> list[float]:
@@ -330,7 +360,8 @@ def diagnose(
             ignored.append(name)
             continue
         ranked = sorted(((v.name, _match(v.m, ckpt, dump)) for v in fits), key=lambda r: -sum(r[1]))
-        found[role] = TensorDiagnosis(role, name, list(experts), ranked, planned, {v.name: v.m for v in fits})
+        maps, also = {v.name: v.m for v in fits}, {v.name: v.also for v in fits}
+        found[role] = TensorDiagnosis(role, name, list(experts), ranked, planned, maps, also)
     if not found:
         raise FimoeError(
             f"none of the dumped tensors ({', '.join(dumped) or 'none'}) is a w13/w2 weight or scale of this layer",

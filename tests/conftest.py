@@ -15,11 +15,15 @@ DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 # The slow suites (marked ``slow``) run in CI (``CI`` set, as ``.ci/run`` does) or with FIMOE_FULL_TESTS=1;
 # a plain ``pytest`` on a developer's machine leaves them out and says how many.
-FULL_SUITE = any(os.environ.get(name, "").lower() not in ("", "0", "false", "no", "off") for name in ("CI", "FIMOE_FULL_TESTS"))
+FULL_SUITE = any(
+    os.environ.get(name, "").lower() not in ("", "0", "false", "no", "off") for name in ("CI", "FIMOE_FULL_TESTS")
+)
 
 
 def pytest_report_header(config):
-    return "suite: full (CI or FIMOE_FULL_TESTS)" if FULL_SUITE else "suite: fast (slow tests left out; CI=true runs them)"
+    return (
+        "suite: full (CI or FIMOE_FULL_TESTS)" if FULL_SUITE else "suite: fast (slow tests left out; CI=true runs them)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -73,6 +74,25 @@ def all_tensors(*paths: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(f), framework="pt") as h:
             out.update({k: h.get_tensor(k) for k in h.keys()})
     return out
+
+
+def kernel_and_unchanged(kernel: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> tuple[set, set]:
+    """``(kernel-layout tensor names, names carried through unchanged)`` of a converted file's tensors ``kernel``
+    (:func:`all_tensors`) against its source's: the unchanged ones keep their source name, dtype and shape."""
+    kept = {k for k, t in kernel.items() if k in source and (t.dtype, t.shape) == (source[k].dtype, source[k].shape)}
+    return set(kernel) - kept, kept
+
+
+def plus_unchanged(path: Path, experts: Iterable[str], want: dict, rank: int) -> dict:
+    """What restore of rank ``rank``'s conversion of the checkpoint at ``path`` gives: ``want`` (its expert
+    tensors) and, on rank 0, every tensor of the checkpoint not among the routed ``experts`` (all ranks' names),
+    unchanged."""
+    if rank != 0:
+        return want
+    routed = set(experts)
+    kept = {k: v for k, v in all_tensors(path).items() if k not in routed}
+    assert kept, path  # every generated checkpoint has a router at least
+    return {**want, **kept}
 
 
 def rewrite_metadata(src: Path, dst: Path, edit) -> Path:

@@ -607,11 +607,11 @@ PATH_CASES = {
     ),
     "convert-input-missing": (
         lambda t, k: (["convert", t / "nope", t / "x", "--backend", BACKEND], t / "x", []),
-        "no such checkpoint",
+        "nope does not exist",
     ),
     "convert-input-file": (
         lambda t, k: (["convert", own(t, b"{}"), t / "x", "--backend", BACKEND], t / "x", [t / "own"]),
-        "no such checkpoint",
+        "own is not a checkpoint directory",
     ),
     "convert-tp-zero": (
         lambda t, k: (["convert", cs(t), t / "x", "--backend", BACKEND, "--tp", "0"], t / "x", [t / "ck"]),

@@ -397,7 +397,7 @@ def _block_convert_is_whole_layer_convert(src: Path, tmp_path: Path, backend: st
     writes the same tensors, byte for byte, as converting whole layers loaded in one read."""
     from safetensors.torch import load_file
 
-    from fimoe_lab.checkpoints import convert_checkpoint, write_kernel_layout
+    from fimoe_lab.checkpoints import convert_checkpoint, unchanged, write_kernel_layout
 
     blocks = convert_checkpoint(src, tmp_path / f"blocks-{backend}-{tp}-{rank}.safetensors", backend, tp, rank)
     with open_checkpoint(src) as ck:
@@ -412,6 +412,7 @@ def _block_convert_is_whole_layer_convert(src: Path, tmp_path: Path, backend: st
             backend,
             prefix=ck.prefix,
             block=ck.convention.block,
+            kept=unchanged.for_rank(ck, ck.moe_layers, rank),  # rank 0: the source's other tensors
         )
     got, want = load_file(blocks), load_file(whole)
     assert sorted(got) == sorted(want)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import all_tensors, coords, same_tensor
+from helpers import all_tensors, coords, kernel_and_unchanged, same_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -364,14 +364,17 @@ def test_ep_ranks_hold_contiguous_experts_and_restore_reassembles_the_source(nam
     metas = [read_kernel_metadata(out / f"rank-{r}") for r in range(ep)]
     assert [m["experts"] for m in metas] == EP_RANGES[(metas[0]["num_experts"], ep)]
     assert [m["ep_rank"] for m in metas] == list(range(ep))
+    src = all_tensors(sample_path(name))
+    moe, kept = kernel_and_unchanged(whole, src)
     for r, m in enumerate(metas):
         e0, e1 = m["experts"]
         held = all_tensors(out / f"rank-{r}")
-        assert sorted(held) == sorted(whole)
-        assert all(same_tensor(held[k], whole[k][e0:e1]) for k in held), r
+        assert set(held) == moe | (kept if r == 0 else set())  # the unchanged tensors once, on rank 0
+        assert all(same_tensor(held[k], whole[k][e0:e1]) for k in moe), r
+        assert all(same_tensor(held[k], src[k]) for k in set(held) & kept), r
     back = restore_checkpoint(out, tmp_path / "back")
-    src, got = all_tensors(sample_path(name)), all_tensors(back)
-    assert sorted(got) == sorted(all_tensors(restore_checkpoint(tp1, tmp_path / "back-tp1")))
+    got = all_tensors(back)
+    assert sorted(got) == sorted(all_tensors(restore_checkpoint(tp1, tmp_path / "back-tp1"))) == sorted(src)
     assert all(same_tensor(src[k], got[k]) for k in got)
     with pytest.raises(CheckpointError, match="under local indices"):
         restore_checkpoint(out / "rank-1", tmp_path / "one-rank")
@@ -381,15 +384,18 @@ def test_ep_with_moe_tp_slices_experts_of_the_moe_tp_rank(tmp_path):
     """--tp 4 --ep 2: rank r = 2 * ep_rank + moe_tp_rank holds the TP-2 rank's experts of its EP rank; restore of
     OUT joins the intermediate slices and the experts back into the source; --ep not dividing --tp is one error."""
     src = sample_path("qwen3-moe-bf16")
+    source = all_tensors(src)
     out = convert_checkpoint(src, tmp_path / "ep", "cutlass", 4, "all", ep_size=2)
     for r in range(4):
         ep_rank, tp_rank = divmod(r, 2)
         tp2 = all_tensors(convert_checkpoint(src, tmp_path / f"tp2-{r}.safetensors", "cutlass", 2, tp_rank))
+        moe, kept = kernel_and_unchanged(tp2, source)
         e0, e1 = [[0, 3], [3, 6]][ep_rank]
         held = all_tensors(out / f"rank-{r}")
-        assert sorted(held) == sorted(tp2) and all(same_tensor(held[k], tp2[k][e0:e1]) for k in held)
-    back, source = all_tensors(restore_checkpoint(out, tmp_path / "back")), all_tensors(src)
-    assert back and all(same_tensor(back[k], source[k]) for k in back)
+        assert set(held) == moe | (kept if r == 0 else set()) and all(same_tensor(held[k], tp2[k][e0:e1]) for k in moe)
+        assert all(same_tensor(held[k], source[k]) for k in set(held) & kept)
+    back = all_tensors(restore_checkpoint(out, tmp_path / "back"))
+    assert sorted(back) == sorted(source) and all(same_tensor(back[k], source[k]) for k in back)
     with pytest.raises(CheckpointError, match="does not divide the tensor-parallel size 4"):
         convert_checkpoint(src, tmp_path / "bad", "cutlass", 4, "all", ep_size=3)
     with pytest.raises(CheckpointError, match="rank 4 is not valid for --tp 4"):

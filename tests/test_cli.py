@@ -132,7 +132,10 @@ def test_help_is_fast_and_importtime_shows_no_torch():
 def test_unknown_sample_path_is_bad_input(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope")]) == EXIT_BAD_INPUT
     line = _stderr_line(capsys)
-    assert line.startswith("error: inspect: ") and "no such checkpoint directory or sample; samples: " in line
+    assert (
+        line.startswith("error: inspect: ")
+        and "does not exist (not a checkpoint directory, its config.json or a sample; samples: " in line
+    )
 
 
 def test_bad_where_is_a_usage_error_or_bad_input(capsys):

@@ -43,7 +43,7 @@ def test_plan_json_has_the_table_facts_and_traces_a_byte(capsys):
     code, doc, err = run_json(capsys, argv + ["--where", "5,3"])
     assert code == 0 and err == ""
     assert set(doc) | set(doc["layer"]) | {k for p in doc["plans"] for k in p} <= keys_of(PLAN_JSON)
-    want = dict(intermediate=96, hidden=160, experts=4, gated=True, per_token=False, mxfp4_activation=None)
+    want = dict(intermediate=96, tp=1, hidden=160, experts=4, gated=True, per_token=False, mxfp4_activation=None)
     assert doc["layer"] == want
     (plan,) = doc["plans"]
     assert plan["cannot"] is None and doc["failures"] == 0
@@ -341,8 +341,10 @@ def test_convert_json_lists_each_rank_and_what_resume_kept(tmp_path, capsys):
     assert main(argv + ["--force"]) == 0
     text = capsys.readouterr().out
     for r in doc["ranks"]:
+        kept = f", {r['unchanged']} other tensors unchanged" if r["unchanged"] else ""
         line = (
-            f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB, {len(r['files'])} shards, tp rank {r['rank']} of 2, trtllm)"
+            f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB, {len(r['files'])} shards, tp rank {r['rank']} of 2, "
+            f"trtllm{kept})"
         )
         assert line in text
 

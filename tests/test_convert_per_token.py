@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import all_tensors, coords, random_bytes, rewrite_metadata, same_bytes, same_tensor
+from helpers import all_tensors, coords, plus_unchanged, random_bytes, rewrite_metadata, same_bytes, same_tensor
 from safetensors.torch import load_file
 
 from fimoe_lab import recipes
@@ -99,7 +99,7 @@ def test_per_token_convert_is_the_per_token_plan_and_restores_byte_exact(root, t
             plan = recipes.plan_layer("nvfp4", backend, inter, fam.hidden, per_token_activation=True)
             check_kernel(tensors, f"{meta['prefix']}{idx}.{meta['block']}.experts.", source, plan)
         back = all_tensors(restore_checkpoint(out, tmp_path / f"b{tp}{rank}"))
-        want = gen.file_tensors(family, tp, rank)
+        want = plus_unchanged(root / family, gen.file_tensors(family), gen.file_tensors(family, tp, rank), rank)
         assert sorted(back) == sorted(want)
         for name, t in want.items():
             assert same_tensor(back[name], t.contiguous()), (family, backend, tp, rank, name)
@@ -192,8 +192,8 @@ def test_expert_parallel_per_token_restores_the_source(root, tmp_path):
         meta = read_kernel_metadata(out / f"rank-{r}")
         assert all(rec["plan"]["args"]["per_token_activation"] for rec in meta["layers"].values())
     back = all_tensors(restore_checkpoint(out, tmp_path / "back"))
-    want = gen.file_tensors(family)
-    assert sorted(back) == sorted(want)
+    want = plus_unchanged(root / family, gen.file_tensors(family), gen.file_tensors(family), 0)
+    assert sorted(back) == sorted(want) == sorted(all_tensors(root / family))
     for name, t in want.items():
         assert same_tensor(back[name], t.contiguous()), name
 

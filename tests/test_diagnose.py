@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from fimoe_lab import diagnose, steps
 from fimoe_lab.cli import _common, build_parser
@@ -147,3 +148,43 @@ def test_the_diagnose_explorer_finds_a_missing_swizzle(layer, tmp_path):
     t = w.state["diagnosis"].tensors["w13_scale"]
     assert t.explained() and t.best[0].endswith("without swizzle_scales_128x4") and w.figure is not None
     assert "without swizzle_scales_128x4 explains" in w.message.value
+
+
+@pytest.fixture(scope="module")
+def bf16_layer():
+    ck = checkpoints.open_checkpoint(checkpoints.sample_path("mixtral-bf16"))
+    return ck.read_layer(ck.moe_layers[0])
+
+
+def test_an_sglang_prepared_dump_is_named_by_its_engine_profile_first(bf16_layer, tmp_path, capsys):
+    """SGLang 0.5.23 keeps BF16 TRT-LLM W13 as [gate; up] (no W31 swap): the dump is explained by the
+    sglang-0.5.23 profile's own plan, named first; the default profile without its swap is named as equal, after."""
+    from fimoe_lab.engines import DEFAULT_ENGINE
+    from fimoe_lab.recipes import plan_layer
+
+    moe = bf16_layer
+    plan = plan_layer(moe.fmt, "trtllm", moe.intermediate, moe.hidden, engine="sglang-0.5.23")
+    dump = {"w13_weight": plan.w13.apply(moe.w13), "w2_weight": plan.w2.apply(moe.w2)}
+    d = diagnose.diagnose(moe, dump)
+    w13 = d.tensors["w13"]
+    assert w13.explained() and w13.best[0] == "sglang-0.5.23/trtllm", w13.summary()
+    assert f"{DEFAULT_ENGINE}/trtllm without swap_w13_to_w31_rows" in w13.equally()
+    assert "default engine" not in d.summary()
+    line = w13.summary()
+    assert line.index("sglang-0.5.23/trtllm") < line.index("equally:") < line.index("without swap_w13_to_w31_rows")
+    save_file({k: v.contiguous() for k, v in dump.items()}, str(tmp_path / "dump.safetensors"))
+    assert main(["diagnose", "mixtral-bf16", str(tmp_path / "dump.safetensors"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["tensors"]["w13"]
+    assert doc["best"] == "sglang-0.5.23/trtllm" and doc["equally"] == w13.equally()
+
+
+def test_equal_variants_are_every_name_of_the_same_bytes(bf16_layer):
+    """``equally`` lists exactly the other variants whose maps give the best one's bytes (checked map by map)."""
+    moe = bf16_layer
+    cands, planned = diagnose.variants(moe, "w13")
+    assert planned == "vllm-0.34/trtllm" and len({diagnose._fingerprint(v.m) for v in cands}) == len(cands)
+    names = [n for v in cands for n in (v.name, *v.also)]
+    assert len(names) == len(set(names)) and not any(n.startswith("None") for n in names)
+    for v in cands:  # a variant's first name is an unmodified profile plan whenever one builds the same map
+        if any("without" not in n and "with " not in n and "aligned" not in n for n in v.also):
+            assert "without" not in v.name and "with " not in v.name and "aligned" not in v.name, (v.name, v.also)

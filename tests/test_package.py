@@ -46,7 +46,10 @@ print(json.dumps({
 def packaged_files() -> dict[str, bytes]:
     """Every shipped file of this checkout (``data/``, ``notebooks/``), by its path inside the wheel."""
     found = {}
-    for folder, inside in ((resources.data_dir(), "fimoe_lab/data"), (resources.notebooks_dir(), "fimoe_lab/notebooks")):
+    for folder, inside in (
+        (resources.data_dir(), "fimoe_lab/data"),
+        (resources.notebooks_dir(), "fimoe_lab/notebooks"),
+    ):
         for f in folder.rglob("*"):
             if f.is_file() and "__pycache__" not in f.parts:
                 found[f"{inside}/{f.relative_to(folder).as_posix()}"] = f.read_bytes()

@@ -78,7 +78,11 @@ def _user_read_files() -> list[Path]:
     found = []
     for name in USER_READ:
         path = ROOT / name
-        found += [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        found += (
+            [path]
+            if path.is_file()
+            else sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        )
     return found
 
 

@@ -104,3 +104,58 @@ def test_theme_goes_to_the_servers_own_settings(tmp_path):
     with pytest.raises(FimoeError, match="unknown theme 'sepia'"):
         lab.jupyterlab_command(tmp_path / "nb", 1, tmp_path / "s2", False, theme="sepia")
     assert build_parser().parse_args(["lab", "--theme", "light"]).theme == "light"
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1", "65536", "http", "80.5"])
+def test_an_invalid_port_is_refused_in_one_line(port, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exited:
+        main(["lab", "--port", port, "--dir", str(tmp_path), "--no-browser"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and "1..65535" in err[0] and repr(port) in err[0]
+
+
+@pytest.mark.parametrize("port", ["1", "8888", "65535"])
+def test_a_port_in_range_is_taken_as_given(port):
+    assert build_parser().parse_args(["lab", "--port", port]).port == int(port)
+    assert build_parser().parse_args(["lab"]).port is None  # a free one, found at start
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signal_stops_jupyterlab_and_removes_the_temp_folder(tmp_path, signame):
+    """The real command in a process of its own: once the server listens, the signal sent to fimoe-lab alone (not
+    its group) stops JupyterLab (the port is free again), fimoe-lab exits 128 + signal, its temp folder is gone."""
+    import signal
+    import sys
+
+    if importlib.util.find_spec("jupyterlab") is None:
+        pytest.skip("jupyterlab is not installed")
+    port, temp, nb = lab.free_port(), tmp_path / "tmp", tmp_path / "nb"
+    temp.mkdir()
+    nb.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": str(Path(lab.__file__).resolve().parents[2])}
+    argv = [sys.executable, "-m", "fimoe_lab", "lab", "--dir", str(nb), "--port", str(port), "--no-browser"]
+    log = open(tmp_path / "log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not _listening(port):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-2000:]
+            time.sleep(0.3)
+        assert [p.name for p in temp.iterdir() if p.name.startswith("fimoe-lab-")]  # its settings folder
+        signum = getattr(signal, signame)
+        proc.send_signal(signum)  # to fimoe-lab only: the server hears of it through the forwarding
+        assert proc.wait(timeout=60) == 128 + signum, (tmp_path / "log").read_text()[-2000:]
+        assert not _listening(port)
+        assert not [p.name for p in temp.iterdir() if p.name.startswith("fimoe-lab-")]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        log.close()

@@ -100,7 +100,7 @@ def test_no_trtllm_tactics_offers_cutlass_that_convert_accepts(o):
     s = run("nemotron3-nano", "fp8", 1, o)  # FP8 per-tensor on TRT-LLM is gated-only: no tactic for ReLU^2
     assert s.attrs["recommendation"] is None and all(r["min_tactics"] == 0 for r in s.rows)
     assert s.attrs["alternatives"] == [
-        "--backend cutlass (no TRTLLM-Gen tactics needed; convert pads intermediate % 128, hidden % 1)"
+        "--backend cutlass (no TRTLLM-Gen tactics needed; convert pads intermediate to a multiple of 128)"
     ]
     rec = run("nemotron3-nano", "fp8", 1, o, backend="cutlass").attrs["recommendation"]
     assert rec["intermediate"] == 1920 and rec["hidden"] == 2688

@@ -17,11 +17,14 @@ from fimoe_lab.tune.sweep import (  # noqa: E402
     INTER_ALIGNS,
     TPS,
     export,
+    multiples,
     paddings,
     queries_for,
     reference_alignments,
+    run,
     summary,
     sweep,
+    table,
 )
 from fimoe_lab.tune.timing import measure_transform, timing_status  # noqa: E402
 
@@ -138,7 +141,7 @@ def test_recommendation_is_the_fastest_candidate(o):
 def test_export_and_summary(o, tmp_path):
     df = sweep("deepseek-v3", "fp8-block", 8, o)
     text = summary(df)
-    assert "recommended:" in text and "convert's default padding (I%1, H%1)" in text and "source: model" in text
+    assert "recommended:" in text and "convert's default padding (no padding)" in text and "source: model" in text
     export(df, str(tmp_path / "s.csv"))
     export(df, str(tmp_path / "s.json"))
     d = json.loads((tmp_path / "s.json").read_text())
@@ -194,7 +197,8 @@ def test_cli_tune_prints_table(capsys):
     out = capsys.readouterr().out
     assert "recommended: intermediate -> 128" in out and "ZERO tactics" not in out
     ia, ha = reference_alignments(get_preset("qwen3-30b-a3b"), "nvfp4")
-    assert f"convert's default padding (I%{ia}, H%{ha}): intermediate 128, hidden 2048" in out
+    assert f"convert's default padding ({multiples(ia, ha)}): intermediate 128, hidden 2048" in out
+    assert "% 1 " not in out and "%1," not in out  # an alignment of 1 is no constraint: never printed as one
     assert "(full tactic space)" in out and "predicted_us" in out
     assert main(["tune", "--model", "minimax-m2", "--format", "fp8-block", "--tp", "8", "--source", "snapshot"]) == 0
     out = capsys.readouterr().out
@@ -273,3 +277,35 @@ def test_transform_cost_is_measured_per_padding_on_the_cpu():
     nvfp4 = measure_transform(sweep("qwen3-30b-a3b", "nvfp4", 8, o, tokens=(1,)), experts=2, repeats=1)
     unaligned = nvfp4[(nvfp4.inter_align == 16) & (nvfp4.hidden_align == 1)].iloc[0]  # 2*96 scale rows
     assert "not a multiple of 128" in unaligned.transform_note and unaligned.transform_ms != unaligned.transform_ms
+
+
+@pytest.mark.parametrize(
+    "model,fmt,tp", [("qwen3-30b-a3b", "bf16", 8), ("deepseek-v3", "fp8-block", 4), ("gpt-oss-120b", "mxfp4", 2)]
+)
+def test_the_table_shows_each_padded_shape_once_with_the_alignments_that_give_it(o, model, fmt, tp):
+    s = run(model, fmt, tp, o, tokens=(1, 64))
+    lines = table(s).splitlines()
+    head, body = lines[0].split(), [line.split() for line in lines[1:]]
+    col = {c: i for i, c in enumerate(head)}
+    shapes = [(r[col["intermediate"]], r[col["hidden"]]) for r in body]
+    assert len(shapes) == len(set(shapes)) == len({(r["intermediate"], r["hidden"]) for r in s.rows}) < len(s.rows)
+    for r in s.rows:  # every (alignment pair) is on the line of its padded shape
+        (line,) = [
+            b for b in body if (b[col["intermediate"]], b[col["hidden"]]) == (str(r["intermediate"]), str(r["hidden"]))
+        ]
+        assert str(r["inter_align"]) in line[col["inter_align"]].split(",")
+        assert str(r["hidden_align"]) in line[col["hidden_align"]].split(",")
+    ranks = s.attrs["rank_intermediates"]
+    hidden = s.attrs["hidden"]
+    for b in body:  # every pair of a line's alignments pads to its shape (I and H pad independently)
+        for ia in map(int, b[col["inter_align"]].split(",")):
+            for ha in map(int, b[col["hidden_align"]].split(",")):
+                assert str(-(-ranks[0] // ia) * ia) == b[col["intermediate"]], (b, ia)
+                assert str(-(-hidden // ha) * ha) == b[col["hidden"]], (b, ha)
+
+
+def test_alignments_read_as_multiples_and_one_is_no_constraint():
+    assert multiples(1, 1) == "no padding"
+    assert multiples(128, 1) == "intermediate to a multiple of 128"
+    assert multiples(1, 256) == "hidden to a multiple of 256"
+    assert multiples(64, 512) == "intermediate to a multiple of 64, hidden to a multiple of 512"

@@ -7,8 +7,9 @@ Launched by any launcher that sets the torch.distributed environment (``RANK``, 
 1. **Plan** (every process, no communication but a check): the single-process convert's plan of
    every TP rank written (:func:`~fimoe_lab.checkpoints.writer.layout_plan`: tensor specs and
    metadata; :func:`~fimoe_lab.checkpoints.stream.plan_shards`: the shards). Process 0's view of
-   the source (path, file sizes and mtimes) and the request it records are broadcast, so the
-   metadata is the same everywhere; a sha256 of each process's plan is gathered and must agree.
+   the source (file sizes and header digests: :func:`~fimoe_lab.checkpoints.request.header_identity`) and the
+   request it records are broadcast, so the metadata is the same everywhere; a sha256 of each process's plan is
+   gathered and must agree.
 2. **Split** (:func:`assign`): the work units are ``(TP rank, shard)`` in order (TP rank major,
    then shards, i.e. a contiguous layer range), with their bytes; process ``p`` of ``W`` gets the
    units whose byte midpoint lies in ``[p/W, (p+1)/W)`` of the total: a contiguous run of layer
@@ -54,7 +55,7 @@ import torch
 
 from fimoe_lab import env
 from fimoe_lab.checkpoints import request as requests
-from fimoe_lab.checkpoints import safe_io, stream, writer
+from fimoe_lab.checkpoints import safe_io, stream, unchanged, writer
 from fimoe_lab.checkpoints.reader import Checkpoint
 from fimoe_lab.errors import CheckpointError
 
@@ -309,8 +310,11 @@ def convert_distributed(
                 _open_dirs(out, dirs)
             parts = {r: writer.rank_part(ck, wanted, about, tp_size, ep_size, r, False) for r in ranks}
             sources = {r: parts[r][0] for r in ranks}
+            kept = {r: unchanged.for_rank(ck, wanted, r) for r in ranks}
             plans = {
-                r: writer.layout_plan(sources[r], choice, prefix=ck.prefix, block=ck.convention.block, info=parts[r][1])
+                r: writer.layout_plan(
+                    sources[r], choice, prefix=ck.prefix, block=ck.convention.block, info=parts[r][1], kept=kept[r]
+                )
                 for r in ranks
             }
             digest = hashlib.sha256(json.dumps([[str(p[0]), p[1]] for p in plans.values()], default=str).encode())
@@ -353,7 +357,9 @@ def convert_distributed(
             try:
                 for r in ranks:
                     with stream.workers_for(targets[r], hashing=True) as workers:
-                        writer.stream_layers(targets[r], workers, sources[r], plans[r][1], choice, dev=dev, bar=bar)
+                        writer.stream_layers(
+                            targets[r], workers, sources[r], plans[r][1], choice, dev=dev, bar=bar, kept=kept[r]
+                        )
                         targets[r].commit_rest(workers)
             finally:
                 if bar is not None:

@@ -18,6 +18,9 @@ source, one layer in memory (plus its parts). The joins, with ``P`` = 2 stacked 
 * ``w2 (E, H, I)`` and its block scales ``(E, H, I/b)``: ``cat_t x_t`` along the last dim;
 * what every rank holds whole (tensor scales, row scales of ``w2``, scalar extras): rank 0's, checked equal
   on every rank; ``w2_bias``: rank 0's (vLLM adds the down bias on rank 0 only, the others hold zeros).
+
+The tensors convert carried through unchanged are in ``rank-0`` alone (:mod:`~fimoe_lab.checkpoints.unchanged`)
+and are copied back after the layers, so the result is the whole source checkpoint.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from __future__ import annotations
 import os
 from contextlib import ExitStack
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from fimoe_lab.checkpoints import conventions, safe_io, stream, writer
+from fimoe_lab.checkpoints import conventions, safe_io, stream, unchanged, writer
 from fimoe_lab.checkpoints.reader import MoELayer
 from fimoe_lab.errors import CheckpointError
 
@@ -210,11 +214,30 @@ def restore_ranks(
                 full = _full_layer(grid, conv.scales, idx, shapes_only=True)
                 for k, v in conv.to_tensors(meta["prefix"], int(idx), full, writer._layer_path(meta, idx)).items():
                     specs[k] = (v.dtype, tuple(v.shape))
+        kept = _kept(path, dirs, kfs)
+        specs = writer.with_kept(
+            path, specs, {n: s for kf, names in kept for n, s in unchanged.specs_in(kf, names).items()}
+        )
         with safe_io.atomic_dir(out) as tmp:
-            _write(path, tmp, grid, conv, specs, shard_size, (progress, out))
+            _write(path, tmp, grid, conv, specs, shard_size, (progress, out), kept)
             safe_io.write_json(tmp / "config.json", writer._restored_config({**meta, "tp_size": 1}))
-            safe_io.write_json(tmp / safe_io.MARKER, {"restored_from": str(path.resolve())})
+            safe_io.write_json(tmp / safe_io.MARKER, writer.RESTORED_MARK)
     return out
+
+
+def _kept(path: Path, dirs: list[Path], kfs: list[Any]) -> list[tuple[Any, list[str]]]:
+    """``(rank's files, its unchanged tensors)`` of every rank (:func:`~fimoe_lab.checkpoints.writer.kept_names`:
+    rank 0 holds them, :mod:`~fimoe_lab.checkpoints.unchanged`); a tensor held by two ranks is refused."""
+    kept: list[tuple[Any, list[str]]] = []
+    seen: dict[str, str] = {}
+    for d, kf in zip(dirs, kfs):
+        names = writer.kept_names(kf)
+        for n in names:
+            if n in seen:
+                raise CheckpointError(f"{path}: {n} is held by both {seen[n]} and {d.name}", fix=writer._EDITED)
+            seen[n] = d.name
+        kept.append((kf, names))
+    return kept
 
 
 def _write(
@@ -225,9 +248,11 @@ def _write(
     specs: dict[str, Any],
     shard_size: Optional[int],
     progress: tuple[Any, Path],
+    kept: list[tuple[Any, list[str]]],
 ) -> None:
-    """Every layer restored from every rank, joined and written into ``tmp`` (one layer in memory at a time);
-    ``progress``: ``(restore_ranks's progress, the output named on the bar)``."""
+    """Every layer restored from every rank, joined and written into ``tmp`` (one layer in memory at a time),
+    then the ``kept`` unchanged tensors (:func:`_kept`); ``progress``: ``(restore_ranks's progress, the output
+    named on the bar)``."""
     meta = grid[0][0].meta
     target = stream.ShardedOutput(
         tmp, specs, {"format": "pt"}, single=False, shard_bytes=shard_size or stream.SHARD_BYTES
@@ -249,4 +274,6 @@ def _write(
                 if bar is not None:
                     bar.update(t.nbytes)
             workers.drain()  # this layer is out (and freed) before the next is read
+        for kf, names in kept:
+            unchanged.put_back(kf, names, target, workers, partial(writer.check_digest, kf.meta), bar)
         target.finish(workers)

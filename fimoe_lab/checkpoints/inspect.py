@@ -132,14 +132,19 @@ class BackendNeed:
         return self.kernel_bytes - self.checkpoint_bytes
 
     def plan_text(self) -> str:
-        """The plan's paddings and tactic warnings on one line (``no padding`` when it pads nothing)."""
+        """The plan's paddings and tactic warnings on one line: the padded sizes and every padded byte per expert
+        (scales included: a scale tensor padded to whole 128x4 atoms pads bytes at unpadded sizes); ``no padding``
+        only when not one byte is added."""
         pads = []
         if self.padded_intermediate != self.intermediate:
             pads.append(f"I {self.intermediate}->{self.padded_intermediate}")
         if self.padded_hidden != self.hidden:
             pads.append(f"H {self.hidden}->{self.padded_hidden}")
+        if not pads and self.pad_bytes:
+            scales = [t["name"] for t in self.tensors if t["pad_bytes"]]
+            pads.append(f"{', '.join(scales) or 'tensors'} to whole layout tiles")
         pct = 100 * self.pad_bytes / max(self.checkpoint_bytes, 1)
-        text = ("pad " + ", ".join(pads) + f" (+{pct:.0f}% bytes)") if pads else "no padding"
+        text = f"pad {', '.join(pads)} (+{self.pad_bytes:,} B/expert, +{pct:.1f}%)" if pads else "no padding"
         return "; ".join([text, *self.warnings])
 
     def text(self) -> str:

@@ -3,8 +3,10 @@
 ``convert`` writes, per MoE layer, ``w13_weight``, ``w2_weight``, ``w13_weight_scale``,
 ``w2_weight_scale`` in FlashInfer's kernel layout (vLLM's parameter names), gpt-oss biases
 moved with their weight's rows, and the other extras unchanged (NVFP4
-``weight_scale_2``/``input_scale``): into a directory of shards in the Hugging Face convention
-(``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``), or one file.
+``weight_scale_2``/``input_scale``), then every other tensor of the source unchanged under its own name
+(:mod:`~fimoe_lab.checkpoints.unchanged`; rank 0's output only): into a directory of shards in the Hugging
+Face convention (``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``), or one file.
+The metadata records nothing of the machine (no path, no time: :func:`source_info`).
 
 The metadata key ``fimoe_lab`` holds JSON (file format version 2; every shard holds the same,
 with the checksums of its own tensors), per layer:
@@ -53,7 +55,7 @@ from typing import Any, Optional
 import torch
 
 from fimoe_lab import engines, recipes, untrusted
-from fimoe_lab.checkpoints import conventions, safe_io, stream
+from fimoe_lab.checkpoints import conventions, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
@@ -427,6 +429,7 @@ def write_kernel_layout(
     per_token: bool = False,
     activation_dtype: Optional[str] = None,
     request: Optional[dict] = None,
+    kept: Optional[unchanged.Unchanged] = None,
 ) -> Path:
     """Convert and stream layers into the kernel layout at ``out``: one safetensors file
     (:func:`~fimoe_lab.checkpoints.safe_io.single_output`: ``single_file``, or ``out`` ends in
@@ -439,7 +442,8 @@ def write_kernel_layout(
     ``experts[e0:e1]``; every map works expert by expert), each chunk hashed and written at its
     offset by worker threads while the next is converted (:mod:`fimoe_lab.checkpoints.stream`).
     Memory: the loaded layer and a few chunks. ``device`` ``cuda`` converts on the GPU,
-    through pinned host buffers. ``info`` goes into the metadata, with a sha256 per tensor.
+    through pinned host buffers. ``info`` goes into the metadata, with a sha256 per tensor. ``kept``: the
+    source tensors written unchanged after the layers (:mod:`~fimoe_lab.checkpoints.unchanged`; None: none).
 
     A single file is written to a temporary and renamed when complete; shards are renamed one by
     one and the index written last, so an interrupted run leaves finished shards and no index,
@@ -453,7 +457,7 @@ def write_kernel_layout(
     safe_io.check_output(out, [], force or (resume and single), "file" if single else "shards", resume)
     dev = _device(device)
     choice = LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
-    specs, meta = layout_plan(sources, choice, prefix=prefix, block=block, info=info)
+    specs, meta = layout_plan(sources, choice, prefix=prefix, block=block, info=info, kept=kept)
     if not single:
         os.makedirs(out, exist_ok=True)
     with safe_io.signals_raise(), safe_io.OutputLock(out):
@@ -469,7 +473,7 @@ def write_kernel_layout(
         bar = _progress_bar(progress, specs, target, out)
         try:
             with stream.workers_for(target, hashing=True) as workers:
-                stream_layers(target, workers, sources, meta, choice, dev=dev, bar=bar)
+                stream_layers(target, workers, sources, meta, choice, dev=dev, bar=bar, kept=kept)
                 target.finish(workers)
         finally:
             if bar is not None:
@@ -478,11 +482,18 @@ def write_kernel_layout(
 
 
 def layout_plan(
-    sources: Sequence[LayerSource], choice: LayoutChoice, *, prefix: str, block: str, info: Optional[dict]
+    sources: Sequence[LayerSource],
+    choice: LayoutChoice,
+    *,
+    prefix: str,
+    block: str,
+    info: Optional[dict],
+    kept: Optional[unchanged.Unchanged] = None,
 ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict]:
     """What :func:`write_kernel_layout` writes, from shapes alone: ``(kernel dtype and shape by output tensor
-    name, in order; the ``fimoe_lab`` metadata)``. Deterministic (a distributed convert builds it on every
-    process); a layer that cannot be laid out is one CheckpointError naming an alignment that works."""
+    name, in order, then the ``kept`` unchanged tensors; the ``fimoe_lab`` metadata)``. Deterministic (a
+    distributed convert builds it on every process); a layer that cannot be laid out is one CheckpointError
+    naming an alignment that works."""
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     records = {}
     for idx, shape_layer, _ in sources:
@@ -504,6 +515,13 @@ def layout_plan(
         for n, spec in kernel.items():
             specs[_out_name(prefix, block, idx, n)] = spec
         records[str(idx)] = record
+    clash = sorted(set(specs) & set(kept.names)) if kept is not None else []
+    if clash:
+        raise CheckpointError(
+            f"{clash[0]} is both a converted tensor name and a source tensor carried through unchanged",
+            fix="the source holds a tensor under a kernel-layout name: was it converted already?",
+        )
+    specs.update(kept.specs() if kept is not None else {})
     meta = {
         "version": FORMAT_VERSION,
         "backend": choice.backend,
@@ -524,10 +542,12 @@ def stream_layers(
     *,
     dev: torch.device,
     bar: Any = None,
+    kept: Optional[unchanged.Unchanged] = None,
 ) -> None:
     """Load, convert and put into ``target`` every layer of ``sources`` that holds a tensor ``target`` still
     needs (:meth:`~fimoe_lab.checkpoints.stream.ShardedOutput.needed`), one layer in memory, a chunk of
-    experts at a time (:func:`_layer_chunks`); ``meta``: from :func:`layout_plan`."""
+    experts at a time (:func:`_layer_chunks`), then copy the ``kept`` unchanged tensors it still needs;
+    ``meta``: from :func:`layout_plan`."""
     prefix, block = meta["prefix"], meta["block"]
     for idx, shape_layer, load in sources:
         names = {
@@ -545,6 +565,9 @@ def stream_layers(
                 if counted:
                     bar.update(t.numel() * t.element_size())
                 del t
+    if kept is not None:
+        workers.drain()
+        kept.put(target, workers, bar)
 
 
 def _progress_bar(
@@ -678,7 +701,9 @@ def convert_checkpoint(
     per_token: bool = False,
     activation_dtype: Optional[str] = None,
 ) -> Path:
-    """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``.
+    """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``: a
+    whole checkpoint, the converted layers in the kernel layout and every other tensor of ``src`` unchanged
+    (in the output of rank 0 only: :mod:`~fimoe_lab.checkpoints.unchanged`).
 
     ``per_token``: NVFP4 activations quantised per token: the engine profile's per-token paddings apply
     (``recipes.plan_layer(..., per_token_activation=True)``), recorded in every layer's plan arguments;
@@ -734,6 +759,7 @@ def convert_checkpoint(
                 per_token=per_token,
                 activation_dtype=activation_dtype,
                 request=asked,
+                kept=unchanged.for_rank(ck, wanted, rank),
             )
         if tp_rank == "all":
             safe_io.remove_own(out, {f"rank-{r}" for r in ranks})
@@ -778,12 +804,12 @@ def wanted_layers(ck: Checkpoint, src: str | os.PathLike, layers: Optional[Itera
 
 
 def source_info(ck: Checkpoint, src: str | os.PathLike) -> dict:
-    """The metadata about the source: its resolved path, ``source_files`` ``{file: [size, mtime_ns]}``
-    (what ``resume`` compares), convention and config."""
+    """The metadata about the source, nothing of the machine (no path, no time): ``source_files``
+    ``{file name: its content identity}`` (:func:`~fimoe_lab.checkpoints.request.header_identity`), convention and
+    config. The same source anywhere gives the same record, so the same files."""
     files = sorted(set(ck.weight_map.values()))
     return {
-        "source": str(Path(src).resolve()),
-        "source_files": {f: [st.st_size, st.st_mtime_ns] for f in files for st in [os.stat(ck.path / f)]},
+        "source_files": {f: requests.header_identity(ck.path / f) for f in files},
         "convention": ck.convention.name,
         "config": ck.config,
     }
@@ -1358,7 +1384,9 @@ def restore_checkpoint(
     :data:`~fimoe_lab.checkpoints.safe_io.MARKER`) holds the MoE expert tensors of the
     converted layers, byte-identical to the source's (for a TP shard: the rank's slice,
     with config.json's intermediate size set to the shard's; for the OUT of ``convert --rank all``, every
-    rank's experts and intermediate slices joined: :func:`expert_parallel.restore_ranks`). Streamed: one layer in memory,
+    rank's experts and intermediate slices joined: :func:`expert_parallel.restore_ranks`), and every tensor
+    convert carried through unchanged (:mod:`~fimoe_lab.checkpoints.unchanged`): from a whole convert, every
+    tensor of the source with its name, dtype, shape and bytes, and nothing else. Streamed: one layer in memory,
     read and mapped back a chunk of experts at a time, written before the next layer is read.
     Written atomically; an existing ``out_dir`` is replaced only with ``force`` and only if
     ``restore`` wrote it. ``progress``: as :func:`write_kernel_layout`'s (bytes restored of the total).
@@ -1373,8 +1401,13 @@ def restore_checkpoint(
         return _restore_into(path, out, shard_size or stream.SHARD_BYTES, progress)
 
 
+RESTORED_MARK = {"written_by": "fimoe-lab restore"}
+"""What the marker file of a restored directory holds (nothing of the machine: no path, no time)."""
+
+
 def _restored_specs(path: str | os.PathLike, kf: KernelFiles, conv: conventions.Convention) -> dict:
-    """Names, dtypes and shapes of every tensor restore writes, from the records alone (meta tensors)."""
+    """Names, dtypes and shapes of every tensor restore writes: the layers', from the records alone (meta
+    tensors), then the unchanged tensors' (:func:`kept_names`)."""
     meta, specs = kf.meta, {}
     for idx, rec in meta["layers"].items():
         with _layer_errors(path, idx):
@@ -1383,7 +1416,28 @@ def _restored_specs(path: str | os.PathLike, kf: KernelFiles, conv: conventions.
             layer = replace(_shape_layer(rec), **_where(meta, int(idx), rec))
             for k, v in conv.to_tensors(meta["prefix"], int(idx), layer, _layer_path(meta, idx)).items():
                 specs[k] = (v.dtype, tuple(v.shape))
-    return specs
+    return with_kept(path, specs, unchanged.specs_in(kf, kept_names(kf)))
+
+
+def kept_names(kf: KernelFiles) -> list[str]:
+    """The tensors of a converted file carried through unchanged: those its layer records do not name
+    (:func:`~fimoe_lab.checkpoints.unchanged.names_in`)."""
+    meta = kf.meta
+    named = set()
+    for idx, rec in meta["layers"].items():
+        with _layer_errors(kf.path, idx):
+            name = lambda n, idx=idx: _out_name(meta["prefix"], meta["block"], int(idx), n)  # noqa: E731
+            named.update([name(t["name"]) for t in rec["tensors"].values()], map(name, rec["extras"]))
+    return unchanged.names_in(kf.keys(), named)
+
+
+def with_kept(path: str | os.PathLike, specs: dict, kept: dict) -> dict:
+    """``specs`` (the restored layers' tensors) followed by the unchanged tensors ``kept``; a name in both
+    (an edited file) is refused."""
+    clash = sorted(set(specs) & set(kept))
+    if clash:
+        raise CheckpointError(f"{path}: {clash[0]} is both a restored expert tensor and an unchanged one", fix=_EDITED)
+    return {**specs, **kept}
 
 
 class _Emit:
@@ -1504,6 +1558,7 @@ def _restore_layers_into(
                 emit.rest(layer)
             del layer, emit
             workers.drain()  # this layer is out (and freed) before the next is read
+        unchanged.put_back(kf, kept_names(kf), target, workers, partial(check_digest, meta), bar)
         target.finish(workers)
 
 
@@ -1533,5 +1588,5 @@ def _restore_into(path: str | os.PathLike, out: Path, shard_bytes: int, progress
                 if bar is not None:
                     bar.close()
             safe_io.write_json(tmp / "config.json", config)
-            safe_io.write_json(tmp / safe_io.MARKER, {"restored_from": str(Path(path).resolve())})
+            safe_io.write_json(tmp / safe_io.MARKER, RESTORED_MARK)
     return out

@@ -9,6 +9,7 @@ end of ``fimoe-lab --help``).
 from __future__ import annotations
 
 import argparse
+import copy
 import errno
 import json
 import re
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from fimoe_lab import engines
-from fimoe_lab.errors import FimoeError
+from fimoe_lab.errors import CheckpointError, FimoeError
 from fimoe_lab.resources import sample_names, sample_path
 from fimoe_lab.untrusted import printable
 
@@ -63,8 +64,30 @@ if hasattr(errno, "EDQUOT"):
     FULL_ERRNOS[errno.EDQUOT] = "free space within your disk quota"
 
 
+HIDDEN_ALIASES = "fimoe_hidden_aliases"
+"""The attribute of an argparse action holding the old spellings it still takes but ``--help`` does not show."""
+
+
+def add_option(parser: argparse.ArgumentParser, name: str, *aliases: str, **kwargs: Any) -> argparse.Action:
+    """``parser.add_argument(name, *aliases, dest=name's, **kwargs)`` with ``aliases`` (old spellings, kept
+    working) left out of ``--help``: one name per concept is shown."""
+    kwargs.setdefault("dest", name.lstrip("-").replace("-", "_"))
+    action = parser.add_argument(name, *aliases, **kwargs)
+    setattr(action, HIDDEN_ALIASES, frozenset(aliases))
+    return action
+
+
 class HelpFormatter(argparse.HelpFormatter):
-    """argparse's wrapping, per line (each line of a description or epilog is a paragraph), never at hyphens."""
+    """argparse's wrapping, per line (each line of a description or epilog is a paragraph), never at hyphens;
+    an option's hidden aliases (:func:`add_option`) are left out of its help."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        hidden = getattr(action, HIDDEN_ALIASES, ())
+        shown = [s for s in action.option_strings if s not in hidden]
+        if shown and shown != action.option_strings:
+            action = copy.copy(action)
+            action.option_strings = shown
+        return super()._format_action_invocation(action)
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "\n".join(
@@ -153,14 +176,47 @@ def add_json_option(parser: argparse.ArgumentParser, schema: str, document: str 
     )
 
 
-def add_tp_option(parser: argparse.ArgumentParser, note: str = "") -> None:
-    """``--tp N``: one tensor-parallel size >= 1, default 1 (``note``: what it does in this command)."""
-    parser.add_argument(
+def add_tp_option(parser: argparse.ArgumentParser, note: str = "", default: int = 1) -> None:
+    """``--tp N`` (hidden alias ``--tp-size``): one tensor-parallel size >= 1 (``note``: what it does in this
+    command)."""
+    add_option(
+        parser,
         "--tp",
+        "--tp-size",
         type=positive_int("--tp"),
-        default=1,
+        default=default,
         metavar="N",
-        help=f"tensor-parallel size (default 1){': ' + note if note else ''}",
+        help=f"tensor-parallel size (default {default}){': ' + note if note else ''}",
+    )
+
+
+def add_rank_option(parser: argparse.ArgumentParser, note: str, parse: Callable[[str], Any] = int) -> None:
+    """``--rank R`` (hidden alias ``--tp-rank``): the tensor-parallel rank, default 0 (``note``: what it does;
+    ``parse``: the argparse type, e.g. one that also takes ``all``)."""
+    add_option(parser, "--rank", "--tp-rank", type=parse, default=0, metavar="R", help=f"tensor-parallel rank {note}")
+
+
+def add_size_options(
+    parser: argparse.ArgumentParser,
+    intermediate: str,
+    hidden: str = "hidden size (K of GEMM1)",
+    required: bool = False,
+    defaults: tuple[int | None, int | None] = (None, None),
+) -> None:
+    """``--intermediate I`` (hidden alias ``--inter``) and ``--hidden H``: the MoE sizes, integers >= 1
+    (``intermediate`` and ``hidden``: what each means in this command; ``defaults``: theirs)."""
+    add_option(
+        parser,
+        "--intermediate",
+        "--inter",
+        type=positive_int("--intermediate"),
+        required=required,
+        default=defaults[0],
+        metavar="I",
+        help=intermediate,
+    )
+    parser.add_argument(
+        "--hidden", type=positive_int("--hidden"), required=required, default=defaults[1], metavar="H", help=hidden
     )
 
 
@@ -321,24 +377,80 @@ def int_list(flag: str, example: str, minimum: int = 1) -> Callable[[str], tuple
 
 
 def checkpoint_path(value: str) -> Path:
-    """A checkpoint directory, or the name of a shipped sample (FileNotFoundError lists them)."""
+    """A checkpoint directory (or its config.json), or the name of a shipped sample; a path that is not there is a
+    FileNotFoundError saying it does not exist (and listing the samples), another file one CheckpointError."""
     path = Path(value)
     if path.is_dir():
         return path
     if value in sample_names():
         return sample_path(value)
+    if path.is_file() and path.name == "config.json":
+        return path.parent
+    if path.exists():
+        raise CheckpointError(
+            f"{value} is not a checkpoint directory", fix="pass the checkpoint's directory or its config.json"
+        )
     raise FileNotFoundError(
-        f"{value}: no such checkpoint directory or sample; samples: {', '.join(sample_names()) or 'none'}"
+        f"{value} does not exist (not a checkpoint directory, its config.json or a sample; samples: "
+        f"{', '.join(sample_names()) or 'none'})"
     )
 
 
+def model_source(text: str, presets: Iterable[str]) -> tuple[str, str | Path]:
+    """What a model argument names: ``("preset", name)`` (one of ``presets``, any case), ``("checkpoint",
+    directory)`` (a shipped sample, a checkpoint directory, or a file in a directory holding ``*.safetensors``:
+    its config.json, a shard) or ``("config", file)`` (a config.json elsewhere); a path that is not there is a
+    FileNotFoundError saying it does not exist."""
+    if text.strip().lower() in presets:
+        return "preset", text.strip().lower()
+    if text in sample_names():
+        return "checkpoint", sample_path(text)
+    path = Path(text)
+    if path.is_dir():
+        return "checkpoint", path
+    if path.is_file():
+        return ("checkpoint", path.parent) if any(path.parent.glob("*.safetensors")) else ("config", path)
+    raise FileNotFoundError(
+        f"{text} does not exist (not a preset, a sample, a checkpoint directory or a config.json; presets: "
+        f"{', '.join(sorted(presets))}; samples: {', '.join(sample_names()) or 'none'})"
+    )
+
+
+def newest_profiles() -> dict[str, str]:
+    """``{engine: its newest profile}`` over :data:`fimoe_lab.engines.ENGINE_CHOICES` (``vllm`` ->
+    ``vllm-0.34``): what ``--engine vllm|sglang|flashinfer`` means. Versions compare as integers."""
+
+    def version(name: str) -> tuple[int, ...]:
+        return tuple(int(p) if p.isdigit() else -1 for p in engines.ENGINES[name].version.split("."))
+
+    newest: dict[str, str] = {}
+    for name in engines.ENGINE_CHOICES:
+        family = engines.ENGINES[name].engine
+        if family not in newest or version(name) > version(newest[family]):
+            newest[family] = name
+    return newest
+
+
+def engine_choice(text: str) -> str:
+    """argparse ``type`` of ``--engine``: a profile name, or an engine name for its newest profile
+    (:func:`newest_profiles`)."""
+    key = text.strip().lower()
+    key = newest_profiles().get(key, key)
+    if key not in engines.ENGINE_CHOICES:
+        names = ", ".join([*engines.ENGINE_CHOICES, *newest_profiles()])
+        raise argparse.ArgumentTypeError(f"unknown engine {text!r}: choose one of {names}")
+    return key
+
+
 def add_engine_option(parser: argparse.ArgumentParser) -> None:
-    """``--engine``: the engine profile whose defaults and layouts apply (choices from the profile table)."""
+    """``--engine``: the engine profile whose defaults and layouts apply (choices from the profile table; an
+    engine's name is its newest profile)."""
+    newest = ", ".join(f"{e} = {p}" for e, p in newest_profiles().items())
     parser.add_argument(
         "--engine",
-        choices=engines.ENGINE_CHOICES,
+        type=engine_choice,
         default=engines.DEFAULT_ENGINE,
         metavar="ENGINE",
         help=f"engine profile whose default paddings, pad bytes and scale layouts apply: "
-        f"{', '.join(engines.ENGINE_CHOICES)} (default {engines.DEFAULT_ENGINE})",
+        f"{', '.join(engines.ENGINE_CHOICES)}, or an engine's newest ({newest}) (default {engines.DEFAULT_ENGINE})",
     )

@@ -17,8 +17,10 @@ from fimoe_lab.cli._common import (
     EXIT_OK,
     add_engine_option,
     add_json_option,
+    add_option,
     add_per_token_option,
     add_progress_option,
+    add_rank_option,
     add_tp_option,
     checkpoint_path,
     int_list,
@@ -49,7 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Rebuild each layer's plan from the recorded arguments, check its steps against the recorded ones and each "
             "tensor against the SHA-256 convert recorded (a corrupt or edited file is refused), apply the "
             "inverse (padding dropped) and write OUT_DIR: config.json, index and shards with the expert tensors in the "
-            "source's naming convention, byte-identical to the source (for a TP shard: the rank's slice). Streamed: one "
+            "source's naming convention, byte-identical to the source (for a TP shard: the rank's slice), and every "
+            "tensor convert carried through unchanged: from a whole convert (one rank, or OUT of --rank all), every "
+            "tensor of the source with its name, dtype, shape and bytes, and nothing else. Streamed: one "
             "layer in memory, read a chunk of experts at a time."
         ),
         epilog="example: fimoe-lab restore /tmp/r1.kernel.safetensors /tmp/r1-restored",
@@ -121,12 +125,14 @@ def _register_inspect(sub: argparse._SubParsersAction, note: str) -> None:
     p.add_argument(
         "--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all MoE layers)"
     )
-    p.add_argument(
+    add_option(
+        p,
         "--tp",
+        "--tp-size",
         type=int_list("--tp", "1,2,4,8"),
         default=(1, 2, 4, 8),
         metavar="T,T,..",
-        help="TP sizes to check (default 1,2,4,8)",
+        help="tensor-parallel sizes to check, one or several (default 1,2,4,8)",
     )
     add_per_token_option(p, "the paddings convert --per-token writes")
     add_mxfp4_activation_option(p, "the CUTLASS plans as convert --mxfp4-activation writes them")
@@ -163,7 +169,11 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         description=(
             "Read each MoE layer (rank --rank of --tp, sliced along the intermediate dim as serving engines shard), apply "
             "the layout plan of its format for --backend, and write w13_weight, w2_weight, w13_weight_scale, "
-            "w2_weight_scale per layer, plus extras unchanged. The metadata records the plan arguments and every step, so "
+            "w2_weight_scale per layer, plus extras unchanged. Every other tensor of the checkpoint (dense layers, "
+            "routers and their biases, shared experts, norms, embeddings, heads, MTP layers, layers left out by --layer) "
+            "is written unchanged under its own name, into rank 0's output only, so OUT is a whole checkpoint and each "
+            "tensor is stored once. The metadata records the plan arguments and every step, and the source files by "
+            "size and header digest (no path, no time: the same source converted anywhere gives the same bytes), so "
             "'fimoe-lab restore' can map the file back.\n\n"
             "OUT is a directory of shards in the Hugging Face convention (model-0000k-of-0000n.safetensors and "
             "model.safetensors.index.json, each shard with the metadata), or one file when OUT ends in .safetensors or "
@@ -189,13 +199,7 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         help="expert-parallel size dividing --tp (default 1): rank r holds the contiguous experts of EP rank "
         "r // (TP/N) (vLLM/SGLang's placement), sliced as moe-TP rank r %% (TP/N); restore of OUT reassembles them",
     )
-    c.add_argument(
-        "--rank",
-        type=tp_rank,
-        default=0,
-        metavar="R",
-        help="tensor-parallel rank to write (default 0), or 'all': every rank, rank r in OUT/rank-<r>",
-    )
+    add_rank_option(c, "to write (default 0), or 'all': every rank, rank r in OUT/rank-<r>", tp_rank)
     c.add_argument("--layer", type=int, action="append", metavar="N", help="only layer N (repeatable; default: all)")
     c.add_argument(
         "--intermediate-alignment",
@@ -264,13 +268,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     if html is not None:
         from fimoe_lab.viz.report import report_html, write_report
 
-        write_report(html, report_html(path, reports, engine, args.tp, per_token=args.per_token), args.force)
+        shown = Path(args.path)  # as the user typed it (a sample by its name, not where it is installed)
+        write_report(html, report_html(shown, reports, engine, args.tp, per_token=args.per_token), args.force)
     if args.json:
         layers = [r.to_json() for r in reports]
         doc = dict(path=str(path), engine=engine, per_token=args.per_token, tp=list(args.tp), layers=layers)
         print_json({**doc, "html": None if html is None else str(html)})
         return EXIT_OK
-    print(f"{path}\n")
+    print(f"{args.path}\n")
     print(format_report(reports))
     if html is not None:
         print(f"wrote {html}")
@@ -335,6 +340,7 @@ CONVERT_JSON = (
     '"hidden_alignment": as given (null: the profile default), "layers": [{"layer", "description", "intermediate", '
     '"padded_intermediate", "hidden", "padded_hidden", "tensors": [{"name", "checkpoint_shape", "kernel_shape", '
     '"dtype", "steps"}]}] (rank 0), "ranks": [{"rank", "out", "sharded", "experts": [first, end) with --ep, else null, '
+    '"unchanged": source tensors carried through unchanged (rank 0 holds them all), '
     '"files": [{"name", "bytes", "kept": kept from an earlier run by --resume}], "bytes", "written", "kept", "seconds": from the start or the previous rank to its last file '
     'written}], "bytes": all files, "written_bytes", "seconds", "mb_per_s": written bytes per second, "processes": '
     'null or, with --distributed, [{"rank", "units", "written", "kept", "bytes", "seconds", "mb_per_s"}]}'
@@ -407,9 +413,9 @@ def _written_layers(meta: dict) -> list[dict[str, Any]]:
 
 
 def _written_ranks(args: argparse.Namespace, out: Path, before: dict, start: float) -> list[dict[str, Any]]:
-    """Per TP rank: its output, experts (``--ep``: the metadata's range), files (bytes, kept by ``--resume``),
-    and seconds to its last file written."""
-    from fimoe_lab.checkpoints import read_kernel_metadata
+    """Per TP rank: its output, experts (``--ep``: the metadata's range), the source tensors it carries unchanged
+    (rank 0's), files (bytes, kept by ``--resume``), and seconds to its last file written."""
+    from fimoe_lab.checkpoints.writer import KernelFiles, kept_names
 
     ranks = list(range(args.tp)) if args.rank == "all" else [args.rank]
     outputs = [out / f"rank-{r}" for r in ranks] if args.rank == "all" else [out]
@@ -421,8 +427,11 @@ def _written_ranks(args: argparse.Namespace, out: Path, before: dict, start: flo
         end = max([last, *new])
         size = sum(f["bytes"] for f in files)
         kept = sum(f["kept"] for f in files)
-        experts = read_kernel_metadata(o).get("experts")  # [e0, e1) of an EP rank; None: every expert
-        rec = dict(rank=rank, out=str(o), sharded=o.is_dir(), experts=experts, files=files, bytes=size)
+        with KernelFiles(o) as kf:
+            experts = kf.meta.get("experts")  # [e0, e1) of an EP rank; None: every expert
+            unchanged = len(kept_names(kf))
+        rec = dict(rank=rank, out=str(o), sharded=o.is_dir(), experts=experts, unchanged=unchanged)
+        rec.update(files=files, bytes=size)
         rec["written"] = len(files) - kept
         done.append({**rec, "kept": kept, "seconds": round(end - last, 3)})
         last = end
@@ -502,7 +511,10 @@ def _print_written(args: argparse.Namespace, doc: dict[str, Any]) -> None:
     for r in doc["ranks"]:
         n = len(r["files"])
         shards = f", {n} shard{'s' * (n > 1)}" if r["sharded"] else ""
-        print(f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB{shards}, tp rank {r['rank']} of {args.tp}, {args.backend})")
+        kept = f", {r['unchanged']} other tensors unchanged" if r["unchanged"] else ""
+        print(
+            f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB{shards}, tp rank {r['rank']} of {args.tp}, {args.backend}{kept})"
+        )
 
 
 def run_restore(args: argparse.Namespace) -> int:
@@ -519,13 +531,13 @@ def run_restore(args: argparse.Namespace) -> int:
     )
     seconds = time.time() - start
     shards = sorted(out.glob("*.safetensors"))
+    tensors = len(read_json(out / INDEX, "index")["weight_map"])
     if not args.json:
         n = len(shards)
-        print(f"wrote {out} (config.json, model.safetensors.index.json, {n} shard{'s' * (n > 1)})")
+        print(f"wrote {out} (config.json, model.safetensors.index.json, {n} shard{'s' * (n > 1)}, {tensors} tensors)")
         return EXIT_OK
     files = [dict(name=f.name, bytes=f.stat().st_size) for f in sorted(p for p in out.iterdir() if p.is_file())]
     size = sum(f["bytes"] for f in files)
-    tensors = len(read_json(out / INDEX, "index")["weight_map"])
     print_json(
         dict(
             source=str(args.kernel_file),

@@ -22,6 +22,8 @@ from fimoe_lab.cli._common import (
     add_json_option,
     add_per_token_option,
     add_progress_option,
+    add_size_options,
+    add_tp_option,
     checkpoint_path,
     int_list,
     positive_int,
@@ -56,9 +58,10 @@ GOLDENS_JSON = (
     '"total": int}'
 )
 PLAN_JSON = (
-    '{"layer": {"intermediate", "hidden", "experts", "gated", "per_token", "mxfp4_activation"}, "engine": the engine '
-    "profile, "
-    '"plans": [{"format", "backend", "cannot": null or why this pair cannot lay out the sizes, "tensors": '
+    '{"layer": {"intermediate", "tp", "hidden", "experts", "gated", "per_token", "mxfp4_activation"}, "engine": the '
+    "engine profile, "
+    '"plans": [{"format", "backend", "intermediate": rank 0\'s (null: the split fails), "cannot": null or why this pair '
+    'cannot lay out the sizes, "tensors": '
     '[{"name", "in_shape", "out_shape" (bytes per expert), "pad_percent", "ms", "round_trip": exact, "steps": '
     '[step kinds]}], "engine_scales": null (not checked), true or false, "engine_weights": the same for the '
     'weights (the SM90 MXFP4 x BF16 layout), "where": null or [{"step", "shape", '
@@ -104,9 +107,7 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
         ),
     )
     d.add_argument("paths", nargs="*", help="checkpoint directories or sample names (default: every shipped sample)")
-    d.add_argument(
-        "--tp", type=positive_int("--tp"), default=2, help="tensor-parallel size to shard to (rank 0; default 2)"
-    )
+    add_tp_option(d, "the size to shard to, rank 0 written", default=2)
     d.add_argument(
         "--out", default="fimoe-demo-out", help="where the kernel-layout files go (default ./fimoe-demo-out)"
     )
@@ -132,9 +133,16 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--backend", default="all", choices=("all",) + specs.BACKENDS, help="FlashInfer backend (default: both)"
     )
-    p.add_argument("--intermediate", type=int, default=256, help="per-partition intermediate size (default 256)")
-    p.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
-    p.add_argument("--experts", type=int, default=4, help="experts to run on (default 4)")
+    add_size_options(
+        p,
+        "intermediate size (default 256): at TP 1, split with --tp as convert splits it",
+        "hidden size (default 512)",
+        defaults=(256, 512),
+    )
+    add_tp_option(p, "plan rank 0's slice of --intermediate (equal shards, whole scale blocks)")
+    p.add_argument(
+        "--experts", type=positive_int("--experts"), default=4, metavar="E", help="experts in the layer (default 4)"
+    )
     p.add_argument("--non-gated", action="store_true", help="non-gated activation (ReLU^2): W1 has I rows, no gate/up")
     add_per_token_option(
         p, "the engine profile's per-token paddings (vLLM: hidden 512 for a non-gated layer on TRT-LLM)"
@@ -234,6 +242,7 @@ def _activation_for(pairs: list[tuple[str, str]], dtype: str | None) -> dict[tup
 def run_plan(args: argparse.Namespace) -> int:
     from fimoe_lab.engines import get_engine
     from fimoe_lab.recipes import plan_layer
+    from fimoe_lab.shapes import rank_intermediates
 
     formats = specs.weight_formats() if args.format == "all" else (args.format,)
     backends = specs.BACKENDS if args.backend == "all" else (args.backend,)
@@ -241,7 +250,8 @@ def run_plan(args: argparse.Namespace) -> int:
     gated = not args.non_gated
     say = _shower(args, str)
     say(
-        f"layer: intermediate {args.intermediate}, hidden {args.hidden}, {args.experts} experts, "
+        f"layer: intermediate {args.intermediate}{f' at TP {args.tp} (rank 0)' if args.tp > 1 else ''}, "
+        f"hidden {args.hidden}, {args.experts} experts, "
         f"{'gated' if gated else 'non-gated'}{', per-token NVFP4 activations' if args.per_token else ''}\n"
     )
     say(_PLAN_HEADER)
@@ -250,14 +260,22 @@ def run_plan(args: argparse.Namespace) -> int:
     pairs = [(fmt, backend) for fmt in formats for backend in backends]
     for fmt, backend in pairs:
         rec: dict[str, Any] = dict(
-            format=fmt, backend=backend, cannot=None, tensors=[], engine_scales=None, engine_weights=None, where=None
+            format=fmt,
+            backend=backend,
+            intermediate=None,
+            cannot=None,
+            tensors=[],
+            engine_scales=None,
+            engine_weights=None,
+            where=None,
         )
         plans.append(rec)
         try:
+            rec["intermediate"] = rank_intermediates(args.intermediate, args.tp, fmt)[0]
             plan = plan_layer(
                 fmt,
                 backend,
-                args.intermediate,
+                rec["intermediate"],
                 args.hidden,
                 gated,
                 gated,
@@ -293,6 +311,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         layer = dict(
             intermediate=args.intermediate,
+            tp=args.tp,
             hidden=args.hidden,
             experts=args.experts,
             gated=gated,

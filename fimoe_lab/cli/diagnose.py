@@ -14,14 +14,16 @@ from fimoe_lab.cli._common import (
     EXIT_FAILED,
     EXIT_OK,
     add_json_option,
+    add_option,
+    add_rank_option,
+    add_tp_option,
     checkpoint_path,
     int_list,
-    positive_int,
     print_json,
 )
 
 DIAGNOSE_JSON = (
-    '{"source", "tensors": {ROLE: {"dumped_name", "experts", "explained", "best": the variant that explains it, '
+    '{"source", "tensors": {ROLE: {"dumped_name", "experts", "explained", "best": the variant that explains it, "equally": every other variant that explains it as well, '
     '"planned", "ranked": [{"variant", "match": per expert}] (the best 10)}}, "ignored": dumped names not compared}'
 )
 
@@ -36,21 +38,25 @@ def register(sub: argparse._SubParsersAction) -> None:
             "file, or one .npy array named by its file (no pickle: a .pt is refused); names with w13/gemm1 and w2/gemm2, scales with 'scale', "
             "experts first). Every plan of every backend and engine profile, each with one step left out, another "
             "epilogue_tile_m or another intermediate padding, is applied to the checkpoint and compared byte by byte "
-            "(fill bytes excluded) with the dump, per expert. Prints, per tensor, the variant that explains the bytes "
-            "and how much the planned one matches. Exit 0 when every tensor is explained exactly, 1 otherwise."
+            "(fill bytes excluded) with the dump, per expert. Prints, per tensor, the variant that explains the bytes, "
+            "every other variant that explains them equally (an engine profile's own plan named before a plan with a "
+            "step left out) and how much the planned one matches. Exit 0 when every tensor is explained exactly, 1 otherwise."
         ),
         epilog="example: fimoe-lab diagnose deepseek-r1-nvfp4 dumped_layer3.safetensors --layer 3 --figure diag.png",
     )
-    p.add_argument("checkpoint", type=checkpoint_path, metavar="CHECKPOINT", help="checkpoint directory or sample name")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory (or its config.json) or sample name")
     p.add_argument("kernel_tensors", type=Path, metavar="KERNEL_TENSORS", help=".safetensors or .npy of dumped tensors")
     p.add_argument("--layer", type=int, default=None, metavar="N", help="only layer N (default: the first MoE layer)")
-    p.add_argument("--tp-size", type=positive_int("--tp-size"), default=1, help="TP size the engine ran (default 1)")
-    p.add_argument("--tp-rank", type=int, default=0, help="TP rank the dump comes from (default 0)")
-    p.add_argument(
+    add_tp_option(p, "the size the engine ran")
+    add_rank_option(p, "the dump comes from (default 0)")
+    add_option(
+        p,
+        "--expert-ids",
         "--experts",
-        type=int_list("--experts", "0,1,2", minimum=0),
+        type=int_list("--expert-ids", "0,1,2", minimum=0),
         default=None,
-        help="experts to compare (default: the first 8)",
+        metavar="E,E,..",
+        help="the experts to compare, by index (default: the first 8)",
     )
     p.add_argument("--figure", type=Path, default=None, help="write the comparison figure of the first tensor (PNG)")
     p.add_argument(
@@ -68,14 +74,15 @@ def run_diagnose(args: argparse.Namespace) -> int:
     from fimoe_lab.owned_files import check_file_output, write_file_output
     from fimoe_lab.untrusted import printable
 
+    where = checkpoint_path(args.checkpoint)  # the model first: a missing one is named before the dump
     if args.figure is not None:  # before any work: an existing file or a link is refused now
-        check_file_output(args.figure, "png", args.force, [args.checkpoint, args.kernel_tensors])
+        check_file_output(args.figure, "png", args.force, [where, args.kernel_tensors])
     dumped = load_dump(args.kernel_tensors)
-    ckpt = open_checkpoint(args.checkpoint)
+    ckpt = open_checkpoint(where)
     layer = ckpt.moe_layers[0] if args.layer is None else args.layer
-    moe = ckpt.read_layer(layer, args.tp_size, args.tp_rank)
-    source = f"{args.checkpoint} layer {layer} (TP rank {args.tp_rank} of {args.tp_size}) vs {args.kernel_tensors}"
-    result = diagnose(moe, dumped, args.experts, source)
+    moe = ckpt.read_layer(layer, args.tp, args.rank)
+    source = f"{args.checkpoint} layer {layer} (TP rank {args.rank} of {args.tp}) vs {args.kernel_tensors}"
+    result = diagnose(moe, dumped, args.expert_ids, source)
     if args.figure is not None:
         first = next(iter(result.tensors.values()))
         from fimoe_lab.viz.figures import to_png

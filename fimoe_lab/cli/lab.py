@@ -11,6 +11,11 @@ working copy in the user's data directory (:func:`default_workspace`; notebooks 
 there are kept), and a ``--dir`` inside the package or its source checkout is refused. The
 same launch (:func:`jupyterlab_command`) is what the browser test runs, so the command users
 type is the command that is tested.
+
+Stopping: SIGTERM, SIGHUP and SIGINT sent to ``fimoe-lab lab`` are passed on to the JupyterLab server
+(:func:`serve`), which is waited for (:data:`STOP_WAIT_S`, then terminated, then killed) before the lab's
+temporary settings folder is removed and the lab exits with ``128 + signal``: nothing is left listening on the
+port or on the disk.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.resources import notebooks_dir
@@ -36,6 +42,21 @@ LOCAL_IP = "127.0.0.1"
 DISABLED_PLUGINS = ("@jupyterlab/apputils-extension:announcements", "@jupyterlab/extensionmanager-extension")
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 """``--theme`` choices: JupyterLab's own theme names."""
+FORWARDED = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, n))
+"""Signals the lab passes on to the JupyterLab server (:func:`serve`)."""
+STOP_WAIT_S = 15.0
+"""Seconds the server is given to stop after a forwarded signal, then again after SIGTERM, before SIGKILL."""
+
+
+def port_number(text: str) -> int:
+    """argparse ``type`` of ``--port``: a TCP port, an integer in 1..65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port takes a TCP port, an integer in 1..65535, got {text!r}")
+    return port
 
 
 def default_workspace() -> Path:
@@ -60,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Start JupyterLab with the fimoe_lab notebooks; needs the 'lab' extra "
         "(pip install 'fimoe_lab[lab]'). It listens on 127.0.0.1 with token authentication (the URL with the token is "
         "printed). Without --dir it opens a copy of the shipped notebooks in ~/.local/share/fimoe-lab/notebooks "
-        "(made on first use; your edits stay there). Ctrl-C stops it.",
+        "(made on first use; your edits stay there). Ctrl-C, SIGTERM or SIGHUP stops it: the signal is passed on "
+        "to JupyterLab, which is waited for, and the lab's temporary settings folder is removed.",
     )
     p.add_argument(
         "--dir",
@@ -69,7 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="notebook folder to open as it is (default: the user workspace, filled from the shipped notebooks; "
         "never the package or its checkout)",
     )
-    p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    p.add_argument("--port", type=port_number, default=None, help="TCP port, 1..65535 (default: a free one)")
     p.add_argument("--ip", default=LOCAL_IP, help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--token", default=None, help="authentication token (default: a random one); never empty")
     p.add_argument("--no-browser", action="store_true", help="do not open a web browser")
@@ -178,11 +200,49 @@ def run_lab(args: argparse.Namespace) -> int:
     print(f"notebooks: {notebook_dir.resolve()}", file=sys.stderr)
     if args.ip != LOCAL_IP:
         print(f"note: listening on {args.ip}: other machines can reach it (the token still guards it)", file=sys.stderr)
-    port = args.port or free_port()
+    port = args.port if args.port is not None else free_port()
     with tempfile.TemporaryDirectory(prefix="fimoe-lab-") as state:
         argv, env = jupyterlab_command(
             notebook_dir, port, Path(state), not args.no_browser, args.token, args.ip, args.theme
         )
         host = "127.0.0.1" if args.ip in ("0.0.0.0", "::", "") else args.ip
         print(f"open: http://{host}:{port}/lab?token={env['JUPYTER_TOKEN']}", file=sys.stderr)
-        return subprocess.call(argv, env=env)
+        return serve(argv, env)
+
+
+def serve(argv: list[str], env: dict) -> int:
+    """Run the server ``argv`` until it exits: its exit status, or ``128 + signal`` when a :data:`FORWARDED`
+    signal reached this process. Such a signal is passed on to the server (installed before it starts, so none
+    is missed), which is then given :data:`STOP_WAIT_S` to stop, then terminated, then killed; either way it has
+    exited when this returns."""
+    got: list[int] = []
+    child: list[subprocess.Popen] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        got.append(signum)
+        for c in child:
+            if c.poll() is None:
+                c.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        child.append(subprocess.Popen(argv, env=env))
+        if got:  # a signal came before the server started: it gets it now
+            forward(got[0], None)
+        code = _wait_stopped(child[0], got)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 + got[0] if got else code
+
+
+def _wait_stopped(server: subprocess.Popen, got: list[int]) -> int:
+    """Wait for ``server``; once a signal was forwarded (``got``), at most :data:`STOP_WAIT_S`, then SIGTERM,
+    then SIGKILL."""
+    escalate = [server.terminate, server.kill]
+    while True:
+        try:
+            return server.wait(timeout=STOP_WAIT_S if got else 0.5)
+        except subprocess.TimeoutExpired:
+            if got and escalate:
+                escalate.pop(0)()

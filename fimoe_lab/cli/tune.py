@@ -23,11 +23,15 @@ from fimoe_lab.cli._common import (
     EXIT_OK,
     add_engine_option,
     add_json_option,
+    add_option,
     add_per_token_option,
+    add_size_options,
     add_tp_option,
     int_list,
     lower_choice,
+    model_source,
     one_line,
+    positive_int,
     print_json,
     show_progress,
 )
@@ -36,6 +40,14 @@ from fimoe_lab.owned_files import check_file_output, write_file_output
 from fimoe_lab.presets import PRESETS, get_preset
 
 SOURCES = ("auto", "live", "native", "model", "snapshot")  # TacticOracle.MODES (checked by a test)
+SOURCE_HELP = (
+    "where tactic answers come from: auto (default): native on a Blackwell GPU, else the model when the installed "
+    "FlashInfer's kernel table is shipped, else live, else the model; native: FlashInfer's own "
+    "trtllm_get_valid_moe_configs on this Blackwell (SM10x) GPU (refused without one); live: that op from the "
+    "module built by 'python -m fimoe_lab.tune.build', on any machine (an SM100 shim); model: the shipped "
+    "re-implementation of the op over FlashInfer's kernel table, exact for any shape, no GPU; snapshot: the same "
+    "as model (its former name)"
+)
 GPU_NAMES = ("b200", "gb200", "b300", "h200", "h100")  # the rows of fimoe_lab.tune.cost.GPUS (checked by a test)
 TOKENS_TYPE = int_list("--tokens", "1,8,64")
 
@@ -95,25 +107,30 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
         "source.",
         epilog="presets: " + ", ".join(presets) + "\nformats: " + ", ".join(formats),
     )
-    t.add_argument("checkpoint", nargs="?", default=None, help="a checkpoint directory (instead of --model)")
     t.add_argument(
-        "--model",
-        type=lower_choice(presets),
-        metavar="PRESET",
-        help="model preset (" + ", ".join(presets) + ")",
+        "checkpoint",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model: a preset, a shipped sample name, a checkpoint directory or a config.json (sizes, and a "
+        "checkpoint's format, read from it)",
     )
+    t.add_argument("--model", metavar="MODEL", help="the model, as MODEL (a preset: " + ", ".join(presets) + ")")
     t.add_argument("--config", help="a Hugging Face config.json (sizes read with the checkpoint reader's keys)")
-    t.add_argument("--hidden", type=int, help="hidden size (K of GEMM1); overrides the model's")
-    t.add_argument("--intermediate", type=int, help="MoE intermediate size per expert at TP 1; overrides the model's")
+    add_size_options(
+        t,
+        "MoE intermediate size per expert at TP 1; overrides the model's",
+        "hidden size (K of GEMM1); overrides the model's",
+    )
     t.add_argument("--experts", type=int, help="routed experts (e.g. experts per rank under EP); overrides the model's")
     t.add_argument("--top-k", type=int, help="experts per token; overrides the model's")
     t.add_argument("--act", type=_activation, default=None, help="activation (default: the model's, else swiglu)")
     t.add_argument(
         "--format",
-        required=True,
         type=lower_choice(formats),
         metavar="FMT",
-        help="weight/activation format (" + ", ".join(formats) + ")",
+        help="weight/activation format (" + ", ".join(formats) + "; default: the checkpoint's, or the preset's "
+        "when it has one)",
     )
     add_tp_option(t, "splits the intermediate size")
     add_per_token_option(t, "the tactics and paddings of per-token activation scales")
@@ -138,13 +155,7 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
         "per token count; bf16, fp8 rowwise where torch has it): adds measured_us beside predicted_us",
     )
     add_engine_option(t)
-    t.add_argument(
-        "--source",
-        choices=SOURCES,
-        default="auto",
-        help="where tactic answers come from (auto: Blackwell GPU, else built module, else the shipped "
-        "validity model; model: that model only)",
-    )
+    t.add_argument("--source", choices=SOURCES, default="auto", help=SOURCE_HELP)
     add_json_option(t, TUNE_JSON)
     t.add_argument("--csv", help="also write the table to this CSV file")
     t.add_argument("--json-out", help="also write the table (rows with predicted_us) and recommendation to JSON")
@@ -183,14 +194,21 @@ def _register_tactics(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=f"weight layout (default per format: {_default_layouts(formats)})",
     )
-    q.add_argument("--hidden", type=int, required=True, help="hidden size (K of GEMM1)")
-    q.add_argument("--inter", type=int, required=True, help="intermediate size per expert and projection, per rank")
-    q.add_argument("--experts", type=int, required=True, help="local experts")
+    add_size_options(q, "intermediate size per expert and projection, per rank (padded)", required=True)
+    add_option(
+        q,
+        "--local-experts",
+        "--experts",
+        type=positive_int("--local-experts"),
+        required=True,
+        metavar="E",
+        help="experts on one rank (routed experts / EP size)",
+    )
     q.add_argument("--top-k", type=int, required=True, help="experts per token")
     q.add_argument(
         "--tokens", type=TOKENS_TYPE, default=(1, 8, 64), help="comma-separated token counts (default 1,8,64)"
     )
-    q.add_argument("--source", choices=SOURCES, default="auto", help="where answers come from")
+    q.add_argument("--source", choices=SOURCES, default="auto", help=SOURCE_HELP)
     add_json_option(q, TACTICS_JSON, "list")
     q.add_argument("--configs", action="store_true", help="include the full [tile_N, config] list (live only)")
     q.set_defaults(handler=run_tactics)
@@ -222,7 +240,11 @@ def run_tactics(a: argparse.Namespace) -> int:
     oracle = TacticOracle(mode=a.source)
     try:
         answers = [
-            oracle.ask(TacticQuery(a.format, a.act, a.hidden, a.inter, a.experts, a.top_k, t, a.per_token, a.layout))
+            oracle.ask(
+                TacticQuery(
+                    a.format, a.act, a.hidden, a.intermediate, a.local_experts, a.top_k, t, a.per_token, a.layout
+                )
+            )
             for t in a.tokens
         ]
     finally:
@@ -258,15 +280,17 @@ def _model(a: argparse.Namespace):
     given = [x for x in (a.model, a.checkpoint, a.config) if x]
     if len(given) > 1:
         raise OracleError(
-            "give one model: a preset (--model), a checkpoint directory or --config", fix="drop the others"
+            "give one model: a preset, a sample, a checkpoint directory or a config.json (MODEL, --model or --config)",
+            fix="drop the others",
         )
     sizes = {"hidden": a.hidden, "intermediate": a.intermediate, "experts": a.experts, "top_k": a.top_k}
-    if a.model:
-        base = get_preset(a.model)
-    elif a.checkpoint:
-        base = model_from_checkpoint(a.checkpoint, a.act)
-    elif a.config:
-        base = model_from_config(a.config, a.act)
+    kind, where = model_source(given[0], PRESETS) if given else ("", "")
+    if kind == "preset":
+        base = get_preset(str(where))
+    elif kind == "checkpoint":
+        base = model_from_checkpoint(where, a.act)
+    elif kind == "config":
+        base = model_from_config(where, a.act)
     else:
         missing = [k for k, v in sizes.items() if v is None]
         if missing:
@@ -290,11 +314,30 @@ def _model(a: argparse.Namespace):
     )
 
 
+def _model_format(model) -> str:
+    """The format to tune when ``--format`` is not given: the one tuner format among the model's checkpoint formats
+    (a checkpoint's own; int4-group is laid out as mxint4), else one error asking for ``--format``."""
+    from fimoe_lab.checkpoints.writer import layout_format
+
+    found = sorted({layout_format(f) for f in model.checkpoint_formats} & set(specs.tuner_formats()))
+    if len(found) != 1:
+        held = (
+            f"its checkpoints hold {', '.join(model.checkpoint_formats)}"
+            if model.checkpoint_formats
+            else "no format known"
+        )
+        raise OracleError(
+            f"no --format: {model.name}: {held}", fix=f"pass --format, one of {', '.join(specs.tuner_formats())}"
+        )
+    return found[0]
+
+
 def run_tune(a: argparse.Namespace) -> int:
     from fimoe_lab.tune.oracle import TacticOracle
     from fimoe_lab.tune.sweep import TOKENS, export, run, summary, table
 
     p = _model(a)
+    a.format = a.format or _model_format(p)
     files = _output_files(a)
     for path, kind in files:  # before any work: an existing file or a link is refused now
         check_file_output(path, kind, a.force)

@@ -13,7 +13,16 @@ import argparse
 import time
 
 from fimoe_lab import specs
-from fimoe_lab.cli._common import EXIT_OK, add_json_option, add_tp_option, lower_choice, positive_int, print_json
+from fimoe_lab.cli._common import (
+    EXIT_OK,
+    add_json_option,
+    add_size_options,
+    add_tp_option,
+    lower_choice,
+    model_source,
+    positive_int,
+    print_json,
+)
 from fimoe_lab.presets import PRESETS
 
 WARMUP_JSON = (
@@ -34,7 +43,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "the first real transform of a later process, or of this one, does not wait for them.",
         epilog="presets: " + ", ".join(sorted(PRESETS)) + "\nformats: " + ", ".join(specs.weight_formats()),
     )
-    w.add_argument("--model", type=lower_choice(sorted(PRESETS)), help="a model preset (sizes and formats)")
+    w.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="the model: a preset, a shipped sample name, a checkpoint directory or a config.json (sizes, and the "
+        "formats of a preset or checkpoint)",
+    )
     w.add_argument(
         "--format",
         dest="formats",
@@ -53,12 +67,34 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--device", dest="devices", action="append", help="a torch device, e.g. cpu or cuda (repeatable; default cpu)"
     )
     add_tp_option(w)
-    w.add_argument("--hidden", type=positive_int("--hidden"), help="hidden size (overrides the preset's)")
-    w.add_argument("--inter", type=positive_int("--inter"), help="per-rank intermediate size (overrides the preset's)")
+    add_size_options(w, "per-rank intermediate size (overrides the preset's)", "hidden size (overrides the preset's)")
     w.add_argument("--experts", type=positive_int("--experts"), help="experts per layer (overrides the preset's)")
     w.add_argument("--no-in-place", action="store_true", help="skip the in-place kernels")
     add_json_option(w, WARMUP_JSON)
     w.set_defaults(handler=run_warmup)
+
+
+def _model_args(args: argparse.Namespace) -> dict:
+    """``warmup``'s model arguments: a preset by name; a checkpoint (or sample) or config.json read for its sizes
+    (per rank: intermediate / --tp), activation and, a checkpoint's, format; the size and format options override."""
+    given = dict(formats=args.formats, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts)
+    if args.model is None:
+        return given
+    kind, where = model_source(args.model, PRESETS)
+    if kind == "preset":
+        return {**given, "model": where}
+    from fimoe_lab.checkpoints.writer import layout_format
+    from fimoe_lab.specs import get_activation
+    from fimoe_lab.tune.models import model_from_checkpoint, model_from_config
+
+    m = model_from_checkpoint(where) if kind == "checkpoint" else model_from_config(where)
+    return dict(
+        formats=args.formats or [layout_format(f) for f in m.checkpoint_formats],
+        hidden=args.hidden or m.hidden,
+        intermediate=args.intermediate or m.moe_intermediate // args.tp,
+        experts=args.experts or m.experts,
+        gated=get_activation(m.activation).gated,
+    )
 
 
 def run_warmup(args: argparse.Namespace) -> int:
@@ -66,14 +102,10 @@ def run_warmup(args: argparse.Namespace) -> int:
 
     t = time.perf_counter()
     done = warmup(
-        model=args.model,
-        formats=args.formats,
+        **_model_args(args),
         backends=tuple(args.backends or ("trtllm",)),
         devices=tuple(args.devices or ("cpu",)),
         tp=args.tp,
-        hidden=args.hidden,
-        intermediate=args.inter,
-        experts=args.experts,
         in_place=not args.no_in_place,
     )
     total = time.perf_counter() - t

@@ -612,7 +612,16 @@ def _cutlass_alternative(p: ModelPreset, fmt: str, tp: int, per_token: bool, eng
     ia, ha = reference_alignments(p, fmt, per_token, engine, "cutlass")
     if convert_check(p, fmt, tp, ia, ha, engine, "cutlass", per_token) is not None:
         return []
-    return [f"--backend cutlass (no TRTLLM-Gen tactics needed; convert pads intermediate % {ia}, hidden % {ha})"]
+    return [f"--backend cutlass (no TRTLLM-Gen tactics needed; convert pads {multiples(ia, ha)})"]
+
+
+def multiples(inter_align: int, hidden_align: int) -> str:
+    """The alignments as words: ``intermediate to a multiple of 128, hidden to 256``; an alignment of 1 (no
+    constraint) left out; ``no padding`` when both are 1."""
+    parts = [
+        f"{what} to a multiple of {a}" for what, a in (("intermediate", inter_align), ("hidden", hidden_align)) if a > 1
+    ]
+    return ", ".join(parts) or "no padding"
 
 
 def _cutlass_needs(p: ModelPreset, fmt: str, per_token: bool, engine: Optional[str]) -> dict[str, int]:
@@ -679,9 +688,33 @@ def _fmt(v: Any, digits: int = 1) -> str:
     return str(v)
 
 
+def shape_groups(rows: Sequence[dict]) -> list[list[dict]]:
+    """``rows`` grouped by padded shape (``intermediate``, ``intermediate_last``, ``hidden``), in order of first
+    appearance. A padded I depends on the intermediate alignment alone and H on the hidden one, so a group is every
+    pair of its intermediate alignments and its hidden alignments, with the same tactics and time."""
+    groups: dict[tuple[Any, ...], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["intermediate"], r["intermediate_last"], r["hidden"]), []).append(r)
+    return list(groups.values())
+
+
+def _merged(group: list[dict]) -> dict:
+    """One table row for a :func:`shape_groups` group: its first row, the alignments that give it listed
+    (``1,16,32``), each mark set when any pair has it, the distinct flags joined."""
+    row = dict(group[0])
+    for k in ("inter_align", "hidden_align"):
+        row[k] = ",".join(str(v) for v in sorted({r[k] for r in group}))
+    for k in ("pareto", "reference", "recommended"):
+        row[k] = any(r[k] for r in group)
+    row["flag"] = "; ".join(dict.fromkeys(r["flag"] for r in group if r["flag"]))
+    return row
+
+
 def table(s: Any) -> str:
-    """The sweep's rows as fixed-width text (``P`` Pareto, ``REF`` convert's default, ``<==`` recommended)."""
+    """The sweep's rows as fixed-width text, one line per distinct padded shape with the alignments that give it
+    (:func:`shape_groups`; ``P`` Pareto, ``REF`` convert's default, ``<==`` recommended)."""
     s = _as_sweep(s)
+    s = Sweep([_merged(g) for g in shape_groups(s.rows)], s.attrs)
     cols = ["inter_align", "hidden_align", "intermediate"]
     if any(r["intermediate_last"] != r["intermediate"] for r in s.rows):
         cols.append("intermediate_last")
@@ -764,18 +797,14 @@ def summary(s: Any) -> str:
     refrow = next((r for r in rows if r["reference"]), None)
     if refrow is not None:
         lines.append(
-            f"convert's default padding (I%{ref['inter_align']}, H%{ref['hidden_align']}): intermediate "
+            f"convert's default padding ({multiples(ref['inter_align'], ref['hidden_align'])}): intermediate "
             f"{refrow['intermediate']}, hidden {refrow['hidden']}"
             + (f", min tactics {_fmt(refrow['min_tactics'])}" if a["backend"] == "trtllm" else "")
             + (f"  <-- {refrow['flag']}" if refrow["flag"] else "  (full tactic space)" if refrow["full"] else "")
         )
     cut = a.get("cutlass_alignments")
     if cut:
-        need = (
-            "no padding"
-            if (cut["inter_align"], cut["hidden_align"]) == (1, 1)
-            else f"intermediate % {cut['inter_align']} == 0 and hidden % {cut['hidden_align']} == 0"
-        )
+        need = multiples(cut["inter_align"], cut["hidden_align"])
         lines.append(
             f"CUTLASS (Hopper SM90 and Blackwell) needs {need} (convert's CUTLASS padding); "
             f"--measure times the paddings live on a CUDA GPU"

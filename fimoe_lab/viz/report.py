@@ -272,8 +272,8 @@ def _inline_svg(svg: str, prefix: str) -> str:
 
 
 def _layer_pictures(r: Any, backend: str, need: Any, tp: int, figures: Any, data: Any) -> list[tuple[str, Any]]:
-    """``(caption, figure or None)`` of one plan: the padding masks (None: too large to draw here, the caption
-    says so) and, when w13's rows move, its row permutation."""
+    """``(caption, figure or None)`` of one plan: the padding masks (None: nothing padded, or too large to draw
+    here; the caption says which) and, when w13's rows move, its row permutation."""
     from fimoe_lab.checkpoints.writer import build_plan
 
     plan = build_plan(need.plan)
@@ -283,7 +283,9 @@ def _layer_pictures(r: Any, backend: str, need: Any, tp: int, figures: Any, data
     label = f"{backend}, TP {tp} (rank 0)"
     largest = max(m.out_bytes for m in maps.values())
     out: list[tuple[str, Any]] = []
-    if largest > PADDING_PICTURE_MAX_BYTES:
+    if need.pad_bytes == 0:
+        out.append((f"nothing padded in {label}: no padding masks to draw", None))
+    elif largest > PADDING_PICTURE_MAX_BYTES:
         note = f"padding masks of {label} not drawn: {largest / 2**20:.1f} MiB per expert (the lab's PaddingExplorer)"
         out.append((note, None))
     else:
@@ -337,7 +339,7 @@ def report_html(
 ) -> str:
     """The whole report page for ``reports`` (:func:`~fimoe_lab.checkpoints.inspect.inspect_checkpoint` of
     ``path`` at TP sizes ``tps`` under profile ``engine``, ``per_token`` NVFP4 activations); ``pictures`` False
-    leaves the pictures out."""
+    leaves the pictures out. ``path`` is only shown: pass it as the user gave it (a sample by its name)."""
     body = [
         f"<h1>fimoe-lab inspect: {_e(Path(path).name)}</h1>",
         _summary(Path(path), reports, engine, tps, per_token),
