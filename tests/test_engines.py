@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fimoe_lab import engine_check, engines, recipes
-from fimoe_lab.errors import FimoeError
+from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.specs import FORMATS
 
 
@@ -87,9 +87,19 @@ def _run(fmt: str, inter: int, hidden: int, gated: bool, w13s: torch.Tensor, w2s
     return plan, plan.apply(w13, w2, w13s, w2s)
 
 
-ENGINE_SHAPES = [(e, *SHAPES[i]) for e in engines.ENGINE_CHOICES for i in (2, 7)] + [
-    (engines.DEFAULT_ENGINE, *s) for i, s in enumerate(SHAPES) if i not in (2, 7)
-]
+FI074 = "flashinfer-0.7.4"  # its helpers pad nothing and refuse SHAPES[2] and SHAPES[7]: other sizes
+ENGINE_SHAPES = (
+    [(e, *SHAPES[i]) for e in engines.ENGINE_CHOICES if e != FI074 for i in (2, 7)]
+    + [(FI074, *s) for s in (SHAPES[0], ("mxfp4", 128, 384, False))]
+    + [(engines.DEFAULT_ENGINE, *s) for i, s in enumerate(SHAPES) if i not in (2, 7)]
+)
+
+
+@pytest.mark.parametrize("i,helper", [(2, "prepare_cutlass_nvfp4_weights"), (7, "prepare_cutlass_mxfp8_mxfp4_weights")])
+def test_flashinfer_074_refuses_the_cutlass_fp4_sizes_its_helpers_refuse(i, helper):
+    fmt, inter, hidden, gated = SHAPES[i]
+    with pytest.raises(LayoutError, match=f"flashinfer-0.7.4: {fmt} on cutlass: .*{helper} refuses"):
+        recipes.plan_layer(fmt, "cutlass", inter, hidden, gated, gated, engine=FI074)
 
 
 @pytest.mark.parametrize("engine,fmt,inter,hidden,gated", ENGINE_SHAPES)
@@ -174,7 +184,9 @@ def test_profiles_table():
         ("vllm-0.34", "mxfp4", "cutlass", True, False, (128, 128)),
         ("vllm-0.34", "nvfp4", "cutlass", False, False, (128, 1)),
         ("vllm-0.34", "nvfp4", "cutlass", True, False, (16, 1)),
-        ("flashinfer-0.7.4", "mxfp8", "trtllm", True, False, (128, 256)),
+        ("flashinfer-0.7.4", "mxfp8", "trtllm", True, False, (1, 1)),
+        ("flashinfer-0.7.4", "fp8", "trtllm", False, False, (1, 1)),
+        ("flashinfer-0.7.4", "nvfp4", "trtllm", True, False, (1, 1)),
     ],
 )
 def test_default_alignments_per_engine(engine, fmt, backend, gated, per_token, want):
@@ -199,9 +211,10 @@ def test_vllm_pads_gpt_oss_to_2944_by_3072():
     [("flashinfer-0.7.4", "nvfp4", 0x38), ("flashinfer-0.7.4", "mxfp4", 127), ("vllm-0.34", "nvfp4", 0)],
 )
 def test_padded_fp4_scale_bytes_per_engine(engine, fmt, fill):
-    """Padded TRT-LLM FP4 scales carry the profile's byte: FlashInfer 0.7.x's neutral 1.0, vLLM's 0."""
+    """Padded TRT-LLM FP4 scales carry the profile's byte: FlashInfer 0.7.x's neutral 1.0, vLLM's 0 (padding asked
+    for: FlashInfer 0.7.4's own helpers pad nothing)."""
     block, inter, hidden = FORMATS[fmt].scale_block, 96, 512
-    plan = recipes.plan_layer(fmt, "trtllm", inter, hidden, engine=engine)
+    plan = recipes.plan_layer(fmt, "trtllm", inter, hidden, intermediate_alignment=128, engine=engine)
     ip = plan.padded_intermediate
     assert ip > inter
     w13s = random_bytes((1, 2 * inter, hidden // block), torch.uint8, seed=3) | 1  # no zero bytes
@@ -229,10 +242,12 @@ def test_plan_records_rebuild_with_their_engine():
 
     w13, w2 = torch.zeros(1, 2 * 928, 2688, dtype=torch.bfloat16), torch.zeros(1, 2688, 928, dtype=torch.bfloat16)
     layer = MoELayer("bf16", w13, w2, None, None, 928, 2688)
-    for engine in engines.ENGINE_CHOICES:
-        rec = plan_args(layer, "trtllm", engine=engine)
+    for engine in engines.ENGINE_CHOICES:  # I 928 padded to 64 (FlashInfer 0.7.4's helper pads nothing)
+        rec = plan_args(layer, "trtllm", 64, engine=engine)
         assert rec["args"]["engine"] == engine
-        assert build_plan(rec) == recipes.plan_layer("bf16", "trtllm", 928, 2688, engine=engine)
+        assert build_plan(rec) == recipes.plan_layer(
+            "bf16", "trtllm", 928, 2688, intermediate_alignment=64, engine=engine
+        )
     old = plan_args(layer, "trtllm", engine="vllm-0.34")
     del old["args"]["engine"]
     assert build_plan(old) == recipes.plan_layer("bf16", "trtllm", 928, 2688, engine=engines.LEGACY_ENGINE)
@@ -442,7 +457,13 @@ def test_sm90_mixed_scale_folding_against_a_loop(rows, cols, dtype, group):
 )
 def test_engine_check_accepts_every_profiles_cutlass_scales(engine, fmt, inter_blocks, hidden_blocks, gated):
     block = FORMATS[fmt].scale_block
-    plan = recipes.plan_layer(fmt, "cutlass", inter_blocks * block, hidden_blocks * block, gated, gated, engine=engine)
+    try:
+        plan = recipes.plan_layer(
+            fmt, "cutlass", inter_blocks * block, hidden_blocks * block, gated, gated, engine=engine
+        )
+    except LayoutError as exc:  # FlashInfer 0.7.4's CUTLASS helpers refuse sizes that are not multiples of 64 / 128
+        assert engine == FI074 and "refuses" in exc.message
+        return
     assert engine_check.check_plan_scales(fmt, plan, gated, 2, engine)
 
 

@@ -241,7 +241,9 @@ class Convention:
     scalars beside each projection, stacked as extras ``w13_<name>`` ``(E, 2)`` and
     ``w2_<name>`` ``(E,)``; ``scalar_shape``: the stored shape of such scalars and of tensor
     scales (ModelOpt ``()``, compressed-tensors ``(1,)``). ``activation``: a
-    :data:`fimoe_lab.specs.ACTIVATIONS` name or alias.
+    :data:`fimoe_lab.specs.ACTIVATIONS` name or alias. ``quant_method``: the
+    ``quantization_config.quant_method`` its writers record (a key of
+    :data:`fimoe_lab.engines.QUANT_METHODS`; None: unquantized), which engine profiles key some rules on.
     """
 
     name: str
@@ -261,6 +263,7 @@ class Convention:
     shape_suffix: Optional[str] = None
     fused_layout: Optional[Fused] = None
     scalar_shape: tuple[int, ...] = ()
+    quant_method: Optional[str] = None
 
     @property
     def block(self) -> str:
@@ -472,6 +475,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         _GUD,
         "weight_scale_inv",
         router=_DS_ROUTER,
+        quant_method="fp8",
     ),
     Convention(
         "qwen3-fp8",
@@ -481,6 +485,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         _GUD,
         "weight_scale_inv",
         stored_scale="BF16",
+        quant_method="fp8",
     ),
     Convention(
         "minimax-fp8",
@@ -491,6 +496,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         "weight_scale_inv",
         _MIXTRAL,
         router=("gate.weight", "e_score_correction_bias"),
+        quant_method="fp8",
     ),
     Convention(
         "ct-fp8-block",
@@ -499,6 +505,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         "mlp.experts",
         _GUD,
         "weight_scale",
+        quant_method="compressed-tensors",
     ),
     Convention(
         "ct-fp8-channel",
@@ -509,6 +516,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         "weight_scale",
         router=_DS_ROUTER,
         scales="row",
+        quant_method="compressed-tensors",
     ),
     Convention(
         "ct-nvfp4",
@@ -520,6 +528,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         scalar_extras=("weight_global_scale", "input_global_scale"),
         weight_suffix="weight_packed",
         scalar_shape=(1,),
+        quant_method="compressed-tensors",
     ),
     Convention(
         "ct-fp8-tensor",
@@ -531,6 +540,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         scalar_extras=("input_scale",),
         scales="tensor",
         scalar_shape=(1,),
+        quant_method="compressed-tensors",
     ),
     Convention(
         "ct-int4",
@@ -543,6 +553,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         weight_suffix="weight_packed",
         stored_weight="I32",
         shape_suffix="weight_shape",
+        quant_method="compressed-tensors",
     ),
     Convention(
         "modelopt-nvfp4",
@@ -553,6 +564,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         "weight_scale",
         router=_DS_ROUTER,
         scalar_extras=("weight_scale_2", "input_scale"),
+        quant_method="modelopt",
     ),
     Convention(
         "modelopt-fp8",
@@ -563,6 +575,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         "weight_scale",
         scalar_extras=("input_scale",),
         scales="tensor",
+        quant_method="modelopt",
     ),
     Convention(
         "qwen3-moe-bf16",
@@ -638,6 +651,7 @@ CONVENTIONS: tuple[Convention, ...] = (
             scales=("gate_up_proj_scales", "down_proj_scales"),
             biases=("gate_up_proj_bias", "down_proj_bias"),
         ),
+        quant_method="mxfp4",
     ),
     Convention(
         "gpt-oss-original",
@@ -656,6 +670,7 @@ CONVENTIONS: tuple[Convention, ...] = (
             scales=("mlp1_weight.scales", "mlp2_weight.scales"),
             biases=("mlp1_bias", "mlp2_bias"),
         ),
+        quant_method="mxfp4",
     ),
 )
 
