@@ -818,7 +818,7 @@ def _build_layer_plan(
         inner = _fp8_inner(fmt, False, intermediate, hidden, is_act_and_mul, is_gated, 0, True)
         return replace(inner, description=f"{fmt} TRT-LLM MajorK unshuffled (W31 swap only)")
     if fmt == "mxfp8" and (trt or not (intermediate_alignment or hidden_alignment)):
-        da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name)
+        da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name, False, quant_method)
         block = FORMATS["mxfp8"].scale_block
         return plan_mxfp8(
             intermediate,
@@ -835,7 +835,7 @@ def _build_layer_plan(
             profile.cutlass_mxfp8_scales == "128x4",
         )
     if fmt in ("fp8", "fp8-block", "mxfp8"):
-        rule = profile.alignment(fmt, backend)
+        rule = profile.alignment(fmt, backend, quant_method)
         if not (intermediate_alignment or hidden_alignment) and (rule.intermediate or rule.hidden):
             intermediate_alignment, hidden_alignment = rule.intermediate, rule.hidden
         return _plan_fp8_family(
@@ -850,7 +850,9 @@ def _build_layer_plan(
             scale_fill(fmt, backend, profile.name),
             swap,
         )
-    da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name, per_token_activation)
+    da, dh = default_alignments(
+        fmt, backend, is_act_and_mul, is_gated, profile.name, per_token_activation, quant_method
+    )
     ia, ha = intermediate_alignment or da, hidden_alignment or dh
     if fmt == "bf16":
         return _plan_bf16(trt, intermediate, hidden, is_act_and_mul, is_gated, ia, ha, swap)
