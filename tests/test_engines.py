@@ -527,3 +527,25 @@ def test_sglang_hands_deepseek_fp8_to_trtllm_unshuffled():
     plan = recipes.plan_layer("fp8-block", "trtllm", 256, 512, engine="sglang-0.5.23")
     assert plan.maps() == {} and (plan.padded_intermediate, plan.padded_hidden) == (256, 512)
     assert "block_major_k" in [s.kind for s in recipes.plan_layer("fp8-block", "trtllm", 256, 512).w13.steps]
+
+
+@pytest.mark.parametrize("engine", engines.ENGINE_CHOICES)
+@pytest.mark.parametrize("fmt,backend", [tuple(r.split("/")) for r in recipes.RECIPES if not r.startswith("mxint4")])
+def test_an_alignment_of_1_pads_nothing_or_refuses_naming_the_kernels_need(engine, fmt, backend):
+    """``intermediate_alignment=1, hidden_alignment=1``: the plan keeps (I, H), or one LayoutError that says
+    which multiple the kernel layout needs (FP8 per-tensor non-gated used to pad to 128 regardless)."""
+    block = FORMATS[fmt].scale_block or 1
+    for inter, hidden, gated in ((5 * block, 7 * block, False), (160, 256, False), (96, 384, True), (256, 512, True)):
+        try:
+            plan = recipes.plan_layer(fmt, backend, inter, hidden, gated, gated, 1, 1, engine=engine)
+        except LayoutError as exc:
+            assert "multiple of" in exc.message, exc.message
+            continue
+        assert (plan.padded_intermediate, plan.padded_hidden) == (inter, hidden)
+
+
+def test_fp8_non_gated_alignment_1_is_not_padded_to_128():
+    for backend in ("trtllm", "cutlass"):
+        plan = recipes.plan_layer("fp8", backend, 160, 256, False, False, intermediate_alignment=1)
+        assert plan.padded_intermediate == 160
+        assert recipes.plan_layer("fp8", backend, 160, 256, False, False).padded_intermediate == 256
