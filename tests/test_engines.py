@@ -549,3 +549,32 @@ def test_fp8_non_gated_alignment_1_is_not_padded_to_128():
         plan = recipes.plan_layer("fp8", backend, 160, 256, False, False, intermediate_alignment=1)
         assert plan.padded_intermediate == 160
         assert recipes.plan_layer("fp8", backend, 160, 256, False, False).padded_intermediate == 256
+
+
+def test_convert_records_the_checkpoints_quantization_method_and_rebuilds_with_it():
+    """SGLang 0.5.23 hands its TRT-LLM kernel ModelOpt FP8 layers' W13 as [up; gate] and plain FP8 layers' as
+    [gate; up]: the plan record carries the convention's method, so convert and restore agree with it."""
+    from fimoe_lab.checkpoints.reader import MoELayer
+    from fimoe_lab.checkpoints.writer import build_plan, plan_args
+
+    w13, w2 = torch.zeros(1, 2 * 256, 128, dtype=torch.uint8), torch.zeros(1, 128, 256, dtype=torch.uint8)
+    layer = MoELayer("fp8", w13, w2, None, None, 256, 128, convention="modelopt-fp8")
+    rec = plan_args(layer, "trtllm", engine="sglang-0.5.23")
+    assert rec["args"]["quant_method"] == "modelopt"
+    modelopt = build_plan(rec)
+    assert modelopt == recipes.plan_layer("fp8", "trtllm", 256, 128, engine="sglang-0.5.23", quant_method="modelopt")
+    assert [s["kind"] for s in modelopt.w13.spec()][0] == "swap_w13_to_w31_rows"
+    del rec["args"]["quant_method"]  # a record without it: the format's rule (SGLang's Fp8MoEMethod keeps [gate; up])
+    assert "swap_w13_to_w31_rows" not in [s["kind"] for s in build_plan(rec).w13.spec()]
+    variant = MoELayer("fp8-block", w13, w2, None, None, 256, 128, convention="ct-fp8-block:scale=BF16")
+    assert plan_args(variant, "trtllm")["args"]["quant_method"] == "compressed-tensors"
+    assert "quant_method" not in plan_args(MoELayer("bf16", w13, w2, None, None, 256, 128), "trtllm")["args"]
+    for bad, error in ((5, "is not a method name"), ("gptq", "unknown quantization method 'gptq'")):
+        with pytest.raises(FimoeError, match=error):
+            build_plan({**rec, "args": {**rec["args"], "quant_method": bad}})
+
+
+def test_sglang_refuses_compressed_tensors_fp8_per_tensor_in_one_line():
+    with pytest.raises(FimoeError, match="sglang-0.5.23 prepares no FlashInfer trtllm layout for compressed-tensors"):
+        recipes.plan_layer("fp8", "trtllm", 256, 128, engine="sglang-0.5.23", quant_method="compressed-tensors")
+    recipes.plan_layer("fp8", "trtllm", 256, 128, engine="vllm-0.34", quant_method="compressed-tensors")
