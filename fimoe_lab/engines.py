@@ -271,8 +271,8 @@ ENGINES: dict[str, EngineProfile] = {
             },
             trtllm_plain=("fp8-block/trtllm",),
             no_flashinfer_path={
-                f"{fmt}/{backend}@compressed-tensors": "its CompressedTensorsW8A8Fp8MoE sends only BLOCK-strategy "
-                "layers to FlashInfer TRT-LLM, the rest to Triton"
+                f"{fmt}/{backend}@compressed-tensors": "its CompressedTensorsW8A8Fp8MoE lays out only BLOCK-strategy "
+                "layers for FlashInfer TRT-LLM and hands the rest Triton quant info"
                 for fmt, backend in (("fp8", "trtllm"), ("fp8", "cutlass"), ("fp8-block", "cutlass"))
             },
             transforms=_SM90_MIXED,
