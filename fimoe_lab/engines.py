@@ -61,19 +61,19 @@ class Alignment:
 
 @dataclass(frozen=True)
 class KernelSizes:
-    """Sizes a preparation helper refuses instead of padding (FlashInfer 0.7.4's ``prepare_*`` helpers).
+    """Sizes a profile's preparation refuses instead of padding further.
 
-    After any padding asked for, the intermediate size ``I`` must be a multiple of ``intermediate``,
-    the hidden size ``H`` of ``hidden`` and GEMM1's rows ``P * I`` (``P`` = 2 gated, 1 not) of
-    ``gemm1_rows``; ``helper`` names the function whose check (or whose kernel layout) needs them,
-    ``why`` the constraint, both for the refusal's message.
+    After the padding asked for (or the default), the intermediate size ``I`` must be a multiple of
+    ``intermediate`` (``non_gated_intermediate`` for a non-gated activation, where given), the hidden size
+    ``H`` of ``hidden`` and GEMM1's rows ``P * I`` (``P`` = 2 gated, 1 not) of ``gemm1_rows``; ``why`` says
+    whose need it is (the helper that refuses, or the kernel an engine pads for), for the refusal's message.
     """
 
     intermediate: int = 1
     hidden: int = 1
     gemm1_rows: int = 1
-    helper: str = ""
     why: str = ""
+    non_gated_intermediate: Optional[int] = None
 
 
 QUANT_METHODS: dict[str, str] = {
@@ -132,9 +132,9 @@ class EngineProfile:
             DeepSeek FP8 (its runner sets ``use_shuffled_weight`` only for MXFP8; no swap) and
             FlashInfer 0.7.4's ``prepare_trtllm_fp8_block_weights`` (its DeepSeek FP8 view stays
             MajorK; its input is ``[up; gate]``, so a ``[gate; up]`` checkpoint is swapped).
-        kernel_sizes: ``{"format/backend": KernelSizes}``, sizes the profile's helpers refuse instead of
-            padding (FlashInfer 0.7.4's ``prepare_*``): ``shapes.padded_shape`` refuses them naming
-            the helper and the kernel's need.
+        kernel_sizes: ``{"format/backend": KernelSizes}``, sizes the profile refuses instead of padding
+            further (FlashInfer 0.7.4's ``prepare_*`` checks; the FP8 per-tensor 16 / 128 the others pad to
+            by default): ``shapes.padded_shape`` refuses them naming whose need it is.
         no_flashinfer_path: ``{"format/backend@method": why}``: layers of that method the engine runs on
             no FlashInfer kernel (so prepares no layout), refused by :meth:`check_prepared`.
 
@@ -202,23 +202,36 @@ _SM90_MIXED = ("interleave_moe_weights_for_sm90_mixed_gemm", "interleave_moe_sca
 _TRANSFORMS_07 = ("pad_trtllm_moe_weights", "align_fp4_moe_hidden_dim_for_fi") + _SM90_MIXED
 _MXFP8_CUTLASS_07 = Alignment(intermediate=128, hidden=128)
 """FlashInfer 0.7.x's CUTLASS MXFP8 MoE: H and I multiples of 128 (``prepare_cutlass_mxfp8_weights``)."""
+_FP8_NEED = KernelSizes(
+    16,
+    why="FlashInfer's FP8 per-tensor MoE kernels need it (vLLM's align_moe_weights_for_fi pads to it by default)",
+    non_gated_intermediate=128,
+)
+_FP8_KERNEL_SIZES = {"fp8/trtllm": _FP8_NEED, "fp8/cutlass": _FP8_NEED}
+"""FP8 per-tensor's intermediate multiple, 16 gated / 128 non-gated, which every engine but FlashInfer 0.7.4's own
+helpers (whose per-tensor ones name none) pads to: an alignment given that leaves another size is refused."""
 _UNPADDED = Alignment(intermediate=1, hidden=1)
 _FI074_RECIPES = tuple(
     f"{fmt}/{backend}"
     for fmt in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
     for backend in ("trtllm", "cutlass")
 )
+_FI074 = "FlashInfer 0.7.4's {} refuses other sizes ({}; it pads nothing)"
 _FI074_KERNEL_SIZES = {
-    "fp8-block/trtllm": KernelSizes(128, 128, 128, "prepare_trtllm_fp8_block_weights", "128x128 scale blocks"),
-    "fp8-block/cutlass": KernelSizes(128, 128, 1, "prepare_cutlass_fp8_block_weights", "128x128 scale blocks"),
-    "mxfp8/trtllm": KernelSizes(128, 128, 1, "prepare_trtllm_fp8_block_weights", "its unpadded 128x4 scale layout"),
-    "mxfp8/cutlass": KernelSizes(128, 128, 1, "prepare_cutlass_mxfp8_weights", "the CUTLASS MXFP8 MoE binding"),
-    "nvfp4/trtllm": KernelSizes(
-        64, 128, 128, "prepare_trtllm_fp4_weights", "128-row scale shuffle and unpadded 128x4 scales"
+    "fp8-block/trtllm": KernelSizes(128, 128, 128, _FI074.format("prepare_trtllm_fp8_block_weights", "128x128 blocks")),
+    "fp8-block/cutlass": KernelSizes(128, 128, 1, _FI074.format("prepare_cutlass_fp8_block_weights", "128x128 blocks")),
+    "mxfp8/trtllm": KernelSizes(
+        128, 128, 1, _FI074.format("prepare_trtllm_fp8_block_weights", "its unpadded 128x4 scale layout")
     ),
-    "nvfp4/cutlass": KernelSizes(16, 64, 1, "prepare_cutlass_nvfp4_weights", "the CUTLASS NVFP4 input scale stride"),
-    "mxfp4/trtllm": KernelSizes(128, 128, 128, "prepare_trtllm_fp4_weights", "the MXFP4 TRT-LLM kernel"),
-    "mxfp4/cutlass": KernelSizes(128, 128, 1, "prepare_cutlass_mxfp8_mxfp4_weights", "the CUTLASS MXFP4 MoE binding"),
+    "mxfp8/cutlass": KernelSizes(128, 128, 1, _FI074.format("prepare_cutlass_mxfp8_weights", "the MXFP8 MoE binding")),
+    "nvfp4/trtllm": KernelSizes(
+        64, 128, 128, _FI074.format("prepare_trtllm_fp4_weights", "128-row scale shuffle, unpadded 128x4 scales")
+    ),
+    "nvfp4/cutlass": KernelSizes(16, 64, 1, _FI074.format("prepare_cutlass_nvfp4_weights", "its input scale stride")),
+    "mxfp4/trtllm": KernelSizes(128, 128, 128, _FI074.format("prepare_trtllm_fp4_weights", "the MXFP4 kernel")),
+    "mxfp4/cutlass": KernelSizes(
+        128, 128, 1, _FI074.format("prepare_cutlass_mxfp8_mxfp4_weights", "the MXFP4 MoE binding")
+    ),
 }
 """FlashInfer 0.7.4's ``prepare_*`` size checks (``flashinfer/fused_moe/prepare.py``; docs/engine-rules.md has the
 lines). BF16 and FP8 per-tensor helpers check nothing beyond their steps (shuffle rows, BlockMajorK), which
@@ -240,6 +253,7 @@ ENGINES: dict[str, EngineProfile] = {
                 "mxfp4/cutlass": Alignment(intermediate=128, hidden=128),
                 "mxfp8/cutlass": _MXFP8_CUTLASS_07,
             },
+            kernel_sizes=_FP8_KERNEL_SIZES,
             transforms=("align_fp4_moe_hidden_dim_for_fi",) + _SM90_MIXED,
             note="vLLM 0.34.0 (FlashInfer 0.7.3): BF16 TRT-LLM I 128, NVFP4 TRT-LLM H 256 (512 per-token non-gated), "
             "NVFP4 CUTLASS non-gated I 128, MXFP4 TRT-LLM I 128 H 256, MXFP4 CUTLASS I/H 128",
@@ -270,6 +284,7 @@ ENGINES: dict[str, EngineProfile] = {
                 "mxint4/trtllm": True,
             },
             trtllm_plain=("fp8-block/trtllm",),
+            kernel_sizes=_FP8_KERNEL_SIZES,
             no_flashinfer_path={
                 f"{fmt}/{backend}@compressed-tensors": "its CompressedTensorsW8A8Fp8MoE lays out only BLOCK-strategy "
                 "layers for FlashInfer TRT-LLM and hands the rest Triton quant info"
@@ -304,6 +319,7 @@ ENGINES: dict[str, EngineProfile] = {
             nvfp4_quantizer="0.6.13",
             permute_cache_key_parts=2,
             sm90_mixed_layout="0.6.10",
+            kernel_sizes=_FP8_KERNEL_SIZES,
             transforms=_SM90_MIXED,
             note="FlashInfer 0.6.13 and the vLLM of its era (the seed, the goldens)",
         ),
@@ -317,6 +333,7 @@ ENGINES: dict[str, EngineProfile] = {
             nvfp4_quantizer="0.6.13",
             permute_cache_key_parts=2,
             sm90_mixed_layout="0.6.10",
+            kernel_sizes=_FP8_KERNEL_SIZES,
             choice=False,
             note="files converted before engine profiles: flashinfer-0.6.13 with linear CUTLASS FP4 scales",
         ),

@@ -351,17 +351,16 @@ def padded_shape(
     rule = profile.kernel_sizes.get(f"{fmt}/{backend}")
     if rule is not None:  # what the profile's preparation helper refuses rather than pads
         p = projections(is_act_and_mul)
+        inter = (rule.non_gated_intermediate if not is_gated else None) or rule.intermediate
         for size, multiple, what in (
-            (i, rule.intermediate, "intermediate"),
+            (i, inter, "intermediate"),
             (h, rule.hidden, "hidden"),
             (p * i, rule.gemm1_rows, "GEMM1 rows (P x intermediate)"),
         ):
             _need(
                 size % multiple == 0,
-                f"{profile.name}: {fmt} on {backend}: {what} {size} is not a multiple of {multiple}, which "
-                f"FlashInfer's {rule.helper} refuses ({rule.why}; it pads nothing)",
-                fix=f"pad to a multiple of {multiple} with --intermediate-alignment / --hidden-alignment, or choose "
-                "an engine profile that pads",
+                f"{profile.name}: {fmt} on {backend}: {what} {size} is not a multiple of {multiple}: {rule.why}",
+                fix=f"pad to a multiple of {multiple} (--intermediate-alignment / --hidden-alignment), or give none",
             )
     return i, h
 

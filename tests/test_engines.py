@@ -544,10 +544,19 @@ def test_an_alignment_of_1_pads_nothing_or_refuses_naming_the_kernels_need(engin
         assert (plan.padded_intermediate, plan.padded_hidden) == (inter, hidden)
 
 
-def test_fp8_non_gated_alignment_1_is_not_padded_to_128():
+def test_fp8_non_gated_alignment_1_pads_nothing_or_is_refused_naming_the_128():
+    """An FP8 per-tensor alignment given is no longer raised to 16 / 128 behind the caller's back: FlashInfer
+    0.7.4's helpers take I 160 non-gated as it is, the engines that pad to 128 refuse it naming the need."""
     for backend in ("trtllm", "cutlass"):
-        plan = recipes.plan_layer("fp8", backend, 160, 256, False, False, intermediate_alignment=1)
+        plan = recipes.plan_layer("fp8", backend, 160, 256, False, False, 1, engine=FI074)
         assert plan.padded_intermediate == 160
+        for engine in ("vllm-0.34", "sglang-0.5.23", "flashinfer-0.6.13"):
+            with pytest.raises(LayoutError, match=r"intermediate 160 is not a multiple of 128: FlashInfer's FP8"):
+                recipes.plan_layer("fp8", backend, 160, 256, False, False, 1, engine=engine)
+            assert (
+                recipes.plan_layer("fp8", backend, 160, 256, False, False, 128, engine=engine).padded_intermediate
+                == 256
+            )
         assert recipes.plan_layer("fp8", backend, 160, 256, False, False).padded_intermediate == 256
 
 

@@ -82,6 +82,7 @@ __all__ = [
     "MISSING_LAYOUT",
     "WEIGHT_XOR",
     "get",
+    "quant_method",
     "stored_format",
     "config_value",
     "SAFETENSORS_DTYPES",
@@ -735,6 +736,13 @@ CONVENTIONS: tuple[Convention, ...] = (
         quant_method="mxfp4",
     ),
 )
+
+
+def quant_method(name: Optional[str]) -> Optional[str]:
+    """The quantization method of the convention called ``name`` (a variant's name too); None for an unquantized
+    convention or a name that is no convention (layers made in memory: the lab's ``seeded``)."""
+    base = (name or "").partition(":")[0]
+    return next((c.quant_method for c in CONVENTIONS if c.name == base), None)
 
 
 def get(name: str) -> Convention:

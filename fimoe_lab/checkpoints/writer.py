@@ -161,7 +161,7 @@ def plan_args(
             fix="drop --per-token (it is for NVFP4 checkpoints)",
         )
     _check_activation_dtype(layer.fmt, fmt, backend, activation_dtype)
-    method = conventions.get(layer.convention).quant_method if layer.convention else None
+    method = conventions.quant_method(layer.convention)
     try:  # the kernel runs the layer's activation (specs.FormatSpec.kernel_activations: MxInt4 SwiGLU only)
         check_kernel_activation(fmt, backend, layer.activation)
     except FimoeError as exc:
