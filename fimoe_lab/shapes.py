@@ -447,10 +447,13 @@ def _recipe_shape(
     i, h = _pad_blocks(intermediate, hidden, ia or da, ha or dh, spec.scale_block, spec.values_per_byte)
     if trt:
         _rows_and_cols(p * i, h, h // 2, i // 2, is_act_and_mul, is_gated, _SHUFFLE_ROWS["trtllm"], False)
-        for rows in (p * i, h):
+        for rows, fix in (
+            (p * i, f"pad the intermediate size to a multiple of {128 // p} first (intermediate_alignment={128 // p})"),
+            (h, "pad the hidden size to a multiple of 128 first (hidden_alignment=128)"),
+        ):
             _need(
                 rows % _SCALE_SWIZZLE_ROWS == 0,
                 f"FP4 scales have {rows} rows, not a multiple of 128 (the TRT-LLM scale shuffle)",
-                fix=f"pad the intermediate size to a multiple of {128 // p} first (intermediate_alignment={128 // p})",
+                fix=fix,
             )
     return i, h
