@@ -17,19 +17,25 @@ environments (``tests/engine_oracles/``, ``tests/test_engine_parity_*.py``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, TypeVar
 
 from fimoe_lab.errors import FimoeError
 
+_T = TypeVar("_T")
+
 __all__ = [
     "Alignment",
+    "KernelSizes",
+    "QUANT_METHODS",
     "EngineProfile",
     "ENGINES",
     "ENGINE_CHOICES",
     "DEFAULT_ENGINE",
     "LEGACY_ENGINE",
     "get_engine",
+    "check_quant_method",
 ]
 
 
@@ -51,6 +57,34 @@ class Alignment:
     hidden: Optional[int] = None
     non_gated_intermediate: Optional[int] = None
     per_token_non_gated_hidden: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class KernelSizes:
+    """Sizes a profile's preparation refuses instead of padding further.
+
+    After the padding asked for (or the default), the intermediate size ``I`` must be a multiple of
+    ``intermediate`` (``non_gated_intermediate`` for a non-gated activation, where given), the hidden size
+    ``H`` of ``hidden`` and GEMM1's rows ``P * I`` (``P`` = 2 gated, 1 not) of ``gemm1_rows``; ``why`` says
+    whose need it is (the helper that refuses, or the kernel an engine pads for), for the refusal's message.
+    """
+
+    intermediate: int = 1
+    hidden: int = 1
+    gemm1_rows: int = 1
+    why: str = ""
+    non_gated_intermediate: Optional[int] = None
+
+
+QUANT_METHODS: dict[str, str] = {
+    "fp8": "FP8 (Hugging Face quantization_config quant_method fp8: DeepSeek, Qwen3, MiniMax FP8 releases)",
+    "modelopt": "NVIDIA ModelOpt exports (quant_method modelopt: FP8 per-tensor, NVFP4)",
+    "compressed-tensors": "compressed-tensors / llm-compressor (FP8 tensor/channel/block, NVFP4, INT4 pack-quantized)",
+    "mxfp4": "gpt-oss MXFP4 (quant_method mxfp4)",
+}
+"""The checkpoint quantization methods a profile may key a rule on (the ``quantization_config.quant_method`` the
+checkpoint's writer records; :attr:`fimoe_lab.checkpoints.conventions.Convention.quant_method`). A rule keyed
+``"format/backend@method"`` applies to layers of that method and overrides the ``"format/backend"`` one."""
 
 
 @dataclass(frozen=True)
@@ -85,16 +119,27 @@ class EngineProfile:
         permute_cache_key_parts: parts of FlashInfer's permute-index cache key: 2
             (``(name, shape)``, FlashInfer < 0.6.17) or 5 (``(name, shape, epilogue_tile_m,
             num_elts_per_sf, is_gated_act_gemm)``, >= 0.6.17).
-        gate_up_kept: ``"format/backend"`` recipes in which the engine hands the kernel W13 as
-            ``[gate; up]`` (no W31 swap before the gated interleave): SGLang 0.5.23's BF16
+        gate_up_kept: ``{"format/backend[@method]": True}`` for the recipes in which the engine hands the
+            kernel W13 as ``[gate; up]`` (no W31 swap before the gated interleave), False where a
+            method's rule (``@method``, :data:`QUANT_METHODS`) swaps again: SGLang 0.5.23's BF16
             (``UnquantizedFusedMoEMethod``; its loader loads up first only for CUTLASS), FP8
             per-tensor (``align_fp8_moe_weights_for_flashinfer_trtllm`` without
-            ``swap_w13_halves``) and MXFP8 (``align_mxfp8_moe_weights_for_flashinfer_trtllm``)
-            TRT-LLM paths, where vLLM swaps first.
+            ``swap_w13_halves``; its ModelOpt FP8 method passes ``swap_w13_halves=True``), MXFP8
+            (``align_mxfp8_moe_weights_for_flashinfer_trtllm``) and DeepSeek FP8 TRT-LLM paths, where
+            vLLM swaps first. docs/engine-rules.md lists each rule with its source line.
         trtllm_plain: ``"format/backend"`` recipes whose weights and scales the engine hands the
-            TRT-LLM kernel in the checkpoint layout (``use_shuffled_weight=False``, MajorK, no
-            W31 swap): SGLang 0.5.23's DeepSeek FP8 (its runner sets ``use_shuffled_weight`` only
-            for MXFP8).
+            TRT-LLM kernel unshuffled, MajorK (the W31 swap as ``gate_up_kept`` says): SGLang 0.5.23's
+            DeepSeek FP8 (its runner sets ``use_shuffled_weight`` only for MXFP8; no swap) and
+            FlashInfer 0.7.4's ``prepare_trtllm_fp8_block_weights`` (its DeepSeek FP8 view stays
+            MajorK; its input is ``[up; gate]``, so a ``[gate; up]`` checkpoint is swapped).
+        kernel_sizes: ``{"format/backend": KernelSizes}``, sizes the profile refuses instead of padding
+            further (FlashInfer 0.7.4's ``prepare_*`` checks; the FP8 per-tensor 16 / 128 the others pad to
+            by default): ``shapes.padded_shape`` refuses them naming whose need it is.
+        no_flashinfer_path: ``{"format/backend@method": why}``: layers of that method the engine runs on
+            no FlashInfer kernel (so prepares no layout), refused by :meth:`check_prepared`.
+
+    ``alignments``, ``gate_up_kept`` and ``no_flashinfer_path`` take ``"format/backend@method"`` keys
+    (:data:`QUANT_METHODS`), which override the ``"format/backend"`` entry for layers of that method.
         sm90_mixed_layout: the SM90 mixed-input (MXFP4 weights, BF16 activations) weight interleave of the
             FlashInfer it runs (``steps.SM90_MIXED_LAYOUTS``): ``"0.6.16"`` (bits permuted inside 32-bit
             words, FlashInfer >= 0.6.16, PR #3738) or ``"0.6.10"`` (nibbles swapped inside byte pairs,
@@ -114,16 +159,41 @@ class EngineProfile:
     cutlass_mxfp8_scales: str = "128x4"
     nvfp4_quantizer: str = "0.7.2"
     permute_cache_key_parts: int = 5
-    gate_up_kept: tuple[str, ...] = ()
+    gate_up_kept: dict[str, bool] = field(default_factory=dict)
     trtllm_plain: tuple[str, ...] = ()
+    kernel_sizes: dict[str, KernelSizes] = field(default_factory=dict)
+    no_flashinfer_path: dict[str, str] = field(default_factory=dict)
     sm90_mixed_layout: str = "0.6.16"
     transforms: tuple[str, ...] = ()
     choice: bool = True
     note: str = ""
 
-    def alignment(self, fmt: str, backend: str) -> Alignment:
-        """This profile's override for ``fmt``/``backend`` (empty when none)."""
-        return self.alignments.get(f"{fmt}/{backend}", Alignment())
+    def alignment(self, fmt: str, backend: str, quant_method: Optional[str] = None) -> Alignment:
+        """This profile's override for ``fmt``/``backend`` and layers of ``quant_method`` (empty when none)."""
+        return _keyed(self.alignments, fmt, backend, quant_method, Alignment())
+
+    def keeps_gate_up(self, fmt: str, backend: str, quant_method: Optional[str] = None) -> bool:
+        """Whether the engine hands the kernel W13 as ``[gate; up]`` (no W31 swap) for layers of
+        ``quant_method`` (a :data:`QUANT_METHODS` key; None: the format's rule)."""
+        return _keyed(self.gate_up_kept, fmt, backend, quant_method, False)
+
+    def check_prepared(self, fmt: str, backend: str, quant_method: Optional[str] = None) -> None:
+        """Refuse, in one line, a method whose layers the engine prepares no FlashInfer layout for
+        (``no_flashinfer_path``)."""
+        why = _keyed(self.no_flashinfer_path, fmt, backend, quant_method, "")
+        if why:
+            raise FimoeError(
+                f"{self.name} prepares no FlashInfer {backend} layout for {quant_method} {fmt} layers: {why}",
+                fix="convert with another --engine (vllm-0.34 or flashinfer-0.7.4)",
+            )
+
+
+def _keyed(table: Mapping[str, _T], fmt: str, backend: str, quant_method: Optional[str], default: _T) -> _T:
+    """``table``'s entry for ``"fmt/backend@quant_method"``, else for ``"fmt/backend"``, else ``default``."""
+    key = f"{fmt}/{backend}"
+    if quant_method is not None and f"{key}@{quant_method}" in table:
+        return table[f"{key}@{quant_method}"]
+    return table.get(key, default)
 
 
 _SM90_MIXED = ("interleave_moe_weights_for_sm90_mixed_gemm", "interleave_moe_scales_for_sm90_mixed_gemm")
@@ -132,6 +202,40 @@ _SM90_MIXED = ("interleave_moe_weights_for_sm90_mixed_gemm", "interleave_moe_sca
 _TRANSFORMS_07 = ("pad_trtllm_moe_weights", "align_fp4_moe_hidden_dim_for_fi") + _SM90_MIXED
 _MXFP8_CUTLASS_07 = Alignment(intermediate=128, hidden=128)
 """FlashInfer 0.7.x's CUTLASS MXFP8 MoE: H and I multiples of 128 (``prepare_cutlass_mxfp8_weights``)."""
+_FP8_NEED = KernelSizes(
+    16,
+    why="FlashInfer's FP8 per-tensor MoE kernels need it (vLLM's align_moe_weights_for_fi pads to it by default)",
+    non_gated_intermediate=128,
+)
+_FP8_KERNEL_SIZES = {"fp8/trtllm": _FP8_NEED, "fp8/cutlass": _FP8_NEED}
+"""FP8 per-tensor's intermediate multiple, 16 gated / 128 non-gated, which every engine but FlashInfer 0.7.4's own
+helpers (whose per-tensor ones name none) pads to: an alignment given that leaves another size is refused."""
+_UNPADDED = Alignment(intermediate=1, hidden=1)
+_FI074_RECIPES = tuple(
+    f"{fmt}/{backend}"
+    for fmt in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
+    for backend in ("trtllm", "cutlass")
+)
+_FI074 = "FlashInfer 0.7.4's {} refuses other sizes ({}; it pads nothing)"
+_FI074_KERNEL_SIZES = {
+    "fp8-block/trtllm": KernelSizes(128, 128, 128, _FI074.format("prepare_trtllm_fp8_block_weights", "128x128 blocks")),
+    "fp8-block/cutlass": KernelSizes(128, 128, 1, _FI074.format("prepare_cutlass_fp8_block_weights", "128x128 blocks")),
+    "mxfp8/trtllm": KernelSizes(
+        128, 128, 1, _FI074.format("prepare_trtllm_fp8_block_weights", "its unpadded 128x4 scale layout")
+    ),
+    "mxfp8/cutlass": KernelSizes(128, 128, 1, _FI074.format("prepare_cutlass_mxfp8_weights", "the MXFP8 MoE binding")),
+    "nvfp4/trtllm": KernelSizes(
+        64, 128, 128, _FI074.format("prepare_trtllm_fp4_weights", "128-row scale shuffle, unpadded 128x4 scales")
+    ),
+    "nvfp4/cutlass": KernelSizes(16, 64, 1, _FI074.format("prepare_cutlass_nvfp4_weights", "its input scale stride")),
+    "mxfp4/trtllm": KernelSizes(128, 128, 128, _FI074.format("prepare_trtllm_fp4_weights", "the MXFP4 kernel")),
+    "mxfp4/cutlass": KernelSizes(
+        128, 128, 1, _FI074.format("prepare_cutlass_mxfp8_mxfp4_weights", "the MXFP4 MoE binding")
+    ),
+}
+"""FlashInfer 0.7.4's ``prepare_*`` size checks (``flashinfer/fused_moe/prepare.py``; docs/engine-rules.md has the
+lines). BF16 and FP8 per-tensor helpers check nothing beyond their steps (shuffle rows, BlockMajorK), which
+``shapes.padded_shape`` refuses on its own."""
 
 ENGINES: dict[str, EngineProfile] = {
     p.name: p
@@ -149,6 +253,7 @@ ENGINES: dict[str, EngineProfile] = {
                 "mxfp4/cutlass": Alignment(intermediate=128, hidden=128),
                 "mxfp8/cutlass": _MXFP8_CUTLASS_07,
             },
+            kernel_sizes=_FP8_KERNEL_SIZES,
             transforms=("align_fp4_moe_hidden_dim_for_fi",) + _SM90_MIXED,
             note="vLLM 0.34.0 (FlashInfer 0.7.3): BF16 TRT-LLM I 128, NVFP4 TRT-LLM H 256 (512 per-token non-gated), "
             "NVFP4 CUTLASS non-gated I 128, MXFP4 TRT-LLM I 128 H 256, MXFP4 CUTLASS I/H 128",
@@ -165,26 +270,45 @@ ENGINES: dict[str, EngineProfile] = {
                 "mxfp8/trtllm": Alignment(intermediate=128, hidden=1),
                 "mxfp8/cutlass": _MXFP8_CUTLASS_07,
                 "nvfp4/trtllm": Alignment(hidden=1, per_token_non_gated_hidden=512),
+                "nvfp4/trtllm@compressed-tensors": Alignment(intermediate=128, hidden=1),
                 "mxfp4/trtllm": Alignment(intermediate=128, hidden=256),
             },
             scale_fill={"mxfp8/trtllm": 0},
-            gate_up_kept=("bf16/trtllm", "fp8/trtllm", "mxfp8/trtllm"),
+            gate_up_kept={
+                "bf16/trtllm": True,
+                "fp8/trtllm": True,
+                "fp8/trtllm@modelopt": False,
+                "mxfp8/trtllm": True,
+                "fp8-block/trtllm": True,
+                "fp8-block/trtllm@compressed-tensors": False,
+                "mxint4/trtllm": True,
+            },
             trtllm_plain=("fp8-block/trtllm",),
+            kernel_sizes=_FP8_KERNEL_SIZES,
+            no_flashinfer_path={
+                f"{fmt}/{backend}@compressed-tensors": "its CompressedTensorsW8A8Fp8MoE lays out only BLOCK-strategy "
+                "layers for FlashInfer TRT-LLM and hands the rest Triton quant info"
+                for fmt, backend in (("fp8", "trtllm"), ("fp8", "cutlass"), ("fp8-block", "cutlass"))
+            },
             transforms=_SM90_MIXED,
             note="SGLang 0.5.23 (FlashInfer 0.7.2): I 128 at weight creation (MXFP4 TRT-LLM H 256), MXFP8 TRT-LLM H "
-            "unpadded and pad scales 0, BF16/FP8/MXFP8 TRT-LLM W13 kept [gate; up], DeepSeek FP8 TRT-LLM unshuffled",
+            "unpadded and pad scales 0, BF16/FP8/MXFP8/MxInt4 TRT-LLM W13 kept [gate; up] (ModelOpt FP8 swapped), "
+            "DeepSeek FP8 TRT-LLM unshuffled (compressed-tensors swapped)",
         ),
         EngineProfile(
             "flashinfer-0.7.4",
             "flashinfer",
             "0.7.4",
             "0.7.4",
-            alignments={"mxfp8/cutlass": _MXFP8_CUTLASS_07},
+            alignments={key: _UNPADDED for key in _FI074_RECIPES},
             scale_fill={"nvfp4/trtllm": 0x38, "mxfp4/trtllm": 127},
             nvfp4_quantizer="0.7.4",
+            trtllm_plain=("fp8-block/trtllm",),
+            kernel_sizes=_FI074_KERNEL_SIZES,
             transforms=_TRANSFORMS_07,
-            note="FlashInfer 0.7.4: pad scales neutral (0x38 NVFP4, 127 MXFP4), five-part permute cache keys, "
-            "NVFP4 quantizer zeroes underflowed blocks",
+            note="FlashInfer 0.7.4's prepare_* helpers: nothing padded (sizes they refuse are refused), DeepSeek FP8 "
+            "TRT-LLM MajorK unshuffled; pad scales neutral (0x38 NVFP4, 127 MXFP4) where asked to pad; five-part "
+            "permute cache keys; NVFP4 quantizer zeroes underflowed blocks",
         ),
         EngineProfile(
             "flashinfer-0.6.13",
@@ -195,6 +319,7 @@ ENGINES: dict[str, EngineProfile] = {
             nvfp4_quantizer="0.6.13",
             permute_cache_key_parts=2,
             sm90_mixed_layout="0.6.10",
+            kernel_sizes=_FP8_KERNEL_SIZES,
             transforms=_SM90_MIXED,
             note="FlashInfer 0.6.13 and the vLLM of its era (the seed, the goldens)",
         ),
@@ -208,6 +333,7 @@ ENGINES: dict[str, EngineProfile] = {
             nvfp4_quantizer="0.6.13",
             permute_cache_key_parts=2,
             sm90_mixed_layout="0.6.10",
+            kernel_sizes=_FP8_KERNEL_SIZES,
             choice=False,
             note="files converted before engine profiles: flashinfer-0.6.13 with linear CUTLASS FP4 scales",
         ),
@@ -231,3 +357,10 @@ def get_engine(name: Optional[str]) -> EngineProfile:
     if key not in ENGINES:
         raise FimoeError(f"unknown engine {name!r}", fix=f"choose one of {', '.join(ENGINE_CHOICES)}")
     return ENGINES[key]
+
+
+def check_quant_method(name: Optional[str]) -> Optional[str]:
+    """``name`` if it is a :data:`QUANT_METHODS` key or None; one clear error otherwise."""
+    if name is not None and name not in QUANT_METHODS:
+        raise FimoeError(f"unknown quantization method {name!r}", fix=f"choose one of {', '.join(QUANT_METHODS)}")
+    return name

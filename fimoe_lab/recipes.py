@@ -20,12 +20,12 @@ Kernel constants (FlashInfer 0.6.13-0.7.4, DESIGN §3):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from fimoe_lab import steps
 from fimoe_lab.caches import cached
-from fimoe_lab.engines import get_engine
+from fimoe_lab.engines import check_quant_method, get_engine
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.plan import LayerPlan
@@ -479,10 +479,12 @@ def plan_mxint4(
     hidden_alignment: Optional[int] = None,
     engine: Optional[str] = None,
     per_token_activation: bool = False,
+    quant_method: Optional[str] = None,
 ) -> LayerPlan:
     """``plan_layer`` for MxInt4: :func:`plan_trtllm_mxint4` of a ``[gate; up]`` checkpoint, which is what
-    vLLM 0.34's ``prepare_static_weights_for_trtllm_mxint4_moe`` hands the kernel (every profile: the
-    0.7.x helper is the same).
+    vLLM 0.34's ``prepare_static_weights_for_trtllm_mxint4_moe`` hands the kernel (W31 swapped, as FlashInfer
+    0.7.x's helper takes ``[up; gate]``); a profile that keeps ``[gate; up]`` (``gate_up_kept``: SGLang 0.5.23's
+    compressed-tensors MxInt4 scheme loads gate first and does not reorder) skips the swap.
 
     Constraints: backend ``trtllm`` (no CUTLASS MxInt4 MoE), SwiGLU (gated, act-and-mul; the
     TRTLLM-Gen MxInt4 runner takes only Swiglu), no per-token activations (BF16 activations), and no
@@ -490,7 +492,7 @@ def plan_mxint4(
     given must not pad them. Shapes: W13 ``[2I, H/2] -> [H/256, 2I, 128]`` bytes, scales
     ``[2I, H/32]`` bf16 -> 128x4-swizzled, the same for W2 ``[H, I/2]`` and ``[H, I/32]``.
     """
-    get_engine(engine)  # an unknown profile is refused here as everywhere
+    profile = get_engine(engine)  # an unknown profile is refused here as everywhere
     mxint4_shape(
         backend,
         intermediate,
@@ -501,7 +503,7 @@ def plan_mxint4(
         hidden_alignment,
         per_token_activation,
     )  # the one MxInt4 size rule (the tuner's): refuses with its message, never pads
-    return plan_trtllm_mxint4(intermediate, hidden, True)
+    return plan_trtllm_mxint4(intermediate, hidden, True, not profile.keeps_gate_up("mxint4", backend, quant_method))
 
 
 # ----------------------------------------------------------------------------- FP8 layers
@@ -511,13 +513,20 @@ def _swap(rows: int, cols_bytes: int, is_act_and_mul: bool) -> Optional[IndexMap
 
 @cached
 def plan_fp8_per_tensor(
-    intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, trtllm: bool, swap: bool = True
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    trtllm: bool,
+    swap: bool = True,
+    min_alignment: Optional[int] = None,
 ) -> LayerPlan:
-    """FP8 per-tensor: pad I (16 gated, 128 non-gated), swap (``swap``; a profile's
-    ``gate_up_kept`` turns it off); TRT-LLM adds the gated interleave and the epilogue
-    shuffle (tile 128)."""
+    """FP8 per-tensor: pad I to ``min_alignment`` (None: FlashInfer's 16 gated, 128 non-gated; 1: no
+    padding), swap (``swap``; a profile's ``gate_up_kept`` turns it off); TRT-LLM adds the gated
+    interleave and the epilogue shuffle (tile 128)."""
     p = projections(is_act_and_mul)
-    min_alignment = default_alignments("fp8", "trtllm" if trtllm else "cutlass", is_act_and_mul, is_gated)[0]
+    if min_alignment is None:
+        min_alignment = default_alignments("fp8", "trtllm" if trtllm else "cutlass", is_act_and_mul, is_gated)[0]
     pad = plan_align(intermediate, hidden, 1, is_act_and_mul, min_alignment)
     ip = pad.padded_intermediate
     rotate = plan_rotate_fp8_per_tensor(p * ip, hidden, ip, is_gated) if trtllm else None
@@ -716,6 +725,7 @@ def plan_layer(
     engine: Optional[str] = None,
     per_token_activation: bool = False,
     activation_dtype: Optional[str] = None,
+    quant_method: Optional[str] = None,
 ) -> LayerPlan:
     """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
 
@@ -728,7 +738,12 @@ def plan_layer(
     ``activation_dtype``: the activations the kernel takes, where a recipe has a layout for more than
     one (:data:`ACTIVATION_DTYPES`; None: the recipe's default): ``"bf16"`` for MXFP4 on CUTLASS is the
     Hopper (SM90) mixed-input layout, :func:`plan_cutlass_mxfp4_bf16` (alignments default to 128).
+    ``quant_method``: the checkpoint's quantization method (:data:`fimoe_lab.engines.QUANT_METHODS`, what its
+    convention's writer records; None: unknown), for the profile rules keyed on it (SGLang 0.5.23 swaps W13's
+    halves of ModelOpt FP8 per-tensor layers on TRT-LLM, not of other FP8 ones); it never changes the sizes.
     """
+    check_quant_method(quant_method)
+    get_engine(engine).check_prepared(fmt, backend, quant_method)
     if activation_layout(fmt, backend, activation_dtype) == "bf16":
         return _plan_sm90_mixed(
             intermediate, hidden, is_act_and_mul, is_gated, intermediate_alignment, hidden_alignment, engine
@@ -744,11 +759,12 @@ def plan_layer(
             hidden_alignment,
             engine,
             per_token_activation,
+            quant_method,
         )
     args = (intermediate_alignment, hidden_alignment, engine, per_token_activation)
     # the sizes (and the refusals) are shapes.padded_shape's, the one rule the tuner also reads
-    want = padded_shape(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args)
-    plan = _build_layer_plan(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args)
+    want = padded_shape(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args, quant_method=quant_method)
+    plan = _build_layer_plan(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args, quant_method)
     if (plan.padded_intermediate, plan.padded_hidden) != want:
         raise LayoutError(
             f"internal: the {fmt}/{backend} plan pads ({intermediate}, {hidden}) to "
@@ -790,15 +806,19 @@ def _build_layer_plan(
     hidden_alignment: Optional[int],
     engine: Optional[str],
     per_token_activation: bool,
+    quant_method: Optional[str] = None,
 ) -> LayerPlan:
     profile = get_engine(engine)
     trt = backend == "trtllm"
-    swap = recipe_id(fmt, backend) not in profile.gate_up_kept
-    if trt and recipe_id(fmt, backend) in profile.trtllm_plain:  # the engine hands TRT-LLM the checkpoint layout
-        desc = f"{fmt} TRT-LLM in the checkpoint layout (use_shuffled_weight=False)"
-        return LayerPlan(None, None, None, None, intermediate, hidden, intermediate, hidden, desc)
+    swap = not profile.keeps_gate_up(fmt, backend, quant_method)
+    if trt and recipe_id(fmt, backend) in profile.trtllm_plain:  # unshuffled MajorK (use_shuffled_weight=False)
+        if not swap:
+            desc = f"{fmt} TRT-LLM in the checkpoint layout (use_shuffled_weight=False)"
+            return LayerPlan(None, None, None, None, intermediate, hidden, intermediate, hidden, desc)
+        inner = _fp8_inner(fmt, False, intermediate, hidden, is_act_and_mul, is_gated, 0, True)
+        return replace(inner, description=f"{fmt} TRT-LLM MajorK unshuffled (W31 swap only)")
     if fmt == "mxfp8" and (trt or not (intermediate_alignment or hidden_alignment)):
-        da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name)
+        da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name, False, quant_method)
         block = FORMATS["mxfp8"].scale_block
         return plan_mxfp8(
             intermediate,
@@ -815,7 +835,7 @@ def _build_layer_plan(
             profile.cutlass_mxfp8_scales == "128x4",
         )
     if fmt in ("fp8", "fp8-block", "mxfp8"):
-        rule = profile.alignment(fmt, backend)
+        rule = profile.alignment(fmt, backend, quant_method)
         if not (intermediate_alignment or hidden_alignment) and (rule.intermediate or rule.hidden):
             intermediate_alignment, hidden_alignment = rule.intermediate, rule.hidden
         return _plan_fp8_family(
@@ -830,7 +850,9 @@ def _build_layer_plan(
             scale_fill(fmt, backend, profile.name),
             swap,
         )
-    da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name, per_token_activation)
+    da, dh = default_alignments(
+        fmt, backend, is_act_and_mul, is_gated, profile.name, per_token_activation, quant_method
+    )
     ia, ha = intermediate_alignment or da, hidden_alignment or dh
     if fmt == "bf16":
         return _plan_bf16(trt, intermediate, hidden, is_act_and_mul, is_gated, ia, ha, swap)
@@ -921,11 +943,19 @@ def _cutlass_fp4_scales(
 
 
 def _fp8_inner(
-    fmt: str, trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, fill: int, swap: bool
+    fmt: str,
+    trt: bool,
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    fill: int,
+    swap: bool,
+    fp8_min_alignment: Optional[int] = None,
 ) -> LayerPlan:
     p = projections(is_act_and_mul)
     if fmt == "fp8":
-        return plan_fp8_per_tensor(intermediate, hidden, is_act_and_mul, is_gated, trt, swap)
+        return plan_fp8_per_tensor(intermediate, hidden, is_act_and_mul, is_gated, trt, swap, fp8_min_alignment)
     if fmt == "mxfp8":
         block = FORMATS["mxfp8"].scale_block
         return plan_mxfp8(
@@ -958,7 +988,9 @@ def _plan_fp8_family(
     padded = plan_align(intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or 1, hidden_alignment or 1)
     if padded.w13 is not None and fmt != "fp8":
         raise LayoutError(f"custom alignments for {fmt} scales are not supported yet", fix="use the default rules")
-    inner = _fp8_inner(fmt, trt, padded.padded_intermediate, padded.padded_hidden, is_act_and_mul, is_gated, fill, swap)
+    ip, hp = padded.padded_intermediate, padded.padded_hidden
+    # an intermediate alignment given replaces FP8 per-tensor's own minimum (1: no padding)
+    inner = _fp8_inner(fmt, trt, ip, hp, is_act_and_mul, is_gated, fill, swap, 1 if intermediate_alignment else None)
     return LayerPlan(
         chain(padded.w13, inner.w13),
         chain(padded.w2, inner.w2),

@@ -79,6 +79,7 @@ def default_alignments(
     is_gated: bool = True,
     engine: Optional[str] = None,
     per_token_activation: bool = False,
+    quant_method: Optional[str] = None,
 ) -> tuple[int, int]:
     """``(intermediate, hidden)`` multiples a plan pads to when none is given.
 
@@ -108,7 +109,8 @@ def default_alignments(
     ``per_token_activation``: NVFP4 activations quantised per token, where a profile's
     ``per_token_non_gated_hidden`` applies to a layer without fused gate/up (vLLM's
     ``trtllm_nvfp4_hidden_alignment(per_token_activation, is_act_and_mul)``); a profile's
-    ``non_gated_intermediate`` to a non-gated activation.
+    ``non_gated_intermediate`` to a non-gated activation. ``quant_method``: the checkpoint's
+    quantization method, for a profile rule keyed on it (``engines.QUANT_METHODS``).
     """
     fmt = get_format(fmt).plan_format
     check_backend(backend)
@@ -129,7 +131,7 @@ def default_alignments(
         "mxint4": (1, 1),
     }
     ia, ha = table[fmt]
-    rule = get_engine(engine).alignment(fmt, backend)
+    rule = get_engine(engine).alignment(fmt, backend, quant_method)
     ia = (rule.non_gated_intermediate if not is_gated else None) or rule.intermediate or ia
     if rule.per_token_non_gated_hidden and per_token_activation and not is_act_and_mul:
         return ia, rule.per_token_non_gated_hidden
@@ -311,6 +313,7 @@ def padded_shape(
     engine: Optional[str] = None,
     per_token_activation: bool = False,
     activation: Optional[str] = None,
+    quant_method: Optional[str] = None,
 ) -> tuple[int, int]:
     """``(I', H')`` that ``plan_layer`` with the same arguments pads a rank's ``(I, H)`` to.
 
@@ -343,7 +346,41 @@ def padded_shape(
         return shape
     if activation is not None:
         check_kernel_activation(fmt, backend, activation)
-    spec = FORMATS[fmt]
+    args = (intermediate_alignment, hidden_alignment, profile.name, per_token_activation, quant_method)
+    i, h = _recipe_shape(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args)
+    rule = profile.kernel_sizes.get(f"{fmt}/{backend}")
+    if rule is not None:  # what the profile's preparation helper refuses rather than pads
+        p = projections(is_act_and_mul)
+        inter = (rule.non_gated_intermediate if not is_gated else None) or rule.intermediate
+        for size, multiple, what in (
+            (i, inter, "intermediate"),
+            (h, rule.hidden, "hidden"),
+            (p * i, rule.gemm1_rows, "GEMM1 rows (P x intermediate)"),
+        ):
+            _need(
+                size % multiple == 0,
+                f"{profile.name}: {fmt} on {backend}: {what} {size} is not a multiple of {multiple}: {rule.why}",
+                fix=f"pad to a multiple of {multiple} (--intermediate-alignment / --hidden-alignment), or give none",
+            )
+    return i, h
+
+
+def _recipe_shape(
+    fmt: str,
+    backend: str,
+    intermediate: int,
+    hidden: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    intermediate_alignment: Optional[int],
+    hidden_alignment: Optional[int],
+    engine: str,
+    per_token_activation: bool,
+    quant_method: Optional[str],
+) -> tuple[int, int]:
+    """:func:`padded_shape` of a format laid out from checkpoint weights of its name, before the profile's
+    ``kernel_sizes``."""
+    spec, profile = FORMATS[fmt], get_engine(engine)
     if spec.vector_scaled:
         for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):
             _need(
@@ -358,7 +395,7 @@ def padded_shape(
     if trt and f"{fmt}/{backend}" in profile.trtllm_plain:  # the checkpoint layout as it is: no step, no padding
         return intermediate, hidden
     if fmt == "mxfp8" and (trt or not (ia or ha)):
-        da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name)
+        da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name, False, quant_method)
         i, h = _pad_blocks(intermediate, hidden, ia or da, ha or dh, spec.scale_block, 1)
         if trt:  # epilogue shuffle of the weights, then the 128x4 swizzle of their scales
             for rows, cols in ((p * i, h // spec.scale_block), (h, i // spec.scale_block)):
@@ -370,7 +407,7 @@ def padded_shape(
                 )
         return i, h
     if fmt in ("fp8", "fp8-block", "mxfp8"):
-        rule = profile.alignment(fmt, backend)
+        rule = profile.alignment(fmt, backend, quant_method)
         if not (ia or ha) and (rule.intermediate or rule.hidden):
             ia, ha = rule.intermediate, rule.hidden
         i, h = intermediate, hidden
@@ -382,7 +419,8 @@ def padded_shape(
                 fix="use the default rules",
             )
         if fmt == "fp8":
-            i = round_up(i, default_alignments("fp8", backend, is_act_and_mul, is_gated)[0])
+            if not ia:  # FlashInfer's gated 16 / non-gated 128, unless an intermediate alignment replaces it
+                i = round_up(i, default_alignments("fp8", backend, is_act_and_mul, is_gated)[0])
             if trt:
                 _rows_and_cols(p * i, h, h, i, is_act_and_mul, is_gated, _SHUFFLE_ROWS["trtllm"], False)
             return i, h
@@ -398,7 +436,9 @@ def padded_shape(
         if trt:
             _rows_and_cols(p * i, h, h, i, False, False, _SHUFFLE_ROWS["deepseek"], True)
         return i, h
-    da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name, per_token_activation)
+    da, dh = default_alignments(
+        fmt, backend, is_act_and_mul, is_gated, profile.name, per_token_activation, quant_method
+    )
     if fmt == "bf16":
         i, h = round_up(intermediate, ia or da), round_up(hidden, ha or dh)
         if trt:
@@ -407,10 +447,13 @@ def padded_shape(
     i, h = _pad_blocks(intermediate, hidden, ia or da, ha or dh, spec.scale_block, spec.values_per_byte)
     if trt:
         _rows_and_cols(p * i, h, h // 2, i // 2, is_act_and_mul, is_gated, _SHUFFLE_ROWS["trtllm"], False)
-        for rows in (p * i, h):
+        for rows, fix in (
+            (p * i, f"pad the intermediate size to a multiple of {128 // p} first (intermediate_alignment={128 // p})"),
+            (h, "pad the hidden size to a multiple of 128 first (hidden_alignment=128)"),
+        ):
             _need(
                 rows % _SCALE_SWIZZLE_ROWS == 0,
                 f"FP4 scales have {rows} rows, not a multiple of 128 (the TRT-LLM scale shuffle)",
-                fix=f"pad the intermediate size to a multiple of {128 // p} first (intermediate_alignment={128 // p})",
+                fix=fix,
             )
     return i, h

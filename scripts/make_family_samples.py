@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import sys
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,7 +43,10 @@ class Family:
     ``layout``: ``per-expert``, ``stacked`` (Granite), ``transposed`` (Llama-4, Qwen3-VL),
     ``flat`` (DBRX), ``gpt-oss``; ``module``: path from a layer to the experts; ``names``:
     gate, up, down names (gate None: non-gated); ``layers``: the MoE layers' paths;
-    ``intermediate``: one size, or one per layer path.
+    ``intermediate``: one size, or one per layer path; ``file_dtypes``: the dtypes a writer chose for this
+    run where it has a choice (``scale``, ``scalars``: compressed-tensors stores FP8 scales and static input
+    scales in the quantized model's dtype; ``shape``: its ``weight_shape``, int64 from
+    ``torch.tensor(weight.shape)``), default float32 / int32.
     """
 
     convention: str
@@ -56,6 +59,7 @@ class Family:
     intermediate: Any
     config: dict
     extra_files: dict = field(default_factory=dict)
+    file_dtypes: dict = field(default_factory=dict)
 
 
 _QWEN3 = {
@@ -505,6 +509,17 @@ PACKED = {"nvfp4-modelopt": 16, "nvfp4-ct": 16, "int4": 32, "mxfp4": 32}
 """Packed 4-bit kinds (two values per byte) and their values per scale."""
 
 
+WRITER_DTYPES = {  # the same families as a writer run on a model of another dtype writes them
+    "ct-fp8-block-bf16": ("ct-fp8-block", {"scale": torch.bfloat16}),
+    "ct-fp8-block-f16": ("ct-fp8-block", {"scale": torch.float16}),
+    "ct-fp8-tensor-bf16": ("ct-fp8-tensor", {"scale": torch.bfloat16, "scalars": torch.bfloat16}),
+    "glm-4.5-fp8-bf16": ("glm-4.5-fp8", {"scale": torch.bfloat16}),
+    "kimi-k2-thinking-int4-i64": ("kimi-k2-thinking-int4", {"shape": torch.int64}),
+}
+FAMILIES.update({name: replace(FAMILIES[base], file_dtypes=d) for name, (base, d) in WRITER_DTYPES.items()})
+MTP.update({name: MTP[base] for name, (base, _) in WRITER_DTYPES.items() if base in MTP})
+
+
 def scalar_shape(fam: Family) -> tuple[int, ...]:
     """Stored shape of per-projection scalars: compressed-tensors ``(1,)``, ModelOpt ``()``."""
     return (1,) if fam.config.get("quantization_config", {}).get("quant_method") == "compressed-tensors" else ()
@@ -558,14 +573,15 @@ def truth(family: str, base: str) -> dict[str, torch.Tensor]:
             _coded(g, h, i, 0.5, dtype),
         )
     s = _gen(family, base, "scales")
+    sd = fam.file_dtypes.get("scale", torch.float32)
     for name, rows, cols in (("gate", i, h), ("up", i, h), ("down", h, i)):
         if kind.startswith("fp8-block"):
             t = _positive(s, (E, -(-rows // 128), -(-cols // 128)), 1e-3, 1e-2)
-            out[f"{name}_s"] = t.to(torch.bfloat16) if kind == "fp8-block-bf16" else t
+            out[f"{name}_s"] = t.to(torch.bfloat16) if kind == "fp8-block-bf16" else t.to(sd)
         elif kind == "fp8-channel":
-            out[f"{name}_s"] = _positive(s, (E, rows, 1), 1e-3, 1e-2)
+            out[f"{name}_s"] = _positive(s, (E, rows, 1), 1e-3, 1e-2).to(sd)
         elif kind == "fp8-tensor":
-            out[f"{name}_s"] = _positive(s, (E,), 1e-3, 1e-2)
+            out[f"{name}_s"] = _positive(s, (E,), 1e-3, 1e-2).to(sd)
         elif kind in ("nvfp4-modelopt", "nvfp4-ct"):
             out[f"{name}_s"] = _positive(s, (E, rows, cols // 16), 0.05, 2.0).to(torch.float8_e4m3fn)
         elif kind == "int4":
@@ -587,7 +603,7 @@ def truth(family: str, base: str) -> dict[str, torch.Tensor]:
             out[f"{p}.input_global_scale"] = _positive(x, (E,), 1e2, 1e3)
     elif kind == "fp8-tensor":
         for p in ("gate", "up", "down"):
-            out[f"{p}.input_scale"] = _positive(x, (E,), 1e-3, 1e-2)
+            out[f"{p}.input_scale"] = _positive(x, (E,), 1e-3, 1e-2).to(fam.file_dtypes.get("scalars", torch.float32))
     elif kind == "mxfp4":
         out["b13"] = (torch.randn(E, 2 * i, generator=x) * 0.05).to(torch.bfloat16)
         out["b2"] = (torch.randn(E, h, generator=x) * 0.05).to(torch.bfloat16)
@@ -661,7 +677,7 @@ def file_tensors(family: str, tp: int = 1, rank: int = 0) -> dict[str, torch.Ten
                     w = t[p][e].contiguous()
                     if fam.kind == "int4":
                         out[f"{m}.{e}.{name}.weight_shape"] = torch.tensor(
-                            [w.shape[0], 2 * w.shape[1]], dtype=torch.int32
+                            [w.shape[0], 2 * w.shape[1]], dtype=fam.file_dtypes.get("shape", torch.int32)
                         )
                         w = w.view(torch.int32)
                     out[f"{m}.{e}.{name}.{suffix}"] = w

@@ -45,6 +45,16 @@ for gated in (True, False):
         ("mxfp8", "mxfp8", gated, False, 256, 384),
         ("bf16", "bf16", gated, False, 96, 128),
     ]
+for gated in (True, False):  # ModelOpt FP8 per-tensor: its own call swaps W13's halves
+    SHAPES += [("fp8", "fp8_modelopt", gated, False, 200, 96), ("fp8", "fp8_modelopt", gated, False, 384, 256)]
+SHAPES += [  # compressed-tensors schemes (their own process_weights_after_loading, FlashInfer TRT-LLM)
+    ("fp8-block", "fp8_block_ct", True, False, 256, 384),
+    ("fp8-block", "fp8_block_ct", True, False, 384, 640),
+    ("nvfp4", "nvfp4_ct", True, False, 80, 256),
+    ("nvfp4", "nvfp4_ct", True, False, 192, 512),
+    ("mxint4", "mxint4_ct", True, False, 256, 512),
+    ("mxint4", "mxint4_ct", True, False, 512, 768),
+]
 SHAPES += [
     ("mxfp4", "mxfp4", True, False, 704, 2880),  # gpt-oss-like shard, gpt-oss interleaved W13
     ("mxfp4", "mxfp4_stacked", True, False, 320, 512),  # gate_up_interleaved=False: [gate; up]
@@ -52,11 +62,15 @@ SHAPES += [
     ("nvfp4", "nvfp4_cutlass", True, False, 192, 128),
     ("nvfp4", "nvfp4_cutlass", False, False, 128, 272),
 ]
+METHODS = {"fp8_modelopt": "modelopt", "fp8_block_ct": "compressed-tensors", "nvfp4_ct": "compressed-tensors"}
+METHODS["mxint4_ct"] = "compressed-tensors"
+"""The checkpoint quantization method of each op that runs one method's own code (``plan_layer``'s ``quant_method``)."""
 CASES = [
     dict(
         name=f"c{i}",
         fmt=f,
         op=op,
+        method=METHODS.get(op),
         backend="cutlass" if op.endswith("cutlass") else "trtllm",
         gated=g,
         per_token=pt,
@@ -80,6 +94,7 @@ def ours(c: dict) -> tuple[dict[str, torch.Tensor], Any]:
         c["gated"],
         engine="sglang-0.5.23",
         per_token_activation=c["per_token"],
+        quant_method=c["method"],
     )
     return t, plan
 
@@ -88,7 +103,11 @@ def as_loaded(c: dict, t: dict[str, torch.Tensor], padded_inter: int, padded_hid
     """What SGLang's weight loader leaves: zeros of the padded sizes, each projection at its half's start
     (``[up; gate]`` for ModelOpt NVFP4), gpt-oss MXFP4 rows interleaved ``[g0, u0, ...]``."""
     p, inter, hidden = (2 if c["gated"] else 1), c["inter"], c["hidden"]
-    order = (1, 0) if c["fmt"] == "nvfp4" and c["gated"] else (0, 1)[:p]
+    order = (
+        (1, 0) if c["op"] in ("nvfp4", "nvfp4_cutlass") and c["gated"] else (0, 1)[:p]
+    )  # compressed-tensors: gate first
+    if (padded_inter, padded_hidden) == (inter, hidden) and order == (0, 1)[:p] and c["op"] != "mxfp4":
+        return t
     out = {}
     for k, x in t.items():
         if x.ndim < 3:
@@ -114,6 +133,8 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for c in CASES:
         t, plan = ours(c)
         t = as_loaded(c, t, plan.padded_intermediate, plan.padded_hidden)
+        if c["op"] == "mxint4_ct":  # the file's int32 words of q + 8 nibbles (conventions.WEIGHT_XOR)
+            t = {k: (v ^ 0x88).view(torch.int32) if k in ("w13", "w2") else v for k, v in t.items()}
         inputs.update({f"{c['name']}.{k}": v.contiguous() for k, v in t.items()})
         cases.append({k: c[k] for k in ("name", "op", "gated", "per_token")})
     (d / "cases.json").write_text(json.dumps(cases))
@@ -127,7 +148,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     "case",
     CASES,
     ids=lambda c: (
-        f"{c['name']}-{c['fmt']}-{c['backend']}-{'g' if c['gated'] else 'ng'}{'-pt' if c['per_token'] else ''}-{c['inter']}x{c['hidden']}"
+        f"{c['name']}-{c['op']}-{c['backend']}-{'g' if c['gated'] else 'ng'}{'-pt' if c['per_token'] else ''}-{c['inter']}x{c['hidden']}"
     ),
 )
 def test_same_bytes_as_sglang(oracle: dict[str, Any], case: dict) -> None:

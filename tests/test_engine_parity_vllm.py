@@ -129,6 +129,11 @@ SHAPES += [
     ("mxfp4", "cutlass", "mxfp4_gptoss", True, False, 192, 320, {"vbackend": "FLASHINFER_CUTLASS_MXFP4_MXFP8"}),
     ("mxint4", "trtllm", "mxint4", True, False, 256, 512, {}),
     ("mxint4", "trtllm", "mxint4", True, False, 512, 256, {}),
+    # larger shards: Qwen3-235B FP8 TP4 (I 384), DeepSeek-like block FP8, Nemotron-like NVFP4, MXFP8 TP2
+    ("fp8", "trtllm", "fp8", True, False, 384, 1024, {}),
+    ("fp8-block", "trtllm", "fp8", True, False, 512, 1024, {"block": [128, 128]}),
+    ("nvfp4", "trtllm", "nvfp4", True, False, 352, 1024, {}),
+    ("mxfp8", "trtllm", "fp8", True, False, 352, 768, {"block": [1, 32]}),
 ]
 CASES = [
     dict(

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fimoe_lab import engine_check, engines, recipes
-from fimoe_lab.errors import FimoeError
+from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.specs import FORMATS
 
 
@@ -87,9 +87,19 @@ def _run(fmt: str, inter: int, hidden: int, gated: bool, w13s: torch.Tensor, w2s
     return plan, plan.apply(w13, w2, w13s, w2s)
 
 
-ENGINE_SHAPES = [(e, *SHAPES[i]) for e in engines.ENGINE_CHOICES for i in (2, 7)] + [
-    (engines.DEFAULT_ENGINE, *s) for i, s in enumerate(SHAPES) if i not in (2, 7)
-]
+FI074 = "flashinfer-0.7.4"  # its helpers pad nothing and refuse SHAPES[2] and SHAPES[7]: other sizes
+ENGINE_SHAPES = (
+    [(e, *SHAPES[i]) for e in engines.ENGINE_CHOICES if e != FI074 for i in (2, 7)]
+    + [(FI074, *s) for s in (SHAPES[0], ("mxfp4", 128, 384, False))]
+    + [(engines.DEFAULT_ENGINE, *s) for i, s in enumerate(SHAPES) if i not in (2, 7)]
+)
+
+
+@pytest.mark.parametrize("i,helper", [(2, "prepare_cutlass_nvfp4_weights"), (7, "prepare_cutlass_mxfp8_mxfp4_weights")])
+def test_flashinfer_074_refuses_the_cutlass_fp4_sizes_its_helpers_refuse(i, helper):
+    fmt, inter, hidden, gated = SHAPES[i]
+    with pytest.raises(LayoutError, match=f"flashinfer-0.7.4: {fmt} on cutlass: .*{helper} refuses"):
+        recipes.plan_layer(fmt, "cutlass", inter, hidden, gated, gated, engine=FI074)
 
 
 @pytest.mark.parametrize("engine,fmt,inter,hidden,gated", ENGINE_SHAPES)
@@ -174,7 +184,9 @@ def test_profiles_table():
         ("vllm-0.34", "mxfp4", "cutlass", True, False, (128, 128)),
         ("vllm-0.34", "nvfp4", "cutlass", False, False, (128, 1)),
         ("vllm-0.34", "nvfp4", "cutlass", True, False, (16, 1)),
-        ("flashinfer-0.7.4", "mxfp8", "trtllm", True, False, (128, 256)),
+        ("flashinfer-0.7.4", "mxfp8", "trtllm", True, False, (1, 1)),
+        ("flashinfer-0.7.4", "fp8", "trtllm", False, False, (1, 1)),
+        ("flashinfer-0.7.4", "nvfp4", "trtllm", True, False, (1, 1)),
     ],
 )
 def test_default_alignments_per_engine(engine, fmt, backend, gated, per_token, want):
@@ -199,9 +211,10 @@ def test_vllm_pads_gpt_oss_to_2944_by_3072():
     [("flashinfer-0.7.4", "nvfp4", 0x38), ("flashinfer-0.7.4", "mxfp4", 127), ("vllm-0.34", "nvfp4", 0)],
 )
 def test_padded_fp4_scale_bytes_per_engine(engine, fmt, fill):
-    """Padded TRT-LLM FP4 scales carry the profile's byte: FlashInfer 0.7.x's neutral 1.0, vLLM's 0."""
+    """Padded TRT-LLM FP4 scales carry the profile's byte: FlashInfer 0.7.x's neutral 1.0, vLLM's 0 (padding asked
+    for: FlashInfer 0.7.4's own helpers pad nothing)."""
     block, inter, hidden = FORMATS[fmt].scale_block, 96, 512
-    plan = recipes.plan_layer(fmt, "trtllm", inter, hidden, engine=engine)
+    plan = recipes.plan_layer(fmt, "trtllm", inter, hidden, intermediate_alignment=128, engine=engine)
     ip = plan.padded_intermediate
     assert ip > inter
     w13s = random_bytes((1, 2 * inter, hidden // block), torch.uint8, seed=3) | 1  # no zero bytes
@@ -229,10 +242,12 @@ def test_plan_records_rebuild_with_their_engine():
 
     w13, w2 = torch.zeros(1, 2 * 928, 2688, dtype=torch.bfloat16), torch.zeros(1, 2688, 928, dtype=torch.bfloat16)
     layer = MoELayer("bf16", w13, w2, None, None, 928, 2688)
-    for engine in engines.ENGINE_CHOICES:
-        rec = plan_args(layer, "trtllm", engine=engine)
+    for engine in engines.ENGINE_CHOICES:  # I 928 padded to 64 (FlashInfer 0.7.4's helper pads nothing)
+        rec = plan_args(layer, "trtllm", 64, engine=engine)
         assert rec["args"]["engine"] == engine
-        assert build_plan(rec) == recipes.plan_layer("bf16", "trtllm", 928, 2688, engine=engine)
+        assert build_plan(rec) == recipes.plan_layer(
+            "bf16", "trtllm", 928, 2688, intermediate_alignment=64, engine=engine
+        )
     old = plan_args(layer, "trtllm", engine="vllm-0.34")
     del old["args"]["engine"]
     assert build_plan(old) == recipes.plan_layer("bf16", "trtllm", 928, 2688, engine=engines.LEGACY_ENGINE)
@@ -442,7 +457,13 @@ def test_sm90_mixed_scale_folding_against_a_loop(rows, cols, dtype, group):
 )
 def test_engine_check_accepts_every_profiles_cutlass_scales(engine, fmt, inter_blocks, hidden_blocks, gated):
     block = FORMATS[fmt].scale_block
-    plan = recipes.plan_layer(fmt, "cutlass", inter_blocks * block, hidden_blocks * block, gated, gated, engine=engine)
+    try:
+        plan = recipes.plan_layer(
+            fmt, "cutlass", inter_blocks * block, hidden_blocks * block, gated, gated, engine=engine
+        )
+    except LayoutError as exc:  # FlashInfer 0.7.4's CUTLASS helpers refuse sizes that are not multiples of 64 / 128
+        assert engine == FI074 and "refuses" in exc.message
+        return
     assert engine_check.check_plan_scales(fmt, plan, gated, 2, engine)
 
 
@@ -506,3 +527,63 @@ def test_sglang_hands_deepseek_fp8_to_trtllm_unshuffled():
     plan = recipes.plan_layer("fp8-block", "trtllm", 256, 512, engine="sglang-0.5.23")
     assert plan.maps() == {} and (plan.padded_intermediate, plan.padded_hidden) == (256, 512)
     assert "block_major_k" in [s.kind for s in recipes.plan_layer("fp8-block", "trtllm", 256, 512).w13.steps]
+
+
+@pytest.mark.parametrize("engine", engines.ENGINE_CHOICES)
+@pytest.mark.parametrize("fmt,backend", [tuple(r.split("/")) for r in recipes.RECIPES if not r.startswith("mxint4")])
+def test_an_alignment_of_1_pads_nothing_or_refuses_naming_the_kernels_need(engine, fmt, backend):
+    """``intermediate_alignment=1, hidden_alignment=1``: the plan keeps (I, H), or one LayoutError that says
+    which multiple the kernel layout needs (FP8 per-tensor non-gated used to pad to 128 regardless)."""
+    block = FORMATS[fmt].scale_block or 1
+    for inter, hidden, gated in ((5 * block, 7 * block, False), (160, 256, False), (96, 384, True), (256, 512, True)):
+        try:
+            plan = recipes.plan_layer(fmt, backend, inter, hidden, gated, gated, 1, 1, engine=engine)
+        except LayoutError as exc:
+            assert "multiple of" in exc.message, exc.message
+            continue
+        assert (plan.padded_intermediate, plan.padded_hidden) == (inter, hidden)
+
+
+def test_fp8_non_gated_alignment_1_pads_nothing_or_is_refused_naming_the_128():
+    """An FP8 per-tensor alignment given is no longer raised to 16 / 128 behind the caller's back: FlashInfer
+    0.7.4's helpers take I 160 non-gated as it is, the engines that pad to 128 refuse it naming the need."""
+    for backend in ("trtllm", "cutlass"):
+        plan = recipes.plan_layer("fp8", backend, 160, 256, False, False, 1, engine=FI074)
+        assert plan.padded_intermediate == 160
+        for engine in ("vllm-0.34", "sglang-0.5.23", "flashinfer-0.6.13"):
+            with pytest.raises(LayoutError, match=r"intermediate 160 is not a multiple of 128: FlashInfer's FP8"):
+                recipes.plan_layer("fp8", backend, 160, 256, False, False, 1, engine=engine)
+            assert (
+                recipes.plan_layer("fp8", backend, 160, 256, False, False, 128, engine=engine).padded_intermediate
+                == 256
+            )
+        assert recipes.plan_layer("fp8", backend, 160, 256, False, False).padded_intermediate == 256
+
+
+def test_convert_records_the_checkpoints_quantization_method_and_rebuilds_with_it():
+    """SGLang 0.5.23 hands its TRT-LLM kernel ModelOpt FP8 layers' W13 as [up; gate] and plain FP8 layers' as
+    [gate; up]: the plan record carries the convention's method, so convert and restore agree with it."""
+    from fimoe_lab.checkpoints.reader import MoELayer
+    from fimoe_lab.checkpoints.writer import build_plan, plan_args
+
+    w13, w2 = torch.zeros(1, 2 * 256, 128, dtype=torch.uint8), torch.zeros(1, 128, 256, dtype=torch.uint8)
+    layer = MoELayer("fp8", w13, w2, None, None, 256, 128, convention="modelopt-fp8")
+    rec = plan_args(layer, "trtllm", engine="sglang-0.5.23")
+    assert rec["args"]["quant_method"] == "modelopt"
+    modelopt = build_plan(rec)
+    assert modelopt == recipes.plan_layer("fp8", "trtllm", 256, 128, engine="sglang-0.5.23", quant_method="modelopt")
+    assert [s["kind"] for s in modelopt.w13.spec()][0] == "swap_w13_to_w31_rows"
+    del rec["args"]["quant_method"]  # a record without it: the format's rule (SGLang's Fp8MoEMethod keeps [gate; up])
+    assert "swap_w13_to_w31_rows" not in [s["kind"] for s in build_plan(rec).w13.spec()]
+    variant = MoELayer("fp8-block", w13, w2, None, None, 256, 128, convention="ct-fp8-block:scale=BF16")
+    assert plan_args(variant, "trtllm")["args"]["quant_method"] == "compressed-tensors"
+    assert "quant_method" not in plan_args(MoELayer("bf16", w13, w2, None, None, 256, 128), "trtllm")["args"]
+    for bad, error in ((5, "is not a method name"), ("gptq", "unknown quantization method 'gptq'")):
+        with pytest.raises(FimoeError, match=error):
+            build_plan({**rec, "args": {**rec["args"], "quant_method": bad}})
+
+
+def test_sglang_refuses_compressed_tensors_fp8_per_tensor_in_one_line():
+    with pytest.raises(FimoeError, match="sglang-0.5.23 prepares no FlashInfer trtllm layout for compressed-tensors"):
+        recipes.plan_layer("fp8", "trtllm", 256, 128, engine="sglang-0.5.23", quant_method="compressed-tensors")
+    recipes.plan_layer("fp8", "trtllm", 256, 128, engine="vllm-0.34", quant_method="compressed-tensors")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import random_bytes
+from helpers import coords, random_bytes
 
 from fimoe_lab import prepare, steps
 from fimoe_lab.layout import compose
@@ -101,6 +101,35 @@ for c in cases:
             out["s2"].append(s2[q2].contiguous().view(torch.uint8))
         for k, v in out.items():
             save(n + "_" + k, torch.stack(v))
+    elif c["op"] == "helper":  # FlashInfer's own prepare_trtllm_* on BF16 [up; gate] weights, and its quantizer
+        from flashinfer.fused_moe import api, prepare
+        w1 = load(n + "_w1", c["w1"]).view(torch.bfloat16)
+        w2 = load(n + "_w2", c["w2"]).view(torch.bfloat16)
+        kw = dict(num_local_experts=w1.shape[0], hidden_size=c["hidden"], intermediate_size=c["inter"],
+                  activation=api.SwiGLU() if c["gated"] else api.ReLU2())
+        try:
+            if c["fmt"] == "bf16":
+                q1, q2, r = w1, w2, prepare.prepare_trtllm_bf16_weights(w1, w2, **kw)
+            elif c["fmt"] == "fp8":
+                r = prepare.prepare_trtllm_fp8_per_tensor_weights(
+                    w1, w2, hidden_states_scale_global=1.0, intermediate_scale_global=1.0, **kw)
+                (q1, _), (q2, _) = prepare._quantize_fp8_per_expert(w1), prepare._quantize_fp8_per_expert(w2)
+            else:  # DeepSeek FP8 128x128 blocks
+                quant = api.QuantConfig(weight=api.QuantFormat.DeepSeekFp8, activation=api.QuantFormat.DeepSeekFp8)
+                r = prepare.prepare_trtllm_fp8_block_weights(w1, w2, quant=quant, **kw)
+                (q1, s1), (q2, s2) = (prepare._deepseek_fp8_quantize_weights(w) for w in (w1, w2))
+                save(n + "_q_s1", s1.contiguous().view(torch.uint8))
+                save(n + "_q_s2", s2.contiguous().view(torch.uint8))
+                save(n + "_s1", r["gemm1_weights_scale"].contiguous().view(torch.uint8))
+                save(n + "_s2", r["gemm2_weights_scale"].contiguous().view(torch.uint8))
+        except (ValueError, AssertionError) as exc:  # the helper's refusal is the answer
+            result["shapes"][n] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        save(n + "_q1", q1.contiguous().view(torch.uint8))
+        save(n + "_q2", q2.contiguous().view(torch.uint8))
+        save(n + "_g1", r["gemm1_weights"].contiguous().view(torch.uint8))
+        save(n + "_g2", r["gemm2_weights"].contiguous().view(torch.uint8))
+        result["shapes"][n] = {k: list(r[k].shape) for k in ("gemm1_weights", "gemm2_weights")}
 json.dump(result, open(d + "/result.json", "w"))
 """
 
@@ -297,3 +326,73 @@ def test_block_scale_interleave_source_is_the_0613_one():
     for path, start in BLOCK_SCALE_INTERLEAVE_SOURCE:
         old, new = (_function_text(site, path, start) for site in sites)
         assert len(old) > 300 and old == new, path
+
+
+HELPER_CASES = [  # (format, intermediate, hidden, gated): accepted sizes, then sizes the helpers refuse
+    ("bf16", 128, 192, True),
+    ("bf16", 192, 320, False),
+    ("bf16", 448, 704, True),
+    ("fp8", 96, 160, True),
+    ("fp8", 224, 288, False),
+    ("fp8", 400, 96, True),
+    ("fp8-block", 256, 384, True),
+    ("fp8-block", 384, 640, False),
+    ("bf16", 96, 192, True),  # BlockMajorK needs 128-byte K blocks: I 96 is 192 bytes
+    ("fp8", 200, 96, False),  # the epilogue shuffle needs rows % 32
+    ("fp8-block", 256, 192, True),  # DeepSeek FP8: H % 128
+]
+HELPER_REFUSED = 3
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """``[up; gate]`` <-> ``[gate; up]`` rows of each expert."""
+    e, rows = x.shape[0], x.shape[1]
+    return x.reshape(e, 2, rows // 2, *x.shape[2:]).flip(1).reshape(x.shape)
+
+
+def test_flashinfer_074_profile_is_flashinfer_074s_own_prepare_helpers(tmp_path):
+    """``prepare_trtllm_bf16_weights``, ``prepare_trtllm_fp8_per_tensor_weights`` and
+    ``prepare_trtllm_fp8_block_weights`` (DeepSeek FP8) run in FlashInfer 0.7.4 on random BF16 weights in their
+    ``[up; gate]`` order; the checkpoint is FlashInfer's own quantization of them in ``[gate; up]`` order, laid
+    out by ``plan_layer(engine="flashinfer-0.7.4")``: the same bytes, and a refusal where the helper refuses."""
+    from fimoe_lab.errors import LayoutError
+    from fimoe_lab.recipes import plan_layer
+
+    cases, inputs = [], {}
+    for i, (fmt, inter, hidden, gated) in enumerate(HELPER_CASES):
+        p, n, e = 2 if gated else 1, f"helper{i}", 2
+        if fmt == "bf16" and i % 2 == 0:  # structured: each pair of bf16 values encodes its (expert, row, column)
+            w1 = coords(e, p * inter, hidden // 2).view(torch.bfloat16).reshape(e, p * inter, hidden)
+            w2 = coords(e, hidden, inter // 2).view(torch.bfloat16).reshape(e, hidden, inter)
+        else:  # random values of both signs (FlashInfer quantizes them)
+            w1 = (random_bytes((e, p * inter, hidden), torch.float32, seed=i).nan_to_num() % 6 - 3).to(torch.bfloat16)
+            w2 = (random_bytes((e, hidden, inter), torch.float32, seed=i + 50).nan_to_num() % 6 - 3).to(torch.bfloat16)
+        inputs[f"{n}_w1"], inputs[f"{n}_w2"] = w1, w2
+        shapes = {"w1": [e, p * inter, 2 * hidden], "w2": [e, hidden, 2 * inter]}
+        cases.append(dict(op="helper", name=n, fmt=fmt, inter=inter, hidden=hidden, gated=gated, **shapes))
+    result = run_worker(tmp_path, cases, inputs)
+    refused = ["error" in result["shapes"][f"helper{i}"] for i in range(len(HELPER_CASES))]
+    assert refused == [False] * (len(HELPER_CASES) - HELPER_REFUSED) + [True] * HELPER_REFUSED, result["shapes"]
+    for i, (fmt, inter, hidden, gated) in enumerate(HELPER_CASES):
+        n, answer = f"helper{i}", result["shapes"][f"helper{i}"]
+        if "error" in answer:
+            with pytest.raises(LayoutError):
+                plan_layer(fmt, "trtllm", inter, hidden, gated, gated, engine="flashinfer-0.7.4")
+            continue
+        plan = plan_layer(fmt, "trtllm", inter, hidden, gated, gated, engine="flashinfer-0.7.4")
+        assert (plan.padded_intermediate, plan.padded_hidden) == (inter, hidden)  # it pads nothing
+        dt = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
+        q1 = read_out(tmp_path, f"{n}_q1").view(dt).reshape(2, -1, hidden)
+        q2 = read_out(tmp_path, f"{n}_q2").view(dt).reshape(2, hidden, inter)
+        w13 = _swap_halves(q1) if gated else q1
+        s13 = s2 = None
+        if fmt == "fp8-block":
+            s13 = read_out(tmp_path, f"{n}_q_s1").view(torch.float32).reshape(2, -1, hidden // 128)
+            s13 = _swap_halves(s13) if gated else s13
+            s2 = read_out(tmp_path, f"{n}_q_s2").view(torch.float32).reshape(2, hidden // 128, inter // 128)
+        got = plan.apply(w13, q2, s13, s2)
+        want = [read_out(tmp_path, f"{n}_{k}") for k in ("g1", "g2")]
+        if fmt == "fp8-block":
+            want += [read_out(tmp_path, f"{n}_{k}") for k in ("s1", "s2")]
+        for mine, theirs in zip(got, want):
+            assert torch.equal(mine.contiguous().view(torch.uint8).reshape(-1), theirs), (fmt, inter, hidden, gated)

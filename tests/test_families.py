@@ -54,6 +54,15 @@ def root(tmp_path_factory) -> Path:
     return out
 
 
+HALVES = (torch.bfloat16, torch.float16)
+
+
+def detected_name(fam: gen.Family) -> str:
+    """The convention the reader detects: the family's, with the dtypes its writer chose (``base:role=DTYPE``)."""
+    chosen = ",".join(f"{role}={conv_table.dtype_name(d)}" for role, d in fam.file_dtypes.items())
+    return fam.convention + (f":{chosen}" if chosen else "")
+
+
 def expected_stack(family: str, base: str, tp: int, rank: int) -> dict[str, torch.Tensor | None]:
     """The stacked layer (reader layout) built from the generator's own per-projection tensors."""
     fam = gen.FAMILIES[family]
@@ -68,14 +77,15 @@ def expected_stack(family: str, base: str, tp: int, rank: int) -> dict[str, torc
     if "up_s" in t:
         join = torch.stack if fam.kind == "fp8-tensor" else torch.cat
         s13 = join([t["gate_s"], t["up_s"]], 1) if gated else t["up_s"]
+        widen = fam.kind != "int4"  # BF16 / F16 scales of FP8 weights are stacked as float32
         out["w13_scale"], out["w2_scale"] = (
-            s13.float() if s13.dtype == torch.bfloat16 and fam.kind != "int4" else s13,
-            (t["down_s"].float() if t["down_s"].dtype == torch.bfloat16 and fam.kind != "int4" else t["down_s"]),
+            s13.float() if s13.dtype in HALVES and widen else s13,
+            (t["down_s"].float() if t["down_s"].dtype in HALVES and widen else t["down_s"]),
         )
-    for key in [k for k in t if k.startswith("gate.")]:
+    for key in [k for k in t if k.startswith("gate.")]:  # per-projection scalars, stacked as float32
         suffix = key.split(".", 1)[1]
-        out[f"w13_{suffix}"] = torch.stack([t[f"gate.{suffix}"], t[f"up.{suffix}"]], 1)
-        out[f"w2_{suffix}"] = t[f"down.{suffix}"]
+        out[f"w13_{suffix}"] = torch.stack([t[f"gate.{suffix}"], t[f"up.{suffix}"]], 1).float()
+        out[f"w2_{suffix}"] = t[f"down.{suffix}"].float()
     if "b13" in t:
         out["w13_bias"], out["w2_bias"] = t["b13"], t["b2"]
     return {k: None if v is None else v.contiguous() for k, v in out.items()}
@@ -86,7 +96,7 @@ def expected_stack(family: str, base: str, tp: int, rank: int) -> dict[str, torc
 def test_reader_stacks_the_generators_tensors(root, family):
     fam = gen.FAMILIES[family]
     with open_checkpoint(root / family) as ck:
-        assert ck.convention.name == fam.convention
+        assert ck.convention.name == detected_name(fam)
         assert [ck.layer_names[i] for i in ck.moe_layers] == list(fam.layers)
         assert [ck.layer_names[i] for i in ck.mtp_layers] == ([gen.MTP[family]] if family in gen.MTP else [])
         for idx, base in zip(ck.moe_layers, fam.layers):
@@ -115,7 +125,7 @@ def test_inspect_reports_every_layer_with_its_own_sizes(root, family):
     text = format_report(reports)
     assert (", MTP)" in text) == (family in gen.MTP)
     for r in reports:
-        assert r.convention == fam.convention and r.num_experts == gen.E and r.hidden == fam.hidden
+        assert r.convention == detected_name(fam) and r.num_experts == gen.E and r.hidden == fam.hidden
         missing = conv_table.get(fam.convention).missing_layout
         for backend in ("trtllm", "cutlass"):
             line = r.tp[1][backend]
@@ -190,8 +200,8 @@ def test_backend_without_layout_is_refused_naming_the_missing_piece(root, tmp_pa
 
 @pytest.mark.parametrize("family", READ_ONLY)
 def test_format_without_a_layout_writes_back_byte_exact(root, family):
-    conv = conv_table.get(gen.FAMILIES[family].convention)
     with open_checkpoint(root / family) as ck:
+        conv = conv_table.get(ck.convention.name)  # by name, as restore finds it (the file's dtypes in it)
         for tp, rank in RANKS:
             back: dict[str, torch.Tensor] = {}
             for idx in ck.moe_layers:

@@ -23,12 +23,16 @@ SGLang 0.5.23 ``models/*.py``; facts only):
   (block ``(ceil(out/128), ceil(in/128))`` float32; per output channel ``(out, 1)``, the
   ``FP8-dynamic`` scheme, GLM-4.5 FP8 (``format`` float-quantized, strategy channel; not
   checked against the release's own files); per tensor ``(1,)`` with ``input_scale`` ``(1,)``
-  (static)); NVFP4 ``weight_packed`` U8 ``(out,
+  (static)); their ``weight_scale`` (and a static ``input_scale``) in the dtype of the model they
+  quantized, F32, BF16 or F16 (compressed-tensors ``initialize_qparams``: ``scale_dtype =
+  observed_dtype``), read into float32 exactly and written back as read; NVFP4 ``weight_packed`` U8 ``(out,
   in/2)``, ``weight_scale`` F8_E4M3 ``(out, in/16)``, ``weight_global_scale`` and
   ``input_global_scale`` F32 ``(1,)`` (the reciprocal of ModelOpt's ``weight_scale_2``);
   int4 ``pack-quantized`` (Kimi-K2-Thinking): ``weight_packed`` I32 ``(out, in/8)`` (eight
   4-bit values per int32, value ``j`` in bits ``4j..4j+3``, stored as ``q + 8``),
-  ``weight_scale`` BF16 ``(out, in/32)`` (symmetric, group 32), ``weight_shape`` I32 ``(2,)``.
+  ``weight_scale`` BF16 ``(out, in/32)`` (symmetric, group 32), ``weight_shape`` ``(2,)``: I64 from
+  ``PackedQuantizationCompressor.compress_weight`` (``torch.tensor(weight.shape)``), I32 as its
+  ``compression_param_info`` declares it; both read, each written back as read.
 - ``modelopt-nvfp4`` / ``modelopt-fp8``: NVIDIA ModelOpt exports (``hf_quant_config.json``
   ``quant_algo`` NVFP4 / FP8): NVFP4 ``weight`` U8 ``(out, in/2)``, ``weight_scale``
   F8_E4M3 ``(out, in/16)``, ``weight_scale_2`` and ``input_scale`` F32 scalars; FP8
@@ -59,8 +63,9 @@ SGLang 0.5.23 ``models/*.py``; facts only):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -77,6 +82,7 @@ __all__ = [
     "MISSING_LAYOUT",
     "WEIGHT_XOR",
     "get",
+    "quant_method",
     "stored_format",
     "config_value",
     "SAFETENSORS_DTYPES",
@@ -182,8 +188,9 @@ MISSING_LAYOUT: dict[str, dict[str, str]] = {
         "takes it as MxInt4",
     },
     "fp8-channel": {
-        backend: f"no per-output-channel FP8 MoE layout for {backend} in fimoe_lab.specs.FORMATS "
-        "(vLLM requantizes such experts)"
+        backend: f"no FlashInfer {backend} kernel takes per-output-channel FP8 MoE weights (vLLM 0.34's FlashInfer "
+        "CUTLASS and TRT-LLM experts take per-tensor, 128x128-block and MXFP8 scales only; it runs such layers on "
+        "Triton or its own CUTLASS)"
         for backend in ("trtllm", "cutlass")
     },
 }
@@ -241,7 +248,15 @@ class Convention:
     scalars beside each projection, stacked as extras ``w13_<name>`` ``(E, 2)`` and
     ``w2_<name>`` ``(E,)``; ``scalar_shape``: the stored shape of such scalars and of tensor
     scales (ModelOpt ``()``, compressed-tensors ``(1,)``). ``activation``: a
-    :data:`fimoe_lab.specs.ACTIVATIONS` name or alias.
+    :data:`fimoe_lab.specs.ACTIVATIONS` name or alias. ``quant_method``: the
+    ``quantization_config.quant_method`` its writers record (a key of
+    :data:`fimoe_lab.engines.QUANT_METHODS`; None: unquantized), which engine profiles key some rules on.
+
+    ``writer_dtypes``: ``(role, (dtype, ...))`` for the roles whose safetensors dtype depends on the writer's
+    run, the first being this entry's own (``scale``: ``stored_scale``; ``shape``: ``stored_shape``, the dtype of
+    compressed-tensors' ``weight_shape``; ``scalars``: ``stored_scalar``, of the scalar extras). The reader
+    accepts every combination (:meth:`variants`) and widens to the stacked dtype exactly; a variant's name
+    records the file's dtypes (``ct-fp8-block:scale=BF16``), so ``restore`` writes back what it read.
     """
 
     name: str
@@ -261,6 +276,10 @@ class Convention:
     shape_suffix: Optional[str] = None
     fused_layout: Optional[Fused] = None
     scalar_shape: tuple[int, ...] = ()
+    quant_method: Optional[str] = None
+    writer_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    stored_shape: str = "I32"
+    stored_scalar: str = "F32"
 
     @property
     def block(self) -> str:
@@ -293,6 +312,40 @@ class Convention:
     def file_weight_dtype(self) -> torch.dtype:
         """Weight dtype in the file (``stored_weight`` or the stacked one)."""
         return SAFETENSORS_DTYPES[self.stored_weight] if self.stored_weight else self.weight_dtype
+
+    @property
+    def file_shape_dtype(self) -> torch.dtype:
+        """Dtype of the ``shape_suffix`` tensors in the file."""
+        return SAFETENSORS_DTYPES[self.stored_shape]
+
+    @property
+    def file_scalar_dtype(self) -> torch.dtype:
+        """Dtype of the scalar extras (and of tensor scales' companions) in the file; stacked as float32."""
+        return SAFETENSORS_DTYPES[self.stored_scalar]
+
+    def variants(self) -> list[Convention]:
+        """This convention with each combination of its ``writer_dtypes`` (this entry first)."""
+        roles = [role for role, _ in self.writer_dtypes]
+        out = []
+        for combo in itertools.product(*(options for _, options in self.writer_dtypes)):
+            out.append(self.with_dtypes(dict(zip(roles, combo))))
+        return out or [self]
+
+    def with_dtypes(self, chosen: Mapping[str, str]) -> Convention:
+        """The variant storing role ``r`` as ``chosen[r]`` (roles and dtypes from ``writer_dtypes``)."""
+        options = dict(self.writer_dtypes)
+        for role, dtype in chosen.items():
+            if dtype not in options.get(role, ()):
+                known = ", ".join(f"{r} " + "/".join(o) for r, o in self.writer_dtypes) or "none"
+                raise CheckpointError(
+                    f"convention {self.name}: no writer stores its {role} as {dtype}", fix=f"known: {known}"
+                )
+        differ = {r: d for r, d in chosen.items() if d != options[r][0]}
+        if not differ:
+            return self
+        fields = {_ROLE_FIELDS[r]: d for r, d in chosen.items()}
+        name = f"{self.name}:" + ",".join(f"{r}={d}" for r, d in differ.items())
+        return replace(self, name=name, **fields)
 
     @property
     def scale_dtype(self) -> Optional[torch.dtype]:
@@ -354,9 +407,11 @@ class Convention:
                 sig[key(suffix)] = None
         for suffix in ("weight_scale_inv", "weight_scale"):
             sig[key(suffix)] = self.file_scale_dtype if suffix == self.scale_suffix else None
+        if self.shape_suffix:
+            sig[key(self.shape_suffix)] = self.file_shape_dtype
         for extra in ("weight_scale_2", "weight_global_scale", "input_scale"):
             if key(extra) not in sig:
-                sig[key(extra)] = torch.float32 if extra in self.scalar_extras else None
+                sig[key(extra)] = self.file_scalar_dtype if extra in self.scalar_extras else None
         return sig
 
     def pattern(self) -> str:
@@ -400,15 +455,15 @@ class Convention:
                 if self.shape_suffix:
                     rows, cols = w.shape[0], w.shape[1] * self.spec.values_per_byte
                     out[self.expert_key(prefix, layer, e, proj, self.shape_suffix, base)] = torch.tensor(
-                        [rows, cols], dtype=torch.int32
+                        [rows, cols], dtype=self.file_shape_dtype
                     )
                 for extra in self.scalar_extras:
                     stacked = moe.extras.get(f"{'w13' if proj < 2 else 'w2'}_{extra}")
                     if stacked is not None:
                         val = stacked[e, proj - (2 - p)] if proj < 2 and stacked.dim() == 2 else stacked[e]
-                        out[self.expert_key(prefix, layer, e, proj, extra, base)] = val.reshape(
-                            self.scalar_shape
-                        ).clone()
+                        out[self.expert_key(prefix, layer, e, proj, extra, base)] = (
+                            val.reshape(self.scalar_shape).to(self.file_scalar_dtype).clone()
+                        )
         return out
 
     def _file_weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -462,6 +517,13 @@ _GUD = ("gate_proj", "up_proj", "down_proj")
 _W132 = ("w1", "w3", "w2")
 _DS_ROUTER = ("gate.weight", "gate.e_score_correction_bias")
 _MIXTRAL = "[w1 (gate); w3 (up)]"
+_ROLE_FIELDS = {"scale": "stored_scale", "shape": "stored_shape", "scalars": "stored_scalar"}
+"""The :class:`Convention` field each ``writer_dtypes`` role sets."""
+
+_FLOATS = ("F32", "BF16", "F16")
+"""compressed-tensors' scale dtypes: the dtype of the weight it observed (the model's, float16 / bfloat16 /
+float32; ``initialize_qparams``, ``scale_dtype = observed_dtype``), E4M3 for FP4 (fixed, not listed)."""
+
 
 CONVENTIONS: tuple[Convention, ...] = (
     Convention(
@@ -472,6 +534,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         _GUD,
         "weight_scale_inv",
         router=_DS_ROUTER,
+        quant_method="fp8",
     ),
     Convention(
         "qwen3-fp8",
@@ -481,6 +544,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         _GUD,
         "weight_scale_inv",
         stored_scale="BF16",
+        quant_method="fp8",
     ),
     Convention(
         "minimax-fp8",
@@ -491,24 +555,29 @@ CONVENTIONS: tuple[Convention, ...] = (
         "weight_scale_inv",
         _MIXTRAL,
         router=("gate.weight", "e_score_correction_bias"),
+        quant_method="fp8",
     ),
     Convention(
         "ct-fp8-block",
-        "compressed-tensors FP8 block (weight + float32 weight_scale per 128x128)",
+        "compressed-tensors FP8 block (weight + weight_scale per 128x128, F32/BF16/F16 as the model)",
         "fp8-block",
         "mlp.experts",
         _GUD,
         "weight_scale",
+        quant_method="compressed-tensors",
+        writer_dtypes=(("scale", _FLOATS),),
     ),
     Convention(
         "ct-fp8-channel",
-        "compressed-tensors FP8 per channel (GLM-4.5 FP8: weight + float32 weight_scale (out, 1))",
+        "compressed-tensors FP8 per channel (GLM-4.5 FP8: weight + weight_scale (out, 1), F32/BF16/F16 as the model)",
         "fp8-channel",
         "mlp.experts",
         _GUD,
         "weight_scale",
         router=_DS_ROUTER,
         scales="row",
+        quant_method="compressed-tensors",
+        writer_dtypes=(("scale", _FLOATS),),
     ),
     Convention(
         "ct-nvfp4",
@@ -520,6 +589,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         scalar_extras=("weight_global_scale", "input_global_scale"),
         weight_suffix="weight_packed",
         scalar_shape=(1,),
+        quant_method="compressed-tensors",
     ),
     Convention(
         "ct-fp8-tensor",
@@ -531,10 +601,12 @@ CONVENTIONS: tuple[Convention, ...] = (
         scalar_extras=("input_scale",),
         scales="tensor",
         scalar_shape=(1,),
+        quant_method="compressed-tensors",
+        writer_dtypes=(("scale", _FLOATS), ("scalars", _FLOATS)),
     ),
     Convention(
         "ct-int4",
-        "compressed-tensors INT4 pack-quantized, group 32 (Kimi-K2-Thinking: weight_packed I32, weight_scale, weight_shape)",
+        "compressed-tensors INT4 pack-quantized, group 32 (Kimi-K2-Thinking: weight_packed I32, weight_scale, weight_shape I64/I32)",
         "int4-group",
         "mlp.experts",
         _GUD,
@@ -543,6 +615,8 @@ CONVENTIONS: tuple[Convention, ...] = (
         weight_suffix="weight_packed",
         stored_weight="I32",
         shape_suffix="weight_shape",
+        quant_method="compressed-tensors",
+        writer_dtypes=(("shape", ("I32", "I64")),),
     ),
     Convention(
         "modelopt-nvfp4",
@@ -553,6 +627,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         "weight_scale",
         router=_DS_ROUTER,
         scalar_extras=("weight_scale_2", "input_scale"),
+        quant_method="modelopt",
     ),
     Convention(
         "modelopt-fp8",
@@ -563,6 +638,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         "weight_scale",
         scalar_extras=("input_scale",),
         scales="tensor",
+        quant_method="modelopt",
     ),
     Convention(
         "qwen3-moe-bf16",
@@ -638,6 +714,7 @@ CONVENTIONS: tuple[Convention, ...] = (
             scales=("gate_up_proj_scales", "down_proj_scales"),
             biases=("gate_up_proj_bias", "down_proj_bias"),
         ),
+        quant_method="mxfp4",
     ),
     Convention(
         "gpt-oss-original",
@@ -656,15 +733,28 @@ CONVENTIONS: tuple[Convention, ...] = (
             scales=("mlp1_weight.scales", "mlp2_weight.scales"),
             biases=("mlp1_bias", "mlp2_bias"),
         ),
+        quant_method="mxfp4",
     ),
 )
 
 
+def quant_method(name: Optional[str]) -> Optional[str]:
+    """The quantization method of the convention called ``name`` (a variant's name too); None for an unquantized
+    convention or a name that is no convention (layers made in memory: the lab's ``seeded``)."""
+    base = (name or "").partition(":")[0]
+    return next((c.quant_method for c in CONVENTIONS if c.name == base), None)
+
+
 def get(name: str) -> Convention:
-    """The convention called ``name``; :class:`CheckpointError` listing the known ones otherwise."""
+    """The convention called ``name`` (a variant's name, ``base:role=DTYPE,...``, gives that variant);
+    :class:`CheckpointError` listing the known ones otherwise."""
+    base, _, chosen = name.partition(":")
     for c in CONVENTIONS:
-        if c.name == name:
-            return c
+        if c.name == base:
+            if not chosen:
+                return c
+            pairs = [part.partition("=") for part in chosen.split(",")]
+            return c.with_dtypes({role: dtype for role, _, dtype in pairs})
     raise CheckpointError(
         f"unknown checkpoint convention {name!r}", fix=f"choose one of {', '.join(c.name for c in CONVENTIONS)}"
     )

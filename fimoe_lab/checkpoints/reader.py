@@ -223,7 +223,7 @@ class Checkpoint:
         self.convention: Convention = self._detect(next(iter(self._layers)))
         for idx in list(self._layers)[1:]:
             other = self._detect(idx)
-            if other is not self.convention:
+            if other != self.convention:
                 raise CheckpointError(
                     f"{self.path}: layer {idx} ({self._layers[idx]}) follows {other.name}, layer "
                     f"{next(iter(self._layers))} follows {self.convention.name}: one checkpoint, one convention",
@@ -359,7 +359,7 @@ class Checkpoint:
 
     def _detect(self, layer: int) -> Convention:
         base = self._layers[layer]
-        for conv in conventions.CONVENTIONS:
+        for conv in (variant for c in conventions.CONVENTIONS for variant in c.variants()):
             ok = True
             for name, dtype in conv.signature(base).items():
                 present = name in self.weight_map
@@ -696,7 +696,8 @@ class _PerExpertReader(_LayerReader):
                 )
                 if c.shape_suffix:  # compressed-tensors' record of the unpacked (rows, cols)
                     key = c.expert_key("", 0, e, proj, c.shape_suffix, self.base)
-                    plan.append((key, torch.int32, (2,), [shape[0], shape[1] * v * per], None, True, "weight shape"))
+                    want = [shape[0], shape[1] * v * per]
+                    plan.append((key, c.file_shape_dtype, (2,), want, None, True, "weight shape"))
                 if s13 is not None:
                     full, ssl, rows = self.scale_spec(proj)
                     if c.scales == "tensor":
@@ -719,7 +720,7 @@ class _PerExpertReader(_LayerReader):
                     plan.append(
                         (
                             c.expert_key("", 0, e, proj, extra, self.base),
-                            torch.float32,
+                            c.file_scalar_dtype,
                             c.scalar_shape,
                             None,
                             (buf, d, k) if proj < 2 else (buf, d),
@@ -746,7 +747,7 @@ class _PerExpertReader(_LayerReader):
             t = self.ck._read(name, sl)
             if t.dtype != dest[0].dtype and t.dtype == torch.int32:  # packed int4: its bytes
                 t = t.view(torch.uint8)
-            dest[0][dest[1:]] = t  # BF16 stored scales widen to float32 exactly
+            dest[0][dest[1:]] = t  # BF16 / F16 stored scales and scalars widen to float32 exactly
         return self.finish(w13, w2, s13, s2, extras)
 
 

@@ -135,7 +135,8 @@ def plan_args(
     (``specs.FORMATS[fmt].tactics.per_token_ok``). ``activation_dtype``: the activations the kernel takes where
     the recipe has a layout per activation dtype (``recipes.ACTIVATION_DTYPES``: ``"bf16"`` for MXFP4 on CUTLASS is
     the Hopper SM90 mixed-input layout), recorded as ``args["activation_dtype"]`` when given; refused for
-    any other recipe. A checkpoint format whose ``layout_format`` names a
+    any other recipe. The layer's convention's quantization method (``Convention.quant_method``: some engine
+    rules are keyed on it) is recorded as ``args["quant_method"]`` when it has one. A checkpoint format whose ``layout_format`` names a
     format of ``specs.FORMATS`` (int4-group -> mxint4) is planned as that format.
 
     ``engine``: the profile (:mod:`fimoe_lab.engines`; None: ``engines.DEFAULT_ENGINE``),
@@ -163,6 +164,7 @@ def plan_args(
             fix="drop --per-token (it is for NVFP4 checkpoints)",
         )
     _check_activation_dtype(layer.fmt, fmt, backend, activation_dtype)
+    method = conventions.quant_method(layer.convention)
     try:  # the kernel runs the layer's activation (specs.FormatSpec.kernel_activations: MxInt4 SwiGLU only)
         check_kernel_activation(fmt, backend, layer.activation)
     except FimoeError as exc:
@@ -181,6 +183,7 @@ def plan_args(
             "engine": engines.get_engine(engine or engines.DEFAULT_ENGINE).name,
             "per_token_activation": bool(per_token),
             **({} if activation_dtype is None else {"activation_dtype": activation_dtype}),
+            **({} if method is None else {"quant_method": method}),
         },
     }
 
@@ -228,6 +231,10 @@ def build_plan(record: dict, version: int = FORMAT_VERSION) -> LayerPlan:
         raise CheckpointError(
             f"per_token_activation {args['per_token_activation']!r} in the plan record is not true or false",
             fix=_EDITED,
+        )
+    if not isinstance(args.get("quant_method"), (str, type(None))):
+        raise CheckpointError(
+            f"quant_method {args['quant_method']!r} in the plan record is not a method name", fix=_EDITED
         )
     if not isinstance(args.get("activation_dtype"), (str, type(None))):
         raise CheckpointError(

@@ -16,7 +16,12 @@ raw bytes and ``outputs.json`` out). What runs is SGLang's code, unchanged, from
 ``ModelOptNvFp4FusedMoEMethod.process_weights_after_loading`` that needs no padding) and
 ``Mxfp4MoEMethod.process_weights_after_loading`` (MXFP4, its FlashInfer TRT-LLM branch, on a
 namespace holding the flags that select it: gpt-oss interleaved W13 and the stacked
-``gate_up_interleaved=False`` layout). ``mxfp4.py`` binds ``nvfp4_block_scale_interleave`` and
+``gate_up_interleaved=False`` layout). Per quantization method: ``ModelOptFp8MoEMethod``'s call
+``align_fp8_moe_weights_for_flashinfer_trtllm(layer, swap_w13_halves=True)`` (op ``fp8_modelopt``), and the
+compressed-tensors schemes' own ``process_weights_after_loading`` for FlashInfer TRT-LLM on a bare scheme:
+``CompressedTensorsW8A8Fp8MoE`` (BLOCK strategy), ``CompressedTensorsW4A4Nvfp4MoE`` and
+``CompressedTensorsMxInt4MoE`` (``compressed_tensors``, not installed there, is a module holding the
+strategy names the schemes compare with). ``mxfp4.py`` binds ``nvfp4_block_scale_interleave`` and
 ``get_w2_permute_indices_with_cache`` under ``if is_flashinfer_available():`` at import; the
 runner binds them as that branch would (FlashInfer's own index helper, the CPU swizzle);
 ``Tensor.cuda`` is the identity (that branch copies its per-expert constants to the GPU). The
@@ -32,8 +37,10 @@ on CPU by vLLM-independent pure torch below: the 128x4 swizzle written out from 
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
+import types
 from pathlib import Path
 from types import MethodType, SimpleNamespace
 
@@ -43,6 +50,25 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _isolate import isolate  # noqa: E402
 
+CT = "sglang.srt.layers.quantization.compressed_tensors.schemes."
+
+
+class QuantizationStrategy(enum.Enum):
+    """compressed-tensors' strategy names, which the schemes compare by identity (the package is not installed)."""
+
+    TENSOR = "tensor"
+    CHANNEL = "channel"
+    GROUP = "group"
+    BLOCK = "block"
+    TOKEN = "token"
+
+
+_ct = types.ModuleType("compressed_tensors")
+_ct.CompressionFormat = enum.Enum("CompressionFormat", "pack_quantized")  # type: ignore[attr-defined]
+_ct_quant = types.ModuleType("compressed_tensors.quantization")
+_ct_quant.QuantizationStrategy = QuantizationStrategy  # type: ignore[attr-defined]
+_ct.quantization = _ct_quant  # type: ignore[attr-defined]
+sys.modules.update({"compressed_tensors": _ct, "compressed_tensors.quantization": _ct_quant})
 isolate(
     "sglang",
     [
@@ -51,10 +77,16 @@ isolate(
         "sglang.srt.layers.utils.common",
         "sglang.srt.layers.quantization.unquant",
         "sglang.srt.layers.quantization.mxfp4",
+        CT + "compressed_tensors_w8a8_fp8_moe",
+        CT + "compressed_tensors_w4a4_nvfp4_moe",
+        CT + "compressed_tensors_w4a4_mxint4_moe",
     ],
 )
 
 from sglang.srt.layers.utils import common  # noqa: E402
+
+# the schemes' base class, from the package ``__init__`` that does not run here
+sys.modules[CT[:-1]].CompressedTensorsMoEScheme = type("CompressedTensorsMoEScheme", (), {})  # type: ignore[attr-defined]
 
 sys.modules["sglang.srt.layers.utils"].copy_or_rebind_param = common.copy_or_rebind_param  # its __init__'s re-export
 
@@ -64,6 +96,15 @@ import flashinfer.quantization.fp4_quantization as fi_qfp4  # noqa: E402
 from flashinfer.fused_moe import core as fi_core  # noqa: E402
 from sglang.srt.layers.moe.moe_runner import flashinfer_trtllm as ft  # noqa: E402
 from sglang.srt.layers.quantization import mxfp4 as mx  # noqa: E402
+from sglang.srt.layers.quantization.compressed_tensors.schemes import (  # noqa: E402
+    compressed_tensors_w4a4_mxint4_moe as ct_mxint4,
+)
+from sglang.srt.layers.quantization.compressed_tensors.schemes import (  # noqa: E402
+    compressed_tensors_w4a4_nvfp4_moe as ct_nvfp4,
+)
+from sglang.srt.layers.quantization.compressed_tensors.schemes import (  # noqa: E402
+    compressed_tensors_w8a8_fp8_moe as ct_fp8,
+)
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod as Unquant  # noqa: E402
 from sglang.srt.layers.quantization.utils import swizzle_blockscale  # noqa: E402
 
@@ -87,6 +128,45 @@ torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]  #
 # mxfp4.py binds these under ``if is_flashinfer_available():`` at import (a stub reads false here)
 mx.nvfp4_block_scale_interleave = _interleave_on_cpu
 mx.get_w2_permute_indices_with_cache = fi_core.get_w2_permute_indices_with_cache
+# the compressed-tensors MxInt4 scheme binds these under ``if is_flashinfer_available():`` too
+ct_mxint4.block_scale_interleave = _interleave_on_cpu
+ct_mxint4._maybe_get_cached_w3_w1_permute_indices = fi_core._maybe_get_cached_w3_w1_permute_indices
+ct_mxint4.get_w2_permute_indices_with_cache = fi_core.get_w2_permute_indices_with_cache
+ct_mxint4.convert_to_block_layout = fi_core.convert_to_block_layout
+
+
+def _compressed_tensors(c: dict, layer: torch.nn.Module, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The compressed-tensors schemes' own ``process_weights_after_loading`` (FlashInfer TRT-LLM branches), on a
+    bare scheme holding the flags that select them."""
+    e = t["w13"].shape[0]
+    if c["op"] == "fp8_block_ct":  # CompressedTensorsW8A8Fp8MoE, BLOCK strategy
+        scheme = SimpleNamespace(
+            static_input_scales=False,
+            weight_quant=SimpleNamespace(strategy=QuantizationStrategy.BLOCK),
+            use_flashinfer_trtllm=True,
+        )
+        ct_fp8.CompressedTensorsW8A8Fp8MoE.process_weights_after_loading(scheme, layer)
+        names = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
+    elif c["op"] == "nvfp4_ct":  # CompressedTensorsW4A4Nvfp4MoE (gate loaded first: load_up_proj_weight_first off)
+        layer.w13_weight_packed, layer.w2_weight_packed = layer.w13_weight, layer.w2_weight
+        del layer.w13_weight, layer.w2_weight
+        for name, shape in (("w13_weight_global_scale", (e, 2)), ("w2_weight_global_scale", (e,))):
+            setattr(layer, name, torch.nn.Parameter(torch.ones(shape), requires_grad=False))
+        for name, shape in (("w13_input_global_scale", (e, 2)), ("w2_input_global_scale", (e,))):
+            setattr(layer, name, torch.nn.Parameter(torch.ones(shape), requires_grad=False))
+        layer.num_local_experts = e
+        scheme = SimpleNamespace(use_flashinfer_trtllm=True)
+        ct_nvfp4.CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading(scheme, layer)
+        names = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
+    else:  # CompressedTensorsMxInt4MoE: int32 words of q + 8 nibbles, bf16 group scales
+        scheme = SimpleNamespace(_cache_permute_indices={})
+        scheme.prepare_static_weights_for_kernel = MethodType(
+            ct_mxint4.CompressedTensorsMxInt4MoE.prepare_static_weights_for_kernel, scheme
+        )
+        layer.w13_weight_packed, layer.w2_weight_packed = layer.w13_weight, layer.w2_weight
+        ct_mxint4.CompressedTensorsMxInt4MoE.process_weights_after_loading(scheme, layer)
+        names = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")
+    return {k: getattr(layer, n).data for k, n in zip(("w13", "w2", "s13", "s2"), names)}
 
 
 def run(c: dict, t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -165,11 +245,14 @@ def run(c: dict, t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], d
             Unquant._apply_trtllm_bf16_block_layout(method, layer, getattr(layer, name), name)
         out = {"w13": layer.w13_weight.data, "w2": layer.w2_weight.data}
         hidden = t["w2"].shape[1]
-    elif c["op"] == "fp8":
+    elif c["op"] in ("fp8", "fp8_modelopt"):  # Fp8MoEMethod's call; ModelOptFp8MoEMethod's swaps W13's halves
         layer.w13_input_scale = torch.nn.Parameter(torch.ones(e), requires_grad=False)
         layer.w2_input_scale = torch.nn.Parameter(torch.ones(e), requires_grad=False)
-        ft.align_fp8_moe_weights_for_flashinfer_trtllm(layer)
+        ft.align_fp8_moe_weights_for_flashinfer_trtllm(layer, swap_w13_halves=c["op"] == "fp8_modelopt")
         out = {"w13": layer.w13_weight.data, "w2": layer.w2_weight.data}
+        hidden = t["w2"].shape[1]
+    elif c["op"] in ("fp8_block_ct", "nvfp4_ct", "mxint4_ct"):
+        out = _compressed_tensors(c, layer, t)
         hidden = t["w2"].shape[1]
     else:
         raise SystemExit(f"unknown op {c['op']}")
@@ -178,6 +261,8 @@ def run(c: dict, t: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], d
         "nvfp4_cutlass": 2 * t["w2"].shape[-1],
         "mxfp4": 2 * t["w2"].shape[-1],
         "mxfp4_stacked": 2 * t["w2"].shape[-1],
+        "nvfp4_ct": 2 * t["w2"].shape[-1],
+        "mxint4_ct": 8 * t["w2"].shape[-1],
     }
     inter = inter.get(c["op"], t["w2"].shape[-1])
     return out, {"inter": inter, "hidden": hidden}
