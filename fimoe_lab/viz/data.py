@@ -56,6 +56,8 @@ __all__ = [
     "row_window",
     "memo",
     "lru_get",
+    "BoundedCache",
+    "nbytes",
     "row_element_sources",
     "fill_mask",
     "has_fill",
@@ -97,6 +99,49 @@ def lru_get(cache: OrderedDict, key: Hashable, make: Callable[[], Any], limit: i
         while len(cache) > limit:
             cache.popitem(last=False)
     return cache[key]
+
+
+def nbytes(value: Any) -> int:
+    """Bytes an array, a tensor, or a dataclass / dict / sequence of them holds (a broadcast view: none;
+    a meta tensor: none)."""
+    if isinstance(value, np.ndarray):
+        return 0 if 0 in value.strides and value.size > 1 else int(value.nbytes)
+    if isinstance(value, torch.Tensor):
+        return 0 if value.is_meta else value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    fields = getattr(value, "__dataclass_fields__", None)
+    return sum(nbytes(getattr(value, f)) for f in fields) if fields else 0
+
+
+class BoundedCache:
+    """A least-recently-used cache bounded by the bytes its values hold (:func:`nbytes`), not by their count:
+    past ``limit`` bytes the oldest entries are dropped (the newest is always kept, whatever its size)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.entries: OrderedDict = OrderedDict()  # key -> (value, bytes)
+        self.bytes = 0
+
+    def get(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()`` kept under ``key``."""
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key][0]  # type: ignore[no-any-return]
+        value = make()
+        size = nbytes(value)
+        self.entries[key] = (value, size)
+        self.bytes += size
+        while self.bytes > self.limit and len(self.entries) > 1:
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
 
 
 def itemsize_of(fmt: str, tensor: str) -> int:

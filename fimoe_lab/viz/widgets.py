@@ -1108,7 +1108,7 @@ class CompareExplorer(_LayerExplorer):
             layer.intermediate // tp,
             layer.hidden,
             layer.gated,
-            layer.moe.is_gated,
+            layer.layout.is_gated,
             None if align == "default" else int(align),
             None,
             None if engine == "default" else engine,
