@@ -97,7 +97,7 @@ def test_tile_explorer_click_on_the_swizzle_and_the_tiles():
     last = m.steps[-1]  # the swizzle alone, by the reference formula, from the kernel-side row it lands in
     kr, kc = divmod(int(byte_sources(m.steps[0] if len(m.steps) == 1 else last).reshape(-1)[flat]), last.in_shape[-1])
     assert flat == ref_swizzle_offset(np.array([kr]), np.array([kc]), last.in_shape[-1])[0]
-    assert w._hover(*svg_point(atom, 0, 0)).startswith("kernel row ")
+    assert w._hover(*svg_point(atom, 0, 0)).startswith("kernel buffer offset 1024, source column 0")
     w.source.value = "seeded:bf16"  # block-major-K tiles, 2-byte elements
     m = w.state["plan"].w13
     _, out = w.figure.axes[0], w.figure.axes[2]

@@ -87,6 +87,7 @@ def test_every_weight_format_has_a_seeded_layer():
     align = recipes.default_alignments("mxfp4", "trtllm")[0]
     atoms = 2 * (-(-96 // align) * align) // 128 * (256 // 32 // 4)
     assert w.state["fmt"] == "mxfp4" and w.state["view"].atoms == atoms and w.atom.max == atoms - 1
+    w.colour_by.value = "source row"
     assert same(image(w.figure, 2), w.state["view"].src_row)
     assert np.nanmax(image(w.figure, 2)) == 2 * 96 - 1  # every checkpoint scale row lands somewhere
 
@@ -104,7 +105,13 @@ def test_padding_explorer_tp_and_errors():
     shown = w.figure
     w.intermediate.value = 390
     assert "does not split into 8 tensor-parallel shards" in w.message.value
+    assert w.figure is None and "fimoe-error" in w.view.value  # no figure of another setting stays on screen
+    w.intermediate.value = 384
     assert w.figure is shown
+    for box in (w.experts, w.intermediate, w.hidden):
+        box.value, kept = 0, box.value
+        assert w.figure is None and f"{box.description} 0" in w.message.value
+        box.value = kept
 
 
 def test_provenance_explorer_follows_the_chosen_element():
@@ -157,7 +164,8 @@ def test_explorers_on_a_shipped_sample_checkpoint():
     pad = widgets.PaddingExplorer.from_layer(layer, tp=2)  # 320 / 2 = 160 -> 192, the NVFP4 TRT-LLM default (64)
     assert "padded 192" in pad.message.value and pad.figure is not None
     pad.inter_align.value = 16  # 2*160 scale rows: not whole 128-row atoms
-    assert "not a multiple of 128" in pad.message.value and "figure not updated" in pad.message.value
+    assert "not a multiple of 128" in pad.message.value and "figure cleared" in pad.message.value
+    assert pad.figure is None and "fimoe-error" in pad.view.value
     pad.inter_align.value = 64
     report = pad.state["report"]
     assert (report.local_intermediate, report.plan.padded_intermediate, report.experts) == (160, 192, layer.experts)

@@ -931,6 +931,9 @@ class Cells:
     x_range: Optional[tuple[float, float]] = None
     x_at: Optional[float] = None
     width: Optional[int] = None
+    meaning: str = "value"
+    """What ``values`` are, as hover text names them: "value" only for decoded values (magnitudes, scales);
+    an index panel names its index ("source row", "destination atom", ...)."""
 
     def locate(self, x: float, y: float) -> Optional[tuple[int, int, int, int]]:
         """``(grid row, grid column, row on side, column on side)`` at data ``(x, y)``, or None."""
@@ -983,6 +986,11 @@ class Trace:
     checkpoint: Optional[tuple[int, int]]
     chain: list
     value: Optional[float] = None
+    meaning: str = "value"
+    """What ``value`` is (:attr:`Cells.meaning`)."""
+    width: Optional[int] = None
+    """For a swizzled buffer (a :attr:`Cells.width` grid): the row length of ``kernel``, so that hover names the
+    buffer offset ``kernel[0] * width + kernel[1]``, not a row of the kernel layout."""
     bits: Optional[list] = None
     """For a kernel byte whose plan has a word bit step after its byte map: the source of each of its
     8 bits after that step (:func:`word_bit_sources`), else None."""
@@ -1014,9 +1022,14 @@ class Trace:
             return self.summary()
         if self.value is None:
             value = ""
+        elif self.meaning != "value":  # an index: a whole number, -1 for fill
+            value = f", {self.meaning} {'fill' if self.value < 0 else int(self.value)}"
         else:
             value = ", value NaN" if np.isnan(self.value) else f", value {self.value:.4g}"
-        return f"{self.side} row {here[0]}, column {here[1]}{value}\n{self.summary()}\nmoved by: {self.moved_by}"
+        at = f"{self.side} row {here[0]}, column {here[1]}"
+        if self.side == "kernel" and self.width:
+            at = f"kernel buffer offset {here[0] * self.width + here[1]}"
+        return f"{at}{value}\n{self.summary()}\nmoved by: {self.moved_by}"
 
 
 def _out_elements(m: IndexMap, itemsize: int) -> tuple[int, ...]:
@@ -1035,13 +1048,14 @@ def trace_cell(cells: Cells, i: int, j: int) -> Trace:
     else:
         landed = landing(m, (row, j), size)
         if landed is None:
-            return Trace("checkpoint", None, (row, j), [], cells.value(i, j))
+            return Trace("checkpoint", None, (row, j), [], cells.value(i, j), cells.meaning)
         coords = landed
     chain = provenance_rows(m, coords, size)
     flat = int(np.ravel_multi_index(coords, out_shape))
     src = chain[-1][2]
     ckpt = None if src is None else (int(src[0]), int(src[-1]))
-    return Trace(cells.side, divmod(flat, cols), ckpt, chain, cells.value(i, j))
+    buffer_row = cols if cells.width else None  # a swizzled buffer: hover gives the flat offset
+    return Trace(cells.side, divmod(flat, cols), ckpt, chain, cells.value(i, j), cells.meaning, buffer_row)
 
 
 def word_bit_sources(m: IndexMap, bits: IndexMap, flat: int) -> list[tuple[Optional[tuple[int, int]], int]]:
