@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import importlib.util
 
 import numpy as np
@@ -145,6 +146,21 @@ def test_tuner_explorer_draws_the_snapshot_sweep():
     first = w.svg
     w.tp.value = 2
     assert w.state["sweep"].attrs["tp"] == 2 and w.svg != first
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8-block"])
+def test_tuner_explorer_explains_a_shard_convert_refuses_in_place_of_the_figure(fmt):
+    """gpt-oss-120b at TP 8: 360 rows per rank cut a scale block; the tuner sweeps nothing and says why, as the
+    CLI does, and no figure of another setting stays on screen."""
+    pytest.importorskip("pandas")
+    w = widgets.TunerExplorer("gpt-oss-120b", fmt, 4)
+    w.tp.value = 8
+    assert w.state["sweep"].empty and w.figure is None and "fimoe-error" in w.view.value
+    assert "nothing to tune" in w.message.value
+    assert html.escape(w.state["sweep"].attrs["no_recommendation"]) in w.message.value
+    assert "predicted_us" not in w.message.value
+    w.tp.value = 1
+    assert w.figure is not None
 
 
 def test_explorers_on_a_shipped_sample_checkpoint():

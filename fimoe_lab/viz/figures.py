@@ -1069,9 +1069,12 @@ def at_svg_point(fig: Figure, x: float, y: float) -> Optional[tuple[Axes, float,
 
 @styled
 def compare_figure(
-    m: IndexMap, checkpoint: np.ndarray, kernel: np.ndarray, itemsize: int = 1, title: str = ""
+    m: IndexMap, checkpoint: np.ndarray, kernel: np.ndarray, itemsize: int = 1, title: str = "", unit: str = "value"
 ) -> Figure:
     """Debugging view: a kernel-layout tensor taken back through ``m.inverse()``, next to the checkpoint.
+
+    ``unit``: what the arrays hold, as colourbars and hover text name it ("value": decoded values; e.g.
+    "stored byte" for raw bytes).
 
     ``checkpoint``: one expert's values ``(rows, elements)`` in the checkpoint layout;
     ``kernel``: the same expert's values as some preparation left them (``m.out_shape``
@@ -1098,7 +1101,7 @@ def compare_figure(
             ax,
             cax,
             img,
-            "|difference| (value units)" if k == 2 else "value (as given)",
+            f"|difference| ({unit}s)" if k == 2 else unit,
             None,
             None,
             vmax,
@@ -1106,7 +1109,7 @@ def compare_figure(
         )
         ax.set_title(name, loc="left")
         ax.set_xlabel("element")
-        cells_of(fig)[id(ax)] = [data.Cells("checkpoint", m, itemsize, img.shape, values=img)]
+        cells_of(fig)[id(ax)] = [data.Cells("checkpoint", m, itemsize, img.shape, values=img, meaning=unit)]
     fig.suptitle(title or _chain(m))
     return fig
 

@@ -1045,6 +1045,10 @@ class TunerExplorer(_Explorer):
         kw = self._kwargs()
         sweep = sources.tactic_sweep(self.preset.value, self.fmt.value, self.tp.value, self.mode, **kw)
         self.state = dict(sweep=sweep, kwargs=kw)
+        if sweep.empty:  # nothing to sweep (a TP shard convert refuses): the tuner's own explanation, as the CLI's
+            why = sweep.attrs.get("no_recommendation") or "no alignment to sweep"
+            alternatives = sweep.attrs.get("alternatives") or ["another TP size or format"]
+            raise LayoutError(f"nothing to tune: {why}", fix="try " + "; or ".join(alternatives))
         rec = sweep.attrs.get("recommendation")
         note = (
             f"recommended: intermediate {rec['intermediate']} (align {rec['inter_align']}), hidden "
