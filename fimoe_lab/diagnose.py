@@ -322,7 +322,7 @@ def figure(diag: TensorDiagnosis, moe: Any, dumped: torch.Tensor, expert: Option
 
         def decode(raw: torch.Tensor) -> Any:
             codes = raw.reshape(*raw.shape[:-1], raw.shape[-1] // size, size).contiguous().view(stored.dtype)[..., 0]
-            return decoded_scales(QuantizedTensor(None, codes, None, moe.fmt, 0)).double().numpy()
+            return decoded_scales(QuantizedTensor(codes, codes, None, moe.fmt, 0)).double().numpy()  # scales only
 
         ckpt, kernel, unit, what = decode(in_bytes), decode(out_bytes), "scale (decoded)", "scales"
     else:
