@@ -327,6 +327,6 @@ def figure(diag: TensorDiagnosis, moe: Any, dumped: torch.Tensor, expert: Option
         ckpt, kernel, unit, what = decode(in_bytes), decode(out_bytes), "scale (decoded)", "scales"
     else:
         ckpt, kernel = in_bytes.double().numpy(), out_bytes.double().numpy()
-        size, unit, what = 1, "stored byte", "bytes"
+        size, unit, what = 1, "stored byte (code)", "bytes"
     title = f"{diag.role} expert {e}: dumped {what} un-done by '{diag.planned or name}' (best fit: '{name}')"
     return figures.compare_figure(m, ckpt, kernel, size, title, unit)

@@ -3,6 +3,7 @@ in bytes and shared by every spelling of the same checkpoint."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 
@@ -83,3 +84,23 @@ def test_a_wrong_path_fails_fast_with_one_line(tmp_path, bad):
     with pytest.raises((OSError, ValueError)) as err:
         sources.load_layer(str(tmp_path / bad))
     assert time.perf_counter() - t < 0.5 and "\n" not in str(err.value) and "config.json" in str(err.value)
+
+
+def test_the_path_box_opens_once_per_checkpoint_and_reports_its_reads(tmp_path):
+    """Two spellings of one directory give one menu entry; the progress line says what was opened and, after a
+    redraw that read an expert, its bytes and rate; the controls are enabled again after the load."""
+    from fimoe_lab.viz import widgets
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(resources.sample_path("deepseek-r1-nvfp4"), path)
+    w = widgets.RowExplorer()
+    before = len(w.source.options)
+    w.load(str(path))
+    assert "opened" in w.progress.value and "each view reads one expert" in w.progress.value
+    w.load(f"{path}/./")
+    assert len(w.source.options) == before + 1 and w.state["layer"].lazy
+    w.expert.value = 5
+    assert re.search(r"read expert 5 of .*: [\d.]+ MB in [\d.]+ s \(\d+ MB/s\)", w.progress.value)
+    assert not any(c.disabled for c in (w.source, w.backend, w.tensor, w.expert)) and not w.path.disabled
+    w.load(str(tmp_path / "missing"))
+    assert "layer not changed" in w.message.value and w.state["layer"].lazy and not w.tensor.disabled

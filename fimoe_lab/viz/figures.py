@@ -134,8 +134,8 @@ def to_svg(fig: Figure) -> str:
 
     In a notebook the text and axes then take the page's text colour (light on JupyterLab's
     dark theme, dark on the light one); sizes are the figure's own (``width``/``height`` in
-    points: shown at natural size, scaled down only to fit a narrower page); hover texts
-    become ``<title>`` elements.
+    points: shown at natural size, never scaled down, so no text falls under :data:`MIN_FONT`; a
+    narrower page scrolls the figure sideways); hover texts become ``<title>`` elements.
     """
     buf = io.StringIO()
     pointable = cells_of(fig)
@@ -147,7 +147,7 @@ def to_svg(fig: Figure) -> str:
     svg = buf.getvalue()
     svg = svg[svg.index("<svg") :]
     svg = svg.replace("#000000", "currentColor").replace(
-        "<svg ", '<svg fill="currentColor" style="max-width:100%;height:auto" ', 1
+        "<svg ", '<svg fill="currentColor" style="max-width:none;height:auto" ', 1
     )
     texts = hover_texts(fig)
     return re.sub(
@@ -1069,12 +1069,17 @@ def at_svg_point(fig: Figure, x: float, y: float) -> Optional[tuple[Axes, float,
 
 @styled
 def compare_figure(
-    m: IndexMap, checkpoint: np.ndarray, kernel: np.ndarray, itemsize: int = 1, title: str = "", unit: str = "value"
+    m: IndexMap,
+    checkpoint: np.ndarray,
+    kernel: np.ndarray,
+    itemsize: int = 1,
+    title: str = "",
+    unit: str = "value (as given)",
 ) -> Figure:
     """Debugging view: a kernel-layout tensor taken back through ``m.inverse()``, next to the checkpoint.
 
-    ``unit``: what the arrays hold, as colourbars and hover text name it ("value": decoded values; e.g.
-    "stored byte" for raw bytes).
+    ``unit``: what the arrays hold, as the colourbars name it (``"<what> (<unit>)"``: e.g. "scale (decoded)",
+    or "stored byte (code)" for raw bytes, which hover text then calls a stored byte, not a value).
 
     ``checkpoint``: one expert's values ``(rows, elements)`` in the checkpoint layout;
     ``kernel``: the same expert's values as some preparation left them (``m.out_shape``
@@ -1101,7 +1106,7 @@ def compare_figure(
             ax,
             cax,
             img,
-            f"|difference| ({unit}s)" if k == 2 else unit,
+            f"|difference| ({unit.split(' (')[0]} units)" if k == 2 else unit,
             None,
             None,
             vmax,
@@ -1109,7 +1114,8 @@ def compare_figure(
         )
         ax.set_title(name, loc="left")
         ax.set_xlabel("element")
-        cells_of(fig)[id(ax)] = [data.Cells("checkpoint", m, itemsize, img.shape, values=img, meaning=unit)]
+        meaning = "stored byte" if unit.startswith("stored byte") else "value"
+        cells_of(fig)[id(ax)] = [data.Cells("checkpoint", m, itemsize, img.shape, values=img, meaning=meaning)]
     fig.suptitle(title or _chain(m))
     return fig
 

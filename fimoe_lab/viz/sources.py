@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,7 +28,7 @@ import torch
 from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.plan import LayerPlan
 from fimoe_lab.specs import get_format, tuner_formats, weight_formats
-from fimoe_lab.viz.data import BoundedCache, lru_get
+from fimoe_lab.viz.data import BoundedCache, lru_get, nbytes
 
 __all__ = [
     "ExpertTensors",
@@ -102,6 +103,8 @@ class ExpertTensors:
         self.key = key if key is not None else ("own", next(_OWN))
         self._plans: dict = {}
         self._whole: Any = None
+        self.last_read: Optional[tuple[int, int, float]] = None
+        """The last expert read from disk: ``(expert, bytes, seconds)`` (a lazy layer's progress)."""
 
     def __repr__(self) -> str:
         return f"ExpertTensors({self.source!r})"
@@ -172,7 +175,14 @@ class ExpertTensors:
         self._check_expert(expert)
         if self.read is not None and self._whole is None:
             read = self.read
-            return _EXPERTS.get((self.key, expert), lambda: read((expert, expert + 1)))
+
+            def timed() -> Any:
+                started = time.perf_counter()
+                one = read((expert, expert + 1))
+                self.last_read = (expert, nbytes(one), time.perf_counter() - started)
+                return one
+
+            return _EXPERTS.get((self.key, expert), timed)
         moe = self.moe
         return replace(
             moe,

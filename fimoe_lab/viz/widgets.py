@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import gc
 import html
+import os
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -111,6 +113,39 @@ def _layer(key: str) -> sources.ExpertTensors:
     return sources.load_layer(rest)
 
 
+def _checkpoint_key(where: str) -> str:
+    """The checkpoint a path box names, one spelling per directory: a shipped sample's name as typed,
+    any other path as its real directory (a shard file names its directory)."""
+    if where in _sample_names():
+        return where
+    real = os.path.realpath(os.path.expanduser(where))
+    return os.path.dirname(real) if os.path.isfile(real) else real
+
+
+def _sample_names() -> list[str]:
+    try:
+        return sources.sample_names()
+    except sources.LabUnavailable:
+        return []
+
+
+def _shards_text(where: str) -> str:
+    """``"<GB> in <n> shard(s)"`` of the checkpoint directory ``where`` (what a full read would cost)."""
+    from fimoe_lab import resources
+
+    folder = Path(resources.sample_path(where)) if where in _sample_names() else Path(where)
+    shards = list(folder.glob("*.safetensors"))
+    return f"{sum(f.stat().st_size for f in shards) / 1e9:.2f} GB in {len(shards)} shard(s)"
+
+
+def _last_read(explorer: Any) -> Optional[tuple]:
+    """The last expert read of the explorer's layer (``(expert, bytes, seconds)``), None before any or on error."""
+    try:
+        return explorer.layer.last_read  # type: ignore[no-any-return]
+    except (FimoeError, sources.LabUnavailable, ValueError, OSError):
+        return None
+
+
 def layer_choices() -> list[tuple[str, str]]:
     """(label, key) for every layer an explorer can show without a user's checkpoint."""
     seeded = [(f"seeded {f}", f"seeded:{f}") for f in sources.PLAN_FORMATS]
@@ -143,11 +178,15 @@ def _slider(description: str, value: int, top: int, step: int = 1) -> W.IntSlide
 _CANVAS_JS = """
 function render({ model, el }) {
   const figure = document.createElement("div");
+  // the tooltip lives on the page's body: a notebook cell's CSS (transforms, containment) would make a
+  // fixed position inside the cell relative to the cell, not to the viewport
   const tip = document.createElement("div");
   tip.className = "fimoe-tip";
-  tip.style.cssText = "position:fixed;display:none;pointer-events:none;z-index:1000;white-space:pre;" +
-    "font:11px monospace;padding:3px 5px;border-radius:3px;background:rgba(30,30,30,0.92);color:#fff";
-  el.append(figure, tip);
+  tip.style.cssText = "position:fixed;display:none;pointer-events:none;z-index:10000;white-space:pre;" +
+    "font:11px monospace;padding:3px 5px;border-radius:3px;background:rgba(30,30,30,0.92);color:#fff;" +
+    "max-width:60vw;overflow:hidden";
+  document.body.append(tip);
+  el.append(figure);
   const draw = () => { figure.innerHTML = model.get("value"); };
   draw();
   model.on("change:value", draw);
@@ -169,8 +208,18 @@ function render({ model, el }) {
     model.save_changes();
   });
   let timer = null, last = [0, 0];
+  // 12 px below right of the pointer, flipped to its other side where the viewport ends
+  const place = () => {
+    const gap = 12, edge = 4, w = tip.offsetWidth, h = tip.offsetHeight;
+    let x = last[0] + gap, y = last[1] + gap;
+    if (x + w > window.innerWidth - edge) x = Math.max(edge, last[0] - gap - w);
+    if (y + h > window.innerHeight - edge) y = Math.max(edge, last[1] - gap - h);
+    tip.style.left = `${x}px`;
+    tip.style.top = `${y}px`;
+  };
   figure.addEventListener("mousemove", (event) => {
     last = [event.clientX, event.clientY];
+    if (tip.style.display !== "none") place();
     clearTimeout(timer);
     const at = locate(event);
     if (!at) { tip.style.display = "none"; return; }
@@ -180,10 +229,10 @@ function render({ model, el }) {
   model.on("change:tip", () => {
     const text = model.get("tip");
     tip.textContent = text;
-    tip.style.left = `${last[0] + 14}px`;
-    tip.style.top = `${last[1] + 14}px`;
     tip.style.display = text ? "block" : "none";
+    if (text) place();
   });
+  return () => tip.remove();
 }
 export default { render };
 """
@@ -521,15 +570,23 @@ class _LayerExplorer(_Explorer):
         load = W.Button(description="load", button_style="primary")
         load.on_click(lambda _: self.load())
         self.loader = W.HBox([self.path, self.layer_index, self.tp_size, self.tp_rank, load])
+        self.progress = W.HTML()
+        self.progress.add_class("fimoe-progress")
+        self._opened = ""  # what the last load opened (the progress line keeps it)
         plan_controls = [self.source, self.shape, self.backend, self.activation, self.per_token]
         super().__init__(plan_controls + [self.tensor, self.expert] + extra)
-        self.children = (self.loader,) + tuple(self.children)
+        self.children = (self.loader, self.progress) + tuple(self.children)
 
     def load(self, path: Optional[str] = None) -> None:
-        """Read the checkpoint in the path box (or ``path``) at the chosen layer, TP size and
-        rank, add it to the layer menu and show it; an unreadable one only sets the message."""
+        """Open the checkpoint in the path box (or ``path``) at the chosen layer, TP size and
+        rank, add it to the layer menu and show it; an unreadable one only sets the message.
+
+        Opening checks the tensor headers and reads no weights (:func:`sources.load_layer`); while it
+        runs the controls are disabled and the progress line says what is read. Any spelling of the same
+        directory gives the same menu entry (its real path)."""
         where = (path or self.path.value).strip()
         layer = self.layer_index.value.strip() or "first"
+        started = time.perf_counter()
         try:
             if not where:
                 raise LayoutError("the checkpoint box is empty", fix="type a checkpoint directory or a sample name")
@@ -540,18 +597,55 @@ class _LayerExplorer(_Explorer):
                     f"TP rank {self.tp_rank.value} is outside 0..{self.tp_size.value - 1}",
                     fix=f"pick a rank in 0..{self.tp_size.value - 1}",
                 )
+            where = _checkpoint_key(where)
             key = f"path:{layer}:{self.tp_size.value}:{self.tp_rank.value}:{where}"
-            loaded = _layer(key)
+            with self._loading(f"opening {where} (layer {layer}): checking its tensor headers, reading no weights"):
+                loaded = _layer(key)
         except (FimoeError, sources.LabUnavailable, ValueError, OSError) as exc:
             self.message.value = f"<span style='color:#d33'>{html.escape(str(exc))} (layer not changed)</span>"
             return
-        if self.layer_given is not None:
-            self.layer_given = loaded
-            self.source.options = [(loaded.source, "given")]
-        else:
-            self.source.options = [o for o in self.source.options if o[1] != key] + [(loaded.source, key)]
-            self.source.value = key
+        self._busy = True  # one redraw, of the loaded layer (no intermediate menu state drawn)
+        try:
+            if self.layer_given is not None:
+                self.layer_given = loaded
+                self.source.options = [(loaded.source, "given")]
+            else:
+                self.source.options = [o for o in self.source.options if o[1] != key] + [(loaded.source, key)]
+                self.source.value = key
+        finally:
+            self._busy = False
+        self._opened = f"opened {loaded.source} in {time.perf_counter() - started:.2f} s ({_shards_text(where)}" + (
+            "; each view reads one expert)" if loaded.lazy else ")"
+        )
+        self.progress.value = html.escape(self._opened)
         self.refresh()
+
+    @contextmanager
+    def _loading(self, text: str) -> Iterator[None]:
+        """While a load runs: the progress line says what is read, every control is disabled (as it was after)."""
+        widgets = [c for c in self.controls if hasattr(c, "disabled")] + list(self.loader.children)
+        was = [w.disabled for w in widgets]
+        self.progress.value = html.escape(text)
+        for w in widgets:
+            w.disabled = True
+        try:
+            yield
+        finally:
+            for w, d in zip(widgets, was):
+                w.disabled = d
+
+    def _redraw(self) -> None:
+        """The layer explorers' redraw also puts the expert reads it made on the progress line (bytes, time, rate)."""
+        reads = _last_read(self)
+        super()._redraw()
+        now = _last_read(self)
+        if now is not None and now is not reads:
+            expert, size, seconds = now
+            self.progress.value = html.escape(
+                (f"{self._opened} | " if self._opened else "")
+                + f"read expert {expert} of {self.layer.source}: {size / 1e6:.1f} MB in {seconds:.2f} s "
+                f"({size / 1e6 / max(seconds, 1e-6):.0f} MB/s)"
+            )
 
     @property
     def layer(self) -> sources.ExpertTensors:
