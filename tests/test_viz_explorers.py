@@ -16,6 +16,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("matplotlib")
 
 from fimoe_lab import prepare, resources  # noqa: E402
+from fimoe_lab.errors import LayoutError  # noqa: E402
 from fimoe_lab.viz import data, figures, sources, widgets  # noqa: E402
 from tests.test_viz import drawn_pairs, ref_w13_rows  # noqa: E402
 
@@ -325,3 +326,22 @@ def test_the_swizzled_buffer_shows_each_experts_scales_where_the_core_puts_them(
     assert np.array_equal(figures.cells_of(w.figure)[id(w.figure.axes[2])][0].values, w.state["view"].src_row)
     w = widgets.TileExplorer(sources.sample_layer("bf16", experts=2), tensor="w13")  # 3-D tiles: indices only
     assert w.atom.disabled and w.expert.disabled and list(w.colour_by.options) == ["source column", "source row"]
+
+
+def test_exports_fail_loudly_and_the_code_box_reproduces_the_view(tmp_path):
+    """A save into a missing folder says so (nothing written, no "saved"); the code box's Python draws the view
+    shown (the same texts and hover texts) and ends with the figure, so a notebook cell displays it."""
+    w = widgets.TileExplorer(sources.sample_layer("nvfp4", experts=3, intermediate=128, hidden=256))
+    w.expert.value, w.atom.value = 2, 1
+    w.save_name.value = str(tmp_path / "missing" / "tiles")
+    w._save_clicked("png")
+    assert "does not exist" in message(w) and "(not saved)" in message(w) and "saved /" not in message(w)
+    with pytest.raises(LayoutError, match="does not exist"):
+        w.save("svg")
+    assert not (tmp_path / "missing").exists() and w.figure is not None
+    w._show_code()
+    code = w.code_box.value
+    assert code.rstrip().splitlines()[-1] == "fig" and w.code_box.layout.display is None
+    scope: dict = {}
+    exec(code, scope)
+    assert svg_texts(figures.to_svg(scope["fig"])) == svg_texts(w.svg)

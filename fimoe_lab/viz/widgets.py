@@ -570,6 +570,7 @@ class _LayerExplorer(_Explorer):
         load = W.Button(description="load", button_style="primary")
         load.on_click(lambda _: self.load())
         self.loader = W.HBox([self.path, self.layer_index, self.tp_size, self.tp_rank, load])
+        self.loader.add_class("fimoe-loader")  # what the next "load" opens: these change nothing until then
         self.progress = W.HTML()
         self.progress.add_class("fimoe-progress")
         self._opened = ""  # what the last load opened (the progress line keeps it)
@@ -723,13 +724,21 @@ class _LayerExplorer(_Explorer):
         """Python for the shown layer and map (``layer``, ``m``, ``size``)."""
         key = self.source.value
         layer = self.layer
-        if self.layer_given is not None or key.startswith(("sample:", "path:")):
-            if key.startswith("path:"):
-                idx, tp, rank, path = key.split(":", 4)[1:]
-                args = f"{path!r}, {None if idx == 'first' else int(idx)}, {tp}, {rank}"
-            else:
-                args = repr(layer.source.split(" layer ")[0])
-            load = f"layer = sources.load_layer({args})"
+        if key.startswith("path:"):
+            idx, tp, rank, path = key.split(":", 4)[1:]
+            load = f"layer = sources.load_layer({path!r}, {None if idx == 'first' else int(idx)}, {tp}, {rank})"
+        elif key.startswith("sample:"):
+            load = f"layer = sources.load_layer({key.split(':', 1)[1]!r})"
+        elif self.layer_given is not None and layer.lazy:  # a checkpoint's layer: its real path, layer and TP slice
+            path, _, idx, tp, rank = layer.key
+            load = f"layer = sources.load_layer({path!r}, {idx}, {tp}, {rank})"
+        elif self.layer_given is not None and layer.source.startswith("sample_layer("):  # the call that made it
+            load = f"layer = sources.{layer.source}"
+        elif self.layer_given is not None:
+            raise LayoutError(
+                f"the layer given to this explorer ({layer.source}) was made in memory: no code reads it again",
+                fix="pass the ExpertTensors you gave the explorer as `layer`",
+            )
         else:
             load = (
                 f"layer = sources.sample_layer({layer.fmt!r}, experts={layer.experts}, "
@@ -1297,10 +1306,16 @@ class CompareExplorer(_LayerExplorer):
         values, dead = self.layer.magnitude(name, expert), self.layer.dead(name, expert)
         size = data.itemsize_of(self.layer.fmt, name)
         sides = []
-        for m, engine, tp in ((ma, self.engine_a.value, 1), (mb, self.engine_b.value, self.tp_b.value)):
+        for m, plan, engine, align, tp in (
+            (ma, a, self.engine_a.value, self.align_a.value, 1),
+            (mb, b, self.engine_b.value, self.align_b.value, self.tp_b.value),
+        ):
             own = m.in_shape == tuple(values.shape[:-1]) + (values.shape[-1] * size,)  # B at TP > 1: a shard
             sides.append(self._side(m, projections, expert, values if own else None, dead if own else None, size))
-            sides[-1] += (engine, tp, own)
+            # what the side's controls asked for and what the plan made of it (an alignment the size already
+            # meets pads nothing: the same picture, said here)
+            asked = f"engine {engine}, TP {tp}, I align {align} -> intermediate {plan.padded_intermediate}"
+            sides[-1] += (asked, tp, own)
         (fig_a, svg_a, *_), (fig_b, svg_b, *_) = sides
         self.state.update(a=a, b=b, args=(args_a, args_b), diff=diff, projections=projections, values_b=sides[1][-1])
         changed = [f"{op}: {(sa or sb).split('(')[0]}" for op, sa, sb in diff if op != "same"]  # kinds; the table
@@ -1313,9 +1328,9 @@ class CompareExplorer(_LayerExplorer):
         pair = Figure()
         pair.parts = (fig_a, fig_b)  # type: ignore[attr-defined]
         heads = []
-        for label, plan, (_, _, engine, tp, own) in zip("AB", (a, b), sides):
+        for label, plan, (_, _, asked, tp, own) in zip("AB", (a, b), sides):
             shown = f"expert {expert}'s values" if own else f"no values (TP {tp} shard: load the layer at TP {tp})"
-            heads.append(f"<b>{label}</b>: {html.escape(plan.description)}, engine {engine}, TP {tp}; {shown}")
+            heads.append(f"<b>{label}</b>: {html.escape(plan.description)}; {html.escape(asked)}; {shown}")
         panes = "".join(
             f"<div style='flex:0 0 auto'><div class='fimoe-side'>{head}</div>{svg}</div>"
             for head, svg in zip(heads, (svg_a, svg_b))
