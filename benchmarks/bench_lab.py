@@ -113,9 +113,23 @@ def cases(layer: sources.ExpertTensors):
             lambda: widgets.TileExplorer(layer),
             lambda w: [
                 ("atom", setter(w, atom=700)),
+                ("colour (source row indices)", setter(w, colour_by="source row")),
+                ("colour (scale values)", setter(w, colour_by="scale value")),
                 ("click the atom close-up", click(w, 4, 5, 7)),
                 ("click a checkpoint scale", click(w, 0, 300, 3000)),
                 ("tensor w2_scale", setter(w, tensor="w2_scale")),
+                ("expert", setter(w, expert=1)),
+            ],
+        ),
+        (
+            "compare",
+            lambda: widgets.CompareExplorer(layer),
+            lambda w: [
+                ("B backend", setter(w, backend_b="trtllm")),
+                ("B TP", setter(w, tp_b=2)),
+                ("B engine", setter(w, engine_b=w.engine_b.options[-1])),
+                ("expert", setter(w, expert=1)),
+                ("tensor w13_scale", setter(w, tensor="w13_scale")),
             ],
         ),
         (
@@ -160,9 +174,16 @@ def report(summary: dict, out) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--experts", type=int, default=2)
+    ap.add_argument(
+        "--checkpoint",
+        help="a checkpoint directory to read lazily instead (benchmarks/real_size_layer.py writes an R1 or V3 one)",
+    )
     ap.add_argument("--json", action="store_true", help="JSON to stdout, table to stderr")
     args = ap.parse_args()
-    layer = r1_layer(args.experts)
+    if args.checkpoint:
+        seconds, _ = timed(lambda: sources.load_layer(args.checkpoint))
+        print(f"opened {args.checkpoint} in {seconds:.2f} s (headers only)", file=sys.stderr)
+    layer = sources.load_layer(args.checkpoint) if args.checkpoint else r1_layer(args.experts)
     rows = []
     for name, make, changes in cases(layer):
         box: list = []
@@ -176,7 +197,7 @@ def main() -> int:
             ok = "#d33" not in w.message.value  # the explorer's error colour
             kind = (
                 "new data"
-                if label.startswith(("tensor", "expert"))
+                if label.startswith(("tensor", "expert", "colour (scale"))
                 else "point"
                 if "click" in label or "hover" in label
                 else "redraw"

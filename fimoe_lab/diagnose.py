@@ -374,8 +374,9 @@ def figure(diag: TensorDiagnosis, moe: Any, dumped: torch.Tensor, expert: Option
     """The comparison figure: the dumped tensor taken back through the planned map and through the best one.
 
     Panels are :func:`fimoe_lab.viz.figures.compare_figure` of the worst-matching expert
-    (or ``expert``), on bytes (each panel's values are the stored bytes, so a misplaced
-    row or scale shows as a broken pattern).
+    (or ``expert``): a scale tensor's decoded scales (E4M3 / UE8M0 codes decoded, float scales as
+    stored), a weight's stored bytes (codes 0-255, labelled so: packed values are not decoded), so
+    a misplaced row or scale shows as a broken pattern.
     """
     from fimoe_lab.viz import figures
 
@@ -386,7 +387,22 @@ def figure(diag: TensorDiagnosis, moe: Any, dumped: torch.Tensor, expert: Option
     k = match.index(min(match)) if expert is None else diag.experts.index(expert)
     e = diag.experts[k]
     m = diag.maps[diag.planned] if diag.planned in diag.maps else diag.maps[name]
-    ckpt = moe.tensors()[diag.role][e].contiguous().view(torch.uint8).reshape(m.in_shape).double().numpy()
-    kernel = dumped[e].contiguous().view(torch.uint8).reshape(m.out_shape).double().numpy()
-    title = f"{diag.role} expert {e}: dumped bytes un-done by '{diag.planned or name}' (best fit: '{name}')"
-    return figures.compare_figure(m, ckpt, kernel, 1, title)
+    stored = moe.tensors()[diag.role][e].contiguous()
+    in_bytes = stored.view(torch.uint8).reshape(m.in_shape)
+    out_bytes = dumped[e].contiguous().view(torch.uint8).reshape(m.out_shape)
+    if diag.role.endswith("_scale"):  # decoded, each scale from its own bytes
+        from fimoe_lab.formats import QuantizedTensor
+        from fimoe_lab.formats.health import decoded_scales
+
+        size = stored.element_size()
+
+        def decode(raw: torch.Tensor) -> Any:
+            codes = raw.reshape(*raw.shape[:-1], raw.shape[-1] // size, size).contiguous().view(stored.dtype)[..., 0]
+            return decoded_scales(QuantizedTensor(codes, codes, None, moe.fmt, 0)).double().numpy()  # scales only
+
+        ckpt, kernel, unit, what = decode(in_bytes), decode(out_bytes), "scale (decoded)", "scales"
+    else:
+        ckpt, kernel = in_bytes.double().numpy(), out_bytes.double().numpy()
+        size, unit, what = 1, "stored byte (code)", "bytes"
+    title = f"{diag.role} expert {e}: dumped {what} un-done by '{diag.planned or name}' (best fit: '{name}')"
+    return figures.compare_figure(m, ckpt, kernel, size, title, unit)

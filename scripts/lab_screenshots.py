@@ -272,15 +272,9 @@ def _point_and_click(page, explorer, axes: int, deadline: Deadline) -> dict:
     frame.scroll_into_view_if_needed(timeout=deadline.ms())
     box = frame.bounding_box(timeout=deadline.ms())
     x, y = box["x"] + box["width"] * 0.37, box["y"] + box["height"] * 0.41
-    tip = explorer.locator(".fimoe-tip").first
-    page.mouse.move(x - 5, y - 5)
-    page.mouse.move(x, y, steps=3)
-    page.wait_for_function(
-        "el => el.style.display === 'block' && el.textContent.includes('row ')",
-        arg=tip.element_handle(timeout=deadline.ms()),
-        timeout=deadline.ms(),
-    )
-    seen = {"hover": tip.text_content()}
+    seen = {"hover": _hover_tip(page, x, y, deadline)["text"]}
+    right = min(box["x"] + box["width"] * 0.97, VIEWPORT["width"] - 3)  # the right edge: the tip must stay on screen
+    seen["tips"] = [_hover_tip(page, x, y, deadline), _hover_tip(page, right, y, deadline)]
     message = explorer.locator(".fimoe-message").first
     old = message.text_content()
     page.mouse.click(x, y)
@@ -288,6 +282,106 @@ def _point_and_click(page, explorer, axes: int, deadline: Deadline) -> dict:
     seen["chain"] = explorer.locator(".fimoe-trace").first.text_content() or explorer.locator(
         ".fimoe-figure pre"
     ).first.text_content(timeout=deadline.ms())
+    return seen
+
+
+TIP_JS = """() => {
+    const tip = [...document.querySelectorAll('.fimoe-tip')].find(t => t.style.display === 'block');
+    if (!tip || !tip.textContent) return null;
+    const r = tip.getBoundingClientRect();
+    return {text: tip.textContent, left: r.left, top: r.top, right: r.right, bottom: r.bottom,
+            width: window.innerWidth, height: window.innerHeight};
+}"""
+
+
+def _hover_tip(page, x: float, y: float, deadline: Deadline) -> dict:
+    """Point at ``(x, y)`` (CSS px of the viewport) and wait for the figure's tooltip; return its text, its box,
+    the viewport and the pointer, and ``gap``: the distance from the pointer to the nearest point of the box."""
+    page.mouse.move(x - 7, y - 7)
+    page.mouse.move(x, y, steps=3)
+    page.wait_for_function(
+        f"() => {{ const t = ({TIP_JS})(); return t !== null && t.text.includes('row ') || t && t.text.includes('offset'); }}",
+        timeout=deadline.ms(),
+    )
+    tip = page.evaluate(TIP_JS)
+    dx = max(tip["left"] - x, 0, x - tip["right"])
+    dy = max(tip["top"] - y, 0, y - tip["bottom"])
+    return dict(tip, x=x, y=y, gap=(dx * dx + dy * dy) ** 0.5)
+
+
+MIN_FONT_JS = """() => {
+    const sizes = [];
+    for (const svg of document.querySelectorAll('.fimoe-figure svg')) {
+        if (svg.parentElement.closest('svg')) continue;
+        for (const t of svg.querySelectorAll('text')) {
+            const box = t.getBoundingClientRect();
+            if (!box.width || !t.textContent.trim()) continue;
+            const ctm = t.getScreenCTM();
+            const px = parseFloat(getComputedStyle(t).fontSize) * Math.hypot(ctm.a, ctm.b);
+            sizes.push([px * 0.75, t.textContent.slice(0, 40)]);
+        }
+    }
+    sizes.sort((a, b) => a[0] - b[0]);
+    return {count: sizes.length, smallest: sizes.slice(0, 5)};
+}"""
+"""The rendered size in points (CSS px x 0.75) of the smallest texts of every lab figure on the page."""
+
+
+def _text_sizes(page) -> dict:
+    """:data:`MIN_FONT_JS` on the page as it is laid out now."""
+    return page.evaluate(MIN_FONT_JS)
+
+
+CONTROL_JS = """(vbox) => [...vbox.querySelectorAll('.widget-dropdown select')]
+    .filter(s => !s.disabled && s.options.length > 1 && s.closest('.widget-vbox') === vbox
+        && !s.closest('.fimoe-loader'))
+    .map(s => s.closest('.widget-dropdown').querySelector('label').textContent)"""
+
+
+def _every_control(page, deadline: Deadline, per_change_s: float = 10) -> list[dict]:
+    """Each enabled menu of each explorer on the page set to its next option: whether the figure or the message
+    changed, and how long the page took to show it (ms from the change to the new HTML)."""
+    seen = []
+    explorers = page.locator(".widget-vbox:has(> .fimoe-figure)")
+    for k in range(explorers.count()):
+        explorer = explorers.nth(k)
+        labels = explorer.evaluate(CONTROL_JS)
+        for label in labels:
+            select = explorer.locator(f".widget-dropdown:has(label:text-is('{label}')) select").first
+            if select.is_disabled() or not select.is_visible():
+                continue
+            values = select.evaluate("s => [...s.options].map(o => o.value)")
+            if len(values) < 2:  # an earlier change left one choice (e.g. the tensors a new backend moves)
+                continue
+            now = select.input_value()
+            pick = values[(values.index(now) + 1) % len(values)]
+            figure, message = explorer.locator(".fimoe-figure").first, explorer.locator(".fimoe-message").first
+            handles = [figure.element_handle(timeout=deadline.ms()), message.element_handle(timeout=deadline.ms())]
+            old = [figure.inner_html(), message.inner_html()]
+            started = time.monotonic()
+            select.select_option(value=pick, timeout=min(deadline.ms(), per_change_s * 1000), force=True)
+            changed = True
+            try:
+                page.wait_for_function(
+                    "([f, m, old]) => f.innerHTML !== old[0] || m.innerHTML !== old[1]",
+                    arg=[*handles, old],
+                    timeout=min(deadline.ms(), per_change_s * 1000),
+                    polling=20,
+                )
+            except Exception:  # noqa: BLE001 - a control that never answers is what this records
+                changed = False
+            seen.append(
+                dict(
+                    explorer=k,
+                    control=label,
+                    value=pick,
+                    changed=changed,
+                    figure_changed=figure.inner_html() != old[0],
+                    error_before="fimoe-error" in old[0],  # an invalid setting another control caused stays so
+                    ms=(time.monotonic() - started) * 1000,
+                )
+            )
+            log(f"explorer {k}: {label} -> {pick}: {'changed' if changed else 'NOTHING CHANGED'}")
     return seen
 
 
@@ -353,12 +447,13 @@ def capture(
     or a wait fails. ``budget_s`` bounds the whole run.
     """
     deadline = Deadline(budget_s)
-    result: dict = {"screenshots": [], "interactions": {}, "instruments": {}, "tracebacks": {}, "figures": {}}
+    keys = ("interactions", "instruments", "tracebacks", "figures", "text_sizes", "file_browser_open", "controls")
+    result: dict = {"screenshots": [], **{key: {} for key in keys}}
     for name in notebooks:
         one = _capture(out, name, themes, interact, deadline)
         result["screenshots"] += one["screenshots"]
-        for key in ("interactions", "instruments", "tracebacks", "figures"):
-            result[key].update(one[key])
+        for key in keys:
+            result[key].update(one.get(key, {}))
     return result
 
 
@@ -403,12 +498,17 @@ def _capture(out: Path, notebook: str, themes, interact: bool, deadline: Deadlin
                                 )
                                 page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=deadline.ms())
                                 log(f"{name}: opened")
-                                if page.locator("#filebrowser").is_visible():  # the notebook gets the width
-                                    _menu(page, "View", "File Browser", deadline=deadline)
                                 page.locator(".jp-NotebookPanel .jp-Cell").first.click(timeout=deadline.ms())
                                 _run_all(page, deadline)
                                 log(f"{name}: every cell ran")
                                 page.wait_for_timeout(500)
+                                # JupyterLab's default layout (the file browser open): what size is the text?
+                                result["text_sizes"] = {name: _text_sizes(page)}
+                                result["file_browser_open"] = {name: page.locator("#filebrowser").is_visible()}
+                                if page.locator("#filebrowser").is_visible():  # the notebook gets the width
+                                    _menu(page, "View", "File Browser", deadline=deadline)
+                                    page.wait_for_timeout(300)
+
                                 if interact and name == NOTEBOOKS[0]:
                                     result["interactions"] = _interact(page, deadline)
                                     log(f"{name}: explorers used")
@@ -422,6 +522,9 @@ def _capture(out: Path, notebook: str, themes, interact: bool, deadline: Deadlin
                                     .filter(has_text="Traceback")
                                     .count()
                                 )
+                                if interact and name == NOTEBOOKS[0]:  # last: it leaves settings changed
+                                    result["controls"] = {name: _every_control(page, deadline)}
+                                    log(f"{name}: every menu of every explorer changed")
                                 for k, theme in enumerate(themes):
                                     if k:
                                         _menu(

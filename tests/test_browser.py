@@ -6,7 +6,10 @@ a control changes, carry hover text, a checkpoint loads through the path box, "c
 and "save PNG" work, a typed provenance element is followed; in every notebook
 (``lab_screenshots.CHECKS``) pointing at a figure shows the element's row, column, value,
 source and steps, a click traces it (chain under the figure), a checkpoint loads through a
-path box, an A/B comparison changes plan B, and the figure is saved and copied as code;
+path box, an A/B comparison changes plan B, and the figure is saved and copied as code; the
+hover tip sits within 20 px of the pointer and inside the viewport (also at a figure's right edge);
+at JupyterLab's default layout (file browser open) no figure text is under 8 pt; every menu of
+every explorer of the tour changes its figure or message;
 screenshots in the light and the dark theme are taken at 2x and checked for size and
 content. ``FIMOE_BROWSER_NOTEBOOKS=1`` runs the first notebook only (a quicker local check).
 Screenshots go to ``$FIMOE_ARTIFACTS`` (default ``test-artifacts/``). Bounded by ``BUDGET_S``
@@ -67,10 +70,22 @@ def test_the_lab_in_a_real_browser():
     assert clicked[0] != "kernel (40, 0)" and clicked[1].startswith("expert 0, row ")
     assert seen["clicked_checkpoint"].split(" <- ")[0] == clicked[0]
 
+    for name in notebooks:  # what the eye sees at JupyterLab's default layout (file browser open): >= 8 pt text
+        sizes = result["text_sizes"][name]
+        assert result["file_browser_open"][name] and sizes["count"] > 0
+        assert sizes["smallest"][0][0] >= 7.95, f"{name}: text under 8 pt: {sizes['smallest']}"
+    controls = result["controls"][shots.NOTEBOOKS[0]]  # every menu of every explorer answers on screen
+    assert len(controls) >= 20 and {c["explorer"] for c in controls} == set(range(5))
+    silent = [c for c in controls if not (c["changed"] or c["error_before"])]
+    assert not silent, f"controls that changed nothing on screen: {silent}"
+
     for name in notebooks:  # point and see, path box, A/B and export in each notebook
         got, check = result["instruments"][name], shots.CHECKS[name]
         assert len(got["points"]) == len(check["point"])
         for point in got["points"]:
+            for tip in point["tips"]:  # at the pointer (within 20 px) and inside the viewport
+                assert tip["gap"] <= 20 and tip["left"] >= 0 and tip["top"] >= 0, tip
+                assert tip["right"] <= tip["width"] and tip["bottom"] <= tip["height"], tip
             assert re.match(r"(kernel|checkpoint) row \d+, column \d+", point["hover"]), point["hover"]
             assert " <- " in point["hover"] and "moved by: " in point["hover"]
             assert "kernel (" in point["clicked"] and re.search(r"(input|fill) of \w+", point["chain"]), point

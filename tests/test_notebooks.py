@@ -109,8 +109,9 @@ def test_checkpoint_debugging_finds_the_planted_bugs(tmp_path, monkeypatch):
     assert 30 <= int(wrong.group(1)) <= 100
     assert "suspect B equals the plan without swizzle_scales_128x4: True" in text
     assert figures_shown(rich) == 4
-    assert count(rich, "application/vnd.jupyter.widget-view+json") == 2  # provenance, A/B
+    assert count(rich, "application/vnd.jupyter.widget-view+json") == 3  # provenance, A/B, diagnose
     assert any("DeepSeek FP8 TRT-LLM" in d.get("text/html", "") for d in rich)
+    assert "without swizzle_scales_128x4" in text  # the diagnose explorer names the step the dump lacks
     assert elapsed < 60
 
 

@@ -461,13 +461,16 @@ def test_lab_command_is_offline_and_local(tmp_path):
     assert args.no_browser and args.port == 9000
 
 
-def test_decoded_values_are_kept_for_the_last_experts_only():
-    """A layer keeps at most ``VALUES_KEPT`` decoded arrays (the least recently used dropped); one dropped and
+def test_decoded_values_are_kept_within_their_byte_bound(monkeypatch):
+    """The decoded arrays kept stay within the cache's bytes (the least recently used dropped); one dropped and
     asked again is decoded again to the same values, and each equals a dequantize-then-abs of its expert."""
-    layer = sources.sample_layer("nvfp4", experts=sources.VALUES_KEPT + 3, intermediate=64, hidden=128)
+    layer = sources.sample_layer("nvfp4", experts=7, intermediate=64, hidden=128)
+    one = 128 * 32 * 4  # one expert's w2 magnitudes: (hidden, intermediate / 2) float32
+    cache = data.BoundedCache(4 * one)
+    monkeypatch.setattr(sources, "_VALUES", cache)
     first = [layer.magnitude("w2", e).copy() for e in range(layer.experts)]
-    assert len(layer._values) == sources.VALUES_KEPT
-    assert ("magnitude", "w2", 0) not in layer._values
+    assert len(cache.entries) == 4 and cache.bytes == 4 * one
+    assert (layer.key, "magnitude", "w2", 0) not in cache.entries
     again = layer.magnitude("w2", 0)
     assert np.array_equal(again, first[0]) and not again.flags.writeable
     w2 = dict(zip(("w13", "w2"), layer.moe.dequantized()))["w2"]

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("ipywidgets")
 pytest.importorskip("matplotlib")
 
-from fimoe_lab.viz import data, sources, widgets  # noqa: E402
+from fimoe_lab.viz import data, figures, sources, widgets  # noqa: E402
 from tests.test_viz import ref_swizzle_offset, ref_w13_rows  # noqa: E402
 from tests.test_viz_explorers import is_error, message, svg_point  # noqa: E402
 
@@ -97,7 +97,7 @@ def test_tile_explorer_click_on_the_swizzle_and_the_tiles():
     last = m.steps[-1]  # the swizzle alone, by the reference formula, from the kernel-side row it lands in
     kr, kc = divmod(int(byte_sources(m.steps[0] if len(m.steps) == 1 else last).reshape(-1)[flat]), last.in_shape[-1])
     assert flat == ref_swizzle_offset(np.array([kr]), np.array([kc]), last.in_shape[-1])[0]
-    assert w._hover(*svg_point(atom, 0, 0)).startswith("kernel row ")
+    assert w._hover(*svg_point(atom, 0, 0)).startswith("kernel buffer offset 1024, source column 0")
     w.source.value = "seeded:bf16"  # block-major-K tiles, 2-byte elements
     m = w.state["plan"].w13
     _, out = w.figure.axes[0], w.figure.axes[2]
@@ -133,6 +133,15 @@ def test_diagnose_figure_click_shows_where_a_checkpoint_byte_lands(tmp_path):
     )
     w = widgets.DiagnoseExplorer("deepseek-r1-nvfp4", str(tmp_path / "d.safetensors"))
     assert w.figure is not None and not is_error(w)
+    # the panels hold decoded scales (the core's decode of an expert's E4M3 bytes), not the byte codes
+    from fimoe_lab.formats import QuantizedTensor
+    from fimoe_lab.formats.health import decoded_scales
+
+    shown = figures.cells_of(w.figure)[id(w.figure.axes[0])][0].values
+    decoded = [decoded_scales(QuantizedTensor(None, s, None, "nvfp4", 0)).double().numpy() for s in layer.moe.w13_scale]
+    assert any(np.array_equal(shown, d) for d in decoded) and "scale (decoded)" in w.svg
+    codes = layer.moe.w13_scale.view(torch.uint8).double().numpy()
+    assert not any(np.array_equal(shown, c) for c in codes)
     m = plan.w13_scale
     t = w.click(*svg_point(w.figure.axes[0], 3, 17))
     assert t.side == "checkpoint" and t.checkpoint == (17, 3)

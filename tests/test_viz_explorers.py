@@ -16,6 +16,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("matplotlib")
 
 from fimoe_lab import prepare, resources  # noqa: E402
+from fimoe_lab.errors import LayoutError  # noqa: E402
 from fimoe_lab.viz import data, figures, sources, widgets  # noqa: E402
 from tests.test_viz import drawn_pairs, ref_w13_rows  # noqa: E402
 
@@ -188,7 +189,8 @@ def test_an_atom_change_redraws_only_the_atom_layer(tmp_path):
     assert w.figure is fig and w.svg.startswith(base)  # the grid, buffer and axes were not drawn again
     assert w.svg.count("<svg") == 1 and w.svg.count(figures.LAYER) == 1 and w.svg.endswith("</g></svg>")
     # the layered SVG says exactly what a fresh full drawing of atom 3 says (labels, title, hover texts)
-    fresh = figures.swizzle_figure(w.state["plan"].w13_scale, data.itemsize_of("mxfp8", "w13_scale"), 3)
+    size, scales = data.itemsize_of("mxfp8", "w13_scale"), w.layer.magnitude("w13_scale", 0)
+    fresh = figures.swizzle_figure(w.state["plan"].w13_scale, size, 3, "scale value", scales)
     assert svg_texts(w.svg) == svg_texts(figures.to_svg(fresh))
     assert "atom 3: kernel rows" in w.svg
     titles = re.findall(r"<title>buffer offsets (\d+)\.\.", w.svg)
@@ -239,10 +241,19 @@ def test_ab_compare_diffs_the_step_chains_and_draws_both_plans():
     assert w.state["diff"] == diff and "only A: interleave_rows_for_gated_act" in message(w)
     fig_a, fig_b = w.figure.parts
     assert drawn_pairs(fig_a) == [(int(s), k) for k, s in enumerate(data.row_flow(a).src_rows[:64])]
-    assert w.svg.count("<svg") == 2
+    assert w.svg.count("<svg") == 2 and "fimoe-pair" in w.svg and "<table class='fimoe-diff'" in w.svg
+    for part in (fig_a, fig_b):  # both sides draw the chosen expert's values, the layer's own
+        assert part._fimoe_rows["values"] is w.layer.magnitude("w13", 0)
     scope: dict = {}
     exec(w.code(), scope)
     assert drawn_pairs(scope["fig"].parts[1]) == drawn_pairs(fig_b)
+    assert np.array_equal(scope["fig"].parts[0].axes[2].images[0].get_array(), fig_a.axes[2].images[0].get_array())
+    shown = w.svg
+    w.expert.value = 1
+    assert w.figure.parts[0]._fimoe_rows["values"] is w.layer.magnitude("w13", 1) and w.svg != shown
+    shown = w.svg
+    w.engine_b.value = w.engine_b.options[-1]
+    assert f"engine {w.engine_b.options[-1]}" in w.svg and w.svg != shown
     w.tp_b.value = 2  # 96 / 2 = 48 rows: not whole 32-value scale blocks, said and recovered from
     assert is_error(w) and "not a multiple of 32" in message(w)
     w.shape.value, w.backend_b.value = "128x256", "trtllm"  # same backend, 64 rows per shard: B pads to 128
@@ -288,3 +299,49 @@ def test_a_redraw_pauses_the_garbage_collector_and_leaves_it_as_it_was():
         assert len(seen) == 3 and not gc.isenabled() and not is_error(w)
     finally:
         (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_the_swizzled_buffer_shows_each_experts_scales_where_the_core_puts_them(fmt):
+    """Coloured by scale value, the buffer panel holds the chosen expert's decoded scales at the offsets the
+    core's map writes them to (the map applied to the checkpoint bytes, decoded), fill where it pads; the
+    expert control changes it, and the index colourings show the source rows and columns."""
+    from fimoe_lab.formats import QuantizedTensor
+    from fimoe_lab.formats.health import decoded_scales
+
+    layer = sources.sample_layer(fmt, experts=3, intermediate=96 if fmt == "mxfp8" else 128, hidden=256)
+    w = widgets.TileExplorer(layer, backend="trtllm")
+    assert w.colour_by.value == "scale value" and not w.expert.disabled and not w.atom.disabled
+    m = w.state["plan"].w13_scale
+    for e in (2, 1):
+        w.expert.value = e
+        kernel = m.apply(layer.moe.w13_scale[e : e + 1])[0].reshape(-1)  # the bytes the kernel reads
+        want = decoded_scales(QuantizedTensor(None, kernel, None, fmt, 0)).float().numpy()
+        buffer = figures.cells_of(w.figure)[id(w.figure.axes[2])][0].values.reshape(-1)
+        fill = w.state["view"].src_row.reshape(-1) < 0
+        assert np.array_equal(buffer[~fill], want[~fill]) and np.isnan(buffer[fill]).all()
+    shown = w.svg
+    w.colour_by.value = "source row"
+    assert w.svg != shown and w.expert.disabled  # indices: the expert does not change them
+    assert np.array_equal(figures.cells_of(w.figure)[id(w.figure.axes[2])][0].values, w.state["view"].src_row)
+    w = widgets.TileExplorer(sources.sample_layer("bf16", experts=2), tensor="w13")  # 3-D tiles: indices only
+    assert w.atom.disabled and w.expert.disabled and list(w.colour_by.options) == ["source column", "source row"]
+
+
+def test_exports_fail_loudly_and_the_code_box_reproduces_the_view(tmp_path):
+    """A save into a missing folder says so (nothing written, no "saved"); the code box's Python draws the view
+    shown (the same texts and hover texts) and ends with the figure, so a notebook cell displays it."""
+    w = widgets.TileExplorer(sources.sample_layer("nvfp4", experts=3, intermediate=128, hidden=256))
+    w.expert.value, w.atom.value = 2, 1
+    w.save_name.value = str(tmp_path / "missing" / "tiles")
+    w._save_clicked("png")
+    assert "does not exist" in message(w) and "(not saved)" in message(w) and "saved /" not in message(w)
+    with pytest.raises(LayoutError, match="does not exist"):
+        w.save("svg")
+    assert not (tmp_path / "missing").exists() and w.figure is not None
+    w._show_code()
+    code = w.code_box.value
+    assert code.rstrip().splitlines()[-1] == "fig" and w.code_box.layout.display is None
+    scope: dict = {}
+    exec(code, scope)
+    assert svg_texts(figures.to_svg(scope["fig"])) == svg_texts(w.svg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import importlib.util
 
 import numpy as np
@@ -87,6 +88,7 @@ def test_every_weight_format_has_a_seeded_layer():
     align = recipes.default_alignments("mxfp4", "trtllm")[0]
     atoms = 2 * (-(-96 // align) * align) // 128 * (256 // 32 // 4)
     assert w.state["fmt"] == "mxfp4" and w.state["view"].atoms == atoms and w.atom.max == atoms - 1
+    w.colour_by.value = "source row"
     assert same(image(w.figure, 2), w.state["view"].src_row)
     assert np.nanmax(image(w.figure, 2)) == 2 * 96 - 1  # every checkpoint scale row lands somewhere
 
@@ -104,7 +106,13 @@ def test_padding_explorer_tp_and_errors():
     shown = w.figure
     w.intermediate.value = 390
     assert "does not split into 8 tensor-parallel shards" in w.message.value
+    assert w.figure is None and "fimoe-error" in w.view.value  # no figure of another setting stays on screen
+    w.intermediate.value = 384
     assert w.figure is shown
+    for box in (w.experts, w.intermediate, w.hidden):
+        box.value, kept = 0, box.value
+        assert w.figure is None and f"{box.description} 0" in w.message.value
+        box.value = kept
 
 
 def test_provenance_explorer_follows_the_chosen_element():
@@ -140,6 +148,21 @@ def test_tuner_explorer_draws_the_snapshot_sweep():
     assert w.state["sweep"].attrs["tp"] == 2 and w.svg != first
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8-block"])
+def test_tuner_explorer_explains_a_shard_convert_refuses_in_place_of_the_figure(fmt):
+    """gpt-oss-120b at TP 8: 360 rows per rank cut a scale block; the tuner sweeps nothing and says why, as the
+    CLI does, and no figure of another setting stays on screen."""
+    pytest.importorskip("pandas")
+    w = widgets.TunerExplorer("gpt-oss-120b", fmt, 4)
+    w.tp.value = 8
+    assert w.state["sweep"].empty and w.figure is None and "fimoe-error" in w.view.value
+    assert "nothing to tune" in w.message.value
+    assert html.escape(w.state["sweep"].attrs["no_recommendation"]) in w.message.value
+    assert "predicted_us" not in w.message.value
+    w.tp.value = 1
+    assert w.figure is not None
+
+
 def test_explorers_on_a_shipped_sample_checkpoint():
     checkpoints = pytest.importorskip("fimoe_lab.checkpoints")
     if "deepseek-r1-nvfp4" not in checkpoints.sample_names():
@@ -157,7 +180,8 @@ def test_explorers_on_a_shipped_sample_checkpoint():
     pad = widgets.PaddingExplorer.from_layer(layer, tp=2)  # 320 / 2 = 160 -> 192, the NVFP4 TRT-LLM default (64)
     assert "padded 192" in pad.message.value and pad.figure is not None
     pad.inter_align.value = 16  # 2*160 scale rows: not whole 128-row atoms
-    assert "not a multiple of 128" in pad.message.value and "figure not updated" in pad.message.value
+    assert "not a multiple of 128" in pad.message.value and "figure cleared" in pad.message.value
+    assert pad.figure is None and "fimoe-error" in pad.view.value
     pad.inter_align.value = 64
     report = pad.state["report"]
     assert (report.local_intermediate, report.plan.padded_intermediate, report.experts) == (160, 192, layer.experts)

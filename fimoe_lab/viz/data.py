@@ -56,6 +56,8 @@ __all__ = [
     "row_window",
     "memo",
     "lru_get",
+    "BoundedCache",
+    "nbytes",
     "row_element_sources",
     "fill_mask",
     "has_fill",
@@ -97,6 +99,49 @@ def lru_get(cache: OrderedDict, key: Hashable, make: Callable[[], Any], limit: i
         while len(cache) > limit:
             cache.popitem(last=False)
     return cache[key]
+
+
+def nbytes(value: Any) -> int:
+    """Bytes an array, a tensor, or a dataclass / dict / sequence of them holds (a broadcast view: none;
+    a meta tensor: none)."""
+    if isinstance(value, np.ndarray):
+        return 0 if 0 in value.strides and value.size > 1 else int(value.nbytes)
+    if isinstance(value, torch.Tensor):
+        return 0 if value.is_meta else value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    fields = getattr(value, "__dataclass_fields__", None)
+    return sum(nbytes(getattr(value, f)) for f in fields) if fields else 0
+
+
+class BoundedCache:
+    """A least-recently-used cache bounded by the bytes its values hold (:func:`nbytes`), not by their count:
+    past ``limit`` bytes the oldest entries are dropped (the newest is always kept, whatever its size)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.entries: OrderedDict = OrderedDict()  # key -> (value, bytes)
+        self.bytes = 0
+
+    def get(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()`` kept under ``key``."""
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key][0]  # type: ignore[no-any-return]
+        value = make()
+        size = nbytes(value)
+        self.entries[key] = (value, size)
+        self.bytes += size
+        while self.bytes > self.limit and len(self.entries) > 1:
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
 
 
 def itemsize_of(fmt: str, tensor: str) -> int:
@@ -886,6 +931,9 @@ class Cells:
     x_range: Optional[tuple[float, float]] = None
     x_at: Optional[float] = None
     width: Optional[int] = None
+    meaning: str = "value"
+    """What ``values`` are, as hover text names them: "value" only for decoded values (magnitudes, scales);
+    an index panel names its index ("source row", "destination atom", ...)."""
 
     def locate(self, x: float, y: float) -> Optional[tuple[int, int, int, int]]:
         """``(grid row, grid column, row on side, column on side)`` at data ``(x, y)``, or None."""
@@ -938,6 +986,11 @@ class Trace:
     checkpoint: Optional[tuple[int, int]]
     chain: list
     value: Optional[float] = None
+    meaning: str = "value"
+    """What ``value`` is (:attr:`Cells.meaning`)."""
+    width: Optional[int] = None
+    """For a swizzled buffer (a :attr:`Cells.width` grid): the row length of ``kernel``, so that hover names the
+    buffer offset ``kernel[0] * width + kernel[1]``, not a row of the kernel layout."""
     bits: Optional[list] = None
     """For a kernel byte whose plan has a word bit step after its byte map: the source of each of its
     8 bits after that step (:func:`word_bit_sources`), else None."""
@@ -969,9 +1022,14 @@ class Trace:
             return self.summary()
         if self.value is None:
             value = ""
+        elif self.meaning != "value":  # an index: a whole number, -1 for fill
+            value = f", {self.meaning} {'fill' if self.value < 0 else int(self.value)}"
         else:
             value = ", value NaN" if np.isnan(self.value) else f", value {self.value:.4g}"
-        return f"{self.side} row {here[0]}, column {here[1]}{value}\n{self.summary()}\nmoved by: {self.moved_by}"
+        at = f"{self.side} row {here[0]}, column {here[1]}"
+        if self.side == "kernel" and self.width:
+            at = f"kernel buffer offset {here[0] * self.width + here[1]}"
+        return f"{at}{value}\n{self.summary()}\nmoved by: {self.moved_by}"
 
 
 def _out_elements(m: IndexMap, itemsize: int) -> tuple[int, ...]:
@@ -990,13 +1048,14 @@ def trace_cell(cells: Cells, i: int, j: int) -> Trace:
     else:
         landed = landing(m, (row, j), size)
         if landed is None:
-            return Trace("checkpoint", None, (row, j), [], cells.value(i, j))
+            return Trace("checkpoint", None, (row, j), [], cells.value(i, j), cells.meaning)
         coords = landed
     chain = provenance_rows(m, coords, size)
     flat = int(np.ravel_multi_index(coords, out_shape))
     src = chain[-1][2]
     ckpt = None if src is None else (int(src[0]), int(src[-1]))
-    return Trace(cells.side, divmod(flat, cols), ckpt, chain, cells.value(i, j))
+    buffer_row = cols if cells.width else None  # a swizzled buffer: hover gives the flat offset
+    return Trace(cells.side, divmod(flat, cols), ckpt, chain, cells.value(i, j), cells.meaning, buffer_row)
 
 
 def word_bit_sources(m: IndexMap, bits: IndexMap, flat: int) -> list[tuple[Optional[tuple[int, int]], int]]:

@@ -134,8 +134,8 @@ def to_svg(fig: Figure) -> str:
 
     In a notebook the text and axes then take the page's text colour (light on JupyterLab's
     dark theme, dark on the light one); sizes are the figure's own (``width``/``height`` in
-    points: shown at natural size, scaled down only to fit a narrower page); hover texts
-    become ``<title>`` elements.
+    points: shown at natural size, never scaled down, so no text falls under :data:`MIN_FONT`; a
+    narrower page scrolls the figure sideways); hover texts become ``<title>`` elements.
     """
     buf = io.StringIO()
     pointable = cells_of(fig)
@@ -147,7 +147,7 @@ def to_svg(fig: Figure) -> str:
     svg = buf.getvalue()
     svg = svg[svg.index("<svg") :]
     svg = svg.replace("#000000", "currentColor").replace(
-        "<svg ", '<svg fill="currentColor" style="max-width:100%;height:auto" ', 1
+        "<svg ", '<svg fill="currentColor" style="max-width:none;height:auto" ', 1
     )
     texts = hover_texts(fig)
     return re.sub(
@@ -589,19 +589,33 @@ def tile_figure(m: IndexMap, itemsize: int = 1, colour_by: str = "source column"
     ax_out.set_ylabel("K block x row")
     fig.suptitle(_chain(m))
     fig._fimoe_cells = {  # type: ignore[attr-defined]
-        id(ax_in): [data.Cells("checkpoint", m, itemsize, view.block_of_input.shape, values=view.block_of_input)],
-        id(ax_out): [data.Cells("kernel", m, itemsize, shown[colour_by].shape, values=shown[colour_by])],
+        id(ax_in): [
+            data.Cells(
+                "checkpoint", m, itemsize, view.block_of_input.shape, values=view.block_of_input, meaning="K block"
+            )
+        ],
+        id(ax_out): [
+            data.Cells("kernel", m, itemsize, shown[colour_by].shape, values=shown[colour_by], meaning=colour_by)
+        ],
     }
     return fig
 
 
+SWIZZLE_COLOURS = ("scale value", "source row", "source column")
+"""What the swizzled buffer of :func:`swizzle_figure` can be coloured by (``values`` needed for the first)."""
+
+
 @styled
-def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
+def swizzle_figure(
+    m: IndexMap, itemsize: int = 1, atom: int = 0, colour_by: str = "source row", values: Optional[np.ndarray] = None
+) -> Figure:
     """The 128x4 scale swizzle, atom by atom.
 
     Left: the linear scale matrix ``[rows, cols]`` coloured by the atom each scale lands
     in, the scales of atom ``atom`` veiled white. Middle: the swizzled buffer as
-    ``(atoms*32, 16)`` coloured by source row (grey: padding), the atom shaded. Right:
+    ``(atoms*32, 16)`` coloured by ``colour_by`` (:data:`SWIZZLE_COLOURS`: "scale value" draws
+    ``values``, one expert's decoded scales ``[rows, cols]`` in the checkpoint layout, moved into
+    the buffer, largest per pixel; else the source row or column index; grey: padding), the atom shaded. Right:
     atom ``atom`` close up: 32 lines of 4 groups of 4 scales; each group is one kernel row
     (a row of the swizzle's input) and is labelled ``k<kernel row> <- c<checkpoint row>``;
     colour: source column. Each group has hover text (kernel and checkpoint row and columns).
@@ -627,10 +641,32 @@ def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
     ax_lin.set_title(f"linear scales [{view.dest_atom.shape[0]}, {view.dest_atom.shape[1]}]")
     ax_lin.set_xlabel("scale column")
     ax_lin.set_ylabel("checkpoint row")
-    step = _index_image(fig, ax_buf, cax_buf, view.src_row, "source row (checkpoint row index)")
+    if colour_by not in SWIZZLE_COLOURS or (colour_by == "scale value" and values is None):
+        raise LayoutError(
+            f"the swizzled buffer cannot be coloured by {colour_by!r}"
+            + (" without the expert's scales" if colour_by == "scale value" else ""),
+            fix=f"colour by one of {', '.join(SWIZZLE_COLOURS)} (scale value: pass values)",
+        )
+    if colour_by == "scale value":
+        assert values is not None
+        buffer = np.where(view.src_row >= 0, values[np.maximum(view.src_row, 0), np.maximum(view.src_col, 0)], np.nan)
+        step = value_image(fig, ax_buf, cax_buf, buffer, "scale (decoded)", pad=view.src_row < 0).block
+        buffer_meaning = "value"
+    else:
+        buffer = view.src_row if colour_by == "source row" else view.src_col
+        step = _index_image(fig, ax_buf, cax_buf, buffer, f"{colour_by} (checkpoint index)")
+        buffer_meaning = colour_by
     span = ax_buf.axhspan(-0.5, 31.5, color="red", alpha=0.3)
     ax_buf.set_title(
-        f"swizzled buffer: {view.atoms} atoms x 512" + (f" (every {step[0]}th line)" if step[0] > 1 else ""), loc="left"
+        f"swizzled buffer: {view.atoms} atoms x 512"
+        + (
+            ""
+            if step[0] == 1
+            else f" (largest of {step[0]} lines per pixel)"
+            if colour_by == "scale value"
+            else f" (every {step[0]}th line)"
+        ),
+        loc="left",
     )
     ax_buf.set_xlabel("offset % 16")
     ax_buf.set_ylabel("offset // 16")
@@ -650,8 +686,14 @@ def swizzle_figure(m: IndexMap, itemsize: int = 1, atom: int = 0) -> Figure:
     title = title_text(ax_atom)
     fig.suptitle(_chain(m))
     fig._fimoe_cells = {  # type: ignore[attr-defined]
-        id(ax_lin): [data.Cells("checkpoint", m, itemsize, view.dest_atom.shape, values=view.dest_atom)],
-        id(ax_buf): [data.Cells("kernel", m, itemsize, view.src_row.shape, values=view.src_row, width=16)],
+        id(ax_lin): [
+            data.Cells(
+                "checkpoint", m, itemsize, view.dest_atom.shape, values=view.dest_atom, meaning="destination atom"
+            )
+        ],
+        id(ax_buf): [
+            data.Cells("kernel", m, itemsize, view.src_row.shape, values=buffer, width=16, meaning=buffer_meaning)
+        ],
     }
     moving = dict(veil=veil, span=span, zoom=zoom, rules=rules + list(ax_atom.spines.values()), labels=labels)
     fig._fimoe_atom = dict(ax=ax_atom, m=m, itemsize=itemsize, view=view, title=title, **moving)  # type: ignore[attr-defined]
@@ -708,7 +750,9 @@ def show_atom(fig: Figure, atom: int) -> None:
     rb, cb = view.atom_origin[atom]
     zoom_rows = np.arange(32 * atom, 32 * atom + 32)
     cells_of(fig)[id(a["ax"])] = [
-        data.Cells("kernel", a["m"], a["itemsize"], (32, 16), zoom_rows, view.src_col[lines], width=16)
+        data.Cells(
+            "kernel", a["m"], a["itemsize"], (32, 16), zoom_rows, view.src_col[lines], width=16, meaning="source column"
+        )
     ]
     a["title"].set_text(
         f"atom {atom}: kernel rows {128 * rb}..{128 * rb + 127}, cols {4 * cb}..{4 * cb + 3} "
@@ -819,8 +863,12 @@ def provenance_figure(
     before: np.ndarray,
     itemsize: int = 1,
     dead: Optional[np.ndarray] = None,
+    values_per_byte: int = 1,
 ) -> Figure:
     """Where one kernel element comes from, on real values.
+
+    ``values_per_byte``: 2 for packed FP4 weights (each drawn element is a byte of two values, its
+    larger magnitude shown; titles say bytes), else 1 (titles say elements).
 
     Left: ``before``, one expert's checkpoint-layout values ``(rows, elements)`` (e.g.
     dequantized magnitudes) with the source marked; right: the same values moved
@@ -830,13 +878,13 @@ def provenance_figure(
     :func:`show_provenance_values`, the element's by :func:`show_provenance_element`: an
     explorer moves both in place.
     """
-    fig = _provenance_base(m, tuple(before.shape), itemsize)
+    fig = _provenance_base(m, tuple(before.shape), itemsize, values_per_byte)
     show_provenance_values(fig, before, dead)
     show_provenance_element(fig, coords)
     return fig
 
 
-def _provenance_base(m: IndexMap, before_shape: tuple[int, ...], itemsize: int) -> Figure:
+def _provenance_base(m: IndexMap, before_shape: tuple[int, ...], itemsize: int, values_per_byte: int = 1) -> Figure:
     """The part of :func:`provenance_figure` that depends only on ``m`` and the shapes: axes,
     titles, colourbars (their scale set per expert), the markers and the chain text."""
     out = m.out_shape[:-1] + (m.out_shape[-1] // itemsize,)
@@ -849,7 +897,8 @@ def _provenance_base(m: IndexMap, before_shape: tuple[int, ...], itemsize: int) 
         fig.colorbar(scale, cax=cax, label="|value| (dequantized)")
         ax.set_xlim(-0.5, shape[1] - 0.5)
         ax.set_ylim(shape[0] - 0.5, -0.5)
-        ax.set_title(f"{what} layout {tuple(shape)} elements", loc="left")
+        unit = "elements" if values_per_byte == 1 else f"bytes ({values_per_byte} values each)"
+        ax.set_title(f"{what} layout {tuple(shape)} {unit}", loc="left")
     markers = [ax_b.plot(np.nan, np.nan, **MARKER)[0], ax_a.plot(np.nan, np.nan, **MARKER)[0]]
     chain = fig.text(0.01, 1.35 / 6.8, " ", family="monospace", fontsize=MIN_FONT, va="top")
     fig._fimoe_prov = dict(  # type: ignore[attr-defined]
@@ -1020,9 +1069,17 @@ def at_svg_point(fig: Figure, x: float, y: float) -> Optional[tuple[Axes, float,
 
 @styled
 def compare_figure(
-    m: IndexMap, checkpoint: np.ndarray, kernel: np.ndarray, itemsize: int = 1, title: str = ""
+    m: IndexMap,
+    checkpoint: np.ndarray,
+    kernel: np.ndarray,
+    itemsize: int = 1,
+    title: str = "",
+    unit: str = "value (as given)",
 ) -> Figure:
     """Debugging view: a kernel-layout tensor taken back through ``m.inverse()``, next to the checkpoint.
+
+    ``unit``: what the arrays hold, as the colourbars name it (``"<what> (<unit>)"``: e.g. "scale (decoded)",
+    or "stored byte (code)" for raw bytes, which hover text then calls a stored byte, not a value).
 
     ``checkpoint``: one expert's values ``(rows, elements)`` in the checkpoint layout;
     ``kernel``: the same expert's values as some preparation left them (``m.out_shape``
@@ -1049,7 +1106,7 @@ def compare_figure(
             ax,
             cax,
             img,
-            "|difference| (value units)" if k == 2 else "value (as given)",
+            f"|difference| ({unit.split(' (')[0]} units)" if k == 2 else unit,
             None,
             None,
             vmax,
@@ -1057,7 +1114,8 @@ def compare_figure(
         )
         ax.set_title(name, loc="left")
         ax.set_xlabel("element")
-        cells_of(fig)[id(ax)] = [data.Cells("checkpoint", m, itemsize, img.shape, values=img)]
+        meaning = "stored byte" if unit.startswith("stored byte") else "value"
+        cells_of(fig)[id(ax)] = [data.Cells("checkpoint", m, itemsize, img.shape, values=img, meaning=meaning)]
     fig.suptitle(title or _chain(m))
     return fig
 

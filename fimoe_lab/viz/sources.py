@@ -13,9 +13,12 @@ The explorers only see :class:`ExpertTensors` and the tuner's DataFrame.
 from __future__ import annotations
 
 import importlib
+import itertools
+import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,7 +28,7 @@ import torch
 from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.plan import LayerPlan
 from fimoe_lab.specs import get_format, tuner_formats, weight_formats
-from fimoe_lab.viz.data import lru_get
+from fimoe_lab.viz.data import BoundedCache, lru_get, nbytes
 
 __all__ = [
     "ExpertTensors",
@@ -62,50 +65,89 @@ def _require(module: str, what: str):
         raise
 
 
-VALUES_KEPT = 6
-"""Decoded arrays (a tensor of one expert: magnitudes or dead-scale masks) an :class:`ExpertTensors` keeps, the
-least recently used dropped: one real-size expert's magnitudes are ~60 MB (DeepSeek-R1 NVFP4 w13), so
-browsing a 256-expert layer stays within a few hundred MB."""
+EXPERT_BYTES_KEPT = 160 << 20
+"""Bytes of raw expert tensors (one expert of one layer, read from disk) kept, every layer together: an R1
+NVFP4 expert is ~25 MB, a DeepSeek-V3 FP8-block expert ~44 MB."""
+VALUE_BYTES_KEPT = 320 << 20
+"""Bytes of decoded arrays (a tensor of one expert: magnitudes or dead-scale masks) kept, every layer together,
+the least recently used dropped: one R1 NVFP4 w13 expert's magnitudes are ~60 MB."""
+_EXPERTS = BoundedCache(EXPERT_BYTES_KEPT)
+_VALUES = BoundedCache(VALUE_BYTES_KEPT)
+_OWN = itertools.count()
 
 
-@dataclass
 class ExpertTensors:
     """One MoE layer's experts in the checkpoint layout, and the plans the lab draws on them.
 
-    ``moe``: the stacked layer (:class:`fimoe_lab.checkpoints.MoELayer`): ``w13``
+    ``layout``: the stacked layer (:class:`fimoe_lab.checkpoints.MoELayer`): ``w13``
     ``(E, P*I, H)`` (``H/2`` bytes for packed fp4), ``w2`` ``(E, H, I)``, block scales in
     their linear layout; ``intermediate`` is per TP rank. ``source`` says where it came from.
+
+    A checkpoint's layer is lazy (:func:`load_layer`): ``layout`` holds its shapes only (meta tensors)
+    and ``read(experts)`` reads experts ``(e0, e1)`` (None: all) from the memory-mapped shards. The views
+    read one expert at a time (:meth:`expert`); decoded and raw arrays are kept in caches bounded in bytes
+    and shared by every layer (:data:`EXPERT_BYTES_KEPT`, :data:`VALUE_BYTES_KEPT`), under ``key`` (one per
+    checkpoint file, layer and TP slice: two spellings of its path share them).
     """
 
-    moe: Any
-    source: str
-    _plans: dict = field(default_factory=dict, repr=False)
-    _values: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    def __init__(
+        self,
+        layout: Any,
+        source: str,
+        read: Optional[Callable[[Optional[tuple[int, int]]], Any]] = None,
+        key: Optional[tuple] = None,
+    ):
+        self.layout = layout
+        self.source = source
+        self.read = read
+        self.key = key if key is not None else ("own", next(_OWN))
+        self._plans: dict = {}
+        self._whole: Any = None
+        self.last_read: Optional[tuple[int, int, float]] = None
+        """The last expert read from disk: ``(expert, bytes, seconds)`` (a lazy layer's progress)."""
+
+    def __repr__(self) -> str:
+        return f"ExpertTensors({self.source!r})"
+
+    @property
+    def moe(self) -> Any:
+        """The whole layer's tensors (:class:`~fimoe_lab.checkpoints.MoELayer`). A lazy layer reads every
+        expert on the first use (kept): the explorers never ask for it, scripts may."""
+        if self.read is None:
+            return self.layout
+        if self._whole is None:
+            self._whole = self.read(None)
+        return self._whole
+
+    @property
+    def lazy(self) -> bool:
+        """True when experts are read on demand (a checkpoint's layer)."""
+        return self.read is not None
 
     @property
     def fmt(self) -> str:
-        return self.moe.fmt
+        return self.layout.fmt  # type: ignore[no-any-return]
 
     @property
     def intermediate(self) -> int:
-        return self.moe.intermediate
+        return self.layout.intermediate  # type: ignore[no-any-return]
 
     @property
     def hidden(self) -> int:
-        return self.moe.hidden
+        return self.layout.hidden  # type: ignore[no-any-return]
 
     @property
     def gated(self) -> bool:
-        return self.moe.is_act_and_mul
+        return self.layout.is_act_and_mul  # type: ignore[no-any-return]
 
     @property
     def experts(self) -> int:
-        return int(self.moe.num_experts)
+        return int(self.layout.num_experts)
 
     @property
     def tensors(self) -> dict:
-        """``w13``, ``w2`` and the block scales present, by name."""
-        return {n: t for n, t in self.moe.tensors().items() if t is not None}
+        """``w13``, ``w2`` and the block scales present, by name (shapes only for a lazy layer)."""
+        return {n: t for n, t in self.layout.tensors().items() if t is not None}
 
     def plan(self, backend: str, activation_dtype: Optional[str] = None, per_token: bool = False) -> LayerPlan:
         """The layer plan for ``backend``: the one ``fimoe-lab convert`` applies to this layer
@@ -115,9 +157,43 @@ class ExpertTensors:
         if key not in self._plans:
             from fimoe_lab.checkpoints import writer
 
-            args = writer.plan_args(self.moe, backend, per_token=per_token, activation_dtype=activation_dtype)
+            args = writer.plan_args(self.layout, backend, per_token=per_token, activation_dtype=activation_dtype)
             self._plans[key] = writer.build_plan(args)
         return self._plans[key]  # type: ignore[no-any-return]
+
+    def _check_expert(self, expert: int) -> None:
+        if not 0 <= expert < self.experts:
+            raise LayoutError(
+                f"expert {expert} is outside 0..{self.experts - 1} of this layer",
+                fix=f"pick an expert in 0..{self.experts - 1}",
+            )
+
+    def expert(self, expert: int) -> Any:
+        """Expert ``expert`` alone, as a one-expert :class:`~fimoe_lab.checkpoints.MoELayer` (its tensors
+        ``(1, ...)``, byte-identical to ``[expert : expert + 1]`` of the whole layer's): a lazy layer reads
+        only that expert (kept in the shared cache), an in-memory one is sliced (no copy)."""
+        self._check_expert(expert)
+        if self.read is not None and self._whole is None:
+            read = self.read
+
+            def timed() -> Any:
+                started = time.perf_counter()
+                one = read((expert, expert + 1))
+                self.last_read = (expert, nbytes(one), time.perf_counter() - started)
+                return one
+
+            return _EXPERTS.get((self.key, expert), timed)
+        moe = self.moe
+        return replace(
+            moe,
+            w13=moe.w13[expert : expert + 1],
+            w2=moe.w2[expert : expert + 1],
+            w13_scale=None if moe.w13_scale is None else moe.w13_scale[expert : expert + 1],
+            w2_scale=None if moe.w2_scale is None else moe.w2_scale[expert : expert + 1],
+            extras={
+                k: v[expert : expert + 1] if v.ndim and v.shape[0] == self.experts else v for k, v in moe.extras.items()
+            },
+        )
 
     def magnitude(self, name: str, expert: int = 0) -> np.ndarray:
         """float32 ``(rows, elements)`` of one expert: |dequantized weight| per stored element
@@ -138,15 +214,15 @@ class ExpertTensors:
         return self._kept(("dead", name, expert), lambda: self._dead(name, expert))
 
     def _kept(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
-        """``make()`` kept read-only under ``key``; the least recently used of more than :data:`VALUES_KEPT`
-        dropped (made again when asked)."""
+        """``make()`` kept read-only under ``key`` in the shared cache bounded in bytes (:data:`VALUE_BYTES_KEPT`;
+        made again when asked after it was dropped)."""
 
         def read_only() -> np.ndarray:
             a = make()
             a.flags.writeable = False
             return a
 
-        return lru_get(self._values, key, read_only, VALUES_KEPT)  # type: ignore[no-any-return]
+        return _VALUES.get((self.key,) + key, read_only)
 
     def _dead(self, name: str, expert: int) -> np.ndarray:
         from fimoe_lab.formats.health import TINY_SCALE
@@ -163,28 +239,13 @@ class ExpertTensors:
         return np.ascontiguousarray(np.repeat(np.repeat(tiny, fr, axis=0), fc, axis=1)[: shape[0], : shape[1]])
 
     def _magnitude(self, name: str, expert: int) -> np.ndarray:
-        if not 0 <= expert < self.experts:
-            raise LayoutError(
-                f"expert {expert} is outside 0..{self.experts - 1} of this layer",
-                fix=f"pick an expert in 0..{self.experts - 1}",
-            )
         from fimoe_lab.formats import QuantizedTensor
         from fimoe_lab.formats.health import decoded_scales
 
+        one = self.expert(expert)
         if name.endswith("_scale"):
-            scales = self.tensors[name][expert]
+            scales = one.tensors()[name][0]
             return decoded_scales(QuantizedTensor(None, scales, None, self.fmt, 0)).float().numpy()
-        one = replace(
-            self.moe,
-            w13=self.moe.w13[expert : expert + 1],
-            w2=self.moe.w2[expert : expert + 1],
-            w13_scale=None if self.moe.w13_scale is None else self.moe.w13_scale[expert : expert + 1],
-            w2_scale=None if self.moe.w2_scale is None else self.moe.w2_scale[expert : expert + 1],
-            extras={
-                k: v[expert : expert + 1] if v.ndim and v.shape[0] == self.experts else v
-                for k, v in self.moe.extras.items()
-            },
-        )
         parts = [q for part, q in one.quantized() if part in _PARTS[name]]  # only the tensor shown
         if parts:  # each part straight into its rows (no concatenated copy), a band of rows at a time
             rows = sum(q.values.shape[-2] for q in parts)
@@ -300,19 +361,60 @@ def sample_names() -> list[str]:
     return _require("fimoe_lab.checkpoints", "sample checkpoints").sample_names()
 
 
+LAYERS_KEPT = 16
+"""Opened layers :func:`load_layer` keeps (each its shapes and plans: a few kB; their data is in the shared caches)."""
+_LOADED: OrderedDict = OrderedDict()
+
+
 def load_layer(source: str, layer: Optional[int] = None, tp_size: int = 1, tp_rank: int = 0) -> ExpertTensors:
     """MoE ``layer`` (default: the first) of a checkpoint, for TP rank ``tp_rank`` of ``tp_size``.
 
     ``source`` is a shipped sample name (:func:`sample_names`) or a checkpoint directory
     (``config.json`` + safetensors shards); read through :mod:`fimoe_lab.checkpoints`.
+    Lazy: every tensor's presence, dtype and shape is checked from the file headers, and nothing
+    else is read until a view asks for one expert (:meth:`ExpertTensors.expert`). The same
+    checkpoint (any spelling of its path), layer and TP slice gives the same object.
     """
     checkpoints = _require("fimoe_lab.checkpoints", "reading a checkpoint")
     path = checkpoints.sample_path(source) if source in checkpoints.sample_names() else Path(source)
+    real = Path(os.path.realpath(path))
+    if real.is_file():
+        real = real.parent
+    try:
+        stamp = tuple(os.stat(real / f).st_mtime_ns for f in ("config.json",) if (real / f).exists())
+    except OSError:
+        stamp = ()
+    return lru_get(
+        _LOADED,
+        (str(real), stamp, layer, tp_size, tp_rank),
+        lambda: _open_layer(checkpoints, source, real, stamp, layer, tp_size, tp_rank),
+        LAYERS_KEPT,
+    )
+
+
+def _open_layer(
+    checkpoints: Any, source: str, path: Path, stamp: tuple, layer: Optional[int], tp_size: int, tp_rank: int
+) -> ExpertTensors:
+    """:func:`load_layer`'s lazy layer: shapes checked now, experts read on demand, each read closing the
+    memory-mapped shards after it (the pages it touched are not kept mapped)."""
     ckpt = checkpoints.open_checkpoint(path)
     index = ckpt.moe_layers[0] if layer is None else layer
-    moe = ckpt.read_layer(index, tp_size, tp_rank)
+    shapes = ckpt.read_layer(index, tp_size, tp_rank, load="none")
+    ckpt.close()
+
+    def read(experts: Optional[tuple[int, int]]) -> Any:
+        try:
+            return ckpt.read_layer(index, tp_size, tp_rank, experts=experts)
+        finally:
+            ckpt.close()
+
     where = f"{source} layer {index}" + (f", TP rank {tp_rank} of {tp_size}" if tp_size > 1 else "")
-    return ExpertTensors(moe, f"{where} ({moe.convention}, {moe.fmt}, {moe.num_experts} experts)")
+    return ExpertTensors(
+        shapes,
+        f"{where} ({shapes.convention}, {shapes.fmt}, {shapes.num_experts} experts)",
+        read,
+        key=(str(path), stamp, index, tp_size, tp_rank),
+    )
 
 
 def preset_names() -> list[str]:

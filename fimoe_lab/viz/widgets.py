@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import gc
 import html
+import os
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,7 +45,7 @@ from matplotlib.figure import Figure
 
 from fimoe_lab import owned_files
 from fimoe_lab.errors import FimoeError, LayoutError
-from fimoe_lab.specs import BACKENDS
+from fimoe_lab.specs import BACKENDS, get_format
 from fimoe_lab.viz import data, figures, sources
 
 try:  # clicks on a figure need anywidget (the lab extra); without it the figure is plain HTML
@@ -112,6 +114,39 @@ def _layer(key: str) -> sources.ExpertTensors:
     return sources.load_layer(rest)
 
 
+def _checkpoint_key(where: str) -> str:
+    """The checkpoint a path box names, one spelling per directory: a shipped sample's name as typed,
+    any other path as its real directory (a shard file names its directory)."""
+    if where in _sample_names():
+        return where
+    real = os.path.realpath(os.path.expanduser(where))
+    return os.path.dirname(real) if os.path.isfile(real) else real
+
+
+def _sample_names() -> list[str]:
+    try:
+        return sources.sample_names()
+    except sources.LabUnavailable:
+        return []
+
+
+def _shards_text(where: str) -> str:
+    """``"<GB> in <n> shard(s)"`` of the checkpoint directory ``where`` (what a full read would cost)."""
+    from fimoe_lab import resources
+
+    folder = Path(resources.sample_path(where)) if where in _sample_names() else Path(where)
+    shards = list(folder.glob("*.safetensors"))
+    return f"{sum(f.stat().st_size for f in shards) / 1e9:.2f} GB in {len(shards)} shard(s)"
+
+
+def _last_read(explorer: Any) -> Optional[tuple]:
+    """The last expert read of the explorer's layer (``(expert, bytes, seconds)``), None before any or on error."""
+    try:
+        return explorer.layer.last_read  # type: ignore[no-any-return]
+    except (FimoeError, sources.LabUnavailable, ValueError, OSError):
+        return None
+
+
 def layer_choices() -> list[tuple[str, str]]:
     """(label, key) for every layer an explorer can show without a user's checkpoint."""
     seeded = [(f"seeded {f}", f"seeded:{f}") for f in sources.PLAN_FORMATS]
@@ -144,11 +179,15 @@ def _slider(description: str, value: int, top: int, step: int = 1) -> W.IntSlide
 _CANVAS_JS = """
 function render({ model, el }) {
   const figure = document.createElement("div");
+  // the tooltip lives on the page's body: a notebook cell's CSS (transforms, containment) would make a
+  // fixed position inside the cell relative to the cell, not to the viewport
   const tip = document.createElement("div");
   tip.className = "fimoe-tip";
-  tip.style.cssText = "position:fixed;display:none;pointer-events:none;z-index:1000;white-space:pre;" +
-    "font:11px monospace;padding:3px 5px;border-radius:3px;background:rgba(30,30,30,0.92);color:#fff";
-  el.append(figure, tip);
+  tip.style.cssText = "position:fixed;display:none;pointer-events:none;z-index:10000;white-space:pre;" +
+    "font:11px monospace;padding:3px 5px;border-radius:3px;background:rgba(30,30,30,0.92);color:#fff;" +
+    "max-width:60vw;overflow:hidden";
+  document.body.append(tip);
+  el.append(figure);
   const draw = () => { figure.innerHTML = model.get("value"); };
   draw();
   model.on("change:value", draw);
@@ -170,8 +209,18 @@ function render({ model, el }) {
     model.save_changes();
   });
   let timer = null, last = [0, 0];
+  // 12 px below right of the pointer, flipped to its other side where the viewport ends
+  const place = () => {
+    const gap = 12, edge = 4, w = tip.offsetWidth, h = tip.offsetHeight;
+    let x = last[0] + gap, y = last[1] + gap;
+    if (x + w > window.innerWidth - edge) x = Math.max(edge, last[0] - gap - w);
+    if (y + h > window.innerHeight - edge) y = Math.max(edge, last[1] - gap - h);
+    tip.style.left = `${x}px`;
+    tip.style.top = `${y}px`;
+  };
   figure.addEventListener("mousemove", (event) => {
     last = [event.clientX, event.clientY];
+    if (tip.style.display !== "none") place();
     clearTimeout(timer);
     const at = locate(event);
     if (!at) { tip.style.display = "none"; return; }
@@ -181,10 +230,10 @@ function render({ model, el }) {
   model.on("change:tip", () => {
     const text = model.get("tip");
     tip.textContent = text;
-    tip.style.left = `${last[0] + 14}px`;
-    tip.style.top = `${last[1] + 14}px`;
     tip.style.display = text ? "block" : "none";
+    if (text) place();
   });
+  return () => tip.remove();
 }
 export default { render };
 """
@@ -347,14 +396,22 @@ class _Explorer(W.VBox):
                 while len(self._drawn) > self.CACHE:
                     self._drawn.popitem(last=False)
         except (FimoeError, sources.LabUnavailable, ValueError, KeyError, OSError) as exc:
-            shown = "figure not updated" if self.figure is not None else "no figure"
-            self.message.value = f"<span style='color:#d33'>{html.escape(str(exc))} ({shown})</span>"
+            self.show_error(exc)
             return
         finally:
             self._busy = False
         self.figure, self.svg = fig, svg
         self.view.value = svg
         self.message.value = html.escape(note)
+        self.trace_box.value = ""
+
+    def show_error(self, exc: BaseException, what: str = "figure cleared") -> None:
+        """Say why the controls' setting cannot be drawn, in place of the figure: the figure of an earlier
+        setting is no longer shown (nor saved), so nothing on screen disagrees with the controls."""
+        text = html.escape(str(exc) or type(exc).__name__)
+        self.figure, self.svg = None, ""
+        self.view.value = f"<div class='fimoe-error' style='color:#d33;padding:12px 4px'>{text}</div>"
+        self.message.value = f"<span style='color:#d33'>{text} ({what})</span>"
         self.trace_box.value = ""
 
     def _part(self, part: int) -> Optional[Figure]:
@@ -444,14 +501,33 @@ class _Explorer(W.VBox):
         if self.figure is None:
             raise LayoutError("there is no figure to save yet", fix="pick a setting that draws one")
         name = path or self.save_name.value.strip() or f"fimoe-{type(self).__name__.lower()}"
-        out = Path(name).with_suffix(f".{fmt}")
-        data = figures.to_png(self.figure) if fmt == "png" else self.svg.encode()
-        owned_files.write_file_output(out, data, fmt, force=True)
+        out = Path(name).expanduser().with_suffix(f".{fmt}")
+        if not out.parent.is_dir():
+            raise LayoutError(f"folder {out.parent} does not exist", fix="create it or type another file name")
+        parts = getattr(self.figure, "parts", None)
+        if fmt == "png":
+            payload = figures.to_png(figures.side_by_side(*parts) if parts else self.figure)
+        else:
+            payload = self.svg.encode()
+        owned_files.write_file_output(out, payload, fmt, force=True)
         self.message.value = html.escape(f"saved {out.resolve()}")
         return out
 
+    def _save_clicked(self, fmt: str) -> None:
+        """The save buttons: the file written, or one red line saying why nothing was (the figure stays)."""
+        try:
+            self.save(fmt)
+        except (FimoeError, OSError, ValueError) as exc:
+            self.message.value = f"<span style='color:#d33'>{html.escape(str(exc))} (not saved)</span>"
+
     def _show_code(self) -> None:
-        self.code_box.value = self.code()
+        """The code box: Python that draws the shown figure and displays it (the last line is the figure)."""
+        try:
+            code = self.code()
+        except (KeyError, FimoeError) as exc:  # nothing drawn yet
+            self.message.value = f"<span style='color:#d33'>no code for this view: {html.escape(str(exc))}</span>"
+            return
+        self.code_box.value = code + ("fig\n" if "\nfig = " in "\n" + code else "")
         self.code_box.layout.display = None
 
 
@@ -505,15 +581,24 @@ class _LayerExplorer(_Explorer):
         load = W.Button(description="load", button_style="primary")
         load.on_click(lambda _: self.load())
         self.loader = W.HBox([self.path, self.layer_index, self.tp_size, self.tp_rank, load])
+        self.loader.add_class("fimoe-loader")  # what the next "load" opens: these change nothing until then
+        self.progress = W.HTML()
+        self.progress.add_class("fimoe-progress")
+        self._opened = ""  # what the last load opened (the progress line keeps it)
         plan_controls = [self.source, self.shape, self.backend, self.activation, self.per_token]
         super().__init__(plan_controls + [self.tensor, self.expert] + extra)
-        self.children = (self.loader,) + tuple(self.children)
+        self.children = (self.loader, self.progress) + tuple(self.children)
 
     def load(self, path: Optional[str] = None) -> None:
-        """Read the checkpoint in the path box (or ``path``) at the chosen layer, TP size and
-        rank, add it to the layer menu and show it; an unreadable one only sets the message."""
+        """Open the checkpoint in the path box (or ``path``) at the chosen layer, TP size and
+        rank, add it to the layer menu and show it; an unreadable one only sets the message.
+
+        Opening checks the tensor headers and reads no weights (:func:`sources.load_layer`); while it
+        runs the controls are disabled and the progress line says what is read. Any spelling of the same
+        directory gives the same menu entry (its real path)."""
         where = (path or self.path.value).strip()
         layer = self.layer_index.value.strip() or "first"
+        started = time.perf_counter()
         try:
             if not where:
                 raise LayoutError("the checkpoint box is empty", fix="type a checkpoint directory or a sample name")
@@ -524,18 +609,55 @@ class _LayerExplorer(_Explorer):
                     f"TP rank {self.tp_rank.value} is outside 0..{self.tp_size.value - 1}",
                     fix=f"pick a rank in 0..{self.tp_size.value - 1}",
                 )
+            where = _checkpoint_key(where)
             key = f"path:{layer}:{self.tp_size.value}:{self.tp_rank.value}:{where}"
-            loaded = _layer(key)
+            with self._loading(f"opening {where} (layer {layer}): checking its tensor headers, reading no weights"):
+                loaded = _layer(key)
         except (FimoeError, sources.LabUnavailable, ValueError, OSError) as exc:
             self.message.value = f"<span style='color:#d33'>{html.escape(str(exc))} (layer not changed)</span>"
             return
-        if self.layer_given is not None:
-            self.layer_given = loaded
-            self.source.options = [(loaded.source, "given")]
-        else:
-            self.source.options = [o for o in self.source.options if o[1] != key] + [(loaded.source, key)]
-            self.source.value = key
+        self._busy = True  # one redraw, of the loaded layer (no intermediate menu state drawn)
+        try:
+            if self.layer_given is not None:
+                self.layer_given = loaded
+                self.source.options = [(loaded.source, "given")]
+            else:
+                self.source.options = [o for o in self.source.options if o[1] != key] + [(loaded.source, key)]
+                self.source.value = key
+        finally:
+            self._busy = False
+        self._opened = f"opened {loaded.source} in {time.perf_counter() - started:.2f} s ({_shards_text(where)}" + (
+            "; each view reads one expert)" if loaded.lazy else ")"
+        )
+        self.progress.value = html.escape(self._opened)
         self.refresh()
+
+    @contextmanager
+    def _loading(self, text: str) -> Iterator[None]:
+        """While a load runs: the progress line says what is read, every control is disabled (as it was after)."""
+        widgets = [c for c in self.controls if hasattr(c, "disabled")] + list(self.loader.children)
+        was = [w.disabled for w in widgets]
+        self.progress.value = html.escape(text)
+        for w in widgets:
+            w.disabled = True
+        try:
+            yield
+        finally:
+            for w, d in zip(widgets, was):
+                w.disabled = d
+
+    def _redraw(self) -> None:
+        """The layer explorers' redraw also puts the expert reads it made on the progress line (bytes, time, rate)."""
+        reads = _last_read(self)
+        super()._redraw()
+        now = _last_read(self)
+        if now is not None and now is not reads:
+            expert, size, seconds = now
+            self.progress.value = html.escape(
+                (f"{self._opened} | " if self._opened else "")
+                + f"read expert {expert} of {self.layer.source}: {size / 1e6:.1f} MB in {seconds:.2f} s "
+                f"({size / 1e6 / max(seconds, 1e-6):.0f} MB/s)"
+            )
 
     @property
     def layer(self) -> sources.ExpertTensors:
@@ -579,6 +701,17 @@ class _LayerExplorer(_Explorer):
         )
         return maps[self.tensor.value]
 
+    def _map_note(self, m) -> str:
+        """One line for the shown map: its steps and its shapes in bytes per expert (and, for packed FP4
+        weights, in values: an R1 w13 is (4096, 3584) bytes = (4096, 7168) values)."""
+        steps = " > ".join(s.kind for s in m.steps)
+        note = f"{steps}: {m.in_shape} -> {m.out_shape} bytes per expert"
+        per = get_format(self.layer.fmt).values_per_byte if not self.tensor.value.endswith("_scale") else 1
+        if per > 1:
+            values = lambda shape: shape[:-1] + (shape[-1] * per,)  # noqa: E731
+            note += f" = {values(m.in_shape)} -> {values(m.out_shape)} values ({per} per byte)"
+        return note
+
     def _bits_note(self) -> str:
         """What the message adds for a tensor whose plan has a word bit step (the views draw its byte map)."""
         bits = self.state.get("word_bits")
@@ -602,13 +735,21 @@ class _LayerExplorer(_Explorer):
         """Python for the shown layer and map (``layer``, ``m``, ``size``)."""
         key = self.source.value
         layer = self.layer
-        if self.layer_given is not None or key.startswith(("sample:", "path:")):
-            if key.startswith("path:"):
-                idx, tp, rank, path = key.split(":", 4)[1:]
-                args = f"{path!r}, {None if idx == 'first' else int(idx)}, {tp}, {rank}"
-            else:
-                args = repr(layer.source.split(" layer ")[0])
-            load = f"layer = sources.load_layer({args})"
+        if key.startswith("path:"):
+            idx, tp, rank, path = key.split(":", 4)[1:]
+            load = f"layer = sources.load_layer({path!r}, {None if idx == 'first' else int(idx)}, {tp}, {rank})"
+        elif key.startswith("sample:"):
+            load = f"layer = sources.load_layer({key.split(':', 1)[1]!r})"
+        elif self.layer_given is not None and layer.lazy:  # a checkpoint's layer: its real path, layer and TP slice
+            path, _, idx, tp, rank = layer.key
+            load = f"layer = sources.load_layer({path!r}, {idx}, {tp}, {rank})"
+        elif self.layer_given is not None and layer.source.startswith("sample_layer("):  # the call that made it
+            load = f"layer = sources.{layer.source}"
+        elif self.layer_given is not None:
+            raise LayoutError(
+                f"the layer given to this explorer ({layer.source}) was made in memory: no code reads it again",
+                fix="pass the ExpertTensors you gave the explorer as `layer`",
+            )
         else:
             load = (
                 f"layer = sources.sample_layer({layer.fmt!r}, experts={layer.experts}, "
@@ -672,7 +813,7 @@ class RowExplorer(_LayerExplorer):
             figures.row_layers,
         )
         self.state.update(flow=flow, window=window, colour_by=colour, side=side)
-        return fig, f"{self.state['plan'].description}: {m}{note}{self._bits_note()}", svg
+        return fig, f"{self.state['plan'].description}: {self._map_note(m)}{note}{self._bits_note()}", svg
 
     def code(self) -> str:
         s = self.state
@@ -693,38 +834,57 @@ class TileExplorer(_LayerExplorer):
 
     CACHE = 0  # the swizzle figure is shared between atoms (its atom layer moves): nothing to keep per setting
 
+    TILE_COLOURS = ("source column", "source row")
+
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
         self.atom = _slider("atom", 0, 64)
-        self.colour_by = _dropdown("colour by", ("source column", "source row"))
+        self.colour_by = _dropdown("colour by", figures.SWIZZLE_COLOURS)
         kwargs.setdefault("tensor", "w13_scale")
         super().__init__(layer, [self.atom, self.colour_by], **kwargs)
+
+    def _offer(self, options: tuple, kind: str) -> None:
+        """Give the controls what the view ``kind`` ("tiles" or "swizzle") uses: the colourings it has; the
+        atom slider only for the swizzle; the expert only where the expert's values are drawn."""
+        if tuple(self.colour_by.options) != options:
+            keep = self.colour_by.value if self.colour_by.value in options else options[0]
+            self.colour_by.options = options
+            self.colour_by.value = keep
+        self.atom.disabled = kind != "swizzle"
+        self.expert.disabled = not (kind == "swizzle" and self.colour_by.value == "scale value")
 
     def _draw(self):
         m = self.current_map()
         size = data.itemsize_of(self.layer.fmt, self.tensor.value)
         if len(m.out_shape) == 3:
+            self._offer(self.TILE_COLOURS, "tiles")
             self.state.update(kind="tiles", colour_by=self.colour_by.value)
-            return figures.tile_figure(m, size, self.colour_by.value), f"block-major-K: {m}{self._bits_note()}"
+            fig = figures.tile_figure(m, size, self.colour_by.value)
+            note = f"block-major-K: {self._map_note(m)}{self._bits_note()} (tiles are indices: no expert, no atom)"
+            return fig, note
+        self._offer(figures.SWIZZLE_COLOURS, "swizzle")
         view = data.memo(data.swizzle_view, m, size)
         self.atom.max = view.atoms - 1
-        atom = min(self.atom.value, view.atoms - 1)
-        self.state.update(view=view, kind="swizzle", atom=atom)
-        # the grid, buffer and axes are drawn once per tensor; an atom change redraws only the atom layer
+        atom, colour, expert = min(self.atom.value, view.atoms - 1), self.colour_by.value, self.state["expert"]
+        values = self.layer.magnitude(self.tensor.value, expert) if colour == "scale value" else None
+        self.state.update(view=view, kind="swizzle", atom=atom, colour_by=colour)
+        # the grid, buffer and axes are drawn once per (tensor, colouring[, expert]); an atom change redraws
+        # only the atom layer
         fig, svg = self._layered(
-            (id(self.layer), id(m), self.backend.value, self.tensor.value),
-            lambda: figures.swizzle_figure(m, size, atom),
+            (id(self.layer), id(m), self.backend.value, self.tensor.value, colour, values is not None and expert),
+            lambda: figures.swizzle_figure(m, size, atom, colour, values),
             lambda f: figures.show_atom(f, atom),
             lambda f: [(atom, figures.atom_artists(f))],
         )
-        return fig, f"{view.atoms} atoms: {m}{self._bits_note()}", svg
+        which = f"expert {expert}'s scales" if values is not None else f"{colour} indices"
+        return fig, f"{view.atoms} atoms, buffer coloured by {which}: {self._map_note(m)}{self._bits_note()}", svg
 
     def code(self) -> str:
         s = self.state
-        call = (
-            f"figures.tile_figure(m, size, {s['colour_by']!r})"
-            if s["kind"] == "tiles"
-            else f"figures.swizzle_figure(m, size, atom={s['atom']})"
-        )
+        if s["kind"] == "tiles":
+            call = f"figures.tile_figure(m, size, {s['colour_by']!r})"
+        else:
+            values = f"layer.magnitude({s['tensor']!r}, {s['expert']})" if s["colour_by"] == "scale value" else "None"
+            call = f"figures.swizzle_figure(m, size, atom={s['atom']}, colour_by={s['colour_by']!r}, values={values})"
         return self._layer_code() + f"fig = {call}\n"
 
 
@@ -805,7 +965,10 @@ class ProvenanceExplorer(_LayerExplorer):
         (:func:`figures.provenance_layer`, :func:`figures.svg_only`), kept per expert."""
         static = (id(self.layer), id(m), self.backend.value, name)
         if static not in self._static:
-            fig = figures.provenance_figure(m, (0,) * len(m.out_shape), before, size, self.layer.dead(name, expert))
+            per = get_format(self.layer.fmt).values_per_byte if not name.endswith("_scale") else 1
+            fig = figures.provenance_figure(
+                m, (0,) * len(m.out_shape), before, size, self.layer.dead(name, expert), per
+            )
             every = figures.provenance_layer(fig) + figures.provenance_element(fig)
             self._static[static] = (fig, figures.svg_without(fig, every), OrderedDict())
             while len(self._static) > self.LAYERED:
@@ -825,7 +988,8 @@ class ProvenanceExplorer(_LayerExplorer):
         s = self.state
         return self._layer_code() + (
             f"fig = figures.provenance_figure(m, {s['coords']}, layer.magnitude({s['tensor']!r}, {s['expert']}), "
-            f"size, dead=layer.dead({s['tensor']!r}, {s['expert']}))\n"
+            f"size, dead=layer.dead({s['tensor']!r}, {s['expert']}), "
+            f"values_per_byte={1 if s['tensor'].endswith('_scale') else get_format(s['fmt']).values_per_byte})\n"
         )
 
 
@@ -924,6 +1088,9 @@ class PaddingExplorer(_Explorer):
         )
 
     def _draw(self):
+        for box in (self.experts, self.intermediate, self.hidden):
+            if box.value < 1:
+                raise LayoutError(f"{box.description} {box.value} is not a positive size", fix="type a size >= 1")
         report = data.padding_report(*self._args())
         self.state = dict(report=report)
         return figures.padding_figure(report), report.summary()
@@ -992,6 +1159,10 @@ class TunerExplorer(_Explorer):
         kw = self._kwargs()
         sweep = sources.tactic_sweep(self.preset.value, self.fmt.value, self.tp.value, self.mode, **kw)
         self.state = dict(sweep=sweep, kwargs=kw)
+        if sweep.empty:  # nothing to sweep (a TP shard convert refuses): the tuner's own explanation, as the CLI's
+            why = sweep.attrs.get("no_recommendation") or "no alignment to sweep"
+            alternatives = sweep.attrs.get("alternatives") or ["another TP size or format"]
+            raise LayoutError(f"nothing to tune: {why}", fix="try " + "; or ".join(alternatives))
         rec = sweep.attrs.get("recommendation")
         note = (
             f"recommended: intermediate {rec['intermediate']} (align {rec['inter_align']}), hidden "
@@ -1099,6 +1270,7 @@ class CompareExplorer(_LayerExplorer):
         self.activation_b, self.per_token_b = _activation_controls("B ")
         extra = [self.engine_a, self.align_a, self.backend_b, self.engine_b, self.align_b, self.tp_b]
         extra += [self.activation_b, self.per_token_b]
+        self._sides: OrderedDict = OrderedDict()
         super().__init__(layer, extra, **kwargs)
 
     def _plan_args(self, backend: str, engine: str, align, tp: int, acts: tuple = (None, False)) -> tuple:
@@ -1116,7 +1288,7 @@ class CompareExplorer(_LayerExplorer):
             layer.intermediate // tp,
             layer.hidden,
             layer.gated,
-            layer.moe.is_gated,
+            layer.layout.is_gated,
             None if align == "default" else int(align),
             None,
             None if engine == "default" else engine,
@@ -1124,9 +1296,12 @@ class CompareExplorer(_LayerExplorer):
             acts[0],
         )
 
+    SIDES_KEPT = 6
+    """Row pictures kept (by map, expert and side): a change of one side's controls redraws that side only."""
+
     def _draw(self):
         self.current_map()
-        name = self.tensor.value
+        name, expert = self.tensor.value, self.state["expert"]
         from fimoe_lab.recipes import plan_layer
 
         acts_a = (self.state["activation_dtype"], self.state["per_token"])
@@ -1139,24 +1314,83 @@ class CompareExplorer(_LayerExplorer):
             raise LayoutError(f"plan {'A' if ma is None else 'B'} does not move {name}", fix="pick another tensor")
         diff = data.chain_diff(ma, mb)
         projections = 2 if name.startswith("w13") and self.layer.gated else 1
-        fig_a = figures.row_permutation_figure(ma, projections, (0, 64))
-        fig_b = figures.row_permutation_figure(mb, projections, (0, 64))
-        self.state.update(a=a, b=b, args=(args_a, args_b), diff=diff, projections=projections)
-        changed = [f"{op}: {sa or ''} | {sb or ''}" for op, sa, sb in diff if op != "same"]
+        values, dead = self.layer.magnitude(name, expert), self.layer.dead(name, expert)
+        size = data.itemsize_of(self.layer.fmt, name)
+        sides = []
+        for m, plan, engine, align, tp in (
+            (ma, a, self.engine_a.value, self.align_a.value, 1),
+            (mb, b, self.engine_b.value, self.align_b.value, self.tp_b.value),
+        ):
+            own = m.in_shape == tuple(values.shape[:-1]) + (values.shape[-1] * size,)  # B at TP > 1: a shard
+            sides.append(self._side(m, projections, expert, values if own else None, dead if own else None, size))
+            # what the side's controls asked for and what the plan made of it (an alignment the size already
+            # meets pads nothing: the same picture, said here)
+            asked = f"engine {engine}, TP {tp}, I align {align} -> intermediate {plan.padded_intermediate}"
+            sides[-1] += (asked, tp, own)
+        (fig_a, svg_a, *_), (fig_b, svg_b, *_) = sides
+        self.state.update(a=a, b=b, args=(args_a, args_b), diff=diff, projections=projections, values_b=sides[1][-1])
+        changed = [f"{op}: {(sa or sb).split('(')[0]}" for op, sa, sb in diff if op != "same"]  # kinds; the table
         bits = [(side, p.word_bits.get(name)) for side, p in (("A", a), ("B", b))]
-        changed += [f"{side} then {w.name} on every 32-bit word" for side, w in bits if w is not None]
+        extra = [f"{side} then {w.name} on every 32-bit word" for side, w in bits if w is not None]
         note = f"A {a.description} vs B {b.description} (TP {self.tp_b.value}): " + (
-            "; ".join(changed) if changed else "same steps"
+            "; ".join(changed + extra) if changed or extra else "same steps"
         )
-        return figures.side_by_side(fig_a, fig_b, "A", "B"), note
+        note += " (the steps' parameters: the table below)" if changed else ""
+        pair = Figure()
+        pair.parts = (fig_a, fig_b)  # type: ignore[attr-defined]
+        heads = []
+        for label, plan, (_, _, asked, tp, own) in zip("AB", (a, b), sides):
+            shown = f"expert {expert}'s values" if own else f"no values (TP {tp} shard: load the layer at TP {tp})"
+            heads.append(f"<b>{label}</b>: {html.escape(plan.description)}; {html.escape(asked)}; {shown}")
+        panes = "".join(
+            f"<div style='flex:0 0 auto'><div class='fimoe-side'>{head}</div>{svg}</div>"
+            for head, svg in zip(heads, (svg_a, svg_b))
+        )
+        view = (
+            "<div class='fimoe-pair' style='display:flex;gap:12px;align-items:flex-start;overflow-x:auto'>"
+            f"{panes}</div>{self._diff_table(diff)}"
+        )
+        return pair, note, view
+
+    @staticmethod
+    def _diff_table(diff: list) -> str:
+        """The two step chains as a table, one row per step: kept steps plain, changed ones amber, a step only
+        one plan has green on its side (empty cell on the other)."""
+        colour = {"same": "", "changed": "background:rgba(255,170,0,0.25)", "only A": "", "only B": ""}
+        rows = []
+        for op, sa, sb in diff:
+            cell_a = "background:rgba(60,180,75,0.25)" if op == "only A" else colour[op]
+            cell_b = "background:rgba(60,180,75,0.25)" if op == "only B" else colour[op]
+            rows.append(
+                f"<tr><td>{op}</td><td style='{cell_a}'>{html.escape(sa or '')}</td>"
+                f"<td style='{cell_b}'>{html.escape(sb or '')}</td></tr>"
+            )
+        return (
+            "<table class='fimoe-diff' style='font:12px monospace;border-collapse:collapse;margin-top:6px'>"
+            "<tr><th align='left'>step</th><th align='left'>A</th><th align='left'>B</th></tr>"
+            + "".join(rows)
+            + "</table>"
+        )
+
+    def _side(self, m, projections: int, expert: int, values, dead, size: int) -> tuple:
+        """``(figure, SVG)`` of one side's row picture (with ``values``, one expert's, when given), kept."""
+        key = (id(self.layer), id(m), projections, expert if values is not None else None)
+
+        def draw():
+            fig = figures.row_permutation_figure(m, projections, (0, 64), "origin", values, size, dead=dead)
+            return (fig, figures.to_svg(fig), m)  # the map held: its id stays its own while kept
+
+        return data.lru_get(self._sides, key, draw, self.SIDES_KEPT)[:2]  # type: ignore[no-any-return]
 
     def code(self) -> str:
         s = self.state
-        t, p = s["tensor"], s["projections"]
-        return (
-            "from fimoe_lab.recipes import plan_layer\nfrom fimoe_lab.viz import data, figures\n"
+        t, p, e = s["tensor"], s["projections"], s["expert"]
+        b_values = "values, size, dead=dead" if s["values_b"] else "size=size"
+        return self._layer_code() + (
+            "from fimoe_lab.recipes import plan_layer\n"
+            f"values, dead = layer.magnitude({t!r}, {e}), layer.dead({t!r}, {e})\n"
             f"a, b = plan_layer{s['args'][0]!r}.maps()[{t!r}], plan_layer{s['args'][1]!r}.maps()[{t!r}]\n"
             "for row in data.chain_diff(a, b):\n    print(*row, sep=' | ')\n"
-            f"fig = figures.side_by_side(figures.row_permutation_figure(a, {p}, (0, 64)), "
-            f"figures.row_permutation_figure(b, {p}, (0, 64)))\n"
+            f"fig = figures.side_by_side(figures.row_permutation_figure(a, {p}, (0, 64), 'origin', values, size, "
+            f"dead=dead), figures.row_permutation_figure(b, {p}, (0, 64), 'origin', {b_values}))\n"
         )
