@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # CI (and FIMOE_FULL_TESTS=1) runs it; a plain pytest leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 240
 

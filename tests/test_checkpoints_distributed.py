@@ -41,6 +41,8 @@ from fimoe_lab.checkpoints.distributed import assign
 from fimoe_lab.checkpoints.writer import convert_checkpoint
 from fimoe_lab.cli import main
 
+pytestmark = pytest.mark.slow  # CI (and FIMOE_FULL_TESTS=1) runs it; a plain pytest leaves it out
+
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 LAUNCH_TIMEOUT = 120

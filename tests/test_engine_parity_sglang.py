@@ -28,11 +28,14 @@ from fimoe_lab.recipes import plan_layer
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG = ROOT / ".venv-sglang" / "bin" / "python"
 RUNNER = ROOT / "tests" / "engine_oracles" / "sglang_0523.py"
-pytestmark = pytest.mark.skipif(
-    not SGLANG.exists(),
-    reason="no SGLang 0.5.23 environment: python3 -m venv .venv-sglang && .venv-sglang/bin/pip install "
-    "torch==2.13.0 flashinfer-python==0.7.2 safetensors && .venv-sglang/bin/pip install --no-deps sglang==0.5.23",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not SGLANG.exists(),
+        reason="no SGLang 0.5.23 environment: python3 -m venv .venv-sglang && .venv-sglang/bin/pip install "
+        "torch==2.13.0 flashinfer-python==0.7.2 safetensors && .venv-sglang/bin/pip install --no-deps sglang==0.5.23",
+    ),
+]
 
 SHAPES: list[tuple[Any, ...]] = []
 for gated in (True, False):

@@ -33,11 +33,14 @@ from fimoe_lab.recipes import plan_layer
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = ROOT / ".venv-vllm" / "bin" / "python"
 RUNNER = ROOT / "tests" / "engine_oracles" / "vllm_034.py"
-pytestmark = pytest.mark.skipif(
-    not VLLM.exists(),
-    reason="no vLLM 0.34 environment: python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 "
-    "flashinfer-python==0.7.4 safetensors && .venv-vllm/bin/pip install --no-deps vllm==0.34.0",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not VLLM.exists(),
+        reason="no vLLM 0.34 environment: python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 "
+        "flashinfer-python==0.7.4 safetensors && .venv-vllm/bin/pip install --no-deps vllm==0.34.0",
+    ),
+]
 E = 2
 
 

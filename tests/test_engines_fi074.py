@@ -23,11 +23,14 @@ from fimoe_lab import prepare, steps
 from fimoe_lab.layout import compose
 
 FI074 = Path(__file__).resolve().parents[1] / ".venv-fi074" / "bin" / "python"
-pytestmark = pytest.mark.skipif(
-    not FI074.exists(),
-    reason="no FlashInfer 0.7.4 environment: python3 -m venv .venv-fi074 && "
-    ".venv-fi074/bin/pip install torch==2.13.0 flashinfer-python==0.7.4 (.ci/run creates it)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not FI074.exists(),
+        reason="no FlashInfer 0.7.4 environment: python3 -m venv .venv-fi074 && "
+        ".venv-fi074/bin/pip install torch==2.13.0 flashinfer-python==0.7.4 (.ci/run creates it)",
+    ),
+]
 
 WORKER = r"""
 import json, sys

@@ -26,11 +26,14 @@ from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG = ROOT / ".venv-sglang" / "bin" / "python"
-pytestmark = pytest.mark.skipif(
-    not SGLANG.exists(),
-    reason="no SGLang 0.5.23 environment: python3 -m venv .venv-sglang && .venv-sglang/bin/pip install torch==2.13.0 "
-    "flashinfer-python==0.7.2 && .venv-sglang/bin/pip install --no-deps sglang==0.5.23",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not SGLANG.exists(),
+        reason="no SGLang 0.5.23 environment: python3 -m venv .venv-sglang && .venv-sglang/bin/pip install torch==2.13.0 "
+        "flashinfer-python==0.7.2 && .venv-sglang/bin/pip install --no-deps sglang==0.5.23",
+    ),
+]
 
 
 def fixed_cases() -> list[dict]:

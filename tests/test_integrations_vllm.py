@@ -29,11 +29,14 @@ from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = ROOT / ".venv-vllm" / "bin" / "python"
-pytestmark = pytest.mark.skipif(
-    not VLLM.exists(),
-    reason="no vLLM 0.34 environment: python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 "
-    "flashinfer-python==0.7.4 && .venv-vllm/bin/pip install --no-deps vllm==0.34.0",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not VLLM.exists(),
+        reason="no vLLM 0.34 environment: python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 "
+        "flashinfer-python==0.7.4 && .venv-vllm/bin/pip install --no-deps vllm==0.34.0",
+    ),
+]
 
 
 def fixed_cases() -> list[dict]:

@@ -68,6 +68,8 @@ from fimoe_lab.kernels.tiles import band_item_readers, next_pow2
 from fimoe_lab.prepare import plan_layer
 from reference_loops import byte_gather as reference
 
+pytestmark = pytest.mark.slow  # CI (and FIMOE_FULL_TESTS=1) runs it; a plain pytest leaves it out
+
 layers, tables, in_place = json.loads(sys.argv[1])
 
 

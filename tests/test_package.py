@@ -31,6 +31,8 @@ from fimoe_lab import resources
 from fimoe_lab.checkpoints import sample_names
 from fimoe_lab.formats import rcp_approx_ftz
 from fimoe_lab.tune.validity import find_table
+
+pytestmark = pytest.mark.slow  # CI (and FIMOE_FULL_TESTS=1) runs it; a plain pytest leaves it out
 x = torch.tensor([0x3F80E832], dtype=torch.int32).view(torch.float32)
 print(json.dumps({
     "package": fimoe_lab.__file__,
@@ -152,7 +154,6 @@ def test_installed_lab_help(site, tmp_path):
     assert "usage: fimoe-lab lab" in done.stdout
 
 
-@pytest.mark.slow
 def test_user_extras_resolve_beside_an_engines_flashinfer_and_torch(wheel, tmp_path):
     """``fimoe_lab[fast,tune,lab]`` with FlashInfer 0.7.4 (vLLM 0.34's line) and torch 2.13.0 in one pip
     resolution: no conflict, and neither of the two pinned packages moved (asks the package index)."""
