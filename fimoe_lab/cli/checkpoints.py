@@ -250,6 +250,15 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
     c.set_defaults(handler=run_convert)
 
 
+def as_typed(text: str, path: Path, typed: str, escape: bool = False) -> str:
+    """``text`` with the checkpoint's resolved location ``path`` (a sample's is inside the installed package)
+    written as the user typed it, ``typed`` (``escape``: both as HTML text)."""
+    import html
+
+    where, shown = (html.escape(str(path)), html.escape(typed)) if escape else (str(path), typed)
+    return text if str(path) == typed else text.replace(where, shown)
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import format_report, inspect_checkpoint
     from fimoe_lab.engines import get_engine
@@ -267,14 +276,15 @@ def run_inspect(args: argparse.Namespace) -> int:
         from fimoe_lab.viz.report import report_html, write_report
 
         shown = Path(args.path)  # as the user typed it (a sample by its name, not where it is installed)
-        write_report(html, report_html(shown, reports, engine, args.tp, per_token=args.per_token))
+        page = report_html(shown, reports, engine, args.tp, per_token=args.per_token)
+        write_report(html, as_typed(page, path, args.path, escape=True))
     if args.json:
         layers = [r.to_json() for r in reports]
         doc = dict(path=str(path), engine=engine, per_token=args.per_token, tp=list(args.tp), layers=layers)
         print_json({**doc, "html": None if html is None else str(html)})
         return EXIT_OK
     print(f"{args.path}\n")
-    print(format_report(reports))
+    print(as_typed(format_report(reports), path, args.path))
     if html is not None:
         print(f"wrote {html}")
     return EXIT_OK
