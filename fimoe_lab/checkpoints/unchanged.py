@@ -63,6 +63,8 @@ def held_by_layers(ck: Checkpoint, layers: Iterable[int]) -> set[str]:
 
 
 def _torch_dtype(name: str, dtype: Any) -> torch.dtype:
+    """``dtype`` (a source tensor's, as the reader maps it) if it is a torch dtype; else one CheckpointError
+    naming tensor ``name``, before anything is written (the header and checksum need a torch dtype)."""
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(
             f"{name} is stored as {dtype!r}, a safetensors dtype torch cannot hold",
