@@ -412,7 +412,7 @@ def _block_convert_is_whole_layer_convert(src: Path, tmp_path: Path, backend: st
             backend,
             prefix=ck.prefix,
             block=ck.convention.block,
-            kept=unchanged.for_rank(ck, ck.moe_layers, rank),  # rank 0: the source's other tensors
+            kept=unchanged.for_rank(ck, rank),  # rank 0: the source's other tensors
         )
     got, want = load_file(blocks), load_file(whole)
     assert sorted(got) == sorted(want)

@@ -196,3 +196,12 @@ def test_plan_tp_that_cuts_a_scale_block_cannot_run(capsys):
     code = main(["plan", "--format", "fp8-block", "--backend", "trtllm", "--intermediate", "256", "--tp", "4"])
     out, err = capsys.readouterr()
     assert code == 2 and "cannot run: tp=4 gives intermediate 64 per rank" in out and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["convert", "{out}", "--backend", "trtllm"], ["diagnose", "{out}"]])
+def test_a_preset_where_weights_are_read_says_so(capsys, tmp_path, command):
+    argv = [command[0], "deepseek-v3", *(a.format(out=tmp_path / "o") for a in command[1:])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "deepseek-v3 is a model preset (sizes only)" in err[0] and "deepseek-v3-fp8" in err[0]
+    assert not (tmp_path / "o").exists()

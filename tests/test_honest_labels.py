@@ -64,3 +64,16 @@ def test_the_html_draws_padding_only_where_bytes_are_padded_and_names_the_checkp
     assert str(sample_path("mixtral-bf16")) not in page and "<code>mixtral-bf16</code>" in page
     assert main(["inspect", "mixtral-bf16", "--tp", "1"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "mixtral-bf16"
+
+
+def test_paths_are_shown_as_typed_in_reasons_too(tmp_path, capsys):
+    """A reason that names the checkpoint's config.json (a TP size that cuts a scale block) names it from what the
+    user typed, in the text and the HTML report; a directory typed as a path stays that path."""
+    where = str(sample_path("deepseek-v3-fp8"))
+    assert main(["inspect", "deepseek-v3-fp8", "--tp", "1,4", "--html", str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v3-fp8/config.json: moe_intermediate_size" in out and where not in out
+    page = (tmp_path / "r.html").read_text()
+    assert "deepseek-v3-fp8/config.json: moe_intermediate_size" in page and where not in page
+    assert main(["inspect", where, "--tp", "4"]) == 0
+    assert f"{where}/config.json: moe_intermediate_size" in capsys.readouterr().out

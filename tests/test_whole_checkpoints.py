@@ -131,15 +131,20 @@ def test_a_whole_model_round_trips_in_chunks_and_ranks(tmp_path, monkeypatch, ch
         assert_whole(src, restore_checkpoint(out, tmp_path / name / "back"))
 
 
-def test_layers_not_converted_are_carried_whole(tmp_path):
-    """--layer 1: layer 0's experts are kept as the source holds them (and on rank 0 only), layer 1 converted."""
+def test_a_part_converted_keeps_every_other_tensor_but_the_left_out_experts(tmp_path):
+    """--layer 1: layer 1 converted, layer 0's routed experts not written (not the bulk of a model copied), every
+    other tensor (layer 0's router included) on rank 0; restore gives the source less layer 0's experts."""
     src = whole_model(tmp_path)
+    source = all_tensors(src)
     out = convert_checkpoint(src, tmp_path / "k", "trtllm", 2, "all", layers=[1])
     r0, r1 = all_tensors(out / "rank-0"), all_tensors(out / "rank-1")
-    layer0 = {k for k in all_tensors(src) if k.startswith("model.layers.0.mlp.experts.")}
-    assert len(layer0) == 18 and layer0 <= set(r0) and not layer0 & set(r1)
-    assert {k for k in r1} == {k for k in r0 if k.startswith("model.layers.1.mlp.experts.")}
-    assert_whole(src, restore_checkpoint(out, tmp_path / "back"))
+    layer0 = {k for k in source if k.startswith("model.layers.0.mlp.experts.")}
+    assert len(layer0) == 18 and not layer0 & (set(r0) | set(r1))
+    assert "model.layers.0.mlp.gate.weight" in r0 and "lm_head.weight" in r0
+    assert set(r1) == {k for k in r0 if k.startswith("model.layers.1.mlp.experts.")}
+    back = all_tensors(restore_checkpoint(out, tmp_path / "back"))
+    assert sorted(back) == sorted(set(source) - layer0)
+    assert all(same_tensor(back[k], source[k]) for k in back)
 
 
 def test_an_edited_unchanged_tensor_is_refused(tmp_path):

@@ -310,7 +310,7 @@ def convert_distributed(
                 _open_dirs(out, dirs)
             parts = {r: writer.rank_part(ck, wanted, about, tp_size, ep_size, r, False) for r in ranks}
             sources = {r: parts[r][0] for r in ranks}
-            kept = {r: unchanged.for_rank(ck, wanted, r) for r in ranks}
+            kept = {r: unchanged.for_rank(ck, r) for r in ranks}
             plans = {
                 r: writer.layout_plan(
                     sources[r], choice, prefix=ck.prefix, block=ck.convention.block, info=parts[r][1], kept=kept[r]

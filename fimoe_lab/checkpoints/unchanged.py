@@ -1,11 +1,12 @@
 """The tensors ``convert`` carries through unchanged, so that a converted directory is a whole checkpoint.
 
-Unchanged: every tensor of the source that no converted MoE layer holds (the names the convention writes back
-for those layers, :meth:`~fimoe_lab.checkpoints.conventions.Convention.to_tensors`): dense layers, routers and
-their biases (the score-correction bias), shared experts, norms, embeddings, heads, MTP layers' own tensors, and
-the routed experts of the layers not converted (``--layer``). Each is written under its source name with its
-dtype, shape and bytes, after the converted layers, checksummed like them; ``restore`` copies each back
-(its sha256 checked), so convert then restore gives every tensor of the source and nothing else.
+Unchanged: every tensor of the source that no MoE layer's routed experts hold (the names the convention writes
+back for the MoE layers, :meth:`~fimoe_lab.checkpoints.conventions.Convention.to_tensors`): dense layers, routers
+and their biases (the score-correction bias), shared experts, norms, embeddings, heads, MTP layers' own tensors.
+Each is written under its source name with its dtype, shape and bytes, after the converted layers, checksummed
+like them; ``restore`` copies each back (its sha256 checked), so convert then restore of every MoE layer gives
+every tensor of the source and nothing else. ``--layer`` converts a part: the routed experts of the layers left
+out are not written (they would be the bulk of the model), the other tensors are.
 
 Ranks (``--tp T [--ep N]``): a rank's output holds its part of the converted layers; the unchanged tensors
 are written once, into the output of rank :data:`HOLDER_RANK` only (``ep_rank * T/N + tp_rank == 0``;
@@ -62,6 +63,8 @@ def held_by_layers(ck: Checkpoint, layers: Iterable[int]) -> set[str]:
 
 
 def _torch_dtype(name: str, dtype: Any) -> torch.dtype:
+    """``dtype`` (a source tensor's, as the reader maps it) if it is a torch dtype; else one CheckpointError
+    naming tensor ``name``, before anything is written (the header and checksum need a torch dtype)."""
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(
             f"{name} is stored as {dtype!r}, a safetensors dtype torch cannot hold",
@@ -118,12 +121,12 @@ def _row_chunks(sl: Any, shape: list[int], dtype: torch.dtype) -> Iterator[torch
         yield sl[r0 : r0 + step].contiguous()
 
 
-def for_rank(ck: Checkpoint, converted: Iterable[int], rank: int) -> Optional[Unchanged]:
-    """What the output of global rank ``rank`` holds unchanged: every source tensor the ``converted`` layers do
-    not hold (:func:`held_by_layers`), in name order, on :data:`HOLDER_RANK`; None on the other ranks."""
+def for_rank(ck: Checkpoint, rank: int) -> Optional[Unchanged]:
+    """What the output of global rank ``rank`` holds unchanged: every source tensor no MoE layer's routed experts
+    hold (:func:`held_by_layers`), in name order, on :data:`HOLDER_RANK`; None on the other ranks."""
     if rank != HOLDER_RANK:
         return None
-    held = held_by_layers(ck, converted)
+    held = held_by_layers(ck, ck.moe_layers)
     return Unchanged(ck, tuple(sorted(n for n in ck.weight_map if n not in held)))
 
 

@@ -710,7 +710,8 @@ def convert_checkpoint(
 ) -> Path:
     """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``: a
     whole checkpoint, the converted layers in the kernel layout and every other tensor of ``src`` unchanged
-    (in the output of rank 0 only: :mod:`~fimoe_lab.checkpoints.unchanged`).
+    (in the output of rank 0 only: :mod:`~fimoe_lab.checkpoints.unchanged`; the routed experts of MoE layers
+    left out of ``layers`` are not written).
 
     ``per_token``: NVFP4 activations quantised per token: the engine profile's per-token paddings apply
     (``recipes.plan_layer(..., per_token_activation=True)``), recorded in every layer's plan arguments;
@@ -766,7 +767,7 @@ def convert_checkpoint(
                 per_token=per_token,
                 activation_dtype=activation_dtype,
                 request=asked,
-                kept=unchanged.for_rank(ck, wanted, rank),
+                kept=unchanged.for_rank(ck, rank),
             )
         if tp_rank == "all":
             safe_io.remove_own(out, {f"rank-{r}" for r in ranks})

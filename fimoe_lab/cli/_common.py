@@ -23,6 +23,7 @@ from typing import Any, NoReturn, TextIO
 
 from fimoe_lab import engines
 from fimoe_lab.errors import CheckpointError, FimoeError
+from fimoe_lab.presets import PRESETS
 from fimoe_lab.resources import sample_names, sample_path
 from fimoe_lab.untrusted import printable
 
@@ -389,6 +390,11 @@ def checkpoint_path(value: str) -> Path:
     if path.exists():
         raise CheckpointError(
             f"{value} is not a checkpoint directory", fix="pass the checkpoint's directory or its config.json"
+        )
+    if value.strip().lower() in PRESETS:
+        raise CheckpointError(
+            f"{value} is a model preset (sizes only): this command reads weights",
+            fix=f"pass a checkpoint directory, its config.json or a sample ({', '.join(sample_names()) or 'none'})",
         )
     raise FileNotFoundError(
         f"{value} does not exist (not a checkpoint directory, its config.json or a sample; samples: "

@@ -170,9 +170,9 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
             "Read each MoE layer (rank --rank of --tp, sliced along the intermediate dim as serving engines shard), apply "
             "the layout plan of its format for --backend, and write w13_weight, w2_weight, w13_weight_scale, "
             "w2_weight_scale per layer, plus extras unchanged. Every other tensor of the checkpoint (dense layers, "
-            "routers and their biases, shared experts, norms, embeddings, heads, MTP layers, layers left out by --layer) "
-            "is written unchanged under its own name, into rank 0's output only, so OUT is a whole checkpoint and each "
-            "tensor is stored once. The metadata records the plan arguments and every step, and the source files by "
+            "routers and their biases, shared experts, norms, embeddings, heads, MTP layers) is written unchanged under "
+            "its own name, into rank 0's output only, so OUT is a whole checkpoint and each tensor is stored once "
+            "(with --layer, the routed experts of the layers left out are not written). The metadata records the plan arguments and every step, and the source files by "
             "size and header digest (no path, no time: the same source converted anywhere gives the same bytes), so "
             "'fimoe-lab restore' can map the file back.\n\n"
             "OUT is a directory of shards in the Hugging Face convention (model-0000k-of-0000n.safetensors and "
@@ -252,6 +252,15 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
     c.set_defaults(handler=run_convert)
 
 
+def as_typed(text: str, path: Path, typed: str, escape: bool = False) -> str:
+    """``text`` with the checkpoint's resolved location ``path`` (a sample's is inside the installed package)
+    written as the user typed it, ``typed`` (``escape``: both as HTML text)."""
+    import html
+
+    where, shown = (html.escape(str(path)), html.escape(typed)) if escape else (str(path), typed)
+    return text if str(path) == typed else text.replace(where, shown)
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from fimoe_lab.checkpoints import format_report, inspect_checkpoint
     from fimoe_lab.engines import get_engine
@@ -269,14 +278,15 @@ def run_inspect(args: argparse.Namespace) -> int:
         from fimoe_lab.viz.report import report_html, write_report
 
         shown = Path(args.path)  # as the user typed it (a sample by its name, not where it is installed)
-        write_report(html, report_html(shown, reports, engine, args.tp, per_token=args.per_token), args.force)
+        page = report_html(shown, reports, engine, args.tp, per_token=args.per_token)
+        write_report(html, as_typed(page, path, args.path, escape=True), args.force)
     if args.json:
         layers = [r.to_json() for r in reports]
         doc = dict(path=str(path), engine=engine, per_token=args.per_token, tp=list(args.tp), layers=layers)
         print_json({**doc, "html": None if html is None else str(html)})
         return EXIT_OK
     print(f"{args.path}\n")
-    print(format_report(reports))
+    print(as_typed(format_report(reports), path, args.path))
     if html is not None:
         print(f"wrote {html}")
     return EXIT_OK
