@@ -21,6 +21,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.slow  # CI (and FIMOE_FULL_TESTS=1) runs it; a plain pytest leaves it out
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = os.environ.get("FIMOE_TRITON_PYTHON") or str(ROOT / ".venv-triton" / "bin" / "python")
 
@@ -67,8 +69,6 @@ from fimoe_lab.kernels import triton_gather as tg
 from fimoe_lab.kernels.tiles import band_item_readers, next_pow2
 from fimoe_lab.prepare import plan_layer
 from reference_loops import byte_gather as reference
-
-pytestmark = pytest.mark.slow  # CI (and FIMOE_FULL_TESTS=1) runs it; a plain pytest leaves it out
 
 layers, tables, in_place = json.loads(sys.argv[1])
 

@@ -22,6 +22,8 @@ import pytest
 import fimoe_lab
 from fimoe_lab import resources
 
+pytestmark = pytest.mark.slow  # CI (and FIMOE_FULL_TESTS=1) runs it; a plain pytest leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_INPUTS = ("pyproject.toml", "README.md", "fimoe_lab", "data", "notebooks")
 MAX_WHEEL_BYTES = 12_000_000  # ~6 MB today, nearly all sample checkpoints
@@ -31,8 +33,6 @@ from fimoe_lab import resources
 from fimoe_lab.checkpoints import sample_names
 from fimoe_lab.formats import rcp_approx_ftz
 from fimoe_lab.tune.validity import find_table
-
-pytestmark = pytest.mark.slow  # CI (and FIMOE_FULL_TESTS=1) runs it; a plain pytest leaves it out
 x = torch.tensor([0x3F80E832], dtype=torch.int32).view(torch.float32)
 print(json.dumps({
     "package": fimoe_lab.__file__,
