@@ -159,5 +159,5 @@ def check_all() -> None:
     """Parse every variable of :data:`VARIABLES` that is set: a bad one is one FimoeError before any work
     (the CLI calls this first)."""
     for v in VARIABLES.values():
-        if v.name in os.environ and v.kind != "switch":  # FIMOE_LAB_INSTALL is the engine plugins' alone
+        if v.name in os.environ:
             v.read(None)
