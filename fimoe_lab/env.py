@@ -23,6 +23,7 @@ from fimoe_lab.errors import FimoeError
 __all__ = [
     "TRUE",
     "FALSE",
+    "HELP",
     "VARIABLES",
     "Variable",
     "value",
@@ -137,7 +138,12 @@ VARIABLES = {
         Variable("FIMOE_BACKGROUND_LOAD", "bool", "a false value loads kernel executors in the calling thread"),
         Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
         Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),
-        Variable("FIMOE_LAB_MAX_MEMORY", "size", "the memory one layer of convert/restore may need (default 64 GiB)"),
+        Variable(
+            "FIMOE_LAB_MAX_MEMORY",
+            "size",
+            "the memory one read of a checkpoint layer may allocate (K/M/G/T allowed; default the smaller of 64G "
+            "and 3/4 of the host's memory)",
+        ),
         Variable(
             "FIMOE_LAB_CACHE", "path", "where compiled TRTLLM-Gen modules are cached (default ~/.cache/fimoe_lab)"
         ),
@@ -148,6 +154,11 @@ VARIABLES = {
     )
 }
 """Every variable fimoe-lab reads: what :func:`value` parses and :func:`check_all` validates."""
+
+HELP = "environment (booleans: 1/true/yes/on or 0/false/no/off):\n" + "\n".join(
+    f"{v.name}: {v.doc}" for v in VARIABLES.values()
+)
+"""The ``fimoe-lab --help`` section on the environment, from :data:`VARIABLES`."""
 
 
 def value(name: str, default: Any) -> Any:
