@@ -70,13 +70,16 @@ def env_switch(name: str, extra: str) -> str | bool:
 
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 """Suffixes :func:`parse_int` accepts with ``units=True`` (powers of 1024, case ignored, an optional ``b``/``ib``)."""
+NO_MAXIMUM = 1 << 62
+"""The bound of a number without one of its own (no real size or count comes near it)."""
 _NUMBER = re.compile(r"^(\d{1,30})\s*(?:([kmgt])i?)?b?$")
 
 
 def parse_int(name: str, raw: str, minimum: int, maximum: int, units: bool = False) -> int:
     """``raw`` (the value of ``name``) as a whole number in ``[minimum, maximum]``; with ``units`` a
     K/M/G/T suffix (powers of 1024: ``64G``, ``64GiB``) is allowed."""
-    want = f"a whole number in [{minimum}, {maximum}]" + (" (K/M/G/T suffixes allowed)" if units else "")
+    bounds = f"in [{minimum}, {maximum}]" if maximum < NO_MAXIMUM else f">= {minimum}"
+    want = f"a whole number {bounds}" + (" (K/M/G/T suffixes allowed, e.g. 64G)" if units else "")
     text = raw.strip().lower()
     m = _NUMBER.match(text) if units else re.match(r"^(\d{1,30})()$", text)
     if m is None:
@@ -87,7 +90,7 @@ def parse_int(name: str, raw: str, minimum: int, maximum: int, units: bool = Fal
     return value
 
 
-def env_int(name: str, default: int, minimum: int = 0, maximum: int = 1 << 62, units: bool = False) -> int:
+def env_int(name: str, default: int, minimum: int = 0, maximum: int = NO_MAXIMUM, units: bool = False) -> int:
     """``$name`` as an integer (:func:`parse_int`); ``default`` when unset (an empty value is an error)."""
     raw = os.environ.get(name)
     if raw is None:
@@ -112,7 +115,7 @@ class Variable:
     kind: str
     doc: str
     minimum: int = 0
-    maximum: int = 1 << 62
+    maximum: int = NO_MAXIMUM
     extra: str = ""
 
     def read(self, default: Any) -> Any:
