@@ -188,7 +188,8 @@ def load_dump(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Tensors dumped from an engine: a ``.safetensors`` file (names from the file), or one ``.npy`` array
     (named by the file's stem: ``gemm1_weights.npy``), read with ``allow_pickle=False``, no object or
     record dtype, its header's shape and dtype checked against the file's size before anything is
-    allocated. Nothing is ever unpickled: a ``.pt`` is refused with how to convert it."""
+    allocated; a dump is loaded whole, so one above ``$FIMOE_LAB_MAX_MEMORY`` is refused. Nothing is ever
+    unpickled: a ``.pt`` is refused with how to convert it."""
     p = Path(path)
     if not p.is_file():
         raise FimoeError(
@@ -200,6 +201,7 @@ def load_dump(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             f"{p} is a pickle (torch.save); fimoe-lab never unpickles a file (it can run code)",
             fix="save the tensors with safetensors.torch.save_file(tensors, 'dump.safetensors') where you dumped them",
         )
+    _within_memory_limit(p, p.stat().st_size)
     if p.suffix == ".safetensors":
         from fimoe_lab.checkpoints.safe_io import open_safetensors
 
@@ -210,6 +212,18 @@ def load_dump(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     raise FimoeError(
         f"kernel tensors {p} are not .safetensors or .npy", fix="dump them with safetensors.torch.save_file"
     )
+
+
+def _within_memory_limit(p: Path, nbytes: int) -> None:
+    """A dump is loaded whole: refuse one above :func:`fimoe_lab.checkpoints.consistency.memory_limit`."""
+    from fimoe_lab.checkpoints.consistency import memory_limit
+
+    limit = memory_limit()
+    if nbytes > limit:
+        raise FimoeError(
+            f"{p} holds {nbytes / (1 << 30):.1f} GiB of tensors, over the memory limit of {limit / (1 << 30):.1f} GiB",
+            fix="dump fewer experts, or set FIMOE_LAB_MAX_MEMORY if this host has the memory",
+        )
 
 
 def _load_npy(p: Path) -> torch.Tensor:

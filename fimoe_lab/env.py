@@ -23,6 +23,7 @@ from fimoe_lab.errors import FimoeError
 __all__ = [
     "TRUE",
     "FALSE",
+    "HELP",
     "VARIABLES",
     "Variable",
     "value",
@@ -69,13 +70,16 @@ def env_switch(name: str, extra: str) -> str | bool:
 
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 """Suffixes :func:`parse_int` accepts with ``units=True`` (powers of 1024, case ignored, an optional ``b``/``ib``)."""
+NO_MAXIMUM = 1 << 62
+"""The bound of a number without one of its own (no real size or count comes near it)."""
 _NUMBER = re.compile(r"^(\d{1,30})\s*(?:([kmgt])i?)?b?$")
 
 
 def parse_int(name: str, raw: str, minimum: int, maximum: int, units: bool = False) -> int:
     """``raw`` (the value of ``name``) as a whole number in ``[minimum, maximum]``; with ``units`` a
     K/M/G/T suffix (powers of 1024: ``64G``, ``64GiB``) is allowed."""
-    want = f"a whole number in [{minimum}, {maximum}]" + (" (K/M/G/T suffixes allowed)" if units else "")
+    bounds = f"in [{minimum}, {maximum}]" if maximum < NO_MAXIMUM else f">= {minimum}"
+    want = f"a whole number {bounds}" + (" (K/M/G/T suffixes allowed, e.g. 64G)" if units else "")
     text = raw.strip().lower()
     m = _NUMBER.match(text) if units else re.match(r"^(\d{1,30})()$", text)
     if m is None:
@@ -86,7 +90,7 @@ def parse_int(name: str, raw: str, minimum: int, maximum: int, units: bool = Fal
     return value
 
 
-def env_int(name: str, default: int, minimum: int = 0, maximum: int = 1 << 62, units: bool = False) -> int:
+def env_int(name: str, default: int, minimum: int = 0, maximum: int = NO_MAXIMUM, units: bool = False) -> int:
     """``$name`` as an integer (:func:`parse_int`); ``default`` when unset (an empty value is an error)."""
     raw = os.environ.get(name)
     if raw is None:
@@ -111,7 +115,7 @@ class Variable:
     kind: str
     doc: str
     minimum: int = 0
-    maximum: int = 1 << 62
+    maximum: int = NO_MAXIMUM
     extra: str = ""
 
     def read(self, default: Any) -> Any:
@@ -137,7 +141,12 @@ VARIABLES = {
         Variable("FIMOE_BACKGROUND_LOAD", "bool", "a false value loads kernel executors in the calling thread"),
         Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
         Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),
-        Variable("FIMOE_LAB_MAX_MEMORY", "size", "the memory one layer of convert/restore may need (default 64 GiB)"),
+        Variable(
+            "FIMOE_LAB_MAX_MEMORY",
+            "size",
+            "the memory one read of a checkpoint layer may allocate (K/M/G/T allowed; default the smaller of 64G "
+            "and 3/4 of the host's memory)",
+        ),
         Variable(
             "FIMOE_LAB_CACHE", "path", "where compiled TRTLLM-Gen modules are cached (default ~/.cache/fimoe_lab)"
         ),
@@ -149,6 +158,11 @@ VARIABLES = {
 }
 """Every variable fimoe-lab reads: what :func:`value` parses and :func:`check_all` validates."""
 
+HELP = "environment (booleans: 1/true/yes/on or 0/false/no/off):\n" + "\n".join(
+    f"{v.name}: {v.doc}" for v in VARIABLES.values()
+)
+"""The ``fimoe-lab --help`` section on the environment, from :data:`VARIABLES`."""
+
 
 def value(name: str, default: Any) -> Any:
     """``$name`` parsed as :data:`VARIABLES` says (``default`` when unset)."""
@@ -159,5 +173,5 @@ def check_all() -> None:
     """Parse every variable of :data:`VARIABLES` that is set: a bad one is one FimoeError before any work
     (the CLI calls this first)."""
     for v in VARIABLES.values():
-        if v.name in os.environ and v.kind != "switch":  # FIMOE_LAB_INSTALL is the engine plugins' alone
+        if v.name in os.environ:
             v.read(None)

@@ -14,6 +14,7 @@ Standard library only (``tune`` and the CLI's error line use it without importin
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fimoe_lab.errors import FimoeError
@@ -55,20 +56,19 @@ def parse_json(raw: bytes | str, what: str, fix: str, error: type[FimoeError] = 
     return obj
 
 
-_BIDI = {0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)}
-"""Unicode bidirectional controls: they reorder what a terminal shows (a name that reads as another)."""
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+"""C0 controls, DEL, C1 controls and the Unicode bidirectional controls (they reorder what a terminal shows:
+a name that reads as another)."""
 
 
-def _unsafe(c: str) -> bool:
-    o = ord(c)
-    return o < 0x20 or 0x7F <= o < 0xA0 or o in _BIDI
+def _escape(m: re.Match[str]) -> str:
+    o = ord(m[0])
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}"
 
 
 def printable(text: object, keep: str = "") -> str:
     """``str(text)`` with every control character outside ``keep`` written as an escape (module docstring)."""
     s = str(text)
-    if not any(_unsafe(c) and c not in keep for c in s):
-        return s
-    return "".join(
-        c if not _unsafe(c) or c in keep else (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") for c in s
-    )
+    if keep:
+        return _UNSAFE.sub(lambda m: m[0] if m[0] in keep else _escape(m), s)
+    return _UNSAFE.sub(_escape, s)

@@ -86,6 +86,11 @@ CLI_CASES = {
     "background-word": ("FIMOE_BACKGROUND_LOAD", "sometimes"),
     "cache-bytes-word": ("FIMOE_LAB_CACHE_BYTES", "lots"),
     "cache-bytes-negative": ("FIMOE_LAB_CACHE_BYTES", "-5"),
+    "install-typo": ("FIMOE_LAB_INSTALL", "offf"),
+    "max-memory-word": ("FIMOE_LAB_MAX_MEMORY", "plenty"),
+    "max-memory-fraction": ("FIMOE_LAB_MAX_MEMORY", "1.5G"),
+    "dist-timeout-zero": ("FIMOE_DIST_TIMEOUT", "0"),
+    "dist-data-timeout-empty": ("FIMOE_DIST_DATA_TIMEOUT", ""),
 }
 
 

@@ -154,3 +154,15 @@ def test_truncated_safetensors_dumps_are_one_clear_error(tmp_path, capsys):
         p.write_bytes(raw[:cut])
         err = _error_line(["diagnose", "deepseek-r1-nvfp4", p], capsys)
         assert "truncated or corrupt" in err, (cut, err)
+
+
+def test_a_dump_over_the_memory_limit_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FIMOE_LAB_MAX_MEMORY", "4K")
+    for name, write in (
+        ("d.safetensors", lambda p: save_file({"w13_weight": torch.arange(2048, dtype=torch.int32)}, str(p))),
+        ("w13.npy", lambda p: p.write_bytes(_npy(np.arange(2048, dtype=np.int32)))),
+    ):
+        p = tmp_path / name
+        write(p)
+        err = _error_line(["diagnose", "deepseek-r1-nvfp4", p], capsys)
+        assert "over the memory limit" in err and "FIMOE_LAB_MAX_MEMORY" in err, err

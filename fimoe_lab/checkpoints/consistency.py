@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "check_index",
     "check_layers",
     "check_layer_read",
+    "layer_tensors",
     "memory_limit",
 ]
 
@@ -165,16 +167,36 @@ def memory_limit() -> int:
     return int(env.value("FIMOE_LAB_MAX_MEMORY", min(DEFAULT_MEMORY_LIMIT, physical * 3 // 4)))
 
 
+_LAYERS: weakref.WeakKeyDictionary[Any, dict[str, tuple[set[int], int]]] = weakref.WeakKeyDictionary()
+"""Per checkpoint, :func:`layer_tensors` (one pass over its tensor names, not one per read)."""
+
+
+def layer_tensors(ck: Checkpoint) -> dict[str, tuple[set[int], int]]:
+    """``{layer path: (expert indices named in its tensors, bytes its tensors' headers declare)}`` for every
+    layer with tensors under the convention's expert module, from one pass over the tensor names."""
+    got = _LAYERS.get(ck)
+    if got is None:
+        pattern = re.compile(r"^(.*)\." + re.escape(ck.convention.module) + r"\.(?:(\d+)\.)?")
+        got = {}
+        for name, file in ck.weight_map.items():
+            m = pattern.match(name)
+            if m is None:
+                continue
+            experts, nbytes = got.get(m[1], (set(), 0))
+            if m[2] is not None:
+                experts.add(int(m[2]))
+            got[m[1]] = (experts, nbytes + ck.shard_headers.get(file, {}).get(name, 0))
+        _LAYERS[ck] = got
+    return got
+
+
 def check_layer_read(ck: Checkpoint, layer: int, experts: int, need: int, allocate: int) -> None:
     """Before layer ``layer``'s plan is built: the ``experts`` config.json gives must be the experts present
     (per-expert conventions), its weights' ``need`` bytes must fit in the bytes the headers declare for
     the layer, and ``allocate`` (what the read allocates) must stay under :func:`memory_limit`."""
     conv, base = ck.convention, ck.layer_names[layer]
-    prefix = f"{base}.{conv.module}."
-    names = [n for n in ck.weight_map if n.startswith(prefix)]
+    present, have = layer_tensors(ck).get(base, (set(), 0))
     if conv.fused_layout is None:
-        index = re.compile(re.escape(prefix) + r"(\d+)\.")
-        present = {int(m[1]) for n in names for m in [index.match(n)] if m}
         beyond = sorted(e for e in present if e >= experts)
         if beyond:
             raise CheckpointError(
@@ -190,7 +212,6 @@ def check_layer_read(ck: Checkpoint, layer: int, experts: int, need: int, alloca
                 f"tensors for {len(present)} (experts {missing}{' ...' if len(missing) == 5 else ''} have none)",
                 fix="check that config.json belongs to these weights, or re-download the missing shards",
             )
-    have = sum(ck.shard_headers.get(ck.weight_map[n], {}).get(n, 0) for n in names)
     if need > SIZE_SLACK * have + SIZE_SLACK_BYTES:
         raise CheckpointError(
             f"{ck.path}: layer {layer}'s weights need {need} bytes by config.json, its tensors' headers declare {have}",

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
             "See, check, speed up and tune the weight layouts of FlashInfer's fused-MoE kernels. "
             "Every transform is an index map you can apply, invert, compose and draw."
         ),
-        epilog="Run 'fimoe-lab COMMAND --help' for the options of a command.\n" + EXIT_STATUS_HELP,
+        epilog="Run 'fimoe-lab COMMAND --help' for the options of a command.\n" + EXIT_STATUS_HELP + "\n" + env.HELP,
     )
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     parser.add_argument("--version", action="version", version=f"fimoe-lab {__version__}")
