@@ -205,3 +205,21 @@ def test_a_preset_where_weights_are_read_says_so(capsys, tmp_path, command):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "deepseek-v3 is a model preset (sizes only)" in err[0] and "deepseek-v3-fp8" in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_format_and_backend_are_one_word_in_any_case_on_every_command():
+    """Every command that takes --format or --backend takes the same names, any case, and names them the same
+    way in --help."""
+    seen = {"--format": 0, "--backend": 0}
+    for command, parser in subparsers().items():
+        for action in parser._actions:
+            for flag in set(action.option_strings) & set(seen):
+                seen[flag] += 1
+                name = "fp8" if flag == "--format" else "trtllm"
+                assert action.type(name.upper()) == name, (command, flag)
+                with pytest.raises(argparse.ArgumentTypeError):
+                    action.type("no-such-" + name)
+                assert action.metavar == (
+                    "FMT" if flag == "--format" else "trtllm|cutlass" + ("|all" if action.default == "all" else "")
+                ), (command, action.metavar)
+    assert seen["--format"] >= 4 and seen["--backend"] >= 4, seen

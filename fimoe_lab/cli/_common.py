@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from fimoe_lab import engines
+from fimoe_lab import engines, specs
 from fimoe_lab.errors import CheckpointError, FimoeError
 from fimoe_lab.presets import PRESETS
 from fimoe_lab.resources import sample_names, sample_path
@@ -219,6 +219,35 @@ def add_size_options(
     parser.add_argument(
         "--hidden", type=positive_int("--hidden"), required=required, default=defaults[1], metavar="H", help=hidden
     )
+
+
+def add_format_option(
+    parser: argparse.ArgumentParser,
+    help: str,
+    formats: Iterable[str] | None = None,
+    every: bool = False,
+    repeat: bool = False,
+    **kwargs: Any,
+) -> argparse.Action:
+    """``--format FMT``, the same word on every command: one of ``formats`` (default: the weight formats of
+    :data:`fimoe_lab.specs.FORMATS`), any case; ``every`` adds ``all``; ``repeat`` collects a list in
+    ``formats``."""
+    names = tuple(formats if formats is not None else specs.weight_formats()) + (("all",) if every else ())
+    if repeat:
+        kwargs.update(action="append", dest="formats")
+    return parser.add_argument("--format", type=lower_choice(names), metavar="FMT", help=help, **kwargs)
+
+
+def add_backend_option(
+    parser: argparse.ArgumentParser, help: str, every: bool = False, repeat: bool = False, **kwargs: Any
+) -> argparse.Action:
+    """``--backend B``, the same word on every command: one of :data:`fimoe_lab.specs.BACKENDS`, any case;
+    ``every`` adds ``all``; ``repeat`` collects a list in ``backends``."""
+    names = specs.BACKENDS + (("all",) if every else ())
+    if repeat:
+        kwargs.update(action="append", dest="backends")
+    metavar = "|".join(names)
+    return parser.add_argument("--backend", type=lower_choice(names), metavar=metavar, help=help, **kwargs)
 
 
 def add_per_token_option(parser: argparse.ArgumentParser, effect: str) -> None:

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fimoe_lab import specs
 from fimoe_lab.cli._common import (
     EXIT_OK,
+    add_backend_option,
     add_engine_option,
     add_json_option,
     add_option,
@@ -189,7 +189,7 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
     )
     c.add_argument("path", metavar="PATH", help="checkpoint directory or sample name")
     c.add_argument("out", metavar="OUT", help="output directory (sharded), or a .safetensors file")
-    c.add_argument("--backend", required=True, choices=specs.BACKENDS, help="FlashInfer MoE backend (required)")
+    add_backend_option(c, "FlashInfer MoE backend (required)", required=True)
     add_tp_option(c)
     c.add_argument(
         "--ep",

@@ -18,7 +18,9 @@ from fimoe_lab import specs
 from fimoe_lab.cli._common import (
     EXIT_FAILED,
     EXIT_OK,
+    add_backend_option,
     add_engine_option,
+    add_format_option,
     add_json_option,
     add_per_token_option,
     add_progress_option,
@@ -127,12 +129,8 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:
             "format/backend cannot lay out these sizes."
         ),
     )
-    p.add_argument(
-        "--format", default="all", choices=("all",) + specs.weight_formats(), help="checkpoint format (default: all)"
-    )
-    p.add_argument(
-        "--backend", default="all", choices=("all",) + specs.BACKENDS, help="FlashInfer backend (default: both)"
-    )
+    add_format_option(p, "checkpoint format (default: all)", every=True, default="all")
+    add_backend_option(p, "FlashInfer backend (default: both)", every=True, default="all")
     add_size_options(
         p,
         "intermediate size (default 256): at TP 1, split with --tp as convert splits it",

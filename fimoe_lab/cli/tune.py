@@ -21,7 +21,9 @@ from fimoe_lab import specs
 from fimoe_lab.cli._common import (
     EXIT_NO_ANSWER,
     EXIT_OK,
+    add_backend_option,
     add_engine_option,
+    add_format_option,
     add_json_option,
     add_option,
     add_per_token_option,
@@ -125,12 +127,11 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--experts", type=int, help="routed experts (e.g. experts per rank under EP); overrides the model's")
     t.add_argument("--top-k", type=int, help="experts per token; overrides the model's")
     t.add_argument("--act", type=_activation, default=None, help="activation (default: the model's, else swiglu)")
-    t.add_argument(
-        "--format",
-        type=lower_choice(formats),
-        metavar="FMT",
-        help="weight/activation format (" + ", ".join(formats) + "; default: the checkpoint's, or the preset's "
-        "when it has one)",
+    add_format_option(
+        t,
+        "weight/activation format (" + ", ".join(formats) + "; default: the checkpoint's, or the preset's when it "
+        "has one)",
+        formats,
     )
     add_tp_option(t, "splits the intermediate size")
     add_per_token_option(t, "the tactics and paddings of per-token activation scales")
@@ -141,11 +142,9 @@ def _register_tune(sub: argparse._SubParsersAction) -> None:
         help="token profile: counts, optionally weighted T:w (default 1,8,64,512,4096,16384, equal weights)",
     )
     t.add_argument("--gpu", choices=GPU_NAMES, default="b200", help="target GPU of the time model (default b200)")
-    t.add_argument(
-        "--backend",
-        choices=specs.BACKENDS,
-        default=None,
-        help="FlashInfer MoE backend (default: what --gpu runs: trtllm on Blackwell, cutlass on Hopper; "
+    add_backend_option(
+        t,
+        "FlashInfer MoE backend (default: what --gpu runs: trtllm on Blackwell, cutlass on Hopper; "
         "cutlass has no TRTLLM-Gen tactics, its rows are every padding convert applies)",
     )
     t.add_argument(
@@ -183,9 +182,7 @@ def _register_tactics(sub: argparse._SubParsersAction) -> None:
         "not know a count (e.g. a shape outside the snapshot).",
         epilog="formats:\n" + "\n".join(f"{n}: {specs.FORMATS[n].description}" for n in formats),
     )
-    q.add_argument(
-        "--format", required=True, type=lower_choice(formats), metavar="FMT", help="one of " + ", ".join(formats)
-    )
+    add_format_option(q, "one of " + ", ".join(formats), formats, required=True)
     q.add_argument("--act", default="swiglu", type=_activation, help=f"activation: {acts} (default swiglu)")
     add_per_token_option(q, "the tactics of per-token activation scales")
     q.add_argument(

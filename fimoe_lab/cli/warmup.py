@@ -15,10 +15,11 @@ import time
 from fimoe_lab import specs
 from fimoe_lab.cli._common import (
     EXIT_OK,
+    add_backend_option,
+    add_format_option,
     add_json_option,
     add_size_options,
     add_tp_option,
-    lower_choice,
     model_source,
     positive_int,
     print_json,
@@ -49,20 +50,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the model: a preset, a shipped sample name, a checkpoint directory or a config.json (sizes, and the "
         "formats of a preset or checkpoint)",
     )
-    w.add_argument(
-        "--format",
-        dest="formats",
-        action="append",
-        type=lower_choice(specs.weight_formats()),
-        help="a weight format (repeatable; default: the preset's checkpoint formats)",
-    )
-    w.add_argument(
-        "--backend",
-        dest="backends",
-        action="append",
-        type=lower_choice(specs.BACKENDS),
-        help="a FlashInfer MoE backend (repeatable; default trtllm)",
-    )
+    add_format_option(w, "a weight format (repeatable; default: the preset's checkpoint formats)", repeat=True)
+    add_backend_option(w, "a FlashInfer MoE backend (repeatable; default trtllm)", repeat=True)
     w.add_argument(
         "--device", dest="devices", action="append", help="a torch device, e.g. cpu or cuda (repeatable; default cpu)"
     )
