@@ -137,8 +137,7 @@ def test_in_place_error_midway_restores_input(monkeypatch, backend):
     with pytest.raises(InPlaceError) as info:
         execute_in_place(m.compiled(), x, 1, backend=backend, config={"inplace": "copy-then-gather"})
     assert info.value.restored and isinstance(info.value.__cause__, MemoryError)
-    assert calls["n"] > 3  # the undo ran (through the inverse map)
-    assert torch.equal(x, before)
+    assert calls["n"] >= 3 and torch.equal(x, before)  # two chunks done, then undone through the inverse map
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")

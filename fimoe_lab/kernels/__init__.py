@@ -114,7 +114,7 @@ def execute(em: ExecMap, x: torch.Tensor, out: torch.Tensor, backend: Optional[s
     an executor of :data:`EXECUTORS` (default: :func:`pick_backend`).
     """
     _check_exec_map(em)
-    ex = get_executor(backend, x.device, out.nbytes)
+    ex = get_executor(backend, x.device, out.nbytes, em=em)
     _check_gather(em, x, out)
     if x.shape[0] == 0:
         return
@@ -198,7 +198,7 @@ def execute_in_place(
         return
     chunk = _check_in_place(em, x, scratch_experts)
     flat, _ = byte_views(x, x)
-    ex = get_executor(backend, x.device, flat.numel(), wait=bool(config))  # a tuned call runs on its executor
+    ex = get_executor(backend, x.device, flat.numel(), wait=bool(config), em=em)  # a tuned call: its executor
     strategy = ex.strategy(em, (config or {}).get("inplace", "auto"))
     start = 0
     try:
