@@ -137,6 +137,26 @@ def child(args: argparse.Namespace) -> dict:
         del kept
         return times, moved
 
+    # a loading engine has run strided copies before its first MoE layer (checkpoint shards narrowed to
+    # a rank and copied): the first one in a process loads torch's copy kernels (~30 ms on the H200)
+    prime = time.perf_counter()
+    small = rnd((64, 64)).view(torch.int64)
+    small.t().contiguous()
+    sync()
+    prime = time.perf_counter() - prime
+    if os.environ.get("WHOLE_MODEL_PROFILE"):  # where the first layer's host time goes
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        first = make_layer()
+        sync()
+        profiler.enable()
+        keep = run_ours(first)
+        sync()
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumtime").print_stats(30)
+        del keep, first
     sync()
     ours, moved = measure(run_ours)
     if dev.type == "cuda":
@@ -146,6 +166,7 @@ def child(args: argparse.Namespace) -> dict:
 
     return {
         "import_s": t_import,
+        "first_strided_copy_s": prime,
         "layers": layers,
         "experts": experts,
         "input_bytes": moved,
@@ -221,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
                 p = subprocess.run(cmd, env=e, capture_output=True, text=True, cwd=ROOT)
                 if p.returncode:
                     raise SystemExit(f"child failed ({model} {path} {mode}):\n{p.stderr[-3000:]}")
+                if os.environ.get("WHOLE_MODEL_PROFILE"):
+                    sys.stderr.write(f"--- first layer of {model} {path} {mode}\n{p.stderr}")
                 rec = json.loads(p.stdout.strip().splitlines()[-1])
                 rec.update(model=model, fmt=fmt, path=path, mode=mode, process_wall_s=time.perf_counter() - t)
                 rec["summary"] = summarise(rec)

@@ -185,8 +185,8 @@ def strided_form(src: np.ndarray) -> Strided | None:
     n = src.size
     if n == 0 or src[0] < 0:
         return None
-    codes = np.unique(src[src < 0])
-    if codes.size > 1:
+    codes = src[src < 0]
+    if codes.size and codes.min() != codes.max():
         return None
     dims: list[tuple[int, int, int]] = []  # (extent, live, stride), innermost first
     block = 1

@@ -227,7 +227,9 @@ def test_auto_in_place_strategy_follows_the_preference_rules():
     scales = plan_layer("nvfp4", "trtllm", 256, 512).w13_scale.compiled()  # swizzle form
     assert [EXECUTORS["numba"].strategy(em).name for em in (rows, blocks)] == ["cycles", "copy-then-gather"]
     assert [EXECUTORS["triton"].strategy(em).name for em in (rows, scales)] == ["cycles", "bands"]
-    assert EXECUTORS["torch"].strategy(rows).name == "copy-then-gather"
+    assert EXECUTORS["torch"].strategy(rows).name == "strided"  # a strided form: copied aside, strided back
+    padded = plan_layer("fp8", "trtllm", 232, 320).w13.compiled()  # padding that is no box: no strided form
+    assert EXECUTORS["torch"].strategy(padded).name == "copy-then-gather"
     with pytest.raises(LayoutError, match="128x4 scale swizzle"):
         EXECUTORS["triton"].strategy(rows, "bands")
 
