@@ -64,6 +64,36 @@ def test_gpu_fresh_process_runs_on_torch_while_triton_loads(background):
     assert after == tuned == "triton" and same1 and same2 and moved
 
 
+NO_LOAD_CHILD = """
+import json, sys, torch
+from fimoe_lab import prepare
+from fimoe_lab.kernels import registry
+g = torch.Generator(device="cuda").manual_seed(0)
+w13 = torch.randint(0, 256, (16, 512, 7168), dtype=torch.uint8, device="cuda", generator=g)
+w2 = torch.randint(0, 256, (16, 7168, 256), dtype=torch.uint8, device="cuda", generator=g)
+a, b = prepare.shuffle_deepseek_fp8_moe_weights(w13.view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn))
+prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)
+torch.cuda.synchronize()
+print(json.dumps(["triton" not in sys.modules, dict(registry._LOADS.threads) == {}]))
+"""
+
+
+def test_gpu_fresh_process_prepares_strided_layers_without_triton():
+    """The DeepSeek block shuffle and the FP8 rotate (in place) in a fresh process: strided copies, no
+    Triton import, no background load."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", NO_LOAD_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True]
+
+
 CASES = [
     ("fp8", 256, 512, {}),
     ("fp8", 232, 320, dict(is_act_and_mul=False, is_gated=False)),
