@@ -6,21 +6,38 @@ The kernels (:mod:`fimoe_lab.kernels`) know nothing of maps, steps or plans: the
 
 - coarsening: the map over its widest cells (:meth:`IndexMap.coarsened`), moved as the
   widest word ``w in (8, 4, 2, 1)`` with ``cell_bytes % w == 0``, sources as int32;
-- recognising two fast forms from the map's steps: a row gather followed by the 128x4
-  scale swizzle (:func:`swizzle_form`), and a row gather whose rows are padded on the
-  right (:func:`padded_rows_form`);
+- recognising fast forms: from the map's steps, a row gather followed by the 128x4
+  scale swizzle (:func:`swizzle_form`) and a row gather whose rows are padded on the
+  right (:func:`padded_rows_form`); from its sources, a strided view of the input with
+  a padded box (:func:`strided_form`), which needs no compiled kernel;
 - the recipe for the inverse's executable form (in-place execution undoes with it).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from fimoe_lab.errors import LayoutError
-from fimoe_lab.kernels.compiled import ExecMap
+from fimoe_lab.kernels.compiled import ExecMap, Strided
 from fimoe_lab.layout import IndexMap, compose
 
-__all__ = ["compile_map", "swizzle_form", "padded_rows_form"]
+__all__ = [
+    "compile_map",
+    "swizzle_form",
+    "padded_rows_form",
+    "strided_form",
+    "strided_stages",
+    "MAX_STRIDED_DIMS",
+    "MAX_STRIDED_PIECES",
+]
+
+MAX_STRIDED_DIMS = 12
+"""Most output digits a strided form may have (the frameworks' strided copies take up to 25 dims)."""
+MAX_STRIDED_PIECES = 16
+"""Most strided copies one form may take: digits with a negative stride (the W13 -> W31 swap is
+one of extent 2) run one copy per value, since strided views take non-negative strides only."""
 
 
 def compile_map(m: IndexMap) -> ExecMap:
@@ -50,7 +67,22 @@ def compile_map(m: IndexMap) -> ExecMap:
     )
     em.swizzle = swizzle_form(m, em)
     em.padrows = padded_rows_form(m, em)
+    em.strided = strided_form(em.src)
+    if em.strided is None:
+        em.stages = strided_stages(m)
     return em
+
+
+def strided_stages(m: IndexMap) -> tuple[ExecMap, ExecMap] | None:
+    """``m`` as two maps of the strided form, applied one after the other (the last split of its
+    steps that gives two), or None. Padding that is no box in the output (scale columns padded to
+    whole 4-byte words, then swizzled) is one in the middle."""
+    parts = m.steps
+    for k in range(len(parts) - 1, 0, -1):
+        first, second = compose(*parts[:k]).compiled(), compose(*parts[k:]).compiled()
+        if first.strided is not None and second.strided is not None:
+            return first, second
+    return None
 
 
 def _row_sources(m: IndexMap, em: ExecMap, cols: int) -> np.ndarray | None:
@@ -134,3 +166,67 @@ def padded_rows_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int, in
     if rows.max(initial=-1) >= r_in:
         return None
     return rows.astype(np.int32), c_in, c_out, col_code
+
+
+def strided_form(src: np.ndarray) -> Strided | None:
+    """Recognise ``src`` (one expert's source cell per output cell, fill codes < 0) as a
+    strided view with a padded box (:class:`~fimoe_lab.kernels.compiled.Strided`), or None.
+
+    The output digits are found from the inside out: at block size ``B`` (the product of the
+    digits found so far) the sources of the block starts ``src[k*B]`` run arithmetically for
+    ``live`` blocks (stride ``s``), then are fill for the rest of the digit's extent ``N``
+    (up to the next live block). The digits and strides found are then checked against
+    every entry of ``src`` (one fill code outside the box), so a map that only looks strided
+    at the block starts is refused: what is returned reproduces ``src`` exactly. Strides may
+    be negative (the W13 -> W31 swap), on digits of at most :data:`MAX_STRIDED_PIECES`
+    values together.
+    """
+    src = np.asarray(src, dtype=np.int64)
+    n = src.size
+    if n == 0 or src[0] < 0:
+        return None
+    codes = src[src < 0]
+    if codes.size and codes.min() != codes.max():
+        return None
+    dims: list[tuple[int, int, int]] = []  # (extent, live, stride), innermost first
+    block = 1
+    while block < n:
+        starts = src[::block]
+        live_start = starts >= 0
+        if starts.size > 1 and live_start[1]:
+            stride = int(starts[1] - starts[0])
+            run = live_start[1:] & (np.diff(starts) == stride)
+            live = 1 + (int(np.argmin(run)) if not run.all() else run.size)
+        else:
+            stride, live = 0, 1
+        rest = live_start[live:]
+        extent = live + (int(np.argmax(rest)) if rest.any() else rest.size)
+        if starts.size % extent or len(dims) == MAX_STRIDED_DIMS:
+            return None
+        dims.append((extent, live if live > 1 else 1, stride if live > 1 else 0))
+        block *= extent
+    dims.reverse()
+    shape = tuple(d[0] for d in dims)
+    lives = tuple(d[1] for d in dims)
+    strides = tuple(d[2] for d in dims)
+    fill = int(codes[0]) if codes.size else None
+    if math.prod(n for n, s in zip(lives, strides) if s < 0) > MAX_STRIDED_PIECES:
+        return None
+    if (fill is None) != (shape == lives):
+        return None
+    if not np.array_equal(_strided_sources(shape, lives, strides, int(src[0]), fill), src):
+        return None
+    return Strided(shape, lives, strides, int(src[0]), fill)
+
+
+def _strided_sources(
+    shape: tuple[int, ...], live: tuple[int, ...], strides: tuple[int, ...], offset: int, fill: int | None
+) -> np.ndarray:
+    """The source array a :class:`Strided` form stands for (the check of :func:`strided_form`)."""
+    idx = np.full((), offset, dtype=np.int64)
+    inside = np.ones((), dtype=bool)
+    for extent, n_live, stride in zip(shape, live, strides):
+        digit = np.arange(extent, dtype=np.int64)
+        idx = np.add.outer(idx, digit * stride)
+        inside = np.logical_and.outer(inside, digit < n_live)
+    return np.where(inside, idx, fill if fill is not None else 0).reshape(-1)

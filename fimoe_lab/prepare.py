@@ -20,10 +20,12 @@ from typing import Any, NamedTuple, Optional, TypeVar
 
 import torch
 
+from fimoe_lab import compile as _compile  # noqa: F401 - loaded with the drop-ins, not on their first call
 from fimoe_lab import engines, recipes, steps
 from fimoe_lab.caches import cached
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
+from fimoe_lab.kernels import torch_gather as _torch_gather  # noqa: F401 - likewise
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import LayerPlan, apply_map, check_same_device
 from fimoe_lab.recipes import (
@@ -593,7 +595,7 @@ def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(
 
     ``gemm1 (E, M1, H)`` gets the gated interleave (if gated) and the epilogue-tile-128
     row shuffle, ``gemm2 (E, H, I)`` the shuffle; needs M1 % 32 == 0 and H % 32 == 0.
-    Extra memory: ``scratch_experts`` experts (default 2% of E). Both tensors are
+    Extra memory: ``scratch_experts`` experts (default 2% of E or 64 MiB, whichever is more). Both tensors are
     checked before either is touched.
     """
     _check_fp8_weights(gemm1_weights=gemm1_weights, gemm2_weights=gemm2_weights)
@@ -646,7 +648,7 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
     """BF16 expert weights into TRT-LLM's shuffled BlockMajorK layout, in place.
 
     ``w13 (E, M, H) -> (E, H/64, M, 64)``, ``w2 (E, H, I) -> (E, I/64, H, 64)``: views
-    of the same storage. Scratch: ``scratch_experts`` experts (default 2% of E).
+    of the same storage. Scratch: ``scratch_experts`` experts (default 2% of E or 64 MiB, whichever is more).
     ``cache_permute_indices`` receives what FlashInfer's own helpers would cache there
     (gated interleave + shuffle for W13, shuffle for W2), so a caller sharing the dict with
     FlashInfer stays consistent; our maps are cached by shape anyway. The keys follow the

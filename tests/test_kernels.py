@@ -137,8 +137,7 @@ def test_in_place_error_midway_restores_input(monkeypatch, backend):
     with pytest.raises(InPlaceError) as info:
         execute_in_place(m.compiled(), x, 1, backend=backend, config={"inplace": "copy-then-gather"})
     assert info.value.restored and isinstance(info.value.__cause__, MemoryError)
-    assert calls["n"] > 3  # the undo ran (through the inverse map)
-    assert torch.equal(x, before)
+    assert calls["n"] >= 3 and torch.equal(x, before)  # two chunks done, then undone through the inverse map
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")
@@ -228,7 +227,9 @@ def test_auto_in_place_strategy_follows_the_preference_rules():
     scales = plan_layer("nvfp4", "trtllm", 256, 512).w13_scale.compiled()  # swizzle form
     assert [EXECUTORS["numba"].strategy(em).name for em in (rows, blocks)] == ["cycles", "copy-then-gather"]
     assert [EXECUTORS["triton"].strategy(em).name for em in (rows, scales)] == ["cycles", "bands"]
-    assert EXECUTORS["torch"].strategy(rows).name == "copy-then-gather"
+    assert EXECUTORS["torch"].strategy(rows).name == "strided"  # a strided form: copied aside, strided back
+    padded = plan_layer("fp8", "trtllm", 232, 320).w13.compiled()  # padding that is no box: no strided form
+    assert EXECUTORS["torch"].strategy(padded).name == "copy-then-gather"
     with pytest.raises(LayoutError, match="128x4 scale swizzle"):
         EXECUTORS["triton"].strategy(rows, "bands")
 

@@ -64,6 +64,36 @@ def test_gpu_fresh_process_runs_on_torch_while_triton_loads(background):
     assert after == tuned == "triton" and same1 and same2 and moved
 
 
+NO_LOAD_CHILD = """
+import json, sys, torch
+from fimoe_lab import prepare
+from fimoe_lab.kernels import registry
+g = torch.Generator(device="cuda").manual_seed(0)
+w13 = torch.randint(0, 256, (16, 512, 7168), dtype=torch.uint8, device="cuda", generator=g)
+w2 = torch.randint(0, 256, (16, 7168, 256), dtype=torch.uint8, device="cuda", generator=g)
+a, b = prepare.shuffle_deepseek_fp8_moe_weights(w13.view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn))
+prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)
+torch.cuda.synchronize()
+print(json.dumps(["triton" not in sys.modules, dict(registry._LOADS.threads) == {}]))
+"""
+
+
+def test_gpu_fresh_process_prepares_strided_layers_without_triton():
+    """The DeepSeek block shuffle and the FP8 rotate (in place) in a fresh process: strided copies, no
+    Triton import, no background load."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", NO_LOAD_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True]
+
+
 CASES = [
     ("fp8", 256, 512, {}),
     ("fp8", 232, 320, dict(is_act_and_mul=False, is_gated=False)),
@@ -157,7 +187,7 @@ def test_gpu_unaligned_and_typed(backend):
 
 @pytest.mark.parametrize(
     "backend,strategy",
-    [("torch", None)]
+    [("torch", None), ("torch", "strided"), ("torch", "copy-then-gather")]
     + ([("triton", "auto"), ("triton", "cycles"), ("triton", "copy-then-gather")] if "triton" in GPU_BACKENDS else []),
 )
 @pytest.mark.parametrize("scratch", [1, 2, 3, None])
@@ -396,7 +426,7 @@ def test_gpu_in_place_error_restores_torch_path(monkeypatch):
 
     monkeypatch.setattr(torch_gather, "gather_torch", flaky)
     with pytest.raises(InPlaceError) as info:
-        execute_in_place(m.compiled(), x, 1, backend="torch")
+        execute_in_place(m.compiled(), x, 1, backend="torch", config={"inplace": "copy-then-gather"})
     assert info.value.restored and torch.equal(x, before)
 
 
@@ -437,3 +467,36 @@ def test_gpu_launch_reuses_a_compiled_kernel_only_for_the_same_key():
             torch.cuda.synchronize()
             assert torch.equal(out, reference(m, x))
     assert len(triton_launch._RUNNERS) == 4  # (3, aligned) (3, offset 4) (5, aligned) (5, offset 4)
+
+
+# the layers engines prepare, at model sizes (fewer experts): every map of the plan and of the drop-ins
+MODEL_LAYERS = [("fp8", 256, 7168), ("fp8-block", 256, 7168), ("mxfp8", 256, 7168), ("bf16", 192, 4096)]
+MODEL_LAYERS += [("nvfp4", 256, 7168), ("mxfp4", 2880, 2880)]
+
+
+def engine_maps():
+    from fimoe_lab.prepare import drop_in_maps
+
+    for fmt, inter, hidden in MODEL_LAYERS:
+        plan = plan_layer(fmt, "trtllm", inter, hidden)
+        maps = {f"plan-{k}": m for k, m in plan.maps().items()}
+        maps |= {k: m for k, (m, _) in drop_in_maps(fmt, plan.padded_intermediate, plan.padded_hidden).items()}
+        for name, m in maps.items():
+            yield pytest.param(m, id=f"{fmt}-{inter}x{hidden}-{name}")
+
+
+@pytest.mark.parametrize("m", list(engine_maps()))
+def test_gpu_strided_copies_bit_exact_at_model_sizes(m):
+    """The strided copies (and two-stage strided copies) on the GPU against the byte loop."""
+    em = m.compiled()
+    assert em.strided is not None or em.stages is not None
+    for x in inputs(m, 2):
+        out = torch.full((2, m.out_bytes), 0xAB, dtype=torch.uint8, device="cuda")
+        execute(em, x, out, backend="torch")
+        torch.cuda.synchronize()
+        assert torch.equal(out, reference(m, x))
+        if em.is_permutation and em.strided is not None:
+            y = x.clone()
+            execute_in_place(em, y, 1, backend="torch")
+            torch.cuda.synchronize()
+            assert torch.equal(y, out)

@@ -41,6 +41,7 @@ __all__ = [
     "execute",
     "execute_in_place",
     "default_scratch_experts",
+    "SCRATCH_MIN_BYTES",
     "available_backends",
     "pick_backend",
     "load_executor",
@@ -114,16 +115,24 @@ def execute(em: ExecMap, x: torch.Tensor, out: torch.Tensor, backend: Optional[s
     an executor of :data:`EXECUTORS` (default: :func:`pick_backend`).
     """
     _check_exec_map(em)
-    ex = get_executor(backend, x.device, out.nbytes)
+    ex = get_executor(backend, x.device, out.nbytes, em=em)
     _check_gather(em, x, out)
     if x.shape[0] == 0:
         return
     ex.gather(em, x, out)
 
 
-def default_scratch_experts(num_experts: int) -> int:
-    """Experts per in-place chunk: at most 2% of the tensor, at least one expert."""
-    return max(1, math.floor(num_experts * 0.02))
+SCRATCH_MIN_BYTES = 1 << 26
+"""The scratch of an in-place transform may hold this many bytes even where that is over 2% of the
+tensor: fewer, larger chunks (a 256-expert DeepSeek-V3 rank's W13 in 15 chunks, not 52), so the
+host's calls stay ahead of the device (measured on the H200, benchmarks/whole_model.py)."""
+
+
+def default_scratch_experts(num_experts: int, expert_bytes: int = 0) -> int:
+    """Experts per in-place chunk: 2% of the tensor or :data:`SCRATCH_MIN_BYTES` of ``expert_bytes``
+    experts, whichever is more; at least one expert, at most all."""
+    by_bytes = SCRATCH_MIN_BYTES // expert_bytes if expert_bytes else 0
+    return min(max(1, math.floor(num_experts * 0.02), by_bytes), max(num_experts, 1))
 
 
 class InPlaceError(RuntimeError):
@@ -151,7 +160,7 @@ def _check_in_place(em: ExecMap, x: torch.Tensor, scratch_experts: Optional[int]
             f"{em.name} moves {em.in_bytes} bytes per expert but x has {x.numel() * x.element_size() // num_experts}",
             fix="pass x as (experts, ...) of the map's input",
         )
-    chunk = scratch_experts or default_scratch_experts(num_experts)
+    chunk = scratch_experts or default_scratch_experts(num_experts, em.in_bytes)
     if chunk < 1:
         raise LayoutError(f"scratch_experts must be >= 1, got {chunk}")
     return min(chunk, num_experts)
@@ -166,7 +175,7 @@ def execute_in_place(
     config: Optional[dict] = None,
 ) -> None:
     """Apply the permutation ``em`` to ``x`` in place with a scratch of ``scratch_experts``
-    experts' bytes (default :func:`default_scratch_experts`, at most 2% of ``x``).
+    experts' bytes (default :func:`default_scratch_experts`: 2% of ``x`` or 64 MiB, whichever is more).
 
     Triton (CUDA): along the map's cycles (:mod:`.cycles`): tiles that read only cells
     they overwrite themselves, plus the few cells where a tile cuts a cycle, saved
@@ -198,7 +207,7 @@ def execute_in_place(
         return
     chunk = _check_in_place(em, x, scratch_experts)
     flat, _ = byte_views(x, x)
-    ex = get_executor(backend, x.device, flat.numel(), wait=bool(config))  # a tuned call runs on its executor
+    ex = get_executor(backend, x.device, flat.numel(), wait=bool(config), em=em)  # a tuned call: its executor
     strategy = ex.strategy(em, (config or {}).get("inplace", "auto"))
     start = 0
     try:

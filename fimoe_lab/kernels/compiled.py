@@ -20,7 +20,7 @@ import torch
 
 from fimoe_lab.errors import LayoutError
 
-__all__ = ["ExecMap", "word_dtype", "fill_word", "byte_views", "aligned_word"]
+__all__ = ["ExecMap", "Strided", "word_dtype", "fill_word", "byte_views", "aligned_word"]
 
 _TORCH_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -36,6 +36,26 @@ def fill_word(byte: int, word: int) -> int:
     return int.from_bytes(bytes([byte]) * word, "little", signed=True)
 
 
+@dataclass(frozen=True)
+class Strided:
+    """A map whose sources are an affine function of the output's mixed-radix digits: a strided view.
+
+    Output cells of one expert form an array of shape ``shape`` (outermost first, row-major);
+    in the box ``digit[d] < live[d]`` for every ``d``, cell ``(digit...)`` reads input cell
+    ``offset + sum(digit[d] * strides[d])``; every other cell is fill code ``fill``. So the
+    gather is ``out[:live] = as_strided(x, live, strides, offset)`` and a fill of the box's
+    complement: strided copies any framework runs at bandwidth with nothing to compile
+    (BlockMajorK is a permute of a view, the gated interleave and the epilogue row shuffle
+    are permutes of row digits, the 128x4 scale swizzle is one too, padding is the box).
+    """
+
+    shape: tuple[int, ...]
+    live: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    fill: int | None  # the fill code (-1 - k) of every cell outside the box; None when there is none
+
+
 @dataclass(eq=False)
 class ExecMap:
     """What an executor needs to run one map (per expert; identical for every expert).
@@ -49,7 +69,8 @@ class ExecMap:
     map is a row gather then the 128x4 scale swizzle of 1-byte scales, else None.
     ``padrows``: ``(source row or fill code per output row int32, input row bytes, output
     row bytes, column fill code)`` when every output row is one input row padded on the
-    right (or all fill), else None. ``compile_inverse`` builds the executable form of the
+    right (or all fill), else None. ``strided``: the map as a strided view (:class:`Strided`)
+    when it is one, else None. ``compile_inverse`` builds the executable form of the
     map's inverse (what in-place execution undoes a failure with); :meth:`inverse` calls
     it once.
     """
@@ -68,6 +89,8 @@ class ExecMap:
     compile_inverse: Optional[Callable[[], ExecMap]] = field(default=None, repr=False)
     swizzle: tuple | None = None
     padrows: tuple | None = None
+    strided: Strided | None = None
+    stages: tuple[ExecMap, ExecMap] | None = None
     _dev: dict = field(default_factory=dict, repr=False)
 
     def inverse(self) -> ExecMap:

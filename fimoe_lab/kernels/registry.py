@@ -8,11 +8,13 @@ output size is the first one that is available there and wants that size:
 - ``triton``: CUDA tensors, when Triton imports;
 - ``numba``: CPU tensors of at least :data:`NUMBA_MIN_BYTES` output, when numba imports
   (below that, compiling costs more than it saves);
-- ``torch``: any device (wide-word ``index_select``).
+- ``torch``: any device (strided copies for maps of the strided form, else wide-word
+  ``index_select``).
 
 In-place strategies: ``bands`` (Triton, the 128x4 scale maps only: one cooperative
 launch, no scratch), ``cycles`` (along the map's cycles, :mod:`.cycles`; numba prefers
-it for cells of at least :data:`CYCLES_MIN_CELL` bytes), ``copy-then-gather`` (every
+it for cells of at least :data:`CYCLES_MIN_CELL` bytes), ``strided`` (torch, maps of the
+strided form: a chunk copied aside, then strided-copied back), ``copy-then-gather`` (every
 executor: :mod:`.copy_then_gather`). ``auto`` takes the first strategy that fits the
 map and prefers it. Implementations load on first call (numba and Triton import only
 when used) and are looked up on every call.
@@ -103,6 +105,7 @@ class Executor:
     in_place: tuple[InPlace, ...]
     load: Optional[Callable[[], None]] = None
     stand_in: Optional[str] = None
+    at_bandwidth: Callable[[ExecMap, str], bool] = lambda em, kind: False
 
     def available(self, device: torch.device | str) -> bool:
         """Whether this executor can run on ``device`` here."""
@@ -138,6 +141,20 @@ def _importable(package: str) -> bool:
 
 def _module(name: str):
     return importlib.import_module(f"fimoe_lab.kernels.{name}")
+
+
+def _strided_form(em: ExecMap) -> bool:
+    return em.strided is not None
+
+
+def _strided_on_cuda(em: ExecMap, kind: str) -> bool:
+    """torch's strided copies run at 0.94-0.97 of a copy on the H200 (Triton's gathers: 0.95-0.97);
+    on a CPU about half of one (numba's streaming stores: all of it), so numba is still loaded there."""
+    return kind == "cuda" and (em.strided is not None or em.stages is not None)
+
+
+def _inplace_strided_torch(em, flat, scratch_experts, config):
+    return _module("torch_gather").inplace_strided(em, flat, scratch_experts)
 
 
 def _copy_then_gather(gather: Gather) -> InPlace:
@@ -214,7 +231,18 @@ EXECUTORS: dict[str, Executor] = {
             load=_load_numba,
             stand_in="torch",
         ),
-        Executor("torch", None, None, 0, _gather_torch, (_copy_then_gather(_gather_torch),)),
+        Executor(
+            "torch",
+            None,
+            None,
+            0,
+            _gather_torch,
+            (
+                InPlace("strided", _inplace_strided_torch, fits=_strided_form, requirement="a map of the strided form"),
+                _copy_then_gather(_gather_torch),
+            ),
+            at_bandwidth=_strided_on_cuda,
+        ),
     )
 }
 """Every executor, fastest first."""
@@ -235,15 +263,18 @@ def _pick(kind: str, out_bytes: int) -> str:
     return next(e.name for e in EXECUTORS.values() if e.preferred(kind, out_bytes))
 
 
-def get_executor(name: Optional[str], device: torch.device | str, out_bytes: int, wait: bool = False) -> Executor:
-    """Executor ``name`` (None: :func:`pick_backend`, or its stand-in while it loads; with ``wait``, loaded
-    now: a call that tunes the executor's own strategies), checked to run on ``device``."""
+def get_executor(
+    name: Optional[str], device: torch.device | str, out_bytes: int, wait: bool = False, em: Optional[ExecMap] = None
+) -> Executor:
+    """Executor ``name`` (None: :func:`pick_backend`, or its stand-in while it loads or, for a map ``em``
+    the stand-in runs at bandwidth, until it is loaded; with ``wait``, loaded now: a call that tunes the
+    executor's own strategies), checked to run on ``device``."""
     if name is None:
         ex = EXECUTORS[pick_backend(device, out_bytes)]
         if wait:
             load_executor(ex.name)
             return ex
-        return _loaded_or_stand_in(ex)
+        return _loaded_or_stand_in(ex, em, torch.device(device).type)
     if name not in EXECUTORS:
         raise FormatError(f"unknown executor backend {name!r}", fix=f"choose one of {', '.join(EXECUTORS)}")
     ex = EXECUTORS[name]
@@ -310,11 +341,14 @@ def _background_load(ex: Executor) -> None:
         _LOADS.ready.add(ex.name)
 
 
-def _loaded_or_stand_in(ex: Executor) -> Executor:
-    """``ex`` once loaded; before that, start its load in the background and return its stand-in
-    (in the calling thread instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in)."""
+def _loaded_or_stand_in(ex: Executor, em: Optional[ExecMap] = None, kind: str = "") -> Executor:
+    """``ex`` once loaded; before that, its stand-in with no load started when the stand-in runs ``em``
+    at bandwidth, else start its load in the background and return its stand-in (in the calling thread
+    instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in)."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
+    if ex.stand_in is not None and em is not None and EXECUTORS[ex.stand_in].at_bandwidth(em, kind):
+        return EXECUTORS[ex.stand_in]
     if ex.stand_in is None or not env.value(BACKGROUND_ENV, True):
         load_executor(ex.name)
         return ex

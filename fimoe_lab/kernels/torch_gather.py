@@ -1,17 +1,33 @@
-"""The portable executor: one ``index_select`` over the widest word the map allows.
+"""The portable executor: strided copies where the map is a strided view, else ``index_select``.
 
-A batched gather on bytes reaches about a tenth of copy bandwidth on an H200; the
-same gather on 8-byte words of rows that move whole reaches most of it (DESIGN §7).
-So the executable form's widest cells are viewed as words of 8, 4, 2 or 1 bytes,
-whichever divides the cell and the buffers' alignment.
+A map of the strided form (:class:`~fimoe_lab.kernels.compiled.Strided`: BlockMajorK, the
+gated interleave, the epilogue row shuffle, the W13 -> W31 swap, the 128x4 scale swizzle and
+their compositions, padded in a box), or of two such stages (``ExecMap.stages``, through an
+intermediate of at most :data:`STAGE_BYTES`), runs as strided copies of 16-byte words (``complex128``:
+torch moves them as they are, bit for bit), about 0.95 of a copy's bandwidth on an H200 from
+the first call, with nothing to compile (benchmarks/RESULTS.md). Any other map runs as one
+``index_select`` over the widest word the map allows: a batched gather on bytes reaches about
+a tenth of copy bandwidth on an H200; on 8-byte words of rows that move whole, most of it
+(DESIGN §7).
+
+In place (:func:`inplace_strided`): a chunk of experts is copied aside, then strided-copied back
+into place; every byte crosses memory twice.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
-from fimoe_lab.kernels.compiled import ExecMap, aligned_word, fill_word, word_dtype
+from fimoe_lab.kernels.compiled import ExecMap, Strided, aligned_word, fill_word, word_dtype
+
+__all__ = ["gather_torch", "cell_views", "inplace_strided", "strided_word"]
+
+_STRIDED_WORDS = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+"""Word types of the strided copies: 16-byte words move as ``complex128`` (copied, never computed on)."""
 
 
 def cell_views(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,8 +47,25 @@ def _index(em: ExecMap, key: tuple, make, device: torch.device) -> torch.Tensor:
     return em._dev[key]
 
 
+STAGE_BYTES = 1 << 25
+"""Most bytes of the intermediate a map run as two strided stages holds (whole experts, at least one)."""
+
+
 def gather_torch(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     """``out[e, i] = x[e, src[i]]`` for all experts, then the fill cells."""
+    if em.strided is not None:
+        _gather_strided(em, x, out)
+        return
+    if em.stages is not None:
+        first, second = em.stages
+        per = max(1, STAGE_BYTES // max(first.out_bytes, 1))
+        mid = torch.empty((min(per, x.shape[0]), first.out_bytes), dtype=torch.uint8, device=x.device)
+        xf, of = x.reshape(x.shape[0], -1).view(torch.uint8), out.reshape(out.shape[0], -1).view(torch.uint8)
+        for start in range(0, x.shape[0], per):
+            stop = min(start + per, x.shape[0])
+            _gather_strided(first, xf[start:stop], mid[: stop - start])
+            _gather_strided(second, mid[: stop - start], of[start:stop])
+        return
     xin, xout = cell_views(em, x, out)
     src = _index(em, ("gather_idx",), lambda: np.maximum(em.src, 0), x.device)
     torch.index_select(xin, 1, src, out=xout)
@@ -40,3 +73,124 @@ def gather_torch(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
         idx = _index(em, ("fill_idx", k), lambda k=k: np.flatnonzero(em.src == -1 - k), x.device)
         if idx.numel():
             xout.index_fill_(1, idx, fill_word(byte, xout.element_size()))
+
+
+# ============================================================================ strided form
+def strided_word(em: ExecMap, *tensors: torch.Tensor) -> int:
+    """The widest word (up to 16 bytes) dividing the cell, every buffer's address and its offset in
+    its storage (a view as wider words needs both)."""
+    word = aligned_word(16 if em.cell_bytes % 16 == 0 else em.word, *tensors)
+    while word > 1 and any(t.storage_offset() * t.element_size() % word for t in tensors):
+        word //= 2
+    return word
+
+
+def _words(t: torch.Tensor, word: int) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat tensor of ``word``-byte words (no copy)."""
+    return t.reshape(-1).view(torch.uint8).view(_STRIDED_WORDS[word])
+
+
+class _Pieces:
+    """The strided copies of a :class:`Strided` form in ``word``-byte words: per piece the output
+    index (an int fixes a digit of negative stride, a slice keeps a live digit) and the source
+    view's sizes, strides and offset (words, per expert); and the box's complement as slabs."""
+
+    def __init__(self, st: Strided, cell_words: int):
+        self.out_shape = st.shape + (cell_words,)
+        neg = [d for d, s in enumerate(st.strides) if s < 0]
+        keep = [d for d in range(len(st.shape)) if d not in neg]
+        self.sizes = tuple(st.live[d] for d in keep) + (cell_words,)
+        self.strides = tuple(st.strides[d] * cell_words for d in keep) + (1,)
+        self.pieces: list[tuple[tuple, int]] = []
+        for values in itertools.product(*(range(st.live[d]) for d in neg)):
+            fixed = dict(zip(neg, values))
+            index = tuple(fixed[d] if d in fixed else slice(0, st.live[d]) for d in range(len(st.shape)))
+            offset = st.offset + sum(v * st.strides[d] for d, v in fixed.items())
+            self.pieces.append(((slice(None),) + index, offset * cell_words))
+        self.slabs = [
+            (slice(None),) + tuple(slice(0, st.live[j]) for j in range(d)) + (slice(st.live[d], None),)
+            for d in range(len(st.shape))
+            if st.live[d] < st.shape[d]
+        ]
+
+
+def _pieces(em: ExecMap, word: int) -> _Pieces:
+    key = ("strided pieces", word)
+    if key not in em._dev:
+        assert em.strided is not None
+        em._dev[key] = _Pieces(em.strided, em.cell_bytes // word)
+    return em._dev[key]
+
+
+def _box_copy(p: _Pieces, xw: torch.Tensor, experts: int, ov: torch.Tensor) -> None:
+    """The live box: ``ov`` ``(E, *shape, cell_words)`` from the flat words ``xw`` of ``experts`` experts."""
+    in_words = xw.numel() // max(experts, 1)
+    base = xw.storage_offset()
+    for index, offset in p.pieces:
+        ov[index].copy_(xw.as_strided((experts,) + p.sizes, (in_words,) + p.strides, base + offset))
+
+
+def _fill_box_complement(em: ExecMap, out: torch.Tensor, word: int) -> None:
+    st = em.strided
+    assert st is not None and st.fill is not None
+    fw = min(word, 8)
+    p = _pieces(em, fw)
+    ov = _words(out, fw).view((out.shape[0],) + p.out_shape)
+    value = fill_word(em.fills[-1 - st.fill], fw)
+    for slab in p.slabs:
+        ov[slab].fill_(value)
+
+
+def _gather_strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
+    word = strided_word(em, x, out)
+    p = _pieces(em, word)
+    experts = x.shape[0]
+    _box_copy(p, _words(x, word), experts, _words(out, word).view((experts,) + p.out_shape))
+    if p.slabs:
+        _fill_box_complement(em, out, word)
+
+
+def inplace_strided(em: ExecMap, flat: torch.Tensor, scratch_experts: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Permute every expert of ``flat`` ``(E, bytes)`` in place, ``scratch_experts`` at a time: copy the
+    chunk to the scratch (a contiguous copy), then strided-copy it back into place. Yields the leading
+    experts done after each chunk; if a copy raises, the chunk in flight is copied back from the
+    scratch first (as :func:`~fimoe_lab.kernels.copy_then_gather.copy_then_gather`). The views of a
+    chunk are made once (a few calls a chunk: the host keeps ahead of the device)."""
+    experts, nbytes = flat.shape
+    scratch = torch.empty((scratch_experts, nbytes), dtype=torch.uint8, device=flat.device)
+    word = strided_word(em, flat, scratch)
+    p = _pieces(em, word)
+    words = nbytes // word
+    xw = _words(flat, word).view(experts, words)
+    sw = _words(scratch, word).view(scratch_experts, words)
+    views: dict[int, list[tuple[torch.Tensor, tuple, tuple, int]]] = {}
+    for start in range(0, experts, scratch_experts):
+        n = min(scratch_experts, experts - start)
+        if n not in views:  # (source piece on the scratch, output piece's size, stride, offset at start 0)
+            outs = [xw[:n].view((n,) + p.out_shape)[index] for index, _ in p.pieces]
+            views[n] = [
+                (sw.as_strided((n,) + p.sizes, (words,) + p.strides, sw.storage_offset() + offset), *_geometry(o))
+                for (_, offset), o in zip(p.pieces, outs)
+            ]
+        part = xw[start : start + n]
+        sw[:n].copy_(part)
+        try:
+            _pieces_back(xw, views[n], start * words, _strided_copy)
+        except BaseException:
+            part.copy_(sw[:n])
+            raise
+        yield start + n, scratch
+
+
+def _geometry(t: torch.Tensor) -> tuple[tuple, tuple, int]:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _pieces_back(xw: torch.Tensor, views: list, shift: int, copy) -> None:
+    """Each source piece into its output piece shifted ``shift`` words into ``xw``."""
+    for src, size, stride, offset in views:
+        copy(xw.as_strided(size, stride, offset + shift), src)
+
+
+def _strided_copy(out: torch.Tensor, src: torch.Tensor) -> None:
+    out.copy_(src)

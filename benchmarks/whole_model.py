@@ -1,0 +1,296 @@
+"""A whole model's MoE layers prepared in a fresh process, against allocating and copying the same bytes.
+
+Each measurement is a fresh Python process (``--child``) that imports torch and ``fimoe_lab``,
+then for every MoE layer of the model: makes the layer's random input bytes on the device
+(untimed), synchronises, runs the preparation, synchronises; the layer's time is between the
+two synchronisations. Outputs are kept, as a loading engine keeps them (inputs of the
+out-of-place paths are dropped after their layer). Then, in the same process, everything is
+freed (``empty_cache``) and the baseline runs the same way: ``torch.empty_like`` + ``copy_`` of
+the same input bytes, layer by layer. No warm-up anywhere: the first layer pays plan building,
+map compiling, executor choice and every first kernel launch.
+
+Paths (per model):
+
+- ``drop-in``: the public drop-in the engines call on each layer (sizes already aligned, as an
+  engine passes them): FP8 per-tensor ``rotate_weights_for_fi_trtllm_fp8_per_tensor_moe`` (in
+  place), DeepSeek FP8 block ``shuffle_deepseek_fp8_moe_weights`` (new tensors), BF16
+  ``convert_moe_weights_to_flashinfer_trtllm_block_layout`` (in place);
+- ``layer``: the layer entry point the integrations route an engine's preparation to
+  (``plan_layer(fmt, "trtllm", ...)`` applied to the layer's weights and scales: padding, swap,
+  interleave, shuffle, block layout and scale swizzle composed; new tensors).
+
+Cache modes: ``empty`` points ``TRITON_CACHE_DIR`` and ``NUMBA_CACHE_DIR`` at new empty
+directories; ``warm`` reuses the directories a previous process of the same model and path
+filled. Per model and path: all layers, the baseline's all layers, their ratio (share of
+copy), the first layer, the median layer (and the baseline's), the first-layer overhead
+(first minus median).
+
+    PYTHONPATH=. python3 benchmarks/whole_model.py --out benchmarks/results/whole_model_h200.json
+    PYTHONPATH=. python3 benchmarks/whole_model.py --device cpu --layers 3 --experts 8   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# model -> (weight format, experts, hidden, intermediate per rank, MoE layers, paths)
+MODELS = {
+    "deepseek-v3-tp8-fp8": ("fp8", 256, 7168, 256, 58, ("drop-in", "layer")),
+    "deepseek-v3-tp8-fp8-block": ("fp8-block", 256, 7168, 256, 58, ("drop-in", "layer")),
+    "qwen3-235b-tp8-bf16": ("bf16", 128, 4096, 192, 94, ("drop-in", "layer")),
+    "deepseek-r1-tp8-nvfp4": ("nvfp4", 256, 7168, 256, 58, ("layer",)),
+    "gpt-oss-120b-mxfp4": ("mxfp4", 128, 2880, 2880, 36, ("layer",)),
+}
+DROP_INS = {
+    "fp8": "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe (in place)",
+    "fp8-block": "shuffle_deepseek_fp8_moe_weights",
+    "bf16": "convert_moe_weights_to_flashinfer_trtllm_block_layout (in place)",
+}
+
+
+def child(args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    import torch
+
+    from fimoe_lab import prepare
+    from fimoe_lab.recipes import plan_layer
+
+    t_import = time.perf_counter() - t0
+    dev = torch.device(args.device)
+    fmt, experts, hidden, inter, layers, _ = MODELS[args.model]
+    experts = args.experts or experts
+    layers = args.layers or layers
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def rnd(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
+
+    # shapes from the plans' maps (bytes), without building any plan in this process's timed part
+    if args.path == "drop-in":
+        # the engines pass the drop-ins aligned sizes: the plan's padded ones (Qwen3 TP8: 192 -> 256),
+        # from the torch-free table
+        from fimoe_lab.shapes import padded_shape
+
+        inter_p, hidden_p = padded_shape(fmt, "trtllm", inter, hidden)
+        rows, item = 2 * inter_p, (2 if fmt == "bf16" else 1)
+        shapes = {"w13": (experts, rows, hidden_p * item), "w2": (experts, hidden_p, inter_p * item)}
+    else:
+        shapes = None
+
+    def make_layer() -> dict[str, torch.Tensor]:
+        if shapes is not None:
+            return {k: rnd(s) for k, s in shapes.items()}
+        return {k: rnd((experts, *s)) for k, s in layer_shapes.items()}
+
+    def run_ours(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        if args.path == "layer":
+            plan = plan_layer(fmt, "trtllm", inter, hidden)
+            return [o for o in plan.apply(t["w13"], t["w2"], t.get("w13_scale"), t.get("w2_scale")) if o is not None]
+        if fmt == "fp8":
+            w13, w2 = t["w13"].view(torch.float8_e4m3fn), t["w2"].view(torch.float8_e4m3fn)
+            prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)
+            return [w13, w2]
+        if fmt == "fp8-block":
+            w13, w2 = t["w13"].view(torch.float8_e4m3fn), t["w2"].view(torch.float8_e4m3fn)
+            return list(prepare.shuffle_deepseek_fp8_moe_weights(w13, w2))
+        w13, w2 = t["w13"].view(torch.bfloat16), t["w2"].view(torch.bfloat16)
+        return list(prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, w13, w2))
+
+    def run_copy(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        outs = []
+        for x in t.values():
+            y = torch.empty_like(x)
+            y.copy_(x)
+            outs.append(y)
+        return outs
+
+    if shapes is None:  # the layer path's input shapes: the plan's maps (built here untimed would warm it:
+        # read them from a plan built in a throwaway process instead)
+        layer_shapes = json.loads(args.shapes)
+
+    def measure(fn) -> tuple[list[float], int]:
+        kept, times, moved = [], [], 0
+        for _ in range(layers):
+            t = make_layer()
+            moved += sum(x.numel() for x in t.values())
+            sync()
+            a = time.perf_counter()
+            kept.append(fn(t))
+            sync()
+            times.append(time.perf_counter() - a)
+            del t
+        del kept
+        return times, moved
+
+    # a loading engine has run strided copies before its first MoE layer (checkpoint shards narrowed to
+    # a rank and copied): the first one in a process loads torch's copy kernels (~30 ms on the H200)
+    prime = time.perf_counter()
+    small = rnd((64, 64)).view(torch.int64)
+    small.t().contiguous()
+    sync()
+    prime = time.perf_counter() - prime
+    if os.environ.get("WHOLE_MODEL_PROFILE"):  # where the first layer's host time goes
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        first = make_layer()
+        sync()
+        profiler.enable()
+        keep = run_ours(first)
+        sync()
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumtime").print_stats(30)
+        del keep, first
+    sync()
+    ours, moved = measure(run_ours)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    base, _ = measure(run_copy)
+    from fimoe_lab.kernels import registry
+
+    return {
+        "import_s": t_import,
+        "first_strided_copy_s": prime,
+        "layers": layers,
+        "experts": experts,
+        "input_bytes": moved,
+        "ours_s": ours,
+        "copy_s": base,
+        "loaded_executors": sorted(registry._LOADS.ready),
+        "started_loads": sorted(registry._LOADS.threads),
+        "numba_imported": "numba" in sys.modules,
+        "triton_imported": "triton" in sys.modules,
+    }
+
+
+def layer_shapes_of(fmt: str, hidden: int, inter: int) -> dict[str, list[int]]:
+    """Per-expert input shapes (bytes) of ``plan_layer``'s maps, in a throwaway process."""
+    code = (
+        "import json; from fimoe_lab.recipes import plan_layer; "
+        f"p = plan_layer({fmt!r}, 'trtllm', {inter}, {hidden}); "
+        "print(json.dumps({k: list(m.in_shape) for k, m in p.maps().items()}))"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarise(rec: dict) -> dict:
+    ours, base = rec["ours_s"], rec["copy_s"]
+    med = statistics.median(ours[1:] or ours)
+    return {
+        "all_layers_s": sum(ours),
+        "copy_all_layers_s": sum(base),
+        "share_of_copy": sum(base) / sum(ours),
+        "first_layer_ms": ours[0] * 1e3,
+        "median_layer_ms": med * 1e3,
+        "copy_median_layer_ms": statistics.median(base[1:] or base) * 1e3,
+        "first_layer_overhead_ms": (ours[0] - med) * 1e3,
+        "gb_per_layer": rec["input_bytes"] / rec["layers"] / 1e9,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shapes", help=argparse.SUPPRESS)
+    ap.add_argument("--model", choices=sorted(MODELS))
+    ap.add_argument("--path", choices=("drop-in", "layer"))
+    ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--modes", nargs="*", default=["empty", "warm"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=0, help="MoE layers (default: the model's)")
+    ap.add_argument("--experts", type=int, default=0, help="experts (default: the model's)")
+    ap.add_argument("--out", help="write the JSON here")
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    records = []
+    for model in args.models:
+        fmt, experts, hidden, inter, layers, paths = MODELS[model]
+        shapes = json.dumps(layer_shapes_of(fmt, hidden, inter))
+        for path in paths:
+            caches = tempfile.mkdtemp(prefix="fimoe_whole_")
+            for mode in args.modes:
+                e = dict(env)
+                if mode == "empty":
+                    caches = tempfile.mkdtemp(prefix="fimoe_whole_")
+                e["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
+                e["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--path", path]
+                cmd += ["--device", args.device, "--layers", str(args.layers), "--experts", str(args.experts)]
+                cmd += ["--shapes", shapes]
+                t = time.perf_counter()
+                p = subprocess.run(cmd, env=e, capture_output=True, text=True, cwd=ROOT)
+                if p.returncode:
+                    raise SystemExit(f"child failed ({model} {path} {mode}):\n{p.stderr[-3000:]}")
+                if os.environ.get("WHOLE_MODEL_PROFILE"):
+                    sys.stderr.write(f"--- first layer of {model} {path} {mode}\n{p.stderr}")
+                rec = json.loads(p.stdout.strip().splitlines()[-1])
+                rec.update(model=model, fmt=fmt, path=path, mode=mode, process_wall_s=time.perf_counter() - t)
+                rec["summary"] = summarise(rec)
+                records.append(rec)
+                s = rec["summary"]
+                print(
+                    f"{model:28s} {path:8s} {mode:5s} all {s['all_layers_s']:.3f} s copy {s['copy_all_layers_s']:.3f} s "
+                    f"share {s['share_of_copy']:.2f} first {s['first_layer_ms']:.1f} ms median "
+                    f"{s['median_layer_ms']:.2f} ms (copy {s['copy_median_layer_ms']:.2f}) overhead "
+                    f"{s['first_layer_overhead_ms']:.1f} ms loads {rec['started_loads']}",
+                    flush=True,
+                )
+    import torch
+
+    env_info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+    }
+    try:
+        import triton
+
+        env_info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    print(table(records))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "env": env_info, "records": records}, f, indent=1)
+
+
+def table(records: list[dict]) -> str:
+    lines = [
+        "| model | path | cache | all layers s | alloc+copy s | share of copy | first layer ms | overhead ms "
+        "| median layer ms (copy) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        s = r["summary"]
+        lines.append(
+            f"| {r['model']} | {r['path']} | {r['mode']} | {s['all_layers_s']:.3f} | {s['copy_all_layers_s']:.3f} | "
+            f"{s['share_of_copy']:.2f} | {s['first_layer_ms']:.1f} | {s['first_layer_overhead_ms']:.1f} | "
+            f"{s['median_layer_ms']:.2f} ({s['copy_median_layer_ms']:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
