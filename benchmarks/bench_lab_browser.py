@@ -146,6 +146,9 @@ def run(checkpoint: str, rounds: int = 5, budget_s: float = 1500) -> dict:
         _notebook(work / "bench.ipynb")
         port = free_port()
         argv, env = jupyterlab_command(work, port, Path(tmp) / "state", open_browser=False, theme="light")
+        tracker = Path(tmp) / "state" / "settings" / "@jupyterlab" / "notebook-extension"
+        tracker.mkdir(parents=True, exist_ok=True)  # render every cell (no windowing), as lab_screenshots does
+        (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         log_path = Path(tmp) / "jupyterlab.log"
         with open(log_path, "w") as server_log:
@@ -162,7 +165,11 @@ def run(checkpoint: str, rounds: int = 5, budget_s: float = 1500) -> dict:
                         page.goto(f"http://127.0.0.1:{port}/lab/tree/bench.ipynb?token={token}", timeout=deadline.ms())
                         page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=deadline.ms())
                         page.locator(".jp-NotebookPanel .jp-Cell").first.click(timeout=deadline.ms())
-                        shots._run_all(page, deadline)
+                        try:
+                            shots._run_all(page, shots.Deadline(300))
+                        except Exception:
+                            page.screenshot(path="/tmp/bench_lab_browser_failure.png")
+                            raise
                         text = page.locator(".jp-OutputArea-output", has_text="kernel pid").first.text_content()
                         pid = int(text.split("kernel pid")[1].split()[0])
                         page.wait_for_timeout(1000)
