@@ -637,9 +637,14 @@ class _LayerExplorer(_Explorer):
                 w.disabled = d
 
     def _redraw(self) -> None:
-        """The layer explorers' redraw also puts the expert reads it made on the progress line (bytes, time, rate)."""
+        """The layer explorers' redraw also puts the expert reads it made on the progress line (bytes, time, rate),
+        and says when per-token activations leave the weight layout as it is (the figure cannot change)."""
         reads = _last_read(self)
         super()._redraw()
+        if self.figure is not None and self.state.get("per_token") and self._same_without_per_token():
+            self.message.value += html.escape(
+                f" (per-token activations: the same weight layout as per-tensor on {self.backend.value})"
+            )
         now = _last_read(self)
         if now is not None and now is not reads:
             expert, size, seconds = now
@@ -648,6 +653,15 @@ class _LayerExplorer(_Explorer):
                 + f"read expert {expert} of {self.layer.source}: {size / 1e6:.1f} MB in {seconds:.2f} s "
                 f"({size / 1e6 / max(seconds, 1e-6):.0f} MB/s)"
             )
+
+    def _same_without_per_token(self) -> bool:
+        """True when the shown plan's maps take the same steps as the plan with per-tensor activations."""
+        plan, per_tensor = self.state["plan"], self.layer.plan(self.backend.value, self.state["activation_dtype"])
+
+        def steps(p) -> dict:
+            return {n: [(s.kind, s.params) for s in m.steps] for n, m in p.maps().items()}
+
+        return steps(plan) == steps(per_tensor)
 
     @property
     def layer(self) -> sources.ExpertTensors:
