@@ -69,15 +69,15 @@ def _wait_changed(page, handles, old, deadline) -> float:
 
 def _load(page, explorer, checkpoint: str, deadline) -> float:
     """Type the checkpoint into the explorer's path box, click load; ms until its figure shows the layer."""
-    explorer.locator(".widget-text:has(label:text-is('checkpoint')) input").first.fill(checkpoint)
+    explorer.locator(".widget-text:has(label:text-is('checkpoint')) input").first.fill(checkpoint, timeout=30_000)
     figure = explorer.locator(".fimoe-figure").first
     old = figure.inner_html()
     started = time.monotonic()
     explorer.locator("button:text-is('load')").first.click(timeout=deadline.ms())
     page.wait_for_function(
-        "([f, p, old]) => f.innerHTML !== old && p.textContent.startsWith('opened')",
+        "([f, p, old]) => f.innerHTML !== old && p.textContent.includes('opened')",
         arg=[figure.element_handle(), explorer.locator(".fimoe-progress").first.element_handle(), old],
-        timeout=deadline.ms(),
+        timeout=min(deadline.ms(), 120_000),
         polling=10,
     )
     return (time.monotonic() - started) * 1000
@@ -100,12 +100,16 @@ def _changes(page, explorer, rounds: int, deadline) -> list[dict]:
             if select.is_disabled():
                 break
             old = figure.inner_html()
-            select.select_option(value=second if k % 2 == 0 else first, timeout=deadline.ms())
             try:
+                select.select_option(value=second if k % 2 == 0 else first, timeout=5000)
                 times.append(_wait_changed(page, figure.element_handle(), old, deadline))
             except Exception:  # noqa: BLE001 - recorded as never repainted
                 times.append(float("inf"))
+        if select.input_value() != first and not select.is_disabled():
+            select.select_option(value=first, timeout=5000)
+            page.wait_for_timeout(300)
         rows.append(dict(control=label, kind="menu", ms=times))
+        shots.log(f"  {label}: {[round(t) for t in times if t != float('inf')]} ms")
     sliders = explorer.locator(".widget-slider:not(.widget-vslider)")
     for k in range(sliders.count()):
         slider = sliders.nth(k)
@@ -113,22 +117,23 @@ def _changes(page, explorer, rounds: int, deadline) -> list[dict]:
         readout = slider.locator(".widget-readout").first
         if slider.locator(".noUi-target[disabled]").count():
             continue
-        top = int(slider.locator(".noUi-handle").first.get_attribute("aria-valuemax") or 1)
-        first = int(readout.text_content() or 0)
+        top = int(float(slider.locator(".noUi-handle").first.get_attribute("aria-valuemax", timeout=5000) or 1))
+        first = int(float(readout.text_content(timeout=5000) or 0))
         second = min(top, first + max(1, top // 3))
         if second == first:
             continue
         times = []
         for r in range(rounds):
             old = figure.inner_html()
-            readout.click()
-            readout.evaluate("(el, v) => { el.textContent = v; }", str(second if r % 2 == 0 else first))
-            readout.press("Enter")
             try:
+                readout.click(timeout=5000)
+                readout.evaluate("(el, v) => { el.textContent = v; }", str(second if r % 2 == 0 else first))
+                readout.press("Enter", timeout=5000)
                 times.append(_wait_changed(page, figure.element_handle(), old, deadline))
             except Exception:  # noqa: BLE001
                 times.append(float("inf"))
         rows.append(dict(control=label, kind="slider", ms=times))
+        shots.log(f"  {label}: {[round(t) for t in times if t != float('inf')]} ms")
     return rows
 
 
@@ -146,6 +151,9 @@ def run(checkpoint: str, rounds: int = 5, budget_s: float = 1500) -> dict:
         _notebook(work / "bench.ipynb")
         port = free_port()
         argv, env = jupyterlab_command(work, port, Path(tmp) / "state", open_browser=False, theme="light")
+        tracker = Path(tmp) / "state" / "settings" / "@jupyterlab" / "notebook-extension"
+        tracker.mkdir(parents=True, exist_ok=True)  # render every cell (no windowing), as lab_screenshots does
+        (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         log_path = Path(tmp) / "jupyterlab.log"
         with open(log_path, "w") as server_log:
@@ -162,9 +170,19 @@ def run(checkpoint: str, rounds: int = 5, budget_s: float = 1500) -> dict:
                         page.goto(f"http://127.0.0.1:{port}/lab/tree/bench.ipynb?token={token}", timeout=deadline.ms())
                         page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=deadline.ms())
                         page.locator(".jp-NotebookPanel .jp-Cell").first.click(timeout=deadline.ms())
-                        shots._run_all(page, deadline)
+                        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+                        shots._accept_kernel_dialog(page)
+                        shots._menu(page, "Run", "Run All Cells", deadline=deadline)
+                        shots._accept_kernel_dialog(page)
+                        page.wait_for_function(  # every explorer drew its first (seeded) figure
+                            "n => document.querySelectorAll('.widget-vbox > .fimoe-figure svg').length >= n",
+                            arg=len(EXPLORERS),
+                            timeout=min(deadline.ms(), 300_000),
+                            polling=500,
+                        )
                         text = page.locator(".jp-OutputArea-output", has_text="kernel pid").first.text_content()
                         pid = int(text.split("kernel pid")[1].split()[0])
+                        shots.log(f"cells ran (kernel {pid})")
                         page.wait_for_timeout(1000)
                         out["rss_after_cells_mb"] = _rss_mb(pid)
                         explorers = page.locator(".widget-vbox:has(> .fimoe-figure)")
@@ -172,6 +190,7 @@ def run(checkpoint: str, rounds: int = 5, budget_s: float = 1500) -> dict:
                             explorer = explorers.nth(k)
                             explorer.scroll_into_view_if_needed()
                             one: dict = {"load_ms": _load(page, explorer, checkpoint, deadline)}
+                            shots.log(f"{name}: loaded in {one['load_ms']:.0f} ms")
                             one["rss_after_load_mb"] = _rss_mb(pid)
                             one["changes"] = _changes(page, explorer, rounds, deadline)
                             one["rss_after_mb"] = _rss_mb(pid)

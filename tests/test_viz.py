@@ -167,6 +167,25 @@ def test_tile_view_is_block_major_k():
     assert np.array_equal(artist_array(fig.axes[2]), view.src_col)
 
 
+@pytest.mark.parametrize(("fmt", "inter"), [("bf16", 96), ("fp8-block", 128), ("fp8-block", 384)])
+def test_tile_view_of_a_padded_plan_equals_its_element_map(fmt, inter):
+    """The tile view read off the map's cells equals the one read off its element map (every output element's
+    source element: the core's ``refined`` map), padding included."""
+    plan = prepare.plan_layer(fmt, "trtllm", inter, 256)
+    for m in (plan.w13, plan.w2):
+        size = data.itemsize_of(fmt, "w13")
+        view = data.tile_view(m, size)
+        src = data.display_2d(data.element_sources(m, size))
+        cols = m.in_shape[-1] // size
+        assert np.array_equal(view.src_row, np.where(src >= 0, src // cols, -1))
+        assert np.array_equal(view.src_col, np.where(src >= 0, src % cols, -1))
+        block = np.full(m.in_shape[0] * cols, -1)
+        out = data.element_sources(m, size)
+        for k in range(out.shape[0]):
+            block[out[k][out[k] >= 0]] = k
+        assert np.array_equal(view.block_of_input, block.reshape(m.in_shape[0], cols))
+
+
 @pytest.mark.parametrize("rows,cols", [(128, 4), (256, 8), (200, 6), (130, 3)])
 def test_swizzle_view_matches_the_design_offset(rows, cols):
     view = data.swizzle_view(steps.swizzle_scales_128x4(rows, cols))

@@ -155,3 +155,17 @@ def test_the_figure_of_a_state_does_not_depend_on_the_path_taken_to_it(kind):
         kept.clear()
     fresh.refresh()
     assert fresh.state["expert"] == 2 and normal(fresh.svg) == normal(direct.svg)
+
+
+def test_per_token_activations_say_when_the_weight_layout_stays():
+    """Where per-token NVFP4 activations plan the same weight steps as per-tensor ones, the figure cannot change:
+    the message says so (and says nothing when the box is off)."""
+    w = widgets.RowExplorer(sources.sample_layer("nvfp4", experts=2, intermediate=128, hidden=256))
+    assert "per-token activations" not in w.message.value
+    w.per_token.value = True
+    plan, per_tensor = w.state["plan"], w.layer.plan("trtllm", None, False)
+    same = all(
+        [(s.kind, s.params) for s in plan.maps()[n].steps] == [(s.kind, s.params) for s in m.steps]
+        for n, m in per_tensor.maps().items()
+    )
+    assert same == ("the same weight layout as per-tensor on trtllm" in w.message.value)

@@ -458,8 +458,8 @@ def observed_row_sources(checkpoint: torch.Tensor, kernel: torch.Tensor) -> np.n
 class TileView:
     """Block-major-K: ``[M, K] -> [K/bk, M, bk]``, element sources drawn as ``(K/bk * M, bk)``.
 
-    ``src_row``/``src_col`` int64 ``(K/bk * M, bk)`` in the map's input elements (-1 fill);
-    ``block_of_input`` int64 ``(in_rows, in_cols)``: the K block each input element lands in.
+    ``src_row``/``src_col`` int32 ``(K/bk * M, bk)`` in the map's input elements (-1 fill);
+    ``block_of_input`` int32 ``(in_rows, in_cols)``: the K block each input element lands in.
     """
 
     src_row: np.ndarray
@@ -478,17 +478,27 @@ def tile_view(m: IndexMap, itemsize: int = 1) -> TileView:
             f"{m.name} has output {m.out_shape} bytes; a block-major-K tile view needs (K/bk, M, bk)",
             fix="pick a map that ends with block_major_k",
         )
-    src = element_sources(m, itemsize)
+    # read off the map's cells (each moves ``k`` consecutive elements of one input row: ``in_cols`` is a
+    # multiple of ``k``), never its element map: a DeepSeek-V3 w13 expert has 29M elements
+    k = _cell_elements(m, itemsize)
     in_cols = m.in_shape[-1] // itemsize
-    flat = display_2d(src)
-    kb, rows, bk = src.shape
-    block_of_input = np.full(m.in_shape[0] * in_cols, -1, dtype=np.int64)
-    taken = src >= 0
-    block_of_input[src[taken]] = np.broadcast_to(np.arange(kb)[:, None, None], src.shape)[taken]
+    kb, rows, bk = _out_elements(m, itemsize)
+    cells = m.src.numpy().reshape(-1).astype(np.int64)
+    start = np.where(cells >= 0, cells * k, -1)  # first input element of each cell
+    narrow = np.int32  # rows, columns and blocks of one expert fit: half the memory of int64 (kept by memo)
+    cell_row = np.where(start >= 0, start // max(in_cols, 1), -1).astype(narrow)
+    cell_col = np.where(start >= 0, start % max(in_cols, 1), -1).astype(narrow)
+    within = np.arange(k, dtype=narrow)
+    src_row = np.repeat(cell_row, k).reshape(kb * rows, bk)
+    src_col = (cell_col[:, None] + np.where(cell_col[:, None] >= 0, within[None, :], 0)).reshape(kb * rows, bk)
+    block_of_cell = np.repeat(np.arange(kb, dtype=narrow), cells.size // kb)  # output cells in flat order
+    block_of_input = np.full(m.in_shape[0] * in_cols // k, -1, dtype=narrow)
+    taken = cells >= 0
+    block_of_input[cells[taken]] = block_of_cell[taken]
     return TileView(
-        np.where(flat >= 0, flat // in_cols, -1),
-        np.where(flat >= 0, flat % in_cols, -1),
-        block_of_input.reshape(m.in_shape[0], in_cols),
+        src_row,
+        src_col,
+        np.repeat(block_of_input, k).reshape(m.in_shape[0], in_cols),
         kb,
         rows,
         bk,

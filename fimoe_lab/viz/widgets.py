@@ -3,8 +3,9 @@
 Each explorer is a ``VBox`` of controls, the current figure as inline SVG
 (:func:`figures.to_svg`: vector, natural size, follows JupyterLab's light or dark theme,
 hover text on lines and cells), a message line (the summary, or the error that explains a
-bad choice: the explorer keeps its last figure and any later change redraws) and an
-export row (save PNG at 2x / SVG, show the code that draws the figure). After each redraw
+bad choice: the error replaces the figure, so nothing on screen disagrees with the controls, and
+any later change redraws) and an export row (save PNG at 2x / SVG, show the code that draws the
+figure; a save that cannot be written says why in the message). After each redraw
 ``explorer.figure`` holds the matplotlib Figure, ``explorer.svg`` its SVG and
 ``explorer.state`` the inputs it was drawn from, so scripts and tests can read what is
 shown. Redraws are cached per control state (:attr:`_Explorer.CACHE`), data per layer.
@@ -366,7 +367,7 @@ class _Explorer(W.VBox):
     def refresh(self, *_) -> None:
         """Redraw from the controls' values; a bad combination shows its error instead.
 
-        Any error leaves the last figure in place and says why; the next change redraws.
+        An error replaces the figure (:meth:`show_error`) and says why; the next change redraws.
         The garbage collector is paused meanwhile (:func:`_collector_paused`).
         """
         if self._busy:
@@ -647,9 +648,14 @@ class _LayerExplorer(_Explorer):
                 w.disabled = d
 
     def _redraw(self) -> None:
-        """The layer explorers' redraw also puts the expert reads it made on the progress line (bytes, time, rate)."""
+        """The layer explorers' redraw also puts the expert reads it made on the progress line (bytes, time, rate),
+        and says when per-token activations leave the weight layout as it is (the figure cannot change)."""
         reads = _last_read(self)
         super()._redraw()
+        if self.figure is not None and self.state.get("per_token") and self._same_without_per_token():
+            self.message.value += html.escape(
+                f" (per-token activations: the same weight layout as per-tensor on {self.backend.value})"
+            )
         now = _last_read(self)
         if now is not None and now is not reads:
             expert, size, seconds = now
@@ -658,6 +664,15 @@ class _LayerExplorer(_Explorer):
                 + f"read expert {expert} of {self.layer.source}: {size / 1e6:.1f} MB in {seconds:.2f} s "
                 f"({size / 1e6 / max(seconds, 1e-6):.0f} MB/s)"
             )
+
+    def _same_without_per_token(self) -> bool:
+        """True when the shown plan's maps take the same steps as the plan with per-tensor activations."""
+        plan, per_tensor = self.state["plan"], self.layer.plan(self.backend.value, self.state["activation_dtype"])
+
+        def steps(p) -> dict:
+            return {n: [(s.kind, s.params) for s in m.steps] for n, m in p.maps().items()}
+
+        return steps(plan) == steps(per_tensor)
 
     @property
     def layer(self) -> sources.ExpertTensors:
@@ -1254,8 +1269,10 @@ class DiagnoseExplorer(_Explorer):
 
 class CompareExplorer(_LayerExplorer):
     """A/B: the chosen tensor of one layer under two plans (backend, engine profile, TP size,
-    intermediate alignment each), the diff of their step chains (message) and both row
-    pictures side by side (B's controls are the ones marked B)."""
+    intermediate alignment each): both row pictures side by side with the chosen expert's values
+    (B at another TP size draws its rows without values: a shard of another read), each headed by
+    what its controls asked for, and the two step chains as a table under them; the message names
+    the steps that differ (B's controls are the ones marked B)."""
 
     tensor_filter = staticmethod(RowExplorer.tensor_filter)
 
