@@ -139,5 +139,8 @@ def test_alignment_tuning_reports_the_waste(tmp_path, monkeypatch):
 
     sweep = tune.sweep("gpt-oss-120b", "fp8", 8, oracle=TacticOracle("snapshot"))
     assert tune.summary(sweep) in text
-    assert "convert's default padding (intermediate to a multiple of 16): intermediate 368" in text and "ZERO tactics" in text
+    assert (
+        "convert's default padding (intermediate to a multiple of 16): intermediate 368" in text
+        and "ZERO tactics" in text
+    )
     assert elapsed < 60
