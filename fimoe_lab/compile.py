@@ -10,15 +10,24 @@ The kernels (:mod:`fimoe_lab.kernels`) know nothing of maps, steps or plans: the
   scale swizzle (:func:`swizzle_form`), and a row gather whose rows are padded on the
   right (:func:`padded_rows_form`);
 - the recipe for the inverse's executable form (in-place execution undoes with it).
+
+Imported one way: :mod:`fimoe_lab.layout` calls this module (``IndexMap.compiled``) and this
+module reads the map only through its public methods (``coarsened``, ``steps``, ``then``,
+``inverse``), so it imports :class:`IndexMap` for type checking only.
 """
 
 from __future__ import annotations
+
+from functools import reduce
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import ExecMap
-from fimoe_lab.layout import IndexMap, compose
+
+if TYPE_CHECKING:
+    from fimoe_lab.layout import IndexMap
 
 __all__ = ["compile_map", "swizzle_form", "padded_rows_form"]
 
@@ -60,7 +69,7 @@ def _row_sources(m: IndexMap, em: ExecMap, cols: int) -> np.ndarray | None:
     steps = m.steps
     if len(steps) == 1:
         return np.arange(steps[-1].in_shape[0], dtype=np.int64)
-    pre = compose(*steps[:-1])
+    pre = reduce(lambda a, b: a.then(b), steps[:-1])
     if pre.out_shape != steps[-1].in_shape or len(pre.in_shape) != 2 or pre.in_shape[1] != cols:
         return None
     pc = pre.coarsened()
