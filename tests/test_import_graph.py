@@ -12,6 +12,9 @@ run, not only those a test happens to trigger:
 - A parent package that Python runs on the way to a submodule (`fimoe_lab/checkpoints/__init__.py` before
   `fimoe_lab.checkpoints.reader`) is not an edge: a package's `__init__` is its public facade, it re-exports what
   its modules define, so every module of a package would otherwise sit in a circle with its own facade.
+
+No private name crosses modules either: no module imports a `_name` from another fimoe_lab module or reads
+`module._name` of one it imported; what modules share is public (and documented where it is defined).
 """
 
 from __future__ import annotations
@@ -120,6 +123,38 @@ def test_the_graph_sees_the_package():
 def test_find_cycle_names_a_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def private_crossings() -> list[str]:
+    """``path:line: what`` for every `_name` (not dunder) that a module takes from another fimoe_lab module."""
+    found = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported: set[str] = set()  # local names bound to fimoe_lab modules or their members
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fimoe_lab")):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{name}:{node.lineno}: imports {alias.name}")
+                    imported.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                imported.update(
+                    (a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("fimoe_lab")
+                )
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in imported
+            ):
+                found.append(f"{name}:{node.lineno}: reads {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_modules():
+    assert private_crossings() == []
 
 
 def test_no_import_circle_in_the_package():

@@ -8,7 +8,7 @@ permute-index cache of the BF16 method.
 
 - ``quantization/utils.prepare_static_weights_for_trtllm_fp4_moe`` (NVFP4, under
   ``flashinfer_trtllm.align_fp4_moe_weights_for_flashinfer_trtllm`` and the compressed-tensors
-  and Muse Spark NVFP4 MoEs): :func:`fimoe_lab.integrations._fp4.prepare_static_weights_for_trtllm_fp4_moe`.
+  and Muse Spark NVFP4 MoEs): :func:`fimoe_lab.integrations.fp4.prepare_static_weights_for_trtllm_fp4_moe`.
 - ``moe_runner/flashinfer_trtllm.align_fp8_moe_weights_for_flashinfer_trtllm`` (FP8 per-tensor):
   optional half swap, SGLang's padding, then :func:`fimoe_lab.recipes.plan_rotate_fp8_per_tensor`
   out of place (new parameters, as SGLang), and SGLang's output scales:
@@ -42,9 +42,9 @@ UNQUANT = "sglang.srt.layers.quantization.unquant"
 
 
 def _fp4_trtllm(original: Callable[..., Any]) -> Callable[..., Any]:
-    from fimoe_lab.integrations import _fp4
+    from fimoe_lab.integrations import fp4
 
-    return _fp4.replacement(original, f"{QUANT_UTILS}.prepare_static_weights_for_trtllm_fp4_moe")
+    return fp4.replacement(original, f"{QUANT_UTILS}.prepare_static_weights_for_trtllm_fp4_moe")
 
 
 def _fp8_per_tensor(original: Callable[..., Any]) -> Callable[..., Any]:

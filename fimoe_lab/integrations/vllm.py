@@ -180,9 +180,9 @@ def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _fp4_trtllm(original: Callable[..., Any]) -> Callable[..., Any]:
-    from fimoe_lab.integrations import _fp4
+    from fimoe_lab.integrations import fp4
 
-    return _fp4.replacement(original, f"{FLASHINFER_FP4_MOE}.prepare_static_weights_for_trtllm_fp4_moe")
+    return fp4.replacement(original, f"{FLASHINFER_FP4_MOE}.prepare_static_weights_for_trtllm_fp4_moe")
 
 
 _FU_DROP_INS = (
