@@ -11,17 +11,25 @@ The kernels (:mod:`fimoe_lab.kernels`) know nothing of maps, steps or plans: the
   right (:func:`padded_rows_form`); from its sources, a strided view of the input with
   a padded box (:func:`strided_form`), which needs no compiled kernel;
 - the recipe for the inverse's executable form (in-place execution undoes with it).
+
+Imported one way: :mod:`fimoe_lab.layout` calls this module (``IndexMap.compiled``) and this
+module reads the map only through its public methods (``coarsened``, ``steps``, ``then``,
+``inverse``), so it imports :class:`IndexMap` for type checking only.
 """
 
 from __future__ import annotations
 
 import math
+from functools import reduce
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import ExecMap, Strided
-from fimoe_lab.layout import IndexMap, compose
+
+if TYPE_CHECKING:
+    from fimoe_lab.layout import IndexMap
 
 __all__ = [
     "compile_map",
@@ -73,13 +81,18 @@ def compile_map(m: IndexMap) -> ExecMap:
     return em
 
 
+def _chain(steps: tuple[IndexMap, ...] | list[IndexMap]) -> IndexMap:
+    """``steps`` composed, first to last (``layout.compose``, through the maps' own ``then``)."""
+    return reduce(lambda a, b: a.then(b), steps)
+
+
 def strided_stages(m: IndexMap) -> tuple[ExecMap, ExecMap] | None:
     """``m`` as two maps of the strided form, applied one after the other (the last split of its
     steps that gives two), or None. Padding that is no box in the output (scale columns padded to
     whole 4-byte words, then swizzled) is one in the middle."""
     parts = m.steps
     for k in range(len(parts) - 1, 0, -1):
-        first, second = compose(*parts[:k]).compiled(), compose(*parts[k:]).compiled()
+        first, second = _chain(parts[:k]).compiled(), _chain(parts[k:]).compiled()
         if first.strided is not None and second.strided is not None:
             return first, second
     return None
@@ -92,7 +105,7 @@ def _row_sources(m: IndexMap, em: ExecMap, cols: int) -> np.ndarray | None:
     steps = m.steps
     if len(steps) == 1:
         return np.arange(steps[-1].in_shape[0], dtype=np.int64)
-    pre = compose(*steps[:-1])
+    pre = _chain(steps[:-1])
     if pre.out_shape != steps[-1].in_shape or len(pre.in_shape) != 2 or pre.in_shape[1] != cols:
         return None
     pc = pre.coarsened()

@@ -742,8 +742,8 @@ def test_a_lock_held_by_a_live_writer_refuses_and_a_stale_one_is_taken_over(tmp_
 FORKER = r"""
 import json, os, resource, signal, sys, time
 from fimoe_lab.cli import main
-from fimoe_lab.checkpoints import writer
-real = writer.convert_layer
+from fimoe_lab.checkpoints import convert
+real = convert.convert_layer
 for line in sys.stdin:
     case = json.loads(line)
     pids = []
@@ -761,7 +761,7 @@ for line in sys.stdin:
             def convert_layer(*a, **k):
                 time.sleep(slow)  # a slow disk: the real conversion, stretched so that a signal lands inside it
                 return real(*a, **k)
-            writer.convert_layer = convert_layer
+            convert.convert_layer = convert_layer
             try:
                 rc = main(argv)
             except SystemExit as exc:

@@ -12,6 +12,7 @@ from fimoe_lab import formats, prepare
 from fimoe_lab.checkpoints import (
     CheckpointError,
     MoELayer,
+    convert,
     convert_checkpoint,
     layer_forward,
     moe_forward,
@@ -22,7 +23,6 @@ from fimoe_lab.checkpoints import (
     restore_layers,
     sample_path,
     write_kernel_layout,
-    writer,
 )
 from fimoe_lab.cli import main as cli_main
 from scripts import make_sample_checkpoints as gen
@@ -252,7 +252,7 @@ def _no_leftovers(directory: Path, name: str) -> None:
 @pytest.mark.parametrize("error", [RuntimeError("disk full"), KeyboardInterrupt()])
 def test_failed_convert_leaves_no_output(tmp_path, monkeypatch, error):
     calls = {"n": 0}
-    real = writer.convert_layer
+    real = convert.convert_layer
 
     def flaky(layer, *args, **kwargs):
         calls["n"] += 1
@@ -260,7 +260,7 @@ def test_failed_convert_leaves_no_output(tmp_path, monkeypatch, error):
             raise error
         return real(layer, *args, **kwargs)
 
-    monkeypatch.setattr(writer, "convert_layer", flaky)
+    monkeypatch.setattr(convert, "convert_layer", flaky)
     with pytest.raises(type(error)):
         convert_checkpoint(sample_path("qwen3-moe-bf16"), tmp_path / "out.safetensors", "trtllm")
     assert calls["n"] == 4

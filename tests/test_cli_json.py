@@ -226,7 +226,7 @@ def test_help_of_the_checkpoint_commands_gives_their_json_fields():
 def _convert_as_inspect_says(capsys, tmp_path, sample: str, layer: dict, backend: str, need: dict) -> None:
     """Convert ``layer`` for ``backend`` at TP 1 with the alignment inspect recommends: the written kernel tensors
     hold ``kernel_bytes`` per expert, the sizes and step chains are the ones inspect predicted."""
-    from fimoe_lab.checkpoints.writer import KERNEL_NAMES
+    from fimoe_lab.checkpoints.fileformat import KERNEL_NAMES
 
     out = tmp_path / f"{sample}-{layer['layer']}-{backend}.safetensors"
     argv = ["convert", sample, str(out), "--backend", backend, "--layer", str(layer["layer"])]

@@ -261,11 +261,11 @@ def _int4_layer(samples: dict[str, Path], activation: str):
 @pytest.mark.parametrize("activation", ["geglu", "gelu"])
 def test_a_geglu_int4_layer_is_refused_naming_swiglu(samples, activation):
     """The TRTLLM-Gen MxInt4 runner always runs SwiGLU: a GeGLU int4 layer is refused before any byte moves."""
-    from fimoe_lab.checkpoints import writer
+    from fimoe_lab.checkpoints import convert, plan_choice
 
     layer = _int4_layer(samples, activation)
     before = {n: t.clone() for n, t in layer.tensors().items() if t is not None}
-    for call in (lambda: writer.plan_args(layer, "trtllm"), lambda: writer.convert_layer(layer, "trtllm")):
+    for call in (lambda: plan_choice.plan_args(layer, "trtllm"), lambda: convert.convert_layer(layer, "trtllm")):
         with pytest.raises(CheckpointError) as info:
             call()
         msg = info.value.message
@@ -276,10 +276,10 @@ def test_a_geglu_int4_layer_is_refused_naming_swiglu(samples, activation):
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu", "swiglu_oai"])
 def test_swiglu_int4_layers_still_convert(samples, activation):
-    from fimoe_lab.checkpoints import writer
+    from fimoe_lab.checkpoints import convert
 
     layer = _int4_layer(samples, activation)
-    kernel, plan, spec = writer.convert_layer(layer, "trtllm")
+    kernel, plan, spec = convert.convert_layer(layer, "trtllm")
     assert spec["args"]["fmt"] == "mxint4" and sum(t.numel() for t in kernel.values()) > 0
 
 

@@ -30,8 +30,9 @@ from fimoe_lab.checkpoints import (
     restore_checkpoint,
     restore_layers,
 )
+from fimoe_lab.checkpoints.convert import write_kernel_layout
+from fimoe_lab.checkpoints.fileformat import KERNEL_NAMES
 from fimoe_lab.checkpoints.inspect import backend_need
-from fimoe_lab.checkpoints.writer import KERNEL_NAMES, write_kernel_layout
 from fimoe_lab.cli import main
 from fimoe_lab.layout import IndexMap
 from scripts import make_family_samples as gen

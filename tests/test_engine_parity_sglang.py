@@ -14,28 +14,17 @@ held; the test (and fimoe_lab) write zeros there.
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_envs import oracle_marks, run_oracle
 from safetensors.torch import load_file, save_file
 from test_engine_parity_vllm import checkpoint, gate_up_interleaved
 
 from fimoe_lab.recipes import plan_layer
 
-ROOT = Path(__file__).resolve().parents[1]
-SGLANG = ROOT / ".venv-sglang" / "bin" / "python"
-RUNNER = ROOT / "tests" / "engine_oracles" / "sglang_0523.py"
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not SGLANG.exists(),
-        reason="no SGLang 0.5.23 environment: python3 -m venv .venv-sglang && .venv-sglang/bin/pip install "
-        "torch==2.13.0 flashinfer-python==0.7.2 safetensors && .venv-sglang/bin/pip install --no-deps sglang==0.5.23",
-    ),
-]
+pytestmark = oracle_marks("sglang")
 
 SHAPES: list[tuple[Any, ...]] = []
 for gated in (True, False):
@@ -142,8 +131,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         cases.append({k: c[k] for k in ("name", "op", "gated", "per_token")})
     (d / "cases.json").write_text(json.dumps(cases))
     save_file(inputs, str(d / "inputs.safetensors"))
-    run = subprocess.run([str(SGLANG), str(RUNNER), str(d)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_oracle("sglang", "sglang_0523.py", d)
     return {"out": load_file(str(d / "outputs.safetensors")), "meta": json.loads((d / "outputs.json").read_text())}
 
 

@@ -18,29 +18,18 @@ at its half's start) the test pads the oracle's input the same way. FlashInfer's
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_envs import oracle_marks, run_oracle
 from helpers import coords, random_bytes
 from safetensors.torch import load_file, save_file
 
 from fimoe_lab import recipes
 from fimoe_lab.recipes import plan_layer
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM = ROOT / ".venv-vllm" / "bin" / "python"
-RUNNER = ROOT / "tests" / "engine_oracles" / "vllm_034.py"
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not VLLM.exists(),
-        reason="no vLLM 0.34 environment: python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 "
-        "flashinfer-python==0.7.4 safetensors && .venv-vllm/bin/pip install --no-deps vllm==0.34.0",
-    ),
-]
+pytestmark = oracle_marks("vllm")
 E = 2
 
 
@@ -191,8 +180,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
     (d / "cases.json").write_text(json.dumps(cases))
     save_file(inputs, str(d / "inputs.safetensors"))
-    run = subprocess.run([str(VLLM), str(RUNNER), str(d)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_oracle("vllm", "vllm_034.py", d)
     return {"out": load_file(str(d / "outputs.safetensors")), "meta": json.loads((d / "outputs.json").read_text())}
 
 

@@ -237,8 +237,8 @@ def test_sglang_mxfp8_pad_scales_are_zero():
 
 
 def test_plan_records_rebuild_with_their_engine():
+    from fimoe_lab.checkpoints.plan_choice import build_plan, plan_args
     from fimoe_lab.checkpoints.reader import MoELayer
-    from fimoe_lab.checkpoints.writer import build_plan, plan_args
 
     w13, w2 = torch.zeros(1, 2 * 928, 2688, dtype=torch.bfloat16), torch.zeros(1, 2688, 928, dtype=torch.bfloat16)
     layer = MoELayer("bf16", w13, w2, None, None, 928, 2688)
@@ -563,8 +563,8 @@ def test_fp8_non_gated_alignment_1_pads_nothing_or_is_refused_naming_the_128():
 def test_convert_records_the_checkpoints_quantization_method_and_rebuilds_with_it():
     """SGLang 0.5.23 hands its TRT-LLM kernel ModelOpt FP8 layers' W13 as [up; gate] and plain FP8 layers' as
     [gate; up]: the plan record carries the convention's method, so convert and restore agree with it."""
+    from fimoe_lab.checkpoints.plan_choice import build_plan, plan_args
     from fimoe_lab.checkpoints.reader import MoELayer
-    from fimoe_lab.checkpoints.writer import build_plan, plan_args
 
     w13, w2 = torch.zeros(1, 2 * 256, 128, dtype=torch.uint8), torch.zeros(1, 128, 256, dtype=torch.uint8)
     layer = MoELayer("fp8", w13, w2, None, None, 256, 128, convention="modelopt-fp8")

@@ -15,25 +15,14 @@ gated and non-gated, per-token hidden alignment; plus shapes hypothesis draws pe
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from engine_envs import ROOT, drawn, oracle_marks, run_oracle
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
-SGLANG = ROOT / ".venv-sglang" / "bin" / "python"
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not SGLANG.exists(),
-        reason="no SGLang 0.5.23 environment: python3 -m venv .venv-sglang && .venv-sglang/bin/pip install torch==2.13.0 "
-        "flashinfer-python==0.7.2 && .venv-sglang/bin/pip install --no-deps sglang==0.5.23",
-    ),
-]
+pytestmark = oracle_marks("sglang")
 
 
 def fixed_cases() -> list[dict]:
@@ -77,30 +66,14 @@ def drawn_case(draw) -> dict:
 
 
 def drawn_cases(n: int = 6) -> list[dict]:
-    out: list[dict] = []
-
-    @settings(max_examples=n, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(drawn_case())
-    def collect(case: dict) -> None:
-        out.append(case)
-
-    collect()
-    return out[:n]
+    return drawn(drawn_case(), n)
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("integrations_sglang") / "cases.json"
     path.write_text(json.dumps(fixed_cases() + drawn_cases()))
-    done = subprocess.run(
-        [str(SGLANG), str(ROOT / "tests" / "engine_oracles" / "integrations_sglang.py"), str(path)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return json.loads(run_oracle("sglang", "integrations_sglang.py", path, with_fimoe_lab=True))
 
 
 def test_installed_changes_no_byte(report):

@@ -18,25 +18,14 @@ shards (fixed list) plus shapes hypothesis draws per run. One subprocess runs th
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from engine_envs import ROOT, drawn, oracle_marks, run_oracle
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM = ROOT / ".venv-vllm" / "bin" / "python"
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not VLLM.exists(),
-        reason="no vLLM 0.34 environment: python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 "
-        "flashinfer-python==0.7.4 && .venv-vllm/bin/pip install --no-deps vllm==0.34.0",
-    ),
-]
+pytestmark = oracle_marks("vllm")
 
 
 def fixed_cases() -> list[dict]:
@@ -140,16 +129,7 @@ def drawn_case(draw) -> dict:
 
 
 def drawn_cases(n: int = 8) -> list[dict]:
-    """``n`` cases drawn by hypothesis (new ones each run; the failing case is printed in full)."""
-    out: list[dict] = []
-
-    @settings(max_examples=n, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(drawn_case())
-    def collect(case: dict) -> None:
-        out.append(case)
-
-    collect()
-    return out[:n]
+    return drawn(drawn_case(), n)
 
 
 @pytest.fixture(scope="module")
@@ -157,16 +137,7 @@ def report(tmp_path_factory) -> dict:
     cases = fixed_cases() + drawn_cases()
     path = tmp_path_factory.mktemp("integrations_vllm") / "cases.json"
     path.write_text(json.dumps(cases))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [str(VLLM), str(ROOT / "tests" / "engine_oracles" / "integrations_vllm.py"), str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return json.loads(run_oracle("vllm", "integrations_vllm.py", path, with_fimoe_lab=True))
 
 
 def test_installed_changes_no_byte(report):

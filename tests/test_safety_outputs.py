@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fimoe_lab.checkpoints import convert_checkpoint, read_kernel_metadata, restore_checkpoint, safe_io, writer
+from fimoe_lab.checkpoints import convert_checkpoint, read_kernel_metadata, restore, restore_checkpoint, safe_io
 from fimoe_lab.cli import main
 from fimoe_lab.errors import CheckpointError
 from fimoe_lab.resources import sample_names, sample_path
@@ -168,7 +168,7 @@ def test_restore_writes_a_marker_and_an_index_that_reads_back(tmp_path):
     assert sorted(index["weight_map"]) == sorted(shard)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in shard.values())
     marker = (back / safe_io.MARKER).read_text()
-    assert json.loads(marker) == writer.RESTORED_MARK and str(tmp_path) not in marker  # nothing of the machine
+    assert json.loads(marker) == restore.RESTORED_MARK and str(tmp_path) not in marker  # nothing of the machine
 
 
 @pytest.mark.parametrize("damage", ["json", "safetensors", "pickle"])

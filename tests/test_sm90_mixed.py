@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from fimoe_lab import engines, goldens, prepare, recipes, steps
-from fimoe_lab.checkpoints import convert_checkpoint, open_checkpoint, read_kernel_metadata, sample_path, writer
+from fimoe_lab.checkpoints import convert_checkpoint, fileformat, open_checkpoint, read_kernel_metadata, sample_path
 from fimoe_lab.errors import FimoeError, LayoutError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -454,7 +454,7 @@ def kernel_file_tensors(kernel: Path, meta: dict, idx: str) -> dict[str, torch.T
     """Layer ``idx`` of a kernel-layout file: its tensors by plan name (``w13``, ...), as the file holds them."""
     files, rec = all_tensors(kernel), meta["layers"][idx]
     return {
-        n: files[writer._out_name(meta["prefix"], meta["block"], int(idx), rec["tensors"][n]["name"])]
+        n: files[fileformat.out_name(meta["prefix"], meta["block"], int(idx), rec["tensors"][n]["name"])]
         for n in KERNEL_TENSORS
     }
 

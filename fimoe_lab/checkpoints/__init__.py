@@ -12,17 +12,13 @@ from __future__ import annotations
 
 from fimoe_lab.checkpoints import safe_io
 from fimoe_lab.checkpoints.conventions import CONVENTIONS, Convention
+from fimoe_lab.checkpoints.convert import convert_layer, write_kernel_layout
+from fimoe_lab.checkpoints.fileformat import read_kernel_metadata
 from fimoe_lab.checkpoints.inspect import LayerReport, format_report, inspect_checkpoint
 from fimoe_lab.checkpoints.moe_reference import layer_forward, moe_forward, random_routing
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer, open_checkpoint
-from fimoe_lab.checkpoints.writer import (
-    convert_checkpoint,
-    convert_layer,
-    read_kernel_metadata,
-    restore_checkpoint,
-    restore_layers,
-    write_kernel_layout,
-)
+from fimoe_lab.checkpoints.restore import restore_layers
+from fimoe_lab.checkpoints.writer import convert_checkpoint, restore_checkpoint
 from fimoe_lab.resources import sample_names, sample_path
 
 __all__ = [

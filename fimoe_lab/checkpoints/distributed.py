@@ -5,7 +5,7 @@ Launched by any launcher that sets the torch.distributed environment (``RANK``, 
 --nnodes``), every process calls :func:`convert_distributed` with the same arguments:
 
 1. **Plan** (every process, no communication but a check): the single-process convert's plan of
-   every TP rank written (:func:`~fimoe_lab.checkpoints.writer.layout_plan`: tensor specs and
+   every TP rank written (:func:`~fimoe_lab.checkpoints.convert.layout_plan`: tensor specs and
    metadata; :func:`~fimoe_lab.checkpoints.stream.plan_shards`: the shards). Process 0's view of
    the source (file sizes and header digests: :func:`~fimoe_lab.checkpoints.request.header_identity`) and the
    request it records are broadcast, so the metadata is the same everywhere; a sha256 of each process's plan is
@@ -15,7 +15,7 @@ Launched by any launcher that sets the torch.distributed environment (``RANK``, 
    units whose byte midpoint lies in ``[p/W, (p+1)/W)`` of the total: a contiguous run of layer
    ranges x TP ranks, balanced by bytes to within one shard.
 3. **Write**: each process streams the layers its shards hold (one layer in memory, converted a
-   chunk of experts at a time: :func:`~fimoe_lab.checkpoints.writer.stream_layers`) and commits
+   chunk of experts at a time: :func:`~fimoe_lab.checkpoints.convert.stream_layers`) and commits
    only its own shards; a layer cut by a shard boundary is read by both owners. With
    ``resume`` a process keeps its shards that :func:`~fimoe_lab.checkpoints.stream.verify_shard`
    passes.
@@ -54,8 +54,8 @@ from typing import Any, Optional
 import torch
 
 from fimoe_lab import env
+from fimoe_lab.checkpoints import convert, plan_choice, rank_layout, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
-from fimoe_lab.checkpoints import safe_io, stream, unchanged, writer
 from fimoe_lab.checkpoints.reader import Checkpoint
 from fimoe_lab.errors import CheckpointError
 
@@ -283,24 +283,26 @@ def convert_distributed(
             f"a distributed convert writes a sharded directory, not one file ({out})",
             fix="give OUT as a directory (without .safetensors)",
         )
-    ranks = writer._ranks(tp_size, tp_rank, False)
-    writer.moe_tp_size(tp_size, ep_size)
+    ranks = rank_layout.rank_list(tp_size, tp_rank, False)
+    rank_layout.moe_tp_size(tp_size, ep_size)
     dirs = {r: out / f"rank-{r}" if tp_rank == "all" else out for r in ranks}
-    choice = writer.LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
-    writer._device(device)
+    choice = plan_choice.LayoutChoice(
+        backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype
+    )
+    convert.torch_device(device)
     with ExitStack() as stack:
         rank, world, device, data_group = stack.enter_context(process_group(device))
-        dev = writer._device(device)
+        dev = convert.torch_device(device)
         stack.enter_context(safe_io.signals_raise())
         with _Step(rank, "checking OUT"):
             if rank == 0:
                 _prepare(stack, Path(src), out, dirs, force, resume)
         with _Step(rank, "planning"):
             ck = stack.enter_context(Checkpoint(src))
-            wanted = writer.wanted_layers(ck, src, layers)
-            about = _broadcast(writer.source_info(ck, src) if rank == 0 else None)
+            wanted = rank_layout.wanted_layers(ck, src, layers)
+            about = _broadcast(rank_layout.source_info(ck, src) if rank == 0 else None)
             asked = _broadcast(
-                writer.request_of(ck, choice, tp_size, ep_size, tp_rank, wanted, False, shard_size)
+                rank_layout.request_of(ck, choice, tp_size, ep_size, tp_rank, wanted, False, shard_size)
                 if rank == 0
                 else None
             )
@@ -308,11 +310,11 @@ def convert_distributed(
                 if resume and not force:
                     requests.check_resume(out, asked)
                 _open_dirs(out, dirs)
-            parts = {r: writer.rank_part(ck, wanted, about, tp_size, ep_size, r, False) for r in ranks}
+            parts = {r: rank_layout.rank_part(ck, wanted, about, tp_size, ep_size, r, False) for r in ranks}
             sources = {r: parts[r][0] for r in ranks}
             kept = {r: unchanged.for_rank(ck, r) for r in ranks}
             plans = {
-                r: writer.layout_plan(
+                r: convert.layout_plan(
                     sources[r], choice, prefix=ck.prefix, block=ck.convention.block, info=parts[r][1], kept=kept[r]
                 )
                 for r in ranks
@@ -326,7 +328,9 @@ def convert_distributed(
         shard_bytes = shard_size or stream.SHARD_BYTES
         groups = {r: stream.plan_shards(plans[r][0], shard_bytes) for r in ranks}
         units = [
-            Unit(r, k, sum(stream._nbytes(*plans[r][0][n]) for n in g)) for r in ranks for k, g in enumerate(groups[r])
+            Unit(r, k, sum(stream.spec_nbytes(*plans[r][0][n]) for n in g))
+            for r in ranks
+            for k, g in enumerate(groups[r])
         ]
         owners = assign([u.bytes for u in units], world)
         mine = [u for u, p in zip(units, owners) if p == rank]
@@ -353,11 +357,11 @@ def convert_distributed(
                 report["written"] += len(todo)
                 report["bytes"] += sum(u.bytes for u in mine if u.tp_rank == r and u.shard in todo)
             if rank == 0 and progress:  # one bar over the bytes this process still writes, every TP rank
-                bar = writer._progress_bar(progress, {}, targets[ranks[0]], out, total=report["bytes"])
+                bar = stream.progress_bar(progress, {}, targets[ranks[0]], out, total=report["bytes"])
             try:
                 for r in ranks:
                     with stream.workers_for(targets[r], hashing=True) as workers:
-                        writer.stream_layers(
+                        convert.stream_layers(
                             targets[r], workers, sources[r], plans[r][1], choice, dev=dev, bar=bar, kept=kept[r]
                         )
                         targets[r].commit_rest(workers)

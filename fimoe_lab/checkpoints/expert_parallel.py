@@ -1,11 +1,11 @@
 """Restore a checkpoint converted for several ranks: reassemble every rank's experts and intermediate slices.
 
-``convert --tp T --ep N --rank all`` (:func:`~fimoe_lab.checkpoints.writer.rank_part`; ``N = 1`` without
+``convert --tp T --ep N --rank all`` (:func:`~fimoe_lab.checkpoints.rank_layout.rank_part`; ``N = 1`` without
 ``--ep``) writes ``OUT/rank-<r>`` for ``r = ep_rank * m + tp_rank``, ``m = T / N`` the moe-TP size
-(:func:`~fimoe_lab.checkpoints.writer.moe_tp_size`). Each records ``tp_size = m`` and ``tp_rank`` (its
+(:func:`~fimoe_lab.checkpoints.rank_layout.moe_tp_size`). Each records ``tp_size = m`` and ``tp_rank`` (its
 intermediate rows ``[r0, r1)`` of the reader's :meth:`~fimoe_lab.checkpoints.reader.Checkpoint.shard_bounds`)
 and, with ``N > 1``, ``ep_size = N``, ``ep_rank``, ``experts`` ``[e0, e1)``
-(:func:`~fimoe_lab.checkpoints.writer.expert_range`) and ``num_experts``: its experts ``e0 .. e1-1`` under local
+(:func:`~fimoe_lab.checkpoints.rank_layout.expert_range`) and ``num_experts``: its experts ``e0 .. e1-1`` under local
 indices ``0 .. e1-e0-1``, sliced along the intermediate dim. :func:`restore_ranks` checks that the
 directories are all ``T`` ranks of one run (a missing one is named), then per layer restores every rank,
 joins the ``m`` intermediate slices of each EP rank (:func:`join_tp`) and concatenates the EP ranks along
@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab.checkpoints import conventions, safe_io, stream, unchanged, writer
+from fimoe_lab.checkpoints import conventions, fileformat, rank_layout, restore, safe_io, stream, unchanged
 from fimoe_lab.checkpoints.reader import MoELayer
 from fimoe_lab.errors import CheckpointError
 
@@ -78,7 +78,7 @@ def _whole(ts: list[torch.Tensor], what: str) -> torch.Tensor:
     for t, other in enumerate(ts[1:], 1):
         if not other.is_meta and (other.shape != ts[0].shape or not torch.equal(other, ts[0])):
             raise CheckpointError(
-                f"{what} of TP rank {t} differs from rank 0's (every rank holds it whole)", fix=writer._EDITED
+                f"{what} of TP rank {t} differs from rank 0's (every rank holds it whole)", fix=fileformat.EDITED
             )
     return ts[0]
 
@@ -125,13 +125,13 @@ def _common(meta: dict[str, Any], layers: bool) -> dict[str, Any]:
 
 def _sizes(path: Path, meta: dict[str, Any], ranks: int) -> tuple[int, int]:
     """``(m, N)``: the moe-TP and EP sizes of the run (``T = m * N`` ranks), refused as ``convert`` refuses
-    them (:func:`~fimoe_lab.checkpoints.writer.moe_tp_size`; an ``N`` that is no size: with ``T = ranks``, the
+    them (:func:`~fimoe_lab.checkpoints.rank_layout.moe_tp_size`; an ``N`` that is no size: with ``T = ranks``, the
     directories found)."""
     m, n = meta.get("tp_size", 1), meta.get("ep_size", 1)
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise CheckpointError(f"{path}: tp_size {m!r} in the metadata is not a positive integer", fix=writer._EDITED)
+        raise CheckpointError(f"{path}: tp_size {m!r} in the metadata is not a positive integer", fix=fileformat.EDITED)
     size = isinstance(n, int) and not isinstance(n, bool) and n >= 1
-    writer.moe_tp_size(m * n if size else ranks, n)
+    rank_layout.moe_tp_size(m * n if size else ranks, n)
     return m, n
 
 
@@ -144,7 +144,7 @@ def _check_ranks(path: Path, dirs: list[Path], metas: list[dict[str, Any]]) -> l
     for i, (d, meta) in enumerate(zip(dirs, metas)):
         r = meta.get("ep_rank", 0) * m + meta.get("tp_rank", 0)
         if not isinstance(r, int) or d.name != f"rank-{r}" or not 0 <= r < m * n:
-            raise CheckpointError(f"{d}: its metadata is rank {r!r} of --tp {m * n} --ep {n}", fix=writer._EDITED)
+            raise CheckpointError(f"{d}: its metadata is rank {r!r} of --tp {m * n} --ep {n}", fix=fileformat.EDITED)
         where[r] = i
     missing = [r for r in range(m * n) if r not in where]
     if missing:
@@ -155,19 +155,19 @@ def _check_ranks(path: Path, dirs: list[Path], metas: list[dict[str, Any]]) -> l
         )
     for d, meta in zip(dirs, metas):
         if _common(meta, False) != _common(metas[0], False):
-            raise CheckpointError(f"{d}: its metadata differs from {dirs[0]}'s beyond the rank", fix=writer._EDITED)
+            raise CheckpointError(f"{d}: its metadata differs from {dirs[0]}'s beyond the rank", fix=fileformat.EDITED)
     grid = [[where[e * m + t] for t in range(m)] for e in range(n)]
     for t in range(m):
         first = _common(metas[grid[0][t]], True)
         if any(_common(metas[grid[e][t]], True) != first for e in range(n)):
-            raise CheckpointError(f"{path}: the EP ranks of TP rank {t} record different layers", fix=writer._EDITED)
+            raise CheckpointError(f"{path}: the EP ranks of TP rank {t} record different layers", fix=fileformat.EDITED)
     total = metas[0].get("num_experts")
     for e in range(n if n > 1 else 0):
         for i in grid[e]:
-            if not isinstance(total, int) or metas[i].get("experts") != list(writer.expert_range(total, n, e)):
+            if not isinstance(total, int) or metas[i].get("experts") != list(rank_layout.expert_range(total, n, e)):
                 raise CheckpointError(
                     f"{dirs[i]}: experts {metas[i].get('experts')} are not EP rank {e}'s of {total} experts over {n}",
-                    fix=writer._EDITED,
+                    fix=fileformat.EDITED,
                 )
     return grid
 
@@ -176,8 +176,8 @@ def _rank_layer(kf: Any, idx: str, shapes_only: bool) -> MoELayer:
     """Rank ``kf``'s layer ``idx`` in the checkpoint layout: restored, or of meta tensors (``shapes_only``)."""
     rec = kf.meta["layers"][idx]
     if shapes_only:
-        return replace(writer._shape_layer(rec), **writer._where(kf.meta, int(idx), rec))
-    return writer._restore_layer(kf, kf.meta, int(idx), rec)
+        return replace(restore.shape_layer(rec), **fileformat.layer_where(kf.meta, int(idx), rec))
+    return restore.restore_layer(kf, kf.meta, int(idx), rec)
 
 
 def _full_layer(grid: list[list[Any]], scales: str, idx: str, shapes_only: bool = False) -> MoELayer:
@@ -202,7 +202,7 @@ def restore_ranks(
     if not dirs:
         raise CheckpointError(f"{path} has no rank-<r> directories", fix="pass the OUT of 'convert --rank all'")
     with safe_io.signals_raise(), safe_io.OutputLock(out), ExitStack() as stack:
-        kfs = [stack.enter_context(writer.KernelFiles(d)) for d in dirs]
+        kfs = [stack.enter_context(fileformat.KernelFiles(d)) for d in dirs]
         grid = [[kfs[i] for i in row] for row in _check_ranks(path, dirs, [kf.meta for kf in kfs])]
         meta = kfs[0].meta
         if not meta.get("convention"):
@@ -210,31 +210,31 @@ def restore_ranks(
         conv = conventions.get(meta["convention"])
         specs: dict[str, Any] = {}
         for idx in meta["layers"]:
-            with writer._layer_errors(path, idx):
+            with fileformat.layer_errors(path, idx):
                 full = _full_layer(grid, conv.scales, idx, shapes_only=True)
-                for k, v in conv.to_tensors(meta["prefix"], int(idx), full, writer._layer_path(meta, idx)).items():
+                for k, v in conv.to_tensors(meta["prefix"], int(idx), full, fileformat.layer_path(meta, idx)).items():
                     specs[k] = (v.dtype, tuple(v.shape))
         kept = _kept(path, dirs, kfs)
-        specs = writer.with_kept(
+        specs = restore.with_kept(
             path, specs, {n: s for kf, names in kept for n, s in unchanged.specs_in(kf, names).items()}
         )
         with safe_io.atomic_dir(out) as tmp:
             _write(path, tmp, grid, conv, specs, shard_size, (progress, out), kept)
-            safe_io.write_json(tmp / "config.json", writer._restored_config({**meta, "tp_size": 1}))
-            safe_io.write_json(tmp / safe_io.MARKER, writer.RESTORED_MARK)
+            safe_io.write_json(tmp / "config.json", restore.restored_config({**meta, "tp_size": 1}))
+            safe_io.write_json(tmp / safe_io.MARKER, restore.RESTORED_MARK)
     return out
 
 
 def _kept(path: Path, dirs: list[Path], kfs: list[Any]) -> list[tuple[Any, list[str]]]:
-    """``(rank's files, its unchanged tensors)`` of every rank (:func:`~fimoe_lab.checkpoints.writer.kept_names`:
+    """``(rank's files, its unchanged tensors)`` of every rank (:func:`~fimoe_lab.checkpoints.restore.kept_names`:
     rank 0 holds them, :mod:`~fimoe_lab.checkpoints.unchanged`); a tensor held by two ranks is refused."""
     kept: list[tuple[Any, list[str]]] = []
     seen: dict[str, str] = {}
     for d, kf in zip(dirs, kfs):
-        names = writer.kept_names(kf)
+        names = restore.kept_names(kf)
         for n in names:
             if n in seen:
-                raise CheckpointError(f"{path}: {n} is held by both {seen[n]} and {d.name}", fix=writer._EDITED)
+                raise CheckpointError(f"{path}: {n} is held by both {seen[n]} and {d.name}", fix=fileformat.EDITED)
             seen[n] = d.name
         kept.append((kf, names))
     return kept
@@ -257,23 +257,25 @@ def _write(
     target = stream.ShardedOutput(
         tmp, specs, {"format": "pt"}, single=False, shard_bytes=shard_size or stream.SHARD_BYTES
     )
-    bar = writer._progress_bar(progress[0], specs, target, progress[1], "restore")
+    bar = stream.progress_bar(progress[0], specs, target, progress[1], "restore")
     with stream.workers_for(target, hashing=False) as workers, ExitStack() as closing:
         if bar is not None:
             closing.callback(bar.close)
         for idx in meta["layers"]:
-            with writer._layer_errors(path, idx):
+            with fileformat.layer_errors(path, idx):
                 full = _full_layer(grid, conv.scales, idx)
-            tensors = conv.to_tensors(meta["prefix"], int(idx), full, writer._layer_path(meta, idx))
+            tensors = conv.to_tensors(meta["prefix"], int(idx), full, fileformat.layer_path(meta, idx))
             del full
             for k in list(tensors):
                 if k not in specs:
-                    raise CheckpointError(f"{path}: {k} is not among the tensors its records give", fix=writer._EDITED)
+                    raise CheckpointError(
+                        f"{path}: {k} is not among the tensors its records give", fix=fileformat.EDITED
+                    )
                 t = tensors.pop(k).contiguous()
                 target.put(workers, k, t)
                 if bar is not None:
                     bar.update(t.nbytes)
             workers.drain()  # this layer is out (and freed) before the next is read
         for kf, names in kept:
-            unchanged.put_back(kf, names, target, workers, partial(writer.check_digest, kf.meta), bar)
+            unchanged.put_back(kf, names, target, workers, partial(fileformat.check_digest, kf.meta), bar)
         target.finish(workers)

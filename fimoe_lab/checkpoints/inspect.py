@@ -15,8 +15,8 @@ import torch
 
 from fimoe_lab import recipes
 from fimoe_lab.checkpoints.conventions import MISSING_LAYOUT, dtype_name, stored_format
+from fimoe_lab.checkpoints.plan_choice import LayoutChoice, build_plan, layout_format, plan_args, suggest_alignment
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
-from fimoe_lab.checkpoints.writer import LayoutChoice, build_plan, layout_format, plan_args, suggest_alignment
 from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.formats.health import TINY_SCALE, decoded_scales
@@ -105,7 +105,7 @@ class BackendNeed:
     Bytes are per expert over w13, w2 and their scales: ``pad_bytes = kernel_bytes -
     checkpoint_bytes``; ``tensors``: per tensor ``{"name", "in_shape", "out_shape"`` (bytes per
     expert), ``"pad_bytes", "steps"`` (step kinds, checkpoint to kernel)``}``; ``plan``: the
-    :func:`~fimoe_lab.checkpoints.writer.plan_args` record that rebuilds the plan (what convert records);
+    :func:`~fimoe_lab.checkpoints.plan_choice.plan_args` record that rebuilds the plan (what convert records);
     ``tactics``: ``{tokens: valid TRTLLM-Gen tactics of the padded shape}`` where a caller that may ask the
     tuner filled it (the CLI; None: not asked), a count None where the tactic source does not know.
     """

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -54,6 +54,8 @@ __all__ = [
     "verify_shard",
     "experts_per_chunk",
     "byte_view",
+    "spec_nbytes",
+    "progress_bar",
 ]
 
 HASH_LANES = 2
@@ -90,7 +92,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+def spec_nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape``: ``numel(shape) * itemsize(dtype)``."""
     return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
 
 
@@ -100,7 +103,7 @@ def plan_shards(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], shard_byt
     groups: list[list[str]] = [[]]
     size = 0
     for name, (dtype, shape) in specs.items():
-        n = _nbytes(dtype, shape)
+        n = spec_nbytes(dtype, shape)
         if shard_bytes is not None and groups[-1] and size + n > shard_bytes:
             groups.append([])
             size = 0
@@ -273,7 +276,7 @@ def header_entries(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tup
     """safetensors header entries of tensors laid out in order, and their data bytes."""
     entries, offset = {}, 0
     for name, (dtype, shape) in specs.items():
-        n = _nbytes(dtype, shape)
+        n = spec_nbytes(dtype, shape)
         entries[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     return entries, offset
@@ -412,7 +415,7 @@ class ShardedOutput:
     def write_index(self) -> None:
         """Write the index of every shard (each committed by now, by this or another process) and remove
         the shards of an earlier run with another shard count."""
-        total = sum(_nbytes(*spec) for spec in self.specs.values())
+        total = sum(spec_nbytes(*spec) for spec in self.specs.values())
         weight_map = {name: self.paths[k].name for name, k in sorted(self.shard_of.items())}
         index = safe_io.AtomicFile(self.out / safe_io.INDEX)
         try:
@@ -451,3 +454,18 @@ def workers_for(target: ShardedOutput, hashing: bool) -> Iterator[Workers]:
         workers.close(abort=not ok)
         if not ok:
             target.discard()
+
+
+def progress_bar(
+    progress: Any, specs: dict, target: ShardedOutput, out: Path, what: str = "convert", total: int = 0
+) -> Any:
+    """None (``progress`` false), a tqdm bar (True), or ``progress(total=, unit=, unit_scale=, desc=)`` when it is a
+    bar class of that interface (the CLI's plain lines for logs and pipes, ``cli._common.PlainProgress``); its
+    total: ``total`` plus the bytes of the tensors of ``specs`` that ``target`` still needs."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    total += sum(spec_nbytes(d, s) for n, (d, s) in specs.items() if target.needed(n))
+    bar = progress if callable(progress) else tqdm
+    return bar(total=total, unit="B", unit_scale=True, desc=untrusted.printable(f"{what} -> {out.name}"))

@@ -425,7 +425,8 @@ def _written_layers(meta: dict) -> list[dict[str, Any]]:
 def _written_ranks(args: argparse.Namespace, out: Path, before: dict, start: float) -> list[dict[str, Any]]:
     """Per TP rank: its output, experts (``--ep``: the metadata's range), the source tensors it carries unchanged
     (rank 0's), files (bytes, kept by ``--resume``), and seconds to its last file written."""
-    from fimoe_lab.checkpoints.writer import KernelFiles, kept_names
+    from fimoe_lab.checkpoints.fileformat import KernelFiles
+    from fimoe_lab.checkpoints.restore import kept_names
 
     ranks = list(range(args.tp)) if args.rank == "all" else [args.rank]
     outputs = [out / f"rank-{r}" for r in ranks] if args.rank == "all" else [out]

@@ -407,7 +407,7 @@ def _demo_layer(
     """
     import torch
 
-    from fimoe_lab.checkpoints.writer import layout_format
+    from fimoe_lab.checkpoints.plan_choice import layout_format
     from fimoe_lab.recipes import ACTIVATION_DTYPES, activation_layout, recipe_id
 
     x = torch.randn(16, layer.hidden, generator=torch.Generator().manual_seed(layer_idx))
@@ -467,7 +467,7 @@ def _demo_engine_sm90(target, meta: dict, layer_idx: int, layer) -> tuple[bool |
     independently from the checkpoint's bytes (:func:`fimoe_lab.engine_check.sm90_engine_layer`)."""
     import torch
 
-    from fimoe_lab.checkpoints.writer import KernelFiles, _out_name
+    from fimoe_lab.checkpoints.fileformat import KernelFiles, out_name
     from fimoe_lab.engine_check import SM90_CHECKED, sm90_engine_layer
     from fimoe_lab.engines import get_engine
 
@@ -480,7 +480,7 @@ def _demo_engine_sm90(target, meta: dict, layer_idx: int, layer) -> tuple[bool |
     same = {}
     with KernelFiles(target) as kf:
         for name, expected in want.items():
-            key = _out_name(meta["prefix"], meta["block"], layer_idx, rec["tensors"][name]["name"])
+            key = out_name(meta["prefix"], meta["block"], layer_idx, rec["tensors"][name]["name"])
             got = kf.get_slice(key)[:].contiguous()
             same[name] = torch.equal(got.view(torch.uint8).reshape(-1), expected.reshape(-1))
     return same["w13_scale"] and same["w2_scale"], same["w13"] and same["w2"]
@@ -491,7 +491,7 @@ def _demo_engine_scales(target, meta: dict, layer_idx: int, layer):
     checkpoint's scales (:func:`fimoe_lab.engine_check.engine_scales`); None where there are none."""
     import torch
 
-    from fimoe_lab.checkpoints.writer import KernelFiles, _out_name
+    from fimoe_lab.checkpoints.fileformat import KernelFiles, out_name
     from fimoe_lab.engine_check import CUTLASS_CHECKED, engine_scales
 
     rec = meta["layers"][str(layer_idx)]
@@ -508,7 +508,7 @@ def _demo_engine_scales(target, meta: dict, layer_idx: int, layer):
     )
     with KernelFiles(target) as kf:
         for name, expected in zip(("w13_scale", "w2_scale"), want):
-            key = _out_name(meta["prefix"], meta["block"], layer_idx, rec["tensors"][name]["name"])
+            key = out_name(meta["prefix"], meta["block"], layer_idx, rec["tensors"][name]["name"])
             got = kf.get_slice(key)[:].contiguous()
             if not torch.equal(got.view(torch.uint8).reshape(-1), expected.reshape(-1)):
                 return False

@@ -314,7 +314,7 @@ def _model(a: argparse.Namespace):
 def _model_format(model) -> str:
     """The format to tune when ``--format`` is not given: the one tuner format among the model's checkpoint formats
     (a checkpoint's own; int4-group is laid out as mxint4), else one error asking for ``--format``."""
-    from fimoe_lab.checkpoints.writer import layout_format
+    from fimoe_lab.checkpoints.plan_choice import layout_format
 
     found = sorted({layout_format(f) for f in model.checkpoint_formats} & set(specs.tuner_formats()))
     if len(found) != 1:

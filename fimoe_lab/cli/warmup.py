@@ -72,7 +72,7 @@ def _model_args(args: argparse.Namespace) -> dict:
     kind, where = model_source(args.model, PRESETS)
     if kind == "preset":
         return {**given, "model": where}
-    from fimoe_lab.checkpoints.writer import layout_format
+    from fimoe_lab.checkpoints.plan_choice import layout_format
     from fimoe_lab.specs import get_activation
     from fimoe_lab.tune.models import model_from_checkpoint, model_from_config
 

@@ -8,7 +8,7 @@ permute-index cache of the BF16 method.
 
 - ``quantization/utils.prepare_static_weights_for_trtllm_fp4_moe`` (NVFP4, under
   ``flashinfer_trtllm.align_fp4_moe_weights_for_flashinfer_trtllm`` and the compressed-tensors
-  and Muse Spark NVFP4 MoEs): :func:`fimoe_lab.integrations._fp4.prepare_static_weights_for_trtllm_fp4_moe`.
+  and Muse Spark NVFP4 MoEs): :func:`fimoe_lab.integrations.fp4.prepare_static_weights_for_trtllm_fp4_moe`.
 - ``moe_runner/flashinfer_trtllm.align_fp8_moe_weights_for_flashinfer_trtllm`` (FP8 per-tensor):
   optional half swap, SGLang's padding, then :func:`fimoe_lab.recipes.plan_rotate_fp8_per_tensor`
   out of place (new parameters, as SGLang), and SGLang's output scales:
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 from fimoe_lab.integrations import Integration, Patch, guarded
@@ -43,30 +42,9 @@ UNQUANT = "sglang.srt.layers.quantization.unquant"
 
 
 def _fp4_trtllm(original: Callable[..., Any]) -> Callable[..., Any]:
-    from fimoe_lab.integrations._fp4 import prepare_static_weights_for_trtllm_fp4_moe
+    from fimoe_lab.integrations import fp4
 
-    def ours(
-        gemm1_weights: Any,
-        gemm2_weights: Any,
-        gemm1_scales_linear_fp4_bytes: Any,
-        gemm2_scales_linear_fp4_bytes: Any,
-        hidden_size: int,
-        intermediate_size: int,
-        num_experts: int,
-        is_gated: bool = True,
-    ) -> Any:
-        return prepare_static_weights_for_trtllm_fp4_moe(
-            gemm1_weights,
-            gemm2_weights,
-            gemm1_scales_linear_fp4_bytes,
-            gemm2_scales_linear_fp4_bytes,
-            hidden_size,
-            intermediate_size,
-            num_experts,
-            is_gated,
-        )
-
-    return guarded(ours, original, f"{QUANT_UTILS}.prepare_static_weights_for_trtllm_fp4_moe")
+    return fp4.replacement(original, f"{QUANT_UTILS}.prepare_static_weights_for_trtllm_fp4_moe")
 
 
 def _fp8_per_tensor(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -172,21 +150,10 @@ INTEGRATION = Integration(
 """SGLang 0.5.23's patches (the engine's version and FlashInfer pin come from the ``sglang-0.5.23`` profile)."""
 
 
-def install(force: bool = False) -> None:
-    """Replace SGLang's FlashInfer MoE preparation functions (module docstring); refuses untested versions."""
-    INTEGRATION.install(force=force)
-
-
-def uninstall() -> None:
-    """Restore SGLang's own functions everywhere they were replaced."""
-    INTEGRATION.uninstall()
-
-
-def installed(force: bool = False) -> AbstractContextManager[Integration]:
-    """Context manager: installed inside the ``with`` block, restored after."""
-    return INTEGRATION.installed(force=force)
-
-
-def register() -> None:
-    """Install when ``FIMOE_LAB_INSTALL`` is ``1`` (or ``force``); for a launcher script or sitecustomize."""
-    INTEGRATION.install_from_env()
+# The engine module's four functions are the integration's own (:class:`~fimoe_lab.integrations.Integration`):
+# ``install(force=False)``, ``uninstall()``, ``installed(force=False)`` (a context manager) and ``register()``
+# (installs as ``FIMOE_LAB_INSTALL`` says; for a launcher script or sitecustomize).
+install = INTEGRATION.install
+uninstall = INTEGRATION.uninstall
+installed = INTEGRATION.installed
+register = INTEGRATION.install_from_env

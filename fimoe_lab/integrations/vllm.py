@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any, Optional
 
 from fimoe_lab.integrations import Integration, Patch, guarded
@@ -181,30 +180,9 @@ def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _fp4_trtllm(original: Callable[..., Any]) -> Callable[..., Any]:
-    from fimoe_lab.integrations._fp4 import prepare_static_weights_for_trtllm_fp4_moe
+    from fimoe_lab.integrations import fp4
 
-    def ours(
-        gemm1_weights: Any,
-        gemm2_weights: Any,
-        gemm1_scales_linear_fp4_bytes: Any,
-        gemm2_scales_linear_fp4_bytes: Any,
-        hidden_size: int,
-        intermediate_size: int,
-        num_experts: int,
-        is_gated_activation: bool,
-    ) -> Any:
-        return prepare_static_weights_for_trtllm_fp4_moe(
-            gemm1_weights,
-            gemm2_weights,
-            gemm1_scales_linear_fp4_bytes,
-            gemm2_scales_linear_fp4_bytes,
-            hidden_size,
-            intermediate_size,
-            num_experts,
-            is_gated_activation,
-        )
-
-    return guarded(ours, original, f"{FLASHINFER_FP4_MOE}.prepare_static_weights_for_trtllm_fp4_moe")
+    return fp4.replacement(original, f"{FLASHINFER_FP4_MOE}.prepare_static_weights_for_trtllm_fp4_moe")
 
 
 _FU_DROP_INS = (
@@ -235,21 +213,10 @@ INTEGRATION = Integration(
 """vLLM 0.34's patches (the engine's version and FlashInfer pin come from the ``vllm-0.34`` profile)."""
 
 
-def install(force: bool = False) -> None:
-    """Replace vLLM's FlashInfer MoE preparation functions (module docstring); refuses untested versions."""
-    INTEGRATION.install(force=force)
-
-
-def uninstall() -> None:
-    """Restore vLLM's own functions everywhere they were replaced."""
-    INTEGRATION.uninstall()
-
-
-def installed(force: bool = False) -> AbstractContextManager[Integration]:
-    """Context manager: installed inside the ``with`` block, restored after."""
-    return INTEGRATION.installed(force=force)
-
-
-def register() -> None:
-    """vLLM ``general_plugins`` entry point: installs when ``FIMOE_LAB_INSTALL`` is ``1`` (or ``force``)."""
-    INTEGRATION.install_from_env()
+# The engine module's four functions are the integration's own (:class:`~fimoe_lab.integrations.Integration`):
+# ``install(force=False)``, ``uninstall()``, ``installed(force=False)`` (a context manager) and ``register()``
+# (installs as ``FIMOE_LAB_INSTALL`` says; the ``vllm.general_plugins`` entry point).
+install = INTEGRATION.install
+uninstall = INTEGRATION.uninstall
+installed = INTEGRATION.installed
+register = INTEGRATION.install_from_env

@@ -274,7 +274,7 @@ def _inline_svg(svg: str, prefix: str) -> str:
 def _layer_pictures(r: Any, backend: str, need: Any, tp: int, figures: Any, data: Any) -> list[tuple[str, Any]]:
     """``(caption, figure or None)`` of one plan: the padding masks (None: nothing padded, or too large to draw
     here; the caption says which) and, when w13's rows move, its row permutation."""
-    from fimoe_lab.checkpoints.writer import build_plan
+    from fimoe_lab.checkpoints.plan_choice import build_plan
 
     plan = build_plan(need.plan)
     maps = plan.maps()

@@ -155,10 +155,10 @@ class ExpertTensors:
         ``per_token``: NVFP4 activations quantised per token). Kept per argument set."""
         key = (backend, activation_dtype, per_token)
         if key not in self._plans:
-            from fimoe_lab.checkpoints import writer
+            from fimoe_lab.checkpoints import plan_choice
 
-            args = writer.plan_args(self.layout, backend, per_token=per_token, activation_dtype=activation_dtype)
-            self._plans[key] = writer.build_plan(args)
+            args = plan_choice.plan_args(self.layout, backend, per_token=per_token, activation_dtype=activation_dtype)
+            self._plans[key] = plan_choice.build_plan(args)
         return self._plans[key]  # type: ignore[no-any-return]
 
     def _check_expert(self, expert: int) -> None:

@@ -268,7 +268,7 @@ def _activation_args(fmt: str, backend: str, dtype: W.Dropdown, per_token: W.Che
     what the tables offer for ``fmt`` on ``backend``: the dtypes of ``recipes.ACTIVATION_DTYPES``
     (one "default" entry, disabled, where the recipe has one layout), the per-token switch only
     where ``specs.FORMATS[fmt].tactics.per_token_ok``. A choice the tables do not offer is None / False."""
-    from fimoe_lab.checkpoints.writer import layout_format
+    from fimoe_lab.checkpoints.plan_choice import layout_format
     from fimoe_lab.recipes import ACTIVATION_DTYPES, recipe_id
     from fimoe_lab.specs import FORMATS
 

@@ -3,18 +3,24 @@
 Both engines loop over experts with FlashInfer's cached permute indices and
 ``nvfp4_block_scale_interleave``; this runs :func:`fimoe_lab.recipes.plan_fp4_trtllm_weights`
 once per tensor instead. Its W31 swap is left out (``is_act_and_mul=False`` on the
-``R = P*I`` rows of W13): the engines swap before they call this.
+``R = P*I`` rows of W13): the engines swap before they call this. :func:`replacement` is the
+patch both engine integrations install.
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from fimoe_lab import recipes
 from fimoe_lab.errors import LayoutError
+from fimoe_lab.integrations import guarded
 from fimoe_lab.plan import apply_map, check_same_device
 
-__all__ = ["prepare_static_weights_for_trtllm_fp4_moe"]
+__all__ = ["prepare_static_weights_for_trtllm_fp4_moe", "replacement"]
 
 
 def prepare_static_weights_for_trtllm_fp4_moe(
@@ -67,3 +73,18 @@ def prepare_static_weights_for_trtllm_fp4_moe(
     )
     w1, s1, w2, s2 = (o.reshape(shapes[n][1]) for o, n in zip(out, shapes))
     return w1.view(torch.uint8), s1.view(torch.float8_e4m3fn), w2.view(torch.uint8), s2.view(torch.float8_e4m3fn)
+
+
+def replacement(original: Callable[..., Any], where: str) -> Callable[..., Any]:
+    """The engine's ``prepare_static_weights_for_trtllm_fp4_moe`` (``original``, at ``where``) replaced by
+    :func:`prepare_static_weights_for_trtllm_fp4_moe`: a call's arguments are bound to the engine's own
+    signature (its names and defaults: vLLM's ``is_gated_activation``, SGLang's ``is_gated=True``) and passed
+    by position; guarded (:func:`~fimoe_lab.integrations.guarded`)."""
+    signature = inspect.signature(original)
+
+    def ours(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return prepare_static_weights_for_trtllm_fp4_moe(*bound.args)
+
+    return guarded(ours, original, where)
