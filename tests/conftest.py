@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections import defaultdict
 
 import pytest
 import torch
@@ -20,18 +21,41 @@ FULL_SUITE = any(
 )
 
 
+FAST_CASES = 6
+"""Of a parametrised test with more cases, the fast run keeps this many, spread evenly over its grid (the
+first and the last included); the full suite runs every case."""
+
+
 def pytest_report_header(config):
     return (
-        "suite: full (CI or FIMOE_FULL_TESTS)" if FULL_SUITE else "suite: fast (slow tests left out; CI=true runs them)"
+        "suite: full (CI or FIMOE_FULL_TESTS)"
+        if FULL_SUITE
+        else f"suite: fast (slow tests left out, at most {FAST_CASES} cases of a parametrised test; CI=true runs all)"
     )
 
 
+def _spread(items: list) -> list:
+    """The items a fast run keeps: every unparametrised test, and of each parametrised one at most
+    ``FAST_CASES`` cases at evenly spaced positions of its collection order."""
+    cases = defaultdict(list)
+    for item in items:
+        cases[(item.path, item.originalname)].append(item)
+    keep = set()
+    for group in cases.values():
+        step = max(1.0, (len(group) - 1) / (FAST_CASES - 1))
+        keep.update(id(group[min(len(group) - 1, round(i * step))]) for i in range(min(len(group), FAST_CASES)))
+    return [item for item in items if id(item) in keep]
+
+
 def pytest_collection_modifyitems(config, items):
-    if not FULL_SUITE and not config.getoption("markexpr"):
-        slow = [item for item in items if "slow" in item.keywords]
-        if slow:
-            config.hook.pytest_deselected(items=slow)
-            items[:] = [item for item in items if "slow" not in item.keywords]
+    chosen = config.getoption("markexpr") or config.getoption("keyword") or any("::" in a for a in config.args)
+    if not FULL_SUITE and not chosen:  # a plain run: the fast suite; a selection runs as asked
+        kept = _spread([item for item in items if "slow" not in item.keywords])
+        kept_ids = {id(item) for item in kept}
+        dropped = [item for item in items if id(item) not in kept_ids]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
