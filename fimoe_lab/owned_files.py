@@ -32,7 +32,7 @@ from pathlib import Path
 
 from fimoe_lab.errors import FimoeError
 
-__all__ = ["FileKind", "KINDS", "MARKER_WINDOW", "marked", "check_file_output", "write_file_output"]
+__all__ = ["FileKind", "KINDS", "MARKER_WINDOW", "marked", "check_file_output", "write_file_output", "fsync_dir"]
 
 MARKER_WINDOW = 4096
 """Bytes at the head of an existing file searched for its kind's mark."""
@@ -156,10 +156,16 @@ def write_file_output(out: Path, data: bytes, kind: str, force: bool, inputs: Se
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    with contextlib.suppress(OSError):
-        dfd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    fsync_dir(parent)
     return out
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new entry in ``folder`` durable (best effort: a file system that cannot sync a
+    folder is left as it is)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

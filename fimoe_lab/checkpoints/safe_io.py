@@ -41,6 +41,7 @@ from typing import Any, BinaryIO, Optional
 
 from fimoe_lab import untrusted
 from fimoe_lab.errors import CheckpointError
+from fimoe_lab.owned_files import fsync_dir
 
 __all__ = [
     "MARKER",
@@ -545,15 +546,6 @@ def create_new(path: Path) -> BinaryIO:
     return os.fdopen(os.open(path, flags, 0o666), "wb")
 
 
-def _fsync_dir(d: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _temp_name(out: Path, kind: str = "tmp") -> Path:
     return out.parent / f".{out.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
@@ -610,7 +602,7 @@ class AtomicFile:
             os.fsync(self.handle.fileno())
             self.handle.close()
             os.replace(self.tmp, self.out)
-            _fsync_dir(self.out.parent)
+            fsync_dir(self.out.parent)
         except BaseException:
             self.discard()
             raise
@@ -670,7 +662,7 @@ def atomic_dir(out: Path) -> Iterator[Path]:
                     os.rename(old, out)
                     old = None
                 raise
-            _fsync_dir(out.parent)
+            fsync_dir(out.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
