@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -141,11 +140,17 @@ def _sparse_filler(ck: Path, experts: int) -> None:
     (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
 
 
-def _limited(nbytes: int):
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
-
-    return limit
+# Runs argv[3:] under an address-space limit of argv[1] bytes and writes its peak RSS (KiB) to argv[2]. The
+# command is forked from this small interpreter, not from the test process: a child forked from a large
+# process counts that process's resident pages in its own peak until it execs.
+MEASURED = (
+    "import resource, subprocess, sys\n"
+    "limit = int(sys.argv[1])\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+    "rc = subprocess.run(sys.argv[3:]).returncode\n"
+    "open(sys.argv[2], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))\n"
+    "sys.exit(rc)\n"
+)
 
 
 @pytest.mark.parametrize("experts", [1 << 24, 1 << 20, 9])
@@ -155,13 +160,15 @@ def test_a_hostile_expert_count_beside_a_sparse_filler_is_refused_fast_and_small
     out = tmp_path / "k.safetensors"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "fimoe_lab", "convert", str(ck), str(out), "--backend", BACKEND, "--no-progress"]
+    peak = tmp_path / "peak-kib"
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=_limited(6 << 30))
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURED, str(6 << 30), str(peak), *cmd], env=env, stderr=subprocess.PIPE, text=True
+    )
+    err = proc.stderr
     assert proc.returncode == 2, err
-    assert time.monotonic() - start < 60 and usage.ru_maxrss < (1 << 20), usage.ru_maxrss  # KiB: under 1 GiB
+    rss = int(peak.read_text())
+    assert time.monotonic() - start < 60 and rss < (1 << 20), rss  # KiB: under 1 GiB
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and f"declares {experts} experts" in lines[0], err
     assert not out.exists()
