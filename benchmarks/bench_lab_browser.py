@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fimoe_lab.cli.lab import free_port, jupyterlab_command  # noqa: E402
 from scripts import lab_screenshots as shots  # noqa: E402
 
 EXPLORERS = ("RowExplorer", "TileExplorer", "ProvenanceExplorer", "CompareExplorer")
@@ -149,57 +147,38 @@ def run(checkpoint: str, rounds: int = 5, budget_s: float = 1500) -> dict:
         work = Path(tmp) / "notebooks"
         work.mkdir()
         _notebook(work / "bench.ipynb")
-        port = free_port()
-        argv, env = jupyterlab_command(work, port, Path(tmp) / "state", open_browser=False, theme="light")
-        tracker = Path(tmp) / "state" / "settings" / "@jupyterlab" / "notebook-extension"
-        tracker.mkdir(parents=True, exist_ok=True)  # render every cell (no windowing), as lab_screenshots does
-        (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        log_path = Path(tmp) / "jupyterlab.log"
-        with open(log_path, "w") as server_log:
-            server = subprocess.Popen(
-                argv, env=env, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        with shots.lab_server(work, Path(tmp) / "state", "light", deadline) as (port, token), sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=binary, args=shots.CHROMIUM_FLAGS)
             try:
-                token = env["JUPYTER_TOKEN"]
-                shots._wait_for_server(f"http://127.0.0.1:{port}/api/status?token={token}", server, log_path, deadline)
-                with sync_playwright() as pw:
-                    browser = pw.chromium.launch(executable_path=binary, args=shots.CHROMIUM_FLAGS)
-                    try:
-                        page = browser.new_context(viewport=shots.VIEWPORT, device_scale_factor=shots.SCALE).new_page()
-                        page.goto(f"http://127.0.0.1:{port}/lab/tree/bench.ipynb?token={token}", timeout=deadline.ms())
-                        page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=deadline.ms())
-                        page.locator(".jp-NotebookPanel .jp-Cell").first.click(timeout=deadline.ms())
-                        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-                        shots._accept_kernel_dialog(page)
-                        shots._menu(page, "Run", "Run All Cells", deadline=deadline)
-                        shots._accept_kernel_dialog(page)
-                        page.wait_for_function(  # every explorer drew its first (seeded) figure
-                            "n => document.querySelectorAll('.widget-vbox > .fimoe-figure svg').length >= n",
-                            arg=len(EXPLORERS),
-                            timeout=min(deadline.ms(), 300_000),
-                            polling=500,
-                        )
-                        text = page.locator(".jp-OutputArea-output", has_text="kernel pid").first.text_content()
-                        pid = int(text.split("kernel pid")[1].split()[0])
-                        shots.log(f"cells ran (kernel {pid})")
-                        page.wait_for_timeout(1000)
-                        out["rss_after_cells_mb"] = _rss_mb(pid)
-                        explorers = page.locator(".widget-vbox:has(> .fimoe-figure)")
-                        for k, name in enumerate(EXPLORERS):
-                            explorer = explorers.nth(k)
-                            explorer.scroll_into_view_if_needed()
-                            one: dict = {"load_ms": _load(page, explorer, checkpoint, deadline)}
-                            shots.log(f"{name}: loaded in {one['load_ms']:.0f} ms")
-                            one["rss_after_load_mb"] = _rss_mb(pid)
-                            one["changes"] = _changes(page, explorer, rounds, deadline)
-                            one["rss_after_mb"] = _rss_mb(pid)
-                            out["explorers"][name] = one
-                            shots.log(f"{name}: {json.dumps(one)[:300]}")
-                    finally:
-                        browser.close()
+                page = browser.new_context(viewport=shots.VIEWPORT, device_scale_factor=shots.SCALE).new_page()
+                page.goto(f"http://127.0.0.1:{port}/lab/tree/bench.ipynb?token={token}", timeout=deadline.ms())
+                page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=deadline.ms())
+                page.locator(".jp-NotebookPanel .jp-Cell").first.click(timeout=deadline.ms())
+                shots.run_all(page, deadline)
+                page.wait_for_function(  # every explorer drew its first (seeded) figure
+                    "n => document.querySelectorAll('.widget-vbox > .fimoe-figure svg').length >= n",
+                    arg=len(EXPLORERS),
+                    timeout=min(deadline.ms(), 300_000),
+                    polling=500,
+                )
+                text = page.locator(".jp-OutputArea-output", has_text="kernel pid").first.text_content()
+                pid = int(text.split("kernel pid")[1].split()[0])
+                shots.log(f"cells ran (kernel {pid})")
+                page.wait_for_timeout(1000)
+                out["rss_after_cells_mb"] = _rss_mb(pid)
+                explorers = page.locator(".widget-vbox:has(> .fimoe-figure)")
+                for k, name in enumerate(EXPLORERS):
+                    explorer = explorers.nth(k)
+                    explorer.scroll_into_view_if_needed()
+                    one: dict = {"load_ms": _load(page, explorer, checkpoint, deadline)}
+                    shots.log(f"{name}: loaded in {one['load_ms']:.0f} ms")
+                    one["rss_after_load_mb"] = _rss_mb(pid)
+                    one["changes"] = _changes(page, explorer, rounds, deadline)
+                    one["rss_after_mb"] = _rss_mb(pid)
+                    out["explorers"][name] = one
+                    shots.log(f"{name}: {json.dumps(one)[:300]}")
             finally:
-                shots._stop(server)
+                browser.close()
     out["rss_above_fresh_mb"] = max(e["rss_after_mb"] for e in out["explorers"].values()) - out["rss_after_cells_mb"]
     return out
 

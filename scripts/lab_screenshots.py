@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,6 +129,32 @@ def _stop(server: subprocess.Popen) -> None:
             server.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def lab_server(work: Path, state: Path, theme: str, deadline: Deadline, **env: str) -> Iterator[tuple[int, str]]:
+    """JupyterLab on the notebooks in ``work`` (its settings under ``state``, its log beside it), started as
+    ``fimoe-lab lab`` starts it (:func:`fimoe_lab.cli.lab.jupyterlab_command`) with every cell rendered (no
+    windowing: outputs exist to be checked), this checkout importable and ``env`` added, in a session of its
+    own; yields ``(port, token)`` once it answers and stops the whole session on exit."""
+    port = free_port()
+    argv, server_env = jupyterlab_command(work, port, state, open_browser=False, theme=theme)
+    tracker = state / "settings" / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True, exist_ok=True)
+    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    server_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), server_env.get("PYTHONPATH")]))
+    server_env.update(env)
+    log_path = state.parent / "jupyterlab.log"
+    with open(log_path, "w") as server_log:
+        server = subprocess.Popen(
+            argv, env=server_env, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            token = server_env["JUPYTER_TOKEN"]
+            _wait_for_server(f"http://127.0.0.1:{port}/api/status?token={token}", server, log_path, deadline)
+            yield port, token
+        finally:
+            _stop(server)
+
+
 def _accept_kernel_dialog(page) -> None:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
@@ -141,7 +168,7 @@ def _menu(page, top: str, *items: str, deadline: Deadline) -> None:
         page.locator(".lm-Menu-item:visible", has_text=item).first.click(timeout=deadline.ms())
 
 
-def _run_all(page, deadline: Deadline) -> None:
+def run_all(page, deadline: Deadline) -> None:
     """Run every cell and wait until each code cell has its execution count."""
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=deadline.ms())
     _accept_kernel_dialog(page)
@@ -470,88 +497,64 @@ def _capture(out: Path, notebook: str, themes, interact: bool, deadline: Deadlin
     with tempfile.TemporaryDirectory(prefix="fimoe-lab-shots-") as tmp:
         work = Path(tmp) / "notebooks"
         shutil.copytree(resources.notebooks_dir(), work)  # JupyterLab saves into its copy, never the package
-        port = free_port()
-        argv, env = jupyterlab_command(work, port, Path(tmp) / "state", open_browser=False, theme=themes[0])
-        tracker = Path(tmp) / "state" / "settings" / "@jupyterlab" / "notebook-extension"
-        tracker.mkdir(parents=True, exist_ok=True)  # render every cell (no windowing): outputs exist to be checked
-        (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        env["OMP_NUM_THREADS"] = "1"
-        log_path = Path(tmp) / "jupyterlab.log"
-        with open(log_path, "w") as server_log:
-            server = subprocess.Popen(
-                argv, env=env, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                token = env["JUPYTER_TOKEN"]
-                _wait_for_server(f"http://127.0.0.1:{port}/api/status?token={token}", server, log_path, deadline)
-                log("JupyterLab is up")
-                with sync_playwright() as pw:
-                    browser = pw.chromium.launch(executable_path=binary, args=CHROMIUM_FLAGS, timeout=deadline.ms())
-                    try:
-                        context = browser.new_context(viewport=VIEWPORT, device_scale_factor=SCALE)
-                        for name in notebooks:
-                            page = context.new_page()
-                            try:
-                                page.goto(
-                                    f"http://127.0.0.1:{port}/lab/tree/{name}?token={token}", timeout=deadline.ms()
-                                )
-                                page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=deadline.ms())
-                                log(f"{name}: opened")
-                                page.locator(".jp-NotebookPanel .jp-Cell").first.click(timeout=deadline.ms())
-                                _run_all(page, deadline)
-                                log(f"{name}: every cell ran")
-                                page.wait_for_timeout(500)
-                                # JupyterLab's default layout (the file browser open): what size is the text?
-                                result["text_sizes"] = {name: _text_sizes(page)}
-                                result["file_browser_open"] = {name: page.locator("#filebrowser").is_visible()}
-                                if page.locator("#filebrowser").is_visible():  # the notebook gets the width
-                                    _menu(page, "View", "File Browser", deadline=deadline)
-                                    page.wait_for_timeout(300)
+        with lab_server(work, Path(tmp) / "state", themes[0], deadline, OMP_NUM_THREADS="1") as (port, token):
+            log("JupyterLab is up")
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=binary, args=CHROMIUM_FLAGS, timeout=deadline.ms())
+                try:
+                    context = browser.new_context(viewport=VIEWPORT, device_scale_factor=SCALE)
+                    for name in notebooks:
+                        page = context.new_page()
+                        try:
+                            page.goto(f"http://127.0.0.1:{port}/lab/tree/{name}?token={token}", timeout=deadline.ms())
+                            page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=deadline.ms())
+                            log(f"{name}: opened")
+                            page.locator(".jp-NotebookPanel .jp-Cell").first.click(timeout=deadline.ms())
+                            run_all(page, deadline)
+                            log(f"{name}: every cell ran")
+                            page.wait_for_timeout(500)
+                            # JupyterLab's default layout (the file browser open): what size is the text?
+                            result["text_sizes"] = {name: _text_sizes(page)}
+                            result["file_browser_open"] = {name: page.locator("#filebrowser").is_visible()}
+                            if page.locator("#filebrowser").is_visible():  # the notebook gets the width
+                                _menu(page, "View", "File Browser", deadline=deadline)
+                                page.wait_for_timeout(300)
 
-                                if interact and name == NOTEBOOKS[0]:
-                                    result["interactions"] = _interact(page, deadline)
-                                    log(f"{name}: explorers used")
-                                if interact and name in CHECKS:
-                                    result["instruments"][name] = _instrument(page, name, deadline)
-                                result["figures"][name] = page.locator(".fimoe-figure svg").count()
-                                result["tracebacks"][name] = (
-                                    page.locator(
-                                        ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+                            if interact and name == NOTEBOOKS[0]:
+                                result["interactions"] = _interact(page, deadline)
+                                log(f"{name}: explorers used")
+                            if interact and name in CHECKS:
+                                result["instruments"][name] = _instrument(page, name, deadline)
+                            result["figures"][name] = page.locator(".fimoe-figure svg").count()
+                            result["tracebacks"][name] = (
+                                page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+                                .filter(has_text="Traceback")
+                                .count()
+                            )
+                            if interact and name == NOTEBOOKS[0]:  # last: it leaves settings changed
+                                result["controls"] = {name: _every_control(page, deadline)}
+                                log(f"{name}: every menu of every explorer changed")
+                            for k, theme in enumerate(themes):
+                                if k:
+                                    _menu(page, "Settings", "Theme", f"JupyterLab {theme.title()}", deadline=deadline)
+                                    page.wait_for_function(
+                                        "t => document.body.dataset.jpThemeName === t",
+                                        arg=f"JupyterLab {theme.title()}",
+                                        timeout=deadline.ms(),
                                     )
-                                    .filter(has_text="Traceback")
-                                    .count()
-                                )
-                                if interact and name == NOTEBOOKS[0]:  # last: it leaves settings changed
-                                    result["controls"] = {name: _every_control(page, deadline)}
-                                    log(f"{name}: every menu of every explorer changed")
-                                for k, theme in enumerate(themes):
-                                    if k:
-                                        _menu(
-                                            page, "Settings", "Theme", f"JupyterLab {theme.title()}", deadline=deadline
-                                        )
-                                        page.wait_for_function(
-                                            "t => document.body.dataset.jpThemeName === t",
-                                            arg=f"JupyterLab {theme.title()}",
-                                            timeout=deadline.ms(),
-                                        )
-                                    shot = out / f"{Path(name).stem}_{theme}.png"
-                                    _screenshot(page, shot, deadline)
-                                    result["screenshots"].append(shot)
-                                    log(f"{name}: {shot}")
-                                if len(themes) > 1:  # back to the first theme for the next notebook
-                                    _menu(
-                                        page, "Settings", "Theme", f"JupyterLab {themes[0].title()}", deadline=deadline
-                                    )
-                            except Exception:
-                                page.screenshot(path=str(out / f"failure_{Path(name).stem}.png"))
-                                raise
-                            finally:
-                                page.close()
-                    finally:
-                        browser.close()
-            finally:
-                _stop(server)
+                                shot = out / f"{Path(name).stem}_{theme}.png"
+                                _screenshot(page, shot, deadline)
+                                result["screenshots"].append(shot)
+                                log(f"{name}: {shot}")
+                            if len(themes) > 1:  # back to the first theme for the next notebook
+                                _menu(page, "Settings", "Theme", f"JupyterLab {themes[0].title()}", deadline=deadline)
+                        except Exception:
+                            page.screenshot(path=str(out / f"failure_{Path(name).stem}.png"))
+                            raise
+                        finally:
+                            page.close()
+                finally:
+                    browser.close()
     return result
 
 
