@@ -299,9 +299,18 @@ def _point_and_click(page, explorer, axes: int, deadline: Deadline) -> dict:
     frame.scroll_into_view_if_needed(timeout=deadline.ms())
     box = frame.bounding_box(timeout=deadline.ms())
     x, y = box["x"] + box["width"] * 0.37, box["y"] + box["height"] * 0.41
-    seen = {"hover": _hover_tip(page, x, y, deadline)["text"]}
-    right = min(box["x"] + box["width"] * 0.97, VIEWPORT["width"] - 3)  # the right edge: the tip must stay on screen
-    seen["tips"] = [_hover_tip(page, x, y, deadline), _hover_tip(page, right, y, deadline)]
+    middle = _hover_tip(page, x, y, deadline)
+    # towards the right edge of what the eye sees of the cells (the page or JupyterLab's side bar may cover
+    # the rest), the first point with a cell under it: there the tip must flip to the pointer's left and
+    # stay on screen
+    right = page.evaluate(VISIBLE_RIGHT_JS, [min(box["x"] + box["width"] * 0.97, VIEWPORT["width"] - 3), x, y])
+    edge = None
+    for k in range(12):
+        px = right - k * (right - x) / 12
+        edge = _hover_tip(page, px, y, deadline, answer_s=1.5)
+        if edge is not None:
+            break
+    seen = {"hover": middle["text"], "tips": [middle, edge]}
     message = explorer.locator(".fimoe-message").first
     old = message.text_content()
     page.mouse.click(x, y)
@@ -321,16 +330,42 @@ TIP_JS = """() => {
 }"""
 
 
-def _hover_tip(page, x: float, y: float, deadline: Deadline) -> dict:
+VISIBLE_RIGHT_JS = """([x, left, y]) => {
+    for (let px = x; px > left; px -= 2) {
+        const el = document.elementFromPoint(px, y);
+        if (el && el.closest('.fimoe-figure svg')) return px;
+    }
+    return left;
+}"""
+"""The rightmost x (CSS px, from ``x`` down to ``left``) on row ``y`` where the pointer is over a lab figure."""
+
+
+def _hover_tip(page, x: float, y: float, deadline: Deadline, answer_s: float | None = None) -> dict | None:
     """Point at ``(x, y)`` (CSS px of the viewport) and wait for the figure's tooltip; return its text, its box,
-    the viewport and the pointer, and ``gap``: the distance from the pointer to the nearest point of the box."""
+    the viewport and the pointer, and ``gap``: the distance from the pointer to the nearest point of the box.
+
+    The tooltip of an earlier point may still be shown when the pointer arrives: the answer is the tooltip
+    whose text differs from the one shown before the move, read once its box has stopped moving. With
+    ``answer_s``, None when no such tooltip shows within that time (no cell under the pointer); without it,
+    after 5 s any tooltip is the answer (a point whose text equals the earlier one)."""
+    before = (page.evaluate(TIP_JS) or {}).get("text")
     page.mouse.move(x - 7, y - 7)
     page.mouse.move(x, y, steps=3)
-    page.wait_for_function(
-        f"() => {{ const t = ({TIP_JS})(); return t !== null && t.text.includes('row ') || t && t.text.includes('offset'); }}",
-        timeout=deadline.ms(),
-    )
-    tip = page.evaluate(TIP_JS)
+    answered = "t !== null && (t.text.includes('row ') || t.text.includes('offset'))"
+    try:
+        page.wait_for_function(
+            f"(before) => {{ const t = ({TIP_JS})(); return {answered} && t.text !== before; }}",
+            arg=before,
+            timeout=min(deadline.ms(), (answer_s or 5) * 1000),
+        )
+    except Exception:  # noqa: BLE001 - no new tooltip in the time given
+        if answer_s is not None:
+            return None
+        page.wait_for_function(f"() => {{ const t = ({TIP_JS})(); return {answered}; }}", timeout=deadline.ms())
+    tip, settled = page.evaluate(TIP_JS), None
+    while tip != settled:  # the box placed for the final pointer position and the final text
+        page.wait_for_timeout(min(50, deadline.ms()))
+        settled, tip = tip, page.evaluate(TIP_JS)
     dx = max(tip["left"] - x, 0, x - tip["right"])
     dy = max(tip["top"] - y, 0, y - tip["bottom"])
     return dict(tip, x=x, y=y, gap=(dx * dx + dy * dy) ** 0.5)

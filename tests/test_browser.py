@@ -86,6 +86,7 @@ def test_the_lab_in_a_real_browser():
         assert len(got["points"]) == len(check["point"])
         for point in got["points"]:
             for tip in point["tips"]:  # at the pointer (within 20 px) and inside the viewport
+                assert tip is not None, "no tooltip towards the right edge of the cells"
                 assert tip["gap"] <= 20 and tip["left"] >= 0 and tip["top"] >= 0, tip
                 assert tip["right"] <= tip["width"] and tip["bottom"] <= tip["height"], tip
             assert re.match(r"(kernel|checkpoint) row \d+, column \d+", point["hover"]), point["hover"]
