@@ -25,7 +25,7 @@ from typing import Optional
 
 from fimoe_lab import steps
 from fimoe_lab.caches import cached
-from fimoe_lab.engines import check_quant_method, get_engine
+from fimoe_lab.engines import VALUES, check_quant_method, get_engine
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.plan import LayerPlan
@@ -726,6 +726,7 @@ def plan_layer(
     per_token_activation: bool = False,
     activation_dtype: Optional[str] = None,
     quant_method: Optional[str] = None,
+    values: Optional[str] = None,
 ) -> LayerPlan:
     """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
 
@@ -741,6 +742,12 @@ def plan_layer(
     ``quant_method``: the checkpoint's quantization method (:data:`fimoe_lab.engines.QUANT_METHODS`, what its
     convention's writer records; None: unknown), for the profile rules keyed on it (SGLang 0.5.23 swaps W13's
     halves of ModelOpt FP8 per-tensor layers on TRT-LLM, not of other FP8 ones); it never changes the sizes.
+    The plan carries the profile's value rule for the recipe (``LayerPlan.value_rule``: vLLM 0.34 and SGLang
+    0.5.23 requantize FP8 per-tensor W13 to max(gate, up), vLLM 0.34 clamps DeepSeek FP8 block scales to 1e-10),
+    applied by ``plan.apply`` before the byte maps. ``values`` (:data:`fimoe_lab.engines.VALUES`): ``"engine"``,
+    the profile's rules as the engine applies them (its bytes); ``"lossless"``, only a rule the kernel needs, only
+    where needed (FP8 per-tensor experts whose gate and up scales differ); None: ``"engine"`` when ``engine`` is
+    named, ``"lossless"`` for the default profile.
     """
     check_quant_method(quant_method)
     get_engine(engine).check_prepared(fmt, backend, quant_method)
@@ -770,7 +777,11 @@ def plan_layer(
             f"internal: the {fmt}/{backend} plan pads ({intermediate}, {hidden}) to "
             f"({plan.padded_intermediate}, {plan.padded_hidden}), shapes.padded_shape says {want}"
         )
-    return plan
+    if values not in (None, *VALUES):
+        raise LayoutError(f"values {values!r} is not one of {', '.join(VALUES)}", fix="pass engine or lossless")
+    lossless = values == "lossless" or (values is None and engine is None)
+    rule = get_engine(engine).value_rule(fmt, backend, quant_method, lossless)
+    return plan if rule is None else replace(plan, value_rule=rule)
 
 
 def _plan_sm90_mixed(

@@ -18,7 +18,7 @@ from fimoe_lab.checkpoints.inspect import LayerReport, format_report, inspect_ch
 from fimoe_lab.checkpoints.moe_reference import layer_forward, moe_forward, random_routing
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer, open_checkpoint
 from fimoe_lab.checkpoints.restore import restore_layers
-from fimoe_lab.checkpoints.writer import convert_checkpoint, restore_checkpoint
+from fimoe_lab.checkpoints.writer import convert_checkpoint, not_byte_exact, restore_checkpoint
 from fimoe_lab.resources import sample_names, sample_path
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "inspect_checkpoint",
     "layer_forward",
     "moe_forward",
+    "not_byte_exact",
     "open_checkpoint",
     "random_routing",
     "safe_io",

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+from fimoe_lab import value_rules
 from fimoe_lab.checkpoints import conventions, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.conventions import dtype_name
@@ -58,8 +59,9 @@ def convert_layer(
     """One layer into the kernel layout: ``(tensors by kernel name, plan, plan spec)``.
 
     ``engine``: the profile whose defaults and layouts apply (:mod:`fimoe_lab.engines`;
-    None: the newest vLLM's, ``engines.DEFAULT_ENGINE``). Only bytes move (block scales are
-    not clamped; see ``inspect`` for dead scales). Biases (gpt-oss) follow their weight's
+    None: the newest vLLM's, ``engines.DEFAULT_ENGINE``). Bytes move, and values change only where the
+    profile holds a value rule (``plan.value_rule``: FP8 per-tensor W13 requantized to max(gate, up), DeepSeek
+    FP8 block scales clamped to 1e-10; the record says so: :func:`_kernel_specs`). Biases (gpt-oss) follow their weight's
     rows; other extras pass unchanged. ``per_token``, ``activation_dtype``: :func:`plan_args`. A checkpoint format
     with a :data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR` byte (int4-group: ``q + 8`` ->
     two's complement) has its weight bytes XORed with it first (a copy; the layer is untouched).
@@ -122,8 +124,10 @@ def _kernel_specs(layer: MoELayer, choice: LayoutChoice) -> tuple[dict, dict]:
     """Kernel dtypes/shapes of a layer (:func:`dry_run`) and its metadata record (module docstring;
     ``checkpoint_format`` only where the layer's format is not the recipe's, int4-group for mxint4)."""
     kernel, plan, spec = dry_run(layer, choice)
+    lossy = value_rules.applies(plan.value_rule, layer.tensors())
     record = {
         "plan": spec,
+        **({"value_rule": plan.value_rule.record()} if lossy and plan.value_rule is not None else {}),
         **({"checkpoint_format": layer.fmt} if layer.fmt != spec["args"]["fmt"] else {}),
         "description": plan.description,
         "padded_intermediate": plan.padded_intermediate,

@@ -71,7 +71,10 @@ def plan_args(
     format of ``specs.FORMATS`` (int4-group -> mxint4) is planned as that format.
 
     ``engine``: the profile (:mod:`fimoe_lab.engines`; None: ``engines.DEFAULT_ENGINE``),
-    recorded by its resolved name so that ``restore`` rebuilds with the same defaults. Files
+    recorded by its resolved name so that ``restore`` rebuilds with the same defaults. Where the profile has a
+    value rule for the recipe, ``args["values"]`` records which form applies (``recipes.plan_layer``'s ``values``):
+    ``"engine"`` when ``engine`` is named (the engine's bytes), ``"lossless"`` for the default (the checkpoint's
+    values wherever the kernel takes them). Files
     that record none were written before profiles and rebuild with ``engines.LEGACY_ENGINE``
     (:func:`build_plan`). A checkpoint-only format (``conventions.MISSING_LAYOUT``) is refused naming the
     layout ``backend`` lacks.
@@ -100,6 +103,8 @@ def plan_args(
         check_kernel_activation(fmt, backend, layer.activation)
     except FimoeError as exc:
         raise CheckpointError(f"layer {layer.layer}: {exc.message}", fix=exc.fix) from None
+    profile = engines.get_engine(engine or engines.DEFAULT_ENGINE)
+    ruled = profile.value_rule(fmt, backend, method) is not None
     return {
         "recipe": recipes.recipe_id(fmt, backend),
         "args": {
@@ -111,10 +116,11 @@ def plan_args(
             "is_gated": layer.is_gated,
             "intermediate_alignment": intermediate_alignment,
             "hidden_alignment": hidden_alignment,
-            "engine": engines.get_engine(engine or engines.DEFAULT_ENGINE).name,
+            "engine": profile.name,
             "per_token_activation": bool(per_token),
             **({} if activation_dtype is None else {"activation_dtype": activation_dtype}),
             **({} if method is None else {"quant_method": method}),
+            **({"values": "engine" if engine else "lossless"} if ruled else {}),
         },
     }
 

@@ -21,11 +21,12 @@ from fimoe_lab.checkpoints.convert import torch_device, write_kernel_layout
 from fimoe_lab.checkpoints.plan_choice import LayoutChoice
 from fimoe_lab.checkpoints.rank_layout import moe_tp_size, rank_list, rank_part, request_of, source_info, wanted_layers
 from fimoe_lab.checkpoints.reader import Checkpoint
-from fimoe_lab.checkpoints.restore import restore_directory
+from fimoe_lab.checkpoints.restore import restore_directory, value_rule_notes
 
 __all__ = [
     "convert_checkpoint",
     "restore_checkpoint",
+    "not_byte_exact",
 ]
 
 
@@ -128,7 +129,9 @@ def restore_checkpoint(
     The result (``config.json``, shards of at most ``shard_size`` bytes (default
     :data:`~fimoe_lab.checkpoints.stream.SHARD_BYTES`) with their index, and the marker
     :data:`~fimoe_lab.checkpoints.safe_io.MARKER`) holds the MoE expert tensors of the
-    converted layers, byte-identical to the source's (for a TP shard: the rank's slice,
+    converted layers, byte-identical to the source's except where the engine profile's value rule changed values
+    (:func:`not_byte_exact` lists those tensors and why; e.g. FP8 per-tensor W13 requantized by ``vllm-0.34``)
+    (for a TP shard: the rank's slice,
     with config.json's intermediate size set to the shard's; for the OUT of ``convert --rank all``, every
     rank's experts and intermediate slices joined: :func:`expert_parallel.restore_ranks`), and every tensor
     convert carried through unchanged (:mod:`~fimoe_lab.checkpoints.unchanged`): from a whole convert, every
@@ -143,3 +146,11 @@ def restore_checkpoint(
     safe_io.check_output(out, [Path(path)], force, "dir")
     with safe_io.signals_raise(), safe_io.OutputLock(out):  # a second writer of OUT fails before reading
         return restore_directory(path, out, shard_size or stream.SHARD_BYTES, progress)
+
+
+def not_byte_exact(path: str | os.PathLike) -> list[dict]:
+    """What :func:`restore_checkpoint` of ``path`` does not give back byte for byte, and why: the tensors an engine
+    profile's value rule changed (:func:`~fimoe_lab.checkpoints.restore.value_rule_notes`; for the OUT of
+    ``convert --rank all``, every rank's). Empty: the restore is byte-exact."""
+    ranks = expert_parallel.rank_dirs(Path(path))
+    return [note for p in (ranks or [Path(path)]) for note in value_rule_notes(p)]

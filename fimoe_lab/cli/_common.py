@@ -484,8 +484,10 @@ def add_engine_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine",
         type=engine_choice,
-        default=engines.DEFAULT_ENGINE,
+        default=None,
         metavar="ENGINE",
         help=f"engine profile whose default paddings, pad bytes and scale layouts apply: "
-        f"{', '.join(engines.ENGINE_CHOICES)}, or an engine's newest ({newest}) (default {engines.DEFAULT_ENGINE})",
+        f"{', '.join(engines.ENGINE_CHOICES)}, or an engine's newest ({newest}) (default {engines.DEFAULT_ENGINE}'s "
+        f"layout with the checkpoint's values wherever the kernel takes them; an engine named also applies its "
+        f"value rules, e.g. FP8 per-tensor W13 requantized to one scale: its bytes, not restored byte-exact)",
     )
