@@ -332,9 +332,10 @@ def value_rule_notes(path: str | os.PathLike) -> list[dict]:
 def _why(rule: ValueRule, kf: KernelFiles, full: list[str], engine: Optional[str]) -> str:
     """Why tensors ``full`` (names in the file) of a layer are not byte-exact after ``rule`` ('': they are)."""
     if rule.kind == "fp8_requantize_max":
+        which = "every expert's W13" if rule.where == "all" else "the W13 of experts whose gate and up scales differed"
         return (
-            f"{engine} requantized W13 to one scale per expert, max(gate, up) ({rule.source}): restored with the "
-            f"engine's values and scales [max, max], equal to the checkpoint's only where its gate and up scales were"
+            f"the {engine} profile requantized {which} to one scale, max(gate, up) ({rule.source}): restored as "
+            f"those values with scales [max, max] (the checkpoint's gate and up scales are not recorded)"
         )
     held = 0
     for n in full:
