@@ -45,7 +45,10 @@ def checkpoint(fmt: str, p: int, inter: int, hidden: int, structured: bool, seed
 
     def block_scales(rows: int, cols: int, salt: int) -> torch.Tensor:
         base = make(rows, 4 * cols, torch.int32, salt).to(torch.int64) % 1000
-        return (base.to(torch.float32) + 1) * 1e-3  # positive block scales, values encode their place
+        value = (base.to(torch.float32) + 1) * 1e-3  # positive block scales, values encode their place
+        # a dead expert's scales below vLLM's 1e-10 floor (it clamps them, SGLang does not), and the floor itself
+        value = torch.where(base % 7 == 0, (base.to(torch.float32) + 1) * 1e-23, value)
+        return torch.where(base % 7 == 1, torch.tensor(1e-10), value)
 
     t: dict[str, torch.Tensor] = {}
     if fmt == "bf16":
