@@ -193,6 +193,26 @@ def test_cutlass_is_refused_naming_the_missing_piece(samples, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_scales_of_another_dtype_are_refused_naming_it(samples, tmp_path, capsys, dtype):
+    """compressed-tensors writes INT4 scales in the model's dtype; the MxInt4 layout takes BF16 scales, and F16 or
+    F32 ones rounded to BF16 would not restore: refused in one line naming the tensor, its dtype and BF16."""
+    tensors = all_tensors(samples["random"])
+    tensors = {n: t.to(dtype) if n.endswith("weight_scale") else t for n, t in tensors.items()}
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(tensors, str(src / "model.safetensors"))
+    (src / "config.json").write_text((samples["random"] / "config.json").read_text())
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    want = "F16" if dtype == torch.float16 else "F32"
+    out = tmp_path / "k.safetensors"
+    assert main(["convert", str(src), str(out), "--backend", "trtllm"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"weight_scale is {want}: ct-int4 is read with BF16 there only" in err
+    assert "(fix: export it with BF16 weight_scale" in err and "no known naming convention" not in err
+    assert not out.exists() and {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
 def test_inspect_shows_the_mxint4_layout(samples):
     (rep,) = inspect_checkpoint(samples["random"], layers=[1], tps=(1, 2))
     assert rep.fmt == "int4-group"

@@ -375,6 +375,7 @@ class Checkpoint:
                     break
             if ok and self._scale_kind_ok(conv, base):
                 return conv
+        self._refuse_dtype(layer, base)
         found = sorted(n for n in self.weight_map if n.startswith(f"{base}."))[:8]
         found_s = ", ".join(f"{n} ({dtype_name(self.header(n)[0])})" for n in found)
         raise CheckpointError(
@@ -383,6 +384,31 @@ class Checkpoint:
             + f". Found: {found_s}; closest known convention: {self._closest(found)}",
             fix="add an entry to fimoe_lab/checkpoints/conventions.py",
         )
+
+    def _refuse_dtype(self, layer: int, base: str) -> None:
+        """One line for a layer whose tensors carry a convention's names (and scale shapes) with a dtype none of
+        its writers stores (compressed-tensors INT4 with F16 scales: its MxInt4 layout takes BF16 scales, and
+        rounding F16 ones to BF16 would not restore)."""
+        for conv in conventions.CONVENTIONS:
+            stored: dict[str, set[str]] = {}
+            for variant in conv.variants():
+                for name, dtype in variant.signature(base).items():
+                    stored.setdefault(name, set()).add("absent" if dtype is None else dtype_name(dtype))
+            if any(("absent" in d) != (name not in self.weight_map) for name, d in stored.items()):
+                continue
+            if not self._scale_kind_ok(conv, base):
+                continue
+            for name, dtypes in stored.items():
+                got = dtype_name(self.header(name)[0]) if name in self.weight_map else "absent"
+                if got not in dtypes:
+                    known = "/".join(sorted(dtypes - {"absent"}))
+                    raise CheckpointError(
+                        f"{self.path}: layer {layer}'s expert tensors are named as {conv.name} ({conv.models}), but "
+                        f"{name} is {got}: {conv.name} is read with {known} there only",
+                        fix=f"export it with {known} {name.rsplit('.', 1)[-1]} (the dtype this convention's writers "
+                        f"store and its kernel layout takes), or add the dtype to {conv.name}'s writer_dtypes in "
+                        f"fimoe_lab/checkpoints/conventions.py if a writer stores it and it restores byte for byte",
+                    )
 
     def _config_entry(self, what: str, layer: Optional[int]) -> tuple[str, object]:
         key, v = config_value(self.config, what)
