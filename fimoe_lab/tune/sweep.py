@@ -85,12 +85,18 @@ def reference_alignments(
 
     :func:`fimoe_lab.shapes.default_alignments` (the function ``plan_layer`` uses) of the
     format's layout recipe (``mxfp4-mxfp8`` -> ``mxfp4``) on ``backend`` for the preset's
-    activation.
+    activation and quantization method (``preset.quant_method``: engine rules keyed on it).
     """
     tactic_format(fmt)
     act = get_activation(preset.activation)
     return default_alignments(
-        _plan_format(fmt), backend, act.is_act_and_mul, act.gated, engine=engine, per_token_activation=per_token
+        _plan_format(fmt),
+        backend,
+        act.is_act_and_mul,
+        act.gated,
+        engine=engine,
+        per_token_activation=per_token,
+        quant_method=preset.quant_method,
     )
 
 
@@ -239,6 +245,7 @@ def convert_check(
                 engine,
                 per_token,
                 activation=act.name,
+                quant_method=preset.quant_method,
             )
         except FimoeError as exc:
             return exc.message
