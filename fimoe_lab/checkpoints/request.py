@@ -81,7 +81,8 @@ def convert_request(
 ) -> dict[str, Any]:
     """The request of one convert (module docstring); equal requests write equal outputs. ``choice``: the
     layout choice's fields (backend, alignments, engine, per_token, activation_dtype), the engine resolved
-    to its profile name (None: the default profile)."""
+    to its profile name (None: the default profile) and ``values``: ``engine`` where one was named (its value
+    rules apply), ``lossless`` for the default."""
     from fimoe_lab import engines
 
     engine = choice.get("engine")
@@ -89,6 +90,7 @@ def convert_request(
         **choice,
         "source": source_identity(root, config, files),
         "engine": engines.get_engine(engine or engines.DEFAULT_ENGINE).name,
+        "values": "engine" if engine else "lossless",  # recipes.plan_layer's values: a named engine's value rules
         "per_token": bool(choice.get("per_token")),
         "tp_size": tp_size,
         "ep_size": ep_size,
@@ -117,6 +119,7 @@ _NAMES = {
     "shard_size": "--shard-size",
     "backend": "--backend",
     "engine": "--engine",
+    "values": "--engine (named: the engine's value rules; left out: lossless)",
 }
 """The command-line option behind each field of a request (what an error names)."""
 
