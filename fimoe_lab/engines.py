@@ -30,6 +30,7 @@ __all__ = [
     "KernelSizes",
     "ValueRule",
     "VALUES",
+    "VLLM_MIN_BLOCK_SCALE",
     "VALUE_RULE_KINDS",
     "QUANT_METHODS",
     "EngineProfile",
@@ -291,11 +292,15 @@ def _requantize(engine: str, nan_to: float) -> dict[str, ValueRule]:
     return {"fp8/trtllm": rule, "fp8/cutlass": rule}
 
 
+VLLM_MIN_BLOCK_SCALE = 1e-10
+"""vLLM 0.34's floor for DeepSeek FP8 block scales (``_FI_CUTLASS_MIN_BLOCK_SCALE``): dead experts' ~1e-23 scales
+made FlashInfer's Hopper CUTLASS FP8 MoE emit NaN. ``inspect`` warns below it."""
+
 _VLLM_CLAMP = ValueRule(
     "clamp_block_scales",
     ("w13_scale", "w2_scale"),
     "L/quantization/utils/flashinfer_utils.py:663 (prepare_fp8_moe_layer_for_fi, _FI_CUTLASS_MIN_BLOCK_SCALE)",
-    floor=1e-10,
+    floor=VLLM_MIN_BLOCK_SCALE,
 )
 _FI074_RECIPES = tuple(
     f"{fmt}/{backend}"

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional, TypeVar
 import torch
 
 from fimoe_lab import compile as _compile  # noqa: F401 - loaded with the drop-ins, not on their first call
-from fimoe_lab import engines, recipes, steps
+from fimoe_lab import engines, recipes, steps, value_rules
 from fimoe_lab.caches import cached
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
@@ -76,7 +76,7 @@ __all__ = [
     "BACKENDS",
 ]
 
-FI_CUTLASS_MIN_BLOCK_SCALE = 1e-10
+FI_CUTLASS_MIN_BLOCK_SCALE = engines.VLLM_MIN_BLOCK_SCALE
 """Floor for FP8 block scales: dead experts with ~1e-23 scales made the Hopper CUTLASS MoE emit NaN."""
 
 MXFP8_INTERMEDIATE_ALIGNMENT, MXFP8_HIDDEN_ALIGNMENT = recipes.default_alignments("mxfp8", "trtllm")
@@ -794,6 +794,8 @@ def prepare_fp8_moe_layer_for_fi(
         return o13.view(torch.float8_e4m3fn), o2.view(torch.float8_e4m3fn), o13s, o2s
     if not block_quant:
         access.set_sizes(plan.padded_intermediate)
-    if block_quant:
-        o13s, o2s = (s.clamp(min=FI_CUTLASS_MIN_BLOCK_SCALE) if s.is_floating_point() else s for s in (o13s, o2s))
+    if block_quant:  # vLLM's clamp: the vllm-0.34 profile's value rule (new tensors)
+        rule = engines.get_engine("vllm-0.34").value_rule("fp8-block", "trtllm" if is_trtllm else "cutlass")
+        clamped = value_rules.apply(rule, {"w13_scale": o13s, "w2_scale": o2s})
+        o13s, o2s = clamped["w13_scale"], clamped["w2_scale"]
     return o13, o2, o13s, o2s

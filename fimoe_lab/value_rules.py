@@ -88,7 +88,7 @@ def apply(rule: Optional[ValueRule], tensors: dict[str, Optional[torch.Tensor]])
     if rule.kind == "clamp_block_scales":
         for name in rule.tensors:
             t = tensors.get(name)
-            if t is not None:
+            if t is not None and t.is_floating_point():  # exponent bytes (UE8M0) have no values below the floor
                 out[name] = t.clamp(min=rule.floor)
         return out
     raise LayoutError(f"unknown value rule {rule.kind!r}")
