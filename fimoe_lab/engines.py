@@ -104,7 +104,9 @@ class ValueRule:
     one W13 scale per expert), as opposed to an engine's workaround (the clamp, against NaN from FlashInfer's
     CUTLASS kernel on Hopper). ``where``: ``"all"`` (every expert, as the engine) or ``"differs"`` (only the experts
     whose gate and up scales differ: the others keep their bytes; :meth:`EngineProfile.value_rule`'s lossless
-    form). Lossy: a converted file records the rule (``restore`` says which tensors it changed).
+    form). ``kept``: tensors whose checkpoint bytes a converted file keeps beside the changed ones (the clamped
+    block scales: a copy of 1/16384 of the weights' bytes), so that ``restore`` gives them back exactly; a rule
+    that keeps none is lossy: a converted file records the rule and ``restore`` says which tensors it changed.
     """
 
     kind: str
@@ -114,6 +116,7 @@ class ValueRule:
     nan_to: float = 0.0
     needed: bool = False
     where: str = "all"
+    kept: tuple[str, ...] = ()
 
     def record(self) -> dict[str, object]:
         """What a converted file records of the rule (JSON)."""
@@ -123,6 +126,7 @@ class ValueRule:
             "floor": self.floor,
             "nan_to": self.nan_to,
             "where": self.where,
+            "kept": list(self.kept),
         }
 
 
@@ -301,6 +305,7 @@ _VLLM_CLAMP = ValueRule(
     ("w13_scale", "w2_scale"),
     "L/quantization/utils/flashinfer_utils.py:663 (prepare_fp8_moe_layer_for_fi, _FI_CUTLASS_MIN_BLOCK_SCALE)",
     floor=VLLM_MIN_BLOCK_SCALE,
+    kept=("w13_scale", "w2_scale"),
 )
 _FI074_RECIPES = tuple(
     f"{fmt}/{backend}"

@@ -20,7 +20,8 @@ only experts whose two scales differ are requantized; the others keep their byte
 their dtype (NaN stays NaN).
 
 The way back (:func:`undo`) restores shapes, not values: the requantized W13 keeps the engine's values and its
-scale becomes ``[m, m]`` per expert; clamped scales keep the floor.
+scale becomes ``[m, m]`` per expert. Clamped scales come back exactly: a converted file keeps their checkpoint
+bytes too (``ValueRule.kept``, :func:`fimoe_lab.checkpoints.fileformat.kept_tensors`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from fimoe_lab.engines import ValueRule
 from fimoe_lab.errors import LayoutError
 
-__all__ = ["FP8_MAX", "requantize_fp8_max", "applies", "apply", "undo", "floor_value"]
+__all__ = ["FP8_MAX", "requantize_fp8_max", "applies", "apply", "undo"]
 
 FP8_MAX = 448.0
 """The largest finite float8_e4m3fn value, the engines' clamp."""
@@ -108,8 +109,3 @@ def undo(rule: Optional[ValueRule], name: str, x: torch.Tensor, checkpoint_shape
     ):
         return torch.stack((x, x), dim=1)
     return x
-
-
-def floor_value(rule: ValueRule, dtype: torch.dtype) -> torch.Tensor:
-    """The value ``clamp_block_scales`` gives a scale of ``dtype`` below its floor (0-d)."""
-    return torch.zeros((), dtype=dtype).clamp(min=rule.floor)

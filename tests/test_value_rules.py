@@ -23,7 +23,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import coords, random_bytes
+from helpers import all_tensors, coords, random_bytes, same_tensor
+from safetensors.torch import load_file
 
 from fimoe_lab import engines, value_rules
 from fimoe_lab.checkpoints import not_byte_exact, restore_checkpoint
@@ -240,23 +241,53 @@ def test_edited_value_rule_record_is_refused(tmp_path):
         check_record({**rec, "value_rule": {**rec["value_rule"], "nan_to": 448.0}}, plan, 2)
 
 
-def test_deepseek_sample_dead_expert_under_vllm_and_by_default(tmp_path, capsys):
-    """The sample's expert 3 has block scales below 1e-10: vllm-0.34 clamps them (restore says how many and that
-    they are not byte-exact, in text and --json); the default profile keeps them (restore byte-exact)."""
+def test_deepseek_sample_dead_expert_under_vllm_restores_exactly(tmp_path, capsys):
+    """The sample's expert 3 has block scales below 1e-10: vllm-0.34 writes them clamped (vLLM's bytes) and keeps
+    their checkpoint bytes beside them (``*_checkpoint``), so restore gives every byte back and says nothing; the
+    default profile does not clamp."""
     src = sample_path("deepseek-v3-fp8")
     named = convert_checkpoint(src, tmp_path / "v.safetensors", "cutlass", engine="vllm-0.34")
-    notes = not_byte_exact(named)
-    assert notes and {n["rule"] for n in notes} == {"clamp_block_scales"}
-    assert all("hold the floor 1e-10" in n["why"] for n in notes)
     default = convert_checkpoint(src, tmp_path / "d.safetensors", "cutlass")
-    assert not_byte_exact(default) == []
+    source, written, plain = all_tensors(src), load_file(named), load_file(default)
+    kernel = [n for n in written if n.endswith(".w13_weight_scale")]
+    assert kernel
+    for n in kernel:
+        assert torch.equal(written[n], clamp_loop(plain[n])), n  # the default file holds the source's scales
+        assert torch.equal(written[n + "_checkpoint"].view(torch.int32), source_w13_scales(source, n).view(torch.int32))
+    assert any((plain[n] < FLOOR).any() for n in kernel)  # the dead expert, kept by default
+    assert not any((written[n] < FLOOR).any() for n in kernel)  # and clamped under vllm-0.34
+    assert not_byte_exact(named) == [] and not_byte_exact(default) == []
     assert cli_main(["restore", str(named), str(tmp_path / "back"), "--json", "--no-progress"]) == 0
     doc = json.loads(capsys.readouterr().out)
+    assert doc["byte_exact"] is True and doc["not_byte_exact"] == []
+    back = all_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(source) and all(same_tensor(back[k], source[k]) for k in source)
+
+
+def source_w13_scales(source: dict, kernel_name: str) -> torch.Tensor:
+    """W13's block scales of a DeepSeek layer as the checkpoint stores them, stacked ``[gate; up]`` per expert."""
+    base = kernel_name[: -len("w13_weight_scale")]
+    experts = sorted({int(k[len(base) :].split(".")[0]) for k in source if k.startswith(base) and k.endswith("_inv")})
+    parts = [torch.cat([source[f"{base}{e}.{p}_proj.weight_scale_inv"] for p in ("gate", "up")]) for e in experts]
+    return torch.stack(parts)
+
+
+def test_restore_names_a_requantized_fp8_checkpoint_in_one_line_each(tmp_path, capsys):
+    """ModelOpt FP8 with different gate and up scales under vllm-0.34: restore writes the engine's values and
+    says, per layer, which tensors are not the checkpoint's bytes (text and --json)."""
+    from scripts import make_family_samples as gen
+
+    src = gen.make("modelopt-fp8", tmp_path)
+    out = convert_checkpoint(src, tmp_path / "k.safetensors", "trtllm", engine="vllm-0.34")
+    notes = not_byte_exact(out)
+    assert notes and all(n["rule"] == "fp8_requantize_max" for n in notes)
+    assert all(n["tensors"][0].endswith("w13_weight") and "every expert" in n["why"] for n in notes)
+    assert cli_main(["restore", str(out), str(tmp_path / "back"), "--json", "--no-progress"]) == 0
+    doc = json.loads(capsys.readouterr().out)
     assert doc["byte_exact"] is False and doc["not_byte_exact"] == notes
-    assert cli_main(["restore", str(named), str(tmp_path / "back2"), "--no-progress"]) == 0
+    assert cli_main(["restore", str(out), str(tmp_path / "back2"), "--no-progress"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("not byte-exact:")]
-    assert len(lines) == len(notes) and "w13_weight_scale" in lines[0]
-    restore_checkpoint(default, tmp_path / "back3")
+    assert len(lines) == len(notes) and all("w13_weight_scale" in ln for ln in lines)
 
 
 def test_profiles_hold_value_rules_as_data():
@@ -268,3 +299,14 @@ def test_profiles_hold_value_rules_as_data():
         assert sglang.value_rule("fp8-block", backend) is None
     assert sglang.value_rule("fp8", "trtllm", "modelopt").nan_to == 448.0
     assert all(not p.value_rules for n, p in engines.ENGINES.items() if not n.startswith(("vllm", "sglang")))
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
+def test_clamped_scales_restore_whole_across_tp_and_ep_ranks(tmp_path, backend):
+    """--tp 2 --ep 2 --rank all under vllm-0.34: every rank keeps its slice's checkpoint scales, restore joins them."""
+    from test_whole_checkpoints import assert_whole
+
+    src = sample_path("deepseek-v3-fp8")
+    out = convert_checkpoint(src, tmp_path / "k", backend, 2, "all", engine="vllm-0.34", ep_size=2)
+    assert not_byte_exact(out) == []
+    assert_whole(src, restore_checkpoint(out, tmp_path / "back"))

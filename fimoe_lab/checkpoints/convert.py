@@ -27,7 +27,15 @@ from fimoe_lab import value_rules
 from fimoe_lab.checkpoints import conventions, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.conventions import dtype_name
-from fimoe_lab.checkpoints.fileformat import FORMAT_VERSION, KERNEL_NAMES, extra_steps, out_name, tensor_steps
+from fimoe_lab.checkpoints.fileformat import (
+    FORMAT_VERSION,
+    KEPT_SUFFIX,
+    KERNEL_NAMES,
+    extra_steps,
+    kept_tensors,
+    out_name,
+    tensor_steps,
+)
 from fimoe_lab.checkpoints.plan_choice import LayoutChoice, build_plan, plan_args, suggest_alignment
 from fimoe_lab.checkpoints.rank_layout import LayerLoader, LayerSource
 from fimoe_lab.checkpoints.reader import CheckpointError, MoELayer
@@ -61,7 +69,8 @@ def convert_layer(
     ``engine``: the profile whose defaults and layouts apply (:mod:`fimoe_lab.engines`;
     None: the newest vLLM's, ``engines.DEFAULT_ENGINE``). Bytes move, and values change only where the
     profile holds a value rule (``plan.value_rule``: FP8 per-tensor W13 requantized to max(gate, up), DeepSeek
-    FP8 block scales clamped to 1e-10; the record says so: :func:`_kernel_specs`). Biases (gpt-oss) follow their weight's
+    FP8 block scales clamped to 1e-10; the record says so: :func:`_kernel_specs`; a rule's ``kept`` tensors are
+    also returned in their checkpoint bytes, named ``<kernel name>_checkpoint``). Biases (gpt-oss) follow their weight's
     rows; other extras pass unchanged. ``per_token``, ``activation_dtype``: :func:`plan_args`. A checkpoint format
     with a :data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR` byte (int4-group: ``q + 8`` ->
     two's complement) has its weight bytes XORed with it first (a copy; the layer is untouched).
@@ -75,6 +84,12 @@ def convert_layer(
         None if layer.w2_scale is None else layer.w2_scale.contiguous(),
     )
     tensors = {KERNEL_NAMES[n]: t for n, t in zip(KERNEL_NAMES, outs) if t is not None}
+    rule = plan.value_rule
+    if rule is not None and value_rules.applies(rule, layer.tensors()):
+        for n in rule.kept:  # the checkpoint's bytes beside the changed ones (fileformat.kept_tensors)
+            source = layer.tensors()[n]
+            if source is not None:
+                tensors[KERNEL_NAMES[n] + KEPT_SUFFIX] = source.contiguous()
     for name, t in layer.extras.items():
         tensors[name] = _map_extra(plan, name, t, inverse=False)
     return tensors, plan, spec
@@ -298,8 +313,10 @@ def stream_layers(
     ``meta``: from :func:`layout_plan`."""
     prefix, block = meta["prefix"], meta["block"]
     for idx, shape_layer, load in sources:
+        rec = meta["layers"][str(idx)]
         names = {
-            n: out_name(prefix, block, idx, n) for n in (*KERNEL_NAMES.values(), *meta["layers"][str(idx)]["extras"])
+            n: out_name(prefix, block, idx, n)
+            for n in (*KERNEL_NAMES.values(), *rec["extras"], *kept_tensors(rec).values())
         }
         if not any(target.needed(full) for full in names.values() if full in target.specs):
             continue

@@ -37,6 +37,7 @@ from fimoe_lab.checkpoints.fileformat import (
     check_digest,
     check_sizes,
     extra_steps,
+    kept_tensors,
     layer_errors,
     layer_path,
     layer_where,
@@ -235,11 +236,15 @@ def restore_layer(
         raise CheckpointError(f"{plan.description}: {missing[0]} is required by the plan but not recorded", fix=EDITED)
     backs: dict[str, _Back] = {}
     rule_tensors = plan.value_rule.tensors if "value_rule" in rec and plan.value_rule is not None else ()
+    kept = kept_tensors(rec)
     for n, trec in rec["tensors"].items():
         if n not in KERNEL_NAMES:
             raise CheckpointError(f"layer {idx} records a tensor {n!r}, not one of {list(KERNEL_NAMES)}", fix=EDITED)
         xor = conventions.WEIGHT_XOR.get(_checkpoint_format(rec), 0) if n in ("w13", "w2") else 0
         back = partial(inverse.apply_tensor, n) if n in inverse.moved() else None  # word bits undone first
+        if n in kept:  # the checkpoint's bytes, kept beside the ones a value rule changed
+            backs[n] = _Back(kf, name(kept[n]), trec["checkpoint"], trec["checkpoint"], None)
+            continue
         if n in rule_tensors:  # a value rule's shape undone (its values stay: value_rules.undo)
             back = partial(_undo_rule, plan.value_rule, n, tuple(trec["checkpoint"]["shape"]), back)
         backs[n] = _Back(kf, name(trec["name"]), trec["kernel"], trec["checkpoint"], back, xor)
@@ -303,10 +308,9 @@ def _undo_rule(
 def value_rule_notes(path: str | os.PathLike) -> list[dict]:
     """The tensors that ``restore`` of ``path`` (one converted file or directory) does not give back byte for byte,
     because the engine profile it was converted with changed values (``value_rule`` in a layer's record:
-    :mod:`fimoe_lab.value_rules`): ``[{"layer", "tensors": their names in the file, "rule", "why"}]``, empty when
-    every byte comes back. A requantized FP8 W13 is listed always (the checkpoint's gate and up scales are not
-    recorded); clamped block scales only where a scale holds the floor (the source's value, at most the floor, is
-    not recorded)."""
+    :mod:`fimoe_lab.value_rules`) and the file keeps no copy of their checkpoint bytes (``kept``: clamped block
+    scales are kept, a requantized FP8 W13 is not): ``[{"layer", "tensors": their names in the file, "rule",
+    "why"}]``, empty when every byte comes back."""
     notes = []
     with KernelFiles(path) as kf:
         meta = kf.meta
@@ -318,35 +322,32 @@ def value_rule_notes(path: str | os.PathLike) -> list[dict]:
                 check_record(rec, plan, meta["version"])
                 rule = plan.value_rule
                 assert rule is not None  # check_record refuses a recorded rule the plan lacks
-                full = [
-                    out_name(meta["prefix"], meta["block"], int(idx), rec["tensors"][n]["name"])
-                    for n in rule.tensors
-                    if n in rec["tensors"]
-                ]
-                why = _why(rule, kf, full, rec["plan"]["args"].get("engine"))
-                if why:
-                    notes.append({"layer": int(idx), "tensors": full, "rule": rule.kind, "why": why})
+                kept = kept_tensors(rec)
+                changed = [n for n in rule.tensors if n in rec["tensors"] and n not in kept]
+                if not changed:
+                    continue
+                notes.append(
+                    {
+                        "layer": int(idx),
+                        "tensors": [
+                            out_name(meta["prefix"], meta["block"], int(idx), KERNEL_NAMES[n]) for n in changed
+                        ],
+                        "rule": rule.kind,
+                        "why": _why(rule, rec["plan"]["args"].get("engine")),
+                    }
+                )
     return notes
 
 
-def _why(rule: ValueRule, kf: KernelFiles, full: list[str], engine: Optional[str]) -> str:
-    """Why tensors ``full`` (names in the file) of a layer are not byte-exact after ``rule`` ('': they are)."""
+def _why(rule: ValueRule, engine: Optional[str]) -> str:
+    """Why the tensors ``rule`` changed (and the file keeps no copy of) are not the checkpoint's bytes."""
     if rule.kind == "fp8_requantize_max":
         which = "every expert's W13" if rule.where == "all" else "the W13 of experts whose gate and up scales differed"
         return (
             f"the {engine} profile requantized {which} to one scale, max(gate, up) ({rule.source}): restored as "
             f"those values with scales [max, max] (the checkpoint's gate and up scales are not recorded)"
         )
-    held = 0
-    for n in full:
-        t = kf.get_slice(n)[:]
-        held += int((t == value_rules.floor_value(rule, t.dtype)).sum())
-    if not held:
-        return ""
-    return (
-        f"{held} block scales hold the floor {rule.floor:g} that {engine} clamps lower ones to ({rule.source}): "
-        f"their checkpoint values (<= {rule.floor:g}) are not recorded"
-    )
+    return f"the {engine} profile changed their values ({rule.kind}, {rule.source})"
 
 
 def _iter_layers(path: str | os.PathLike, kf: KernelFiles) -> Iterator[MoELayer]:
@@ -397,6 +398,7 @@ def kept_names(kf: KernelFiles) -> list[str]:
         with layer_errors(kf.path, idx):
             name = lambda n, idx=idx: out_name(meta["prefix"], meta["block"], int(idx), n)  # noqa: E731
             named.update([name(t["name"]) for t in rec["tensors"].values()], map(name, rec["extras"]))
+            named.update(map(name, kept_tensors(rec).values()))
     return unchanged.names_in(kf.keys(), named)
 
 
