@@ -247,7 +247,7 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         "the engine profile's per-token paddings (vLLM: hidden 512 for a non-gated layer on TRT-LLM), recorded in the file",
     )
     add_mxfp4_activation_option(c, "recorded in the file")
-    add_engine_option(c)
+    add_engine_option(c, values=True)
     add_json_option(c, CONVERT_JSON)
     c.set_defaults(handler=run_convert)
 
