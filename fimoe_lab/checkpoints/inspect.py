@@ -299,9 +299,11 @@ def scale_health(layer: MoELayer) -> list[str]:
                 f"gate's), so up is off by their ratio"
             )
     if layer.w13_scale is not None and layer.w13_scale.dim() == 2 and not torch.equal(*layer.w13_scale.unbind(1)):
+        ex = (layer.w13_scale[:, 0] != layer.w13_scale[:, 1]).nonzero().flatten().tolist()
         out.append(
-            "gate and up have different per-tensor scales (w13_scale (E, 2)): the kernel takes one per w13, so "
-            "engines requantize both to the larger (vLLM's ModelOpt FP8 path)"
+            f"experts {ex}: gate and up have different per-tensor scales (w13_scale (E, 2)): the kernel takes one per "
+            f"w13, so vLLM and SGLang requantize both halves to the larger, and so does convert (restore then gives "
+            f"those experts' W13 back as the requantized values, not the checkpoint's bytes)"
         )
     return out or ["ok: all scales finite, positive and normal, none zero or below 1e-10"]
 
