@@ -23,6 +23,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from engine_envs import ENGINE_ENVS, run_oracle
 from helpers import all_tensors, coords, random_bytes, same_tensor
 from safetensors.torch import load_file
 
@@ -310,3 +311,26 @@ def test_clamped_scales_restore_whole_across_tp_and_ep_ranks(tmp_path, backend):
     out = convert_checkpoint(src, tmp_path / "k", backend, 2, "all", engine="vllm-0.34", ep_size=2)
     assert not_byte_exact(out) == []
     assert_whole(src, restore_checkpoint(out, tmp_path / "back"))
+
+
+@pytest.mark.parametrize("kind", ["random", "structured"])
+@pytest.mark.slow
+@pytest.mark.skipif(not ENGINE_ENVS["vllm"].python.exists(), reason="no vLLM 0.34 environment")
+def test_vllms_own_requantization_loop_on_cpu(tmp_path, kind):
+    """vLLM's ``process_fp8_weight_tensor_strategy_moe`` itself (its loop, max, ``per_tensor_dequantize``), its CUDA
+    quantizer transcribed (tests/engine_oracles/vllm_034_requant.py), on scales that are float16 values (where the
+    CPU multiply equals CUDA's): the same bytes and scales as value_rules."""
+    from safetensors.torch import save_file
+
+    w13 = weights(kind, 6, 32, 64, seed=13)
+    g = torch.Generator().manual_seed(17)
+    scales = torch.exp(torch.empty(6, 2).uniform_(-9, -2, generator=g)).half().float()
+    scales[1, 1] = scales[1, 0]  # equal gate and up scales
+    scales[2] = torch.tensor([0.0, 0.25])
+    save_file({"w13": w13, "scales": scales}, str(tmp_path / "inputs.safetensors"))
+    run_oracle("vllm", "vllm_034_requant.py", tmp_path)
+    vllm = load_file(str(tmp_path / "outputs.safetensors"))
+    mine, m = value_rules.requantize_fp8_max(w13, scales, -448.0)
+    bad = (mine.view(torch.uint8) != vllm["w13"]).nonzero()
+    assert bad.numel() == 0, f"{len(bad)} bytes differ, first at {bad[0].tolist()}"
+    assert torch.equal(m, vllm["scale"])
