@@ -105,8 +105,9 @@ class ValueRule:
     CUTLASS kernel on Hopper). ``where``: ``"all"`` (every expert, as the engine) or ``"differs"`` (only the experts
     whose gate and up scales differ: the others keep their bytes; :meth:`EngineProfile.value_rule`'s lossless
     form). ``kept``: tensors whose checkpoint bytes a converted file keeps beside the changed ones (the clamped
-    block scales: a copy of 1/16384 of the weights' bytes), so that ``restore`` gives them back exactly; a rule
-    that keeps none is lossy: a converted file records the rule and ``restore`` says which tensors it changed.
+    block scales: 4 bytes per 128x128 FP8 weights, 1/4096 of their bytes), so that ``restore`` gives them back
+    exactly; a rule that keeps none is lossy: a converted file records the rule and ``restore`` says which tensors
+    it changed.
     """
 
     kind: str
