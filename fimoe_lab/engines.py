@@ -283,11 +283,10 @@ _FP8_KERNEL_SIZES = {"fp8/trtllm": _FP8_NEED, "fp8/cutlass": _FP8_NEED}
 helpers (whose per-tensor ones name none) pads to: an alignment given that leaves another size is refused."""
 _UNPADDED = Alignment(intermediate=1, hidden=1)
 _REQUANT_SOURCE = {
-    "vllm": "L/quantization/utils/fp8_utils.py:1537 (process_fp8_weight_tensor_strategy_moe; per_tensor_dequantize "
-    "L/quantization/utils/w8a8_utils.py:44; ops.scaled_fp8_quant: static_scaled_fp8_quant, 1/scale multiplied)",
-    "sglang": "S/quantization/fp8.py:2709, S/quantization/modelopt_quant.py:1209 (per_tensor_dequantize "
-    "S/quantization/utils.py:128; scaled_fp8_quant: per_tensor_quant_fp8, 1/scale multiplied)",
+    "vllm": "vllm/model_executor/layers/quantization/utils/fp8_utils.py:1537",
+    "sglang": "sglang/srt/layers/quantization/fp8.py:2709, modelopt_quant.py:1209",
 }
+"""Where each engine requantizes (docs/engine-rules.md, "Value rules", has the arithmetic's lines)."""
 
 
 def _requantize(engine: str, nan_to: float) -> dict[str, ValueRule]:
@@ -304,7 +303,7 @@ made FlashInfer's Hopper CUTLASS FP8 MoE emit NaN. ``inspect`` warns below it.""
 _VLLM_CLAMP = ValueRule(
     "clamp_block_scales",
     ("w13_scale", "w2_scale"),
-    "L/quantization/utils/flashinfer_utils.py:663 (prepare_fp8_moe_layer_for_fi, _FI_CUTLASS_MIN_BLOCK_SCALE)",
+    "vllm/model_executor/layers/quantization/utils/flashinfer_utils.py:663",
     floor=VLLM_MIN_BLOCK_SCALE,
     kept=("w13_scale", "w2_scale"),
 )
