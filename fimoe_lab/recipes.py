@@ -25,15 +25,17 @@ from typing import Optional
 
 from fimoe_lab import steps
 from fimoe_lab.caches import cached
+from fimoe_lab.choice import LayerShape, LayoutChoice
 from fimoe_lab.engines import check_quant_method, get_engine
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.plan import LayerPlan
 from fimoe_lab.shapes import (
     FI_MOE_INTERMEDIATE_MULTIPLE,
+    choice_alignments,
     default_alignments,
+    layer_shape,
     mxint4_shape,
-    padded_shape,
     projections,
 )
 from fimoe_lab.specs import FORMATS, get_format
@@ -52,6 +54,7 @@ __all__ = [
     "scale_fill",
     "trtllm_nvfp4_hidden_alignment",
     "plan_layer",
+    "plan_for",
     "plan_align",
     "plan_align_fp4",
     "plan_align_mxfp8",
@@ -469,18 +472,7 @@ def plan_trtllm_mxint4(intermediate: int, hidden: int, is_gated: bool = True, sw
     )
 
 
-def plan_mxint4(
-    backend: str,
-    intermediate: int,
-    hidden: int,
-    is_act_and_mul: bool = True,
-    is_gated: bool = True,
-    intermediate_alignment: Optional[int] = None,
-    hidden_alignment: Optional[int] = None,
-    engine: Optional[str] = None,
-    per_token_activation: bool = False,
-    quant_method: Optional[str] = None,
-) -> LayerPlan:
+def plan_mxint4(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
     """``plan_layer`` for MxInt4: :func:`plan_trtllm_mxint4` of a ``[gate; up]`` checkpoint, which is what
     vLLM 0.34's ``prepare_static_weights_for_trtllm_mxint4_moe`` hands the kernel (W31 swapped, as FlashInfer
     0.7.x's helper takes ``[up; gate]``); a profile that keeps ``[gate; up]`` (``gate_up_kept``: SGLang 0.5.23's
@@ -492,18 +484,10 @@ def plan_mxint4(
     given must not pad them. Shapes: W13 ``[2I, H/2] -> [H/256, 2I, 128]`` bytes, scales
     ``[2I, H/32]`` bf16 -> 128x4-swizzled, the same for W2 ``[H, I/2]`` and ``[H, I/32]``.
     """
-    profile = get_engine(engine)  # an unknown profile is refused here as everywhere
-    mxint4_shape(
-        backend,
-        intermediate,
-        hidden,
-        is_act_and_mul,
-        is_gated,
-        intermediate_alignment,
-        hidden_alignment,
-        per_token_activation,
-    )  # the one MxInt4 size rule (the tuner's): refuses with its message, never pads
-    return plan_trtllm_mxint4(intermediate, hidden, True, not profile.keeps_gate_up("mxint4", backend, quant_method))
+    profile = get_engine(choice.engine)  # an unknown profile is refused here as everywhere
+    mxint4_shape(layer, choice)  # the one MxInt4 size rule (the tuner's): refuses with its message, never pads
+    swap = not profile.keeps_gate_up("mxint4", choice.backend, layer.quant_method)
+    return plan_trtllm_mxint4(layer.intermediate, layer.hidden, True, swap)
 
 
 # ----------------------------------------------------------------------------- FP8 layers
@@ -712,7 +696,6 @@ def activation_layout(fmt: str, backend: str, activation_dtype: Optional[str]) -
     return None if activation_dtype == choices[0] else activation_dtype
 
 
-@cached
 def plan_layer(
     fmt: str,
     backend: str,
@@ -727,7 +710,8 @@ def plan_layer(
     activation_dtype: Optional[str] = None,
     quant_method: Optional[str] = None,
 ) -> LayerPlan:
-    """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone.
+    """The layer plan for a checkpoint format and FlashInfer backend, from sizes alone: :func:`plan_for` of
+    the arguments as values (:class:`~fimoe_lab.choice.LayerShape`, :class:`~fimoe_lab.choice.LayoutChoice`).
 
     ``intermediate``/``hidden`` are the per-rank checkpoint sizes (values). Alignments
     default to :func:`default_alignments` of ``engine`` (a profile in
@@ -742,83 +726,64 @@ def plan_layer(
     convention's writer records; None: unknown), for the profile rules keyed on it (SGLang 0.5.23 swaps W13's
     halves of ModelOpt FP8 per-tensor layers on TRT-LLM, not of other FP8 ones); it never changes the sizes.
     """
-    check_quant_method(quant_method)
-    get_engine(engine).check_prepared(fmt, backend, quant_method)
-    if activation_layout(fmt, backend, activation_dtype) == "bf16":
-        return _plan_sm90_mixed(
-            intermediate, hidden, is_act_and_mul, is_gated, intermediate_alignment, hidden_alignment, engine
-        )
+    layer = LayerShape(fmt, intermediate, hidden, is_act_and_mul, is_gated, quant_method)
+    choice = LayoutChoice(
+        backend, intermediate_alignment, hidden_alignment, engine, per_token_activation, activation_dtype
+    )
+    return plan_for(layer, choice)
+
+
+@cached
+def plan_for(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
+    """:func:`plan_layer` of the two values: the plan of ``choice``'s recipe for ``layer.fmt``, its padded sizes
+    checked against ``shapes.layer_shape`` (the one rule the tuner also reads)."""
+    fmt, backend = layer.fmt, choice.backend
+    check_quant_method(layer.quant_method)
+    get_engine(choice.engine).check_prepared(fmt, backend, layer.quant_method)
+    if activation_layout(fmt, backend, choice.activation_dtype) == "bf16":
+        return _plan_sm90_mixed(layer, choice)
     if fmt == "mxint4":  # its own rule (no padding, TRT-LLM only): plan_mxint4
-        return plan_mxint4(
-            backend,
-            intermediate,
-            hidden,
-            is_act_and_mul,
-            is_gated,
-            intermediate_alignment,
-            hidden_alignment,
-            engine,
-            per_token_activation,
-            quant_method,
-        )
-    args = (intermediate_alignment, hidden_alignment, engine, per_token_activation)
-    # the sizes (and the refusals) are shapes.padded_shape's, the one rule the tuner also reads
-    want = padded_shape(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args, quant_method=quant_method)
-    plan = _build_layer_plan(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args, quant_method)
+        return plan_mxint4(layer, choice)
+    return _padded_as(layer_shape(layer, choice), _build_layer_plan(layer, choice), f"{fmt}/{backend}")
+
+
+def _padded_as(want: tuple[int, int], plan: LayerPlan, what: str) -> LayerPlan:
+    """``plan``, whose padded sizes must be ``want`` (``shapes.layer_shape``'s): an internal error otherwise."""
     if (plan.padded_intermediate, plan.padded_hidden) != want:
         raise LayoutError(
-            f"internal: the {fmt}/{backend} plan pads ({intermediate}, {hidden}) to "
+            f"internal: the {what} plan pads ({plan.intermediate}, {plan.hidden}) to "
             f"({plan.padded_intermediate}, {plan.padded_hidden}), shapes.padded_shape says {want}"
         )
     return plan
 
 
-def _plan_sm90_mixed(
-    intermediate: int,
-    hidden: int,
-    is_act_and_mul: bool,
-    is_gated: bool,
-    intermediate_alignment: Optional[int],
-    hidden_alignment: Optional[int],
-    engine: Optional[str],
-) -> LayerPlan:
+def _plan_sm90_mixed(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
     """:func:`plan_cutlass_mxfp4_bf16` with ``plan_layer``'s arguments, its sizes checked against
-    ``shapes.padded_shape`` (the one padding rule) with the same alignments (default 128)."""
-    ia, ha = intermediate_alignment or SM90_MIXED_ALIGNMENT, hidden_alignment or SM90_MIXED_ALIGNMENT
-    want = padded_shape("mxfp4", "cutlass", intermediate, hidden, is_act_and_mul, is_gated, ia, ha, engine)
-    plan = plan_cutlass_mxfp4_bf16(intermediate, hidden, is_act_and_mul, engine, ia, ha)
-    if (plan.padded_intermediate, plan.padded_hidden) != want:
-        raise LayoutError(
-            f"internal: the SM90 MXFP4 x BF16 plan pads ({intermediate}, {hidden}) to "
-            f"({plan.padded_intermediate}, {plan.padded_hidden}), shapes.padded_shape says {want}"
-        )
-    return plan
+    ``shapes.layer_shape`` (the one padding rule) with the same alignments (default 128)."""
+    ia = choice.intermediate_alignment or SM90_MIXED_ALIGNMENT
+    ha = choice.hidden_alignment or SM90_MIXED_ALIGNMENT
+    aligned = LayoutChoice("cutlass", ia, ha, choice.engine)
+    want = layer_shape(replace(layer, fmt="mxfp4", quant_method=None), aligned)
+    plan = plan_cutlass_mxfp4_bf16(layer.intermediate, layer.hidden, layer.is_act_and_mul, choice.engine, ia, ha)
+    return _padded_as(want, plan, "SM90 MXFP4 x BF16")
 
 
-def _build_layer_plan(
-    fmt: str,
-    backend: str,
-    intermediate: int,
-    hidden: int,
-    is_act_and_mul: bool,
-    is_gated: bool,
-    intermediate_alignment: Optional[int],
-    hidden_alignment: Optional[int],
-    engine: Optional[str],
-    per_token_activation: bool,
-    quant_method: Optional[str] = None,
-) -> LayerPlan:
-    profile = get_engine(engine)
+def _build_layer_plan(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
+    fmt, backend, intermediate, hidden = layer.fmt, choice.backend, layer.intermediate, layer.hidden
+    is_act_and_mul, is_gated = layer.is_act_and_mul, layer.is_gated
+    intermediate_alignment, hidden_alignment = choice.intermediate_alignment, choice.hidden_alignment
+    profile = get_engine(choice.engine)
     trt = backend == "trtllm"
-    swap = not profile.keeps_gate_up(fmt, backend, quant_method)
+    swap = not profile.keeps_gate_up(fmt, backend, layer.quant_method)
     if trt and recipe_id(fmt, backend) in profile.trtllm_plain:  # unshuffled MajorK (use_shuffled_weight=False)
         if not swap:
             desc = f"{fmt} TRT-LLM in the checkpoint layout (use_shuffled_weight=False)"
             return LayerPlan(None, None, None, None, intermediate, hidden, intermediate, hidden, desc)
         inner = _fp8_inner(fmt, False, intermediate, hidden, is_act_and_mul, is_gated, 0, True)
         return replace(inner, description=f"{fmt} TRT-LLM MajorK unshuffled (W31 swap only)")
+    resolved = replace(choice, engine=profile.name)
     if fmt == "mxfp8" and (trt or not (intermediate_alignment or hidden_alignment)):
-        da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name, False, quant_method)
+        da, dh = choice_alignments(layer, replace(resolved, per_token_activation=False))
         block = FORMATS["mxfp8"].scale_block
         return plan_mxfp8(
             intermediate,
@@ -835,7 +800,7 @@ def _build_layer_plan(
             profile.cutlass_mxfp8_scales == "128x4",
         )
     if fmt in ("fp8", "fp8-block", "mxfp8"):
-        rule = profile.alignment(fmt, backend, quant_method)
+        rule = profile.alignment(fmt, backend, layer.quant_method)
         if not (intermediate_alignment or hidden_alignment) and (rule.intermediate or rule.hidden):
             intermediate_alignment, hidden_alignment = rule.intermediate, rule.hidden
         return _plan_fp8_family(
@@ -850,9 +815,7 @@ def _build_layer_plan(
             scale_fill(fmt, backend, profile.name),
             swap,
         )
-    da, dh = default_alignments(
-        fmt, backend, is_act_and_mul, is_gated, profile.name, per_token_activation, quant_method
-    )
+    da, dh = choice_alignments(layer, resolved)
     ia, ha = intermediate_alignment or da, hidden_alignment or dh
     if fmt == "bf16":
         return _plan_bf16(trt, intermediate, hidden, is_act_and_mul, is_gated, ia, ha, swap)

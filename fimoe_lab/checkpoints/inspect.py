@@ -15,8 +15,9 @@ import torch
 
 from fimoe_lab import recipes
 from fimoe_lab.checkpoints.conventions import MISSING_LAYOUT, dtype_name, stored_format
-from fimoe_lab.checkpoints.plan_choice import LayoutChoice, build_plan, layout_format, plan_args, suggest_alignment
+from fimoe_lab.checkpoints.plan_choice import build_plan, layout_format, plan_args, suggest_alignment
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.formats.health import TINY_SCALE, decoded_scales
@@ -167,7 +168,7 @@ def _plan_facts(layer: MoELayer, choice: LayoutChoice) -> dict:
     """Padded sizes, bytes per expert, per-tensor step chains (word bit steps included) and tactic warnings of the
     plan ``convert`` builds."""
     backend = choice.backend
-    record = plan_args(layer, **choice.kwargs())
+    record = plan_args(layer, choice)
     plan = build_plan(record)
     maps = plan.maps()
     tensors = []
@@ -216,7 +217,7 @@ def backend_need(
     ``activation_dtype``: the kernel's activations (``convert --mxfp4-activation``)."""
     name = get_engine(engine).name
     need = BackendNeed(backend, layer.fmt, "ok", layer.intermediate, layer.hidden, name)
-    choice = LayoutChoice(backend, engine=name, per_token=per_token, activation_dtype=activation_dtype)
+    choice = LayoutChoice(backend, engine=name, per_token_activation=per_token, activation_dtype=activation_dtype)
     missing = MISSING_LAYOUT.get(layer.fmt, {}).get(backend)
     if missing is not None:
         need.status, need.reason = "no-layout", missing

@@ -18,10 +18,10 @@ from typing import Any, Optional
 from fimoe_lab.checkpoints import expert_parallel, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.convert import torch_device, write_kernel_layout
-from fimoe_lab.checkpoints.plan_choice import LayoutChoice
 from fimoe_lab.checkpoints.rank_layout import moe_tp_size, rank_list, rank_part, request_of, source_info, wanted_layers
 from fimoe_lab.checkpoints.reader import Checkpoint
 from fimoe_lab.checkpoints.restore import restore_directory
+from fimoe_lab.choice import LayoutChoice
 
 __all__ = [
     "convert_checkpoint",
@@ -92,21 +92,16 @@ def convert_checkpoint(
             write_kernel_layout(
                 out / f"rank-{rank}" if tp_rank == "all" else out,
                 sources,
-                backend,
-                intermediate_alignment=intermediate_alignment,
-                hidden_alignment=hidden_alignment,
+                choice,
                 prefix=ck.prefix,
                 block=ck.convention.block,
                 info=info,
                 progress=progress,
                 force=force,
-                engine=engine,
                 single_file=single,
                 shard_size=shard_size,
                 resume=resume,
                 device=device,
-                per_token=per_token,
-                activation_dtype=activation_dtype,
                 request=asked,
                 kept=unchanged.for_rank(ck, rank),
             )

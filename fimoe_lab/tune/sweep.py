@@ -234,11 +234,11 @@ def convert_check(
                 preset.hidden,
                 act.is_act_and_mul,
                 act.gated,
-                None if is_default else inter_align,  # convert without alignment options
-                None if is_default else hidden_align,
-                engine,
-                per_token,
                 activation=act.name,
+                intermediate_alignment=None if is_default else inter_align,  # convert without alignment options
+                hidden_alignment=None if is_default else hidden_align,
+                engine=engine,
+                per_token_activation=per_token,
             )
         except FimoeError as exc:
             return exc.message
