@@ -23,6 +23,11 @@ refused on Hopper; convert never pads it, so only rows at the shard's own size c
 :func:`run` needs neither torch nor pandas (the CLI answers in well under two seconds);
 :func:`sweep` returns the same table as a pandas DataFrame (``attrs`` = the run's facts),
 which :mod:`fimoe_lab.viz.figures` draws.
+
+Why one module of this size: a sweep is one table (a row per padding) that is built, judged,
+recommended from and rendered (text, DataFrame, CSV/JSON export) by the same column names; splitting the
+judging from the rendering would put the column vocabulary in two places. The building blocks it needs
+from elsewhere (shapes, the oracle, the cost model) already live in their own modules.
 """
 
 from __future__ import annotations
