@@ -24,6 +24,7 @@ seconds, before torch could even load) and ``convert`` cannot disagree:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -45,6 +46,7 @@ __all__ = [
     "FI_MOE_INTERMEDIATE_MULTIPLE",
     "round_up",
     "projections",
+    "BASE_ALIGNMENTS",
     "default_alignments",
     "rank_intermediates",
     "padded_shape",
@@ -74,6 +76,19 @@ def round_up(value: int, multiple: int) -> int:
 def projections(is_act_and_mul: bool) -> int:
     """Stacked projections in W13: 2 (gate and up) or 1."""
     return 2 if is_act_and_mul else 1
+
+
+BASE_ALIGNMENTS: dict[str, Callable[[bool, int, bool], tuple[int, int]]] = {
+    "bf16": lambda trt, p, gated: (64, 64) if trt else (1, 1),
+    "fp8": lambda trt, p, gated: (FI_MOE_INTERMEDIATE_MULTIPLE if gated else 128, 1),
+    "fp8-block": lambda trt, p, gated: (1, 1),
+    "mxfp8": lambda trt, p, gated: (128, 256) if trt else (1, 1),
+    "nvfp4": lambda trt, p, gated: (128 // p, 1) if trt else (16, 1),
+    "mxfp4": lambda trt, p, gated: (256, 256) if trt else (32, 32),
+    "mxint4": lambda trt, p, gated: (1, 1),
+}
+"""Per format, ``(trtllm, P, gated) -> (intermediate, hidden)`` multiples before the engine profile's overrides
+(the table of :func:`default_alignments`); one row a format."""
 
 
 def default_alignments(
@@ -123,18 +138,7 @@ def default_alignments(
         f"{fmt} has no {backend} layout (backends: {', '.join(FORMATS[fmt].backends)})",
         fix=f"use --backend {' or '.join(FORMATS[fmt].backends)}",
     )
-    trt = backend == "trtllm"
-    p = projections(is_act_and_mul)
-    table = {
-        "bf16": (64, 64) if trt else (1, 1),
-        "fp8": (FI_MOE_INTERMEDIATE_MULTIPLE if is_gated else 128, 1),
-        "fp8-block": (1, 1),
-        "mxfp8": (128, 256) if trt else (1, 1),
-        "nvfp4": (128 // p, 1) if trt else (16, 1),
-        "mxfp4": (256, 256) if trt else (32, 32),
-        "mxint4": (1, 1),
-    }
-    ia, ha = table[fmt]
+    ia, ha = BASE_ALIGNMENTS[fmt](backend == "trtllm", projections(is_act_and_mul), is_gated)
     rule = get_engine(engine).alignment(fmt, backend, quant_method)
     ia = (rule.non_gated_intermediate if not is_gated else None) or rule.intermediate or ia
     if rule.per_token_non_gated_hidden and per_token_activation and not is_act_and_mul:
@@ -261,7 +265,7 @@ def _pad_blocks(intermediate: int, hidden: int, ia: int, ha: int, block: int, va
 
 
 def mxint4_shape(layer: LayerShape, choice: LayoutChoice) -> tuple[int, int]:
-    """MxInt4 (``recipes.plan_mxint4``, then ``recipes.plan_trtllm_mxint4``): no padding, ``(I', H') = (I, H)``.
+    """MxInt4 (``special_plans.plan_mxint4``, then ``special_plans.plan_trtllm_mxint4``): no padding, ``(I', H') = (I, H)``.
 
     Constraints, in the plan's order: backend ``trtllm``; gated act-and-mul (which gated activation is
     :func:`check_kernel_activation`'s, where the caller knows it: the TRTLLM-Gen MxInt4 runner always runs SwiGLU); no per-token

@@ -15,7 +15,7 @@ from helpers import random_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fimoe_lab import engine_check, engines, recipes
+from fimoe_lab import builders, engine_check, engines, recipes
 from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.specs import FORMATS
@@ -518,7 +518,7 @@ def test_sglang_keeps_gate_and_up_in_checkpoint_order_on_trtllm(fmt):
 
 def test_vllm_mxfp8_cutlass_drop_in_pads_nothing_and_keeps_scales_linear():
     """vLLM's ``prepare_fp8_moe_layer_for_fi`` (MXFP8, not TRT-LLM) only swaps; the 0.7.x recipe differs."""
-    plan = recipes.plan_mxfp8(96, 160, True, True, False, 5, 3)
+    plan = builders.plan_mxfp8(96, 160, True, True, False, 5, 3)
     assert (plan.padded_intermediate, plan.padded_hidden) == (96, 160)
     assert [s.kind for s in plan.w13_scale.steps] == ["swap_w13_to_w31_rows"] and plan.w2_scale is None
 

@@ -58,7 +58,7 @@ def convert_checkpoint(
     (``recipes.plan_layer(..., per_token_activation=True)``), recorded in every layer's plan arguments;
     refused (before anything is written) for a format without per-token activations. ``activation_dtype``:
     the kernel's activations where the recipe has a layout per activation dtype (``"bf16"``: MXFP4 on the
-    Hopper SM90 CUTLASS kernel, :func:`fimoe_lab.recipes.plan_cutlass_mxfp4_bf16`), recorded likewise.
+    Hopper SM90 CUTLASS kernel, :func:`fimoe_lab.special_plans.plan_cutlass_mxfp4_bf16`), recorded likewise.
 
     ``ep_size``: expert parallelism within the ``tp_size`` ranks (:func:`rank_part`): rank ``r`` holds the
     contiguous experts :func:`expert_range` of EP rank ``r // (tp_size / ep_size)``, sliced along the
