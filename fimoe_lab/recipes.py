@@ -96,27 +96,52 @@ def recipe_id(fmt: str, backend: str) -> str:
     return f"{fmt}/{backend}"
 
 
-def _bf16_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
-    ia, ha = _alignments(layer, choice)
-    trt = choice.backend == "trtllm"
-    return _plan_bf16(trt, layer.intermediate, layer.hidden, layer.is_act_and_mul, layer.is_gated, ia, ha, swap)
-
-
-def _fp4_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
-    ia, ha = _alignments(layer, choice)
-    sizes = (layer.intermediate, layer.hidden, layer.is_act_and_mul, layer.is_gated)
-    return _plan_fp4(layer.fmt, choice.backend, str(choice.engine), *sizes, ia, ha)
-
-
 def _alignments(layer: LayerShape, choice: LayoutChoice) -> tuple[int, int]:
     """The alignments given, else the profile's defaults."""
     da, dh = choice_alignments(layer, choice)
     return choice.intermediate_alignment or da, choice.hidden_alignment or dh
 
 
+def _bf16_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
+    """BF16: pad (each projection on its own), then TRT-LLM's block layout or CUTLASS's W31 swap."""
+    ia, ha = _alignments(layer, choice)
+    trt, p = choice.backend == "trtllm", projections(layer.is_act_and_mul)
+    pad = plan_align(layer.intermediate, layer.hidden, 2, layer.is_act_and_mul, ia, ha)
+    ip, hp = pad.padded_intermediate, pad.padded_hidden
+    if trt:
+        inner = plan_trtllm_bf16_block_layout(p * ip, hp, ip, layer.is_gated, swap=swap)
+        w13, w2 = inner.w13, inner.w2
+    else:
+        w13, w2 = swap_rows(p * ip, 2 * hp, layer.is_act_and_mul), None
+    desc = f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}"
+    return LayerPlan(chain(pad.w13, w13), chain(pad.w2, w2), None, None, layer.intermediate, layer.hidden, ip, hp, desc)
+
+
+def _fp4_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
+    """NVFP4 / MXFP4: pad (scales with the profile's byte), then TRT-LLM's steps or CUTLASS's
+    W31 swap and (in every profile but the legacy one) 128x4-swizzled scales."""
+    ia, ha = _alignments(layer, choice)
+    fmt, backend, am = layer.fmt, choice.backend, layer.is_act_and_mul
+    p, trt, block = projections(am), backend == "trtllm", FORMATS[fmt].scale_block
+    fill = scale_fill(fmt, backend, choice.engine)
+    pad = plan_align_fp4(layer.intermediate, layer.hidden, am, ia, ha, block, fill)
+    ip, hp = pad.padded_intermediate, pad.padded_hidden
+    sizes = (layer.intermediate, layer.hidden, ip, hp, f"{fmt.upper()} {'TRT-LLM' if trt else 'CUTLASS'}")
+    if not trt:
+        swizzled = get_engine(choice.engine).cutlass_fp4_scales == "128x4"
+        w13s = _cutlass_fp4_scales(pad.w13_scale, swap_rows(p * ip, hp // block, am), p * ip, hp // block, swizzled)
+        w2s = _cutlass_fp4_scales(pad.w2_scale, None, hp, ip // block, swizzled)
+        return LayerPlan(chain(pad.w13, swap_rows(p * ip, hp // 2, am)), pad.w2, w13s, w2s, *sizes)
+    inner = plan_fp4_trtllm_weights(ip, hp, am, layer.is_gated, block)
+    w13, w2 = chain(pad.w13, inner.w13), chain(pad.w2, inner.w2)
+    return LayerPlan(w13, w2, chain(pad.w13_scale, inner.w13_scale), chain(pad.w2_scale, inner.w2_scale), *sizes)
+
+
 def _mxfp8_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
+    """MXFP8: :func:`~fimoe_lab.builders.plan_mxfp8` with the profile's paddings, scale byte and CUTLASS scale
+    layout; on CUTLASS with alignments given, the FP8 family's padding rule."""
     trt, given = choice.backend == "trtllm", choice.intermediate_alignment or choice.hidden_alignment
-    if not (trt or not given):  # CUTLASS with alignments given: the FP8 family's padding rule
+    if not (trt or not given):
         return _fp8_layer(layer, choice, swap)
     profile = get_engine(choice.engine)
     da, dh = choice_alignments(layer, replace(choice, per_token_activation=False))
@@ -138,13 +163,49 @@ def _mxfp8_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPl
 
 
 def _fp8_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
+    """FP8 per-tensor, DeepSeek FP8 block and MXFP8 (CUTLASS, alignments given), with optional extra padding of
+    the weights first (the alignments given, else the profile's rule); ``swap``: FP8 per-tensor's W31 swap."""
     profile, fmt, backend = get_engine(choice.engine), layer.fmt, choice.backend
     ia, ha = choice.intermediate_alignment, choice.hidden_alignment
     rule = profile.alignment(fmt, backend, layer.quant_method)
     if not (ia or ha) and (rule.intermediate or rule.hidden):
         ia, ha = rule.intermediate, rule.hidden
-    sizes = (layer.intermediate, layer.hidden, layer.is_act_and_mul, layer.is_gated)
-    return _plan_fp8_family(fmt, backend == "trtllm", *sizes, ia, ha, scale_fill(fmt, backend, profile.name), swap)
+    trt, fill = backend == "trtllm", scale_fill(fmt, backend, profile.name)
+    if not (ia or ha):
+        return _fp8_inner(layer, trt, fill, swap)
+    padded = plan_align(layer.intermediate, layer.hidden, 1, layer.is_act_and_mul, ia or 1, ha or 1)
+    if padded.w13 is not None and fmt != "fp8":
+        raise LayoutError(f"custom alignments for {fmt} scales are not supported yet", fix="use the default rules")
+    sized = replace(layer, intermediate=padded.padded_intermediate, hidden=padded.padded_hidden)
+    # an intermediate alignment given replaces FP8 per-tensor's own minimum (1: no padding)
+    inner = _fp8_inner(sized, trt, fill, swap, 1 if ia else None)
+    return LayerPlan(
+        chain(padded.w13, inner.w13),
+        chain(padded.w2, inner.w2),
+        inner.w13_scale,
+        inner.w2_scale,
+        layer.intermediate,
+        layer.hidden,
+        inner.padded_intermediate,
+        inner.padded_hidden,
+        inner.description,
+    )
+
+
+def _fp8_inner(
+    layer: LayerShape, trt: bool, fill: int, swap: bool, fp8_min_alignment: Optional[int] = None
+) -> LayerPlan:
+    """The FP8 family's own builder for ``layer``'s (already padded) sizes."""
+    i, h, am = layer.intermediate, layer.hidden, layer.is_act_and_mul
+    if layer.fmt == "fp8":
+        return plan_fp8_per_tensor(i, h, am, layer.is_gated, trt, swap, fp8_min_alignment)
+    if layer.fmt == "mxfp8":
+        block = FORMATS["mxfp8"].scale_block
+        return plan_mxfp8(i, h, am, layer.is_gated, trt, h // block, i // block, scale_fill=fill)
+    spec = FORMATS["fp8-block"]
+    rows = spec.scale_block_rows
+    scale_rows, scale_cols = -(-projections(am) * i // rows), -(-h // spec.scale_block) * spec.scale_itemsize
+    return plan_fp8_block(i, h, am, trt, scale_rows, scale_cols, rows)
 
 
 _PAD, _SWAP, _GATED = "pad_projections", "swap_w13_to_w31_rows", "interleave_rows_for_gated_act"
@@ -277,83 +338,16 @@ def _build_layer_plan(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
     fmt, backend, intermediate, hidden = layer.fmt, choice.backend, layer.intermediate, layer.hidden
     profile = get_engine(choice.engine)
     swap = not profile.keeps_gate_up(fmt, backend, layer.quant_method)
-    if (
-        backend == "trtllm" and recipe_id(fmt, backend) in profile.trtllm_plain
-    ):  # unshuffled MajorK (use_shuffled_weight=False)
+    if backend == "trtllm" and recipe_id(fmt, backend) in profile.trtllm_plain:  # use_shuffled_weight=False
         if not swap:
             desc = f"{fmt} TRT-LLM in the checkpoint layout (use_shuffled_weight=False)"
             return LayerPlan(None, None, None, None, intermediate, hidden, intermediate, hidden, desc)
-        inner = _fp8_inner(fmt, False, intermediate, hidden, layer.is_act_and_mul, layer.is_gated, 0, True)
+        inner = _fp8_inner(layer, False, 0, True)
         return replace(inner, description=f"{fmt} TRT-LLM MajorK unshuffled (W31 swap only)")
     build = RECIPES[recipe_id(fmt, backend)].build
     if build is None:
         raise LayoutError(f"internal: {fmt}/{backend} is laid out by its own rule, not by the recipe table")
     return build(layer, replace(choice, engine=profile.name), swap)
-
-
-def _plan_bf16(
-    trt: bool, intermediate: int, hidden: int, is_act_and_mul: bool, is_gated: bool, ia: int, ha: int, swap: bool
-) -> LayerPlan:
-    """BF16: pad (each projection on its own), then TRT-LLM's block layout or CUTLASS's W31 swap."""
-    p = projections(is_act_and_mul)
-    pad = plan_align(intermediate, hidden, 2, is_act_and_mul, ia, ha)
-    ip, hp = pad.padded_intermediate, pad.padded_hidden
-    if trt:
-        inner = plan_trtllm_bf16_block_layout(p * ip, hp, ip, is_gated, swap=swap)
-        w13, w2 = inner.w13, inner.w2
-    else:
-        w13, w2 = swap_rows(p * ip, 2 * hp, is_act_and_mul), None
-    return LayerPlan(
-        chain(pad.w13, w13),
-        chain(pad.w2, w2),
-        None,
-        None,
-        intermediate,
-        hidden,
-        ip,
-        hp,
-        f"BF16 {'TRT-LLM block layout' if trt else 'CUTLASS'}",
-    )
-
-
-def _plan_fp4(
-    fmt: str,
-    backend: str,
-    engine: str,
-    intermediate: int,
-    hidden: int,
-    is_act_and_mul: bool,
-    is_gated: bool,
-    ia: int,
-    ha: int,
-) -> LayerPlan:
-    """NVFP4 / MXFP4: pad (scales with the profile's byte), then TRT-LLM's steps or CUTLASS's
-    W31 swap and (in every profile but the legacy one) 128x4-swizzled scales."""
-    p, trt = projections(is_act_and_mul), backend == "trtllm"
-    block = FORMATS[fmt].scale_block
-    pad = plan_align_fp4(intermediate, hidden, is_act_and_mul, ia, ha, block, scale_fill(fmt, backend, engine))
-    ip, hp = pad.padded_intermediate, pad.padded_hidden
-    name = f"{fmt.upper()} {'TRT-LLM' if trt else 'CUTLASS'}"
-    if not trt:
-        swizzled = get_engine(engine).cutlass_fp4_scales == "128x4"
-        w13s = _cutlass_fp4_scales(
-            pad.w13_scale, swap_rows(p * ip, hp // block, is_act_and_mul), p * ip, hp // block, swizzled
-        )
-        w2s = _cutlass_fp4_scales(pad.w2_scale, None, hp, ip // block, swizzled)
-        w13 = chain(pad.w13, swap_rows(p * ip, hp // 2, is_act_and_mul))
-        return LayerPlan(w13, pad.w2, w13s, w2s, intermediate, hidden, ip, hp, name)
-    inner = plan_fp4_trtllm_weights(ip, hp, is_act_and_mul, is_gated, block)
-    return LayerPlan(
-        chain(pad.w13, inner.w13),
-        chain(pad.w2, inner.w2),
-        chain(pad.w13_scale, inner.w13_scale),
-        chain(pad.w2_scale, inner.w2_scale),
-        intermediate,
-        hidden,
-        ip,
-        hp,
-        name,
-    )
 
 
 def _cutlass_fp4_scales(
@@ -372,65 +366,3 @@ def _cutlass_fp4_scales(
     if not swizzled:
         return chain(pad, swap)
     return present(chain(pad, swap, steps.swizzle_scales_128x4(rows, cols)))
-
-
-def _fp8_inner(
-    fmt: str,
-    trt: bool,
-    intermediate: int,
-    hidden: int,
-    is_act_and_mul: bool,
-    is_gated: bool,
-    fill: int,
-    swap: bool,
-    fp8_min_alignment: Optional[int] = None,
-) -> LayerPlan:
-    p = projections(is_act_and_mul)
-    if fmt == "fp8":
-        return plan_fp8_per_tensor(intermediate, hidden, is_act_and_mul, is_gated, trt, swap, fp8_min_alignment)
-    if fmt == "mxfp8":
-        block = FORMATS["mxfp8"].scale_block
-        return plan_mxfp8(
-            intermediate, hidden, is_act_and_mul, is_gated, trt, hidden // block, intermediate // block, scale_fill=fill
-        )
-    rows = FORMATS["fp8-block"].scale_block_rows
-    cols = FORMATS["fp8-block"].scale_block
-    scale_bytes = FORMATS["fp8-block"].scale_itemsize
-    return plan_fp8_block(
-        intermediate, hidden, is_act_and_mul, trt, -(-p * intermediate // rows), -(-hidden // cols) * scale_bytes, rows
-    )
-
-
-def _plan_fp8_family(
-    fmt: str,
-    trt: bool,
-    intermediate: int,
-    hidden: int,
-    is_act_and_mul: bool,
-    is_gated: bool,
-    intermediate_alignment: Optional[int],
-    hidden_alignment: Optional[int],
-    fill: int,
-    swap: bool = True,
-) -> LayerPlan:
-    """FP8 per-tensor, DeepSeek FP8 block and MXFP8, with optional extra padding of the weights
-    first; ``fill``: the byte of padded MXFP8 scales; ``swap``: FP8 per-tensor's W31 swap."""
-    if not (intermediate_alignment or hidden_alignment):
-        return _fp8_inner(fmt, trt, intermediate, hidden, is_act_and_mul, is_gated, fill, swap)
-    padded = plan_align(intermediate, hidden, 1, is_act_and_mul, intermediate_alignment or 1, hidden_alignment or 1)
-    if padded.w13 is not None and fmt != "fp8":
-        raise LayoutError(f"custom alignments for {fmt} scales are not supported yet", fix="use the default rules")
-    ip, hp = padded.padded_intermediate, padded.padded_hidden
-    # an intermediate alignment given replaces FP8 per-tensor's own minimum (1: no padding)
-    inner = _fp8_inner(fmt, trt, ip, hp, is_act_and_mul, is_gated, fill, swap, 1 if intermediate_alignment else None)
-    return LayerPlan(
-        chain(padded.w13, inner.w13),
-        chain(padded.w2, inner.w2),
-        inner.w13_scale,
-        inner.w2_scale,
-        intermediate,
-        hidden,
-        inner.padded_intermediate,
-        inner.padded_hidden,
-        inner.description,
-    )
