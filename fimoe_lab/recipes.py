@@ -210,26 +210,28 @@ def _fp8_inner(
 
 _PAD, _SWAP, _GATED = "pad_projections", "swap_w13_to_w31_rows", "interleave_rows_for_gated_act"
 _SHUFFLE, _BLOCK_K, _SWIZZLE = "shuffle_rows_for_epilogue", "block_major_k", "swizzle_scales_128x4"
-_TRT_ROWS = (_PAD, _SWAP, _GATED, _SHUFFLE)
+_TRT = (_PAD, _SWAP, _GATED, _SHUFFLE)  # TRT-LLM rows: pad, W31 swap, gated interleave, epilogue shuffle
+_CUT = (_PAD, _SWAP)  # CUTLASS rows: pad, W31 swap
+_TRT_SF, _CUT_SF = (*_TRT, _SWIZZLE), (*_CUT, _SWIZZLE)  # vector scales: their rows' steps, then 128x4
+_INT4, _INT4_SF = (_SWAP, _GATED, _SHUFFLE, _BLOCK_K), (_SWAP, _GATED, _SHUFFLE, _SWIZZLE)
 
 RECIPES: dict[str, Recipe] = {
     r.id: r
     for r in (
-        Recipe("bf16", "trtllm", (*_TRT_ROWS, _BLOCK_K), (), "I 64, H 64 (whole 128 B K blocks)", _bf16_layer),
-        Recipe("bf16", "cutlass", (_PAD, _SWAP), (), "none by default", _bf16_layer),
-        Recipe("fp8", "trtllm", _TRT_ROWS, (), "I 16 gated / 128 non-gated", _fp8_layer),
-        Recipe("fp8", "cutlass", (_PAD, _SWAP), (), "I 16 gated / 128 non-gated", _fp8_layer),
-        Recipe("fp8-block", "trtllm", (_SWAP, _SHUFFLE, _BLOCK_K), (_SWAP,), "none (tile 64 shuffle)", _fp8_layer),
+        # Recipe(format, backend, weight steps, scale steps, paddings before the profile's overrides, build)
+        Recipe("bf16", "trtllm", (*_TRT, _BLOCK_K), (), "I 64, H 64 (whole 128 B K blocks)", _bf16_layer),
+        Recipe("bf16", "cutlass", _CUT, (), "none", _bf16_layer),
+        Recipe("fp8", "trtllm", _TRT, (), "I 16 gated / 128 non-gated", _fp8_layer),
+        Recipe("fp8", "cutlass", _CUT, (), "I 16 gated / 128 non-gated", _fp8_layer),
+        Recipe("fp8-block", "trtllm", (_SWAP, _SHUFFLE, _BLOCK_K), (_SWAP,), "none (shuffle tile 64)", _fp8_layer),
         Recipe("fp8-block", "cutlass", (_SWAP,), (_SWAP,), "none", _fp8_layer),
-        Recipe("mxfp8", "trtllm", _TRT_ROWS, (*_TRT_ROWS, _SWIZZLE), "I 128, H 256, scales 127", _mxfp8_layer),
-        Recipe("mxfp8", "cutlass", (_PAD, _SWAP), (_PAD, _SWAP, _SWIZZLE), "the profile's", _mxfp8_layer),
-        Recipe("nvfp4", "trtllm", _TRT_ROWS, (*_TRT_ROWS, _SWIZZLE), "I 128/P, scales the profile's byte", _fp4_layer),
-        Recipe("nvfp4", "cutlass", (_PAD, _SWAP), (_PAD, _SWAP, _SWIZZLE), "I 16", _fp4_layer),
-        Recipe("mxfp4", "trtllm", _TRT_ROWS, (*_TRT_ROWS, _SWIZZLE), "I 256, H 256", _fp4_layer),
-        Recipe("mxfp4", "cutlass", (_PAD, _SWAP), (_PAD, _SWAP, _SWIZZLE), "I 32, H 32", _fp4_layer),
-        Recipe(
-            "mxint4", "trtllm", (_SWAP, _GATED, _SHUFFLE, _BLOCK_K), (_SWAP, _GATED, _SHUFFLE, _SWIZZLE), "none", None
-        ),
+        Recipe("mxfp8", "trtllm", _TRT, _TRT_SF, "I 128, H 256; scales the profile's byte", _mxfp8_layer),
+        Recipe("mxfp8", "cutlass", _CUT, _CUT_SF, "none (FlashInfer 0.7.x: I 128, H 128)", _mxfp8_layer),
+        Recipe("nvfp4", "trtllm", _TRT, _TRT_SF, "I 128/P (vLLM: H 256)", _fp4_layer),
+        Recipe("nvfp4", "cutlass", _CUT, _CUT_SF, "I 16", _fp4_layer),
+        Recipe("mxfp4", "trtllm", _TRT, _TRT_SF, "I 256, H 256", _fp4_layer),
+        Recipe("mxfp4", "cutlass", _CUT, _CUT_SF, "I 32, H 32", _fp4_layer),
+        Recipe("mxint4", "trtllm", _INT4, _INT4_SF, "none (I, H multiples of 256)", None),
     )
 }
 """One row per (format, backend): the kernel's contract as steps and paddings, and the function that builds it.
