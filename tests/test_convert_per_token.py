@@ -179,7 +179,10 @@ def test_per_token_on_a_non_nvfp4_format_is_refused_in_one_line(root, tmp_path, 
 
 def test_inspect_per_token_shows_the_per_token_paddings(root, capsys):
     layer = non_gated_layer("random")
-    with_pt, without = backend_need(layer, "trtllm", per_token=True), backend_need(layer, "trtllm")
+    with_pt, without = (
+        backend_need(layer, LayoutChoice("trtllm", per_token_activation=True)),
+        backend_need(layer, LayoutChoice("trtllm")),
+    )
     assert (with_pt.padded_hidden, without.padded_hidden) == (512, 256)
     assert "H 256->512" in with_pt.text() and "H 256" not in without.text()
     assert with_pt.plan["args"]["per_token_activation"] is True
