@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from fimoe_lab.checkpoints import (
     CheckpointError,
+    LayoutChoice,
     conventions,
     convert_checkpoint,
     inspect_checkpoint,
@@ -285,7 +286,10 @@ def test_a_geglu_int4_layer_is_refused_naming_swiglu(samples, activation):
 
     layer = _int4_layer(samples, activation)
     before = {n: t.clone() for n, t in layer.tensors().items() if t is not None}
-    for call in (lambda: plan_choice.plan_args(layer, "trtllm"), lambda: convert.convert_layer(layer, "trtllm")):
+    for call in (
+        lambda: plan_choice.plan_args(layer, LayoutChoice("trtllm")),
+        lambda: convert.convert_layer(layer, LayoutChoice("trtllm")),
+    ):
         with pytest.raises(CheckpointError) as info:
             call()
         msg = info.value.message
@@ -299,7 +303,7 @@ def test_swiglu_int4_layers_still_convert(samples, activation):
     from fimoe_lab.checkpoints import convert
 
     layer = _int4_layer(samples, activation)
-    kernel, plan, spec = convert.convert_layer(layer, "trtllm")
+    kernel, plan, spec = convert.convert_layer(layer, LayoutChoice("trtllm"))
     assert spec["args"]["fmt"] == "mxint4" and sum(t.numel() for t in kernel.values()) > 0
 
 

@@ -33,6 +33,7 @@ from fimoe_lab.checkpoints.convert import write_kernel_layout
 from fimoe_lab.checkpoints.reader import MoELayer
 from fimoe_lab.checkpoints.restore import restore_layers, value_rule_notes
 from fimoe_lab.checkpoints.writer import convert_checkpoint
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.cli import main as cli_main
 from fimoe_lab.recipes import plan_layer
 from fimoe_lab.resources import sample_path
@@ -199,7 +200,9 @@ def fp8_layer(s13: torch.Tensor) -> MoELayer:
 def test_convert_records_the_rule_and_restore_names_what_it_changed(tmp_path, engine):
     s13 = torch.tensor([[0.01, 0.02], [0.25, 0.25], [0.5, 0.125]])
     layer = fp8_layer(s13)
-    out = write_kernel_layout(tmp_path / "k.safetensors", [(0, layer, lambda: layer)], "trtllm", engine=engine)
+    out = write_kernel_layout(
+        tmp_path / "k.safetensors", [(0, layer, lambda: layer)], LayoutChoice("trtllm", engine=engine)
+    )
     _, (back,) = restore_layers(out)
     want, m = requantize_loop(layer.w13, s13, -448.0)
     if engine is None:  # expert 1 (equal scales) keeps its bytes
@@ -216,7 +219,7 @@ def test_convert_records_the_rule_and_restore_names_what_it_changed(tmp_path, en
 def test_restore_of_a_flashinfer_profile_file_is_byte_exact(tmp_path):
     layer = fp8_layer(torch.tensor([[0.01, 0.02], [0.25, 0.25]]))
     out = write_kernel_layout(
-        tmp_path / "k.safetensors", [(0, layer, lambda: layer)], "trtllm", engine="flashinfer-0.7.4"
+        tmp_path / "k.safetensors", [(0, layer, lambda: layer)], LayoutChoice("trtllm", engine="flashinfer-0.7.4")
     )
     _, (back,) = restore_layers(out)
     assert all(
@@ -232,7 +235,9 @@ def test_edited_value_rule_record_is_refused(tmp_path):
     from fimoe_lab.checkpoints.restore import check_record
 
     layer = fp8_layer(torch.tensor([[0.01, 0.02]]))
-    out = write_kernel_layout(tmp_path / "k.safetensors", [(0, layer, lambda: layer)], "cutlass", engine="vllm-0.34")
+    out = write_kernel_layout(
+        tmp_path / "k.safetensors", [(0, layer, lambda: layer)], LayoutChoice("cutlass", engine="vllm-0.34")
+    )
     from fimoe_lab.checkpoints import read_kernel_metadata
 
     rec = read_kernel_metadata(out)["layers"]["0"]

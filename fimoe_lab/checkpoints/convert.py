@@ -36,9 +36,10 @@ from fimoe_lab.checkpoints.fileformat import (
     out_name,
     tensor_steps,
 )
-from fimoe_lab.checkpoints.plan_choice import LayoutChoice, build_plan, plan_args, suggest_alignment
+from fimoe_lab.checkpoints.plan_choice import build_plan, plan_args, suggest_alignment
 from fimoe_lab.checkpoints.rank_layout import LayerLoader, LayerSource
 from fimoe_lab.checkpoints.reader import CheckpointError, MoELayer
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import BIAS_ROWS, LayerPlan, apply_map
@@ -55,27 +56,19 @@ __all__ = [
 ]
 
 
-def convert_layer(
-    layer: MoELayer,
-    backend: str,
-    intermediate_alignment: Optional[int] = None,
-    hidden_alignment: Optional[int] = None,
-    engine: Optional[str] = None,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
-) -> tuple[dict[str, torch.Tensor], LayerPlan, dict]:
-    """One layer into the kernel layout: ``(tensors by kernel name, plan, plan spec)``.
+def convert_layer(layer: MoELayer, choice: LayoutChoice) -> tuple[dict[str, torch.Tensor], LayerPlan, dict]:
+    """One layer into the kernel layout ``choice`` asks for: ``(tensors by kernel name, plan, plan spec)``.
 
-    ``engine``: the profile whose defaults and layouts apply (:mod:`fimoe_lab.engines`;
+    ``choice.engine``: the profile whose defaults and layouts apply (:mod:`fimoe_lab.engines`;
     None: the newest vLLM's, ``engines.DEFAULT_ENGINE``). Bytes move, and values change only where the
     profile holds a value rule (``plan.value_rule``: FP8 per-tensor W13 requantized to max(gate, up), DeepSeek
     FP8 block scales clamped to 1e-10; the record says so: :func:`_kernel_specs`; a rule's ``kept`` tensors are
-    also returned in their checkpoint bytes, named ``<kernel name>_checkpoint``). Biases (gpt-oss) follow their weight's
-    rows; other extras pass unchanged. ``per_token``, ``activation_dtype``: :func:`plan_args`. A checkpoint format
+    also returned in their checkpoint bytes, named ``<kernel name>_checkpoint``). Biases (gpt-oss) follow their
+    weight's rows; other extras pass unchanged. The plan record: :func:`plan_args`. A checkpoint format
     with a :data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR` byte (int4-group: ``q + 8`` ->
     two's complement) has its weight bytes XORed with it first (a copy; the layer is untouched).
     """
-    spec = plan_args(layer, backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
+    spec = plan_args(layer, choice)
     plan = build_plan(spec)
     outs = plan.apply(
         _xor_weight(layer.w13.contiguous(), layer.fmt),
@@ -131,7 +124,7 @@ def dry_run(layer: MoELayer, choice: LayoutChoice) -> tuple[dict, LayerPlan, dic
 
     probe = layer.with_tensors(**{n: one_expert(t) for n, t in layer.tensors().items()})
     probe = replace(probe, extras={n: one_expert(t) for n, t in layer.extras.items()})
-    tensors, plan, spec = convert_layer(probe, **choice.kwargs())
+    tensors, plan, spec = convert_layer(probe, choice)
     return {n: (t.dtype, (layer.num_experts,) + tuple(t.shape[1:])) for n, t in tensors.items()}, plan, spec
 
 
@@ -175,26 +168,21 @@ def _kernel_specs(layer: MoELayer, choice: LayoutChoice) -> tuple[dict, dict]:
 def write_kernel_layout(
     out: str | os.PathLike,
     sources: Sequence[LayerSource],
-    backend: str,
+    choice: LayoutChoice,
     *,
-    intermediate_alignment: Optional[int] = None,
-    hidden_alignment: Optional[int] = None,
     prefix: str = "model.layers.",
     block: str = "mlp",
     info: Optional[dict] = None,
     progress: bool = False,
     force: bool = False,
-    engine: Optional[str] = None,
     single_file: Optional[bool] = None,
     shard_size: Optional[int] = None,
     resume: bool = False,
     device: str = "cpu",
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
     request: Optional[dict] = None,
     kept: Optional[unchanged.Unchanged] = None,
 ) -> Path:
-    """Convert and stream layers into the kernel layout at ``out``: one safetensors file
+    """Convert and stream layers into the kernel layout ``choice`` asks for at ``out``: one safetensors file
     (:func:`~fimoe_lab.checkpoints.safe_io.single_output`: ``single_file``, or ``out`` ends in
     ``.safetensors`` or is a file), else a directory of shards of at most ``shard_size`` bytes
     (default :data:`~fimoe_lab.checkpoints.stream.SHARD_BYTES`) with a Hugging Face index.
@@ -219,7 +207,6 @@ def write_kernel_layout(
     single = safe_io.single_output(out, single_file)
     safe_io.check_output(out, [], force or (resume and single), "file" if single else "shards", resume)
     dev = torch_device(device)
-    choice = LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
     specs, meta = layout_plan(sources, choice, prefix=prefix, block=block, info=info, kept=kept)
     if not single:
         os.makedirs(out, exist_ok=True)
@@ -366,7 +353,7 @@ def converted_chunks(
             layer.with_tensors(**{n: cut(t) for n, t in parts.items()}),
             extras={n: cut(t) for n, t in layer.extras.items()},
         )
-        tensors, _, _ = convert_layer(sub, **choice.kwargs())
+        tensors, _, _ = convert_layer(sub, choice)
         if dev.type == "cuda":
             tensors = {n: _to_host(t) for n, t in tensors.items()}
             torch.cuda.current_stream(dev).synchronize()

@@ -43,6 +43,7 @@ check methods; split, those would become public names of another module.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -65,11 +66,13 @@ MAX_CONFIG_INT = 1 << 24
 """Largest size or count config.json may give (real models: hidden < 32768, experts < 1024)."""
 
 
-def _expert_pattern() -> re.Pattern[str]:
-    """Names of expert tensors of any convention: ``<prefix>(layers|blocks|block).<L>.<module>.<e>.`` or
+@functools.lru_cache(maxsize=4)
+def _expert_pattern(table: tuple[conventions.Convention, ...]) -> re.Pattern[str]:
+    """Names of expert tensors of any convention of ``table`` (:data:`conventions.CONVENTIONS`, read at each
+    call so that an entry added at run time is found): ``<prefix>(layers|blocks|block).<L>.<module>.<e>.`` or
     ``...<module>.<fused name>``; groups ``prefix`` and ``layer``."""
     alts = set()
-    for c in conventions.CONVENTIONS:
+    for c in table:
         if c.fused_layout is None:
             alts.add(re.escape(c.module) + r"\.\d+\.")
         else:
@@ -79,9 +82,6 @@ def _expert_pattern() -> re.Pattern[str]:
     return re.compile(
         r"^(?P<prefix>(?:.*\.)?(?:layers|blocks|block)\.)(?P<layer>\d+)\.(?:" + "|".join(sorted(alts)) + ")"
     )
-
-
-_EXPERT_RE = _expert_pattern()
 
 
 # ============================================================================ the stacked layer
@@ -293,8 +293,9 @@ class Checkpoint:
     def _find_moe_layers(self) -> tuple[str, dict[int, str]]:
         """The model's layer prefix and ``{layer index: layer path}`` of every MoE layer (module docstring)."""
         found: dict[tuple[str, int], None] = {}
+        pattern = _expert_pattern(conventions.CONVENTIONS)
         for name in self.weight_map:
-            m = _EXPERT_RE.match(name)
+            m = pattern.match(name)
             if m:
                 found.setdefault((m["prefix"], int(m["layer"])))
         if not found:

@@ -44,8 +44,9 @@ from fimoe_lab.checkpoints.fileformat import (
     out_name,
     tensor_steps,
 )
-from fimoe_lab.checkpoints.plan_choice import LayoutChoice, build_plan, layout_format
+from fimoe_lab.checkpoints.plan_choice import build_plan, layout_format
 from fimoe_lab.checkpoints.reader import CheckpointError, MoELayer
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.engines import ValueRule
 from fimoe_lab.plan import LayerPlan, apply_map
 

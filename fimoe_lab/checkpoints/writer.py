@@ -18,10 +18,10 @@ from typing import Any, Optional
 from fimoe_lab.checkpoints import expert_parallel, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.convert import torch_device, write_kernel_layout
-from fimoe_lab.checkpoints.plan_choice import LayoutChoice
 from fimoe_lab.checkpoints.rank_layout import moe_tp_size, rank_list, rank_part, request_of, source_info, wanted_layers
 from fimoe_lab.checkpoints.reader import Checkpoint
 from fimoe_lab.checkpoints.restore import restore_directory, value_rule_notes
+from fimoe_lab.choice import LayoutChoice
 
 __all__ = [
     "convert_checkpoint",
@@ -59,7 +59,7 @@ def convert_checkpoint(
     (``recipes.plan_layer(..., per_token_activation=True)``), recorded in every layer's plan arguments;
     refused (before anything is written) for a format without per-token activations. ``activation_dtype``:
     the kernel's activations where the recipe has a layout per activation dtype (``"bf16"``: MXFP4 on the
-    Hopper SM90 CUTLASS kernel, :func:`fimoe_lab.recipes.plan_cutlass_mxfp4_bf16`), recorded likewise.
+    Hopper SM90 CUTLASS kernel, :func:`fimoe_lab.special_plans.plan_cutlass_mxfp4_bf16`), recorded likewise.
 
     ``ep_size``: expert parallelism within the ``tp_size`` ranks (:func:`rank_part`): rank ``r`` holds the
     contiguous experts :func:`expert_range` of EP rank ``r // (tp_size / ep_size)``, sliced along the
@@ -93,21 +93,16 @@ def convert_checkpoint(
             write_kernel_layout(
                 out / f"rank-{rank}" if tp_rank == "all" else out,
                 sources,
-                backend,
-                intermediate_alignment=intermediate_alignment,
-                hidden_alignment=hidden_alignment,
+                choice,
                 prefix=ck.prefix,
                 block=ck.convention.block,
                 info=info,
                 progress=progress,
                 force=force,
-                engine=engine,
                 single_file=single,
                 shard_size=shard_size,
                 resume=resume,
                 device=device,
-                per_token=per_token,
-                activation_dtype=activation_dtype,
                 request=asked,
                 kept=unchanged.for_rank(ck, rank),
             )
