@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from fimoe_lab import kernels, prepare, recipes  # noqa: E402
+from fimoe_lab import builders, kernels, prepare  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -103,7 +103,7 @@ def make_case(name, experts, dev, g):
     if name == "rotate":
         e, h, i = experts or 256, 7168, 2048
         w13, w2 = rnd(e, 2 * i, h).view(FP8), rnd(e, h, i).view(FP8)
-        plan = recipes.plan_rotate_fp8_per_tensor(2 * i, h, i, True)
+        plan = builders.plan_rotate_fp8_per_tensor(2 * i, h, i, True)
         ins = [w13, w2]
 
         def call(a, b):
@@ -117,7 +117,7 @@ def make_case(name, experts, dev, g):
     if name == "deepseek":
         e, h, i = experts or 256, 7168, 2048
         ins = [rnd(e, 2 * i, h).view(FP8), rnd(e, h, i).view(FP8)]
-        plan = recipes.plan_shuffle_deepseek_fp8(2 * i, h, i)
+        plan = builders.plan_shuffle_deepseek_fp8(2 * i, h, i)
 
         def call(a, b):
             return prepare.shuffle_deepseek_fp8_moe_weights(a, b)
@@ -129,7 +129,7 @@ def make_case(name, experts, dev, g):
     if name == "mxfp8":
         e, h, i = experts or 256, 7168, 2048
         ins = [rnd(e, 2 * i, h).view(FP8), rnd(e, h, i).view(FP8), rnd(e, 2 * i, h // 32), rnd(e, h, i // 32)]
-        plan = recipes.plan_shuffle_mxfp8(2 * i, h, i, True, h // 32, i // 32)
+        plan = builders.plan_shuffle_mxfp8(2 * i, h, i, True, h // 32, i // 32)
 
         def call(a, b, c, d):
             return prepare.shuffle_mxfp8_moe_weights(a, b, c, d, True)
@@ -143,7 +143,7 @@ def make_case(name, experts, dev, g):
     if name == "bf16_block":
         e, h, i = experts or 128, 4096, 1536
         ins = [rnd(e, 2 * i, 2 * h).view(torch.bfloat16), rnd(e, h, 2 * i).view(torch.bfloat16)]
-        plan = recipes.plan_trtllm_bf16_block_layout(2 * i, h, i, True)
+        plan = builders.plan_trtllm_bf16_block_layout(2 * i, h, i, True)
 
         cache: dict = {}  # one dict for every call, as an engine passes its own across layers
 

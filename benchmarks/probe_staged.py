@@ -30,7 +30,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from bench_transforms import ratio_to_copy, save_results  # noqa: E402
 
-from fimoe_lab import recipes  # noqa: E402
+from fimoe_lab import builders  # noqa: E402
 from fimoe_lab.kernels import default_scratch_experts, execute_in_place  # noqa: E402
 from fimoe_lab.kernels import triton_gather as tg  # noqa: E402
 
@@ -51,9 +51,9 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     cases = {
-        "qwen3-235b bf16_block w13": (recipes.plan_trtllm_bf16_block_layout(3072, 4096, 1536).w13, 128),
-        "deepseek-v3 deepseek_block w13": (recipes.plan_shuffle_deepseek_fp8(4096, 7168, 2048).w13, 256),
-        "deepseek-v3 deepseek_block w2": (recipes.plan_shuffle_deepseek_fp8(4096, 7168, 2048).w2, 256),
+        "qwen3-235b bf16_block w13": (builders.plan_trtllm_bf16_block_layout(3072, 4096, 1536).w13, 128),
+        "deepseek-v3 deepseek_block w13": (builders.plan_shuffle_deepseek_fp8(4096, 7168, 2048).w13, 256),
+        "deepseek-v3 deepseek_block w2": (builders.plan_shuffle_deepseek_fp8(4096, 7168, 2048).w2, 256),
     }
     out: dict[str, dict[str, float]] = {}
     for label, (m, experts) in cases.items():

@@ -25,7 +25,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from bench_transforms import ratio_to_copy, save_results  # noqa: E402
 
-from fimoe_lab import recipes  # noqa: E402
+from fimoe_lab import builders  # noqa: E402
 from fimoe_lab.kernels import default_scratch_experts, execute_in_place  # noqa: E402
 from fimoe_lab.kernels.cycles import cycle_plan  # noqa: E402
 
@@ -93,7 +93,7 @@ def main() -> None:
         )
         del xs, ys
     y = torch.empty_like(x)
-    em = recipes.plan_trtllm_bf16_block_layout(3072, 4096, 1536, True).w13.compiled()
+    em = builders.plan_trtllm_bf16_block_layout(3072, 4096, 1536, True).w13.compiled()
     plan = cycle_plan(em, 128)
     d, s, _ = plan.on(dev)
     s = torch.where(s >= 0, s, d)  # a saved cell: read it where it is (out of place nothing is overwritten)

@@ -18,7 +18,7 @@ environments (``tests/engine_oracles/``, ``tests/test_engine_parity_*.py``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, TypeVar
 
 from fimoe_lab.errors import FimoeError
@@ -28,6 +28,10 @@ _T = TypeVar("_T")
 __all__ = [
     "Alignment",
     "KernelSizes",
+    "ValueRule",
+    "VALUES",
+    "VLLM_MIN_BLOCK_SCALE",
+    "VALUE_RULE_KINDS",
     "QUANT_METHODS",
     "EngineProfile",
     "ENGINES",
@@ -74,6 +78,57 @@ class KernelSizes:
     gemm1_rows: int = 1
     why: str = ""
     non_gated_intermediate: Optional[int] = None
+
+
+VALUES = ("engine", "lossless")
+"""What a plan does to values (``plan_layer(values=)``): ``engine``, every value rule of the profile, the engine's
+bytes; ``lossless``, only the rules the kernel needs and only where it needs them (``EngineProfile.value_rule``)."""
+
+VALUE_RULE_KINDS: dict[str, str] = {
+    "fp8_requantize_max": "W13 requantized to one scale per expert, max(gate, up): each half dequantized with its own "
+    "scale in float16, quantized again with the larger (vLLM 0.34, SGLang 0.5.23 FP8 per-tensor)",
+    "clamp_block_scales": "every block scale below a floor raised to it (vLLM 0.34 DeepSeek FP8 block: 1e-10)",
+}
+"""What each value rule does (its arithmetic: :mod:`fimoe_lab.value_rules`)."""
+
+
+@dataclass(frozen=True)
+class ValueRule:
+    """A rule of an engine that changes values, not only their places (the layout rules move bytes).
+
+    ``kind``: a :data:`VALUE_RULE_KINDS` key. ``floor``: ``clamp_block_scales``' minimum. ``nan_to``:
+    ``fp8_requantize_max``'s result for a NaN (the engines' clamps to +-448 differ there: vLLM's
+    ``fminf(fmaxf(x, -448), 448)`` gives -448, SGLang's ``max(min(x, 448), -448)`` +448). ``tensors``: the
+    layer tensors it changes (``w13``, ``w2``, ``w13_scale``, ``w2_scale``). ``source``: the engine's file:line.
+    ``needed``: the kernel cannot take the checkpoint's values without it (FlashInfer's FP8 per-tensor MoE takes
+    one W13 scale per expert), as opposed to an engine's workaround (the clamp, against NaN from FlashInfer's
+    CUTLASS kernel on Hopper). ``where``: ``"all"`` (every expert, as the engine) or ``"differs"`` (only the experts
+    whose gate and up scales differ: the others keep their bytes; :meth:`EngineProfile.value_rule`'s lossless
+    form). ``kept``: tensors whose checkpoint bytes a converted file keeps beside the changed ones (the clamped
+    block scales: 4 bytes per 128x128 FP8 weights, 1/4096 of their bytes), so that ``restore`` gives them back
+    exactly; a rule that keeps none is lossy: a converted file records the rule and ``restore`` says which tensors
+    it changed.
+    """
+
+    kind: str
+    tensors: tuple[str, ...]
+    source: str
+    floor: float = 0.0
+    nan_to: float = 0.0
+    needed: bool = False
+    where: str = "all"
+    kept: tuple[str, ...] = ()
+
+    def record(self) -> dict[str, object]:
+        """What a converted file records of the rule (JSON)."""
+        return {
+            "kind": self.kind,
+            "tensors": list(self.tensors),
+            "floor": self.floor,
+            "nan_to": self.nan_to,
+            "where": self.where,
+            "kept": list(self.kept),
+        }
 
 
 QUANT_METHODS: dict[str, str] = {
@@ -137,8 +192,12 @@ class EngineProfile:
             by default): ``shapes.padded_shape`` refuses them naming whose need it is.
         no_flashinfer_path: ``{"format/backend@method": why}``: layers of that method the engine runs on
             no FlashInfer kernel (so prepares no layout), refused by :meth:`check_prepared`.
+        value_rules: ``{"format/backend[@method]": ValueRule}``: the values the engine changes while it
+            prepares the weights (vLLM 0.34 and SGLang 0.5.23 requantize FP8 per-tensor W13 to one scale;
+            vLLM 0.34 clamps DeepSeek FP8 block scales to 1e-10). Lossy, so only profiles that reproduce an
+            engine hold them: FlashInfer's own ``prepare_*`` helpers quantize from BF16 and change no stored value.
 
-    ``alignments``, ``gate_up_kept`` and ``no_flashinfer_path`` take ``"format/backend@method"`` keys
+    ``alignments``, ``gate_up_kept``, ``no_flashinfer_path`` and ``value_rules`` take ``"format/backend@method"`` keys
     (:data:`QUANT_METHODS`), which override the ``"format/backend"`` entry for layers of that method.
         sm90_mixed_layout: the SM90 mixed-input (MXFP4 weights, BF16 activations) weight interleave of the
             FlashInfer it runs (``steps.SM90_MIXED_LAYOUTS``): ``"0.6.16"`` (bits permuted inside 32-bit
@@ -163,6 +222,7 @@ class EngineProfile:
     trtllm_plain: tuple[str, ...] = ()
     kernel_sizes: dict[str, KernelSizes] = field(default_factory=dict)
     no_flashinfer_path: dict[str, str] = field(default_factory=dict)
+    value_rules: dict[str, ValueRule] = field(default_factory=dict)
     sm90_mixed_layout: str = "0.6.16"
     transforms: tuple[str, ...] = ()
     choice: bool = True
@@ -176,6 +236,17 @@ class EngineProfile:
         """Whether the engine hands the kernel W13 as ``[gate; up]`` (no W31 swap) for layers of
         ``quant_method`` (a :data:`QUANT_METHODS` key; None: the format's rule)."""
         return _keyed(self.gate_up_kept, fmt, backend, quant_method, False)
+
+    def value_rule(
+        self, fmt: str, backend: str, quant_method: Optional[str] = None, lossless: bool = False
+    ) -> Optional[ValueRule]:
+        """The value rule the engine applies to ``fmt``/``backend`` layers of ``quant_method`` (None: none).
+        ``lossless``: only a rule the kernel needs (``ValueRule.needed``), and only where it is needed
+        (``where="differs"``): the checkpoint's values wherever the kernel takes them."""
+        rule = _keyed(self.value_rules, fmt, backend, quant_method, None)
+        if not lossless or rule is None:
+            return rule
+        return replace(rule, where="differs") if rule.needed else None
 
     def check_prepared(self, fmt: str, backend: str, quant_method: Optional[str] = None) -> None:
         """Refuse, in one line, a method whose layers the engine prepares no FlashInfer layout for
@@ -211,6 +282,31 @@ _FP8_KERNEL_SIZES = {"fp8/trtllm": _FP8_NEED, "fp8/cutlass": _FP8_NEED}
 """FP8 per-tensor's intermediate multiple, 16 gated / 128 non-gated, which every engine but FlashInfer 0.7.4's own
 helpers (whose per-tensor ones name none) pads to: an alignment given that leaves another size is refused."""
 _UNPADDED = Alignment(intermediate=1, hidden=1)
+_REQUANT_SOURCE = {
+    "vllm": "vllm/model_executor/layers/quantization/utils/fp8_utils.py:1537",
+    "sglang": "sglang/srt/layers/quantization/fp8.py:2709, modelopt_quant.py:1209",
+}
+"""Where each engine requantizes (docs/engine-rules.md, "Value rules", has the arithmetic's lines)."""
+
+
+def _requantize(engine: str, nan_to: float) -> dict[str, ValueRule]:
+    """FP8 per-tensor W13 requantized to max(gate, up) on both backends (every method: the engine does it while
+    loading, before it picks a kernel)."""
+    rule = ValueRule("fp8_requantize_max", ("w13", "w13_scale"), _REQUANT_SOURCE[engine], nan_to=nan_to, needed=True)
+    return {"fp8/trtllm": rule, "fp8/cutlass": rule}
+
+
+VLLM_MIN_BLOCK_SCALE = 1e-10
+"""vLLM 0.34's floor for DeepSeek FP8 block scales (``_FI_CUTLASS_MIN_BLOCK_SCALE``): dead experts' ~1e-23 scales
+made FlashInfer's Hopper CUTLASS FP8 MoE emit NaN. ``inspect`` warns below it."""
+
+_VLLM_CLAMP = ValueRule(
+    "clamp_block_scales",
+    ("w13_scale", "w2_scale"),
+    "vllm/model_executor/layers/quantization/utils/flashinfer_utils.py:663",
+    floor=VLLM_MIN_BLOCK_SCALE,
+    kept=("w13_scale", "w2_scale"),
+)
 _FI074_RECIPES = tuple(
     f"{fmt}/{backend}"
     for fmt in ("bf16", "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4")
@@ -254,6 +350,11 @@ ENGINES: dict[str, EngineProfile] = {
                 "mxfp8/cutlass": _MXFP8_CUTLASS_07,
             },
             kernel_sizes=_FP8_KERNEL_SIZES,
+            value_rules={
+                **_requantize("vllm", -448.0),
+                "fp8-block/trtllm": _VLLM_CLAMP,
+                "fp8-block/cutlass": _VLLM_CLAMP,
+            },
             transforms=("align_fp4_moe_hidden_dim_for_fi",) + _SM90_MIXED,
             note="vLLM 0.34.0 (FlashInfer 0.7.3): BF16 TRT-LLM I 128, NVFP4 TRT-LLM H 256 (512 per-token non-gated), "
             "NVFP4 CUTLASS non-gated I 128, MXFP4 TRT-LLM I 128 H 256, MXFP4 CUTLASS I/H 128",
@@ -290,6 +391,7 @@ ENGINES: dict[str, EngineProfile] = {
                 "layers for FlashInfer TRT-LLM and hands the rest Triton quant info"
                 for fmt, backend in (("fp8", "trtllm"), ("fp8", "cutlass"), ("fp8-block", "cutlass"))
             },
+            value_rules=_requantize("sglang", 448.0),
             transforms=_SM90_MIXED,
             note="SGLang 0.5.23 (FlashInfer 0.7.2): I 128 at weight creation (MXFP4 TRT-LLM H 256), MXFP8 TRT-LLM H "
             "unpadded and pad scales 0, BF16/FP8/MXFP8/MxInt4 TRT-LLM W13 kept [gate; up] (ModelOpt FP8 swapped), "

@@ -11,6 +11,11 @@ Index maps move whole bytes. A tensor may also carry a **word bit step** (``word
 :func:`fimoe_lab.steps.sm90_mixed_word_bits`), run on every aligned word of the tensor by
 :func:`fimoe_lab.steps.apply_word_bits` *after* its byte map; the inverse plan undoes the bits
 *first* (``word_bits_first``), then the byte map.
+
+A plan may also carry an engine's **value rule** (``value_rule``, :mod:`fimoe_lab.value_rules`: FP8 per-tensor W13
+requantized to one scale, DeepSeek FP8 block scales clamped), applied in the checkpoint layout before the byte
+maps. It changes values, so the inverse plan cannot undo it: :meth:`LayerPlan.inverse` drops it, and
+``plan.inverse().apply(*plan.apply(...))`` returns the checkpoint's bytes only where the rule changed none.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any, Optional
 
 import torch
 
+from fimoe_lab import value_rules
+from fimoe_lab.engines import ValueRule
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.steps import apply_word_bits
@@ -67,6 +74,9 @@ class LayerPlan:
     ``word_bits``: per tensor name, a word bit step (module docstring) applied to every aligned
     32-bit word of that tensor after its byte map, or before the byte map when
     ``word_bits_first`` (what :meth:`inverse` gives): ``out = bits(map(x))``, ``x = map^-1(bits^-1(out))``.
+
+    ``value_rule``: the engine profile's value rule for this recipe (module docstring; None: bytes only move),
+    applied by :meth:`apply` to the checkpoint tensors before their maps.
     """
 
     w13: Optional[IndexMap]
@@ -80,6 +90,7 @@ class LayerPlan:
     description: str = ""
     word_bits: dict[str, IndexMap] = field(default_factory=dict, hash=False)
     word_bits_first: bool = False
+    value_rule: Optional[ValueRule] = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.word_bits) - set(TENSOR_NAMES))
@@ -141,9 +152,11 @@ class LayerPlan:
         w13_scale: Optional[torch.Tensor] = None,
         w2_scale: Optional[torch.Tensor] = None,
     ) -> tuple[Optional[torch.Tensor], ...]:
-        """Return ``(w13, w2, w13_scale, w2_scale)`` in the kernel layout (new tensors)."""
-        given = dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
+        """Return ``(w13, w2, w13_scale, w2_scale)`` in the kernel layout (new tensors): the value rule, if any,
+        then each tensor's map."""
+        given: dict[str, Optional[torch.Tensor]] = dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
         self.check(**given)
+        given = value_rules.apply(self.value_rule, given)
         return tuple(self.apply_tensor(n, x) if x is not None else x for n, x in given.items())
 
     def bias_map(self, name: str, itemsize: int) -> Optional[IndexMap]:
@@ -170,6 +183,7 @@ class LayerPlan:
             padded_intermediate=self.intermediate,
             padded_hidden=self.hidden,
             description=f"inverse of {self.description}",
+            value_rule=None,
         )
 
 

@@ -20,23 +20,23 @@ from typing import Any, NamedTuple, Optional, TypeVar
 
 import torch
 
+from fimoe_lab import builders, engines, recipes, steps, value_rules
 from fimoe_lab import compile as _compile  # noqa: F401 - loaded with the drop-ins, not on their first call
-from fimoe_lab import engines, recipes, steps
-from fimoe_lab.caches import cached
-from fimoe_lab.errors import FimoeError, LayoutError
-from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
-from fimoe_lab.kernels import torch_gather as _torch_gather  # noqa: F401 - likewise
-from fimoe_lab.layout import IndexMap
-from fimoe_lab.plan import LayerPlan, apply_map, check_same_device
-from fimoe_lab.recipes import (
+from fimoe_lab.builders import (
     plan_fp4_trtllm_weights,
-    plan_layer,
     plan_rotate_fp8_per_tensor,
     plan_shuffle_deepseek_fp8,
     plan_shuffle_mxfp8,
     plan_trtllm_bf16_block_layout,
     trtllm_nvfp4_hidden_alignment,
 )
+from fimoe_lab.caches import cached
+from fimoe_lab.errors import FimoeError, LayoutError
+from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
+from fimoe_lab.kernels import torch_gather as _torch_gather  # noqa: F401 - likewise
+from fimoe_lab.layout import IndexMap
+from fimoe_lab.plan import LayerPlan, apply_map, check_same_device
+from fimoe_lab.recipes import plan_layer
 from fimoe_lab.specs import BACKENDS, FORMATS, weight_formats  # noqa: F401 (re-exported for callers)
 
 __all__ = [
@@ -76,7 +76,7 @@ __all__ = [
     "BACKENDS",
 ]
 
-FI_CUTLASS_MIN_BLOCK_SCALE = 1e-10
+FI_CUTLASS_MIN_BLOCK_SCALE = engines.VLLM_MIN_BLOCK_SCALE
 """Floor for FP8 block scales: dead experts with ~1e-23 scales made the Hopper CUTLASS MoE emit NaN."""
 
 MXFP8_INTERMEDIATE_ALIGNMENT, MXFP8_HIDDEN_ALIGNMENT = recipes.default_alignments("mxfp8", "trtllm")
@@ -209,7 +209,7 @@ def _scale_cols(scale: torch.Tensor, rows: int, name: str) -> int:
 
 
 # --------------------------------------------------------------------------- alignment
-plan_align_moe_weights = recipes.plan_align
+plan_align_moe_weights = builders.plan_align
 
 
 @_boundary
@@ -230,7 +230,7 @@ def align_moe_weights_for_fi(
     return out13, out2, plan.padded_intermediate
 
 
-plan_align_fp4_moe_weights = recipes.plan_align_fp4
+plan_align_fp4_moe_weights = builders.plan_align_fp4
 
 
 @_boundary
@@ -317,7 +317,7 @@ def pad_trtllm_moe_weights(
     Linear (unshuffled) 1-byte tensors: ``gemm1 (E, F*I, H/epb)``, its scales ``(E, F*I, H/sf)``,
     ``gemm2 (E, H, I/epb)``, its scales ``(E, H, I/sf)``; F = 2 if ``is_gated_act``; epb 1 or 2
     values per byte, sf 16 (NVFP4) or 32 (MX). The padding is
-    :func:`fimoe_lab.recipes.plan_pad_trtllm_moe_weights` (gate and up each on its own, W2 rows
+    :func:`fimoe_lab.builders.plan_pad_trtllm_moe_weights` (gate and up each on its own, W2 rows
     to ``ceil(H, 128)``, scales padded with 1.0: 0x38 / 127).
     """
     check_same_device(
@@ -333,7 +333,7 @@ def pad_trtllm_moe_weights(
         raise LayoutError(
             f"gemm1_weights_scale has {sf_cols1} columns for hidden_size {hidden_size}: expected 16 or 32 per scale"
         )
-    plan = recipes.plan_pad_trtllm_moe_weights(
+    plan = builders.plan_pad_trtllm_moe_weights(
         intermediate_size,
         hidden_size,
         is_gated_act,
@@ -451,8 +451,8 @@ def plan_align_mxfp8_moe_weights(
     min_alignment: int = MXFP8_INTERMEDIATE_ALIGNMENT,
     hidden_alignment: int = MXFP8_HIDDEN_ALIGNMENT,
 ) -> LayerPlan:
-    """Plan of :func:`align_mxfp8_moe_weights_for_fi_trtllm`: :func:`recipes.plan_align_mxfp8`, pad scales 127."""
-    return recipes.plan_align_mxfp8(
+    """Plan of :func:`align_mxfp8_moe_weights_for_fi_trtllm`: :func:`builders.plan_align_mxfp8`, pad scales 127."""
+    return builders.plan_align_mxfp8(
         intermediate,
         hidden,
         is_act_and_mul,
@@ -611,7 +611,7 @@ def permute_cache_keys(
     w13_shape: tuple[int, int],
     w2_shape: tuple[int, int],
     is_gated_act_gemm: bool = True,
-    epilogue_tile_m: int = recipes.TRTLLM_EPILOGUE_TILE_M,
+    epilogue_tile_m: int = builders.TRTLLM_EPILOGUE_TILE_M,
     num_elts_per_sf: Optional[int] = None,
     engine: Optional[str] = None,
 ) -> tuple[tuple, tuple]:
@@ -674,9 +674,9 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
         (m13, k13), (w2_weight.shape[1], w2_weight.shape[2] * 2), is_gated_act_gemm, engine=engine
     )
     if key13 not in cache_permute_indices:  # built (and copied to the device) once per shape
-        flashinfer_w13_rows = recipes.chain(
+        flashinfer_w13_rows = builders.chain(
             steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
-            steps.shuffle_rows_for_epilogue(m13, k13, recipes.TRTLLM_EPILOGUE_TILE_M),
+            steps.shuffle_rows_for_epilogue(m13, k13, builders.TRTLLM_EPILOGUE_TILE_M),
         )  # no W31 swap
         cache_permute_indices[key13] = flashinfer_w13_rows.row_sources().to(w13_weight.device)
     if key2 not in cache_permute_indices:
@@ -745,15 +745,15 @@ def plan_fp8_moe_layer(
     _, intermediate, hidden = _check_w13_w2(w13, w2, layer.is_act_and_mul)
     act_and_mul, gated = layer.is_act_and_mul, layer.is_gated
     if layer.block_size is None:
-        return recipes.plan_fp8_per_tensor(intermediate, hidden, act_and_mul, gated, is_trtllm)
+        return builders.plan_fp8_per_tensor(intermediate, hidden, act_and_mul, gated, is_trtllm)
     if w13_scale.dtype == torch.uint8:  # MXFP8: UE8M0 exponent bytes
         c13, c2 = _mxfp8_scale_cols(w13, w2, w13_scale, w2_scale, act_and_mul)
-        return recipes.plan_mxfp8(intermediate, hidden, act_and_mul, gated, is_trtllm, c13, c2)
+        return builders.plan_mxfp8(intermediate, hidden, act_and_mul, gated, is_trtllm, c13, c2)
     if w13_scale.ndim != 3:
         raise LayoutError(
             f"block scales must be 3-D (E, rows/block, cols/block), got w13_scale {tuple(w13_scale.shape)}"
         )
-    return recipes.plan_fp8_block(
+    return builders.plan_fp8_block(
         intermediate,
         hidden,
         act_and_mul,
@@ -794,6 +794,8 @@ def prepare_fp8_moe_layer_for_fi(
         return o13.view(torch.float8_e4m3fn), o2.view(torch.float8_e4m3fn), o13s, o2s
     if not block_quant:
         access.set_sizes(plan.padded_intermediate)
-    if block_quant:
-        o13s, o2s = (s.clamp(min=FI_CUTLASS_MIN_BLOCK_SCALE) if s.is_floating_point() else s for s in (o13s, o2s))
+    if block_quant:  # vLLM's clamp: the vllm-0.34 profile's value rule (new tensors)
+        rule = engines.get_engine("vllm-0.34").value_rule("fp8-block", "trtllm" if is_trtllm else "cutlass")
+        clamped = value_rules.apply(rule, {"w13_scale": o13s, "w2_scale": o2s})
+        o13s, o2s = clamped["w13_scale"], clamped["w2_scale"]
     return o13, o2, o13s, o2s

@@ -38,6 +38,10 @@ class ModelPreset:
         model_hidden: the model's residual width when it differs from ``hidden``.
         notes: anything a user must know (clamped SwiGLU, latent projection, ...).
         source: where the numbers were checked.
+        quant_method: the checkpoint's quantization method where known (a key of
+            ``fimoe_lab.engines.QUANT_METHODS``: its config's ``quantization_config.quant_method``, or its
+            convention's), for the engine rules keyed on it (SGLang 0.5.23 pads compressed-tensors NVFP4 layers
+            to I 128 on TRT-LLM); None: the format's rule.
     """
 
     name: str
@@ -51,6 +55,7 @@ class ModelPreset:
     model_hidden: Optional[int] = None
     notes: str = ""
     source: str = ""
+    quant_method: Optional[str] = None
 
     def __post_init__(self) -> None:
         get_activation(self.activation)

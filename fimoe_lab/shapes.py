@@ -24,8 +24,11 @@ seconds, before torch could even load) and ``convert`` cannot disagree:
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Optional
 
+from fimoe_lab.choice import LayerShape, LayoutChoice
 from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.specs import (
@@ -43,9 +46,12 @@ __all__ = [
     "FI_MOE_INTERMEDIATE_MULTIPLE",
     "round_up",
     "projections",
+    "BASE_ALIGNMENTS",
     "default_alignments",
     "rank_intermediates",
     "padded_shape",
+    "layer_shape",
+    "choice_alignments",
     "check_kernel_activation",
     "mxint4_shape",
 ]
@@ -70,6 +76,19 @@ def round_up(value: int, multiple: int) -> int:
 def projections(is_act_and_mul: bool) -> int:
     """Stacked projections in W13: 2 (gate and up) or 1."""
     return 2 if is_act_and_mul else 1
+
+
+BASE_ALIGNMENTS: dict[str, Callable[[bool, int, bool], tuple[int, int]]] = {
+    "bf16": lambda trt, p, gated: (64, 64) if trt else (1, 1),
+    "fp8": lambda trt, p, gated: (FI_MOE_INTERMEDIATE_MULTIPLE if gated else 128, 1),
+    "fp8-block": lambda trt, p, gated: (1, 1),
+    "mxfp8": lambda trt, p, gated: (128, 256) if trt else (1, 1),
+    "nvfp4": lambda trt, p, gated: (128 // p, 1) if trt else (16, 1),
+    "mxfp4": lambda trt, p, gated: (256, 256) if trt else (32, 32),
+    "mxint4": lambda trt, p, gated: (1, 1),
+}
+"""Per format, ``(trtllm, P, gated) -> (intermediate, hidden)`` multiples before the engine profile's overrides
+(the table of :func:`default_alignments`); one row a format."""
 
 
 def default_alignments(
@@ -119,18 +138,7 @@ def default_alignments(
         f"{fmt} has no {backend} layout (backends: {', '.join(FORMATS[fmt].backends)})",
         fix=f"use --backend {' or '.join(FORMATS[fmt].backends)}",
     )
-    trt = backend == "trtllm"
-    p = projections(is_act_and_mul)
-    table = {
-        "bf16": (64, 64) if trt else (1, 1),
-        "fp8": (FI_MOE_INTERMEDIATE_MULTIPLE if is_gated else 128, 1),
-        "fp8-block": (1, 1),
-        "mxfp8": (128, 256) if trt else (1, 1),
-        "nvfp4": (128 // p, 1) if trt else (16, 1),
-        "mxfp4": (256, 256) if trt else (32, 32),
-        "mxint4": (1, 1),
-    }
-    ia, ha = table[fmt]
+    ia, ha = BASE_ALIGNMENTS[fmt](backend == "trtllm", projections(is_act_and_mul), is_gated)
     rule = get_engine(engine).alignment(fmt, backend, quant_method)
     ia = (rule.non_gated_intermediate if not is_gated else None) or rule.intermediate or ia
     if rule.per_token_non_gated_hidden and per_token_activation and not is_act_and_mul:
@@ -256,31 +264,28 @@ def _pad_blocks(intermediate: int, hidden: int, ia: int, ha: int, block: int, va
     return i, h
 
 
-def mxint4_shape(
-    backend: str,
-    intermediate: int,
-    hidden: int,
-    is_act_and_mul: bool,
-    is_gated: bool,
-    intermediate_alignment: Optional[int],
-    hidden_alignment: Optional[int],
-    per_token_activation: bool,
-) -> tuple[int, int]:
-    """MxInt4 (``recipes.plan_mxint4``, then ``recipes.plan_trtllm_mxint4``): no padding, ``(I', H') = (I, H)``.
+def mxint4_shape(layer: LayerShape, choice: LayoutChoice) -> tuple[int, int]:
+    """MxInt4 (``special_plans.plan_mxint4``, then ``special_plans.plan_trtllm_mxint4``): no padding, ``(I', H') = (I, H)``.
 
     Constraints, in the plan's order: backend ``trtllm``; gated act-and-mul (which gated activation is
     :func:`check_kernel_activation`'s, where the caller knows it: the TRTLLM-Gen MxInt4 runner always runs SwiGLU); no per-token
     activations (BF16 activations); an alignment given must not pad (``round_up(I, a_I) == I``,
     ``round_up(H, a_H) == H``: vLLM pads nothing); ``I`` and ``H`` positive multiples of 256.
     """
-    _need(backend == "trtllm", f"MxInt4 has no {backend} layout", fix="use --backend trtllm")
-    _need(is_act_and_mul and is_gated, "MxInt4 TRT-LLM takes SwiGLU (gated) layers only", fix="a gated activation")
+    intermediate, hidden = layer.intermediate, layer.hidden
+    _need(choice.backend == "trtllm", f"MxInt4 has no {choice.backend} layout", fix="use --backend trtllm")
     _need(
-        not per_token_activation,
+        layer.is_act_and_mul and layer.is_gated,
+        "MxInt4 TRT-LLM takes SwiGLU (gated) layers only",
+        fix="a gated activation",
+    )
+    _need(
+        not choice.per_token_activation,
         "MxInt4 has BF16 activations, not per-token NVFP4",
         fix="drop per_token_activation",
     )
-    for size, a, what in ((intermediate, intermediate_alignment, "intermediate"), (hidden, hidden_alignment, "hidden")):
+    given = ((intermediate, choice.intermediate_alignment, "intermediate"), (hidden, choice.hidden_alignment, "hidden"))
+    for size, a, what in given:
         padded = round_up(size, a or 1)
         _need(padded == size, f"MxInt4: {what} {size} padded to {padded}: vLLM pads nothing", fix="no alignment")
     for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):
@@ -308,19 +313,25 @@ def padded_shape(
     hidden: int,
     is_act_and_mul: bool = True,
     is_gated: bool = True,
-    intermediate_alignment: Optional[int] = None,
-    hidden_alignment: Optional[int] = None,
-    engine: Optional[str] = None,
-    per_token_activation: bool = False,
     activation: Optional[str] = None,
     quant_method: Optional[str] = None,
+    **options: Any,
 ) -> tuple[int, int]:
-    """``(I', H')`` that ``plan_layer`` with the same arguments pads a rank's ``(I, H)`` to.
+    """``(I', H')`` that ``plan_layer`` with the same arguments pads a rank's ``(I, H)`` to: :func:`layer_shape`
+    of the layer and of the :class:`~fimoe_lab.choice.LayoutChoice` the keyword ``options`` make (its fields:
+    the alignments, ``engine``, ``per_token_activation``, ``activation_dtype``).
 
     ``activation`` (a name of ``specs.ACTIVATIONS``; None: not checked): refused, as ``convert`` refuses
     it, where the format's kernel runs another (:func:`check_kernel_activation`: MxInt4 runs SwiGLU only).
+    """
+    layer = LayerShape(fmt, intermediate, hidden, is_act_and_mul, is_gated, quant_method)
+    return layer_shape(layer, LayoutChoice(backend, **options), activation)
 
-    Raises the :class:`LayoutError` that ``plan_layer`` raises for these sizes. The
+
+def layer_shape(layer: LayerShape, choice: LayoutChoice, activation: Optional[str] = None) -> tuple[int, int]:
+    """``(I', H')`` that ``recipes.plan_for(layer, choice)`` pads the layer to.
+
+    Raises the :class:`LayoutError` that the plan raises for these sizes. The
     padding: ``I' = round_up(I, a_I)``, ``H' = round_up(H, a_H)`` with the alignments given
     or :func:`default_alignments` (FP8 per-tensor then to 16 gated / 128 non-gated; FP8-block,
     and MXFP8 on CUTLASS, refuse given alignments that pad). The conditions (``P`` =
@@ -329,29 +340,27 @@ def padded_shape(
     and DeepSeek FP8 K bytes multiples of 128, FP4 ``P*I'`` and ``H'`` and MXFP8 ``P*I'``,
     ``I'``, ``H'`` multiples of 128 (scale shuffle, 128x4 swizzle); DeepSeek FP8 gated
     ``I % 128 == 0``. MxInt4 (its own rule, :func:`mxint4_shape`): TRT-LLM, gated, no per-token, no
-    padding, ``I`` and ``H`` multiples of 256.
+    padding, ``I`` and ``H`` multiples of 256. ``activation``: :func:`padded_shape`'s.
     """
+    fmt, backend = layer.fmt, choice.backend
     known = (*weight_formats(), *_OWN_RULES)
     if fmt not in known:
         raise LayoutError(f"unknown format {fmt!r}", fix=f"choose one of {', '.join(known)}")
     if backend not in BACKENDS:
         raise LayoutError(f"unknown backend {backend!r}", fix=f"choose one of {', '.join(BACKENDS)}")
-    profile = get_engine(engine)
+    profile = get_engine(choice.engine)
     if fmt in _OWN_RULES:  # its own refusals (gatedness among them) first, then the activation
-        own = _OWN_RULES[fmt]
-        ia, ha = intermediate_alignment, hidden_alignment
-        shape = own(backend, intermediate, hidden, is_act_and_mul, is_gated, ia, ha, per_token_activation)
+        shape = _OWN_RULES[fmt](layer, choice)
         if activation is not None:
             check_kernel_activation(fmt, backend, activation)
         return shape
     if activation is not None:
         check_kernel_activation(fmt, backend, activation)
-    args = (intermediate_alignment, hidden_alignment, profile.name, per_token_activation, quant_method)
-    i, h = _recipe_shape(fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, *args)
+    i, h = _recipe_shape(layer, replace(choice, engine=profile.name))
     rule = profile.kernel_sizes.get(f"{fmt}/{backend}")
     if rule is not None:  # what the profile's preparation helper refuses rather than pads
-        p = projections(is_act_and_mul)
-        inter = (rule.non_gated_intermediate if not is_gated else None) or rule.intermediate
+        p = projections(layer.is_act_and_mul)
+        inter = (rule.non_gated_intermediate if not layer.is_gated else None) or rule.intermediate
         for size, multiple, what in (
             (i, inter, "intermediate"),
             (h, rule.hidden, "hidden"),
@@ -365,22 +374,25 @@ def padded_shape(
     return i, h
 
 
-def _recipe_shape(
-    fmt: str,
-    backend: str,
-    intermediate: int,
-    hidden: int,
-    is_act_and_mul: bool,
-    is_gated: bool,
-    intermediate_alignment: Optional[int],
-    hidden_alignment: Optional[int],
-    engine: str,
-    per_token_activation: bool,
-    quant_method: Optional[str],
-) -> tuple[int, int]:
-    """:func:`padded_shape` of a format laid out from checkpoint weights of its name, before the profile's
+def choice_alignments(layer: LayerShape, choice: LayoutChoice) -> tuple[int, int]:
+    """:func:`default_alignments` of ``layer`` under ``choice``'s backend, engine and per-token activations."""
+    return default_alignments(
+        layer.fmt,
+        choice.backend,
+        layer.is_act_and_mul,
+        layer.is_gated,
+        choice.engine,
+        choice.per_token_activation,
+        layer.quant_method,
+    )
+
+
+def _recipe_shape(layer: LayerShape, choice: LayoutChoice) -> tuple[int, int]:
+    """:func:`layer_shape` of a format laid out from checkpoint weights of its name, before the profile's
     ``kernel_sizes``."""
-    spec, profile = FORMATS[fmt], get_engine(engine)
+    fmt, backend, intermediate, hidden = layer.fmt, choice.backend, layer.intermediate, layer.hidden
+    is_act_and_mul, is_gated = layer.is_act_and_mul, layer.is_gated
+    spec, profile = FORMATS[fmt], get_engine(choice.engine)
     if spec.vector_scaled:
         for size, what in ((intermediate, "intermediate"), (hidden, "hidden")):
             _need(
@@ -391,11 +403,11 @@ def _recipe_shape(
             )
     trt = backend == "trtllm"
     p = projections(is_act_and_mul)
-    ia, ha = intermediate_alignment, hidden_alignment
+    ia, ha = choice.intermediate_alignment, choice.hidden_alignment
     if trt and f"{fmt}/{backend}" in profile.trtllm_plain:  # the checkpoint layout as it is: no step, no padding
         return intermediate, hidden
     if fmt == "mxfp8" and (trt or not (ia or ha)):
-        da, dh = default_alignments(fmt, backend, is_act_and_mul, is_gated, profile.name, False, quant_method)
+        da, dh = choice_alignments(layer, replace(choice, per_token_activation=False))
         i, h = _pad_blocks(intermediate, hidden, ia or da, ha or dh, spec.scale_block, 1)
         if trt:  # epilogue shuffle of the weights, then the 128x4 swizzle of their scales
             for rows, cols in ((p * i, h // spec.scale_block), (h, i // spec.scale_block)):
@@ -407,7 +419,7 @@ def _recipe_shape(
                 )
         return i, h
     if fmt in ("fp8", "fp8-block", "mxfp8"):
-        rule = profile.alignment(fmt, backend, quant_method)
+        rule = profile.alignment(fmt, backend, layer.quant_method)
         if not (ia or ha) and (rule.intermediate or rule.hidden):
             ia, ha = rule.intermediate, rule.hidden
         i, h = intermediate, hidden
@@ -436,9 +448,7 @@ def _recipe_shape(
         if trt:
             _rows_and_cols(p * i, h, h, i, False, False, _SHUFFLE_ROWS["deepseek"], True)
         return i, h
-    da, dh = default_alignments(
-        fmt, backend, is_act_and_mul, is_gated, profile.name, per_token_activation, quant_method
-    )
+    da, dh = choice_alignments(layer, choice)
     if fmt == "bf16":
         i, h = round_up(intermediate, ia or da), round_up(hidden, ha or dh)
         if trt:

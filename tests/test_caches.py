@@ -5,7 +5,7 @@ import weakref
 
 import pytest
 
-from fimoe_lab import caches, recipes, steps
+from fimoe_lab import builders, caches, recipes, steps
 from fimoe_lab.errors import FimoeError
 
 
@@ -65,11 +65,11 @@ def test_one_entry_however_the_call_is_spelled(budget):
     drop-in (four positional arguments) is the one ``plan_layer`` and the warm-up build
     (``swap=`` by keyword), so its maps are compiled and planned once."""
     caches.clear_caches()
-    a = recipes.plan_trtllm_bf16_block_layout(256, 64, 128, True)
-    assert recipes.plan_trtllm_bf16_block_layout(256, 64, 128, True, swap=True) is a
-    assert recipes.plan_trtllm_bf16_block_layout(256, 64, 128, is_gated_act_gemm=True, itemsize=2) is a
-    assert recipes.plan_trtllm_bf16_block_layout(w13_rows=256, hidden=64, intermediate=128) is a
-    assert recipes.plan_trtllm_bf16_block_layout(256, 64, 128, True, swap=False) is not a
+    a = builders.plan_trtllm_bf16_block_layout(256, 64, 128, True)
+    assert builders.plan_trtllm_bf16_block_layout(256, 64, 128, True, swap=True) is a
+    assert builders.plan_trtllm_bf16_block_layout(256, 64, 128, is_gated_act_gemm=True, itemsize=2) is a
+    assert builders.plan_trtllm_bf16_block_layout(w13_rows=256, hidden=64, intermediate=128) is a
+    assert builders.plan_trtllm_bf16_block_layout(256, 64, 128, True, swap=False) is not a
     layer = recipes.plan_layer("bf16", "trtllm", 128, 64)
     assert layer.w13 is a.w13 and layer.w2 is a.w2
     assert caches.cache_bytes()[0] >= 2

@@ -397,7 +397,7 @@ def _block_convert_is_whole_layer_convert(src: Path, tmp_path: Path, backend: st
     writes the same tensors, byte for byte, as converting whole layers loaded in one read."""
     from safetensors.torch import load_file
 
-    from fimoe_lab.checkpoints import convert_checkpoint, unchanged, write_kernel_layout
+    from fimoe_lab.checkpoints import LayoutChoice, convert_checkpoint, unchanged, write_kernel_layout
 
     blocks = convert_checkpoint(src, tmp_path / f"blocks-{backend}-{tp}-{rank}.safetensors", backend, tp, rank)
     with open_checkpoint(src) as ck:
@@ -409,7 +409,7 @@ def _block_convert_is_whole_layer_convert(src: Path, tmp_path: Path, backend: st
         whole = write_kernel_layout(
             tmp_path / f"whole-{backend}-{tp}-{rank}.safetensors",
             sources,
-            backend,
+            LayoutChoice(backend),
             prefix=ck.prefix,
             block=ck.convention.block,
             kept=unchanged.for_rank(ck, rank),  # rank 0: the source's other tensors

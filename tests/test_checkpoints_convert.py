@@ -11,6 +11,7 @@ from helpers import all_tensors, same_tensor
 from fimoe_lab import formats, prepare
 from fimoe_lab.checkpoints import (
     CheckpointError,
+    LayoutChoice,
     MoELayer,
     convert,
     convert_checkpoint,
@@ -124,7 +125,7 @@ FORMAT_SHAPES = [
 def test_every_format_round_trips_and_forward_is_identical(tmp_path, fmt, backend, inter, hidden):
     layers = [quantized_layer(fmt, 3, inter, hidden, seed) for seed in (1, 2)]
     sources = [(i, layer, (lambda layer=layer: layer)) for i, layer in enumerate(layers)]
-    out = write_kernel_layout(tmp_path / "k.safetensors", sources, backend)
+    out = write_kernel_layout(tmp_path / "k.safetensors", sources, LayoutChoice(backend))
     meta, back = restore_layers(out)
     assert [r["plan"]["args"]["fmt"] for r in meta["layers"].values()] == [fmt, fmt]
     x = torch.randn(7, hidden, generator=torch.Generator().manual_seed(3))

@@ -24,12 +24,12 @@ from helpers import all_tensors, same_tensor
 
 from fimoe_lab.checkpoints import (
     CheckpointError,
+    LayoutChoice,
     MoELayer,
     convert,
     convert_checkpoint,
     convert_layer,
     open_checkpoint,
-    plan_choice,
     read_kernel_metadata,
     restore_checkpoint,
     safe_io,
@@ -67,8 +67,8 @@ def test_chunked_conversion_gives_the_whole_layer_bytes(sample, backend, monkeyp
     with open_checkpoint(sample_path(sample)) as ck:
         layer = ck.read_layer(ck.moe_layers[-1])
     align = 64 if sample == "deepseek-r1-nvfp4" and backend == "trtllm" else None
-    whole, _, _ = convert_layer(layer, backend, align)
-    chunks = list(convert.converted_chunks(layer, plan_choice.LayoutChoice(backend, align), torch.device("cpu")))
+    whole, _, _ = convert_layer(layer, LayoutChoice(backend, align))
+    chunks = list(convert.converted_chunks(layer, LayoutChoice(backend, align), torch.device("cpu")))
     assert len(chunks) == layer.num_experts > 1
     for name, t in whole.items():
         assert same_tensor(torch.cat([c[name] for c in chunks]), t), name

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from fimoe_lab.checkpoints import (
     CheckpointError,
+    LayoutChoice,
     conventions,
     convert_checkpoint,
     inspect_checkpoint,
@@ -193,6 +194,26 @@ def test_cutlass_is_refused_naming_the_missing_piece(samples, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_scales_of_another_dtype_are_refused_naming_it(samples, tmp_path, capsys, dtype):
+    """compressed-tensors writes INT4 scales in the model's dtype; the MxInt4 layout takes BF16 scales, and F16 or
+    F32 ones rounded to BF16 would not restore: refused in one line naming the tensor, its dtype and BF16."""
+    tensors = all_tensors(samples["random"])
+    tensors = {n: t.to(dtype) if n.endswith("weight_scale") else t for n, t in tensors.items()}
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(tensors, str(src / "model.safetensors"))
+    (src / "config.json").write_text((samples["random"] / "config.json").read_text())
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    want = "F16" if dtype == torch.float16 else "F32"
+    out = tmp_path / "k.safetensors"
+    assert main(["convert", str(src), str(out), "--backend", "trtllm"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"weight_scale is {want}: ct-int4 is read with BF16 there only" in err
+    assert "(fix: export it with BF16 weight_scale" in err and "no known naming convention" not in err
+    assert not out.exists() and {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
 def test_inspect_shows_the_mxint4_layout(samples):
     (rep,) = inspect_checkpoint(samples["random"], layers=[1], tps=(1, 2))
     assert rep.fmt == "int4-group"
@@ -265,7 +286,10 @@ def test_a_geglu_int4_layer_is_refused_naming_swiglu(samples, activation):
 
     layer = _int4_layer(samples, activation)
     before = {n: t.clone() for n, t in layer.tensors().items() if t is not None}
-    for call in (lambda: plan_choice.plan_args(layer, "trtllm"), lambda: convert.convert_layer(layer, "trtllm")):
+    for call in (
+        lambda: plan_choice.plan_args(layer, LayoutChoice("trtllm")),
+        lambda: convert.convert_layer(layer, LayoutChoice("trtllm")),
+    ):
         with pytest.raises(CheckpointError) as info:
             call()
         msg = info.value.message
@@ -279,7 +303,7 @@ def test_swiglu_int4_layers_still_convert(samples, activation):
     from fimoe_lab.checkpoints import convert
 
     layer = _int4_layer(samples, activation)
-    kernel, plan, spec = convert.convert_layer(layer, "trtllm")
+    kernel, plan, spec = convert.convert_layer(layer, LayoutChoice("trtllm"))
     assert spec["args"]["fmt"] == "mxint4" and sum(t.numel() for t in kernel.values()) > 0
 
 

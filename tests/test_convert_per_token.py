@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from fimoe_lab import recipes
 from fimoe_lab.checkpoints import (
     CheckpointError,
+    LayoutChoice,
     MoELayer,
     convert_checkpoint,
     inspect_checkpoint,
@@ -131,7 +132,9 @@ def non_gated_layer(kind: str, experts: int = 3, inter: int = 128, hidden: int =
 @pytest.mark.parametrize("kind", ["random", "structured"])
 def test_non_gated_trtllm_pads_hidden_to_512_per_token_and_restores(tmp_path, kind):
     layer = non_gated_layer(kind)
-    out = write_kernel_layout(tmp_path / "k.safetensors", [(0, layer, lambda: layer)], "trtllm", per_token=True)
+    out = write_kernel_layout(
+        tmp_path / "k.safetensors", [(0, layer, lambda: layer)], LayoutChoice("trtllm", per_token_activation=True)
+    )
     meta, back = restore_layers(out)
     rec = meta["layers"]["0"]
     assert rec["plan"]["args"]["per_token_activation"] is True and rec["padded_hidden"] == 512
@@ -146,14 +149,16 @@ def test_non_gated_trtllm_pads_hidden_to_512_per_token_and_restores(tmp_path, ki
 
 def test_a_file_without_the_field_reads_as_not_per_token(tmp_path):
     layer = non_gated_layer("random")
-    plain = write_kernel_layout(tmp_path / "plain.safetensors", [(0, layer, lambda: layer)], "trtllm")
+    plain = write_kernel_layout(tmp_path / "plain.safetensors", [(0, layer, lambda: layer)], LayoutChoice("trtllm"))
     assert read_kernel_metadata(plain)["layers"]["0"]["plan"]["args"]["per_token_activation"] is False
     drop = lambda m: m["layers"]["0"]["plan"]["args"].pop("per_token_activation")  # noqa: E731
     old = rewrite_metadata(plain, tmp_path / "old.safetensors", drop)  # as written before the field existed
     _, (back,) = restore_layers(old)
     assert same_tensor(back.w13, layer.w13) and same_tensor(back.w2_scale, layer.w2_scale)
     # a per-token file read as not per-token no longer matches its recorded steps: the field is read
-    per_token = write_kernel_layout(tmp_path / "pt.safetensors", [(0, layer, lambda: layer)], "trtllm", per_token=True)
+    per_token = write_kernel_layout(
+        tmp_path / "pt.safetensors", [(0, layer, lambda: layer)], LayoutChoice("trtllm", per_token_activation=True)
+    )
     with pytest.raises(CheckpointError, match="does not build from the same arguments"):
         restore_layers(rewrite_metadata(per_token, tmp_path / "pt-old.safetensors", drop))
     flip = lambda m: m["layers"]["0"]["plan"]["args"].update(per_token_activation="yes")  # noqa: E731
@@ -174,7 +179,10 @@ def test_per_token_on_a_non_nvfp4_format_is_refused_in_one_line(root, tmp_path, 
 
 def test_inspect_per_token_shows_the_per_token_paddings(root, capsys):
     layer = non_gated_layer("random")
-    with_pt, without = backend_need(layer, "trtllm", per_token=True), backend_need(layer, "trtllm")
+    with_pt, without = (
+        backend_need(layer, LayoutChoice("trtllm", per_token_activation=True)),
+        backend_need(layer, LayoutChoice("trtllm")),
+    )
     assert (with_pt.padded_hidden, without.padded_hidden) == (512, 256)
     assert "H 256->512" in with_pt.text() and "H 256" not in without.text()
     assert with_pt.plan["args"]["per_token_activation"] is True

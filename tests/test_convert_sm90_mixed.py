@@ -13,7 +13,7 @@ import torch
 from helpers import all_tensors, random_bytes, rewrite_metadata, same_tensor
 from test_sm90_mixed import engine_reference, kernel_file_tensors
 
-from fimoe_lab import recipes, steps
+from fimoe_lab import recipes, special_plans, steps
 from fimoe_lab.checkpoints import (
     convert_checkpoint,
     open_checkpoint,
@@ -85,7 +85,7 @@ def test_written_tensors_equal_the_engine_steps(converted, tp):
 
 def test_plan_layer_selects_the_layout_by_activation_dtype():
     sm90 = recipes.plan_layer("mxfp4", "cutlass", 96, 160, activation_dtype="bf16")
-    assert sm90 == recipes.plan_cutlass_mxfp4_bf16(96, 160)
+    assert sm90 == special_plans.plan_cutlass_mxfp4_bf16(96, 160)
     assert (sm90.padded_intermediate, sm90.padded_hidden) == (128, 256)
     assert recipes.plan_layer("mxfp4", "cutlass", 96, 160, activation_dtype="mxfp8") == recipes.plan_layer(
         "mxfp4", "cutlass", 96, 160

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_sm90_mixed import nibble_coordinates, oracle
 
-from fimoe_lab import engine_check, engines, recipes, steps
+from fimoe_lab import builders, engine_check, engines, recipes, special_plans, steps
 from fimoe_lab.caches import clear_caches
 from fimoe_lab.cli import main
 
@@ -102,7 +102,7 @@ def test_scales_equal_flashinfer_074s_own_function():
 @pytest.mark.parametrize("engine", PROFILES)
 @pytest.mark.parametrize("inter,hidden,gated", SHAPES)
 def test_the_real_plan_passes(engine, inter, hidden, gated):
-    plan = recipes.plan_cutlass_mxfp4_bf16(inter, hidden, gated, engine)
+    plan = special_plans.plan_cutlass_mxfp4_bf16(inter, hidden, gated, engine)
     assert engine_check.check_plan_sm90_mixed(plan, gated, 2, engine) == {"weights": True, "scales": True}
     given = _structured(plan, gated, 3)
     assert engine_check.check_plan_sm90_mixed(plan, gated, 3, engine, tensors=given) == {
@@ -116,26 +116,26 @@ def test_the_real_plan_passes(engine, inter, hidden, gated):
 def test_wrong_plans_fail(inter, hidden, gated, structured):
     new, old = "vllm-0.34", "flashinfer-0.6.13"
     assert engines.get_engine(new).sm90_mixed_layout != engines.get_engine(old).sm90_mixed_layout
-    plan = recipes.plan_cutlass_mxfp4_bf16(inter, hidden, gated, new)
+    plan = special_plans.plan_cutlass_mxfp4_bf16(inter, hidden, gated, new)
     given = _structured(plan, gated, 2) if structured else None
 
     def check(p, engine=new):
         return engine_check.check_plan_sm90_mixed(p, gated, 2, engine, seed=5, tensors=given)
 
-    legacy = recipes.plan_cutlass_mxfp4_bf16(inter, hidden, gated, old)
+    legacy = special_plans.plan_cutlass_mxfp4_bf16(inter, hidden, gated, old)
     assert check(legacy) == {"weights": False, "scales": False}  # 0.6.13's bits and scales under 0.7.x
     assert check(plan, old) == {"weights": False, "scales": False}
     assert check(replace(plan, word_bits={})) == {"weights": False, "scales": True}
     ip, hp = plan.padded_intermediate, plan.padded_hidden
     p = 2 if gated else 1
-    pad = recipes.plan_align_fp4(inter, hidden, gated, 128, 128, 32, 0)
+    pad = builders.plan_align_fp4(inter, hidden, gated, 128, 128, 32, 0)
     gather = steps.interleave_sm90_mixed_weights(hp, ip // 2, "fp4")
-    unpaired = recipes.chain(pad.w2, steps.interleave_rows_for_gated_act(hp, ip // 2), gather)  # r not with r+8
+    unpaired = builders.chain(pad.w2, steps.interleave_rows_for_gated_act(hp, ip // 2), gather)  # r not with r+8
     assert check(replace(plan, w2=unpaired)) == {"weights": False, "scales": True}
-    two_byte = recipes.chain(pad.w2, steps.interleave_sm90_mixed_weights(hp, ip // 2, "int4"))
+    two_byte = builders.chain(pad.w2, steps.interleave_sm90_mixed_weights(hp, ip // 2, "int4"))
     assert check(replace(plan, w2=two_byte)) == {"weights": False, "scales": True}
     if gated:  # no [gate; up] -> [up; gate]
-        unswapped = recipes.chain(pad.w13, steps.interleave_sm90_mixed_weights(p * ip, hp // 2, "fp4"))
+        unswapped = builders.chain(pad.w13, steps.interleave_sm90_mixed_weights(p * ip, hp // 2, "fp4"))
         assert check(replace(plan, w13=unswapped)) == {"weights": False, "scales": True}
 
 
@@ -156,7 +156,7 @@ def test_cli_plan_reports_scales_and_weights(capsys):
 
 def test_cli_plan_fails_a_wrong_plan(capsys, monkeypatch):
     """A plan with the 0.6.13 layout under vllm-0.34 is a MISMATCH and exit 1."""
-    real = recipes.plan_cutlass_mxfp4_bf16
+    real = special_plans.plan_cutlass_mxfp4_bf16
 
     def legacy(inter, hidden, gated=True, engine=None, *args):
         return real(inter, hidden, gated, "flashinfer-0.6.13", *args)

@@ -6,7 +6,7 @@ preparation modules alone (their package ``__init__`` needs CUDA extensions; eve
 import is a stub that the preparation code never executes) and runs them on inputs this test
 saves to a temporary folder as safetensors; our side is ``plan_layer(..., engine="vllm-0.34")``
 applied to the same checkpoint tensors (MxInt4, a layout with no checkpoint format of its own:
-``recipes.plan_trtllm_mxint4``). Inputs are random bytes and structured bytes (each
+``special_plans.plan_trtllm_mxint4``). Inputs are random bytes and structured bytes (each
 4-byte word encodes its (expert, row, column)), over gated and non-gated layers and sizes that
 need padding (tensor-parallel shards such as 2880 / 4 = 720) or none. Where vLLM allocates
 padded weights before loading (MXFP4: ``torch.zeros`` of the rounded-up sizes, each projection
@@ -26,7 +26,7 @@ from engine_envs import oracle_marks, run_oracle
 from helpers import coords, random_bytes
 from safetensors.torch import load_file, save_file
 
-from fimoe_lab import recipes
+from fimoe_lab import special_plans
 from fimoe_lab.recipes import plan_layer
 
 pytestmark = oracle_marks("vllm")
@@ -45,7 +45,10 @@ def checkpoint(fmt: str, p: int, inter: int, hidden: int, structured: bool, seed
 
     def block_scales(rows: int, cols: int, salt: int) -> torch.Tensor:
         base = make(rows, 4 * cols, torch.int32, salt).to(torch.int64) % 1000
-        return (base.to(torch.float32) + 1) * 1e-3  # positive block scales, values encode their place
+        value = (base.to(torch.float32) + 1) * 1e-3  # positive block scales, values encode their place
+        # a dead expert's scales below vLLM's 1e-10 floor (it clamps them, SGLang does not), and the floor itself
+        value = torch.where(base % 7 == 0, (base.to(torch.float32) + 1) * 1e-23, value)
+        return torch.where(base % 7 == 1, torch.tensor(1e-10), value)
 
     t: dict[str, torch.Tensor] = {}
     if fmt == "bf16":
@@ -61,7 +64,7 @@ def checkpoint(fmt: str, p: int, inter: int, hidden: int, structured: bool, seed
         else:
             t["s13"], t["s2"] = make(p * inter, hidden // 32, torch.uint8, 3), make(hidden, inter // 32, torch.uint8, 4)
     elif fmt == "mxint4":  # packed signed int4, one bf16 scale per 32 values
-        block = recipes.MXINT4_SCALE_BLOCK
+        block = special_plans.MXINT4_SCALE_BLOCK
         t["w13"], t["w2"] = make(p * inter, hidden // 2, torch.uint8, 1), make(hidden, inter // 2, torch.uint8, 2)
         t["s13"] = make(p * inter, 2 * (hidden // block), torch.bfloat16, 3)
         t["s2"] = make(hidden, 2 * (inter // block), torch.bfloat16, 4)
@@ -149,7 +152,7 @@ def ours(c: dict) -> tuple[dict[str, torch.Tensor], Any]:
     p = 2 if c["act_and_mul"] else 1
     t = checkpoint(c["fmt"], p, c["inter"], c["hidden"], c["structured"], seed=int(c["name"][1:]))
     if c["fmt"] == "mxint4":  # a layout without a checkpoint format of its own: its recipe step directly
-        return t, recipes.plan_trtllm_mxint4(c["inter"], c["hidden"], c["gated"])
+        return t, special_plans.plan_trtllm_mxint4(c["inter"], c["hidden"], c["gated"])
     plan = plan_layer(
         c["fmt"],
         c["backend"],

@@ -15,7 +15,8 @@ from helpers import random_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fimoe_lab import engine_check, engines, recipes
+from fimoe_lab import builders, engine_check, engines, recipes
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.specs import FORMATS
 
@@ -243,15 +244,15 @@ def test_plan_records_rebuild_with_their_engine():
     w13, w2 = torch.zeros(1, 2 * 928, 2688, dtype=torch.bfloat16), torch.zeros(1, 2688, 928, dtype=torch.bfloat16)
     layer = MoELayer("bf16", w13, w2, None, None, 928, 2688)
     for engine in engines.ENGINE_CHOICES:  # I 928 padded to 64 (FlashInfer 0.7.4's helper pads nothing)
-        rec = plan_args(layer, "trtllm", 64, engine=engine)
+        rec = plan_args(layer, LayoutChoice("trtllm", 64, engine=engine))
         assert rec["args"]["engine"] == engine
         assert build_plan(rec) == recipes.plan_layer(
             "bf16", "trtllm", 928, 2688, intermediate_alignment=64, engine=engine
         )
-    old = plan_args(layer, "trtllm", engine="vllm-0.34")
+    old = plan_args(layer, LayoutChoice("trtllm", engine="vllm-0.34"))
     del old["args"]["engine"]
     assert build_plan(old) == recipes.plan_layer("bf16", "trtllm", 928, 2688, engine=engines.LEGACY_ENGINE)
-    bad = plan_args(layer, "trtllm", engine="vllm-0.34")
+    bad = plan_args(layer, LayoutChoice("trtllm", engine="vllm-0.34"))
     bad["args"]["engine"] = "vllm-9"
     with pytest.raises(FimoeError, match="unknown engine profile 'vllm-9'"):
         build_plan(bad)
@@ -517,7 +518,7 @@ def test_sglang_keeps_gate_and_up_in_checkpoint_order_on_trtllm(fmt):
 
 def test_vllm_mxfp8_cutlass_drop_in_pads_nothing_and_keeps_scales_linear():
     """vLLM's ``prepare_fp8_moe_layer_for_fi`` (MXFP8, not TRT-LLM) only swaps; the 0.7.x recipe differs."""
-    plan = recipes.plan_mxfp8(96, 160, True, True, False, 5, 3)
+    plan = builders.plan_mxfp8(96, 160, True, True, False, 5, 3)
     assert (plan.padded_intermediate, plan.padded_hidden) == (96, 160)
     assert [s.kind for s in plan.w13_scale.steps] == ["swap_w13_to_w31_rows"] and plan.w2_scale is None
 
@@ -568,7 +569,7 @@ def test_convert_records_the_checkpoints_quantization_method_and_rebuilds_with_i
 
     w13, w2 = torch.zeros(1, 2 * 256, 128, dtype=torch.uint8), torch.zeros(1, 128, 256, dtype=torch.uint8)
     layer = MoELayer("fp8", w13, w2, None, None, 256, 128, convention="modelopt-fp8")
-    rec = plan_args(layer, "trtllm", engine="sglang-0.5.23")
+    rec = plan_args(layer, LayoutChoice("trtllm", engine="sglang-0.5.23"))
     assert rec["args"]["quant_method"] == "modelopt"
     modelopt = build_plan(rec)
     assert modelopt == recipes.plan_layer("fp8", "trtllm", 256, 128, engine="sglang-0.5.23", quant_method="modelopt")
@@ -576,8 +577,10 @@ def test_convert_records_the_checkpoints_quantization_method_and_rebuilds_with_i
     del rec["args"]["quant_method"]  # a record without it: the format's rule (SGLang's Fp8MoEMethod keeps [gate; up])
     assert "swap_w13_to_w31_rows" not in [s["kind"] for s in build_plan(rec).w13.spec()]
     variant = MoELayer("fp8-block", w13, w2, None, None, 256, 128, convention="ct-fp8-block:scale=BF16")
-    assert plan_args(variant, "trtllm")["args"]["quant_method"] == "compressed-tensors"
-    assert "quant_method" not in plan_args(MoELayer("bf16", w13, w2, None, None, 256, 128), "trtllm")["args"]
+    assert plan_args(variant, LayoutChoice("trtllm"))["args"]["quant_method"] == "compressed-tensors"
+    assert (
+        "quant_method" not in plan_args(MoELayer("bf16", w13, w2, None, None, 256, 128), LayoutChoice("trtllm"))["args"]
+    )
     for bad, error in ((5, "is not a method name"), ("gptq", "unknown quantization method 'gptq'")):
         with pytest.raises(FimoeError, match=error):
             build_plan({**rec, "args": {**rec["args"], "quant_method": bad}})

@@ -274,7 +274,7 @@ def test_mxint4_layout_equals_flashinfer_074_steps(tmp_path):
     2-byte elements (``block_scale_interleave`` needs CUDA; the swizzle itself is checked in test_engines)."""
     from test_engines import vllm_swizzle_blockscale
 
-    from fimoe_lab.recipes import plan_trtllm_mxint4
+    from fimoe_lab.special_plans import plan_trtllm_mxint4
 
     cases, inputs, ours = [], {}, {}
     for i, (inter, hidden, gated) in enumerate([(256, 512, True), (512, 256, False), (256, 256, True)]):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fimoe_lab.checkpoints import Checkpoint, inspect_checkpoint
+from fimoe_lab.checkpoints import Checkpoint, LayoutChoice, inspect_checkpoint
 from fimoe_lab.checkpoints.inspect import backend_needs
 from fimoe_lab.cli import main
 from fimoe_lab.resources import sample_path
@@ -82,7 +82,7 @@ def test_reasons_are_never_cut(tmp_path):
     with Checkpoint(sample_path("mixtral-bf16")) as c:
         layer = c.read_layer(c.moe_layers[0], 1, 0, load="none")
     for backend in ("trtllm", "cutlass"):
-        text = backend_needs(layer, backend)
+        text = backend_needs(layer, LayoutChoice(backend))
         assert "..." not in text
     reports = inspect_checkpoint(sample_path("mixtral-bf16"), None, (1, 3, 5, 7))
     for r in reports:

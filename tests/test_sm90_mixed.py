@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from fimoe_lab import engines, goldens, prepare, recipes, steps
+from fimoe_lab import engines, goldens, prepare, special_plans, steps
 from fimoe_lab.checkpoints import convert_checkpoint, fileformat, open_checkpoint, read_kernel_metadata, sample_path
 from fimoe_lab.errors import FimoeError, LayoutError
 
@@ -248,10 +248,10 @@ save_file(out, str(d / "outputs.safetensors"))
 def test_sglang_0523_own_code_with_the_kernel_loop(tmp_path):
     """SGLang 0.5.23's ``Mxfp4MoEMethod._process_weights_for_sm90_cutlass`` (its padding to 128, ``[up; gate]``,
     which tensors get which op), FlashInfer 0.7.2's own scale folding and the kernel loop for the CUDA-only
-    weight op, against :func:`recipes.plan_cutlass_mxfp4_bf16` (``sglang-0.5.23``)."""
+    weight op, against :func:`special_plans.plan_cutlass_mxfp4_bf16` (``sglang-0.5.23``)."""
     cases, inputs, ours = [], {}, {}
     for n, (interleaved, inter, hidden, structured) in enumerate([(True, 96, 160, False), (False, 128, 256, True)]):
-        plan = recipes.plan_cutlass_mxfp4_bf16(inter, hidden, engine="sglang-0.5.23")
+        plan = special_plans.plan_cutlass_mxfp4_bf16(inter, hidden, engine="sglang-0.5.23")
         shapes = {"w13": (2 * inter, hidden // 2), "w2": (hidden, inter // 2)}
         shapes |= {"s13": (2 * inter, hidden // 32), "s2": (hidden, inter // 32)}
         t = {k: random_bytes((2, *v), torch.uint8, seed=20 * n + i) for i, (k, v) in enumerate(shapes.items())}
@@ -365,7 +365,7 @@ def engine_reference(w13, w2, s13, s2, inter, hidden, layout):
 def test_recipe_equals_the_engine_steps(engine, inter, hidden):
     layout = engines.get_engine(engine).sm90_mixed_layout
     assert layout == ("0.6.10" if engine == "flashinfer-0.6.13" else "0.6.16")
-    plan = recipes.plan_cutlass_mxfp4_bf16(inter, hidden, engine=engine)
+    plan = special_plans.plan_cutlass_mxfp4_bf16(inter, hidden, engine=engine)
     ins = [
         random_bytes((2, 2 * inter, hidden // 2), torch.uint8, seed=1),
         random_bytes((2, hidden, inter // 2), torch.uint8, seed=2),
@@ -485,7 +485,7 @@ def test_vllm_034_own_code_with_the_kernel_loop(tmp_path):
     """vLLM 0.34's ``convert_weight_to_mxfp4_moe_kernel_format`` and ``convert_gpt_oss_weight_...`` on
     ``FLASHINFER_CUTLASS_MXFP4_BF16`` (their swaps, which tensors get which FlashInfer op, in which order),
     FlashInfer 0.7.4's own scale folding, and the kernel loop above for the CUDA-only weight op, against
-    :func:`recipes.plan_cutlass_mxfp4_bf16` on random and structured bytes, padded and unpadded sizes; and
+    :func:`special_plans.plan_cutlass_mxfp4_bf16` on random and structured bytes, padded and unpadded sizes; and
     against what ``convert --mxfp4-activation bf16`` writes from the gpt-oss sample at TP 1 and 2 (one vLLM
     run for both: :func:`converted_sample_cases`)."""
     cases, inputs, ours = converted_sample_cases(tmp_path)
@@ -493,7 +493,7 @@ def test_vllm_034_own_code_with_the_kernel_loop(tmp_path):
     for n, (op, inter, hidden, structured) in enumerate(
         [("mxfp4", 96, 160, False), ("mxfp4_gptoss", 192, 256, True), ("mxfp4", 128, 128, True)]
     ):
-        plan = recipes.plan_cutlass_mxfp4_bf16(inter, hidden, engine="vllm-0.34")
+        plan = special_plans.plan_cutlass_mxfp4_bf16(inter, hidden, engine="vllm-0.34")
         shapes = {"w13": (2 * inter, hidden // 2), "w2": (hidden, inter // 2)}
         shapes |= {"s13": (2 * inter, hidden // 32), "s2": (hidden, inter // 32)}
         t = {k: random_bytes((2, *v), torch.uint8, seed=10 * n + i) for i, (k, v) in enumerate(shapes.items())}

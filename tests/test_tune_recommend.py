@@ -306,3 +306,38 @@ def test_cli_tune_kimi_k2_mxint4_json_and_hopper_refusal(capsys):
     assert main(["tune", "--model", "kimi-k2", "--format", "mxint4", "--gpu", "h100", "--source", "model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "mxint4 runs on TRT-LLM only" in err[0] and "(fix: pick a Blackwell --gpu" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "method", "intermediate"),
+    [
+        ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "compressed-tensors", 128),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt", 64),
+        ({"quant_method": "gptq"}, None, 64),
+        (None, None, 64),
+    ],
+)
+def test_config_quantization_method_reaches_the_engine_rules(quantization_config, method, intermediate):
+    """tune --config reads quantization_config.quant_method (conventions.config_quant_method, top level or
+    text_config) and pads as the engine pads that method's layers: SGLang 0.5.23 pads compressed-tensors NVFP4 to
+    I 128 on TRT-LLM, ModelOpt NVFP4 to 64."""
+    from fimoe_lab.shapes import default_alignments
+    from fimoe_lab.tune.sweep import reference_alignments
+
+    cfg = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8}
+    if quantization_config is not None:
+        cfg["quantization_config"] = quantization_config
+    for config in (cfg, {"text_config": cfg}):
+        m = model_from_config(config)
+        assert m.quant_method == method
+        got = reference_alignments(m, "nvfp4", engine="sglang-0.5.23")
+        assert got == default_alignments("nvfp4", "trtllm", engine="sglang-0.5.23", quant_method=method)
+        assert got[0] == intermediate
+
+
+def test_checkpoint_quantization_method_comes_from_its_convention():
+    from fimoe_lab.resources import sample_path
+
+    assert model_from_checkpoint(sample_path("deepseek-r1-nvfp4")).quant_method == "modelopt"
+    assert model_from_checkpoint(sample_path("deepseek-v3-fp8")).quant_method == "fp8"
+    assert model_from_checkpoint(sample_path("mixtral-bf16")).quant_method is None

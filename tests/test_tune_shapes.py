@@ -33,7 +33,17 @@ def plan_result(fmt, backend, i, h, act, ia, ha, engine, per_token=False):
 
 def shape_result(fmt, backend, i, h, act, ia, ha, engine, per_token=False):
     try:
-        return shapes.padded_shape(fmt, backend, i, h, *act, ia, ha, engine, per_token)
+        return shapes.padded_shape(
+            fmt,
+            backend,
+            i,
+            h,
+            *act,
+            intermediate_alignment=ia,
+            hidden_alignment=ha,
+            engine=engine,
+            per_token_activation=per_token,
+        )
     except FimoeError:
         return "refused"
 

@@ -171,7 +171,7 @@ def test_explorers_on_a_shipped_sample_checkpoint():
     w.source.value = "sample:deepseek-r1-nvfp4"
     layer = w.state["layer"]
     assert layer.fmt == "nvfp4" and w.expert.max == layer.experts - 1
-    kernel, plan, _ = checkpoints.convert_layer(layer.moe, "trtllm")
+    kernel, plan, _ = checkpoints.convert_layer(layer.moe, checkpoints.LayoutChoice("trtllm"))
     assert plan.w13 == w.state["plan"].w13  # the lab draws the plan the converter applies
     observed = data.observed_row_sources(
         layer.moe.w13[2], next(t for n, t in kernel.items() if "w13" in n and "scale" not in n)[2]

@@ -70,6 +70,7 @@ from typing import Any, Optional
 
 import torch
 
+from fimoe_lab.engines import QUANT_METHODS
 from fimoe_lab.errors import CheckpointError, FormatError
 from fimoe_lab.specs import FORMATS, FormatSpec, get_format, torch_dtype
 
@@ -85,6 +86,7 @@ __all__ = [
     "quant_method",
     "stored_format",
     "config_value",
+    "config_quant_method",
     "SAFETENSORS_DTYPES",
     "dtype_name",
 ]
@@ -139,6 +141,19 @@ def config_value(config: Mapping[str, Any], what: str) -> tuple[Optional[str], A
             if node is not None:
                 return key, node
     return None, None
+
+
+def config_quant_method(config: Mapping[str, Any]) -> Optional[str]:
+    """The quantization method a ``config.json`` records (``quantization_config.quant_method``, top level or
+    ``text_config``) when it is one the engine profiles key rules on (:data:`fimoe_lab.engines.QUANT_METHODS`, the
+    :attr:`Convention.quant_method` of the conventions its writers write); None otherwise (unquantized, or a method
+    no rule names)."""
+    text = config.get("text_config")
+    for level in (config, text if isinstance(text, Mapping) else {}):
+        q = level.get("quantization_config")
+        if isinstance(q, Mapping) and str(q.get("quant_method", "")).lower() in QUANT_METHODS:
+            return str(q["quant_method"]).lower()
+    return None
 
 
 CHECKPOINT_FORMATS: dict[str, FormatSpec] = {

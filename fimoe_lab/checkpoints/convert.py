@@ -23,13 +23,23 @@ from typing import Any, Optional
 
 import torch
 
+from fimoe_lab import value_rules
 from fimoe_lab.checkpoints import conventions, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.conventions import dtype_name
-from fimoe_lab.checkpoints.fileformat import FORMAT_VERSION, KERNEL_NAMES, extra_steps, out_name, tensor_steps
-from fimoe_lab.checkpoints.plan_choice import LayoutChoice, build_plan, plan_args, suggest_alignment
+from fimoe_lab.checkpoints.fileformat import (
+    FORMAT_VERSION,
+    KEPT_SUFFIX,
+    KERNEL_NAMES,
+    extra_steps,
+    kept_tensors,
+    out_name,
+    tensor_steps,
+)
+from fimoe_lab.checkpoints.plan_choice import build_plan, plan_args, suggest_alignment
 from fimoe_lab.checkpoints.rank_layout import LayerLoader, LayerSource
 from fimoe_lab.checkpoints.reader import CheckpointError, MoELayer
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import BIAS_ROWS, LayerPlan, apply_map
@@ -46,25 +56,19 @@ __all__ = [
 ]
 
 
-def convert_layer(
-    layer: MoELayer,
-    backend: str,
-    intermediate_alignment: Optional[int] = None,
-    hidden_alignment: Optional[int] = None,
-    engine: Optional[str] = None,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
-) -> tuple[dict[str, torch.Tensor], LayerPlan, dict]:
-    """One layer into the kernel layout: ``(tensors by kernel name, plan, plan spec)``.
+def convert_layer(layer: MoELayer, choice: LayoutChoice) -> tuple[dict[str, torch.Tensor], LayerPlan, dict]:
+    """One layer into the kernel layout ``choice`` asks for: ``(tensors by kernel name, plan, plan spec)``.
 
-    ``engine``: the profile whose defaults and layouts apply (:mod:`fimoe_lab.engines`;
-    None: the newest vLLM's, ``engines.DEFAULT_ENGINE``). Only bytes move (block scales are
-    not clamped; see ``inspect`` for dead scales). Biases (gpt-oss) follow their weight's
-    rows; other extras pass unchanged. ``per_token``, ``activation_dtype``: :func:`plan_args`. A checkpoint format
+    ``choice.engine``: the profile whose defaults and layouts apply (:mod:`fimoe_lab.engines`;
+    None: the newest vLLM's, ``engines.DEFAULT_ENGINE``). Bytes move, and values change only where the
+    profile holds a value rule (``plan.value_rule``: FP8 per-tensor W13 requantized to max(gate, up), DeepSeek
+    FP8 block scales clamped to 1e-10; the record says so: :func:`_kernel_specs`; a rule's ``kept`` tensors are
+    also returned in their checkpoint bytes, named ``<kernel name>_checkpoint``). Biases (gpt-oss) follow their
+    weight's rows; other extras pass unchanged. The plan record: :func:`plan_args`. A checkpoint format
     with a :data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR` byte (int4-group: ``q + 8`` ->
     two's complement) has its weight bytes XORed with it first (a copy; the layer is untouched).
     """
-    spec = plan_args(layer, backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
+    spec = plan_args(layer, choice)
     plan = build_plan(spec)
     outs = plan.apply(
         _xor_weight(layer.w13.contiguous(), layer.fmt),
@@ -73,6 +77,12 @@ def convert_layer(
         None if layer.w2_scale is None else layer.w2_scale.contiguous(),
     )
     tensors = {KERNEL_NAMES[n]: t for n, t in zip(KERNEL_NAMES, outs) if t is not None}
+    rule = plan.value_rule
+    if rule is not None and value_rules.applies(rule, layer.tensors()):
+        for n in rule.kept:  # the checkpoint's bytes beside the changed ones (fileformat.kept_tensors)
+            source = layer.tensors()[n]
+            if source is not None:
+                tensors[KERNEL_NAMES[n] + KEPT_SUFFIX] = source.contiguous()
     for name, t in layer.extras.items():
         tensors[name] = _map_extra(plan, name, t, inverse=False)
     return tensors, plan, spec
@@ -114,7 +124,7 @@ def dry_run(layer: MoELayer, choice: LayoutChoice) -> tuple[dict, LayerPlan, dic
 
     probe = layer.with_tensors(**{n: one_expert(t) for n, t in layer.tensors().items()})
     probe = replace(probe, extras={n: one_expert(t) for n, t in layer.extras.items()})
-    tensors, plan, spec = convert_layer(probe, **choice.kwargs())
+    tensors, plan, spec = convert_layer(probe, choice)
     return {n: (t.dtype, (layer.num_experts,) + tuple(t.shape[1:])) for n, t in tensors.items()}, plan, spec
 
 
@@ -122,8 +132,10 @@ def _kernel_specs(layer: MoELayer, choice: LayoutChoice) -> tuple[dict, dict]:
     """Kernel dtypes/shapes of a layer (:func:`dry_run`) and its metadata record (module docstring;
     ``checkpoint_format`` only where the layer's format is not the recipe's, int4-group for mxint4)."""
     kernel, plan, spec = dry_run(layer, choice)
+    lossy = value_rules.applies(plan.value_rule, layer.tensors())
     record = {
         "plan": spec,
+        **({"value_rule": plan.value_rule.record()} if lossy and plan.value_rule is not None else {}),
         **({"checkpoint_format": layer.fmt} if layer.fmt != spec["args"]["fmt"] else {}),
         "description": plan.description,
         "padded_intermediate": plan.padded_intermediate,
@@ -156,26 +168,21 @@ def _kernel_specs(layer: MoELayer, choice: LayoutChoice) -> tuple[dict, dict]:
 def write_kernel_layout(
     out: str | os.PathLike,
     sources: Sequence[LayerSource],
-    backend: str,
+    choice: LayoutChoice,
     *,
-    intermediate_alignment: Optional[int] = None,
-    hidden_alignment: Optional[int] = None,
     prefix: str = "model.layers.",
     block: str = "mlp",
     info: Optional[dict] = None,
     progress: bool = False,
     force: bool = False,
-    engine: Optional[str] = None,
     single_file: Optional[bool] = None,
     shard_size: Optional[int] = None,
     resume: bool = False,
     device: str = "cpu",
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
     request: Optional[dict] = None,
     kept: Optional[unchanged.Unchanged] = None,
 ) -> Path:
-    """Convert and stream layers into the kernel layout at ``out``: one safetensors file
+    """Convert and stream layers into the kernel layout ``choice`` asks for at ``out``: one safetensors file
     (:func:`~fimoe_lab.checkpoints.safe_io.single_output`: ``single_file``, or ``out`` ends in
     ``.safetensors`` or is a file), else a directory of shards of at most ``shard_size`` bytes
     (default :data:`~fimoe_lab.checkpoints.stream.SHARD_BYTES`) with a Hugging Face index.
@@ -200,7 +207,6 @@ def write_kernel_layout(
     single = safe_io.single_output(out, single_file)
     safe_io.check_output(out, [], force or (resume and single), "file" if single else "shards", resume)
     dev = torch_device(device)
-    choice = LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
     specs, meta = layout_plan(sources, choice, prefix=prefix, block=block, info=info, kept=kept)
     if not single:
         os.makedirs(out, exist_ok=True)
@@ -294,8 +300,10 @@ def stream_layers(
     ``meta``: from :func:`layout_plan`."""
     prefix, block = meta["prefix"], meta["block"]
     for idx, shape_layer, load in sources:
+        rec = meta["layers"][str(idx)]
         names = {
-            n: out_name(prefix, block, idx, n) for n in (*KERNEL_NAMES.values(), *meta["layers"][str(idx)]["extras"])
+            n: out_name(prefix, block, idx, n)
+            for n in (*KERNEL_NAMES.values(), *rec["extras"], *kept_tensors(rec).values())
         }
         if not any(target.needed(full) for full in names.values() if full in target.specs):
             continue
@@ -345,7 +353,7 @@ def converted_chunks(
             layer.with_tensors(**{n: cut(t) for n, t in parts.items()}),
             extras={n: cut(t) for n, t in layer.extras.items()},
         )
-        tensors, _, _ = convert_layer(sub, **choice.kwargs())
+        tensors, _, _ = convert_layer(sub, choice)
         if dev.type == "cuda":
             tensors = {n: _to_host(t) for n, t in tensors.items()}
             torch.cuda.current_stream(dev).synchronize()

@@ -54,9 +54,10 @@ from typing import Any, Optional
 import torch
 
 from fimoe_lab import env
-from fimoe_lab.checkpoints import convert, plan_choice, rank_layout, safe_io, stream, unchanged
+from fimoe_lab.checkpoints import convert, rank_layout, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.reader import Checkpoint
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.errors import CheckpointError
 
 __all__ = [
@@ -286,9 +287,7 @@ def convert_distributed(
     ranks = rank_layout.rank_list(tp_size, tp_rank, False)
     rank_layout.moe_tp_size(tp_size, ep_size)
     dirs = {r: out / f"rank-{r}" if tp_rank == "all" else out for r in ranks}
-    choice = plan_choice.LayoutChoice(
-        backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype
-    )
+    choice = LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
     convert.torch_device(device)
     with ExitStack() as stack:
         rank, world, device, data_group = stack.enter_context(process_group(device))

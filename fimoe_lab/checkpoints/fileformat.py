@@ -19,6 +19,9 @@ the same, with the checksums of its own tensors), per layer:
   every 32-bit word of the tensor: :attr:`LayerPlan.word_bits`) and its checkpoint and kernel dtype/shape;
   ``extras``: dtype/shape, and for a per-row bias the weight whose rows it follows (``rows_of``) with those
   row steps (:func:`extra_steps`).
+- ``value_rule`` (where the engine profile changes values: :mod:`fimoe_lab.value_rules`): the rule's record
+  (kind, the tensors it changes, its parameters, ``kept``: the tensors also written in their checkpoint bytes as
+  ``<kernel name>_checkpoint``, :func:`kept_tensors`, which restore reads instead of the changed ones).
 - ``checksums``: ``{tensor name: sha256 hex of its bytes}``, computed while streaming; restore verifies
   each tensor it reads (:func:`check_digest`).
 
@@ -53,6 +56,8 @@ __all__ = [
     "READ_VERSIONS",
     "V1_BUILDER",
     "KERNEL_NAMES",
+    "KEPT_SUFFIX",
+    "kept_tensors",
     "out_name",
     "tensor_steps",
     "extra_steps",
@@ -85,6 +90,18 @@ V1_BUILDER = "fimoe_lab.prepare.plan_layer"
 
 KERNEL_NAMES = {"w13": "w13_weight", "w2": "w2_weight", "w13_scale": "w13_weight_scale", "w2_scale": "w2_weight_scale"}
 """Tensor names in a kernel-layout file (vLLM's FusedMoE parameter names)."""
+
+
+KEPT_SUFFIX = "_checkpoint"
+"""A tensor a value rule changed, kept in the checkpoint's layout and bytes beside its kernel one (``ValueRule.kept``:
+the clamped block scales), is named ``<kernel name><KEPT_SUFFIX>`` (``w13_weight_scale_checkpoint``)."""
+
+
+def kept_tensors(rec: dict) -> dict[str, str]:
+    """The tensors a layer record keeps in checkpoint bytes beside the kernel ones: ``{plan name: name in the
+    file (without the layer's prefix)}`` (empty without a value rule that keeps any)."""
+    rule = rec.get("value_rule") or {}
+    return {n: KERNEL_NAMES[n] + KEPT_SUFFIX for n in rule.get("kept", ()) if n in rec["tensors"]}
 
 
 def tensor_steps(plan: LayerPlan, name: str) -> list[dict]:

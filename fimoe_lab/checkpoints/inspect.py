@@ -15,8 +15,9 @@ import torch
 
 from fimoe_lab import recipes
 from fimoe_lab.checkpoints.conventions import MISSING_LAYOUT, dtype_name, stored_format
-from fimoe_lab.checkpoints.plan_choice import LayoutChoice, build_plan, layout_format, plan_args, suggest_alignment
+from fimoe_lab.checkpoints.plan_choice import build_plan, layout_format, plan_args, suggest_alignment
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.formats.health import TINY_SCALE, decoded_scales
@@ -167,7 +168,7 @@ def _plan_facts(layer: MoELayer, choice: LayoutChoice) -> dict:
     """Padded sizes, bytes per expert, per-tensor step chains (word bit steps included) and tactic warnings of the
     plan ``convert`` builds."""
     backend = choice.backend
-    record = plan_args(layer, **choice.kwargs())
+    record = plan_args(layer, choice)
     plan = build_plan(record)
     maps = plan.maps()
     tensors = []
@@ -203,20 +204,14 @@ def _plan_facts(layer: MoELayer, choice: LayoutChoice) -> dict:
     )
 
 
-def backend_need(
-    layer: MoELayer,
-    backend: str,
-    engine: Optional[str] = None,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
-) -> BackendNeed:
-    """What ``backend`` needs for this (per-rank) layer under ``engine``'s profile (default: the
-    newest vLLM's): the default plan's paddings, or why it fails and the alignment that fixes it;
-    ``per_token``: with per-token NVFP4 activations (``convert --per-token``'s paddings);
-    ``activation_dtype``: the kernel's activations (``convert --mxfp4-activation``)."""
-    name = get_engine(engine).name
+def backend_need(layer: MoELayer, choice: LayoutChoice) -> BackendNeed:
+    """What ``choice.backend`` needs for this (per-rank) layer under ``choice.engine``'s profile (default: the
+    newest vLLM's): the paddings of the plan ``choice`` asks for (no alignments: the profile's defaults), or why
+    it fails and the intermediate alignment that fixes it; with ``choice``'s per-token NVFP4 activations
+    (``convert --per-token``'s paddings) and activation dtype (``convert --mxfp4-activation``)."""
+    backend, name = choice.backend, get_engine(choice.engine).name
     need = BackendNeed(backend, layer.fmt, "ok", layer.intermediate, layer.hidden, name)
-    choice = LayoutChoice(backend, engine=name, per_token=per_token, activation_dtype=activation_dtype)
+    choice = replace(choice, engine=name)
     missing = MISSING_LAYOUT.get(layer.fmt, {}).get(backend)
     if missing is not None:
         need.status, need.reason = "no-layout", missing
@@ -234,9 +229,9 @@ def backend_need(
     return need
 
 
-def backend_needs(layer: MoELayer, backend: str, engine: Optional[str] = None) -> str:
-    """One line: what ``backend`` needs for this (per-rank) layer (:func:`backend_need`'s text)."""
-    return backend_need(layer, backend, engine).text()
+def backend_needs(layer: MoELayer, choice: LayoutChoice) -> str:
+    """One line: what ``choice.backend`` needs for this (per-rank) layer (:func:`backend_need`'s text)."""
+    return backend_need(layer, choice).text()
 
 
 def scale_health(layer: MoELayer) -> list[str]:
@@ -299,9 +294,11 @@ def scale_health(layer: MoELayer) -> list[str]:
                 f"gate's), so up is off by their ratio"
             )
     if layer.w13_scale is not None and layer.w13_scale.dim() == 2 and not torch.equal(*layer.w13_scale.unbind(1)):
+        ex = (layer.w13_scale[:, 0] != layer.w13_scale[:, 1]).nonzero().flatten().tolist()
         out.append(
-            "gate and up have different per-tensor scales (w13_scale (E, 2)): the kernel takes one per w13, so "
-            "engines requantize both to the larger (vLLM's ModelOpt FP8 path)"
+            f"experts {ex}: gate and up have different per-tensor scales (w13_scale (E, 2)): the kernel takes one per "
+            f"w13, so vLLM and SGLang requantize both halves to the larger, and so does convert (restore then gives "
+            f"those experts' W13 back as the requantized values, not the checkpoint's bytes)"
         )
     return out or ["ok: all scales finite, positive and normal, none zero or below 1e-10"]
 
@@ -345,6 +342,10 @@ def inspect_checkpoint(
     with Checkpoint(path) as ck:
         conv = ck.convention
         acts = _activation_dtypes(ck.fmt, activation_dtype)
+        asked = {
+            b: LayoutChoice(b, engine=engine, per_token_activation=per_token, activation_dtype=acts[b])
+            for b in BACKENDS
+        }
         wanted = ck.moe_layers if layers is None else list(layers)
         mtp = set(ck.mtp_layers)
         for idx in wanted:
@@ -385,7 +386,7 @@ def inspect_checkpoint(
                 row["shard"] = f"I/tp = {sizes[0]}" + (f" (last {sizes[-1]})" if sizes[-1] != sizes[0] else "")
                 rep.shards[tp] = {"sizes": sizes, "cannot": None}
                 shard = ck.read_layer(idx, tp, 0, load="none")
-                rep.plans[tp] = {b: backend_need(shard, b, engine, per_token, acts[b]) for b in BACKENDS}
+                rep.plans[tp] = {b: backend_need(shard, asked[b]) for b in BACKENDS}
                 row.update({backend: need.text() for backend, need in rep.plans[tp].items()})
                 rep.tp[tp] = row
             reports.append(rep)

@@ -1,4 +1,5 @@
-"""Plan choice: what a convert asks of every layer (:class:`LayoutChoice`), turned into a layer's plan.
+"""Plan choice: what a convert asks of every layer (:class:`fimoe_lab.choice.LayoutChoice`), turned into a
+layer's plan.
 
 :func:`plan_args` picks the :func:`fimoe_lab.recipes.plan_layer` arguments for one layer (its format as
 the kernel takes it: :func:`layout_format`; the engine profile's alignments; per-token and activation dtype
@@ -9,20 +10,20 @@ layer the engine profile's alignment cannot.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 from fimoe_lab import engines, recipes
 from fimoe_lab.checkpoints import conventions
 from fimoe_lab.checkpoints.fileformat import EDITED, FORMAT_VERSION, V1_BUILDER
 from fimoe_lab.checkpoints.reader import CheckpointError, MoELayer
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.errors import FimoeError
 from fimoe_lab.plan import LayerPlan
 from fimoe_lab.shapes import check_kernel_activation
 from fimoe_lab.specs import FORMATS, weight_formats
 
 __all__ = [
-    "LayoutChoice",
     "plan_args",
     "layout_format",
     "build_plan",
@@ -31,51 +32,30 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class LayoutChoice:
-    """What a convert asks of every layer's plan, whatever the layer: the kernel ``backend``, the alignments
-    (None: the engine profile's), the ``engine`` profile (None: ``engines.DEFAULT_ENGINE``), ``per_token`` NVFP4
-    activations and the ``activation_dtype`` where a recipe has a layout per dtype. The fields are
-    :func:`plan_args`'s and :func:`convert_layer`'s keyword arguments (``**choice.kwargs()``)."""
+def plan_args(layer: MoELayer, choice: LayoutChoice) -> dict:
+    """The record that rebuilds this layer's plan under ``choice``: ``{"recipe": id, "args": plan_layer keyword
+    arguments}``.
 
-    backend: str
-    intermediate_alignment: Optional[int] = None
-    hidden_alignment: Optional[int] = None
-    engine: Optional[str] = None
-    per_token: bool = False
-    activation_dtype: Optional[str] = None
-
-    def kwargs(self) -> dict:
-        return asdict(self)
-
-
-def plan_args(
-    layer: MoELayer,
-    backend: str,
-    intermediate_alignment: Optional[int] = None,
-    hidden_alignment: Optional[int] = None,
-    engine: Optional[str] = None,
-    per_token: bool = False,
-    activation_dtype: Optional[str] = None,
-) -> dict:
-    """The record that rebuilds this layer's plan: ``{"recipe": id, "args": plan_layer keyword arguments}``.
-
-    ``per_token``: NVFP4 activations quantised per token (``plan_layer``'s ``per_token_activation``: the
-    profile's per-token paddings apply), recorded as ``args["per_token_activation"]``; files written without
-    it rebuild with False (``plan_layer``'s default). Refused for a format without per-token activations
-    (``specs.FORMATS[fmt].tactics.per_token_ok``). ``activation_dtype``: the activations the kernel takes where
+    ``choice.per_token_activation``: NVFP4 activations quantised per token (the profile's per-token paddings
+    apply), recorded as ``args["per_token_activation"]``; files written without it rebuild with False
+    (``plan_layer``'s default). Refused for a format without per-token activations
+    (``specs.FORMATS[fmt].tactics.per_token_ok``). ``choice.activation_dtype``: the activations the kernel takes where
     the recipe has a layout per activation dtype (``recipes.ACTIVATION_DTYPES``: ``"bf16"`` for MXFP4 on CUTLASS is
     the Hopper SM90 mixed-input layout), recorded as ``args["activation_dtype"]`` when given; refused for
     any other recipe. The layer's convention's quantization method (``Convention.quant_method``: some engine
     rules are keyed on it) is recorded as ``args["quant_method"]`` when it has one. A checkpoint format whose ``layout_format`` names a
     format of ``specs.FORMATS`` (int4-group -> mxint4) is planned as that format.
 
-    ``engine``: the profile (:mod:`fimoe_lab.engines`; None: ``engines.DEFAULT_ENGINE``),
-    recorded by its resolved name so that ``restore`` rebuilds with the same defaults. Files
+    ``choice.engine``: the profile (:mod:`fimoe_lab.engines`; None: ``engines.DEFAULT_ENGINE``),
+    recorded by its resolved name so that ``restore`` rebuilds with the same defaults. Where the profile has a
+    value rule for the recipe, ``args["values"]`` records which form applies (``recipes.plan_layer``'s ``values``):
+    ``"engine"`` when an engine is named (the engine's bytes), ``"lossless"`` for the default (the checkpoint's
+    values wherever the kernel takes them). Files
     that record none were written before profiles and rebuild with ``engines.LEGACY_ENGINE``
     (:func:`build_plan`). A checkpoint-only format (``conventions.MISSING_LAYOUT``) is refused naming the
     layout ``backend`` lacks.
     """
+    backend, activation_dtype = choice.backend, choice.activation_dtype
     missing = conventions.MISSING_LAYOUT.get(layer.fmt, {}).get(backend)
     if missing:
         raise CheckpointError(
@@ -89,7 +69,7 @@ def plan_args(
             fix=f"convert one of the weight formats {', '.join(weight_formats())}",
         )
     tactics = FORMATS[fmt].tactics
-    if per_token and not (tactics is not None and tactics.per_token_ok):
+    if choice.per_token_activation and not (tactics is not None and tactics.per_token_ok):
         raise CheckpointError(
             f"--per-token (per-token NVFP4 activations) does not apply to {layer.fmt} weights",
             fix="drop --per-token (it is for NVFP4 checkpoints)",
@@ -100,6 +80,8 @@ def plan_args(
         check_kernel_activation(fmt, backend, layer.activation)
     except FimoeError as exc:
         raise CheckpointError(f"layer {layer.layer}: {exc.message}", fix=exc.fix) from None
+    profile = engines.get_engine(choice.engine or engines.DEFAULT_ENGINE)
+    ruled = profile.value_rule(fmt, backend, method) is not None
     return {
         "recipe": recipes.recipe_id(fmt, backend),
         "args": {
@@ -109,12 +91,13 @@ def plan_args(
             "hidden": layer.hidden,
             "is_act_and_mul": layer.is_act_and_mul,
             "is_gated": layer.is_gated,
-            "intermediate_alignment": intermediate_alignment,
-            "hidden_alignment": hidden_alignment,
-            "engine": engines.get_engine(engine or engines.DEFAULT_ENGINE).name,
-            "per_token_activation": bool(per_token),
+            "intermediate_alignment": choice.intermediate_alignment,
+            "hidden_alignment": choice.hidden_alignment,
+            "engine": profile.name,
+            "per_token_activation": bool(choice.per_token_activation),
             **({} if activation_dtype is None else {"activation_dtype": activation_dtype}),
             **({} if method is None else {"quant_method": method}),
+            **({"values": "engine" if choice.engine else "lossless"} if ruled else {}),
         },
     }
 
@@ -208,7 +191,7 @@ def suggest_alignment(layer: MoELayer, choice: LayoutChoice) -> Optional[int]:
     ``choice`` kept, the hidden alignment the profile's), or None."""
     for a in TRY_ALIGNMENTS:
         try:
-            build_plan(plan_args(layer, **replace(choice, intermediate_alignment=a, hidden_alignment=None).kwargs()))
+            build_plan(plan_args(layer, replace(choice, intermediate_alignment=a, hidden_alignment=None)))
             return a
         except ValueError:
             continue

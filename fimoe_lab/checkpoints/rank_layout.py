@@ -17,8 +17,8 @@ from typing import Optional
 
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints import stream
-from fimoe_lab.checkpoints.plan_choice import LayoutChoice
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
+from fimoe_lab.choice import LayoutChoice
 
 __all__ = [
     "LayerSource",
@@ -55,7 +55,7 @@ def request_of(
         ck.path,
         ck.config,
         list(ck.weight_map.values()),
-        choice.kwargs(),
+        choice,
         tp_size=tp_size,
         ep_size=ep_size,
         tp_rank=tp_rank,

@@ -43,6 +43,7 @@ check methods; split, those would become public names of another module.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -65,11 +66,13 @@ MAX_CONFIG_INT = 1 << 24
 """Largest size or count config.json may give (real models: hidden < 32768, experts < 1024)."""
 
 
-def _expert_pattern() -> re.Pattern[str]:
-    """Names of expert tensors of any convention: ``<prefix>(layers|blocks|block).<L>.<module>.<e>.`` or
+@functools.lru_cache(maxsize=4)
+def _expert_pattern(table: tuple[conventions.Convention, ...]) -> re.Pattern[str]:
+    """Names of expert tensors of any convention of ``table`` (:data:`conventions.CONVENTIONS`, read at each
+    call so that an entry added at run time is found): ``<prefix>(layers|blocks|block).<L>.<module>.<e>.`` or
     ``...<module>.<fused name>``; groups ``prefix`` and ``layer``."""
     alts = set()
-    for c in conventions.CONVENTIONS:
+    for c in table:
         if c.fused_layout is None:
             alts.add(re.escape(c.module) + r"\.\d+\.")
         else:
@@ -79,9 +82,6 @@ def _expert_pattern() -> re.Pattern[str]:
     return re.compile(
         r"^(?P<prefix>(?:.*\.)?(?:layers|blocks|block)\.)(?P<layer>\d+)\.(?:" + "|".join(sorted(alts)) + ")"
     )
-
-
-_EXPERT_RE = _expert_pattern()
 
 
 # ============================================================================ the stacked layer
@@ -293,8 +293,9 @@ class Checkpoint:
     def _find_moe_layers(self) -> tuple[str, dict[int, str]]:
         """The model's layer prefix and ``{layer index: layer path}`` of every MoE layer (module docstring)."""
         found: dict[tuple[str, int], None] = {}
+        pattern = _expert_pattern(conventions.CONVENTIONS)
         for name in self.weight_map:
-            m = _EXPERT_RE.match(name)
+            m = pattern.match(name)
             if m:
                 found.setdefault((m["prefix"], int(m["layer"])))
         if not found:
@@ -375,6 +376,7 @@ class Checkpoint:
                     break
             if ok and self._scale_kind_ok(conv, base):
                 return conv
+        self._refuse_dtype(layer, base)
         found = sorted(n for n in self.weight_map if n.startswith(f"{base}."))[:8]
         found_s = ", ".join(f"{n} ({dtype_name(self.header(n)[0])})" for n in found)
         raise CheckpointError(
@@ -383,6 +385,31 @@ class Checkpoint:
             + f". Found: {found_s}; closest known convention: {self._closest(found)}",
             fix="add an entry to fimoe_lab/checkpoints/conventions.py",
         )
+
+    def _refuse_dtype(self, layer: int, base: str) -> None:
+        """One line for a layer whose tensors carry a convention's names (and scale shapes) with a dtype none of
+        its writers stores (compressed-tensors INT4 with F16 scales: its MxInt4 layout takes BF16 scales, and
+        rounding F16 ones to BF16 would not restore)."""
+        for conv in conventions.CONVENTIONS:
+            stored: dict[str, set[str]] = {}
+            for variant in conv.variants():
+                for name, dtype in variant.signature(base).items():
+                    stored.setdefault(name, set()).add("absent" if dtype is None else dtype_name(dtype))
+            if any(("absent" in d) != (name not in self.weight_map) for name, d in stored.items()):
+                continue
+            if not self._scale_kind_ok(conv, base):
+                continue
+            for name, dtypes in stored.items():
+                got = dtype_name(self.header(name)[0]) if name in self.weight_map else "absent"
+                if got not in dtypes:
+                    known = "/".join(sorted(dtypes - {"absent"}))
+                    raise CheckpointError(
+                        f"{self.path}: layer {layer}'s expert tensors are named as {conv.name} ({conv.models}), but "
+                        f"{name} is {got}: {conv.name} is read with {known} there only",
+                        fix=f"export it with {known} {name.rsplit('.', 1)[-1]} (the dtype this convention's writers "
+                        f"store and its kernel layout takes), or add the dtype to {conv.name}'s writer_dtypes in "
+                        f"fimoe_lab/checkpoints/conventions.py if a writer stores it and it restores byte for byte",
+                    )
 
     def _config_entry(self, what: str, layer: Optional[int]) -> tuple[str, object]:
         key, v = config_value(self.config, what)

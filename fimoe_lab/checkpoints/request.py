@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from fimoe_lab import untrusted
 from fimoe_lab.checkpoints import safe_io
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.errors import CheckpointError
 
 __all__ = ["REQUEST_KEY", "convert_request", "request_metadata", "check_resume", "differences"]
@@ -70,7 +71,7 @@ def convert_request(
     root: Path,
     config: dict,
     files: list[str],
-    choice: dict[str, Any],
+    choice: LayoutChoice,
     *,
     tp_size: int,
     ep_size: int,
@@ -80,16 +81,20 @@ def convert_request(
     shard_size: Optional[int],
 ) -> dict[str, Any]:
     """The request of one convert (module docstring); equal requests write equal outputs. ``choice``: the
-    layout choice's fields (backend, alignments, engine, per_token, activation_dtype), the engine resolved
-    to its profile name (None: the default profile)."""
+    layout choice, its fields recorded (``per_token_activation`` as ``per_token``), the engine resolved
+    to its profile name (None: the default profile) and ``values``: ``engine`` where one was named (its value
+    rules apply), ``lossless`` for the default."""
     from fimoe_lab import engines
 
-    engine = choice.get("engine")
     return {
-        **choice,
+        "backend": choice.backend,
+        "intermediate_alignment": choice.intermediate_alignment,
+        "hidden_alignment": choice.hidden_alignment,
+        "engine": engines.get_engine(choice.engine or engines.DEFAULT_ENGINE).name,
+        "values": "engine" if choice.engine else "lossless",  # recipes.plan_layer's values: a named engine's rules
+        "per_token": bool(choice.per_token_activation),
+        "activation_dtype": choice.activation_dtype,
         "source": source_identity(root, config, files),
-        "engine": engines.get_engine(engine or engines.DEFAULT_ENGINE).name,
-        "per_token": bool(choice.get("per_token")),
         "tp_size": tp_size,
         "ep_size": ep_size,
         "tp_rank": tp_rank,
@@ -117,6 +122,7 @@ _NAMES = {
     "shard_size": "--shard-size",
     "backend": "--backend",
     "engine": "--engine",
+    "values": "--engine (named: the engine's value rules; left out: lossless)",
 }
 """The command-line option behind each field of a request (what an error names)."""
 

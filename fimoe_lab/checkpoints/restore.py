@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import engines
+from fimoe_lab import engines, value_rules
 from fimoe_lab.checkpoints import conventions, safe_io, stream, unchanged
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.checkpoints.convert import dry_run, extra_map
@@ -37,14 +37,17 @@ from fimoe_lab.checkpoints.fileformat import (
     check_digest,
     check_sizes,
     extra_steps,
+    kept_tensors,
     layer_errors,
     layer_path,
     layer_where,
     out_name,
     tensor_steps,
 )
-from fimoe_lab.checkpoints.plan_choice import LayoutChoice, build_plan, layout_format
+from fimoe_lab.checkpoints.plan_choice import build_plan, layout_format
 from fimoe_lab.checkpoints.reader import CheckpointError, MoELayer
+from fimoe_lab.choice import LayoutChoice
+from fimoe_lab.engines import ValueRule
 from fimoe_lab.plan import LayerPlan, apply_map
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "check_record",
     "restore_layer",
     "restore_layers",
+    "value_rule_notes",
     "RESTORED_MARK",
     "kept_names",
     "with_kept",
@@ -138,7 +142,9 @@ def check_record(rec: dict, plan: LayerPlan, version: int) -> None:
     """Refuse a layer record that the rebuilt ``plan`` does not reproduce.
 
     Version 2: each tensor's recorded ``[{"kind", "params"}, ...]`` chain and each extra's
-    ``rows_of``/row steps must equal the plan's. Version 1 recorded display names of the
+    ``rows_of``/row steps must equal the plan's, and a recorded ``value_rule`` the plan's
+    (:attr:`~fimoe_lab.plan.LayerPlan.value_rule`; a file converted before value rules records none and was
+    not changed by one). Version 1 recorded display names of the
     steps; they are not compared (a display name is not data, and its spelling may change):
     instead the plan, dry-run on one expert with the recorded checkpoint dtypes and shapes,
     must give the recorded kernel dtype and shape of every tensor and extra.
@@ -147,6 +153,10 @@ def check_record(rec: dict, plan: LayerPlan, version: int) -> None:
         _check_v1_shapes(rec)
         return
     recipe = rec["plan"]["recipe"]
+    written = rec.get("value_rule")
+    if written is not None and (plan.value_rule is None or written != plan.value_rule.record()):
+        rebuilt = plan.value_rule.record() if plan.value_rule is not None else None
+        raise CheckpointError(f"value rule {written} in the file, {rebuilt} rebuilt by recipe {recipe}", fix=EDITED)
     for n, trec in rec["tensors"].items():
         _same_steps(n, trec["steps"], tensor_steps(plan, n), recipe)
     for n, xrec in rec["extras"].items():
@@ -226,11 +236,18 @@ def restore_layer(
     if missing:
         raise CheckpointError(f"{plan.description}: {missing[0]} is required by the plan but not recorded", fix=EDITED)
     backs: dict[str, _Back] = {}
+    rule_tensors = plan.value_rule.tensors if "value_rule" in rec and plan.value_rule is not None else ()
+    kept = kept_tensors(rec)
     for n, trec in rec["tensors"].items():
         if n not in KERNEL_NAMES:
             raise CheckpointError(f"layer {idx} records a tensor {n!r}, not one of {list(KERNEL_NAMES)}", fix=EDITED)
         xor = conventions.WEIGHT_XOR.get(_checkpoint_format(rec), 0) if n in ("w13", "w2") else 0
         back = partial(inverse.apply_tensor, n) if n in inverse.moved() else None  # word bits undone first
+        if n in kept:  # the checkpoint's bytes, kept beside the ones a value rule changed
+            backs[n] = _Back(kf, name(kept[n]), trec["checkpoint"], trec["checkpoint"], None)
+            continue
+        if n in rule_tensors:  # a value rule's shape undone (its values stay: value_rules.undo)
+            back = partial(_undo_rule, plan.value_rule, n, tuple(trec["checkpoint"]["shape"]), back)
         backs[n] = _Back(kf, name(trec["name"]), trec["kernel"], trec["checkpoint"], back, xor)
     extras = {}
     for n, x in rec["extras"].items():
@@ -275,6 +292,63 @@ def restore_layer(
     for b in every:
         b.check(meta)
     return layer
+
+
+def _undo_rule(
+    rule: ValueRule,
+    name: str,
+    checkpoint_shape: tuple[int, ...],
+    back: Optional[Callable[[torch.Tensor], torch.Tensor]],
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """A chunk of tensor ``name`` mapped back (``back``), then in the checkpoint's shape after ``rule``."""
+    y = back(x) if back is not None else x
+    return value_rules.undo(rule, name, y, (y.shape[0], *checkpoint_shape[1:]))
+
+
+def value_rule_notes(path: str | os.PathLike) -> list[dict]:
+    """The tensors that ``restore`` of ``path`` (one converted file or directory) does not give back byte for byte,
+    because the engine profile it was converted with changed values (``value_rule`` in a layer's record:
+    :mod:`fimoe_lab.value_rules`) and the file keeps no copy of their checkpoint bytes (``kept``: clamped block
+    scales are kept, a requantized FP8 W13 is not): ``[{"layer", "tensors": their names in the file, "rule",
+    "why"}]``, empty when every byte comes back."""
+    notes = []
+    with KernelFiles(path) as kf:
+        meta = kf.meta
+        for idx, rec in meta["layers"].items():
+            if rec.get("value_rule") is None:
+                continue
+            with layer_errors(path, idx):
+                plan = build_plan(rec["plan"], meta["version"])
+                check_record(rec, plan, meta["version"])
+                rule = plan.value_rule
+                assert rule is not None  # check_record refuses a recorded rule the plan lacks
+                kept = kept_tensors(rec)
+                changed = [n for n in rule.tensors if n in rec["tensors"] and n not in kept]
+                if not changed:
+                    continue
+                notes.append(
+                    {
+                        "layer": int(idx),
+                        "tensors": [
+                            out_name(meta["prefix"], meta["block"], int(idx), KERNEL_NAMES[n]) for n in changed
+                        ],
+                        "rule": rule.kind,
+                        "why": _why(rule, rec["plan"]["args"].get("engine")),
+                    }
+                )
+    return notes
+
+
+def _why(rule: ValueRule, engine: Optional[str]) -> str:
+    """Why the tensors ``rule`` changed (and the file keeps no copy of) are not the checkpoint's bytes."""
+    if rule.kind == "fp8_requantize_max":
+        which = "every expert's W13" if rule.where == "all" else "the W13 of experts whose gate and up scales differed"
+        return (
+            f"the {engine} profile requantized {which} to one scale, max(gate, up) ({rule.source}): restored as "
+            f"those values with scales [max, max] (the checkpoint's gate and up scales are not recorded)"
+        )
+    return f"the {engine} profile changed their values ({rule.kind}, {rule.source})"
 
 
 def _iter_layers(path: str | os.PathLike, kf: KernelFiles) -> Iterator[MoELayer]:
@@ -325,6 +399,7 @@ def kept_names(kf: KernelFiles) -> list[str]:
         with layer_errors(kf.path, idx):
             name = lambda n, idx=idx: out_name(meta["prefix"], meta["block"], int(idx), n)  # noqa: E731
             named.update([name(t["name"]) for t in rec["tensors"].values()], map(name, rec["extras"]))
+            named.update(map(name, kept_tensors(rec).values()))
     return unchanged.names_in(kf.keys(), named)
 
 

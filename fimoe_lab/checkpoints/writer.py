@@ -18,14 +18,15 @@ from typing import Any, Optional
 from fimoe_lab.checkpoints import expert_parallel, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.convert import torch_device, write_kernel_layout
-from fimoe_lab.checkpoints.plan_choice import LayoutChoice
 from fimoe_lab.checkpoints.rank_layout import moe_tp_size, rank_list, rank_part, request_of, source_info, wanted_layers
 from fimoe_lab.checkpoints.reader import Checkpoint
-from fimoe_lab.checkpoints.restore import restore_directory
+from fimoe_lab.checkpoints.restore import restore_directory, value_rule_notes
+from fimoe_lab.choice import LayoutChoice
 
 __all__ = [
     "convert_checkpoint",
     "restore_checkpoint",
+    "not_byte_exact",
 ]
 
 
@@ -58,7 +59,7 @@ def convert_checkpoint(
     (``recipes.plan_layer(..., per_token_activation=True)``), recorded in every layer's plan arguments;
     refused (before anything is written) for a format without per-token activations. ``activation_dtype``:
     the kernel's activations where the recipe has a layout per activation dtype (``"bf16"``: MXFP4 on the
-    Hopper SM90 CUTLASS kernel, :func:`fimoe_lab.recipes.plan_cutlass_mxfp4_bf16`), recorded likewise.
+    Hopper SM90 CUTLASS kernel, :func:`fimoe_lab.special_plans.plan_cutlass_mxfp4_bf16`), recorded likewise.
 
     ``ep_size``: expert parallelism within the ``tp_size`` ranks (:func:`rank_part`): rank ``r`` holds the
     contiguous experts :func:`expert_range` of EP rank ``r // (tp_size / ep_size)``, sliced along the
@@ -92,21 +93,16 @@ def convert_checkpoint(
             write_kernel_layout(
                 out / f"rank-{rank}" if tp_rank == "all" else out,
                 sources,
-                backend,
-                intermediate_alignment=intermediate_alignment,
-                hidden_alignment=hidden_alignment,
+                choice,
                 prefix=ck.prefix,
                 block=ck.convention.block,
                 info=info,
                 progress=progress,
                 force=force,
-                engine=engine,
                 single_file=single,
                 shard_size=shard_size,
                 resume=resume,
                 device=device,
-                per_token=per_token,
-                activation_dtype=activation_dtype,
                 request=asked,
                 kept=unchanged.for_rank(ck, rank),
             )
@@ -128,7 +124,10 @@ def restore_checkpoint(
     The result (``config.json``, shards of at most ``shard_size`` bytes (default
     :data:`~fimoe_lab.checkpoints.stream.SHARD_BYTES`) with their index, and the marker
     :data:`~fimoe_lab.checkpoints.safe_io.MARKER`) holds the MoE expert tensors of the
-    converted layers, byte-identical to the source's (for a TP shard: the rank's slice,
+    converted layers, byte-identical to the source's except where the engine profile's value rule changed values
+    and the file keeps no copy of them (:func:`not_byte_exact` lists those tensors and why: FP8 per-tensor W13
+    requantized to one scale; clamped block scales are kept and come back exactly)
+    (for a TP shard: the rank's slice,
     with config.json's intermediate size set to the shard's; for the OUT of ``convert --rank all``, every
     rank's experts and intermediate slices joined: :func:`expert_parallel.restore_ranks`), and every tensor
     convert carried through unchanged (:mod:`~fimoe_lab.checkpoints.unchanged`): from a whole convert, every
@@ -143,3 +142,11 @@ def restore_checkpoint(
     safe_io.check_output(out, [Path(path)], force, "dir")
     with safe_io.signals_raise(), safe_io.OutputLock(out):  # a second writer of OUT fails before reading
         return restore_directory(path, out, shard_size or stream.SHARD_BYTES, progress)
+
+
+def not_byte_exact(path: str | os.PathLike) -> list[dict]:
+    """What :func:`restore_checkpoint` of ``path`` does not give back byte for byte, and why: the tensors an engine
+    profile's value rule changed (:func:`~fimoe_lab.checkpoints.restore.value_rule_notes`; for the OUT of
+    ``convert --rank all``, every rank's). Empty: the restore is byte-exact."""
+    ranks = expert_parallel.rank_dirs(Path(path))
+    return [note for p in (ranks or [Path(path)]) for note in value_rule_notes(p)]

@@ -477,15 +477,22 @@ def engine_choice(text: str) -> str:
     return key
 
 
-def add_engine_option(parser: argparse.ArgumentParser) -> None:
+def add_engine_option(parser: argparse.ArgumentParser, values: bool = False) -> None:
     """``--engine``: the engine profile whose defaults and layouts apply (choices from the profile table; an
-    engine's name is its newest profile)."""
+    engine's name is its newest profile). ``values``: the command writes values, so its help says what naming an
+    engine does to them (its value rules apply)."""
     newest = ", ".join(f"{e} = {p}" for e, p in newest_profiles().items())
+    default = f"default {engines.DEFAULT_ENGINE}"
+    if values:
+        default += (
+            "'s layout with the checkpoint's values wherever the kernel takes them; an engine named also applies its "
+            "value rules, e.g. FP8 per-tensor W13 requantized to one scale: its bytes, restored as those values"
+        )
     parser.add_argument(
         "--engine",
         type=engine_choice,
-        default=engines.DEFAULT_ENGINE,
+        default=None,
         metavar="ENGINE",
         help=f"engine profile whose default paddings, pad bytes and scale layouts apply: "
-        f"{', '.join(engines.ENGINE_CHOICES)}, or an engine's newest ({newest}) (default {engines.DEFAULT_ENGINE})",
+        f"{', '.join(engines.ENGINE_CHOICES)}, or an engine's newest ({newest}) ({default})",
     )

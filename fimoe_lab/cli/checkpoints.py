@@ -247,7 +247,7 @@ def _register_convert(sub: argparse._SubParsersAction, note: str) -> None:
         "the engine profile's per-token paddings (vLLM: hidden 512 for a non-gated layer on TRT-LLM), recorded in the file",
     )
     add_mxfp4_activation_option(c, "recorded in the file")
-    add_engine_option(c)
+    add_engine_option(c, values=True)
     add_json_option(c, CONVERT_JSON)
     c.set_defaults(handler=run_convert)
 
@@ -357,7 +357,8 @@ CONVERT_JSON = (
 )
 RESTORE_JSON = (
     '{"source", "out", "files": [{"name", "bytes"}], "shards", "tensors": restored tensors (index), "bytes", '
-    '"seconds", "mb_per_s"}'
+    '"seconds", "mb_per_s", "byte_exact": true unless an engine value rule changed values, "not_byte_exact": '
+    '[{"layer", "tensors", "rule", "why"}]}'
 )
 
 
@@ -529,7 +530,7 @@ def _print_written(args: argparse.Namespace, doc: dict[str, Any]) -> None:
 
 
 def run_restore(args: argparse.Namespace) -> int:
-    from fimoe_lab.checkpoints import restore_checkpoint
+    from fimoe_lab.checkpoints import not_byte_exact, restore_checkpoint
     from fimoe_lab.checkpoints.safe_io import INDEX, read_json
 
     start = time.time()
@@ -541,11 +542,14 @@ def run_restore(args: argparse.Namespace) -> int:
         progress=progress_for(args.no_progress),
     )
     seconds = time.time() - start
+    lossy = not_byte_exact(args.kernel_file)
     shards = sorted(out.glob("*.safetensors"))
     tensors = len(read_json(out / INDEX, "index")["weight_map"])
     if not args.json:
         n = len(shards)
         print(f"wrote {out} (config.json, model.safetensors.index.json, {n} shard{'s' * (n > 1)}, {tensors} tensors)")
+        for note in lossy:
+            print(f"not byte-exact: layer {note['layer']} {', '.join(note['tensors'])}: {note['why']}")
         return EXIT_OK
     files = [dict(name=f.name, bytes=f.stat().st_size) for f in sorted(p for p in out.iterdir() if p.is_file())]
     size = sum(f["bytes"] for f in files)
@@ -559,6 +563,8 @@ def run_restore(args: argparse.Namespace) -> int:
             bytes=size,
             seconds=round(seconds, 3),
             mb_per_s=round(size / max(seconds, 1e-9) / 1e6, 3),
+            byte_exact=not lossy,
+            not_byte_exact=lossy,
         )
     )
     return EXIT_OK

@@ -316,7 +316,7 @@ def run_plan(args: argparse.Namespace) -> int:
             per_token=args.per_token,
             mxfp4_activation=args.mxfp4_activation,
         )
-        print_json(dict(layer=layer, engine=args.engine, plans=plans, failures=failures))
+        print_json(dict(layer=layer, engine=get_engine(args.engine).name, plans=plans, failures=failures))
     if failures:
         say(f"\n{failures} round trips FAILED")
         return EXIT_FAILED

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from fimoe_lab.engines import VLLM_MIN_BLOCK_SCALE
 from fimoe_lab.specs import FORMATS
 
 from .codes import e4m3_decode, ue8m0_decode
 from .result import QuantizedTensor
 
-TINY_SCALE = 1e-10
+TINY_SCALE = VLLM_MIN_BLOCK_SCALE
 """Block scales below this (seen: ~1e-23 in dead experts of real FP8 checkpoints) made
-FlashInfer's Hopper CUTLASS FP8 MoE kernel emit NaN; vLLM clamps them to >= 1e-10."""
+FlashInfer's Hopper CUTLASS FP8 MoE kernel emit NaN; vLLM clamps them to >= 1e-10 (its profile's value rule)."""
 
 HOPPER_ZEROS = "looks like FlashInfer nvfp4_quantize on a pre-Blackwell GPU returned zeros"
 

@@ -1,7 +1,7 @@
 """The engines' ``prepare_static_weights_for_trtllm_fp4_moe`` (vLLM 0.34, SGLang 0.5.23), batched.
 
 Both engines loop over experts with FlashInfer's cached permute indices and
-``nvfp4_block_scale_interleave``; this runs :func:`fimoe_lab.recipes.plan_fp4_trtllm_weights`
+``nvfp4_block_scale_interleave``; this runs :func:`fimoe_lab.builders.plan_fp4_trtllm_weights`
 once per tensor instead. Its W31 swap is left out (``is_act_and_mul=False`` on the
 ``R = P*I`` rows of W13): the engines swap before they call this. :func:`replacement` is the
 patch both engine integrations install.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fimoe_lab import recipes
+from fimoe_lab import builders, recipes
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.integrations import guarded
 from fimoe_lab.plan import apply_map, check_same_device
@@ -63,13 +63,13 @@ def prepare_static_weights_for_trtllm_fp4_moe(
             raise LayoutError(
                 f"{name} has {flat[name].shape[2]} columns: the 128x4 swizzle keeps the shape only for multiples of 4"
             )
-    w13_plan = recipes.plan_fp4_trtllm_weights(rows, hidden_size, False, is_gated)
-    w2_plan = recipes.plan_fp4_trtllm_weights(intermediate_size, hidden_size, is_gated, is_gated)
+    w13_plan = builders.plan_fp4_trtllm_weights(rows, hidden_size, False, is_gated)
+    w2_plan = builders.plan_fp4_trtllm_weights(intermediate_size, hidden_size, is_gated, is_gated)
     out = (
-        apply_map(recipes.present(w13_plan.w13), flat["gemm1_weights"], "gemm1_weights"),
-        apply_map(recipes.present(w13_plan.w13_scale), flat["gemm1_scales"], "gemm1_scales"),
-        apply_map(recipes.present(w2_plan.w2), flat["gemm2_weights"], "gemm2_weights"),
-        apply_map(recipes.present(w2_plan.w2_scale), flat["gemm2_scales"], "gemm2_scales"),
+        apply_map(builders.present(w13_plan.w13), flat["gemm1_weights"], "gemm1_weights"),
+        apply_map(builders.present(w13_plan.w13_scale), flat["gemm1_scales"], "gemm1_scales"),
+        apply_map(builders.present(w2_plan.w2), flat["gemm2_weights"], "gemm2_weights"),
+        apply_map(builders.present(w2_plan.w2_scale), flat["gemm2_scales"], "gemm2_scales"),
     )
     w1, s1, w2, s2 = (o.reshape(shapes[n][1]) for o, n in zip(out, shapes))
     return w1.view(torch.uint8), s1.view(torch.float8_e4m3fn), w2.view(torch.uint8), s2.view(torch.float8_e4m3fn)

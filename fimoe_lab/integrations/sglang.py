@@ -10,7 +10,7 @@ permute-index cache of the BF16 method.
   ``flashinfer_trtllm.align_fp4_moe_weights_for_flashinfer_trtllm`` and the compressed-tensors
   and Muse Spark NVFP4 MoEs): :func:`fimoe_lab.integrations.fp4.prepare_static_weights_for_trtllm_fp4_moe`.
 - ``moe_runner/flashinfer_trtllm.align_fp8_moe_weights_for_flashinfer_trtllm`` (FP8 per-tensor):
-  optional half swap, SGLang's padding, then :func:`fimoe_lab.recipes.plan_rotate_fp8_per_tensor`
+  optional half swap, SGLang's padding, then :func:`fimoe_lab.builders.plan_rotate_fp8_per_tensor`
   out of place (new parameters, as SGLang), and SGLang's output scales:
   ``output1 = w13_scale * a13 / a2`` (gated; ``1 / a2`` otherwise), ``output1_gate = w13_scale * a13``,
   ``output2 = a2 * w2_scale``, all float32.
@@ -51,7 +51,7 @@ def _fp8_per_tensor(original: Callable[..., Any]) -> Callable[..., Any]:
     import torch
     from torch.nn import Parameter
 
-    from fimoe_lab import prepare, recipes
+    from fimoe_lab import builders, prepare
 
     ft = importlib.import_module(FLASHINFER_TRTLLM)
 
@@ -61,7 +61,7 @@ def _fp8_per_tensor(original: Callable[..., Any]) -> Callable[..., Any]:
         if swap_w13_halves and is_gated:
             w13 = prepare.swap_w13_to_w31(w13)
         w13, w2, _ = ft._align_fp8_moe_weights(w13, w2, is_gated, 16 if is_gated else 128)
-        plan = recipes.plan_rotate_fp8_per_tensor(w13.shape[1], w13.shape[2], w2.shape[2], is_gated)
+        plan = builders.plan_rotate_fp8_per_tensor(w13.shape[1], w13.shape[2], w2.shape[2], is_gated)
         o13, o2, _, _ = plan.apply(w13, w2)
         assert o13 is not None and o2 is not None
         layer.w13_weight = Parameter(o13.view(torch.uint8).view(torch.float8_e4m3fn), requires_grad=False)
@@ -112,7 +112,7 @@ def _mxfp8(original: Callable[..., Any]) -> Callable[..., Any]:
 def _bf16_block_layout(original: Callable[..., Any]) -> Callable[..., Any]:
     import torch
 
-    from fimoe_lab import recipes, steps
+    from fimoe_lab import builders, steps
     from fimoe_lab.errors import LayoutError
 
     def ours(self: Any, layer: Any, param: Any, param_name: str) -> None:
@@ -123,10 +123,10 @@ def _bf16_block_layout(original: Callable[..., Any]) -> Callable[..., Any]:
         rows, cols = data[0].view(torch.uint8).shape
         self._trtllm_bf16_row_permutation(layer, param_name, data[0].view(torch.uint8))  # SGLang's cache entry
         gated = param_name == "w13_weight" and layer.moe_runner_config.is_gated
-        m = recipes.chain(
+        m = builders.chain(
             steps.interleave_rows_for_gated_act(rows, cols) if gated else None,
-            steps.shuffle_rows_for_epilogue(rows, cols, recipes.TRTLLM_EPILOGUE_TILE_M),
-            steps.block_major_k(rows, cols, recipes.BLOCK_MAJOR_K_BYTES),
+            steps.shuffle_rows_for_epilogue(rows, cols, builders.TRTLLM_EPILOGUE_TILE_M),
+            steps.block_major_k(rows, cols, builders.BLOCK_MAJOR_K_BYTES),
         )
         assert m is not None
         with torch.no_grad():

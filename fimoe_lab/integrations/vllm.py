@@ -16,7 +16,7 @@ Replaced (profile ``vllm-0.34``), each where vLLM looks it up (see :mod:`fimoe_l
   block and MXFP8 get fast with it.
 - ``quantization/utils/flashinfer_fp4_moe``: ``prepare_static_weights_for_trtllm_fp4_moe``
   (NVFP4 TRT-LLM: W13 gated interleave + epilogue shuffle, W2 shuffle, scales the same rows
-  then the 128x4 swizzle: :func:`fimoe_lab.recipes.plan_fp4_trtllm_weights` without the W31
+  then the 128x4 swizzle: :func:`fimoe_lab.builders.plan_fp4_trtllm_weights` without the W31
   swap, which vLLM's ``reorder_w1w3_to_w3w1`` did before), and the two ``align_fp4_*`` names
   it imported.
 - ``fused_moe/oracle/mxfp4``: ``convert_gpt_oss_weight_to_mxfp4_moe_kernel_format`` for the
@@ -99,13 +99,13 @@ def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
     gpt-oss W13 rows arrive interleaved ``g0, u0, g1, u1, ...``; vLLM swaps each pair and
     shuffles (tile 128) weights, UE8M0 scales (then the 128x4 swizzle) and float32 biases.
     Here: the inverse gated interleave (back to ``[gate; up]``) composed with
-    :func:`fimoe_lab.recipes.plan_fp4_trtllm_weights` (``scale_block`` 32: swap, interleave,
+    :func:`fimoe_lab.builders.plan_fp4_trtllm_weights` (``scale_block`` 32: swap, interleave,
     shuffle); W2 and its scale and bias the plan's shuffle. vLLM's permute-index cache gets
     the entries its loop would add (FlashInfer's own helper, one expert per tensor).
     """
     import torch
 
-    from fimoe_lab import recipes, steps
+    from fimoe_lab import builders, steps
     from fimoe_lab.errors import LayoutError
 
     oracle = importlib.import_module(ORACLE_MXFP4)
@@ -150,21 +150,21 @@ def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
         for t, sf in ((w13, None), (s13, 16), (b13, None), (w2, None), (s2, 16), (b2, None)):
             one = t[0].reshape(-1, 1) if t.ndim == 2 else t[0]  # a bias: (rows, 1), as vLLM passes it
             get_w2_permute_indices_with_cache(
-                _cache_permute_indices, one, recipes.TRTLLM_EPILOGUE_TILE_M, num_elts_per_sf=sf
+                _cache_permute_indices, one, builders.TRTLLM_EPILOGUE_TILE_M, num_elts_per_sf=sf
             )
-        plan = recipes.plan_fp4_trtllm_weights(inter, hidden, True, True, scale_block=32)
+        plan = builders.plan_fp4_trtllm_weights(inter, hidden, True, True, scale_block=32)
 
         def pairs(cols_bytes: int) -> Any:
             return steps.interleave_rows_for_gated_act(rows, cols_bytes).inverse()
 
-        w13_map = pairs(w13.shape[2]) >> recipes.present(plan.w13)
+        w13_map = pairs(w13.shape[2]) >> builders.present(plan.w13)
         maps = (
             (w13_map, w13),
-            (pairs(s13.shape[2]) >> recipes.present(plan.w13_scale), s13),
-            (recipes.present(plan.w2), w2),
-            (recipes.present(plan.w2_scale), s2),
+            (pairs(s13.shape[2]) >> builders.present(plan.w13_scale), s13),
+            (builders.present(plan.w2), w2),
+            (builders.present(plan.w2_scale), s2),
             (w13_map.for_row_vectors(4), b13.reshape(experts, rows, 1).contiguous()),
-            (recipes.present(plan.w2).for_row_vectors(4), b2.reshape(experts, -1, 1).contiguous()),
+            (builders.present(plan.w2).for_row_vectors(4), b2.reshape(experts, -1, 1).contiguous()),
         )
         o13, o13s, o2, o2s, ob13, ob2 = (m.apply(x.contiguous()) for m, x in maps)
         return (

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -100,7 +101,7 @@ def model_from_config(config: str | os.PathLike | Mapping, activation: Optional[
         cfg = parse_json(raw, where, "pass a config.json", CheckpointError)
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{where} is not a JSON object", fix="pass a model's config.json")
-    from ..checkpoints.conventions import CONFIG_KEYS, config_value
+    from ..checkpoints.conventions import CONFIG_KEYS, config_quant_method, config_value
 
     sizes = {}
     for what in ("hidden", "intermediate", "experts", "top_k"):
@@ -121,9 +122,10 @@ def model_from_config(config: str | os.PathLike | Mapping, activation: Optional[
         sizes[what] = int(v)
     act = activation or _activation(_lookup(cfg, ACT_KEYS) or "silu", where)
     name = str(cfg.get("model_type") or Path(where).parent.name or "custom")
-    quant = str((_lookup(cfg, ("quantization_config",)) or {}).get("quant_method", "")).lower()  # type: ignore[attr-defined]
+    quant = config_quant_method(cfg)
     held = (quant,) if quant in WHOLE_BLOCK_SHARD_FORMATS else ()
-    return model_from_sizes(sizes["hidden"], sizes["intermediate"], sizes["experts"], sizes["top_k"], act, name, held)
+    model = model_from_sizes(sizes["hidden"], sizes["intermediate"], sizes["experts"], sizes["top_k"], act, name, held)
+    return replace(model, quant_method=quant)
 
 
 def model_from_checkpoint(path: str | os.PathLike, activation: Optional[str] = None) -> ModelPreset:
@@ -133,6 +135,7 @@ def model_from_checkpoint(path: str | os.PathLike, activation: Optional[str] = N
     ck = open_checkpoint(path)
     try:
         act = activation or ck.convention.activation
-        return model_from_sizes(ck.hidden, ck.intermediate, ck.num_experts, ck.top_k, act, Path(path).name, (ck.fmt,))
+        model = model_from_sizes(ck.hidden, ck.intermediate, ck.num_experts, ck.top_k, act, Path(path).name, (ck.fmt,))
+        return replace(model, quant_method=ck.convention.quant_method)
     finally:
         ck.close()

@@ -23,6 +23,11 @@ refused on Hopper; convert never pads it, so only rows at the shard's own size c
 :func:`run` needs neither torch nor pandas (the CLI answers in well under two seconds);
 :func:`sweep` returns the same table as a pandas DataFrame (``attrs`` = the run's facts),
 which :mod:`fimoe_lab.viz.figures` draws.
+
+Why one module of this size: a sweep is one table (a row per padding) that is built, judged,
+recommended from and rendered (text, DataFrame, CSV/JSON export) by the same column names; splitting the
+judging from the rendering would put the column vocabulary in two places. The building blocks it needs
+from elsewhere (shapes, the oracle, the cost model) already live in their own modules.
 """
 
 from __future__ import annotations
@@ -85,12 +90,18 @@ def reference_alignments(
 
     :func:`fimoe_lab.shapes.default_alignments` (the function ``plan_layer`` uses) of the
     format's layout recipe (``mxfp4-mxfp8`` -> ``mxfp4``) on ``backend`` for the preset's
-    activation.
+    activation and quantization method (``preset.quant_method``: engine rules keyed on it).
     """
     tactic_format(fmt)
     act = get_activation(preset.activation)
     return default_alignments(
-        _plan_format(fmt), backend, act.is_act_and_mul, act.gated, engine=engine, per_token_activation=per_token
+        _plan_format(fmt),
+        backend,
+        act.is_act_and_mul,
+        act.gated,
+        engine=engine,
+        per_token_activation=per_token,
+        quant_method=preset.quant_method,
     )
 
 
@@ -234,11 +245,12 @@ def convert_check(
                 preset.hidden,
                 act.is_act_and_mul,
                 act.gated,
-                None if is_default else inter_align,  # convert without alignment options
-                None if is_default else hidden_align,
-                engine,
-                per_token,
                 activation=act.name,
+                quant_method=preset.quant_method,
+                intermediate_alignment=None if is_default else inter_align,  # convert without alignment options
+                hidden_alignment=None if is_default else hidden_align,
+                engine=engine,
+                per_token_activation=per_token,
             )
         except FimoeError as exc:
             return exc.message

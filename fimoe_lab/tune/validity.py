@@ -35,6 +35,13 @@ passes), an SM100 device by default or SM103 (``sm=103``; the two differ only in
 builds of the patched-F2FP MxFP4 kernels the runner keeps), sizes within the op's 32-bit
 arithmetic (:data:`fimoe_lab.tune.oracle.MAX_GEMM_DIM`).  Agreement with the live module:
 ``tests/test_tune_validity.py`` (no shape is known to differ).
+
+Why one module of this size: it restates one decision of FlashInfer's (the runner's option checks, the
+batched GEMM's validity checks and the pairing of GEMM1 with GEMM2 kernels), and those checks read each
+other's intermediate values (the runner options feed every kernel check, the tile ladder feeds both
+GEMMs). Split by check, each part would have to import the others' private records; kept together, the
+decision reads top to bottom in the order FlashInfer takes it, and ``tests/test_tune_validity.py``
+checks it as one function against the live module.
 """
 
 from __future__ import annotations

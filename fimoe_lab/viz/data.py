@@ -6,6 +6,12 @@ against the map it came from. Shapes are one expert's matrix; ``itemsize`` is th
 bytes per stored element of the tensor the map moves, read off ``specs.FORMATS``
 (:func:`itemsize_of`: 2 for bf16, 1 for fp8, UE8M0, E4M3 and packed fp4 bytes, 4 for
 fp32 scales). Steps are told apart by ``kind``/``params``, never by display name.
+
+Why one module of this size: it is the single place where the lab turns maps into arrays, one short
+function per view (rows, tiles, swizzle, padding, provenance, word bits) sharing a few element-coordinate
+helpers and one bounded cache (:func:`memo`). Each view's function is independent of the others; a split
+per view would mostly move those shared helpers into a module of their own and add imports, not separate
+jobs.
 """
 
 from __future__ import annotations

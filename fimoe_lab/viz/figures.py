@@ -9,6 +9,11 @@ Value views mark padding (grey), NaN, Inf and dead scales (:data:`FLAG_COLOURS`)
 reduce anything larger than :data:`MAX_SIDE` per side (:func:`data.downsample`); axes
 are always in elements. The arrays each panel draws are the :mod:`.data` arrays (tests
 compare them).
+
+Why one module of this size: every figure shares one style (:data:`STYLE`, fonts, colourbars,
+flag colours) and one SVG path (:func:`to_svg`, hover text, ``currentColor``), and the pointable
+figures share the cell markers (:func:`cells_of`, :func:`trace_markers`). Each figure function is short
+and independent; splitting them by view would spread one visual vocabulary over several modules.
 """
 
 from __future__ import annotations

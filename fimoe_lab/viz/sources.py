@@ -156,8 +156,10 @@ class ExpertTensors:
         key = (backend, activation_dtype, per_token)
         if key not in self._plans:
             from fimoe_lab.checkpoints import plan_choice
+            from fimoe_lab.choice import LayoutChoice
 
-            args = plan_choice.plan_args(self.layout, backend, per_token=per_token, activation_dtype=activation_dtype)
+            choice = LayoutChoice(backend, per_token_activation=per_token, activation_dtype=activation_dtype)
+            args = plan_choice.plan_args(self.layout, choice)
             self._plans[key] = plan_choice.build_plan(args)
         return self._plans[key]  # type: ignore[no-any-return]
 

@@ -24,6 +24,11 @@ menu: seeded layers per format (shape typed in the ``I x H`` box), the shipped s
 checkpoints, and any checkpoint loaded through the path box with its layer, TP size and
 TP rank (:func:`sources.load_layer`). Their plans are the ones ``fimoe-lab convert``
 applies; the backends and formats on offer are the rows of :mod:`fimoe_lab.specs`.
+
+Why one module of this size: the explorers are one class family (:class:`_Explorer` and its
+subclasses) that share the controls, the redraw cache, the message line, the export row and the click
+and hover tracing; each subclass only names its controls and its figure. Splitting the subclasses out
+would make them import the base's private helpers across modules, which the import rules forbid.
 """
 
 from __future__ import annotations
