@@ -32,6 +32,7 @@ import gc
 import html
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -83,6 +84,10 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+_PAUSES = {"depth": 0, "was": False}
+_PAUSES_LOCK = threading.Lock()
+
+
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for one redraw, as it was after. A new figure allocates
@@ -90,14 +95,35 @@ def _collector_paused() -> Iterator[None]:
     the kernel (~3.4 * 10^5 after the three layer explorers on an R1 layer: 0.15-0.3 s on a 2-core VM,
     a third to half of a new tensor's redraw in benchmarks/bench_lab.py, where none runs now). Paused,
     the redraw's objects are collected after it, as young objects (a few ms), and full collections
-    become rare; no memory is held longer than one redraw's garbage (freed at the next collection)."""
-    was = gc.isenabled()
-    gc.disable()
+    become rare; no memory is held longer than one redraw's garbage (freed at the next collection).
+    Redraws of several explorers (each on its own drawing thread) nest: the last one out restores it."""
+    with _PAUSES_LOCK:
+        if _PAUSES["depth"] == 0:
+            _PAUSES["was"] = gc.isenabled()
+            gc.disable()
+        _PAUSES["depth"] += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _PAUSES_LOCK:
+            _PAUSES["depth"] -= 1
+            if _PAUSES["depth"] == 0 and _PAUSES["was"]:
+                gc.enable()
+
+
+def _in_kernel() -> bool:
+    """True inside a running Jupyter kernel (where control changes arrive as messages the kernel's main thread
+    handles one by one, so a redraw there would hold back every later change)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with ipywidgets
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class _Superseded(Exception):
+    """A redraw stopped because a newer control change asked for another figure."""
 
 
 @lru_cache(maxsize=16)
@@ -292,12 +318,29 @@ def _figure_view() -> W.DOMWidget:
 
 
 class _Explorer(W.VBox):
-    """Controls, figure, message and export row; subclasses define ``_draw`` (and ``code``)."""
+    """Controls, figure, message and export row; subclasses define ``_draw`` (and ``code``).
+
+    Redraws coalesce: in a kernel (``background``, default :func:`_in_kernel`) a control change only
+    asks for a figure and returns; one drawing thread per explorer draws the newest request. A change
+    that arrives while a redraw runs supersedes it: the older redraw stops at its next stage (before
+    rendering SVG) and nothing of it is shown, then the newest control state is drawn; any number of
+    changes in between cost one redraw, never a queue of stale ones. Outside a kernel (scripts,
+    tests) each change redraws before returning. :meth:`wait` blocks until the newest request is shown."""
 
     CACHE = 12
     """Figures kept per explorer, by control state: going back to a setting is instant."""
 
-    def __init__(self, controls: list):
+    background: bool
+    """Redraw on the explorer's drawing thread (True in a kernel) or before a change returns."""
+
+    def __init__(self, controls: list, background: Optional[bool] = None):
+        self._local = threading.local()  # per thread: whether its control changes are the explorer's own
+        self.background = _in_kernel() if background is None else background
+        self._asked = 0  # requests made (control changes), the newest's number
+        self._drawing = 0  # the request the running (or last) redraw draws
+        self._lock = threading.Lock()  # held while a redraw runs: clicks and hovers then wait for the figure
+        self._worker: Optional[threading.Thread] = None
+        self._worker_lock = threading.Lock()
         self.view = _figure_view()
         self.view.add_class("fimoe-figure")
         self.message = W.HTML()
@@ -307,7 +350,6 @@ class _Explorer(W.VBox):
         self.figure: Optional[Figure] = None
         self.svg = ""
         self.state: dict = {}
-        self._busy = False
         self._drawn: OrderedDict = OrderedDict()
         self._layers: OrderedDict = OrderedDict()  # static key -> (figure, SVG without its moving layer)
         self.save_name = W.Text(placeholder="file name (default: fimoe-<explorer>)", layout=W.Layout(width="260px"))
@@ -350,6 +392,7 @@ class _Explorer(W.VBox):
                 self._layers.popitem(last=False)
         self._layers.move_to_end(key)
         fig, base, rendered = self._layers[key]
+        self._check()  # what follows renders SVG: not for a superseded setting
         shown = layers(fig)
         for k, (what, artists) in enumerate(shown):
             if k == len(shown) - 1 or k not in rendered or rendered[k][0] != what:
@@ -364,16 +407,65 @@ class _Explorer(W.VBox):
         """Python that draws the current figure without the explorer."""
         raise NotImplementedError
 
+    @property
+    def _busy(self) -> bool:
+        """True while this thread changes controls itself (a menu the redraw refills, a loaded layer):
+        those changes ask for no redraw. Per thread: a user's change during a background redraw still does."""
+        return bool(getattr(self._local, "busy", False))
+
+    @_busy.setter
+    def _busy(self, value: bool) -> None:
+        self._local.busy = value
+
     def refresh(self, *_) -> None:
         """Redraw from the controls' values; a bad combination shows its error instead.
 
         An error replaces the figure (:meth:`show_error`) and says why; the next change redraws.
-        The garbage collector is paused meanwhile (:func:`_collector_paused`).
+        The garbage collector is paused meanwhile (:func:`_collector_paused`). With ``background``
+        this only asks for the redraw (the class docstring: the newest request is drawn).
         """
         if self._busy:
             return
-        with _collector_paused():
+        self._asked += 1
+        if not self.background:
+            self._draw_newest()
+            return
+        with self._worker_lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._drain, name="fimoe-redraw", daemon=True)
+                self._worker.start()
+
+    def _drain(self) -> None:
+        """The drawing thread: draw the newest request until none is newer than the one shown."""
+        while True:
+            with self._worker_lock:
+                if self._drawing == self._asked:
+                    self._worker = None
+                    return
+            self._draw_newest()
+
+    def _draw_newest(self) -> None:
+        """One redraw of the newest request (skipped, unshown, where a newer one arrives meanwhile)."""
+        with self._lock, _collector_paused():
+            self._drawing = self._asked
             self._redraw()
+
+    def _check(self) -> None:
+        """Stop the running redraw (:class:`_Superseded`) when a newer control change asked for another."""
+        if self._drawing != self._asked:
+            raise _Superseded
+
+    def wait(self, timeout: float = 60.0) -> bool:
+        """Block until the newest request is drawn and shown (at once without ``background``); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._worker_lock:
+                worker = self._worker
+            if worker is None:
+                return True
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
+                return False
 
     def _redraw(self) -> None:
         """:meth:`refresh`'s work."""
@@ -386,6 +478,7 @@ class _Explorer(W.VBox):
                 self.state = dict(state)
             else:
                 fig, note, *given = self._draw()
+                self._check()
                 parts = getattr(fig, "parts", None)  # an A/B figure: each part as its own vector SVG
                 if given:  # the explorer rendered it (a marker moved on a figure already drawn)
                     svg = given[0]
@@ -393,11 +486,16 @@ class _Explorer(W.VBox):
                     svg = "".join(f"<div><b>{label}</b></div>{figures.to_svg(p)}" for label, p in zip("AB", parts))
                 else:
                     svg = figures.to_svg(fig)
-                self._drawn[self._key()] = (fig, svg, note, dict(self.state))
+                key = self._key()
+                self._check()
+                self._drawn[key] = (fig, svg, note, dict(self.state))
                 while len(self._drawn) > self.CACHE:
                     self._drawn.popitem(last=False)
+        except _Superseded:
+            return
         except (FimoeError, sources.LabUnavailable, ValueError, KeyError, OSError) as exc:
-            self.show_error(exc)
+            if self._drawing == self._asked:  # an error of a superseded setting is not shown either
+                self.show_error(exc)
             return
         finally:
             self._busy = False
@@ -426,14 +524,19 @@ class _Explorer(W.VBox):
         """The element under point ``(x, y)`` of SVG ``part`` (points from its top left, what the
         figure reports) followed through its map (:func:`data.trace_cell`), or None where no
         cell is drawn (or before anything is drawn)."""
-        fig = self._part(int(part))
-        if fig is None:
-            return None
-        hit = figures.cell_at(fig, float(x), float(y))
-        if hit is None:
-            return None
-        _, cells, i, j = hit
-        return self._traced(cells, data.trace_cell(cells, i, j))
+        if not self._lock.acquire(blocking=False):
+            return None  # a redraw is under way: the figure pointed at is about to be replaced
+        try:
+            fig = self._part(int(part))
+            if fig is None:
+                return None
+            hit = figures.cell_at(fig, float(x), float(y))
+            if hit is None:
+                return None
+            _, cells, i, j = hit
+            return self._traced(cells, data.trace_cell(cells, i, j))
+        finally:
+            self._lock.release()
 
     def _traced(self, cells: data.Cells, trace: data.Trace) -> data.Trace:
         """What :meth:`point` returns for ``trace`` of a cell of ``cells`` (layer explorers add bits)."""
@@ -545,6 +648,7 @@ class _LayerExplorer(_Explorer):
         source: str = "seeded:mxfp8",
         backend: str = "trtllm",
         tensor: str = "w13",
+        background: Optional[bool] = None,
     ):
         self.layer_given = layer
         choices = [(layer.source, "given")] if layer is not None else layer_choices()
@@ -587,7 +691,7 @@ class _LayerExplorer(_Explorer):
         self.progress.add_class("fimoe-progress")
         self._opened = ""  # what the last load opened (the progress line keeps it)
         plan_controls = [self.source, self.shape, self.backend, self.activation, self.per_token]
-        super().__init__(plan_controls + [self.tensor, self.expert] + extra)
+        super().__init__(plan_controls + [self.tensor, self.expert] + extra, background)
         self.children = (self.loader, self.progress) + tuple(self.children)
 
     def load(self, path: Optional[str] = None) -> None:
@@ -652,6 +756,8 @@ class _LayerExplorer(_Explorer):
         and says when per-token activations leave the weight layout as it is (the figure cannot change)."""
         reads = _last_read(self)
         super()._redraw()
+        if self._drawing != self._asked:  # superseded: the newest request says what is shown
+            return
         if self.figure is not None and self.state.get("per_token") and self._same_without_per_token():
             self.message.value += html.escape(
                 f" (per-token activations: the same weight layout as per-tensor on {self.backend.value})"
@@ -992,6 +1098,7 @@ class ProvenanceExplorer(_LayerExplorer):
         fig, base, layers = self._static[static]
         if fig._fimoe_prov["values"] is not before:
             figures.show_provenance_values(fig, before, self.layer.dead(name, expert))
+        self._check()
         if expert not in layers:  # svg_only draws the expert's layer alone (no markers, no chain)
             layers[expert] = figures.svg_only(fig, figures.provenance_layer(fig))
             while len(layers) > self.EXPERTS_KEPT:
@@ -1338,6 +1445,7 @@ class CompareExplorer(_LayerExplorer):
             (ma, a, self.engine_a.value, self.align_a.value, 1),
             (mb, b, self.engine_b.value, self.align_b.value, self.tp_b.value),
         ):
+            self._check()
             own = m.in_shape == tuple(values.shape[:-1]) + (values.shape[-1] * size,)  # B at TP > 1: a shard
             sides.append(self._side(m, projections, expert, values if own else None, dead if own else None, size))
             # what the side's controls asked for and what the plan made of it (an alignment the size already
