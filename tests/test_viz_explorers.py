@@ -16,7 +16,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("matplotlib")
 
 from fimoe_lab import prepare, resources  # noqa: E402
-from fimoe_lab.errors import LayoutError  # noqa: E402
+from fimoe_lab.errors import FimoeError, LayoutError  # noqa: E402
 from fimoe_lab.viz import data, figures, sources, widgets  # noqa: E402
 from tests.test_viz import drawn_pairs, ref_w13_rows  # noqa: E402
 
@@ -345,3 +345,45 @@ def test_exports_fail_loudly_and_the_code_box_reproduces_the_view(tmp_path):
     scope: dict = {}
     exec(code, scope)
     assert svg_texts(figures.to_svg(scope["fig"])) == svg_texts(w.svg)
+
+
+@pytest.mark.parametrize("sample", ["deepseek-r1-nvfp4", "deepseek-v3-fp8", "gpt-oss-mxfp4", "mixtral-bf16"])
+def test_a_tp_shard_of_an_expert_is_what_the_checkpoint_reader_gives_that_rank(sample):
+    full = sources.load_layer(sample)
+    checked = 0
+    for tp in (2, 4):
+        for rank in (0, tp - 1):
+            try:
+                reader = sources.load_layer(sample, None, tp, rank)
+            except FimoeError:  # the reader refuses a shard that cuts a scale block: so does tp_shard
+                with pytest.raises(LayoutError, match="cuts its stored elements or scale blocks"):
+                    for name in full.tensors:
+                        full.tp_shard(name, 1, tp, rank)
+                continue
+            if reader.intermediate * tp != full.intermediate:  # unequal shards (gpt-oss): not a plan's TP
+                continue
+            for name in full.tensors:
+                shard, dead = full.tp_shard(name, 1, tp, rank)
+                assert np.array_equal(shard, reader.magnitude(name, 1)), (tp, rank, name)
+                assert np.array_equal(dead, reader.dead(name, 1)) and np.isfinite(shard).any()
+                checked += 1
+    assert checked >= 2 * len(full.tensors)
+
+
+def test_the_ab_b_side_at_tp_2_draws_rank_0s_values():
+    layer = sources.load_layer("deepseek-r1-nvfp4")
+    w = widgets.CompareExplorer(layer)
+    w.expert.value = 3
+    shown_a = w.svg.split("</svg>")[0]
+    w.tp_b.value = 2
+    assert not is_error(w) and w.state["values_b"] and "TP rank 0 of 2" in w.svg
+    fig_a, fig_b = w.figure.parts
+    reader = sources.load_layer("deepseek-r1-nvfp4", None, 2, 0)  # what rank 0 of 2 reads from the checkpoint
+    assert np.array_equal(fig_b._fimoe_rows["values"], reader.magnitude("w13", 3))
+    assert fig_a._fimoe_rows["values"] is layer.magnitude("w13", 3)
+    assert w.svg.split("</svg>")[0] == shown_a  # A's picture as it was: only B was drawn again
+    scope: dict = {}
+    exec(w.code(), scope)
+    for drawn, mine in zip(scope["fig"].parts, (fig_a, fig_b)):
+        assert drawn_pairs(drawn) == drawn_pairs(mine)
+        assert np.array_equal(drawn.axes[2].images[0].get_array(), mine.axes[2].images[0].get_array())

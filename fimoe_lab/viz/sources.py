@@ -213,6 +213,43 @@ class ExpertTensors:
         """
         return self._kept(("dead", name, expert), lambda: self._dead(name, expert))
 
+    def tp_shard(self, name: str, expert: int, tp_size: int, tp_rank: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``(magnitude, dead)`` (:meth:`magnitude`, :meth:`dead`) of what TP rank ``tp_rank`` of ``tp_size``
+        holds of one expert's ``name``: the intermediate ``[r*I/tp, (r+1)*I/tp)`` of every projection, equal
+        shards as a plan at TP ``tp`` assumes (:meth:`Checkpoint.shard_bounds`). w13 and its scales
+        ``(P*I*a, C)`` -> those rows of each of the P projections ``(P*I*a/tp, C)``; w2 and its scales
+        ``(R, I*b)`` -> those columns ``(R, I*b/tp)`` (``a``, ``b``: stored elements per intermediate value,
+        e.g. ``b = 1/2`` for packed FP4 bytes, ``1/block`` for block scales). A bound that falls inside a
+        stored element or a scale block is a :class:`LayoutError`. Kept like :meth:`magnitude`."""
+        inter = self.intermediate
+        if not (tp_size >= 1 and 0 <= tp_rank < tp_size and inter % tp_size == 0):
+            raise LayoutError(
+                f"intermediate {inter} has no equal rank {tp_rank} of {tp_size}", fix="pick a TP size that divides it"
+            )
+        full, dead = self.magnitude(name, expert), self.dead(name, expert)
+        projections = 2 if name.startswith("w13") and self.gated else 1
+        axis = 0 if name.startswith("w13") else 1
+        per = full.shape[axis] / (projections * inter)  # stored elements along the sharded axis per value
+        lo, hi = tp_rank * inter // tp_size * per, (tp_rank + 1) * inter // tp_size * per
+        if lo != int(lo) or hi != int(hi):
+            raise LayoutError(
+                f"a TP {tp_size} shard of {name} ({inter // tp_size} values of each projection) cuts its stored "
+                f"elements or scale blocks",
+                fix="pick a TP size whose shards are whole blocks",
+            )
+        width = full.shape[axis] // projections
+        pieces = [slice(p * width + int(lo), p * width + int(hi)) for p in range(projections)]
+
+        def cut(a: np.ndarray) -> np.ndarray:
+            if a.strides == (0, 0):  # a broadcast "nothing dead": the shard's shape, still no memory
+                shape = list(a.shape)
+                shape[axis] = len(pieces) * (int(hi) - int(lo))
+                return np.broadcast_to(np.False_, tuple(shape))
+            return np.concatenate([a[(p,) if axis == 0 else (slice(None), p)] for p in pieces], axis=axis)
+
+        key = ("tp", name, expert, tp_size, tp_rank)
+        return self._kept(key + ("magnitude",), lambda: cut(full)), self._kept(key + ("dead",), lambda: cut(dead))
+
     def _kept(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
         """``make()`` kept read-only under ``key`` in the shared cache bounded in bytes (:data:`VALUE_BYTES_KEPT`;
         made again when asked after it was dropped)."""

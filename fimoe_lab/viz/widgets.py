@@ -325,7 +325,9 @@ class _Explorer(W.VBox):
     that arrives while a redraw runs supersedes it: the older redraw stops at its next stage (before
     rendering SVG) and nothing of it is shown, then the newest control state is drawn; any number of
     changes in between cost one redraw, never a queue of stale ones. Outside a kernel (scripts,
-    tests) each change redraws before returning. :meth:`wait` blocks until the newest request is shown."""
+    tests) each change redraws before returning. The first figure is drawn before the explorer is
+    returned; :meth:`wait` blocks until the newest request is shown (a cell that sets a control and
+    then reads ``state`` waits first)."""
 
     CACHE = 12
     """Figures kept per explorer, by control state: going back to a setting is instant."""
@@ -368,7 +370,8 @@ class _Explorer(W.VBox):
         if anywidget is not None:
             self.view.observe(lambda change: self._from_page(self.click, change["new"]), names="click")
             self.view.observe(lambda change: self._from_page(self._hover, change["new"]), names="hover")
-        self.refresh()
+        self._asked += 1
+        self._draw_newest()  # the first figure before the explorer is returned: a notebook cell may read its state
 
     def _draw(self) -> tuple[Figure, str]:
         raise NotImplementedError
@@ -376,12 +379,13 @@ class _Explorer(W.VBox):
     LAYERED = 4
     """Figures kept by :meth:`_layered` (by what their static part shows)."""
 
-    def _layered(self, key: tuple, build, move, layers) -> tuple[Figure, str]:
+    def _layered(self, key: tuple, build, move, layers, top_moves: bool = True) -> tuple[Figure, str]:
         """A figure drawn once per ``key`` whose later changes touch only its moving layers:
         ``build()`` draws it (the static part is rendered once, :func:`figures.svg_without`),
         ``move(fig)`` updates it in place, ``layers(fig)`` lists the moving layers bottom to top
-        as ``(what it shows, artists)``. Only the top layer and any layer whose "what it shows"
-        changed are rendered again (:func:`figures.svg_only`). Returns the figure and its SVG."""
+        as ``(what it shows, artists)``. Only the top layer (unless not ``top_moves``: its "what it
+        shows" then says all it shows) and any layer whose "what it shows" changed are rendered
+        again (:func:`figures.svg_only`). Returns the figure and its SVG."""
         if key in self._layers:
             move(self._layers[key][0])
         else:
@@ -395,7 +399,7 @@ class _Explorer(W.VBox):
         self._check()  # what follows renders SVG: not for a superseded setting
         shown = layers(fig)
         for k, (what, artists) in enumerate(shown):
-            if k == len(shown) - 1 or k not in rendered or rendered[k][0] != what:
+            if (top_moves and k == len(shown) - 1) or k not in rendered or rendered[k][0] != what:
                 rendered[k] = (what, figures.svg_only(fig, artists))
         return fig, figures.stack_svg(base, *(rendered[k][1] for k in range(len(shown))))
 
@@ -1377,11 +1381,16 @@ class DiagnoseExplorer(_Explorer):
 class CompareExplorer(_LayerExplorer):
     """A/B: the chosen tensor of one layer under two plans (backend, engine profile, TP size,
     intermediate alignment each): both row pictures side by side with the chosen expert's values
-    (B at another TP size draws its rows without values: a shard of another read), each headed by
+    (B at TP > 1: TP rank 0's shard of them, :meth:`sources.ExpertTensors.tp_shard`), each headed by
     what its controls asked for, and the two step chains as a table under them; the message names
-    the steps that differ (B's controls are the ones marked B)."""
+    the steps that differ (B's controls are the ones marked B). Each side's picture is drawn once per
+    map (:meth:`_layered`): an expert change renders its colour scale and values only, a change of one
+    side's controls leaves the other side's SVG as it was."""
 
     tensor_filter = staticmethod(RowExplorer.tensor_filter)
+
+    CACHE = 0  # the side pictures are shared between experts (their values move): nothing to keep per setting
+    LAYERED = 6
 
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
         engines = ["default"] + sources.tuner_choices()[1]
@@ -1394,7 +1403,6 @@ class CompareExplorer(_LayerExplorer):
         self.activation_b, self.per_token_b = _activation_controls("B ")
         extra = [self.engine_a, self.align_a, self.backend_b, self.engine_b, self.align_b, self.tp_b]
         extra += [self.activation_b, self.per_token_b]
-        self._sides: OrderedDict = OrderedDict()
         super().__init__(layer, extra, **kwargs)
 
     def _plan_args(self, backend: str, engine: str, align, tp: int, acts: tuple = (None, False)) -> tuple:
@@ -1420,9 +1428,6 @@ class CompareExplorer(_LayerExplorer):
             acts[0],
         )
 
-    SIDES_KEPT = 6
-    """Row pictures kept (by map, expert and side): a change of one side's controls redraws that side only."""
-
     def _draw(self):
         self.current_map()
         name, expert = self.tensor.value, self.state["expert"]
@@ -1439,21 +1444,25 @@ class CompareExplorer(_LayerExplorer):
         diff = data.chain_diff(ma, mb)
         projections = 2 if name.startswith("w13") and self.layer.gated else 1
         values, dead = self.layer.magnitude(name, expert), self.layer.dead(name, expert)
+        tp_b = self.tp_b.value
+        shard = (values, dead) if tp_b == 1 else self.layer.tp_shard(name, expert, tp_b, 0)
         size = data.itemsize_of(self.layer.fmt, name)
         sides = []
-        for m, plan, engine, align, tp in (
-            (ma, a, self.engine_a.value, self.align_a.value, 1),
-            (mb, b, self.engine_b.value, self.align_b.value, self.tp_b.value),
+        for label, m, plan, engine, align, tp, (v, d) in (
+            ("A", ma, a, self.engine_a.value, self.align_a.value, 1, (values, dead)),
+            ("B", mb, b, self.engine_b.value, self.align_b.value, tp_b, shard),
         ):
             self._check()
-            own = m.in_shape == tuple(values.shape[:-1]) + (values.shape[-1] * size,)  # B at TP > 1: a shard
-            sides.append(self._side(m, projections, expert, values if own else None, dead if own else None, size))
+            own = m.in_shape == tuple(v.shape[:-1]) + (v.shape[-1] * size,)  # the values the map moves
+            sides.append(self._side(label, m, projections, expert, v if own else None, d if own else None, size))
             # what the side's controls asked for and what the plan made of it (an alignment the size already
             # meets pads nothing: the same picture, said here)
             asked = f"engine {engine}, TP {tp}, I align {align} -> intermediate {plan.padded_intermediate}"
             sides[-1] += (asked, tp, own)
         (fig_a, svg_a, *_), (fig_b, svg_b, *_) = sides
-        self.state.update(a=a, b=b, args=(args_a, args_b), diff=diff, projections=projections, values_b=sides[1][-1])
+        self.state.update(
+            a=a, b=b, args=(args_a, args_b), diff=diff, projections=projections, values_b=sides[1][-1], tp_b=tp_b
+        )
         changed = [f"{op}: {(sa or sb).split('(')[0]}" for op, sa, sb in diff if op != "same"]  # kinds; the table
         bits = [(side, p.word_bits.get(name)) for side, p in (("A", a), ("B", b))]
         extra = [f"{side} then {w.name} on every 32-bit word" for side, w in bits if w is not None]
@@ -1465,7 +1474,8 @@ class CompareExplorer(_LayerExplorer):
         pair.parts = (fig_a, fig_b)  # type: ignore[attr-defined]
         heads = []
         for label, plan, (_, _, asked, tp, own) in zip("AB", (a, b), sides):
-            shown = f"expert {expert}'s values" if own else f"no values (TP {tp} shard: load the layer at TP {tp})"
+            shown = f"expert {expert}'s values" + (f" (TP rank 0 of {tp}: its shard)" if tp > 1 else "")
+            shown = shown if own else "no values (the map does not take this layer's tensor)"
             heads.append(f"<b>{label}</b>: {html.escape(plan.description)}; {html.escape(asked)}; {shown}")
         panes = "".join(
             f"<div style='flex:0 0 auto'><div class='fimoe-side'>{head}</div>{svg}</div>"
@@ -1497,23 +1507,39 @@ class CompareExplorer(_LayerExplorer):
             + "</table>"
         )
 
-    def _side(self, m, projections: int, expert: int, values, dead, size: int) -> tuple:
-        """``(figure, SVG)`` of one side's row picture (with ``values``, one expert's, when given), kept."""
-        key = (id(self.layer), id(m), projections, expert if values is not None else None)
+    def _side(self, label: str, m, projections: int, expert: int, values, dead, size: int) -> tuple[Figure, str]:
+        """``(figure, SVG)`` of side ``label``'s row picture (with ``values``, one expert's, when given): drawn
+        once per map, an expert change moves its values (:func:`figures.show_values`) and renders its colour
+        scale and window layers; nothing is rendered when neither changed."""
+        shown = expert if values is not None else None
 
-        def draw():
-            fig = figures.row_permutation_figure(m, projections, (0, 64), "origin", values, size, dead=dead)
-            return (fig, figures.to_svg(fig), m)  # the map held: its id stays its own while kept
+        def move(f) -> None:
+            if values is not None and f._fimoe_rows["values"] is not values:
+                figures.show_values(f, values, dead)
+                figures.show_rows(f, (0, 64), "kernel", "origin")
 
-        return data.lru_get(self._sides, key, draw, self.SIDES_KEPT)[:2]  # type: ignore[no-any-return]
+        def layers(f) -> list:  # the window stays rows 0..63 of the kernel side: it shows the expert's values
+            *below, (_, artists) = figures.row_layers(f)
+            return below + [(("values of expert", shown), artists)]
+
+        return self._layered(
+            (id(self.layer), id(m), projections, label, values is not None),
+            lambda: figures.row_permutation_figure(m, projections, (0, 64), "origin", values, size, dead=dead),
+            move,
+            layers,
+            top_moves=False,
+        )
 
     def code(self) -> str:
         s = self.state
         t, p, e = s["tensor"], s["projections"], s["expert"]
-        b_values = "values, size, dead=dead" if s["values_b"] else "size=size"
+        tp_b = s["tp_b"]
+        b_values = "values_b, size, dead=dead_b" if s["values_b"] else "size=size"
+        shard = f"layer.tp_shard({t!r}, {e}, {tp_b}, 0)" if tp_b > 1 else "values, dead"
         return self._layer_code() + (
             "from fimoe_lab.recipes import plan_layer\n"
             f"values, dead = layer.magnitude({t!r}, {e}), layer.dead({t!r}, {e})\n"
+            f"values_b, dead_b = {shard}\n"
             f"a, b = plan_layer{s['args'][0]!r}.maps()[{t!r}], plan_layer{s['args'][1]!r}.maps()[{t!r}]\n"
             "for row in data.chain_diff(a, b):\n    print(*row, sep=' | ')\n"
             f"fig = figures.side_by_side(figures.row_permutation_figure(a, {p}, (0, 64), 'origin', values, size, "
