@@ -143,7 +143,8 @@ def test_a_window_or_side_change_redraws_only_the_window_layer():
     layer = sources.sample_layer("nvfp4", experts=2, intermediate=128, hidden=256)
     w = widgets.RowExplorer(layer)
     w.expert.value = 1
-    fig, base = w.figure, w.svg[: w.svg.rindex(f'<g class="{figures.LAYER}">')]
+    tag = f'<g class="{figures.LAYER}">'
+    fig, base = w.figure, tag.join(w.svg.split(tag)[:3])  # the static part, the colouring and the colour scale
     w.start.value = 72
     w.side.value = "checkpoint"
     assert w.figure is fig and w.svg.startswith(base)  # lines, shading and values only were drawn again
@@ -169,12 +170,22 @@ def test_a_window_or_side_change_redraws_only_the_window_layer():
     assert w.figure is fig and svg_texts(w.svg) == svg_texts(figures.to_svg(fresh))
     legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
     assert legend == [t.get_text() for t in fresh.axes[1].get_legend().get_texts()] and "shuffle block 0" in legend
-    assert w.svg.count(figures.LAYER) == len(figures.row_layers(fig)) == 3 and w.svg.count("<svg") == 1
+    assert w.svg.count(figures.LAYER) == len(figures.row_layers(fig)) == 4 and w.svg.count("<svg") == 1
     w.colour_by.value = "origin"
     w.side.value = "kernel"
     w.start.value = 0
     assert w.figure is fig and w.state["window"] == (0, 64)
     assert drawn_pairs(w.figure) == [(int(c), k) for k, c in enumerate(s["flow"].src_rows[:64]) if c >= 0]
+    layers = w.svg.split(tag)
+    w.expert.value = 0  # another expert: its colour scale and values only (the rows layer as it was)
+    now = w.svg.split(tag)
+    assert w.figure is fig and now[:2] + now[3:4] == layers[:2] + layers[3:4] and now[4] != layers[4]
+    fresh = figures.row_permutation_figure(
+        s["plan"].w13, 2, (0, 64), "origin", layer.magnitude("w13", 0), 1, dead=layer.dead("w13", 0)
+    )
+    assert svg_texts(w.svg) == svg_texts(figures.to_svg(fresh))
+    shown, expect = (np.ma.filled(f.axes[2].images[0].get_array(), np.nan) for f in (w.figure, fresh))
+    assert np.array_equal(shown, expect, equal_nan=True) and np.isfinite(shown).any()
 
 
 def svg_texts(svg: str) -> list[str]:

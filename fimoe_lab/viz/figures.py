@@ -366,6 +366,7 @@ def row_permutation_figure(
     ax_all.set_ylabel("checkpoint row (grey squares: padding)")
     ax_all.set_title(f"all rows (shaded: the window; {int((flow.src_rows < 0).sum())} padding rows)")
     state = dict(m=m, flow=flow, moving=[], drop=[], gids=[], observed=observed, colour_by=None, colour_layer=[])
+    state.update(at=None, values_at=None, value_moving=[], value_drop=[], cells={})
     state.update(ax_lines=ax_lines, ax_all=ax_all, title=title_text(ax_lines), values=None, itemsize=itemsize)
     state.update(row_map=data.memo(IndexMap.row_steps, m))
     if values is not None:
@@ -447,16 +448,23 @@ def _all_rows_panel(ax_all: Axes, flow: data.RowFlow, codes, labels, colours, co
 def row_artists(fig: Figure) -> list[Artist]:
     """The artists of a :func:`row_permutation_figure` that depend on the window and side (lines
     and row numbers, the shading, the values and their row ticks), bottom to top."""
-    return list(fig._fimoe_rows["moving"])  # type: ignore[attr-defined]
+    s = fig._fimoe_rows  # type: ignore[attr-defined]
+    return list(s["moving"]) + list(s["value_moving"])
 
 
 def row_layers(fig: Figure) -> list[tuple[object, list[Artist]]]:
     """The moving layers of a :func:`row_permutation_figure`, bottom to top, each with what it
-    shows: the colouring (the all-rows panel and its legend), the colour scale (the values'
-    colourbar, per expert: :func:`show_values`) and the window (:func:`row_artists`)."""
+    shows (equal: the same drawing): the colouring (the all-rows panel and its legend), the colour
+    scale (the values' colourbar, per expert: :func:`show_values`), the window's rows (lines, row
+    numbers, shading: per window, side and colouring) and the window's values (per window and expert)."""
     s = fig._fimoe_rows  # type: ignore[attr-defined]
-    scale = [(("scale", s["top"]), [s["cax"]])] if s["values"] is not None else []
-    return [(("colour", s["colour_by"]), list(s["colour_layer"])), *scale, (("window", s["window"]), row_artists(fig))]
+    layers: list[tuple[object, list[Artist]]] = [(("colour", s["colour_by"]), list(s["colour_layer"]))]
+    if s["values"] is not None:
+        layers.append((("scale", s["top"]), [s["cax"]]))
+    layers.append((("rows", s["at"]), list(s["moving"])))
+    if s["values"] is not None:
+        layers.append((("values", s["values_at"]), list(s["value_moving"])))
+    return layers
 
 
 @styled
@@ -464,52 +472,73 @@ def show_rows(
     fig: Figure, window: tuple[int, int], side: str = "kernel", colour_by: Optional[str] = None
 ) -> data.RowWindow:
     """Move a :func:`row_permutation_figure` to rows ``window`` ``(lo, hi)`` on ``side`` in place
-    (and recolour it by ``colour_by`` when given and new): the lines panel, the shading of the
-    all-rows panel and the values panel are drawn anew (:func:`row_artists`); the rest stays
+    (and recolour it by ``colour_by`` when given and new): the lines panel and the shading of the
+    all-rows panel are drawn anew when the window, side or colouring changed, the values panel when
+    the window, side or values (:func:`show_values`) changed (:func:`row_layers`); the rest stays
     as drawn. Returns the window shown."""
     s = fig._fimoe_rows  # type: ignore[attr-defined]
     flow: data.RowFlow = s["flow"]
-    win = data.row_window(flow, window[0], window[1], side)
     if colour_by is not None and colour_by != s["colour_by"]:
         _colour_rows(fig, colour_by)
-    texts = hover_texts(fig)
-    for artist in s["drop"]:
-        artist.remove()
-    for gid in s["gids"]:
-        texts.pop(gid, None)
-    before, row_map = len(texts), s["row_map"]
-    drop = _window_lines(s["ax_lines"], win, s["codes"], s["labels"], s["colours"], " >> ".join(flow.steps))
-    s["gids"] = list(texts)[before:]
-    s["title"].set_text(f"{side} rows {win.lo}..{win.hi - 1} (dashed: rows skipped)")
-    ax_all = s["ax_all"]
-    span = ax_all.axvspan if side == "kernel" else ax_all.axhspan
-    drop.append(span(win.lo - 0.5, win.hi - 0.5, color="gold", alpha=0.3))
-    moving = [s["title"], *drop]
-    cells = {id(ax_all): [data.Cells("kernel", row_map, 1, (flow.out_rows, 1), transpose=True)]}
-    nc, nk = max(len(win.ckpt_rows) - 1, 1), max(len(win.kernel_rows) - 1, 1)
-    cells[id(s["ax_lines"])] = [
-        data.Cells(
-            "checkpoint", row_map, 1, (len(win.ckpt_rows), 1), win.ckpt_rows, None, (nc, 1), x_range=(-1, 0.5), x_at=0
-        ),
-        data.Cells(
-            "kernel", row_map, 1, (len(win.kernel_rows), 1), win.kernel_rows, None, (nk, 1), x_range=(0.5, 2), x_at=1
-        ),
-    ]
-    if s["values"] is not None:
-        ax_v = s["ax_v"]
-        src = data.row_element_sources(s["row_map"], win.kernel_rows, s["itemsize"])
+    at = (int(window[0]), int(window[1]), side, s["colour_by"])
+    cells = s["cells"]
+    if at != s["at"]:
+        win = data.row_window(flow, window[0], window[1], side)
+        texts = hover_texts(fig)
+        for artist in s["drop"]:
+            artist.remove()
+        for gid in s["gids"]:
+            texts.pop(gid, None)
+        before, row_map = len(texts), s["row_map"]
+        drop = _window_lines(s["ax_lines"], win, s["codes"], s["labels"], s["colours"], " >> ".join(flow.steps))
+        s["gids"] = list(texts)[before:]
+        s["title"].set_text(f"{side} rows {win.lo}..{win.hi - 1} (dashed: rows skipped)")
+        ax_all = s["ax_all"]
+        span = ax_all.axvspan if side == "kernel" else ax_all.axhspan
+        drop.append(span(win.lo - 0.5, win.hi - 0.5, color="gold", alpha=0.3))
+        cells[id(ax_all)] = [data.Cells("kernel", row_map, 1, (flow.out_rows, 1), transpose=True)]
+        nc, nk = max(len(win.ckpt_rows) - 1, 1), max(len(win.kernel_rows) - 1, 1)
+        cells[id(s["ax_lines"])] = [
+            data.Cells(
+                "checkpoint",
+                row_map,
+                1,
+                (len(win.ckpt_rows), 1),
+                win.ckpt_rows,
+                None,
+                (nc, 1),
+                x_range=(-1, 0.5),
+                x_at=0,
+            ),
+            data.Cells(
+                "kernel",
+                row_map,
+                1,
+                (len(win.kernel_rows), 1),
+                win.kernel_rows,
+                None,
+                (nk, 1),
+                x_range=(0.5, 2),
+                x_at=1,
+            ),
+        ]
+        s.update(moving=[s["title"], *drop], drop=drop, window=win, at=at)
+    win = s["window"]
+    values_at = (id(s["values"]), at[:3])
+    if s["values"] is not None and values_at != s["values_at"]:
+        ax_v, row_map = s["ax_v"], s["row_map"]
+        for artist in s["value_drop"]:
+            artist.remove()
+        src = data.row_element_sources(row_map, win.kernel_rows, s["itemsize"])
         pad = src < 0
         moved = np.where(pad, np.nan, s["values"].reshape(-1)[np.maximum(src, 0)])
         bad = None if s["dead"] is None else s["dead"].reshape(-1)[np.maximum(src, 0)] & ~pad
         _, drawn, note = value_layer(ax_v, moved, pad, bad, s["top"])
         ax_v.set_yticks(*_row_ticks(win.kernel_rows))
-        drop += drawn
-        moving += [*drawn, note, *ax_v.yaxis.findobj()]
         cells[id(ax_v)] = [data.Cells("kernel", row_map, s["itemsize"], moved.shape, win.kernel_rows, moved)]
-    s["moving"], s["drop"] = moving, drop
-    s["window"] = win
+        s.update(value_moving=[*drawn, note, *ax_v.yaxis.findobj()], value_drop=drawn, values_at=values_at)
     fig._fimoe_cells = cells  # type: ignore[attr-defined]
-    return win
+    return win  # type: ignore[no-any-return]
 
 
 def _window_lines(ax: Axes, win: data.RowWindow, codes, labels, colours, chain: str) -> list[Artist]:

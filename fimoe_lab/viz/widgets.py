@@ -923,7 +923,7 @@ class RowExplorer(_LayerExplorer):
         size, side = data.itemsize_of(self.layer.fmt, name), self.side.value
 
         # the static part is drawn once per (layer, plan, tensor); an expert change redraws the colour
-        # scale and the window layers, a window or side change the window layer (figures.row_layers)
+        # scale and the values layers, a window or side change the rows and values layers (figures.row_layers)
         def move(f):
             if f._fimoe_rows["values"] is not values:
                 figures.show_values(f, values, dead)
@@ -936,6 +936,7 @@ class RowExplorer(_LayerExplorer):
             ),
             move,
             figures.row_layers,
+            top_moves=False,
         )
         self.state.update(flow=flow, window=window, colour_by=colour, side=side)
         return fig, f"{self.state['plan'].description}: {self._map_note(m)}{note}{self._bits_note()}", svg
@@ -1510,23 +1511,18 @@ class CompareExplorer(_LayerExplorer):
     def _side(self, label: str, m, projections: int, expert: int, values, dead, size: int) -> tuple[Figure, str]:
         """``(figure, SVG)`` of side ``label``'s row picture (with ``values``, one expert's, when given): drawn
         once per map, an expert change moves its values (:func:`figures.show_values`) and renders its colour
-        scale and window layers; nothing is rendered when neither changed."""
-        shown = expert if values is not None else None
+        scale and values layers; nothing is rendered when neither changed."""
 
         def move(f) -> None:
             if values is not None and f._fimoe_rows["values"] is not values:
                 figures.show_values(f, values, dead)
                 figures.show_rows(f, (0, 64), "kernel", "origin")
 
-        def layers(f) -> list:  # the window stays rows 0..63 of the kernel side: it shows the expert's values
-            *below, (_, artists) = figures.row_layers(f)
-            return below + [(("values of expert", shown), artists)]
-
         return self._layered(
             (id(self.layer), id(m), projections, label, values is not None),
             lambda: figures.row_permutation_figure(m, projections, (0, 64), "origin", values, size, dead=dead),
             move,
-            layers,
+            figures.row_layers,
             top_moves=False,
         )
 
