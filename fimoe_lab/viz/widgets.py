@@ -1449,13 +1449,13 @@ class CompareExplorer(_LayerExplorer):
         shard = (values, dead) if tp_b == 1 else self.layer.tp_shard(name, expert, tp_b, 0)
         size = data.itemsize_of(self.layer.fmt, name)
         sides = []
-        for label, m, plan, engine, align, tp, (v, d) in (
-            ("A", ma, a, self.engine_a.value, self.align_a.value, 1, (values, dead)),
-            ("B", mb, b, self.engine_b.value, self.align_b.value, tp_b, shard),
+        for m, plan, engine, align, tp, (v, d) in (
+            (ma, a, self.engine_a.value, self.align_a.value, 1, (values, dead)),
+            (mb, b, self.engine_b.value, self.align_b.value, tp_b, shard),
         ):
             self._check()
             own = m.in_shape == tuple(v.shape[:-1]) + (v.shape[-1] * size,)  # the values the map moves
-            sides.append(self._side(label, m, projections, expert, v if own else None, d if own else None, size))
+            sides.append(self._side(m, projections, v if own else None, d if own else None, size))
             # what the side's controls asked for and what the plan made of it (an alignment the size already
             # meets pads nothing: the same picture, said here)
             asked = f"engine {engine}, TP {tp}, I align {align} -> intermediate {plan.padded_intermediate}"
@@ -1508,8 +1508,8 @@ class CompareExplorer(_LayerExplorer):
             + "</table>"
         )
 
-    def _side(self, label: str, m, projections: int, expert: int, values, dead, size: int) -> tuple[Figure, str]:
-        """``(figure, SVG)`` of side ``label``'s row picture (with ``values``, one expert's, when given): drawn
+    def _side(self, m, projections: int, values, dead, size: int) -> tuple[Figure, str]:
+        """``(figure, SVG)`` of one side's row picture (with ``values``, one expert's, when given): drawn
         once per map, an expert change moves its values (:func:`figures.show_values`) and renders its colour
         scale and values layers; nothing is rendered when neither changed."""
 
@@ -1518,8 +1518,8 @@ class CompareExplorer(_LayerExplorer):
                 figures.show_values(f, values, dead)
                 figures.show_rows(f, (0, 64), "kernel", "origin")
 
-        return self._layered(
-            (id(self.layer), id(m), projections, label, values is not None),
+        return self._layered(  # B with A's map and values (e.g. the same backend, TP 1) shares A's picture
+            (id(self.layer), id(m), projections, values is not None),
             lambda: figures.row_permutation_figure(m, projections, (0, 64), "origin", values, size, dead=dead),
             move,
             figures.row_layers,
