@@ -174,25 +174,35 @@ class ExpertTensors:
         only that expert (kept in the shared cache), an in-memory one is sliced (no copy)."""
         self._check_expert(expert)
         if self.read is not None and self._whole is None:
-            read = self.read
+            return _EXPERTS.get((self.key, expert), lambda: self._timed_read(expert, expert + 1))
+        return self._sliced(expert, expert + 1)
 
-            def timed() -> Any:
-                started = time.perf_counter()
-                one = read((expert, expert + 1))
-                self.last_read = (expert, nbytes(one), time.perf_counter() - started)
-                return one
+    def head(self, count: int) -> Any:
+        """Experts ``0 .. count-1`` (at most all) as one :class:`~fimoe_lab.checkpoints.MoELayer`, byte-identical
+        to ``[:count]`` of the whole layer's tensors: a lazy layer reads only those (not kept: the caller keeps
+        what it needs), an in-memory one is sliced (no copy)."""
+        count = max(1, min(count, self.experts))
+        if self.read is not None and self._whole is None:
+            return self._timed_read(0, count)
+        return self._sliced(0, count)
 
-            return _EXPERTS.get((self.key, expert), timed)
+    def _timed_read(self, e0: int, e1: int) -> Any:
+        """Experts ``[e0, e1)`` read from disk, the time it took on :attr:`last_read`."""
+        assert self.read is not None
+        started = time.perf_counter()
+        some = self.read((e0, e1))
+        self.last_read = (e0, nbytes(some), time.perf_counter() - started)
+        return some
+
+    def _sliced(self, e0: int, e1: int) -> Any:
         moe = self.moe
         return replace(
             moe,
-            w13=moe.w13[expert : expert + 1],
-            w2=moe.w2[expert : expert + 1],
-            w13_scale=None if moe.w13_scale is None else moe.w13_scale[expert : expert + 1],
-            w2_scale=None if moe.w2_scale is None else moe.w2_scale[expert : expert + 1],
-            extras={
-                k: v[expert : expert + 1] if v.ndim and v.shape[0] == self.experts else v for k, v in moe.extras.items()
-            },
+            w13=moe.w13[e0:e1],
+            w2=moe.w2[e0:e1],
+            w13_scale=None if moe.w13_scale is None else moe.w13_scale[e0:e1],
+            w2_scale=None if moe.w2_scale is None else moe.w2_scale[e0:e1],
+            extras={k: v[e0:e1] if v.ndim and v.shape[0] == self.experts else v for k, v in moe.extras.items()},
         )
 
     def magnitude(self, name: str, expert: int = 0) -> np.ndarray:
@@ -452,6 +462,38 @@ def _open_layer(
         read,
         key=(str(path), stamp, index, tp_size, tp_rank),
     )
+
+
+def diagnosis_inputs(layer: ExpertTensors, dump: str | os.PathLike[str], count: int) -> tuple[Any, dict]:
+    """What :func:`fimoe_lab.diagnose.diagnose` compares, read per expert: ``(moe, dumped)`` with experts
+    ``0 .. count-1`` of ``layer`` (:meth:`ExpertTensors.head`; a checkpoint reads only those) and of each
+    tensor ``(E, ...)`` of the kernel ``dump`` with the layer's ``E`` experts (a ``.safetensors`` dump reads
+    only those; a ``.npy`` one is read whole by :func:`~fimoe_lab.diagnose.load_dump`, with its checks); a
+    dumped tensor with another expert count keeps none (``(0, ...)``), so the diagnosis ignores it, as it
+    ignores such a tensor of the whole layer. ``diagnose(*diagnosis_inputs(layer, path, n))`` equals
+    ``diagnose(layer.moe, load_dump(path))`` for ``n >= diagnose.DEFAULT_EXPERTS`` (it compares the first
+    of those experts)."""
+    from fimoe_lab import diagnose
+
+    p = Path(dump).expanduser()
+    moe = layer.head(count)
+    kept = int(moe.num_experts)
+    if p.suffix != ".safetensors" or not p.is_file():  # load_dump says what is wrong with anything else
+        return moe, {
+            n: t[:kept] if t.ndim and t.shape[0] == layer.experts else t[:0] for n, t in diagnose.load_dump(p).items()
+        }
+    from fimoe_lab.checkpoints.safe_io import open_safetensors
+
+    dumped = {}
+    with open_safetensors(p, "dump of kernel tensors") as f:
+        for name in f.keys():
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            if not shape:
+                dumped[name] = f.get_tensor(name)
+            else:
+                dumped[name] = part[:kept] if shape[0] == layer.experts else part[:1][:0]
+    return moe, dumped
 
 
 def preset_names() -> list[str]:

@@ -1316,7 +1316,8 @@ class DiagnoseExplorer(_Explorer):
     """``fimoe-lab diagnose`` as an explorer: a checkpoint (path box, MoE layer, TP size and
     rank) and a file of dumped kernel tensors; the message ranks the plan variants per
     tensor (:func:`fimoe_lab.diagnose.diagnose`), the figure takes the chosen tensor's
-    dump back through the planned map next to the checkpoint."""
+    dump back through the planned map next to the checkpoint. Only the experts the diagnosis
+    compares are read (:func:`sources.diagnosis_inputs`), once per checkpoint and dump."""
 
     def __init__(self, checkpoint: str = "", dump: str = "", layer: str = "first", tp_size: int = 1, tp_rank: int = 0):
         self.checkpoint = W.Text(
@@ -1341,6 +1342,7 @@ class DiagnoseExplorer(_Explorer):
         self.tp_size = _dropdown("TP size", TP_SIZES, tp_size, "160px")
         self.tp_rank = _int_box("TP rank", tp_rank, "160px")
         self.tensor = _dropdown("tensor", data.TENSOR_NAMES)
+        self._inputs: tuple = (None, None, None)  # (checkpoint and dump, diagnosis_inputs, diagnosis) last read
         super().__init__([self.checkpoint, self.dump, self.layer_index, self.tp_size, self.tp_rank, self.tensor])
 
     def _draw(self):
@@ -1351,9 +1353,14 @@ class DiagnoseExplorer(_Explorer):
         layer = self.layer_index.value.strip()
         if layer != "first" and not layer.isdigit():
             raise LayoutError(f"MoE layer {layer!r} is not a number", fix="type a layer index or 'first'")
-        moe = _layer(f"path:{layer}:{self.tp_size.value}:{self.tp_rank.value}:{self.checkpoint.value.strip()}").moe
-        dumped = diagnose.load_dump(self.dump.value.strip())
-        result = diagnose.diagnose(moe, dumped, source=self.checkpoint.value.strip())
+        key = f"path:{layer}:{self.tp_size.value}:{self.tp_rank.value}:{_checkpoint_key(self.checkpoint.value.strip())}"
+        dump = Path(self.dump.value.strip()).expanduser()
+        stamp = (key, str(dump), dump.stat().st_mtime_ns if dump.is_file() else None)
+        if self._inputs[0] != stamp:  # read once per checkpoint and dump: a tensor change redraws from them
+            inputs = sources.diagnosis_inputs(_layer(key), dump, diagnose.DEFAULT_EXPERTS)
+            result = diagnose.diagnose(*inputs, source=self.checkpoint.value.strip())
+            self._inputs = (stamp, inputs, result)
+        _, (moe, dumped), result = self._inputs
         roles = list(result.tensors)
         if self.tensor.value not in roles:
             self._busy = True
@@ -1370,9 +1377,9 @@ class DiagnoseExplorer(_Explorer):
         layer = self.layer_index.value.strip()
         return (
             "from fimoe_lab import diagnose\nfrom fimoe_lab.viz import sources\n"
-            f"moe = sources.load_layer({self.checkpoint.value.strip()!r}, {None if layer == 'first' else int(layer)}, "
-            f"{self.tp_size.value}, {self.tp_rank.value}).moe\n"
-            f"dumped = diagnose.load_dump({self.dump.value.strip()!r})\n"
+            f"layer = sources.load_layer({self.checkpoint.value.strip()!r}, {None if layer == 'first' else int(layer)}, "
+            f"{self.tp_size.value}, {self.tp_rank.value})\n"
+            f"moe, dumped = sources.diagnosis_inputs(layer, {self.dump.value.strip()!r}, diagnose.DEFAULT_EXPERTS)\n"
             "result = diagnose.diagnose(moe, dumped)\nprint(result.summary())\n"
             f"fig = diagnose.figure(result.tensors[{self.tensor.value!r}], moe, "
             f"dumped[result.tensors[{self.tensor.value!r}].dumped_name])\n"
