@@ -358,6 +358,26 @@ def test_exports_fail_loudly_and_the_code_box_reproduces_the_view(tmp_path):
     assert svg_texts(figures.to_svg(scope["fig"])) == svg_texts(w.svg)
 
 
+@pytest.mark.skipif(widgets.anywidget is None, reason="the copy button is an anywidget")
+def test_the_copy_button_holds_the_code_of_the_figure_shown_and_says_what_the_browser_answered():
+    w = widgets.RowExplorer()
+    first = w.copy_button.code
+    w.start.value, w.colour_by.value = 40, "shuffle block"
+    assert w.copy_button.code == w._code_text() != first  # ready before a click: the browser writes it at once
+    assert "(40, 104), 'shuffle block'" in w.copy_button.code
+    assert w.code_box.layout.display == "none" and w.code_status.value == ""
+    w.copy_button.clicked = ["copied", 1]  # what the page reports after navigator.clipboard.writeText
+    assert w.code_box.layout.display is None and w.code_box.value == w.copy_button.code
+    assert w.code_status.value.startswith("copied to the clipboard")
+    w.copy_button.clicked = ["Write permission denied.", 2]  # refused: the code is still there to copy by hand
+    assert "not copied: Write permission denied." in w.code_status.value and w.code_box.value == w.copy_button.code
+    scope: dict = {}
+    exec(w.copy_button.code, scope)
+    assert svg_texts(figures.to_svg(scope["fig"])) == svg_texts(w.svg)
+    w.shape.value = "bad"  # an error: no figure, nothing to copy
+    assert is_error(w) and w.figure is None and w.copy_button.code == ""
+
+
 @pytest.mark.parametrize("sample", ["deepseek-r1-nvfp4", "deepseek-v3-fp8", "gpt-oss-mxfp4", "mixtral-bf16"])
 def test_a_tp_shard_of_an_expert_is_what_the_checkpoint_reader_gives_that_rank(sample):
     full = sources.load_layer(sample)

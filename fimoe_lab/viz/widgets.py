@@ -265,7 +265,41 @@ function render({ model, el }) {
 export default { render };
 """
 
+_COPY_JS = """
+function render({ model, el }) {
+  const button = document.createElement("button");
+  button.className = "lm-Widget jupyter-widgets jupyter-button widget-button";
+  button.textContent = "copy as code";
+  button.title = "copy Python that draws this figure to the clipboard (also shown below)";
+  // the write happens inside the click (a user gesture, as browsers require) with the code the
+  // kernel sent after the last redraw; the kernel is then told what the browser answered
+  button.addEventListener("click", async () => {
+    const code = model.get("code");
+    let answer = "";
+    if (!code) answer = "nothing to copy";
+    else if (!navigator.clipboard || !window.isSecureContext) answer = "this page has no clipboard access";
+    else {
+      try { await navigator.clipboard.writeText(code); answer = "copied"; }
+      catch (error) { answer = String((error && error.message) || error); }
+    }
+    model.set("clicked", [answer, Date.now()]);
+    model.save_changes();
+  });
+  el.append(button);
+}
+export default { render };
+"""
+
 if anywidget is not None:
+
+    class CopyButton(anywidget.AnyWidget):
+        """The "copy as code" button: a click writes ``code`` (the current figure's code, kept up to date by
+        the explorer) to the browser's clipboard and reports ``clicked = [answer, time]``: "copied", or why
+        the browser refused (the explorer then still shows the code as text)."""
+
+        _esm = _COPY_JS
+        code = traitlets.Unicode("").tag(sync=True)
+        clicked = traitlets.List([]).tag(sync=True)
 
     class SvgCanvas(anywidget.AnyWidget):
         """The figure as inline SVG (``value``, like ``W.HTML``) that reports where it is pointed
@@ -356,14 +390,21 @@ class _Explorer(W.VBox):
         self._layers: OrderedDict = OrderedDict()  # static key -> (figure, SVG without its moving layer)
         self.save_name = W.Text(placeholder="file name (default: fimoe-<explorer>)", layout=W.Layout(width="260px"))
         save_png, save_svg = W.Button(description="save PNG"), W.Button(description="save SVG")
-        show_code = W.Button(description="copy as code")
         save_png.on_click(lambda _: self._save_clicked("png"))
         save_svg.on_click(lambda _: self._save_clicked("svg"))
-        show_code.on_click(lambda _: self._show_code())
+        show_code: W.DOMWidget
+        if anywidget is not None:
+            show_code = self.copy_button = CopyButton()
+            show_code.observe(lambda change: self._show_code(str((change["new"] or [""])[0])), names="clicked")
+        else:
+            show_code = W.Button(description="copy as code")
+            show_code.on_click(lambda _: self._show_code())
         self.code_box = W.Textarea(layout=W.Layout(width="100%", height="90px", display="none"))
         self.controls = controls
         rows = [W.HBox(controls[i : i + 4]) for i in range(0, len(controls), 4)]
-        export = W.HBox([self.save_name, save_png, save_svg, show_code])
+        self.code_status = W.HTML()  # what the browser answered the copy button
+        self.code_status.add_class("fimoe-copied")
+        export = W.HBox([self.save_name, save_png, save_svg, show_code, self.code_status])
         super().__init__(rows + [self.message, self.view, self.trace_box, export, self.code_box])
         for c in controls:
             c.observe(self.refresh, names="value")
@@ -507,12 +548,19 @@ class _Explorer(W.VBox):
         self.view.value = svg
         self.message.value = html.escape(note)
         self.trace_box.value = ""
+        if anywidget is not None:  # what the copy button writes, ready before the click (the browser's rule)
+            try:
+                self.copy_button.code = self._code_text()
+            except (KeyError, FimoeError):
+                self.copy_button.code = ""
 
     def show_error(self, exc: BaseException, what: str = "figure cleared") -> None:
         """Say why the controls' setting cannot be drawn, in place of the figure: the figure of an earlier
         setting is no longer shown (nor saved), so nothing on screen disagrees with the controls."""
         text = html.escape(str(exc) or type(exc).__name__)
         self.figure, self.svg = None, ""
+        if anywidget is not None:
+            self.copy_button.code = ""  # no figure: nothing to copy
         self.view.value = f"<div class='fimoe-error' style='color:#d33;padding:12px 4px'>{text}</div>"
         self.message.value = f"<span style='color:#d33'>{text} ({what})</span>"
         self.trace_box.value = ""
@@ -628,15 +676,25 @@ class _Explorer(W.VBox):
         except (FimoeError, OSError, ValueError) as exc:
             self.message.value = f"<span style='color:#d33'>{html.escape(str(exc))} (not saved)</span>"
 
-    def _show_code(self) -> None:
-        """The code box: Python that draws the shown figure and displays it (the last line is the figure)."""
+    def _code_text(self) -> str:
+        """Python that draws the shown figure and displays it (the last line is the figure)."""
+        code = self.code()
+        return code + ("fig\n" if "\nfig = " in "\n" + code else "")
+
+    def _show_code(self, clipboard: str = "") -> None:
+        """The code box, shown: :meth:`_code_text`; ``clipboard`` is the browser's answer to the copy button
+        ("copied", or why not), said in the message line (the code box is there either way)."""
         try:
-            code = self.code()
+            code = self._code_text()
         except (KeyError, FimoeError) as exc:  # nothing drawn yet
             self.message.value = f"<span style='color:#d33'>no code for this view: {html.escape(str(exc))}</span>"
             return
-        self.code_box.value = code + ("fig\n" if "\nfig = " in "\n" + code else "")
+        self.code_box.value = code
         self.code_box.layout.display = None
+        if clipboard == "copied":
+            self.code_status.value = "copied to the clipboard (and shown below)"
+        elif clipboard:
+            self.code_status.value = html.escape(f"not copied: {clipboard} (the code is below)")
 
 
 class _LayerExplorer(_Explorer):
