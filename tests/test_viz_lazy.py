@@ -114,7 +114,8 @@ def test_the_diagnosis_reads_only_the_experts_it_compares(tmp_path):
     from fimoe_lab import diagnose
     from fimoe_lab.viz import widgets
 
-    path = str(resources.sample_path("deepseek-r1-nvfp4"))
+    path = str(tmp_path / "r1")  # a copy: no other test has read this layer whole
+    shutil.copytree(resources.sample_path("deepseek-r1-nvfp4"), path)
     ckpt = open_checkpoint(path)
     whole = ckpt.read_layer(ckpt.moe_layers[0])
     plan = sources.ExpertTensors(whole, "in memory").plan("trtllm")
