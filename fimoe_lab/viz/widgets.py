@@ -374,7 +374,7 @@ class _Explorer(W.VBox):
         self.background = _in_kernel() if background is None else background
         self._asked = 0  # requests made (control changes), the newest's number
         self._drawing = 0  # the request the running (or last) redraw draws
-        self._lock = threading.Lock()  # held while a redraw runs: clicks and hovers then wait for the figure
+        self._lock = threading.Lock()  # held while a redraw runs: a click or hover then finds no cell
         self._worker: Optional[threading.Thread] = None
         self._worker_lock = threading.Lock()
         self.view = _figure_view()
@@ -683,7 +683,7 @@ class _Explorer(W.VBox):
 
     def _show_code(self, clipboard: str = "") -> None:
         """The code box, shown: :meth:`_code_text`; ``clipboard`` is the browser's answer to the copy button
-        ("copied", or why not), said in the message line (the code box is there either way)."""
+        ("copied", or why not), said next to the button (the code box is there either way)."""
         try:
             code = self._code_text()
         except (KeyError, FimoeError) as exc:  # nothing drawn yet
