@@ -1583,11 +1583,14 @@ class CompareExplorer(_LayerExplorer):
                 figures.show_values(f, values, dead)
                 figures.show_rows(f, (0, 64), "kernel", "origin")
 
+        def layers(f) -> list:  # the colouring and the rows stay (rows 0..63 by origin): drawn with the static part
+            return [(what, artists) for what, artists in figures.row_layers(f) if what[0] in ("scale", "values")]
+
         return self._layered(  # B with A's map and values (e.g. the same backend, TP 1) shares A's picture
             (id(self.layer), id(m), projections, values is not None),
             lambda: figures.row_permutation_figure(m, projections, (0, 64), "origin", values, size, dead=dead),
             move,
-            figures.row_layers,
+            layers,
             top_moves=False,
         )
 
