@@ -73,3 +73,21 @@ def test_a_change_after_the_newest_is_shown_redraws_again():
     assert w.wait(120) and is_error(w) and w.figure is None  # the newest setting's error is shown
     w.shape.value = ""
     assert w.wait(120) and not is_error(w) and w.state["window"] == (72, 136)
+
+
+def test_explorers_drawing_at_once_each_show_their_newest_setting():
+    """Several explorers redrawing on their own threads at the same time (one notebook): each ends on the figure of
+    its last control state, with no error from the other's drawing."""
+    rows = widgets.RowExplorer(background=True)
+    tiles = widgets.TileExplorer(background=True)
+    for k in range(1, 6):
+        rows.start.value = 8 * k
+        tiles.atom.value = k % 4
+        rows.colour_by.value = ("origin", "shuffle block")[k % 2]
+    assert rows.wait(120) and tiles.wait(120)
+    assert not is_error(rows) and not is_error(tiles)
+    assert rows.state["window"] == (40, 104) and rows.state["colour_by"] == "shuffle block"
+    assert tiles.state["atom"] == 1
+    fresh = widgets.RowExplorer()
+    fresh.start.value, fresh.colour_by.value = 40, "shuffle block"
+    assert svg_texts(rows.svg) == svg_texts(fresh.svg)

@@ -96,7 +96,7 @@ def _collector_paused() -> Iterator[None]:
     a third to half of a new tensor's redraw in benchmarks/bench_lab.py, where none runs now). Paused,
     the redraw's objects are collected after it, as young objects (a few ms), and full collections
     become rare; no memory is held longer than one redraw's garbage (freed at the next collection).
-    Redraws of several explorers (each on its own drawing thread) nest: the last one out restores it."""
+    Pauses nest (from any thread): the last one out restores it."""
     with _PAUSES_LOCK:
         if _PAUSES["depth"] == 0:
             _PAUSES["was"] = gc.isenabled()
@@ -120,6 +120,11 @@ def _in_kernel() -> bool:
         return False
     shell = get_ipython()
     return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+_DRAWING = threading.RLock()
+"""Held while any explorer draws or traces a point: one at a time in the process (matplotlib's settings, the
+shared caches of :mod:`.data` and :mod:`.sources` are not made for two threads; the GIL runs one anyway)."""
 
 
 class _Superseded(Exception):
@@ -374,7 +379,6 @@ class _Explorer(W.VBox):
         self.background = _in_kernel() if background is None else background
         self._asked = 0  # requests made (control changes), the newest's number
         self._drawing = 0  # the request the running (or last) redraw draws
-        self._lock = threading.Lock()  # held while a redraw runs: a click or hover then finds no cell
         self._worker: Optional[threading.Thread] = None
         self._worker_lock = threading.Lock()
         self.view = _figure_view()
@@ -491,7 +495,7 @@ class _Explorer(W.VBox):
 
     def _draw_newest(self) -> None:
         """One redraw of the newest request (skipped, unshown, where a newer one arrives meanwhile)."""
-        with self._lock, _collector_paused():
+        with _DRAWING, _collector_paused():
             self._drawing = self._asked
             self._redraw()
 
@@ -576,8 +580,8 @@ class _Explorer(W.VBox):
         """The element under point ``(x, y)`` of SVG ``part`` (points from its top left, what the
         figure reports) followed through its map (:func:`data.trace_cell`), or None where no
         cell is drawn (or before anything is drawn)."""
-        if not self._lock.acquire(blocking=False):
-            return None  # a redraw is under way: the figure pointed at is about to be replaced
+        if not _DRAWING.acquire(blocking=False):
+            return None  # a redraw is under way: the figure pointed at may be about to change
         try:
             fig = self._part(int(part))
             if fig is None:
@@ -588,7 +592,7 @@ class _Explorer(W.VBox):
             _, cells, i, j = hit
             return self._traced(cells, data.trace_cell(cells, i, j))
         finally:
-            self._lock.release()
+            _DRAWING.release()
 
     def _traced(self, cells: data.Cells, trace: data.Trace) -> data.Trace:
         """What :meth:`point` returns for ``trace`` of a cell of ``cells`` (layer explorers add bits)."""
