@@ -47,7 +47,8 @@ def test_changes_during_a_redraw_are_drawn_once_as_the_newest_setting():
     w.shape.value = "not a shape"  # an error of a superseded setting is never shown either
     w.side.value = "checkpoint"
     w.shape.value = ""
-    assert w._hover(100.0, 100.0) == "" and w.click(100.0, 100.0) is None  # mid-redraw: nothing to point at
+    w.POINT_WAIT = 0.05  # a click or hover waits this long for the redraw (held here), then finds no cell
+    assert w._hover(100.0, 100.0) == "" and w.click(100.0, 100.0) is None
     assert len(seen) == 1 and shown == []
     release.set()
     assert w.wait(120)

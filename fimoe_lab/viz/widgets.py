@@ -371,6 +371,9 @@ class _Explorer(W.VBox):
     CACHE = 12
     """Figures kept per explorer, by control state: going back to a setting is instant."""
 
+    POINT_WAIT = 2.0
+    """Seconds a click or hover waits for a redraw under way (then it answers for the new figure), else finds no cell."""
+
     background: bool
     """Redraw on the explorer's drawing thread (True in a kernel) or before a change returns."""
 
@@ -579,9 +582,9 @@ class _Explorer(W.VBox):
     def point(self, x: float, y: float, part: int = 0) -> Optional[data.Trace]:
         """The element under point ``(x, y)`` of SVG ``part`` (points from its top left, what the
         figure reports) followed through its map (:func:`data.trace_cell`), or None where no
-        cell is drawn (or before anything is drawn)."""
-        if not _DRAWING.acquire(blocking=False):
-            return None  # a redraw is under way: the figure pointed at may be about to change
+        cell is drawn (or before anything is drawn, or while a redraw outlasts :attr:`POINT_WAIT`)."""
+        if not _DRAWING.acquire(timeout=self.POINT_WAIT):
+            return None  # a redraw is still under way: nothing settled to point at
         try:
             fig = self._part(int(part))
             if fig is None:
