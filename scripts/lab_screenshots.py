@@ -223,6 +223,10 @@ def _interact(page, deadline: Deadline) -> dict:
     code = rows.locator("textarea").first
     code.wait_for(state="visible", timeout=deadline.ms())
     seen["code"] = code.input_value(timeout=deadline.ms())
+    copied = rows.locator(".fimoe-copied").first  # the browser's answer to the clipboard write
+    page.wait_for_function("el => el.textContent.length > 0", arg=copied.element_handle(), timeout=deadline.ms())
+    seen["copied"] = copied.text_content().strip()
+    seen["clipboard"] = page.evaluate("navigator.clipboard.readText()")
     rows.locator("button:text-is('save PNG')").first.click(timeout=deadline.ms())
     page.wait_for_function(
         "el => el.textContent.includes('saved ')", arg=message.element_handle(), timeout=deadline.ms()
@@ -537,7 +541,9 @@ def _capture(out: Path, notebook: str, themes, interact: bool, deadline: Deadlin
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(executable_path=binary, args=CHROMIUM_FLAGS, timeout=deadline.ms())
                 try:
-                    context = browser.new_context(viewport=VIEWPORT, device_scale_factor=SCALE)
+                    context = browser.new_context(
+                        viewport=VIEWPORT, device_scale_factor=SCALE, permissions=["clipboard-read", "clipboard-write"]
+                    )
                     for name in notebooks:
                         page = context.new_page()
                         try:

@@ -64,6 +64,7 @@ def test_the_lab_in_a_real_browser():
         "figures.row_permutation_figure(" in seen["code"]
         and "sources.load_layer('deepseek-v3-fp8', None, 1, 0)" in seen["code"]
     )
+    assert seen["copied"].startswith("copied to the clipboard") and seen["clipboard"] == seen["code"]  # as shown
     assert seen["saved"].startswith("saved ") and seen["saved"].endswith(".png")
     assert seen["provenance"].startswith("kernel (40, ")
     # click-to-trace: a kernel cell below row 40 is traced back; its source, clicked on the checkpoint

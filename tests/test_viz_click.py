@@ -186,3 +186,37 @@ def test_trace_cell_agrees_with_the_executor_on_random_cells():
         for i, j in zip(g.integers(0, m.in_shape[0], 12), g.integers(0, m.in_shape[-1] // size, 12)):
             t = data.trace_cell(back, int(i), int(j))
             assert t.kernel == divmod(ref_landing(m, size, int(i), int(j)), cols) and t.checkpoint == (i, j)
+
+
+def test_a_large_swizzled_buffer_shows_the_chosen_atoms_page_a_line_per_scale_line():
+    """A buffer of more than 2 * DETAIL_ATOMS atoms: the buffer panel shows the page of atoms holding the chosen
+    one, one buffer line per row; its values, clicks and hover are the map's (executors on self-encoding bytes)."""
+    layer = sources.sample_layer("mxfp8", experts=1, intermediate=1024, hidden=2048)  # w13 scales (2048, 64)
+    w = widgets.TileExplorer(layer, tensor="w13_scale")
+    m, view = w.state["plan"].w13_scale, w.state["view"]
+    assert view.atoms == 256 > 2 * figures.DETAIL_ATOMS and w.state["colour_by"] == "scale value"
+    src = byte_sources(m).reshape(-1)
+    scales = layer.magnitude("w13_scale", 0)
+    page_image = None
+    for atom in (45, 46, 0, view.atoms - 1):
+        w.atom.value = atom
+        first = atom // figures.DETAIL_ATOMS * figures.DETAIL_ATOMS
+        ax = w.figure.axes[2]
+        assert not is_error(w) and f"atoms {first}..{first + figures.DETAIL_ATOMS - 1} of 256" in w.svg
+        shown = np.ma.filled(ax.images[0].get_array(), np.nan)
+        offsets = np.arange(first * 512, (first + figures.DETAIL_ATOMS) * 512).reshape(-1, 16)
+        expect = np.where(src[offsets] >= 0, scales.reshape(-1)[np.maximum(src[offsets], 0)], np.nan)
+        assert shown.shape == (figures.DETAIL_ATOMS * 32, 16) and np.array_equal(shown, expect, equal_nan=True)
+        if atom == 46:  # the same page as atom 45: not drawn again
+            assert ax.images[0] is page_image
+        page_image = ax.images[0]
+        line, j = (atom - first) * 32 + 5, 3  # line 5 of the chosen atom, scale 3 of it
+        t = w.click(*svg_point(ax, j, line))
+        offset = (atom * 32 + 5) * 16 + j
+        assert t.kernel == divmod(offset, out_cols(m, 1)) and t.checkpoint == divmod(int(src[offset]), m.in_shape[-1])
+        tip = w._hover(*svg_point(ax, j, line))
+        assert tip.startswith(f"kernel buffer offset {offset}, value ") and f"kernel {t.kernel} <- checkpoint" in tip
+    w.colour_by.value = "source row"  # index colouring: the page's source rows, padding grey
+    shown = w.figure.axes[2].images[0].get_array()
+    offsets = np.arange((view.atoms - 8) * 512, view.atoms * 512).reshape(-1, 16)
+    assert np.array_equal(np.ma.filled(shown, -1), np.where(src[offsets] >= 0, src[offsets] // 64, -1))

@@ -16,7 +16,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("matplotlib")
 
 from fimoe_lab import prepare, resources  # noqa: E402
-from fimoe_lab.errors import LayoutError  # noqa: E402
+from fimoe_lab.errors import FimoeError, LayoutError  # noqa: E402
 from fimoe_lab.viz import data, figures, sources, widgets  # noqa: E402
 from tests.test_viz import drawn_pairs, ref_w13_rows  # noqa: E402
 
@@ -143,7 +143,8 @@ def test_a_window_or_side_change_redraws_only_the_window_layer():
     layer = sources.sample_layer("nvfp4", experts=2, intermediate=128, hidden=256)
     w = widgets.RowExplorer(layer)
     w.expert.value = 1
-    fig, base = w.figure, w.svg[: w.svg.rindex(f'<g class="{figures.LAYER}">')]
+    tag = f'<g class="{figures.LAYER}">'
+    fig, base = w.figure, tag.join(w.svg.split(tag)[:3])  # the static part, the colouring and the colour scale
     w.start.value = 72
     w.side.value = "checkpoint"
     assert w.figure is fig and w.svg.startswith(base)  # lines, shading and values only were drawn again
@@ -169,12 +170,22 @@ def test_a_window_or_side_change_redraws_only_the_window_layer():
     assert w.figure is fig and svg_texts(w.svg) == svg_texts(figures.to_svg(fresh))
     legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
     assert legend == [t.get_text() for t in fresh.axes[1].get_legend().get_texts()] and "shuffle block 0" in legend
-    assert w.svg.count(figures.LAYER) == len(figures.row_layers(fig)) == 3 and w.svg.count("<svg") == 1
+    assert w.svg.count(figures.LAYER) == len(figures.row_layers(fig)) == 4 and w.svg.count("<svg") == 1
     w.colour_by.value = "origin"
     w.side.value = "kernel"
     w.start.value = 0
     assert w.figure is fig and w.state["window"] == (0, 64)
     assert drawn_pairs(w.figure) == [(int(c), k) for k, c in enumerate(s["flow"].src_rows[:64]) if c >= 0]
+    layers = w.svg.split(tag)
+    w.expert.value = 0  # another expert: its colour scale and values only (the rows layer as it was)
+    now = w.svg.split(tag)
+    assert w.figure is fig and now[:2] + now[3:4] == layers[:2] + layers[3:4] and now[4] != layers[4]
+    fresh = figures.row_permutation_figure(
+        s["plan"].w13, 2, (0, 64), "origin", layer.magnitude("w13", 0), 1, dead=layer.dead("w13", 0)
+    )
+    assert svg_texts(w.svg) == svg_texts(figures.to_svg(fresh))
+    shown, expect = (np.ma.filled(f.axes[2].images[0].get_array(), np.nan) for f in (w.figure, fresh))
+    assert np.array_equal(shown, expect, equal_nan=True) and np.isfinite(shown).any()
 
 
 def svg_texts(svg: str) -> list[str]:
@@ -345,3 +356,65 @@ def test_exports_fail_loudly_and_the_code_box_reproduces_the_view(tmp_path):
     scope: dict = {}
     exec(code, scope)
     assert svg_texts(figures.to_svg(scope["fig"])) == svg_texts(w.svg)
+
+
+@pytest.mark.skipif(widgets.anywidget is None, reason="the copy button is an anywidget")
+def test_the_copy_button_holds_the_code_of_the_figure_shown_and_says_what_the_browser_answered():
+    w = widgets.RowExplorer()
+    first = w.copy_button.code
+    w.start.value, w.colour_by.value = 40, "shuffle block"
+    assert w.copy_button.code == w._code_text() != first  # ready before a click: the browser writes it at once
+    assert "(40, 104), 'shuffle block'" in w.copy_button.code
+    assert w.code_box.layout.display == "none" and w.code_status.value == ""
+    w.copy_button.clicked = ["copied", 1]  # what the page reports after navigator.clipboard.writeText
+    assert w.code_box.layout.display is None and w.code_box.value == w.copy_button.code
+    assert w.code_status.value.startswith("copied to the clipboard")
+    w.copy_button.clicked = ["Write permission denied.", 2]  # refused: the code is still there to copy by hand
+    assert "not copied: Write permission denied." in w.code_status.value and w.code_box.value == w.copy_button.code
+    scope: dict = {}
+    exec(w.copy_button.code, scope)
+    assert svg_texts(figures.to_svg(scope["fig"])) == svg_texts(w.svg)
+    w.shape.value = "bad"  # an error: no figure, nothing to copy
+    assert is_error(w) and w.figure is None and w.copy_button.code == ""
+
+
+@pytest.mark.parametrize("sample", ["deepseek-r1-nvfp4", "deepseek-v3-fp8", "gpt-oss-mxfp4", "mixtral-bf16"])
+def test_a_tp_shard_of_an_expert_is_what_the_checkpoint_reader_gives_that_rank(sample):
+    full = sources.load_layer(sample)
+    checked = 0
+    for tp in (2, 4):
+        for rank in (0, tp - 1):
+            try:
+                reader = sources.load_layer(sample, None, tp, rank)
+            except FimoeError:  # the reader refuses a shard that cuts a scale block: so does tp_shard
+                with pytest.raises(LayoutError, match="cuts its stored elements or scale blocks"):
+                    for name in full.tensors:
+                        full.tp_shard(name, 1, tp, rank)
+                continue
+            if reader.intermediate * tp != full.intermediate:  # unequal shards (gpt-oss): not a plan's TP
+                continue
+            for name in full.tensors:
+                shard, dead = full.tp_shard(name, 1, tp, rank)
+                assert np.array_equal(shard, reader.magnitude(name, 1)), (tp, rank, name)
+                assert np.array_equal(dead, reader.dead(name, 1)) and np.isfinite(shard).any()
+                checked += 1
+    assert checked >= 2 * len(full.tensors)
+
+
+def test_the_ab_b_side_at_tp_2_draws_rank_0s_values():
+    layer = sources.load_layer("deepseek-r1-nvfp4")
+    w = widgets.CompareExplorer(layer)
+    w.expert.value = 3
+    shown_a = w.svg.split("</svg>")[0]
+    w.tp_b.value = 2
+    assert not is_error(w) and w.state["values_b"] and "TP rank 0 of 2" in w.svg
+    fig_a, fig_b = w.figure.parts
+    reader = sources.load_layer("deepseek-r1-nvfp4", None, 2, 0)  # what rank 0 of 2 reads from the checkpoint
+    assert np.array_equal(fig_b._fimoe_rows["values"], reader.magnitude("w13", 3))
+    assert fig_a._fimoe_rows["values"] is layer.magnitude("w13", 3)
+    assert w.svg.split("</svg>")[0] == shown_a  # A's picture as it was: only B was drawn again
+    scope: dict = {}
+    exec(w.code(), scope)
+    for drawn, mine in zip(scope["fig"].parts, (fig_a, fig_b)):
+        assert drawn_pairs(drawn) == drawn_pairs(mine)
+        assert np.array_equal(drawn.axes[2].images[0].get_array(), mine.axes[2].images[0].get_array())

@@ -104,3 +104,43 @@ def test_the_path_box_opens_once_per_checkpoint_and_reports_its_reads(tmp_path):
     assert not any(c.disabled for c in (w.source, w.backend, w.tensor, w.expert)) and not w.path.disabled
     w.load(str(tmp_path / "missing"))
     assert "layer not changed" in w.message.value and w.state["layer"].lazy and not w.tensor.disabled
+
+
+def test_the_diagnosis_reads_only_the_experts_it_compares(tmp_path):
+    """The diagnose explorer's inputs: the first experts of the checkpoint and of the dump, byte-identical to those
+    of the whole reads; the diagnosis of them equals the diagnosis of the whole layer and dump (the core's)."""
+    from safetensors.torch import save_file
+
+    from fimoe_lab import diagnose
+    from fimoe_lab.viz import widgets
+
+    path = str(tmp_path / "r1")  # a copy: no other test has read this layer whole
+    shutil.copytree(resources.sample_path("deepseek-r1-nvfp4"), path)
+    ckpt = open_checkpoint(path)
+    whole = ckpt.read_layer(ckpt.moe_layers[0])
+    plan = sources.ExpertTensors(whole, "in memory").plan("trtllm")
+    wrong = plan.w2_scale.apply(whole.w2_scale)[:3]  # another expert count: ignored by both
+    dump = {"w13_weight_scale": plan.w13_scale.apply(whole.w13_scale), "w2_weight_scale": wrong, "step": torch.ones(())}
+    save_file({k: v.contiguous() for k, v in dump.items()}, str(tmp_path / "d.safetensors"))
+    layer = sources.load_layer(path)
+    for count in (2, diagnose.DEFAULT_EXPERTS):
+        moe, dumped = sources.diagnosis_inputs(layer, tmp_path / "d.safetensors", count)
+        assert layer._whole is None  # the whole layer was never read
+        assert moe.num_experts == min(count, whole.num_experts) and layer.last_read[0] == 0
+        for key, t in whole.tensors().items():
+            assert same_bytes(moe.tensors()[key], t[:count])
+        assert same_bytes(dumped["w13_weight_scale"], dump["w13_weight_scale"][:count])
+        assert dumped["w2_weight_scale"].shape[0] == 0 and float(dumped["step"]) == 1.0
+        mine = diagnose.diagnose(moe, dumped)
+        core = diagnose.diagnose(whole, diagnose.load_dump(tmp_path / "d.safetensors"), experts=range(moe.num_experts))
+        assert (
+            mine.summary() == core.summary() and "w2_weight_scale" in core.ignored and "w2_weight_scale" in mine.ignored
+        )
+        assert mine.tensors["w13_scale"].ranked == core.tensors["w13_scale"].ranked
+    w = widgets.DiagnoseExplorer(path, str(tmp_path / "d.safetensors"))
+    assert w.figure is not None and "#d33" not in w.message.value
+    core = diagnose.diagnose(whole, diagnose.load_dump(tmp_path / "d.safetensors"), source=path)
+    assert w.state["diagnosis"].summary() == core.summary()
+    scope: dict = {}
+    exec(w.code(), scope)
+    assert scope["result"].tensors["w13_scale"].ranked == core.tensors["w13_scale"].ranked

@@ -371,6 +371,7 @@ def row_permutation_figure(
     ax_all.set_ylabel("checkpoint row (grey squares: padding)")
     ax_all.set_title(f"all rows (shaded: the window; {int((flow.src_rows < 0).sum())} padding rows)")
     state = dict(m=m, flow=flow, moving=[], drop=[], gids=[], observed=observed, colour_by=None, colour_layer=[])
+    state.update(at=None, values_at=None, value_moving=[], value_drop=[], cells={})
     state.update(ax_lines=ax_lines, ax_all=ax_all, title=title_text(ax_lines), values=None, itemsize=itemsize)
     state.update(row_map=data.memo(IndexMap.row_steps, m))
     if values is not None:
@@ -452,16 +453,23 @@ def _all_rows_panel(ax_all: Axes, flow: data.RowFlow, codes, labels, colours, co
 def row_artists(fig: Figure) -> list[Artist]:
     """The artists of a :func:`row_permutation_figure` that depend on the window and side (lines
     and row numbers, the shading, the values and their row ticks), bottom to top."""
-    return list(fig._fimoe_rows["moving"])  # type: ignore[attr-defined]
+    s = fig._fimoe_rows  # type: ignore[attr-defined]
+    return list(s["moving"]) + list(s["value_moving"])
 
 
 def row_layers(fig: Figure) -> list[tuple[object, list[Artist]]]:
     """The moving layers of a :func:`row_permutation_figure`, bottom to top, each with what it
-    shows: the colouring (the all-rows panel and its legend), the colour scale (the values'
-    colourbar, per expert: :func:`show_values`) and the window (:func:`row_artists`)."""
+    shows (equal: the same drawing): the colouring (the all-rows panel and its legend), the colour
+    scale (the values' colourbar, per expert: :func:`show_values`), the window's rows (lines, row
+    numbers, shading: per window, side and colouring) and the window's values (per window and expert)."""
     s = fig._fimoe_rows  # type: ignore[attr-defined]
-    scale = [(("scale", s["top"]), [s["cax"]])] if s["values"] is not None else []
-    return [(("colour", s["colour_by"]), list(s["colour_layer"])), *scale, (("window", s["window"]), row_artists(fig))]
+    layers: list[tuple[object, list[Artist]]] = [(("colour", s["colour_by"]), list(s["colour_layer"]))]
+    if s["values"] is not None:
+        layers.append((("scale", s["top"]), [s["cax"]]))
+    layers.append((("rows", s["at"]), list(s["moving"])))
+    if s["values"] is not None:
+        layers.append((("values", s["values_at"]), list(s["value_moving"])))
+    return layers
 
 
 @styled
@@ -469,52 +477,73 @@ def show_rows(
     fig: Figure, window: tuple[int, int], side: str = "kernel", colour_by: Optional[str] = None
 ) -> data.RowWindow:
     """Move a :func:`row_permutation_figure` to rows ``window`` ``(lo, hi)`` on ``side`` in place
-    (and recolour it by ``colour_by`` when given and new): the lines panel, the shading of the
-    all-rows panel and the values panel are drawn anew (:func:`row_artists`); the rest stays
+    (and recolour it by ``colour_by`` when given and new): the lines panel and the shading of the
+    all-rows panel are drawn anew when the window, side or colouring changed, the values panel when
+    the window, side or values (:func:`show_values`) changed (:func:`row_layers`); the rest stays
     as drawn. Returns the window shown."""
     s = fig._fimoe_rows  # type: ignore[attr-defined]
     flow: data.RowFlow = s["flow"]
-    win = data.row_window(flow, window[0], window[1], side)
     if colour_by is not None and colour_by != s["colour_by"]:
         _colour_rows(fig, colour_by)
-    texts = hover_texts(fig)
-    for artist in s["drop"]:
-        artist.remove()
-    for gid in s["gids"]:
-        texts.pop(gid, None)
-    before, row_map = len(texts), s["row_map"]
-    drop = _window_lines(s["ax_lines"], win, s["codes"], s["labels"], s["colours"], " >> ".join(flow.steps))
-    s["gids"] = list(texts)[before:]
-    s["title"].set_text(f"{side} rows {win.lo}..{win.hi - 1} (dashed: rows skipped)")
-    ax_all = s["ax_all"]
-    span = ax_all.axvspan if side == "kernel" else ax_all.axhspan
-    drop.append(span(win.lo - 0.5, win.hi - 0.5, color="gold", alpha=0.3))
-    moving = [s["title"], *drop]
-    cells = {id(ax_all): [data.Cells("kernel", row_map, 1, (flow.out_rows, 1), transpose=True)]}
-    nc, nk = max(len(win.ckpt_rows) - 1, 1), max(len(win.kernel_rows) - 1, 1)
-    cells[id(s["ax_lines"])] = [
-        data.Cells(
-            "checkpoint", row_map, 1, (len(win.ckpt_rows), 1), win.ckpt_rows, None, (nc, 1), x_range=(-1, 0.5), x_at=0
-        ),
-        data.Cells(
-            "kernel", row_map, 1, (len(win.kernel_rows), 1), win.kernel_rows, None, (nk, 1), x_range=(0.5, 2), x_at=1
-        ),
-    ]
-    if s["values"] is not None:
-        ax_v = s["ax_v"]
-        src = data.row_element_sources(s["row_map"], win.kernel_rows, s["itemsize"])
+    at = (int(window[0]), int(window[1]), side, s["colour_by"])
+    cells = s["cells"]
+    if at != s["at"]:
+        win = data.row_window(flow, window[0], window[1], side)
+        texts = hover_texts(fig)
+        for artist in s["drop"]:
+            artist.remove()
+        for gid in s["gids"]:
+            texts.pop(gid, None)
+        before, row_map = len(texts), s["row_map"]
+        drop = _window_lines(s["ax_lines"], win, s["codes"], s["labels"], s["colours"], " >> ".join(flow.steps))
+        s["gids"] = list(texts)[before:]
+        s["title"].set_text(f"{side} rows {win.lo}..{win.hi - 1} (dashed: rows skipped)")
+        ax_all = s["ax_all"]
+        span = ax_all.axvspan if side == "kernel" else ax_all.axhspan
+        drop.append(span(win.lo - 0.5, win.hi - 0.5, color="gold", alpha=0.3))
+        cells[id(ax_all)] = [data.Cells("kernel", row_map, 1, (flow.out_rows, 1), transpose=True)]
+        nc, nk = max(len(win.ckpt_rows) - 1, 1), max(len(win.kernel_rows) - 1, 1)
+        cells[id(s["ax_lines"])] = [
+            data.Cells(
+                "checkpoint",
+                row_map,
+                1,
+                (len(win.ckpt_rows), 1),
+                win.ckpt_rows,
+                None,
+                (nc, 1),
+                x_range=(-1, 0.5),
+                x_at=0,
+            ),
+            data.Cells(
+                "kernel",
+                row_map,
+                1,
+                (len(win.kernel_rows), 1),
+                win.kernel_rows,
+                None,
+                (nk, 1),
+                x_range=(0.5, 2),
+                x_at=1,
+            ),
+        ]
+        s.update(moving=[s["title"], *drop], drop=drop, window=win, at=at)
+    win = s["window"]
+    values_at = (id(s["values"]), at[:3])
+    if s["values"] is not None and values_at != s["values_at"]:
+        ax_v, row_map = s["ax_v"], s["row_map"]
+        for artist in s["value_drop"]:
+            artist.remove()
+        src = data.row_element_sources(row_map, win.kernel_rows, s["itemsize"])
         pad = src < 0
         moved = np.where(pad, np.nan, s["values"].reshape(-1)[np.maximum(src, 0)])
         bad = None if s["dead"] is None else s["dead"].reshape(-1)[np.maximum(src, 0)] & ~pad
         _, drawn, note = value_layer(ax_v, moved, pad, bad, s["top"])
         ax_v.set_yticks(*_row_ticks(win.kernel_rows))
-        drop += drawn
-        moving += [*drawn, note, *ax_v.yaxis.findobj()]
         cells[id(ax_v)] = [data.Cells("kernel", row_map, s["itemsize"], moved.shape, win.kernel_rows, moved)]
-    s["moving"], s["drop"] = moving, drop
-    s["window"] = win
+        s.update(value_moving=[*drawn, note, *ax_v.yaxis.findobj()], value_drop=drawn, values_at=values_at)
     fig._fimoe_cells = cells  # type: ignore[attr-defined]
-    return win
+    return win  # type: ignore[no-any-return]
 
 
 def _window_lines(ax: Axes, win: data.RowWindow, codes, labels, colours, chain: str) -> list[Artist]:
@@ -609,6 +638,11 @@ def tile_figure(m: IndexMap, itemsize: int = 1, colour_by: str = "source column"
 SWIZZLE_COLOURS = ("scale value", "source row", "source column")
 """What the swizzled buffer of :func:`swizzle_figure` can be coloured by (``values`` needed for the first)."""
 
+DETAIL_ATOMS = 8
+"""Atoms of a large swizzled buffer (more than twice this) that :func:`swizzle_figure` shows at once, one
+buffer line per scale line: the page holding the chosen atom (a real-size buffer, R1's 3584 atoms, drawn
+whole would put hundreds of lines in a pixel; where every atom lands is the linear panel's picture)."""
+
 
 @styled
 def swizzle_figure(
@@ -620,7 +654,9 @@ def swizzle_figure(
     in, the scales of atom ``atom`` veiled white. Middle: the swizzled buffer as
     ``(atoms*32, 16)`` coloured by ``colour_by`` (:data:`SWIZZLE_COLOURS`: "scale value" draws
     ``values``, one expert's decoded scales ``[rows, cols]`` in the checkpoint layout, moved into
-    the buffer, largest per pixel; else the source row or column index; grey: padding), the atom shaded. Right:
+    the buffer, largest per pixel; else the source row or column index; grey: padding), the atom shaded;
+    a buffer of more than ``2 * DETAIL_ATOMS`` atoms shows the page of :data:`DETAIL_ATOMS` atoms that
+    holds atom ``atom``, a line per scale line (the whole buffer at that size is hundreds of lines a pixel). Right:
     atom ``atom`` close up: 32 lines of 4 groups of 4 scales; each group is one kernel row
     (a row of the swizzle's input) and is labelled ``k<kernel row> <- c<checkpoint row>``;
     colour: source column. Each group has hover text (kernel and checkpoint row and columns).
@@ -652,21 +688,33 @@ def swizzle_figure(
             + (" without the expert's scales" if colour_by == "scale value" else ""),
             fix=f"colour by one of {', '.join(SWIZZLE_COLOURS)} (scale value: pass values)",
         )
+    paged = view.atoms > 2 * DETAIL_ATOMS
     if colour_by == "scale value":
         assert values is not None
         buffer = np.where(view.src_row >= 0, values[np.maximum(view.src_row, 0), np.maximum(view.src_col, 0)], np.nan)
-        step = value_image(fig, ax_buf, cax_buf, buffer, "scale (decoded)", pad=view.src_row < 0).block
+        if paged:  # the colour scale is the whole buffer's, every page drawn against it
+            top = data.memo(_finite_max, values)
+            _colourbar(
+                fig, ScalarMappable(Normalize(0, top), _cmap(MAGNITUDE_CMAP)), ax_buf, cax_buf, "scale (decoded)"
+            )
+        else:
+            step = value_image(fig, ax_buf, cax_buf, buffer, "scale (decoded)", pad=view.src_row < 0).block
         buffer_meaning = "value"
     else:
         buffer = view.src_row if colour_by == "source row" else view.src_col
-        step = _index_image(fig, ax_buf, cax_buf, buffer, f"{colour_by} (checkpoint index)")
+        top = float(max(buffer.max(), 0))
+        if paged:
+            label = f"{colour_by} (checkpoint index)"
+            _colourbar(fig, ScalarMappable(Normalize(0, top), _cmap("viridis")), ax_buf, cax_buf, label)
+        else:
+            step = _index_image(fig, ax_buf, cax_buf, buffer, f"{colour_by} (checkpoint index)")
         buffer_meaning = colour_by
     span = ax_buf.axhspan(-0.5, 31.5, color="red", alpha=0.3)
-    ax_buf.set_title(
+    buffer_title = ax_buf.set_title(
         f"swizzled buffer: {view.atoms} atoms x 512"
         + (
             ""
-            if step[0] == 1
+            if paged or step[0] == 1
             else f" (largest of {step[0]} lines per pixel)"
             if colour_by == "scale value"
             else f" (every {step[0]}th line)"
@@ -702,8 +750,53 @@ def swizzle_figure(
     }
     moving = dict(veil=veil, span=span, zoom=zoom, rules=rules + list(ax_atom.spines.values()), labels=labels)
     fig._fimoe_atom = dict(ax=ax_atom, m=m, itemsize=itemsize, view=view, title=title, **moving)  # type: ignore[attr-defined]
+    if paged:  # the buffer panel shows a page of atoms: it moves with the atom (show_atom)
+        fig._fimoe_atom.update(  # type: ignore[attr-defined]
+            page=None, page_drop=[], page_moving=[], ax_buf=ax_buf, buffer=buffer, top=top, meaning=buffer_meaning
+        )
+        fig._fimoe_atom["buffer_title"] = buffer_title  # type: ignore[attr-defined]
     show_atom(fig, atom)
     return fig
+
+
+def _show_page(fig: Figure, atom: int) -> int:
+    """Draw the page of :data:`DETAIL_ATOMS` atoms holding ``atom`` on the buffer panel of a paged
+    :func:`swizzle_figure` (one buffer line per scale line, row ticks in buffer lines; values with their
+    NaN / Inf flags and padding grey, against the whole buffer's colour scale), unless it is shown.
+    Returns the page's first atom."""
+    a = fig._fimoe_atom  # type: ignore[attr-defined]
+    view: data.SwizzleView = a["view"]
+    first = atom // DETAIL_ATOMS * DETAIL_ATOMS
+    if a["page"] == first:
+        return first
+    ax: Axes = a["ax_buf"]
+    for artist in a["page_drop"]:
+        artist.remove()
+    lines = slice(first * 32, min(view.atoms, first + DETAIL_ATOMS) * 32)
+    window = a["buffer"][lines]
+    pad = view.src_row[lines] < 0
+    if a["meaning"] == "value":
+        _, drawn, note = value_layer(ax, window, pad, None, a["top"])
+        extra: list[Artist] = [note]
+    else:
+        shown = np.ma.masked_array(window, mask=pad)
+        drawn = [
+            ax.imshow(
+                shown, aspect="auto", cmap=_cmap("viridis"), vmin=0, vmax=a["top"] or 1.0, extent=_extent(window.shape)
+            )
+        ]
+        extra = []
+    ax.set_ylim(window.shape[0] - 0.5, -0.5)
+    ticks = list(range(0, window.shape[0], 32))
+    ax.set_yticks(ticks, [str(lines.start + t) for t in ticks])
+    last = lines.stop // 32 - 1
+    a["buffer_title"].set_text(f"swizzled buffer: atoms {first}..{last} of {view.atoms} (x 512)")
+    rows = np.arange(lines.start, lines.stop)
+    cells_of(fig)[id(ax)] = [
+        data.Cells("kernel", a["m"], a["itemsize"], window.shape, rows, window, width=16, meaning=a["meaning"])
+    ]
+    a.update(page=first, page_drop=drawn, page_moving=[*drawn, *extra, a["buffer_title"], *ax.yaxis.findobj()])
+    return first
 
 
 def _check_atom(view: data.SwizzleView, atom: int) -> None:
@@ -717,12 +810,12 @@ def atom_artists(fig: Figure) -> list[Artist]:
     """The artists of a :func:`swizzle_figure` that depend on the atom shown (veil, buffer band,
     close-up image with its group rules and frame, its 128 labels and its title), bottom to top."""
     a = fig._fimoe_atom  # type: ignore[attr-defined]
-    return [a["veil"], a["span"], a["zoom"], *a["rules"], a["title"], *a["labels"]]
+    return [a["veil"], *a.get("page_moving", []), a["span"], a["zoom"], *a["rules"], a["title"], *a["labels"]]
 
 
 def show_atom(fig: Figure, atom: int) -> None:
     """Move a :func:`swizzle_figure` to atom ``atom`` in place: shade buffer lines
-    ``32*atom .. 32*atom+31``, veil their sources (the scales with ``dest_atom == atom``) on
+    ``32*atom .. 32*atom+31`` (of a large buffer: on the page of atoms holding it, :func:`_show_page`), veil their sources (the scales with ``dest_atom == atom``) on
     the linear panel (a reduced pixel is veiled when it holds one), and redraw the close-up
     (``src_col % 10`` of those lines, grey fill) with its labels, hover texts and title; the
     grid, axes and colourbars stay as drawn."""
@@ -737,7 +830,8 @@ def show_atom(fig: Figure, atom: int) -> None:
     real = zoom_row >= 0
     overlay[zoom_row[real] // fr, zoom_col[real] // fc] = to_rgba("white", 0.7)
     a["veil"].set_data(overlay)
-    a["span"].set_y(atom * 32 - 0.5)
+    first = _show_page(fig, atom) if "page" in a else 0
+    a["span"].set_y((atom - first) * 32 - 0.5)
     zoom_kc = view.kernel_col[lines]
     a["zoom"].set_data(np.ma.masked_array(zoom_col % 10, mask=zoom_col < 0))
     texts = hover_texts(fig)

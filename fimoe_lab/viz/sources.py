@@ -176,25 +176,35 @@ class ExpertTensors:
         only that expert (kept in the shared cache), an in-memory one is sliced (no copy)."""
         self._check_expert(expert)
         if self.read is not None and self._whole is None:
-            read = self.read
+            return _EXPERTS.get((self.key, expert), lambda: self._timed_read(expert, expert + 1))
+        return self._sliced(expert, expert + 1)
 
-            def timed() -> Any:
-                started = time.perf_counter()
-                one = read((expert, expert + 1))
-                self.last_read = (expert, nbytes(one), time.perf_counter() - started)
-                return one
+    def head(self, count: int) -> Any:
+        """Experts ``0 .. count-1`` (at most all) as one :class:`~fimoe_lab.checkpoints.MoELayer`, byte-identical
+        to ``[:count]`` of the whole layer's tensors: a lazy layer reads only those (not kept: the caller keeps
+        what it needs), an in-memory one is sliced (no copy)."""
+        count = max(1, min(count, self.experts))
+        if self.read is not None and self._whole is None:
+            return self._timed_read(0, count)
+        return self._sliced(0, count)
 
-            return _EXPERTS.get((self.key, expert), timed)
+    def _timed_read(self, e0: int, e1: int) -> Any:
+        """Experts ``[e0, e1)`` read from disk, the time it took on :attr:`last_read`."""
+        assert self.read is not None
+        started = time.perf_counter()
+        some = self.read((e0, e1))
+        self.last_read = (e0, nbytes(some), time.perf_counter() - started)
+        return some
+
+    def _sliced(self, e0: int, e1: int) -> Any:
         moe = self.moe
         return replace(
             moe,
-            w13=moe.w13[expert : expert + 1],
-            w2=moe.w2[expert : expert + 1],
-            w13_scale=None if moe.w13_scale is None else moe.w13_scale[expert : expert + 1],
-            w2_scale=None if moe.w2_scale is None else moe.w2_scale[expert : expert + 1],
-            extras={
-                k: v[expert : expert + 1] if v.ndim and v.shape[0] == self.experts else v for k, v in moe.extras.items()
-            },
+            w13=moe.w13[e0:e1],
+            w2=moe.w2[e0:e1],
+            w13_scale=None if moe.w13_scale is None else moe.w13_scale[e0:e1],
+            w2_scale=None if moe.w2_scale is None else moe.w2_scale[e0:e1],
+            extras={k: v[e0:e1] if v.ndim and v.shape[0] == self.experts else v for k, v in moe.extras.items()},
         )
 
     def magnitude(self, name: str, expert: int = 0) -> np.ndarray:
@@ -214,6 +224,43 @@ class ExpertTensors:
         stored elements.
         """
         return self._kept(("dead", name, expert), lambda: self._dead(name, expert))
+
+    def tp_shard(self, name: str, expert: int, tp_size: int, tp_rank: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``(magnitude, dead)`` (:meth:`magnitude`, :meth:`dead`) of what TP rank ``tp_rank`` of ``tp_size``
+        holds of one expert's ``name``: the intermediate ``[r*I/tp, (r+1)*I/tp)`` of every projection, equal
+        shards as a plan at TP ``tp`` assumes (:meth:`Checkpoint.shard_bounds`). w13 and its scales
+        ``(P*I*a, C)`` -> those rows of each of the P projections ``(P*I*a/tp, C)``; w2 and its scales
+        ``(R, I*b)`` -> those columns ``(R, I*b/tp)`` (``a``, ``b``: stored elements per intermediate value,
+        e.g. ``b = 1/2`` for packed FP4 bytes, ``1/block`` for block scales). A bound that falls inside a
+        stored element or a scale block is a :class:`LayoutError`. Kept like :meth:`magnitude`."""
+        inter = self.intermediate
+        if not (tp_size >= 1 and 0 <= tp_rank < tp_size and inter % tp_size == 0):
+            raise LayoutError(
+                f"intermediate {inter} has no equal rank {tp_rank} of {tp_size}", fix="pick a TP size that divides it"
+            )
+        full, dead = self.magnitude(name, expert), self.dead(name, expert)
+        projections = 2 if name.startswith("w13") and self.gated else 1
+        axis = 0 if name.startswith("w13") else 1
+        per = full.shape[axis] / (projections * inter)  # stored elements along the sharded axis per value
+        lo, hi = tp_rank * inter // tp_size * per, (tp_rank + 1) * inter // tp_size * per
+        if lo != int(lo) or hi != int(hi):
+            raise LayoutError(
+                f"a TP {tp_size} shard of {name} ({inter // tp_size} values of each projection) cuts its stored "
+                f"elements or scale blocks",
+                fix="pick a TP size whose shards are whole blocks",
+            )
+        width = full.shape[axis] // projections
+        pieces = [slice(p * width + int(lo), p * width + int(hi)) for p in range(projections)]
+
+        def cut(a: np.ndarray) -> np.ndarray:
+            if a.strides == (0, 0):  # a broadcast "nothing dead": the shard's shape, still no memory
+                shape = list(a.shape)
+                shape[axis] = len(pieces) * (int(hi) - int(lo))
+                return np.broadcast_to(np.False_, tuple(shape))
+            return np.concatenate([a[(p,) if axis == 0 else (slice(None), p)] for p in pieces], axis=axis)
+
+        key = ("tp", name, expert, tp_size, tp_rank)
+        return self._kept(key + ("magnitude",), lambda: cut(full)), self._kept(key + ("dead",), lambda: cut(dead))
 
     def _kept(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
         """``make()`` kept read-only under ``key`` in the shared cache bounded in bytes (:data:`VALUE_BYTES_KEPT`;
@@ -417,6 +464,38 @@ def _open_layer(
         read,
         key=(str(path), stamp, index, tp_size, tp_rank),
     )
+
+
+def diagnosis_inputs(layer: ExpertTensors, dump: str | os.PathLike[str], count: int) -> tuple[Any, dict]:
+    """What :func:`fimoe_lab.diagnose.diagnose` compares, read per expert: ``(moe, dumped)`` with experts
+    ``0 .. count-1`` of ``layer`` (:meth:`ExpertTensors.head`; a checkpoint reads only those) and of each
+    tensor ``(E, ...)`` of the kernel ``dump`` with the layer's ``E`` experts (a ``.safetensors`` dump reads
+    only those; a ``.npy`` one is read whole by :func:`~fimoe_lab.diagnose.load_dump`, with its checks); a
+    dumped tensor with another expert count keeps none (``(0, ...)``), so the diagnosis ignores it, as it
+    ignores such a tensor of the whole layer. ``diagnose(*diagnosis_inputs(layer, path, n))`` equals
+    ``diagnose(layer.moe, load_dump(path))`` for ``n >= diagnose.DEFAULT_EXPERTS`` (it compares the first
+    of those experts)."""
+    from fimoe_lab import diagnose
+
+    p = Path(dump).expanduser()
+    moe = layer.head(count)
+    kept = int(moe.num_experts)
+    if p.suffix != ".safetensors" or not p.is_file():  # load_dump says what is wrong with anything else
+        return moe, {
+            n: t[:kept] if t.ndim and t.shape[0] == layer.experts else t[:0] for n, t in diagnose.load_dump(p).items()
+        }
+    from fimoe_lab.checkpoints.safe_io import open_safetensors
+
+    dumped = {}
+    with open_safetensors(p, "dump of kernel tensors") as f:
+        for name in f.keys():
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            if not shape:
+                dumped[name] = f.get_tensor(name)
+            else:
+                dumped[name] = part[:kept] if shape[0] == layer.experts else part[:1][:0]
+    return moe, dumped
 
 
 def preset_names() -> list[str]:

@@ -37,6 +37,7 @@ import gc
 import html
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -88,6 +89,10 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+_PAUSES = {"depth": 0, "was": False}
+_PAUSES_LOCK = threading.Lock()
+
+
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for one redraw, as it was after. A new figure allocates
@@ -95,14 +100,40 @@ def _collector_paused() -> Iterator[None]:
     the kernel (~3.4 * 10^5 after the three layer explorers on an R1 layer: 0.15-0.3 s on a 2-core VM,
     a third to half of a new tensor's redraw in benchmarks/bench_lab.py, where none runs now). Paused,
     the redraw's objects are collected after it, as young objects (a few ms), and full collections
-    become rare; no memory is held longer than one redraw's garbage (freed at the next collection)."""
-    was = gc.isenabled()
-    gc.disable()
+    become rare; no memory is held longer than one redraw's garbage (freed at the next collection).
+    Pauses nest (from any thread): the last one out restores it."""
+    with _PAUSES_LOCK:
+        if _PAUSES["depth"] == 0:
+            _PAUSES["was"] = gc.isenabled()
+            gc.disable()
+        _PAUSES["depth"] += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _PAUSES_LOCK:
+            _PAUSES["depth"] -= 1
+            if _PAUSES["depth"] == 0 and _PAUSES["was"]:
+                gc.enable()
+
+
+def _in_kernel() -> bool:
+    """True inside a running Jupyter kernel (where control changes arrive as messages the kernel's main thread
+    handles one by one, so a redraw there would hold back every later change)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with ipywidgets
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+_DRAWING = threading.RLock()
+"""Held while any explorer draws or traces a point: one at a time in the process (matplotlib's settings, the
+shared caches of :mod:`.data` and :mod:`.sources` are not made for two threads; the GIL runs one anyway)."""
+
+
+class _Superseded(Exception):
+    """A redraw stopped because a newer control change asked for another figure."""
 
 
 @lru_cache(maxsize=16)
@@ -244,7 +275,41 @@ function render({ model, el }) {
 export default { render };
 """
 
+_COPY_JS = """
+function render({ model, el }) {
+  const button = document.createElement("button");
+  button.className = "lm-Widget jupyter-widgets jupyter-button widget-button";
+  button.textContent = "copy as code";
+  button.title = "copy Python that draws this figure to the clipboard (also shown below)";
+  // the write happens inside the click (a user gesture, as browsers require) with the code the
+  // kernel sent after the last redraw; the kernel is then told what the browser answered
+  button.addEventListener("click", async () => {
+    const code = model.get("code");
+    let answer = "";
+    if (!code) answer = "nothing to copy";
+    else if (!navigator.clipboard || !window.isSecureContext) answer = "this page has no clipboard access";
+    else {
+      try { await navigator.clipboard.writeText(code); answer = "copied"; }
+      catch (error) { answer = String((error && error.message) || error); }
+    }
+    model.set("clicked", [answer, Date.now()]);
+    model.save_changes();
+  });
+  el.append(button);
+}
+export default { render };
+"""
+
 if anywidget is not None:
+
+    class CopyButton(anywidget.AnyWidget):
+        """The "copy as code" button: a click writes ``code`` (the current figure's code, kept up to date by
+        the explorer) to the browser's clipboard and reports ``clicked = [answer, time]``: "copied", or why
+        the browser refused (the explorer then still shows the code as text)."""
+
+        _esm = _COPY_JS
+        code = traitlets.Unicode("").tag(sync=True)
+        clicked = traitlets.List([]).tag(sync=True)
 
     class SvgCanvas(anywidget.AnyWidget):
         """The figure as inline SVG (``value``, like ``W.HTML``) that reports where it is pointed
@@ -297,12 +362,33 @@ def _figure_view() -> W.DOMWidget:
 
 
 class _Explorer(W.VBox):
-    """Controls, figure, message and export row; subclasses define ``_draw`` (and ``code``)."""
+    """Controls, figure, message and export row; subclasses define ``_draw`` (and ``code``).
+
+    Redraws coalesce: in a kernel (``background``, default :func:`_in_kernel`) a control change only
+    asks for a figure and returns; one drawing thread per explorer draws the newest request. A change
+    that arrives while a redraw runs supersedes it: the older redraw stops at its next stage (before
+    rendering SVG) and nothing of it is shown, then the newest control state is drawn; any number of
+    changes in between cost one redraw, never a queue of stale ones. Outside a kernel (scripts,
+    tests) each change redraws before returning. The first figure is drawn before the explorer is
+    returned; :meth:`wait` blocks until the newest request is shown (a cell that sets a control and
+    then reads ``state`` waits first)."""
 
     CACHE = 12
     """Figures kept per explorer, by control state: going back to a setting is instant."""
 
-    def __init__(self, controls: list):
+    POINT_WAIT = 2.0
+    """Seconds a click or hover waits for a redraw under way (then it answers for the new figure), else finds no cell."""
+
+    background: bool
+    """Redraw on the explorer's drawing thread (True in a kernel) or before a change returns."""
+
+    def __init__(self, controls: list, background: Optional[bool] = None):
+        self._local = threading.local()  # per thread: whether its control changes are the explorer's own
+        self.background = _in_kernel() if background is None else background
+        self._asked = 0  # requests made (control changes), the newest's number
+        self._drawing = 0  # the request the running (or last) redraw draws
+        self._worker: Optional[threading.Thread] = None
+        self._worker_lock = threading.Lock()
         self.view = _figure_view()
         self.view.add_class("fimoe-figure")
         self.message = W.HTML()
@@ -312,26 +398,33 @@ class _Explorer(W.VBox):
         self.figure: Optional[Figure] = None
         self.svg = ""
         self.state: dict = {}
-        self._busy = False
         self._drawn: OrderedDict = OrderedDict()
         self._layers: OrderedDict = OrderedDict()  # static key -> (figure, SVG without its moving layer)
         self.save_name = W.Text(placeholder="file name (default: fimoe-<explorer>)", layout=W.Layout(width="260px"))
         save_png, save_svg = W.Button(description="save PNG"), W.Button(description="save SVG")
-        show_code = W.Button(description="copy as code")
         save_png.on_click(lambda _: self._save_clicked("png"))
         save_svg.on_click(lambda _: self._save_clicked("svg"))
-        show_code.on_click(lambda _: self._show_code())
+        show_code: W.DOMWidget
+        if anywidget is not None:
+            show_code = self.copy_button = CopyButton()
+            show_code.observe(lambda change: self._show_code(str((change["new"] or [""])[0])), names="clicked")
+        else:
+            show_code = W.Button(description="copy as code")
+            show_code.on_click(lambda _: self._show_code())
         self.code_box = W.Textarea(layout=W.Layout(width="100%", height="90px", display="none"))
         self.controls = controls
         rows = [W.HBox(controls[i : i + 4]) for i in range(0, len(controls), 4)]
-        export = W.HBox([self.save_name, save_png, save_svg, show_code])
+        self.code_status = W.HTML()  # what the browser answered the copy button
+        self.code_status.add_class("fimoe-copied")
+        export = W.HBox([self.save_name, save_png, save_svg, show_code, self.code_status])
         super().__init__(rows + [self.message, self.view, self.trace_box, export, self.code_box])
         for c in controls:
             c.observe(self.refresh, names="value")
         if anywidget is not None:
             self.view.observe(lambda change: self._from_page(self.click, change["new"]), names="click")
             self.view.observe(lambda change: self._from_page(self._hover, change["new"]), names="hover")
-        self.refresh()
+        self._asked += 1
+        self._draw_newest()  # the first figure before the explorer is returned: a notebook cell may read its state
 
     def _draw(self) -> tuple[Figure, str]:
         raise NotImplementedError
@@ -339,12 +432,13 @@ class _Explorer(W.VBox):
     LAYERED = 4
     """Figures kept by :meth:`_layered` (by what their static part shows)."""
 
-    def _layered(self, key: tuple, build, move, layers) -> tuple[Figure, str]:
+    def _layered(self, key: tuple, build, move, layers, top_moves: bool = True) -> tuple[Figure, str]:
         """A figure drawn once per ``key`` whose later changes touch only its moving layers:
         ``build()`` draws it (the static part is rendered once, :func:`figures.svg_without`),
         ``move(fig)`` updates it in place, ``layers(fig)`` lists the moving layers bottom to top
-        as ``(what it shows, artists)``. Only the top layer and any layer whose "what it shows"
-        changed are rendered again (:func:`figures.svg_only`). Returns the figure and its SVG."""
+        as ``(what it shows, artists)``. Only the top layer (unless not ``top_moves``: its "what it
+        shows" then says all it shows) and any layer whose "what it shows" changed are rendered
+        again (:func:`figures.svg_only`). Returns the figure and its SVG."""
         if key in self._layers:
             move(self._layers[key][0])
         else:
@@ -355,9 +449,10 @@ class _Explorer(W.VBox):
                 self._layers.popitem(last=False)
         self._layers.move_to_end(key)
         fig, base, rendered = self._layers[key]
+        self._check()  # what follows renders SVG: not for a superseded setting
         shown = layers(fig)
         for k, (what, artists) in enumerate(shown):
-            if k == len(shown) - 1 or k not in rendered or rendered[k][0] != what:
+            if (top_moves and k == len(shown) - 1) or k not in rendered or rendered[k][0] != what:
                 rendered[k] = (what, figures.svg_only(fig, artists))
         return fig, figures.stack_svg(base, *(rendered[k][1] for k in range(len(shown))))
 
@@ -369,16 +464,65 @@ class _Explorer(W.VBox):
         """Python that draws the current figure without the explorer."""
         raise NotImplementedError
 
+    @property
+    def _busy(self) -> bool:
+        """True while this thread changes controls itself (a menu the redraw refills, a loaded layer):
+        those changes ask for no redraw. Per thread: a user's change during a background redraw still does."""
+        return bool(getattr(self._local, "busy", False))
+
+    @_busy.setter
+    def _busy(self, value: bool) -> None:
+        self._local.busy = value
+
     def refresh(self, *_) -> None:
         """Redraw from the controls' values; a bad combination shows its error instead.
 
         An error replaces the figure (:meth:`show_error`) and says why; the next change redraws.
-        The garbage collector is paused meanwhile (:func:`_collector_paused`).
+        The garbage collector is paused meanwhile (:func:`_collector_paused`). With ``background``
+        this only asks for the redraw (the class docstring: the newest request is drawn).
         """
         if self._busy:
             return
-        with _collector_paused():
+        self._asked += 1
+        if not self.background:
+            self._draw_newest()
+            return
+        with self._worker_lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._drain, name="fimoe-redraw", daemon=True)
+                self._worker.start()
+
+    def _drain(self) -> None:
+        """The drawing thread: draw the newest request until none is newer than the one shown."""
+        while True:
+            with self._worker_lock:
+                if self._drawing == self._asked:
+                    self._worker = None
+                    return
+            self._draw_newest()
+
+    def _draw_newest(self) -> None:
+        """One redraw of the newest request (skipped, unshown, where a newer one arrives meanwhile)."""
+        with _DRAWING, _collector_paused():
+            self._drawing = self._asked
             self._redraw()
+
+    def _check(self) -> None:
+        """Stop the running redraw (:class:`_Superseded`) when a newer control change asked for another."""
+        if self._drawing != self._asked:
+            raise _Superseded
+
+    def wait(self, timeout: float = 60.0) -> bool:
+        """Block until the newest request is drawn and shown (at once without ``background``); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._worker_lock:
+                worker = self._worker
+            if worker is None:
+                return True
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
+                return False
 
     def _redraw(self) -> None:
         """:meth:`refresh`'s work."""
@@ -391,6 +535,7 @@ class _Explorer(W.VBox):
                 self.state = dict(state)
             else:
                 fig, note, *given = self._draw()
+                self._check()
                 parts = getattr(fig, "parts", None)  # an A/B figure: each part as its own vector SVG
                 if given:  # the explorer rendered it (a marker moved on a figure already drawn)
                     svg = given[0]
@@ -398,11 +543,16 @@ class _Explorer(W.VBox):
                     svg = "".join(f"<div><b>{label}</b></div>{figures.to_svg(p)}" for label, p in zip("AB", parts))
                 else:
                     svg = figures.to_svg(fig)
-                self._drawn[self._key()] = (fig, svg, note, dict(self.state))
+                key = self._key()
+                self._check()
+                self._drawn[key] = (fig, svg, note, dict(self.state))
                 while len(self._drawn) > self.CACHE:
                     self._drawn.popitem(last=False)
+        except _Superseded:
+            return
         except (FimoeError, sources.LabUnavailable, ValueError, KeyError, OSError) as exc:
-            self.show_error(exc)
+            if self._drawing == self._asked:  # an error of a superseded setting is not shown either
+                self.show_error(exc)
             return
         finally:
             self._busy = False
@@ -410,12 +560,19 @@ class _Explorer(W.VBox):
         self.view.value = svg
         self.message.value = html.escape(note)
         self.trace_box.value = ""
+        if anywidget is not None:  # what the copy button writes, ready before the click (the browser's rule)
+            try:
+                self.copy_button.code = self._code_text()
+            except (KeyError, FimoeError):
+                self.copy_button.code = ""
 
     def show_error(self, exc: BaseException, what: str = "figure cleared") -> None:
         """Say why the controls' setting cannot be drawn, in place of the figure: the figure of an earlier
         setting is no longer shown (nor saved), so nothing on screen disagrees with the controls."""
         text = html.escape(str(exc) or type(exc).__name__)
         self.figure, self.svg = None, ""
+        if anywidget is not None:
+            self.copy_button.code = ""  # no figure: nothing to copy
         self.view.value = f"<div class='fimoe-error' style='color:#d33;padding:12px 4px'>{text}</div>"
         self.message.value = f"<span style='color:#d33'>{text} ({what})</span>"
         self.trace_box.value = ""
@@ -430,15 +587,20 @@ class _Explorer(W.VBox):
     def point(self, x: float, y: float, part: int = 0) -> Optional[data.Trace]:
         """The element under point ``(x, y)`` of SVG ``part`` (points from its top left, what the
         figure reports) followed through its map (:func:`data.trace_cell`), or None where no
-        cell is drawn (or before anything is drawn)."""
-        fig = self._part(int(part))
-        if fig is None:
-            return None
-        hit = figures.cell_at(fig, float(x), float(y))
-        if hit is None:
-            return None
-        _, cells, i, j = hit
-        return self._traced(cells, data.trace_cell(cells, i, j))
+        cell is drawn (or before anything is drawn, or while a redraw outlasts :attr:`POINT_WAIT`)."""
+        if not _DRAWING.acquire(timeout=self.POINT_WAIT):
+            return None  # a redraw is still under way: nothing settled to point at
+        try:
+            fig = self._part(int(part))
+            if fig is None:
+                return None
+            hit = figures.cell_at(fig, float(x), float(y))
+            if hit is None:
+                return None
+            _, cells, i, j = hit
+            return self._traced(cells, data.trace_cell(cells, i, j))
+        finally:
+            _DRAWING.release()
 
     def _traced(self, cells: data.Cells, trace: data.Trace) -> data.Trace:
         """What :meth:`point` returns for ``trace`` of a cell of ``cells`` (layer explorers add bits)."""
@@ -526,15 +688,25 @@ class _Explorer(W.VBox):
         except (FimoeError, OSError, ValueError) as exc:
             self.message.value = f"<span style='color:#d33'>{html.escape(str(exc))} (not saved)</span>"
 
-    def _show_code(self) -> None:
-        """The code box: Python that draws the shown figure and displays it (the last line is the figure)."""
+    def _code_text(self) -> str:
+        """Python that draws the shown figure and displays it (the last line is the figure)."""
+        code = self.code()
+        return code + ("fig\n" if "\nfig = " in "\n" + code else "")
+
+    def _show_code(self, clipboard: str = "") -> None:
+        """The code box, shown: :meth:`_code_text`; ``clipboard`` is the browser's answer to the copy button
+        ("copied", or why not), said next to the button (the code box is there either way)."""
         try:
-            code = self.code()
+            code = self._code_text()
         except (KeyError, FimoeError) as exc:  # nothing drawn yet
             self.message.value = f"<span style='color:#d33'>no code for this view: {html.escape(str(exc))}</span>"
             return
-        self.code_box.value = code + ("fig\n" if "\nfig = " in "\n" + code else "")
+        self.code_box.value = code
         self.code_box.layout.display = None
+        if clipboard == "copied":
+            self.code_status.value = "copied to the clipboard (and shown below)"
+        elif clipboard:
+            self.code_status.value = html.escape(f"not copied: {clipboard} (the code is below)")
 
 
 class _LayerExplorer(_Explorer):
@@ -550,6 +722,7 @@ class _LayerExplorer(_Explorer):
         source: str = "seeded:mxfp8",
         backend: str = "trtllm",
         tensor: str = "w13",
+        background: Optional[bool] = None,
     ):
         self.layer_given = layer
         choices = [(layer.source, "given")] if layer is not None else layer_choices()
@@ -592,7 +765,7 @@ class _LayerExplorer(_Explorer):
         self.progress.add_class("fimoe-progress")
         self._opened = ""  # what the last load opened (the progress line keeps it)
         plan_controls = [self.source, self.shape, self.backend, self.activation, self.per_token]
-        super().__init__(plan_controls + [self.tensor, self.expert] + extra)
+        super().__init__(plan_controls + [self.tensor, self.expert] + extra, background)
         self.children = (self.loader, self.progress) + tuple(self.children)
 
     def load(self, path: Optional[str] = None) -> None:
@@ -657,6 +830,8 @@ class _LayerExplorer(_Explorer):
         and says when per-token activations leave the weight layout as it is (the figure cannot change)."""
         reads = _last_read(self)
         super()._redraw()
+        if self._drawing != self._asked:  # superseded: the newest request says what is shown
+            return
         if self.figure is not None and self.state.get("per_token") and self._same_without_per_token():
             self.message.value += html.escape(
                 f" (per-token activations: the same weight layout as per-tensor on {self.backend.value})"
@@ -818,7 +993,7 @@ class RowExplorer(_LayerExplorer):
         size, side = data.itemsize_of(self.layer.fmt, name), self.side.value
 
         # the static part is drawn once per (layer, plan, tensor); an expert change redraws the colour
-        # scale and the window layers, a window or side change the window layer (figures.row_layers)
+        # scale and the values layers, a window or side change the rows and values layers (figures.row_layers)
         def move(f):
             if f._fimoe_rows["values"] is not values:
                 figures.show_values(f, values, dead)
@@ -831,6 +1006,7 @@ class RowExplorer(_LayerExplorer):
             ),
             move,
             figures.row_layers,
+            top_moves=False,
         )
         self.state.update(flow=flow, window=window, colour_by=colour, side=side)
         return fig, f"{self.state['plan'].description}: {self._map_note(m)}{note}{self._bits_note()}", svg
@@ -997,6 +1173,7 @@ class ProvenanceExplorer(_LayerExplorer):
         fig, base, layers = self._static[static]
         if fig._fimoe_prov["values"] is not before:
             figures.show_provenance_values(fig, before, self.layer.dead(name, expert))
+        self._check()
         if expert not in layers:  # svg_only draws the expert's layer alone (no markers, no chain)
             layers[expert] = figures.svg_only(fig, figures.provenance_layer(fig))
             while len(layers) > self.EXPERTS_KEPT:
@@ -1209,7 +1386,8 @@ class DiagnoseExplorer(_Explorer):
     """``fimoe-lab diagnose`` as an explorer: a checkpoint (path box, MoE layer, TP size and
     rank) and a file of dumped kernel tensors; the message ranks the plan variants per
     tensor (:func:`fimoe_lab.diagnose.diagnose`), the figure takes the chosen tensor's
-    dump back through the planned map next to the checkpoint."""
+    dump back through the planned map next to the checkpoint. Only the experts the diagnosis
+    compares are read (:func:`sources.diagnosis_inputs`), once per checkpoint and dump."""
 
     def __init__(self, checkpoint: str = "", dump: str = "", layer: str = "first", tp_size: int = 1, tp_rank: int = 0):
         self.checkpoint = W.Text(
@@ -1234,6 +1412,7 @@ class DiagnoseExplorer(_Explorer):
         self.tp_size = _dropdown("TP size", TP_SIZES, tp_size, "160px")
         self.tp_rank = _int_box("TP rank", tp_rank, "160px")
         self.tensor = _dropdown("tensor", data.TENSOR_NAMES)
+        self._inputs: tuple = (None, None, None)  # (checkpoint and dump, diagnosis_inputs, diagnosis) last read
         super().__init__([self.checkpoint, self.dump, self.layer_index, self.tp_size, self.tp_rank, self.tensor])
 
     def _draw(self):
@@ -1244,9 +1423,14 @@ class DiagnoseExplorer(_Explorer):
         layer = self.layer_index.value.strip()
         if layer != "first" and not layer.isdigit():
             raise LayoutError(f"MoE layer {layer!r} is not a number", fix="type a layer index or 'first'")
-        moe = _layer(f"path:{layer}:{self.tp_size.value}:{self.tp_rank.value}:{self.checkpoint.value.strip()}").moe
-        dumped = diagnose.load_dump(self.dump.value.strip())
-        result = diagnose.diagnose(moe, dumped, source=self.checkpoint.value.strip())
+        key = f"path:{layer}:{self.tp_size.value}:{self.tp_rank.value}:{_checkpoint_key(self.checkpoint.value.strip())}"
+        dump = Path(self.dump.value.strip()).expanduser()
+        stamp = (key, str(dump), dump.stat().st_mtime_ns if dump.is_file() else None)
+        if self._inputs[0] != stamp:  # read once per checkpoint and dump: a tensor change redraws from them
+            inputs = sources.diagnosis_inputs(_layer(key), dump, diagnose.DEFAULT_EXPERTS)
+            result = diagnose.diagnose(*inputs, source=self.checkpoint.value.strip())
+            self._inputs = (stamp, inputs, result)
+        _, (moe, dumped), result = self._inputs
         roles = list(result.tensors)
         if self.tensor.value not in roles:
             self._busy = True
@@ -1263,9 +1447,9 @@ class DiagnoseExplorer(_Explorer):
         layer = self.layer_index.value.strip()
         return (
             "from fimoe_lab import diagnose\nfrom fimoe_lab.viz import sources\n"
-            f"moe = sources.load_layer({self.checkpoint.value.strip()!r}, {None if layer == 'first' else int(layer)}, "
-            f"{self.tp_size.value}, {self.tp_rank.value}).moe\n"
-            f"dumped = diagnose.load_dump({self.dump.value.strip()!r})\n"
+            f"layer = sources.load_layer({self.checkpoint.value.strip()!r}, {None if layer == 'first' else int(layer)}, "
+            f"{self.tp_size.value}, {self.tp_rank.value})\n"
+            f"moe, dumped = sources.diagnosis_inputs(layer, {self.dump.value.strip()!r}, diagnose.DEFAULT_EXPERTS)\n"
             "result = diagnose.diagnose(moe, dumped)\nprint(result.summary())\n"
             f"fig = diagnose.figure(result.tensors[{self.tensor.value!r}], moe, "
             f"dumped[result.tensors[{self.tensor.value!r}].dumped_name])\n"
@@ -1275,11 +1459,16 @@ class DiagnoseExplorer(_Explorer):
 class CompareExplorer(_LayerExplorer):
     """A/B: the chosen tensor of one layer under two plans (backend, engine profile, TP size,
     intermediate alignment each): both row pictures side by side with the chosen expert's values
-    (B at another TP size draws its rows without values: a shard of another read), each headed by
+    (B at TP > 1: TP rank 0's shard of them, :meth:`sources.ExpertTensors.tp_shard`), each headed by
     what its controls asked for, and the two step chains as a table under them; the message names
-    the steps that differ (B's controls are the ones marked B)."""
+    the steps that differ (B's controls are the ones marked B). Each side's picture is drawn once per
+    map (:meth:`_layered`): an expert change renders its colour scale and values only, a change of one
+    side's controls leaves the other side's SVG as it was."""
 
     tensor_filter = staticmethod(RowExplorer.tensor_filter)
+
+    CACHE = 0  # the side pictures are shared between experts (their values move): nothing to keep per setting
+    LAYERED = 6
 
     def __init__(self, layer: Optional[sources.ExpertTensors] = None, **kwargs):
         engines = ["default"] + sources.tuner_choices()[1]
@@ -1292,7 +1481,6 @@ class CompareExplorer(_LayerExplorer):
         self.activation_b, self.per_token_b = _activation_controls("B ")
         extra = [self.engine_a, self.align_a, self.backend_b, self.engine_b, self.align_b, self.tp_b]
         extra += [self.activation_b, self.per_token_b]
-        self._sides: OrderedDict = OrderedDict()
         super().__init__(layer, extra, **kwargs)
 
     def _plan_args(self, backend: str, engine: str, align, tp: int, acts: tuple = (None, False)) -> tuple:
@@ -1318,9 +1506,6 @@ class CompareExplorer(_LayerExplorer):
             acts[0],
         )
 
-    SIDES_KEPT = 6
-    """Row pictures kept (by map, expert and side): a change of one side's controls redraws that side only."""
-
     def _draw(self):
         self.current_map()
         name, expert = self.tensor.value, self.state["expert"]
@@ -1337,20 +1522,25 @@ class CompareExplorer(_LayerExplorer):
         diff = data.chain_diff(ma, mb)
         projections = 2 if name.startswith("w13") and self.layer.gated else 1
         values, dead = self.layer.magnitude(name, expert), self.layer.dead(name, expert)
+        tp_b = self.tp_b.value
+        shard = (values, dead) if tp_b == 1 else self.layer.tp_shard(name, expert, tp_b, 0)
         size = data.itemsize_of(self.layer.fmt, name)
         sides = []
-        for m, plan, engine, align, tp in (
-            (ma, a, self.engine_a.value, self.align_a.value, 1),
-            (mb, b, self.engine_b.value, self.align_b.value, self.tp_b.value),
+        for m, plan, engine, align, tp, (v, d) in (
+            (ma, a, self.engine_a.value, self.align_a.value, 1, (values, dead)),
+            (mb, b, self.engine_b.value, self.align_b.value, tp_b, shard),
         ):
-            own = m.in_shape == tuple(values.shape[:-1]) + (values.shape[-1] * size,)  # B at TP > 1: a shard
-            sides.append(self._side(m, projections, expert, values if own else None, dead if own else None, size))
+            self._check()
+            own = m.in_shape == tuple(v.shape[:-1]) + (v.shape[-1] * size,)  # the values the map moves
+            sides.append(self._side(m, projections, v if own else None, d if own else None, size))
             # what the side's controls asked for and what the plan made of it (an alignment the size already
             # meets pads nothing: the same picture, said here)
             asked = f"engine {engine}, TP {tp}, I align {align} -> intermediate {plan.padded_intermediate}"
             sides[-1] += (asked, tp, own)
         (fig_a, svg_a, *_), (fig_b, svg_b, *_) = sides
-        self.state.update(a=a, b=b, args=(args_a, args_b), diff=diff, projections=projections, values_b=sides[1][-1])
+        self.state.update(
+            a=a, b=b, args=(args_a, args_b), diff=diff, projections=projections, values_b=sides[1][-1], tp_b=tp_b
+        )
         changed = [f"{op}: {(sa or sb).split('(')[0]}" for op, sa, sb in diff if op != "same"]  # kinds; the table
         bits = [(side, p.word_bits.get(name)) for side, p in (("A", a), ("B", b))]
         extra = [f"{side} then {w.name} on every 32-bit word" for side, w in bits if w is not None]
@@ -1362,7 +1552,8 @@ class CompareExplorer(_LayerExplorer):
         pair.parts = (fig_a, fig_b)  # type: ignore[attr-defined]
         heads = []
         for label, plan, (_, _, asked, tp, own) in zip("AB", (a, b), sides):
-            shown = f"expert {expert}'s values" if own else f"no values (TP {tp} shard: load the layer at TP {tp})"
+            shown = f"expert {expert}'s values" + (f" (TP rank 0 of {tp}: its shard)" if tp > 1 else "")
+            shown = shown if own else "no values (the map does not take this layer's tensor)"
             heads.append(f"<b>{label}</b>: {html.escape(plan.description)}; {html.escape(asked)}; {shown}")
         panes = "".join(
             f"<div style='flex:0 0 auto'><div class='fimoe-side'>{head}</div>{svg}</div>"
@@ -1394,23 +1585,37 @@ class CompareExplorer(_LayerExplorer):
             + "</table>"
         )
 
-    def _side(self, m, projections: int, expert: int, values, dead, size: int) -> tuple:
-        """``(figure, SVG)`` of one side's row picture (with ``values``, one expert's, when given), kept."""
-        key = (id(self.layer), id(m), projections, expert if values is not None else None)
+    def _side(self, m, projections: int, values, dead, size: int) -> tuple[Figure, str]:
+        """``(figure, SVG)`` of one side's row picture (with ``values``, one expert's, when given): drawn
+        once per map, an expert change moves its values (:func:`figures.show_values`) and renders its colour
+        scale and values layers; nothing is rendered when neither changed."""
 
-        def draw():
-            fig = figures.row_permutation_figure(m, projections, (0, 64), "origin", values, size, dead=dead)
-            return (fig, figures.to_svg(fig), m)  # the map held: its id stays its own while kept
+        def move(f) -> None:
+            if values is not None and f._fimoe_rows["values"] is not values:
+                figures.show_values(f, values, dead)
+                figures.show_rows(f, (0, 64), "kernel", "origin")
 
-        return data.lru_get(self._sides, key, draw, self.SIDES_KEPT)[:2]  # type: ignore[no-any-return]
+        def layers(f) -> list:  # the colouring and the rows stay (rows 0..63 by origin): drawn with the static part
+            return [(what, artists) for what, artists in figures.row_layers(f) if what[0] in ("scale", "values")]
+
+        return self._layered(  # B with A's map and values (e.g. the same backend, TP 1) shares A's picture
+            (id(self.layer), id(m), projections, values is not None),
+            lambda: figures.row_permutation_figure(m, projections, (0, 64), "origin", values, size, dead=dead),
+            move,
+            layers,
+            top_moves=False,
+        )
 
     def code(self) -> str:
         s = self.state
         t, p, e = s["tensor"], s["projections"], s["expert"]
-        b_values = "values, size, dead=dead" if s["values_b"] else "size=size"
+        tp_b = s["tp_b"]
+        b_values = "values_b, size, dead=dead_b" if s["values_b"] else "size=size"
+        shard = f"layer.tp_shard({t!r}, {e}, {tp_b}, 0)" if tp_b > 1 else "values, dead"
         return self._layer_code() + (
             "from fimoe_lab.recipes import plan_layer\n"
             f"values, dead = layer.magnitude({t!r}, {e}), layer.dead({t!r}, {e})\n"
+            f"values_b, dead_b = {shard}\n"
             f"a, b = plan_layer{s['args'][0]!r}.maps()[{t!r}], plan_layer{s['args'][1]!r}.maps()[{t!r}]\n"
             "for row in data.chain_diff(a, b):\n    print(*row, sep=' | ')\n"
             f"fig = figures.side_by_side(figures.row_permutation_figure(a, {p}, (0, 64), 'origin', values, size, "
