@@ -51,6 +51,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from fimoe_lab import owned_files
+from fimoe_lab.choice import LayerShape, LayoutChoice
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.specs import BACKENDS, get_format
 from fimoe_lab.viz import data, figures, sources
@@ -1484,38 +1485,35 @@ class CompareExplorer(_LayerExplorer):
         super().__init__(layer, extra, **kwargs)
 
     def _plan_args(self, backend: str, engine: str, align, tp: int, acts: tuple = (None, False)) -> tuple:
-        """``recipes.plan_layer`` arguments of one side: the layer's format and sizes at TP ``tp``,
-        ``acts`` = ``(activation_dtype, per_token)`` (:func:`_activation_args`)."""
+        """``(LayerShape, LayoutChoice)`` of one side (``recipes.plan_for``'s two values): the layer's format and
+        sizes at TP ``tp``, the side's controls, ``acts`` = ``(activation_dtype, per_token)``
+        (:func:`_activation_args`)."""
         layer = self.layer
         if layer.intermediate % tp:
             raise LayoutError(
                 f"intermediate {layer.intermediate} does not split into {tp} shards",
                 fix="pick a TP size that divides it",
             )
-        return (
-            layer.fmt,
+        shape = LayerShape(layer.fmt, layer.intermediate // tp, layer.hidden, layer.gated, layer.layout.is_gated)
+        choice = LayoutChoice(
             backend,
-            layer.intermediate // tp,
-            layer.hidden,
-            layer.gated,
-            layer.layout.is_gated,
-            None if align == "default" else int(align),
-            None,
-            None if engine == "default" else engine,
-            acts[1],
-            acts[0],
+            intermediate_alignment=None if align == "default" else int(align),
+            engine=None if engine == "default" else engine,
+            per_token_activation=acts[1],
+            activation_dtype=acts[0],
         )
+        return shape, choice
 
     def _draw(self):
         self.current_map()
         name, expert = self.tensor.value, self.state["expert"]
-        from fimoe_lab.recipes import plan_layer
+        from fimoe_lab.recipes import plan_for
 
         acts_a = (self.state["activation_dtype"], self.state["per_token"])
         acts_b = _activation_args(self.layer.fmt, self.backend_b.value, self.activation_b, self.per_token_b)
         args_a = self._plan_args(self.backend.value, self.engine_a.value, self.align_a.value, 1, acts_a)
         args_b = self._plan_args(self.backend_b.value, self.engine_b.value, self.align_b.value, self.tp_b.value, acts_b)
-        a, b = plan_layer(*args_a), plan_layer(*args_b)
+        a, b = plan_for(*args_a), plan_for(*args_b)
         ma, mb = a.maps().get(name), b.maps().get(name)
         if ma is None or mb is None:
             raise LayoutError(f"plan {'A' if ma is None else 'B'} does not move {name}", fix="pick another tensor")
@@ -1613,10 +1611,12 @@ class CompareExplorer(_LayerExplorer):
         b_values = "values_b, size, dead=dead_b" if s["values_b"] else "size=size"
         shard = f"layer.tp_shard({t!r}, {e}, {tp_b}, 0)" if tp_b > 1 else "values, dead"
         return self._layer_code() + (
-            "from fimoe_lab.recipes import plan_layer\n"
+            "from fimoe_lab.choice import LayerShape, LayoutChoice\n"
+            "from fimoe_lab.recipes import plan_for\n"
             f"values, dead = layer.magnitude({t!r}, {e}), layer.dead({t!r}, {e})\n"
             f"values_b, dead_b = {shard}\n"
-            f"a, b = plan_layer{s['args'][0]!r}.maps()[{t!r}], plan_layer{s['args'][1]!r}.maps()[{t!r}]\n"
+            f"a = plan_for{s['args'][0]!r}.maps()[{t!r}]\n"
+            f"b = plan_for{s['args'][1]!r}.maps()[{t!r}]\n"
             "for row in data.chain_diff(a, b):\n    print(*row, sep=' | ')\n"
             f"fig = figures.side_by_side(figures.row_permutation_figure(a, {p}, (0, 64), 'origin', values, size, "
             f"dead=dead), figures.row_permutation_figure(b, {p}, (0, 64), 'origin', {b_values}))\n"
