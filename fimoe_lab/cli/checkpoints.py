@@ -344,7 +344,7 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
     else:
-        _print_written(args, doc)
+        _print_written(doc)
     return EXIT_OK
 
 
@@ -494,7 +494,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
         return EXIT_OK
-    _print_written(args, doc)
+    _print_written(doc)
     for r in doc["processes"]:
         print(
             f"process {r['rank']}: wrote {r['written']} shards ({r['bytes'] / 1e6:.2f} MB in {r['seconds']:.2f} s, "
@@ -505,7 +505,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _print_written(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+def _print_written(doc: dict[str, Any]) -> None:
     """The text form of :func:`_written`'s record."""
     for layer in doc["layers"]:
         print(
