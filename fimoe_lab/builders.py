@@ -3,8 +3,11 @@
 Each ``plan_*`` is one helper (or one fixed sequence of them) as a :class:`~fimoe_lab.plan.LayerPlan` of
 the index maps of ``w13``, ``w2`` and their scales, cached (:func:`fimoe_lab.caches.cached`) so that the
 drop-ins of :mod:`fimoe_lab.prepare`, :func:`fimoe_lab.recipes.plan_layer` and the warm-up share one map
-per shape. Which builders a (format, backend) composes is :mod:`fimoe_lab.recipes`'s table; the sizes
-they pad to are :func:`fimoe_lab.shapes.layer_shape`'s (``plan_layer`` checks every plan against it).
+per shape. Which builders a (format, backend) composes is :mod:`fimoe_lab.recipes`'s table. A builder that
+pads takes the padded sizes ``(I', H')`` (``plan_pad*``, ``*_padded``): the recipes hand it
+:func:`fimoe_lab.shapes.layer_shape`'s, the one padding rule; the forms named after FlashInfer's helpers
+(``plan_align*``, ``plan_fp8_per_tensor``, ``plan_mxfp8``) take alignments, as those helpers do, and pad to
+their ``round_up``.
 
 Shapes (one expert): ``w13`` is ``[P*I, H]`` (P = 2 when gate and up are stacked, i.e.
 act-and-mul), ``w2`` is ``[H, I]``, in bytes along the last dim (packed FP4: two values
@@ -28,7 +31,7 @@ from fimoe_lab.caches import cached
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.plan import LayerPlan
-from fimoe_lab.shapes import FI_MOE_INTERMEDIATE_MULTIPLE, default_alignments, projections
+from fimoe_lab.shapes import FI_MOE_INTERMEDIATE_MULTIPLE, default_alignments, projections, round_up
 from fimoe_lab.specs import FORMATS
 
 __all__ = [
@@ -41,8 +44,11 @@ __all__ = [
     "present",
     "swap_rows",
     "trtllm_nvfp4_hidden_alignment",
+    "plan_pad",
     "plan_align",
+    "plan_pad_fp4",
     "plan_align_fp4",
+    "plan_pad_mxfp8",
     "plan_align_mxfp8",
     "plan_pad_trtllm_moe_weights",
     "plan_rotate_fp8_per_tensor",
@@ -51,8 +57,10 @@ __all__ = [
     "plan_fp4_trtllm_weights",
     "plan_trtllm_bf16_block_layout",
     "plan_fp8_per_tensor",
+    "plan_fp8_per_tensor_padded",
     "plan_fp8_block",
     "plan_mxfp8",
+    "plan_mxfp8_padded",
 ]
 
 TRTLLM_EPILOGUE_TILE_M = 128
@@ -86,13 +94,13 @@ def trtllm_nvfp4_hidden_alignment(per_token_activation: bool, is_act_and_mul: bo
 
 # ----------------------------------------------------------------------------- padding
 @cached
-def plan_align(
+def plan_pad(
     intermediate: int,
     hidden: int,
+    padded_intermediate: int,
+    padded_hidden: int,
     itemsize: int,
     is_act_and_mul: bool,
-    min_alignment: int = FI_MOE_INTERMEDIATE_MULTIPLE,
-    hidden_alignment: int = 1,
     scale_block: Optional[int] = None,
     scale_fill: int = 0,
     w13_scale_cols: Optional[int] = None,
@@ -100,16 +108,17 @@ def plan_align(
     values_per_byte: int = 1,
     description: str = "align",
 ) -> LayerPlan:
-    """Pad intermediate (each projection on its own) to ``min_alignment`` and hidden to
-    ``hidden_alignment``; with ``scale_block``, their vector scales too.
+    """Pad ``(I, H)`` to ``(I', H')`` = (``padded_intermediate``, ``padded_hidden``), each projection of W13 on
+    its own; with ``scale_block``, their vector scales too. The recipes pass :func:`fimoe_lab.shapes.layer_shape`'s
+    sizes; :func:`plan_align` the ``round_up`` of its alignments.
 
-    ``itemsize`` bytes per stored element, ``values_per_byte`` 2 for packed FP4.
-    Scales (one per ``scale_block`` values along the last dim, ``w13_scale_cols`` /
-    ``w2_scale_cols`` columns in the checkpoint) are padded with ``scale_fill``.
+    W13 ``[P*I, H] -> [P*I', H']``, W2 ``[H, I] -> [H', I']`` (values; ``itemsize`` bytes per stored element,
+    ``values_per_byte`` 2 for packed FP4: a padded size must fill whole bytes). Scales (one per ``scale_block``
+    values along the last dim, ``w13_scale_cols`` / ``w2_scale_cols`` columns in the checkpoint) are padded with
+    ``scale_fill`` to ``[P*I', H'/block]`` and ``[H', I'/block]``; padded sizes must be whole blocks.
     """
     p = projections(is_act_and_mul)
-    ip = steps.round_up(intermediate, min_alignment)
-    hp = steps.round_up(hidden, hidden_alignment)
+    ip, hp = padded_intermediate, padded_hidden
     if ip == intermediate and hp == hidden:
         return LayerPlan(None, None, None, None, intermediate, hidden, ip, hp, description)
 
@@ -138,7 +147,72 @@ def plan_align(
     return LayerPlan(w13, w2, w13_s, w2_s, intermediate, hidden, ip, hp, description)
 
 
+def plan_align(
+    intermediate: int,
+    hidden: int,
+    itemsize: int,
+    is_act_and_mul: bool,
+    min_alignment: int = FI_MOE_INTERMEDIATE_MULTIPLE,
+    hidden_alignment: int = 1,
+    scale_block: Optional[int] = None,
+    scale_fill: int = 0,
+    w13_scale_cols: Optional[int] = None,
+    w2_scale_cols: Optional[int] = None,
+    values_per_byte: int = 1,
+    description: str = "align",
+) -> LayerPlan:
+    """Pad intermediate (each projection on its own) to ``min_alignment`` and hidden to
+    ``hidden_alignment``: :func:`plan_pad` to ``(round_up(I, min_alignment), round_up(H, hidden_alignment))``
+    (FlashInfer's ``align_moe_weights_for_fi``); with ``scale_block``, their vector scales too."""
+    padded = round_up(intermediate, min_alignment), round_up(hidden, hidden_alignment)
+    return plan_pad(
+        intermediate,
+        hidden,
+        *padded,
+        itemsize,
+        is_act_and_mul,
+        scale_block,
+        scale_fill,
+        w13_scale_cols,
+        w2_scale_cols,
+        values_per_byte,
+        description,
+    )
+
+
 @cached
+def plan_pad_mxfp8(
+    intermediate: int,
+    hidden: int,
+    padded_intermediate: int,
+    padded_hidden: int,
+    is_act_and_mul: bool,
+    w13_scale_cols: int,
+    w2_scale_cols: int,
+    scale_fill: int,
+) -> LayerPlan:
+    """Pad MXFP8 weights (1 byte) to ``(I', H')`` and their UE8M0 scales, one per ``hidden / w13_scale_cols``
+    values; padded scales ``scale_fill`` (127 = UE8M0 1.0, so padded lanes add nothing)."""
+    if w13_scale_cols < 1 or hidden % w13_scale_cols:
+        raise LayoutError(
+            f"hidden {hidden} is not a whole number of scale blocks for {w13_scale_cols} scale columns "
+            f"(MXFP8 has one UE8M0 scale per 32 values)"
+        )
+    return plan_pad(
+        intermediate,
+        hidden,
+        padded_intermediate,
+        padded_hidden,
+        1,
+        is_act_and_mul,
+        scale_block=hidden // w13_scale_cols,
+        scale_fill=scale_fill,
+        w13_scale_cols=w13_scale_cols,
+        w2_scale_cols=w2_scale_cols,
+        description="align_mxfp8_moe_weights_for_fi_trtllm",
+    )
+
+
 def plan_align_mxfp8(
     intermediate: int,
     hidden: int,
@@ -149,29 +223,40 @@ def plan_align_mxfp8(
     hidden_alignment: int,
     scale_fill: int,
 ) -> LayerPlan:
-    """Pad MXFP8 weights (1 byte) and their UE8M0 scales, one per ``hidden / w13_scale_cols``
-    values; padded scales ``scale_fill`` (127 = UE8M0 1.0, so padded lanes add nothing)."""
-    if w13_scale_cols < 1 or hidden % w13_scale_cols:
-        raise LayoutError(
-            f"hidden {hidden} is not a whole number of scale blocks for {w13_scale_cols} scale columns "
-            f"(MXFP8 has one UE8M0 scale per 32 values)"
-        )
-    return plan_align(
-        intermediate,
-        hidden,
-        1,
-        is_act_and_mul,
-        min_alignment,
-        hidden_alignment,
-        scale_block=hidden // w13_scale_cols,
-        scale_fill=scale_fill,
-        w13_scale_cols=w13_scale_cols,
-        w2_scale_cols=w2_scale_cols,
-        description="align_mxfp8_moe_weights_for_fi_trtllm",
-    )
+    """:func:`plan_pad_mxfp8` to ``(round_up(I, min_alignment), round_up(H, hidden_alignment))``."""
+    padded = round_up(intermediate, min_alignment), round_up(hidden, hidden_alignment)
+    return plan_pad_mxfp8(intermediate, hidden, *padded, is_act_and_mul, w13_scale_cols, w2_scale_cols, scale_fill)
 
 
 @cached
+def plan_pad_fp4(
+    intermediate: int,
+    hidden: int,
+    padded_intermediate: int,
+    padded_hidden: int,
+    is_act_and_mul: bool,
+    scale_block: int = 16,
+    scale_fill: int = 0,
+) -> LayerPlan:
+    """Pad packed FP4 (two values per byte) to ``(I', H')`` and its scales (one byte per ``scale_block``
+    values: 16 NVFP4 E4M3, 32 MXFP4 UE8M0); padded weights are 0, padded scales
+    ``scale_fill`` (0; FlashInfer 0.7.x's ``pad_trtllm_moe_weights``: 0x38 NVFP4, 127 MXFP4)."""
+    return plan_pad(
+        intermediate,
+        hidden,
+        padded_intermediate,
+        padded_hidden,
+        1,
+        is_act_and_mul,
+        scale_block=scale_block,
+        scale_fill=scale_fill,
+        w13_scale_cols=hidden // scale_block,
+        w2_scale_cols=intermediate // scale_block,
+        values_per_byte=2,
+        description="align_fp4_moe_weights_for_fi",
+    )
+
+
 def plan_align_fp4(
     intermediate: int,
     hidden: int,
@@ -181,23 +266,10 @@ def plan_align_fp4(
     scale_block: int = 16,
     scale_fill: int = 0,
 ) -> LayerPlan:
-    """Pad packed FP4 (two values per byte) and its scales (one byte per ``scale_block``
-    values: 16 NVFP4 E4M3, 32 MXFP4 UE8M0); padded weights are 0, padded scales
-    ``scale_fill`` (0; FlashInfer 0.7.x's ``pad_trtllm_moe_weights``: 0x38 NVFP4, 127 MXFP4)."""
-    return plan_align(
-        intermediate,
-        hidden,
-        1,
-        is_act_and_mul,
-        min_alignment,
-        hidden_alignment,
-        scale_block=scale_block,
-        scale_fill=scale_fill,
-        w13_scale_cols=hidden // scale_block,
-        w2_scale_cols=intermediate // scale_block,
-        values_per_byte=2,
-        description="align_fp4_moe_weights_for_fi",
-    )
+    """:func:`plan_pad_fp4` to ``(round_up(I, min_alignment), round_up(H, hidden_alignment))``
+    (FlashInfer's ``align_fp4_moe_weights_for_fi``)."""
+    padded = round_up(intermediate, min_alignment), round_up(hidden, hidden_alignment)
+    return plan_pad_fp4(intermediate, hidden, *padded, is_act_and_mul, scale_block, scale_fill)
 
 
 TRTLLM_OUTPUT_HIDDEN_ALIGNMENT = 128
@@ -239,8 +311,8 @@ def plan_pad_trtllm_moe_weights(
             )
     p = projections(is_gated_act)
     fill = 127 if sf_vec_size == 32 else 0x38
-    ip, hp = steps.round_up(intermediate, intermediate_alignment), steps.round_up(hidden, hidden_alignment)
-    h2 = steps.round_up(hidden, TRTLLM_OUTPUT_HIDDEN_ALIGNMENT)
+    ip, hp = round_up(intermediate, intermediate_alignment), round_up(hidden, hidden_alignment)
+    h2 = round_up(hidden, TRTLLM_OUTPUT_HIDDEN_ALIGNMENT)
 
     def pad(parts: int, rows: int, prows: int, cols: int, pcols: int, f: int = 0) -> Optional[IndexMap]:
         return None if (rows, cols) == (prows, pcols) else steps.pad_projections(parts, rows, prows, cols, pcols, f)
@@ -399,7 +471,6 @@ def swap_rows(rows: int, cols_bytes: int, is_act_and_mul: bool) -> Optional[Inde
     return steps.swap_w13_to_w31_rows(rows, cols_bytes) if is_act_and_mul else None
 
 
-@cached
 def plan_fp8_per_tensor(
     intermediate: int,
     hidden: int,
@@ -409,13 +480,29 @@ def plan_fp8_per_tensor(
     swap: bool = True,
     min_alignment: Optional[int] = None,
 ) -> LayerPlan:
-    """FP8 per-tensor: pad I to ``min_alignment`` (None: FlashInfer's 16 gated, 128 non-gated; 1: no
-    padding), swap (``swap``; a profile's ``gate_up_kept`` turns it off); TRT-LLM adds the gated
-    interleave and the epilogue shuffle (tile 128)."""
-    p = projections(is_act_and_mul)
+    """FP8 per-tensor: :func:`plan_fp8_per_tensor_padded` with I padded to ``min_alignment`` (None: FlashInfer's
+    16 gated, 128 non-gated; 1: no padding)."""
     if min_alignment is None:
         min_alignment = default_alignments("fp8", "trtllm" if trtllm else "cutlass", is_act_and_mul, is_gated)[0]
-    pad = plan_align(intermediate, hidden, 1, is_act_and_mul, min_alignment)
+    padded = round_up(intermediate, min_alignment)
+    return plan_fp8_per_tensor_padded(intermediate, hidden, padded, is_act_and_mul, is_gated, trtllm, swap)
+
+
+@cached
+def plan_fp8_per_tensor_padded(
+    intermediate: int,
+    hidden: int,
+    padded_intermediate: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    trtllm: bool,
+    swap: bool = True,
+) -> LayerPlan:
+    """FP8 per-tensor: pad I to ``padded_intermediate`` (W13 ``[P*I, H] -> [P*I', H]``, W2 ``[H, I] -> [H, I']``),
+    swap (``swap``; a profile's ``gate_up_kept`` turns it off); TRT-LLM adds the gated interleave and the
+    epilogue shuffle (tile 128)."""
+    p = projections(is_act_and_mul)
+    pad = plan_pad(intermediate, hidden, padded_intermediate, hidden, 1, is_act_and_mul)
     ip = pad.padded_intermediate
     rotate = plan_rotate_fp8_per_tensor(p * ip, hidden, ip, is_gated) if trtllm else None
     return LayerPlan(
@@ -468,7 +555,6 @@ def plan_fp8_block(
     )
 
 
-@cached
 def plan_mxfp8(
     intermediate: int,
     hidden: int,
@@ -483,30 +569,63 @@ def plan_mxfp8(
     swap: bool = True,
     cutlass_swizzled: bool = False,
 ) -> LayerPlan:
-    """MXFP8 (UE8M0 scale per 32 values, scales follow their rows).
-
-    TRT-LLM: pad (I 128, H 256; padded scales ``scale_fill``, default 127 = UE8M0 1.0;
-    SGLang 0.5.23 writes 0), swap (``swap``; SGLang 0.5.23 keeps ``[gate; up]``), gated
-    interleave, shuffle (tile 128); scales also 128x4-swizzled. CUTLASS: pad (only to the
-    alignments given: ``plan_layer`` passes the profile's, 128 and 128 for FlashInfer 0.7.x,
-    whose CUTLASS MXFP8 binding needs them; vLLM's ``prepare_fp8_moe_layer_for_fi`` pads
-    nothing), swap weights and scales; with ``cutlass_swizzled`` the scales ``[R, C]`` then
-    go through the 128x4 swizzle to ``[ceil128(R), ceil4(C)]`` (FlashInfer 0.7.x).
-    """
-    p = projections(is_act_and_mul)
+    """MXFP8: :func:`plan_mxfp8_padded` with ``(I, H)`` padded to the alignments given, else on TRT-LLM to
+    FlashInfer's I 128, H 256 (CUTLASS: none; ``plan_layer`` passes the profile's, 128 and 128 for FlashInfer
+    0.7.x, whose CUTLASS MXFP8 binding needs them; vLLM's ``prepare_fp8_moe_layer_for_fi`` pads nothing).
+    ``scale_fill`` None: the format's byte, 127 (UE8M0 1.0)."""
     da, dh = default_alignments("mxfp8", "trtllm", is_act_and_mul, is_gated) if trtllm else (1, 1)
-    pad = plan_align_mxfp8(
+    padded = round_up(intermediate, intermediate_alignment or da), round_up(hidden, hidden_alignment or dh)
+    fill = FORMATS["mxfp8"].scale_fill if scale_fill is None else scale_fill
+    return plan_mxfp8_padded(
         intermediate,
         hidden,
+        *padded,
+        is_act_and_mul,
+        is_gated,
+        trtllm,
+        w13_scale_cols,
+        w2_scale_cols,
+        fill,
+        swap,
+        cutlass_swizzled,
+    )
+
+
+@cached
+def plan_mxfp8_padded(
+    intermediate: int,
+    hidden: int,
+    padded_intermediate: int,
+    padded_hidden: int,
+    is_act_and_mul: bool,
+    is_gated: bool,
+    trtllm: bool,
+    w13_scale_cols: int,
+    w2_scale_cols: int,
+    scale_fill: int,
+    swap: bool = True,
+    cutlass_swizzled: bool = False,
+) -> LayerPlan:
+    """MXFP8 (UE8M0 scale per 32 values, scales follow their rows), padded to ``(I', H')``.
+
+    TRT-LLM: pad (padded scales ``scale_fill``: 127 = UE8M0 1.0; SGLang 0.5.23 writes 0), swap (``swap``;
+    SGLang 0.5.23 keeps ``[gate; up]``), gated interleave, shuffle (tile 128); scales also 128x4-swizzled.
+    CUTLASS: pad, swap weights and scales; with ``cutlass_swizzled`` the scales ``[R, C]`` then go through the
+    128x4 swizzle to ``[ceil128(R), ceil4(C)]`` (FlashInfer 0.7.x).
+    """
+    p = projections(is_act_and_mul)
+    pad = plan_pad_mxfp8(
+        intermediate,
+        hidden,
+        padded_intermediate,
+        padded_hidden,
         is_act_and_mul,
         w13_scale_cols,
         w2_scale_cols,
-        intermediate_alignment or da,
-        hidden_alignment or dh,
-        FORMATS["mxfp8"].scale_fill if scale_fill is None else scale_fill,
+        scale_fill,
     )
     ip, hp = pad.padded_intermediate, pad.padded_hidden
-    block = hidden // w13_scale_cols  # checked to divide by plan_align_mxfp8
+    block = hidden // w13_scale_cols  # checked to divide by plan_pad_mxfp8
     if not trtllm:
         c13, c2 = hp // block, ip // block
         return LayerPlan(

@@ -3,8 +3,9 @@
 A plan is ``recipes.plan_for(layer, choice)``; its padded sizes ``shapes.layer_shape(layer, choice)``. The
 options are built into a :class:`LayoutChoice` once, where they enter the package (the CLI's parsed
 arguments, the drop-ins, a converted file's recorded arguments, the lab's controls), and passed whole; the
-functions users call with keyword options (``recipes.plan_layer``, ``shapes.padded_shape``,
-``checkpoints.convert_checkpoint``) build it from them on entry. Adding an option touches this module,
+functions users call with keyword options (``recipes.plan_layer``, ``shapes.padded_shape``; and, unless given
+the value as ``choice=``, ``checkpoints.convert_checkpoint``, ``convert_distributed``, ``inspect_checkpoint``)
+build it from them on entry. Adding an option touches this module,
 those keyword lists, and the code that reads the field.
 
 Torch-free and free of package imports: every layer may read it.

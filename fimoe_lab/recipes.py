@@ -4,7 +4,7 @@
 steps in order and the paddings. :func:`plan_layer` (and :func:`plan_for`, its form over the two values of
 :mod:`fimoe_lab.choice`) builds that plan for one layer from the builders of :mod:`fimoe_lab.builders`
 (and :mod:`fimoe_lab.special_plans` for MxInt4 and the SM90 mixed-input layout), with the engine
-profile's defaults, and checks its padded sizes against :func:`fimoe_lab.shapes.layer_shape`, the one
+profile's defaults, to the padded sizes :func:`fimoe_lab.shapes.layer_shape` computes once per layer, the one
 padding rule the tuner also reads. ``convert``, ``plan``, the tuner's reference column, the lab and the
 vLLM drop-ins in :mod:`fimoe_lab.prepare` all build plans here or from the same builders, and take their
 default paddings from :func:`default_alignments` (re-exported from :mod:`fimoe_lab.shapes`), so they
@@ -20,12 +20,12 @@ from typing import Optional
 from fimoe_lab import steps
 from fimoe_lab.builders import (
     chain,
-    plan_align,
-    plan_align_fp4,
     plan_fp4_trtllm_weights,
     plan_fp8_block,
-    plan_fp8_per_tensor,
-    plan_mxfp8,
+    plan_fp8_per_tensor_padded,
+    plan_mxfp8_padded,
+    plan_pad,
+    plan_pad_fp4,
     plan_trtllm_bf16_block_layout,
     present,
     swap_rows,
@@ -38,12 +38,12 @@ from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import LayerPlan
 from fimoe_lab.shapes import (
     FI_MOE_INTERMEDIATE_MULTIPLE,
-    choice_alignments,
     default_alignments,
+    fp8_alignments,
     layer_shape,
     projections,
 )
-from fimoe_lab.special_plans import SM90_MIXED_ALIGNMENT, plan_cutlass_mxfp4_bf16, plan_mxint4
+from fimoe_lab.special_plans import SM90_MIXED_ALIGNMENT, plan_cutlass_mxfp4_bf16_padded, plan_mxint4
 from fimoe_lab.specs import FORMATS, get_format
 
 __all__ = [
@@ -75,9 +75,10 @@ class Recipe:
     ``weights`` / ``scales``: the step kinds (:data:`fimoe_lab.steps.STEPS`) a plan of this recipe may apply to
     the weights and to their scales, in order (a profile may leave some out: the W31 swap where it keeps
     ``[gate; up]``, the shuffles where it hands the kernel the checkpoint layout); ``paddings``: what is padded
-    and with what (the sizes: :func:`fimoe_lab.shapes.layer_shape`); ``build``: the function that composes the
-    builders into the plan, given the layer, the choice (its engine resolved) and whether W13 is swapped (None:
-    the format's own rule, :func:`fimoe_lab.special_plans.plan_mxint4`). ``id`` is what converted files record.
+    and with what; ``build``: the function that composes the builders into the plan, given the layer, the choice
+    (its engine resolved), whether W13 is swapped and the padded sizes ``(I', H')`` that
+    :func:`fimoe_lab.shapes.layer_shape` computes once for it (None: the format's own rule,
+    :func:`fimoe_lab.special_plans.plan_mxint4`). ``id`` is what converted files record.
     """
 
     fmt: str
@@ -85,7 +86,7 @@ class Recipe:
     weights: tuple[str, ...]
     scales: tuple[str, ...]
     paddings: str
-    build: Optional[Callable[[LayerShape, LayoutChoice, bool], LayerPlan]]
+    build: Optional[Callable[[LayerShape, LayoutChoice, bool, tuple[int, int]], LayerPlan]]
 
     @property
     def id(self) -> str:
@@ -96,18 +97,11 @@ def recipe_id(fmt: str, backend: str) -> str:
     return f"{fmt}/{backend}"
 
 
-def _alignments(layer: LayerShape, choice: LayoutChoice) -> tuple[int, int]:
-    """The alignments given, else the profile's defaults."""
-    da, dh = choice_alignments(layer, choice)
-    return choice.intermediate_alignment or da, choice.hidden_alignment or dh
-
-
-def _bf16_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
+def _bf16_layer(layer: LayerShape, choice: LayoutChoice, swap: bool, padded: tuple[int, int]) -> LayerPlan:
     """BF16: pad (each projection on its own), then TRT-LLM's block layout or CUTLASS's W31 swap."""
-    ia, ha = _alignments(layer, choice)
+    ip, hp = padded
     trt, p = choice.backend == "trtllm", projections(layer.is_act_and_mul)
-    pad = plan_align(layer.intermediate, layer.hidden, 2, layer.is_act_and_mul, ia, ha)
-    ip, hp = pad.padded_intermediate, pad.padded_hidden
+    pad = plan_pad(layer.intermediate, layer.hidden, ip, hp, 2, layer.is_act_and_mul)
     if trt:
         inner = plan_trtllm_bf16_block_layout(p * ip, hp, ip, layer.is_gated, swap=swap)
         w13, w2 = inner.w13, inner.w2
@@ -117,15 +111,14 @@ def _bf16_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPla
     return LayerPlan(chain(pad.w13, w13), chain(pad.w2, w2), None, None, layer.intermediate, layer.hidden, ip, hp, desc)
 
 
-def _fp4_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
+def _fp4_layer(layer: LayerShape, choice: LayoutChoice, swap: bool, padded: tuple[int, int]) -> LayerPlan:
     """NVFP4 / MXFP4: pad (scales with the profile's byte), then TRT-LLM's steps or CUTLASS's
     W31 swap and (in every profile but the legacy one) 128x4-swizzled scales."""
-    ia, ha = _alignments(layer, choice)
+    ip, hp = padded
     fmt, backend, am = layer.fmt, choice.backend, layer.is_act_and_mul
     p, trt, block = projections(am), backend == "trtllm", FORMATS[fmt].scale_block
     fill = scale_fill(fmt, backend, choice.engine)
-    pad = plan_align_fp4(layer.intermediate, layer.hidden, am, ia, ha, block, fill)
-    ip, hp = pad.padded_intermediate, pad.padded_hidden
+    pad = plan_pad_fp4(layer.intermediate, layer.hidden, ip, hp, am, block, fill)
     sizes = (layer.intermediate, layer.hidden, ip, hp, f"{fmt.upper()} {'TRT-LLM' if trt else 'CUTLASS'}")
     if not trt:
         swizzled = get_engine(choice.engine).cutlass_fp4_scales == "128x4"
@@ -137,71 +130,62 @@ def _fp4_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan
     return LayerPlan(w13, w2, chain(pad.w13_scale, inner.w13_scale), chain(pad.w2_scale, inner.w2_scale), *sizes)
 
 
-def _mxfp8_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
-    """MXFP8: :func:`~fimoe_lab.builders.plan_mxfp8` with the profile's paddings, scale byte and CUTLASS scale
-    layout; on CUTLASS with alignments given, the FP8 family's padding rule."""
+def _mxfp8_layer(layer: LayerShape, choice: LayoutChoice, swap: bool, padded: tuple[int, int]) -> LayerPlan:
+    """MXFP8: :func:`~fimoe_lab.builders.plan_mxfp8_padded` with the profile's scale byte and CUTLASS scale layout;
+    on CUTLASS with alignments given, the FP8 family's builder."""
     trt, given = choice.backend == "trtllm", choice.intermediate_alignment or choice.hidden_alignment
     if not (trt or not given):
-        return _fp8_layer(layer, choice, swap)
+        return _fp8_layer(layer, choice, swap, padded)
     profile = get_engine(choice.engine)
-    da, dh = choice_alignments(layer, replace(choice, per_token_activation=False))
     block = FORMATS["mxfp8"].scale_block
-    return plan_mxfp8(
+    return plan_mxfp8_padded(
         layer.intermediate,
         layer.hidden,
+        *padded,
         layer.is_act_and_mul,
         layer.is_gated,
         trt,
         layer.hidden // block,
         layer.intermediate // block,
-        choice.intermediate_alignment or da,
-        choice.hidden_alignment or dh,
         scale_fill(layer.fmt, choice.backend, profile.name),
         swap,
         profile.cutlass_mxfp8_scales == "128x4",
     )
 
 
-def _fp8_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
-    """FP8 per-tensor, DeepSeek FP8 block and MXFP8 (CUTLASS, alignments given), with optional extra padding of
-    the weights first (the alignments given, else the profile's rule); ``swap``: FP8 per-tensor's W31 swap."""
-    profile, fmt, backend = get_engine(choice.engine), layer.fmt, choice.backend
-    ia, ha = choice.intermediate_alignment, choice.hidden_alignment
-    rule = profile.alignment(fmt, backend, layer.quant_method)
-    if not (ia or ha) and (rule.intermediate or rule.hidden):
-        ia, ha = rule.intermediate, rule.hidden
-    trt, fill = backend == "trtllm", scale_fill(fmt, backend, profile.name)
-    if not (ia or ha):
-        return _fp8_inner(layer, trt, fill, swap)
-    padded = plan_align(layer.intermediate, layer.hidden, 1, layer.is_act_and_mul, ia or 1, ha or 1)
-    if padded.w13 is not None and fmt != "fp8":
-        raise LayoutError(f"custom alignments for {fmt} scales are not supported yet", fix="use the default rules")
-    sized = replace(layer, intermediate=padded.padded_intermediate, hidden=padded.padded_hidden)
-    # an intermediate alignment given replaces FP8 per-tensor's own minimum (1: no padding)
-    inner = _fp8_inner(sized, trt, fill, swap, 1 if ia else None)
+def _fp8_layer(layer: LayerShape, choice: LayoutChoice, swap: bool, padded: tuple[int, int]) -> LayerPlan:
+    """FP8 per-tensor, DeepSeek FP8 block and MXFP8 (CUTLASS, alignments given): the padding to the alignments
+    (:func:`~fimoe_lab.shapes.fp8_alignments`: given, else the profile's rule) first, where an intermediate one
+    is given to ``I'`` and else the hidden size only, then the format's builder (FP8 per-tensor pads the rest of
+    ``I'``: FlashInfer's 16 gated / 128 non-gated); ``swap``: FP8 per-tensor's W31 swap."""
+    ip, hp = padded
+    ia, _ = fp8_alignments(layer, choice)
+    first = plan_pad(layer.intermediate, layer.hidden, ip if ia else layer.intermediate, hp, 1, layer.is_act_and_mul)
+    sized = replace(layer, intermediate=first.padded_intermediate, hidden=hp)
+    fill = scale_fill(layer.fmt, choice.backend, choice.engine)
+    inner = _fp8_inner(sized, choice.backend == "trtllm", fill, swap, ip)
     return LayerPlan(
-        chain(padded.w13, inner.w13),
-        chain(padded.w2, inner.w2),
+        chain(first.w13, inner.w13),
+        chain(first.w2, inner.w2),
         inner.w13_scale,
         inner.w2_scale,
         layer.intermediate,
         layer.hidden,
-        inner.padded_intermediate,
-        inner.padded_hidden,
+        ip,
+        hp,
         inner.description,
     )
 
 
-def _fp8_inner(
-    layer: LayerShape, trt: bool, fill: int, swap: bool, fp8_min_alignment: Optional[int] = None
-) -> LayerPlan:
-    """The FP8 family's own builder for ``layer``'s (already padded) sizes."""
+def _fp8_inner(layer: LayerShape, trt: bool, fill: int, swap: bool, padded_intermediate: int) -> LayerPlan:
+    """The FP8 family's own builder for ``layer``'s sizes (FP8 per-tensor: ``I`` padded to
+    ``padded_intermediate``; the others pad nothing here)."""
     i, h, am = layer.intermediate, layer.hidden, layer.is_act_and_mul
     if layer.fmt == "fp8":
-        return plan_fp8_per_tensor(i, h, am, layer.is_gated, trt, swap, fp8_min_alignment)
+        return plan_fp8_per_tensor_padded(i, h, padded_intermediate, am, layer.is_gated, trt, swap)
     if layer.fmt == "mxfp8":
         block = FORMATS["mxfp8"].scale_block
-        return plan_mxfp8(i, h, am, layer.is_gated, trt, h // block, i // block, scale_fill=fill)
+        return plan_mxfp8_padded(i, h, i, h, am, layer.is_gated, trt, h // block, i // block, fill)
     spec = FORMATS["fp8-block"]
     rows = spec.scale_block_rows
     scale_rows, scale_cols = -(-projections(am) * i // rows), -(-h // spec.scale_block) * spec.scale_itemsize
@@ -308,8 +292,8 @@ def plan_layer(
 
 @cached
 def plan_for(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
-    """:func:`plan_layer` of the two values: the plan of ``choice``'s recipe for ``layer.fmt``, its padded sizes
-    checked against ``shapes.layer_shape`` (the one rule the tuner also reads)."""
+    """:func:`plan_layer` of the two values: the plan of ``choice``'s recipe for ``layer.fmt``, built to the padded
+    sizes ``shapes.layer_shape`` gives (the one rule the tuner also reads; it refuses a shape first)."""
     fmt, backend = layer.fmt, choice.backend
     check_quant_method(layer.quant_method)
     if choice.values not in (None, *VALUES):
@@ -319,36 +303,28 @@ def plan_for(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
         return _plan_sm90_mixed(layer, choice)
     if fmt == "mxint4":  # its own rule (no padding, TRT-LLM only): plan_mxint4
         return plan_mxint4(layer, choice)
-    plan = _padded_as(layer_shape(layer, choice), _build_layer_plan(layer, choice), f"{fmt}/{backend}")
+    plan = _build_layer_plan(layer, choice, layer_shape(layer, choice))
     lossless = choice.values == "lossless" or (choice.values is None and choice.engine is None)
     rule = get_engine(choice.engine).value_rule(fmt, backend, layer.quant_method, lossless)
     return plan if rule is None else replace(plan, value_rule=rule)
 
 
-def _padded_as(want: tuple[int, int], plan: LayerPlan, what: str) -> LayerPlan:
-    """``plan``, whose padded sizes must be ``want`` (``shapes.layer_shape``'s): an internal error otherwise."""
-    if (plan.padded_intermediate, plan.padded_hidden) != want:
-        raise LayoutError(
-            f"internal: the {what} plan pads ({plan.intermediate}, {plan.hidden}) to "
-            f"({plan.padded_intermediate}, {plan.padded_hidden}), shapes.padded_shape says {want}"
-        )
-    return plan
-
-
 def _plan_sm90_mixed(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
-    """:func:`plan_cutlass_mxfp4_bf16` with ``plan_layer``'s arguments, its sizes checked against
-    ``shapes.layer_shape`` (the one padding rule) with the same alignments (default 128)."""
+    """:func:`plan_cutlass_mxfp4_bf16_padded` of ``plan_layer``'s arguments, padded to ``shapes.layer_shape``'s
+    sizes of MXFP4 on CUTLASS with the alignments given, else 128 (:data:`SM90_MIXED_ALIGNMENT`)."""
     ia = choice.intermediate_alignment or SM90_MIXED_ALIGNMENT
     ha = choice.hidden_alignment or SM90_MIXED_ALIGNMENT
     aligned = LayoutChoice("cutlass", ia, ha, choice.engine)
-    want = layer_shape(replace(layer, fmt="mxfp4", quant_method=None), aligned)
-    plan = plan_cutlass_mxfp4_bf16(layer.intermediate, layer.hidden, layer.is_act_and_mul, choice.engine, ia, ha)
-    return _padded_as(want, plan, "SM90 MXFP4 x BF16")
+    padded = layer_shape(replace(layer, fmt="mxfp4", quant_method=None), aligned)
+    return plan_cutlass_mxfp4_bf16_padded(
+        layer.intermediate, layer.hidden, *padded, layer.is_act_and_mul, choice.engine
+    )
 
 
-def _build_layer_plan(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
-    """The plan of ``RECIPES[fmt/backend].build`` under the profile's swap rule, or the checkpoint layout as it is
-    where the profile hands the TRT-LLM kernel unshuffled weights (``trtllm_plain``)."""
+def _build_layer_plan(layer: LayerShape, choice: LayoutChoice, padded: tuple[int, int]) -> LayerPlan:
+    """The plan of ``RECIPES[fmt/backend].build`` to the padded sizes ``padded`` under the profile's swap rule, or
+    the checkpoint layout as it is where the profile hands the TRT-LLM kernel unshuffled weights
+    (``trtllm_plain``)."""
     fmt, backend, intermediate, hidden = layer.fmt, choice.backend, layer.intermediate, layer.hidden
     profile = get_engine(choice.engine)
     swap = not profile.keeps_gate_up(fmt, backend, layer.quant_method)
@@ -356,12 +332,12 @@ def _build_layer_plan(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
         if not swap:
             desc = f"{fmt} TRT-LLM in the checkpoint layout (use_shuffled_weight=False)"
             return LayerPlan(None, None, None, None, intermediate, hidden, intermediate, hidden, desc)
-        inner = _fp8_inner(layer, False, 0, True)
+        inner = _fp8_inner(layer, False, 0, True, intermediate)
         return replace(inner, description=f"{fmt} TRT-LLM MajorK unshuffled (W31 swap only)")
     build = RECIPES[recipe_id(fmt, backend)].build
     if build is None:
         raise LayoutError(f"internal: {fmt}/{backend} is laid out by its own rule, not by the recipe table")
-    return build(layer, replace(choice, engine=profile.name), swap)
+    return build(layer, replace(choice, engine=profile.name), swap, padded)
 
 
 def _cutlass_fp4_scales(

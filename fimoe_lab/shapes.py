@@ -52,6 +52,7 @@ __all__ = [
     "padded_shape",
     "layer_shape",
     "choice_alignments",
+    "fp8_alignments",
     "check_kernel_activation",
     "mxint4_shape",
 ]
@@ -387,6 +388,17 @@ def choice_alignments(layer: LayerShape, choice: LayoutChoice) -> tuple[int, int
     )
 
 
+def fp8_alignments(layer: LayerShape, choice: LayoutChoice) -> tuple[Optional[int], Optional[int]]:
+    """The FP8 family's (FP8 per-tensor, DeepSeek FP8, MXFP8 on CUTLASS with alignments given) ``(a_I, a_H)``
+    padded to before the format's own rule: those given, else the profile's ``alignment`` rule when it names
+    one (None: no such padding)."""
+    ia, ha = choice.intermediate_alignment, choice.hidden_alignment
+    rule = get_engine(choice.engine).alignment(layer.fmt, choice.backend, layer.quant_method)
+    if not (ia or ha) and (rule.intermediate or rule.hidden):
+        return rule.intermediate, rule.hidden
+    return ia, ha
+
+
 def _recipe_shape(layer: LayerShape, choice: LayoutChoice) -> tuple[int, int]:
     """:func:`layer_shape` of a format laid out from checkpoint weights of its name, before the profile's
     ``kernel_sizes``."""
@@ -419,9 +431,7 @@ def _recipe_shape(layer: LayerShape, choice: LayoutChoice) -> tuple[int, int]:
                 )
         return i, h
     if fmt in ("fp8", "fp8-block", "mxfp8"):
-        rule = profile.alignment(fmt, backend, layer.quant_method)
-        if not (ia or ha) and (rule.intermediate or rule.hidden):
-            ia, ha = rule.intermediate, rule.hidden
+        ia, ha = fp8_alignments(layer, choice)
         i, h = intermediate, hidden
         if ia or ha:
             i, h = round_up(intermediate, ia or 1), round_up(hidden, ha or 1)

@@ -15,7 +15,7 @@ from fimoe_lab.builders import (
     BLOCK_MAJOR_K_BYTES,
     TRTLLM_EPILOGUE_TILE_M,
     chain,
-    plan_align_fp4,
+    plan_pad_fp4,
     present,
     swap_rows,
 )
@@ -25,7 +25,7 @@ from fimoe_lab.engines import get_engine
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import LayerPlan
-from fimoe_lab.shapes import mxint4_shape, projections
+from fimoe_lab.shapes import mxint4_shape, projections, round_up
 from fimoe_lab.specs import FORMATS
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "plan_mxint4",
     "SM90_MIXED_ALIGNMENT",
     "plan_cutlass_mxfp4_bf16",
+    "plan_cutlass_mxfp4_bf16_padded",
 ]
 
 MXINT4_SCALE_BLOCK = 32
@@ -110,7 +111,6 @@ SM90_MIXED_ALIGNMENT = 128
 0.5.23 (``cutlass_sm90``) both pad to 128 (the scale folding needs rows % 64 and K % 128)."""
 
 
-@cached
 def plan_cutlass_mxfp4_bf16(
     intermediate: int,
     hidden: int,
@@ -119,10 +119,24 @@ def plan_cutlass_mxfp4_bf16(
     intermediate_alignment: int = SM90_MIXED_ALIGNMENT,
     hidden_alignment: int = SM90_MIXED_ALIGNMENT,
 ) -> LayerPlan:
+    """:func:`plan_cutlass_mxfp4_bf16_padded` with ``(I, H)`` padded to the alignments (both engines: 128)."""
+    padded = round_up(intermediate, intermediate_alignment), round_up(hidden, hidden_alignment)
+    return plan_cutlass_mxfp4_bf16_padded(intermediate, hidden, *padded, is_act_and_mul, engine)
+
+
+@cached
+def plan_cutlass_mxfp4_bf16_padded(
+    intermediate: int,
+    hidden: int,
+    padded_intermediate: int,
+    padded_hidden: int,
+    is_act_and_mul: bool = True,
+    engine: Optional[str] = None,
+) -> LayerPlan:
     """MXFP4 weights with BF16 activations on the Hopper (SM90) CUTLASS MoE, as the engines prepare them.
 
     vLLM 0.34 (``oracle/mxfp4.py``, ``FLASHINFER_CUTLASS_MXFP4_BF16``) and SGLang 0.5.23
-    (``_process_weights_for_sm90_cutlass``): pad ``I``/``H`` to their alignments (weights and scales 0,
+    (``_process_weights_for_sm90_cutlass``): pad ``(I, H)`` to ``(I', H')`` (weights and scales 0,
     each projection on its own), W31 swap of W13 and its scales, then on both weights FlashInfer's
     ``interleave_moe_weights_for_sm90_mixed_gemm(w, "fp4")`` (:func:`steps.sm90_mixed_weight_map`,
     layout ``profile.sm90_mixed_layout``) and on both scales ``interleave_moe_scales_for_sm90_mixed_gemm``
@@ -136,7 +150,7 @@ def plan_cutlass_mxfp4_bf16(
     """
     profile = get_engine(engine)
     p, block = projections(is_act_and_mul), FORMATS["mxfp4"].scale_block
-    pad = plan_align_fp4(intermediate, hidden, is_act_and_mul, intermediate_alignment, hidden_alignment, block, 0)
+    pad = plan_pad_fp4(intermediate, hidden, padded_intermediate, padded_hidden, is_act_and_mul, block, 0)
     ip, hp = pad.padded_intermediate, pad.padded_hidden
     layout = profile.sm90_mixed_layout
 

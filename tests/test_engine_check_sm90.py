@@ -156,12 +156,12 @@ def test_cli_plan_reports_scales_and_weights(capsys):
 
 def test_cli_plan_fails_a_wrong_plan(capsys, monkeypatch):
     """A plan with the 0.6.13 layout under vllm-0.34 is a MISMATCH and exit 1."""
-    real = special_plans.plan_cutlass_mxfp4_bf16
+    real = special_plans.plan_cutlass_mxfp4_bf16_padded
 
-    def legacy(inter, hidden, gated=True, engine=None, *args):
-        return real(inter, hidden, gated, "flashinfer-0.6.13", *args)
+    def legacy(inter, hidden, padded_inter, padded_hidden, gated=True, engine=None):
+        return real(inter, hidden, padded_inter, padded_hidden, gated, "flashinfer-0.6.13")
 
-    monkeypatch.setattr(recipes, "plan_cutlass_mxfp4_bf16", legacy)
+    monkeypatch.setattr(recipes, "plan_cutlass_mxfp4_bf16_padded", legacy)
     clear_caches()
     try:
         argv = ["plan", "--format", "mxfp4", "--backend", "cutlass", "--intermediate", "64", "--hidden", "128"]

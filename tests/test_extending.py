@@ -48,14 +48,13 @@ E, I, H = 3, 96, 64  # whole scale blocks; I pads to IP (the toy's default inter
 IP = 128
 
 
-def toy_layer(layer: LayerShape, choice: LayoutChoice, swap: bool) -> LayerPlan:
-    """The toy recipe from the existing builders: pad (scales with the format's byte), then the W31 swap."""
-    da, dh = shapes.choice_alignments(layer, choice)
-    ia, ha = choice.intermediate_alignment or da, choice.hidden_alignment or dh
-    pad = builders.plan_align(
-        layer.intermediate, layer.hidden, 1, layer.is_act_and_mul, ia, ha, scale_block=32, scale_fill=TOY.scale_fill
+def toy_layer(layer: LayerShape, choice: LayoutChoice, swap: bool, padded: tuple[int, int]) -> LayerPlan:
+    """The toy recipe from the existing builders: pad to ``padded`` (``shapes.layer_shape``'s sizes; scales with
+    the format's byte), then the W31 swap."""
+    ip, hp = padded
+    pad = builders.plan_pad(
+        layer.intermediate, layer.hidden, ip, hp, 1, layer.is_act_and_mul, scale_block=32, scale_fill=TOY.scale_fill
     )
-    ip, hp = pad.padded_intermediate, pad.padded_hidden
     w13 = builders.chain(pad.w13, builders.swap_rows(2 * ip, hp, swap))
     s13 = builders.chain(pad.w13_scale, builders.swap_rows(2 * ip, hp // 32, swap))
     return LayerPlan(w13, pad.w2, s13, pad.w2_scale, layer.intermediate, layer.hidden, ip, hp, "toy8 CUTLASS")

@@ -56,6 +56,7 @@ import torch
 from fimoe_lab import env
 from fimoe_lab.checkpoints import convert, rank_layout, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
+from fimoe_lab.checkpoints.plan_choice import given_choice
 from fimoe_lab.checkpoints.reader import Checkpoint
 from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.errors import CheckpointError
@@ -249,7 +250,7 @@ class _Step:
 def convert_distributed(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
-    backend: str,
+    backend: Optional[str] = None,
     tp_size: int = 1,
     tp_rank: int | str = 0,
     layers: Optional[Iterable[int]] = None,
@@ -265,12 +266,14 @@ def convert_distributed(
     per_token: bool = False,
     activation_dtype: Optional[str] = None,
     progress: Any = False,
+    choice: Optional[LayoutChoice] = None,
 ) -> dict[str, Any]:
     """:func:`~fimoe_lab.checkpoints.writer.convert_checkpoint` (sharded output) split across the processes
     of the launcher's group (module docstring); every process calls it with the same arguments.
 
-    ``per_token``: per-token NVFP4 activations, ``activation_dtype``: the kernel's activations (MXFP4 on
-    CUTLASS: ``bf16`` for the SM90 layout), as in ``convert_checkpoint`` (recorded in every plan).
+    ``choice`` (the layout options as one value) or ``backend`` and the keyword options, ``per_token``:
+    per-token NVFP4 activations, ``activation_dtype``: the kernel's activations (MXFP4 on CUTLASS: ``bf16`` for
+    the SM90 layout), as in ``convert_checkpoint`` (recorded in every plan).
     ``tp_rank``: one rank (default 0) or ``all``: every TP rank, rank ``r`` into ``out/rank-<r>``, as
     :func:`~fimoe_lab.checkpoints.writer.convert_checkpoint` does (``ep_size`` too). ``device`` ``cuda``:
     ``cuda:LOCAL_RANK``. ``progress``: as ``convert_checkpoint``'s, shown by process 0 alone (its own shards).
@@ -278,6 +281,9 @@ def convert_distributed(
     record holding ``rank``, ``units`` (shards it owns), ``written``/``kept`` shards, ``bytes`` written
     and ``seconds``.
     """
+    choice = given_choice(
+        choice, backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype
+    )
     out = Path(out)
     if safe_io.single_output(out, single_file):
         raise CheckpointError(
@@ -287,7 +293,6 @@ def convert_distributed(
     ranks = rank_layout.rank_list(tp_size, tp_rank, False)
     rank_layout.moe_tp_size(tp_size, ep_size)
     dirs = {r: out / f"rank-{r}" if tp_rank == "all" else out for r in ranks}
-    choice = LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
     convert.torch_device(device)
     with ExitStack() as stack:
         rank, world, device, data_group = stack.enter_context(process_group(device))

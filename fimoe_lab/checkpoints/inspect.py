@@ -15,7 +15,7 @@ import torch
 
 from fimoe_lab import recipes
 from fimoe_lab.checkpoints.conventions import MISSING_LAYOUT, dtype_name, stored_format
-from fimoe_lab.checkpoints.plan_choice import build_plan, layout_format, plan_args, suggest_alignment
+from fimoe_lab.checkpoints.plan_choice import build_plan, given_choice, layout_format, plan_args, suggest_alignment
 from fimoe_lab.checkpoints.reader import Checkpoint, CheckpointError, MoELayer
 from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.engines import get_engine
@@ -332,20 +332,23 @@ def inspect_checkpoint(
     engine: Optional[str] = None,
     per_token: bool = False,
     activation_dtype: Optional[str] = None,
+    choice: Optional[LayoutChoice] = None,
 ) -> list[LayerReport]:
     """A :class:`LayerReport` per MoE layer (all, or ``layers``) of the checkpoint at ``path``;
     paddings as ``engine``'s profile applies them (default: the newest vLLM's), with ``per_token``
     NVFP4 activations where given (``convert --per-token``); ``activation_dtype`` (``convert
     --mxfp4-activation``) for the backends whose recipe has a layout per activation dtype, refused
-    for a checkpoint format with none."""
+    for a checkpoint format with none. ``choice``: those options as one value
+    (:func:`~fimoe_lab.checkpoints.plan_choice.given_choice`: not both), alignments included; every backend is
+    asked with it, its ``backend`` replaced by each in turn (and its activation dtype dropped where the backend's
+    recipe has none)."""
+    backend = choice.backend if choice is not None else BACKENDS[0]  # each backend in turn below
+    choice = given_choice(choice, backend, None, None, engine, per_token, activation_dtype)
     reports = []
     with Checkpoint(path) as ck:
         conv = ck.convention
-        acts = _activation_dtypes(ck.fmt, activation_dtype)
-        asked = {
-            b: LayoutChoice(b, engine=engine, per_token_activation=per_token, activation_dtype=acts[b])
-            for b in BACKENDS
-        }
+        acts = _activation_dtypes(ck.fmt, choice.activation_dtype)
+        asked = {b: replace(choice, backend=b, activation_dtype=acts[b]) for b in BACKENDS}
         wanted = ck.moe_layers if layers is None else list(layers)
         mtp = set(ck.mtp_layers)
         for idx in wanted:

@@ -1,7 +1,8 @@
 """Plan choice: what a convert asks of every layer (:class:`fimoe_lab.choice.LayoutChoice`), turned into a
 layer's plan.
 
-:func:`plan_args` picks the :func:`fimoe_lab.recipes.plan_layer` arguments for one layer (its format as
+:func:`given_choice` is the :class:`~fimoe_lab.choice.LayoutChoice` an entry point is asked with (the value, or
+its keyword options), :func:`plan_args` picks the :func:`fimoe_lab.recipes.plan_layer` arguments for one layer (its format as
 the kernel takes it: :func:`layout_format`; the engine profile's alignments; per-token and activation dtype
 checked against the recipe), :func:`build_plan` rebuilds the plan from the arguments a file records
 (either file format version), and :func:`suggest_alignment` names the smallest alignment that plans a
@@ -24,12 +25,41 @@ from fimoe_lab.shapes import check_kernel_activation
 from fimoe_lab.specs import FORMATS, weight_formats
 
 __all__ = [
+    "given_choice",
     "plan_args",
     "layout_format",
     "build_plan",
     "TRY_ALIGNMENTS",
     "suggest_alignment",
 ]
+
+
+def given_choice(
+    choice: Optional[LayoutChoice],
+    backend: Optional[str] = None,
+    intermediate_alignment: Optional[int] = None,
+    hidden_alignment: Optional[int] = None,
+    engine: Optional[str] = None,
+    per_token: bool = False,
+    activation_dtype: Optional[str] = None,
+) -> LayoutChoice:
+    """What ``convert_checkpoint``, ``convert_distributed`` and ``inspect_checkpoint`` are asked: ``choice``, the
+    options as one value, or else the :class:`LayoutChoice` their keyword options make (built here, the one place).
+
+    One or the other: a keyword option off its default next to ``choice`` is refused (``backend`` may repeat
+    ``choice.backend``), as is neither ``choice`` nor ``backend``.
+    """
+    options = (intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
+    if choice is None:
+        if backend is None:
+            raise FimoeError("no backend asked for", fix="pass backend (trtllm or cutlass) or choice=LayoutChoice(...)")
+        return LayoutChoice(backend, *options)
+    if backend not in (None, choice.backend) or options != (None, None, None, False, None):
+        raise FimoeError(
+            "layout options given twice: as choice= and as keyword options",
+            fix="pass them in choice= alone (dataclasses.replace(choice, ...) changes one)",
+        )
+    return choice
 
 
 def plan_args(layer: MoELayer, choice: LayoutChoice) -> dict:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from fimoe_lab.checkpoints import expert_parallel, safe_io, stream, unchanged
 from fimoe_lab.checkpoints import request as requests
 from fimoe_lab.checkpoints.convert import torch_device, write_kernel_layout
+from fimoe_lab.checkpoints.plan_choice import given_choice
 from fimoe_lab.checkpoints.rank_layout import moe_tp_size, rank_list, rank_part, request_of, source_info, wanted_layers
 from fimoe_lab.checkpoints.reader import Checkpoint
 from fimoe_lab.checkpoints.restore import restore_directory, value_rule_notes
@@ -33,7 +34,7 @@ __all__ = [
 def convert_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,
-    backend: str,
+    backend: Optional[str] = None,
     tp_size: int = 1,
     tp_rank: int | str = 0,
     layers: Optional[Iterable[int]] = None,
@@ -49,11 +50,16 @@ def convert_checkpoint(
     ep_size: int = 1,
     per_token: bool = False,
     activation_dtype: Optional[str] = None,
+    choice: Optional[LayoutChoice] = None,
 ) -> Path:
     """Read ``src`` (rank ``tp_rank`` of ``tp_size``), convert its MoE layers for ``backend``, write ``out``: a
     whole checkpoint, the converted layers in the kernel layout and every other tensor of ``src`` unchanged
     (in the output of rank 0 only: :mod:`~fimoe_lab.checkpoints.unchanged`; the routed experts of MoE layers
     left out of ``layers`` are not written).
+
+    ``choice``: what every layer's plan is asked (:class:`~fimoe_lab.choice.LayoutChoice`: backend, alignments,
+    engine, per-token and activation dtype) as one value; or else ``backend`` and the keyword options
+    (:func:`~fimoe_lab.checkpoints.plan_choice.given_choice`: not both).
 
     ``per_token``: NVFP4 activations quantised per token: the engine profile's per-token paddings apply
     (``recipes.plan_layer(..., per_token_activation=True)``), recorded in every layer's plan arguments;
@@ -72,6 +78,9 @@ def convert_checkpoint(
     ``out`` is vetted before anything is read (never the input, inside it or a parent of it;
     an existing one only with ``force`` or ``resume`` and only if this tool wrote it).
     """
+    choice = given_choice(
+        choice, backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype
+    )
     out = Path(out)
     single = safe_io.single_output(out, single_file)
     ranks = rank_list(tp_size, tp_rank, single)
@@ -82,7 +91,6 @@ def convert_checkpoint(
     with safe_io.signals_raise(), safe_io.OutputLock(out), Checkpoint(src) as ck:
         wanted = wanted_layers(ck, src, layers)
         about = source_info(ck, src)
-        choice = LayoutChoice(backend, intermediate_alignment, hidden_alignment, engine, per_token, activation_dtype)
         asked = request_of(ck, choice, tp_size, ep_size, tp_rank, wanted, single, shard_size)
         if resume and not force:
             requests.check_resume(out, asked)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from fimoe_lab import engines, specs
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.errors import CheckpointError, FimoeError
 from fimoe_lab.presets import PRESETS
 from fimoe_lab.resources import sample_names, sample_path
@@ -495,4 +496,19 @@ def add_engine_option(parser: argparse.ArgumentParser, values: bool = False) -> 
         metavar="ENGINE",
         help=f"engine profile whose default paddings, pad bytes and scale layouts apply: "
         f"{', '.join(engines.ENGINE_CHOICES)}, or an engine's newest ({newest}) ({default})",
+    )
+
+
+def layout_choice(args: argparse.Namespace, backend: str | None = None) -> LayoutChoice:
+    """The one :class:`~fimoe_lab.choice.LayoutChoice` of a planning command's parsed options, passed whole to what
+    it plans with: ``--backend`` (or ``backend``, for a command that asks several), ``--intermediate-alignment``,
+    ``--hidden-alignment``, ``--engine``, ``--per-token``, ``--mxfp4-activation`` (an option the command does not
+    take: its default)."""
+    return LayoutChoice(
+        backend or args.backend,
+        getattr(args, "intermediate_alignment", None),
+        getattr(args, "hidden_alignment", None),
+        getattr(args, "engine", None),
+        getattr(args, "per_token", False),
+        getattr(args, "mxfp4_activation", None),
     )

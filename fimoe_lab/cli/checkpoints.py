@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.cli._common import (
     EXIT_OK,
     add_backend_option,
@@ -24,12 +25,14 @@ from fimoe_lab.cli._common import (
     add_tp_option,
     checkpoint_path,
     int_list,
+    layout_choice,
     positive_int,
     print_json,
     progress_for,
 )
 from fimoe_lab.cli.core import add_mxfp4_activation_option
 from fimoe_lab.resources import sample_names
+from fimoe_lab.specs import BACKENDS
 
 
 def _samples_note() -> str:
@@ -271,7 +274,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         from fimoe_lab.viz.report import check_report_output
 
         check_report_output(html, [path], args.force)  # before anything is read
-    reports = inspect_checkpoint(path, args.layer, args.tp, args.engine, args.per_token, args.mxfp4_activation)
+    reports = inspect_checkpoint(path, args.layer, args.tp, choice=layout_choice(args, BACKENDS[0]))
     add_tactics(reports, args.per_token)
     engine = get_engine(args.engine).name
     if html is not None:
@@ -337,11 +340,11 @@ def run_convert(args: argparse.Namespace) -> int:
     positional, options = _convert_args(args)
     before, start = _file_ids(Path(args.out)) if args.resume else {}, time.time()
     out = convert_checkpoint(*positional, progress=progress_for(args.no_progress), **options)
-    doc = _written(args, Path(out), before, start)
+    doc = _written(args, options["choice"], Path(out), before, start)
     if args.json:
         print_json(doc)
     else:
-        _print_written(args, doc)
+        _print_written(doc)
     return EXIT_OK
 
 
@@ -363,27 +366,20 @@ RESTORE_JSON = (
 
 
 def _convert_args(args: argparse.Namespace) -> tuple[tuple, dict[str, Any]]:
-    """The arguments ``convert`` passes to the one-process and the distributed convert alike."""
-    positional = (
-        checkpoint_path(args.path),
-        args.out,
-        args.backend,
-        args.tp,
-        args.rank,
-        args.layer,
-        args.intermediate_alignment,
-        args.hidden_alignment,
-    )
+    """The arguments ``convert`` passes to the one-process and the distributed convert alike (the layout options
+    as one value, :func:`layout_choice`)."""
+    positional = (checkpoint_path(args.path), args.out)
     options = {
+        "tp_size": args.tp,
+        "tp_rank": args.rank,
+        "layers": args.layer,
+        "choice": layout_choice(args),
         "force": args.force,
-        "engine": args.engine,
         "single_file": True if args.single_file else None,
         "shard_size": args.shard_size,
         "resume": args.resume,
         "device": args.device,
         "ep_size": args.ep,
-        "per_token": args.per_token,
-        "activation_dtype": args.mxfp4_activation,
     }
     return positional, options
 
@@ -450,8 +446,9 @@ def _written_ranks(args: argparse.Namespace, out: Path, before: dict, start: flo
     return done
 
 
-def _written(args: argparse.Namespace, out: Path, before: dict, start: float) -> dict[str, Any]:
-    """What ``convert`` wrote (:data:`CONVERT_JSON`), read back from the files and their metadata."""
+def _written(args: argparse.Namespace, choice: LayoutChoice, out: Path, before: dict, start: float) -> dict[str, Any]:
+    """What ``convert`` wrote (:data:`CONVERT_JSON`) under ``choice``, read back from the files and their
+    metadata."""
     from fimoe_lab.checkpoints import read_kernel_metadata
     from fimoe_lab.engines import get_engine
 
@@ -462,14 +459,14 @@ def _written(args: argparse.Namespace, out: Path, before: dict, start: float) ->
     return dict(
         source=str(checkpoint_path(args.path)),
         out=str(out),
-        backend=args.backend,
-        engine=get_engine(args.engine).name,
+        backend=choice.backend,
+        engine=get_engine(choice.engine).name,
         tp=args.tp,
         ep=args.ep,
         rank=args.rank,
-        per_token=args.per_token,
-        intermediate_alignment=args.intermediate_alignment,
-        hidden_alignment=args.hidden_alignment,
+        per_token=choice.per_token_activation,
+        intermediate_alignment=choice.intermediate_alignment,
+        hidden_alignment=choice.hidden_alignment,
         layers=_written_layers(meta),
         ranks=ranks,
         bytes=sum(r["bytes"] for r in ranks),
@@ -488,7 +485,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
     done = convert_distributed(*positional, progress=progress_for(args.no_progress), **options)  # process 0 shows it
     if done["rank"] != 0:
         return EXIT_OK  # process 0 reports for all
-    doc = _written(args, Path(args.out), before, start)
+    doc = _written(args, options["choice"], Path(args.out), before, start)
     reports = done["processes"]
     doc["processes"] = [
         {**r, "seconds": round(r["seconds"], 3), "mb_per_s": round(r["bytes"] / max(r["seconds"], 1e-9) / 1e6, 3)}
@@ -497,7 +494,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
         return EXIT_OK
-    _print_written(args, doc)
+    _print_written(doc)
     for r in doc["processes"]:
         print(
             f"process {r['rank']}: wrote {r['written']} shards ({r['bytes'] / 1e6:.2f} MB in {r['seconds']:.2f} s, "
@@ -508,7 +505,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _print_written(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+def _print_written(doc: dict[str, Any]) -> None:
     """The text form of :func:`_written`'s record."""
     for layer in doc["layers"]:
         print(
@@ -525,7 +522,7 @@ def _print_written(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         shards = f", {n} shard{'s' * (n > 1)}" if r["sharded"] else ""
         kept = f", {r['unchanged']} other tensors unchanged" if r["unchanged"] else ""
         print(
-            f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB{shards}, tp rank {r['rank']} of {args.tp}, {args.backend}{kept})"
+            f"wrote {r['out']} ({r['bytes'] / 1e6:.2f} MB{shards}, tp rank {r['rank']} of {doc['tp']}, {doc['backend']}{kept})"
         )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fimoe_lab import specs
+from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.cli._common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -28,6 +29,7 @@ from fimoe_lab.cli._common import (
     add_tp_option,
     checkpoint_path,
     int_list,
+    layout_choice,
     positive_int,
     print_json,
     progress_bar,
@@ -200,14 +202,16 @@ def _plan_text(fmt: str, backend: str, t: dict[str, Any]) -> str:
 
 
 def _plan_engine_check(
-    fmt: str, backend: str, plan, gated: bool, experts: int, engine, act: str | None
+    fmt: str, plan, gated: bool, experts: int, choice: LayoutChoice
 ) -> tuple[bool | None, bool | None]:
-    """``(scales, weights)``: the plan's CUTLASS layout against the engines' written independently
+    """``(scales, weights)``: the plan's CUTLASS layout under ``choice`` against the engines' written independently
     (:mod:`fimoe_lab.engine_check`): block scales (128x4 or linear), or, for the SM90 MXFP4 x BF16 layout
-    (``act`` selects it), scales and weights (bytes and word bits); None where a check does not apply."""
+    (``choice.activation_dtype`` selects it), scales and weights (bytes and word bits); None where a check does
+    not apply."""
     from fimoe_lab.engine_check import CUTLASS_CHECKED, SM90_CHECKED, check_plan_scales, check_plan_sm90_mixed
     from fimoe_lab.recipes import activation_layout
 
+    backend, engine, act = choice.backend, choice.engine, choice.activation_dtype
     if backend != "cutlass":
         return None, None
     if activation_layout(fmt, backend, act) is not None:
@@ -238,13 +242,15 @@ def _activation_for(pairs: list[tuple[str, str]], dtype: str | None) -> dict[tup
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from fimoe_lab.choice import LayerShape
     from fimoe_lab.engines import get_engine
-    from fimoe_lab.recipes import plan_layer
+    from fimoe_lab.recipes import plan_for
     from fimoe_lab.shapes import rank_intermediates
 
     formats = specs.weight_formats() if args.format == "all" else (args.format,)
     backends = specs.BACKENDS if args.backend == "all" else (args.backend,)
     acts = _activation_for([(fmt, backend) for fmt in formats for backend in backends], args.mxfp4_activation)
+    choices = {backend: layout_choice(args, backend) for backend in backends}
     gated = not args.non_gated
     say = _shower(args, str)
     say(
@@ -268,19 +274,10 @@ def run_plan(args: argparse.Namespace) -> int:
             where=None,
         )
         plans.append(rec)
+        choice = dataclasses.replace(choices[backend], activation_dtype=acts[fmt, backend])
         try:
             rec["intermediate"] = rank_intermediates(args.intermediate, args.tp, fmt)[0]
-            plan = plan_layer(
-                fmt,
-                backend,
-                rec["intermediate"],
-                args.hidden,
-                gated,
-                gated,
-                engine=args.engine,
-                per_token_activation=args.per_token,
-                activation_dtype=acts[fmt, backend],
-            )
+            plan = plan_for(LayerShape(fmt, rec["intermediate"], args.hidden, gated, gated), choice)
         except FimoeError as exc:
             rec["cannot"] = str(exc)
             say(f"{fmt:<10} {backend:<8} cannot run: {exc}")
@@ -290,13 +287,13 @@ def run_plan(args: argparse.Namespace) -> int:
         for t in rec["tensors"]:
             say(_plan_text(fmt, backend, t))
         failures += sum(not t["round_trip"] for t in rec["tensors"])
-        checked = _plan_engine_check(fmt, backend, plan, gated, args.experts, args.engine, acts[fmt, backend])
+        checked = _plan_engine_check(fmt, plan, gated, args.experts, choice)
         rec["engine_scales"], rec["engine_weights"] = checked
         for what, ok in zip(("scales", "weights"), checked):
             if ok is not None:
                 failures += not ok
                 say(
-                    f"{fmt:<10} {backend:<8} {what:<10} vs the engine layout ({get_engine(args.engine).name}, "
+                    f"{fmt:<10} {backend:<8} {what:<10} vs the engine layout ({get_engine(choice.engine).name}, "
                     f"independent formula): {'exact' if ok else 'MISMATCH'}"
                 )
         if args.where and plan.w13 is not None:
@@ -398,12 +395,14 @@ def _demo_text(r: dict[str, Any]) -> str:
 
 
 def _demo_layer(
-    ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir, act: str | None = None
+    ck, path, layer_idx: int, layer, top_k: int, tp: int, out_dir, choice: LayoutChoice
 ) -> list[dict[str, Any]]:
-    """Convert one layer for every backend, restore it, compare bytes and the reference forward.
+    """Convert one layer for every backend (``choice``, its backend replaced by each), restore it, compare bytes
+    and the reference forward.
 
     One record per backend (:data:`DEMO_JSON`'s ``layers``); ``cannot`` says why a backend cannot convert it.
-    ``act``: ``--mxfp4-activation``, for the backends whose recipe of the layer's format lays out by it.
+    ``choice.activation_dtype``: ``--mxfp4-activation``, for the backends whose recipe of the layer's format lays
+    out by it.
     """
     import torch
 
@@ -417,14 +416,15 @@ def _demo_layer(
     for backend in specs.BACKENDS:
         target = out_dir / f"{path.name}-L{layer_idx}-{backend}-tp{tp}.safetensors"
         fmt = layout_format(layer.fmt)
-        a = act if recipe_id(fmt, backend) in ACTIVATION_DTYPES else None
+        a = choice.activation_dtype if recipe_id(fmt, backend) in ACTIVATION_DTYPES else None
         rec: dict[str, Any] = dict(
             checkpoint=path.name, layer=layer_idx, format=layer.fmt, backend=backend, mxfp4_activation=a
         )
         records.append(rec)
         start = time.perf_counter()
         try:  # its own files only
-            ck.convert_checkpoint(path, target, backend, tp, 0, layers=[layer_idx], force=True, activation_dtype=a)
+            asked = dataclasses.replace(choice, backend=backend, activation_dtype=a)
+            ck.convert_checkpoint(path, target, tp_size=tp, tp_rank=0, layers=[layer_idx], force=True, choice=asked)
         except FimoeError as exc:
             rec.update(
                 intermediate=layer.intermediate,
@@ -540,6 +540,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     paths = [checkpoint_path(name) for name in names]
     _check_demo_activation(args.mxfp4_activation)
+    choice = layout_choice(args, specs.BACKENDS[0])  # each backend in turn (_demo_layer)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     say = _shower(args, str)
@@ -554,7 +555,7 @@ def run_demo(args: argparse.Namespace) -> int:
         with ck.open_checkpoint(path) as ckpt:
             for layer_idx in ckpt.moe_layers:
                 layer = ckpt.read_layer(layer_idx, args.tp, 0)
-                for rec in _demo_layer(ck, path, layer_idx, layer, ckpt.top_k, args.tp, out_dir, args.mxfp4_activation):
+                for rec in _demo_layer(ck, path, layer_idx, layer, ckpt.top_k, args.tp, out_dir, choice):
                     layers.append(rec)
                     say(_demo_text(rec))
     failures = sum(
