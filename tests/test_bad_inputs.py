@@ -451,7 +451,7 @@ CHECKPOINT_EDITS = {
     "shard-fifo": (_fifo_shard, "FIFO"),
     "shard-link-escapes": (_escaping_link, "outside the checkpoint directory"),
     "tensor-renamed": (_rename_tensor, ("missing tensor", "follow no known naming convention")),
-    "tensor-retyped": (_retype_tensor, ("expected", "follow no known naming convention")),
+    "tensor-retyped": (_retype_tensor, ("expected", "follow no known naming convention", "is read with")),
     "tensor-transposed": (_reshape_tensor, "expected"),
 }
 
