@@ -44,6 +44,13 @@ class LayoutChoice:
     activation_dtype: Optional[str] = None
     values: Optional[str] = None
 
+    @property
+    def value_form(self) -> str:
+        """``values`` resolved: as given, else ``"engine"`` when ``engine`` is named, else ``"lossless"``."""
+        if self.values is not None:
+            return self.values
+        return "engine" if self.engine else "lossless"
+
 
 @dataclass(frozen=True)
 class LayerShape:

@@ -304,8 +304,7 @@ def plan_for(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
     if fmt == "mxint4":  # its own rule (no padding, TRT-LLM only): plan_mxint4
         return plan_mxint4(layer, choice)
     plan = _build_layer_plan(layer, choice, layer_shape(layer, choice))
-    lossless = choice.values == "lossless" or (choice.values is None and choice.engine is None)
-    rule = get_engine(choice.engine).value_rule(fmt, backend, layer.quant_method, lossless)
+    rule = get_engine(choice.engine).value_rule(fmt, backend, layer.quant_method, choice.value_form == "lossless")
     return plan if rule is None else replace(plan, value_rule=rule)
 
 

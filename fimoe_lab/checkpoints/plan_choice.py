@@ -78,9 +78,9 @@ def plan_args(layer: MoELayer, choice: LayoutChoice) -> dict:
 
     ``choice.engine``: the profile (:mod:`fimoe_lab.engines`; None: ``engines.DEFAULT_ENGINE``),
     recorded by its resolved name so that ``restore`` rebuilds with the same defaults. Where the profile has a
-    value rule for the recipe, ``args["values"]`` records which form applies (``recipes.plan_layer``'s ``values``):
-    ``"engine"`` when an engine is named (the engine's bytes), ``"lossless"`` for the default (the checkpoint's
-    values wherever the kernel takes them). Files
+    value rule for the recipe, ``args["values"]`` records which form applies (``recipes.plan_layer``'s ``values``:
+    ``choice.value_form``, ``"engine"`` when an engine is named (the engine's bytes), ``"lossless"`` for the default
+    (the checkpoint's values wherever the kernel takes them)). Files
     that record none were written before profiles and rebuild with ``engines.LEGACY_ENGINE``
     (:func:`build_plan`). A checkpoint-only format (``conventions.MISSING_LAYOUT``) is refused naming the
     layout ``backend`` lacks.
@@ -127,7 +127,7 @@ def plan_args(layer: MoELayer, choice: LayoutChoice) -> dict:
             "per_token_activation": bool(choice.per_token_activation),
             **({} if activation_dtype is None else {"activation_dtype": activation_dtype}),
             **({} if method is None else {"quant_method": method}),
-            **({"values": "engine" if choice.engine else "lossless"} if ruled else {}),
+            **({"values": choice.value_form} if ruled else {}),
         },
     }
 

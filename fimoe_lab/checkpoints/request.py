@@ -91,7 +91,7 @@ def convert_request(
         "intermediate_alignment": choice.intermediate_alignment,
         "hidden_alignment": choice.hidden_alignment,
         "engine": engines.get_engine(choice.engine or engines.DEFAULT_ENGINE).name,
-        "values": "engine" if choice.engine else "lossless",  # recipes.plan_layer's values: a named engine's rules
+        "values": choice.value_form,  # recipes.plan_layer's values: a named engine's rules
         "per_token": bool(choice.per_token_activation),
         "activation_dtype": choice.activation_dtype,
         "source": source_identity(root, config, files),
