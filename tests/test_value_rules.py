@@ -270,6 +270,26 @@ def test_deepseek_sample_dead_expert_under_vllm_restores_exactly(tmp_path, capsy
     assert sorted(back) == sorted(source) and all(same_tensor(back[k], source[k]) for k in source)
 
 
+def test_an_edited_kept_checkpoint_copy_is_refused(tmp_path):
+    """A byte of a kept ``*_checkpoint`` copy (the clamped scales' checkpoint bytes) changed after conversion:
+    restore checks its recorded sha256 like any other tensor's, fails naming it and writes nothing."""
+    from fimoe_lab.checkpoints import CheckpointError
+
+    out = convert_checkpoint(sample_path("deepseek-v3-fp8"), tmp_path / "v.safetensors", "cutlass", engine="vllm-0.34")
+    raw = bytearray(out.read_bytes())
+    header = 8 + int.from_bytes(raw[:8], "little")
+    entries = json.loads(raw[8:header])
+    kept = sorted(n for n in entries if n.endswith("_checkpoint"))
+    checksums = json.loads(entries["__metadata__"]["fimoe_lab"])["checksums"]
+    assert kept and all(len(checksums[n]) == 64 for n in kept)  # each has its recorded sha256
+    lo, _ = entries[kept[-1]]["data_offsets"]
+    raw[header + lo] ^= 0x01
+    out.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=f"{kept[-1]}: checksum mismatch"):
+        restore_checkpoint(out, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
 def source_w13_scales(source: dict, kernel_name: str) -> torch.Tensor:
     """W13's block scales of a DeepSeek layer as the checkpoint stores them, stacked ``[gate; up]`` per expert."""
     base = kernel_name[: -len("w13_weight_scale")]

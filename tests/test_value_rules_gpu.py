@@ -42,6 +42,23 @@ def test_cuda_multiply_reads_a_float32_scale_as_float16():
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), s
 
 
+@pytest.mark.parametrize("nan_to", [-448.0, 448.0])
+@pytest.mark.parametrize("name", ["random", "structured"])
+def test_requantize_on_cuda_is_the_engines_loop(name, nan_to):
+    """``requantize_fp8_max`` run on CUDA tensors gives the element-by-element loop's bytes (the engines'
+    arithmetic, tests/test_value_rules.py) and the same bytes as on the CPU: the rule is device-independent."""
+    from test_value_rules import requantize_loop
+
+    _, w13, s = next(c for c in cases() if c[0] == name)
+    w13, s = w13[:, :8, :16].contiguous(), s  # the loop is per element: a corner of each expert
+    want, want_m = requantize_loop(w13, s, nan_to)
+    got, got_m = value_rules.requantize_fp8_max(w13.cuda(), s.cuda(), nan_to)
+    cpu, _ = value_rules.requantize_fp8_max(w13, s, nan_to)
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got.cpu().view(torch.uint8), cpu.view(torch.uint8))
+    assert torch.equal(got_m.cpu().nan_to_num(), want_m.nan_to_num())
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM 0.34 installed with CUDA")
 @pytest.mark.parametrize("name", ["random", "structured"])
 def test_vllm_process_fp8_weight_tensor_strategy_moe(name):
