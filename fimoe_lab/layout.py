@@ -8,8 +8,11 @@ parameters, so one map serves every expert of every layer of that shape.
 The map is stored over *cells*: runs of ``cell_bytes`` contiguous bytes that move
 together (a whole row for a row permutation, 128 bytes for block-major-K, one scale
 for the 128x4 swizzle). Two maps with different cell sizes are composed on the
-greatest common cell; :meth:`IndexMap.coarsened` finds the widest cell a map allows,
-which is what lets an executor move 8- or 16-byte words instead of single bytes.
+greatest common cell of the widest forms known of them (a coarsened map, or the form
+over 4 scales the swizzle of 1-byte scales is built from: the composition of a
+plan's scale steps then holds half to a quarter of the cells it would over bytes);
+:meth:`IndexMap.coarsened` finds the widest cell a map allows, which is what lets an
+executor move 8- or 16-byte words instead of single bytes.
 
 Fill codes: ``src[i] = -1 - k`` fills output cell ``i`` with byte ``fills[k]``
 repeated (0 for padded weights, 127 = UE8M0 1.0 for padded MXFP8 scales).
@@ -53,6 +56,27 @@ def _unravel(offset: int, shape: Sequence[int]) -> tuple[int, ...]:
         coords.append(offset % dim)
         offset //= dim
     return tuple(reversed(coords))
+
+
+_PROBES = 1024
+"""Cell pairs :func:`_probed_cell_gcd` looks at before :meth:`IndexMap.coarsened` reads the whole index."""
+
+
+def _probed_cell_gcd(src: np.ndarray, g: int) -> int:
+    """``g`` reduced by the breaks among :data:`_PROBES` cell pairs ``(i - 1, i)`` spread over ``src``: the gcd
+    with each such ``i`` where a run breaks and with the source starting a live run there (and with
+    ``src[0]``). Every break found is one :meth:`IndexMap.coarsened` finds, so the widest cell divides the
+    result; 1 means the map does not coarsen, found without a pass over ``src``."""
+    n = src.size
+    if g <= 1 or n < 2:
+        return g
+    i = np.linspace(1, n - 1, num=min(n - 1, _PROBES), dtype=np.int64)
+    prev, cur = src[i - 1], src[i]
+    brk = np.where(cur >= 0, (prev < 0) | (cur != prev + 1), cur != prev)
+    for v in (i[brk], cur[brk & (cur >= 0)], src[:1][src[:1] >= 0]):
+        if v.size:
+            g = math.gcd(g, int(np.gcd.reduce(v)))
+    return g
 
 
 @dataclass(frozen=True)
@@ -216,11 +240,12 @@ class IndexMap:
         if self.cell_bytes % cell_bytes:
             raise LayoutError(f"{self.name}: cannot refine {self.cell_bytes}-byte cells to {cell_bytes}")
         f = self.cell_bytes // cell_bytes
-        s = self.src.numpy()[:, None]
+        s = self.src.numpy()
         # numpy, single-threaded: plans are built from small index tensors many times
-        src = s * f + np.arange(f, dtype=np.int64)
+        src = s[:, None] * f + np.arange(f, dtype=np.int64)
         if self._has_fill:
-            src = np.where(s >= 0, src, s)
+            fill = s < 0
+            src[fill] = s[fill, None]
         out = self._with(torch.from_numpy(src.reshape(-1)), cell_bytes)
         out._cache["has_fill"] = self._has_fill
         return out
@@ -241,23 +266,36 @@ class IndexMap:
         run of consecutive sources breaks, and of the source index at each break.
         """
         if "coarse" not in self._cache:
-            self._cache["coarse"] = self._coarsen()
+            self._cache["coarse"] = self._widest_known()._coarsen()
         return cast(IndexMap, self._cache["coarse"])
+
+    def _widest_known(self) -> IndexMap:
+        """This map over the widest cells known without a pass over its index: :meth:`coarsened` once
+        found, else the wider form its constructor recorded (``_cache["wider"]``, e.g. the 128x4
+        swizzle of 1-byte scales over 4-byte cells), else itself. Coarsening any of them gives the same
+        map: a form ``k`` times wider has ``k`` times fewer breaks, sources and cells, so the same widest
+        cell."""
+        return cast(IndexMap, self._cache.get("coarse") or self._cache.get("wider") or self)
 
     def _coarsen(self) -> IndexMap:
         src = self.src.numpy()
         n = src.size
         if n == 0:
             return self
+        g = _probed_cell_gcd(src, math.gcd(n, self.n_in_cells))
+        if g <= 1:
+            return self
         step = np.diff(src)
-        if self._has_fill:
-            prev, cur = src[:-1], src[1:]
-            brk = np.where(cur >= 0, (prev < 0) | (step != 1), step != 0)
-        else:
-            brk = step != 1  # one temporary fewer: these maps reach millions of cells
+        brk = step != 1  # a break between cells i and i+1: not the next source ...
+        if self._has_fill:  # ... except that a fill cell after the same fill continues its run, and a
+            # live cell after fill breaks it (the only pairs with a fill cell: a few passes over those)
+            fill = np.flatnonzero(src < 0)
+            after = fill[fill > 0]
+            brk[after - 1] = step[after - 1] != 0
+            before = fill[fill < n - 1]
+            brk[before[src[before + 1] >= 0]] = True
         breaks = np.flatnonzero(brk) + 1
         vals = src[np.concatenate([[0], breaks])]
-        g = reduce(math.gcd, [n, self.n_in_cells], 0)
         if breaks.size:
             g = math.gcd(g, int(np.gcd.reduce(breaks)))
         pos = vals[vals >= 0]
@@ -271,21 +309,35 @@ class IndexMap:
 
     # ------------------------------------------------------------ algebra
     def then(self, other: IndexMap) -> IndexMap:
-        """The map that applies ``self`` and then ``other`` (one gather, not two)."""
+        """The map that applies ``self`` and then ``other`` (one gather, not two), over the greatest
+        common cell of the two maps' widest known forms (:meth:`_widest_known`)."""
         if self.out_bytes != other.in_bytes:
             raise LayoutError(
                 f"cannot compose {self.name} (out {self.out_shape} bytes) with {other.name} "
                 f"(in {other.in_shape} bytes): byte counts {self.out_bytes} != {other.in_bytes}"
             )
-        cell = math.gcd(self.cell_bytes, other.cell_bytes)
-        a, b = self.refined(cell), other.refined(cell)
-        bs = b.src.numpy()
-        if b._has_fill:
-            src = np.where(bs >= 0, a.src.numpy()[np.maximum(bs, 0)], bs - len(a.fills))
-        else:
-            src = a.src.numpy()[bs]
+        left, right = self._widest_known(), other._widest_known()
+        cell = math.gcd(left.cell_bytes, right.cell_bytes)
+        a, b = left.refined(cell), right.refined(cell)
+        a_src, bs = a.src.numpy(), b.src.numpy()
         fills = a.fills + b.fills
+        unique = tuple(dict.fromkeys(fills))
+        # ``other``'s fill code -1-k names fills[len(a.fills) + k]; renumbered here to ``unique`` when
+        # that is one shift (a fill byte both maps use), else by the pass of ``_deduped_fills``
+        shifts = {unique.index(v) - k for k, v in enumerate(b.fills)} if b._has_fill else set()
+        one_shift = len(set(a.fills)) == len(a.fills) and len(shifts) <= 1
+        shift = shifts.pop() if one_shift and shifts else len(a.fills)
+        if not b._has_fill:
+            src = a_src[bs]
+        elif a_src.size >= len(b.fills):  # fill codes index from the end: in range, overwritten below
+            src = a_src[bs]
+            fill = bs < 0
+            src[fill] = bs[fill] - shift
+        else:
+            src = np.where(bs >= 0, a_src[np.maximum(bs, 0)], bs - shift)
         parts = self.steps + other.steps
+        if one_shift:
+            return IndexMap(torch.from_numpy(src), cell, self.in_shape, other.out_shape, unique, "chain", {}, parts)
         return IndexMap(
             torch.from_numpy(src), cell, self.in_shape, other.out_shape, fills, "chain", {}, parts
         )._deduped_fills()
