@@ -82,8 +82,9 @@ def compile_map(m: IndexMap) -> ExecMap:
 
 
 def _chain(steps: tuple[IndexMap, ...] | list[IndexMap]) -> IndexMap:
-    """``steps`` composed, first to last (``layout.compose``, through the maps' own ``then``)."""
-    return reduce(lambda a, b: a.then(b), steps)
+    """``steps`` composed (``layout.compose``, through the maps' own ``then``), last to first: row steps over
+    whole rows compose over their cells first, then the padding before them over its smaller ones once."""
+    return reduce(lambda later, a: a.then(later), reversed(steps[:-1]), steps[-1])
 
 
 def strided_stages(m: IndexMap) -> tuple[ExecMap, ExecMap] | None:
@@ -259,6 +260,8 @@ def _digit(starts: np.ndarray) -> tuple[int, int, int]:
         w *= 8
 
 
+_CHUNK = 1 << 16
+"""Entries :func:`_reproduces` builds at a time (a few hundred kB, reused: no fresh pages per map)."""
 _PROBES = 1024
 """Entries :func:`_reproduces` compares first (a few microseconds), so that a map whose block starts only look
 strided is refused before the pass over all of it."""
@@ -287,11 +290,14 @@ def _reproduces(
         return False
     grid = src.reshape(shape)
     box = grid[tuple(slice(0, k) for k in live)]
-    want_box = np.full((), offset, dtype=np.int64)
-    for k, stride in zip(live, strides):
-        want_box = np.add.outer(want_box, np.arange(k, dtype=np.int64) * stride)
-    if not np.array_equal(box, want_box):
-        return False
+    inner = np.zeros((), dtype=np.int64)  # the box's sources at outer digit 0, compared a few values at a time
+    for k, stride in zip(live[1:], strides[1:]):
+        inner = np.add.outer(inner, np.arange(k, dtype=np.int64) * stride)
+    per = max(1, _CHUNK // max(inner.size, 1))
+    for d in range(0, live[0], per):
+        outer = offset + np.arange(d, min(d + per, live[0]), dtype=np.int64) * strides[0]
+        if not np.array_equal(box[d : d + per], np.add.outer(outer, inner)):
+            return False
     for d in range(len(shape)):  # the complement of the box as slabs: digits before d live, digit d not
         slab = grid[tuple(slice(0, live[j]) for j in range(d)) + (slice(live[d], None),)]
         if slab.size and not (slab == fill).all():

@@ -242,7 +242,8 @@ class IndexMap:
         f = self.cell_bytes // cell_bytes
         s = self.src.numpy()
         # numpy, single-threaded: plans are built from small index tensors many times
-        src = s[:, None] * f + np.arange(f, dtype=np.int64)
+        src = np.empty((s.size, f), dtype=np.int64)
+        np.add((s * f)[:, None], np.arange(f, dtype=np.int64), out=src)  # one write of the refined index
         if self._has_fill:
             fill = s < 0
             src[fill] = s[fill, None]
@@ -318,23 +319,31 @@ class IndexMap:
             )
         left, right = self._widest_known(), other._widest_known()
         cell = math.gcd(left.cell_bytes, right.cell_bytes)
-        a, b = left.refined(cell), right.refined(cell)
-        a_src, bs = a.src.numpy(), b.src.numpy()
-        fills = a.fills + b.fills
+        a_src, bs, k = left.refined(cell).src.numpy(), right.src.numpy(), right.cell_bytes // cell
+        fills = left.fills + right.fills
         unique = tuple(dict.fromkeys(fills))
-        # ``other``'s fill code -1-k names fills[len(a.fills) + k]; renumbered here to ``unique`` when
+        # ``other``'s fill code -1-j names fills[len(left.fills) + j]; renumbered here to ``unique`` when
         # that is one shift (a fill byte both maps use), else by the pass of ``_deduped_fills``
-        shifts = {unique.index(v) - k for k, v in enumerate(b.fills)} if b._has_fill else set()
-        one_shift = len(set(a.fills)) == len(a.fills) and len(shifts) <= 1
-        shift = shifts.pop() if one_shift and shifts else len(a.fills)
-        if not b._has_fill:
-            src = a_src[bs]
-        elif a_src.size >= len(b.fills):  # fill codes index from the end: in range, overwritten below
-            src = a_src[bs]
-            fill = bs < 0
-            src[fill] = bs[fill] - shift
-        else:
-            src = np.where(bs >= 0, a_src[np.maximum(bs, 0)], bs - shift)
+        shifts = {unique.index(v) - j for j, v in enumerate(right.fills)} if right._has_fill else set()
+        one_shift = len(set(left.fills)) == len(left.fills) and len(shifts) <= 1
+        shift = shifts.pop() if one_shift and shifts else len(left.fills)
+        if a_src.size:
+            # output cell (i, j) of ``other``'s cell i reads cell bs[i]*k + j of ``self``'s output: k takes
+            # into columns (``wrap``: no bounds buffer; a fill code's column is overwritten below)
+            cols = np.empty((bs.size, k), dtype=np.int64)
+            at = bs * k if k > 1 else bs
+            for j in range(k):
+                np.take(a_src, at, out=cols[:, j], mode="wrap")
+                if j + 1 < k:
+                    at += 1
+            if right._has_fill:
+                fill = bs < 0
+                cols[fill] = (bs[fill] - shift)[:, None]
+            src = cols.reshape(-1)
+        elif (bs >= 0).any():
+            raise LayoutError(f"{other.name} reads cells of the empty output of {self.name}")
+        else:  # every output cell is fill
+            src = np.repeat(bs - shift, k)
         parts = self.steps + other.steps
         if one_shift:
             return IndexMap(torch.from_numpy(src), cell, self.in_shape, other.out_shape, unique, "chain", {}, parts)

@@ -76,11 +76,13 @@ def pad_projections(
         raise LayoutError(f"fill must be a byte value 0..255, got {fill}")
     cell = math.gcd(cols_bytes, padded_cols_bytes)
     cin, cout = cols_bytes // cell, padded_cols_bytes // cell
-    src = np.full((num_projections, padded_rows, cout), -1, dtype=np.int64)
+    src = np.empty((num_projections, padded_rows, cout), dtype=np.int64)  # each entry written once:
+    src[:, rows:] = -1  # padded rows,
+    src[:, :rows, cin:] = -1  # padded columns,
     p = np.arange(num_projections, dtype=np.int64)[:, None, None]
     r = np.arange(rows, dtype=np.int64)[None, :, None]
     c = np.arange(cin, dtype=np.int64)[None, None, :]
-    src[:, :rows, :cin] = (p * rows + r) * cin + c
+    np.add((p * rows + r) * cin, c, out=src[:, :rows, :cin])  # and the input's cells
     params = dict(
         num_projections=num_projections,
         rows=rows,
