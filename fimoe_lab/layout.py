@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import reduce
 from typing import TYPE_CHECKING, Any, cast
 
@@ -209,7 +209,7 @@ class IndexMap:
 
     @property
     def n_out_cells(self) -> int:
-        return self.src.numel()
+        return self.out_bytes // self.cell_bytes  # src.numel(), without reading an index built when read
 
     @property
     def steps(self) -> tuple[IndexMap, ...]:
@@ -269,6 +269,33 @@ class IndexMap:
         if "coarse" not in self._cache:
             self._cache["coarse"] = self._widest_known()._coarsen()
         return cast(IndexMap, self._cache["coarse"])
+
+    @classmethod
+    def _refined_when_read(cls, wide: IndexMap, cell_bytes: int) -> IndexMap:
+        """``wide.refined(cell_bytes)`` whose index is built when ``src`` is first read. For a constructor that
+        builds its map over wider cells (the 128x4 and 8x4 swizzles of 1-byte scales): compositions and
+        coarsening take the wider form (:meth:`_widest_known`), so a plan's first call never builds the finer
+        index (four times the cells)."""
+        if wide.cell_bytes % cell_bytes:
+            raise LayoutError(f"{wide.name}: cannot refine {wide.cell_bytes}-byte cells to {cell_bytes}")
+        m = cls.__new__(cls)
+        for f in fields(cls):
+            if f.name not in ("src", "cell_bytes", "_cache"):
+                object.__setattr__(m, f.name, getattr(wide, f.name))
+        object.__setattr__(m, "cell_bytes", cell_bytes)
+        object.__setattr__(m, "_cache", {"wider": wide, "has_fill": wide._has_fill})
+        return m
+
+    if not TYPE_CHECKING:  # at run time only: type checkers keep every other attribute checked
+
+        def __getattr__(self, name: str) -> Any:
+            """``src`` of a map from :meth:`_refined_when_read`, built on this first read."""
+            wide = self.__dict__.get("_cache", {}).get("wider") if name == "src" else None
+            if wide is None:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            src = wide.refined(self.cell_bytes).src
+            object.__setattr__(self, "src", src)
+            return src
 
     def _widest_known(self) -> IndexMap:
         """This map over the widest cells known without a pass over its index: :meth:`coarsened` once

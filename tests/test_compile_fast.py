@@ -13,6 +13,7 @@ probes), int64 and int32.
 from __future__ import annotations
 
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -211,11 +212,22 @@ def test_the_model_layers_compile_as_their_definitions(fmt, inter, hidden):
             assert stage.strided == strided_form_by_full_scan(stage.src)
 
 
+def test_a_plans_first_call_never_builds_the_swizzles_finer_index():
+    """The gpt-oss scale swizzles are built over 4-scale cells; plan and compile read only those."""
+    plan = plan_layer("mxfp4", "trtllm", 2880, 2880)
+    for m in plan.maps().values():
+        m.compiled()
+    swizzles = [s for m in plan.maps().values() for s in m.steps if s.kind == "swizzle_scales_128x4"]
+    assert len(swizzles) == 2 and all("src" not in vars(s) and s._widest_known().cell_bytes == 4 for s in swizzles)
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 300), cols=st.integers(1, 13), itemsize=st.sampled_from([1, 2, 4]))
 def test_a_swizzle_known_wider_is_the_same_map(rows, cols, itemsize):
     for fn in (steps.swizzle_scales_128x4, steps.swizzle_scales_8x4):
         m = fn(rows, cols, itemsize)
+        copied = pickle.loads(pickle.dumps(m))  # before its finer index is read, if it is built when read
+        assert np.array_equal(copied.src.numpy(), m.src.numpy()) and copied.cell_bytes == m.cell_bytes
         wide = m._widest_known()
         assert wide.cell_bytes % m.cell_bytes == 0 and wide.fills == m.fills
         assert np.array_equal(wide.refined(m.cell_bytes).src.numpy(), m.src.numpy())
