@@ -354,6 +354,11 @@ class IndexMap:
         shifts = {unique.index(v) - j for j, v in enumerate(right.fills)} if right._has_fill else set()
         one_shift = len(set(left.fills)) == len(left.fills) and len(shifts) <= 1
         shift = shifts.pop() if one_shift and shifts else len(left.fills)
+        if bs.size and (int(bs.max()) + 1) * k > a_src.size:
+            raise LayoutError(
+                f"{other.name} reads past the {a_src.size} cells of {self.name}'s output",
+                fix="build each map with sources below its input's cell count",
+            )
         if a_src.size:
             # output cell (i, j) of ``other``'s cell i reads cell bs[i]*k + j of ``self``'s output: k takes
             # into columns (``wrap``: no bounds buffer; a fill code's column is overwritten below)
@@ -367,9 +372,7 @@ class IndexMap:
                 fill = bs < 0
                 cols[fill] = (bs[fill] - shift)[:, None]
             src = cols.reshape(-1)
-        elif (bs >= 0).any():
-            raise LayoutError(f"{other.name} reads cells of the empty output of {self.name}")
-        else:  # every output cell is fill
+        else:  # every output cell is fill (a source would have read past the end)
             src = np.repeat(bs - shift, k)
         parts = self.steps + other.steps
         if one_shift:

@@ -288,3 +288,12 @@ def test_coarsened_is_the_widest_cell(runs, scale, cell):
     f, coarse = widest_cell(m)
     assert m.coarsened().cell_bytes == f
     assert np.array_equal(m.coarsened().src.numpy(), coarse)
+
+
+def test_a_composition_refuses_sources_past_the_earlier_output():
+    first = IndexMap(torch.arange(4), 2, (8,), (8,))
+    past = IndexMap(torch.tensor([0, 4, 1, 2]), 2, (8,), (8,))
+    with pytest.raises(LayoutError, match="reads past the 4 cells"):
+        first.then(past)
+    fill_only = IndexMap(torch.full((4,), -1), 2, (0,), (8,), (7,))
+    assert byte_table(IndexMap(torch.zeros(0, dtype=torch.int64), 2, (0,), (0,)).then(fill_only)).tolist() == [-8] * 8
