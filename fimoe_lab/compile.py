@@ -143,7 +143,9 @@ def swizzle_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int] | None
         return None
     # output word (band, kk, p, q) reads row band*128 + 32*q + p: rows as (band, p, q), broadcast over kk
     s = rows.reshape(rows_n // 128, 4, 32).transpose(0, 2, 1)[:, None]
-    implied = np.where(s >= 0, s * cw + np.arange(cw, dtype=np.int64)[:, None, None], s)
+    implied = s * cw + np.arange(cw, dtype=np.int64)[:, None, None]
+    if (rows < 0).any():
+        implied = np.where(s >= 0, implied, s)
     if not np.array_equal(implied, em.src.reshape(rows_n // 128, cw, 32, 4)):
         return None
     return rows.astype(np.int32), cw, rows_n
