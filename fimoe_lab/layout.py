@@ -271,7 +271,7 @@ class IndexMap:
         return cast(IndexMap, self._cache["coarse"])
 
     @classmethod
-    def _refined_when_read(cls, wide: IndexMap, cell_bytes: int) -> IndexMap:
+    def refined_on_read(cls, wide: IndexMap, cell_bytes: int) -> IndexMap:
         """``wide.refined(cell_bytes)`` whose index is built when ``src`` is first read. For a constructor that
         builds its map over wider cells (the 128x4 and 8x4 swizzles of 1-byte scales): compositions and
         coarsening take the wider form (:meth:`_widest_known`), so a plan's first call never builds the finer
@@ -289,7 +289,7 @@ class IndexMap:
     if not TYPE_CHECKING:  # at run time only: type checkers keep every other attribute checked
 
         def __getattr__(self, name: str) -> Any:
-            """``src`` of a map from :meth:`_refined_when_read`, built on this first read."""
+            """``src`` of a map from :meth:`refined_on_read`, built on this first read."""
             wide = self.__dict__.get("_cache", {}).get("wider") if name == "src" else None
             if wide is None:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

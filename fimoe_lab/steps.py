@@ -265,13 +265,13 @@ def _swizzle_scale_atoms(
     params = dict(rows=rows, cols=cols, itemsize=itemsize)
     if cp == cols and (slots[:, 0] % 4 == 0).all() and (slots == slots[:, :1] + np.arange(4)).all():
         # each atom row's 4 scales are 4 adjacent slots: the map over cells of 4 scales (a quarter of the
-        # index); over single scales when that index is read (IndexMap._refined_when_read)
+        # index); over single scales when that index is read (IndexMap.refined_on_read)
         r = r0 + ar[::4]
         quads = r * (cols // 4) + c0 // 4
         if rp != rows:
             quads = np.where(r < rows, quads, -1)
         wide = IndexMap(torch.from_numpy(quads.reshape(-1)), 4 * itemsize, *shapes, (0,), kind, params)
-        return IndexMap._refined_when_read(wide, itemsize)
+        return IndexMap.refined_on_read(wide, itemsize)
     src = (r0 * cols + c0) + (ar * cols + ac)
     if rp != rows or cp != cols:
         src = np.where((r0 + ar < rows) & (c0 + ac < cols), src, -1)
