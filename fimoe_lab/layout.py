@@ -360,14 +360,10 @@ class IndexMap:
                 fix="build each map with sources below its input's cell count",
             )
         if a_src.size:
-            # output cell (i, j) of ``other``'s cell i reads cell bs[i]*k + j of ``self``'s output: k takes
-            # into columns (``wrap``: no bounds buffer; a fill code's column is overwritten below)
-            cols = np.empty((bs.size, k), dtype=np.int64)
-            at = bs * k if k > 1 else bs
-            for j in range(k):
-                np.take(a_src, at, out=cols[:, j], mode="wrap")
-                if j + 1 < k:
-                    at += 1
+            # output cell (i, j) of ``other``'s cell i reads cell bs[i]*k + j of ``self``'s output: row bs[i] of
+            # that output as rows of k cells, one row gather (``wrap``: no bounds buffer; a fill code's row is
+            # overwritten below)
+            cols = np.take(a_src.reshape(-1, k), bs, axis=0, mode="wrap")
             if right._has_fill:
                 fill = bs < 0
                 cols[fill] = (bs[fill] - shift)[:, None]
