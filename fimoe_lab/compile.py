@@ -178,7 +178,7 @@ def padded_rows_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int, in
     if (grid[fill_row] != grid[fill_row, :1]).any():
         return None
     live = head[~fill_row]
-    if live.size and ((live[:, :1] % k_in).any() or (live != live[:, :1] + np.arange(k_in)).any()):
+    if live.size and ((live[:, :1] % k_in).any() or (live != live[:, :1] + np.arange(k_in, dtype=live.dtype)).any()):
         return None
     rows = np.where(fill_row, head[:, 0], head[:, 0] // k_in)
     if rows.max(initial=-1) >= r_in:
