@@ -36,10 +36,10 @@ _spellings: list[dict[tuple[Hashable, ...], tuple[Hashable, ...]]] = []  # one p
 
 def value_bytes(value: Any) -> int:
     """Bytes a cached value holds: the index tensors of every map in it (maps, plans, tuples)."""
-    src = getattr(value, "src", None)
-    if src is not None and hasattr(src, "nbytes"):
+    cells = getattr(value, "n_out_cells", None)  # an index map: int64 sources (counted unread: some are built
+    if isinstance(cells, int):  # when first read)
         parts = getattr(value, "parts", ())
-        return int(src.nbytes) + sum(value_bytes(p) for p in parts)
+        return 8 * cells + sum(value_bytes(p) for p in parts)
     maps = getattr(value, "maps", None)
     if callable(maps):
         return sum(value_bytes(m) for m in maps().values())

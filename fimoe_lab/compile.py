@@ -82,8 +82,9 @@ def compile_map(m: IndexMap) -> ExecMap:
 
 
 def _chain(steps: tuple[IndexMap, ...] | list[IndexMap]) -> IndexMap:
-    """``steps`` composed, first to last (``layout.compose``, through the maps' own ``then``)."""
-    return reduce(lambda a, b: a.then(b), steps)
+    """``steps`` composed (``layout.compose``, through the maps' own ``then``), last to first: row steps over
+    whole rows compose over their cells first, then the padding before them over its smaller ones once."""
+    return reduce(lambda later, a: a.then(later), reversed(steps[:-1]), steps[-1])
 
 
 def strided_stages(m: IndexMap) -> tuple[ExecMap, ExecMap] | None:
@@ -138,13 +139,14 @@ def swizzle_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int] | None
     if rows is None:
         return None
     cw = cols // 4
-    o = np.arange(rows_n * cw, dtype=np.int64)
-    band, rem = np.divmod(o, 128 * cw)
-    kk, pq = np.divmod(rem, 128)
-    r = band * 128 + (pq % 4) * 32 + pq // 4
-    s = rows[r]
-    implied = np.where(s >= 0, s * cw + kk, s)
-    if implied.shape != em.src.shape or not np.array_equal(implied, em.src):
+    if em.src.size != rows_n * cw:
+        return None
+    # output word (band, kk, p, q) reads row band*128 + 32*q + p: rows as (band, p, q), broadcast over kk
+    s = rows.reshape(rows_n // 128, 4, 32).transpose(0, 2, 1)[:, None]
+    implied = s * cw + np.arange(cw, dtype=np.int64)[:, None, None]
+    if (rows < 0).any():
+        implied = np.where(s >= 0, implied, s)
+    if not np.array_equal(implied, em.src.reshape(rows_n // 128, cw, 32, 4)):
         return None
     return rows.astype(np.int32), cw, rows_n
 
@@ -163,7 +165,10 @@ def padded_rows_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int, in
     if c_out <= c_in or c_in % c or c_out % c:
         return None
     k_in, k_out = c_in // c, c_out // c
-    grid = em.src.astype(np.int64).reshape(r_out, k_out)
+    grid = em.src.reshape(r_out, k_out)
+    probe = grid[np.linspace(0, r_out - 1, num=min(r_out, 64), dtype=np.int64)]  # a cheap refusal first
+    if ((probe[:, 1:k_in] >= 0) & (probe[:, 1:k_in] != probe[:, :1] + np.arange(1, k_in))).any():
+        return None
     head, tail = grid[:, :k_in], grid[:, k_in:]
     fill_row = head[:, 0] < 0
     code = tail[~fill_row]
@@ -173,7 +178,7 @@ def padded_rows_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int, in
     if (grid[fill_row] != grid[fill_row, :1]).any():
         return None
     live = head[~fill_row]
-    if live.size and ((live[:, :1] % k_in).any() or (live != live[:, :1] + np.arange(k_in)).any()):
+    if live.size and ((live[:, :1] % k_in).any() or (live != live[:, :1] + np.arange(k_in, dtype=live.dtype)).any()):
         return None
     rows = np.where(fill_row, head[:, 0], head[:, 0] // k_in)
     if rows.max(initial=-1) >= r_in:
@@ -194,42 +199,112 @@ def strided_form(src: np.ndarray) -> Strided | None:
     be negative (the W13 -> W31 swap), on digits of at most :data:`MAX_STRIDED_PIECES`
     values together.
     """
-    src = np.asarray(src, dtype=np.int64)
+    src = np.asarray(src)
+    if src.dtype not in (np.int32, np.int64):
+        src = src.astype(np.int64)
     n = src.size
     if n == 0 or src[0] < 0:
         return None
-    codes = src[src < 0]
-    if codes.size and codes.min() != codes.max():
-        return None
-    dims: list[tuple[int, int, int]] = []  # (extent, live, stride), innermost first
+    dims: list[tuple[int, int, int, int]] = []  # (extent, live, stride, block), innermost first
     block = 1
     while block < n:
-        starts = src[::block]
-        live_start = starts >= 0
-        if starts.size > 1 and live_start[1]:
-            stride = int(starts[1] - starts[0])
-            run = live_start[1:] & (np.diff(starts) == stride)
-            live = 1 + (int(np.argmin(run)) if not run.all() else run.size)
-        else:
-            stride, live = 0, 1
-        rest = live_start[live:]
-        extent = live + (int(np.argmax(rest)) if rest.any() else rest.size)
-        if starts.size % extent or len(dims) == MAX_STRIDED_DIMS:
+        extent, live, stride = _digit(src[::block])
+        if (n // block) % extent or len(dims) == MAX_STRIDED_DIMS:
             return None
-        dims.append((extent, live if live > 1 else 1, stride if live > 1 else 0))
+        dims.append((extent, live if live > 1 else 1, stride if live > 1 else 0, block))
         block *= extent
     dims.reverse()
     shape = tuple(d[0] for d in dims)
     lives = tuple(d[1] for d in dims)
     strides = tuple(d[2] for d in dims)
-    fill = int(codes[0]) if codes.size else None
+    offset = int(src[0])
     if math.prod(n for n, s in zip(lives, strides) if s < 0) > MAX_STRIDED_PIECES:
         return None
+    if offset + sum(min(0, (k - 1) * s) for k, s in zip(lives, strides)) < 0:
+        # a source in the box below 0 (a fill code): the fill is the first code, if there is one alone
+        codes = src[src < 0]
+        if codes.size and codes.min() != codes.max():
+            return None
+        fill = int(codes[0]) if codes.size else None
+    else:
+        # every code is the fill if the form reproduces ``src``: the first entry outside the box
+        out = [live * block for extent, live, _, block in dims if live < extent]
+        fill = int(src[min(out)]) if out else None
+        if fill is not None and fill >= 0:
+            return None
     if (fill is None) != (shape == lives):
         return None
-    if not np.array_equal(_strided_sources(shape, lives, strides, int(src[0]), fill), src):
+    if not _reproduces(src, shape, lives, strides, offset, fill):
         return None
-    return Strided(shape, lives, strides, int(src[0]), fill)
+    return Strided(shape, lives, strides, offset, fill)
+
+
+def _digit(starts: np.ndarray) -> tuple[int, int, int]:
+    """``(extent, live, stride)`` of the digit whose values are ``starts`` (the block starts at the digits found
+    so far): the sources run arithmetically (``stride``) for ``live`` starts, then are fill up to the next live
+    one or the end. Read over a prefix grown until both ends are found (a digit's extent, not the whole map)."""
+    size, w = starts.size, 256
+    while True:
+        part = starts[:w].astype(np.int64)
+        whole = w >= size
+        live_start = part >= 0
+        if part.size > 1 and live_start[1]:
+            stride = int(part[1] - part[0])
+            run = live_start[1:] & (np.diff(part) == stride)
+            live = 1 + (int(np.argmin(run)) if not run.all() else run.size)
+        else:
+            stride, live = 0, 1
+        rest = live_start[live:]
+        if rest.any():
+            return live + int(np.argmax(rest)), live, stride
+        if whole:
+            return live + rest.size, live, stride
+        w *= 8
+
+
+_CHUNK = 1 << 16
+"""Entries :func:`_reproduces` builds at a time (a few hundred kB, reused: no fresh pages per map)."""
+_PROBES = 1024
+"""Entries :func:`_reproduces` compares first (a few microseconds), so that a map whose block starts only look
+strided is refused before the pass over all of it."""
+
+
+def _reproduces(
+    src: np.ndarray,
+    shape: tuple[int, ...],
+    live: tuple[int, ...],
+    strides: tuple[int, ...],
+    offset: int,
+    fill: int | None,
+) -> bool:
+    """``np.array_equal(_strided_sources(shape, live, strides, offset, fill), src)`` without building it:
+    first at :data:`_PROBES` entries spread over ``src``, then the live box of ``src.reshape(shape)``
+    against the broadcast sum ``offset + sum_d digit_d * stride_d`` and each slab outside the box against
+    ``fill`` (one read of ``src``)."""
+    n = src.size
+    if n <= _PROBES or math.prod(shape) != n:
+        return bool(np.array_equal(_strided_sources(shape, live, strides, offset, fill), src))
+    at = np.linspace(0, n - 1, num=_PROBES, dtype=np.int64)
+    digits = np.unravel_index(at, shape)
+    inside = np.logical_and.reduce([d < k for d, k in zip(digits, live)])
+    want = offset + sum((d * s for d, s in zip(digits, strides)), np.zeros_like(at))
+    if not np.array_equal(np.where(inside, want, fill if fill is not None else 0), src[at]):
+        return False
+    grid = src.reshape(shape)
+    box = grid[tuple(slice(0, k) for k in live)]
+    inner = np.zeros((), dtype=np.int64)  # the box's sources at outer digit 0, compared a few values at a time
+    for k, stride in zip(live[1:], strides[1:]):
+        inner = np.add.outer(inner, np.arange(k, dtype=np.int64) * stride)
+    per = max(1, _CHUNK // max(inner.size, 1))
+    for d in range(0, live[0], per):
+        outer = offset + np.arange(d, min(d + per, live[0]), dtype=np.int64) * strides[0]
+        if not np.array_equal(box[d : d + per], np.add.outer(outer, inner)):
+            return False
+    for d in range(len(shape)):  # the complement of the box as slabs: digits before d live, digit d not
+        slab = grid[tuple(slice(0, live[j]) for j in range(d)) + (slice(live[d], None),)]
+        if slab.size and not (slab == fill).all():
+            return False
+    return True
 
 
 def _strided_sources(

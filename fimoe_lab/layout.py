@@ -8,8 +8,11 @@ parameters, so one map serves every expert of every layer of that shape.
 The map is stored over *cells*: runs of ``cell_bytes`` contiguous bytes that move
 together (a whole row for a row permutation, 128 bytes for block-major-K, one scale
 for the 128x4 swizzle). Two maps with different cell sizes are composed on the
-greatest common cell; :meth:`IndexMap.coarsened` finds the widest cell a map allows,
-which is what lets an executor move 8- or 16-byte words instead of single bytes.
+greatest common cell of the widest forms known of them (a coarsened map, or the form
+over 4 scales the swizzle of 1-byte scales is built from: the composition of a
+plan's scale steps then holds half to a quarter of the cells it would over bytes);
+:meth:`IndexMap.coarsened` finds the widest cell a map allows, which is what lets an
+executor move 8- or 16-byte words instead of single bytes.
 
 Fill codes: ``src[i] = -1 - k`` fills output cell ``i`` with byte ``fills[k]``
 repeated (0 for padded weights, 127 = UE8M0 1.0 for padded MXFP8 scales).
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import reduce
 from typing import TYPE_CHECKING, Any, cast
 
@@ -53,6 +56,27 @@ def _unravel(offset: int, shape: Sequence[int]) -> tuple[int, ...]:
         coords.append(offset % dim)
         offset //= dim
     return tuple(reversed(coords))
+
+
+_PROBES = 1024
+"""Cell pairs :func:`_probed_cell_gcd` looks at before :meth:`IndexMap.coarsened` reads the whole index."""
+
+
+def _probed_cell_gcd(src: np.ndarray, g: int) -> int:
+    """``g`` reduced by the breaks among :data:`_PROBES` cell pairs ``(i - 1, i)`` spread over ``src``: the gcd
+    with each such ``i`` where a run breaks and with the source starting a live run there (and with
+    ``src[0]``). Every break found is one :meth:`IndexMap.coarsened` finds, so the widest cell divides the
+    result; 1 means the map does not coarsen, found without a pass over ``src``."""
+    n = src.size
+    if g <= 1 or n < 2:
+        return g
+    i = np.linspace(1, n - 1, num=min(n - 1, _PROBES), dtype=np.int64)
+    prev, cur = src[i - 1], src[i]
+    brk = np.where(cur >= 0, (prev < 0) | (cur != prev + 1), cur != prev)
+    for v in (i[brk], cur[brk & (cur >= 0)], src[:1][src[:1] >= 0]):
+        if v.size:
+            g = math.gcd(g, int(np.gcd.reduce(v)))
+    return g
 
 
 @dataclass(frozen=True)
@@ -185,7 +209,7 @@ class IndexMap:
 
     @property
     def n_out_cells(self) -> int:
-        return self.src.numel()
+        return self.out_bytes // self.cell_bytes  # src.numel(), without reading an index built when read
 
     @property
     def steps(self) -> tuple[IndexMap, ...]:
@@ -216,11 +240,13 @@ class IndexMap:
         if self.cell_bytes % cell_bytes:
             raise LayoutError(f"{self.name}: cannot refine {self.cell_bytes}-byte cells to {cell_bytes}")
         f = self.cell_bytes // cell_bytes
-        s = self.src.numpy()[:, None]
+        s = self.src.numpy()
         # numpy, single-threaded: plans are built from small index tensors many times
-        src = s * f + np.arange(f, dtype=np.int64)
+        src = np.empty((s.size, f), dtype=np.int64)
+        np.add((s * f)[:, None], np.arange(f, dtype=np.int64), out=src)  # one write of the refined index
         if self._has_fill:
-            src = np.where(s >= 0, src, s)
+            fill = s < 0
+            src[fill] = s[fill, None]
         out = self._with(torch.from_numpy(src.reshape(-1)), cell_bytes)
         out._cache["has_fill"] = self._has_fill
         return out
@@ -241,23 +267,63 @@ class IndexMap:
         run of consecutive sources breaks, and of the source index at each break.
         """
         if "coarse" not in self._cache:
-            self._cache["coarse"] = self._coarsen()
+            self._cache["coarse"] = self._widest_known()._coarsen()
         return cast(IndexMap, self._cache["coarse"])
+
+    @classmethod
+    def refined_on_read(cls, wide: IndexMap, cell_bytes: int) -> IndexMap:
+        """``wide.refined(cell_bytes)`` whose index is built when ``src`` is first read. For a constructor that
+        builds its map over wider cells (the 128x4 and 8x4 swizzles of 1-byte scales): compositions and
+        coarsening take the wider form (:meth:`_widest_known`), so a plan's first call never builds the finer
+        index (four times the cells)."""
+        if wide.cell_bytes % cell_bytes:
+            raise LayoutError(f"{wide.name}: cannot refine {wide.cell_bytes}-byte cells to {cell_bytes}")
+        m = cls.__new__(cls)
+        for f in fields(cls):
+            if f.name not in ("src", "cell_bytes", "_cache"):
+                object.__setattr__(m, f.name, getattr(wide, f.name))
+        object.__setattr__(m, "cell_bytes", cell_bytes)
+        object.__setattr__(m, "_cache", {"wider": wide, "has_fill": wide._has_fill})
+        return m
+
+    if not TYPE_CHECKING:  # at run time only: type checkers keep every other attribute checked
+
+        def __getattr__(self, name: str) -> Any:
+            """``src`` of a map from :meth:`refined_on_read`, built on this first read."""
+            wide = self.__dict__.get("_cache", {}).get("wider") if name == "src" else None
+            if wide is None:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            src = wide.refined(self.cell_bytes).src
+            object.__setattr__(self, "src", src)
+            return src
+
+    def _widest_known(self) -> IndexMap:
+        """This map over the widest cells known without a pass over its index: :meth:`coarsened` once
+        found, else the wider form its constructor recorded (``_cache["wider"]``, e.g. the 128x4
+        swizzle of 1-byte scales over 4-byte cells), else itself. Coarsening any of them gives the same
+        map: a form ``k`` times wider has ``k`` times fewer breaks, sources and cells, so the same widest
+        cell."""
+        return cast(IndexMap, self._cache.get("coarse") or self._cache.get("wider") or self)
 
     def _coarsen(self) -> IndexMap:
         src = self.src.numpy()
         n = src.size
         if n == 0:
             return self
+        g = _probed_cell_gcd(src, math.gcd(n, self.n_in_cells))
+        if g <= 1:
+            return self
         step = np.diff(src)
-        if self._has_fill:
-            prev, cur = src[:-1], src[1:]
-            brk = np.where(cur >= 0, (prev < 0) | (step != 1), step != 0)
-        else:
-            brk = step != 1  # one temporary fewer: these maps reach millions of cells
+        brk = step != 1  # a break between cells i and i+1: not the next source ...
+        if self._has_fill:  # ... except that a fill cell after the same fill continues its run, and a
+            # live cell after fill breaks it (the only pairs with a fill cell: a few passes over those)
+            fill = np.flatnonzero(src < 0)
+            after = fill[fill > 0]
+            brk[after - 1] = step[after - 1] != 0
+            before = fill[fill < n - 1]
+            brk[before[src[before + 1] >= 0]] = True
         breaks = np.flatnonzero(brk) + 1
         vals = src[np.concatenate([[0], breaks])]
-        g = reduce(math.gcd, [n, self.n_in_cells], 0)
         if breaks.size:
             g = math.gcd(g, int(np.gcd.reduce(breaks)))
         pos = vals[vals >= 0]
@@ -271,21 +337,42 @@ class IndexMap:
 
     # ------------------------------------------------------------ algebra
     def then(self, other: IndexMap) -> IndexMap:
-        """The map that applies ``self`` and then ``other`` (one gather, not two)."""
+        """The map that applies ``self`` and then ``other`` (one gather, not two), over the greatest
+        common cell of the two maps' widest known forms (:meth:`_widest_known`)."""
         if self.out_bytes != other.in_bytes:
             raise LayoutError(
                 f"cannot compose {self.name} (out {self.out_shape} bytes) with {other.name} "
                 f"(in {other.in_shape} bytes): byte counts {self.out_bytes} != {other.in_bytes}"
             )
-        cell = math.gcd(self.cell_bytes, other.cell_bytes)
-        a, b = self.refined(cell), other.refined(cell)
-        bs = b.src.numpy()
-        if b._has_fill:
-            src = np.where(bs >= 0, a.src.numpy()[np.maximum(bs, 0)], bs - len(a.fills))
-        else:
-            src = a.src.numpy()[bs]
-        fills = a.fills + b.fills
+        left, right = self._widest_known(), other._widest_known()
+        cell = math.gcd(left.cell_bytes, right.cell_bytes)
+        a_src, bs, k = left.refined(cell).src.numpy(), right.src.numpy(), right.cell_bytes // cell
+        fills = left.fills + right.fills
+        unique = tuple(dict.fromkeys(fills))
+        # ``other``'s fill code -1-j names fills[len(left.fills) + j]; renumbered here to ``unique`` when
+        # that is one shift (a fill byte both maps use), else by the pass of ``_deduped_fills``
+        shifts = {unique.index(v) - j for j, v in enumerate(right.fills)} if right._has_fill else set()
+        one_shift = len(set(left.fills)) == len(left.fills) and len(shifts) <= 1
+        shift = shifts.pop() if one_shift and shifts else len(left.fills)
+        if bs.size and (int(bs.max()) + 1) * k > a_src.size:
+            raise LayoutError(
+                f"{other.name} reads past the {a_src.size} cells of {self.name}'s output",
+                fix="build each map with sources below its input's cell count",
+            )
+        if a_src.size:
+            # output cell (i, j) of ``other``'s cell i reads cell bs[i]*k + j of ``self``'s output: row bs[i] of
+            # that output as rows of k cells, one row gather (``wrap``: no bounds buffer; a fill code's row is
+            # overwritten below)
+            cols = np.take(a_src.reshape(-1, k), bs, axis=0, mode="wrap")
+            if right._has_fill:
+                fill = bs < 0
+                cols[fill] = (bs[fill] - shift)[:, None]
+            src = cols.reshape(-1)
+        else:  # every output cell is fill (a source would have read past the end)
+            src = np.repeat(bs - shift, k)
         parts = self.steps + other.steps
+        if one_shift:
+            return IndexMap(torch.from_numpy(src), cell, self.in_shape, other.out_shape, unique, "chain", {}, parts)
         return IndexMap(
             torch.from_numpy(src), cell, self.in_shape, other.out_shape, fills, "chain", {}, parts
         )._deduped_fills()

@@ -76,11 +76,13 @@ def pad_projections(
         raise LayoutError(f"fill must be a byte value 0..255, got {fill}")
     cell = math.gcd(cols_bytes, padded_cols_bytes)
     cin, cout = cols_bytes // cell, padded_cols_bytes // cell
-    src = np.full((num_projections, padded_rows, cout), -1, dtype=np.int64)
+    src = np.empty((num_projections, padded_rows, cout), dtype=np.int64)  # each entry written once:
+    src[:, rows:] = -1  # padded rows,
+    src[:, :rows, cin:] = -1  # padded columns,
     p = np.arange(num_projections, dtype=np.int64)[:, None, None]
     r = np.arange(rows, dtype=np.int64)[None, :, None]
     c = np.arange(cin, dtype=np.int64)[None, None, :]
-    src[:, :rows, :cin] = (p * rows + r) * cin + c
+    np.add((p * rows + r) * cin, c, out=src[:, :rows, :cin])  # and the input's cells
     params = dict(
         num_projections=num_projections,
         rows=rows,
@@ -259,18 +261,21 @@ def _swizzle_scale_atoms(
     ac[slots.reshape(-1)] = np.tile(np.arange(4, dtype=np.int64), atom_rows)
     r0 = (np.arange(rp // atom_rows, dtype=np.int64) * atom_rows)[:, None, None]
     c0 = (np.arange(cp // 4, dtype=np.int64) * 4)[None, :, None]
+    shapes = ((rows, cols * itemsize), (rp, cp * itemsize))
+    params = dict(rows=rows, cols=cols, itemsize=itemsize)
+    if cp == cols and (slots[:, 0] % 4 == 0).all() and (slots == slots[:, :1] + np.arange(4)).all():
+        # each atom row's 4 scales are 4 adjacent slots: the map over cells of 4 scales (a quarter of the
+        # index); over single scales when that index is read (IndexMap.refined_on_read)
+        r = r0 + ar[::4]
+        quads = r * (cols // 4) + c0 // 4
+        if rp != rows:
+            quads = np.where(r < rows, quads, -1)
+        wide = IndexMap(torch.from_numpy(quads.reshape(-1)), 4 * itemsize, *shapes, (0,), kind, params)
+        return IndexMap.refined_on_read(wide, itemsize)
     src = (r0 * cols + c0) + (ar * cols + ac)
     if rp != rows or cp != cols:
         src = np.where((r0 + ar < rows) & (c0 + ac < cols), src, -1)
-    return IndexMap(
-        torch.from_numpy(src.reshape(-1)),
-        itemsize,
-        (rows, cols * itemsize),
-        (rp, cp * itemsize),
-        (0,),
-        kind,
-        dict(rows=rows, cols=cols, itemsize=itemsize),
-    )
+    return IndexMap(torch.from_numpy(src.reshape(-1)), itemsize, *shapes, (0,), kind, params)
 
 
 @cached

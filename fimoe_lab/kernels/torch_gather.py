@@ -136,9 +136,17 @@ def _fill_box_complement(em: ExecMap, out: torch.Tensor, word: int) -> None:
     fw = min(word, 8)
     p = _pieces(em, fw)
     ov = _words(out, fw).view((out.shape[0],) + p.out_shape)
-    value = fill_word(em.fills[-1 - st.fill], fw)
+    # copied from one word expanded over each slab (stride 0), not ``Tensor.fill_``: on CUDA the first
+    # ``fill_`` of a process loads another kernel module (about 10-15 ms on an H200), while this runs the
+    # copy kernel the strided copies have loaded; the word reaches the device by a host copy, not a fill
+    key = ("fill word", fw, str(out.device))
+    if key not in em._dev:
+        word_t = torch.tensor([fill_word(em.fills[-1 - st.fill], fw)], dtype=ov.dtype)
+        em._dev[key] = word_t.to(out.device)
+    one = em._dev[key]
     for slab in p.slabs:
-        ov[slab].fill_(value)
+        part = ov[slab]
+        part.copy_(one.expand(part.shape))
 
 
 def _gather_strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,0 +1,299 @@
+"""The first call's fast paths against their slow definitions.
+
+A plan's maps are composed over the widest cells their steps are known by, coarsened after a probe of a
+thousand cell pairs, and their strided form is found from prefixes of the block starts and checked against
+``src`` without building the source array. Each is compared here with the definition it replaces, spelled
+out the slow way: the composition as byte gathers step by step, the widest cell by trying every divisor,
+the strided form by scanning every block start and materialising the sources (``_strided_sources``), the
+swizzle and padded-row forms by their index formulas. Plans of every recipe at random sizes, and random
+source arrays (strided views, padded boxes, negative strides, broken copies of them, longer than the
+probes), int64 and int32.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from fimoe_lab import steps
+from fimoe_lab.compile import MAX_STRIDED_DIMS, MAX_STRIDED_PIECES, _row_sources, _strided_sources, strided_form
+from fimoe_lab.errors import LayoutError
+from fimoe_lab.kernels.compiled import Strided
+from fimoe_lab.layout import IndexMap
+from fimoe_lab.recipes import RECIPES, plan_layer
+
+
+# ----------------------------------------------------------------------------- the slow definitions
+def byte_table(m: IndexMap) -> np.ndarray:
+    """Source byte of every output byte of ``m`` (fill byte ``v`` as ``-1 - v``), from its own index."""
+    fine = m.refined(1)
+    s = fine.src.numpy()
+    fills = np.array(fine.fills or (0,), dtype=np.int64)
+    return np.where(s >= 0, s, -1 - fills[np.maximum(-1 - s, 0)])
+
+
+def composed_byte_table(m: IndexMap) -> np.ndarray:
+    """The same, gathering one step after another over single bytes (no composition of indices)."""
+    table = np.arange(m.in_bytes, dtype=np.int64)
+    for step in m.steps:  # fill entries (< 0) travel as they are
+        s = byte_table(step)
+        table = np.where(s >= 0, table[np.maximum(s, 0)], s)
+    return table
+
+
+def widest_cell(m: IndexMap) -> tuple[int, np.ndarray]:
+    """The widest cell of ``m`` in bytes and its index there: the largest ``f`` dividing both byte counts
+    for which every group of ``f`` output bytes copies ``f`` consecutive ``f``-aligned input bytes or is one
+    fill byte, tried divisor by divisor."""
+    fine = m.refined(1)
+    s = fine.src.numpy()
+    g = math.gcd(m.out_bytes, m.in_bytes)
+    for f in sorted((d for d in range(1, g + 1) if g % d == 0), reverse=True):
+        groups = s.reshape(-1, f)
+        live = groups[:, 0] >= 0
+        runs = groups[live]
+        if not (runs == runs[:, :1] + np.arange(f)).all() or (runs[:, 0] % f).any():
+            continue
+        if not (groups[~live] == groups[~live, :1]).all():
+            continue
+        return f, np.where(live, groups[:, 0] // f, groups[:, 0])
+    raise AssertionError("f = 1 always groups")
+
+
+def strided_form_by_full_scan(src: np.ndarray) -> Strided | None:
+    """The strided form found from every block start of ``src`` and checked against the sources it stands for,
+    materialised (``_strided_sources``)."""
+    src = np.asarray(src, dtype=np.int64)
+    n = src.size
+    if n == 0 or src[0] < 0:
+        return None
+    codes = src[src < 0]
+    if codes.size and codes.min() != codes.max():
+        return None
+    dims: list[tuple[int, int, int]] = []
+    block = 1
+    while block < n:
+        starts = src[::block]
+        live_start = starts >= 0
+        if starts.size > 1 and live_start[1]:
+            stride = int(starts[1] - starts[0])
+            run = live_start[1:] & (np.diff(starts) == stride)
+            live = 1 + (int(np.argmin(run)) if not run.all() else run.size)
+        else:
+            stride, live = 0, 1
+        rest = live_start[live:]
+        extent = live + (int(np.argmax(rest)) if rest.any() else rest.size)
+        if starts.size % extent or len(dims) == MAX_STRIDED_DIMS:
+            return None
+        dims.append((extent, live, stride if live > 1 else 0))
+        block *= extent
+    dims.reverse()
+    shape, lives, strides = (tuple(d[k] for d in dims) for k in range(3))
+    fill = int(codes[0]) if codes.size else None
+    if math.prod(k for k, s in zip(lives, strides) if s < 0) > MAX_STRIDED_PIECES:
+        return None
+    if (fill is None) != (shape == lives):
+        return None
+    if not np.array_equal(_strided_sources(shape, lives, strides, int(src[0]), fill), src):
+        return None
+    return Strided(shape, lives, strides, int(src[0]), fill)
+
+
+def swizzle_by_formula(m: IndexMap, em) -> tuple[np.ndarray, int, int] | None:
+    """The 128x4 swizzle form: output word ``o`` is word ``kk`` of row ``band*128 + 32*(pq%4) + pq//4``,
+    ``o = (band*cw + kk)*128 + pq``, checked word by word."""
+    last = m.steps[-1]
+    if em.cell_bytes != 4 or last.kind != "swizzle_scales_128x4" or last.cell_bytes != 1:
+        return None
+    if len(last.in_shape) != 2 or last.in_shape != last.out_shape:
+        return None
+    rows_n, cols = last.in_shape
+    if rows_n % 128 or cols % 4:
+        return None
+    rows = _row_sources(m, em, cols)
+    if rows is None:
+        return None
+    cw = cols // 4
+    o = np.arange(rows_n * cw, dtype=np.int64)
+    band, rem = np.divmod(o, 128 * cw)
+    kk, pq = np.divmod(rem, 128)
+    s = rows[band * 128 + (pq % 4) * 32 + pq // 4]
+    implied = np.where(s >= 0, s * cw + kk, s)
+    if implied.shape != em.src.shape or not np.array_equal(implied, em.src):
+        return None
+    return rows.astype(np.int32), cw, rows_n
+
+
+def padded_rows_by_rows(m: IndexMap, em) -> tuple[np.ndarray, int, int, int] | None:
+    """The padded-row form: every output row one input row then one fill code, or all one fill code,
+    checked row by row over the whole index."""
+    if not em.has_fill or len(m.in_shape) != 2 or len(m.out_shape) != 2:
+        return None
+    (r_in, c_in), (r_out, c_out) = m.in_shape, m.out_shape
+    c = em.cell_bytes
+    if c_out <= c_in or c_in % c or c_out % c:
+        return None
+    k_in = c_in // c
+    grid = em.src.astype(np.int64).reshape(r_out, -1)
+    rows, codes = [], set()
+    for row in grid:
+        if row[0] < 0:
+            if (row != row[0]).any():
+                return None
+            rows.append(int(row[0]))
+            continue
+        if row[0] % k_in or (row[:k_in] != row[0] + np.arange(k_in)).any() or row[0] // k_in >= r_in:
+            return None
+        codes.update(row[k_in:].tolist())
+        rows.append(int(row[0]) // k_in)
+    if len(codes) > 1 or any(v >= 0 for v in codes):
+        return None
+    return np.array(rows, dtype=np.int32), c_in, c_out, codes.pop() if codes else -1
+
+
+def same_form(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b, strict=True))
+
+
+def check_compiled(m: IndexMap) -> None:
+    em = m.compiled()
+    cell, coarse = widest_cell(m)
+    assert em.cell_bytes == cell and np.array_equal(em.src, coarse)
+    assert m.coarsened().cell_bytes == cell and np.array_equal(m.coarsened().src.numpy(), coarse)
+    assert em.strided == strided_form_by_full_scan(em.src)
+    assert strided_form(em.src.astype(np.int64)) == em.strided
+    assert same_form(em.swizzle, swizzle_by_formula(m, em))
+    assert same_form(em.padrows, padded_rows_by_rows(m, em))
+    for stage in em.stages or ():
+        assert stage.strided is not None and stage.strided == strided_form_by_full_scan(stage.src)
+
+
+# ----------------------------------------------------------------------------- plans of every recipe
+RECIPE_IDS = [r for r in RECIPES if not r.startswith("mxint4")] + ["mxint4/trtllm"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    recipe=st.sampled_from(RECIPE_IDS),
+    inter=st.integers(1, 24).map(lambda k: 16 * k),
+    hidden=st.integers(1, 12).map(lambda k: 32 * k),
+    gated=st.booleans(),
+)
+def test_plans_compose_and_compile_as_their_definitions(recipe, inter, hidden, gated):
+    fmt, backend = recipe.split("/")
+    if fmt == "mxint4":
+        inter, hidden = 256 * (1 + inter % 2), 256 * (1 + hidden % 2)
+    try:
+        plan = plan_layer(fmt, backend, inter, hidden, is_act_and_mul=gated, is_gated=gated)
+    except LayoutError:
+        assume(False)
+    for m in plan.maps().values():
+        assert np.array_equal(byte_table(m), composed_byte_table(m)), m.name
+        check_compiled(m)
+
+
+@pytest.mark.parametrize("fmt,inter,hidden", [("mxfp4", 2880, 2880), ("nvfp4", 256, 7168)])
+def test_the_model_layers_compile_as_their_definitions(fmt, inter, hidden):
+    """gpt-oss-120b MXFP4 and DeepSeek-R1 NVFP4 TP8 (the whole-model benchmark's), at their widest cells."""
+    for m in plan_layer(fmt, "trtllm", inter, hidden).maps().values():
+        em = m.compiled()
+        assert em.strided == strided_form_by_full_scan(em.src)
+        assert same_form(em.swizzle, swizzle_by_formula(m, em))
+        assert same_form(em.padrows, padded_rows_by_rows(m, em))
+        for stage in em.stages or ():
+            assert stage.strided == strided_form_by_full_scan(stage.src)
+
+
+def test_a_plans_first_call_never_builds_the_swizzles_finer_index():
+    """The gpt-oss scale swizzles are built over 4-scale cells; plan and compile read only those."""
+    plan = plan_layer("mxfp4", "trtllm", 2880, 2880)
+    for m in plan.maps().values():
+        m.compiled()
+    swizzles = [s for m in plan.maps().values() for s in m.steps if s.kind == "swizzle_scales_128x4"]
+    assert len(swizzles) == 2 and all("src" not in vars(s) and s._widest_known().cell_bytes == 4 for s in swizzles)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 300), cols=st.integers(1, 13), itemsize=st.sampled_from([1, 2, 4]))
+def test_a_swizzle_known_wider_is_the_same_map(rows, cols, itemsize):
+    for fn in (steps.swizzle_scales_128x4, steps.swizzle_scales_8x4):
+        m = fn(rows, cols, itemsize)
+        copied = pickle.loads(pickle.dumps(m))  # before its finer index is read, if it is built when read
+        assert np.array_equal(copied.src.numpy(), m.src.numpy()) and copied.cell_bytes == m.cell_bytes
+        wide = m._widest_known()
+        assert wide.cell_bytes % m.cell_bytes == 0 and wide.fills == m.fills
+        assert np.array_equal(wide.refined(m.cell_bytes).src.numpy(), m.src.numpy())
+        plain = IndexMap(m.src.clone(), m.cell_bytes, m.in_shape, m.out_shape, m.fills)  # no wider form known
+        assert m.coarsened().cell_bytes == plain.coarsened().cell_bytes
+        assert np.array_equal(m.coarsened().src.numpy(), plain.coarsened().src.numpy())
+
+
+# ----------------------------------------------------------------------------- random source arrays
+@st.composite
+def sources(draw):
+    """A padded permute of a strided view (digits up to 40, so longer than the probes), possibly with a digit
+    reversed, a second fill code or one entry moved: what the strided form must find or refuse."""
+    dims = draw(st.lists(st.integers(1, 40), min_size=1, max_size=4))
+    order = draw(st.permutations(range(len(dims))))
+    src = np.arange(int(np.prod(dims)), dtype=np.int64).reshape(dims).transpose(order)
+    if draw(st.booleans()):
+        src = np.flip(src, axis=draw(st.integers(0, len(dims) - 1)))
+    live = [draw(st.integers(1, d)) for d in src.shape]
+    pad = [draw(st.integers(0, 3)) for _ in src.shape]
+    out = np.full([d + p for d, p in zip(src.shape, pad)], -1, dtype=np.int64)
+    box = tuple(slice(0, k) for k in live)
+    out[box] = src[box]
+    out = out.reshape(-1)
+    change = draw(st.sampled_from(["none", "none", "entry", "code", "swap"]))
+    at = draw(st.integers(0, out.size - 1))
+    if change == "entry":
+        out[at] = draw(st.integers(-2, int(out.max()) + 1))
+    elif change == "code" and (out < 0).any():
+        out[np.flatnonzero(out < 0)[-1]] = -2
+    elif change == "swap" and out.size > 1:
+        out[[at, (at + 1) % out.size]] = out[[(at + 1) % out.size, at]]
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(sources(), st.sampled_from([np.int64, np.int32]))
+def test_strided_form_is_the_full_scan(src, dtype):
+    assert strided_form(src.astype(dtype)) == strided_form_by_full_scan(src)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    runs=st.lists(
+        st.tuples(st.integers(1, 400), st.integers(-3, 60)), min_size=1, max_size=12
+    ),  # (length, start; < 0: a fill code)
+    scale=st.sampled_from([1, 2, 3, 4, 8]),
+    cell=st.sampled_from([1, 2, 6]),
+)
+def test_coarsened_is_the_widest_cell(runs, scale, cell):
+    """Runs of consecutive sources and of fill, each ``scale`` times longer than drawn (so maps coarsen),
+    over ``cell``-byte cells: the widest cell is the one the divisors give."""
+    parts = [np.full(k * scale, v) if v < 0 else np.arange(v * scale, (v + k) * scale) for k, v in runs]
+    src = np.concatenate(parts).astype(np.int64)
+    n_in = max(int(src.max()) + 1, 1)
+    n_in = -(-n_in // scale) * scale
+    m = IndexMap(torch.from_numpy(src), cell, (n_in * cell,), (src.size * cell,), (0, 127, 255))
+    f, coarse = widest_cell(m)
+    assert m.coarsened().cell_bytes == f
+    assert np.array_equal(m.coarsened().src.numpy(), coarse)
+
+
+def test_a_composition_refuses_sources_past_the_earlier_output():
+    first = IndexMap(torch.arange(4), 2, (8,), (8,))
+    past = IndexMap(torch.tensor([0, 4, 1, 2]), 2, (8,), (8,))
+    with pytest.raises(LayoutError, match="reads past the 4 cells"):
+        first.then(past)
+    fill_only = IndexMap(torch.full((4,), -1), 2, (0,), (8,), (7,))
+    assert byte_table(IndexMap(torch.zeros(0, dtype=torch.int64), 2, (0,), (0,)).then(fill_only)).tolist() == [-8] * 8
