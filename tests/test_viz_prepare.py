@@ -171,3 +171,14 @@ def test_preparation_stays_within_the_room_the_shown_view_leaves(caches, monkeyp
     neighbours = {(layer.key, "magnitude", "w13", e) for e in (2, 4)}
     assert neighbours & kept == (neighbours if room_for_neighbours else set())
     assert values.bytes <= limit
+
+
+def test_memo_lets_go_of_an_array_once_it_is_freed():
+    """A memoised result keyed by an array holds it weakly: when the caches drop an expert's values, nothing else
+    keeps them (the entry goes with them); while the array lives, a second call is the kept result."""
+    values = np.arange(64, dtype=np.float32).reshape(8, 8) - 7.5
+    first = data.memo(data.all_finite, values)
+    key = ("all_finite", ("id", id(values)))
+    assert key in data._MEMO.entries and data.memo(data.all_finite, values) is first
+    del values
+    assert key not in data._MEMO.entries

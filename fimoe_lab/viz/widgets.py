@@ -585,7 +585,10 @@ class _Explorer(W.VBox):
                 continue
             assert units is not None
             with _DRAWING, _collector_paused():
-                more = _requests() == since and next(units, False) is None
+                try:
+                    more = _requests() == since and next(units, False) is None
+                except Exception:  # noqa: BLE001 - preparing is optional: a failure only ends this pass
+                    more = False
             if not more:
                 units.close()
                 units = None
