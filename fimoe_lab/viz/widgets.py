@@ -129,6 +129,14 @@ def _malloc_trim() -> Optional[Any]:
         return None
 
 
+_DROPPED = {"figures": 0}
+"""Figures the figure caches dropped since memory was last given back (:func:`_give_back_memory`)."""
+
+GIVE_BACK_QUIET = 0.3
+"""Seconds without any control change a drawing thread waits, its work done, before it gives memory back (the
+figure it showed reaches the page first: the collection holds the interpreter)."""
+
+
 def _give_back_memory() -> None:
     """Free what the explorers dropped and return it to the system: one full collection (a figure dropped from
     a figure cache is a web of reference cycles holding its images and an expert's values, and redraws pause
@@ -136,6 +144,7 @@ def _give_back_memory() -> None:
     drawing threads' malloc arenas as holes the kernel's resident size counts; nothing without glibc). After
     the explorers' benchmark on an R1 layer (benchmarks/bench_lab_browser.py) both together held ~0.6 GB.
     Run when a drawing thread has nothing left to do (0.1-0.3 s on a 2-core VM)."""
+    _DROPPED["figures"] = 0
     gc.collect()
     trim = _malloc_trim()
     if trim is not None:
@@ -540,6 +549,7 @@ class _Explorer(W.VBox):
                 self._layers.move_to_end(newest)
             while len(self._layers) > self.LAYERED:
                 self._layers.popitem(last=False)
+                _DROPPED["figures"] += 1
             yield
         if not prepare:
             self._layers.move_to_end(key)
@@ -617,8 +627,13 @@ class _Explorer(W.VBox):
             if not more:
                 units.close()
                 units = None
+        if not (self.prepare and _DROPPED["figures"]):
+            return
+        quiet = time.monotonic() + GIVE_BACK_QUIET
+        while _requests() == since and time.monotonic() < quiet:
+            time.sleep(0.02)
         with _DRAWING:
-            if self.prepare and _requests() == since:  # (a change asked meanwhile: the next burst gives it back)
+            if _requests() == since and _DROPPED["figures"]:  # (a change meanwhile: a later burst gives it back)
                 _give_back_memory()
 
     def _preparing(self) -> Iterator[None]:
@@ -1422,6 +1437,7 @@ class ProvenanceExplorer(_LayerExplorer):
                 self._static.move_to_end(newest)
             while len(self._static) > self.LAYERED:
                 self._static.popitem(last=False)
+                _DROPPED["figures"] += 1
             yield
         if not prepare:
             self._static.move_to_end(static)
