@@ -119,21 +119,22 @@ def test_a_change_during_idle_work_is_drawn_after_at_most_one_unit(caches):
     assert took < 5.0, took
 
 
-CHANGES = [  # (explorer, control, value a change picks: one preparation draws)
-    ("RowExplorer", "backend", "cutlass"),
-    ("RowExplorer", "tensor", "w2"),
-    ("TileExplorer", "colour_by", None),
-    ("ProvenanceExplorer", "backend", "cutlass"),
-    ("CompareExplorer", "tp_b", 2),
-    ("CompareExplorer", "backend_b", "trtllm"),
+CHANGES = [  # (explorer, layer, control, value a change picks: one preparation draws)
+    ("RowExplorer", SAMPLE, "backend", "cutlass"),
+    ("RowExplorer", SAMPLE, "tensor", "w2"),
+    ("TileExplorer", SAMPLE, "colour_by", None),
+    ("TileExplorer", "sample:deepseek-v3-fp8", "tensor", "w2"),  # block-major-K tiles
+    ("ProvenanceExplorer", SAMPLE, "backend", "cutlass"),
+    ("CompareExplorer", SAMPLE, "tp_b", 2),
+    ("CompareExplorer", SAMPLE, "backend_b", "trtllm"),
 ]
 
 
-@pytest.mark.parametrize(("name", "control", "value"), CHANGES)
-def test_a_prepared_view_is_the_figure_a_fresh_explorer_draws(caches, monkeypatch, name, control, value):
+@pytest.mark.parametrize(("name", "source", "control", "value"), CHANGES)
+def test_a_prepared_view_is_the_figure_a_fresh_explorer_draws(caches, monkeypatch, name, source, control, value):
     """After preparation the change renders no static part (it was prepared) and shows the very SVG, state and
     figure data an explorer that never prepared draws for the same controls."""
-    w = getattr(widgets, name)(source=SAMPLE, background=True, prepare=True)
+    w = getattr(widgets, name)(source=source, background=True, prepare=True, tensor="w13")
     w.expert.value = 1
     assert w.wait(120, prepared=True) and not is_error(w)
     picked = value if value is not None else widgets._around(getattr(w, control))[0]
@@ -142,7 +143,7 @@ def test_a_prepared_view_is_the_figure_a_fresh_explorer_draws(caches, monkeypatc
     assert w.wait(120) and not is_error(w)
     assert built == []
     monkeypatch.undo()
-    fresh = getattr(widgets, name)(source=SAMPLE, background=False, prepare=False)
+    fresh = getattr(widgets, name)(source=source, background=False, prepare=False, tensor="w13")
     fresh.expert.value = 1
     getattr(fresh, control).value = picked
     assert w.wait(120, prepared=True)

@@ -97,11 +97,13 @@ def memo(fn: Callable[..., T], *args: Any) -> T:
     held = [isinstance(a, (np.ndarray, torch.Tensor, IndexMap)) for a in args]
     key = (getattr(fn, "__qualname__", repr(fn)),) + tuple(("id", id(a)) if h else a for a, h in zip(args, held))
 
+    cache = _MEMO  # (held by the callbacks: module globals are gone when the interpreter exits)
+
     def make() -> tuple:
         result = fn(*args)
-        return [weakref.ref(a, lambda _: _MEMO.drop(key)) for a, h in zip(args, held) if h], result
+        return [weakref.ref(a, lambda _: cache.drop(key)) for a, h in zip(args, held) if h], result
 
-    return _MEMO.get(key, make)[1]  # type: ignore[no-any-return]
+    return cache.get(key, make)[1]  # type: ignore[no-any-return]
 
 
 def lru_get(cache: OrderedDict, key: Hashable, make: Callable[[], Any], limit: int) -> Any:

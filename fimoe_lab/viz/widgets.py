@@ -130,7 +130,8 @@ def _malloc_trim() -> Optional[Any]:
 
 
 _DROPPED = {"figures": 0}
-"""Figures the figure caches dropped since memory was last given back (:func:`_give_back_memory`)."""
+"""Figures dropped by a figure cache or replaced on screen since memory was last given back
+(:func:`_give_back_memory`)."""
 
 GIVE_BACK_QUIET = 0.3
 """Seconds without any control change a drawing thread waits, its work done, before it gives memory back (the
@@ -683,6 +684,8 @@ class _Explorer(W.VBox):
                 self.state = dict(state)
             else:
                 fig, note, *given = self._draw()
+                if fig is not self.figure:  # the one shown before may be garbage now (:func:`_give_back_memory`)
+                    _DROPPED["figures"] += 1
                 self._check()
                 parts = getattr(fig, "parts", None)  # an A/B figure: each part as its own vector SVG
                 if given:  # the explorer rendered it (a marker moved on a figure already drawn)
@@ -1287,13 +1290,12 @@ class TileExplorer(_LayerExplorer):
 
     def _draw(self):
         m = self.current_map()
-        size = data.itemsize_of(self.layer.fmt, self.tensor.value)
         if len(m.out_shape) == 3:
             self._offer(self.TILE_COLOURS, "tiles")
             self.state.update(kind="tiles", colour_by=self.colour_by.value)
-            fig = figures.tile_figure(m, size, self.colour_by.value)
+            fig, svg = _run(self._view(m, self.backend.value, self.tensor.value, self.state["expert"]))
             note = f"block-major-K: {self._map_note(m)}{self._bits_note()} (tiles are indices: no expert, no atom)"
-            return fig, note
+            return fig, note, svg
         self._offer(figures.SWIZZLE_COLOURS, "swizzle")
         colour, expert = self.colour_by.value, self.state["expert"]
         (fig, svg), view, atom = _run(self._view(m, self.backend.value, self.tensor.value, expert))
@@ -1308,12 +1310,21 @@ class TileExplorer(_LayerExplorer):
             yield self._prepare_view(self.state["backend"], self.state["tensor"], self.state["expert"], colour=colour)
 
     def _view(self, m, backend: str, name: str, expert: int, prepare: bool = False, **more) -> Iterator[None]:
-        """Steps returning ``((figure, SVG), swizzle view, atom)`` of a swizzled map ``m`` (nothing for block-major-K
-        tiles, drawn at once), coloured by ``more["colour"]`` (default the control's; one the swizzle view lacks:
-        its first, as :meth:`_offer` chooses)."""
-        if len(m.out_shape) == 3:
-            return None
+        """Steps returning ``((figure, SVG), swizzle view, atom)`` of a swizzled map ``m``, or ``(figure, SVG)`` of
+        block-major-K tiles (no moving part: kept whole, :attr:`LAYERED` of them), coloured by ``more["colour"]``
+        (default the control's; one the view lacks: its first, as :meth:`_offer` chooses)."""
         colour = more.get("colour", self.colour_by.value)
+        if len(m.out_shape) == 3:
+            colour = colour if colour in self.TILE_COLOURS else self.TILE_COLOURS[0]
+            return (
+                yield from self._layered(
+                    (id(self.layer), id(m), backend, name, colour),
+                    lambda: figures.tile_figure(m, data.itemsize_of(self.layer.fmt, name), colour),
+                    lambda f: None,
+                    lambda f: [],
+                    prepare=prepare,
+                )
+            )
         colour = colour if colour in figures.SWIZZLE_COLOURS else figures.SWIZZLE_COLOURS[0]
         size = data.itemsize_of(self.layer.fmt, name)
         view = data.memo(data.swizzle_view, m, size)
