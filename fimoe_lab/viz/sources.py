@@ -73,6 +73,13 @@ VALUE_BYTES_KEPT = 320 << 20
 the least recently used dropped: one R1 NVFP4 w13 expert's magnitudes are ~60 MB."""
 _EXPERTS = BoundedCache(EXPERT_BYTES_KEPT)
 _VALUES = BoundedCache(VALUE_BYTES_KEPT)
+
+
+def free_room() -> tuple[int, int]:
+    """Bytes the shared caches hold below their bounds: ``(raw experts, decoded values)``."""
+    return _EXPERTS.limit - _EXPERTS.bytes, _VALUES.limit - _VALUES.bytes
+
+
 _OWN = itertools.count()
 
 

@@ -1068,13 +1068,12 @@ class _LayerExplorer(_Explorer):
         """While idle (:attr:`_Explorer.prepare`): the shown tensor on each other backend next to the chosen one,
         the tensors next to the shown one (:func:`_around`), what :meth:`_prepare_more` adds, then the experts
         next to the shown one (read and decoded, where the expert control is in use). Data only where it fits
-        the room the shared caches leave beside the shown view (:meth:`_afford`)."""
+        the room the shared caches have free (:meth:`_afford`)."""
         s = self.state
         if self.figure is None or "plan" not in s:
             return
         layer, name, expert = s["layer"], s["tensor"], s["expert"]
-        raw, values = layer.sizes(name)
-        self._room = [sources.EXPERT_BYTES_KEPT - raw, sources.VALUE_BYTES_KEPT - values]
+        self._room = list(sources.free_room())
         for backend in _around(self.backend):
             yield self._prepare_view(backend, name, expert)
         for tensor in _around(self.tensor):
@@ -1091,8 +1090,8 @@ class _LayerExplorer(_Explorer):
 
     def _afford(self, layer: sources.ExpertTensors, name: str, expert: int) -> None:
         """Take from this idle pass's room what showing ``name`` of ``expert`` adds to the shared caches
-        (:meth:`sources.ExpertTensors.added_bytes`), or :class:`_NoRoom`: the caches keep the shown view and
-        everything prepared beside it (prepared data never makes them drop either)."""
+        (:meth:`sources.ExpertTensors.added_bytes`), or :class:`_NoRoom`: prepared data only fills the caches'
+        free room, never makes them drop what the user was shown (going back to it stays instant)."""
         self._take(*layer.added_bytes(name, expert))
 
     def _take(self, raw: int, values: int) -> None:
