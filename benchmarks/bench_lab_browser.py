@@ -5,12 +5,15 @@ A notebook with the row, tile, provenance and A/B explorers runs in JupyterLab (
 launch); each explorer loads the checkpoint through its path box (timed from the click to the first
 figure of the loaded layer), then every enabled menu and slider of every explorer is changed
 ``--rounds`` times (alternating between two values; timed from the change to the figure's new HTML
-in the page). The kernel's resident memory (``VmRSS``) is read after the cells ran, after the loads
-and after every change. Write the layer first (``benchmarks/real_size_layer.py``)::
+in the page). ``--think S`` waits S seconds before every change (as a user looks at the figure before
+the next change; the explorers prepare likely next views meanwhile), 0 fires each change as soon as the
+previous figure is shown. The kernel's resident memory (``VmRSS``) is read after the cells ran, after the
+loads and after every change, the 1-minute load average after each explorer. Write the layer first
+(``benchmarks/real_size_layer.py``)::
 
     python benchmarks/real_size_layer.py /tmp/r1-layer
-    python benchmarks/bench_lab_browser.py /tmp/r1-layer            # table
-    python benchmarks/bench_lab_browser.py /tmp/r1-layer --json out.json
+    python benchmarks/bench_lab_browser.py /tmp/r1-layer --think 1.0            # table
+    python benchmarks/bench_lab_browser.py /tmp/r1-layer --think 1.0 --json out.json
 
 ``tests/test_browser.py`` runs the same checks (every control answers, tooltips, text size) on the
 notebooks' small layers.
@@ -81,9 +84,10 @@ def _load(page, explorer, checkpoint: str, deadline) -> float:
     return (time.monotonic() - started) * 1000
 
 
-def _changes(page, explorer, rounds: int, deadline) -> list[dict]:
+def _changes(page, explorer, rounds: int, deadline, think: float = 0.0) -> list[dict]:
     """Every enabled menu (next option) and slider (a third of its range) of ``explorer``, ``rounds`` changes
-    each, alternating between two values: ms from each change to the new figure HTML."""
+    each, alternating between two values, each after ``think`` seconds: ms from each change to the new figure
+    HTML."""
     rows = []
     figure = explorer.locator(".fimoe-figure").first
     for label in explorer.evaluate(shots.CONTROL_JS):
@@ -97,6 +101,7 @@ def _changes(page, explorer, rounds: int, deadline) -> list[dict]:
         for k in range(rounds):
             if select.is_disabled():
                 break
+            page.wait_for_timeout(think * 1000)
             old = figure.inner_html()
             try:
                 select.select_option(value=second if k % 2 == 0 else first, timeout=5000)
@@ -122,6 +127,7 @@ def _changes(page, explorer, rounds: int, deadline) -> list[dict]:
             continue
         times = []
         for r in range(rounds):
+            page.wait_for_timeout(think * 1000)
             old = figure.inner_html()
             try:
                 readout.click(timeout=5000)
@@ -135,14 +141,14 @@ def _changes(page, explorer, rounds: int, deadline) -> list[dict]:
     return rows
 
 
-def run(checkpoint: str, rounds: int = 5, budget_s: float = 1500) -> dict:
+def run(checkpoint: str, rounds: int = 5, budget_s: float = 1500, think: float = 0.0) -> dict:
     from playwright.sync_api import sync_playwright
 
     binary = shots.chromium()
     if binary is None:
         raise RuntimeError("no chromium binary on PATH (.ci/install-browser.sh installs one)")
     deadline = shots.Deadline(budget_s)
-    out: dict = {"checkpoint": checkpoint, "rounds": rounds, "explorers": {}}
+    out: dict = {"checkpoint": checkpoint, "rounds": rounds, "think_s": think, "explorers": {}}
     with tempfile.TemporaryDirectory(prefix="fimoe-lab-bench-") as tmp:
         work = Path(tmp) / "notebooks"
         work.mkdir()
@@ -173,8 +179,9 @@ def run(checkpoint: str, rounds: int = 5, budget_s: float = 1500) -> dict:
                     one: dict = {"load_ms": _load(page, explorer, checkpoint, deadline)}
                     shots.log(f"{name}: loaded in {one['load_ms']:.0f} ms")
                     one["rss_after_load_mb"] = _rss_mb(pid)
-                    one["changes"] = _changes(page, explorer, rounds, deadline)
+                    one["changes"] = _changes(page, explorer, rounds, deadline, think)
                     one["rss_after_mb"] = _rss_mb(pid)
+                    one["load_average"] = os.getloadavg()[0]
                     out["explorers"][name] = one
                     shots.log(f"{name}: {json.dumps(one)[:300]}")
             finally:
@@ -184,9 +191,13 @@ def run(checkpoint: str, rounds: int = 5, budget_s: float = 1500) -> dict:
 
 
 def report(out: dict) -> None:
-    print(f"checkpoint {out['checkpoint']}; kernel RSS after the cells ran {out['rss_after_cells_mb']:.0f} MB")
+    print(
+        f"checkpoint {out['checkpoint']}; {out.get('think_s', 0):g} s before each change; "
+        f"kernel RSS after the cells ran {out['rss_after_cells_mb']:.0f} MB"
+    )
     for name, one in out["explorers"].items():
-        print(f"{name}: load + first figure {one['load_ms']:.0f} ms; RSS {one['rss_after_mb']:.0f} MB")
+        load = f"; load average {one['load_average']:.1f}" if "load_average" in one else ""
+        print(f"{name}: load + first figure {one['load_ms']:.0f} ms; RSS {one['rss_after_mb']:.0f} MB{load}")
         for row in one["changes"]:
             ms = row["ms"]
             finite = [t for t in ms if t != float("inf")]
@@ -201,11 +212,20 @@ def main() -> int:
     ap.add_argument("checkpoint", help="a checkpoint directory (benchmarks/real_size_layer.py writes one)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--think",
+        type=float,
+        default=0.0,
+        help="seconds to wait before each change, as a user looks at the figure first (default 0: at once)",
+    )
     args = ap.parse_args()
     if not (Path(args.checkpoint) / "config.json").exists():
         print(f"error: {args.checkpoint} has no config.json (fix: write one with benchmarks/real_size_layer.py)")
         return 2
-    out = run(os.path.realpath(args.checkpoint), args.rounds)
+    if args.think < 0:
+        print(f"error: --think {args.think} is negative (fix: give seconds >= 0)")
+        return 2
+    out = run(os.path.realpath(args.checkpoint), args.rounds, think=args.think)
     report(out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

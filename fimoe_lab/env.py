@@ -142,6 +142,11 @@ VARIABLES = {
         Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
         Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),
         Variable(
+            "FIMOE_LAB_PREPARE",
+            "bool",
+            "a false value stops the lab's explorers preparing likely next views while idle (default on)",
+        ),
+        Variable(
             "FIMOE_LAB_MAX_MEMORY",
             "size",
             "the memory one read of a checkpoint layer may allocate (K/M/G/T allowed; default the smaller of 64G "

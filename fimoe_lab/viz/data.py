@@ -17,6 +17,7 @@ jobs.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
@@ -77,23 +78,32 @@ __all__ = [
 
 T = TypeVar("T")
 MEMO_ENTRIES = 16
-"""Results :func:`memo` keeps. This bounds the memory: the largest at R1 size are a swizzle view (w13
-scales: ~45 MB of int32) and a fill mask (one byte per element: ~15 MB); element maps are not built."""
-_MEMO: OrderedDict = OrderedDict()
+"""Results :func:`memo` keeps at most."""
+MEMO_BYTES = 128 << 20
+"""Bytes the results :func:`memo` keeps hold at most (:func:`nbytes`; the newest is kept whatever its size): the
+largest at R1 size are a swizzle view (w13 scales: ~45 MB of int32) and a fill mask (one byte per element:
+~15 MB); element maps are not built."""
 
 
 def memo(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)``, kept for the last :data:`MEMO_ENTRIES` distinct calls.
 
-    Arrays, tensors and index maps are keyed by identity (and held, so an id is never
-    reused while its entry lives); other arguments by value. The lab's inputs are cached,
-    read-only objects (a layer's plans and per-expert values), so a redraw at DeepSeek
-    size recomputes only what its control changed.
+    Arrays, tensors and index maps are keyed by identity and referenced weakly: an entry goes when one of
+    them is freed (so an id is never reused while its entry lives, and an entry never keeps an expert's
+    values alive after the bounded caches of :mod:`.sources` dropped them); other arguments by value. The
+    lab's inputs are cached, read-only objects (a layer's plans and per-expert values), so a redraw at
+    DeepSeek size recomputes only what its control changed.
     """
-    key = (getattr(fn, "__qualname__", repr(fn)),) + tuple(
-        ("id", id(a)) if isinstance(a, (np.ndarray, torch.Tensor, IndexMap)) else a for a in args
-    )
-    return lru_get(_MEMO, key, lambda: (args, fn(*args)), MEMO_ENTRIES)[1]  # type: ignore[no-any-return]
+    held = [isinstance(a, (np.ndarray, torch.Tensor, IndexMap)) for a in args]
+    key = (getattr(fn, "__qualname__", repr(fn)),) + tuple(("id", id(a)) if h else a for a, h in zip(args, held))
+
+    cache = _MEMO  # (held by the callbacks: module globals are gone when the interpreter exits)
+
+    def make() -> tuple:
+        result = fn(*args)
+        return [weakref.ref(a, lambda _: cache.drop(key)) for a, h in zip(args, held) if h], result
+
+    return cache.get(key, make)[1]  # type: ignore[no-any-return]
 
 
 def lru_get(cache: OrderedDict, key: Hashable, make: Callable[[], Any], limit: int) -> Any:
@@ -107,27 +117,32 @@ def lru_get(cache: OrderedDict, key: Hashable, make: Callable[[], Any], limit: i
     return cache[key]
 
 
-def nbytes(value: Any) -> int:
-    """Bytes an array, a tensor, or a dataclass / dict / sequence of them holds (a broadcast view: none;
-    a meta tensor: none)."""
+def nbytes(value: Any, _seen: Optional[set] = None) -> int:
+    """Bytes an array, a tensor, or a dataclass / dict / sequence of them holds, each object counted once (a
+    structure that refers to itself ends there; a broadcast view: none; a meta tensor: none)."""
+    seen = set() if _seen is None else _seen
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
     if isinstance(value, np.ndarray):
         return 0 if 0 in value.strides and value.size > 1 else int(value.nbytes)
     if isinstance(value, torch.Tensor):
         return 0 if value.is_meta else value.numel() * value.element_size()
     if isinstance(value, dict):
-        return sum(nbytes(v) for v in value.values())
+        return sum(nbytes(v, seen) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return sum(nbytes(v) for v in value)
+        return sum(nbytes(v, seen) for v in value)
     fields = getattr(value, "__dataclass_fields__", None)
-    return sum(nbytes(getattr(value, f)) for f in fields) if fields else 0
+    return sum(nbytes(getattr(value, f), seen) for f in fields) if fields else 0
 
 
 class BoundedCache:
-    """A least-recently-used cache bounded by the bytes its values hold (:func:`nbytes`), not by their count:
-    past ``limit`` bytes the oldest entries are dropped (the newest is always kept, whatever its size)."""
+    """A least-recently-used cache bounded by the bytes its values hold (:func:`nbytes`) and, given ``count``, by
+    their number: past either bound the oldest entries are dropped (the newest is always kept, whatever its size)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, count: Optional[int] = None):
         self.limit = limit
+        self.count = count  # entries kept at most (None: any number)
         self.entries: OrderedDict = OrderedDict()  # key -> (value, bytes)
         self.bytes = 0
 
@@ -140,14 +155,25 @@ class BoundedCache:
         size = nbytes(value)
         self.entries[key] = (value, size)
         self.bytes += size
-        while self.bytes > self.limit and len(self.entries) > 1:
+        while len(self.entries) > 1 and (
+            self.bytes > self.limit or len(self.entries) > (self.count or len(self.entries))
+        ):
             _, (_, dropped) = self.entries.popitem(last=False)
             self.bytes -= dropped
         return value
 
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key`` (nothing where it is not kept)."""
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[1]
+
     def clear(self) -> None:
         self.entries.clear()
         self.bytes = 0
+
+
+_MEMO = BoundedCache(MEMO_BYTES, MEMO_ENTRIES)
 
 
 def itemsize_of(fmt: str, tensor: str) -> int:

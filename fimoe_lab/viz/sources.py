@@ -73,6 +73,13 @@ VALUE_BYTES_KEPT = 320 << 20
 the least recently used dropped: one R1 NVFP4 w13 expert's magnitudes are ~60 MB."""
 _EXPERTS = BoundedCache(EXPERT_BYTES_KEPT)
 _VALUES = BoundedCache(VALUE_BYTES_KEPT)
+
+
+def free_room() -> tuple[int, int]:
+    """Bytes the shared caches hold below their bounds: ``(raw experts, decoded values)``."""
+    return _EXPERTS.limit - _EXPERTS.bytes, _VALUES.limit - _VALUES.bytes
+
+
 _OWN = itertools.count()
 
 
@@ -187,6 +194,28 @@ class ExpertTensors:
         if self.read is not None and self._whole is None:
             return self._timed_read(0, count)
         return self._sliced(0, count)
+
+    def sizes(self, name: str) -> tuple[int, int]:
+        """``(expert bytes, value bytes)`` one expert takes in the shared caches (:data:`EXPERT_BYTES_KEPT`,
+        :data:`VALUE_BYTES_KEPT`) when ``name`` is shown: its stored tensors (``sum over tensors of
+        prod(shape[1:]) * itemsize``; 0 for a layer in memory) and, for ``name`` of stored shape ``(R, C)`` per
+        expert, ``5 * R * C`` (float32 magnitudes and at most a one-byte dead mask) plus ``4 * Rs * Cs`` for its
+        block scales ``(Rs, Cs)`` (decoded to find the dead ones)."""
+        tensors = self.tensors
+        raw = 0
+        if self.read is not None and self._whole is None:
+            raw = sum(int(np.prod(t.shape[1:])) * t.element_size() for t in tensors.values())
+        scales = tensors.get(f"{name}_scale") if not name.endswith("_scale") else None
+        return raw, 5 * int(np.prod(tensors[name].shape[1:])) + (
+            0 if scales is None else 4 * int(np.prod(scales.shape[1:]))
+        )
+
+    def added_bytes(self, name: str, expert: int) -> tuple[int, int]:
+        """:meth:`sizes` of ``expert``, 0 for what the shared caches keep already."""
+        self._check_expert(expert)
+        raw, values = self.sizes(name)
+        kept = (self.key, "magnitude", name, expert) in _VALUES.entries
+        return (0 if (self.key, expert) in _EXPERTS.entries else raw), (0 if kept else values)
 
     def _timed_read(self, e0: int, e1: int) -> Any:
         """Experts ``[e0, e1)`` read from disk, the time it took on :attr:`last_read`."""

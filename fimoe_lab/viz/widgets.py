@@ -117,6 +117,41 @@ def _collector_paused() -> Iterator[None]:
                 gc.enable()
 
 
+@lru_cache(maxsize=1)
+def _malloc_trim() -> Optional[Any]:
+    """glibc's ``malloc_trim``, None where the C library has none."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_DROPPED = {"figures": 0}
+"""Figures dropped by a figure cache or replaced on screen since memory was last given back
+(:func:`_give_back_memory`)."""
+
+GIVE_BACK_QUIET = 0.3
+"""Seconds without any control change a drawing thread waits, its work done, before it gives memory back (the
+figure it showed reaches the page first: the collection holds the interpreter)."""
+
+
+def _give_back_memory() -> None:
+    """Free what the explorers dropped and return it to the system: one full collection (a figure dropped from
+    a figure cache is a web of reference cycles holding its images and an expert's values, and redraws pause
+    the collector, :func:`_collector_paused`), then ``malloc_trim(0)`` (freed memory otherwise stays in the
+    drawing threads' malloc arenas as holes the kernel's resident size counts; nothing without glibc). After
+    the explorers' benchmark on an R1 layer (benchmarks/bench_lab_browser.py) both together held ~0.6 GB.
+    Run when a drawing thread has nothing left to do (0.1-0.3 s on a 2-core VM)."""
+    _DROPPED["figures"] = 0
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def _in_kernel() -> bool:
     """True inside a running Jupyter kernel (where control changes arrive as messages the kernel's main thread
     handles one by one, so a redraw there would hold back every later change)."""
@@ -135,6 +170,43 @@ shared caches of :mod:`.data` and :mod:`.sources` are not made for two threads; 
 
 class _Superseded(Exception):
     """A redraw stopped because a newer control change asked for another figure."""
+
+
+class _NoRoom(Exception):
+    """A view idle preparation skips: its data would not fit the caches' room left (:meth:`_LayerExplorer._afford`)."""
+
+
+_REQUESTS = {"count": 0}
+_REQUESTS_LOCK = threading.Lock()
+
+
+def _request() -> int:
+    """Count one control change of any explorer (idle preparation stops at the next unit when the count moved);
+    returns the new count."""
+    with _REQUESTS_LOCK:
+        _REQUESTS["count"] += 1
+        return _REQUESTS["count"]
+
+
+def _requests() -> int:
+    """Control changes asked of every explorer so far."""
+    return _REQUESTS["count"]
+
+
+def _around(control: W.Dropdown) -> list:
+    """The values a user is likely to pick next in a menu: the option after the chosen one, then the one before."""
+    values = list(control._options_values)
+    at = values.index(control.value) if control.value in values else -1
+    return [values[k] for k in (at + 1, at - 1) if at >= 0 and 0 <= k < len(values)]
+
+
+def _run(steps: Iterator[None]) -> Any:
+    """Run a generator of steps (:meth:`_Explorer._layered`) to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 @lru_cache(maxsize=16)
@@ -334,11 +406,12 @@ def _activation_controls(prefix: str) -> tuple[W.Dropdown, W.Checkbox]:
     return dtype, per_token
 
 
-def _activation_args(fmt: str, backend: str, dtype: W.Dropdown, per_token: W.Checkbox) -> tuple[Optional[str], bool]:
-    """``(activation_dtype, per_token)`` for ``plan_layer`` from the two controls, after giving them
-    what the tables offer for ``fmt`` on ``backend``: the dtypes of ``recipes.ACTIVATION_DTYPES``
-    (one "default" entry, disabled, where the recipe has one layout), the per-token switch only
-    where ``specs.FORMATS[fmt].tactics.per_token_ok``. A choice the tables do not offer is None / False."""
+def _activation_offer(fmt: str, backend: str, dtype: str, per_token: bool) -> tuple[tuple, bool, Optional[str], bool]:
+    """What the tables offer for ``fmt`` on ``backend`` and what the controls' values ``dtype``, ``per_token``
+    become there: ``(dtype options, per-token allowed, activation_dtype, per_token)``. The options are the
+    dtypes of ``recipes.ACTIVATION_DTYPES`` (one "default" entry where the recipe has one layout; a dtype not
+    offered becomes the first), per-token only where ``specs.FORMATS[fmt].tactics.per_token_ok``. A choice the
+    tables do not offer is None / False."""
     from fimoe_lab.checkpoints.plan_choice import layout_format
     from fimoe_lab.recipes import ACTIVATION_DTYPES, recipe_id
     from fimoe_lab.specs import FORMATS
@@ -346,14 +419,24 @@ def _activation_args(fmt: str, backend: str, dtype: W.Dropdown, per_token: W.Che
     planned = layout_format(fmt)
     choices = ACTIVATION_DTYPES.get(recipe_id(planned, backend), ())
     options = tuple(choices) or ("default",)
+    tactics = FORMATS[planned].tactics if planned in FORMATS else None
+    allowed = tactics is not None and tactics.per_token_ok
+    chosen = (dtype if dtype in options else options[0]) if choices else None
+    return options, allowed, chosen, bool(per_token) and allowed
+
+
+def _activation_args(fmt: str, backend: str, dtype: W.Dropdown, per_token: W.Checkbox) -> tuple[Optional[str], bool]:
+    """``(activation_dtype, per_token)`` for ``plan_layer`` from the two controls, after giving them
+    what the tables offer for ``fmt`` on ``backend`` (:func:`_activation_offer`; the dtype menu disabled
+    where the recipe has one layout)."""
+    options, allowed, chosen, token = _activation_offer(fmt, backend, dtype.value, per_token.value)
     if tuple(dtype.options) != options:
         keep = dtype.value if dtype.value in options else options[0]
         dtype.options = options
         dtype.value = keep
-    dtype.disabled = not choices
-    tactics = FORMATS[planned].tactics if planned in FORMATS else None
-    per_token.disabled = not (tactics is not None and tactics.per_token_ok)
-    return (dtype.value if choices else None), (bool(per_token.value) and not per_token.disabled)
+    dtype.disabled = chosen is None
+    per_token.disabled = not allowed
+    return chosen, token
 
 
 def _figure_view() -> W.DOMWidget:
@@ -383,13 +466,24 @@ class _Explorer(W.VBox):
     background: bool
     """Redraw on the explorer's drawing thread (True in a kernel) or before a change returns."""
 
-    def __init__(self, controls: list, background: Optional[bool] = None):
+    prepare: bool
+    """With ``background``: once the newest request is shown and none is pending, the drawing thread prepares
+    what the user is likely to ask next (:meth:`_prepare`) in small units, stopping at once (before the next
+    unit) when any explorer is asked for a figure, so a change waits for at most one unit. Default
+    ``$FIMOE_LAB_PREPARE`` (on)."""
+
+    def __init__(self, controls: list, background: Optional[bool] = None, prepare: Optional[bool] = None):
+        from fimoe_lab import env
+
         self._local = threading.local()  # per thread: whether its control changes are the explorer's own
         self.background = _in_kernel() if background is None else background
+        self.prepare = env.value("FIMOE_LAB_PREPARE", True) if prepare is None else prepare
         self._asked = 0  # requests made (control changes), the newest's number
         self._drawing = 0  # the request the running (or last) redraw draws
+        self._shown = 0  # the request the last finished redraw drew
         self._worker: Optional[threading.Thread] = None
         self._worker_lock = threading.Lock()
+        self._settled = threading.Condition(self._worker_lock)  # a redraw finished, or the drawing thread ended
         self.view = _figure_view()
         self.view.add_class("fimoe-figure")
         self.message = W.HTML()
@@ -433,28 +527,42 @@ class _Explorer(W.VBox):
     LAYERED = 4
     """Figures kept by :meth:`_layered` (by what their static part shows)."""
 
-    def _layered(self, key: tuple, build, move, layers, top_moves: bool = True) -> tuple[Figure, str]:
+    def _layered(self, key: tuple, build, move, layers, top_moves: bool = True, prepare: bool = False):
         """A figure drawn once per ``key`` whose later changes touch only its moving layers:
         ``build()`` draws it (the static part is rendered once, :func:`figures.svg_without`),
         ``move(fig)`` updates it in place, ``layers(fig)`` lists the moving layers bottom to top
         as ``(what it shows, artists)``. Only the top layer (unless not ``top_moves``: its "what it
         shows" then says all it shows) and any layer whose "what it shows" changed are rendered
-        again (:func:`figures.svg_only`). Returns the figure and its SVG."""
+        again (:func:`figures.svg_only`). A generator (one step per build or rendering, :func:`_run` runs
+        it) returning the figure and its SVG; with ``prepare`` it only adds a figure not kept yet, as the
+        least recently used but one (the shown figure stays the newest), its layers rendered as built."""
         if key in self._layers:
+            if prepare:
+                return None
             move(self._layers[key][0])
         else:
             fig = build()
+            yield
             every = [a for _, artists in layers(fig) for a in artists]
+            newest = next(reversed(self._layers), None)
             self._layers[key] = (fig, figures.svg_without(fig, every), {})
+            if prepare and newest is not None:
+                self._layers.move_to_end(newest)
             while len(self._layers) > self.LAYERED:
                 self._layers.popitem(last=False)
-        self._layers.move_to_end(key)
-        fig, base, rendered = self._layers[key]
-        self._check()  # what follows renders SVG: not for a superseded setting
+                _DROPPED["figures"] += 1
+            yield
+        if not prepare:
+            self._layers.move_to_end(key)
+            self._check()  # what follows renders SVG: not for a superseded setting
+        fig, base, rendered = self._layers.get(key, (None, "", {}))
+        if fig is None:  # prepared, then dropped by the ones prepared after it
+            return None
         shown = layers(fig)
         for k, (what, artists) in enumerate(shown):
-            if (top_moves and k == len(shown) - 1) or k not in rendered or rendered[k][0] != what:
+            if (top_moves and k == len(shown) - 1 and not prepare) or k not in rendered or rendered[k][0] != what:
                 rendered[k] = (what, figures.svg_only(fig, artists))
+                yield
         return fig, figures.stack_svg(base, *(rendered[k][1] for k in range(len(shown))))
 
     def _key(self) -> tuple:
@@ -484,6 +592,7 @@ class _Explorer(W.VBox):
         """
         if self._busy:
             return
+        _request()
         self._asked += 1
         if not self.background:
             self._draw_newest()
@@ -494,36 +603,75 @@ class _Explorer(W.VBox):
                 self._worker.start()
 
     def _drain(self) -> None:
-        """The drawing thread: draw the newest request until none is newer than the one shown."""
+        """The drawing thread: draw the newest request until none is newer than the one shown, then (with
+        :attr:`prepare`) prepare, one unit at a time while no explorer is asked for a figure."""
+        units: Optional[Iterator[None]] = None
+        since = 0
         while True:
             with self._worker_lock:
-                if self._drawing == self._asked:
+                newer = self._drawing != self._asked
+                if not newer and (units is None or not self.prepare):
                     self._worker = None
-                    return
-            self._draw_newest()
+                    self._settled.notify_all()
+                    break
+            if newer:
+                self._draw_newest()
+                if self.prepare:
+                    units, since = self._preparing(), _requests()
+                continue
+            assert units is not None
+            with _DRAWING, _collector_paused():
+                try:
+                    more = _requests() == since and next(units, False) is None
+                except Exception:  # noqa: BLE001 - preparing is optional: a failure only ends this pass
+                    more = False
+            if not more:
+                units.close()
+                units = None
+        if not (self.prepare and _DROPPED["figures"]):
+            return
+        quiet = time.monotonic() + GIVE_BACK_QUIET
+        while _requests() == since and time.monotonic() < quiet:
+            time.sleep(0.02)
+        with _DRAWING:
+            if _requests() == since and _DROPPED["figures"]:  # (a change meanwhile: a later burst gives it back)
+                _give_back_memory()
+
+    def _preparing(self) -> Iterator[None]:
+        """:meth:`_prepare`'s views one after the other, one step per ``next``; a view that cannot be drawn or
+        finds no room (:class:`_NoRoom`) is skipped."""
+        for view in self._prepare():
+            try:
+                yield from view
+            except (_NoRoom, FimoeError, sources.LabUnavailable, ValueError, KeyError, OSError):
+                continue
+
+    def _prepare(self) -> Iterator[Iterator[None]]:
+        """What the user is likely to ask next, as generators (each ``next`` one small unit of work) that put it
+        in the caches a redraw reads (figures, derived data, expert values); nothing by default."""
+        return iter(())
 
     def _draw_newest(self) -> None:
         """One redraw of the newest request (skipped, unshown, where a newer one arrives meanwhile)."""
         with _DRAWING, _collector_paused():
             self._drawing = self._asked
             self._redraw()
+        with self._worker_lock:
+            self._shown = self._drawing
+            self._settled.notify_all()
 
     def _check(self) -> None:
         """Stop the running redraw (:class:`_Superseded`) when a newer control change asked for another."""
         if self._drawing != self._asked:
             raise _Superseded
 
-    def wait(self, timeout: float = 60.0) -> bool:
-        """Block until the newest request is drawn and shown (at once without ``background``); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._worker_lock:
-                worker = self._worker
-            if worker is None:
-                return True
-            worker.join(max(0.0, deadline - time.monotonic()))
-            if worker.is_alive():
-                return False
+    def wait(self, timeout: float = 60.0, prepared: bool = False) -> bool:
+        """Block until the newest request is drawn and shown (at once without ``background``), and with
+        ``prepared`` until idle preparation ended too; False on timeout."""
+        with self._settled:
+            return self._settled.wait_for(
+                lambda: self._worker is None or (not prepared and self._shown == self._asked), timeout
+            )
 
     def _redraw(self) -> None:
         """:meth:`refresh`'s work."""
@@ -536,6 +684,8 @@ class _Explorer(W.VBox):
                 self.state = dict(state)
             else:
                 fig, note, *given = self._draw()
+                if fig is not self.figure:  # the one shown before may be garbage now (:func:`_give_back_memory`)
+                    _DROPPED["figures"] += 1
                 self._check()
                 parts = getattr(fig, "parts", None)  # an A/B figure: each part as its own vector SVG
                 if given:  # the explorer rendered it (a marker moved on a figure already drawn)
@@ -724,6 +874,7 @@ class _LayerExplorer(_Explorer):
         backend: str = "trtllm",
         tensor: str = "w13",
         background: Optional[bool] = None,
+        prepare: Optional[bool] = None,
     ):
         self.layer_given = layer
         choices = [(layer.source, "given")] if layer is not None else layer_choices()
@@ -766,7 +917,7 @@ class _LayerExplorer(_Explorer):
         self.progress.add_class("fimoe-progress")
         self._opened = ""  # what the last load opened (the progress line keeps it)
         plan_controls = [self.source, self.shape, self.backend, self.activation, self.per_token]
-        super().__init__(plan_controls + [self.tensor, self.expert] + extra, background)
+        super().__init__(plan_controls + [self.tensor, self.expert] + extra, background, prepare)
         self.children = (self.loader, self.progress) + tuple(self.children)
 
     def load(self, path: Optional[str] = None) -> None:
@@ -875,11 +1026,7 @@ class _LayerExplorer(_Explorer):
         activation, per_token = _activation_args(layer.fmt, self.backend.value, self.activation, self.per_token)
         plan = layer.plan(self.backend.value, activation, per_token)
         maps = plan.maps()
-        usable = [n for n, m in maps.items() if self.tensor_filter(m)]
-        if not usable:
-            raise LayoutError(
-                f"{plan.description} has no tensor with the steps this view draws", fix="try another layer or backend"
-            )
+        usable = self._usable(plan)
         if list(self.tensor.options) != usable:
             keep = self.tensor.value if self.tensor.value in usable else usable[0]
             self.tensor.options = usable
@@ -896,6 +1043,87 @@ class _LayerExplorer(_Explorer):
             word_bits=plan.word_bits.get(self.tensor.value),
         )
         return maps[self.tensor.value]
+
+    def _usable(self, plan) -> list[str]:
+        """The tensors of ``plan`` this view draws (:attr:`tensor_filter`); a :class:`LayoutError` when none."""
+        usable = [n for n, m in plan.maps().items() if self.tensor_filter(m)]
+        if not usable:
+            raise LayoutError(
+                f"{plan.description} has no tensor with the steps this view draws", fix="try another layer or backend"
+            )
+        return usable
+
+    def _map_for(self, backend: str, tensor: str) -> tuple[Any, Any, str]:
+        """``(plan, map, tensor)`` the controls would show on ``backend`` with ``tensor`` chosen (the first one
+        drawn where the plan has no such tensor), read from the controls without changing any (what
+        :meth:`current_map` draws after such a change)."""
+        layer = self.layer
+        _, _, activation, per_token = _activation_offer(layer.fmt, backend, self.activation.value, self.per_token.value)
+        plan = layer.plan(backend, activation, per_token)
+        usable = self._usable(plan)
+        name = tensor if tensor in usable else usable[0]
+        return plan, plan.maps()[name], name
+
+    def _prepare(self) -> Iterator[Iterator[None]]:
+        """While idle (:attr:`_Explorer.prepare`): the shown tensor on each other backend next to the chosen one,
+        the tensors next to the shown one (:func:`_around`), what :meth:`_prepare_more` adds, then the experts
+        next to the shown one (read and decoded, where the expert control is in use). Data only where it fits
+        the room the shared caches have free (:meth:`_afford`)."""
+        s = self.state
+        if self.figure is None or "plan" not in s:
+            return
+        layer, name, expert = s["layer"], s["tensor"], s["expert"]
+        self._room = list(sources.free_room())
+        for backend in _around(self.backend):
+            yield self._prepare_view(backend, name, expert)
+        for tensor in _around(self.tensor):
+            yield self._prepare_view(s["backend"], tensor, expert)
+        yield from self._prepare_more()
+        if not self.expert.disabled:
+            for e in (expert + 1, expert - 1):
+                if 0 <= e < layer.experts:
+                    yield self._prepare_expert(layer, name, e)
+
+    def _prepare_more(self) -> Iterator[Iterator[None]]:
+        """The explorer's own likely next views (colourings, the other side's controls): none by default."""
+        return iter(())
+
+    def _afford(self, layer: sources.ExpertTensors, name: str, expert: int) -> None:
+        """Take from this idle pass's room what showing ``name`` of ``expert`` adds to the shared caches
+        (:meth:`sources.ExpertTensors.added_bytes`), or :class:`_NoRoom`: prepared data only fills the caches'
+        free room, never makes them drop what the user was shown (going back to it stays instant)."""
+        self._take(*layer.added_bytes(name, expert))
+
+    def _take(self, raw: int, values: int) -> None:
+        """Take ``raw`` expert bytes and ``values`` value bytes from this idle pass's room, or :class:`_NoRoom`."""
+        if raw > self._room[0] or values > self._room[1]:
+            raise _NoRoom
+        self._room[0] -= raw
+        self._room[1] -= values
+
+    def _prepare_view(self, backend: str, tensor: str, expert: int, **more) -> Iterator[None]:
+        """The figure of ``backend`` and ``tensor`` at ``expert`` (the other controls as they are), by
+        :meth:`_view` with ``prepare``."""
+        _, m, name = self._map_for(backend, tensor)
+        self._afford(self.layer, name, expert)
+        yield
+        yield from self._view(m, backend, name, expert, prepare=True, **more)
+
+    def _prepare_expert(self, layer: sources.ExpertTensors, name: str, expert: int) -> Iterator[None]:
+        """Expert ``expert`` read, and ``name``'s values of it decoded (:meth:`sources.ExpertTensors.magnitude`,
+        :meth:`~sources.ExpertTensors.dead`)."""
+        self._afford(layer, name, expert)
+        layer.expert(expert)
+        yield
+        layer.magnitude(name, expert)
+        yield
+        layer.dead(name, expert)
+        yield
+
+    def _view(self, m, backend: str, name: str, expert: int, prepare: bool = False, **more) -> Iterator[None]:
+        """The explorer's figure of map ``m`` (``backend``'s, of tensor ``name``) at ``expert``, the other
+        controls as they are, as steps (:meth:`_Explorer._layered`); with ``prepare`` only kept for later."""
+        raise NotImplementedError
 
     def _map_note(self, m) -> str:
         """One line for the shown map: its steps and its shapes in bytes per expert (and, for packed FP4
@@ -980,18 +1208,28 @@ class RowExplorer(_LayerExplorer):
     def _draw(self):
         m = self.current_map()
         name, expert = self.tensor.value, self.state["expert"]
-        flow = data.memo(data.row_flow, m, 2 if name.startswith("w13") and self.layer.gated else 1)
-        modes = flow.colour_modes()
+        (fig, svg), flow, window, colour, top = _run(self._view(m, self.backend.value, name, expert))
+        self.start.max = top
         note = ""
-        if self.colour_by.value not in modes:
+        if colour != self.colour_by.value:
             note = f" (colouring by {self.colour_by.value!r} needs an epilogue shuffle: shown by origin)"
+        self.state.update(flow=flow, window=window, colour_by=colour, side=self.side.value)
+        return fig, f"{self.state['plan'].description}: {self._map_note(m)}{note}{self._bits_note()}", svg
+
+    def _view(self, m, backend: str, name: str, expert: int, prepare: bool = False, **more) -> Iterator[None]:
+        """Steps returning ``((figure, SVG), flow, window, colouring, last first row)``."""
+        layer = self.layer
+        flow = data.memo(data.row_flow, m, 2 if name.startswith("w13") and layer.gated else 1)
+        modes = flow.colour_modes()
         colour = self.colour_by.value if self.colour_by.value in modes else "origin"
-        rows = flow.out_rows if self.side.value == "kernel" else flow.in_rows
-        self.start.max = max(0, rows - 8)
-        window = (min(self.start.value, self.start.max), min(self.start.value, self.start.max) + self.size.value)
-        values = self.layer.magnitude(name, expert)
-        dead = self.layer.dead(name, expert)
-        size, side = data.itemsize_of(self.layer.fmt, name), self.side.value
+        side = self.side.value
+        top = max(0, (flow.out_rows if side == "kernel" else flow.in_rows) - 8)
+        window = (min(self.start.value, top), min(self.start.value, top) + self.size.value)
+        values = layer.magnitude(name, expert)
+        dead = layer.dead(name, expert)
+        size = data.itemsize_of(layer.fmt, name)
+        if prepare:
+            yield
 
         # the static part is drawn once per (layer, plan, tensor); an expert change redraws the colour
         # scale and the values layers, a window or side change the rows and values layers (figures.row_layers)
@@ -1000,17 +1238,17 @@ class RowExplorer(_LayerExplorer):
                 figures.show_values(f, values, dead)
             figures.show_rows(f, window, side, colour)
 
-        fig, svg = self._layered(
-            (id(self.layer), id(m), self.backend.value, name),
+        drawn = yield from self._layered(
+            (id(layer), id(m), backend, name),
             lambda: figures.row_permutation_figure(
                 m, flow.projections, window, colour, values, size, side=side, dead=dead
             ),
             move,
             figures.row_layers,
             top_moves=False,
+            prepare=prepare,
         )
-        self.state.update(flow=flow, window=window, colour_by=colour, side=side)
-        return fig, f"{self.state['plan'].description}: {self._map_note(m)}{note}{self._bits_note()}", svg
+        return drawn, flow, window, colour, top
 
     def code(self) -> str:
         s = self.state
@@ -1051,29 +1289,58 @@ class TileExplorer(_LayerExplorer):
 
     def _draw(self):
         m = self.current_map()
-        size = data.itemsize_of(self.layer.fmt, self.tensor.value)
         if len(m.out_shape) == 3:
             self._offer(self.TILE_COLOURS, "tiles")
             self.state.update(kind="tiles", colour_by=self.colour_by.value)
-            fig = figures.tile_figure(m, size, self.colour_by.value)
+            fig, svg = _run(self._view(m, self.backend.value, self.tensor.value, self.state["expert"]))
             note = f"block-major-K: {self._map_note(m)}{self._bits_note()} (tiles are indices: no expert, no atom)"
-            return fig, note
+            return fig, note, svg
         self._offer(figures.SWIZZLE_COLOURS, "swizzle")
-        view = data.memo(data.swizzle_view, m, size)
+        colour, expert = self.colour_by.value, self.state["expert"]
+        (fig, svg), view, atom = _run(self._view(m, self.backend.value, self.tensor.value, expert))
         self.atom.max = view.atoms - 1
-        atom, colour, expert = min(self.atom.value, view.atoms - 1), self.colour_by.value, self.state["expert"]
-        values = self.layer.magnitude(self.tensor.value, expert) if colour == "scale value" else None
         self.state.update(view=view, kind="swizzle", atom=atom, colour_by=colour)
+        which = f"expert {expert}'s scales" if colour == "scale value" else f"{colour} indices"
+        return fig, f"{view.atoms} atoms, buffer coloured by {which}: {self._map_note(m)}{self._bits_note()}", svg
+
+    def _prepare_more(self) -> Iterator[Iterator[None]]:
+        """The colourings next to the chosen one."""
+        for colour in _around(self.colour_by):
+            yield self._prepare_view(self.state["backend"], self.state["tensor"], self.state["expert"], colour=colour)
+
+    def _view(self, m, backend: str, name: str, expert: int, prepare: bool = False, **more) -> Iterator[None]:
+        """Steps returning ``((figure, SVG), swizzle view, atom)`` of a swizzled map ``m``, or ``(figure, SVG)`` of
+        block-major-K tiles (no moving part: kept whole, :attr:`LAYERED` of them), coloured by ``more["colour"]``
+        (default the control's; one the view lacks: its first, as :meth:`_offer` chooses)."""
+        colour = more.get("colour", self.colour_by.value)
+        if len(m.out_shape) == 3:
+            colour = colour if colour in self.TILE_COLOURS else self.TILE_COLOURS[0]
+            return (
+                yield from self._layered(
+                    (id(self.layer), id(m), backend, name, colour),
+                    lambda: figures.tile_figure(m, data.itemsize_of(self.layer.fmt, name), colour),
+                    lambda f: None,
+                    lambda f: [],
+                    prepare=prepare,
+                )
+            )
+        colour = colour if colour in figures.SWIZZLE_COLOURS else figures.SWIZZLE_COLOURS[0]
+        size = data.itemsize_of(self.layer.fmt, name)
+        view = data.memo(data.swizzle_view, m, size)
+        atom = min(self.atom.value, view.atoms - 1)
+        values = self.layer.magnitude(name, expert) if colour == "scale value" else None
+        if prepare:
+            yield
         # the grid, buffer and axes are drawn once per (tensor, colouring[, expert]); an atom change redraws
         # only the atom layer
-        fig, svg = self._layered(
-            (id(self.layer), id(m), self.backend.value, self.tensor.value, colour, values is not None and expert),
+        drawn = yield from self._layered(
+            (id(self.layer), id(m), backend, name, colour, values is not None and expert),
             lambda: figures.swizzle_figure(m, size, atom, colour, values),
             lambda f: figures.show_atom(f, atom),
             lambda f: [(atom, figures.atom_artists(f))],
+            prepare=prepare,
         )
-        which = f"expert {expert}'s scales" if values is not None else f"{colour} indices"
-        return fig, f"{view.atoms} atoms, buffer coloured by {which}: {self._map_note(m)}{self._bits_note()}", svg
+        return drawn, view, atom
 
     def code(self) -> str:
         s = self.state
@@ -1137,7 +1404,7 @@ class ProvenanceExplorer(_LayerExplorer):
                 raise LayoutError(f"checkpoint element ({r}, {c}) does not reach the kernel layout", fix="pick another")
             flat = int(np.ravel_multi_index(landed, out))
         coords = tuple(int(v) for v in np.unravel_index(flat, out))
-        fig, svg = self._heatmaps(m, name, expert, size, before)
+        fig, svg = _run(self._view(m, self.backend.value, name, expert))
         chain = figures.show_provenance_element(fig, coords)
         self.state.update(coords=coords, chain=chain, pick=self.pick.value)
         src = chain[-1][2]
@@ -1155,31 +1422,48 @@ class ProvenanceExplorer(_LayerExplorer):
     EXPERTS_KEPT = 8
     """Expert layers kept per heatmap figure (going back to an expert costs no rendering)."""
 
-    def _heatmaps(self, m, name: str, expert: int, size: int, before: np.ndarray) -> tuple[Figure, str]:
-        """The heatmap figure of ``(layer, plan, tensor)`` showing ``expert`` and its SVG (markers
+    def _view(self, m, backend: str, name: str, expert: int, prepare: bool = False, **more) -> Iterator[None]:
+        """Steps returning the heatmap figure of ``(layer, plan, tensor)`` showing ``expert`` and its SVG (markers
         and chain hidden: they are drawn over it). The axes and titles are rendered once per
         tensor (:func:`figures.svg_without`); an expert change renders only the expert's layer
-        (:func:`figures.provenance_layer`, :func:`figures.svg_only`), kept per expert."""
-        static = (id(self.layer), id(m), self.backend.value, name)
+        (:func:`figures.provenance_layer`, :func:`figures.svg_only`), kept per expert. With ``prepare`` only a
+        figure not kept yet is drawn (as the least recently used but one)."""
+        layer = self.layer
+        before, dead = layer.magnitude(name, expert), layer.dead(name, expert)
+        static = (id(layer), id(m), backend, name)
+        if static in self._static and prepare:
+            return None
         if static not in self._static:
-            per = get_format(self.layer.fmt).values_per_byte if not name.endswith("_scale") else 1
-            fig = figures.provenance_figure(
-                m, (0,) * len(m.out_shape), before, size, self.layer.dead(name, expert), per
-            )
+            if prepare:
+                yield
+            per = get_format(layer.fmt).values_per_byte if not name.endswith("_scale") else 1
+            size = data.itemsize_of(layer.fmt, name)
+            fig = figures.provenance_figure(m, (0,) * len(m.out_shape), before, size, dead, per)
+            yield
             every = figures.provenance_layer(fig) + figures.provenance_element(fig)
+            newest = next(reversed(self._static), None)
             self._static[static] = (fig, figures.svg_without(fig, every), OrderedDict())
+            if prepare and newest is not None:
+                self._static.move_to_end(newest)
             while len(self._static) > self.LAYERED:
                 self._static.popitem(last=False)
-        self._static.move_to_end(static)
-        fig, base, layers = self._static[static]
+                _DROPPED["figures"] += 1
+            yield
+        if not prepare:
+            self._static.move_to_end(static)
+        fig, base, layers = self._static.get(static, (None, "", {}))
+        if fig is None:  # prepared, then dropped by the ones prepared after it
+            return None
         if fig._fimoe_prov["values"] is not before:
-            figures.show_provenance_values(fig, before, self.layer.dead(name, expert))
-        self._check()
+            figures.show_provenance_values(fig, before, dead)
+        if not prepare:
+            self._check()
         if expert not in layers:  # svg_only draws the expert's layer alone (no markers, no chain)
             layers[expert] = figures.svg_only(fig, figures.provenance_layer(fig))
             while len(layers) > self.EXPERTS_KEPT:
                 layers.popitem(last=False)
-        layers.move_to_end(expert)
+        if not prepare:
+            layers.move_to_end(expert)
         return fig, figures.stack_svg(base, layers[expert])
 
     def code(self) -> str:
@@ -1507,34 +1791,9 @@ class CompareExplorer(_LayerExplorer):
     def _draw(self):
         self.current_map()
         name, expert = self.tensor.value, self.state["expert"]
-        from fimoe_lab.recipes import plan_for
-
-        acts_a = (self.state["activation_dtype"], self.state["per_token"])
-        acts_b = _activation_args(self.layer.fmt, self.backend_b.value, self.activation_b, self.per_token_b)
-        args_a = self._plan_args(self.backend.value, self.engine_a.value, self.align_a.value, 1, acts_a)
-        args_b = self._plan_args(self.backend_b.value, self.engine_b.value, self.align_b.value, self.tp_b.value, acts_b)
-        a, b = plan_for(*args_a), plan_for(*args_b)
-        ma, mb = a.maps().get(name), b.maps().get(name)
-        if ma is None or mb is None:
-            raise LayoutError(f"plan {'A' if ma is None else 'B'} does not move {name}", fix="pick another tensor")
-        diff = data.chain_diff(ma, mb)
-        projections = 2 if name.startswith("w13") and self.layer.gated else 1
-        values, dead = self.layer.magnitude(name, expert), self.layer.dead(name, expert)
+        _activation_args(self.layer.fmt, self.backend_b.value, self.activation_b, self.per_token_b)  # B's menus
+        a, b, args_a, args_b, diff, projections, sides = _run(self._view(None, self.backend.value, name, expert))
         tp_b = self.tp_b.value
-        shard = (values, dead) if tp_b == 1 else self.layer.tp_shard(name, expert, tp_b, 0)
-        size = data.itemsize_of(self.layer.fmt, name)
-        sides = []
-        for m, plan, engine, align, tp, (v, d) in (
-            (ma, a, self.engine_a.value, self.align_a.value, 1, (values, dead)),
-            (mb, b, self.engine_b.value, self.align_b.value, tp_b, shard),
-        ):
-            self._check()
-            own = m.in_shape == tuple(v.shape[:-1]) + (v.shape[-1] * size,)  # the values the map moves
-            sides.append(self._side(m, projections, v if own else None, d if own else None, size))
-            # what the side's controls asked for and what the plan made of it (an alignment the size already
-            # meets pads nothing: the same picture, said here)
-            asked = f"engine {engine}, TP {tp}, I align {align} -> intermediate {plan.padded_intermediate}"
-            sides[-1] += (asked, tp, own)
         (fig_a, svg_a, *_), (fig_b, svg_b, *_) = sides
         self.state.update(
             a=a, b=b, args=(args_a, args_b), diff=diff, projections=projections, values_b=sides[1][-1], tp_b=tp_b
@@ -1583,8 +1842,57 @@ class CompareExplorer(_LayerExplorer):
             + "</table>"
         )
 
-    def _side(self, m, projections: int, values, dead, size: int) -> tuple[Figure, str]:
-        """``(figure, SVG)`` of one side's row picture (with ``values``, one expert's, when given): drawn
+    def _prepare_more(self) -> Iterator[Iterator[None]]:
+        """B's TP sizes, then B's backends, next to the chosen ones."""
+        s = self.state
+        for tp in _around(self.tp_b):
+            yield self._prepare_view(s["backend"], s["tensor"], s["expert"], tp_b=tp)
+        for backend in _around(self.backend_b):
+            yield self._prepare_view(s["backend"], s["tensor"], s["expert"], backend_b=backend)
+
+    def _view(self, m, backend: str, name: str, expert: int, prepare: bool = False, **more) -> Iterator[None]:
+        """Steps returning ``(plan A, plan B, their plan_for arguments, chain_diff, projections, sides)`` for A on
+        ``backend`` and B's controls (``more``: ``backend_b``, ``tp_b`` in place of the controls'), each side
+        ``(figure, SVG, what was asked, TP, whether the values are drawn)``; A's map ``m`` is unused (A is planned
+        with its engine and alignment)."""
+        from fimoe_lab.recipes import plan_for
+
+        layer, fmt = self.layer, self.layer.fmt
+        acts_a = _activation_offer(fmt, backend, self.activation.value, self.per_token.value)[2:]
+        backend_b, tp_b = more.get("backend_b", self.backend_b.value), more.get("tp_b", self.tp_b.value)
+        acts_b = _activation_offer(fmt, backend_b, self.activation_b.value, self.per_token_b.value)[2:]
+        args_a = self._plan_args(backend, self.engine_a.value, self.align_a.value, 1, acts_a)
+        args_b = self._plan_args(backend_b, self.engine_b.value, self.align_b.value, tp_b, acts_b)
+        a, b = plan_for(*args_a), plan_for(*args_b)
+        ma, mb = a.maps().get(name), b.maps().get(name)
+        if ma is None or mb is None:
+            raise LayoutError(f"plan {'A' if ma is None else 'B'} does not move {name}", fix="pick another tensor")
+        diff = data.chain_diff(ma, mb)
+        projections = 2 if name.startswith("w13") and layer.gated else 1
+        values, dead = layer.magnitude(name, expert), layer.dead(name, expert)
+        if prepare:
+            if tp_b > 1:  # the shard's copy of the values (counted even where kept)
+                self._take(0, layer.sizes(name)[1] // tp_b)
+            yield
+        shard = (values, dead) if tp_b == 1 else layer.tp_shard(name, expert, tp_b, 0)
+        size = data.itemsize_of(fmt, name)
+        sides = []
+        for m, plan, engine, align, tp, (v, d) in (
+            (ma, a, self.engine_a.value, self.align_a.value, 1, (values, dead)),
+            (mb, b, self.engine_b.value, self.align_b.value, tp_b, shard),
+        ):
+            if not prepare:
+                self._check()
+            own = m.in_shape == tuple(v.shape[:-1]) + (v.shape[-1] * size,)  # the values the map moves
+            drawn = yield from self._side(m, projections, v if own else None, d if own else None, size, prepare)
+            # what the side's controls asked for and what the plan made of it (an alignment the size already
+            # meets pads nothing: the same picture, said here)
+            asked = f"engine {engine}, TP {tp}, I align {align} -> intermediate {plan.padded_intermediate}"
+            sides.append((drawn or (None, "")) + (asked, tp, own))
+        return a, b, args_a, args_b, diff, projections, sides
+
+    def _side(self, m, projections: int, values, dead, size: int, prepare: bool = False) -> Iterator[None]:
+        """Steps returning ``(figure, SVG)`` of one side's row picture (with ``values``, one expert's, when given): drawn
         once per map, an expert change moves its values (:func:`figures.show_values`) and renders its colour
         scale and values layers; nothing is rendered when neither changed."""
 
@@ -1602,6 +1910,7 @@ class CompareExplorer(_LayerExplorer):
             move,
             layers,
             top_moves=False,
+            prepare=prepare,
         )
 
     def code(self) -> str:
