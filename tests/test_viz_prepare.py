@@ -119,6 +119,26 @@ def test_a_change_during_idle_work_is_drawn_after_at_most_one_unit(caches):
     assert took < 5.0, took
 
 
+def test_a_pointer_during_idle_work_is_answered_after_at_most_one_unit(caches):
+    """10 s of idle work in 50 ms units: a hover or click on the shown figure answers for its cell long before the
+    work would end (the drawing thread gives the figure up between units), and the work is dropped."""
+    w = widgets.RowExplorer(source="seeded:nvfp4", background=True, prepare=True)
+    w.start.value = 8
+    assert w.wait(120, prepared=True)
+    fig = w._part(0)
+    cell = next((x, y) for x in range(0, 400, 7) for y in range(0, 400, 7) if figures.cell_at(fig, x, y))
+    for ask in (w._hover, w.click):
+        w._prepare, started, ran, closed = slow_pass(200, 0.05)
+        w.start.value += 8
+        assert w.wait(120) and started.wait(120)
+        fig = w._part(0)
+        asked = time.monotonic()
+        answer = ask(*cell)
+        took = time.monotonic() - asked
+        assert answer and took < 1.0, (answer, took)
+        assert w.wait(120, prepared=True) and closed == [True] and len(ran) < 200
+
+
 CHANGES = [  # (explorer, layer, control, value a change picks: one preparation draws)
     ("RowExplorer", SAMPLE, "backend", "cutlass"),
     ("RowExplorer", SAMPLE, "tensor", "w2"),

@@ -181,8 +181,8 @@ _REQUESTS_LOCK = threading.Lock()
 
 
 def _request() -> int:
-    """Count one control change of any explorer (idle preparation stops at the next unit when the count moved);
-    returns the new count."""
+    """Count one control change, click or hover of any explorer (idle preparation stops at the next unit when
+    the count moved); returns the new count."""
     with _REQUESTS_LOCK:
         _REQUESTS["count"] += 1
         return _REQUESTS["count"]
@@ -738,7 +738,9 @@ class _Explorer(W.VBox):
     def point(self, x: float, y: float, part: int = 0) -> Optional[data.Trace]:
         """The element under point ``(x, y)`` of SVG ``part`` (points from its top left, what the
         figure reports) followed through its map (:func:`data.trace_cell`), or None where no
-        cell is drawn (or before anything is drawn, or while a redraw outlasts :attr:`POINT_WAIT`)."""
+        cell is drawn (or before anything is drawn, or while a redraw outlasts :attr:`POINT_WAIT`). A pointer on
+        a figure stops idle preparation (:func:`_request`): it waits for the unit under way at most."""
+        _request()
         if not _DRAWING.acquire(timeout=self.POINT_WAIT):
             return None  # a redraw is still under way: nothing settled to point at
         try:
