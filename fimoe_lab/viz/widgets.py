@@ -181,11 +181,17 @@ _REQUESTS_LOCK = threading.Lock()
 
 
 def _request() -> int:
-    """Count one control change, click or hover of any explorer (idle preparation stops at the next unit when
-    the count moved); returns the new count."""
+    """Count one control change of any explorer (idle preparation stops at the next unit when the count moved);
+    returns the new count."""
     with _REQUESTS_LOCK:
         _REQUESTS["count"] += 1
         return _REQUESTS["count"]
+
+
+_POINTERS = {"waiting": 0}
+"""Clicks and hovers waiting for the figure: idle preparation waits for them before its next unit (a thread
+that takes the lock again at once would otherwise keep them out)."""
+_POINTERS_LOCK = threading.Lock()
 
 
 def _requests() -> int:
@@ -620,6 +626,8 @@ class _Explorer(W.VBox):
                     units, since = self._preparing(), _requests()
                 continue
             assert units is not None
+            while _POINTERS["waiting"]:  # a click or hover first: it reads the shown figure
+                time.sleep(0.002)
             with _DRAWING, _collector_paused():
                 try:
                     more = _requests() == since and next(units, False) is None
@@ -738,10 +746,16 @@ class _Explorer(W.VBox):
     def point(self, x: float, y: float, part: int = 0) -> Optional[data.Trace]:
         """The element under point ``(x, y)`` of SVG ``part`` (points from its top left, what the
         figure reports) followed through its map (:func:`data.trace_cell`), or None where no
-        cell is drawn (or before anything is drawn, or while a redraw outlasts :attr:`POINT_WAIT`). A pointer on
-        a figure stops idle preparation (:func:`_request`): it waits for the unit under way at most."""
-        _request()
-        if not _DRAWING.acquire(timeout=self.POINT_WAIT):
+        cell is drawn (or before anything is drawn, or while a redraw outlasts :attr:`POINT_WAIT`). Idle
+        preparation lets a waiting pointer in before its next unit (:data:`_POINTERS`)."""
+        with _POINTERS_LOCK:
+            _POINTERS["waiting"] += 1
+        try:
+            got = _DRAWING.acquire(timeout=self.POINT_WAIT)
+        finally:
+            with _POINTERS_LOCK:
+                _POINTERS["waiting"] -= 1
+        if not got:
             return None  # a redraw is still under way: nothing settled to point at
         try:
             fig = self._part(int(part))
