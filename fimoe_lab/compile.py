@@ -119,14 +119,10 @@ def _row_sources(m: IndexMap, em: ExecMap, cols: int) -> np.ndarray | None:
     return rows
 
 
-def swizzle_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int] | None:
-    """Recognise ``rows >> swizzle_scales_128x4`` (1-byte scales, no swizzle padding).
-
-    For ``R`` rows of ``C`` bytes (``R % 128 == 0``, ``C % 4 == 0``, ``cw = C / 4`` words)
-    output word ``o = (band*cw + kk)*128 + 4*p + q`` is word ``kk`` of row
-    ``rows[band*128 + 32*q + p]``. Returns ``(rows int32, cw, R)`` after checking that this
-    reproduces ``em.src`` exactly; else None (the generic path runs).
-    """
+def swizzle_rows(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int] | None:
+    """``(rows, cw, R)`` of a map that may be ``rows >> swizzle_scales_128x4`` (its last step the swizzle of
+    ``R x C`` 1-byte scales, ``R % 128 == 0``, ``C % 4 == 0``, ``cw = C / 4``; ``rows`` the source row of each
+    row before it, :func:`_row_sources`), else None; :func:`swizzle_form` checks the words against them."""
     last = m.steps[-1]
     if em.cell_bytes != 4 or last.kind != "swizzle_scales_128x4" or last.cell_bytes != 1:
         return None
@@ -136,9 +132,21 @@ def swizzle_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int] | None
     if rows_n % 128 or cols % 4:
         return None
     rows = _row_sources(m, em, cols)
-    if rows is None:
+    return None if rows is None else (rows, cols // 4, rows_n)
+
+
+def swizzle_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int] | None:
+    """Recognise ``rows >> swizzle_scales_128x4`` (1-byte scales, no swizzle padding).
+
+    For ``R`` rows of ``C`` bytes (``R % 128 == 0``, ``C % 4 == 0``, ``cw = C / 4`` words)
+    output word ``o = (band*cw + kk)*128 + 4*p + q`` is word ``kk`` of row
+    ``rows[band*128 + 32*q + p]``. Returns ``(rows int32, cw, R)`` after checking that this
+    reproduces ``em.src`` exactly; else None (the generic path runs).
+    """
+    found = swizzle_rows(m, em)
+    if found is None:
         return None
-    cw = cols // 4
+    rows, cw, rows_n = found
     if em.src.size != rows_n * cw:
         return None
     # output word (band, kk, p, q) reads row band*128 + 32*q + p: rows as (band, p, q), broadcast over kk

@@ -22,7 +22,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fimoe_lab import steps
-from fimoe_lab.compile import MAX_STRIDED_DIMS, MAX_STRIDED_PIECES, _row_sources, _strided_sources, strided_form
+from fimoe_lab.compile import (
+    MAX_STRIDED_DIMS,
+    MAX_STRIDED_PIECES,
+    _strided_sources,
+    strided_form,
+    swizzle_rows,
+)
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import Strided
 from fimoe_lab.layout import IndexMap
@@ -108,18 +114,10 @@ def strided_form_by_full_scan(src: np.ndarray) -> Strided | None:
 def swizzle_by_formula(m: IndexMap, em) -> tuple[np.ndarray, int, int] | None:
     """The 128x4 swizzle form: output word ``o`` is word ``kk`` of row ``band*128 + 32*(pq%4) + pq//4``,
     ``o = (band*cw + kk)*128 + pq``, checked word by word."""
-    last = m.steps[-1]
-    if em.cell_bytes != 4 or last.kind != "swizzle_scales_128x4" or last.cell_bytes != 1:
+    found = swizzle_rows(m, em)  # the same guards as the fast form: only the word check differs
+    if found is None:
         return None
-    if len(last.in_shape) != 2 or last.in_shape != last.out_shape:
-        return None
-    rows_n, cols = last.in_shape
-    if rows_n % 128 or cols % 4:
-        return None
-    rows = _row_sources(m, em, cols)
-    if rows is None:
-        return None
-    cw = cols // 4
+    rows, cw, rows_n = found
     o = np.arange(rows_n * cw, dtype=np.int64)
     band, rem = np.divmod(o, 128 * cw)
     kk, pq = np.divmod(rem, 128)
