@@ -104,10 +104,11 @@ class ValueRule:
     one W13 scale per expert), as opposed to an engine's workaround (the clamp, against NaN from FlashInfer's
     CUTLASS kernel on Hopper). ``where``: ``"all"`` (every expert, as the engine) or ``"differs"`` (only the experts
     whose gate and up scales differ: the others keep their bytes; :meth:`EngineProfile.value_rule`'s lossless
-    form). ``kept``: tensors whose checkpoint bytes a converted file keeps beside the changed ones (the clamped
-    block scales: 4 bytes per 128x128 FP8 weights, 1/4096 of their bytes), so that ``restore`` gives them back
-    exactly; a rule that keeps none is lossy: a converted file records the rule and ``restore`` says which tensors
-    it changed.
+    form). ``kept``: tensors whose checkpoint bytes a converted file keeps beside the changed ones, so that
+    ``restore`` gives them back exactly (clamped block scales: 4 bytes per 128x128 FP8 weights; a requantized
+    W13 and its scales: the W13 bytes again, 2/3 of an FP8 layer, written only for layers the rule changes). A
+    file whose record keeps none of a changed tensor restores it as the engine's values and says so
+    (:func:`fimoe_lab.checkpoints.not_byte_exact`).
     """
 
     kind: str
@@ -292,7 +293,14 @@ _REQUANT_SOURCE = {
 def _requantize(engine: str, nan_to: float) -> dict[str, ValueRule]:
     """FP8 per-tensor W13 requantized to max(gate, up) on both backends (every method: the engine does it while
     loading, before it picks a kernel)."""
-    rule = ValueRule("fp8_requantize_max", ("w13", "w13_scale"), _REQUANT_SOURCE[engine], nan_to=nan_to, needed=True)
+    rule = ValueRule(
+        "fp8_requantize_max",
+        ("w13", "w13_scale"),
+        _REQUANT_SOURCE[engine],
+        nan_to=nan_to,
+        needed=True,
+        kept=("w13", "w13_scale"),
+    )
     return {"fp8/trtllm": rule, "fp8/cutlass": rule}
 
 

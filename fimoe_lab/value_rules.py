@@ -20,8 +20,9 @@ only experts whose two scales differ are requantized; the others keep their byte
 their dtype (NaN stays NaN).
 
 The way back (:func:`undo`) restores shapes, not values: the requantized W13 keeps the engine's values and its
-scale becomes ``[m, m]`` per expert. Clamped scales come back exactly: a converted file keeps their checkpoint
-bytes too (``ValueRule.kept``, :func:`fimoe_lab.checkpoints.fileformat.kept_tensors`).
+scale becomes ``[m, m]`` per expert. A converted file keeps the checkpoint bytes of every tensor a rule changes
+(``ValueRule.kept``, :func:`fimoe_lab.checkpoints.fileformat.kept_tensors`), which restore reads instead, so
+both rules come back exactly; :func:`undo` serves files whose record keeps none.
 """
 
 from __future__ import annotations

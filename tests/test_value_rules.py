@@ -196,24 +196,46 @@ def fp8_layer(s13: torch.Tensor) -> MoELayer:
     return MoELayer("fp8", w13, w2, s13, torch.full((e_count,), 0.5), inter, hidden, convention="modelopt-fp8")
 
 
-@pytest.mark.parametrize("engine", ["vllm-0.34", None])
-def test_convert_records_the_rule_and_restore_names_what_it_changed(tmp_path, engine):
+W13 = "model.layers.0.mlp.experts.w13_weight"
+
+
+@pytest.mark.parametrize("engine", ["vllm-0.34", "sglang-0.5.23", None])
+def test_convert_writes_the_engines_values_and_keeps_the_checkpoints_for_restore(tmp_path, engine):
+    """The file's kernel W13 is the engine's requantized values in the kernel layout; beside it the checkpoint's
+    W13 and scales (``*_checkpoint``), which restore gives back: every byte, nothing named as lossy."""
     s13 = torch.tensor([[0.01, 0.02], [0.25, 0.25], [0.5, 0.125]])
     layer = fp8_layer(s13)
     out = write_kernel_layout(
         tmp_path / "k.safetensors", [(0, layer, lambda: layer)], LayoutChoice("trtllm", engine=engine)
     )
-    _, (back,) = restore_layers(out)
-    want, m = requantize_loop(layer.w13, s13, -448.0)
+    from fimoe_lab.checkpoints import read_kernel_metadata
+    from fimoe_lab.checkpoints.plan_choice import build_plan
+
+    rec = read_kernel_metadata(out)["layers"]["0"]
+    assert rec["value_rule"]["kind"] == "fp8_requantize_max" and rec["value_rule"]["kept"] == ["w13", "w13_scale"]
+    plan = build_plan(rec["plan"])
+    want, m = requantize_loop(layer.w13, s13, 448.0 if engine == "sglang-0.5.23" else -448.0)
     if engine is None:  # expert 1 (equal scales) keeps its bytes
         want[1] = layer.w13[1]
-    assert torch.equal(back.w13.view(torch.uint8), want.view(torch.uint8))
-    assert torch.equal(back.w13_scale, torch.stack((m, m), 1))
-    assert torch.equal(back.w2.view(torch.uint8), layer.w2.view(torch.uint8))
-    (note,) = value_rule_notes(out)
-    assert note["rule"] == "fp8_requantize_max" and note["layer"] == 0
-    assert note["tensors"] == ["model.layers.0.mlp.experts.w13_weight", "model.layers.0.mlp.experts.w13_weight_scale"]
-    assert ("every expert" in note["why"]) == (engine is not None)
+    written = load_file(out)
+    assert torch.equal(written[W13].view(torch.uint8), plan.apply_tensor("w13", want).view(torch.uint8))
+    assert torch.equal(written[W13 + "_checkpoint"].view(torch.uint8), layer.w13.view(torch.uint8))
+    assert torch.equal(written[W13 + "_scale_checkpoint"], s13)
+    _, (back,) = restore_layers(out)
+    assert all(same_tensor(a, b) for a, b in zip(back.tensors().values(), layer.tensors().values()))
+    assert value_rule_notes(out) == []
+
+
+@pytest.mark.parametrize("engine", ["vllm-0.34", None])
+def test_a_layer_with_one_scale_per_expert_keeps_no_copy(tmp_path, engine):
+    """W13 scales ``(E,)``: the rule has nothing to fuse, so the file holds no ``*_checkpoint`` copy."""
+    layer = fp8_layer(torch.tensor([[0.01, 0.02], [0.25, 0.125]])).with_tensors(w13_scale=torch.tensor([0.02, 0.25]))
+    out = write_kernel_layout(
+        tmp_path / "k.safetensors", [(0, layer, lambda: layer)], LayoutChoice("cutlass", engine=engine)
+    )
+    assert not [n for n in load_file(out) if n.endswith("_checkpoint")]
+    _, (back,) = restore_layers(out)
+    assert all(same_tensor(a, b) for a, b in zip(back.tensors().values(), layer.tensors().values()))
 
 
 def test_restore_of_a_flashinfer_profile_file_is_byte_exact(tmp_path):
@@ -298,19 +320,65 @@ def source_w13_scales(source: dict, kernel_name: str) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def test_restore_names_a_requantized_fp8_checkpoint_in_one_line_each(tmp_path, capsys):
-    """ModelOpt FP8 with different gate and up scales under vllm-0.34: restore writes the engine's values and
-    says, per layer, which tensors are not the checkpoint's bytes (text and --json)."""
+@pytest.mark.parametrize(
+    "engine, backend, tp, ep",
+    [
+        ("vllm-0.34", "trtllm", 1, 1),
+        ("sglang-0.5.23", "cutlass", 1, 1),
+        (None, "trtllm", 2, 2),
+        ("vllm-0.34", "cutlass", 2, 1),
+    ],
+)
+def test_requantized_modelopt_fp8_checkpoint_restores_byte_exact(tmp_path, capsys, engine, backend, tp, ep):
+    """ModelOpt FP8 with different gate and up scales (every family generated as its writer writes it): the
+    engine's requantized bytes in the file, and restore of every rank gives back the whole checkpoint."""
+    from test_whole_checkpoints import assert_whole
+
+    from scripts import make_family_samples as gen
+
+    src = gen.make("modelopt-fp8", tmp_path)
+    rank = "all" if tp * ep > 1 else 0
+    out = convert_checkpoint(src, tmp_path / "k", backend, tp, rank, engine=engine, ep_size=ep)
+    assert not_byte_exact(out) == []
+    assert cli_main(["restore", str(out), str(tmp_path / "back"), "--json", "--no-progress"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["byte_exact"] is True and doc["not_byte_exact"] == []
+    assert_whole(src, tmp_path / "back")
+
+
+def without_kept_copies(path) -> None:
+    """Rewrite ``path`` as a file whose value rules keep nothing: no ``*_checkpoint`` tensors, none recorded."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys() if not k.endswith("_checkpoint")}
+    meta = json.loads(metadata["fimoe_lab"])
+    for rec in meta["layers"].values():
+        if rec.get("value_rule"):
+            rec["value_rule"]["kept"] = []
+    meta["checksums"] = {k: v for k, v in meta["checksums"].items() if k in tensors}
+    save_file(tensors, str(path), metadata={**metadata, "fimoe_lab": json.dumps(meta)})
+
+
+def test_a_file_without_the_checkpoint_copy_restores_the_engines_values_and_names_them(tmp_path, capsys):
+    """A converted file whose record keeps no copy of the requantized W13: restore writes the engine's values
+    and says, per layer, which tensors are not the checkpoint's bytes (text and --json)."""
     from scripts import make_family_samples as gen
 
     src = gen.make("modelopt-fp8", tmp_path)
     out = convert_checkpoint(src, tmp_path / "k.safetensors", "trtllm", engine="vllm-0.34")
+    without_kept_copies(out)
     notes = not_byte_exact(out)
     assert notes and all(n["rule"] == "fp8_requantize_max" for n in notes)
     assert all(n["tensors"][0].endswith("w13_weight") and "every expert" in n["why"] for n in notes)
     assert cli_main(["restore", str(out), str(tmp_path / "back"), "--json", "--no-progress"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["byte_exact"] is False and doc["not_byte_exact"] == notes
+    source, back = all_tensors(src), all_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(source)
+    assert any(not same_tensor(back[k], source[k]) for k in source if "experts" in k)  # requantized values
     assert cli_main(["restore", str(out), str(tmp_path / "back2"), "--no-progress"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("not byte-exact:")]
     assert len(lines) == len(notes) and all("w13_weight_scale" in ln for ln in lines)

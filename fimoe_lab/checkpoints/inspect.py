@@ -297,8 +297,8 @@ def scale_health(layer: MoELayer) -> list[str]:
         ex = (layer.w13_scale[:, 0] != layer.w13_scale[:, 1]).nonzero().flatten().tolist()
         out.append(
             f"experts {ex}: gate and up have different per-tensor scales (w13_scale (E, 2)): the kernel takes one per "
-            f"w13, so vLLM and SGLang requantize both halves to the larger, and so does convert (restore then gives "
-            f"those experts' W13 back as the requantized values, not the checkpoint's bytes)"
+            f"w13, so vLLM and SGLang requantize both halves to the larger, and so does convert (it keeps the "
+            f"checkpoint's W13 bytes beside them, so restore gives them back exactly)"
         )
     return out or ["ok: all scales finite, positive and normal, none zero or below 1e-10"]
 

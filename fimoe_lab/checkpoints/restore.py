@@ -143,8 +143,9 @@ def check_record(rec: dict, plan: LayerPlan, version: int) -> None:
 
     Version 2: each tensor's recorded ``[{"kind", "params"}, ...]`` chain and each extra's
     ``rows_of``/row steps must equal the plan's, and a recorded ``value_rule`` the plan's
-    (:attr:`~fimoe_lab.plan.LayerPlan.value_rule`; a file converted before value rules records none and was
-    not changed by one). Version 1 recorded display names of the
+    (:attr:`~fimoe_lab.plan.LayerPlan.value_rule`, its ``kept`` list aside: that says what the file holds,
+    read from the record itself by :func:`kept_tensors`; a file converted before value rules records none and
+    was not changed by one). Version 1 recorded display names of the
     steps; they are not compared (a display name is not data, and its spelling may change):
     instead the plan, dry-run on one expert with the recorded checkpoint dtypes and shapes,
     must give the recorded kernel dtype and shape of every tensor and extra.
@@ -154,13 +155,18 @@ def check_record(rec: dict, plan: LayerPlan, version: int) -> None:
         return
     recipe = rec["plan"]["recipe"]
     written = rec.get("value_rule")
-    if written is not None and (plan.value_rule is None or written != plan.value_rule.record()):
+    if written is not None and (plan.value_rule is None or _rule_of(written) != _rule_of(plan.value_rule.record())):
         rebuilt = plan.value_rule.record() if plan.value_rule is not None else None
         raise CheckpointError(f"value rule {written} in the file, {rebuilt} rebuilt by recipe {recipe}", fix=EDITED)
     for n, trec in rec["tensors"].items():
         _same_steps(n, trec["steps"], tensor_steps(plan, n), recipe)
     for n, xrec in rec["extras"].items():
         _same_steps(n, {"rows_of": xrec.get("rows_of"), "steps": xrec.get("steps")}, extra_steps(plan, n), recipe)
+
+
+def _rule_of(record: dict) -> dict:
+    """A value rule's record without ``kept`` (what the rule does, not what a file keeps of it)."""
+    return {k: v for k, v in record.items() if k != "kept"}
 
 
 def _as_checkpoint(t: torch.Tensor, spec: dict) -> torch.Tensor:
@@ -309,9 +315,9 @@ def _undo_rule(
 def value_rule_notes(path: str | os.PathLike) -> list[dict]:
     """The tensors that ``restore`` of ``path`` (one converted file or directory) does not give back byte for byte,
     because the engine profile it was converted with changed values (``value_rule`` in a layer's record:
-    :mod:`fimoe_lab.value_rules`) and the file keeps no copy of their checkpoint bytes (``kept``: clamped block
-    scales are kept, a requantized FP8 W13 is not): ``[{"layer", "tensors": their names in the file, "rule",
-    "why"}]``, empty when every byte comes back."""
+    :mod:`fimoe_lab.value_rules`) and the file keeps no copy of their checkpoint bytes (``kept`` in the record:
+    convert keeps every changed tensor; a file whose record keeps none restores the engine's values):
+    ``[{"layer", "tensors": their names in the file, "rule", "why"}]``, empty when every byte comes back."""
     notes = []
     with KernelFiles(path) as kf:
         meta = kf.meta

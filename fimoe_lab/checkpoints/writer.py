@@ -133,8 +133,8 @@ def restore_checkpoint(
     :data:`~fimoe_lab.checkpoints.stream.SHARD_BYTES`) with their index, and the marker
     :data:`~fimoe_lab.checkpoints.safe_io.MARKER`) holds the MoE expert tensors of the
     converted layers, byte-identical to the source's except where the engine profile's value rule changed values
-    and the file keeps no copy of them (:func:`not_byte_exact` lists those tensors and why: FP8 per-tensor W13
-    requantized to one scale; clamped block scales are kept and come back exactly)
+    and the file keeps no copy of them (convert keeps one of every tensor a rule changes; :func:`not_byte_exact`
+    lists any it lacks, and why)
     (for a TP shard: the rank's slice,
     with config.json's intermediate size set to the shard's; for the OUT of ``convert --rank all``, every
     rank's experts and intermediate slices joined: :func:`expert_parallel.restore_ranks`), and every tensor

@@ -487,7 +487,8 @@ def add_engine_option(parser: argparse.ArgumentParser, values: bool = False) -> 
     if values:
         default += (
             "'s layout with the checkpoint's values wherever the kernel takes them; an engine named also applies its "
-            "value rules, e.g. FP8 per-tensor W13 requantized to one scale: its bytes, restored as those values"
+            "value rules, e.g. FP8 per-tensor W13 requantized to one scale: its bytes (the file keeps the checkpoint's "
+            "too, so restore is exact)"
         )
     parser.add_argument(
         "--engine",

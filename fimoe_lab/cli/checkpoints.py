@@ -360,7 +360,7 @@ CONVERT_JSON = (
 )
 RESTORE_JSON = (
     '{"source", "out", "files": [{"name", "bytes"}], "shards", "tensors": restored tensors (index), "bytes", '
-    '"seconds", "mb_per_s", "byte_exact": true unless an engine value rule changed values, "not_byte_exact": '
+    '"seconds", "mb_per_s", "byte_exact": true unless the file lacks the checkpoint bytes of values an engine value rule changed, "not_byte_exact": '
     '[{"layer", "tensors", "rule", "why"}]}'
 )
 
