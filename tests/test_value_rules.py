@@ -427,3 +427,26 @@ def test_vllms_own_requantization_loop_on_cpu(tmp_path, kind):
     bad = (mine.view(torch.uint8) != vllm["w13"]).nonzero()
     assert bad.numel() == 0, f"{len(bad)} bytes differ, first at {bad[0].tolist()}"
     assert torch.equal(m, vllm["scale"])
+
+
+def test_convert_shows_the_rule_as_a_step_and_names_the_kept_copies(tmp_path, capsys):
+    """Text and --json: the requantization is the first step of W13 and its scale, and the kept copies are named."""
+    from scripts import make_family_samples as gen
+
+    src = gen.make("modelopt-fp8", tmp_path)
+    assert cli_main(["convert", str(src), str(tmp_path / "j"), "--backend", "trtllm", "--json", "--no-progress"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for layer in doc["layers"]:
+        assert layer["value_rule"]["kind"] == "fp8_requantize_max" and layer["value_rule"]["kept"] == [
+            "w13",
+            "w13_scale",
+        ]
+        steps = {t["name"]: t["steps"] for t in layer["tensors"]}
+        assert steps["w13_weight"][0] == steps["w13_weight_scale"][0] == "fp8_requantize_max"
+        assert "fp8_requantize_max" not in steps["w2_weight"]
+    assert cli_main(["convert", str(src), str(tmp_path / "t"), "--backend", "cutlass", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    kept = [ln for ln in lines if "kept for restore" in ln]
+    assert len(kept) == len(doc["layers"]) and all(
+        "w13_weight_checkpoint, w13_weight_scale_checkpoint" in ln for ln in kept
+    )

@@ -352,7 +352,9 @@ CONVERT_JSON = (
     '{"source", "out", "backend", "engine", "tp", "ep", "rank": R or "all", "per_token", "intermediate_alignment", '
     '"hidden_alignment": as given (null: the profile default), "layers": [{"layer", "description", "intermediate", '
     '"padded_intermediate", "hidden", "padded_hidden", "tensors": [{"name", "checkpoint_shape", "kernel_shape", '
-    '"dtype", "steps"}]}] (rank 0), "ranks": [{"rank", "out", "sharded", "experts": [first, end) with --ep, else null, '
+    '"dtype", "steps": an engine value rule first where it changes the tensor}], "value_rule": null or {"kind", '
+    '"tensors", "floor", "nan_to", "where", "kept": tensors whose checkpoint bytes the file keeps beside, for '
+    'restore}}] (rank 0), "ranks": [{"rank", "out", "sharded", "experts": [first, end) with --ep, else null, '
     '"unchanged": source tensors carried through unchanged (rank 0 holds them all), '
     '"files": [{"name", "bytes", "kept": kept from an earlier run by --resume}], "bytes", "written", "kept", "seconds": from the start or the previous rank to its last file '
     'written}], "bytes": all files, "written_bytes", "seconds", "mb_per_s": written bytes per second, "processes": '
@@ -395,7 +397,13 @@ def _file_ids(out: Path) -> dict[Path, tuple[int, int, int]]:
 
 
 def _written_layers(meta: dict) -> list[dict[str, Any]]:
-    """The layer records of convert's metadata as ``convert --json`` lists them."""
+    """The layer records of convert's metadata as ``convert --json`` lists them (a value rule is the first step of
+    each tensor it changes: it runs before the byte maps)."""
+
+    def ruled(n: str, rec: dict) -> list[str]:
+        rule = rec.get("value_rule")
+        return [rule["kind"]] if rule is not None and n in rule["tensors"] else []
+
     return [
         dict(
             layer=int(idx),
@@ -410,10 +418,11 @@ def _written_layers(meta: dict) -> list[dict[str, Any]]:
                     checkpoint_shape=t["checkpoint"]["shape"],
                     kernel_shape=t["kernel"]["shape"],
                     dtype=t["kernel"]["dtype"],
-                    steps=[step["kind"] for step in t["steps"]],
+                    steps=ruled(n, rec) + [step["kind"] for step in t["steps"]],
                 )
-                for t in rec["tensors"].values()
+                for n, t in rec["tensors"].items()
             ],
+            value_rule=rec.get("value_rule"),
         )
         for idx, rec in meta["layers"].items()
     ]
@@ -507,6 +516,8 @@ def _run_distributed(args: argparse.Namespace) -> int:
 
 def _print_written(doc: dict[str, Any]) -> None:
     """The text form of :func:`_written`'s record."""
+    from fimoe_lab.checkpoints.fileformat import KEPT_SUFFIX, KERNEL_NAMES
+
     for layer in doc["layers"]:
         print(
             f"layer {layer['layer']}: {layer['description']}, intermediate {layer['intermediate']}->"
@@ -517,6 +528,10 @@ def _print_written(doc: dict[str, Any]) -> None:
                 f"  {t['name']:<18} {t['checkpoint_shape']} -> {t['kernel_shape']} {t['dtype']}: "
                 f"{' >> '.join(t['steps']) or 'unchanged'}"
             )
+        rule = layer["value_rule"]
+        if rule is not None and rule["kept"]:
+            names = ", ".join(f"{KERNEL_NAMES[n]}{KEPT_SUFFIX}" for n in rule["kept"])
+            print(f"  + {names}: the checkpoint's bytes, kept for restore ({rule['kind']} changed them)")
     for r in doc["ranks"]:
         n = len(r["files"])
         shards = f", {n} shard{'s' * (n > 1)}" if r["sharded"] else ""
