@@ -179,6 +179,30 @@ def test_a_prepared_view_is_the_figure_a_fresh_explorer_draws(caches, monkeypatc
         assert np.array_equal(w.layer.magnitude(w.state["tensor"], 1), fresh.layer.magnitude(w.state["tensor"], 1))
 
 
+def test_without_room_for_bs_tp_shard_its_picture_is_prepared_on_a_stand_in(caches, monkeypatch):
+    """The decoded-value cache is full: preparation still draws B's picture at the next TP size (on a stand-in of
+    the shard's shape, no memory), so the change renders no static part, only cuts and draws the values, and
+    shows exactly what an explorer that never prepared draws; the cache keeps what the user saw."""
+    _, values = caches
+    w = widgets.CompareExplorer(source=SAMPLE, background=True, prepare=False, tensor="w13")
+    w.expert.value = 1
+    assert w.wait(120, prepared=True) and not is_error(w)
+    seen = set(values.entries)
+    monkeypatch.setattr(values, "limit", values.bytes)
+    w.prepare = True
+    w.refresh()  # a redraw of the same view, then a preparation pass
+    assert w.wait(120, prepared=True) and set(values.entries) == seen  # nothing prepared into the cache
+    built = spy_calls(monkeypatch, [(figures, "svg_without")])
+    w.tp_b.value = 2
+    assert w.wait(120) and not is_error(w)
+    assert built == []
+    monkeypatch.undo()
+    fresh = widgets.CompareExplorer(source=SAMPLE, background=False, prepare=False, tensor="w13")
+    fresh.expert.value, fresh.tp_b.value = 1, 2
+    assert w.wait(120, prepared=True)
+    assert not is_error(fresh) and w.svg == fresh.svg and w.message.value == fresh.message.value
+
+
 @pytest.mark.parametrize("room_for_neighbours", [True, False])
 def test_preparation_only_fills_the_free_room_of_the_caches(caches, monkeypatch, room_for_neighbours):
     """The decoded-value cache has free room for w2 of the shown expert and (or not) the neighbouring experts' w13:

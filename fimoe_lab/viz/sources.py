@@ -262,15 +262,44 @@ class ExpertTensors:
         ``(R, I*b)`` -> those columns ``(R, I*b/tp)`` (``a``, ``b``: stored elements per intermediate value,
         e.g. ``b = 1/2`` for packed FP4 bytes, ``1/block`` for block scales). A bound that falls inside a
         stored element or a scale block is a :class:`LayoutError`. Kept like :meth:`magnitude`."""
+        full, dead = self.magnitude(name, expert), self.dead(name, expert)
+        axis, pieces = self._tp_pieces(name, full.shape, tp_size, tp_rank)
+        shape = self.tp_shard_shape(name, full.shape, tp_size)
+
+        def cut(a: np.ndarray) -> np.ndarray:
+            if a.strides == (0, 0):  # a broadcast "nothing dead": the shard's shape, still no memory
+                return np.broadcast_to(np.False_, shape)
+            out = torch.empty(shape, dtype=_TORCH_DTYPES[a.dtype]).numpy()  # torch's allocator: see _magnitude
+            at = 0
+            for p in pieces:
+                width = p.stop - p.start
+                out[(slice(at, at + width),) if axis == 0 else (slice(None), slice(at, at + width))] = a[
+                    (p,) if axis == 0 else (slice(None), p)
+                ]
+                at += width
+            return out
+
+        key = ("tp", name, expert, tp_size, tp_rank)
+        return self._kept(key + ("magnitude",), lambda: cut(full)), self._kept(key + ("dead",), lambda: cut(dead))
+
+    def tp_shard_shape(self, name: str, shape: tuple[int, ...], tp_size: int) -> tuple[int, int]:
+        """The shape of :meth:`tp_shard` of ``name`` whose :meth:`magnitude` has ``shape``: the sharded axis
+        (rows of w13, columns of w2) divided by ``tp_size`` (the same :class:`LayoutError` where it cuts)."""
+        axis, pieces = self._tp_pieces(name, shape, tp_size, 0)
+        out = list(shape)
+        out[axis] = sum(p.stop - p.start for p in pieces)
+        return out[0], out[1]
+
+    def _tp_pieces(self, name: str, shape: tuple[int, ...], tp_size: int, tp_rank: int) -> tuple[int, list[slice]]:
+        """``(axis, the slices of it rank tp_rank holds, one per projection)`` of :meth:`tp_shard`."""
         inter = self.intermediate
         if not (tp_size >= 1 and 0 <= tp_rank < tp_size and inter % tp_size == 0):
             raise LayoutError(
                 f"intermediate {inter} has no equal rank {tp_rank} of {tp_size}", fix="pick a TP size that divides it"
             )
-        full, dead = self.magnitude(name, expert), self.dead(name, expert)
         projections = 2 if name.startswith("w13") and self.gated else 1
         axis = 0 if name.startswith("w13") else 1
-        per = full.shape[axis] / (projections * inter)  # stored elements along the sharded axis per value
+        per = shape[axis] / (projections * inter)  # stored elements along the sharded axis per value
         lo, hi = tp_rank * inter // tp_size * per, (tp_rank + 1) * inter // tp_size * per
         if lo != int(lo) or hi != int(hi):
             raise LayoutError(
@@ -278,18 +307,8 @@ class ExpertTensors:
                 f"elements or scale blocks",
                 fix="pick a TP size whose shards are whole blocks",
             )
-        width = full.shape[axis] // projections
-        pieces = [slice(p * width + int(lo), p * width + int(hi)) for p in range(projections)]
-
-        def cut(a: np.ndarray) -> np.ndarray:
-            if a.strides == (0, 0):  # a broadcast "nothing dead": the shard's shape, still no memory
-                shape = list(a.shape)
-                shape[axis] = len(pieces) * (int(hi) - int(lo))
-                return np.broadcast_to(np.False_, tuple(shape))
-            return np.concatenate([a[(p,) if axis == 0 else (slice(None), p)] for p in pieces], axis=axis)
-
-        key = ("tp", name, expert, tp_size, tp_rank)
-        return self._kept(key + ("magnitude",), lambda: cut(full)), self._kept(key + ("dead",), lambda: cut(dead))
+        width = shape[axis] // projections
+        return axis, [slice(p * width + int(lo), p * width + int(hi)) for p in range(projections)]
 
     def _kept(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
         """``make()`` kept read-only under ``key`` in the shared cache bounded in bytes (:data:`VALUE_BYTES_KEPT`;
@@ -342,6 +361,9 @@ class ExpertTensors:
             values = values.reshape(values.shape[0], -1, 2).amax(dim=-1)
         return values.float().numpy()
 
+
+_TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.bool_): torch.bool}
+"""The dtypes of decoded arrays (magnitudes, dead masks) in torch, which allocates them (:meth:`ExpertTensors._magnitude`)."""
 
 BAND_BYTES = 1 << 20
 """Stored bytes per band of :func:`_row_bands`: each band's float32 temporaries stay a few MB (an R1

@@ -1886,11 +1886,17 @@ class CompareExplorer(_LayerExplorer):
         diff = data.chain_diff(ma, mb)
         projections = 2 if name.startswith("w13") and layer.gated else 1
         values, dead = layer.magnitude(name, expert), layer.dead(name, expert)
+        shard = (values, dead) if tp_b == 1 else None
         if prepare:
-            if tp_b > 1:  # the shard's copy of the values (counted even where kept)
-                self._take(0, layer.sizes(name)[1] // tp_b)
+            if shard is None:  # the shard's copy of the values (counted even where kept)
+                try:
+                    self._take(0, layer.sizes(name)[1] // tp_b)
+                except _NoRoom:  # B's picture drawn on a stand-in of the shard's shape (no memory): the change
+                    # itself then only cuts the values and draws them (the picture's static part is what costs)
+                    shape = layer.tp_shard_shape(name, values.shape, tp_b)
+                    shard = (np.broadcast_to(np.float32(0), shape), np.broadcast_to(np.False_, shape))
             yield
-        shard = (values, dead) if tp_b == 1 else layer.tp_shard(name, expert, tp_b, 0)
+        shard = shard or layer.tp_shard(name, expert, tp_b, 0)
         size = data.itemsize_of(fmt, name)
         sides = []
         for m, plan, engine, align, tp, (v, d) in (
