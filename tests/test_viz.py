@@ -363,10 +363,11 @@ def test_reduce_view_builds_the_flags_when_values_are_not_all_finite():
 
 def test_magnitude_is_read_in_row_bands(monkeypatch):
     """A band of a few rows at a time gives the whole tensor's magnitudes (packed fp4: per byte
-    the larger of its two values; mxfp8: |value|), from the dequantized layer (oracle)."""
+    the larger of its two values; mxfp8, fp8-block: |value|; fp8-block's bands are whole 128-row blocks, the
+    last one partial here), from the dequantized layer (oracle)."""
     monkeypatch.setattr(sources, "BAND_BYTES", 100)  # bands of 1-3 rows
-    for fmt in ("nvfp4", "mxfp8"):
-        layer = sources.sample_layer(fmt, experts=2, intermediate=64, hidden=128)
+    for fmt, inter, hidden in (("nvfp4", 64, 128), ("mxfp8", 64, 128), ("fp8-block", 200, 328), ("fp8", 40, 96)):
+        layer = sources.sample_layer(fmt, experts=2, intermediate=inter, hidden=hidden)
         w13, w2 = (t[1].abs() for t in layer.moe.dequantized())
         if fmt == "nvfp4":
             w13, w2 = (t.reshape(t.shape[0], -1, 2).amax(dim=-1) for t in (w13, w2))

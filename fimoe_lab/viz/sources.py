@@ -372,15 +372,18 @@ expert's whole-tensor temporaries are 30 MB each, and fresh memory costs page fa
 
 def _row_bands(q: Any) -> list[Any]:
     """One expert's QuantizedTensor ``q`` (``(1, rows, cols)``) as bands of whole rows of about
-    :data:`BAND_BYTES` stored bytes, each with its rows of block scales (checkpoint layout: a scale row
-    per value row); ``[q]`` when its scales are not per row (per tensor)."""
+    :data:`BAND_BYTES` stored bytes, each with its rows of scales (checkpoint layout: a scale row per
+    ``scale_block_rows`` value rows, 128 for fp8-block, else 1; a band is a whole number of them); ``[q]`` when
+    its scales are not per row or row block (per tensor)."""
     rows, cols = q.values.shape[-2:]
     scales = q.scales
-    if scales is None or scales.ndim < 2 or scales.shape[-2] != rows:
+    per = get_format(q.fmt).scale_block_rows
+    if scales is None or scales.ndim < 2 or scales.shape[-2] != -(-rows // per):
         return [q]
     step = max(1, BAND_BYTES // max(1, cols * q.values.element_size()))
+    step = -(-step // per) * per
     return [
-        replace(q, values=q.values[..., a : a + step, :], scales=scales[..., a : a + step, :])
+        replace(q, values=q.values[..., a : a + step, :], scales=scales[..., a // per : (a + step) // per, :])
         for a in range(0, rows, step)
     ]
 
