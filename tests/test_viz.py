@@ -167,6 +167,38 @@ def test_tile_view_is_block_major_k():
     assert np.array_equal(artist_array(fig.axes[2]), view.src_col)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_cell_grid_reads_what_the_built_grid_holds(seed):
+    """Any element, row, column or strided part of a CellGrid equals the grid built by repeating each cell's
+    value k times (+ the offset within the cell where step is 1; -1 cells stay -1)."""
+    g = np.random.default_rng(seed)
+    k, step = int(g.integers(1, 9)), int(g.integers(0, 2))
+    rows, cols = int(g.integers(1, 12)), k * int(g.integers(1, 6))
+    first = g.integers(-1, 50, size=rows * cols // k) * 10  # some fill cells (-10 < 0)
+    built = np.where(np.repeat(first, k) >= 0, np.repeat(first, k) + step * np.tile(np.arange(k), first.size), -1)
+    built = built.reshape(rows, cols)
+    grid = data.CellGrid(first, k, step, (rows, cols))
+    assert np.array_equal(np.asarray(grid), built) and np.asarray(grid).dtype == np.int32
+    for _ in range(20):
+        i, j = int(g.integers(-rows, rows)), int(g.integers(-cols, cols))
+        a, b = int(g.integers(1, 4)), int(g.integers(1, 4))
+        assert grid[i, j] == built[i, j]
+        assert np.array_equal(grid[i, ::b], built[i, ::b]) and np.array_equal(grid[::a, j], built[::a, j])
+        assert np.array_equal(grid[::a, ::b], built[::a, ::b]) and np.array_equal(grid[i:, :j], built[i:, :j])
+    with pytest.raises(IndexError):
+        grid[rows, 0]
+
+
+def test_a_real_size_tile_view_holds_only_its_cells():
+    """DeepSeek-V3 FP8-block w13 (4096 x 7168 elements a expert): the view keeps one value per cell, and the
+    tile figure samples it without building the 29M-element grids."""
+    m = prepare.plan_layer("fp8-block", "trtllm", 2048, 7168).w13
+    view = data.tile_view(m, 1)
+    assert view.src_row.shape == (56 * 4096, 128) and view.block_of_input.shape == (4096, 7168)
+    assert data.nbytes(view) < 8 << 20
+    assert view.src_col[4096 + 5, 7] == 128 + 7 and view.src_row[4096 + 5, 7] == m.provenance((1, 5, 7)).source[0]
+
+
 @pytest.mark.parametrize(("fmt", "inter"), [("bf16", 96), ("fp8-block", 128), ("fp8-block", 384)])
 def test_tile_view_of_a_padded_plan_equals_its_element_map(fmt, inter):
     """The tile view read off the map's cells equals the one read off its element map (every output element's

@@ -21,8 +21,9 @@ def image(fig, axis: int) -> np.ndarray:
 
 
 def same(drawn: np.ndarray, sources_: np.ndarray) -> bool:
-    """A drawn source array (fill masked -> NaN) equals a data array (fill = -1)."""
-    return bool(np.array_equal(drawn, np.where(sources_ < 0, np.nan, sources_), equal_nan=True))
+    """A drawn source array (fill masked -> NaN) equals a data array (fill = -1; a lazy grid built whole)."""
+    a = np.asarray(sources_)
+    return bool(np.array_equal(drawn, np.where(a < 0, np.nan, a), equal_nan=True))
 
 
 def test_row_explorer_window_colour_and_expert():

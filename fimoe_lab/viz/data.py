@@ -43,6 +43,7 @@ __all__ = [
     "RowFlow",
     "row_flow",
     "observed_row_sources",
+    "CellGrid",
     "TileView",
     "tile_view",
     "SwizzleView",
@@ -487,16 +488,49 @@ def observed_row_sources(checkpoint: torch.Tensor, kernel: torch.Tensor) -> np.n
 
 # ----------------------------------------------------------------------------- tiles
 @dataclass(frozen=True)
+class CellGrid:
+    """An int32 grid ``(R, C)`` of indices read off one value per cell, never built whole (a DeepSeek-V3 w13
+    expert has 29M elements: 117 MB as int32): element ``(i, j)``, flat ``e = i * C + j``, lies in cell
+    ``e // k`` and holds ``first[e // k] + step * (e % k)``, or -1 where ``first`` is negative (fill).
+
+    ``grid[i, j]`` (ints) reads one element (hover); ``grid[rows, cols]`` with a slice builds that part (a
+    sampled picture, :func:`sample_grid`); ``np.asarray(grid)`` builds it all."""
+
+    first: np.ndarray
+    k: int
+    step: int
+    shape: tuple[int, int]
+
+    def __getitem__(self, key: tuple) -> Any:
+        i, j = key
+        rows = np.arange(self.shape[0])[i]
+        cols = np.arange(self.shape[1])[j]
+        e = np.atleast_1d(rows).astype(np.int64)[:, None] * self.shape[1] + np.atleast_1d(cols)[None, :]
+        first = self.first[e // self.k]
+        out = np.where(first >= 0, first + self.step * (e % self.k), -1).astype(np.int32)
+        if np.ndim(rows) == 0:
+            out = out[0]
+        if np.ndim(cols) == 0:
+            out = out[..., 0]
+        return out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[:, :]
+        return whole if dtype is None else whole.astype(dtype)
+
+
+@dataclass(frozen=True)
 class TileView:
     """Block-major-K: ``[M, K] -> [K/bk, M, bk]``, element sources drawn as ``(K/bk * M, bk)``.
 
-    ``src_row``/``src_col`` int32 ``(K/bk * M, bk)`` in the map's input elements (-1 fill);
-    ``block_of_input`` int32 ``(in_rows, in_cols)``: the K block each input element lands in.
+    ``src_row``/``src_col`` ``(K/bk * M, bk)`` in the map's input elements (-1 fill);
+    ``block_of_input`` ``(in_rows, in_cols)``: the K block each input element lands in. Each a
+    :class:`CellGrid` of the map's cells (``k`` elements each), built only where a picture samples it.
     """
 
-    src_row: np.ndarray
-    src_col: np.ndarray
-    block_of_input: np.ndarray
+    src_row: CellGrid
+    src_col: CellGrid
+    block_of_input: CellGrid
     blocks: int
     rows: int
     block_cols: int
@@ -511,26 +545,22 @@ def tile_view(m: IndexMap, itemsize: int = 1) -> TileView:
             fix="pick a map that ends with block_major_k",
         )
     # read off the map's cells (each moves ``k`` consecutive elements of one input row: ``in_cols`` is a
-    # multiple of ``k``), never its element map: a DeepSeek-V3 w13 expert has 29M elements
+    # multiple of ``k``), never its element map
     k = _cell_elements(m, itemsize)
     in_cols = m.in_shape[-1] // itemsize
     kb, rows, bk = _out_elements(m, itemsize)
     cells = m.src.numpy().reshape(-1).astype(np.int64)
     start = np.where(cells >= 0, cells * k, -1)  # first input element of each cell
-    narrow = np.int32  # rows, columns and blocks of one expert fit: half the memory of int64 (kept by memo)
-    cell_row = np.where(start >= 0, start // max(in_cols, 1), -1).astype(narrow)
-    cell_col = np.where(start >= 0, start % max(in_cols, 1), -1).astype(narrow)
-    within = np.arange(k, dtype=narrow)
-    src_row = np.repeat(cell_row, k).reshape(kb * rows, bk)
-    src_col = (cell_col[:, None] + np.where(cell_col[:, None] >= 0, within[None, :], 0)).reshape(kb * rows, bk)
-    block_of_cell = np.repeat(np.arange(kb, dtype=narrow), cells.size // kb)  # output cells in flat order
-    block_of_input = np.full(m.in_shape[0] * in_cols // k, -1, dtype=narrow)
+    cell_row = np.where(start >= 0, start // max(in_cols, 1), -1)
+    cell_col = np.where(start >= 0, start % max(in_cols, 1), -1)
+    block_of_input = np.full(m.in_shape[0] * in_cols // k, -1, dtype=np.int64)
     taken = cells >= 0
-    block_of_input[cells[taken]] = block_of_cell[taken]
+    block_of_input[cells[taken]] = (np.arange(cells.size) // (cells.size // kb))[taken]  # output cells in order
+    out_shape = (kb * rows, bk)
     return TileView(
-        src_row,
-        src_col,
-        np.repeat(block_of_input, k).reshape(m.in_shape[0], in_cols),
+        CellGrid(cell_row, k, 0, out_shape),
+        CellGrid(cell_col, k, 1, out_shape),
+        CellGrid(block_of_input, k, 0, (m.in_shape[0], in_cols)),
         kb,
         rows,
         bk,
