@@ -203,6 +203,33 @@ def test_without_room_for_bs_tp_shard_its_picture_is_prepared_on_a_stand_in(cach
     assert not is_error(fresh) and w.svg == fresh.svg and w.message.value == fresh.message.value
 
 
+@pytest.mark.parametrize(
+    ("name", "control", "values"), [("TileExplorer", "expert", (1, 5)), ("RowExplorer", "tensor", ("w13", "w2"))]
+)
+def test_preparation_never_drops_the_figure_the_user_just_left(caches, monkeypatch, name, control, values):
+    """Going back to the view shown before stays instant: idle preparation fills the figure cache around the
+    shown view, but never past the figures of the previous redraw (each going back builds no figure)."""
+    w = getattr(widgets, name)(
+        source=SAMPLE, background=True, prepare=True, tensor="w13_scale" if name == "TileExplorer" else "w13"
+    )
+    if name == "TileExplorer":
+        w.colour_by.value = "scale value"  # one figure per expert
+    for v in values:
+        getattr(w, control).value = v
+        assert w.wait(120, prepared=True) and not is_error(w)
+    built = spy_calls(monkeypatch, [(figures, "svg_without")])
+    for v in values * 3:  # back and forth, idle preparation between (off while the change draws: it builds too)
+        w.prepare = False
+        built.clear()
+        getattr(w, control).value = v
+        assert w.wait(120) and not is_error(w)
+        assert built == [], v
+        w.prepare = True
+        w.refresh()  # the same view again, then a preparation pass around it
+        assert w.wait(120, prepared=True)
+    assert len(w._layers) <= w.LAYERED
+
+
 @pytest.mark.parametrize("room_for_neighbours", [True, False])
 def test_preparation_only_fills_the_free_room_of_the_caches(caches, monkeypatch, room_for_neighbours):
     """The decoded-value cache has free room for w2 of the shown expert and (or not) the neighbouring experts' w13:

@@ -501,6 +501,8 @@ class _Explorer(W.VBox):
         self.state: dict = {}
         self._drawn: OrderedDict = OrderedDict()
         self._layers: OrderedDict = OrderedDict()  # static key -> (figure, SVG without its moving layer)
+        # the figure keys of the two latest views that differ (older, newer) and of the running redraw
+        self._shown_keys: tuple[set, set, set] = (set(), set(), set())
         self.save_name = W.Text(placeholder="file name (default: fimoe-<explorer>)", layout=W.Layout(width="260px"))
         save_png, save_svg = W.Button(description="save PNG"), W.Button(description="save SVG")
         save_png.on_click(lambda _: self._save_clicked("png"))
@@ -542,6 +544,8 @@ class _Explorer(W.VBox):
         again (:func:`figures.svg_only`). A generator (one step per build or rendering, :func:`_run` runs
         it) returning the figure and its SVG; with ``prepare`` it only adds a figure not kept yet, as the
         least recently used but one (the shown figure stays the newest), its layers rendered as built."""
+        if not prepare:
+            self._shown_keys[2].add(key)
         if key in self._layers:
             if prepare:
                 return None
@@ -554,9 +558,7 @@ class _Explorer(W.VBox):
             self._layers[key] = (fig, figures.svg_without(fig, every), {})
             if prepare and newest is not None:
                 self._layers.move_to_end(newest)
-            while len(self._layers) > self.LAYERED:
-                self._layers.popitem(last=False)
-                _DROPPED["figures"] += 1
+            self._trim(self._layers, key, prepare)
             yield
         if not prepare:
             self._layers.move_to_end(key)
@@ -570,6 +572,16 @@ class _Explorer(W.VBox):
                 rendered[k] = (what, figures.svg_only(fig, artists))
                 yield
         return fig, figures.stack_svg(base, *(rendered[k][1] for k in range(len(shown))))
+
+    def _trim(self, kept: OrderedDict, newcomer: tuple, prepare: bool) -> None:
+        """Drop the least recently used figures of ``kept`` past :attr:`LAYERED`, never one of the two latest
+        different views or the running redraw (going back to the view shown before stays instant): where only
+        those are left, a prepared ``newcomer`` goes itself (a shown one drops the oldest)."""
+        keep = set().union(*self._shown_keys)
+        while len(kept) > self.LAYERED:
+            victim = next((k for k in kept if k not in keep), None)
+            kept.pop(victim if victim is not None else newcomer if prepare else next(iter(kept)))
+            _DROPPED["figures"] += 1
 
     def _key(self) -> tuple:
         """The control state a figure is drawn from (the cache key)."""
@@ -663,6 +675,8 @@ class _Explorer(W.VBox):
         """One redraw of the newest request (skipped, unshown, where a newer one arrives meanwhile)."""
         with _DRAWING, _collector_paused():
             self._drawing = self._asked
+            older, newer, last = self._shown_keys
+            self._shown_keys = (newer, last, set()) if last and last != newer else (older, newer, set())
             self._redraw()
         with self._worker_lock:
             self._shown = self._drawing
@@ -1447,6 +1461,8 @@ class ProvenanceExplorer(_LayerExplorer):
         layer = self.layer
         before, dead = layer.magnitude(name, expert), layer.dead(name, expert)
         static = (id(layer), id(m), backend, name)
+        if not prepare:
+            self._shown_keys[2].add(static)
         if static in self._static and prepare:
             return None
         if static not in self._static:
@@ -1461,9 +1477,7 @@ class ProvenanceExplorer(_LayerExplorer):
             self._static[static] = (fig, figures.svg_without(fig, every), OrderedDict())
             if prepare and newest is not None:
                 self._static.move_to_end(newest)
-            while len(self._static) > self.LAYERED:
-                self._static.popitem(last=False)
-                _DROPPED["figures"] += 1
+            self._trim(self._static, static, prepare)
             yield
         if not prepare:
             self._static.move_to_end(static)
