@@ -122,6 +122,21 @@ def test_a_change_during_idle_work_is_drawn_after_at_most_one_unit(caches):
     assert took < 5.0, took
 
 
+def test_a_change_right_after_a_figure_never_waits_for_preparation(caches):
+    """Preparation starts PREPARE_AFTER seconds after a figure is shown: a change that comes sooner (as a script's,
+    or a benchmark's) is drawn before any unit of preparation ran; once the pause has passed, the units run."""
+    w = widgets.RowExplorer(source="seeded:nvfp4", background=True, prepare=True)
+    w._prepare, started, ran, closed = slow_pass(3, 0.3, busy=True)
+    w.start.value = 8
+    assert w.wait(120)
+    shown = time.monotonic()
+    w.start.value = 16
+    assert w.wait(120) and w.state["window"] == (16, 80)
+    if time.monotonic() - shown < widgets.PREPARE_AFTER:  # (on a loaded machine the pause may have passed)
+        assert not started.is_set() and ran == []
+    assert w.wait(120, prepared=True) and ran == [0, 1, 2] and closed == [True]
+
+
 def test_a_pointer_during_idle_work_is_answered_after_at_most_one_unit(caches):
     """10 s of idle work in 50 ms units: a hover or click on the shown figure answers for its cell long before the
     work would end (the drawing thread lets it in before its next unit), and the work goes on."""

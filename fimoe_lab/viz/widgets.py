@@ -133,6 +133,10 @@ _DROPPED = {"figures": 0}
 """Figures dropped by a figure cache or replaced on screen since memory was last given back
 (:func:`_give_back_memory`)."""
 
+PREPARE_AFTER = 0.25
+"""Seconds a drawing thread waits after showing a figure before it prepares (no one answers a new figure sooner:
+a change that comes at once, as a script's, then never waits for a unit of preparation under way)."""
+
 GIVE_BACK_QUIET = 0.3
 """Seconds without any control change a drawing thread waits, its work done, before it gives memory back (the
 figure it showed reaches the page first: the collection holds the interpreter)."""
@@ -622,9 +626,10 @@ class _Explorer(W.VBox):
 
     def _drain(self) -> None:
         """The drawing thread: draw the newest request until none is newer than the one shown, then (with
-        :attr:`prepare`) prepare, one unit at a time while no explorer is asked for a figure."""
+        :attr:`prepare`, :data:`PREPARE_AFTER` seconds later) prepare, one unit at a time while no explorer is
+        asked for a figure."""
         units: Optional[Iterator[None]] = None
-        since = 0
+        since, start = 0, 0.0
         while True:
             with self._worker_lock:
                 newer = self._drawing != self._asked
@@ -636,8 +641,12 @@ class _Explorer(W.VBox):
                 self._draw_newest()
                 if self.prepare:
                     units, since = self._preparing(), _requests()
+                    start = time.monotonic() + PREPARE_AFTER
                 continue
             assert units is not None
+            if time.monotonic() < start:  # the figure just shown first (:data:`PREPARE_AFTER`)
+                time.sleep(0.005)
+                continue
             while _POINTERS["waiting"]:  # a click or hover first: it reads the shown figure
                 time.sleep(0.002)
             with _DRAWING, _collector_paused():
