@@ -276,3 +276,19 @@ def test_memo_lets_go_of_an_array_once_it_is_freed():
     assert key in data._MEMO.entries and data.memo(data.all_finite, values) is first
     del values
     assert key not in data._MEMO.entries
+
+
+def test_memory_is_given_back_at_the_first_quiet_pause_only(caches, monkeypatch):
+    """Figures replaced on screen are collected and trimmed once no change came for GIVE_BACK_QUIET seconds, not
+    while changes keep coming (the collection would hold the next one up), and once per pause."""
+    monkeypatch.setattr(widgets, "GIVE_BACK_QUIET", 0.6)
+    given = spy_calls(monkeypatch, [(widgets, "_give_back_memory")])
+    w = widgets.RowExplorer(source="seeded:nvfp4", background=True, prepare=True)
+    for tensor in ("w2", "w13", "w2", "w13"):  # each a figure replaced on screen
+        w.tensor.value = tensor
+        assert w.wait(120) and not is_error(w)
+        time.sleep(0.2)
+        assert given == []
+    assert w.wait(120, prepared=True)
+    time.sleep(1.5)
+    assert given == ["_give_back_memory"] and widgets._DROPPED["figures"] == 0

@@ -137,9 +137,11 @@ PREPARE_AFTER = 0.25
 """Seconds a drawing thread waits after showing a figure before it prepares (no one answers a new figure sooner:
 a change that comes at once, as a script's, then never waits for a unit of preparation under way)."""
 
-GIVE_BACK_QUIET = 0.3
-"""Seconds without any control change a drawing thread waits, its work done, before it gives memory back (the
-figure it showed reaches the page first: the collection holds the interpreter)."""
+GIVE_BACK_QUIET = 2.0
+"""Seconds without any control change a drawing thread waits, its work done, before it gives memory back: the
+collection holds the interpreter for 0.1-0.3 s, which a change arriving meanwhile waits for, so it runs at the
+first pause of a user who is looking rather than changing controls (a change every second or so never meets it;
+at 0.3 s the browser benchmark's changes 1 s apart met it, 0.41-0.48 s)."""
 
 
 def _give_back_memory() -> None:
