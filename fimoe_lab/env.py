@@ -144,7 +144,8 @@ VARIABLES = {
         Variable(
             "FIMOE_LAB_PREPARE",
             "bool",
-            "a false value stops the lab's explorers preparing likely next views while idle (default on)",
+            "a false value stops the lab's explorers preparing likely next views while idle (default on: from "
+            "0.25 s after a figure is shown, in units any change stops, only in the room the caches have free)",
         ),
         Variable(
             "FIMOE_LAB_MAX_MEMORY",
