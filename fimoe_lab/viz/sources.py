@@ -263,8 +263,7 @@ class ExpertTensors:
         e.g. ``b = 1/2`` for packed FP4 bytes, ``1/block`` for block scales). A bound that falls inside a
         stored element or a scale block is a :class:`LayoutError`. Kept like :meth:`magnitude`."""
         full, dead = self.magnitude(name, expert), self.dead(name, expert)
-        axis, pieces = self._tp_pieces(name, full.shape, tp_size, tp_rank)
-        shape = self.tp_shard_shape(name, full.shape, tp_size)
+        axis, pieces, shape = self._tp_pieces(name, full.shape, tp_size, tp_rank)
 
         def cut(a: np.ndarray) -> np.ndarray:
             if a.strides == (0, 0):  # a broadcast "nothing dead": the shard's shape, still no memory
@@ -285,13 +284,13 @@ class ExpertTensors:
     def tp_shard_shape(self, name: str, shape: tuple[int, ...], tp_size: int) -> tuple[int, int]:
         """The shape of :meth:`tp_shard` of ``name`` whose :meth:`magnitude` has ``shape``: the sharded axis
         (rows of w13, columns of w2) divided by ``tp_size`` (the same :class:`LayoutError` where it cuts)."""
-        axis, pieces = self._tp_pieces(name, shape, tp_size, 0)
-        out = list(shape)
-        out[axis] = sum(p.stop - p.start for p in pieces)
-        return out[0], out[1]
+        return self._tp_pieces(name, shape, tp_size, 0)[2]
 
-    def _tp_pieces(self, name: str, shape: tuple[int, ...], tp_size: int, tp_rank: int) -> tuple[int, list[slice]]:
-        """``(axis, the slices of it rank tp_rank holds, one per projection)`` of :meth:`tp_shard`."""
+    def _tp_pieces(
+        self, name: str, shape: tuple[int, ...], tp_size: int, tp_rank: int
+    ) -> tuple[int, list[slice], tuple[int, int]]:
+        """``(axis, the slices of it rank tp_rank holds, one per projection, the shard's shape)`` of
+        :meth:`tp_shard`."""
         inter = self.intermediate
         if not (tp_size >= 1 and 0 <= tp_rank < tp_size and inter % tp_size == 0):
             raise LayoutError(
@@ -308,7 +307,9 @@ class ExpertTensors:
                 fix="pick a TP size whose shards are whole blocks",
             )
         width = shape[axis] // projections
-        return axis, [slice(p * width + int(lo), p * width + int(hi)) for p in range(projections)]
+        out = [shape[0], shape[1]]
+        out[axis] = projections * (int(hi) - int(lo))
+        return axis, [slice(p * width + int(lo), p * width + int(hi)) for p in range(projections)], (out[0], out[1])
 
     def _kept(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
         """``make()`` kept read-only under ``key`` in the shared cache bounded in bytes (:data:`VALUE_BYTES_KEPT`;

@@ -560,11 +560,7 @@ class _Explorer(W.VBox):
             fig = build()
             yield
             every = [a for _, artists in layers(fig) for a in artists]
-            newest = next(reversed(self._layers), None)
-            self._layers[key] = (fig, figures.svg_without(fig, every), {})
-            if prepare and newest is not None:
-                self._layers.move_to_end(newest)
-            self._trim(self._layers, key, prepare)
+            self._keep(self._layers, key, (fig, figures.svg_without(fig, every), {}), prepare)
             yield
         if not prepare:
             self._layers.move_to_end(key)
@@ -579,14 +575,20 @@ class _Explorer(W.VBox):
                 yield
         return fig, figures.stack_svg(base, *(rendered[k][1] for k in range(len(shown))))
 
-    def _trim(self, kept: OrderedDict, newcomer: tuple, prepare: bool) -> None:
-        """Drop the least recently used figures of ``kept`` past :attr:`LAYERED`, never one of the two latest
-        different views or the running redraw (going back to the view shown before stays instant): where only
-        those are left, a prepared ``newcomer`` goes itself (a shown one drops the oldest)."""
+    def _keep(self, kept: OrderedDict, key: tuple, entry: tuple, prepare: bool) -> None:
+        """Put a new figure's ``entry`` in the figure cache ``kept`` under ``key``: a prepared one as the least
+        recently used but one (the shown figure stays the newest). Then drop the least recently used figures past
+        :attr:`LAYERED`, never one of the two latest different views or the running redraw (going back to the
+        view shown before stays instant): where only those are left, a prepared newcomer goes itself (a shown
+        one drops the oldest)."""
+        newest = next(reversed(kept), None)
+        kept[key] = entry
+        if prepare and newest is not None:
+            kept.move_to_end(newest)
         keep = set().union(*self._shown_keys)
         while len(kept) > self.LAYERED:
             victim = next((k for k in kept if k not in keep), None)
-            kept.pop(victim if victim is not None else newcomer if prepare else next(iter(kept)))
+            kept.pop(victim if victim is not None else key if prepare else next(iter(kept)))
             _DROPPED["figures"] += 1
 
     def _key(self) -> tuple:
@@ -1484,11 +1486,7 @@ class ProvenanceExplorer(_LayerExplorer):
             fig = figures.provenance_figure(m, (0,) * len(m.out_shape), before, size, dead, per)
             yield
             every = figures.provenance_layer(fig) + figures.provenance_element(fig)
-            newest = next(reversed(self._static), None)
-            self._static[static] = (fig, figures.svg_without(fig, every), OrderedDict())
-            if prepare and newest is not None:
-                self._static.move_to_end(newest)
-            self._trim(self._static, static, prepare)
+            self._keep(self._static, static, (fig, figures.svg_without(fig, every), OrderedDict()), prepare)
             yield
         if not prepare:
             self._static.move_to_end(static)
