@@ -106,7 +106,8 @@ class ValueRule:
     whose gate and up scales differ: the others keep their bytes; :meth:`EngineProfile.value_rule`'s lossless
     form). ``kept``: tensors whose checkpoint bytes a converted file keeps beside the changed ones, so that
     ``restore`` gives them back exactly (clamped block scales: 4 bytes per 128x128 FP8 weights; a requantized
-    W13 and its scales: the W13 bytes again, 2/3 of an FP8 layer, written only for layers the rule changes). A
+    W13 and its scales: the W13 bytes again, 2/3 of an FP8 layer, written for every layer the rule applies to,
+    W13 scales given per projection ``(E, 2)``, even where every expert's two are equal). A
     file whose record keeps none of a changed tensor restores it as the engine's values and says so
     (:func:`fimoe_lab.checkpoints.not_byte_exact`).
     """
