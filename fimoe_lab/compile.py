@@ -6,10 +6,11 @@ The kernels (:mod:`fimoe_lab.kernels`) know nothing of maps, steps or plans: the
 
 - coarsening: the map over its widest cells (:meth:`IndexMap.coarsened`), moved as the
   widest word ``w in (8, 4, 2, 1)`` with ``cell_bytes % w == 0``, sources as int32;
-- recognising fast forms: from the map's steps, a row gather followed by the 128x4
-  scale swizzle (:func:`swizzle_form`) and a row gather whose rows are padded on the
-  right (:func:`padded_rows_form`); from its sources, a strided view of the input with
-  a padded box (:func:`strided_form`), which needs no compiled kernel;
+- recognising fast forms: from its sources, a strided view of the input with a padded box
+  (:func:`strided_form`), which needs no compiled kernel, or two in a row
+  (:func:`strided_stages`); from the map's steps, when an executor first asks, a row gather
+  followed by the 128x4 scale swizzle (:func:`swizzle_form`) and a row gather whose rows are
+  padded on the right (:func:`padded_rows_form`);
 - the recipe for the inverse's executable form (in-place execution undoes with it).
 
 Imported one way: :mod:`fimoe_lab.layout` calls this module (``IndexMap.compiled``) and this
@@ -73,8 +74,7 @@ def compile_map(m: IndexMap) -> ExecMap:
         c.is_permutation,
         compile_inverse=lambda: m.inverse().compiled(),
     )
-    em.swizzle = swizzle_form(m, em)
-    em.padrows = padded_rows_form(m, em)
+    em.find_row_forms = lambda: (swizzle_form(m, em), padded_rows_form(m, em))
     em.strided = strided_form(em.src)
     if em.strided is None:
         em.stages = strided_stages(m)

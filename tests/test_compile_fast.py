@@ -22,6 +22,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fimoe_lab import steps
+from fimoe_lab.caches import clear_caches
 from fimoe_lab.compile import (
     MAX_STRIDED_DIMS,
     MAX_STRIDED_PIECES,
@@ -217,6 +218,18 @@ def test_a_plans_first_call_never_builds_the_swizzles_finer_index():
         m.compiled()
     swizzles = [s for m in plan.maps().values() for s in m.steps if s.kind == "swizzle_scales_128x4"]
     assert len(swizzles) == 2 and all("src" not in vars(s) and s._widest_known().cell_bytes == 4 for s in swizzles)
+
+
+def test_row_forms_are_looked_for_when_first_read():
+    """Compiling finds the strided forms only; the row forms of the other executors wait for their first read,
+    then are the definitions' (and are found once)."""
+    clear_caches()  # maps another test compiled and read
+    for m in plan_layer("mxfp4", "trtllm", 2880, 2880).maps().values():
+        em = m.compiled()
+        assert em.row_forms is None
+        assert same_form(em.swizzle, swizzle_by_formula(m, em)) and same_form(em.padrows, padded_rows_by_rows(m, em))
+        found = em.row_forms
+        assert em.swizzle is found[0] and em.padrows is found[1] and em.row_forms is found
 
 
 @settings(max_examples=40, deadline=None)

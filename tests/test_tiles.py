@@ -193,7 +193,9 @@ def test_band_step_finds_bands_that_read_the_first_bands_rows_shifted(bands, ste
         rows[i] = -1 if seed % 2 else rows[i] + 1 + int(rng.integers(0, 5))
         want = 0
     n = rows.size
-    em = ExecMap("rows", 4, 4, n, n, np.zeros(n, np.int32), (), False, 4 * n, 4 * n, True, swizzle=(rows, 1, n))
+    em = ExecMap(
+        "rows", 4, 4, n, n, np.zeros(n, np.int32), (), False, 4 * n, 4 * n, True, row_forms=((rows, 1, n), None)
+    )
     assert em.band_step() == want
 
 

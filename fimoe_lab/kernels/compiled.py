@@ -69,7 +69,9 @@ class ExecMap:
     map is a row gather then the 128x4 scale swizzle of 1-byte scales, else None.
     ``padrows``: ``(source row or fill code per output row int32, input row bytes, output
     row bytes, column fill code)`` when every output row is one input row padded on the
-    right (or all fill), else None. ``strided``: the map as a strided view (:class:`Strided`)
+    right (or all fill), else None. The two are ``row_forms``, given or found by
+    ``find_row_forms`` when an executor first reads either (the torch executor's strided copies
+    read neither, so a plan's first call does not look for them). ``strided``: the map as a strided view (:class:`Strided`)
     when it is one, else None. ``compile_inverse`` builds the executable form of the
     map's inverse (what in-place execution undoes a failure with); :meth:`inverse` calls
     it once.
@@ -87,11 +89,26 @@ class ExecMap:
     out_bytes: int
     is_permutation: bool  # every byte moves exactly once (no fill, same size)
     compile_inverse: Optional[Callable[[], ExecMap]] = field(default=None, repr=False)
-    swizzle: tuple | None = None
-    padrows: tuple | None = None
+    row_forms: tuple[tuple | None, tuple | None] | None = None  # (swizzle, padrows); None: not looked for yet
+    find_row_forms: Optional[Callable[[], tuple[tuple | None, tuple | None]]] = field(default=None, repr=False)
     strided: Strided | None = None
     stages: tuple[ExecMap, ExecMap] | None = None
     _dev: dict = field(default_factory=dict, repr=False)
+
+    def _row_forms(self) -> tuple[tuple | None, tuple | None]:
+        if self.row_forms is None:
+            self.row_forms = self.find_row_forms() if self.find_row_forms is not None else (None, None)
+        return self.row_forms
+
+    @property
+    def swizzle(self) -> tuple | None:
+        """The ``swizzle`` form (class docstring), found on first read."""
+        return self._row_forms()[0]
+
+    @property
+    def padrows(self) -> tuple | None:
+        """The ``padrows`` form (class docstring), found on first read."""
+        return self._row_forms()[1]
 
     def inverse(self) -> ExecMap:
         """The executable form of the inverse map (compiled on first use, then cached here)."""
