@@ -26,6 +26,7 @@ copy), the first layer, the median layer (and the baseline's), the first-layer o
 (first minus median).
 
     PYTHONPATH=. python3 benchmarks/whole_model.py --out benchmarks/results/whole_model_h200.json
+    PYTHONPATH=. python3 benchmarks/whole_model.py --prebuilt ...  # the in-place drop-ins also on the prebuilt kernel
     PYTHONPATH=. python3 benchmarks/whole_model.py --device cpu --layers 3 --experts 8   # CPU smoke run
 """
 
@@ -218,6 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=0, help="MoE layers (default: the model's)")
     ap.add_argument("--experts", type=int, default=0, help="experts (default: the model's)")
     ap.add_argument("--out", help="write the JSON here")
+    ap.add_argument(
+        "--prebuilt",
+        action="store_true",
+        help="also run the in-place drop-ins with FIMOE_PREBUILT_KERNELS=1 (path 'drop-in prebuilt')",
+    )
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
@@ -227,10 +233,13 @@ def main(argv: list[str] | None = None) -> None:
     for model in args.models:
         fmt, experts, hidden, inter, layers, paths = MODELS[model]
         shapes = json.dumps(layer_shapes_of(fmt, hidden, inter))
-        for path in paths:
+        runs = [(path, path, {}) for path in paths]
+        if args.prebuilt and "drop-in" in paths and "in place" in DROP_INS[fmt]:
+            runs.append(("drop-in prebuilt", "drop-in", {"FIMOE_PREBUILT_KERNELS": "1"}))
+        for label, path, extra in runs:
             caches = tempfile.mkdtemp(prefix="fimoe_whole_")
             for mode in args.modes:
-                e = dict(env)
+                e = dict(env, **extra)
                 if mode == "empty":
                     caches = tempfile.mkdtemp(prefix="fimoe_whole_")
                 e["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
@@ -241,16 +250,16 @@ def main(argv: list[str] | None = None) -> None:
                 t = time.perf_counter()
                 p = subprocess.run(cmd, env=e, capture_output=True, text=True, cwd=ROOT)
                 if p.returncode:
-                    raise SystemExit(f"child failed ({model} {path} {mode}):\n{p.stderr[-3000:]}")
+                    raise SystemExit(f"child failed ({model} {label} {mode}):\n{p.stderr[-3000:]}")
                 if os.environ.get("WHOLE_MODEL_PROFILE"):
-                    sys.stderr.write(f"--- first layer of {model} {path} {mode}\n{p.stderr}")
+                    sys.stderr.write(f"--- first layer of {model} {label} {mode}\n{p.stderr}")
                 rec = json.loads(p.stdout.strip().splitlines()[-1])
-                rec.update(model=model, fmt=fmt, path=path, mode=mode, process_wall_s=time.perf_counter() - t)
+                rec.update(model=model, fmt=fmt, path=label, mode=mode, process_wall_s=time.perf_counter() - t)
                 rec["summary"] = summarise(rec)
                 records.append(rec)
                 s = rec["summary"]
                 print(
-                    f"{model:28s} {path:8s} {mode:5s} all {s['all_layers_s']:.3f} s copy {s['copy_all_layers_s']:.3f} s "
+                    f"{model:28s} {label:8s} {mode:5s} all {s['all_layers_s']:.3f} s copy {s['copy_all_layers_s']:.3f} s "
                     f"share {s['share_of_copy']:.2f} first {s['first_layer_ms']:.1f} ms median "
                     f"{s['median_layer_ms']:.2f} ms (copy {s['copy_median_layer_ms']:.2f}) overhead "
                     f"{s['first_layer_overhead_ms']:.1f} ms loads {rec['started_loads']}",

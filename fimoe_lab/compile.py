@@ -21,8 +21,9 @@ module reads the map only through its public methods (``coarsened``, ``steps``, 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import reduce
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -47,12 +48,45 @@ MAX_STRIDED_DIMS = 12
 MAX_STRIDED_PIECES = 16
 """Most strided copies one form may take: digits with a negative stride (the W13 -> W31 swap is
 one of extent 2) run one copy per value, since strided views take non-negative strides only."""
+Reader = Callable[[np.ndarray], np.ndarray]
+"""A map's sources at the given output cells."""
+Whole = Callable[[], np.ndarray]
+"""All of a map's sources."""
 
 
 def compile_map(m: IndexMap) -> ExecMap:
-    """The :class:`ExecMap` of ``m`` (uncached: call ``m.compiled()``)."""
+    """The :class:`ExecMap` of ``m`` (uncached: call ``m.compiled()``).
+
+    Its cells, sources and whether it permutes are found when an executor first reads them
+    (:meth:`ExecMap.on_read`). A composition whose index is still pending
+    (:meth:`IndexMap.composed_on_read`) and that is no strided view (decided from cells traced through its
+    steps, :func:`_may_be_strided`) but runs as two strided stages is compiled from its steps alone: the
+    torch executor reads only the stages, so the whole composition over its finest cells (the padding, row
+    steps and 128x4 swizzle of gpt-oss's scales: 2-byte cells) is not built on a plan's first call."""
+    em = ExecMap.on_read(
+        m.name,
+        tuple(m.fills),
+        m.in_bytes,
+        m.out_bytes,
+        lambda: _cells(m),
+        lambda: m.coarsened().is_permutation,
+        lambda: m.inverse().compiled(),
+    )
+    em.find_row_forms = lambda: (swizzle_form(m, em), padded_rows_form(m, em))
+    if m.index_pending and not _may_be_strided(m):
+        em.stages = strided_stages(m)
+        if em.stages is not None:
+            return em
+    em.strided = strided_form(em.src)
+    if em.strided is None:
+        em.stages = strided_stages(m)
+    return em
+
+
+def _cells(m: IndexMap) -> dict[str, Any]:
+    """The :class:`ExecMap` cell fields read off ``m`` over its widest cells: cell, word, cell counts, int32
+    sources, whether any is fill."""
     c = m.coarsened()
-    word = next(w for w in (8, 4, 2, 1) if c.cell_bytes % w == 0)
     if c.n_in_cells >= 2**31 or c.n_out_cells >= 2**31:
         raise LayoutError(
             f"{m.name}: {c.n_in_cells} -> {c.n_out_cells} cells of {c.cell_bytes} B per expert; "
@@ -60,25 +94,22 @@ def compile_map(m: IndexMap) -> ExecMap:
             fix="split the expert matrix",
         )
     src = c.src.numpy().astype(np.int32)
-    em = ExecMap(
-        m.name,
-        c.cell_bytes,
-        word,
-        c.n_in_cells,
-        c.n_out_cells,
-        src,
-        tuple(c.fills),
-        bool((src < 0).any()),
-        m.in_bytes,
-        m.out_bytes,
-        c.is_permutation,
-        compile_inverse=lambda: m.inverse().compiled(),
+    return dict(
+        cell_bytes=c.cell_bytes,
+        word=next(w for w in (8, 4, 2, 1) if c.cell_bytes % w == 0),
+        n_in=c.n_in_cells,
+        n_out=c.n_out_cells,
+        src=src,
+        has_fill=bool((src < 0).any()),
     )
-    em.find_row_forms = lambda: (swizzle_form(m, em), padded_rows_form(m, em))
-    em.strided = strided_form(em.src)
-    if em.strided is None:
-        em.stages = strided_stages(m)
-    return em
+
+
+def _may_be_strided(m: IndexMap) -> bool:
+    """False when ``m`` is a strided view over no cell width, found from cells traced through its steps
+    (:meth:`IndexMap.sources_at`) without building its index; True when it may be one (its digits are found
+    and the probes agree: :func:`strided_form` then decides over its widest cells). A form over wider cells
+    is one over ``m``'s cells with one more digit (the cell's bytes, stride 1), hence the one digit of slack."""
+    return _strided(m.n_out_cells, m.sources_at, None, MAX_STRIDED_DIMS + 1) is not None
 
 
 def _chain(steps: tuple[IndexMap, ...] | list[IndexMap]) -> IndexMap:
@@ -210,14 +241,20 @@ def strided_form(src: np.ndarray) -> Strided | None:
     src = np.asarray(src)
     if src.dtype not in (np.int32, np.int64):
         src = src.astype(np.int64)
-    n = src.size
-    if n == 0 or src[0] < 0:
+    return _strided(src.size, src.__getitem__, lambda: src, MAX_STRIDED_DIMS)
+
+
+def _strided(n: int, read: Reader, whole: Optional[Whole], max_dims: int) -> Strided | None:
+    """:func:`strided_form` of the ``n`` sources that ``read(positions)`` gives; ``whole()`` gives all of them,
+    called only for the last check (and for fill codes in a box that reaches below 0). Without ``whole``, the
+    form the digits and probes agree with, unchecked against the rest (a form only if that check passes)."""
+    if n == 0 or read(np.zeros(1, dtype=np.int64))[0] < 0:
         return None
     dims: list[tuple[int, int, int, int]] = []  # (extent, live, stride, block), innermost first
     block = 1
     while block < n:
-        extent, live, stride = _digit(src[::block])
-        if (n // block) % extent or len(dims) == MAX_STRIDED_DIMS:
+        extent, live, stride = _digit(read, block, -(-n // block))
+        if (n // block) % extent or len(dims) == max_dims:
             return None
         dims.append((extent, live if live > 1 else 1, stride if live > 1 else 0, block))
         block *= extent
@@ -225,11 +262,14 @@ def strided_form(src: np.ndarray) -> Strided | None:
     shape = tuple(d[0] for d in dims)
     lives = tuple(d[1] for d in dims)
     strides = tuple(d[2] for d in dims)
-    offset = int(src[0])
-    if math.prod(n for n, s in zip(lives, strides) if s < 0) > MAX_STRIDED_PIECES:
+    offset = int(read(np.zeros(1, dtype=np.int64))[0])
+    if math.prod(k for k, s in zip(lives, strides) if s < 0) > MAX_STRIDED_PIECES:
         return None
     if offset + sum(min(0, (k - 1) * s) for k, s in zip(lives, strides)) < 0:
         # a source in the box below 0 (a fill code): the fill is the first code, if there is one alone
+        if whole is None:
+            return Strided(shape, lives, strides, offset, None)
+        src = whole()
         codes = src[src < 0]
         if codes.size and codes.min() != codes.max():
             return None
@@ -237,23 +277,24 @@ def strided_form(src: np.ndarray) -> Strided | None:
     else:
         # every code is the fill if the form reproduces ``src``: the first entry outside the box
         out = [live * block for extent, live, _, block in dims if live < extent]
-        fill = int(src[min(out)]) if out else None
+        fill = int(read(np.array([min(out)], dtype=np.int64))[0]) if out else None
         if fill is not None and fill >= 0:
             return None
     if (fill is None) != (shape == lives):
         return None
-    if not _reproduces(src, shape, lives, strides, offset, fill):
+    if not _reproduces(n, read, whole, shape, lives, strides, offset, fill):
         return None
     return Strided(shape, lives, strides, offset, fill)
 
 
-def _digit(starts: np.ndarray) -> tuple[int, int, int]:
-    """``(extent, live, stride)`` of the digit whose values are ``starts`` (the block starts at the digits found
-    so far): the sources run arithmetically (``stride``) for ``live`` starts, then are fill up to the next live
-    one or the end. Read over a prefix grown until both ends are found (a digit's extent, not the whole map)."""
-    size, w = starts.size, 256
+def _digit(read: Reader, block: int, size: int) -> tuple[int, int, int]:
+    """``(extent, live, stride)`` of the digit whose values are the ``size`` block starts ``read(k * block)`` (at
+    the digits found so far): the sources run arithmetically (``stride``) for ``live`` starts, then are fill up to
+    the next live one or the end. Read over a prefix grown until both ends are found (a digit's extent, not the
+    whole map)."""
+    w = 256
     while True:
-        part = starts[:w].astype(np.int64)
+        part = read(np.arange(min(w, size), dtype=np.int64) * block).astype(np.int64)
         whole = w >= size
         live_start = part >= 0
         if part.size > 1 and live_start[1]:
@@ -278,27 +319,31 @@ strided is refused before the pass over all of it."""
 
 
 def _reproduces(
-    src: np.ndarray,
+    n: int,
+    read: Reader,
+    whole: Optional[Whole],
     shape: tuple[int, ...],
     live: tuple[int, ...],
     strides: tuple[int, ...],
     offset: int,
     fill: int | None,
 ) -> bool:
-    """``np.array_equal(_strided_sources(shape, live, strides, offset, fill), src)`` without building it:
-    first at :data:`_PROBES` entries spread over ``src``, then the live box of ``src.reshape(shape)``
-    against the broadcast sum ``offset + sum_d digit_d * stride_d`` and each slab outside the box against
-    ``fill`` (one read of ``src``)."""
-    n = src.size
+    """``np.array_equal(_strided_sources(shape, live, strides, offset, fill), src)`` for the ``n`` sources
+    ``src = whole()``, without building the form's: first at :data:`_PROBES` entries spread over them
+    (``read``), then the live box of ``src.reshape(shape)`` against the broadcast sum
+    ``offset + sum_d digit_d * stride_d`` and each slab outside the box against ``fill`` (one read of ``src``)."""
     if n <= _PROBES or math.prod(shape) != n:
-        return bool(np.array_equal(_strided_sources(shape, live, strides, offset, fill), src))
+        got = read(np.arange(n, dtype=np.int64)) if whole is None else whole()
+        return bool(np.array_equal(_strided_sources(shape, live, strides, offset, fill), got))
     at = np.linspace(0, n - 1, num=_PROBES, dtype=np.int64)
     digits = np.unravel_index(at, shape)
     inside = np.logical_and.reduce([d < k for d, k in zip(digits, live)])
     want = offset + sum((d * s for d, s in zip(digits, strides)), np.zeros_like(at))
-    if not np.array_equal(np.where(inside, want, fill if fill is not None else 0), src[at]):
+    if not np.array_equal(np.where(inside, want, fill if fill is not None else 0), read(at)):
         return False
-    grid = src.reshape(shape)
+    if whole is None:
+        return True
+    grid = whole().reshape(shape)
     box = grid[tuple(slice(0, k) for k in live)]
     inner = np.zeros((), dtype=np.int64)  # the box's sources at outer digit 0, compared a few values at a time
     for k, stride in zip(live[1:], strides[1:]):

@@ -139,6 +139,12 @@ VARIABLES = {
             extra="force",
         ),
         Variable("FIMOE_BACKGROUND_LOAD", "bool", "a false value loads kernel executors in the calling thread"),
+        Variable(
+            "FIMOE_PREBUILT_KERNELS",
+            "bool",
+            "a true value runs in-place transforms on CUDA with the cycle kernel built ahead of time while Triton "
+            "is not loaded (default off: not yet measured on a GPU)",
+        ),
         Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
         Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),
         Variable(

@@ -289,13 +289,79 @@ class IndexMap:
     if not TYPE_CHECKING:  # at run time only: type checkers keep every other attribute checked
 
         def __getattr__(self, name: str) -> Any:
-            """``src`` of a map from :meth:`refined_on_read`, built on this first read."""
-            wide = self.__dict__.get("_cache", {}).get("wider") if name == "src" else None
+            """``src`` of a map from :meth:`refined_on_read` or :meth:`composed_on_read`, built on this first read."""
+            cache = self.__dict__.get("_cache", {}) if name == "src" else {}
+            if "operands" in cache:
+                built = reduce(IndexMap.then, cache["operands"])  # an operand coarsened since: wider cells
+                if built.cell_bytes % self.cell_bytes == 0 and built.fills == self.fills:
+                    built = built.refined(self.cell_bytes)
+                else:
+                    raise LayoutError(
+                        f"internal: {self.name} composed over {built.cell_bytes}-byte cells with fills {built.fills}, "
+                        f"not the {self.cell_bytes} and {self.fills} it declared"
+                    )
+                src = built.src
+                cache.setdefault("has_fill", built._has_fill)
+                object.__setattr__(self, "src", src)
+                return src
+            wide = cache.get("wider")
             if wide is None:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             src = wide.refined(self.cell_bytes).src
             object.__setattr__(self, "src", src)
             return src
+
+    @classmethod
+    def composed_on_read(cls, maps: Sequence[IndexMap]) -> IndexMap:
+        """``reduce(IndexMap.then, maps)`` whose index is built when ``src`` is first read.
+
+        Everything but the index is known from the operands: the cell is the gcd of their widest known
+        cells and the fills are theirs, each byte once, in order (what :meth:`then` gives, checked when
+        the index is built). Until then :meth:`sources_at` traces single cells through the operands, so a
+        compiler that runs a plan's scale maps as two strided stages never builds the whole composition
+        over the finest cells (:func:`fimoe_lab.compile.compile_map`)."""
+        for a, b in zip(maps, maps[1:]):
+            if a.out_bytes != b.in_bytes:
+                raise LayoutError(
+                    f"cannot compose {a.name} (out {a.out_shape} bytes) with {b.name} "
+                    f"(in {b.in_shape} bytes): byte counts {a.out_bytes} != {b.in_bytes}"
+                )
+            wide = b._widest_known()
+            if "src" in vars(wide) and wide.src.numel() and int(wide.src.max()) >= wide.n_in_cells:
+                raise LayoutError(
+                    f"{b.name} reads past the {wide.n_in_cells} cells of {a.name}'s output",
+                    fix="build each map with sources below its input's cell count",
+                )
+        m = cls.__new__(cls)
+        declared = dict(
+            cell_bytes=reduce(math.gcd, (op._widest_known().cell_bytes for op in maps)),
+            in_shape=maps[0].in_shape,
+            out_shape=maps[-1].out_shape,
+            fills=tuple(dict.fromkeys(f for op in maps for f in op.fills)),
+            kind="chain",
+            params={},
+            parts=tuple(p for op in maps for p in op.steps),
+            _cache={"operands": tuple(maps)},
+        )
+        for key, value in declared.items():
+            object.__setattr__(m, key, value)
+        return m
+
+    @property
+    def index_pending(self) -> bool:
+        """True for a map from :meth:`composed_on_read` whose index is not built yet."""
+        return "src" not in vars(self) and "operands" in self._cache
+
+    def sources_at(self, cells: np.ndarray) -> np.ndarray:
+        """int64 ``src[cells]``; a map whose index is pending traces each cell through its operands
+        and builds nothing (a cell of the gcd width moves whole through every operand)."""
+        if not self.index_pending:
+            built: np.ndarray = self.src.numpy()[cells]
+            return built
+        at = self._probe_bytes(np.asarray(cells, dtype=np.int64) * self.cell_bytes)
+        code = np.zeros(256, dtype=np.int64)
+        code[list(self.fills)] = -1 - np.arange(len(self.fills), dtype=np.int64)
+        return np.where(at >= 0, at // self.cell_bytes, code[np.maximum(-1 - at, 0)])
 
     def _widest_known(self) -> IndexMap:
         """This map over the widest cells known without a pass over its index: :meth:`coarsened` once
@@ -435,7 +501,16 @@ class IndexMap:
         return bool(torch.equal(fa[mask], fb[mask]))
 
     def _probe_bytes(self, at: np.ndarray) -> np.ndarray:
-        """Source byte of each output byte offset ``at`` (fill byte ``v``: ``-1 - v``)."""
+        """Source byte of each output byte offset ``at`` (fill byte ``v``: ``-1 - v``); traced through the
+        operands while the index is pending."""
+        if self.index_pending:
+            at = np.array(at, dtype=np.int64)
+            for op in reversed(self._cache["operands"]):
+                live = at >= 0
+                at[live] = op._probe_bytes(at[live])
+            return at
+        if self._widest_known() is not self:  # the same bytes through the wider form (its index is built)
+            return self._widest_known()._probe_bytes(at)
         s = self.src.numpy()[at // self.cell_bytes]
         fills = np.array(self.fills or (0,), dtype=np.int64)
         out: np.ndarray = np.where(
@@ -640,8 +715,19 @@ class IndexMap:
         return x.view(x.shape[0], -1).view((x.shape[0],) + self.out_elements(x.element_size()))
 
 
+COMPOSED_ON_READ_CELLS = 1 << 16
+"""A composition of at least this many cells builds its index when first read (:meth:`IndexMap.composed_on_read`);
+a smaller one costs less to build than to trace (row steps over whole rows: a few thousand cells)."""
+
+
 def compose(*maps: IndexMap) -> IndexMap:
-    """``compose(a, b, c)`` applies ``a`` then ``b`` then ``c`` as one map."""
+    """``compose(a, b, c)`` applies ``a`` then ``b`` then ``c`` as one map (a large one builds its index when
+    first read: :data:`COMPOSED_ON_READ_CELLS`)."""
     if not maps:
         raise LayoutError("compose needs at least one map")
-    return reduce(IndexMap.then, maps)
+    if len(maps) == 1:
+        return maps[0]
+    cell = reduce(math.gcd, (m._widest_known().cell_bytes for m in maps))
+    if maps[-1].out_bytes // cell < COMPOSED_ON_READ_CELLS:
+        return reduce(IndexMap.then, maps)
+    return IndexMap.composed_on_read(maps)

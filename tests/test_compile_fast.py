@@ -12,8 +12,10 @@ probes), int64 and int32.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from functools import reduce
 
 import numpy as np
 import pytest
@@ -21,12 +23,14 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from fimoe_lab import steps
+from fimoe_lab import layout, steps
 from fimoe_lab.caches import clear_caches
 from fimoe_lab.compile import (
     MAX_STRIDED_DIMS,
     MAX_STRIDED_PIECES,
+    _may_be_strided,
     _strided_sources,
+    compile_map,
     strided_form,
     swizzle_rows,
 )
@@ -309,3 +313,132 @@ def test_a_composition_refuses_sources_past_the_earlier_output():
         first.then(past)
     fill_only = IndexMap(torch.full((4,), -1), 2, (0,), (8,), (7,))
     assert byte_table(IndexMap(torch.zeros(0, dtype=torch.int64), 2, (0,), (0,)).then(fill_only)).tolist() == [-8] * 8
+
+
+# ----------------------------------------------------------------------------- compositions built when read
+@contextlib.contextmanager
+def every_composition_on_read():
+    """Every composition of two maps or more builds its index when first read (not only large ones), with the
+    plan caches emptied on both sides."""
+    saved = layout.COMPOSED_ON_READ_CELLS
+    layout.COMPOSED_ON_READ_CELLS = 0
+    clear_caches()
+    try:
+        yield
+    finally:
+        layout.COMPOSED_ON_READ_CELLS = saved
+        clear_caches()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    recipe=st.sampled_from(RECIPE_IDS),
+    inter=st.integers(1, 24).map(lambda k: 16 * k),
+    hidden=st.integers(1, 12).map(lambda k: 32 * k),
+    gated=st.booleans(),
+)
+def test_plans_composed_on_read_compile_as_their_definitions(recipe, inter, hidden, gated):
+    """The plans of every recipe with every composition pending until read: compiling finds the same forms
+    (a map run as two stages is no strided view at its widest cells, by the full scan), builds no index of a
+    map it runs as stages unless its traced cells looked strided, and every index built on read is the
+    composition's own."""
+    fmt, backend = recipe.split("/")
+    if fmt == "mxint4":
+        inter, hidden = 256 * (1 + inter % 2), 256 * (1 + hidden % 2)
+    with every_composition_on_read():
+        try:
+            plan = plan_layer(fmt, backend, inter, hidden, is_act_and_mul=gated, is_gated=gated)
+        except LayoutError:
+            plan = None
+    assume(plan is not None)
+    for m in plan.maps().values():
+        pending = m.index_pending
+        em = m.compiled()
+        if pending and em.stages is not None:  # built only where the traced cells looked like a strided view
+            assert "src" not in vars(m) or _may_be_strided(m), m.name
+        check_compiled(m)  # reads em.src and m.src: both built now
+        assert np.array_equal(byte_table(m), composed_byte_table(m)), m.name
+
+
+@st.composite
+def chains(draw):
+    """2-4 steps over one byte matrix: paddings (two fill bytes), row steps, swizzles and block-major-K,
+    some chains themselves composed on read."""
+    rows, cols = 128 * draw(st.integers(1, 2)), 4 * draw(st.integers(1, 8))
+    maps = []
+    if draw(st.booleans()):
+        pad = steps.pad_projections(1, rows - 8 * draw(st.integers(0, 3)), rows, cols - draw(st.integers(0, 3)), cols)
+        maps.append(pad)
+        if draw(st.booleans()):  # a second fill byte
+            fill = steps.pad_projections(1, rows, rows, cols, cols + 4, fill=draw(st.integers(1, 255)))
+            crop = IndexMap(
+                torch.arange(rows * (cols + 4)).view(rows, cols + 4)[:, :cols].reshape(-1),
+                1,
+                fill.out_shape,
+                (rows, cols),
+            )
+            maps += [fill, crop]
+    choices = [
+        lambda: steps.swap_w13_to_w31_rows(rows, cols),
+        lambda: steps.shuffle_rows_for_epilogue(rows, cols, 64),
+        lambda: steps.interleave_rows_for_gated_act(rows, cols),
+        lambda: steps.swizzle_scales_128x4(rows, cols),
+        lambda: steps.block_major_k(rows, cols, 4),
+    ]
+    for k in draw(st.lists(st.integers(0, len(choices) - 1), min_size=1, max_size=3)):
+        maps.append(choices[k]())
+    if len(maps) > 2 and draw(st.booleans()):  # a pending composition as an operand
+        maps = [IndexMap.composed_on_read(maps[:2])] + maps[2:]
+    return maps
+
+
+@settings(max_examples=80, deadline=None)
+@given(maps=chains(), probe_first=st.booleans())
+def test_a_composition_built_on_read_is_the_eager_one(maps, probe_first):
+    """``composed_on_read`` declares the eager composition's cell and fills, traces any cells to the eager
+    sources without building its index, and builds the eager index when read."""
+    assume(len(maps) > 1)
+    eager = reduce(IndexMap.then, maps)
+    lazy = IndexMap.composed_on_read(maps)
+    assert lazy.index_pending and lazy.cell_bytes == eager.cell_bytes and lazy.fills == eager.fills
+    assert lazy.in_shape == eager.in_shape and lazy.out_shape == eager.out_shape and lazy.steps == eager.steps
+    if probe_first:
+        cells = np.arange(lazy.n_out_cells, dtype=np.int64)
+        assert np.array_equal(lazy.sources_at(cells), eager.src.numpy())
+        assert lazy.index_pending
+    assert np.array_equal(lazy.src.numpy(), eager.src.numpy()) and not lazy.index_pending
+    assert lazy._has_fill == eager._has_fill
+
+
+def test_a_composition_built_on_read_refuses_what_then_refuses():
+    a = steps.swap_w13_to_w31_rows(4, 8)
+    with pytest.raises(LayoutError, match="byte counts"):
+        IndexMap.composed_on_read([a, steps.swap_w13_to_w31_rows(4, 16)])
+    past = IndexMap(torch.tensor([0, 4, 1, 2]), 8, (4, 8), (4, 8))
+    with pytest.raises(LayoutError, match="reads past the 4 cells"):
+        IndexMap.composed_on_read([a, past])
+
+
+def test_gpt_oss_scales_compile_without_their_composition():
+    """gpt-oss-120b's scale maps (padding over 6- and 2-byte cells, row steps, the 128x4 swizzle): the plan and
+    its compile build only the two stages; the whole map's index, its cells and whether it permutes are
+    found when read, equal to an eager composition's."""
+    clear_caches()
+    plan = plan_layer("mxfp4", "trtllm", 2880, 2880)
+    for name in ("w13_scale", "w2_scale"):
+        m = getattr(plan, name)
+        em = m.compiled()
+        assert em.stages is not None and em.strided is None and m.index_pending
+        assert {"src", "cell_bytes", "is_permutation"}.isdisjoint(vars(em))
+        eager = reduce(IndexMap.then, m._cache["operands"])
+        want = compile_map(eager)
+        assert (em.cell_bytes, em.word, em.n_in, em.n_out, em.has_fill, em.is_permutation) == (
+            want.cell_bytes,
+            want.word,
+            want.n_in,
+            want.n_out,
+            want.has_fill,
+            want.is_permutation,
+        )
+        assert np.array_equal(em.src, want.src) and want.strided is None
+        assert [s.strided for s in em.stages] == [s.strided for s in want.stages]

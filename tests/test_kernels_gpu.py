@@ -14,7 +14,7 @@ from reference_loops import byte_gather as reference
 
 from fimoe_lab import kernels
 from fimoe_lab.errors import LayoutError
-from fimoe_lab.kernels import InPlaceError, available_backends, execute, execute_in_place
+from fimoe_lab.kernels import InPlaceError, available_backends, execute, execute_in_place, prebuilt
 from fimoe_lab.prepare import plan_layer
 
 pytestmark = pytest.mark.gpu
@@ -22,6 +22,8 @@ pytestmark = pytest.mark.gpu
 GPU_BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
 if "triton" in GPU_BACKENDS and torch.cuda.is_available():
     kernels.load_executor("triton")  # default calls below run on Triton, not on its stand-in while it loads
+
+PREBUILT = prebuilt.available("cuda") if torch.cuda.is_available() else False
 
 STAND_IN_CHILD = """
 import json, torch
@@ -188,7 +190,8 @@ def test_gpu_unaligned_and_typed(backend):
 @pytest.mark.parametrize(
     "backend,strategy",
     [("torch", None), ("torch", "strided"), ("torch", "copy-then-gather")]
-    + ([("triton", "auto"), ("triton", "cycles"), ("triton", "copy-then-gather")] if "triton" in GPU_BACKENDS else []),
+    + ([("triton", "auto"), ("triton", "cycles"), ("triton", "copy-then-gather")] if "triton" in GPU_BACKENDS else [])
+    + ([("prebuilt", None), ("prebuilt", "cycles")] if PREBUILT else []),
 )
 @pytest.mark.parametrize("scratch", [1, 2, 3, None])
 def test_gpu_in_place(backend, strategy, scratch):
@@ -433,7 +436,7 @@ def test_gpu_in_place_error_restores_torch_path(monkeypatch):
 def test_gpu_dispatch_prefers_triton():
     want = "triton" if "triton" in GPU_BACKENDS else "torch"
     assert kernels.pick_backend("cuda", 1 << 30) == want
-    assert available_backends("cuda") == GPU_BACKENDS[::-1]
+    assert available_backends("cuda") == GPU_BACKENDS[::-1] + (["prebuilt"] if PREBUILT else [])
 
 
 def test_gpu_apply_refuses_overlap_and_forced_backends_agree():
@@ -500,3 +503,109 @@ def test_gpu_strided_copies_bit_exact_at_model_sizes(m):
             execute_in_place(em, y, 1, backend="torch")
             torch.cuda.synchronize()
             assert torch.equal(y, out)
+
+
+# ----------------------------------------------------------------------------- the prebuilt cycle kernel
+def in_place_maps():
+    """Every permutation the drop-ins and the layer plans run in place, at test and production sizes."""
+    from fimoe_lab.prepare import drop_in_maps
+
+    for fmt, inter, hidden, kw in CASES:
+        for name, m in plan_layer(fmt, "trtllm", inter, hidden, **kw).maps().items():
+            if m.is_permutation:
+                yield pytest.param(m, id=f"layer-{fmt}-{inter}x{hidden}-{len(kw)}-{name}")
+    for fmt, inter, hidden in (("fp8", 256, 7168), ("bf16", 192, 4096), ("fp8", 96, 256), ("bf16", 64, 256)):
+        for name, (m, in_place) in drop_in_maps(fmt, inter, hidden).items():
+            if in_place:
+                yield pytest.param(m, id=f"drop-in-{fmt}-{inter}x{hidden}-{name}")
+
+
+@pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
+@pytest.mark.parametrize("scratch", [1, None])
+@pytest.mark.parametrize("m", list(in_place_maps()))
+def test_gpu_prebuilt_cycles_bit_exact(m, scratch):
+    """The prebuilt cycle kernel against the byte-loop reference, on coordinate-coded and random bytes, in
+    16-byte words and (the buffer one word off) in 4-byte and single-byte words."""
+    experts = 3 if m.in_bytes > (1 << 22) else 5
+    for x in inputs(m, experts):
+        for shift in (0, 4, 1):
+            raw = torch.empty((x.numel() + 16,), dtype=torch.uint8, device="cuda")
+            y = raw[shift : shift + x.numel()].view(x.shape)
+            y.copy_(x)
+            want = reference(m, x)
+            execute_in_place(m.compiled(), y, scratch, backend="prebuilt")
+            torch.cuda.synchronize()
+            assert torch.equal(y, want), (shift, scratch)
+
+
+@pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
+@pytest.mark.parametrize("cells,cell_bytes", [(1, 16), (7, 1), (4096, 4), (3000, 48), (517, 7168), (64, 1 << 16)])
+def test_gpu_prebuilt_cycles_random_permutations(cells, cell_bytes):
+    """Random permutations of cells of many widths (long cycles cut by every tile edge), 1-9 experts, every
+    scratch from one expert up."""
+    from fimoe_lab.layout import IndexMap
+
+    g = torch.Generator().manual_seed(cells * 7 + cell_bytes)
+    m = IndexMap(torch.randperm(cells, generator=g), cell_bytes, (cells * cell_bytes,), (cells * cell_bytes,))
+    for experts in (1, 4, 9):
+        for scratch in (1, 2, experts):
+            x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device="cuda")
+            want = reference(m, x)
+            execute_in_place(m.compiled(), x, scratch, backend="prebuilt")
+            torch.cuda.synchronize()
+            assert torch.equal(x, want), (experts, scratch)
+
+
+@pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
+def test_gpu_prebuilt_error_midway_is_undone(monkeypatch):
+    from fimoe_lab.kernels import prebuilt as module
+
+    m = plan_layer("fp8-block", "trtllm", 256, 512).w13
+    x = torch.randint(0, 256, (9, m.in_bytes), dtype=torch.uint8, device="cuda")
+    before = x.clone()
+    real, fired = module.inplace_cycles, []
+
+    def flaky(em, flat, chunk):
+        for i, item in enumerate(real(em, flat, chunk)):
+            yield item
+            if i == 1 and not fired:
+                fired.append(1)
+                raise RuntimeError("injected between launches")
+
+    monkeypatch.setattr(module, "inplace_cycles", flaky)
+    with pytest.raises(InPlaceError) as info:
+        execute_in_place(m.compiled(), x, 1, backend="prebuilt")
+    assert fired and info.value.restored and torch.equal(x, before)
+
+
+PREBUILT_CHILD = """
+import json, sys, torch
+from fimoe_lab import prepare
+from fimoe_lab.kernels import registry
+g = torch.Generator(device="cuda").manual_seed(0)
+w13 = torch.randint(0, 256, (16, 512, 7168), dtype=torch.uint8, device="cuda", generator=g)
+w2 = torch.randint(0, 256, (16, 7168, 256), dtype=torch.uint8, device="cuda", generator=g)
+a13, a2 = w13.clone(), w2.clone()
+prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)
+chosen = registry.get_executor(None, "cuda", w13.nbytes, em=prepare.plan_rotate_fp8_per_tensor(512, 7168, 256, True).w13.compiled(), in_place=True).name
+plan = prepare.plan_rotate_fp8_per_tensor(512, 7168, 256, True)
+torch.cuda.synchronize()
+print(json.dumps([chosen, "triton" not in sys.modules, torch.equal(w13, plan.w13.apply(a13, backend="torch")), torch.equal(w2, plan.w2.apply(a2, backend="torch"))]))
+"""
+
+
+@pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
+def test_gpu_fresh_process_prebuilt_stand_in():
+    """With FIMOE_PREBUILT_KERNELS=1 a fresh process rotates FP8 weights in place with the prebuilt kernel:
+    no Triton import, the bytes of torch's gather."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FIMOE_PREBUILT_KERNELS="1")
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", PREBUILT_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["prebuilt", True, True, True]

@@ -46,11 +46,13 @@ print(json.dumps({
 
 
 def packaged_files() -> dict[str, bytes]:
-    """Every shipped file of this checkout (``data/``, ``notebooks/``), by its path inside the wheel."""
+    """Every shipped file of this checkout (``data/``, ``notebooks/``, the prebuilt CUDA kernels and their
+    sources), by its path inside the wheel."""
     found = {}
     for folder, inside in (
         (resources.data_dir(), "fimoe_lab/data"),
         (resources.notebooks_dir(), "fimoe_lab/notebooks"),
+        (Path(__file__).resolve().parents[1] / "fimoe_lab" / "kernels" / "cuda", "fimoe_lab/kernels/cuda"),
     ):
         for f in folder.rglob("*"):
             if f.is_file() and "__pycache__" not in f.parts:
@@ -119,7 +121,9 @@ def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProc
 def test_wheel_holds_every_data_file_and_is_small(wheel):
     with zipfile.ZipFile(wheel) as z:
         inside = {
-            name: z.read(name) for name in z.namelist() if name.startswith(("fimoe_lab/data/", "fimoe_lab/notebooks/"))
+            name: z.read(name)
+            for name in z.namelist()
+            if name.startswith(("fimoe_lab/data/", "fimoe_lab/notebooks/", "fimoe_lab/kernels/cuda/"))
         }
     shipped = packaged_files()
     assert sorted(inside) == sorted(shipped)

@@ -207,7 +207,7 @@ def execute_in_place(
         return
     chunk = _check_in_place(em, x, scratch_experts)
     flat, _ = byte_views(x, x)
-    ex = get_executor(backend, x.device, flat.numel(), wait=bool(config), em=em)  # a tuned call: its executor
+    ex = get_executor(backend, x.device, flat.numel(), wait=bool(config), em=em, in_place=True)  # tuned: its own
     strategy = ex.strategy(em, (config or {}).get("inplace", "auto"))
     start = 0
     try:

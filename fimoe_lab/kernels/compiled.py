@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ def fill_word(byte: int, word: int) -> int:
     if word == 1:
         return byte
     return int.from_bytes(bytes([byte]) * word, "little", signed=True)
+
+
+_CELL_FIELDS = frozenset(("cell_bytes", "word", "n_in", "n_out", "src", "has_fill"))
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,49 @@ class ExecMap:
     strided: Strided | None = None
     stages: tuple[ExecMap, ExecMap] | None = None
     _dev: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def on_read(
+        cls,
+        name: str,
+        fills: tuple[int, ...],
+        in_bytes: int,
+        out_bytes: int,
+        cells: Callable[[], dict],
+        permutation: Callable[[], bool],
+        compile_inverse: Optional[Callable[[], ExecMap]] = None,
+    ) -> ExecMap:
+        """An executable form whose cell fields (``cell_bytes``, ``word``, ``n_in``, ``n_out``, ``src``,
+        ``has_fill``: ``cells()``) and ``is_permutation`` (``permutation()``) are found when one is first read:
+        a map run as two strided stages never needs its own cells, a gather never asks whether it permutes."""
+        em = cls.__new__(cls)
+        em.__dict__.update(
+            name=name,
+            fills=fills,
+            in_bytes=in_bytes,
+            out_bytes=out_bytes,
+            compile_inverse=compile_inverse,
+            row_forms=None,
+            find_row_forms=None,
+            strided=None,
+            stages=None,
+            _dev={},
+            _cells=cells,
+            _permutation=permutation,
+        )
+        return em
+
+    if not TYPE_CHECKING:  # at run time only: type checkers keep every other attribute checked
+
+        def __getattr__(self, name: str):
+            """A field of an :meth:`on_read` form, found on this first read."""
+            if name == "is_permutation" and "_permutation" in self.__dict__:
+                self.__dict__["is_permutation"] = self.__dict__.pop("_permutation")()
+            elif name in _CELL_FIELDS and "_cells" in self.__dict__:
+                self.__dict__.update(self.__dict__.pop("_cells")())
+            else:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            return self.__dict__[name]
 
     def _row_forms(self) -> tuple[tuple | None, tuple | None]:
         if self.row_forms is None:

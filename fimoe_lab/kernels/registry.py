@@ -9,11 +9,14 @@ output size is the first one that is available there and wants that size:
 - ``numba``: CPU tensors of at least :data:`NUMBA_MIN_BYTES` output, when numba imports
   (below that, compiling costs more than it saves);
 - ``torch``: any device (strided copies for maps of the strided form, else wide-word
-  ``index_select``).
+  ``index_select``);
+- ``prebuilt``: CUDA devices whose driver loads the kernels built ahead of time
+  (:mod:`.prebuilt`); gathers as torch's. Never the default; with ``FIMOE_PREBUILT_KERNELS=1`` it
+  stands in for Triton in place (:data:`PREBUILT_ENV`).
 
 In-place strategies: ``bands`` (Triton, the 128x4 scale maps only: one cooperative
 launch, no scratch), ``cycles`` (along the map's cycles, :mod:`.cycles`; numba prefers
-it for cells of at least :data:`CYCLES_MIN_CELL` bytes), ``strided`` (torch, maps of the
+it for cells of at least :data:`CYCLES_MIN_CELL` bytes; ``prebuilt`` runs it with nothing compiled), ``strided`` (torch, maps of the
 strided form: a chunk copied aside, then strided-copied back), ``copy-then-gather`` (every
 executor: :mod:`.copy_then_gather`). ``auto`` takes the first strategy that fits the
 map and prefers it. Implementations load on first call (numba and Triton import only
@@ -95,7 +98,9 @@ class Executor:
     package that must import), the smallest output it is preferred for, its gather and
     its in-place strategies (preferred first); ``load``: what loading it ahead of its first
     gather takes (imports, cached kernels), run in the background while default calls go to
-    the executor named ``stand_in`` (module docstring)."""
+    the executor named ``stand_in`` (module docstring); ``at_bandwidth(em, device type, in_place)``:
+    whether it runs ``em`` near a copy's speed, so a default call need not load another;
+    ``loads_on(device)``: whether what it ships loads there (``loads_needs`` says what that takes)."""
 
     name: str
     devices: Optional[tuple[str, ...]]
@@ -105,12 +110,18 @@ class Executor:
     in_place: tuple[InPlace, ...]
     load: Optional[Callable[[], None]] = None
     stand_in: Optional[str] = None
-    at_bandwidth: Callable[[ExecMap, str], bool] = lambda em, kind: False
+    at_bandwidth: Callable[[ExecMap, str, bool], bool] = lambda em, kind, in_place: False
+    loads_on: Optional[Callable[[torch.device], bool]] = None
+    loads_needs: str = ""
 
     def available(self, device: torch.device | str) -> bool:
-        """Whether this executor can run on ``device`` here."""
-        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-        return (self.devices is None or kind in self.devices) and (self.needs is None or _importable(self.needs))
+        """Whether this executor can run on ``device`` here (``loads_on``: what it ships loads there)."""
+        device = torch.device(device)
+        return (
+            (self.devices is None or device.type in self.devices)
+            and (self.needs is None or _importable(self.needs))
+            and (self.loads_on is None or self.loads_on(device))
+        )
 
     def preferred(self, device: torch.device | str, out_bytes: int) -> bool:
         """Whether this executor wants an output of ``out_bytes`` on ``device``."""
@@ -147,10 +158,23 @@ def _strided_form(em: ExecMap) -> bool:
     return em.strided is not None
 
 
-def _strided_on_cuda(em: ExecMap, kind: str) -> bool:
+def _strided_on_cuda(em: ExecMap, kind: str, in_place: bool = False) -> bool:
     """torch's strided copies run at 0.94-0.97 of a copy on the H200 (Triton's gathers: 0.95-0.97);
     on a CPU about half of one (numba's streaming stores: all of it), so numba is still loaded there."""
     return kind == "cuda" and (em.strided is not None or em.stages is not None)
+
+
+def _cycles_or_strided(em: ExecMap, kind: str, in_place: bool) -> bool:
+    """In place, the prebuilt cycle kernel moves each byte once, as Triton's does; gathers are torch's."""
+    return (in_place and kind == "cuda") or _strided_on_cuda(em, kind)
+
+
+def _cycles_prebuilt(em, flat, scratch_experts, config):
+    return _module("prebuilt").inplace_cycles(em, flat, scratch_experts)
+
+
+def _prebuilt_loads(device: torch.device) -> bool:
+    return _module("prebuilt").available(device)
 
 
 def _inplace_strided_torch(em, flat, scratch_experts, config):
@@ -243,6 +267,17 @@ EXECUTORS: dict[str, Executor] = {
             ),
             at_bandwidth=_strided_on_cuda,
         ),
+        Executor(
+            "prebuilt",
+            ("cuda",),
+            None,
+            0,
+            _gather_torch,
+            (InPlace("cycles", _cycles_prebuilt), _copy_then_gather(_gather_torch)),
+            at_bandwidth=_cycles_or_strided,
+            loads_on=_prebuilt_loads,
+            loads_needs="a driver that loads its fatbin (CUDA 13: driver 580 or newer)",
+        ),
     )
 }
 """Every executor, fastest first."""
@@ -264,17 +299,22 @@ def _pick(kind: str, out_bytes: int) -> str:
 
 
 def get_executor(
-    name: Optional[str], device: torch.device | str, out_bytes: int, wait: bool = False, em: Optional[ExecMap] = None
+    name: Optional[str],
+    device: torch.device | str,
+    out_bytes: int,
+    wait: bool = False,
+    em: Optional[ExecMap] = None,
+    in_place: bool = False,
 ) -> Executor:
     """Executor ``name`` (None: :func:`pick_backend`, or its stand-in while it loads or, for a map ``em``
-    the stand-in runs at bandwidth, until it is loaded; with ``wait``, loaded now: a call that tunes the
-    executor's own strategies), checked to run on ``device``."""
+    the stand-in runs at bandwidth (``in_place``: permuted in place), until it is loaded; with ``wait``,
+    loaded now: a call that tunes the executor's own strategies), checked to run on ``device``."""
     if name is None:
         ex = EXECUTORS[pick_backend(device, out_bytes)]
         if wait:
             load_executor(ex.name)
             return ex
-        return _loaded_or_stand_in(ex, em, torch.device(device).type)
+        return _loaded_or_stand_in(ex, em, torch.device(device), in_place)
     if name not in EXECUTORS:
         raise FormatError(f"unknown executor backend {name!r}", fix=f"choose one of {', '.join(EXECUTORS)}")
     ex = EXECUTORS[name]
@@ -282,6 +322,7 @@ def get_executor(
         why = " and ".join(
             ([f"a {' or '.join(ex.devices)} device"] if ex.devices else [])
             + ([f"{ex.needs} importable"] if ex.needs else [])
+            + ([ex.loads_needs] if ex.loads_on else [])
         )
         raise FormatError(
             f"executor backend {name!r} cannot run on {torch.device(device)} here (it needs {why})",
@@ -294,6 +335,10 @@ def get_executor(
 BACKGROUND_ENV = "FIMOE_BACKGROUND_LOAD"
 """Set to a false value (``0 false no off``: :func:`fimoe_lab.env.env_bool`) to load executors in the calling
 thread (no stand-in runs)."""
+PREBUILT_ENV = "FIMOE_PREBUILT_KERNELS"
+"""Set to a true value to make ``prebuilt`` the stand-in of an executor that stands in with torch, on the
+devices it loads on: in place, its cycle kernel instead of torch's two passes (off by default until it is
+measured on a GPU)."""
 
 
 class _Loads:
@@ -341,15 +386,28 @@ def _background_load(ex: Executor) -> None:
         _LOADS.ready.add(ex.name)
 
 
-def _loaded_or_stand_in(ex: Executor, em: Optional[ExecMap] = None, kind: str = "") -> Executor:
+def _stand_in(ex: Executor, device: torch.device) -> Optional[Executor]:
+    """``ex``'s stand-in on ``device``: ``prebuilt`` for torch where :data:`PREBUILT_ENV` asks and it loads."""
+    if ex.stand_in is None:
+        return None
+    if ex.stand_in == "torch" and env.value(PREBUILT_ENV, False) and EXECUTORS["prebuilt"].available(device):
+        return EXECUTORS["prebuilt"]
+    return EXECUTORS[ex.stand_in]
+
+
+def _loaded_or_stand_in(
+    ex: Executor, em: Optional[ExecMap] = None, device: torch.device | str | None = None, in_place: bool = False
+) -> Executor:
     """``ex`` once loaded; before that, its stand-in with no load started when the stand-in runs ``em``
-    at bandwidth, else start its load in the background and return its stand-in (in the calling thread
-    instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in)."""
+    at bandwidth (``in_place``: in place), else start its load in the background and return its stand-in
+    (in the calling thread instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in)."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
-    if ex.stand_in is not None and em is not None and EXECUTORS[ex.stand_in].at_bandwidth(em, kind):
-        return EXECUTORS[ex.stand_in]
-    if ex.stand_in is None or not env.value(BACKGROUND_ENV, True):
+    device = torch.device(device if device is not None else "cpu")
+    stand = _stand_in(ex, device)
+    if stand is not None and em is not None and stand.at_bandwidth(em, device.type, in_place):
+        return stand
+    if stand is None or not env.value(BACKGROUND_ENV, True):
         load_executor(ex.name)
         return ex
     with _LOADS.lock:
@@ -359,4 +417,4 @@ def _loaded_or_stand_in(ex: Executor, em: Optional[ExecMap] = None, kind: str = 
             )
             _LOADS.threads[ex.name] = thread
             thread.start()
-    return ex if ex.name in _LOADS.ready else EXECUTORS[ex.stand_in]
+    return ex if ex.name in _LOADS.ready else stand

@@ -120,7 +120,9 @@ def lru_get(cache: OrderedDict, key: Hashable, make: Callable[[], Any], limit: i
 
 def nbytes(value: Any, _seen: Optional[set] = None) -> int:
     """Bytes an array, a tensor, or a dataclass / dict / sequence of them holds, each object counted once (a
-    structure that refers to itself ends there; a broadcast view: none; a meta tensor: none)."""
+    structure that refers to itself ends there; a broadcast view: none; a meta tensor: none). Fields built when
+    first read (an index map's pending index, an executable form's cells) count once built: counting builds
+    nothing."""
     seen = set() if _seen is None else _seen
     if id(value) in seen:
         return 0
@@ -130,11 +132,16 @@ def nbytes(value: Any, _seen: Optional[set] = None) -> int:
     if isinstance(value, torch.Tensor):
         return 0 if value.is_meta else value.numel() * value.element_size()
     if isinstance(value, dict):
-        return sum(nbytes(v, seen) for v in value.values())
+        return sum(nbytes(v, seen) for v in list(value.values()))
     if isinstance(value, (list, tuple)):
         return sum(nbytes(v, seen) for v in value)
     fields = getattr(value, "__dataclass_fields__", None)
-    return sum(nbytes(getattr(value, f), seen) for f in fields) if fields else 0
+    if not fields:
+        return 0
+    held = getattr(value, "__dict__", None)
+    if held is None:
+        return sum(nbytes(getattr(value, f), seen) for f in fields)
+    return sum(nbytes(held[f], seen) for f in fields if f in held)
 
 
 class BoundedCache:

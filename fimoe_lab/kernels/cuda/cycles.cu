@@ -1,0 +1,76 @@
+// In-place cell permutations along a cycle plan (fimoe_lab/kernels/cycles.py), built ahead of time.
+//
+// A cycle plan lists the moved cells tile after tile: slot k writes cell dst[k] with cell src[k]
+// (src[k] >= 0, a cell that some slot of the same tile writes) or with saved cell -1 - src[k]
+// (copied aside first, where a cycle runs over a tile edge). A block moves one tile of BM slots
+// x BW words of each cell: it loads every source word into registers, waits for the whole block
+// (__syncthreads also orders the block's memory accesses), then stores. No other block touches
+// the tile's cells, so each moved word crosses memory once.
+//
+// Grid: x = tile * NC + column chunk (NC = cell words / BW), y = expert of the chunk. Block:
+// THREADS threads, each holding ITEMS words, so BM * BW <= THREADS * ITEMS.
+// save != 0: the pass before, copying saved cell dst[k] (k < n_slots) to scratch slot k.
+//
+// One kernel per word: 16 bytes (cells and addresses 16-byte aligned), 4 bytes, 1 byte.
+
+#define THREADS 256
+#define ITEMS 8
+
+typedef unsigned char word1;
+typedef unsigned int word4;
+struct __align__(16) word16 {
+    unsigned int a, b, c, d;
+};
+
+template <typename W>
+__device__ __forceinline__ void cycle_tile(W* __restrict__ x, W* __restrict__ scratch, const int* __restrict__ dst,
+                                           const int* __restrict__ src, int n_slots, int bm, int bw, int nc,
+                                           long long cell_words, long long expert_words, long long scratch_words,
+                                           int save) {
+    const int tile = blockIdx.x / nc;
+    const long long col0 = (long long)(blockIdx.x % nc) * bw;
+    const long long e = blockIdx.y;
+    W* xe = x + e * expert_words;
+    W* se = scratch + e * scratch_words;
+    const int count = bm * bw;
+    W v[ITEMS];
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+        const int i = k * THREADS + (int)threadIdx.x;
+        const int slot = tile * bm + i / bw;
+        const long long col = col0 + i % bw;
+        if (i < count && slot < n_slots) {
+            if (save) {
+                v[k] = xe[(long long)dst[slot] * cell_words + col];
+            } else {
+                const int s = src[slot];
+                v[k] = s >= 0 ? xe[(long long)s * cell_words + col] : se[(long long)(-1 - s) * cell_words + col];
+            }
+        }
+    }
+    __syncthreads();  // every load of the tile is done before any store overwrites a source
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+        const int i = k * THREADS + (int)threadIdx.x;
+        const int slot = tile * bm + i / bw;
+        const long long col = col0 + i % bw;
+        if (i < count && slot < n_slots) {
+            if (save) {
+                se[(long long)slot * cell_words + col] = v[k];
+            } else {
+                xe[(long long)dst[slot] * cell_words + col] = v[k];
+            }
+        }
+    }
+}
+
+#define CYCLE_KERNEL(NAME, W)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                         \
+        NAME(W* x, W* scratch, const int* dst, const int* src, int n_slots, int bm, int bw, int nc,               \
+             long long cell_words, long long expert_words, long long scratch_words, int save) {                   \
+        cycle_tile<W>(x, scratch, dst, src, n_slots, bm, bw, nc, cell_words, expert_words, scratch_words, save); \
+    }
+
+CYCLE_KERNEL(fimoe_cycles_w16, word16)
+CYCLE_KERNEL(fimoe_cycles_w4, word4)
+CYCLE_KERNEL(fimoe_cycles_w1, word1)

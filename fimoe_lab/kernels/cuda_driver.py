@@ -1,0 +1,158 @@
+"""Kernels built ahead of time, loaded and launched through the CUDA driver (``libcuda``) with ctypes.
+
+Nothing is compiled when a process runs: the kernels of ``kernels/cuda/*.cu`` ship as one fatbin per
+source (``scripts/build_cuda_kernels.py``: SASS for sm_80, sm_90, sm_100 and sm_120, and compute_90 PTX
+that the driver compiles once for a newer GPU). A fatbin is loaded into the device's primary context,
+the one torch uses, in a few milliseconds; a launch goes on torch's current stream. A driver that cannot
+load the fatbin (older than the CUDA 13 toolkit that built it, or a GPU none of it runs on) makes the
+kernels unavailable (:func:`available`); callers then use another executor.
+
+Arguments are passed as ``(ctypes type, value)`` pairs: ``ctypes.c_void_p`` for a device address,
+``ctypes.c_int`` / ``ctypes.c_longlong`` for integers, in the kernel's parameter order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from importlib import resources
+from typing import Any
+
+import torch
+
+__all__ = ["CudaDriverError", "available", "kernel", "launch"]
+
+_SUCCESS = 0
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed; the message names the call and the driver's error."""
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    p, i, u = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+    signatures: dict[str, list[Any]] = {
+        "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)],
+        "cuDeviceGet": [ctypes.POINTER(i), i],
+        "cuDevicePrimaryCtxRetain": [ctypes.POINTER(p), i],
+        "cuCtxGetCurrent": [ctypes.POINTER(p)],
+        "cuCtxSetCurrent": [p],
+        "cuModuleLoadData": [ctypes.POINTER(p), p],
+        "cuModuleGetFunction": [ctypes.POINTER(p), p, ctypes.c_char_p],
+        "cuLaunchKernel": [p, u, u, u, u, u, u, u, p, ctypes.POINTER(p), ctypes.POINTER(p)],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, i
+    return lib
+
+
+def _check(result: int, call: str) -> None:
+    if result != _SUCCESS:
+        name = ctypes.c_char_p()
+        _lib().cuGetErrorName(result, ctypes.byref(name))
+        raise CudaDriverError(f"{call} failed: {(name.value or b'unknown error').decode()} ({result})")
+
+
+class _Module:
+    """One fatbin loaded into one device's primary context, and its functions."""
+
+    def __init__(self, image: bytes, device: int):
+        lib = _lib()
+        dev, ctx, mod = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+        _check(lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+        _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self.context = ctx.value
+        self._image = ctypes.create_string_buffer(image, len(image))  # kept for the module's life
+        with self.current():
+            _check(lib.cuModuleLoadData(ctypes.byref(mod), self._image), "cuModuleLoadData")
+        self.handle = mod.value
+        self.functions: dict[str, int] = {}
+
+    def current(self):
+        """A context manager that makes this module's context current in the calling thread."""
+        return _Current(self.context)
+
+    def function(self, name: str) -> int:
+        if name not in self.functions:
+            fn = ctypes.c_void_p()
+            _check(
+                _lib().cuModuleGetFunction(ctypes.byref(fn), self.handle, name.encode()), f"cuModuleGetFunction({name})"
+            )
+            self.functions[name] = fn.value
+        return self.functions[name]
+
+
+class _Current:
+    """Make a context current for a block, then put back the one that was."""
+
+    def __init__(self, context: int):
+        self.context, self.before = context, ctypes.c_void_p()
+
+    def __enter__(self) -> None:
+        lib = _lib()
+        _check(lib.cuCtxGetCurrent(ctypes.byref(self.before)), "cuCtxGetCurrent")
+        if self.before.value != self.context:
+            _check(lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.before.value != self.context:
+            _lib().cuCtxSetCurrent(self.before)
+
+
+_MODULES: dict[tuple[str, int], _Module] = {}
+_LOCK = threading.Lock()
+
+
+def _module(source: str, device: int) -> _Module:
+    key = (source, device)
+    if key not in _MODULES:
+        with _LOCK:
+            if key not in _MODULES:
+                torch.cuda.init()  # the primary context torch uses exists before we retain it
+                image = resources.files("fimoe_lab.kernels").joinpath(f"cuda/{source}.fatbin").read_bytes()
+                _MODULES[key] = _Module(image, device)
+    return _MODULES[key]
+
+
+@functools.cache
+def _loads(source: str, device: int) -> bool:
+    try:
+        _module(source, device)
+    except (OSError, CudaDriverError):  # no libcuda, or a driver / GPU the fatbin does not serve
+        return False
+    return True
+
+
+def available(source: str, device: torch.device | str) -> bool:
+    """Whether the fatbin ``kernels/cuda/<source>.fatbin`` loads on CUDA ``device`` here (cached)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return _loads(source, dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def kernel(source: str, name: str, device: torch.device) -> tuple[_Module, int]:
+    """The module of ``source`` on ``device`` and its function ``name`` (loaded on first use)."""
+    module = _module(source, device.index if device.index is not None else torch.cuda.current_device())
+    return module, module.function(name)
+
+
+def launch(
+    source: str,
+    name: str,
+    device: torch.device,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    args: list[tuple[type, int]],
+) -> None:
+    """Launch function ``name`` of ``source``'s fatbin on ``device``'s current torch stream."""
+    module, fn = kernel(source, name, device)
+    values = [kind(value) for kind, value in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with module.current():
+        _check(_lib().cuLaunchKernel(fn, *grid, *block, 0, stream, params, None), f"cuLaunchKernel({name})")

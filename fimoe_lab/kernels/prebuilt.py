@@ -1,0 +1,119 @@
+"""The prebuilt CUDA executor: in place along a map's cycle plan with a kernel built ahead of time.
+
+The cycle kernel (``kernels/cuda/cycles.cu``, loaded by :mod:`.cuda_driver`) moves one tile of a
+:class:`~fimoe_lab.kernels.cycles.CyclePlan` per block: ``BM`` slots x ``BW`` words of their cells, every
+source loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
+kernel does, with nothing compiled in the process. Gathers are torch's (strided copies at bandwidth for
+the strided forms, else ``index_select``).
+
+Tile shape: ``THREADS * ITEMS`` words a block (the constants of ``cycles.cu``); the word is 16 bytes where
+the cell and the buffer allow it, else 4, else 1; ``BW`` is the largest power of two dividing the cell's
+words up to :data:`MAX_BW`, ``BM = THREADS * ITEMS / BW`` slots (a power of two, at least 32).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from fimoe_lab.kernels import cuda_driver
+from fimoe_lab.kernels.compiled import ExecMap, aligned_word
+from fimoe_lab.kernels.tiles import cdiv, pow2_divisor
+
+__all__ = ["SOURCE", "THREADS", "ITEMS", "MAX_BW", "available", "cycle_tile", "inplace_cycles"]
+
+SOURCE = "cycles"
+"""The fatbin of ``kernels/cuda/cycles.cu``."""
+THREADS = 256
+ITEMS = 8
+"""Threads a block and words a thread holds (``THREADS`` and ``ITEMS`` of ``cycles.cu``)."""
+MAX_BW = 64
+"""Most words of a cell one block moves (so a tile holds at least 32 slots: few cycles cut at its edges)."""
+_FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"}
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the cycle kernel loads on ``device`` (a CUDA device whose driver takes the fatbin)."""
+    return cuda_driver.available(SOURCE, device)
+
+
+def cycle_tile(cell_bytes: int, word: int) -> tuple[int, int, int]:
+    """``(BM, BW, NC)`` for cells of ``cell_bytes`` moved as ``word``-byte words: slots a tile, words of a cell
+    a block, blocks a tile (``NC * BW`` = the cell's words)."""
+    words = cell_bytes // word
+    bw = pow2_divisor(words, MAX_BW)
+    return THREADS * ITEMS // bw, bw, words // bw
+
+
+def _word(em: ExecMap, flat: torch.Tensor) -> int:
+    widest = aligned_word(16, flat)
+    return next(w for w in (16, 4, 1) if w <= widest and em.cell_bytes % w == 0)
+
+
+def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
+    """Permute every expert of ``flat`` ``(E, bytes)`` (CUDA) in place along the map's cycle plan: per chunk of
+    experts one launch copies the cells the tiles cut into the scratch, one runs every tile. The scratch holds
+    the saved cells of as many experts as fit in ``scratch_experts`` experts' bytes.
+
+    Yields the number of leading experts whose tiles have been launched (the stream orders the launches)."""
+    from fimoe_lab.kernels.cycles import cycle_plan
+
+    experts, nbytes = flat.shape
+    word = _word(em, flat)
+    bm, bw, nc = cycle_tile(em.cell_bytes, word)
+    plan = cycle_plan(em, bm)
+    if plan.moved == 0:
+        yield experts, None
+        return
+    dst, src, saved = plan.on(flat.device)
+    n_saved, cell_words = int(plan.saved.size), em.cell_bytes // word
+    per = min(plan.experts_per_chunk(em.cell_bytes, scratch_experts * nbytes, experts), 65535)
+    scratch = torch.empty((max(per * n_saved * em.cell_bytes, word),), dtype=torch.uint8, device=flat.device)
+    name = _FUNCTIONS[word]
+    shape = [bm, bw, nc, cell_words, nbytes // word, n_saved * cell_words]
+    for s0 in range(0, experts, per):
+        cnt = min(per, experts - s0)
+        part = flat[s0 : s0 + cnt]
+        if n_saved:
+            _launch(name, part, scratch, saved, saved, n_saved, shape, cdiv(n_saved, bm) * nc, save=1)
+        _launch(name, part, scratch, dst, src, plan.moved, shape, plan.n_tiles * nc, save=0)
+        yield s0 + cnt, scratch
+
+
+def _launch(
+    name: str,
+    part: torch.Tensor,
+    scratch: torch.Tensor,
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    n_slots: int,
+    shape: list[int],
+    blocks: int,
+    save: int,
+) -> None:
+    """One pass of the cycle kernel over the experts of ``part``: ``blocks`` blocks each (``shape``: BM, BW, NC,
+    cell words, expert words, scratch words an expert)."""
+    bm, bw, nc, cell_words, expert_words, scratch_words = shape
+    c_int, c_ll = ctypes.c_int, ctypes.c_longlong
+    cuda_driver.launch(
+        SOURCE,
+        name,
+        part.device,
+        (blocks, part.shape[0], 1),
+        (THREADS, 1, 1),
+        [
+            (ctypes.c_void_p, part.data_ptr()),
+            (ctypes.c_void_p, scratch.data_ptr()),
+            (ctypes.c_void_p, dst.data_ptr()),
+            (ctypes.c_void_p, src.data_ptr()),
+            (c_int, n_slots),
+            (c_int, bm),
+            (c_int, bw),
+            (c_int, nc),
+            (c_ll, cell_words),
+            (c_ll, expert_words),
+            (c_ll, scratch_words),
+            (c_int, save),
+        ],
+    )

@@ -1,0 +1,37 @@
+// The prebuilt kernels of fimoe_lab/kernels/cuda compiled for the host (prelude.h), one entry point per
+// kernel: emulate_<kernel>(grid x, grid y, threads, the kernel's own parameters).
+#include <thread>
+#include <vector>
+
+#include "cycles.cu"
+
+template <typename Body>
+static void run_grid(Body body, unsigned gx, unsigned gy, unsigned threads) {
+    std::barrier<> bar(threads);
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t) {
+        pool.emplace_back([&, t] {
+            fimoe_block_barrier = &bar;
+            threadIdx = {t, 0, 0};
+            for (unsigned y = 0; y < gy; ++y) {
+                for (unsigned x = 0; x < gx; ++x) {
+                    blockIdx = {x, y, 0};
+                    body();
+                }
+            }
+        });
+    }
+    for (auto& th : pool) th.join();
+}
+
+#define EMULATE(NAME, W)                                                                                        \
+    extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, W* x, W* scratch, const int* dst, \
+                                   const int* src, int n_slots, int bm, int bw, int nc, long long cell_words,     \
+                                   long long expert_words, long long scratch_words, int save) {                 \
+        run_grid([&] { NAME(x, scratch, dst, src, n_slots, bm, bw, nc, cell_words, expert_words, scratch_words, save); }, \
+                 gx, gy, threads);                                                                              \
+    }
+
+EMULATE(fimoe_cycles_w16, word16)
+EMULATE(fimoe_cycles_w4, word4)
+EMULATE(fimoe_cycles_w1, word1)

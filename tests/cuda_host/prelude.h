@@ -1,0 +1,21 @@
+// Host emulation of the CUDA built-ins the prebuilt kernels use, so that their source compiles with g++ and
+// runs on CPU memory (tests/test_prebuilt.py): every thread of a block is an OS thread, __syncthreads is a
+// barrier of the block's threads, and blocks run one after another on those threads (a thread starts the
+// next block as soon as it leaves this one, so neighbouring blocks overlap as they may on a GPU).
+#pragma once
+#include <barrier>
+
+struct fimoe_dim3 {
+    unsigned x, y, z;
+};
+inline thread_local fimoe_dim3 blockIdx, threadIdx;
+inline thread_local std::barrier<>* fimoe_block_barrier;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __restrict__ __restrict
+#define __align__(n) alignas(n)
+
+inline void __syncthreads() { fimoe_block_barrier->arrive_and_wait(); }

@@ -1,0 +1,205 @@
+"""The kernels that ship prebuilt: the fatbin is its source's build, the launch geometry fits the kernel, and
+without a GPU the executor says so. The kernels themselves run in tests/test_kernels_gpu.py (on a device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fimoe_lab import env
+from fimoe_lab.errors import FimoeError, FormatError
+from fimoe_lab.kernels import available_backends, execute_in_place, prebuilt, registry
+from fimoe_lab.prepare import plan_layer
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = ROOT / "fimoe_lab" / "kernels" / "cuda"
+BUILD = json.loads((CUDA / "BUILD.json").read_text())
+
+
+def _build_script():
+    spec = importlib.util.spec_from_file_location("build_cuda_kernels", ROOT / "scripts" / "build_cuda_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_shipped_fatbin_is_recorded_with_its_source():
+    sources = sorted(p.name for p in CUDA.glob("*.cu"))
+    assert sources and sorted(BUILD["sources"]) == sources
+    for name, rec in BUILD["sources"].items():
+        assert hashlib.sha256((CUDA / name).read_bytes()).hexdigest() == rec["sha256"], f"{name} changed: rebuild"
+        assert hashlib.sha256((CUDA / rec["fatbin"]).read_bytes()).hexdigest() == rec["fatbin_sha256"]
+    assert BUILD["flags"] == _build_script().flags()
+    assert sorted(p.name for p in CUDA.glob("*.fatbin")) == sorted(r["fatbin"] for r in BUILD["sources"].values())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_shipped_fatbin_is_rebuilt_byte_for_byte(tmp_path):
+    """nvcc of the recorded release builds every source into the very bytes that ship."""
+    script = _build_script()
+    release = script.nvcc_release()
+    if release != BUILD["nvcc"]:
+        pytest.skip(f"nvcc {release} here; the fatbins were built with {BUILD['nvcc']}")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "build_cuda_kernels.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for rec in BUILD["sources"].values():
+        assert (tmp_path / rec["fatbin"]).read_bytes() == (CUDA / rec["fatbin"]).read_bytes()
+
+
+def _defines() -> dict[str, int]:
+    text = (CUDA / "cycles.cu").read_text()
+    return {k: int(v) for k, v in re.findall(r"^#define (\w+) (\d+)$", text, flags=re.M)}
+
+
+def test_the_launcher_and_the_kernel_agree_on_their_constants():
+    defines = _defines()
+    assert (defines["THREADS"], defines["ITEMS"]) == (prebuilt.THREADS, prebuilt.ITEMS)
+    text = (CUDA / "cycles.cu").read_text()
+    for name in prebuilt._FUNCTIONS.values():
+        assert f"CYCLE_KERNEL({name}," in text
+
+
+@settings(max_examples=200, deadline=None)
+@given(cell_words=st.integers(1, 1 << 14), word=st.sampled_from([1, 4, 16]))
+def test_a_tile_fills_the_block_and_covers_the_cell(cell_words, word):
+    """``BM * BW`` is exactly the block's words, ``BW`` divides the cell, ``NC * BW`` covers it, and a tile holds
+    at least 32 slots (so the plan's tiles cut few cycles)."""
+    bm, bw, nc = prebuilt.cycle_tile(cell_words * word, word)
+    assert bm * bw == prebuilt.THREADS * prebuilt.ITEMS
+    assert cell_words % bw == 0 and nc * bw == cell_words and bw & (bw - 1) == 0
+    assert bw <= prebuilt.MAX_BW and bm >= prebuilt.THREADS * prebuilt.ITEMS // prebuilt.MAX_BW
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_without_a_gpu_the_prebuilt_executor_is_unavailable_and_says_what_it_needs():
+    assert not prebuilt.available("cuda") and "prebuilt" not in available_backends("cuda")
+    assert "prebuilt" not in available_backends("cpu")
+    m = plan_layer("fp8", "trtllm", 256, 512).w13
+    x = torch.randint(0, 256, (2, m.in_bytes), dtype=torch.uint8)
+    with pytest.raises(FormatError, match="prebuilt.*needs a cuda device and a driver that loads its fatbin"):
+        execute_in_place(m.compiled(), x.clone(), backend="prebuilt")
+
+
+def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
+    """``FIMOE_PREBUILT_KERNELS`` is off by default, read as a bool (a bad spelling is an error), and only ever
+    stands in on a device the kernels load on: on the CPU, numba's stand-in stays torch."""
+    monkeypatch.delenv(registry.PREBUILT_ENV, raising=False)
+    assert env.value(registry.PREBUILT_ENV, False) is False
+    monkeypatch.setenv(registry.PREBUILT_ENV, "perhaps")
+    with pytest.raises(FimoeError, match=registry.PREBUILT_ENV):
+        env.value(registry.PREBUILT_ENV, False)
+    monkeypatch.setenv(registry.PREBUILT_ENV, "1")
+    assert registry._stand_in(registry.EXECUTORS["numba"], torch.device("cpu")).name == "torch"
+    if not torch.cuda.is_available():
+        assert registry._stand_in(registry.EXECUTORS["triton"], torch.device("cuda")).name == "torch"
+
+
+# ----------------------------------------------------------------------------- the kernel source, run on the host
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """``kernels/cuda/cycles.cu`` compiled for the host (``tests/cuda_host``: threads and a barrier for a block),
+    put where :func:`fimoe_lab.kernels.cuda_driver.launch` would start the GPU kernel: the launcher's own
+    geometry, plan and arguments drive the kernel's own source, on CPU memory."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    lib_path = tmp_path_factory.mktemp("emulated") / "cycles.so"
+    host = ROOT / "tests" / "cuda_host"
+    cmd = ["g++", "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-x", "c++", "-I", str(CUDA)]
+    cmd += ["-include", str(host / "prelude.h"), str(host / "emulate.cpp"), "-o", str(lib_path)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    lib = ctypes.CDLL(str(lib_path))
+
+    def launch(source, name, device, grid, block, args):
+        assert source == prebuilt.SOURCE and grid[2] == 1 and block[1:] == (1, 1)
+        fn = getattr(lib, f"emulate_{name}")
+        fn.restype = None
+        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint] + [kind for kind, _ in args]
+        fn(grid[0], grid[1], block[0], *[value for _, value in args])
+
+    saved = prebuilt.cuda_driver.launch
+    prebuilt.cuda_driver.launch = launch
+    yield
+    prebuilt.cuda_driver.launch = saved
+
+
+def run_emulated(m, x: torch.Tensor, scratch: int) -> None:
+    flat = x.view(x.shape[0], -1).view(torch.uint8)
+    for _ in prebuilt.inplace_cycles(m.compiled(), flat, scratch):
+        pass
+
+
+def host_inputs(m, experts: int):
+    """Coordinate-coded bytes (each 4-byte word its own index + 1) and random bytes."""
+    words = -(-m.in_bytes // 4)
+    coded = torch.arange(1, experts * words + 1, dtype=torch.int32).view(torch.uint8).view(experts, -1)
+    yield coded[:, : m.in_bytes].contiguous()
+    yield torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+
+
+def in_place_maps():
+    from fimoe_lab.prepare import drop_in_maps
+
+    for fmt, inter, hidden in (("fp8", 96, 256), ("bf16", 64, 256), ("fp8", 64, 128)):
+        for name, (m, in_place) in drop_in_maps(fmt, inter, hidden).items():
+            if in_place:
+                yield pytest.param(m, id=f"drop-in-{fmt}-{inter}x{hidden}-{name}")
+    for fmt, inter, hidden in (("fp8-block", 128, 256), ("mxfp8", 128, 256), ("nvfp4", 128, 256), ("bf16", 64, 128)):
+        for name, m in plan_layer(fmt, "trtllm", inter, hidden).maps().items():
+            if m.is_permutation:
+                yield pytest.param(m, id=f"layer-{fmt}-{inter}x{hidden}-{name}")
+
+
+@pytest.mark.parametrize("shift", [0, 4, 1], ids=["w16", "w4", "w1"])
+@pytest.mark.parametrize("m", list(in_place_maps()))
+def test_the_kernel_source_permutes_every_engine_map_in_place(emulated, m, shift):
+    """Every permutation the drop-ins and layer plans run in place, through the launcher and the kernel source:
+    the byte-loop reference's bytes, for each word the buffer's alignment allows (``shift`` bytes off 16)."""
+    from reference_loops import byte_gather
+
+    for x in host_inputs(m, 3):
+        raw = torch.empty(x.numel() + 16, dtype=torch.uint8)
+        base = (-raw.data_ptr()) % 16  # 16-byte aligned start, then ``shift`` bytes on
+        y = raw[base + shift : base + shift + x.numel()].view(x.shape)
+        y.copy_(x)
+        run_emulated(m, y, 1)
+        assert torch.equal(y, byte_gather(m, x))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    cells=st.integers(1, 700),
+    cell_bytes=st.sampled_from([1, 3, 4, 16, 48, 1040]),
+    experts=st.integers(1, 5),
+    scratch=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_the_kernel_source_follows_any_cycles(emulated, cells, cell_bytes, experts, scratch, seed):
+    """Random permutations (long cycles, cut at every tile edge, fixed points) of cells of many widths."""
+    from reference_loops import byte_gather
+
+    from fimoe_lab.layout import IndexMap
+
+    g = torch.Generator().manual_seed(seed)
+    m = IndexMap(torch.randperm(cells, generator=g), cell_bytes, (cells * cell_bytes,), (cells * cell_bytes,))
+    x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, generator=g)
+    y = x.clone()
+    run_emulated(m, y, scratch)
+    assert torch.equal(y, byte_gather(m, x))
