@@ -327,7 +327,7 @@ class IndexMap:
                     f"(in {b.in_shape} bytes): byte counts {a.out_bytes} != {b.in_bytes}"
                 )
             wide = b._widest_known()
-            if "src" in vars(wide) and wide.src.numel() and int(wide.src.max()) >= wide.n_in_cells:
+            if "src" in vars(wide) and wide.src.numel() and int(wide.src.numpy().max()) >= wide.n_in_cells:
                 raise LayoutError(
                     f"{b.name} reads past the {wide.n_in_cells} cells of {a.name}'s output",
                     fix="build each map with sources below its input's cell count",
