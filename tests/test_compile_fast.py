@@ -183,21 +183,31 @@ def check_compiled(m: IndexMap) -> None:
 RECIPE_IDS = [r for r in RECIPES if not r.startswith("mxint4")] + ["mxint4/trtllm"]
 
 
-@settings(max_examples=60, deadline=None)
-@given(
+PLAN_SHAPES = dict(
     recipe=st.sampled_from(RECIPE_IDS),
     inter=st.integers(1, 24).map(lambda k: 16 * k),
     hidden=st.integers(1, 12).map(lambda k: 32 * k),
     gated=st.booleans(),
 )
-def test_plans_compose_and_compile_as_their_definitions(recipe, inter, hidden, gated):
+"""A layer of any recipe, small enough to check byte by byte."""
+
+
+def plan_of(recipe: str, inter: int, hidden: int, gated: bool):
+    """The plan of one :data:`PLAN_SHAPES` draw (MxInt4 at its 256 multiples), or None where the shape is refused."""
     fmt, backend = recipe.split("/")
     if fmt == "mxint4":
         inter, hidden = 256 * (1 + inter % 2), 256 * (1 + hidden % 2)
     try:
-        plan = plan_layer(fmt, backend, inter, hidden, is_act_and_mul=gated, is_gated=gated)
+        return plan_layer(fmt, backend, inter, hidden, is_act_and_mul=gated, is_gated=gated)
     except LayoutError:
-        assume(False)
+        return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(**PLAN_SHAPES)
+def test_plans_compose_and_compile_as_their_definitions(recipe, inter, hidden, gated):
+    plan = plan_of(recipe, inter, hidden, gated)
+    assume(plan is not None)
     for m in plan.maps().values():
         assert np.array_equal(byte_table(m), composed_byte_table(m)), m.name
         check_compiled(m)
@@ -331,25 +341,14 @@ def every_composition_on_read():
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    recipe=st.sampled_from(RECIPE_IDS),
-    inter=st.integers(1, 24).map(lambda k: 16 * k),
-    hidden=st.integers(1, 12).map(lambda k: 32 * k),
-    gated=st.booleans(),
-)
+@given(**PLAN_SHAPES)
 def test_plans_composed_on_read_compile_as_their_definitions(recipe, inter, hidden, gated):
     """The plans of every recipe with every composition pending until read: compiling finds the same forms
     (a map run as two stages is no strided view at its widest cells, by the full scan), builds no index of a
     map it runs as stages unless its traced cells looked strided, and every index built on read is the
     composition's own."""
-    fmt, backend = recipe.split("/")
-    if fmt == "mxint4":
-        inter, hidden = 256 * (1 + inter % 2), 256 * (1 + hidden % 2)
     with every_composition_on_read():
-        try:
-            plan = plan_layer(fmt, backend, inter, hidden, is_act_and_mul=gated, is_gated=gated)
-        except LayoutError:
-            plan = None
+        plan = plan_of(recipe, inter, hidden, gated)
     assume(plan is not None)
     for m in plan.maps().values():
         pending = m.index_pending

@@ -22,6 +22,17 @@ struct __align__(16) word16 {
     unsigned int a, b, c, d;
 };
 
+// Word k of this thread in the tile: its slot and column, or slot -1 past the tile or the plan.
+__device__ __forceinline__ int item_slot(int k, int tile, int bm, int bw, int n_slots) {
+    const int i = k * THREADS + (int)threadIdx.x;
+    const int slot = tile * bm + i / bw;
+    return i < bm * bw && slot < n_slots ? slot : -1;
+}
+
+__device__ __forceinline__ long long item_col(int k, long long col0, int bw) {
+    return col0 + (k * THREADS + (int)threadIdx.x) % bw;
+}
+
 template <typename W>
 __device__ __forceinline__ void cycle_tile(W* __restrict__ x, W* __restrict__ scratch, const int* __restrict__ dst,
                                            const int* __restrict__ src, int n_slots, int bm, int bw, int nc,
@@ -32,14 +43,12 @@ __device__ __forceinline__ void cycle_tile(W* __restrict__ x, W* __restrict__ sc
     const long long e = blockIdx.y;
     W* xe = x + e * expert_words;
     W* se = scratch + e * scratch_words;
-    const int count = bm * bw;
     W v[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-        const int i = k * THREADS + (int)threadIdx.x;
-        const int slot = tile * bm + i / bw;
-        const long long col = col0 + i % bw;
-        if (i < count && slot < n_slots) {
+        const int slot = item_slot(k, tile, bm, bw, n_slots);
+        const long long col = item_col(k, col0, bw);
+        if (slot >= 0) {
             if (save) {
                 v[k] = xe[(long long)dst[slot] * cell_words + col];
             } else {
@@ -51,15 +60,11 @@ __device__ __forceinline__ void cycle_tile(W* __restrict__ x, W* __restrict__ sc
     __syncthreads();  // every load of the tile is done before any store overwrites a source
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-        const int i = k * THREADS + (int)threadIdx.x;
-        const int slot = tile * bm + i / bw;
-        const long long col = col0 + i % bw;
-        if (i < count && slot < n_slots) {
-            if (save) {
-                se[(long long)slot * cell_words + col] = v[k];
-            } else {
-                xe[(long long)dst[slot] * cell_words + col] = v[k];
-            }
+        const int slot = item_slot(k, tile, bm, bw, n_slots);
+        const long long col = item_col(k, col0, bw);
+        if (slot >= 0) {
+            W* to = save ? se + (long long)slot * cell_words : xe + (long long)dst[slot] * cell_words;
+            to[col] = v[k];
         }
     }
 }
