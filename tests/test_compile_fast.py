@@ -441,3 +441,33 @@ def test_gpt_oss_scales_compile_without_their_composition():
         )
         assert np.array_equal(em.src, want.src) and want.strided is None
         assert [s.strided for s in em.stages] == [s.strided for s in want.stages]
+
+
+def test_threads_reading_a_form_built_on_read_at_once_all_get_it():
+    """Eight threads read the pending composition's index and the executable form's cells at the same moment:
+    each gets the values an eager composition gives."""
+    import threading
+
+    clear_caches()
+    m = plan_layer("mxfp4", "trtllm", 2880, 2880).w13_scale
+    em = m.compiled()
+    want = compile_map(reduce(IndexMap.then, m._cache["operands"]))
+    start, seen, errors = threading.Barrier(8), [], []
+
+    def read() -> None:
+        try:
+            start.wait()
+            seen.append((m.src.numpy().copy(), em.src.copy(), em.cell_bytes, em.is_permutation))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(seen) == 8
+    eager = reduce(IndexMap.then, m._cache["operands"]).src.numpy()
+    for index, cells, cell_bytes, permutes in seen:
+        assert np.array_equal(index, eager) and np.array_equal(cells, want.src)
+        assert (cell_bytes, permutes) == (want.cell_bytes, want.is_permutation)

@@ -132,14 +132,18 @@ class ExecMap:
     if not TYPE_CHECKING:  # at run time only: type checkers keep every other attribute checked
 
         def __getattr__(self, name: str):
-            """A field of an :meth:`on_read` form, found on this first read."""
-            if name == "is_permutation" and "_permutation" in self.__dict__:
-                self.__dict__["is_permutation"] = self.__dict__.pop("_permutation")()
-            elif name in _CELL_FIELDS and "_cells" in self.__dict__:
-                self.__dict__.update(self.__dict__.pop("_cells")())
-            else:
+            """A field of an :meth:`on_read` form, found on this first read (threads reading it at once each
+            find the same values; the first stored stays)."""
+            held = self.__dict__
+            if name == "is_permutation" and "_permutation" in held:
+                found = held["_permutation"]()
+                held.setdefault(name, found)
+            elif name in _CELL_FIELDS and "_cells" in held:
+                for key, value in held["_cells"]().items():
+                    held.setdefault(key, value)
+            if name not in held:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-            return self.__dict__[name]
+            return held[name]
 
     def _row_forms(self) -> tuple[tuple | None, tuple | None]:
         if self.row_forms is None:
