@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import reduce
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -73,6 +72,12 @@ def compile_map(m: IndexMap) -> ExecMap:
         lambda: m.inverse().compiled(),
     )
     em.find_row_forms = lambda: (swizzle_form(m, em), padded_rows_form(m, em))
+    if m.index_pending:
+        rows = padded_rows_strided(m)
+        if rows is not None:
+            em.strided, cells = rows
+            em.preset_cells(cells)
+            return em
     if m.index_pending and not _may_be_strided(m):
         em.stages = strided_stages(m)
         if em.stages is not None:
@@ -81,6 +86,100 @@ def compile_map(m: IndexMap) -> ExecMap:
     if em.strided is None:
         em.stages = strided_stages(m)
     return em
+
+
+def _right_padded_rows(step: IndexMap) -> tuple[np.ndarray, int | None] | None:
+    """``(rows, fill byte)`` when ``step`` ``[R_in, C_in] -> [R_out, C_out]`` (``C_out >= C_in``) writes each
+    output row as one input row's bytes in order, then fill on the right, or as fill only: ``rows[r]`` is the
+    source row or ``-1 - b`` for a row of fill byte ``b``; the fill byte of the padding (None without any).
+    Else None. Read off the step's widest known cells once, then cached on it."""
+    key = "right padded rows"
+    if key not in step._cache:
+        step._cache[key] = _find_right_padded_rows(step)
+    found: tuple[np.ndarray, int | None] | None = step._cache[key]
+    return found
+
+
+def _find_right_padded_rows(step: IndexMap) -> tuple[np.ndarray, int | None] | None:
+    if len(step.in_shape) != 2 or len(step.out_shape) != 2:
+        return None
+    (_, c_in), (r_out, c_out) = step.in_shape, step.out_shape
+    wide = step._widest_known()
+    c = wide.cell_bytes
+    if c_out < c_in or c_in % c or c_out % c:
+        return None
+    k_in, k_out = c_in // c, c_out // c
+    grid = wide.src.numpy().reshape(r_out, k_out)
+    probe = grid[np.linspace(0, r_out - 1, num=min(r_out, 64), dtype=np.int64)]  # a cheap refusal first
+    if ((probe[:, 1:k_in] >= 0) & (probe[:, 1:k_in] != probe[:, :1] + np.arange(1, k_in))).any():
+        return None
+    head = grid[:, 0]
+    live = head >= 0
+    if ((head[live] % k_in) != 0).any():
+        return None
+    if not np.array_equal(grid[live, :k_in], head[live, None] + np.arange(k_in, dtype=np.int64)):
+        return None
+    tail, blank = grid[:, k_in:], grid[~live]
+    code = int(tail.flat[0]) if tail.size else int(blank.flat[0]) if blank.size else None
+    if code is not None and (code >= 0 or (tail != code).any() or (blank != code).any()):
+        return None
+    byte = wide.fills[-1 - code] if code is not None else None
+    rows = np.where(live, head // k_in, -1 - (byte if byte is not None else 0))
+    return rows, byte
+
+
+def padded_rows_strided(m: IndexMap) -> tuple[Strided, dict[str, Any]] | None:
+    """``m`` as a strided view, and its widest cells, found from its steps' row tables without building its index,
+    when every step writes whole input rows in order padded on the right (a padding, then row swaps,
+    interleaves and shuffles: gpt-oss's weights) with one fill byte, the columns are padded
+    (``C_out > C_in``), the first two output rows are live and the row table is itself a strided view ``S``. The
+    widest cell is then ``g = gcd(C_in, C_out)`` and the form is ``S``'s digits over rows with strides times
+    ``C_in / g``, and one inner digit of ``C_out / g`` cells, ``C_in / g`` of them live, stride 1: what
+    :func:`strided_form` finds over the built index (the first digit ends where the second row starts)."""
+    if len(m.in_shape) != 2 or len(m.out_shape) != 2 or m.out_shape[1] <= m.in_shape[1]:
+        return None
+    tables = []
+    for step in reversed(m.steps):  # the last step is the one most likely not a row step
+        found = _right_padded_rows(step)
+        if found is None:
+            return None
+        tables.append(found)
+    rows: np.ndarray | None = None
+    bytes_: set[int] = set()
+    for table, byte in reversed(tables):
+        if byte is not None:
+            bytes_.add(byte)
+        if rows is None:
+            rows = table
+        else:
+            rows = np.where(table >= 0, rows[np.maximum(table, 0)], table)
+    if rows is None or len(bytes_) != 1 or rows.size < 2 or rows[0] < 0 or rows[1] < 0:
+        return None
+    (byte,) = bytes_
+    if (rows < 0).any() and (rows[rows < 0] != -1 - byte).any():
+        return None
+    code = -1 - m.fills.index(byte)
+    form = strided_form(np.where(rows >= 0, rows, code))
+    if form is None:
+        return None
+    (r_in, c_in), (r_out, c_out) = m.in_shape, m.out_shape
+    g = math.gcd(c_in, c_out)
+    k_in, k_out = c_in // g, c_out // g
+    full = Strided(
+        form.shape + (k_out,),
+        form.live + (k_in,),
+        tuple(st * k_in for st in form.strides) + (1 if k_in > 1 else 0,),  # a digit of one live value: stride 0
+        form.offset * k_in,
+        code,
+    )
+    cells = dict(
+        cell_bytes=g,
+        word=next(w for w in (8, 4, 2, 1) if g % w == 0),
+        n_in=r_in * k_in,
+        n_out=r_out * k_out,
+        has_fill=True,
+    )
+    return full, cells
 
 
 def _cells(m: IndexMap) -> dict[str, Any]:
@@ -113,9 +212,9 @@ def _may_be_strided(m: IndexMap) -> bool:
 
 
 def _chain(steps: tuple[IndexMap, ...] | list[IndexMap]) -> IndexMap:
-    """``steps`` composed (``layout.compose``, through the maps' own ``then``), last to first: row steps over
-    whole rows compose over their cells first, then the padding before them over its smaller ones once."""
-    return reduce(lambda later, a: a.then(later), reversed(steps[:-1]), steps[-1])
+    """``steps`` composed, its index built when first read (:meth:`IndexMap.composed_on_read`): a stage that
+    :func:`padded_rows_strided` recognises compiles without it."""
+    return steps[0] if len(steps) == 1 else type(steps[0]).composed_on_read(tuple(steps))
 
 
 def strided_stages(m: IndexMap) -> tuple[ExecMap, ExecMap] | None:

@@ -292,7 +292,8 @@ class IndexMap:
             """``src`` of a map from :meth:`refined_on_read` or :meth:`composed_on_read`, built on this first read."""
             cache = self.__dict__.get("_cache", {}) if name == "src" else {}
             if "operands" in cache:
-                built = reduce(IndexMap.then, cache["operands"])  # an operand coarsened since: wider cells
+                ops = cache["operands"]  # composed last to first: row steps over whole rows before a padding
+                built = reduce(lambda later, a: a.then(later), reversed(ops[:-1]), ops[-1])  # wider if coarsened
                 if built.cell_bytes % self.cell_bytes == 0 and built.fills == self.fills:
                     built = built.refined(self.cell_bytes)
                 else:

@@ -471,3 +471,19 @@ def test_threads_reading_a_form_built_on_read_at_once_all_get_it():
     for index, cells, cell_bytes, permutes in seen:
         assert np.array_equal(index, eager) and np.array_equal(cells, want.src)
         assert (cell_bytes, permutes) == (want.cell_bytes, want.is_permutation)
+
+
+def test_gpt_oss_weights_compile_from_their_row_tables():
+    """gpt-oss-120b's weights (padding to 96- and 32-byte cells, then row steps): the strided form and the
+    widest cells come from the steps' row tables; the whole index is not built, and when it is read later
+    it gives the same cells and form."""
+    clear_caches()
+    plan = plan_layer("mxfp4", "trtllm", 2880, 2880)
+    for name in ("w13", "w2"):
+        m = getattr(plan, name)
+        em = m.compiled()
+        assert em.strided is not None and m.index_pending and "src" not in vars(em)
+        assert em.cell_bytes == math.gcd(*m.in_shape[1:], *m.out_shape[1:])
+        assert strided_form_by_full_scan(em.src) == em.strided  # reads the index: the cells agree
+        cell, coarse = widest_cell(m)
+        assert em.cell_bytes == cell and np.array_equal(em.src, coarse)

@@ -133,17 +133,26 @@ class ExecMap:
 
         def __getattr__(self, name: str):
             """A field of an :meth:`on_read` form, found on this first read (threads reading it at once each
-            find the same values; the first stored stays)."""
+            find the same values; the first stored stays). Fields given ahead (:meth:`preset_cells`) must be
+            what the map's cells give."""
             held = self.__dict__
             if name == "is_permutation" and "_permutation" in held:
                 found = held["_permutation"]()
                 held.setdefault(name, found)
             elif name in _CELL_FIELDS and "_cells" in held:
                 for key, value in held["_cells"]().items():
+                    if key in held and key != "src" and held[key] != value:
+                        raise LayoutError(f"internal: {self.name}: {key} {held[key]} was given, its cells give {value}")
                     held.setdefault(key, value)
             if name not in held:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             return held[name]
+
+    def preset_cells(self, cells: dict) -> None:
+        """Cell fields known without the map's index (not ``src``): read as given, checked when the index is."""
+        if "src" in cells or not set(cells) <= _CELL_FIELDS:
+            raise LayoutError(f"internal: {sorted(cells)} are not cell fields known ahead")
+        self.__dict__.update(cells)
 
     def _row_forms(self) -> tuple[tuple | None, tuple | None]:
         if self.row_forms is None:
