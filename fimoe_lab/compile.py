@@ -88,46 +88,6 @@ def compile_map(m: IndexMap) -> ExecMap:
     return em
 
 
-def _right_padded_rows(step: IndexMap) -> tuple[np.ndarray, int | None] | None:
-    """``(rows, fill byte)`` when ``step`` ``[R_in, C_in] -> [R_out, C_out]`` (``C_out >= C_in``) writes each
-    output row as one input row's bytes in order, then fill on the right, or as fill only: ``rows[r]`` is the
-    source row or ``-1 - b`` for a row of fill byte ``b``; the fill byte of the padding (None without any).
-    Else None. Read off the step's widest known cells once, then cached on it."""
-    key = "right padded rows"
-    if key not in step._cache:
-        step._cache[key] = _find_right_padded_rows(step)
-    found: tuple[np.ndarray, int | None] | None = step._cache[key]
-    return found
-
-
-def _find_right_padded_rows(step: IndexMap) -> tuple[np.ndarray, int | None] | None:
-    if len(step.in_shape) != 2 or len(step.out_shape) != 2:
-        return None
-    (_, c_in), (r_out, c_out) = step.in_shape, step.out_shape
-    wide = step._widest_known()
-    c = wide.cell_bytes
-    if c_out < c_in or c_in % c or c_out % c:
-        return None
-    k_in, k_out = c_in // c, c_out // c
-    grid = wide.src.numpy().reshape(r_out, k_out)
-    probe = grid[np.linspace(0, r_out - 1, num=min(r_out, 64), dtype=np.int64)]  # a cheap refusal first
-    if ((probe[:, 1:k_in] >= 0) & (probe[:, 1:k_in] != probe[:, :1] + np.arange(1, k_in))).any():
-        return None
-    head = grid[:, 0]
-    live = head >= 0
-    if ((head[live] % k_in) != 0).any():
-        return None
-    if not np.array_equal(grid[live, :k_in], head[live, None] + np.arange(k_in, dtype=np.int64)):
-        return None
-    tail, blank = grid[:, k_in:], grid[~live]
-    code = int(tail.flat[0]) if tail.size else int(blank.flat[0]) if blank.size else None
-    if code is not None and (code >= 0 or (tail != code).any() or (blank != code).any()):
-        return None
-    byte = wide.fills[-1 - code] if code is not None else None
-    rows = np.where(live, head // k_in, -1 - (byte if byte is not None else 0))
-    return rows, byte
-
-
 def padded_rows_strided(m: IndexMap) -> tuple[Strided, dict[str, Any]] | None:
     """``m`` as a strided view, and its widest cells, found from its steps' row tables without building its index,
     when every step writes whole input rows in order padded on the right (a padding, then row swaps,
@@ -140,7 +100,7 @@ def padded_rows_strided(m: IndexMap) -> tuple[Strided, dict[str, Any]] | None:
         return None
     tables = []
     for step in reversed(m.steps):  # the last step is the one most likely not a row step
-        found = _right_padded_rows(step)
+        found = step.right_padded_rows()
         if found is None:
             return None
         tables.append(found)

@@ -584,6 +584,43 @@ class IndexMap:
             raise LayoutError(f"{self.name}: output row {bad} takes bytes from several input rows; it is not a row map")
         return first
 
+    def right_padded_rows(self) -> tuple[np.ndarray, int | None] | None:
+        """``(rows, fill byte)`` when this map ``[R_in, C_in] -> [R_out, C_out]`` (``C_out >= C_in``) writes each
+        output row as one input row's bytes in order, then fill on the right, or as fill only: ``rows`` int64
+        ``(R_out,)`` is the source row or ``-1 - b`` for a row of fill byte ``b``; the fill byte is the padding's
+        (None without any). None for any other map. Read off the widest known cells once, then cached."""
+        if "right padded rows" not in self._cache:
+            self._cache["right padded rows"] = self._find_right_padded_rows()
+        found: tuple[np.ndarray, int | None] | None = self._cache["right padded rows"]
+        return found
+
+    def _find_right_padded_rows(self) -> tuple[np.ndarray, int | None] | None:
+        if len(self.in_shape) != 2 or len(self.out_shape) != 2:
+            return None
+        (_, c_in), (r_out, c_out) = self.in_shape, self.out_shape
+        wide = self._widest_known()
+        c = wide.cell_bytes
+        if c_out < c_in or c_in % c or c_out % c:
+            return None
+        k_in, k_out = c_in // c, c_out // c
+        grid = wide.src.numpy().reshape(r_out, k_out)
+        probe = grid[np.linspace(0, r_out - 1, num=min(r_out, 64), dtype=np.int64)]  # a cheap refusal first
+        if ((probe[:, 1:k_in] >= 0) & (probe[:, 1:k_in] != probe[:, :1] + np.arange(1, k_in))).any():
+            return None
+        head = grid[:, 0]
+        live = head >= 0
+        if ((head[live] % k_in) != 0).any():
+            return None
+        if not np.array_equal(grid[live, :k_in], head[live, None] + np.arange(k_in, dtype=np.int64)):
+            return None
+        tail, blank = grid[:, k_in:], grid[~live]
+        code = int(tail.flat[0]) if tail.size else int(blank.flat[0]) if blank.size else None
+        if code is not None and (code >= 0 or (tail != code).any() or (blank != code).any()):
+            return None
+        byte = wide.fills[-1 - code] if code is not None else None
+        rows = np.where(live, head // k_in, -1 - (byte if byte is not None else 0))
+        return rows, byte
+
     def row_steps(self) -> IndexMap:
         """The composed leading steps that keep rows as rows (before any re-tiling or swizzle);
         built once per map, then cached."""

@@ -487,3 +487,35 @@ def test_gpt_oss_weights_compile_from_their_row_tables():
         assert strided_form_by_full_scan(em.src) == em.strided  # reads the index: the cells agree
         cell, coarse = widest_cell(m)
         assert em.cell_bytes == cell and np.array_equal(em.src, coarse)
+
+
+def right_padded_rows_by_bytes(m: IndexMap):
+    """``IndexMap.right_padded_rows`` from the byte table: each output row one input row's bytes in order, then
+    one fill byte, or that fill byte only."""
+    if len(m.in_shape) != 2 or len(m.out_shape) != 2 or m.out_shape[1] < m.in_shape[1]:
+        return None
+    (_, c_in), (r_out, c_out) = m.in_shape, m.out_shape
+    table = byte_table(m).reshape(r_out, c_out)
+    rows, pad = [], set()
+    for row in table:
+        if row[0] < 0:
+            pad.update(int(-1 - v) for v in row)
+            rows.append(int(row[0]))
+            continue
+        if row[0] % c_in or not np.array_equal(row[:c_in], row[0] + np.arange(c_in)):
+            return None
+        pad.update(int(-1 - v) for v in row[c_in:])
+        rows.append(int(row[0]) // c_in)
+    if len(pad) > 1 or any(v < 0 for v in pad):
+        return None
+    return np.array(rows, dtype=np.int64), (pad.pop() if pad else None)
+
+
+@settings(max_examples=80, deadline=None)
+@given(maps=chains())
+def test_right_padded_rows_is_the_byte_definition(maps):
+    m = reduce(IndexMap.then, maps)
+    got, want = m.right_padded_rows(), right_padded_rows_by_bytes(m)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert np.array_equal(got[0], want[0]) and got[1] == want[1]
