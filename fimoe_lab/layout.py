@@ -291,6 +291,10 @@ class IndexMap:
         def __getattr__(self, name: str) -> Any:
             """``src`` of a map from :meth:`refined_on_read` or :meth:`composed_on_read`, built on this first read."""
             cache = self.__dict__.get("_cache", {}) if name == "src" else {}
+            if "rows" in cache:
+                src = torch.from_numpy(self._rows_index())
+                object.__setattr__(self, "src", src)
+                return src
             if "operands" in cache:
                 ops = cache["operands"]  # composed last to first: row steps over whole rows before a padding
                 built = reduce(lambda later, a: a.then(later), reversed(ops[:-1]), ops[-1])  # wider if coarsened
@@ -311,6 +315,50 @@ class IndexMap:
             src = wide.refined(self.cell_bytes).src
             object.__setattr__(self, "src", src)
             return src
+
+    @classmethod
+    def rows_on_read(
+        cls,
+        rows: np.ndarray,
+        in_rows: int,
+        cols_bytes: int,
+        padded_cols_bytes: int,
+        fill: int,
+        kind: str,
+        params: Mapping[str, Any],
+    ) -> IndexMap:
+        """``[in_rows, cols_bytes] -> [len(rows), padded_cols_bytes]``: output row ``r`` is input row ``rows[r]``'s
+        bytes then byte ``fill`` on the right, or (``rows[r] < 0``) all ``fill``; over cells of
+        ``gcd(cols_bytes, padded_cols_bytes)`` bytes, the index built when ``src`` is first read. Until then
+        :meth:`right_padded_rows` is the table itself and :meth:`sources_at` reads it, so a compiler that
+        works from row tables never builds the index (a padding's: the finest cells of a plan's first call)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        table = np.where(rows >= 0, rows, -1 - fill)
+        has_fill = bool(padded_cols_bytes > cols_bytes or (rows < 0).any())
+        m = cls.__new__(cls)
+        declared = dict(
+            cell_bytes=math.gcd(cols_bytes, padded_cols_bytes),
+            in_shape=(in_rows, cols_bytes),
+            out_shape=(rows.size, padded_cols_bytes),
+            fills=(fill,),
+            kind=kind,
+            params=params,
+            parts=(),
+            _cache={"rows": table, "right padded rows": (table, fill if has_fill else None), "has_fill": has_fill},
+        )
+        for key, value in declared.items():
+            object.__setattr__(m, key, value)
+        return m
+
+    def _rows_index(self) -> np.ndarray:
+        """The index of a :meth:`rows_on_read` map, from its row table."""
+        rows = self._cache["rows"]
+        (_, c_in), (r_out, c_out) = self.in_shape, self.out_shape
+        k_in, k_out = c_in // self.cell_bytes, c_out // self.cell_bytes
+        src = np.full((r_out, k_out), -1, dtype=np.int64)
+        live = rows >= 0
+        src[live, :k_in] = rows[live, None] * k_in + np.arange(k_in, dtype=np.int64)
+        return src.reshape(-1)
 
     @classmethod
     def composed_on_read(cls, maps: Sequence[IndexMap]) -> IndexMap:
@@ -350,8 +398,8 @@ class IndexMap:
 
     @property
     def index_pending(self) -> bool:
-        """True for a map from :meth:`composed_on_read` whose index is not built yet."""
-        return "src" not in vars(self) and "operands" in self._cache
+        """True for a map from :meth:`composed_on_read` or :meth:`rows_on_read` whose index is not built yet."""
+        return "src" not in vars(self) and ("operands" in self._cache or "rows" in self._cache)
 
     def sources_at(self, cells: np.ndarray) -> np.ndarray:
         """int64 ``src[cells]``; a map whose index is pending traces each cell through its operands
@@ -504,6 +552,11 @@ class IndexMap:
     def _probe_bytes(self, at: np.ndarray) -> np.ndarray:
         """Source byte of each output byte offset ``at`` (fill byte ``v``: ``-1 - v``); traced through the
         operands while the index is pending."""
+        if self.index_pending and "rows" in self._cache:
+            (_, c_in), c_out = self.in_shape, self.out_shape[1]
+            source = self._cache["rows"][at // c_out]
+            col = at % c_out
+            return np.where((source >= 0) & (col < c_in), source * c_in + col, -1 - self.fills[0])
         if self.index_pending:
             at = np.array(at, dtype=np.int64)
             for op in reversed(self._cache["operands"]):

@@ -7,7 +7,6 @@ cached by its arguments, so a model with 58 identical MoE layers builds each map
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,15 +73,8 @@ def pad_projections(
         )
     if not 0 <= fill <= 255:
         raise LayoutError(f"fill must be a byte value 0..255, got {fill}")
-    cell = math.gcd(cols_bytes, padded_cols_bytes)
-    cin, cout = cols_bytes // cell, padded_cols_bytes // cell
-    src = np.empty((num_projections, padded_rows, cout), dtype=np.int64)  # each entry written once:
-    src[:, rows:] = -1  # padded rows,
-    src[:, :rows, cin:] = -1  # padded columns,
-    p = np.arange(num_projections, dtype=np.int64)[:, None, None]
-    r = np.arange(rows, dtype=np.int64)[None, :, None]
-    c = np.arange(cin, dtype=np.int64)[None, None, :]
-    np.add((p * rows + r) * cin, c, out=src[:, :rows, :cin])  # and the input's cells
+    table = np.full((num_projections, padded_rows), -1, dtype=np.int64)  # output row -> input row (-1: fill)
+    table[:, :rows] = np.arange(num_projections * rows, dtype=np.int64).reshape(num_projections, rows)
     params = dict(
         num_projections=num_projections,
         rows=rows,
@@ -91,14 +83,8 @@ def pad_projections(
         padded_cols_bytes=padded_cols_bytes,
         fill=fill,
     )
-    return IndexMap(
-        torch.from_numpy(src.reshape(-1)),
-        cell,
-        (num_projections * rows, cols_bytes),
-        (num_projections * padded_rows, padded_cols_bytes),
-        (fill,),
-        "pad_projections",
-        params,
+    return IndexMap.rows_on_read(
+        table.reshape(-1), num_projections * rows, cols_bytes, padded_cols_bytes, fill, "pad_projections", params
     )
 
 

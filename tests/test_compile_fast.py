@@ -519,3 +519,31 @@ def test_right_padded_rows_is_the_byte_definition(maps):
     assert (got is None) == (want is None)
     if got is not None:
         assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    projections=st.integers(1, 3),
+    rows=st.integers(0, 40),
+    extra_rows=st.integers(0, 9),
+    cols=st.integers(1, 40),
+    extra_cols=st.integers(0, 13),
+    fill=st.integers(0, 255),
+)
+def test_a_padding_built_on_read_is_its_index(projections, rows, extra_rows, cols, extra_cols, fill):
+    """A padding declares its row table and builds its index when first read: the table, the traced sources
+    and the built index are what a plain map over that index gives, and tracing builds nothing."""
+    clear_caches()
+    m = steps.pad_projections(projections, rows, rows + extra_rows, cols, cols + extra_cols, fill)
+    assume(m.n_out_cells > 0)
+    assert m.index_pending
+    cells = np.arange(m.n_out_cells, dtype=np.int64)
+    traced, declared = m.sources_at(cells), m.right_padded_rows()
+    assert m.index_pending  # tracing and the table built nothing
+    plain = IndexMap(m.src.clone(), m.cell_bytes, m.in_shape, m.out_shape, m.fills)
+    assert np.array_equal(traced, plain.src.numpy())
+    want = plain.right_padded_rows()
+    assert (declared is None) == (want is None)
+    if want is not None:
+        assert np.array_equal(declared[0], want[0]) and declared[1] == want[1]
+    assert np.array_equal(byte_table(m), byte_table(plain)) and m._has_fill == plain._has_fill
