@@ -91,7 +91,8 @@ def compile_map(m: IndexMap) -> ExecMap:
 def padded_rows_strided(m: IndexMap) -> tuple[Strided, dict[str, Any]] | None:
     """``m`` as a strided view, and its widest cells, found from its steps' row tables without building its index,
     when every step writes whole input rows in order padded on the right (a padding, then row swaps,
-    interleaves and shuffles: gpt-oss's weights) with one fill byte, the columns are padded
+    interleaves and shuffles: gpt-oss's weights: :meth:`IndexMap.right_padded_rows`) with one fill byte, the
+    columns are padded
     (``C_out > C_in``), the first two output rows are live and the row table is itself a strided view ``S``. The
     widest cell is then ``g = gcd(C_in, C_out)`` and the form is ``S``'s digits over rows with strides times
     ``C_in / g``, and one inner digit of ``C_out / g`` cells, ``C_in / g`` of them live, stride 1: what
@@ -252,36 +253,27 @@ def swizzle_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int] | None
 def padded_rows_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int, int] | None:
     """Recognise a row gather whose rows are padded on the right (``[R_in, C_in] ->
     [R_out, C_out]``, ``C_out > C_in``): each output row is one input row followed by
-    fill, or all fill. Returns ``(source row or fill code per output row, C_in, C_out,
-    column fill code)`` or None. Such maps coarsen to small cells (gcd of the widths);
-    this form lets the executor move whole rows instead.
+    fill, or all fill (:meth:`IndexMap.right_padded_rows`). Returns ``(source row or fill code
+    per output row, C_in, C_out, column fill code)`` in ``em``'s fill codes, or None. Such maps
+    coarsen to small cells (gcd of the widths); this form lets the executor move whole rows instead.
     """
     if not em.has_fill or len(m.in_shape) != 2 or len(m.out_shape) != 2:
         return None
-    (r_in, c_in), (r_out, c_out) = m.in_shape, m.out_shape
+    (r_in, c_in), (_, c_out) = m.in_shape, m.out_shape
     c = em.cell_bytes
     if c_out <= c_in or c_in % c or c_out % c:
         return None
-    k_in, k_out = c_in // c, c_out // c
-    grid = em.src.reshape(r_out, k_out)
-    probe = grid[np.linspace(0, r_out - 1, num=min(r_out, 64), dtype=np.int64)]  # a cheap refusal first
-    if ((probe[:, 1:k_in] >= 0) & (probe[:, 1:k_in] != probe[:, :1] + np.arange(1, k_in))).any():
+    found = m.right_padded_rows()
+    if found is None:
         return None
-    head, tail = grid[:, :k_in], grid[:, k_in:]
-    fill_row = head[:, 0] < 0
-    code = tail[~fill_row]
-    if code.size and (code.min() != code.max() or code.max() >= 0):
-        return None
-    col_code = int(code.flat[0]) if code.size else -1
-    if (grid[fill_row] != grid[fill_row, :1]).any():
-        return None
-    live = head[~fill_row]
-    if live.size and ((live[:, :1] % k_in).any() or (live != live[:, :1] + np.arange(k_in, dtype=live.dtype)).any()):
-        return None
-    rows = np.where(fill_row, head[:, 0], head[:, 0] // k_in)
+    rows, column = found
+    code = np.zeros(256, dtype=np.int64)
+    for k, byte in reversed(list(enumerate(em.fills))):  # a byte's first code
+        code[byte] = -1 - k
+    rows = np.where(rows >= 0, rows, code[np.maximum(-1 - rows, 0)])
     if rows.max(initial=-1) >= r_in:
         return None
-    return rows.astype(np.int32), c_in, c_out, col_code
+    return rows.astype(np.int32), c_in, c_out, int(code[column]) if column is not None else -1
 
 
 def strided_form(src: np.ndarray) -> Strided | None:

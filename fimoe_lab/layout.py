@@ -334,6 +334,7 @@ class IndexMap:
         works from row tables never builds the index (a padding's: the finest cells of a plan's first call)."""
         rows = np.asarray(rows, dtype=np.int64)
         table = np.where(rows >= 0, rows, -1 - fill)
+        padded = padded_cols_bytes > cols_bytes and bool((rows >= 0).any())  # some live row padded on the right
         has_fill = bool(padded_cols_bytes > cols_bytes or (rows < 0).any())
         m = cls.__new__(cls)
         declared = dict(
@@ -344,7 +345,7 @@ class IndexMap:
             kind=kind,
             params=params,
             parts=(),
-            _cache={"rows": table, "right padded rows": (table, fill if has_fill else None), "has_fill": has_fill},
+            _cache={"rows": table, "right padded rows": (table, fill if padded else None), "has_fill": has_fill},
         )
         for key, value in declared.items():
             object.__setattr__(m, key, value)
@@ -638,10 +639,11 @@ class IndexMap:
         return first
 
     def right_padded_rows(self) -> tuple[np.ndarray, int | None] | None:
-        """``(rows, fill byte)`` when this map ``[R_in, C_in] -> [R_out, C_out]`` (``C_out >= C_in``) writes each
-        output row as one input row's bytes in order, then fill on the right, or as fill only: ``rows`` int64
-        ``(R_out,)`` is the source row or ``-1 - b`` for a row of fill byte ``b``; the fill byte is the padding's
-        (None without any). None for any other map. Read off the widest known cells once, then cached."""
+        """``(rows, column fill byte)`` when this map ``[R_in, C_in] -> [R_out, C_out]`` (``C_out >= C_in``) writes
+        each output row as one input row's bytes in order, then one fill byte on the right (the same for every
+        such row), or as one fill byte only: ``rows`` int64 ``(R_out,)`` is the source row or ``-1 - b`` for a row
+        of fill byte ``b``; the column fill byte is None where no live row is padded. None for any other map.
+        Read off the widest known cells once, then cached (the answer is in rows and bytes, whatever the cells)."""
         if "right padded rows" not in self._cache:
             self._cache["right padded rows"] = self._find_right_padded_rows()
         found: tuple[np.ndarray, int | None] | None = self._cache["right padded rows"]
@@ -666,13 +668,15 @@ class IndexMap:
             return None
         if not np.array_equal(grid[live, :k_in], head[live, None] + np.arange(k_in, dtype=np.int64)):
             return None
-        tail, blank = grid[:, k_in:], grid[~live]
-        code = int(tail.flat[0]) if tail.size else int(blank.flat[0]) if blank.size else None
-        if code is not None and (code >= 0 or (tail != code).any() or (blank != code).any()):
+        tail, blank = grid[live, k_in:], grid[~live]
+        column = int(tail.flat[0]) if tail.size else None
+        if column is not None and (column >= 0 or (tail != column).any()):
             return None
-        byte = wide.fills[-1 - code] if code is not None else None
-        rows = np.where(live, head // k_in, -1 - (byte if byte is not None else 0))
-        return rows, byte
+        if (blank != blank[:, :1]).any():
+            return None
+        fills = np.array(wide.fills or (0,), dtype=np.int64)
+        rows = np.where(live, head // k_in, -1 - fills[np.maximum(-1 - head, 0)])
+        return rows, (wide.fills[-1 - column] if column is not None else None)
 
     def row_steps(self) -> IndexMap:
         """The composed leading steps that keep rows as rows (before any re-tiling or swizzle);

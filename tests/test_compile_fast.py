@@ -491,7 +491,7 @@ def test_gpt_oss_weights_compile_from_their_row_tables():
 
 def right_padded_rows_by_bytes(m: IndexMap):
     """``IndexMap.right_padded_rows`` from the byte table: each output row one input row's bytes in order, then
-    one fill byte, or that fill byte only."""
+    one fill byte shared by every such row, or one fill byte only (a byte of its own)."""
     if len(m.in_shape) != 2 or len(m.out_shape) != 2 or m.out_shape[1] < m.in_shape[1]:
         return None
     (_, c_in), (r_out, c_out) = m.in_shape, m.out_shape
@@ -499,7 +499,8 @@ def right_padded_rows_by_bytes(m: IndexMap):
     rows, pad = [], set()
     for row in table:
         if row[0] < 0:
-            pad.update(int(-1 - v) for v in row)
+            if (row != row[0]).any():
+                return None
             rows.append(int(row[0]))
             continue
         if row[0] % c_in or not np.array_equal(row[:c_in], row[0] + np.arange(c_in)):
