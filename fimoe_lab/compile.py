@@ -57,11 +57,13 @@ def compile_map(m: IndexMap) -> ExecMap:
     """The :class:`ExecMap` of ``m`` (uncached: call ``m.compiled()``).
 
     Its cells, sources and whether it permutes are found when an executor first reads them
-    (:meth:`ExecMap.on_read`). A composition whose index is still pending
-    (:meth:`IndexMap.composed_on_read`) and that is no strided view (decided from cells traced through its
-    steps, :func:`_may_be_strided`) but runs as two strided stages is compiled from its steps alone: the
-    torch executor reads only the stages, so the whole composition over its finest cells (the padding, row
-    steps and 128x4 swizzle of gpt-oss's scales: 2-byte cells) is not built on a plan's first call."""
+    (:meth:`ExecMap.on_read`). A map whose index is still pending (:meth:`IndexMap.composed_on_read`,
+    :meth:`IndexMap.rows_on_read`) is compiled from its steps where they tell its form: a padding followed by
+    row steps from their row tables (:func:`padded_rows_strided`); one that is no strided view (decided from
+    cells traced through its steps, :func:`_may_be_strided`) but runs as two strided stages from the stages.
+    The torch executor reads only those forms, so the whole map over its finest cells (gpt-oss's padded
+    weights; the padding, row steps and 128x4 swizzle of its scales: 2-byte cells) is not built on a plan's
+    first call."""
     em = ExecMap.on_read(
         m.name,
         tuple(m.fills),
@@ -78,10 +80,10 @@ def compile_map(m: IndexMap) -> ExecMap:
             em.strided, cells = rows
             em.preset_cells(cells)
             return em
-    if m.index_pending and not _may_be_strided(m):
-        em.stages = strided_stages(m)
-        if em.stages is not None:
-            return em
+        if not _may_be_strided(m):
+            em.stages = strided_stages(m)
+            if em.stages is not None:
+                return em
     em.strided = strided_form(em.src)
     if em.strided is None:
         em.stages = strided_stages(m)
@@ -90,11 +92,10 @@ def compile_map(m: IndexMap) -> ExecMap:
 
 def padded_rows_strided(m: IndexMap) -> tuple[Strided, dict[str, Any]] | None:
     """``m`` as a strided view, and its widest cells, found from its steps' row tables without building its index,
-    when every step writes whole input rows in order padded on the right (a padding, then row swaps,
-    interleaves and shuffles: gpt-oss's weights: :meth:`IndexMap.right_padded_rows`) with one fill byte, the
-    columns are padded
-    (``C_out > C_in``), the first two output rows are live and the row table is itself a strided view ``S``. The
-    widest cell is then ``g = gcd(C_in, C_out)`` and the form is ``S``'s digits over rows with strides times
+    when every step writes whole input rows in order padded on the right (:meth:`IndexMap.right_padded_rows`: a
+    padding, then row swaps, interleaves and shuffles, as gpt-oss's weights) with one fill byte, the columns are
+    padded (``C_out > C_in``), the first two output rows are live and the row table is itself a strided view
+    ``S``. The widest cell is then ``g = gcd(C_in, C_out)`` and the form is ``S``'s digits over rows with strides times
     ``C_in / g``, and one inner digit of ``C_out / g`` cells, ``C_in / g`` of them live, stride 1: what
     :func:`strided_form` finds over the built index (the first digit ends where the second row starts)."""
     if len(m.in_shape) != 2 or len(m.out_shape) != 2 or m.out_shape[1] <= m.in_shape[1]:
@@ -135,12 +136,17 @@ def padded_rows_strided(m: IndexMap) -> tuple[Strided, dict[str, Any]] | None:
     )
     cells = dict(
         cell_bytes=g,
-        word=next(w for w in (8, 4, 2, 1) if g % w == 0),
+        word=_widest_word(g),
         n_in=r_in * k_in,
         n_out=r_out * k_out,
         has_fill=True,
     )
     return full, cells
+
+
+def _widest_word(cell_bytes: int) -> int:
+    """The widest machine word (8, 4, 2 or 1 bytes) dividing a cell."""
+    return next(w for w in (8, 4, 2, 1) if cell_bytes % w == 0)
 
 
 def _cells(m: IndexMap) -> dict[str, Any]:
@@ -156,7 +162,7 @@ def _cells(m: IndexMap) -> dict[str, Any]:
     src = c.src.numpy().astype(np.int32)
     return dict(
         cell_bytes=c.cell_bytes,
-        word=next(w for w in (8, 4, 2, 1) if c.cell_bytes % w == 0),
+        word=_widest_word(c.cell_bytes),
         n_in=c.n_in_cells,
         n_out=c.n_out_cells,
         src=src,
@@ -299,7 +305,10 @@ def _strided(n: int, read: Reader, whole: Optional[Whole], max_dims: int) -> Str
     """:func:`strided_form` of the ``n`` sources that ``read(positions)`` gives; ``whole()`` gives all of them,
     called only for the last check (and for fill codes in a box that reaches below 0). Without ``whole``, the
     form the digits and probes agree with, unchecked against the rest (a form only if that check passes)."""
-    if n == 0 or read(np.zeros(1, dtype=np.int64))[0] < 0:
+    if n == 0:
+        return None
+    offset = int(read(np.zeros(1, dtype=np.int64))[0])
+    if offset < 0:
         return None
     dims: list[tuple[int, int, int, int]] = []  # (extent, live, stride, block), innermost first
     block = 1
@@ -313,7 +322,6 @@ def _strided(n: int, read: Reader, whole: Optional[Whole], max_dims: int) -> Str
     shape = tuple(d[0] for d in dims)
     lives = tuple(d[1] for d in dims)
     strides = tuple(d[2] for d in dims)
-    offset = int(read(np.zeros(1, dtype=np.int64))[0])
     if math.prod(k for k, s in zip(lives, strides) if s < 0) > MAX_STRIDED_PIECES:
         return None
     if offset + sum(min(0, (k - 1) * s) for k, s in zip(lives, strides)) < 0:
