@@ -1,4 +1,5 @@
-"""Device probe: in-place strategies side by side (auto, cycles), checked bit-exact; with
+"""Device probe: in-place strategies side by side (auto, cycles, and the prebuilt cycle kernel
+where it loads), checked bit-exact; with
 ``--sweep``, only the scale maps, over the bands settings.
 
     python3 benchmarks/probe_inplace.py [--sweep]
@@ -21,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from bench_transforms import peak_extra, timeit  # noqa: E402  (same timing rule as the benchmark)
 
-from fimoe_lab.kernels import default_scratch_experts, execute, execute_in_place  # noqa: E402
+from fimoe_lab.kernels import default_scratch_experts, execute, execute_in_place, prebuilt  # noqa: E402
 from fimoe_lab.prepare import plan_layer  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -56,10 +57,15 @@ def main():
         help="only the scale maps, sweeping the bands strategy's item width, programs per SM, warps",
     )
     args = ap.parse_args()
-    strategies = [("auto", {"inplace": "auto"}), ("cycles", {"inplace": "cycles"})]
+    strategies = [("auto", {"config": {"inplace": "auto"}}), ("cycles", {"config": {"inplace": "cycles"}})]
+    if prebuilt.available("cuda"):
+        strategies.append(("prebuilt", {"backend": "prebuilt"}))
     sweep = (
         [
-            (f"b{bw}/{ps}/{nw}", {"inplace": "bands", "band_words": bw, "band_per_sm": ps, "band_warps": nw})
+            (
+                f"b{bw}/{ps}/{nw}",
+                {"config": {"inplace": "bands", "band_words": bw, "band_per_sm": ps, "band_warps": nw}},
+            )
             for bw, ps, nw in itertools.product((32, 64, 128, 256), (8, 32), (4, 8))
         ]
         if args.sweep
@@ -73,9 +79,9 @@ def main():
         want = torch.empty_like(x)
         execute(em, x, want)
         swz = em.swizzle is not None
-        for (sname, cfg), sc in itertools.product(strategies + (sweep if swz else []), (1, 2, 3)):
+        for (sname, kw), sc in itertools.product(strategies + (sweep if swz else []), (1, 2, 3)):
             y = x.clone()
-            execute_in_place(em, y, sc, config=cfg)
+            execute_in_place(em, y, sc, **kw)
             torch.cuda.synchronize()
             assert torch.equal(y, want), (name, sname, sc)
         x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device="cuda")
@@ -84,10 +90,10 @@ def main():
         del dst
         sc = default_scratch_experts(experts)
         out = [f"{name:<28} {x.numel() / 1e9:6.2f} GB copy {copy / 1e9:5.0f} GB/s"]
-        for sname, cfg in strategies + (sweep if swz else []):
-            t = timeit(lambda: execute_in_place(em, x, sc, config=cfg), CUDA, 7)
+        for sname, kw in strategies + (sweep if swz else []):
+            t = timeit(lambda: execute_in_place(em, x, sc, **kw), CUDA, 7)
             em._dev.clear()
-            pk = peak_extra(lambda: execute_in_place(em, x, sc, config=cfg), CUDA)
+            pk = peak_extra(lambda: execute_in_place(em, x, sc, **kw), CUDA)
             out.append(f"{sname}={2 * x.numel() / t / copy:.3f}({pk / 1e6:.0f}MB)")
         print(" ".join(out), flush=True)
         del x

@@ -399,3 +399,132 @@ def test_a_failing_write_is_raised_and_the_jobs_queued_behind_it_skipped():
     finally:
         workers.close(abort=True)
     assert 0 not in ran and 3 not in ran
+
+
+def test_a_commit_waits_for_every_job_before_it_and_the_caller_goes_on():
+    """``after``: returns while earlier writes and digests are still held, runs its job only once all of them
+    (on every lane) have run, and ``drain`` waits for it."""
+    workers = stream.Workers(hashing=True, lanes=3)
+    gate, ran, seen = threading.Event(), [], []
+
+    def job(k: int):
+        def run() -> None:
+            gate.wait(5)
+            ran.append(k)
+
+        return run
+
+    try:
+        for k in range(7):
+            workers.submit(job(k), job(100 + k), lane=k)
+        workers.after(lambda: seen.append(sorted(ran)))
+        workers.submit(job(7))
+        assert seen == []  # the caller is back while every earlier job is held
+        gate.set()
+        workers.drain()
+    finally:
+        workers.close(abort=False)
+    assert len(seen) == 1 and set(range(7)) | set(range(100, 107)) <= set(seen[0])
+
+
+def test_a_commit_behind_a_failed_job_never_runs():
+    workers = stream.Workers(hashing=False, lanes=2)
+    seen: list[int] = []
+
+    def fail() -> None:
+        raise OSError("disk full (injected)")
+
+    try:
+        workers.submit(fail)
+        workers.after(lambda: seen.append(1))
+        with pytest.raises(OSError, match="injected"):
+            workers.drain()
+    finally:
+        workers.close(abort=True)
+    assert seen == []
+
+
+def test_a_full_shard_is_committed_while_the_next_one_is_written(tmp_path):
+    """Two tensors in two shards: putting the first's last chunk returns while a writer lane is held, and the
+    shard appears at its name (hashed, fsynced, renamed on the commit thread) once the lane is free, while the
+    second is still open; the finished output verifies."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 256, (8, 4096), dtype=torch.uint8, generator=g)
+    b = (torch.arange(8 * 4096, dtype=torch.int64).reshape(8, 4096) % 251).to(torch.uint8)
+    specs = {"a": (torch.uint8, (8, 4096)), "b": (torch.uint8, (8, 4096))}
+    out = tmp_path / "k"
+    out.mkdir()
+    target = stream.ShardedOutput(
+        out, specs, {"fimoe_lab": {"probe": 1}}, single=False, shard_bytes=8 * 4096, checksum_key="fimoe_lab"
+    )
+    first, second = target.paths
+    gate = threading.Event()
+    with stream.workers_for(target, hashing=True) as workers:
+        for e in range(0, 6, 2):
+            target.put(workers, "a", a[e : e + 2])
+        workers.submit(lambda: gate.wait(10))  # holds a writer lane
+        target.put(workers, "a", a[6:])  # the first shard's last chunk: put returns, its commit waits
+        target.put(workers, "b", b[:2])
+        assert not first.exists() and not second.exists()
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not first.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first.exists() and not second.exists()
+        for e in range(2, 8, 2):
+            target.put(workers, "b", b[e : e + 2])
+        target.finish(workers)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(first))["a"], a) and torch.equal(load_file(str(second))["b"], b)
+    for k, path in enumerate(target.paths):
+        assert stream.verify_shard(path, target._entries(k), {"fimoe_lab": {"probe": 1}}, "fimoe_lab")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_writes_start_their_own_writeback_on_linux(tmp_path):
+    """The writers' early writeback is libc's ``sync_file_range`` here (not silently absent), and starting it
+    on written bytes leaves them as written."""
+    assert stream._SYNC_FILE_RANGE is not None
+    data = bytes(range(256)) * 4096
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        stream._pwrite_all(fd, memoryview(data), 0)
+        stream.start_writeback(fd, 0, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_the_next_layer_is_read_while_this_layer_is_converted(tmp_path, monkeypatch):
+    """The reader thread reads the next layer's first block while the main thread converts this layer's
+    last one: the conversion of each layer's last block waits (5 s at most) for that read to begin."""
+    layers = 3
+    _write_layers(tmp_path / "ck", layers, experts=4, inter=256, hidden=256)
+    monkeypatch.setattr(stream, "CHUNK_MIN", 1)
+    monkeypatch.setattr(stream, "CHUNK_MAX", 1)  # one expert per block
+    from fimoe_lab.checkpoints import rank_layout
+
+    started = {k: threading.Event() for k in range(layers)}
+    read, conv = rank_layout.LayerLoader.__call__, convert.convert_layer
+    overlapped: list[bool] = []
+
+    def reading(self, experts=None, pin=False):
+        if experts is not None and experts[0] == 0:
+            started[self.layer].set()
+        return read(self, experts, pin)
+
+    def converting(layer, choice):
+        if not started[0].is_set():  # the output's specs, from one-expert stand-ins, before any read
+            return conv(layer, choice)
+        done = count[layer.layer] = count.get(layer.layer, 0) + 1
+        if done == 4 and layer.layer + 1 < layers:  # this layer's fourth and last one-expert block
+            overlapped.append(started[layer.layer + 1].wait(5))
+        return conv(layer, choice)
+
+    count: dict[int, int] = {}
+    monkeypatch.setattr(rank_layout.LayerLoader, "__call__", reading)
+    monkeypatch.setattr(convert, "convert_layer", converting)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "k", "trtllm", shard_size=SHARD)
+    assert overlapped == [True] * (layers - 1)

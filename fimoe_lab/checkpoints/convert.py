@@ -3,7 +3,7 @@
 :func:`convert_layer` maps one layer with its plan (:mod:`~fimoe_lab.checkpoints.plan_choice`);
 :func:`write_kernel_layout` writes a list of :data:`~fimoe_lab.checkpoints.rank_layout.LayerSource` as one file or a
 sharded directory: :func:`layout_plan` gives the tensor specs and the metadata from shapes alone, then
-:func:`stream_layers` reads one layer at a time and converts it a chunk of experts at a time
+:func:`stream_layers` reads a block of experts at a time, the next while this one is converted
 (:func:`converted_chunks`; every map works expert by expert), while worker threads of
 :mod:`~fimoe_lab.checkpoints.stream` hash and write earlier chunks at their offsets. Every file goes to a
 temporary created exclusively beside it, fsynced and renamed only when complete
@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -295,21 +296,22 @@ def stream_layers(
     kept: Optional[unchanged.Unchanged] = None,
 ) -> None:
     """Load, convert and put into ``target`` every layer of ``sources`` that holds a tensor ``target`` still
-    needs (:meth:`~fimoe_lab.checkpoints.stream.ShardedOutput.needed`), one layer in memory, a chunk of
-    experts at a time (:func:`_layer_chunks`), then copy the ``kept`` unchanged tensors it still needs;
-    ``meta``: from :func:`layout_plan`."""
+    needs (:meth:`~fimoe_lab.checkpoints.stream.ShardedOutput.needed`), a block of experts at a time
+    (:func:`_blocks`: the next block, of this layer or the next, read while this one is converted), then copy
+    the ``kept`` unchanged tensors it still needs; ``meta``: from :func:`layout_plan`. Memory: the block being
+    converted, the one being read, and the chunks in the workers' bounded queues (well under a layer)."""
     prefix, block = meta["prefix"], meta["block"]
+    todo = []
     for idx, shape_layer, load in sources:
         rec = meta["layers"][str(idx)]
         names = {
             n: out_name(prefix, block, idx, n)
             for n in (*KERNEL_NAMES.values(), *rec["extras"], *kept_tensors(rec).values())
         }
-        if not any(target.needed(full) for full in names.values() if full in target.specs):
-            continue
-        workers.drain()  # the previous layer's chunks are out: one layer in memory
-        chunks = _layer_chunks(shape_layer, load, choice, dev)
-        for tensors in chunks:  # each block is freed with the generator once its last chunk is out
+        if any(target.needed(full) for full in names.values() if full in target.specs):
+            todo.append((names, shape_layer, load))
+    for names, layer, step in _blocks(todo, dev):
+        for tensors in converted_chunks(layer, choice, dev, step):
             for n in list(tensors):
                 t = tensors.pop(n)
                 counted = bar is not None and target.needed(names[n])  # before put: a finished shard is done
@@ -317,6 +319,7 @@ def stream_layers(
                 if counted:
                     bar.update(t.numel() * t.element_size())
                 del t
+        del layer
     if kept is not None:
         workers.drain()
         kept.put(target, workers, bar)
@@ -367,35 +370,44 @@ def _chunk_experts(layer: MoELayer) -> int:
     return stream.experts_per_chunk(layer_bytes // max(1, layer.num_experts), layer_bytes)
 
 
-def _layer_chunks(
-    shape_layer: MoELayer, load: Callable[[], MoELayer], choice: LayoutChoice, dev: torch.device
-) -> Iterator[dict[str, torch.Tensor]]:
-    """:func:`converted_chunks` of one layer. From a checkpoint (a :class:`LayerLoader`): read a block of
-    experts (one chunk, :func:`_chunk_experts`) at a time on a reader thread, block ``k+1`` while block ``k``
-    is converted and handed to the writers, so reading overlaps the transform and about two blocks are
-    resident; for a CUDA ``dev`` the reader also stages each block in pinned memory (:func:`_pinned`). Any other
-    loader: the whole layer, chunked."""
-    if not isinstance(load, LayerLoader):
-        yield from converted_chunks(load(), choice, dev)
-        return
-    step, e_count = _chunk_experts(shape_layer), shape_layer.num_experts
-    blocks = [(e0, min(e0 + step, e_count)) for e0 in range(0, e_count, step)]
-    read = (lambda b: _pinned(load(b))) if dev.type == "cuda" else load
+def _blocks(
+    todo: Sequence[tuple[dict, MoELayer, Callable[..., MoELayer]]], dev: torch.device
+) -> Iterator[tuple[dict, MoELayer, Optional[int]]]:
+    """``(names, block, experts per chunk)`` for every block of every layer of ``todo`` (``(output names, shape
+    layer, loader)``). From a checkpoint (a :class:`LayerLoader`): blocks of one chunk of experts
+    (:func:`_chunk_experts`), read on a reader thread, block ``k+1`` (the next layer's first after a layer's last)
+    while block ``k`` is converted and written, so reading overlaps the transform across layer boundaries too;
+    for a CUDA ``dev`` read straight into page-locked memory (:func:`_pinned`). Any other loader: its whole
+    layer, loaded when reached."""
+    jobs: list[tuple[dict, Callable[[], MoELayer], Optional[int], bool]] = []
+    for names, shape_layer, load in todo:
+        if not isinstance(load, LayerLoader):
+            jobs.append((names, load, None, False))
+            continue
+        step, e_count = _chunk_experts(shape_layer), shape_layer.num_experts
+        for e0 in range(0, e_count, step):
+            experts = (e0, min(e0 + step, e_count))
+            read = partial(_pinned, load, experts) if dev.type == "cuda" else partial(load, experts)
+            jobs.append((names, read, step, True))
     with ThreadPoolExecutor(1, thread_name_prefix="fimoe-lab-reader") as reader:
-        pending = reader.submit(read, blocks[0])
-        for after in [*blocks[1:], None]:
-            block = pending.result()
-            if after is not None:
-                pending = reader.submit(read, after)
-            yield from converted_chunks(block, choice, dev, step)
-            del block
+        pending = None
+        for k, (names, read, step, _) in enumerate(jobs):
+            layer = read() if pending is None else pending.result()
+            after = jobs[k + 1] if k + 1 < len(jobs) else None
+            pending = reader.submit(after[1]) if after is not None and after[3] else None
+            yield names, layer, step
+            del layer
 
 
-def _pinned(layer: MoELayer) -> MoELayer:
-    """``layer`` with every tensor copied into page-locked host memory. Run on the reader thread, so that this
-    copy overlaps the previous block's GPU work, and the chunks cut from it go to the GPU without another."""
-    pinned = {n: t.pin_memory() for n, t in layer.tensors().items() if t is not None}
-    return replace(layer.with_tensors(**pinned), extras={n: t.pin_memory() for n, t in layer.extras.items()})
+def _pinned(load: LayerLoader, experts: tuple[int, int]) -> MoELayer:
+    """Experts ``experts`` of ``load``'s layer in page-locked host memory: read into it where the reader fills
+    buffers of its own (``Checkpoint.read_layer(pin=True)``), any other tensor copied into it. Run on the reader
+    thread, so this overlaps the previous block's GPU work, and the chunks cut from it go to the GPU without
+    another copy."""
+    layer = load(experts, pin=True)
+    pin = lambda t: t if t.is_pinned() else t.pin_memory()  # noqa: E731
+    pinned = {n: pin(t) for n, t in layer.tensors().items() if t is not None}
+    return replace(layer.with_tensors(**pinned), extras={n: pin(t) for n, t in layer.extras.items()})
 
 
 def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:

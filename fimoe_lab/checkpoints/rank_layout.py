@@ -90,13 +90,14 @@ def source_info(ck: Checkpoint, src: str | os.PathLike) -> dict:
 
 class LayerLoader:
     """Loader of layer ``layer`` of rank ``rank`` of ``tp_size`` of a checkpoint: ``load()`` reads the whole
-    layer, ``load((e0, e1))`` experts ``e0 .. e1-1`` (:meth:`Checkpoint.read_layer`'s ``experts``)."""
+    layer, ``load((e0, e1))`` experts ``e0 .. e1-1`` (:meth:`Checkpoint.read_layer`'s ``experts``; ``pin``: into
+    page-locked memory)."""
 
     def __init__(self, ck: Checkpoint, layer: int, tp_size: int, rank: int, progress: bool):
         self.ck, self.layer, self.tp_size, self.rank, self.progress = ck, layer, tp_size, rank, progress
 
-    def __call__(self, experts: Optional[tuple[int, int]] = None) -> MoELayer:
-        return self.ck.read_layer(self.layer, self.tp_size, self.rank, progress=self.progress, experts=experts)
+    def __call__(self, experts: Optional[tuple[int, int]] = None, pin: bool = False) -> MoELayer:
+        return self.ck.read_layer(self.layer, self.tp_size, self.rank, progress=self.progress, experts=experts, pin=pin)
 
 
 def rank_info(about: dict, ck: Checkpoint, wanted: list[int], tp_size: int, rank: int) -> dict:

@@ -544,6 +544,7 @@ class Checkpoint:
         load: str = "all",
         progress: bool = False,
         experts: Optional[tuple[int, int]] = None,
+        pin: bool = False,
     ) -> MoELayer:
         """Stack layer ``layer``'s experts for rank ``tp_rank`` of ``tp_size``.
 
@@ -552,7 +553,8 @@ class Checkpoint:
         ``experts``: ``(e0, e1)`` with ``0 <= e0 < e1 <= E`` reads experts ``e0 .. e1-1`` only
         (every stacked tensor and extra ``(e1 - e0, ...)``, byte-identical to ``[e0:e1]`` of the
         whole layer's; the tensors of those experts checked); None: all ``E``. Every tensor is
-        checked (present, dtype, shape) before any is read.
+        checked (present, dtype, shape) before any is read. ``pin``: the buffers the tensors are stacked
+        into are page-locked (for a copy to a GPU; needs a CUDA build of torch).
         """
         if layer not in self._layers:
             raise CheckpointError(
@@ -572,7 +574,7 @@ class Checkpoint:
             )
         f = conv.fused_layout
         reader = _PerExpertReader if f is None else _BlocksReader if f.blocks else _FusedReader
-        moe = reader(self, layer, tp_size, tp_rank, r0, r1, load, progress, (e0, e1)).run()
+        moe = reader(self, layer, tp_size, tp_rank, r0, r1, load, progress, (e0, e1), pin).run()
         if conv.activation == "swiglu_oai":
             moe.activation_params = {
                 "alpha": self.config_float("swiglu_alpha", 1.702),
@@ -595,8 +597,9 @@ class _LayerReader:
         load: str,
         progress: bool,
         experts: tuple[int, int],
+        pin: bool = False,
     ):
-        self.ck, self.layer, self.tp_size, self.tp_rank = ckpt, layer, tp_size, tp_rank
+        self.ck, self.layer, self.tp_size, self.tp_rank, self.pin = ckpt, layer, tp_size, tp_rank, pin
         self.r0, self.r1, self.il = r0, r1, r1 - r0
         self.e0, self.e1 = experts
         self.n = self.e1 - self.e0
@@ -623,7 +626,9 @@ class _LayerReader:
         return self.conv.fused_key("", 0, name, self.base)
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, is_scale: bool) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device="cpu" if self.wants(is_scale) else "meta")
+        if not self.wants(is_scale):
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
 
     def wants(self, is_scale: bool) -> bool:
         return self.load == "all" or (self.load == "scales" and is_scale)

@@ -1,17 +1,21 @@
 """Streaming safetensors output: chunks written by offset from worker threads, shards, resume.
 
-- :class:`Workers`: :func:`write_lanes` writer threads (``os.pwrite``; chunks dealt to them in
-  turn: each chunk is written at its own offset, so their order does not matter) and, for
-  checksums, :data:`HASH_LANES` hashing threads (``hashlib.sha256``; a tensor's chunks always go
-  to the same one, in order) behind the caller, fed through queues of about :data:`DEPTH` jobs
-  in all per kind; both release the GIL, so the caller transforms the next chunk while this one
-  is hashed and written. A shard is finished only after every queue is drained.
+- :class:`Workers`: :func:`write_lanes` writer threads (``os.pwrite``, then :func:`start_writeback` of
+  the bytes written; chunks dealt to them in turn: each chunk is written at its own offset, so
+  their order does not matter) and, for checksums, :data:`HASH_LANES` hashing threads
+  (``hashlib.sha256``; a tensor's chunks always go to the same one, in order) behind the caller,
+  fed through queues of about :data:`DEPTH` jobs in all per kind; both release the GIL, so the
+  caller transforms the next chunk while this one is hashed and written. The bounded queues are
+  what keeps memory near one layer: the caller waits when they are full. A shard is committed on
+  a commit thread of its own once every job queued before its last chunk has run
+  (:meth:`Workers.after`), while the caller goes on with the next shard.
 - :class:`ShardFile`: one safetensors file whose tensor names, dtypes and shapes are known up
   front. The header is written first, with checksum placeholders of the same length; each
   tensor arrives as chunks along its leading (expert) dim, in order per tensor, any order
   across tensors, written at ``data start + tensor offset + chunk offset``; :meth:`ShardFile.finish`
-  rewrites the header with the sha256 of every tensor and renames the temporary onto the
-  shard (:class:`~fimoe_lab.checkpoints.safe_io.AtomicFile`).
+  rewrites the header with the sha256 of every tensor, fsyncs (most pages are on disk by then:
+  each write started its own writeback) and renames the temporary onto the shard
+  (:class:`~fimoe_lab.checkpoints.safe_io.AtomicFile`).
 - :class:`ShardedOutput`: one file, or the Hugging Face layout ``model-0000k-of-0000n.safetensors``
   + ``model.safetensors.index.json`` (:func:`plan_shards`: tensors in order, a new shard when
   the next tensor would pass the shard size). Shards are committed one by one as they
@@ -24,6 +28,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
@@ -56,6 +62,7 @@ __all__ = [
     "byte_view",
     "spec_nbytes",
     "progress_bar",
+    "start_writeback",
 ]
 
 HASH_LANES = 2
@@ -114,14 +121,14 @@ def plan_shards(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], shard_byt
 
 # ============================================================================ worker threads
 class Workers:
-    """``lanes`` writer threads (default :func:`write_lanes`) and (``hashing``) :data:`HASH_LANES`
-    hashing threads, each running its jobs in order.
+    """``lanes`` writer threads (default :func:`write_lanes`), (``hashing``) :data:`HASH_LANES`
+    hashing threads and one commit thread, each running its jobs in order.
 
     Writes are dealt to the writer threads in turn, digests to hashing thread ``lane %
-    HASH_LANES``. :meth:`submit` blocks while a queue is full (each writer queue holds
-    ``max(2, DEPTH // lanes)`` jobs, so about ``DEPTH`` chunks are in flight whatever the
-    lanes); the first error of a job is raised by the next :meth:`submit` or :meth:`drain`,
-    and the jobs after it are skipped.
+    HASH_LANES``, commits (:meth:`after`) to the commit thread. :meth:`submit` blocks while a
+    queue is full (each writer queue holds ``max(2, DEPTH // lanes)`` jobs, so about ``DEPTH``
+    chunks are in flight whatever the lanes); the first error of a job is raised by the next
+    :meth:`submit`, :meth:`after` or :meth:`drain`, and the jobs after it are skipped.
     """
 
     def __init__(self, hashing: bool, lanes: Optional[int] = None):
@@ -134,6 +141,7 @@ class Workers:
         depth = max(2, DEPTH // self.lanes)
         self._queues: list[queue.Queue] = [queue.Queue(depth) for _ in range(self.lanes)]
         self._queues += [queue.Queue(DEPTH) for _ in range(HASH_LANES * hashing)]
+        self._queues.append(queue.Queue())  # the commit thread's, last: drain joins it after the others
         self._threads = [
             threading.Thread(target=self._run, args=(q,), name=f"fimoe-lab-worker-{i}", daemon=True)
             for i, q in enumerate(self._queues)
@@ -168,8 +176,26 @@ class Workers:
         if digest is not None:
             self._queues[self.lanes + lane % HASH_LANES].put(digest)
 
+    def after(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the commit thread once every write and digest submitted so far has run, and return
+        at once: a marker goes into each writer and hashing queue behind those jobs, and the last marker to
+        run queues ``job`` (skipped, like every job, after an error)."""
+        self.check()
+        lanes = self._queues[:-1]
+        left, lock = [len(lanes)], threading.Lock()
+
+        def marker() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._queues[-1].put(job)
+
+        for q in lanes:
+            q.put(marker)
+
     def drain(self) -> None:
-        """Wait until every job submitted so far has run; raise the first error."""
+        """Wait until every job submitted so far has run, commits included; raise the first error."""
         for q in self._queues:
             q.join()
         self.check()
@@ -188,6 +214,33 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data.nbytes:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
+
+
+SYNC_FILE_RANGE_WRITE = 2
+"""Linux ``sync_file_range`` flag: start writeback of the dirty pages of a range, without waiting for it."""
+
+
+def _sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
+    """libc's ``sync_file_range(fd, offset, nbytes, flags)`` (Linux), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing bytes ``[offset, offset + nbytes)`` of ``fd`` to disk now, without waiting (Linux
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; nothing where libc has no such call or the file system
+    refuses it). A shard's writeback then runs while later chunks are transformed, instead of all at its
+    ``fsync``; durability still comes from that ``fsync``."""
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
 
 
 # ============================================================================ one file
@@ -245,6 +298,7 @@ class ShardFile:
 
         def write() -> None:
             _pwrite_all(fd, data, offset)
+            start_writeback(fd, offset, data.nbytes)
 
         digest = None
         if self.checksum_key is not None:
@@ -256,7 +310,8 @@ class ShardFile:
         workers.submit(write, digest, self.lanes[name])
 
     def finish(self) -> None:
-        """Rewrite the header with the checksums and commit (the caller drained the workers)."""
+        """Rewrite the header with the checksums and commit (every write and digest of this file has run: the
+        caller drained the workers, or this runs through :meth:`Workers.after`)."""
         short = [n for n, e in self.entries.items() if self.written[n] != e["data_offsets"][1] - e["data_offsets"][0]]
         if short:
             raise CheckpointError(f"internal: tensors {short[:3]} were not written in full")
@@ -359,6 +414,7 @@ class ShardedOutput:
         self.paths = [out] if single else [out / safe_io.shard_name(k + 1, n) for k in range(n)]
         self.shard_of = {name: k for k, group in enumerate(self.groups) for name in group}
         self.open: dict[int, ShardFile] = {}
+        self.committing: list[ShardFile] = []  # every byte queued, commit queued (discard: a no-op once committed)
         self.owned = set(range(n)) if owned is None else set(owned)
         self.done: set[int] = set(range(n)) - self.owned  # another process writes those
         if not single and owned is None:
@@ -394,11 +450,11 @@ class ShardedOutput:
             specs = {n: self.specs[n] for n in self.groups[k]}
             shard = self.open[k] = ShardFile(self.paths[k], specs, self.metadata, self.checksum_key)
         shard.put(workers, name, chunk)
-        if shard.left == 0:
-            workers.drain()
-            shard.finish()
+        if shard.left == 0:  # committed on the commit thread once its bytes are out; the caller goes on
             del self.open[k]
+            self.committing.append(shard)
             self.done.add(k)
+            workers.after(shard.finish)
 
     def finish(self, workers: Workers) -> None:
         """Commit the shards still open (empty tensors) and write the index (sharded output)."""
@@ -409,6 +465,7 @@ class ShardedOutput:
     def commit_rest(self, workers: Workers) -> None:
         """Commit the owned shards still open (empty tensors)."""
         workers.drain()
+        self.committing.clear()
         for k in sorted(self.owned - self.done):
             self.put_empty(workers, k)
 
@@ -435,10 +492,12 @@ class ShardedOutput:
         self.done.add(k)
 
     def discard(self) -> None:
-        """Remove the temporaries of the shards still open (committed shards stay for ``resume``)."""
-        for shard in self.open.values():
+        """Remove the temporaries of the shards not committed (committed shards stay for ``resume``); called
+        after the workers have stopped."""
+        for shard in [*self.open.values(), *self.committing]:
             shard.discard()
         self.open.clear()
+        self.committing.clear()
 
 
 @contextmanager
