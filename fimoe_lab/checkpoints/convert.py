@@ -297,9 +297,10 @@ def stream_layers(
 ) -> None:
     """Load, convert and put into ``target`` every layer of ``sources`` that holds a tensor ``target`` still
     needs (:meth:`~fimoe_lab.checkpoints.stream.ShardedOutput.needed`), a block of experts at a time
-    (:func:`_blocks`: the next block, of this layer or the next, read while this one is converted), then copy
-    the ``kept`` unchanged tensors it still needs; ``meta``: from :func:`layout_plan`. Memory: the block being
-    converted, the one being read, and the chunks in the workers' bounded queues (well under a layer)."""
+    (:func:`_blocks`: the next block, of this layer or the next, read while this one is converted; on CUDA
+    :func:`_chunks` keeps one chunk's GPU work queued ahead), then copy the ``kept`` unchanged tensors it still
+    needs; ``meta``: from :func:`layout_plan`. Memory: the block being converted, the one being read, a chunk
+    queued on the GPU, and the chunks in the workers' bounded queues (well under a layer)."""
     prefix, block = meta["prefix"], meta["block"]
     todo = []
     for idx, shape_layer, load in sources:
@@ -310,16 +311,14 @@ def stream_layers(
         }
         if any(target.needed(full) for full in names.values() if full in target.specs):
             todo.append((names, shape_layer, load))
-    for names, layer, step in _blocks(todo, dev):
-        for tensors in converted_chunks(layer, choice, dev, step):
-            for n in list(tensors):
-                t = tensors.pop(n)
-                counted = bar is not None and target.needed(names[n])  # before put: a finished shard is done
-                target.put(workers, names[n], t)
-                if counted:
-                    bar.update(t.numel() * t.element_size())
-                del t
-        del layer
+    for names, tensors in _chunks(_blocks(todo, dev), choice, dev):
+        for n in list(tensors):
+            t = tensors.pop(n)
+            counted = bar is not None and target.needed(names[n])  # before put: a finished shard is done
+            target.put(workers, names[n], t)
+            if counted:
+                bar.update(t.numel() * t.element_size())
+            del t
     if kept is not None:
         workers.drain()
         kept.put(target, workers, bar)
@@ -347,6 +346,17 @@ def converted_chunks(
     """The layer in the kernel layout, a chunk of ``step`` experts at a time (default :func:`_chunk_experts`;
     :func:`convert_layer` on ``[e0:e1]`` of every tensor; kernel tensors by name, on the CPU). With a CUDA
     ``dev``: staged through pinned host buffers."""
+    for tensors, done in _queued_chunks(layer, choice, dev, step):
+        if done is not None:
+            done.synchronize()
+        yield tensors
+
+
+def _queued_chunks(
+    layer: MoELayer, choice: LayoutChoice, dev: torch.device, step: Optional[int]
+) -> Iterator[tuple[dict[str, torch.Tensor], Optional[torch.cuda.Event]]]:
+    """:func:`converted_chunks` with, on CUDA, each chunk's work only queued: ``(its host tensors, the event
+    after their copy from the GPU)``, the tensors to be read once the event is done (None on the CPU)."""
     parts = {n: t for n, t in layer.tensors().items() if t is not None}
     e_count = layer.num_experts
     step = step or _chunk_experts(layer)
@@ -357,10 +367,38 @@ def converted_chunks(
             extras={n: cut(t) for n, t in layer.extras.items()},
         )
         tensors, _, _ = convert_layer(sub, choice)
-        if dev.type == "cuda":
-            tensors = {n: _to_host(t) for n, t in tensors.items()}
-            torch.cuda.current_stream(dev).synchronize()
-        yield {n: t.contiguous() for n, t in tensors.items()}
+        if dev.type != "cuda":
+            yield {n: t.contiguous() for n, t in tensors.items()}, None
+            continue
+        host = {n: _to_host(t) for n, t in tensors.items()}
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(dev))
+        yield host, done
+
+
+def _chunks(
+    blocks: Iterator[tuple[dict, MoELayer, Optional[int]]], choice: LayoutChoice, dev: torch.device
+) -> Iterator[tuple[dict, dict[str, torch.Tensor]]]:
+    """``(names, kernel tensors on the host)`` for every chunk of every block of :func:`_blocks`. On CUDA a
+    chunk's copy to the GPU, transform and copy back are queued before the previous chunk is handed on (after
+    its event), so the GPU and the copies work while the caller hashes and writes."""
+    held = None
+    for names, layer, step in blocks:
+        for tensors, done in _queued_chunks(layer, choice, dev, step):
+            if held is not None:
+                yield _ready(*held)
+            held = (names, tensors, done)
+        del layer
+    if held is not None:
+        yield _ready(*held)
+
+
+def _ready(
+    names: dict, tensors: dict[str, torch.Tensor], done: Optional[torch.cuda.Event]
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    if done is not None:
+        done.synchronize()
+    return names, tensors
 
 
 def _chunk_experts(layer: MoELayer) -> int:
