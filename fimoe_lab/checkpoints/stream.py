@@ -29,7 +29,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import json
 import os
@@ -223,8 +222,8 @@ SYNC_FILE_RANGE_WRITE = 2
 def _sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
     """libc's ``sync_file_range(fd, offset, nbytes, flags)`` (Linux), or None where there is none."""
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # the process's own symbols: libc's on Linux
+    except (OSError, AttributeError, TypeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
