@@ -143,7 +143,8 @@ VARIABLES = {
             "FIMOE_PREBUILT_KERNELS",
             "bool",
             "a true value runs in-place transforms on CUDA with the cycle kernel built ahead of time while Triton "
-            "is not loaded (default off: not yet measured on a GPU)",
+            "is not loaded (default off: on an H200 its kernel reaches 0.46-0.79 of a copy where Triton's reaches "
+            "0.85-0.99, and loading it costs a first layer 10-28 ms)",
         ),
         Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
         Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),

@@ -337,8 +337,8 @@ BACKGROUND_ENV = "FIMOE_BACKGROUND_LOAD"
 thread (no stand-in runs)."""
 PREBUILT_ENV = "FIMOE_PREBUILT_KERNELS"
 """Set to a true value to make ``prebuilt`` the stand-in of an executor that stands in with torch, on the
-devices it loads on: in place, its cycle kernel instead of torch's two passes (off by default until it is
-measured on a GPU)."""
+devices it loads on: in place, its cycle kernel instead of torch's two passes (off by default: on an H200 its
+kernel trails Triton's, 0.46-0.79 of a copy against 0.85-0.99, and loading it costs a first layer 10-28 ms)."""
 
 
 class _Loads:
