@@ -417,22 +417,22 @@ def _blocks(
     while block ``k`` is converted and written, so reading overlaps the transform across layer boundaries too;
     for a CUDA ``dev`` read straight into page-locked memory (:func:`_pinned`). Any other loader: its whole
     layer, loaded when reached."""
-    jobs: list[tuple[dict, Callable[[], MoELayer], Optional[int], bool]] = []
+    jobs: list[tuple[dict, Callable[[], MoELayer], Optional[int]]] = []  # step None: a whole layer, not read ahead
     for names, shape_layer, load in todo:
         if not isinstance(load, LayerLoader):
-            jobs.append((names, load, None, False))
+            jobs.append((names, load, None))
             continue
         step, e_count = _chunk_experts(shape_layer), shape_layer.num_experts
         for e0 in range(0, e_count, step):
             experts = (e0, min(e0 + step, e_count))
             read = partial(_pinned, load, experts) if dev.type == "cuda" else partial(load, experts)
-            jobs.append((names, read, step, True))
+            jobs.append((names, read, step))
     with ThreadPoolExecutor(1, thread_name_prefix="fimoe-lab-reader") as reader:
         pending = None
-        for k, (names, read, step, _) in enumerate(jobs):
+        for k, (names, read, step) in enumerate(jobs):
             layer = read() if pending is None else pending.result()
             after = jobs[k + 1] if k + 1 < len(jobs) else None
-            pending = reader.submit(after[1]) if after is not None and after[3] else None
+            pending = reader.submit(after[1]) if after is not None and after[2] is not None else None
             yield names, layer, step
             del layer
 
