@@ -183,9 +183,12 @@ def run(c: dict, t: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
     elif op == "bf16":
         w13, w2, ip = fu.align_moe_weights_for_fi(t["w13"], t["w2"], c["act_and_mul"], min_alignment=128)
         cache: dict = {}
+        alias, before = w13.view(torch.uint8), w13.clone()  # another tensor on w13's storage
         o13, o2 = fu.convert_moe_weights_to_flashinfer_trtllm_block_layout(cache, w13, w2, c["act_and_mul"])
         out = {"w13": o13, "w2": o2, "padded_w13": w13, "padded_w2": w2}
-        extra = {"ip": ip, "cache": {repr(k): v for k, v in cache.items()}}
+        same_storage = o13.untyped_storage().data_ptr() == alias.untyped_storage().data_ptr()
+        written = not torch.equal(alias.view(w13.dtype), before) or torch.equal(o13.reshape(w13.shape), before)
+        extra = {"ip": ip, "cache": {repr(k): v for k, v in cache.items()}, "in_place": same_storage and written}
     elif op == "mxfp4_gptoss":
         cache: dict = {}
         r = vmx.convert_gpt_oss_weight_to_mxfp4_moe_kernel_format(
@@ -207,8 +210,10 @@ def run(c: dict, t: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
         r = fu.align_moe_weights_for_fi(t["w13"], t["w2"], c["act_and_mul"], c["align"])
         out, extra = {"w13": r[0], "w2": r[1]}, {"ip": r[2]}
     elif op == "rotate":
+        alias = t["w13"].view(torch.uint8)  # another tensor on w13's storage: sees the result if it is written in place
+        before = alias.clone()
         fu.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(t["w13"], t["w2"], c["gated"])
-        out = {}
+        out, extra = {}, {"alias_unchanged": bool(torch.equal(alias, before))}
     elif op == "deepseek_shuffle":
         out = dict(zip(("w13", "w2"), fu._shuffle_deepseek_fp8_moe_weights(t["w13"], t["w2"])))
     else:
