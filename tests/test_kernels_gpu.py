@@ -584,23 +584,32 @@ def test_gpu_prebuilt_error_midway_is_undone(monkeypatch):
 PREBUILT_CHILD = """
 import json, sys, torch
 from fimoe_lab import prepare
-from fimoe_lab.kernels import registry
+from fimoe_lab.kernels import prebuilt, registry
 g = torch.Generator(device="cuda").manual_seed(0)
 w13 = torch.randint(0, 256, (16, 512, 7168), dtype=torch.uint8, device="cuda", generator=g)
 w2 = torch.randint(0, 256, (16, 7168, 256), dtype=torch.uint8, device="cuda", generator=g)
 a13, a2 = w13.clone(), w2.clone()
-prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)
-chosen = registry.get_executor(None, "cuda", w13.nbytes, em=prepare.plan_rotate_fp8_per_tensor(512, 7168, 256, True).w13.compiled(), in_place=True).name
 plan = prepare.plan_rotate_fp8_per_tensor(512, 7168, 256, True)
+em = plan.w13.compiled()
+def chosen():
+    return registry.get_executor(None, "cuda", w13.nbytes, em=em, in_place=True).name
+first = chosen()  # no cycle plan yet: torch now, the plan asked for in the background
+prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)  # the first layer
+prebuilt.wait_for_plans()
+after = chosen()
+prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)  # a later layer: the prebuilt kernel
 torch.cuda.synchronize()
-print(json.dumps([chosen, "triton" not in sys.modules, torch.equal(w13, plan.w13.apply(a13, backend="torch")), torch.equal(w2, plan.w2.apply(a2, backend="torch"))]))
+twice13 = plan.w13.apply(plan.w13.apply(a13, backend="torch"), backend="torch")
+twice2 = plan.w2.apply(plan.w2.apply(a2, backend="torch"), backend="torch")
+print(json.dumps([first, after, "triton" not in sys.modules, torch.equal(w13, twice13), torch.equal(w2, twice2)]))
 """
 
 
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 def test_gpu_fresh_process_prebuilt_stand_in():
-    """With FIMOE_PREBUILT_KERNELS=1 a fresh process rotates FP8 weights in place with the prebuilt kernel:
-    no Triton import, the bytes of torch's gather."""
+    """With FIMOE_PREBUILT_KERNELS=1 a fresh process rotates FP8 weights in place: torch's strided copies while
+    the map's cycle plan is built in the background, the prebuilt kernel after; no Triton import, the bytes
+    of torch's gather."""
     import json
     import os
     import pathlib
@@ -611,4 +620,4 @@ def test_gpu_fresh_process_prebuilt_stand_in():
     env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, "-c", PREBUILT_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["prebuilt", True, True, True]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["torch", "prebuilt", True, True, True]

@@ -107,9 +107,14 @@ def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
     with pytest.raises(FimoeError, match=registry.PREBUILT_ENV):
         env.value(registry.PREBUILT_ENV, False)
     monkeypatch.setenv(registry.PREBUILT_ENV, "1")
-    assert registry._stand_in(registry.EXECUTORS["numba"], torch.device("cpu")).name == "torch"
+    em = plan_layer("fp8", "trtllm", 256, 512).w13.compiled()
+    assert not registry._prebuilt_stands_in(registry.EXECUTORS["numba"], torch.device("cpu"), em, True)
+    assert registry._loaded_or_stand_in(registry.EXECUTORS["numba"], em, "cpu", in_place=True).name in (
+        "torch",
+        "numba",
+    )
     if not torch.cuda.is_available():
-        assert registry._stand_in(registry.EXECUTORS["triton"], torch.device("cuda")).name == "torch"
+        assert not registry._prebuilt_stands_in(registry.EXECUTORS["triton"], torch.device("cuda"), em, True)
 
 
 # ----------------------------------------------------------------------------- the kernel source, run on the host
@@ -165,6 +170,40 @@ def in_place_maps():
         for name, m in plan_layer(fmt, "trtllm", inter, hidden).maps().items():
             if m.is_permutation:
                 yield pytest.param(m, id=f"layer-{fmt}-{inter}x{hidden}-{name}")
+
+
+@pytest.mark.parametrize(
+    "fmt,inter,hidden,tensor",
+    [("fp8", 160, 384, "w13"), ("bf16", 384, 640, "w2"), ("nvfp4", 512, 1024, "w13_scale")],
+)
+def test_cycle_plans_built_in_the_background_are_the_ones_a_launch_uses(
+    emulated, monkeypatch, fmt, inter, hidden, tensor
+):
+    """After the background planner, the launcher builds no plan of its own and the kernel's source gives the
+    gather's bytes; asking twice queues once; a map no cycle plan fits leaves nothing and no hang."""
+    from fimoe_lab.kernels import cycles
+
+    m = getattr(plan_layer(fmt, "trtllm", inter, hidden), tensor)  # permutations of shapes no other test plans
+    em = m.compiled()
+    assert not prebuilt.planned(em)
+    prebuilt.plan_in_background(em)
+    prebuilt.plan_in_background(em)
+    prebuilt.wait_for_plans()
+    assert prebuilt.planned(em)
+    built = []
+    real = cycles.plan_permutation
+    monkeypatch.setattr(cycles, "plan_permutation", lambda *a: built.append(a) or real(*a))
+    for x in host_inputs(m, 3):
+        want = m.apply(x.view((3,) + m.in_shape), backend="torch").reshape(3, -1)
+        run_emulated(m, x, 2)
+        assert torch.equal(x, want)
+    assert built == []
+    padded_map = plan_layer("fp8", "trtllm", 200, 512).w13  # I padded to 208: not a permutation
+    assert not padded_map.is_permutation
+    padded = padded_map.compiled()
+    prebuilt.plan_in_background(padded)
+    prebuilt.wait_for_plans()
+    assert not prebuilt.planned(padded)
 
 
 @pytest.mark.parametrize("shift", [0, 4, 1], ids=["w16", "w4", "w1"])

@@ -22,7 +22,7 @@ import torch
 
 from fimoe_lab.errors import LayoutError
 
-__all__ = ["CyclePlan", "cycle_plan", "plan_permutation", "cycle_order"]
+__all__ = ["CyclePlan", "cycle_plan", "cycle_plan_built", "plan_permutation", "cycle_order"]
 
 
 @dataclass(eq=False)
@@ -95,10 +95,19 @@ def cycle_order(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def cycle_plan(em, tile_slots: int) -> CyclePlan:
     """The :class:`CyclePlan` of the executable map ``em`` (a permutation of its cells),
     cached on it per ``tile_slots``."""
-    key = ("cycles", tile_slots)
+    key = _cache_key(tile_slots)
     if key not in em._dev:
         em._dev[key] = plan_permutation(em.src, em.n_in, em.has_fill, tile_slots)
     return em._dev[key]
+
+
+def cycle_plan_built(em, tile_slots: int) -> bool:
+    """Whether :func:`cycle_plan` of ``em`` for ``tile_slots`` is cached (a call returns it at once)."""
+    return _cache_key(tile_slots) in em._dev
+
+
+def _cache_key(tile_slots: int) -> tuple[str, int]:
+    return ("cycles", tile_slots)
 
 
 def plan_permutation(src: np.ndarray, n_in: int, has_fill: bool, tile_slots: int) -> CyclePlan:

@@ -14,14 +14,30 @@ words up to :data:`MAX_BW`, ``BM = THREADS * ITEMS / BW`` slots (a power of two,
 from __future__ import annotations
 
 import ctypes
+import queue
+import threading
+import weakref
+from typing import Optional
 
 import torch
 
 from fimoe_lab.kernels import cuda_driver
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word
+from fimoe_lab.kernels.cycles import cycle_plan, cycle_plan_built
 from fimoe_lab.kernels.tiles import cdiv, pow2_divisor
 
-__all__ = ["SOURCE", "THREADS", "ITEMS", "MAX_BW", "available", "cycle_tile", "inplace_cycles"]
+__all__ = [
+    "SOURCE",
+    "THREADS",
+    "ITEMS",
+    "MAX_BW",
+    "available",
+    "cycle_tile",
+    "inplace_cycles",
+    "planned",
+    "plan_in_background",
+    "wait_for_plans",
+]
 
 SOURCE = "cycles"
 """The fatbin of ``kernels/cuda/cycles.cu``."""
@@ -46,9 +62,63 @@ def cycle_tile(cell_bytes: int, word: int) -> tuple[int, int, int]:
     return THREADS * ITEMS // bw, bw, words // bw
 
 
-def _word(em: ExecMap, flat: torch.Tensor) -> int:
-    widest = aligned_word(16, flat)
+def _word(em: ExecMap, flat: Optional[torch.Tensor] = None) -> int:
+    """The word ``em``'s cells move as in ``flat`` (None: a buffer the allocator aligned, 16 bytes or more)."""
+    widest = 16 if flat is None else aligned_word(16, flat)
     return next(w for w in (16, 4, 1) if w <= widest and em.cell_bytes % w == 0)
+
+
+def _tile_slots(em: ExecMap, flat: Optional[torch.Tensor] = None) -> int:
+    return cycle_tile(em.cell_bytes, _word(em, flat))[0]
+
+
+def planned(em: ExecMap) -> bool:
+    """Whether ``em``'s cycle plan (for an aligned buffer) is built, so a call launches at once."""
+    return cycle_plan_built(em, _tile_slots(em))
+
+
+class _Planner:
+    """One daemon thread building the cycle plans of the maps :func:`plan_in_background` is given, in order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.jobs: queue.Queue[ExecMap] = queue.Queue()
+        self.asked: weakref.WeakSet[ExecMap] = weakref.WeakSet()  # queued or built (the plan lives on the map)
+        self.thread: Optional[threading.Thread] = None
+
+    def submit(self, em: ExecMap) -> None:
+        with self.lock:
+            if em in self.asked:
+                return
+            self.asked.add(em)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="fimoe-lab-cycle-plans", daemon=True)
+                self.thread.start()
+        self.jobs.put(em)
+
+    def _run(self) -> None:
+        while True:
+            em = self.jobs.get()
+            try:
+                cycle_plan(em, _tile_slots(em))
+            except Exception:  # a map the kernel cannot run: its own call raises it, in the caller's thread
+                pass
+            finally:
+                self.jobs.task_done()
+
+
+_PLANNER = _Planner()
+
+
+def plan_in_background(em: ExecMap) -> None:
+    """Build ``em``'s cycle plan on a background thread (once per map): the calls that come before it is
+    built run elsewhere (:func:`~fimoe_lab.kernels.registry.get_executor`), the ones after launch at once."""
+    _PLANNER.submit(em)
+
+
+def wait_for_plans() -> None:
+    """Wait until every cycle plan asked of :func:`plan_in_background` is built."""
+    _PLANNER.jobs.join()
 
 
 def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
@@ -57,8 +127,6 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
     the saved cells of as many experts as fit in ``scratch_experts`` experts' bytes.
 
     Yields the number of leading experts whose tiles have been launched (the stream orders the launches)."""
-    from fimoe_lab.kernels.cycles import cycle_plan
-
     experts, nbytes = flat.shape
     word = _word(em, flat)
     bm, bw, nc = cycle_tile(em.cell_bytes, word)

@@ -386,13 +386,16 @@ def _background_load(ex: Executor) -> None:
         _LOADS.ready.add(ex.name)
 
 
-def _stand_in(ex: Executor, device: torch.device) -> Optional[Executor]:
-    """``ex``'s stand-in on ``device``: ``prebuilt`` for torch where :data:`PREBUILT_ENV` asks and it loads."""
-    if ex.stand_in is None:
-        return None
-    if ex.stand_in == "torch" and env.value(PREBUILT_ENV, False) and EXECUTORS["prebuilt"].available(device):
-        return EXECUTORS["prebuilt"]
-    return EXECUTORS[ex.stand_in]
+def _prebuilt_stands_in(ex: Executor, device: torch.device, em: Optional[ExecMap], in_place: bool) -> bool:
+    """Whether ``prebuilt`` stands in for ``ex`` (whose stand-in is torch) for the map ``em`` run in place on
+    ``device``: where :data:`PREBUILT_ENV` asks and the prebuilt kernels load."""
+    return (
+        ex.stand_in == "torch"
+        and in_place
+        and em is not None
+        and env.value(PREBUILT_ENV, False)
+        and EXECUTORS["prebuilt"].available(device)
+    )
 
 
 def _loaded_or_stand_in(
@@ -400,11 +403,22 @@ def _loaded_or_stand_in(
 ) -> Executor:
     """``ex`` once loaded; before that, its stand-in with no load started when the stand-in runs ``em``
     at bandwidth (``in_place``: in place), else start its load in the background and return its stand-in
-    (in the calling thread instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in)."""
+    (in the calling thread instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in).
+
+    In place where ``prebuilt`` stands in (:func:`_prebuilt_stands_in`): ``prebuilt`` once the map's cycle
+    plan is built; the first call asks for it on a background thread and runs on torch (with
+    :data:`BACKGROUND_ENV` off it builds the plan itself); no other load is started."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
     device = torch.device(device if device is not None else "cpu")
-    stand = _stand_in(ex, device)
+    if _prebuilt_stands_in(ex, device, em, in_place):
+        assert em is not None
+        pre = _module("prebuilt")
+        if pre.planned(em) or not env.value(BACKGROUND_ENV, True):
+            return EXECUTORS["prebuilt"]
+        pre.plan_in_background(em)
+        return EXECUTORS["torch"]
+    stand = EXECUTORS[ex.stand_in] if ex.stand_in is not None else None
     if stand is not None and em is not None and stand.at_bandwidth(em, device.type, in_place):
         return stand
     if stand is None or not env.value(BACKGROUND_ENV, True):

@@ -16,6 +16,18 @@ inline thread_local std::barrier<>* fimoe_block_barrier;
 #define __forceinline__ inline
 #define __launch_bounds__(n)
 #define __restrict__ __restrict
-#define __align__(n) alignas(n)
 
 inline void __syncthreads() { fimoe_block_barrier->arrive_and_wait(); }
+
+// CUDA's 16-byte vector word and the streaming (evict-first) load and store: on the host, a plain load and store.
+struct alignas(16) uint4 {
+    unsigned int x, y, z, w;
+};
+template <typename T>
+inline T __ldcs(const T* p) {
+    return *p;
+}
+template <typename T>
+inline void __stcs(T* p, T v) {
+    *p = v;
+}

@@ -11,6 +11,9 @@
 // THREADS threads, each holding ITEMS words, so BM * BW <= THREADS * ITEMS.
 // save != 0: the pass before, copying saved cell dst[k] (k < n_slots) to scratch slot k.
 //
+// Each word is read and written once, so loads and stores are streaming (__ldcs / __stcs: evict first).
+// A thread finds every store address (dst) in the load phase: after the barrier it only stores.
+//
 // One kernel per word: 16 bytes (cells and addresses 16-byte aligned), 4 bytes, 1 byte.
 
 #define THREADS 256
@@ -18,20 +21,7 @@
 
 typedef unsigned char word1;
 typedef unsigned int word4;
-struct __align__(16) word16 {
-    unsigned int a, b, c, d;
-};
-
-// Word k of this thread in the tile: its slot and column, or slot -1 past the tile or the plan.
-__device__ __forceinline__ int item_slot(int k, int tile, int bm, int bw, int n_slots) {
-    const int i = k * THREADS + (int)threadIdx.x;
-    const int slot = tile * bm + i / bw;
-    return i < bm * bw && slot < n_slots ? slot : -1;
-}
-
-__device__ __forceinline__ long long item_col(int k, long long col0, int bw) {
-    return col0 + (k * THREADS + (int)threadIdx.x) % bw;
-}
+typedef uint4 word16;
 
 template <typename W>
 __device__ __forceinline__ void cycle_tile(W* __restrict__ x, W* __restrict__ scratch, const int* __restrict__ dst,
@@ -44,28 +34,30 @@ __device__ __forceinline__ void cycle_tile(W* __restrict__ x, W* __restrict__ sc
     W* xe = x + e * expert_words;
     W* se = scratch + e * scratch_words;
     W v[ITEMS];
+    W* to[ITEMS];  // where word k goes (null: past the tile or the plan)
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-        const int slot = item_slot(k, tile, bm, bw, n_slots);
-        const long long col = item_col(k, col0, bw);
-        if (slot >= 0) {
+        const int i = k * THREADS + (int)threadIdx.x;
+        const int slot = tile * bm + i / bw;
+        const long long col = col0 + i % bw;
+        to[k] = nullptr;
+        if (i < bm * bw && slot < n_slots) {
+            const W* from;
             if (save) {
-                v[k] = xe[(long long)dst[slot] * cell_words + col];
+                from = xe + (long long)dst[slot] * cell_words + col;
+                to[k] = se + (long long)slot * cell_words + col;
             } else {
                 const int s = src[slot];
-                v[k] = s >= 0 ? xe[(long long)s * cell_words + col] : se[(long long)(-1 - s) * cell_words + col];
+                from = s >= 0 ? xe + (long long)s * cell_words + col : se + (long long)(-1 - s) * cell_words + col;
+                to[k] = xe + (long long)dst[slot] * cell_words + col;
             }
+            v[k] = __ldcs(from);
         }
     }
     __syncthreads();  // every load of the tile is done before any store overwrites a source
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-        const int slot = item_slot(k, tile, bm, bw, n_slots);
-        const long long col = item_col(k, col0, bw);
-        if (slot >= 0) {
-            W* to = save ? se + (long long)slot * cell_words : xe + (long long)dst[slot] * cell_words;
-            to[col] = v[k];
-        }
+        if (to[k] != nullptr) __stcs(to[k], v[k]);
     }
 }
 
