@@ -64,17 +64,21 @@ def test_the_shipped_fatbin_is_rebuilt_byte_for_byte(tmp_path):
         assert (tmp_path / rec["fatbin"]).read_bytes() == (CUDA / rec["fatbin"]).read_bytes()
 
 
-def _defines() -> dict[str, int]:
-    text = (CUDA / "cycles.cu").read_text()
+def _defines(source: str) -> dict[str, int]:
+    text = (CUDA / source).read_text()
     return {k: int(v) for k, v in re.findall(r"^#define (\w+) (\d+)$", text, flags=re.M)}
 
 
-def test_the_launcher_and_the_kernel_agree_on_their_constants():
-    defines = _defines()
+@pytest.mark.parametrize(
+    "source,macro,functions",
+    [("cycles.cu", "CYCLE_KERNEL", prebuilt._FUNCTIONS), ("gather.cu", "GATHER_KERNEL", prebuilt._GATHERS)],
+)
+def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, functions):
+    defines = _defines(source)
     assert (defines["THREADS"], defines["ITEMS"]) == (prebuilt.THREADS, prebuilt.ITEMS)
-    text = (CUDA / "cycles.cu").read_text()
-    for name in prebuilt._FUNCTIONS.values():
-        assert f"CYCLE_KERNEL({name}," in text
+    text = (CUDA / source).read_text()
+    for name in functions.values():
+        assert f"{macro}({name}," in text
 
 
 @settings(max_examples=200, deadline=None)
@@ -125,7 +129,7 @@ def emulated(tmp_path_factory):
     geometry, plan and arguments drive the kernel's own source, on CPU memory."""
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
-    lib_path = tmp_path_factory.mktemp("emulated") / "cycles.so"
+    lib_path = tmp_path_factory.mktemp("emulated") / "prebuilt.so"
     host = ROOT / "tests" / "cuda_host"
     cmd = ["g++", "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-x", "c++", "-I", str(CUDA)]
     cmd += ["-include", str(host / "prelude.h"), str(host / "emulate.cpp"), "-o", str(lib_path)]
@@ -133,7 +137,7 @@ def emulated(tmp_path_factory):
     lib = ctypes.CDLL(str(lib_path))
 
     def launch(source, name, device, grid, block, args):
-        assert source == prebuilt.SOURCE and grid[2] == 1 and block[1:] == (1, 1)
+        assert source in (prebuilt.SOURCE, prebuilt.GATHER_SOURCE) and grid[2] == 1 and block[1:] == (1, 1)
         fn = getattr(lib, f"emulate_{name}")
         fn.restype = None
         fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint] + [kind for kind, _ in args]
@@ -220,6 +224,39 @@ def test_the_kernel_source_permutes_every_engine_map_in_place(emulated, m, shift
         y.copy_(x)
         run_emulated(m, y, 1)
         assert torch.equal(y, byte_gather(m, x))
+
+
+def all_engine_maps():
+    from fimoe_lab.prepare import drop_in_maps
+
+    for fmt, inter, hidden in (("fp8", 96, 256), ("bf16", 64, 256), ("mxfp4", 96, 256)):
+        for name, (m, _) in drop_in_maps(fmt, inter, hidden).items():
+            yield pytest.param(m, id=f"drop-in-{fmt}-{inter}x{hidden}-{name}")
+    for fmt, inter, hidden in (("fp8", 100, 256), ("fp8-block", 128, 256), ("nvfp4", 112, 256), ("mxfp4", 96, 320)):
+        for name, m in plan_layer(fmt, "trtllm", inter, hidden).maps().items():
+            yield pytest.param(m, id=f"layer-{fmt}-{inter}x{hidden}-{name}")
+
+
+def run_gather_emulated(m, x: torch.Tensor, out: torch.Tensor) -> None:
+    prebuilt.gather(m.compiled(), x, out)
+
+
+@pytest.mark.parametrize("shift", [0, 4, 1], ids=["w16", "w4", "w1"])
+@pytest.mark.parametrize("m", list(all_engine_maps()))
+def test_the_gather_source_runs_every_engine_map(emulated, m, shift):
+    """Every map of the drop-ins and layer plans (paddings and their fills included), out of place through
+    the launcher and the gather kernel's source: the byte-loop reference's bytes, for each word the
+    buffers' alignment allows (``shift`` bytes off 16)."""
+    from reference_loops import byte_gather
+
+    for x in host_inputs(m, 3):
+        raw = torch.empty(x.numel() + 16, dtype=torch.uint8)
+        base = (-raw.data_ptr()) % 16
+        y = raw[base + shift : base + shift + x.numel()].view(x.shape)
+        y.copy_(x)
+        out = torch.full((3, m.out_bytes), 0x5A, dtype=torch.uint8)
+        run_gather_emulated(m, y, out)
+        assert torch.equal(out, byte_gather(m, x).reshape(3, -1))
 
 
 @settings(max_examples=25, deadline=None)

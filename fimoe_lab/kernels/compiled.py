@@ -228,6 +228,9 @@ class ExecMap:
         return self._dev["band step"]
 
     def fill_words(self, word: int) -> np.ndarray:
+        """One ``word``-byte word per fill code (its byte repeated); a 16-byte word as its 16 bytes."""
+        if word == 16:
+            return np.repeat(np.array(self.fills or (0,), dtype=np.uint8), 16)
         dt = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}[word]
         vals = [fill_word(b, word) for b in self.fills] or [0]
         return np.array(vals, dtype=dt)

@@ -1,14 +1,18 @@
-"""The prebuilt CUDA executor: in place along a map's cycle plan with a kernel built ahead of time.
+"""The prebuilt CUDA executor: gathers and in-place cycle plans with kernels built ahead of time.
 
-The cycle kernel (``kernels/cuda/cycles.cu``, loaded by :mod:`.cuda_driver`) moves one tile of a
-:class:`~fimoe_lab.kernels.cycles.CyclePlan` per block: ``BM`` slots x ``BW`` words of their cells, every
-source loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
-kernel does, with nothing compiled in the process. Gathers are torch's (strided copies at bandwidth for
-the strided forms, else ``index_select``).
+Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:`.cuda_driver`):
 
-Tile shape: ``THREADS * ITEMS`` words a block (the constants of ``cycles.cu``); the word is 16 bytes where
-the cell and the buffer allow it, else 4, else 1; ``BW`` is the largest power of two dividing the cell's
-words up to :data:`MAX_BW`, ``BM = THREADS * ITEMS / BW`` slots (a power of two, at least 32).
+- gather (``kernels/cuda/gather.cu``): a block writes ``BM`` output cells x ``BW`` words of each, every
+  word loaded from its source cell (or its fill) and stored once;
+- in place (``kernels/cuda/cycles.cu``): a block moves one tile of a
+  :class:`~fimoe_lab.kernels.cycles.CyclePlan`, ``BM`` slots x ``BW`` words of their cells, every source
+  loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
+  kernel does.
+
+Tile shape (both kernels): ``THREADS * ITEMS`` words a block (the constants of the ``.cu`` files); the
+word is 16 bytes where the cell and the buffers allow it, else 4, else 1; ``BW`` is the largest power of
+two dividing the cell's words up to :data:`MAX_BW`, ``BM = THREADS * ITEMS / BW`` cells (a power of two,
+at least 32).
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ from fimoe_lab.kernels.tiles import cdiv, pow2_divisor
 
 __all__ = [
     "SOURCE",
+    "GATHER_SOURCE",
+    "MAX_GRID_Y",
     "THREADS",
     "ITEMS",
     "MAX_BW",
     "available",
     "cycle_tile",
+    "gather",
     "inplace_cycles",
     "planned",
     "plan_in_background",
@@ -40,18 +47,23 @@ __all__ = [
 ]
 
 SOURCE = "cycles"
-"""The fatbin of ``kernels/cuda/cycles.cu``."""
+"""The fatbin of ``kernels/cuda/cycles.cu`` (in place)."""
+GATHER_SOURCE = "gather"
+"""The fatbin of ``kernels/cuda/gather.cu``."""
 THREADS = 256
 ITEMS = 8
 """Threads a block and words a thread holds (``THREADS`` and ``ITEMS`` of ``cycles.cu``)."""
 MAX_BW = 64
 """Most words of a cell one block moves (so a tile holds at least 32 slots: few cycles cut at its edges)."""
 _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"}
+_GATHERS = {16: "fimoe_gather_w16", 4: "fimoe_gather_w4", 1: "fimoe_gather_w1"}
+MAX_GRID_Y = 65535
+"""Most experts one launch covers (CUDA's grid y limit)."""
 
 
 def available(device: torch.device | str) -> bool:
-    """Whether the cycle kernel loads on ``device`` (a CUDA device whose driver takes the fatbin)."""
-    return cuda_driver.available(SOURCE, device)
+    """Whether the kernels load on ``device`` (a CUDA device whose driver takes the fatbins)."""
+    return cuda_driver.available(SOURCE, device) and cuda_driver.available(GATHER_SOURCE, device)
 
 
 def cycle_tile(cell_bytes: int, word: int) -> tuple[int, int, int]:
@@ -62,14 +74,14 @@ def cycle_tile(cell_bytes: int, word: int) -> tuple[int, int, int]:
     return THREADS * ITEMS // bw, bw, words // bw
 
 
-def _word(em: ExecMap, flat: Optional[torch.Tensor] = None) -> int:
-    """The word ``em``'s cells move as in ``flat`` (None: a buffer the allocator aligned, 16 bytes or more)."""
-    widest = 16 if flat is None else aligned_word(16, flat)
+def _word(em: ExecMap, *buffers: torch.Tensor) -> int:
+    """The word ``em``'s cells move as in ``buffers`` (none: buffers the allocator aligned, 16 bytes or more)."""
+    widest = aligned_word(16, *buffers) if buffers else 16
     return next(w for w in (16, 4, 1) if w <= widest and em.cell_bytes % w == 0)
 
 
-def _tile_slots(em: ExecMap, flat: Optional[torch.Tensor] = None) -> int:
-    return cycle_tile(em.cell_bytes, _word(em, flat))[0]
+def _tile_slots(em: ExecMap) -> int:
+    return cycle_tile(em.cell_bytes, _word(em))[0]
 
 
 def planned(em: ExecMap) -> bool:
@@ -121,6 +133,39 @@ def wait_for_plans() -> None:
     _PLANNER.jobs.join()
 
 
+def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[e, i] = x[e, src[i]]`` for every expert (fill cells: their fill byte), ``x`` and ``out`` contiguous
+    CUDA tensors of ``(E, in_bytes)`` and ``(E, out_bytes)`` bytes; one launch per :data:`MAX_GRID_Y` experts."""
+    experts = x.shape[0]
+    xf, of = x.reshape(experts, -1).view(torch.uint8), out.reshape(experts, -1).view(torch.uint8)
+    word = _word(em, xf, of)
+    bm, bw, nc = cycle_tile(em.cell_bytes, word)
+    src, fills = em.src_on(x.device), em.fills_on(x.device, word)
+    c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+    for e0 in range(0, experts, MAX_GRID_Y):
+        cnt = min(MAX_GRID_Y, experts - e0)
+        cuda_driver.launch(
+            GATHER_SOURCE,
+            _GATHERS[word],
+            x.device,
+            (cdiv(em.n_out, bm) * nc, cnt, 1),
+            (THREADS, 1, 1),
+            [
+                (ptr, of[e0].data_ptr()),
+                (ptr, xf[e0].data_ptr()),
+                (ptr, src.data_ptr()),
+                (ptr, fills.data_ptr()),
+                (c_int, em.n_out),
+                (c_int, bm),
+                (c_int, bw),
+                (c_int, nc),
+                (c_ll, em.cell_bytes // word),
+                (c_ll, em.in_bytes // word),
+                (c_ll, em.out_bytes // word),
+            ],
+        )
+
+
 def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
     """Permute every expert of ``flat`` ``(E, bytes)`` (CUDA) in place along the map's cycle plan: per chunk of
     experts one launch copies the cells the tiles cut into the scratch, one runs every tile. The scratch holds
@@ -136,7 +181,7 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
         return
     dst, src, saved = plan.on(flat.device)
     n_saved, cell_words = int(plan.saved.size), em.cell_bytes // word
-    per = min(plan.experts_per_chunk(em.cell_bytes, scratch_experts * nbytes, experts), 65535)
+    per = min(plan.experts_per_chunk(em.cell_bytes, scratch_experts * nbytes, experts), MAX_GRID_Y)
     scratch = torch.empty((max(per * n_saved * em.cell_bytes, word),), dtype=torch.uint8, device=flat.device)
     name = _FUNCTIONS[word]
     shape = [bm, bw, nc, cell_words, nbytes // word, n_saved * cell_words]

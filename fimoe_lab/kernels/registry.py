@@ -11,8 +11,8 @@ output size is the first one that is available there and wants that size:
 - ``torch``: any device (strided copies for maps of the strided form, else wide-word
   ``index_select``);
 - ``prebuilt``: CUDA devices whose driver loads the kernels built ahead of time
-  (:mod:`.prebuilt`); gathers as torch's. Never the default; with ``FIMOE_PREBUILT_KERNELS=1`` it
-  stands in for Triton in place (:data:`PREBUILT_ENV`).
+  (:mod:`.prebuilt`: a gather kernel and the cycle kernel). Never the default; with
+  ``FIMOE_PREBUILT_KERNELS=1`` it stands in for Triton in place (:data:`PREBUILT_ENV`).
 
 In-place strategies: ``bands`` (Triton, the 128x4 scale maps only: one cooperative
 launch, no scratch), ``cycles`` (along the map's cycles, :mod:`.cycles`; numba prefers
@@ -164,9 +164,8 @@ def _strided_on_cuda(em: ExecMap, kind: str, in_place: bool = False) -> bool:
     return kind == "cuda" and (em.strided is not None or em.stages is not None)
 
 
-def _cycles_or_strided(em: ExecMap, kind: str, in_place: bool) -> bool:
-    """In place, the prebuilt cycle kernel moves each byte once, as Triton's does; gathers are torch's."""
-    return (in_place and kind == "cuda") or _strided_on_cuda(em, kind)
+def _gather_prebuilt(em, x, out):
+    _module("prebuilt").gather(em, x, out)
 
 
 def _cycles_prebuilt(em, flat, scratch_experts, config):
@@ -272,9 +271,8 @@ EXECUTORS: dict[str, Executor] = {
             ("cuda",),
             None,
             0,
-            _gather_torch,
-            (InPlace("cycles", _cycles_prebuilt), _copy_then_gather(_gather_torch)),
-            at_bandwidth=_cycles_or_strided,
+            _gather_prebuilt,
+            (InPlace("cycles", _cycles_prebuilt), _copy_then_gather(_gather_prebuilt)),
             loads_on=_prebuilt_loads,
             loads_needs="a driver that loads its fatbin (CUDA 13: driver 580 or newer)",
         ),

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "cycles.cu"
+#include "gather.cu"
 
 template <typename Body>
 static void run_grid(Body body, unsigned gx, unsigned gy, unsigned threads) {
@@ -35,3 +36,15 @@ static void run_grid(Body body, unsigned gx, unsigned gy, unsigned threads) {
 EMULATE(fimoe_cycles_w16, word16)
 EMULATE(fimoe_cycles_w4, word4)
 EMULATE(fimoe_cycles_w1, word1)
+
+#define EMULATE_GATHER(NAME, W)                                                                                 \
+    extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, W* out, const W* x, const int* src, \
+                                   const W* fills, int n_out, int bm, int bw, int nc, long long cell_words,       \
+                                   long long in_words, long long out_words) {                                   \
+        run_grid([&] { NAME(out, x, src, fills, n_out, bm, bw, nc, cell_words, in_words, out_words); }, gx, gy,  \
+                 threads);                                                                                      \
+    }
+
+EMULATE_GATHER(fimoe_gather_w16, word16)
+EMULATE_GATHER(fimoe_gather_w4, word4)
+EMULATE_GATHER(fimoe_gather_w1, word1)
