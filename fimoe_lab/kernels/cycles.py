@@ -87,8 +87,9 @@ def cycle_order(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     for _ in range(rounds):
         dist = dist + dist[succ]
         succ = succ[succ]
-    # leader first, then p[leader] (farthest from the leader going forward), ...
-    order = np.lexsort((np.where(is_leader, -n - 1, -dist), leader))
+    # leader first, then p[leader] (farthest from the leader going forward), ...: one sort of a unique key
+    # (cycle, then 0 for the leader and n + 1 - dist for the others), a tenth of a two-key lexsort's time
+    order = np.argsort(leader * (n + 2) + np.where(is_leader, 0, n + 1 - dist))
     return order, leader
 
 
@@ -131,5 +132,5 @@ def plan_permutation(src: np.ndarray, n_in: int, has_fill: bool, tile_slots: int
     outside = tile[slot_of[src]] != tile
     saved = src[outside]
     src = np.where(outside, -np.cumsum(outside), src)  # k-th saved cell: -1 - k
-    within = np.lexsort((order, tile))  # address order inside each tile
+    within = np.argsort(tile * n + order)  # address order inside each tile (a unique key)
     return CyclePlan(tile_slots, order[within].astype(np.int32), src[within].astype(np.int32), saved.astype(np.int32))
