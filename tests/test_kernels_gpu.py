@@ -132,7 +132,7 @@ def inputs(m, experts):
     return structured, rand
 
 
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("backend", GPU_BACKENDS + (["prebuilt"] if PREBUILT else []))
 @pytest.mark.parametrize("m", list(maps()))
 def test_gpu_bit_exact(m, backend):
     experts = 3 if m.in_bytes > (1 << 22) else 5
@@ -175,7 +175,7 @@ def test_gpu_tile_choices_bit_exact(m, cfg):
         assert torch.equal(out, reference(m, x))
 
 
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("backend", GPU_BACKENDS + (["prebuilt"] if PREBUILT else []))
 def test_gpu_unaligned_and_typed(backend):
     m = plan_layer("bf16", "trtllm", 256, 256).w13
     raw = torch.randint(0, 256, (2 * m.in_bytes + 1,), dtype=torch.uint8, device="cuda")
