@@ -112,13 +112,13 @@ def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
         env.value(registry.PREBUILT_ENV, False)
     monkeypatch.setenv(registry.PREBUILT_ENV, "1")
     em = plan_layer("fp8", "trtllm", 256, 512).w13.compiled()
-    assert not registry._prebuilt_stands_in(registry.EXECUTORS["numba"], torch.device("cpu"), em, True)
+    assert not registry._prebuilt_stands_in(registry.EXECUTORS["numba"], torch.device("cpu"), em)
     assert registry._loaded_or_stand_in(registry.EXECUTORS["numba"], em, "cpu", in_place=True).name in (
         "torch",
         "numba",
     )
     if not torch.cuda.is_available():
-        assert not registry._prebuilt_stands_in(registry.EXECUTORS["triton"], torch.device("cuda"), em, True)
+        assert not registry._prebuilt_stands_in(registry.EXECUTORS["triton"], torch.device("cuda"), em)
 
 
 # ----------------------------------------------------------------------------- the kernel source, run on the host

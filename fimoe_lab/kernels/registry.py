@@ -384,12 +384,11 @@ def _background_load(ex: Executor) -> None:
         _LOADS.ready.add(ex.name)
 
 
-def _prebuilt_stands_in(ex: Executor, device: torch.device, em: Optional[ExecMap], in_place: bool) -> bool:
-    """Whether ``prebuilt`` stands in for ``ex`` (whose stand-in is torch) for the map ``em`` run in place on
-    ``device``: where :data:`PREBUILT_ENV` asks and the prebuilt kernels load."""
+def _prebuilt_stands_in(ex: Executor, device: torch.device, em: Optional[ExecMap]) -> bool:
+    """Whether ``prebuilt`` stands in for ``ex`` (whose stand-in is torch) for the map ``em`` on ``device``:
+    where :data:`PREBUILT_ENV` asks and the prebuilt kernels load."""
     return (
         ex.stand_in == "torch"
-        and in_place
         and em is not None
         and env.value(PREBUILT_ENV, False)
         and EXECUTORS["prebuilt"].available(device)
@@ -403,16 +402,17 @@ def _loaded_or_stand_in(
     at bandwidth (``in_place``: in place), else start its load in the background and return its stand-in
     (in the calling thread instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in).
 
-    In place where ``prebuilt`` stands in (:func:`_prebuilt_stands_in`): ``prebuilt`` once the map's cycle
-    plan is built; the first call asks for it on a background thread and runs on torch (with
-    :data:`BACKGROUND_ENV` off it builds the plan itself); no other load is started."""
+    Where ``prebuilt`` stands in (:func:`_prebuilt_stands_in`) no other load is started: a gather runs on
+    ``prebuilt`` at once; in place, ``prebuilt`` runs once the map's cycle plan is built: the first call asks
+    for it on a background thread and runs on torch (with :data:`BACKGROUND_ENV` off it builds the plan
+    itself)."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
     device = torch.device(device if device is not None else "cpu")
-    if _prebuilt_stands_in(ex, device, em, in_place):
+    if _prebuilt_stands_in(ex, device, em):
         assert em is not None
         pre = _module("prebuilt")
-        if pre.planned(em) or not env.value(BACKGROUND_ENV, True):
+        if not in_place or pre.planned(em) or not env.value(BACKGROUND_ENV, True):
             return EXECUTORS["prebuilt"]
         pre.plan_in_background(em)
         return EXECUTORS["torch"]
