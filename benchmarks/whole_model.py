@@ -26,7 +26,7 @@ copy), the first layer, the median layer (and the baseline's), the first-layer o
 (first minus median).
 
     PYTHONPATH=. python3 benchmarks/whole_model.py --out benchmarks/results/whole_model_h200.json
-    PYTHONPATH=. python3 benchmarks/whole_model.py --prebuilt ...  # every path also on the prebuilt kernels
+    PYTHONPATH=. python3 benchmarks/whole_model.py --torch-stand-in ...  # every path also without the prebuilt kernels
     PYTHONPATH=. python3 benchmarks/whole_model.py --device cpu --layers 3 --experts 8   # CPU smoke run
 """
 
@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, default=0, help="experts (default: the model's)")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument(
-        "--prebuilt",
+        "--torch-stand-in",
         action="store_true",
-        help="also run every path with FIMOE_PREBUILT_KERNELS=1 (paths 'drop-in prebuilt', 'layer prebuilt')",
+        help="also run every path with FIMOE_PREBUILT_KERNELS=0 (paths 'drop-in torch', 'layer torch')",
     )
     args = ap.parse_args(argv)
     if args.child:
@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         fmt, experts, hidden, inter, layers, paths = MODELS[model]
         shapes = json.dumps(layer_shapes_of(fmt, hidden, inter))
         runs = [(path, path, {}) for path in paths]
-        if args.prebuilt:
-            runs += [(f"{path} prebuilt", path, {"FIMOE_PREBUILT_KERNELS": "1"}) for path in paths]
+        if args.torch_stand_in:
+            runs += [(f"{path} torch", path, {"FIMOE_PREBUILT_KERNELS": "0"}) for path in paths]
         for label, path, extra in runs:
             caches = tempfile.mkdtemp(prefix="fimoe_whole_")
             for mode in args.modes:

@@ -36,6 +36,7 @@ from fimoe_lab.builders import (
 from fimoe_lab.caches import cached
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
+from fimoe_lab.kernels import prebuilt as _prebuilt  # noqa: F401 - likewise (its imports cost a first call ~5 ms)
 from fimoe_lab.kernels import torch_gather as _torch_gather  # noqa: F401 - likewise
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.plan import LayerPlan, apply_map, check_same_device

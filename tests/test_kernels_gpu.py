@@ -593,6 +593,9 @@ plan = prepare.plan_rotate_fp8_per_tensor(512, 7168, 256, True)
 em = plan.w13.compiled()
 def chosen():
     return registry.get_executor(None, "cuda", w13.nbytes, em=em, in_place=True).name
+from fimoe_lab.prepare import plan_layer
+stages = plan_layer("mxfp4", "trtllm", 2880, 2880).w13_scale.compiled()  # two strided stages
+gathers = [registry.get_executor(None, "cuda", 1 << 30, em=e).name for e in (em, stages)]
 first = chosen()  # no cycle plan yet: torch now, the plan asked for in the background
 prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)  # the first layer
 prebuilt.wait_for_plans()
@@ -601,23 +604,25 @@ prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)  # a late
 torch.cuda.synchronize()
 twice13 = plan.w13.apply(plan.w13.apply(a13, backend="torch"), backend="torch")
 twice2 = plan.w2.apply(plan.w2.apply(a2, backend="torch"), backend="torch")
-print(json.dumps([first, after, "triton" not in sys.modules, torch.equal(w13, twice13), torch.equal(w2, twice2)]))
+assert stages.stages is not None and em.strided is not None
+print(json.dumps([gathers, first, after, "triton" not in sys.modules, torch.equal(w13, twice13), torch.equal(w2, twice2)]))
 """
 
 
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 def test_gpu_fresh_process_prebuilt_stand_in():
-    """With FIMOE_PREBUILT_KERNELS=1 a fresh process rotates FP8 weights in place: torch's strided copies while
-    the map's cycle plan is built in the background, the prebuilt kernel after; no Triton import, the bytes
-    of torch's gather."""
+    """By default a fresh process rotates FP8 weights in place on torch's strided copies while the map's cycle
+    plan is built in the background, then on the prebuilt kernel; gathers of one strided view stay torch's,
+    of two stages go to the prebuilt gather; no Triton import; the bytes of torch's gather."""
     import json
     import os
     import pathlib
     import subprocess
     import sys
 
-    env = dict(os.environ, FIMOE_PREBUILT_KERNELS="1")
+    env = {k: v for k, v in os.environ.items() if k != "FIMOE_PREBUILT_KERNELS"}
     env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, "-c", PREBUILT_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["torch", "prebuilt", True, True, True]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == [["torch", "prebuilt"], "torch", "prebuilt", True, True, True]

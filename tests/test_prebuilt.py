@@ -103,22 +103,22 @@ def test_without_a_gpu_the_prebuilt_executor_is_unavailable_and_says_what_it_nee
 
 
 def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
-    """``FIMOE_PREBUILT_KERNELS`` is off by default, read as a bool (a bad spelling is an error), and only ever
-    stands in on a device the kernels load on: on the CPU, numba's stand-in stays torch."""
-    monkeypatch.delenv(registry.PREBUILT_ENV, raising=False)
-    assert env.value(registry.PREBUILT_ENV, False) is False
+    """``FIMOE_PREBUILT_KERNELS`` is read as a bool where the registry decides (a bad spelling is an error
+    naming it), and the prebuilt executor only ever stands in on a device the kernels load on: on the CPU,
+    numba's stand-in stays torch."""
+    em = plan_layer("fp8", "trtllm", 256, 512).w13.compiled()
+    numba, cpu = registry.EXECUTORS["numba"], torch.device("cpu")
     monkeypatch.setenv(registry.PREBUILT_ENV, "perhaps")
     with pytest.raises(FimoeError, match=registry.PREBUILT_ENV):
-        env.value(registry.PREBUILT_ENV, False)
-    monkeypatch.setenv(registry.PREBUILT_ENV, "1")
-    em = plan_layer("fp8", "trtllm", 256, 512).w13.compiled()
-    assert not registry._prebuilt_stands_in(registry.EXECUTORS["numba"], torch.device("cpu"), em)
-    assert registry._loaded_or_stand_in(registry.EXECUTORS["numba"], em, "cpu", in_place=True).name in (
-        "torch",
-        "numba",
-    )
+        registry._prebuilt_stands_in(numba, cpu, em, True)
+    for value in ("1", "0"):
+        monkeypatch.setenv(registry.PREBUILT_ENV, value)
+        assert not registry._prebuilt_stands_in(numba, cpu, em, True)
+        assert registry._loaded_or_stand_in(numba, em, "cpu", in_place=True).name in ("torch", "numba")
+    monkeypatch.delenv(registry.PREBUILT_ENV)
+    assert env.value(registry.PREBUILT_ENV, True) is True
     if not torch.cuda.is_available():
-        assert not registry._prebuilt_stands_in(registry.EXECUTORS["triton"], torch.device("cuda"), em)
+        assert not registry._prebuilt_stands_in(registry.EXECUTORS["triton"], torch.device("cuda"), em, True)
 
 
 # ----------------------------------------------------------------------------- the kernel source, run on the host

@@ -11,8 +11,9 @@ output size is the first one that is available there and wants that size:
 - ``torch``: any device (strided copies for maps of the strided form, else wide-word
   ``index_select``);
 - ``prebuilt``: CUDA devices whose driver loads the kernels built ahead of time
-  (:mod:`.prebuilt`: a gather kernel and the cycle kernel). Never the default; with
-  ``FIMOE_PREBUILT_KERNELS=1`` it stands in for Triton in place (:data:`PREBUILT_ENV`).
+  (:mod:`.prebuilt`: a gather kernel and the cycle kernel). Never the default executor; it stands in
+  for Triton while Triton is not loaded, in place and for gathers of maps that are not one strided view
+  (:data:`PREBUILT_ENV`).
 
 In-place strategies: ``bands`` (Triton, the 128x4 scale maps only: one cooperative
 launch, no scratch), ``cycles`` (along the map's cycles, :mod:`.cycles`; numba prefers
@@ -165,7 +166,11 @@ def _strided_on_cuda(em: ExecMap, kind: str, in_place: bool = False) -> bool:
 
 
 def _gather_prebuilt(em, x, out):
-    _module("prebuilt").gather(em, x, out)
+    """The gather kernel, but torch's strided copies for a map that is one strided view (faster there)."""
+    if em.strided is not None:
+        _gather_torch(em, x, out)
+    else:
+        _module("prebuilt").gather(em, x, out)
 
 
 def _cycles_prebuilt(em, flat, scratch_experts, config):
@@ -334,9 +339,11 @@ BACKGROUND_ENV = "FIMOE_BACKGROUND_LOAD"
 """Set to a false value (``0 false no off``: :func:`fimoe_lab.env.env_bool`) to load executors in the calling
 thread (no stand-in runs)."""
 PREBUILT_ENV = "FIMOE_PREBUILT_KERNELS"
-"""Set to a true value to make ``prebuilt`` the stand-in of an executor that stands in with torch, on the
-devices it loads on: in place, its cycle kernel instead of torch's two passes (off by default: on an H200 its
-kernel trails Triton's, 0.46-0.79 of a copy against 0.85-0.99, and loading it costs a first layer 10-28 ms)."""
+"""Set to a false value to keep torch as the stand-in of an executor that stands in with torch. By default
+``prebuilt`` stands in on the devices it loads on (:func:`_prebuilt_stands_in`): in place its cycle kernel
+moves each byte once where torch moves it twice (a DeepSeek-V3 FP8 rotate, whole model: 0.97 of
+allocate+copy against 0.64 on an H100), and it gathers the maps torch runs as two strided stages or an
+``index_select``."""
 
 
 class _Loads:
@@ -384,13 +391,15 @@ def _background_load(ex: Executor) -> None:
         _LOADS.ready.add(ex.name)
 
 
-def _prebuilt_stands_in(ex: Executor, device: torch.device, em: Optional[ExecMap]) -> bool:
+def _prebuilt_stands_in(ex: Executor, device: torch.device, em: Optional[ExecMap], in_place: bool) -> bool:
     """Whether ``prebuilt`` stands in for ``ex`` (whose stand-in is torch) for the map ``em`` on ``device``:
-    where :data:`PREBUILT_ENV` asks and the prebuilt kernels load."""
+    where :data:`PREBUILT_ENV` allows and the prebuilt kernels load, in place, and out of place for a map
+    that is not one strided view (torch's strided copies run those faster than the gather kernel)."""
     return (
         ex.stand_in == "torch"
         and em is not None
-        and env.value(PREBUILT_ENV, False)
+        and (in_place or em.strided is None)
+        and env.value(PREBUILT_ENV, True)
         and EXECUTORS["prebuilt"].available(device)
     )
 
@@ -409,7 +418,7 @@ def _loaded_or_stand_in(
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
     device = torch.device(device if device is not None else "cpu")
-    if _prebuilt_stands_in(ex, device, em):
+    if _prebuilt_stands_in(ex, device, em, in_place):
         assert em is not None
         pre = _module("prebuilt")
         if not in_place or pre.planned(em) or not env.value(BACKGROUND_ENV, True):
