@@ -595,7 +595,9 @@ def chosen():
     return registry.get_executor(None, "cuda", w13.nbytes, em=em, in_place=True).name
 from fimoe_lab.prepare import plan_layer
 stages = plan_layer("mxfp4", "trtllm", 2880, 2880).w13_scale.compiled()  # two strided stages
-gathers = [registry.get_executor(None, "cuda", 1 << 30, em=e).name for e in (em, stages)]
+gathers = [registry.get_executor(None, "cuda", 1 << 30, em=e).name for e in (em, stages)]  # before its sources
+prebuilt.wait_for_plans()
+gathers.append(registry.get_executor(None, "cuda", 1 << 30, em=stages).name)
 first = chosen()  # no cycle plan yet: torch now, the plan asked for in the background
 prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)  # the first layer
 prebuilt.wait_for_plans()
@@ -613,7 +615,8 @@ print(json.dumps([gathers, first, after, "triton" not in sys.modules, torch.equa
 def test_gpu_fresh_process_prebuilt_stand_in():
     """By default a fresh process rotates FP8 weights in place on torch's strided copies while the map's cycle
     plan is built in the background, then on the prebuilt kernel; gathers of one strided view stay torch's,
-    of two stages go to the prebuilt gather; no Triton import; the bytes of torch's gather."""
+    of two stages go to the prebuilt gather once their sources are found in the background; no Triton
+    import; the bytes of torch's gather."""
     import json
     import os
     import pathlib
@@ -625,4 +628,4 @@ def test_gpu_fresh_process_prebuilt_stand_in():
     done = subprocess.run([sys.executable, "-c", PREBUILT_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got == [["torch", "prebuilt"], "torch", "prebuilt", True, True, True]
+    assert got == [["torch", "torch", "prebuilt"], "torch", "prebuilt", True, True, True]

@@ -189,11 +189,11 @@ def test_cycle_plans_built_in_the_background_are_the_ones_a_launch_uses(
 
     m = getattr(plan_layer(fmt, "trtllm", inter, hidden), tensor)  # permutations of shapes no other test plans
     em = m.compiled()
-    assert not prebuilt.planned(em)
-    prebuilt.plan_in_background(em)
-    prebuilt.plan_in_background(em)
+    assert not prebuilt.planned(em, True)
+    prebuilt.plan_in_background(em, True)
+    prebuilt.plan_in_background(em, True)
     prebuilt.wait_for_plans()
-    assert prebuilt.planned(em)
+    assert prebuilt.planned(em, True)
     built = []
     real = cycles.plan_permutation
     monkeypatch.setattr(cycles, "plan_permutation", lambda *a: built.append(a) or real(*a))
@@ -205,9 +205,26 @@ def test_cycle_plans_built_in_the_background_are_the_ones_a_launch_uses(
     padded_map = plan_layer("fp8", "trtllm", 200, 512).w13  # I padded to 208: not a permutation
     assert not padded_map.is_permutation
     padded = padded_map.compiled()
-    prebuilt.plan_in_background(padded)
+    prebuilt.plan_in_background(padded, True)
     prebuilt.wait_for_plans()
-    assert not prebuilt.planned(padded)
+    assert not prebuilt.planned(padded, True)
+
+
+def test_a_gather_of_two_strided_stages_gets_its_sources_in_the_background(emulated):
+    """A map run as two strided stages knows no cell sources until read; the background planner reads them,
+    after which the gather kernel's source (through the launcher) gives the byte-loop reference's bytes."""
+    from reference_loops import byte_gather
+
+    m = plan_layer("mxfp4", "trtllm", 1440, 2880).w13_scale  # a shape no other test plans
+    em = m.compiled()
+    assert em.stages is not None and not prebuilt.planned(em, False)
+    prebuilt.plan_in_background(em, False)
+    prebuilt.wait_for_plans()
+    assert prebuilt.planned(em, False)
+    for x in host_inputs(m, 2):
+        out = torch.full((2, m.out_bytes), 0x5A, dtype=torch.uint8)
+        prebuilt.gather(em, x, out)
+        assert torch.equal(out, byte_gather(m, x).reshape(2, -1))
 
 
 @pytest.mark.parametrize("shift", [0, 4, 1], ids=["w16", "w4", "w1"])

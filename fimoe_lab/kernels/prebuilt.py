@@ -84,35 +84,39 @@ def _tile_slots(em: ExecMap) -> int:
     return cycle_tile(em.cell_bytes, _word(em))[0]
 
 
-def planned(em: ExecMap) -> bool:
-    """Whether ``em``'s cycle plan (for an aligned buffer) is built, so a call launches at once."""
-    return cycle_plan_built(em, _tile_slots(em))
+def planned(em: ExecMap, in_place: bool) -> bool:
+    """Whether ``em`` is ready to launch at once: in place, its cycle plan (for an aligned buffer) is built; a
+    gather, its cells' sources are known (a map run as strided copies finds them only when first read)."""
+    return cycle_plan_built(em, _tile_slots(em)) if in_place else "src" in vars(em)
 
 
 class _Planner:
-    """One daemon thread building the cycle plans of the maps :func:`plan_in_background` is given, in order."""
+    """One daemon thread getting maps ready for :func:`planned` (sources, cycle plans), in the order asked."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.jobs: queue.Queue[ExecMap] = queue.Queue()
-        self.asked: weakref.WeakSet[ExecMap] = weakref.WeakSet()  # queued or built (the plan lives on the map)
+        self.jobs: queue.Queue[tuple[ExecMap, bool]] = queue.Queue()
+        self.asked: dict[bool, weakref.WeakSet[ExecMap]] = {True: weakref.WeakSet(), False: weakref.WeakSet()}
         self.thread: Optional[threading.Thread] = None
 
-    def submit(self, em: ExecMap) -> None:
+    def submit(self, em: ExecMap, in_place: bool) -> None:
         with self.lock:
-            if em in self.asked:
+            if em in self.asked[in_place]:
                 return
-            self.asked.add(em)
+            self.asked[in_place].add(em)  # queued or done (what it builds lives on the map)
             if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="fimoe-lab-cycle-plans", daemon=True)
+                self.thread = threading.Thread(target=self._run, name="fimoe-lab-prebuilt-plans", daemon=True)
                 self.thread.start()
-        self.jobs.put(em)
+        self.jobs.put((em, in_place))
 
     def _run(self) -> None:
         while True:
-            em = self.jobs.get()
+            em, in_place = self.jobs.get()
             try:
-                cycle_plan(em, _tile_slots(em))
+                if in_place:
+                    cycle_plan(em, _tile_slots(em))
+                else:
+                    em.src  # noqa: B018 - read once: found and kept on the map
             except Exception:  # a map the kernel cannot run: its own call raises it, in the caller's thread
                 pass
             finally:
@@ -122,14 +126,14 @@ class _Planner:
 _PLANNER = _Planner()
 
 
-def plan_in_background(em: ExecMap) -> None:
-    """Build ``em``'s cycle plan on a background thread (once per map): the calls that come before it is
-    built run elsewhere (:func:`~fimoe_lab.kernels.registry.get_executor`), the ones after launch at once."""
-    _PLANNER.submit(em)
+def plan_in_background(em: ExecMap, in_place: bool) -> None:
+    """Get ``em`` ready (:func:`planned`) on a background thread, once per map and mode: the calls that come
+    before run elsewhere (:func:`~fimoe_lab.kernels.registry.get_executor`), the ones after launch at once."""
+    _PLANNER.submit(em, in_place)
 
 
 def wait_for_plans() -> None:
-    """Wait until every cycle plan asked of :func:`plan_in_background` is built."""
+    """Wait until every map asked of :func:`plan_in_background` is ready."""
     _PLANNER.jobs.join()
 
 

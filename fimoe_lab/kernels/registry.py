@@ -411,19 +411,19 @@ def _loaded_or_stand_in(
     at bandwidth (``in_place``: in place), else start its load in the background and return its stand-in
     (in the calling thread instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in).
 
-    Where ``prebuilt`` stands in (:func:`_prebuilt_stands_in`) no other load is started: a gather runs on
-    ``prebuilt`` at once; in place, ``prebuilt`` runs once the map's cycle plan is built: the first call asks
-    for it on a background thread and runs on torch (with :data:`BACKGROUND_ENV` off it builds the plan
-    itself)."""
+    Where ``prebuilt`` stands in (:func:`_prebuilt_stands_in`) no other load is started, and ``prebuilt`` runs
+    once the map is ready for it (in place its cycle plan, a gather its sources: :func:`.prebuilt.planned`):
+    the first call of a map asks for that on a background thread and runs on torch (with
+    :data:`BACKGROUND_ENV` off it builds them itself), so a model's first layer does not wait for them."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
     device = torch.device(device if device is not None else "cpu")
     if _prebuilt_stands_in(ex, device, em, in_place):
         assert em is not None
         pre = _module("prebuilt")
-        if not in_place or pre.planned(em) or not env.value(BACKGROUND_ENV, True):
+        if pre.planned(em, in_place) or not env.value(BACKGROUND_ENV, True):
             return EXECUTORS["prebuilt"]
-        pre.plan_in_background(em)
+        pre.plan_in_background(em, in_place)
         return EXECUTORS["torch"]
     stand = EXECUTORS[ex.stand_in] if ex.stand_in is not None else None
     if stand is not None and em is not None and stand.at_bandwidth(em, device.type, in_place):
