@@ -142,9 +142,9 @@ VARIABLES = {
         Variable(
             "FIMOE_PREBUILT_KERNELS",
             "bool",
-            "a true value runs in-place transforms on CUDA with the cycle kernel built ahead of time while Triton "
-            "is not loaded (default off: on an H200 its kernel reaches 0.46-0.79 of a copy where Triton's reaches "
-            "0.85-0.99, and loading it costs a first layer 10-28 ms)",
+            "a false value keeps CUDA transforms on torch while Triton is not loaded (default on: the kernels built "
+            "ahead of time stand in, in place, where they move each byte once and torch twice, and for maps that "
+            "are not one strided view; a map's first call runs on torch while its plan is built on a thread)",
         ),
         Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
         Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),
