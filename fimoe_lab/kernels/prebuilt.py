@@ -52,7 +52,7 @@ GATHER_SOURCE = "gather"
 """The fatbin of ``kernels/cuda/gather.cu``."""
 THREADS = 256
 ITEMS = 8
-"""Threads a block and words a thread holds (``THREADS`` and ``ITEMS`` of ``cycles.cu``)."""
+"""Threads a block and words a thread holds (``THREADS`` and ``ITEMS`` of ``cycles.cu`` and ``gather.cu``)."""
 MAX_BW = 64
 """Most words of a cell one block moves (so a tile holds at least 32 slots: few cycles cut at its edges)."""
 _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"}
