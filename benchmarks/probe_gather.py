@@ -23,22 +23,11 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
+from probe_strided_copies import event_ms  # noqa: E402  (the same event timing)
 from whole_model import MODELS  # noqa: E402  (the models' sizes, one table)
 
 from fimoe_lab.kernels import execute  # noqa: E402
 from fimoe_lab.prepare import drop_in_maps, plan_layer  # noqa: E402
-
-
-def event_ms(fn, reps: int = 5) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def model_maps(fmt: str, hidden: int, inter: int, paths) -> dict:

@@ -3,7 +3,7 @@
 
 Each source becomes one compressed fatbin holding SASS for every architecture of :data:`ARCHS` and
 PTX for :data:`PTX_ARCH` (the driver compiles that once for a newer GPU). ``BUILD.json`` beside them
-records, per source, its SHA-256, the nvcc release and the flags, so a test can check that the shipped
+records, per source, its SHA-256 (and each shared ``.cuh`` header's), the nvcc release and the flags, so a test can check that the shipped
 binary is this source's build (nvcc's output is byte-for-byte the same for the same release, source
 and flags). Run after changing a ``.cu`` file::
 
@@ -46,6 +46,7 @@ def build(out: Path, nvcc: str = "nvcc") -> dict:
     """Build every ``.cu`` of :data:`KERNELS` into ``out``; returns the build record."""
     out.mkdir(parents=True, exist_ok=True)
     record: dict = {"nvcc": nvcc_release(nvcc), "flags": flags(), "sources": {}}
+    record["headers"] = {h.name: hashlib.sha256(h.read_bytes()).hexdigest() for h in sorted(KERNELS.glob("*.cuh"))}
     for cu in sorted(KERNELS.glob("*.cu")):
         target = out / f"{cu.stem}.fatbin"
         subprocess.run([nvcc, *flags(), "-o", str(target), str(cu)], check=True)

@@ -42,6 +42,8 @@ def test_every_shipped_fatbin_is_recorded_with_its_source():
     for name, rec in BUILD["sources"].items():
         assert hashlib.sha256((CUDA / name).read_bytes()).hexdigest() == rec["sha256"], f"{name} changed: rebuild"
         assert hashlib.sha256((CUDA / rec["fatbin"]).read_bytes()).hexdigest() == rec["fatbin_sha256"]
+    headers = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in CUDA.glob("*.cuh")}
+    assert headers and BUILD["headers"] == headers, "a shared header changed: rebuild"
     assert BUILD["flags"] == _build_script().flags()
     assert sorted(p.name for p in CUDA.glob("*.fatbin")) == sorted(r["fatbin"] for r in BUILD["sources"].values())
 
@@ -65,7 +67,10 @@ def test_the_shipped_fatbin_is_rebuilt_byte_for_byte(tmp_path):
 
 
 def _defines(source: str) -> dict[str, int]:
+    """The numeric ``#define``s of a source and of the headers it includes."""
     text = (CUDA / source).read_text()
+    for header in re.findall(r'^#include "(\w+\.cuh)"$', text, flags=re.M):
+        text += (CUDA / header).read_text()
     return {k: int(v) for k, v in re.findall(r"^#define (\w+) (\d+)$", text, flags=re.M)}
 
 

@@ -13,15 +13,8 @@
 //
 // Each word is read and written once, so loads and stores are streaming (__ldcs / __stcs: evict first).
 // A thread finds every store address (dst) in the load phase: after the barrier it only stores.
-//
-// One kernel per word: 16 bytes (cells and addresses 16-byte aligned), 4 bytes, 1 byte.
 
-#define THREADS 256
-#define ITEMS 8
-
-typedef unsigned char word1;
-typedef unsigned int word4;
-typedef uint4 word16;
+#include "tile.cuh"
 
 template <typename W>
 __device__ __forceinline__ void cycle_tile(W* __restrict__ x, W* __restrict__ scratch, const int* __restrict__ dst,

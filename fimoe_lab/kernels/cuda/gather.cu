@@ -8,15 +8,8 @@
 //
 // Grid: x = tile * NC + column chunk (NC = cell words / BW), y = expert of the launch. Block:
 // THREADS threads, each moving ITEMS words, so BM * BW = THREADS * ITEMS.
-//
-// One kernel per word: 16 bytes (cells and addresses 16-byte aligned), 4 bytes, 1 byte.
 
-#define THREADS 256
-#define ITEMS 8
-
-typedef unsigned char word1;
-typedef unsigned int word4;
-typedef uint4 word16;
+#include "tile.cuh"
 
 template <typename W>
 __device__ __forceinline__ void gather_tile(W* __restrict__ out, const W* __restrict__ x, const int* __restrict__ src,
