@@ -30,7 +30,9 @@ thread when a default call first picks it; until the load is done, default calls
 stand-in (torch), which gives the same bytes (every executor is bit-exact), so the first
 transform of a fresh process does not wait for the import. :func:`load_executor` loads one
 now (``fimoe_lab.warmup`` and the benchmarks call it); ``FIMOE_BACKGROUND_LOAD=0`` loads in
-the calling thread instead.
+the calling thread instead. On CUDA, the prebuilt kernels stand in for Triton where they beat torch
+(in place, and maps that are not one strided view), once a background thread has planned the map (its
+first call runs on torch: :func:`_loaded_or_stand_in`); for those maps Triton is not loaded at all.
 """
 
 from __future__ import annotations
