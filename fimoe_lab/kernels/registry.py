@@ -343,9 +343,9 @@ thread (no stand-in runs)."""
 PREBUILT_ENV = "FIMOE_PREBUILT_KERNELS"
 """Set to a false value to keep torch as the stand-in of an executor that stands in with torch. By default
 ``prebuilt`` stands in on the devices it loads on (:func:`_prebuilt_stands_in`): in place its cycle kernel
-moves each byte once where torch moves it twice (a DeepSeek-V3 FP8 rotate, whole model: 0.97 of
-allocate+copy against 0.64 on an H100), and it gathers the maps torch runs as two strided stages or an
-``index_select``."""
+moves each byte once where torch moves it twice (a DeepSeek-V3 FP8 rotate's median layer in a whole model:
+1.25-1.28 ms against 2.20-2.33 ms on an H100, benchmarks/RESULTS.md), and it gathers the maps torch runs as
+two strided stages or an ``index_select``."""
 
 
 class _Loads:
