@@ -3,9 +3,9 @@
 
 Each source becomes one compressed fatbin holding SASS for every architecture of :data:`ARCHS` and
 PTX for :data:`PTX_ARCH` (the driver compiles that once for a newer GPU). ``BUILD.json`` beside them
-records, per source, its SHA-256 (and each shared ``.cuh`` header's), the nvcc release and the flags, so a test can check that the shipped
-binary is this source's build (nvcc's output is byte-for-byte the same for the same release, source
-and flags). Run after changing a ``.cu`` file::
+records, per source, its SHA-256 (and each shared ``.cuh`` header's), the nvcc release and the flags,
+so a test can check that the shipped binary is this source's build (nvcc's output is byte-for-byte the
+same for the same release, source and flags). Run after changing a ``.cu`` file::
 
     python scripts/build_cuda_kernels.py            # writes fimoe_lab/kernels/cuda/*.fatbin and BUILD.json
     python scripts/build_cuda_kernels.py --out DIR  # elsewhere (the test's rebuild)

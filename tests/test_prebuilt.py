@@ -160,6 +160,15 @@ def run_emulated(m, x: torch.Tensor, scratch: int) -> None:
         pass
 
 
+def shifted_copy(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """A copy of ``x`` starting ``shift`` bytes past a 16-byte aligned address."""
+    raw = torch.empty(x.numel() + 16, dtype=torch.uint8)
+    base = (-raw.data_ptr()) % 16
+    y = raw[base + shift : base + shift + x.numel()].view(x.shape)
+    y.copy_(x)
+    return y
+
+
 def host_inputs(m, experts: int):
     """Coordinate-coded bytes (each 4-byte word its own index + 1) and random bytes."""
     words = -(-m.in_bytes // 4)
@@ -240,10 +249,7 @@ def test_the_kernel_source_permutes_every_engine_map_in_place(emulated, m, shift
     from reference_loops import byte_gather
 
     for x in host_inputs(m, 3):
-        raw = torch.empty(x.numel() + 16, dtype=torch.uint8)
-        base = (-raw.data_ptr()) % 16  # 16-byte aligned start, then ``shift`` bytes on
-        y = raw[base + shift : base + shift + x.numel()].view(x.shape)
-        y.copy_(x)
+        y = shifted_copy(x, shift)
         run_emulated(m, y, 1)
         assert torch.equal(y, byte_gather(m, x))
 
@@ -259,10 +265,6 @@ def all_engine_maps():
             yield pytest.param(m, id=f"layer-{fmt}-{inter}x{hidden}-{name}")
 
 
-def run_gather_emulated(m, x: torch.Tensor, out: torch.Tensor) -> None:
-    prebuilt.gather(m.compiled(), x, out)
-
-
 @pytest.mark.parametrize("shift", [0, 4, 1], ids=["w16", "w4", "w1"])
 @pytest.mark.parametrize("m", list(all_engine_maps()))
 def test_the_gather_source_runs_every_engine_map(emulated, m, shift):
@@ -272,12 +274,8 @@ def test_the_gather_source_runs_every_engine_map(emulated, m, shift):
     from reference_loops import byte_gather
 
     for x in host_inputs(m, 3):
-        raw = torch.empty(x.numel() + 16, dtype=torch.uint8)
-        base = (-raw.data_ptr()) % 16
-        y = raw[base + shift : base + shift + x.numel()].view(x.shape)
-        y.copy_(x)
         out = torch.full((3, m.out_bytes), 0x5A, dtype=torch.uint8)
-        run_gather_emulated(m, y, out)
+        prebuilt.gather(m.compiled(), shifted_copy(x, shift), out)
         assert torch.equal(out, byte_gather(m, x).reshape(3, -1))
 
 

@@ -148,6 +148,10 @@ class ExecMap:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             return held[name]
 
+    def sources_found(self) -> bool:
+        """Whether ``src`` is known (given, or found by an earlier read): reading it then costs nothing."""
+        return "src" in self.__dict__
+
     def preset_cells(self, cells: dict) -> None:
         """Cell fields known without the map's index (not ``src``): read as given, checked when the index is."""
         if "src" in cells or not set(cells) <= _CELL_FIELDS:

@@ -87,7 +87,7 @@ def _tile_slots(em: ExecMap) -> int:
 def planned(em: ExecMap, in_place: bool) -> bool:
     """Whether ``em`` is ready to launch at once: in place, its cycle plan (for an aligned buffer) is built; a
     gather, its cells' sources are known (a map run as strided copies finds them only when first read)."""
-    return cycle_plan_built(em, _tile_slots(em)) if in_place else "src" in vars(em)
+    return cycle_plan_built(em, _tile_slots(em)) if in_place else em.sources_found()
 
 
 class _Planner:

@@ -167,12 +167,17 @@ def _strided_on_cuda(em: ExecMap, kind: str, in_place: bool = False) -> bool:
     return kind == "cuda" and (em.strided is not None or em.stages is not None)
 
 
+def _kernel_gathers(em: ExecMap) -> bool:
+    """Whether the prebuilt gather kernel runs ``em``: any map but one strided view, which torch's strided
+    copies run faster (benchmarks/RESULTS.md)."""
+    return em.strided is None
+
+
 def _gather_prebuilt(em, x, out):
-    """The gather kernel, but torch's strided copies for a map that is one strided view (faster there)."""
-    if em.strided is not None:
-        _gather_torch(em, x, out)
-    else:
+    if _kernel_gathers(em):
         _module("prebuilt").gather(em, x, out)
+    else:
+        _gather_torch(em, x, out)
 
 
 def _cycles_prebuilt(em, flat, scratch_experts, config):
@@ -395,12 +400,12 @@ def _background_load(ex: Executor) -> None:
 
 def _prebuilt_stands_in(ex: Executor, device: torch.device, em: Optional[ExecMap], in_place: bool) -> bool:
     """Whether ``prebuilt`` stands in for ``ex`` (whose stand-in is torch) for the map ``em`` on ``device``:
-    where :data:`PREBUILT_ENV` allows and the prebuilt kernels load, in place, and out of place for a map
-    that is not one strided view (torch's strided copies run those faster than the gather kernel)."""
+    where :data:`PREBUILT_ENV` allows and the prebuilt kernels load, in place, and out of place for a map its
+    gather kernel runs (:func:`_kernel_gathers`)."""
     return (
         ex.stand_in == "torch"
         and em is not None
-        and (in_place or em.strided is None)
+        and (in_place or _kernel_gathers(em))
         and env.value(PREBUILT_ENV, True)
         and EXECUTORS["prebuilt"].available(device)
     )
