@@ -8,9 +8,10 @@ The kernels (:mod:`fimoe_lab.kernels`) know nothing of maps, steps or plans: the
   widest word ``w in (8, 4, 2, 1)`` with ``cell_bytes % w == 0``, sources as int32;
 - recognising fast forms: from its sources, a strided view of the input with a padded box
   (:func:`strided_form`), which needs no compiled kernel, or two in a row
-  (:func:`strided_stages`); from the map's steps, when an executor first asks, a row gather
-  followed by the 128x4 scale swizzle (:func:`swizzle_form`) and a row gather whose rows are
-  padded on the right (:func:`padded_rows_form`);
+  (:func:`strided_stages`); from the map's steps, when an executor first asks, rows padded on
+  the right followed by the 128x4 scale swizzle (:func:`swizzled_rows_form`; whole 4-byte words
+  of whole rows: :func:`swizzle_form`) and a row gather whose rows are padded on the right
+  (:func:`padded_rows_form`);
 - the recipe for the inverse's executable form (in-place execution undoes with it).
 
 Imported one way: :mod:`fimoe_lab.layout` calls this module (``IndexMap.compiled``) and this
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "compile_map",
     "swizzle_form",
+    "swizzled_rows_form",
     "padded_rows_form",
     "strided_form",
     "strided_stages",
@@ -73,7 +75,8 @@ def compile_map(m: IndexMap) -> ExecMap:
         lambda: m.coarsened().is_permutation,
         lambda: m.inverse().compiled(),
     )
-    em.find_row_forms = lambda: (swizzle_form(m, em), padded_rows_form(m, em))
+    em.find_row_forms = lambda: _row_forms(m, em)
+    em.ends_swizzled = m.steps[-1].kind == "swizzle_scales_128x4"
     if m.index_pending:
         rows = padded_rows_strided(m)
         if rows is not None:
@@ -88,6 +91,12 @@ def compile_map(m: IndexMap) -> ExecMap:
     if em.strided is None:
         em.stages = strided_stages(m)
     return em
+
+
+def _row_forms(m: IndexMap, em: ExecMap) -> tuple[Any, Any, Any]:
+    """``em``'s row forms ``(swizzle, padrows, swizzled_rows)`` (:class:`ExecMap`), found from ``m``'s steps."""
+    swizzled = swizzled_rows_form(m, em)
+    return swizzle_form(em, swizzled), padded_rows_form(m, em), swizzled
 
 
 def padded_rows_strided(m: IndexMap) -> tuple[Strided, dict[str, Any]] | None:
@@ -196,64 +205,77 @@ def strided_stages(m: IndexMap) -> tuple[ExecMap, ExecMap] | None:
     return None
 
 
-def _row_sources(m: IndexMap, em: ExecMap, cols: int) -> np.ndarray | None:
-    """int64 source row of every output row of the ``[rows, cols]`` byte matrix that the steps
-    before ``m``'s last one produce (fill codes renumbered to ``em.fills``), or None when
-    those steps do not move whole rows."""
-    steps = m.steps
-    if len(steps) == 1:
-        return np.arange(steps[-1].in_shape[0], dtype=np.int64)
-    pre = _chain(steps[:-1])
-    if pre.out_shape != steps[-1].in_shape or len(pre.in_shape) != 2 or pre.in_shape[1] != cols:
-        return None
-    pc = pre.coarsened()
-    if pc.cell_bytes % cols:
-        return None
-    rows = pc.refined(cols).src.numpy()
-    if (rows < 0).any():
-        remap = np.array([-1 - em.fills.index(b) for b in pre.fills], dtype=np.int64)
-        rows = np.where(rows >= 0, rows, remap[np.maximum(-1 - rows, 0)])
-    return rows
+SwizzledRows = tuple[np.ndarray, int, int, int, int]
+"""The ``swizzled_rows`` form: ``(rows, C_in, cw, R, column fill code)`` (:func:`swizzled_rows_form`)."""
 
 
-def swizzle_rows(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int] | None:
-    """``(rows, cw, R)`` of a map that may be ``rows >> swizzle_scales_128x4`` (its last step the swizzle of
-    ``R x C`` 1-byte scales, ``R % 128 == 0``, ``C % 4 == 0``, ``cw = C / 4``; ``rows`` the source row of each
-    row before it, :func:`_row_sources`), else None; :func:`swizzle_form` checks the words against them."""
+def swizzled_rows_form(m: IndexMap, em: ExecMap) -> SwizzledRows | None:
+    """Recognise ``rows >> swizzle_scales_128x4``: rows of 1-byte scales, each one input row padded on the right
+    (or all fill), then the 128x4 swizzle (no swizzle padding), e.g. gpt-oss's MXFP4 scales (90 scales a row
+    padded to 96, row steps, swizzled) and the NVFP4 ones (whole rows).
+
+    The swizzle's input is ``R`` rows (``R % 128 == 0``) of ``C = 4 cw`` bytes; its row ``r`` is input row
+    ``rows[r]``'s ``C_in <= C`` bytes then the column fill, or all fill (``rows[r] < 0``: that fill code).
+    Output word ``o = (band*cw + kk)*128 + 4*p + q`` is bytes ``4kk .. 4kk+3`` of row ``band*128 + 32*q + p``.
+    Returns ``(rows int32 in em's fill codes, C_in, cw, R, column fill code or -1)`` after checking that this
+    reproduces every output byte of ``em.src``; else None."""
     last = m.steps[-1]
-    if em.cell_bytes != 4 or last.kind != "swizzle_scales_128x4" or last.cell_bytes != 1:
+    if last.kind != "swizzle_scales_128x4" or last.cell_bytes != 1 or len(last.in_shape) != 2:
         return None
-    if len(last.in_shape) != 2 or last.in_shape != last.out_shape:
+    if last.in_shape != last.out_shape or last.in_shape[0] % 128 or last.in_shape[1] % 4:
         return None
     rows_n, cols = last.in_shape
-    if rows_n % 128 or cols % 4:
+    if len(m.steps) == 1:
+        rows, column, c_in = np.arange(rows_n, dtype=np.int64), None, cols
+    else:
+        pre = _chain(m.steps[:-1])
+        found = pre.right_padded_rows() if pre.out_shape == last.in_shape else None
+        if found is None:
+            return None
+        (rows, column), c_in = found, pre.in_shape[1]
+    codes: dict[int, int] = {}
+    for k, byte in enumerate(em.fills):
+        codes.setdefault(byte, -1 - k)  # a byte's first code
+    needed = {-1 - int(v) for v in np.unique(rows[rows < 0])} | ({column} if column is not None else set())
+    if not needed <= codes.keys():
         return None
-    rows = _row_sources(m, em, cols)
-    return None if rows is None else (rows, cols // 4, rows_n)
-
-
-def swizzle_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int] | None:
-    """Recognise ``rows >> swizzle_scales_128x4`` (1-byte scales, no swizzle padding).
-
-    For ``R`` rows of ``C`` bytes (``R % 128 == 0``, ``C % 4 == 0``, ``cw = C / 4`` words)
-    output word ``o = (band*cw + kk)*128 + 4*p + q`` is word ``kk`` of row
-    ``rows[band*128 + 32*q + p]``. Returns ``(rows int32, cw, R)`` after checking that this
-    reproduces ``em.src`` exactly; else None (the generic path runs).
-    """
-    found = swizzle_rows(m, em)
-    if found is None:
-        return None
-    rows, cw, rows_n = found
-    if em.src.size != rows_n * cw:
-        return None
-    # output word (band, kk, p, q) reads row band*128 + 32*q + p: rows as (band, p, q), broadcast over kk
-    s = rows.reshape(rows_n // 128, 4, 32).transpose(0, 2, 1)[:, None]
-    implied = s * cw + np.arange(cw, dtype=np.int64)[:, None, None]
     if (rows < 0).any():
-        implied = np.where(s >= 0, implied, s)
-    if not np.array_equal(implied, em.src.reshape(rows_n // 128, cw, 32, 4)):
+        table = np.zeros(256, dtype=np.int64)
+        table[list(codes)] = list(codes.values())
+        rows = np.where(rows >= 0, rows, table[np.maximum(-1 - rows, 0)])
+    column_code = codes[column] if column is not None else -1
+    implied = _swizzled_rows_bytes(rows, c_in, cols // 4, rows_n, column_code)
+    if implied.size != em.out_bytes or not np.array_equal(implied, _byte_sources(em)):
         return None
-    return rows.astype(np.int32), cw, rows_n
+    return rows.astype(np.int32), c_in, cols // 4, rows_n, column_code
+
+
+def _swizzled_rows_bytes(rows: np.ndarray, c_in: int, cw: int, rows_n: int, column_code: int) -> np.ndarray:
+    """Every output byte's source byte (or fill code) under :func:`swizzled_rows_form`'s definition."""
+    o = np.arange(rows_n * cw * 4, dtype=np.int64)
+    word, byte = np.divmod(o, 4)
+    band, rem = np.divmod(word, 128 * cw)
+    kk, pq = np.divmod(rem, 128)
+    src_row = rows[band * 128 + (pq % 4) * 32 + pq // 4].astype(np.int64)
+    col = kk * 4 + byte
+    return np.where(src_row < 0, src_row, np.where(col < c_in, src_row * c_in + col, column_code))
+
+
+def _byte_sources(em: ExecMap) -> np.ndarray:
+    """``em.src`` over bytes: byte ``j`` of output cell ``i`` reads input byte ``src[i] * cell + j``, or is fill."""
+    src = em.src.astype(np.int64)[:, None]
+    within = np.arange(em.cell_bytes, dtype=np.int64)
+    return np.where(src >= 0, src * em.cell_bytes + within, src).reshape(-1)
+
+
+def swizzle_form(em: ExecMap, found: SwizzledRows | None) -> tuple[np.ndarray, int, int] | None:
+    """``(rows int32, cw, R)``: :func:`swizzled_rows_form`'s ``found`` for a map of 4-byte cells whose rows are
+    whole (no column padding: ``C_in = 4 cw``), which the Triton and numba executors move as whole words:
+    output word ``o = (band*cw + kk)*128 + 4*p + q`` is word ``kk`` of row ``rows[band*128 + 32*q + p]``."""
+    if found is None or em.cell_bytes != 4:
+        return None
+    rows, c_in, cw, rows_n, _ = found
+    return (rows, cw, rows_n) if c_in == 4 * cw else None
 
 
 def padded_rows_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int, int] | None:

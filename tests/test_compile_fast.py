@@ -32,7 +32,6 @@ from fimoe_lab.compile import (
     _strided_sources,
     compile_map,
     strided_form,
-    swizzle_rows,
 )
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import Strided
@@ -116,21 +115,48 @@ def strided_form_by_full_scan(src: np.ndarray) -> Strided | None:
     return Strided(shape, lives, strides, int(src[0]), fill)
 
 
+def swizzled_rows_by_formula(m: IndexMap, em) -> tuple[np.ndarray, int, int, int, int] | None:
+    """The swizzled-rows form read off ``m``'s byte table: a map whose last step is the 128x4 swizzle of ``R x C``
+    1-byte scales (no swizzle padding), undone by its index formula (scale ``(r, c)`` at flat byte
+    ``(r//128)*C*128 + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4``), leaves ``R`` rows each one input row's
+    ``C_in`` bytes then one fill byte, or all one fill byte; checked row by row."""
+    last = m.steps[-1]
+    if last.kind != "swizzle_scales_128x4" or last.cell_bytes != 1 or last.in_shape != last.out_shape:
+        return None
+    (rows_n, cols), c_in = last.in_shape, m.in_shape[1]
+    if rows_n % 128 or cols % 4 or len(m.in_shape) != 2 or c_in > cols:
+        return None
+    r, c = np.divmod(np.arange(rows_n * cols, dtype=np.int64), cols)
+    at = (r // 128) * cols * 128 + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+    grid = byte_table(m)[at].reshape(rows_n, cols)  # the rows before the swizzle
+    code = {}
+    for k, byte in enumerate(em.fills):
+        code.setdefault(byte, -1 - k)
+    rows, columns = [], set()
+    for row in grid:
+        if row[0] < 0:
+            if (row != row[0]).any():
+                return None
+            rows.append(code[-1 - int(row[0])])
+            continue
+        if row[0] % c_in or (row[:c_in] != row[0] + np.arange(c_in)).any():
+            return None
+        if (row[c_in:] >= 0).any() or len(set(row[c_in:].tolist())) > 1:
+            return None
+        columns.update(row[c_in:].tolist())
+        rows.append(int(row[0]) // c_in)
+    if len(columns) > 1:
+        return None
+    column = code[-1 - columns.pop()] if columns else -1
+    return np.array(rows, dtype=np.int32), c_in, cols // 4, rows_n, column
+
+
 def swizzle_by_formula(m: IndexMap, em) -> tuple[np.ndarray, int, int] | None:
-    """The 128x4 swizzle form: output word ``o`` is word ``kk`` of row ``band*128 + 32*(pq%4) + pq//4``,
-    ``o = (band*cw + kk)*128 + pq``, checked word by word."""
-    found = swizzle_rows(m, em)  # the same guards as the fast form: only the word check differs
-    if found is None:
+    """The whole-word swizzle form: a swizzled-rows map of 4-byte cells and whole rows (``C_in = C``)."""
+    found = swizzled_rows_by_formula(m, em)
+    if found is None or em.cell_bytes != 4 or found[1] != 4 * found[2]:
         return None
-    rows, cw, rows_n = found
-    o = np.arange(rows_n * cw, dtype=np.int64)
-    band, rem = np.divmod(o, 128 * cw)
-    kk, pq = np.divmod(rem, 128)
-    s = rows[band * 128 + (pq % 4) * 32 + pq // 4]
-    implied = np.where(s >= 0, s * cw + kk, s)
-    if implied.shape != em.src.shape or not np.array_equal(implied, em.src):
-        return None
-    return rows.astype(np.int32), cw, rows_n
+    return found[0], found[2], found[3]
 
 
 def padded_rows_by_rows(m: IndexMap, em) -> tuple[np.ndarray, int, int, int] | None:
@@ -174,6 +200,7 @@ def check_compiled(m: IndexMap) -> None:
     assert em.strided == strided_form_by_full_scan(em.src)
     assert strided_form(em.src.astype(np.int64)) == em.strided
     assert same_form(em.swizzle, swizzle_by_formula(m, em))
+    assert same_form(em.swizzled_rows, swizzled_rows_by_formula(m, em))
     assert same_form(em.padrows, padded_rows_by_rows(m, em))
     for stage in em.stages or ():
         assert stage.strided is not None and stage.strided == strided_form_by_full_scan(stage.src)
@@ -220,6 +247,7 @@ def test_the_model_layers_compile_as_their_definitions(fmt, inter, hidden):
         em = m.compiled()
         assert em.strided == strided_form_by_full_scan(em.src)
         assert same_form(em.swizzle, swizzle_by_formula(m, em))
+        assert same_form(em.swizzled_rows, swizzled_rows_by_formula(m, em))
         assert same_form(em.padrows, padded_rows_by_rows(m, em))
         for stage in em.stages or ():
             assert stage.strided == strided_form_by_full_scan(stage.src)
@@ -242,8 +270,10 @@ def test_row_forms_are_looked_for_when_first_read():
         em = m.compiled()
         assert em.row_forms is None
         assert same_form(em.swizzle, swizzle_by_formula(m, em)) and same_form(em.padrows, padded_rows_by_rows(m, em))
+        assert same_form(em.swizzled_rows, swizzled_rows_by_formula(m, em))
         found = em.row_forms
-        assert em.swizzle is found[0] and em.padrows is found[1] and em.row_forms is found
+        assert em.swizzle is found[0] and em.padrows is found[1] and em.swizzled_rows is found[2]
+        assert em.row_forms is found
 
 
 @settings(max_examples=40, deadline=None)

@@ -106,12 +106,14 @@ CASES = [
     ("nvfp4", 256, 512, {}),
     ("bf16", 256, 256, {}),
     ("bf16", 96, 160, {}),
+    ("mxfp4", 96, 320, {}),
     # production shapes, few experts
     ("fp8-block", 2048, 7168, {}),
     ("mxfp8", 2048, 7168, {}),
     ("nvfp4", 2048, 7168, {}),
     ("bf16", 1536, 4096, {}),
     ("fp8", 1856, 2688, dict(is_act_and_mul=False, is_gated=False)),
+    ("mxfp4", 2880, 2880, {}),
 ]
 
 
@@ -594,10 +596,13 @@ em = plan.w13.compiled()
 def chosen():
     return registry.get_executor(None, "cuda", w13.nbytes, em=em, in_place=True).name
 from fimoe_lab.prepare import plan_layer
-stages = plan_layer("mxfp4", "trtllm", 2880, 2880).w13_scale.compiled()  # two strided stages
-gathers = [registry.get_executor(None, "cuda", 1 << 30, em=e).name for e in (em, stages)]  # before its sources
+stages = plan_layer("mxfp4", "trtllm", 2880, 2880).w13_scale.compiled()  # two strided stages, then swizzled
+swizzled = plan_layer("nvfp4", "trtllm", 256, 7168).w13_scale.compiled()  # one strided view, then swizzled
+def gathers_of(*ems):
+    return [registry.get_executor(None, "cuda", 1 << 30, em=e).name for e in ems]
+gathers = gathers_of(em, stages, swizzled)  # before their sources and row forms
 prebuilt.wait_for_plans()
-gathers.append(registry.get_executor(None, "cuda", 1 << 30, em=stages).name)
+gathers += gathers_of(em, stages, swizzled)
 first = chosen()  # no cycle plan yet: torch now, the plan asked for in the background
 prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)  # the first layer
 prebuilt.wait_for_plans()
@@ -615,8 +620,8 @@ print(json.dumps([gathers, first, after, "triton" not in sys.modules, torch.equa
 def test_gpu_fresh_process_prebuilt_stand_in():
     """By default a fresh process rotates FP8 weights in place on torch's strided copies while the map's cycle
     plan is built in the background, then on the prebuilt kernel; gathers of one strided view stay torch's,
-    of two stages go to the prebuilt gather once their sources are found in the background; no Triton
-    import; the bytes of torch's gather."""
+    of two stages or ending in the 128x4 swizzle go to the prebuilt kernels once their sources and row forms
+    are found in the background; no Triton import; the bytes of torch's gather."""
     import json
     import os
     import pathlib
@@ -628,4 +633,4 @@ def test_gpu_fresh_process_prebuilt_stand_in():
     done = subprocess.run([sys.executable, "-c", PREBUILT_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got == [["torch", "torch", "prebuilt"], "torch", "prebuilt", True, True, True]
+    assert got == [["torch"] * 4 + ["prebuilt"] * 2, "torch", "prebuilt", True, True, True]

@@ -76,11 +76,17 @@ def _defines(source: str) -> dict[str, int]:
 
 @pytest.mark.parametrize(
     "source,macro,functions",
-    [("cycles.cu", "CYCLE_KERNEL", prebuilt._FUNCTIONS), ("gather.cu", "GATHER_KERNEL", prebuilt._GATHERS)],
+    [
+        ("cycles.cu", "CYCLE_KERNEL", prebuilt._FUNCTIONS),
+        ("gather.cu", "GATHER_KERNEL", prebuilt._GATHERS),
+        ("swizzle.cu", "SWIZZLE_KERNEL", prebuilt._SWIZZLES),
+    ],
 )
 def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, functions):
     defines = _defines(source)
     assert (defines["THREADS"], defines["ITEMS"]) == (prebuilt.THREADS, prebuilt.ITEMS)
+    if source == "swizzle.cu":
+        assert (defines["BAND_ROWS"], defines["KC"]) == (prebuilt.BAND_ROWS, prebuilt.KC)
     text = (CUDA / source).read_text()
     for name in functions.values():
         assert f"{macro}({name}," in text
@@ -131,7 +137,7 @@ def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
 def emulated(tmp_path_factory):
     """``kernels/cuda/cycles.cu`` compiled for the host (``tests/cuda_host``: threads and a barrier for a block),
     put where :func:`fimoe_lab.kernels.cuda_driver.launch` would start the GPU kernel: the launcher's own
-    geometry, plan and arguments drive the kernel's own source, on CPU memory."""
+    geometry, plan and arguments drive the kernel's own source, on CPU memory. Yields the names launched."""
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
     lib_path = tmp_path_factory.mktemp("emulated") / "prebuilt.so"
@@ -141,8 +147,12 @@ def emulated(tmp_path_factory):
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     lib = ctypes.CDLL(str(lib_path))
 
+    launched: list[str] = []
+
     def launch(source, name, device, grid, block, args):
-        assert source in (prebuilt.SOURCE, prebuilt.GATHER_SOURCE) and grid[2] == 1 and block[1:] == (1, 1)
+        assert source in (prebuilt.SOURCE, prebuilt.GATHER_SOURCE, prebuilt.SWIZZLE_SOURCE)
+        assert grid[2] == 1 and block[1:] == (1, 1)
+        launched.append(name)
         fn = getattr(lib, f"emulate_{name}")
         fn.restype = None
         fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint] + [kind for kind, _ in args]
@@ -150,7 +160,7 @@ def emulated(tmp_path_factory):
 
     saved = prebuilt.cuda_driver.launch
     prebuilt.cuda_driver.launch = launch
-    yield
+    yield launched
     prebuilt.cuda_driver.launch = saved
 
 
@@ -273,10 +283,92 @@ def test_the_gather_source_runs_every_engine_map(emulated, m, shift):
     buffers' alignment allows (``shift`` bytes off 16)."""
     from reference_loops import byte_gather
 
+    em = m.compiled()
     for x in host_inputs(m, 3):
         out = torch.full((3, m.out_bytes), 0x5A, dtype=torch.uint8)
-        prebuilt.gather(m.compiled(), shifted_copy(x, shift), out)
+        emulated.clear()
+        prebuilt.gather(em, shifted_copy(x, shift), out)
         assert torch.equal(out, byte_gather(m, x).reshape(3, -1))
+        swizzled = em.ends_swizzled and em.swizzled_rows is not None
+        assert all((name in prebuilt._SWIZZLES.values()) == swizzled for name in emulated)
+
+
+def padded_rows_then_swizzled(rows: int, c_in: int, cols: int, fill: int, seed: int):
+    """``rows`` rows of ``c_in`` scales padded to ``R`` (128s) x ``cols`` with ``fill``, rows shuffled, swizzled."""
+    from fimoe_lab import steps
+
+    padded_rows = -(-rows // 128) * 128
+    perm = torch.randperm(padded_rows, generator=torch.Generator().manual_seed(seed))
+    pad = steps.pad_projections(1, rows, padded_rows, c_in, cols, fill)
+    shuffle = steps.permute_rows(perm, cols, "shuffled rows", {"seed": seed})
+    return pad.then(shuffle).then(steps.swizzle_scales_128x4(padded_rows, cols)), perm
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    c_in=st.integers(1, 150),
+    extra=st.integers(0, 9),
+    experts=st.integers(1, 3),
+    shift=st.sampled_from([0, 1, 2, 4]),
+    fill=st.integers(0, 255),
+    seed=st.integers(0, 2**16),
+)
+def test_the_swizzle_source_runs_any_padded_rows_then_the_swizzle(
+    emulated, rows, c_in, extra, experts, shift, fill, seed
+):
+    """Random scale matrices (rows and columns padded with a random byte, rows shuffled, then the 128x4
+    swizzle; several column chunks of a band where a row has more than 128 bytes) through the launcher and
+    the swizzle kernel's source: the per-expert reference loops' bytes, for 4-, 2- and 1-byte loads."""
+    from reference_loops import pad, swizzle
+
+    cols = -(-(c_in + extra) // 4) * 4
+    m, perm = padded_rows_then_swizzled(rows, c_in, cols, fill, seed)
+    em = m.compiled()
+    assert em.ends_swizzled and em.swizzled_rows is not None
+    x = torch.randint(0, 256, (experts, rows, c_in), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    want = torch.stack([swizzle(p[perm]) for p in pad(x, 1, perm.numel(), cols, fill)])
+    out = torch.full((experts, m.out_bytes), 0x5A, dtype=torch.uint8)
+    emulated.clear()
+    prebuilt.gather(em, shifted_copy(x.reshape(experts, -1), shift), out)
+    assert set(emulated) == {prebuilt._SWIZZLES[next(w for w in (4, 2, 1) if (c_in % w, shift % w) == (0, 0))]}
+    assert torch.equal(out, want)
+
+
+def test_a_swizzled_map_into_a_buffer_off_16_bytes_takes_the_gather_kernel(emulated):
+    from reference_loops import byte_gather
+
+    m, _ = padded_rows_then_swizzled(200, 90, 96, 0x7F, 3)
+    x = torch.randint(0, 256, (2, m.in_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    raw = torch.full((2 * m.out_bytes + 16,), 0x5A, dtype=torch.uint8)
+    out = raw[(-raw.data_ptr()) % 16 + 4 :][: 2 * m.out_bytes].view(2, -1)
+    emulated.clear()
+    prebuilt.gather(m.compiled(), x, out)
+    assert emulated and set(emulated) <= set(prebuilt._GATHERS.values())
+    assert torch.equal(out, byte_gather(m, x).reshape(2, -1))
+
+
+def test_a_swizzled_row_table_that_reads_past_the_input_is_refused_before_any_launch(emulated):
+    """The row table is checked once, where it goes to the device: a row past the expert's input rows (or a
+    fill code past the map's fills) raises, naming the map, and nothing is launched or written."""
+    import dataclasses
+
+    import numpy as np
+
+    m, _ = padded_rows_then_swizzled(130, 20, 24, 0, 5)
+    em = m.compiled()
+    rows, c_in, cw, rows_n, column = em.swizzled_rows
+    x = torch.randint(0, 256, (2, m.in_bytes), dtype=torch.uint8)
+    for bad in (em.in_bytes // c_in, -2 - len(em.fills)):
+        table = rows.copy()
+        table[7] = bad
+        forms = (em.swizzle, em.padrows, (table, c_in, cw, rows_n, column))
+        broken = dataclasses.replace(em, row_forms=forms, ends_swizzled=True, _dev={})
+        out = torch.full((2, m.out_bytes), 0x5A, dtype=torch.uint8)
+        emulated.clear()
+        with pytest.raises(FimoeError, match="swizzled row"):
+            prebuilt.gather(broken, x, out)
+        assert emulated == [] and bool((out == 0x5A).all()) and np.array_equal(em.swizzled_rows[0], rows)
 
 
 @settings(max_examples=25, deadline=None)

@@ -69,7 +69,7 @@ def corrupt(em, how: str):
         rows = padrows[0].copy()
         rows[-1] = em.in_bytes  # a row far past the input
         padrows = (rows, *padrows[1:])
-    return dataclasses.replace(em, src=src, row_forms=(swizzle, padrows), _dev={})
+    return dataclasses.replace(em, src=src, row_forms=(swizzle, padrows, em.swizzled_rows), _dev={})
 
 
 HOWS = [
@@ -126,7 +126,7 @@ def test_corrupted_padded_rows_alone_are_refused(field):
         code = -2 - max(1, len(em.fills))
     else:
         c_in = c_out + 1
-    bad = dataclasses.replace(em, row_forms=(em.swizzle, (rows, c_in, c_out, code)), _dev={})
+    bad = dataclasses.replace(em, row_forms=(em.swizzle, (rows, c_in, c_out, code), em.swizzled_rows), _dev={})
     x = random_bytes((EXPERTS, em.in_bytes), torch.uint8, seed=7)
     out = torch.full((EXPERTS, em.out_bytes), 0xAB, dtype=torch.uint8)
     with pytest.raises(LayoutError, match="padded rows"):

@@ -194,7 +194,7 @@ def test_band_step_finds_bands_that_read_the_first_bands_rows_shifted(bands, ste
         want = 0
     n = rows.size
     em = ExecMap(
-        "rows", 4, 4, n, n, np.zeros(n, np.int32), (), False, 4 * n, 4 * n, True, row_forms=((rows, 1, n), None)
+        "rows", 4, 4, n, n, np.zeros(n, np.int32), (), False, 4 * n, 4 * n, True, row_forms=((rows, 1, n), None, None)
     )
     assert em.band_step() == want
 

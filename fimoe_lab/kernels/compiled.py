@@ -68,13 +68,16 @@ class ExecMap:
     of them in the ``in_bytes`` of an expert's input, ``n_out`` in its ``out_bytes`` of
     output (``n_out * cell_bytes == out_bytes``).
 
-    ``swizzle``: ``(source row per output row int32, 4-byte words per row, rows)`` when the
-    map is a row gather then the 128x4 scale swizzle of 1-byte scales, else None.
-    ``padrows``: ``(source row or fill code per output row int32, input row bytes, output
-    row bytes, column fill code)`` when every output row is one input row padded on the
-    right (or all fill), else None. The two are ``row_forms``, given or found by
-    ``find_row_forms`` when an executor first reads either (the torch executor's strided copies
-    read neither, so a plan's first call does not look for them). ``strided``: the map as a strided view (:class:`Strided`)
+    ``swizzled_rows``: ``(source row or fill code per row int32, input row bytes C_in, 4-byte words per row
+    cw, rows R, column fill code or -1)`` when the map is rows of 1-byte scales padded on the right (``C_in <=
+    4 cw``), then the 128x4 scale swizzle: output word ``(band*cw + kk)*128 + 4*p + q`` is bytes ``4kk ..
+    4kk+3`` of row ``band*128 + 32*q + p``; else None (``ends_swizzled``: the map's last step is that swizzle,
+    known without looking). ``swizzle``: ``(rows, cw, R)`` of a ``swizzled_rows`` map of 4-byte cells and whole
+    rows (``C_in = 4 cw``), moved as whole words. ``padrows``: ``(source row or fill code per output row
+    int32, input row bytes, output row bytes, column fill code)`` when every output row is one input row
+    padded on the right (or all fill), else None. The three are ``row_forms``, given or found by
+    ``find_row_forms`` when an executor first reads one (the torch executor's strided copies read none, so
+    a plan's first call does not look for them). ``strided``: the map as a strided view (:class:`Strided`)
     when it is one, else None. ``compile_inverse`` builds the executable form of the
     map's inverse (what in-place execution undoes a failure with); :meth:`inverse` calls
     it once.
@@ -92,8 +95,11 @@ class ExecMap:
     out_bytes: int
     is_permutation: bool  # every byte moves exactly once (no fill, same size)
     compile_inverse: Optional[Callable[[], ExecMap]] = field(default=None, repr=False)
-    row_forms: tuple[tuple | None, tuple | None] | None = None  # (swizzle, padrows); None: not looked for yet
-    find_row_forms: Optional[Callable[[], tuple[tuple | None, tuple | None]]] = field(default=None, repr=False)
+    row_forms: tuple[tuple | None, tuple | None, tuple | None] | None = None  # (swizzle, padrows, swizzled_rows)
+    find_row_forms: Optional[Callable[[], tuple[tuple | None, tuple | None, tuple | None]]] = field(
+        default=None, repr=False
+    )
+    ends_swizzled: bool = False
     strided: Strided | None = None
     stages: tuple[ExecMap, ExecMap] | None = None
     _dev: dict = field(default_factory=dict, repr=False)
@@ -121,6 +127,7 @@ class ExecMap:
             compile_inverse=compile_inverse,
             row_forms=None,
             find_row_forms=None,
+            ends_swizzled=False,
             strided=None,
             stages=None,
             _dev={},
@@ -158,10 +165,14 @@ class ExecMap:
             raise LayoutError(f"internal: {sorted(cells)} are not cell fields known ahead")
         self.__dict__.update(cells)
 
-    def _row_forms(self) -> tuple[tuple | None, tuple | None]:
+    def _row_forms(self) -> tuple[tuple | None, tuple | None, tuple | None]:
         if self.row_forms is None:
-            self.row_forms = self.find_row_forms() if self.find_row_forms is not None else (None, None)
+            self.row_forms = self.find_row_forms() if self.find_row_forms is not None else (None, None, None)
         return self.row_forms
+
+    def row_forms_found(self) -> bool:
+        """Whether the row forms have been looked for: reading one then costs nothing."""
+        return self.row_forms is not None
 
     @property
     def swizzle(self) -> tuple | None:
@@ -172,6 +183,11 @@ class ExecMap:
     def padrows(self) -> tuple | None:
         """The ``padrows`` form (class docstring), found on first read."""
         return self._row_forms()[1]
+
+    @property
+    def swizzled_rows(self) -> tuple | None:
+        """The ``swizzled_rows`` form (class docstring), found on first read."""
+        return self._row_forms()[2]
 
     def inverse(self) -> ExecMap:
         """The executable form of the inverse map (compiled on first use, then cached here)."""

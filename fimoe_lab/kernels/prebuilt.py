@@ -4,6 +4,9 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
 
 - gather (``kernels/cuda/gather.cu``): a block writes ``BM`` output cells x ``BW`` words of each, every
   word loaded from its source cell (or its fill) and stored once;
+- swizzled rows (``kernels/cuda/swizzle.cu``): a map of the ``swizzled_rows`` form (rows of 1-byte scales
+  padded on the right, then the 128x4 swizzle): a block stages :data:`BAND_ROWS` rows x :data:`KC` words of
+  one band in shared memory, loading along the rows, then stores whole 16-byte words of the swizzle;
 - in place (``kernels/cuda/cycles.cu``): a block moves one tile of a
   :class:`~fimoe_lab.kernels.cycles.CyclePlan`, ``BM`` slots x ``BW`` words of their cells, every source
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
@@ -23,8 +26,10 @@ import threading
 import weakref
 from typing import Optional
 
+import numpy as np
 import torch
 
+from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels import cuda_driver
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word
 from fimoe_lab.kernels.cycles import cycle_plan, cycle_plan_built
@@ -33,6 +38,9 @@ from fimoe_lab.kernels.tiles import cdiv, pow2_divisor
 __all__ = [
     "SOURCE",
     "GATHER_SOURCE",
+    "SWIZZLE_SOURCE",
+    "BAND_ROWS",
+    "KC",
     "MAX_GRID_Y",
     "THREADS",
     "ITEMS",
@@ -50,6 +58,11 @@ SOURCE = "cycles"
 """The fatbin of ``kernels/cuda/cycles.cu`` (in place)."""
 GATHER_SOURCE = "gather"
 """The fatbin of ``kernels/cuda/gather.cu``."""
+SWIZZLE_SOURCE = "swizzle"
+"""The fatbin of ``kernels/cuda/swizzle.cu``."""
+BAND_ROWS = 128
+KC = 32
+"""Rows and 4-byte words of a row the swizzle kernel stages a block (``BAND_ROWS`` and ``KC`` of ``swizzle.cu``)."""
 THREADS = 256
 ITEMS = 8
 """Threads a block and words a thread holds (``THREADS`` and ``ITEMS`` of ``cycles.cu`` and ``gather.cu``)."""
@@ -57,13 +70,14 @@ MAX_BW = 64
 """Most words of a cell one block moves (so a tile holds at least 32 slots: few cycles cut at its edges)."""
 _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"}
 _GATHERS = {16: "fimoe_gather_w16", 4: "fimoe_gather_w4", 1: "fimoe_gather_w1"}
+_SWIZZLES = {4: "fimoe_swizzle_w4", 2: "fimoe_swizzle_w2", 1: "fimoe_swizzle_w1"}
 MAX_GRID_Y = 65535
 """Most experts one launch covers (CUDA's grid y limit)."""
 
 
 def available(device: torch.device | str) -> bool:
     """Whether the kernels load on ``device`` (a CUDA device whose driver takes the fatbins)."""
-    return cuda_driver.available(SOURCE, device) and cuda_driver.available(GATHER_SOURCE, device)
+    return all(cuda_driver.available(source, device) for source in (SOURCE, GATHER_SOURCE, SWIZZLE_SOURCE))
 
 
 def cycle_tile(cell_bytes: int, word: int) -> tuple[int, int, int]:
@@ -86,8 +100,11 @@ def _tile_slots(em: ExecMap) -> int:
 
 def planned(em: ExecMap, in_place: bool) -> bool:
     """Whether ``em`` is ready to launch at once: in place, its cycle plan (for an aligned buffer) is built; a
-    gather, its cells' sources are known (a map run as strided copies finds them only when first read)."""
-    return cycle_plan_built(em, _tile_slots(em)) if in_place else em.sources_found()
+    gather, its cells' sources are known (a map run as strided copies finds them only when first read; a map
+    that ends in the 128x4 swizzle finds them, and its ``swizzled_rows`` form, when that form is first read)."""
+    if in_place:
+        return cycle_plan_built(em, _tile_slots(em))
+    return em.sources_found() and (em.row_forms_found() or not em.ends_swizzled)
 
 
 class _Planner:
@@ -116,6 +133,8 @@ class _Planner:
                 if in_place:
                     cycle_plan(em, _tile_slots(em))
                 else:
+                    if em.ends_swizzled:
+                        em.swizzled_rows  # noqa: B018 - found (with the sources it is checked against) and kept
                     em.src  # noqa: B018 - read once: found and kept on the map
             except Exception:  # a map the kernel cannot run: its own call raises it, in the caller's thread
                 pass
@@ -139,9 +158,14 @@ def wait_for_plans() -> None:
 
 def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     """``out[e, i] = x[e, src[i]]`` for every expert (fill cells: their fill byte), ``x`` and ``out`` contiguous
-    CUDA tensors of ``(E, in_bytes)`` and ``(E, out_bytes)`` bytes; one launch per :data:`MAX_GRID_Y` experts."""
+    CUDA tensors of ``(E, in_bytes)`` and ``(E, out_bytes)`` bytes; one launch per :data:`MAX_GRID_Y` experts.
+    A map of the ``swizzled_rows`` form runs on the swizzle kernel (where ``out`` is 16-byte aligned), any
+    other on the gather kernel."""
     experts = x.shape[0]
     xf, of = x.reshape(experts, -1).view(torch.uint8), out.reshape(experts, -1).view(torch.uint8)
+    if em.ends_swizzled and em.swizzled_rows is not None and of.data_ptr() % 16 == 0:
+        _swizzle(em, xf, of)
+        return
     word = _word(em, xf, of)
     bm, bw, nc = cycle_tile(em.cell_bytes, word)
     src, fills = em.src_on(x.device), em.fills_on(x.device, word)
@@ -166,6 +190,54 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
                 (c_ll, em.cell_bytes // word),
                 (c_ll, em.in_bytes // word),
                 (c_ll, em.out_bytes // word),
+            ],
+        )
+
+
+def swizzle_rows_table(em: ExecMap, device: torch.device) -> torch.Tensor:
+    """The ``swizzled_rows`` form's row table as the swizzle kernel reads it, on ``device`` (cached on ``em``):
+    int32, a source row, or ``-1 - b`` for a row of fill byte ``b``. Every source row is checked to lie in the
+    input (a row past it would be read outside the expert's bytes)."""
+    key = ("swizzle rows", str(device))
+    if key not in em._dev:
+        rows, c_in, _, _, _ = em.swizzled_rows
+        if rows.size and int(rows.max()) >= em.in_bytes // c_in:
+            raise LayoutError(f"{em.name}: a swizzled row reads row {int(rows.max())} of {em.in_bytes // c_in}")
+        fills = np.array(em.fills or (0,), dtype=np.int64)
+        if rows.size and -1 - int(rows.min()) >= len(fills):
+            raise LayoutError(f"{em.name}: a swizzled row has fill code {int(rows.min())} of {len(fills)}")
+        table = np.where(rows >= 0, rows, -1 - fills[np.maximum(-1 - rows, 0)]).astype(np.int32)
+        em._dev[key] = torch.from_numpy(table).to(device)
+    return em._dev[key]
+
+
+def _swizzle(em: ExecMap, xf: torch.Tensor, of: torch.Tensor) -> None:
+    """:func:`gather` of a ``swizzled_rows`` map: a block per band and :data:`KC` words of its rows, loading
+    words of ``W`` bytes, the widest of 4, 2, 1 dividing ``C_in`` and the input's alignment."""
+    _, c_in, cw, rows_n, column = em.swizzled_rows
+    word = next(w for w in (4, 2, 1) if c_in % w == 0 and em.in_bytes % w == 0 and xf.data_ptr() % w == 0)
+    column_fill = em.fills[-1 - column] if em.fills and column < 0 else 0
+    nk = cdiv(cw, KC)
+    table = swizzle_rows_table(em, xf.device)
+    c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+    for e0 in range(0, xf.shape[0], MAX_GRID_Y):
+        cnt = min(MAX_GRID_Y, xf.shape[0] - e0)
+        cuda_driver.launch(
+            SWIZZLE_SOURCE,
+            _SWIZZLES[word],
+            xf.device,
+            (rows_n // BAND_ROWS * nk, cnt, 1),
+            (THREADS, 1, 1),
+            [
+                (ptr, of[e0].data_ptr()),
+                (ptr, xf[e0].data_ptr()),
+                (ptr, table.data_ptr()),
+                (c_int, c_in),
+                (c_int, cw),
+                (c_int, nk),
+                (c_int, column_fill),
+                (c_ll, em.in_bytes),
+                (c_ll, em.out_bytes // 16),
             ],
         )
 

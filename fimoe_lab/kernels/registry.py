@@ -168,13 +168,14 @@ def _strided_on_cuda(em: ExecMap, kind: str, in_place: bool = False) -> bool:
 
 
 def _kernel_gathers(em: ExecMap) -> bool:
-    """Whether the prebuilt gather kernel runs ``em``: any map but one strided view, which torch's strided
-    copies run faster (benchmarks/RESULTS.md)."""
-    return em.strided is None
+    """Whether the prebuilt kernels may run ``em`` out of place: a map that ends in the 128x4 scale swizzle (the
+    swizzle kernel, when the map has the ``swizzled_rows`` form), or any map but one strided view, which torch's
+    strided copies run faster than the gather kernel (benchmarks/RESULTS.md). Decided without finding a form."""
+    return em.strided is None or em.ends_swizzled
 
 
 def _gather_prebuilt(em, x, out):
-    if _kernel_gathers(em):
+    if em.strided is None or (em.ends_swizzled and em.swizzled_rows is not None):
         _module("prebuilt").gather(em, x, out)
     else:
         _gather_torch(em, x, out)

@@ -5,9 +5,11 @@
 
 #include "cycles.cu"
 #include "gather.cu"
+#include "swizzle.cu"
 
+// separate_blocks: every thread waits for the block's others before the next block (kernels with shared memory)
 template <typename Body>
-static void run_grid(Body body, unsigned gx, unsigned gy, unsigned threads) {
+static void run_grid(Body body, unsigned gx, unsigned gy, unsigned threads, bool separate_blocks = false) {
     std::barrier<> bar(threads);
     std::vector<std::thread> pool;
     for (unsigned t = 0; t < threads; ++t) {
@@ -18,6 +20,7 @@ static void run_grid(Body body, unsigned gx, unsigned gy, unsigned threads) {
                 for (unsigned x = 0; x < gx; ++x) {
                     blockIdx = {x, y, 0};
                     body();
+                    if (separate_blocks) bar.arrive_and_wait();
                 }
             }
         });
@@ -48,3 +51,14 @@ EMULATE(fimoe_cycles_w1, word1)
 EMULATE_GATHER(fimoe_gather_w16, word16)
 EMULATE_GATHER(fimoe_gather_w4, word4)
 EMULATE_GATHER(fimoe_gather_w1, word1)
+
+#define EMULATE_SWIZZLE(NAME)                                                                                   \
+    extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, word16* out, const unsigned char* x, \
+                                   const int* rows, int c_in, int cw, int nk, int column_fill, long long in_bytes, \
+                                   long long out_words) {                                                        \
+        run_grid([&] { NAME(out, x, rows, c_in, cw, nk, column_fill, in_bytes, out_words); }, gx, gy, threads, true); \
+    }
+
+EMULATE_SWIZZLE(fimoe_swizzle_w4)
+EMULATE_SWIZZLE(fimoe_swizzle_w2)
+EMULATE_SWIZZLE(fimoe_swizzle_w1)

@@ -3,7 +3,10 @@
 // barrier of the block's threads, and blocks run one after another on those threads (a thread starts the
 // next block as soon as it leaves this one, so neighbouring blocks overlap as they may on a GPU).
 #pragma once
+#include <algorithm>
 #include <barrier>
+
+using std::min;
 
 struct fimoe_dim3 {
     unsigned x, y, z;
@@ -16,6 +19,9 @@ inline thread_local std::barrier<>* fimoe_block_barrier;
 #define __forceinline__ inline
 #define __launch_bounds__(n)
 #define __restrict__ __restrict
+// A block's shared memory: one array for all of its threads. Blocks of a kernel that uses it run one after
+// another (emulate.cpp: a barrier between blocks), as each block has its own on a GPU.
+#define __shared__ static
 
 inline void __syncthreads() { fimoe_block_barrier->arrive_and_wait(); }
 
