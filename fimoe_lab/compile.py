@@ -236,7 +236,7 @@ def swizzled_rows_form(m: IndexMap, em: ExecMap) -> SwizzledRows | None:
     codes: dict[int, int] = {}
     for k, byte in enumerate(em.fills):
         codes.setdefault(byte, -1 - k)  # a byte's first code
-    needed = {-1 - int(v) for v in np.unique(rows[rows < 0])} | ({column} if column is not None else set())
+    needed = {-1 - v for v in set(rows[rows < 0].tolist())} | ({column} if column is not None else set())
     if not needed <= codes.keys():
         return None
     if (rows < 0).any():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fimoe_lab import env
@@ -86,7 +86,8 @@ def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, fu
     defines = _defines(source)
     assert (defines["THREADS"], defines["ITEMS"]) == (prebuilt.THREADS, prebuilt.ITEMS)
     if source == "swizzle.cu":
-        assert (defines["BAND_ROWS"], defines["KC"]) == (prebuilt.BAND_ROWS, prebuilt.KC)
+        got = (defines["BAND_ROWS"], defines["TILE_WORDS"], defines["MIN_KW"])
+        assert got == (prebuilt.BAND_ROWS, prebuilt.TILE_WORDS, prebuilt.MIN_KW)
     text = (CUDA / source).read_text()
     for name in functions.values():
         assert f"{macro}({name}," in text
@@ -314,12 +315,16 @@ def padded_rows_then_swizzled(rows: int, c_in: int, cols: int, fill: int, seed: 
     fill=st.integers(0, 255),
     seed=st.integers(0, 2**16),
 )
+@example(rows=2200, c_in=6, extra=2, experts=2, shift=0, fill=0x11, seed=1)  # 8 bands a tile, the last tile 2
+@example(rows=1000, c_in=40, extra=0, experts=1, shift=2, fill=0xEE, seed=2)  # 2 bands a tile
+@example(rows=129, c_in=130, extra=3, experts=2, shift=1, fill=0x80, seed=3)  # a row over two tiles, the last 2 words
 def test_the_swizzle_source_runs_any_padded_rows_then_the_swizzle(
     emulated, rows, c_in, extra, experts, shift, fill, seed
 ):
     """Random scale matrices (rows and columns padded with a random byte, rows shuffled, then the 128x4
-    swizzle; several column chunks of a band where a row has more than 128 bytes) through the launcher and
-    the swizzle kernel's source: the per-expert reference loops' bytes, for 4-, 2- and 1-byte loads."""
+    swizzle; tiles of several bands where rows are short, several tiles a row where it has more than 128
+    bytes) through the launcher and the swizzle kernel's source: the per-expert reference loops' bytes, for
+    4-, 2- and 1-byte loads."""
     from reference_loops import pad, swizzle
 
     cols = -(-(c_in + extra) // 4) * 4

@@ -5,8 +5,9 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
 - gather (``kernels/cuda/gather.cu``): a block writes ``BM`` output cells x ``BW`` words of each, every
   word loaded from its source cell (or its fill) and stored once;
 - swizzled rows (``kernels/cuda/swizzle.cu``): a map of the ``swizzled_rows`` form (rows of 1-byte scales
-  padded on the right, then the 128x4 swizzle): a block stages :data:`BAND_ROWS` rows x :data:`KC` words of
-  one band in shared memory, loading along the rows, then stores whole 16-byte words of the swizzle;
+  padded on the right, then the 128x4 swizzle): a block stages :data:`TILE_WORDS` words of each of
+  :data:`BAND_ROWS` rows in shared memory (``KW`` words of ``TILE_WORDS / KW`` bands' rows where rows are
+  shorter: :func:`swizzle_tile`), loading along the rows, then stores whole 16-byte words of the swizzle;
 - in place (``kernels/cuda/cycles.cu``): a block moves one tile of a
   :class:`~fimoe_lab.kernels.cycles.CyclePlan`, ``BM`` slots x ``BW`` words of their cells, every source
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
@@ -40,7 +41,8 @@ __all__ = [
     "GATHER_SOURCE",
     "SWIZZLE_SOURCE",
     "BAND_ROWS",
-    "KC",
+    "TILE_WORDS",
+    "MIN_KW",
     "MAX_GRID_Y",
     "THREADS",
     "ITEMS",
@@ -50,6 +52,7 @@ __all__ = [
     "gather",
     "inplace_cycles",
     "planned",
+    "swizzle_tile",
     "plan_in_background",
     "wait_for_plans",
 ]
@@ -61,8 +64,10 @@ GATHER_SOURCE = "gather"
 SWIZZLE_SOURCE = "swizzle"
 """The fatbin of ``kernels/cuda/swizzle.cu``."""
 BAND_ROWS = 128
-KC = 32
-"""Rows and 4-byte words of a row the swizzle kernel stages a block (``BAND_ROWS`` and ``KC`` of ``swizzle.cu``)."""
+TILE_WORDS = 32
+MIN_KW = 4
+"""The swizzle kernel's band (128 rows), its tile (``TILE_WORDS`` 4-byte words of each of a band's rows) and the
+fewest words of a row a tile holds (``BAND_ROWS``, ``TILE_WORDS`` and ``MIN_KW`` of ``swizzle.cu``)."""
 THREADS = 256
 ITEMS = 8
 """Threads a block and words a thread holds (``THREADS`` and ``ITEMS`` of ``cycles.cu`` and ``gather.cu``)."""
@@ -211,13 +216,22 @@ def swizzle_rows_table(em: ExecMap, device: torch.device) -> torch.Tensor:
     return em._dev[key]
 
 
+def swizzle_tile(cw: int) -> tuple[int, int, int]:
+    """``(kw_shift, NB, NK)`` of the swizzle kernel for rows of ``cw`` 4-byte words: a tile holds ``KW =
+    2**kw_shift`` words (the row's, rounded up to a power of two from :data:`MIN_KW` to :data:`TILE_WORDS`) of
+    each row of ``NB = TILE_WORDS / KW`` bands; ``NK`` tiles cover a row."""
+    kw_shift = min(TILE_WORDS.bit_length() - 1, max(MIN_KW.bit_length() - 1, (cw - 1).bit_length()))
+    return kw_shift, TILE_WORDS >> kw_shift, cdiv(cw, 1 << kw_shift)
+
+
 def _swizzle(em: ExecMap, xf: torch.Tensor, of: torch.Tensor) -> None:
-    """:func:`gather` of a ``swizzled_rows`` map: a block per band and :data:`KC` words of its rows, loading
-    words of ``W`` bytes, the widest of 4, 2, 1 dividing ``C_in`` and the input's alignment."""
+    """:func:`gather` of a ``swizzled_rows`` map (tiles: :func:`swizzle_tile`), loading words of ``W`` bytes, the
+    widest of 4, 2, 1 dividing ``C_in`` and the input's alignment."""
     _, c_in, cw, rows_n, column = em.swizzled_rows
     word = next(w for w in (4, 2, 1) if c_in % w == 0 and em.in_bytes % w == 0 and xf.data_ptr() % w == 0)
     column_fill = em.fills[-1 - column] if em.fills and column < 0 else 0
-    nk = cdiv(cw, KC)
+    kw_shift, nb, nk = swizzle_tile(cw)
+    n_bands = rows_n // BAND_ROWS
     table = swizzle_rows_table(em, xf.device)
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     for e0 in range(0, xf.shape[0], MAX_GRID_Y):
@@ -226,7 +240,7 @@ def _swizzle(em: ExecMap, xf: torch.Tensor, of: torch.Tensor) -> None:
             SWIZZLE_SOURCE,
             _SWIZZLES[word],
             xf.device,
-            (rows_n // BAND_ROWS * nk, cnt, 1),
+            (cdiv(n_bands, nb) * nk, cnt, 1),
             (THREADS, 1, 1),
             [
                 (ptr, of[e0].data_ptr()),
@@ -234,7 +248,9 @@ def _swizzle(em: ExecMap, xf: torch.Tensor, of: torch.Tensor) -> None:
                 (ptr, table.data_ptr()),
                 (c_int, c_in),
                 (c_int, cw),
+                (c_int, n_bands),
                 (c_int, nk),
+                (c_int, kw_shift),
                 (c_int, column_fill),
                 (c_ll, em.in_bytes),
                 (c_ll, em.out_bytes // 16),
