@@ -251,14 +251,12 @@ def swizzled_rows_form(m: IndexMap, em: ExecMap) -> SwizzledRows | None:
 
 
 def _swizzled_rows_bytes(rows: np.ndarray, c_in: int, cw: int, rows_n: int, column_code: int) -> np.ndarray:
-    """Every output byte's source byte (or fill code) under :func:`swizzled_rows_form`'s definition."""
-    o = np.arange(rows_n * cw * 4, dtype=np.int64)
-    word, byte = np.divmod(o, 4)
-    band, rem = np.divmod(word, 128 * cw)
-    kk, pq = np.divmod(rem, 128)
-    src_row = rows[band * 128 + (pq % 4) * 32 + pq // 4].astype(np.int64)
-    col = kk * 4 + byte
-    return np.where(src_row < 0, src_row, np.where(col < c_in, src_row * c_in + col, column_code))
+    """Every output byte's source byte (or fill code) under :func:`swizzled_rows_form`'s definition: the output
+    as ``(band, kk, p, q, byte)``, row ``band*128 + 32*q + p``, column ``4*kk + byte``, broadcast."""
+    src_row = rows.astype(np.int64).reshape(rows_n // 128, 4, 32).transpose(0, 2, 1)[:, None, :, :, None]
+    col = np.arange(cw * 4, dtype=np.int64).reshape(1, cw, 1, 1, 4)
+    live = np.where(col < c_in, src_row * c_in + col, column_code)
+    return np.where(src_row < 0, src_row, live).reshape(-1)
 
 
 def _byte_sources(em: ExecMap) -> np.ndarray:

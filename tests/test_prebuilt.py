@@ -396,3 +396,45 @@ def test_the_kernel_source_follows_any_cycles(emulated, cells, cell_bytes, exper
     y = x.clone()
     run_emulated(m, y, scratch)
     assert torch.equal(y, byte_gather(m, x))
+
+
+def test_a_launch_passes_each_call_its_own_arguments(monkeypatch):
+    """Launches of one function reuse its ctypes arguments (built once, refilled per call): what the driver reads
+    through the pointer array is each call's own values, in order, also from several threads at once."""
+    import contextlib
+    import threading
+    import types
+
+    from fimoe_lab.kernels import cuda_driver
+
+    seen: list[tuple] = []
+    kinds = (ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong)
+
+    def fake_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        seen.append(
+            ((gx, gy), tuple(ctypes.cast(params[i], ctypes.POINTER(k)).contents.value for i, k in enumerate(kinds)))
+        )
+        return 0
+
+    module = types.SimpleNamespace(current=contextlib.nullcontext)
+    monkeypatch.setattr(cuda_driver, "kernel", lambda source, name, device: (module, 7))
+    monkeypatch.setattr(cuda_driver, "_lib", lambda: types.SimpleNamespace(cuLaunchKernel=fake_launch))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(cuda_driver, "_LAUNCHES", {})
+    device = torch.device("cuda", 0)
+
+    def go(k: int) -> None:
+        args = [(ctypes.c_void_p, 4096 * (k + 1)), (ctypes.c_int, -k), (ctypes.c_longlong, (1 << 40) + k)]
+        cuda_driver.launch("src", "fn", device, (k + 1, 1, 1), (256, 1, 1), args)
+
+    for k in range(3):
+        go(k)
+    threads = [threading.Thread(target=lambda k=k: [go(k) for _ in range(50)]) for k in range(3, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(cuda_driver._LAUNCHES) == 1 and len(seen) == 3 + 4 * 50
+    for (gx, _), (ptr, neg, big) in seen:
+        k = gx - 1
+        assert (ptr, neg, big) == (4096 * (k + 1), -k, (1 << 40) + k)

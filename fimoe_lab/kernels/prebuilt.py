@@ -184,8 +184,8 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
             (cdiv(em.n_out, bm) * nc, cnt, 1),
             (THREADS, 1, 1),
             [
-                (ptr, of[e0].data_ptr()),
-                (ptr, xf[e0].data_ptr()),
+                (ptr, of.data_ptr() + e0 * em.out_bytes),
+                (ptr, xf.data_ptr() + e0 * em.in_bytes),
                 (ptr, src.data_ptr()),
                 (ptr, fills.data_ptr()),
                 (c_int, em.n_out),
@@ -243,8 +243,8 @@ def _swizzle(em: ExecMap, xf: torch.Tensor, of: torch.Tensor) -> None:
             (cdiv(n_bands, nb) * nk, cnt, 1),
             (THREADS, 1, 1),
             [
-                (ptr, of[e0].data_ptr()),
-                (ptr, xf[e0].data_ptr()),
+                (ptr, of.data_ptr() + e0 * em.out_bytes),
+                (ptr, xf.data_ptr() + e0 * em.in_bytes),
                 (ptr, table.data_ptr()),
                 (c_int, c_in),
                 (c_int, cw),
