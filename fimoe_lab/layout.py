@@ -643,7 +643,8 @@ class IndexMap:
         each output row as one input row's bytes in order, then one fill byte on the right (the same for every
         such row), or as one fill byte only: ``rows`` int64 ``(R_out,)`` is the source row or ``-1 - b`` for a row
         of fill byte ``b``; the column fill byte is None where no live row is padded. None for any other map.
-        Read off the widest known cells once, then cached (the answer is in rows and bytes, whatever the cells)."""
+        Read off the widest known cells that divide a row once, then cached (the answer is in rows and bytes,
+        whatever the cells)."""
         if "right padded rows" not in self._cache:
             self._cache["right padded rows"] = self._find_right_padded_rows()
         found: tuple[np.ndarray, int | None] | None = self._cache["right padded rows"]
@@ -653,10 +654,11 @@ class IndexMap:
         if len(self.in_shape) != 2 or len(self.out_shape) != 2:
             return None
         (_, c_in), (r_out, c_out) = self.in_shape, self.out_shape
-        wide = self._widest_known()
-        c = wide.cell_bytes
-        if c_out < c_in or c_in % c or c_out % c:
+        if c_out < c_in:
             return None
+        wide = self._widest_known()
+        c = math.gcd(wide.cell_bytes, c_in, c_out)  # cells that divide a row (a swap of halves: cells of many rows)
+        wide = wide.refined(c)
         k_in, k_out = c_in // c, c_out // c
         grid = wide.src.numpy().reshape(r_out, k_out)
         probe = grid[np.linspace(0, r_out - 1, num=min(r_out, 64), dtype=np.int64)]  # a cheap refusal first

@@ -253,6 +253,22 @@ def test_the_model_layers_compile_as_their_definitions(fmt, inter, hidden):
             assert stage.strided == strided_form_by_full_scan(stage.src)
 
 
+@pytest.mark.parametrize("recipe", RECIPE_IDS)
+def test_every_recipes_swizzled_scales_have_the_forms_their_bytes_define(recipe):
+    """Each scale map that ends in the 128x4 swizzle, at a small shape and at gpt-oss's (2880: a W13 swap of
+    halves whose widest cells are many rows long), has the swizzled-rows and whole-word swizzle forms its byte
+    table defines."""
+    for inter, hidden in ((96, 320), (2880, 2880)):
+        plan = plan_of(recipe, inter, hidden, True)
+        if plan is None:
+            continue
+        for m in plan.maps().values():
+            if m.steps[-1].kind == "swizzle_scales_128x4":
+                em = m.compiled()
+                assert same_form(em.swizzled_rows, swizzled_rows_by_formula(m, em)), (m.name, inter, hidden)
+                assert same_form(em.swizzle, swizzle_by_formula(m, em)), (m.name, inter, hidden)
+
+
 def test_a_plans_first_call_never_builds_the_swizzles_finer_index():
     """The gpt-oss scale swizzles are built over 4-scale cells; plan and compile read only those."""
     plan = plan_layer("mxfp4", "trtllm", 2880, 2880)
