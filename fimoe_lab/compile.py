@@ -233,17 +233,10 @@ def swizzled_rows_form(m: IndexMap, em: ExecMap) -> SwizzledRows | None:
         if found is None:
             return None
         (rows, column), c_in = found, pre.in_shape[1]
-    codes: dict[int, int] = {}
-    for k, byte in enumerate(em.fills):
-        codes.setdefault(byte, -1 - k)  # a byte's first code
-    needed = {-1 - v for v in set(rows[rows < 0].tolist())} | ({column} if column is not None else set())
-    if not needed <= codes.keys():
+    coded = _in_fill_codes(em, rows, column)
+    if coded is None:
         return None
-    if (rows < 0).any():
-        table = np.zeros(256, dtype=np.int64)
-        table[list(codes)] = list(codes.values())
-        rows = np.where(rows >= 0, rows, table[np.maximum(-1 - rows, 0)])
-    column_code = codes[column] if column is not None else -1
+    rows, column_code = coded
     implied = _swizzled_rows_bytes(rows, c_in, cols // 4, rows_n, column_code)
     if implied.size != em.out_bytes or not np.array_equal(implied, _byte_sources(em)):
         return None
@@ -292,14 +285,29 @@ def padded_rows_form(m: IndexMap, em: ExecMap) -> tuple[np.ndarray, int, int, in
     found = m.right_padded_rows()
     if found is None:
         return None
-    rows, column = found
-    code = np.zeros(256, dtype=np.int64)
-    for k, byte in reversed(list(enumerate(em.fills))):  # a byte's first code
-        code[byte] = -1 - k
-    rows = np.where(rows >= 0, rows, code[np.maximum(-1 - rows, 0)])
+    coded = _in_fill_codes(em, *found)
+    if coded is None:
+        return None
+    rows, column_code = coded
     if rows.max(initial=-1) >= r_in:
         return None
-    return rows.astype(np.int32), c_in, c_out, int(code[column]) if column is not None else -1
+    return rows.astype(np.int32), c_in, c_out, column_code
+
+
+def _in_fill_codes(em: ExecMap, rows: np.ndarray, column: int | None) -> tuple[np.ndarray, int] | None:
+    """:meth:`IndexMap.right_padded_rows`' rows (a fill row as ``-1 - byte``) and column fill byte in ``em``'s fill
+    codes (a byte's first code; the column -1 where None), or None when a byte is none of ``em``'s fills."""
+    codes: dict[int, int] = {}
+    for k, byte in enumerate(em.fills):
+        codes.setdefault(byte, -1 - k)
+    needed = {-1 - v for v in set(rows[rows < 0].tolist())} | ({column} if column is not None else set())
+    if not needed <= codes.keys():
+        return None
+    if (rows < 0).any():
+        table = np.zeros(256, dtype=np.int64)
+        table[list(codes)] = list(codes.values())
+        rows = np.where(rows >= 0, rows, table[np.maximum(-1 - rows, 0)])
+    return rows, codes[column] if column is not None else -1
 
 
 def strided_form(src: np.ndarray) -> Strided | None:
