@@ -13,7 +13,7 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
   kernel does.
 
-Tile shape (both kernels): ``THREADS * ITEMS`` words a block (the constants of the ``.cu`` files); the
+Tile shape (the gather and cycle kernels): ``THREADS * ITEMS`` words a block (the constants of the ``.cu`` files); the
 word is 16 bytes where the cell and the buffers allow it, else 4, else 1; ``BW`` is the largest power of
 two dividing the cell's words up to :data:`MAX_BW`, ``BM = THREADS * ITEMS / BW`` cells (a power of two,
 at least 32).
@@ -53,6 +53,7 @@ __all__ = [
     "inplace_cycles",
     "planned",
     "swizzle_tile",
+    "swizzles",
     "plan_in_background",
     "wait_for_plans",
 ]
@@ -168,7 +169,7 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     other on the gather kernel."""
     experts = x.shape[0]
     xf, of = x.reshape(experts, -1).view(torch.uint8), out.reshape(experts, -1).view(torch.uint8)
-    if em.ends_swizzled and em.swizzled_rows is not None and of.data_ptr() % 16 == 0:
+    if swizzles(em) and of.data_ptr() % 16 == 0:
         _swizzle(em, xf, of)
         return
     word = _word(em, xf, of)
@@ -197,6 +198,12 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
                 (c_ll, em.out_bytes // word),
             ],
         )
+
+
+def swizzles(em: ExecMap) -> bool:
+    """Whether the swizzle kernel runs ``em``: it ends in the 128x4 swizzle and has the ``swizzled_rows`` form
+    (found on this first read for such a map only)."""
+    return em.ends_swizzled and em.swizzled_rows is not None
 
 
 def swizzle_rows_table(em: ExecMap, device: torch.device) -> torch.Tensor:
@@ -229,7 +236,7 @@ def _swizzle(em: ExecMap, xf: torch.Tensor, of: torch.Tensor) -> None:
     widest of 4, 2, 1 dividing ``C_in`` and the input's alignment."""
     _, c_in, cw, rows_n, column = em.swizzled_rows
     word = next(w for w in (4, 2, 1) if c_in % w == 0 and em.in_bytes % w == 0 and xf.data_ptr() % w == 0)
-    column_fill = em.fills[-1 - column] if em.fills and column < 0 else 0
+    column_fill = em.fills[-1 - column] if em.fills else 0
     kw_shift, nb, nk = swizzle_tile(cw)
     n_bands = rows_n // BAND_ROWS
     table = swizzle_rows_table(em, xf.device)

@@ -176,8 +176,9 @@ def _kernel_gathers(em: ExecMap) -> bool:
 
 
 def _gather_prebuilt(em, x, out):
-    if em.strided is None or (em.ends_swizzled and em.swizzled_rows is not None):
-        _module("prebuilt").gather(em, x, out)
+    pre = _module("prebuilt")
+    if em.strided is None or pre.swizzles(em):
+        pre.gather(em, x, out)
     else:
         _gather_torch(em, x, out)
 

@@ -23,8 +23,6 @@
 #define MAX_TILE_ROWS (BAND_ROWS * TILE_WORDS / MIN_KW)
 #define BATCH 8
 
-typedef unsigned short word2;
-
 template <typename W>
 __device__ __forceinline__ W fill_word(unsigned int byte) {
     return (W)(byte * 0x01010101u);
