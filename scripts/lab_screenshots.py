@@ -326,12 +326,14 @@ def _point_and_click(page, explorer, axes: int, deadline: Deadline) -> dict:
 
 
 TIP_JS = """() => {
-    const tip = [...document.querySelectorAll('.fimoe-tip')].find(t => t.style.display === 'block');
+    const shown = [...document.querySelectorAll('.fimoe-tip')].filter(t => t.style.display === 'block');
+    const tip = shown[0];
     if (!tip || !tip.textContent) return null;
     const r = tip.getBoundingClientRect();
     return {text: tip.textContent, left: r.left, top: r.top, right: r.right, bottom: r.bottom,
-            width: window.innerWidth, height: window.innerHeight};
+            width: window.innerWidth, height: window.innerHeight, shown: shown.length};
 }"""
+"""The first lab tooltip shown on the page: its text, its box, the viewport and ``shown``, how many are shown."""
 
 
 VISIBLE_RIGHT_JS = """([x, left, y]) => {

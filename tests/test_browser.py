@@ -7,7 +7,8 @@ and "save PNG" work, a typed provenance element is followed; in every notebook
 (``lab_screenshots.CHECKS``) pointing at a figure shows the element's row, column, value,
 source and steps, a click traces it (chain under the figure), a checkpoint loads through a
 path box, an A/B comparison changes plan B, and the figure is saved and copied as code; the
-hover tip sits within 20 px of the pointer and inside the viewport (also at a figure's right edge);
+hover tip sits within 20 px of the pointer and inside the viewport (also at a figure's right edge), the
+only one shown;
 at JupyterLab's default layout (file browser open) no figure text is under 8 pt; every menu of
 every explorer of the tour changes its figure or message;
 screenshots in the light and the dark theme are taken at 2x and checked for size and
@@ -17,6 +18,9 @@ per notebook; JupyterLab and Chromium are shut down in every case.
 
 Needs Playwright's Python package and a Chromium binary (Debian's ``chromium``; Playwright's
 own browser download is not used). Without them the test is skipped, or fails under CI.
+
+A second test renders the canvas widget's module alone in Chromium and plays the kernel's hover answers by
+hand, in the orders a busy kernel gives them (late, after the pointer has left, from another figure).
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ def test_the_lab_in_a_real_browser():
         for point in got["points"]:
             for tip in point["tips"]:  # at the pointer (within 20 px) and inside the viewport
                 assert tip is not None, "no tooltip towards the right edge of the cells"
-                assert tip["gap"] <= 20 and tip["left"] >= 0 and tip["top"] >= 0, tip
+                assert tip["shown"] == 1 and tip["gap"] <= 20 and tip["left"] >= 0 and tip["top"] >= 0, tip
                 assert tip["right"] <= tip["width"] and tip["bottom"] <= tip["height"], tip
             assert re.match(r"(kernel|checkpoint) row \d+, column \d+", point["hover"]), point["hover"]
             assert " <- " in point["hover"] and "moved by: " in point["hover"]
@@ -105,3 +109,80 @@ def test_the_lab_in_a_real_browser():
         assert len(np.unique(img.reshape(-1, 3)[::97], axis=0)) > 64, f"{shot} looks blank"
         luminance[shot.stem.rsplit("_", 1)[1]] = img.mean()
     assert luminance["dark"] < 0.6 * luminance["light"]  # the dark theme is dark: no white slabs
+
+
+MOUNT_JS = """async ([src, n]) => {
+    const mod = await import(URL.createObjectURL(new Blob([src], {type: "text/javascript"})));
+    window.models = [];
+    window.views = [];
+    for (let k = 0; k < n; k++) {
+        const state = {value: '<svg width="200" height="200"><rect width="200" height="200" fill="#68a"/></svg>',
+                       tip: "", hover: [], click: []};
+        const handlers = {};
+        const model = {
+            get: (key) => state[key],
+            set: (key, v) => { state[key] = v; for (const f of handlers["change:" + key] || []) f(); },
+            on: (event, f) => { (handlers[event] = handlers[event] || []).push(f); },
+            save_changes: () => {},
+        };
+        const el = document.createElement("div");
+        el.style.cssText = "margin:0 0 40px 0;width:200px";
+        document.body.append(el);
+        mod.default.render({model, el});
+        window.models.push(model);
+        window.views.push(el);
+    }
+}"""
+"""The canvas widget's module rendered ``n`` times, one above the other (200 x 200 px figures 40 px
+apart), each with a stand-in of anywidget's model (get, set, on, save_changes): ``window.models``."""
+
+SHOWN_JS = """() => [...document.querySelectorAll('.fimoe-tip')].filter(t => t.style.display === 'block')
+    .map(t => { const r = t.getBoundingClientRect(); return [t.textContent, r.left, r.top]; })"""
+
+
+def test_a_hover_tip_shows_only_where_the_pointer_is():
+    """The canvas widget's tooltip, in Chromium with the kernel's answers played by hand: an answer that
+    arrives at the pointer is shown 12 px below right of it; one that arrives after the pointer has left
+    the figure (a busy kernel) is not shown; and one figure's tooltip hides any other's, also that of a
+    figure taken off the page under the pointer (no leave event comes then)."""
+    _need(importlib.util.find_spec("playwright") is not None, "playwright is not installed")
+    from scripts import lab_screenshots as shots
+
+    _need(shots.chromium() is not None, "no chromium binary on PATH")
+    from playwright.sync_api import sync_playwright
+
+    from fimoe_lab.viz.widgets import _CANVAS_JS
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=shots.chromium(), args=shots.CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 600, "height": 700})
+            page.set_content("<body style='margin:0'></body>")
+            page.evaluate(MOUNT_JS, [_CANVAS_JS, 2])
+
+            def point(k: int, x: float, y: float) -> None:  # the pointer on figure k; its hover goes out
+                page.evaluate(f"window.models[{k}].set('hover', [])")
+                page.mouse.move(x, y)
+                page.wait_for_function(f"window.models[{k}].get('hover').length === 4", timeout=5000)
+
+            def answer(k: int, text: str) -> None:
+                page.evaluate(f"window.models[{k}].set('tip', {text!r})")
+
+            point(0, 100, 100)
+            answer(0, "row 1")
+            assert page.evaluate(SHOWN_JS) == [["row 1", 112, 112]]
+            page.mouse.move(100, 220)  # between the figures: the tip goes, and a late answer stays away
+            assert page.evaluate(SHOWN_JS) == []
+            answer(0, "row 2")
+            assert page.evaluate(SHOWN_JS) == []
+            point(1, 100, 300)
+            answer(0, "row 3")  # figure 0's answer while the pointer is on figure 1
+            assert page.evaluate(SHOWN_JS) == []
+            answer(1, "row 4")
+            assert page.evaluate(SHOWN_JS) == [["row 4", 112, 312]]
+            page.evaluate("window.views[1].remove()")  # off the page under the pointer, its tip still up
+            point(0, 50, 150)
+            answer(0, "row 5")
+            assert page.evaluate(SHOWN_JS) == [["row 5", 62, 162]]
+        finally:
+            browser.close()

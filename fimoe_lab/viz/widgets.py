@@ -330,7 +330,9 @@ function render({ model, el }) {
     model.set("click", [...at, Date.now()]);
     model.save_changes();
   });
-  let timer = null, last = [0, 0];
+  // inside: the pointer is over one of the figure's SVGs now; a hover answer that arrives once it has
+  // left (a busy kernel) is not shown, or it would stay at a place the pointer no longer is
+  let timer = null, last = [0, 0], inside = false;
   // 12 px below right of the pointer, flipped to its other side where the viewport ends
   const place = () => {
     const gap = 12, edge = 4, w = tip.offsetWidth, h = tip.offsetHeight;
@@ -342,18 +344,22 @@ function render({ model, el }) {
   };
   figure.addEventListener("mousemove", (event) => {
     last = [event.clientX, event.clientY];
-    if (tip.style.display !== "none") place();
     clearTimeout(timer);
     const at = locate(event);
-    if (!at) { tip.style.display = "none"; return; }
+    inside = at !== null;
+    if (!inside) { tip.style.display = "none"; return; }
+    if (tip.style.display !== "none") place();
     timer = setTimeout(() => { model.set("hover", [...at, Date.now()]); model.save_changes(); }, 120);
   });
-  figure.addEventListener("mouseleave", () => { clearTimeout(timer); tip.style.display = "none"; });
+  figure.addEventListener("mouseleave", () => { inside = false; clearTimeout(timer); tip.style.display = "none"; });
+  // one tooltip on the page: showing this one hides any other figure's
   model.on("change:tip", () => {
     const text = model.get("tip");
     tip.textContent = text;
-    tip.style.display = text ? "block" : "none";
-    if (text) place();
+    const show = Boolean(text) && inside;
+    if (show) for (const other of document.querySelectorAll(".fimoe-tip")) if (other !== tip) other.style.display = "none";
+    tip.style.display = show ? "block" : "none";
+    if (show) place();
   });
   return () => tip.remove();
 }
