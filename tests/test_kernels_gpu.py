@@ -584,9 +584,16 @@ def test_gpu_prebuilt_error_midway_is_undone(monkeypatch):
 
 
 PREBUILT_CHILD = """
-import json, sys, torch
+import json, sys, threading, torch
 from fimoe_lab import prepare
-from fimoe_lab.kernels import prebuilt, registry
+from fimoe_lab.kernels import cuda_driver, prebuilt, registry
+loaded_by = []  # the thread that loads each fatbin
+real_module = cuda_driver._module
+def recording_module(source, device):
+    if (source, device) not in cuda_driver._MODULES:
+        loaded_by.append(threading.current_thread().name)
+    return real_module(source, device)
+cuda_driver._module = recording_module
 g = torch.Generator(device="cuda").manual_seed(0)
 w13 = torch.randint(0, 256, (16, 512, 7168), dtype=torch.uint8, device="cuda", generator=g)
 w2 = torch.randint(0, 256, (16, 7168, 256), dtype=torch.uint8, device="cuda", generator=g)
@@ -612,7 +619,8 @@ torch.cuda.synchronize()
 twice13 = plan.w13.apply(plan.w13.apply(a13, backend="torch"), backend="torch")
 twice2 = plan.w2.apply(plan.w2.apply(a2, backend="torch"), backend="torch")
 assert stages.stages is not None and em.strided is not None
-print(json.dumps([gathers, first, after, "triton" not in sys.modules, torch.equal(w13, twice13), torch.equal(w2, twice2)]))
+print(json.dumps([gathers, first, after, "triton" not in sys.modules, torch.equal(w13, twice13), torch.equal(w2, twice2),
+                  loaded_by]))
 """
 
 
@@ -621,7 +629,8 @@ def test_gpu_fresh_process_prebuilt_stand_in():
     """By default a fresh process rotates FP8 weights in place on torch's strided copies while the map's cycle
     plan is built in the background, then on the prebuilt kernel; gathers of one strided view stay torch's,
     of two stages or ending in the 128x4 swizzle go to the prebuilt kernels once their sources and row forms
-    are found in the background; no Triton import; the bytes of torch's gather."""
+    are found in the background; no Triton import; the bytes of torch's gather; the three fatbins are loaded by
+    the planner thread, none by the caller's."""
     import json
     import os
     import pathlib
@@ -633,4 +642,12 @@ def test_gpu_fresh_process_prebuilt_stand_in():
     done = subprocess.run([sys.executable, "-c", PREBUILT_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got == [["torch"] * 4 + ["prebuilt"] * 2, "torch", "prebuilt", True, True, True]
+    assert got == [
+        ["torch"] * 4 + ["prebuilt"] * 2,
+        "torch",
+        "prebuilt",
+        True,
+        True,
+        True,
+        ["fimoe-lab-prebuilt-plans"] * 3,
+    ]

@@ -134,6 +134,56 @@ def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
         assert not registry._prebuilt_stands_in(registry.EXECUTORS["triton"], torch.device("cuda"), em, True)
 
 
+def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
+    """A map's first default call loads no fatbin: the planner thread loads the ones that map needs (in place the
+    cycle kernel's, a gather the gather kernel's and, for a map that ends in the swizzle, the swizzle kernel's)
+    on the caller's device, then the map is planned there. A fatbin that does not load is remembered, and the
+    prebuilt kernels stop standing in for the maps that need it. The driver's load is played by a recorder here
+    (no GPU); tests/test_kernels_gpu.py checks the same in a fresh process on a device."""
+    import threading
+
+    from fimoe_lab.kernels import cuda_driver
+
+    loads: list[tuple[str, int, str]] = []
+
+    def load(source: str, index: int):
+        loads.append((source, index, threading.current_thread().name))
+        if (source, index) == ("swizzle", 6):
+            raise cuda_driver.CudaDriverError("cuModuleLoadData failed: CUDA_ERROR_NO_BINARY_FOR_GPU (209)")
+
+    monkeypatch.setattr(cuda_driver, "_OUTCOMES", {})
+    monkeypatch.setattr(cuda_driver, "_module", load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    swizzled = plan_layer("nvfp4", "trtllm", 384, 1536).w13_scale.compiled()  # shapes no other test plans
+    rows = plan_layer("bf16", "trtllm", 384, 1536).w2.compiled()  # no swizzle
+    permuted = plan_layer("fp8", "trtllm", 384, 1536).w13.compiled()
+    assert swizzled.ends_swizzled and not rows.ends_swizzled and permuted.is_permutation
+    triton = registry.EXECUTORS["triton"]
+    planner = prebuilt.PLANNER_THREAD
+
+    dev = torch.device("cuda")  # the current device, 5: the caller's, not the planner thread's
+    assert registry._prebuilt_stands_in(triton, dev, swizzled, False) and not prebuilt.planned(swizzled, False, dev)
+    assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "torch"  # and the planner asked
+    prebuilt.plan_in_background(permuted, True, dev)
+    prebuilt.wait_for_plans()
+    assert loads == [("gather", 5, planner), ("swizzle", 5, planner), ("cycles", 5, planner)]
+    assert prebuilt.planned(swizzled, False, dev) and prebuilt.planned(permuted, True, dev)
+    assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "prebuilt"
+    assert prebuilt.planned(swizzled, False) and not prebuilt.planned(swizzled, False, "cuda:6")  # not loaded there
+
+    loads.clear()
+    for em in (swizzled, rows):
+        prebuilt.plan_in_background(em, False, "cuda:6")
+    prebuilt.wait_for_plans()
+    assert loads == [("gather", 6, planner), ("swizzle", 6, planner)]  # the gather kernel's loads once
+    assert cuda_driver.tried("swizzle", "cuda:6") is False and cuda_driver.tried("cycles", "cuda:6") is None
+    assert not prebuilt.may_run(swizzled, False, "cuda:6") and not prebuilt.planned(swizzled, False, "cuda:6")
+    assert not registry._prebuilt_stands_in(triton, torch.device("cuda:6"), swizzled, False)
+    assert prebuilt.may_run(rows, False, "cuda:6") and prebuilt.may_run(permuted, True, "cuda:6")
+    assert not prebuilt.may_run(rows, False, "cpu") and not prebuilt.available("cuda:6")
+
+
 # ----------------------------------------------------------------------------- the kernel source, run on the host
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):

@@ -3,7 +3,8 @@
 Nothing is compiled when a process runs: the kernels of ``kernels/cuda/*.cu`` ship as one fatbin per
 source (``scripts/build_cuda_kernels.py``: SASS for sm_80, sm_90, sm_100 and sm_120, and compute_90 PTX
 that the driver compiles once for a newer GPU). A fatbin is loaded into the device's primary context,
-the one torch uses, in a few milliseconds; a launch goes on torch's current stream. A driver that cannot
+the one torch uses, when first asked for (:func:`available`, in the asking thread: milliseconds the caller
+waits; :func:`tried` tells, without loading, whether that happened); a launch goes on torch's current stream. A driver that cannot
 load the fatbin (older than the CUDA 13 toolkit that built it, or a GPU none of it runs on) makes the
 kernels unavailable (:func:`available`); callers then use another executor.
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CudaDriverError", "available", "kernel", "launch"]
+__all__ = ["CudaDriverError", "available", "kernel", "launch", "tried"]
 
 _SUCCESS = 0
 
@@ -118,21 +119,41 @@ def _module(source: str, device: int) -> _Module:
     return _MODULES[key]
 
 
-@functools.cache
-def _loads(source: str, device: int) -> bool:
-    try:
-        _module(source, device)
-    except (OSError, CudaDriverError):  # no libcuda, or a driver / GPU the fatbin does not serve
-        return False
-    return True
+_OUTCOMES: dict[tuple[str, int], bool] = {}
+"""Whether each ``(source, device index)`` loaded, once it was tried."""
+
+
+def _cuda_index(device: torch.device | str) -> int | None:
+    """The index of CUDA ``device`` (its current device where it names none); None for any other device or where
+    torch has no CUDA."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
 def available(source: str, device: torch.device | str) -> bool:
-    """Whether the fatbin ``kernels/cuda/<source>.fatbin`` loads on CUDA ``device`` here (cached)."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or not torch.cuda.is_available():
+    """Whether the fatbin ``kernels/cuda/<source>.fatbin`` loads on CUDA ``device`` here: loaded by the first
+    call (in its thread, a few milliseconds), remembered after."""
+    index = _cuda_index(device)
+    if index is None:
         return False
-    return _loads(source, dev.index if dev.index is not None else torch.cuda.current_device())
+    key = (source, index)
+    if key not in _OUTCOMES:
+        try:
+            _module(source, index)
+        except (OSError, CudaDriverError):  # no libcuda, or a driver / GPU the fatbin does not serve
+            _OUTCOMES[key] = False
+        else:
+            _OUTCOMES[key] = True
+    return _OUTCOMES[key]
+
+
+def tried(source: str, device: torch.device | str) -> bool | None:
+    """:func:`available`'s answer where it was asked for ``source`` on ``device`` (False on any device but a CUDA
+    one), None where it was not: loads nothing."""
+    index = _cuda_index(device)
+    return False if index is None else _OUTCOMES.get((source, index))
 
 
 def kernel(source: str, name: str, device: torch.device) -> tuple[_Module, int]:

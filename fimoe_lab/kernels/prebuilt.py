@@ -52,6 +52,10 @@ __all__ = [
     "gather",
     "inplace_cycles",
     "planned",
+    "PLANNER_THREAD",
+    "loads_for",
+    "may_run",
+    "sources_for",
     "swizzle_tile",
     "swizzles",
     "plan_in_background",
@@ -82,8 +86,30 @@ MAX_GRID_Y = 65535
 
 
 def available(device: torch.device | str) -> bool:
-    """Whether the kernels load on ``device`` (a CUDA device whose driver takes the fatbins)."""
+    """Whether the kernels load on ``device`` (a CUDA device whose driver takes the fatbins): loads every fatbin
+    not loaded yet, in the calling thread."""
     return all(cuda_driver.available(source, device) for source in (SOURCE, GATHER_SOURCE, SWIZZLE_SOURCE))
+
+
+def sources_for(em: ExecMap, in_place: bool) -> tuple[str, ...]:
+    """The fatbins a run of ``em`` may launch: in place the cycle kernel's; a gather the gather kernel's, and the
+    swizzle kernel's too for a map that ends in the 128x4 swizzle (an output off 16 bytes goes to the gather)."""
+    if in_place:
+        return (SOURCE,)
+    return (GATHER_SOURCE, SWIZZLE_SOURCE) if em.ends_swizzled else (GATHER_SOURCE,)
+
+
+def may_run(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
+    """Whether no fatbin ``em`` needs (:func:`sources_for`) is known not to load on ``device`` (a CUDA device):
+    loads nothing."""
+    return torch.device(device).type == "cuda" and all(
+        cuda_driver.tried(source, device) is not False for source in sources_for(em, in_place)
+    )
+
+
+def loads_for(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
+    """Whether every fatbin ``em`` needs loads on ``device``: loads those not loaded yet, in the calling thread."""
+    return all(cuda_driver.available(source, device) for source in sources_for(em, in_place))
 
 
 def cycle_tile(cell_bytes: int, word: int) -> tuple[int, int, int]:
@@ -104,38 +130,45 @@ def _tile_slots(em: ExecMap) -> int:
     return cycle_tile(em.cell_bytes, _word(em))[0]
 
 
-def planned(em: ExecMap, in_place: bool) -> bool:
+def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = None) -> bool:
     """Whether ``em`` is ready to launch at once: in place, its cycle plan (for an aligned buffer) is built; a
     gather, its cells' sources are known (a map run as strided copies finds them only when first read; a map
-    that ends in the 128x4 swizzle finds them, and its ``swizzled_rows`` form, when that form is first read)."""
+    that ends in the 128x4 swizzle finds them, and its ``swizzled_rows`` form, when that form is first read);
+    and, given a ``device``, the fatbins it needs are loaded there."""
+    if device is not None and not all(cuda_driver.tried(source, device) for source in sources_for(em, in_place)):
+        return False
     if in_place:
         return cycle_plan_built(em, _tile_slots(em))
     return em.sources_found() and (em.row_forms_found() or not em.ends_swizzled)
 
 
 class _Planner:
-    """One daemon thread getting maps ready for :func:`planned` (sources, cycle plans), in the order asked."""
+    """One daemon thread getting maps ready for :func:`planned` (fatbins loaded, sources, cycle plans), in the
+    order asked."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.jobs: queue.Queue[tuple[ExecMap, bool]] = queue.Queue()
-        self.asked: dict[bool, weakref.WeakSet[ExecMap]] = {True: weakref.WeakSet(), False: weakref.WeakSet()}
+        self.jobs: queue.Queue[tuple[ExecMap, bool, Optional[torch.device]]] = queue.Queue()
+        self.asked: dict[tuple[bool, Optional[torch.device]], weakref.WeakSet[ExecMap]] = {}
         self.thread: Optional[threading.Thread] = None
 
-    def submit(self, em: ExecMap, in_place: bool) -> None:
+    def submit(self, em: ExecMap, in_place: bool, device: Optional[torch.device]) -> None:
         with self.lock:
-            if em in self.asked[in_place]:
+            asked = self.asked.setdefault((in_place, device), weakref.WeakSet())
+            if em in asked:
                 return
-            self.asked[in_place].add(em)  # queued or done (what it builds lives on the map)
+            asked.add(em)  # queued or done (what it builds lives on the map and in cuda_driver)
             if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="fimoe-lab-prebuilt-plans", daemon=True)
+                self.thread = threading.Thread(target=self._run, name=PLANNER_THREAD, daemon=True)
                 self.thread.start()
-        self.jobs.put((em, in_place))
+        self.jobs.put((em, in_place, device))
 
     def _run(self) -> None:
         while True:
-            em, in_place = self.jobs.get()
+            em, in_place, device = self.jobs.get()
             try:
+                if device is not None and not loads_for(em, in_place, device):
+                    continue  # the kernels do not load there: may_run now says so
                 if in_place:
                     cycle_plan(em, _tile_slots(em))
                 else:
@@ -148,13 +181,24 @@ class _Planner:
                 self.jobs.task_done()
 
 
+PLANNER_THREAD = "fimoe-lab-prebuilt-plans"
+"""The name of the background planner's thread."""
 _PLANNER = _Planner()
 
 
-def plan_in_background(em: ExecMap, in_place: bool) -> None:
-    """Get ``em`` ready (:func:`planned`) on a background thread, once per map and mode: the calls that come
-    before run elsewhere (:func:`~fimoe_lab.kernels.registry.get_executor`), the ones after launch at once."""
-    _PLANNER.submit(em, in_place)
+def plan_in_background(em: ExecMap, in_place: bool, device: torch.device | str | None = None) -> None:
+    """Get ``em`` ready (:func:`planned`) on a background thread, once per map, mode and device: the fatbins it
+    needs loaded on ``device`` (if given), then its plan. The calls that come before run elsewhere
+    (:func:`~fimoe_lab.kernels.registry.get_executor`), the ones after launch at once."""
+    _PLANNER.submit(em, in_place, None if device is None else _normal(device))
+
+
+def _normal(device: torch.device | str) -> torch.device:
+    """``device`` with its index (CUDA's current device where it names none), one key for one device."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def wait_for_plans() -> None:

@@ -404,14 +404,15 @@ def _background_load(ex: Executor) -> None:
 
 def _prebuilt_stands_in(ex: Executor, device: torch.device, em: Optional[ExecMap], in_place: bool) -> bool:
     """Whether ``prebuilt`` stands in for ``ex`` (whose stand-in is torch) for the map ``em`` on ``device``:
-    where :data:`PREBUILT_ENV` allows and the prebuilt kernels load, in place, and out of place for a map its
-    gather kernel runs (:func:`_kernel_gathers`)."""
+    where :data:`PREBUILT_ENV` allows and the fatbins the map needs are not known not to load (loading them is
+    the planner's, :func:`.prebuilt.may_run`), in place, and out of place for a map its gather kernel runs
+    (:func:`_kernel_gathers`)."""
     return (
         ex.stand_in == "torch"
         and em is not None
         and (in_place or _kernel_gathers(em))
         and env.value(PREBUILT_ENV, True)
-        and EXECUTORS["prebuilt"].available(device)
+        and _module("prebuilt").may_run(em, in_place, device)
     )
 
 
@@ -423,19 +424,25 @@ def _loaded_or_stand_in(
     (in the calling thread instead when :data:`BACKGROUND_ENV` is ``0`` or ``ex`` has no stand-in).
 
     Where ``prebuilt`` stands in (:func:`_prebuilt_stands_in`) no other load is started, and ``prebuilt`` runs
-    once the map is ready for it (in place its cycle plan, a gather its sources: :func:`.prebuilt.planned`):
-    the first call of a map asks for that on a background thread and runs on torch (with
-    :data:`BACKGROUND_ENV` off it builds them itself), so a model's first layer does not wait for them."""
+    once the map is ready for it (its fatbins loaded on the device; in place its cycle plan, a gather its
+    sources: :func:`.prebuilt.planned`): the first call of a map asks for that on a background thread and runs
+    on torch, so a model's first layer waits neither for the fatbins nor for the plans. With
+    :data:`BACKGROUND_ENV` off the call loads the fatbins itself (and builds the plan when it runs); where they
+    do not load, the default path below goes on."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
     device = torch.device(device if device is not None else "cpu")
     if _prebuilt_stands_in(ex, device, em, in_place):
         assert em is not None
         pre = _module("prebuilt")
-        if pre.planned(em, in_place) or not env.value(BACKGROUND_ENV, True):
+        if not env.value(BACKGROUND_ENV, True):
+            if pre.loads_for(em, in_place, device):
+                return EXECUTORS["prebuilt"]
+        elif pre.planned(em, in_place, device):
             return EXECUTORS["prebuilt"]
-        pre.plan_in_background(em, in_place)
-        return EXECUTORS["torch"]
+        else:
+            pre.plan_in_background(em, in_place, device)
+            return EXECUTORS["torch"]
     stand = EXECUTORS[ex.stand_in] if ex.stand_in is not None else None
     if stand is not None and em is not None and stand.at_bandwidth(em, device.type, in_place):
         return stand
