@@ -137,7 +137,7 @@ def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
 def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     """A map's first default call loads no fatbin: the planner thread loads the ones that map needs (in place the
     cycle kernel's, a gather the gather kernel's and, for a map that ends in the swizzle, the swizzle kernel's)
-    on the caller's device, then the map is planned there. A fatbin that does not load is remembered, and the
+    on the caller's device and gets their kernels, then the map is planned there. A fatbin that does not load is remembered, and the
     prebuilt kernels stop standing in for the maps that need it. The driver's load is played by a recorder here
     (no GPU); tests/test_kernels_gpu.py checks the same in a fresh process on a device."""
     import threading
@@ -145,11 +145,25 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     from fimoe_lab.kernels import cuda_driver
 
     loads: list[tuple[str, int, str]] = []
+    got: set[tuple[str, str, int, str]] = set()  # (source, kernel, device, thread)
 
-    def load(source: str, index: int):
-        loads.append((source, index, threading.current_thread().name))
-        if (source, index) == ("swizzle", 6):
-            raise cuda_driver.CudaDriverError("cuModuleLoadData failed: CUDA_ERROR_NO_BINARY_FOR_GPU (209)")
+    class Module:  # the driver's module: its kernels got by name (loaded then, with CUDA's lazy loading)
+        def __init__(self, source: str, index: int):
+            self.source, self.index = source, index
+
+        def function(self, name: str) -> int:
+            got.add((self.source, name, self.index, threading.current_thread().name))
+            return 1
+
+    modules: dict[tuple[str, int], Module] = {}
+
+    def load(source: str, index: int) -> Module:  # loaded once, as cuda_driver._module does
+        if (source, index) not in modules:
+            loads.append((source, index, threading.current_thread().name))
+            if (source, index) == ("swizzle", 6):
+                raise cuda_driver.CudaDriverError("cuModuleLoadData failed: CUDA_ERROR_NO_BINARY_FOR_GPU (209)")
+            modules[source, index] = Module(source, index)
+        return modules[source, index]
 
     monkeypatch.setattr(cuda_driver, "_OUTCOMES", {})
     monkeypatch.setattr(cuda_driver, "_module", load)
@@ -168,6 +182,8 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     prebuilt.plan_in_background(permuted, True, dev)
     prebuilt.wait_for_plans()
     assert loads == [("gather", 5, planner), ("swizzle", 5, planner), ("cycles", 5, planner)]
+    words = {"gather": (16, 4, 1), "swizzle": (4, 2, 1), "cycles": (16, 4, 1)}
+    assert got == {(src, f"fimoe_{src}_w{w}", 5, planner) for src, ws in words.items() for w in ws}
     assert prebuilt.planned(swizzled, False, dev) and prebuilt.planned(permuted, True, dev)
     assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "prebuilt"
     assert prebuilt.planned(swizzled, False) and not prebuilt.planned(swizzled, False, "cuda:6")  # not loaded there

@@ -81,6 +81,8 @@ MAX_BW = 64
 _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"}
 _GATHERS = {16: "fimoe_gather_w16", 4: "fimoe_gather_w4", 1: "fimoe_gather_w1"}
 _SWIZZLES = {4: "fimoe_swizzle_w4", 2: "fimoe_swizzle_w2", 1: "fimoe_swizzle_w1"}
+_KERNELS = {SOURCE: _FUNCTIONS, GATHER_SOURCE: _GATHERS, SWIZZLE_SOURCE: _SWIZZLES}
+"""Each fatbin's kernels, by the word (bytes) they move."""
 MAX_GRID_Y = 65535
 """Most experts one launch covers (CUDA's grid y limit)."""
 
@@ -108,8 +110,16 @@ def may_run(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
 
 
 def loads_for(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
-    """Whether every fatbin ``em`` needs loads on ``device``: loads those not loaded yet, in the calling thread."""
-    return all(cuda_driver.available(source, device) for source in sources_for(em, in_place))
+    """Whether every fatbin ``em`` needs loads on ``device``: loads those not loaded yet, in the calling thread,
+    and gets their kernels (with CUDA's lazy loading, the default, a kernel is loaded when it is got)."""
+    dev = _normal(device)
+    sources = sources_for(em, in_place)
+    if not all(cuda_driver.available(source, dev) for source in sources):
+        return False
+    for source in sources:
+        for name in _KERNELS[source].values():
+            cuda_driver.kernel(source, name, dev)
+    return True
 
 
 def cycle_tile(cell_bytes: int, word: int) -> tuple[int, int, int]:
