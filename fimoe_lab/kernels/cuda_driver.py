@@ -4,9 +4,9 @@ Nothing is compiled when a process runs: the kernels of ``kernels/cuda/*.cu`` sh
 source (``scripts/build_cuda_kernels.py``: SASS for sm_80, sm_90, sm_100 and sm_120, and compute_90 PTX
 that the driver compiles once for a newer GPU). A fatbin is loaded into the device's primary context,
 the one torch uses, when first asked for (:func:`available`, in the asking thread: milliseconds the caller
-waits; :func:`tried` tells, without loading, whether that happened); a launch goes on torch's current stream. A driver that cannot
-load the fatbin (older than the CUDA 13 toolkit that built it, or a GPU none of it runs on) makes the
-kernels unavailable (:func:`available`); callers then use another executor.
+waits; :func:`tried` tells, without loading, whether that happened); a launch goes on torch's current
+stream. A driver that cannot load the fatbin (older than the CUDA 13 toolkit that built it, or a GPU none of
+it runs on) makes the kernels unavailable (:func:`available`); callers then use another executor.
 
 Arguments are passed as ``(ctypes type, value)`` pairs: ``ctypes.c_void_p`` for a device address,
 ``ctypes.c_int`` / ``ctypes.c_longlong`` for integers, in the kernel's parameter order.

@@ -102,11 +102,9 @@ def sources_for(em: ExecMap, in_place: bool) -> tuple[str, ...]:
 
 
 def may_run(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
-    """Whether no fatbin ``em`` needs (:func:`sources_for`) is known not to load on ``device`` (a CUDA device):
-    loads nothing."""
-    return torch.device(device).type == "cuda" and all(
-        cuda_driver.tried(source, device) is not False for source in sources_for(em, in_place)
-    )
+    """Whether ``device`` is a CUDA device on which no fatbin ``em`` needs (:func:`sources_for`) is known not to
+    load: loads nothing."""
+    return all(cuda_driver.tried(source, device) is not False for source in sources_for(em, in_place))
 
 
 def loads_for(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
