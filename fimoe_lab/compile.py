@@ -237,25 +237,30 @@ def swizzled_rows_form(m: IndexMap, em: ExecMap) -> SwizzledRows | None:
     if coded is None:
         return None
     rows, column_code = coded
-    implied = _swizzled_rows_bytes(rows, c_in, cols // 4, rows_n, column_code)
-    if implied.size != em.out_bytes or not np.array_equal(implied, _byte_sources(em)):
+    dtype = np.int32 if em.in_bytes < 2**31 else np.int64  # byte indices: half the memory of int64 where they fit
+    implied = _swizzled_rows_bytes(rows, c_in, cols // 4, rows_n, column_code, dtype)
+    if implied.size != em.out_bytes or not np.array_equal(implied, _byte_sources(em, dtype)):
         return None
     return rows.astype(np.int32), c_in, cols // 4, rows_n, column_code
 
 
-def _swizzled_rows_bytes(rows: np.ndarray, c_in: int, cw: int, rows_n: int, column_code: int) -> np.ndarray:
+def _swizzled_rows_bytes(
+    rows: np.ndarray, c_in: int, cw: int, rows_n: int, column_code: int, dtype: type
+) -> np.ndarray:
     """Every output byte's source byte (or fill code) under :func:`swizzled_rows_form`'s definition: the output
-    as ``(band, kk, p, q, byte)``, row ``band*128 + 32*q + p``, column ``4*kk + byte``, broadcast."""
-    src_row = rows.astype(np.int64).reshape(rows_n // 128, 4, 32).transpose(0, 2, 1)[:, None, :, :, None]
-    col = np.arange(cw * 4, dtype=np.int64).reshape(1, cw, 1, 1, 4)
+    as ``(band, kk, p, q, byte)``, row ``band*128 + 32*q + p``, column ``4*kk + byte``, broadcast (``dtype``
+    holds every input byte index)."""
+    src_row: np.ndarray = rows.astype(dtype).reshape(rows_n // 128, 4, 32).transpose(0, 2, 1)[:, None, :, :, None]
+    col: np.ndarray = np.arange(cw * 4, dtype=dtype).reshape(1, cw, 1, 1, 4)
     live = np.where(col < c_in, src_row * c_in + col, column_code)
     return np.where(src_row < 0, src_row, live).reshape(-1)
 
 
-def _byte_sources(em: ExecMap) -> np.ndarray:
-    """``em.src`` over bytes: byte ``j`` of output cell ``i`` reads input byte ``src[i] * cell + j``, or is fill."""
-    src = em.src.astype(np.int64)[:, None]
-    within = np.arange(em.cell_bytes, dtype=np.int64)
+def _byte_sources(em: ExecMap, dtype: type) -> np.ndarray:
+    """``em.src`` over bytes: byte ``j`` of output cell ``i`` reads input byte ``src[i] * cell + j``, or is fill
+    (``dtype`` holds every input byte index)."""
+    src: np.ndarray = em.src.astype(dtype)[:, None]
+    within: np.ndarray = np.arange(em.cell_bytes, dtype=dtype)
     return np.where(src >= 0, src * em.cell_bytes + within, src).reshape(-1)
 
 
