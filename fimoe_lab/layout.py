@@ -629,14 +629,14 @@ class IndexMap:
             )
         (_, in_cols), (out_rows, out_cols) = self.in_shape, self.out_shape
         cell = math.gcd(self.cell_bytes, in_cols, out_cols)
-        src = self.refined(cell).src.view(out_rows, out_cols // cell)
-        src_row = torch.where(src >= 0, src * cell // in_cols, -1)
-        first = src_row.max(dim=1).values
-        mixed = (src_row >= 0) & (src_row != first[:, None])
-        if bool(mixed.any()):
-            bad = int(torch.nonzero(mixed.any(dim=1))[0])
+        src = self.refined(cell).src.numpy().reshape(out_rows, out_cols // cell)  # numpy: a first call in a
+        src_row = np.where(src >= 0, src * cell // in_cols, -1)  # process pays none of torch's CPU start-up
+        first = src_row.max(axis=1)
+        mixed = ((src_row >= 0) & (src_row != first[:, None])).any(axis=1)
+        if mixed.any():
+            bad = int(np.flatnonzero(mixed)[0])
             raise LayoutError(f"{self.name}: output row {bad} takes bytes from several input rows; it is not a row map")
-        return first
+        return torch.from_numpy(first)
 
     def right_padded_rows(self) -> tuple[np.ndarray, int | None] | None:
         """``(rows, column fill byte)`` when this map ``[R_in, C_in] -> [R_out, C_out]`` (``C_out >= C_in``) writes
