@@ -629,8 +629,9 @@ class IndexMap:
             )
         (_, in_cols), (out_rows, out_cols) = self.in_shape, self.out_shape
         cell = math.gcd(self.cell_bytes, in_cols, out_cols)
-        src = self.refined(cell).src.numpy().reshape(out_rows, out_cols // cell)  # numpy: a first call in a
-        src_row = np.where(src >= 0, src * cell // in_cols, -1)  # process pays none of torch's CPU start-up
+        # numpy: a process's first call (a drop-in's, filling FlashInfer's index dict) pays no torch CPU start-up
+        src = self.refined(cell).src.numpy().reshape(out_rows, out_cols // cell)
+        src_row = np.where(src >= 0, src * cell // in_cols, -1)
         first = src_row.max(axis=1)
         mixed = ((src_row >= 0) & (src_row != first[:, None])).any(axis=1)
         if mixed.any():
