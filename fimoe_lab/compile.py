@@ -40,6 +40,7 @@ __all__ = [
     "padded_rows_form",
     "strided_form",
     "strided_stages",
+    "swizzle_strided",
     "MAX_STRIDED_DIMS",
     "MAX_STRIDED_PIECES",
 ]
@@ -77,6 +78,11 @@ def compile_map(m: IndexMap) -> ExecMap:
     )
     em.find_row_forms = lambda: _row_forms(m, em)
     em.ends_swizzled = m.steps[-1].kind == "swizzle_scales_128x4"
+    known = swizzle_strided(m)
+    if known is not None:
+        em.strided, cells = known
+        em.preset_cells(cells)
+        return em
     if m.index_pending:
         rows = padded_rows_strided(m)
         if rows is not None:
@@ -151,6 +157,28 @@ def padded_rows_strided(m: IndexMap) -> tuple[Strided, dict[str, Any]] | None:
         has_fill=True,
     )
     return full, cells
+
+
+def swizzle_strided(m: IndexMap) -> tuple[Strided, dict[str, Any]] | None:
+    """The strided form of the 128x4 scale swizzle step alone, and its widest cells, from its parameters (no index
+    read), where it pads nothing: ``[R, C]`` scales of ``s`` bytes with ``R % 128 == 0`` and ``C % 4 == 0``.
+
+    Its cells are the ``cw = C / 4`` quads of ``4 s`` bytes a row. Output quad ``((band*cw + kk)*32 + p)*4 + q``
+    holds quad ``kk`` of row ``band*128 + 32 q + p`` (:func:`fimoe_lab.steps.swizzle_scales_128x4`): digits
+    ``(R / 128, cw, 32, 4)``, strides ``(128 cw, 1, cw, 32 cw)`` in input quads, less the digits of one value
+    (no two others merge: a quad never reads its neighbour's successor). Else None (the finder decides)."""
+    if m.parts or m.kind != "swizzle_scales_128x4" or m.in_shape != m.out_shape:
+        return None
+    rows, cols, size = m.params["rows"], m.params["cols"], m.params["itemsize"]
+    if rows % 128 or cols % 4:
+        return None
+    cw = cols // 4
+    kept = [(k, st) for k, st in zip((rows // 128, cw, 32, 4), (128 * cw, 1, cw, 32 * cw)) if k > 1]
+    shape = tuple(k for k, _ in kept)
+    form = Strided(shape, shape, tuple(st for _, st in kept), 0, None)
+    cell = 4 * size
+    cells = dict(cell_bytes=cell, word=_widest_word(cell), n_in=rows * cw, n_out=rows * cw, has_fill=False)
+    return form, cells
 
 
 def _widest_word(cell_bytes: int) -> int:

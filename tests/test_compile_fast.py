@@ -32,6 +32,7 @@ from fimoe_lab.compile import (
     _strided_sources,
     compile_map,
     strided_form,
+    swizzle_strided,
 )
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import Strided
@@ -306,6 +307,33 @@ def test_a_swizzle_known_wider_is_the_same_map(rows, cols, itemsize):
         plain = IndexMap(m.src.clone(), m.cell_bytes, m.in_shape, m.out_shape, m.fills)  # no wider form known
         assert m.coarsened().cell_bytes == plain.coarsened().cell_bytes
         assert np.array_equal(m.coarsened().src.numpy(), plain.coarsened().src.numpy())
+
+
+@settings(max_examples=60, deadline=None)
+@given(bands=st.integers(1, 6), quads=st.integers(1, 40), itemsize=st.sampled_from([1, 2, 4]))
+def test_the_swizzle_steps_form_from_its_parameters_is_its_index(bands, quads, itemsize):
+    m = steps.swizzle_scales_128x4(128 * bands, 4 * quads, itemsize)
+    form, cells = swizzle_strided(m)
+    wide = m.coarsened()  # the index, built
+    src = wide.src.numpy()
+    assert form == strided_form(src)
+    assert np.array_equal(_strided_sources(form.shape, form.live, form.strides, form.offset, form.fill), src)
+    assert cells == dict(
+        cell_bytes=wide.cell_bytes,
+        word=math.gcd(wide.cell_bytes, 8),
+        n_in=wide.n_in_cells,
+        n_out=wide.n_out_cells,
+        has_fill=False,
+    )
+    em = compile_map(m)
+    assert em.strided == form and np.array_equal(em.src, src.astype(np.int32))  # the preset cells hold when read
+
+
+@pytest.mark.parametrize("rows, cols", [(100, 8), (128, 6), (130, 4), (256, 90)])
+def test_a_swizzle_that_pads_is_left_to_the_finder(rows, cols):
+    m = steps.swizzle_scales_128x4(rows, cols)
+    assert swizzle_strided(m) is None
+    assert compile_map(m).strided == strided_form(m.coarsened().src.numpy())
 
 
 # ----------------------------------------------------------------------------- random source arrays
