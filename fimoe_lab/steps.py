@@ -88,10 +88,12 @@ def pad_projections(
     )
 
 
-def permute_rows(src_rows: torch.Tensor, cols_bytes: int, kind: str, params: dict[str, Any]) -> IndexMap:
-    """A row permutation ``out[i, :] = in[src_rows[i], :]`` of an ``[M, cols]`` matrix."""
-    rows = src_rows.numel()
-    return IndexMap(src_rows.to(torch.int64), cols_bytes, (rows, cols_bytes), (rows, cols_bytes), (), kind, params)
+def permute_rows(src_rows: torch.Tensor | np.ndarray, cols_bytes: int, kind: str, params: dict[str, Any]) -> IndexMap:
+    """A row permutation ``out[i, :] = in[src_rows[i], :]`` of an ``[M, cols]`` matrix (``src_rows`` a torch or
+    numpy vector; the row steps build theirs with numpy: a process's first plan pays no torch CPU start-up)."""
+    src = torch.as_tensor(src_rows).to(torch.int64).reshape(-1)
+    rows = src.numel()
+    return IndexMap(src, cols_bytes, (rows, cols_bytes), (rows, cols_bytes), (), kind, params)
 
 
 def _check_even(rows: int, what: str) -> None:
@@ -110,7 +112,7 @@ def swap_w13_to_w31_rows(rows: int, cols_bytes: int) -> IndexMap:
     invisible on random weights; it computes ``silu(up) * gate``.
     """
     _check_even(rows, "swap_w13_to_w31")
-    src = (torch.arange(rows) + rows // 2) % rows
+    src = (np.arange(rows, dtype=np.int64) + rows // 2) % rows
     return permute_rows(src, cols_bytes, "swap_w13_to_w31_rows", dict(rows=rows, cols_bytes=cols_bytes))
 
 
@@ -124,7 +126,7 @@ def interleave_rows_for_gated_act(rows: int, cols_bytes: int) -> IndexMap:
     """
     _check_even(rows, "interleave_rows_for_gated_act")
     half = rows // 2
-    src = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    src = np.stack([np.arange(half, dtype=np.int64), np.arange(half, dtype=np.int64) + half], axis=1).reshape(-1)
     return permute_rows(src, cols_bytes, "interleave_rows_for_gated_act", dict(rows=rows, cols_bytes=cols_bytes))
 
 
@@ -145,9 +147,9 @@ def interleave_row_groups(rows: int, cols_bytes: int, group: int) -> IndexMap:
             fix=f"pad the intermediate size to a multiple of {group} first",
         )
     g = rows // (2 * group)
-    h = torch.arange(2)[None, :, None]
-    j = torch.arange(g)[:, None, None]
-    r = torch.arange(group)[None, None, :]
+    h = np.arange(2, dtype=np.int64)[None, :, None]
+    j = np.arange(g, dtype=np.int64)[:, None, None]
+    r = np.arange(group, dtype=np.int64)[None, None, :]
     src = ((h * g + j) * group + r).reshape(-1)
     return permute_rows(src, cols_bytes, "interleave_row_groups", dict(rows=rows, cols_bytes=cols_bytes, group=group))
 
@@ -173,9 +175,9 @@ def shuffle_rows_for_epilogue(rows: int, cols_bytes: int, epilogue_tile_m: int) 
             f"(pad_projections, or align_moe_weights_for_fi for a whole layer)"
         )
     k = block // 8
-    p = torch.arange(block)
+    p = np.arange(block, dtype=np.int64)
     within = (p % 8) * k + p // 8
-    src = (torch.arange(rows // block)[:, None] * block + within[None, :]).reshape(-1)
+    src = (np.arange(rows // block, dtype=np.int64)[:, None] * block + within[None, :]).reshape(-1)
     return permute_rows(
         src,
         cols_bytes,
