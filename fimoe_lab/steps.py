@@ -91,7 +91,7 @@ def pad_projections(
 def permute_rows(src_rows: torch.Tensor | np.ndarray, cols_bytes: int, kind: str, params: dict[str, Any]) -> IndexMap:
     """A row permutation ``out[i, :] = in[src_rows[i], :]`` of an ``[M, cols]`` matrix (``src_rows`` a torch or
     numpy vector; the row steps build theirs with numpy: a process's first plan pays no torch CPU start-up)."""
-    src = torch.as_tensor(src_rows).to(torch.int64).reshape(-1)
+    src = torch.as_tensor(src_rows).to(torch.int64)
     rows = src.numel()
     return IndexMap(src, cols_bytes, (rows, cols_bytes), (rows, cols_bytes), (), kind, params)
 
