@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CudaDriverError", "available", "kernel", "launch", "tried"]
+__all__ = ["CudaDriverError", "available", "cuda_index", "kernel", "launch", "tried"]
 
 _SUCCESS = 0
 
@@ -123,7 +123,7 @@ _OUTCOMES: dict[tuple[str, int], bool] = {}
 """Whether each ``(source, device index)`` loaded, once it was tried."""
 
 
-def _cuda_index(device: torch.device | str) -> int | None:
+def cuda_index(device: torch.device | str) -> int | None:
     """The index of CUDA ``device`` (its current device where it names none); None for any other device or where
     torch has no CUDA."""
     dev = torch.device(device)
@@ -135,7 +135,7 @@ def _cuda_index(device: torch.device | str) -> int | None:
 def available(source: str, device: torch.device | str) -> bool:
     """Whether the fatbin ``kernels/cuda/<source>.fatbin`` loads on CUDA ``device`` here: loaded by the first
     call (in its thread, a few milliseconds), remembered after."""
-    index = _cuda_index(device)
+    index = cuda_index(device)
     if index is None:
         return False
     key = (source, index)
@@ -152,7 +152,7 @@ def available(source: str, device: torch.device | str) -> bool:
 def tried(source: str, device: torch.device | str) -> bool | None:
     """:func:`available`'s answer where it was asked for ``source`` on ``device`` (False on any device but a CUDA
     one), None where it was not: loads nothing."""
-    index = _cuda_index(device)
+    index = cuda_index(device)
     return False if index is None else _OUTCOMES.get((source, index))
 
 

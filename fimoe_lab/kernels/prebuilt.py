@@ -202,11 +202,10 @@ def plan_in_background(em: ExecMap, in_place: bool, device: torch.device | str |
 
 
 def _normal(device: torch.device | str) -> torch.device:
-    """``device`` with its index (CUDA's current device where it names none), one key for one device."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return dev
+    """``device`` with its index (CUDA's current device where it names none: :func:`.cuda_driver.cuda_index`), one
+    key for one device."""
+    index = cuda_driver.cuda_index(device)
+    return torch.device(device) if index is None else torch.device("cuda", index)
 
 
 def wait_for_plans() -> None:
