@@ -266,29 +266,34 @@ def swizzled_rows_form(m: IndexMap, em: ExecMap) -> SwizzledRows | None:
         return None
     rows, column_code = coded
     dtype = np.int32 if em.in_bytes < 2**31 else np.int64  # byte indices: half the memory of int64 where they fit
-    implied = _swizzled_rows_bytes(rows, c_in, cols // 4, rows_n, column_code, dtype)
-    if implied.size != em.out_bytes or not np.array_equal(implied, _byte_sources(em, dtype)):
+    step = em.cell_bytes if 4 % em.cell_bytes == 0 and c_in % em.cell_bytes == 0 else 1
+    implied = _swizzled_rows_bytes(rows, c_in, cols // 4, rows_n, column_code, dtype, step)
+    if implied.size * step != em.out_bytes or not np.array_equal(implied, _byte_sources(em, dtype, step)):
         return None
     return rows.astype(np.int32), c_in, cols // 4, rows_n, column_code
 
 
 def _swizzled_rows_bytes(
-    rows: np.ndarray, c_in: int, cw: int, rows_n: int, column_code: int, dtype: type
+    rows: np.ndarray, c_in: int, cw: int, rows_n: int, column_code: int, dtype: type, step: int = 1
 ) -> np.ndarray:
-    """Every output byte's source byte (or fill code) under :func:`swizzled_rows_form`'s definition: the output
-    as ``(band, kk, p, q, byte)``, row ``band*128 + 32*q + p``, column ``4*kk + byte``, broadcast (``dtype``
-    holds every input byte index)."""
+    """The source byte (or fill code) of every ``step``-th output byte under :func:`swizzled_rows_form`'s
+    definition: the output as ``(band, kk, p, q, byte)``, row ``band*128 + 32*q + p``, column ``4*kk + byte``,
+    broadcast (``dtype`` holds every input byte index; ``step`` divides 4).
+
+    With ``step`` dividing ``C_in`` too, the ``step`` bytes from each of those are one input run or all one fill
+    (a column run never crosses ``C_in``), so comparing these bytes with the first byte of each cell of
+    ``step`` bytes (:func:`_byte_sources`) compares every byte."""
     src_row: np.ndarray = rows.astype(dtype).reshape(rows_n // 128, 4, 32).transpose(0, 2, 1)[:, None, :, :, None]
-    col: np.ndarray = np.arange(cw * 4, dtype=dtype).reshape(1, cw, 1, 1, 4)
+    col: np.ndarray = np.arange(0, cw * 4, step, dtype=dtype).reshape(1, cw, 1, 1, 4 // step)
     live = np.where(col < c_in, src_row * c_in + col, column_code)
     return np.where(src_row < 0, src_row, live).reshape(-1)
 
 
-def _byte_sources(em: ExecMap, dtype: type) -> np.ndarray:
-    """``em.src`` over bytes: byte ``j`` of output cell ``i`` reads input byte ``src[i] * cell + j``, or is fill
-    (``dtype`` holds every input byte index)."""
+def _byte_sources(em: ExecMap, dtype: type, step: int = 1) -> np.ndarray:
+    """``em.src`` over every ``step``-th byte (``step`` divides the cell): byte ``j`` of output cell ``i`` reads
+    input byte ``src[i] * cell + j``, or is fill (``dtype`` holds every input byte index)."""
     src: np.ndarray = em.src.astype(dtype)[:, None]
-    within: np.ndarray = np.arange(em.cell_bytes, dtype=dtype)
+    within: np.ndarray = np.arange(0, em.cell_bytes, step, dtype=dtype)
     return np.where(src >= 0, src * em.cell_bytes + within, src).reshape(-1)
 
 

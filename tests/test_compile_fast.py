@@ -33,6 +33,7 @@ from fimoe_lab.compile import (
     compile_map,
     strided_form,
     swizzle_strided,
+    swizzled_rows_form,
 )
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import Strided
@@ -268,6 +269,26 @@ def test_every_recipes_swizzled_scales_have_the_forms_their_bytes_define(recipe)
                 em = m.compiled()
                 assert same_form(em.swizzled_rows, swizzled_rows_by_formula(m, em)), (m.name, inter, hidden)
                 assert same_form(em.swizzle, swizzle_by_formula(m, em)), (m.name, inter, hidden)
+
+
+@pytest.mark.parametrize("fmt,inter,hidden", [("mxfp4", 2880, 2880), ("nvfp4", 256, 7168), ("mxfp4", 96, 320)])
+def test_the_swizzled_rows_check_sees_one_wrong_cell(fmt, inter, hidden):
+    """The swizzled-rows form is accepted only where it reproduces every cell of the map: the check compares one
+    byte per cell (2-byte cells for gpt-oss, 4-byte ones for DeepSeek-R1, 1-byte ones at a small shape), and a single cell whose source is
+    moved to the next cell's, or a live cell made fill, makes it None."""
+    rng = np.random.default_rng(7)
+    for m in plan_layer(fmt, "trtllm", inter, hidden).maps().values():
+        if m.steps[-1].kind != "swizzle_scales_128x4":
+            continue
+        em = m.compiled()
+        assert swizzled_rows_form(m, em) is not None
+        live = np.flatnonzero(em.src >= 0)
+        for cell in rng.choice(live, 4, replace=False):
+            for wrong in (em.src[cell] + 1, -1):
+                bad = copy.copy(em)
+                bad.__dict__["src"] = em.src.copy()
+                bad.src[cell] = wrong
+                assert swizzled_rows_form(m, bad) is None, (m.name, int(cell), int(wrong))
 
 
 def test_a_plans_first_call_never_builds_the_swizzles_finer_index():

@@ -52,6 +52,7 @@ __all__ = [
     "gather",
     "inplace_cycles",
     "planned",
+    "build_plan",
     "PLANNER_THREAD",
     "loads_for",
     "may_run",
@@ -150,6 +151,17 @@ def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = Non
     return em.sources_found() and (em.row_forms_found() or not em.ends_swizzled)
 
 
+def build_plan(em: ExecMap, in_place: bool) -> None:
+    """Build what :func:`planned` asks of ``em`` beyond the fatbins, kept on the map: in place its cycle plan (for
+    an aligned buffer); a gather its sources, and its ``swizzled_rows`` form where it ends in the 128x4 swizzle."""
+    if in_place:
+        cycle_plan(em, _tile_slots(em))
+        return
+    if em.ends_swizzled:
+        em.swizzled_rows  # noqa: B018 - found (with the sources it is checked against) and kept
+    em.src  # noqa: B018 - read once: found and kept on the map
+
+
 class _Planner:
     """One daemon thread getting maps ready for :func:`planned` (fatbins loaded, sources, cycle plans), in the
     order asked."""
@@ -177,12 +189,7 @@ class _Planner:
             try:
                 if device is not None and not loads_for(em, in_place, device):
                     continue  # the kernels do not load there: may_run now says so
-                if in_place:
-                    cycle_plan(em, _tile_slots(em))
-                else:
-                    if em.ends_swizzled:
-                        em.swizzled_rows  # noqa: B018 - found (with the sources it is checked against) and kept
-                    em.src  # noqa: B018 - read once: found and kept on the map
+                build_plan(em, in_place)
             except Exception:  # a map the kernel cannot run: its own call raises it, in the caller's thread
                 pass
             finally:

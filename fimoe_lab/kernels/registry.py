@@ -63,6 +63,7 @@ __all__ = [
     "available_backends",
     "load_executor",
     "executor_ready",
+    "kernel_gathers",
 ]
 
 NUMBA_MIN_BYTES = 1 << 20
@@ -168,7 +169,7 @@ def _strided_on_cuda(em: ExecMap, kind: str, in_place: bool = False) -> bool:
     return kind == "cuda" and (em.strided is not None or em.stages is not None)
 
 
-def _kernel_gathers(em: ExecMap) -> bool:
+def kernel_gathers(em: ExecMap) -> bool:
     """Whether the prebuilt kernels may run ``em`` out of place: a map that ends in the 128x4 scale swizzle (the
     swizzle kernel, when the map has the ``swizzled_rows`` form), or any map but one strided view, which torch's
     strided copies run faster than the gather kernel (benchmarks/RESULTS.md). Decided without finding a form."""
@@ -406,11 +407,11 @@ def _prebuilt_stands_in(ex: Executor, device: torch.device, em: Optional[ExecMap
     """Whether ``prebuilt`` stands in for ``ex`` (whose stand-in is torch) for the map ``em`` on ``device``:
     where :data:`PREBUILT_ENV` allows and the fatbins the map needs are not known not to load (loading them is
     the planner's, :func:`.prebuilt.may_run`), in place, and out of place for a map its gather kernel runs
-    (:func:`_kernel_gathers`)."""
+    (:func:`kernel_gathers`)."""
     return (
         ex.stand_in == "torch"
         and em is not None
-        and (in_place or _kernel_gathers(em))
+        and (in_place or kernel_gathers(em))
         and env.value(PREBUILT_ENV, True)
         and _module("prebuilt").may_run(em, in_place, device)
     )
