@@ -107,32 +107,20 @@ def _row_forms(m: IndexMap, em: ExecMap) -> tuple[Any, Any, Any]:
 
 def padded_rows_strided(m: IndexMap) -> tuple[Strided, dict[str, Any]] | None:
     """``m`` as a strided view, and its widest cells, found from its steps' row tables without building its index,
-    when every step writes whole input rows in order padded on the right (:meth:`IndexMap.right_padded_rows`: a
-    padding, then row swaps, interleaves and shuffles, as gpt-oss's weights) with one fill byte, the columns are
+    when every step writes whole input rows in order padded on the right (:meth:`IndexMap.right_padded_rows_of_steps`:
+    a padding, then row swaps, interleaves and shuffles, as gpt-oss's weights) with one fill byte, the columns are
     padded (``C_out > C_in``), the first two output rows are live and the row table is itself a strided view
     ``S``. The widest cell is then ``g = gcd(C_in, C_out)`` and the form is ``S``'s digits over rows with strides times
     ``C_in / g``, and one inner digit of ``C_out / g`` cells, ``C_in / g`` of them live, stride 1: what
     :func:`strided_form` finds over the built index (the first digit ends where the second row starts)."""
     if len(m.in_shape) != 2 or len(m.out_shape) != 2 or m.out_shape[1] <= m.in_shape[1]:
         return None
-    tables = []
-    for step in reversed(m.steps):  # the last step is the one most likely not a row step
-        found = step.right_padded_rows()
-        if found is None:
-            return None
-        tables.append(found)
-    rows: np.ndarray | None = None
-    bytes_: set[int] = set()
-    for table, byte in reversed(tables):
-        if byte is not None:
-            bytes_.add(byte)
-        if rows is None:
-            rows = table
-        else:
-            rows = np.where(table >= 0, rows[np.maximum(table, 0)], table)
-    if rows is None or len(bytes_) != 1 or rows.size < 2 or rows[0] < 0 or rows[1] < 0:
+    found = m.right_padded_rows_of_steps()
+    if found is None:
         return None
-    (byte,) = bytes_
+    rows, byte = found
+    if byte is None or rows.size < 2 or rows[0] < 0 or rows[1] < 0:
+        return None
     if (rows < 0).any() and (rows[rows < 0] != -1 - byte).any():
         return None
     code = -1 - m.fills.index(byte)
@@ -277,16 +265,17 @@ def _swizzled_rows_bytes(
     rows: np.ndarray, c_in: int, cw: int, rows_n: int, column_code: int, dtype: type, step: int = 1
 ) -> np.ndarray:
     """The source byte (or fill code) of every ``step``-th output byte under :func:`swizzled_rows_form`'s
-    definition: the output as ``(band, kk, p, q, byte)``, row ``band*128 + 32*q + p``, column ``4*kk + byte``,
-    broadcast (``dtype`` holds every input byte index; ``step`` divides 4).
+    definition: the rows' bytes in row order, then the output as ``(band, kk, p, q, byte)``, row
+    ``band*128 + 32*q + p``, column ``4*kk + byte`` (``dtype`` holds every input byte index; ``step`` divides 4).
 
     With ``step`` dividing ``C_in`` too, the ``step`` bytes from each of those are one input run or all one fill
     (a column run never crosses ``C_in``), so comparing these bytes with the first byte of each cell of
     ``step`` bytes (:func:`_byte_sources`) compares every byte."""
-    src_row: np.ndarray = rows.astype(dtype).reshape(rows_n // 128, 4, 32).transpose(0, 2, 1)[:, None, :, :, None]
-    col: np.ndarray = np.arange(0, cw * 4, step, dtype=dtype).reshape(1, cw, 1, 1, 4 // step)
-    live = np.where(col < c_in, src_row * c_in + col, column_code)
-    return np.where(src_row < 0, src_row, live).reshape(-1)
+    src_row: np.ndarray = rows.astype(dtype)[:, None]
+    col: np.ndarray = np.arange(0, cw * 4, step, dtype=dtype)
+    by_row = np.where(col < c_in, src_row * c_in + col, column_code)  # (R, C / step), row r's bytes in order
+    by_row = np.where(src_row < 0, src_row, by_row)
+    return by_row.reshape(rows_n // 128, 4, 32, cw, 4 // step).transpose(0, 3, 2, 1, 4).reshape(-1)
 
 
 def _byte_sources(em: ExecMap, dtype: type, step: int = 1) -> np.ndarray:

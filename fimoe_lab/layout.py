@@ -657,6 +657,10 @@ class IndexMap:
         (_, c_in), (r_out, c_out) = self.in_shape, self.out_shape
         if c_out < c_in:
             return None
+        if self.index_pending and self.parts:
+            composed = self.right_padded_rows_of_steps()
+            if composed is not None:
+                return composed
         wide = self._widest_known()
         c = math.gcd(wide.cell_bytes, c_in, c_out)  # cells that divide a row (a swap of halves: cells of many rows)
         wide = wide.refined(c)
@@ -680,6 +684,11 @@ class IndexMap:
         fills = np.array(wide.fills or (0,), dtype=np.int64)
         rows = np.where(live, head // k_in, -1 - fills[np.maximum(-1 - head, 0)])
         return rows, (wide.fills[-1 - column] if column is not None else None)
+
+    def right_padded_rows_of_steps(self) -> tuple[np.ndarray, int | None] | None:
+        """:meth:`right_padded_rows` composed from the steps' own (no index of this map is read or built), or None
+        where they do not say: a step that has none, or steps whose paddings are not one byte."""
+        return _composed_right_padded_rows(self.steps)
 
     def row_steps(self) -> IndexMap:
         """The composed leading steps that keep rows as rows (before any re-tiling or swizzle);
@@ -811,6 +820,40 @@ class IndexMap:
             )
         execute_in_place(self.compiled(), x, scratch_experts, backend)
         return x.view(x.shape[0], -1).view((x.shape[0],) + self.out_elements(x.element_size()))
+
+
+def _composed_right_padded_rows(ops: Sequence[IndexMap]) -> tuple[np.ndarray, int | None] | None:
+    """:meth:`IndexMap.right_padded_rows` of ``ops`` applied in turn, from theirs (no index of the composition is
+    built), where each operand has one and they compose into one: an output row read from a padded row keeps its
+    bytes and gets the padding of the operands after, so every padding a live row gets (from an operand whose rows
+    grow) must be one byte, and a row read from a fill row must get that byte. None where the tables do not say
+    (the last operand is asked first: it is the one most likely not to keep rows)."""
+    tables = []
+    for op in reversed(ops):
+        found = op.right_padded_rows()
+        if found is None:
+            return None
+        tables.append(found)
+    rows: np.ndarray | None = None
+    column: int | None = None  # the pad byte of the live rows so far
+    for op, prev, (table, byte) in zip(ops, (None, *ops[:-1]), reversed(tables)):
+        if prev is None or rows is None:
+            rows, column = table, byte
+            continue
+        if op.in_shape != prev.out_shape:
+            return None
+        live = table >= 0
+        read = rows[np.maximum(table, 0)]
+        grows = op.out_shape[1] > op.in_shape[1]
+        if grows:  # a live row of ``op`` gets ``byte`` after the row it reads
+            from_fill = live & (read < 0)
+            if from_fill.any() and (read[from_fill] != -1 - byte).any():
+                return None
+            if column is not None and (live & (read >= 0)).any() and column != byte:
+                return None
+        rows = np.where(live, read, table)
+        column = (column if column is not None else (byte if grows else None)) if (rows >= 0).any() else None
+    return None if rows is None else (rows, column)
 
 
 COMPOSED_ON_READ_CELLS = 1 << 16

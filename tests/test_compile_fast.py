@@ -617,6 +617,67 @@ def test_right_padded_rows_is_the_byte_definition(maps):
         assert np.array_equal(got[0], want[0]) and got[1] == want[1]
 
 
+@st.composite
+def row_chains(draw):
+    """2-4 paddings (fill byte 0 or 7, rows and columns growing or not) and row steps in any order."""
+    rows, cols = 128 * draw(st.integers(1, 2)), draw(st.integers(1, 12))
+    maps = []
+    for _ in range(draw(st.integers(2, 4))):
+        kind = draw(st.sampled_from(["pad", "swap", "shuffle", "interleave"]))
+        if kind == "pad":
+            more_rows, more_cols = 128 * draw(st.integers(0, 1)), draw(st.integers(0, 5))
+            fill = draw(st.sampled_from([0, 7]))
+            maps.append(steps.pad_projections(1, rows, rows + more_rows, cols, cols + more_cols, fill))
+            rows, cols = rows + more_rows, cols + more_cols
+        elif kind == "swap":
+            maps.append(steps.swap_w13_to_w31_rows(rows, cols))
+        elif kind == "shuffle":
+            maps.append(steps.shuffle_rows_for_epilogue(rows, cols, 64))
+        else:
+            maps.append(steps.interleave_rows_for_gated_act(rows, cols))
+    return maps
+
+
+@settings(max_examples=120, deadline=None)
+@given(maps=st.one_of(chains(), row_chains()))
+def test_right_padded_rows_from_the_steps_tables_is_the_byte_definition(maps):
+    """The row table a composition reads off its steps' tables, where they say one, is the byte definition's; a
+    composition built on read answers from them without building its index, and from its index where they do
+    not say."""
+    assume(len(maps) > 1)
+    clear_caches()
+    want = right_padded_rows_by_bytes(reduce(IndexMap.then, maps))
+    lazy = IndexMap.composed_on_read(maps)
+    of_steps = lazy.right_padded_rows_of_steps()
+    if of_steps is not None:
+        assert want is not None and np.array_equal(of_steps[0], want[0]) and of_steps[1] == want[1]
+    got = lazy.right_padded_rows()
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+    assert lazy.index_pending == (of_steps is not None or "src" not in vars(lazy))
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [((128, 0, 0), (0, 3, 7)), ((128, 0, 7), (0, 3, 7)), ((0, 2, 0), (0, 3, 7)), ((0, 2, 7), (128, 3, 7))],
+    ids=["fill rows then other padding", "fill rows then same padding", "two column paddings", "same byte"],
+)
+def test_right_padded_rows_of_two_paddings(first, second):
+    """Two paddings around a row shuffle (more rows, more columns, fill byte each): a row read from a fill row
+    and padded with another byte, or two column paddings of two bytes, is no padded row; the same byte is."""
+    rows, cols, maps = 128, 5, []
+    for more_rows, more_cols, fill in (first, second):
+        maps.append(steps.pad_projections(1, rows, rows + more_rows, cols, cols + more_cols, fill))
+        rows, cols = rows + more_rows, cols + more_cols
+        maps.append(steps.shuffle_rows_for_epilogue(rows, cols, 64))
+    want = right_padded_rows_by_bytes(reduce(IndexMap.then, maps))
+    got = IndexMap.composed_on_read(maps).right_padded_rows_of_steps()
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     projections=st.integers(1, 3),
