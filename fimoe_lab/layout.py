@@ -644,8 +644,9 @@ class IndexMap:
         each output row as one input row's bytes in order, then one fill byte on the right (the same for every
         such row), or as one fill byte only: ``rows`` int64 ``(R_out,)`` is the source row or ``-1 - b`` for a row
         of fill byte ``b``; the column fill byte is None where no live row is padded. None for any other map.
-        Read off the widest known cells that divide a row once, then cached (the answer is in rows and bytes,
-        whatever the cells)."""
+        A composition whose index is pending composes its steps' tables where they say
+        (:meth:`right_padded_rows_of_steps`); otherwise read off the widest known cells that divide a row. Found
+        once, then cached (the answer is in rows and bytes, whatever the cells)."""
         if "right padded rows" not in self._cache:
             self._cache["right padded rows"] = self._find_right_padded_rows()
         found: tuple[np.ndarray, int | None] | None = self._cache["right padded rows"]
