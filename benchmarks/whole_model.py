@@ -23,7 +23,8 @@ Cache modes: ``empty`` points ``TRITON_CACHE_DIR`` and ``NUMBA_CACHE_DIR`` at ne
 directories; ``warm`` reuses the directories a previous process of the same model and path
 filled. Per model and path: all layers, the baseline's all layers, their ratio (share of
 copy), the first layer, the median layer (and the baseline's), the first-layer overhead
-(first minus median).
+(first minus median), and the median host time of a layer on each side (until the calls return,
+before the second synchronisation: where it nears the layer's time, the device waits for the host).
 
     PYTHONPATH=. python3 benchmarks/whole_model.py --out benchmarks/results/whole_model_h200.json
     PYTHONPATH=. python3 benchmarks/whole_model.py --torch-stand-in ...  # every path also without the prebuilt kernels
@@ -124,19 +125,20 @@ def child(args: argparse.Namespace) -> dict:
         # read them from a plan built in a throwaway process instead)
         layer_shapes = json.loads(args.shapes)
 
-    def measure(fn) -> tuple[list[float], int]:
-        kept, times, moved = [], [], 0
+    def measure(fn) -> tuple[list[float], list[float], int]:
+        kept, times, host, moved = [], [], [], 0
         for _ in range(layers):
             t = make_layer()
             moved += sum(x.numel() for x in t.values())
             sync()
             a = time.perf_counter()
             kept.append(fn(t))
+            host.append(time.perf_counter() - a)  # the calls returned: launches queued, the device may still run
             sync()
             times.append(time.perf_counter() - a)
             del t
         del kept
-        return times, moved
+        return times, host, moved
 
     # a loading engine has run strided copies before its first MoE layer (checkpoint shards narrowed to
     # a rank and copied): the first one in a process loads torch's copy kernels (~30 ms on the H200)
@@ -159,10 +161,10 @@ def child(args: argparse.Namespace) -> dict:
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumtime").print_stats(30)
         del keep, first
     sync()
-    ours, moved = measure(run_ours)
+    ours, ours_host, moved = measure(run_ours)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    base, _ = measure(run_copy)
+    base, base_host, _ = measure(run_copy)
     from fimoe_lab.kernels import registry
 
     return {
@@ -173,6 +175,8 @@ def child(args: argparse.Namespace) -> dict:
         "input_bytes": moved,
         "ours_s": ours,
         "copy_s": base,
+        "ours_host_s": ours_host,
+        "copy_host_s": base_host,
         "loaded_executors": sorted(registry._LOADS.ready),
         "started_loads": sorted(registry._LOADS.threads),
         "numba_imported": "numba" in sys.modules,
@@ -203,6 +207,8 @@ def summarise(rec: dict) -> dict:
         "median_layer_ms": med * 1e3,
         "copy_median_layer_ms": statistics.median(base[1:] or base) * 1e3,
         "first_layer_overhead_ms": (ours[0] - med) * 1e3,
+        "median_host_ms": statistics.median(rec["ours_host_s"][1:] or rec["ours_host_s"]) * 1e3,
+        "copy_median_host_ms": statistics.median(rec["copy_host_s"][1:] or rec["copy_host_s"]) * 1e3,
         "gb_per_layer": rec["input_bytes"] / rec["layers"] / 1e9,
     }
 
@@ -261,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(
                     f"{model:28s} {label:8s} {mode:5s} all {s['all_layers_s']:.3f} s copy {s['copy_all_layers_s']:.3f} s "
                     f"share {s['share_of_copy']:.2f} first {s['first_layer_ms']:.1f} ms median "
-                    f"{s['median_layer_ms']:.2f} ms (copy {s['copy_median_layer_ms']:.2f}) overhead "
+                    f"{s['median_layer_ms']:.2f} ms (copy {s['copy_median_layer_ms']:.2f}; host {s['median_host_ms']:.2f} / "
+                    f"{s['copy_median_host_ms']:.2f}) overhead "
                     f"{s['first_layer_overhead_ms']:.1f} ms loads {rec['started_loads']}",
                     flush=True,
                 )
