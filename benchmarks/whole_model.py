@@ -26,8 +26,12 @@ copy), the first layer, the median layer (and the baseline's), the first-layer o
 (first minus median), and the median host time of a layer on each side (until the calls return,
 before the second synchronisation: where it nears the layer's time, the device waits for the host).
 
+The baseline runs after the preparation by default (``--order``: before it, or both): a device's copies speed
+up over a run, so the medians of each side's first and last quarter of layers are printed too.
+
     PYTHONPATH=. python3 benchmarks/whole_model.py --out benchmarks/results/whole_model_h200.json
     PYTHONPATH=. python3 benchmarks/whole_model.py --torch-stand-in ...  # every path also without the prebuilt kernels
+    PYTHONPATH=. python3 benchmarks/whole_model.py --order copy-ours-copy ...  # the baseline before and after
     PYTHONPATH=. python3 benchmarks/whole_model.py --device cpu --layers 3 --experts 8   # CPU smoke run
 """
 
@@ -161,10 +165,20 @@ def child(args: argparse.Namespace) -> dict:
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumtime").print_stats(30)
         del keep, first
     sync()
-    ours, ours_host, moved = measure(run_ours)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    base, base_host, _ = measure(run_copy)
+
+    def phase(fn) -> tuple[list[float], list[float], int]:
+        out = measure(fn)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return out
+
+    copies = []
+    if args.order != "ours-first":
+        copies.append(phase(run_copy))
+    ours, ours_host, moved = phase(run_ours)
+    if args.order != "copy-first":
+        copies.append(phase(run_copy))
+    base, base_host = copies[0][0], copies[0][1]
     from fimoe_lab.kernels import registry
 
     return {
@@ -177,6 +191,8 @@ def child(args: argparse.Namespace) -> dict:
         "copy_s": base,
         "ours_host_s": ours_host,
         "copy_host_s": base_host,
+        "order": args.order,
+        "copy_after_s": copies[1][0] if len(copies) > 1 else None,
         "loaded_executors": sorted(registry._LOADS.ready),
         "started_loads": sorted(registry._LOADS.threads),
         "numba_imported": "numba" in sys.modules,
@@ -197,12 +213,22 @@ def layer_shapes_of(fmt: str, hidden: int, inter: int) -> dict[str, list[int]]:
 
 
 def summarise(rec: dict) -> dict:
+    """The figures of one child's record; with the baseline run before and after (``copy-ours-copy``), the
+    baseline's are the mean of its two runs."""
     ours, base = rec["ours_s"], rec["copy_s"]
+    after = rec.get("copy_after_s")
+    if after:
+        base = [(a + b) / 2 for a, b in zip(base, after)]
     med = statistics.median(ours[1:] or ours)
+    quarter = max(1, (len(ours) - 1) // 4)
     return {
         "all_layers_s": sum(ours),
         "copy_all_layers_s": sum(base),
         "share_of_copy": sum(base) / sum(ours),
+        "first_quarter_ms": statistics.median(ours[1 : 1 + quarter] or ours) * 1e3,
+        "last_quarter_ms": statistics.median(ours[-quarter:]) * 1e3,
+        "copy_first_quarter_ms": statistics.median(base[1 : 1 + quarter] or base) * 1e3,
+        "copy_last_quarter_ms": statistics.median(base[-quarter:]) * 1e3,
         "first_layer_ms": ours[0] * 1e3,
         "median_layer_ms": med * 1e3,
         "copy_median_layer_ms": statistics.median(base[1:] or base) * 1e3,
@@ -225,6 +251,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=0, help="MoE layers (default: the model's)")
     ap.add_argument("--experts", type=int, default=0, help="experts (default: the model's)")
     ap.add_argument("--out", help="write the JSON here")
+    ap.add_argument(
+        "--order",
+        choices=("ours-first", "copy-first", "copy-ours-copy"),
+        default="ours-first",
+        help="when each child runs the baseline: after the preparation (default), before it, or both (the "
+        "figures against their mean); a device's copies speed up over a run (benchmarks/RESULTS.md)",
+    )
     ap.add_argument(
         "--torch-stand-in",
         action="store_true",
@@ -252,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
                 e["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--path", path]
                 cmd += ["--device", args.device, "--layers", str(args.layers), "--experts", str(args.experts)]
-                cmd += ["--shapes", shapes]
+                cmd += ["--shapes", shapes, "--order", args.order]
                 t = time.perf_counter()
                 p = subprocess.run(cmd, env=e, capture_output=True, text=True, cwd=ROOT)
                 if p.returncode:
@@ -268,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{model:28s} {label:8s} {mode:5s} all {s['all_layers_s']:.3f} s copy {s['copy_all_layers_s']:.3f} s "
                     f"share {s['share_of_copy']:.2f} first {s['first_layer_ms']:.1f} ms median "
                     f"{s['median_layer_ms']:.2f} ms (copy {s['copy_median_layer_ms']:.2f}; host {s['median_host_ms']:.2f} / "
-                    f"{s['copy_median_host_ms']:.2f}) overhead "
+                    f"{s['copy_median_host_ms']:.2f}; quarters {s['first_quarter_ms']:.2f} -> {s['last_quarter_ms']:.2f}, "
+                    f"copy {s['copy_first_quarter_ms']:.2f} -> {s['copy_last_quarter_ms']:.2f}) overhead "
                     f"{s['first_layer_overhead_ms']:.1f} ms loads {rec['started_loads']}",
                     flush=True,
                 )
