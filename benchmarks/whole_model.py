@@ -27,7 +27,9 @@ copy), the first layer, the median layer (and the baseline's), the first-layer o
 before the second synchronisation: where it nears the layer's time, the device waits for the host).
 
 The baseline runs after the preparation by default (``--order``: before it, or both): a device's copies speed
-up over a run, so the medians of each side's first and last quarter of layers are printed too.
+up over a run, so the medians of each side's first and last quarter of layers are printed too. ``--busy-ms``
+keeps the device copying for that long before anything is timed (a loading engine keeps it busy), so both sides
+run at the clocks a busy device has.
 
     PYTHONPATH=. python3 benchmarks/whole_model.py --out benchmarks/results/whole_model_h200.json
     PYTHONPATH=. python3 benchmarks/whole_model.py --torch-stand-in ...  # every path also without the prebuilt kernels
@@ -144,6 +146,15 @@ def child(args: argparse.Namespace) -> dict:
         del kept
         return times, host, moved
 
+    if args.busy_ms and dev.type == "cuda":  # the device busy first, as a loading engine keeps it (untimed)
+        a, b = torch.empty(1 << 30, dtype=torch.uint8, device=dev), torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+        until = time.perf_counter() + args.busy_ms / 1e3
+        while time.perf_counter() < until:
+            for _ in range(8):
+                b.copy_(a)
+            sync()
+        del a, b
+        torch.cuda.empty_cache()
     # a loading engine has run strided copies before its first MoE layer (checkpoint shards narrowed to
     # a rank and copied): the first one in a process loads torch's copy kernels (~30 ms on the H200)
     prime = time.perf_counter()
@@ -252,6 +263,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, default=0, help="experts (default: the model's)")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument(
+        "--busy-ms",
+        type=int,
+        default=0,
+        help="keep the device copying for this long before anything is timed (fimoe_lab untouched), as a loading "
+        "engine keeps it busy; default 0: the device idle until the first layer",
+    )
+    ap.add_argument(
         "--order",
         choices=("ours-first", "copy-first", "copy-ours-copy"),
         default="ours-first",
@@ -285,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                 e["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--path", path]
                 cmd += ["--device", args.device, "--layers", str(args.layers), "--experts", str(args.experts)]
-                cmd += ["--shapes", shapes, "--order", args.order]
+                cmd += ["--shapes", shapes, "--order", args.order, "--busy-ms", str(args.busy_ms)]
                 t = time.perf_counter()
                 p = subprocess.run(cmd, env=e, capture_output=True, text=True, cwd=ROOT)
                 if p.returncode:
