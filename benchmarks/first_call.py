@@ -7,9 +7,9 @@ this is the part of ``benchmarks/whole_model.py``'s first-layer overhead that ru
 copy. For each model of its ``MODELS`` (the ``layer`` path's ``plan_layer(fmt, "trtllm", I, H)``), ``--repeats``
 fresh processes (``--child``) import torch and fimoe_lab (untimed), then time the plan and each map's compile;
 the minimum and median over the processes are printed (wall ms; the host is shared, the minimum is the cost).
-Then, untimed in the model's first layer but timed here, the work the background planner does for the maps the
-prebuilt kernels gather on a GPU (:func:`fimoe_lab.kernels.prebuilt.build_plan`: sources, the swizzled-rows form;
-it runs beside the first layers, which use torch's copies until it is done).
+Each process also times, apart, the work the background planner does for the maps the prebuilt kernels gather
+on a GPU (:func:`fimoe_lab.kernels.prebuilt.build_plan`: sources, the swizzled-rows form). In a model it runs
+beside the first layers, which use torch's copies until it is done.
 
     PYTHONPATH=. python3 benchmarks/first_call.py [--models gpt-oss-120b-mxfp4 deepseek-r1-tp8-nvfp4] [--repeats 7]
 """

@@ -835,18 +835,15 @@ def _composed_right_padded_rows(ops: Sequence[IndexMap]) -> tuple[np.ndarray, in
         if found is None:
             return None
         tables.append(found)
-    rows: np.ndarray | None = None
-    column: int | None = None  # the pad byte of the live rows so far
-    for op, prev, (table, byte) in zip(ops, (None, *ops[:-1]), reversed(tables)):
-        if prev is None or rows is None:
-            rows, column = table, byte
-            continue
+    tables.reverse()
+    rows, column = tables[0]  # column: the pad byte of the live rows so far
+    for prev, op, (table, byte) in zip(ops, ops[1:], tables[1:]):
         if op.in_shape != prev.out_shape:
             return None
         live = table >= 0
         read = rows[np.maximum(table, 0)]
         grows = op.out_shape[1] > op.in_shape[1]
-        if grows:  # a live row of ``op`` gets ``byte`` after the row it reads
+        if grows and byte is not None:  # a live row of ``op`` gets ``byte`` after the row it reads (None: no live row)
             from_fill = live & (read < 0)
             if from_fill.any() and (read[from_fill] != -1 - byte).any():
                 return None
@@ -854,7 +851,7 @@ def _composed_right_padded_rows(ops: Sequence[IndexMap]) -> tuple[np.ndarray, in
                 return None
         rows = np.where(live, read, table)
         column = (column if column is not None else (byte if grows else None)) if (rows >= 0).any() else None
-    return None if rows is None else (rows, column)
+    return rows, column
 
 
 COMPOSED_ON_READ_CELLS = 1 << 16
