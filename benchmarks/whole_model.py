@@ -183,11 +183,14 @@ def child(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
         return out
 
-    copies = []
+    copies, starts = [], {}  # starts: each phase's wall-clock start (to line it up with a device's clock log)
     if args.order != "ours-first":
+        starts["copy"] = time.time()
         copies.append(phase(run_copy))
+    starts["ours"] = time.time()
     ours, ours_host, moved = phase(run_ours)
     if args.order != "copy-first":
+        starts["copy_after" if copies else "copy"] = time.time()
         copies.append(phase(run_copy))
     base, base_host = copies[0][0], copies[0][1]
     from fimoe_lab.kernels import registry
@@ -203,6 +206,7 @@ def child(args: argparse.Namespace) -> dict:
         "ours_host_s": ours_host,
         "copy_host_s": base_host,
         "order": args.order,
+        "phase_start_unix": starts,
         "copy_after_s": copies[1][0] if len(copies) > 1 else None,
         "loaded_executors": sorted(registry._LOADS.ready),
         "started_loads": sorted(registry._LOADS.threads),
