@@ -131,12 +131,16 @@ def child(args: argparse.Namespace) -> dict:
         # read them from a plan built in a throwaway process instead)
         layer_shapes = json.loads(args.shapes)
 
-    def measure(fn) -> tuple[list[float], list[float], int]:
+    starts: dict[str, list[float]] = {}  # each phase's layers' wall-clock starts (lined up with a clock log)
+
+    def measure(fn, name: str) -> tuple[list[float], list[float], int]:
         kept, times, host, moved = [], [], [], 0
+        stamps = starts.setdefault(name, [])
         for _ in range(layers):
             t = make_layer()
             moved += sum(x.numel() for x in t.values())
             sync()
+            stamps.append(time.time())
             a = time.perf_counter()
             kept.append(fn(t))
             host.append(time.perf_counter() - a)  # the calls returned: launches queued, the device may still run
@@ -177,21 +181,18 @@ def child(args: argparse.Namespace) -> dict:
         del keep, first
     sync()
 
-    def phase(fn) -> tuple[list[float], list[float], int]:
-        out = measure(fn)
+    def phase(fn, name: str) -> tuple[list[float], list[float], int]:
+        out = measure(fn, name)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         return out
 
-    copies, starts = [], {}  # starts: each phase's wall-clock start (to line it up with a device's clock log)
+    copies = []
     if args.order != "ours-first":
-        starts["copy"] = time.time()
-        copies.append(phase(run_copy))
-    starts["ours"] = time.time()
-    ours, ours_host, moved = phase(run_ours)
+        copies.append(phase(run_copy, "copy"))
+    ours, ours_host, moved = phase(run_ours, "ours")
     if args.order != "copy-first":
-        starts["copy_after" if copies else "copy"] = time.time()
-        copies.append(phase(run_copy))
+        copies.append(phase(run_copy, "copy_after" if copies else "copy"))
     base, base_host = copies[0][0], copies[0][1]
     from fimoe_lab.kernels import registry
 
@@ -206,7 +207,7 @@ def child(args: argparse.Namespace) -> dict:
         "ours_host_s": ours_host,
         "copy_host_s": base_host,
         "order": args.order,
-        "phase_start_unix": starts,
+        "layer_start_unix": starts,
         "copy_after_s": copies[1][0] if len(copies) > 1 else None,
         "loaded_executors": sorted(registry._LOADS.ready),
         "started_loads": sorted(registry._LOADS.threads),
