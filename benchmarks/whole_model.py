@@ -34,12 +34,14 @@ run at the clocks a busy device has.
     PYTHONPATH=. python3 benchmarks/whole_model.py --out benchmarks/results/whole_model_h200.json
     PYTHONPATH=. python3 benchmarks/whole_model.py --torch-stand-in ...  # every path also without the prebuilt kernels
     PYTHONPATH=. python3 benchmarks/whole_model.py --order copy-ours-copy ...  # the baseline before and after
+    PYTHONPATH=. python3 benchmarks/whole_model.py --clock-log clocks.csv ...  # each side's clocks (nvidia-smi)
     PYTHONPATH=. python3 benchmarks/whole_model.py --device cpu --layers 3 --experts 8   # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -282,6 +284,12 @@ def main(argv: list[str] | None = None) -> None:
         "figures against their mean); a device's copies speed up over a run (benchmarks/RESULTS.md)",
     )
     ap.add_argument(
+        "--clock-log",
+        metavar="CSV",
+        help="sample the device's SM and memory clocks every 20 ms with nvidia-smi into CSV while the children run, and "
+        "give each side's median clocks over its first and last quarter of layers",
+    )
+    ap.add_argument(
         "--torch-stand-in",
         action="store_true",
         help="also run every path with FIMOE_PREBUILT_KERNELS=0 (paths 'drop-in torch', 'layer torch')",
@@ -292,6 +300,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     records = []
+    sampler = None
+    if args.clock_log:
+        query = "timestamp,clocks.sm,clocks.mem,power.draw"
+        sampler = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "20", "-f", args.clock_log]
+        )
     for model in args.models:
         fmt, experts, hidden, inter, layers, paths = MODELS[model]
         shapes = json.dumps(layer_shapes_of(fmt, hidden, inter))
@@ -329,6 +343,16 @@ def main(argv: list[str] | None = None) -> None:
                     f"{s['first_layer_overhead_ms']:.1f} ms loads {rec['started_loads']}",
                     flush=True,
                 )
+    if sampler is not None:
+        sampler.terminate()
+        sampler.wait()
+        samples = read_clock_log(args.clock_log)
+        for rec in records:
+            rec["clocks_mhz"] = phase_clocks(rec, samples)
+            print(
+                f"{rec['model']:28s} {rec['path']:8s} {rec['mode']:5s} SM/memory MHz, first -> last quarter: "
+                + "; ".join(f"{k} {a} -> {b}" for k, (a, b) in rec["clocks_mhz"].items())
+            )
     import torch
 
     env_info = {
@@ -347,6 +371,44 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "env": env_info, "records": records}, f, indent=1)
+
+
+def read_clock_log(path: str) -> list[tuple[float, float, float]]:
+    """``(unix time, SM MHz, memory MHz)`` rows of an ``nvidia-smi`` CSV log (its timestamps are local time)."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                rows.append((stamp, float(parts[1]), float(parts[2])))
+            except (ValueError, IndexError):
+                continue  # a torn last line, or a field the device does not report
+    return rows
+
+
+def phase_clocks(rec: dict, samples: list[tuple[float, float, float]]) -> dict[str, list[str]]:
+    """Per phase of ``rec``: the median SM/memory clocks sampled over its first quarter of layers (layer 1 on) and
+    over its last quarter, as ``"SM/mem"`` strings (a window shorter than the sampling period takes the sample
+    nearest its middle, ``"-"`` where none is within 50 ms)."""
+    times = {"ours": rec["ours_s"], "copy": rec["copy_s"], "copy_after": rec.get("copy_after_s")}
+    out = {}
+    for phase, starts in rec["layer_start_unix"].items():
+        layer_s = times[phase]
+        quarter = max(1, (len(layer_s) - 1) // 4)
+
+        def window(first: int, last: int) -> str:
+            a, b = starts[first], starts[last] + layer_s[last]
+            inside = [s for s in samples if a <= s[0] <= b]
+            if not inside:  # a window shorter than the sampling period: the nearest sample, if one is close
+                near = min(samples, key=lambda s: abs(s[0] - (a + b) / 2), default=None)
+                if near is None or abs(near[0] - (a + b) / 2) > 0.05:
+                    return "-"
+                inside = [near]
+            return f"{statistics.median(s[1] for s in inside):.0f}/{statistics.median(s[2] for s in inside):.0f}"
+
+        out[phase] = [window(1, quarter), window(len(layer_s) - quarter, len(layer_s) - 1)]
+    return out
 
 
 def table(records: list[dict]) -> str:
