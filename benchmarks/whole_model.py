@@ -4,10 +4,10 @@ Each measurement is a fresh Python process (``--child``) that imports torch and 
 then for every MoE layer of the model: makes the layer's random input bytes on the device
 (untimed), synchronises, runs the preparation, synchronises; the layer's time is between the
 two synchronisations. Outputs are kept, as a loading engine keeps them (inputs of the
-out-of-place paths are dropped after their layer). Then, in the same process, everything is
-freed (``empty_cache``) and the baseline runs the same way: ``torch.empty_like`` + ``copy_`` of
-the same input bytes, layer by layer. No warm-up anywhere: the first layer pays plan building,
-map compiling, executor choice and every first kernel launch.
+out-of-place paths are dropped after their layer). The baseline runs the same way in a fresh
+process of its own: ``torch.empty_like`` + ``copy_`` of the same input bytes, layer by layer.
+No warm-up anywhere: the first layer pays plan building, map compiling, executor choice and
+every first kernel launch.
 
 Paths (per model):
 
@@ -26,10 +26,12 @@ copy), the first layer, the median layer (and the baseline's), the first-layer o
 (first minus median), and the median host time of a layer on each side (until the calls return,
 before the second synchronisation: where it nears the layer's time, the device waits for the host).
 
-The baseline runs after the preparation by default (``--order``: before it, or both): a device's copies speed
-up over a run, so the medians of each side's first and last quarter of layers are printed too. ``--busy-ms``
-keeps the device copying for that long before anything is timed (a loading engine keeps it busy), so both sides
-run at the clocks a busy device has.
+Each side gets its own process because a side that runs after another side's memory was freed in the same
+process (``empty_cache``) runs its first layers slower, its copies too (benchmarks/RESULTS.md, "The baseline
+speeds up over a run"). ``--order`` runs both in one process instead (the baseline after the preparation,
+before it, or both), and the medians of each side's first and last quarter of layers are printed to show it.
+``--busy-ms`` keeps the device copying for that long before anything is timed (a loading engine keeps it busy);
+``--clock-log`` samples the device's clocks meanwhile.
 
     PYTHONPATH=. python3 benchmarks/whole_model.py --out benchmarks/results/whole_model_h200.json
     PYTHONPATH=. python3 benchmarks/whole_model.py --torch-stand-in ...  # every path also without the prebuilt kernels
@@ -189,13 +191,14 @@ def child(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
         return out
 
-    copies = []
-    if args.order != "ours-first":
-        copies.append(phase(run_copy, "copy"))
-    ours, ours_host, moved = phase(run_ours, "ours")
-    if args.order != "copy-first":
-        copies.append(phase(run_copy, "copy_after" if copies else "copy"))
-    base, base_host = copies[0][0], copies[0][1]
+    copies, ours, ours_host, moved = [], None, None, 0
+    for side in PHASES[args.order]:
+        if side == "ours":
+            ours, ours_host, moved = phase(run_ours, "ours")
+        else:
+            copies.append(phase(run_copy, "copy_after" if copies else "copy"))
+            moved = copies[-1][2]
+    base, base_host = (copies[0][0], copies[0][1]) if copies else (None, None)
     from fimoe_lab.kernels import registry
 
     return {
@@ -216,6 +219,19 @@ def child(args: argparse.Namespace) -> dict:
         "numba_imported": "numba" in sys.modules,
         "triton_imported": "triton" in sys.modules,
     }
+
+
+PHASES = {
+    "separate": (),  # the parent's: each side in its own fresh process (the two orders below)
+    "ours": ("ours",),
+    "copy": ("copy",),
+    "ours-first": ("ours", "copy"),
+    "copy-first": ("copy", "ours"),
+    "copy-ours-copy": ("copy", "ours", "copy"),
+}
+"""``--order``: the sides a child runs, in order. After a side's memory is freed, the next side in that process
+runs its first layers slower (RESULTS.md, "The baseline speeds up over a run"): ``separate`` gives each side a
+fresh process of its own."""
 
 
 def layer_shapes_of(fmt: str, hidden: int, inter: int) -> dict[str, list[int]]:
@@ -278,10 +294,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--order",
-        choices=("ours-first", "copy-first", "copy-ours-copy"),
-        default="ours-first",
-        help="when each child runs the baseline: after the preparation (default), before it, or both (the "
-        "figures against their mean); a device's copies speed up over a run (benchmarks/RESULTS.md)",
+        choices=list(PHASES),
+        default="separate",
+        help="where the baseline runs: in a fresh process of its own (separate, the default), or in the "
+        "preparation's process after it, before it, or both (the figures against their mean; ours and copy: one "
+        "side alone); a side that runs after another's memory was freed starts slower (benchmarks/RESULTS.md)",
     )
     ap.add_argument(
         "--clock-log",
@@ -299,53 +316,19 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(child(args)))
         return
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    records = []
     sampler = None
     if args.clock_log:
         query = "timestamp,clocks.sm,clocks.mem,power.draw"
         sampler = subprocess.Popen(
             ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "20", "-f", args.clock_log]
         )
-    for model in args.models:
-        fmt, experts, hidden, inter, layers, paths = MODELS[model]
-        shapes = json.dumps(layer_shapes_of(fmt, hidden, inter))
-        runs = [(path, path, {}) for path in paths]
-        if args.torch_stand_in:
-            runs += [(f"{path} torch", path, {"FIMOE_PREBUILT_KERNELS": "0"}) for path in paths]
-        for label, path, extra in runs:
-            caches = tempfile.mkdtemp(prefix="fimoe_whole_")
-            for mode in args.modes:
-                e = dict(env, **extra)
-                if mode == "empty":
-                    caches = tempfile.mkdtemp(prefix="fimoe_whole_")
-                e["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
-                e["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--path", path]
-                cmd += ["--device", args.device, "--layers", str(args.layers), "--experts", str(args.experts)]
-                cmd += ["--shapes", shapes, "--order", args.order, "--busy-ms", str(args.busy_ms)]
-                t = time.perf_counter()
-                p = subprocess.run(cmd, env=e, capture_output=True, text=True, cwd=ROOT)
-                if p.returncode:
-                    raise SystemExit(f"child failed ({model} {label} {mode}):\n{p.stderr[-3000:]}")
-                if os.environ.get("WHOLE_MODEL_PROFILE"):
-                    sys.stderr.write(f"--- first layer of {model} {label} {mode}\n{p.stderr}")
-                rec = json.loads(p.stdout.strip().splitlines()[-1])
-                rec.update(model=model, fmt=fmt, path=label, mode=mode, process_wall_s=time.perf_counter() - t)
-                rec["summary"] = summarise(rec)
-                records.append(rec)
-                s = rec["summary"]
-                print(
-                    f"{model:28s} {label:8s} {mode:5s} all {s['all_layers_s']:.3f} s copy {s['copy_all_layers_s']:.3f} s "
-                    f"share {s['share_of_copy']:.2f} first {s['first_layer_ms']:.1f} ms median "
-                    f"{s['median_layer_ms']:.2f} ms (copy {s['copy_median_layer_ms']:.2f}; host {s['median_host_ms']:.2f} / "
-                    f"{s['copy_median_host_ms']:.2f}; quarters {s['first_quarter_ms']:.2f} -> {s['last_quarter_ms']:.2f}, "
-                    f"copy {s['copy_first_quarter_ms']:.2f} -> {s['copy_last_quarter_ms']:.2f}) overhead "
-                    f"{s['first_layer_overhead_ms']:.1f} ms loads {rec['started_loads']}",
-                    flush=True,
-                )
-    if sampler is not None:
-        sampler.terminate()
-        sampler.wait()
+    try:
+        records = run_children(args, env)
+    finally:  # the sampler stopped, whatever happened to the children
+        if sampler is not None:
+            sampler.terminate()
+            sampler.wait()
+    if args.clock_log:
         samples = read_clock_log(args.clock_log)
         for rec in records:
             rec["clocks_mhz"] = phase_clocks(rec, samples)
@@ -371,6 +354,57 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "env": env_info, "records": records}, f, indent=1)
+
+
+def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
+    """Every model, path and cache mode of ``args`` measured in fresh child processes; one record each."""
+    records = []
+    for model in args.models:
+        fmt, experts, hidden, inter, layers, paths = MODELS[model]
+        shapes = json.dumps(layer_shapes_of(fmt, hidden, inter))
+        runs = [(path, path, {}) for path in paths]
+        if args.torch_stand_in:
+            runs += [(f"{path} torch", path, {"FIMOE_PREBUILT_KERNELS": "0"}) for path in paths]
+        for label, path, extra in runs:
+            caches = tempfile.mkdtemp(prefix="fimoe_whole_")
+            for mode in args.modes:
+                e = dict(env, **extra)
+                if mode == "empty":
+                    caches = tempfile.mkdtemp(prefix="fimoe_whole_")
+                e["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
+                e["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--path", path]
+                cmd += ["--device", args.device, "--layers", str(args.layers), "--experts", str(args.experts)]
+                cmd += ["--shapes", shapes, "--busy-ms", str(args.busy_ms)]
+                t = time.perf_counter()
+                parts = []
+                for order in ("ours", "copy") if args.order == "separate" else (args.order,):
+                    p = subprocess.run(cmd + ["--order", order], env=e, capture_output=True, text=True, cwd=ROOT)
+                    if p.returncode:
+                        raise SystemExit(f"child failed ({model} {label} {mode}):\n{p.stderr[-3000:]}")
+                    if os.environ.get("WHOLE_MODEL_PROFILE") and order != "copy":
+                        sys.stderr.write(f"--- first layer of {model} {label} {mode}\n{p.stderr}")
+                    parts.append(json.loads(p.stdout.strip().splitlines()[-1]))
+                rec = parts[0]
+                if len(parts) > 1:  # the baseline's process: its figures beside the preparation's
+                    base = parts[1]
+                    rec.update(order="separate", copy_s=base["copy_s"], copy_host_s=base["copy_host_s"])
+                    rec["layer_start_unix"]["copy"] = base["layer_start_unix"]["copy"]
+                    rec["copy_first_strided_copy_s"] = base["first_strided_copy_s"]
+                rec.update(model=model, fmt=fmt, path=label, mode=mode, process_wall_s=time.perf_counter() - t)
+                rec["summary"] = summarise(rec)
+                records.append(rec)
+                s = rec["summary"]
+                print(
+                    f"{model:28s} {label:8s} {mode:5s} all {s['all_layers_s']:.3f} s copy {s['copy_all_layers_s']:.3f} s "
+                    f"share {s['share_of_copy']:.2f} first {s['first_layer_ms']:.1f} ms median "
+                    f"{s['median_layer_ms']:.2f} ms (copy {s['copy_median_layer_ms']:.2f}; host {s['median_host_ms']:.2f} / "
+                    f"{s['copy_median_host_ms']:.2f}; quarters {s['first_quarter_ms']:.2f} -> {s['last_quarter_ms']:.2f}, "
+                    f"copy {s['copy_first_quarter_ms']:.2f} -> {s['copy_last_quarter_ms']:.2f}) overhead "
+                    f"{s['first_layer_overhead_ms']:.1f} ms loads {rec['started_loads']}",
+                    flush=True,
+                )
+    return records
 
 
 def read_clock_log(path: str) -> list[tuple[float, float, float]]:
