@@ -311,7 +311,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also run every path with FIMOE_PREBUILT_KERNELS=0 (paths 'drop-in torch', 'layer torch')",
     )
+    ap.add_argument(
+        "--pair",
+        nargs=2,
+        metavar=("OURS_JSON", "COPY_JSON"),
+        help="no run: the table of each side taken where it ran first in its process, the preparation from the "
+        "records of OURS_JSON (run with --order ours-first or separate) and the baseline from those of COPY_JSON "
+        "(--order copy-first, copy-ours-copy or separate)",
+    )
     args = ap.parse_args(argv)
+    if args.pair:
+        print(table(paired(*args.pair)))
+        return
     if args.child:
         print(json.dumps(child(args)))
         return
@@ -442,6 +453,25 @@ def phase_clocks(rec: dict, samples: list[tuple[float, float, float]]) -> dict[s
             return f"{statistics.median(s[1] for s in inside):.0f}/{statistics.median(s[2] for s in inside):.0f}"
 
         out[phase] = [window(1, quarter), window(len(layer_s) - quarter, len(layer_s) - 1)]
+    return out
+
+
+def paired(ours_json: str, copy_json: str) -> list[dict]:
+    """Records with the preparation's layers from ``ours_json`` and the baseline's first run from ``copy_json``
+    (same model, path and cache mode), each from a process where that side ran first."""
+    first = {"ours": ("separate", "ours-first"), "copy": ("separate", "copy-first", "copy-ours-copy")}
+    with open(ours_json) as f:
+        ours = json.load(f)["records"]
+    with open(copy_json) as f:
+        copies = {(r["model"], r["path"], r["mode"]): r for r in json.load(f)["records"]}
+    out = []
+    for rec in ours:
+        base = copies.get((rec["model"], rec["path"], rec["mode"]))
+        if base is None or rec["order"] not in first["ours"] or base["order"] not in first["copy"]:
+            continue
+        rec = dict(rec, copy_s=base["copy_s"], copy_host_s=base["copy_host_s"], copy_after_s=None)
+        rec["summary"] = summarise(rec)
+        out.append(rec)
     return out
 
 
