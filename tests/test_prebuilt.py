@@ -167,6 +167,9 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
 
     monkeypatch.setattr(cuda_driver, "_OUTCOMES", {})
     monkeypatch.setattr(cuda_driver, "_module", load)
+    # Triton not loaded, as in a fresh process, whatever earlier tests on a GPU machine loaded
+    monkeypatch.setattr(registry._LOADS, "ready", set())
+    monkeypatch.setattr(registry._LOADS, "failed", set())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
     swizzled = plan_layer("nvfp4", "trtllm", 384, 1536).w13_scale.compiled()  # shapes no other test plans
