@@ -436,10 +436,9 @@ def phase_clocks(rec: dict, samples: list[tuple[float, float, float]]) -> dict[s
     """Per phase of ``rec``: the median SM/memory clocks sampled over its first quarter of layers (layer 1 on) and
     over its last quarter, as ``"SM/mem"`` strings (a window shorter than the sampling period takes the sample
     nearest its middle, ``"-"`` where none is within 50 ms)."""
-    times = {"ours": rec["ours_s"], "copy": rec["copy_s"], "copy_after": rec.get("copy_after_s")}
     out = {}
     for phase, starts in rec["layer_start_unix"].items():
-        layer_s = times[phase]
+        layer_s = rec[f"{phase}_s"]  # the phase's layer times: ours_s, copy_s, copy_after_s
         quarter = max(1, (len(layer_s) - 1) // 4)
 
         def window(first: int, last: int) -> str:
