@@ -741,7 +741,7 @@ class IndexMap:
     def check_experts(self, x: torch.Tensor, what: str = "input") -> None:
         """Raise :class:`LayoutError` unless ``x`` is contiguous ``(E, ...)`` with :attr:`in_bytes`
         bytes per expert, in any per-expert shape (flattened ``(E, rows*cols)`` scales pass)."""
-        per_expert = x[0].numel() * x.element_size() if x.ndim >= 2 and x.shape[0] else -1
+        per_expert = _prod(x.shape[1:]) * x.element_size() if x.ndim >= 2 and x.shape[0] else -1
         if per_expert != self.in_bytes:
             raise LayoutError(
                 f"{what} has shape {tuple(x.shape)} ({x.dtype}) = {max(per_expert, 0)} bytes per expert, but "

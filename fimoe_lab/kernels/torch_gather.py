@@ -91,22 +91,26 @@ def _words(t: torch.Tensor, word: int) -> torch.Tensor:
 
 
 class _Pieces:
-    """The strided copies of a :class:`Strided` form in ``word``-byte words: per piece the output
-    index (an int fixes a digit of negative stride, a slice keeps a live digit) and the source
-    view's sizes, strides and offset (words, per expert); and the box's complement as slabs."""
+    """The strided copies of a :class:`Strided` form in ``word``-byte words, per expert: per piece the
+    source view's and the output view's offsets (an output digit of negative stride is fixed to each of its
+    values, one piece each), their common sizes and each side's strides (words); and the box's complement
+    as slabs (index tuples of the output viewed as ``out_shape``)."""
 
     def __init__(self, st: Strided, cell_words: int):
         self.out_shape = st.shape + (cell_words,)
         neg = [d for d, s in enumerate(st.strides) if s < 0]
         keep = [d for d in range(len(st.shape)) if d not in neg]
+        out_strides = [cell_words] * len(st.shape)
+        for d in range(len(st.shape) - 2, -1, -1):
+            out_strides[d] = out_strides[d + 1] * st.shape[d + 1]
         self.sizes = tuple(st.live[d] for d in keep) + (cell_words,)
         self.strides = tuple(st.strides[d] * cell_words for d in keep) + (1,)
-        self.pieces: list[tuple[tuple, int]] = []
+        self.out_strides = tuple(out_strides[d] for d in keep) + (1,)
+        self.pieces: list[tuple[int, int]] = []  # (source offset, output offset), words
         for values in itertools.product(*(range(st.live[d]) for d in neg)):
             fixed = dict(zip(neg, values))
-            index = tuple(fixed[d] if d in fixed else slice(0, st.live[d]) for d in range(len(st.shape)))
             offset = st.offset + sum(v * st.strides[d] for d, v in fixed.items())
-            self.pieces.append(((slice(None),) + index, offset * cell_words))
+            self.pieces.append((offset * cell_words, sum(v * out_strides[d] for d, v in fixed.items())))
         self.slabs = [
             (slice(None),) + tuple(slice(0, st.live[j]) for j in range(d)) + (slice(st.live[d], None),)
             for d in range(len(st.shape))
@@ -122,12 +126,14 @@ def _pieces(em: ExecMap, word: int) -> _Pieces:
     return em._dev[key]
 
 
-def _box_copy(p: _Pieces, xw: torch.Tensor, experts: int, ov: torch.Tensor) -> None:
-    """The live box: ``ov`` ``(E, *shape, cell_words)`` from the flat words ``xw`` of ``experts`` experts."""
-    in_words = xw.numel() // max(experts, 1)
-    base = xw.storage_offset()
-    for index, offset in p.pieces:
-        ov[index].copy_(xw.as_strided((experts,) + p.sizes, (in_words,) + p.strides, base + offset))
+def _box_copy(p: _Pieces, xw: torch.Tensor, experts: int, ow: torch.Tensor) -> None:
+    """The live box: the flat output words ``ow`` of ``experts`` experts from their flat input words ``xw``, one
+    ``as_strided`` pair and one copy per piece."""
+    in_words, out_words = xw.numel() // max(experts, 1), ow.numel() // max(experts, 1)
+    x0, o0 = xw.storage_offset(), ow.storage_offset()
+    for src, dst in p.pieces:
+        out = ow.as_strided((experts,) + p.sizes, (out_words,) + p.out_strides, o0 + dst)
+        out.copy_(xw.as_strided((experts,) + p.sizes, (in_words,) + p.strides, x0 + src))
 
 
 def _fill_box_complement(em: ExecMap, out: torch.Tensor, word: int) -> None:
@@ -152,8 +158,7 @@ def _fill_box_complement(em: ExecMap, out: torch.Tensor, word: int) -> None:
 def _gather_strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     word = strided_word(em, x, out)
     p = _pieces(em, word)
-    experts = x.shape[0]
-    _box_copy(p, _words(x, word), experts, _words(out, word).view((experts,) + p.out_shape))
+    _box_copy(p, _words(x, word), x.shape[0], _words(out, word))
     if p.slabs:
         _fill_box_complement(em, out, word)
 
@@ -175,10 +180,14 @@ def inplace_strided(em: ExecMap, flat: torch.Tensor, scratch_experts: int) -> It
     for start in range(0, experts, scratch_experts):
         n = min(scratch_experts, experts - start)
         if n not in views:  # (source piece on the scratch, output piece's size, stride, offset at start 0)
-            outs = [xw[:n].view((n,) + p.out_shape)[index] for index, _ in p.pieces]
             views[n] = [
-                (sw.as_strided((n,) + p.sizes, (words,) + p.strides, sw.storage_offset() + offset), *_geometry(o))
-                for (_, offset), o in zip(p.pieces, outs)
+                (
+                    sw.as_strided((n,) + p.sizes, (words,) + p.strides, sw.storage_offset() + src),
+                    (n,) + p.sizes,
+                    (words,) + p.out_strides,
+                    xw.storage_offset() + dst,
+                )
+                for src, dst in p.pieces
             ]
         part = xw[start : start + n]
         sw[:n].copy_(part)
@@ -188,10 +197,6 @@ def inplace_strided(em: ExecMap, flat: torch.Tensor, scratch_experts: int) -> It
             part.copy_(sw[:n])
             raise
         yield start + n, scratch
-
-
-def _geometry(t: torch.Tensor) -> tuple[tuple, tuple, int]:
-    return tuple(t.shape), t.stride(), t.storage_offset()
 
 
 def _pieces_back(xw: torch.Tensor, views: list, shift: int, copy) -> None:
