@@ -49,6 +49,27 @@ def test_bf16_block_layout_in_place_matches_loop_and_inverts(device, gated):
     assert same_bytes(plan.inverse().apply(o13, o2)[0], before13)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_block_layout_fills_each_layers_permute_dict_from_one_device_copy(device):
+    """Every layer's dict gets FlashInfer's row indices (W13 without the swap: interleave then shuffle, or the
+    shuffle alone when not gated; W2: the shuffle), the same device tensor for every layer of one shape."""
+    dicts = {gated: [{}, {}] for gated in (True, False)}
+    for gated, pair in dicts.items():
+        for seed, cache in enumerate(pair):
+            w13 = random_bytes((2, 128, 64), torch.bfloat16, seed=seed, device=device)
+            w2 = random_bytes((2, 64, 64), torch.bfloat16, seed=seed + 7, device=device)
+            prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(cache, w13, w2, gated)
+    shuffle13, shuffle2, inter = ref.shuffle_idx(128, 128), ref.shuffle_idx(64, 128), ref.interleave_idx(128)
+    for gated, (first, second) in dicts.items():
+        (k13, i13), (k2, i2) = first.items()
+        assert k13[0] == "w3_w1" and k2[0] == "w2" and i13.device.type == torch.device(device).type
+        want13 = [inter[r] for r in shuffle13] if gated else shuffle13
+        assert i13.cpu().tolist() == want13 and i2.cpu().tolist() == shuffle2
+        assert second[k13] is i13 and second[k2] is i2
+    (g13, _), (n13, _) = (list(dicts[g][0].values()) for g in (True, False))
+    assert g13 is not n13 and not torch.equal(g13, n13)  # same shapes, other maps: not mixed up
+
+
 def test_bf16_block_layout_structured_rows():
     """Decoding a coordinate tensor shows swap + interleave + shuffle + K blocks."""
     w13 = coords(1, 128, 64).view(torch.bfloat16)  # (1, 128, 128) bf16: I = 64, H = 128
