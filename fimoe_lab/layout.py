@@ -738,9 +738,17 @@ class IndexMap:
         return torch.where(m.src >= 0, m.src, -1).view(self.out_shape)
 
     # ------------------------------------------------------------ execution
+    def fits_experts(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`check_experts` passes ``x`` (the check alone, no message built)."""
+        return (
+            x.ndim >= 2 and x.shape[0] > 0 and _prod(x.shape[1:]) * x.element_size() == self.in_bytes
+        ) and x.is_contiguous()
+
     def check_experts(self, x: torch.Tensor, what: str = "input") -> None:
         """Raise :class:`LayoutError` unless ``x`` is contiguous ``(E, ...)`` with :attr:`in_bytes`
         bytes per expert, in any per-expert shape (flattened ``(E, rows*cols)`` scales pass)."""
+        if self.fits_experts(x):
+            return
         per_expert = _prod(x.shape[1:]) * x.element_size() if x.ndim >= 2 and x.shape[0] else -1
         if per_expert != self.in_bytes:
             raise LayoutError(

@@ -57,7 +57,8 @@ def apply_map(m: IndexMap, x: torch.Tensor, what: str, keep_flat: bool = True) -
     if m.in_shape[-1] % size:
         x = x.view(torch.uint8)
         size = 1
-    shaped = x.reshape((x.shape[0],) + m.in_shape[:-1] + (m.in_shape[-1] // size,))
+    per_expert = m.in_shape[:-1] + (m.in_shape[-1] // size,)
+    shaped = x if x.shape[1:] == per_expert else x.reshape((x.shape[0],) + per_expert)
     out = m.apply(shaped)
     if x.ndim == 2 and keep_flat and len(m.out_shape) > 1:
         out = out.reshape(x.shape[0], -1)
@@ -130,7 +131,10 @@ class LayerPlan:
             x = tensors.get(name)
             if x is None:
                 raise LayoutError(f"{self.description}: {name} is required (its map is {m.name})")
-            m.check_experts(x, f"{self.description} (intermediate={self.intermediate}, hidden={self.hidden}): {name}")
+            if not m.fits_experts(x):
+                m.check_experts(
+                    x, f"{self.description} (intermediate={self.intermediate}, hidden={self.hidden}): {name}"
+                )
         for name, bits in self.word_bits.items():
             x = tensors.get(name)
             if x is None:
@@ -141,7 +145,8 @@ class LayerPlan:
                     f"(its word bit step {bits.name} permutes the bits of every word)",
                     fix="pass the packed weights as the plan's shapes give them",
                 )
-        experts = {n: t.shape[0] for n, t in tensors.items() if t is not None and t.ndim >= 1 and n in self.moved()}
+        moved = self.moved()
+        experts = {n: t.shape[0] for n, t in tensors.items() if t is not None and t.ndim >= 1 and n in moved}
         if len(set(experts.values())) > 1:
             raise LayoutError(f"{self.description}: expert counts differ: {experts}")
 

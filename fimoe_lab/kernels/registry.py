@@ -155,6 +155,7 @@ def _importable(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+@functools.cache  # on every call of an executor: the import system's lookup costs more than the call
 def _module(name: str):
     return importlib.import_module(f"fimoe_lab.kernels.{name}")
 

@@ -79,25 +79,31 @@ def gather_torch(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
 def strided_word(em: ExecMap, *tensors: torch.Tensor) -> int:
     """The widest word (up to 16 bytes) dividing the cell, every buffer's address and its offset in
     its storage (a view as wider words needs both)."""
-    word = aligned_word(16 if em.cell_bytes % 16 == 0 else em.word, *tensors)
-    while word > 1 and any(t.storage_offset() * t.element_size() % word for t in tensors):
-        word //= 2
+    word = 16 if em.cell_bytes % 16 == 0 else em.word
+    for t in tensors:
+        where = t.data_ptr() | t.storage_offset() * t.element_size()
+        while where % word:
+            word //= 2
     return word
 
 
 def _words(t: torch.Tensor, word: int) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat tensor of ``word``-byte words (no copy)."""
-    return t.reshape(-1).view(torch.uint8).view(_STRIDED_WORDS[word])
+    flat = t.view(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    dtype = _STRIDED_WORDS[word]
+    return flat if dtype == torch.uint8 else flat.view(dtype)
 
 
 class _Pieces:
     """The strided copies of a :class:`Strided` form in ``word``-byte words, per expert: per piece the
     source view's and the output view's offsets (an output digit of negative stride is fixed to each of its
     values, one piece each), their common sizes and each side's strides (words); and the box's complement
-    as slabs (index tuples of the output viewed as ``out_shape``)."""
+    as slabs, each ``(sizes, strides, offset)`` of the output (slab ``d``: digits before ``d`` live, digit
+    ``d`` past its live range, the rest whole)."""
 
     def __init__(self, st: Strided, cell_words: int):
-        self.out_shape = st.shape + (cell_words,)
         neg = [d for d, s in enumerate(st.strides) if s < 0]
         keep = [d for d in range(len(st.shape)) if d not in neg]
         out_strides = [cell_words] * len(st.shape)
@@ -112,10 +118,27 @@ class _Pieces:
             offset = st.offset + sum(v * st.strides[d] for d, v in fixed.items())
             self.pieces.append((offset * cell_words, sum(v * out_strides[d] for d, v in fixed.items())))
         self.slabs = [
-            (slice(None),) + tuple(slice(0, st.live[j]) for j in range(d)) + (slice(st.live[d], None),)
+            (
+                tuple(st.live[:d]) + (st.shape[d] - st.live[d],) + tuple(st.shape[d + 1 :]) + (cell_words,),
+                tuple(out_strides) + (1,),
+                st.live[d] * out_strides[d],
+            )
             for d in range(len(st.shape))
             if st.live[d] < st.shape[d]
         ]
+        self._views: dict[tuple[int, int, int], tuple[tuple[int, ...], ...]] = {}
+
+    def views(self, experts: int, in_words: int, out_words: int) -> tuple[tuple[int, ...], ...]:
+        """``(size, source strides, output strides)`` of every piece over ``experts`` experts of ``in_words`` and
+        ``out_words`` words each (kept: a model's layers ask the same)."""
+        key = (experts, in_words, out_words)
+        if key not in self._views:
+            self._views[key] = (
+                (experts,) + self.sizes,
+                (in_words,) + self.strides,
+                (out_words,) + self.out_strides,
+            )
+        return self._views[key]
 
 
 def _pieces(em: ExecMap, word: int) -> _Pieces:
@@ -129,11 +152,10 @@ def _pieces(em: ExecMap, word: int) -> _Pieces:
 def _box_copy(p: _Pieces, xw: torch.Tensor, experts: int, ow: torch.Tensor) -> None:
     """The live box: the flat output words ``ow`` of ``experts`` experts from their flat input words ``xw``, one
     ``as_strided`` pair and one copy per piece."""
-    in_words, out_words = xw.numel() // max(experts, 1), ow.numel() // max(experts, 1)
+    size, in_strides, out_strides = p.views(experts, xw.numel() // max(experts, 1), ow.numel() // max(experts, 1))
     x0, o0 = xw.storage_offset(), ow.storage_offset()
     for src, dst in p.pieces:
-        out = ow.as_strided((experts,) + p.sizes, (out_words,) + p.out_strides, o0 + dst)
-        out.copy_(xw.as_strided((experts,) + p.sizes, (in_words,) + p.strides, x0 + src))
+        ow.as_strided(size, out_strides, o0 + dst).copy_(xw.as_strided(size, in_strides, x0 + src))
 
 
 def _fill_box_complement(em: ExecMap, out: torch.Tensor, word: int) -> None:
@@ -141,18 +163,20 @@ def _fill_box_complement(em: ExecMap, out: torch.Tensor, word: int) -> None:
     assert st is not None and st.fill is not None
     fw = min(word, 8)
     p = _pieces(em, fw)
-    ov = _words(out, fw).view((out.shape[0],) + p.out_shape)
+    ow = _words(out, fw)
+    experts = out.shape[0]
+    per, base = ow.numel() // max(experts, 1), ow.storage_offset()
     # copied from one word expanded over each slab (stride 0), not ``Tensor.fill_``: on CUDA the first
     # ``fill_`` of a process loads another kernel module (about 10-15 ms on an H200), while this runs the
     # copy kernel the strided copies have loaded; the word reaches the device by a host copy, not a fill
     key = ("fill word", fw, str(out.device))
     if key not in em._dev:
-        word_t = torch.tensor([fill_word(em.fills[-1 - st.fill], fw)], dtype=ov.dtype)
+        word_t = torch.tensor([fill_word(em.fills[-1 - st.fill], fw)], dtype=ow.dtype)
         em._dev[key] = word_t.to(out.device)
     one = em._dev[key]
-    for slab in p.slabs:
-        part = ov[slab]
-        part.copy_(one.expand(part.shape))
+    for sizes, strides, offset in p.slabs:
+        shape = (experts,) + sizes
+        ow.as_strided(shape, (per,) + strides, base + offset).copy_(one.expand(shape))
 
 
 def _gather_strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
