@@ -165,6 +165,7 @@ def child(args: argparse.Namespace) -> dict:
         torch.cuda.empty_cache()
     # a loading engine has run strided copies before its first MoE layer (checkpoint shards narrowed to
     # a rank and copied): the first one in a process loads torch's copy kernels (~30 ms on the H200)
+    calibration = host_calibration_ms()
     prime = time.perf_counter()
     small = rnd((64, 64)).view(torch.int64)
     small.t().contiguous()
@@ -203,6 +204,7 @@ def child(args: argparse.Namespace) -> dict:
 
     return {
         "import_s": t_import,
+        "host_calibration_ms": calibration,
         "first_strided_copy_s": prime,
         "layers": layers,
         "experts": experts,
@@ -219,6 +221,19 @@ def child(args: argparse.Namespace) -> dict:
         "numba_imported": "numba" in sys.modules,
         "triton_imported": "triton" in sys.modules,
     }
+
+
+def host_calibration_ms() -> float:
+    """The fastest of five runs of a fixed pure-Python loop, in ms: how fast this process's host thread runs (host
+    times of layers compare across processes only where this agrees)."""
+    best = float("inf")
+    for _ in range(5):
+        a = time.perf_counter()
+        total = 0
+        for i in range(100_000):
+            total += i & 7
+        best = min(best, time.perf_counter() - a)
+    return best * 1e3
 
 
 PHASES = {
@@ -402,6 +417,7 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
                     rec.update(order="separate", copy_s=base["copy_s"], copy_host_s=base["copy_host_s"])
                     rec["layer_start_unix"]["copy"] = base["layer_start_unix"]["copy"]
                     rec["copy_first_strided_copy_s"] = base["first_strided_copy_s"]
+                    rec["copy_host_calibration_ms"] = base["host_calibration_ms"]
                 rec.update(model=model, fmt=fmt, path=label, mode=mode, process_wall_s=time.perf_counter() - t)
                 rec["summary"] = summarise(rec)
                 records.append(rec)
@@ -412,7 +428,8 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
                     f"{s['median_layer_ms']:.2f} ms (copy {s['copy_median_layer_ms']:.2f}; host {s['median_host_ms']:.2f} / "
                     f"{s['copy_median_host_ms']:.2f}; quarters {s['first_quarter_ms']:.2f} -> {s['last_quarter_ms']:.2f}, "
                     f"copy {s['copy_first_quarter_ms']:.2f} -> {s['copy_last_quarter_ms']:.2f}) overhead "
-                    f"{s['first_layer_overhead_ms']:.1f} ms loads {rec['started_loads']}",
+                    f"{s['first_layer_overhead_ms']:.1f} ms loads {rec['started_loads']} host loop "
+                    f"{rec['host_calibration_ms']:.2f} / {rec.get('copy_host_calibration_ms', float('nan')):.2f} ms",
                     flush=True,
                 )
     return records

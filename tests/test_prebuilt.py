@@ -489,7 +489,7 @@ def test_a_launch_passes_each_call_its_own_arguments(monkeypatch):
     module = types.SimpleNamespace(current=contextlib.nullcontext)
     monkeypatch.setattr(cuda_driver, "kernel", lambda source, name, device: (module, 7))
     monkeypatch.setattr(cuda_driver, "_lib", lambda: types.SimpleNamespace(cuLaunchKernel=fake_launch))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(cuda_driver, "_current_stream", lambda index: 0)
     monkeypatch.setattr(cuda_driver, "_LAUNCHES", {})
     device = torch.device("cuda", 0)
 

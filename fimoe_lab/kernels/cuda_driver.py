@@ -176,6 +176,15 @@ class _Launch:
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(index: int) -> int:
+    """The handle of torch's current stream on CUDA device ``index``: read directly where torch offers it (a
+    ``torch.cuda.Stream`` object built per launch costs more than the launch)."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def launch(
@@ -193,7 +202,7 @@ def launch(
     prepared = _LAUNCHES.get(key)
     if prepared is None:
         prepared = _LAUNCHES.setdefault(key, _Launch(*kernel(source, name, torch.device("cuda", index)), kinds))
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = _current_stream(index)
     with prepared.lock, prepared.module.current():
         for value, (_, arg) in zip(prepared.values, args):
             value.value = arg
