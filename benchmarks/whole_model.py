@@ -237,7 +237,6 @@ def host_calibration_ms() -> float:
 
 
 PHASES = {
-    "separate": (),  # the parent's: each side in its own fresh process (the two orders below)
     "ours": ("ours",),
     "copy": ("copy",),
     "ours-first": ("ours", "copy"),
@@ -309,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--order",
-        choices=list(PHASES),
+        choices=["separate", *PHASES],
         default="separate",
         help="where the baseline runs: in a fresh process of its own (separate, the default), or in the "
         "preparation's process after it, before it, or both (the figures against their mean; ours and copy: one "
@@ -339,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
         print(table(paired(*args.pair)))
         return
     if args.child:
+        if args.order not in PHASES:
+            raise SystemExit(f"a child runs one of the orders {', '.join(PHASES)}, not {args.order!r}")
         print(json.dumps(child(args)))
         return
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
