@@ -858,7 +858,10 @@ def _composed_right_padded_rows(ops: Sequence[IndexMap]) -> tuple[np.ndarray, in
             if column is not None and (live & (read >= 0)).any() and column != byte:
                 return None
         rows = np.where(live, read, table)
-        column = (column if column is not None else (byte if grows else None)) if (rows >= 0).any() else None
+        if column is None and grows:  # the first operand that pads its live rows sets their pad byte
+            column = byte
+        if not (rows >= 0).any():  # no live row left: no pad byte to speak of
+            column = None
     return rows, column
 
 
