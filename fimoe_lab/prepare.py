@@ -669,7 +669,8 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
     of the same storage. Scratch: ``scratch_experts`` experts (default 2% of E or 64 MiB, whichever is more).
     ``cache_permute_indices`` receives what FlashInfer's own helpers would cache there
     (gated interleave + shuffle for W13, shuffle for W2), so a caller sharing the dict with
-    FlashInfer stays consistent; our maps are cached by shape anyway. The keys follow the
+    FlashInfer stays consistent; our maps are cached by shape anyway. Every dict gets the same read-only device
+    tensor for one map and device (found and copied once per process: :data:`_ROW_SOURCES_ON_DEVICE`). The keys follow the
     FlashInfer of ``engine`` (:mod:`fimoe_lab.engines`; None: the default engine):
     ``("w3_w1" | "w2", uint8 shape)`` before 0.6.17, five parts from 0.6.17 on (see
     :func:`permute_cache_keys`).

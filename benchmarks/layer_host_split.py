@@ -1,0 +1,173 @@
+"""Where a steady-state layer's host time goes: allocating each output against running its map, beside a copy.
+
+In a whole model (``benchmarks/whole_model.py``) a layer can wait on the host: its calls return close to the
+layer's end. This splits one layer's host time per tensor of ``plan_layer(fmt, "trtllm", I, H)`` (the ``layer``
+path of ``whole_model.py``'s ``MODELS``), after ``--warm`` layers and the background planner are done:
+
+- ``alloc``: ``torch.empty`` of the map's output;
+- ``map_into``: ``IndexMap.apply(x, out=...)`` into that output (the map's calls: checks, views, launches);
+- ``apply_map``: both in one call, as a layer plan runs them;
+- ``copy_alloc`` / ``copy``: ``torch.empty_like(x)`` / ``.copy_(x)`` of the same input (the baseline's calls).
+
+Times are host wall times until the calls return (the device synchronised before each), medians over
+``--layers`` layers; every output is kept, as a loading engine keeps them, so each allocation is a new one.
+The whole ``plan.apply`` of a layer is timed too. ``--timeline`` then profiles one more layer (``torch.profiler``,
+CUDA activity; ``--timeline drop-in`` runs the format's drop-in instead, as ``whole_model.py`` does) and prints
+each device kernel's start and duration: where the device waits between kernels, it waits for the host.
+
+    PYTHONPATH=. python3 benchmarks/layer_host_split.py --model deepseek-r1-tp8-nvfp4 --layers 12
+    PYTHONPATH=. python3 benchmarks/layer_host_split.py --model gpt-oss-120b-mxfp4 --layers 6  # ~45 GB kept
+    PYTHONPATH=. python3 benchmarks/layer_host_split.py --model qwen3-235b-tp8-bf16 --layers 4 --timeline drop-in
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from whole_model import MODELS  # noqa: E402  (the models' sizes, one table)
+
+STEPS = ("alloc", "map_into", "apply_map", "copy_alloc", "copy")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="deepseek-r1-tp8-nvfp4")
+    ap.add_argument("--layers", type=int, default=12, help="steady-state layers timed (outputs kept)")
+    ap.add_argument("--warm", type=int, default=3, help="layers run first, untimed")
+    ap.add_argument("--experts", type=int, default=0, help="experts (default: the model's)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--timeline", choices=("layer", "drop-in"), help="then profile one layer's device kernels")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from fimoe_lab.kernels import prebuilt
+    from fimoe_lab.plan import apply_map
+    from fimoe_lab.recipes import plan_layer
+
+    fmt, experts, hidden, inter, _, _ = MODELS[args.model]
+    experts = args.experts or experts
+    dev = torch.device(args.device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    plan = plan_layer(fmt, "trtllm", inter, hidden)
+    maps = plan.maps()
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def make() -> dict[str, torch.Tensor]:
+        return {
+            k: torch.randint(0, 256, (experts, *m.in_shape), dtype=torch.uint8, device=dev, generator=gen)
+            for k, m in maps.items()
+        }
+
+    def run_plan(t: dict[str, torch.Tensor]):
+        return plan.apply(t["w13"], t["w2"], t.get("w13_scale"), t.get("w2_scale"))
+
+    kept: list = []
+    for _ in range(args.warm):
+        t = make()
+        sync()
+        kept.append(run_plan(t))
+        sync()
+    prebuilt.wait_for_plans()
+    rows: dict[str, dict[str, list[float]]] = {k: {s: [] for s in STEPS} for k in maps}
+    whole = []
+    for _ in range(args.layers):
+        t = make()
+        sync()
+        for k, m in maps.items():
+            x, got = t[k], rows[k]
+            a = time.perf_counter()
+            out = torch.empty((experts, *m.out_shape), dtype=torch.uint8, device=dev)
+            b = time.perf_counter()
+            m.apply(x, out=out)
+            c = time.perf_counter()
+            sync()
+            got["alloc"].append(b - a)
+            got["map_into"].append(c - b)
+            a = time.perf_counter()
+            mapped = apply_map(m, x, k)
+            got["apply_map"].append(time.perf_counter() - a)
+            sync()
+            kept += [out, mapped]
+            a = time.perf_counter()
+            y = torch.empty_like(x)
+            b = time.perf_counter()
+            y.copy_(x)
+            c = time.perf_counter()
+            sync()
+            got["copy_alloc"].append(b - a)
+            got["copy"].append(c - b)
+            kept.append(y)
+        a = time.perf_counter()
+        kept.append(run_plan(t))
+        whole.append(time.perf_counter() - a)
+        sync()
+    print(
+        f"== {args.model}: host ms, median of {args.layers} steady layers "
+        f"(whole plan.apply host {statistics.median(whole) * 1e3:.3f})"
+    )
+    for k, got in rows.items():
+        cells = "  ".join(f"{s} {statistics.median(got[s]) * 1e3:.3f}" for s in STEPS)
+        print(f"  {k:10s} {cells}   out MB {experts * maps[k].out_bytes / 1e6:.0f}")
+    if args.timeline == "drop-in":
+        timeline(drop_in_call(fmt, hidden, inter, experts, dev, gen), dev, kept)
+    elif args.timeline:
+        layer = make()
+        timeline(lambda: run_plan(layer), dev, kept)
+
+
+def drop_in_call(fmt: str, hidden: int, inter: int, experts: int, dev, gen):
+    """The format's drop-in on a fresh layer of the sizes an engine passes it (``whole_model.py``'s drop-in path)."""
+    import torch
+
+    from fimoe_lab import prepare
+    from fimoe_lab.shapes import padded_shape
+
+    inter_p, hidden_p = padded_shape(fmt, "trtllm", inter, hidden)
+    kind = {"fp8": torch.float8_e4m3fn, "fp8-block": torch.float8_e4m3fn, "bf16": torch.bfloat16}[fmt]
+    item = torch.empty((), dtype=kind).element_size()
+    w13, w2 = (
+        torch.randint(0, 256, (experts, rows, cols * item), dtype=torch.uint8, device=dev, generator=gen).view(kind)
+        for rows, cols in ((2 * inter_p, hidden_p), (hidden_p, inter_p))
+    )
+    calls = {
+        "fp8": lambda: prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True),
+        "fp8-block": lambda: prepare.shuffle_deepseek_fp8_moe_weights(w13, w2),
+        "bf16": lambda: prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, w13, w2),
+    }
+    return calls[fmt]
+
+
+def timeline(run, dev, kept: list) -> None:
+    """``run()`` under ``torch.profiler``: each device kernel's start (from the first) and duration, ms."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        kept.append(run())
+        torch.cuda.synchronize(dev)
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    if not events:
+        print("  no device kernels recorded")
+        return
+    t0 = events[0].time_range.start
+    busy = sum(e.time_range.end - e.time_range.start for e in events)
+    span = events[-1].time_range.end - t0
+    print(f"  device: {len(events)} kernels, busy {busy / 1e3:.3f} ms over span {span / 1e3:.3f} ms")
+    for e in events:
+        start, took = (e.time_range.start - t0) / 1e3, (e.time_range.end - e.time_range.start) / 1e3
+        print(f"    {e.name[:60]:60s} start {start:7.3f} dur {took:6.3f}")
+
+
+if __name__ == "__main__":
+    main()
