@@ -225,12 +225,11 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     CUDA tensors of ``(E, in_bytes)`` and ``(E, out_bytes)`` bytes; one launch per :data:`MAX_GRID_Y` experts.
     A map of the ``swizzled_rows`` form runs on the swizzle kernel (where ``out`` is 16-byte aligned), any
     other on the gather kernel."""
-    experts = x.shape[0]
-    xf, of = x.reshape(experts, -1).view(torch.uint8), out.reshape(experts, -1).view(torch.uint8)
-    if swizzles(em) and of.data_ptr() % 16 == 0:
-        _swizzle(em, xf, of)
+    experts = x.shape[0]  # the kernels read addresses only: no views of x and out are made
+    if swizzles(em) and out.data_ptr() % 16 == 0:
+        _swizzle(em, x, out)
         return
-    word = _word(em, xf, of)
+    word = _word(em, x, out)
     bm, bw, nc = cycle_tile(em.cell_bytes, word)
     src, fills = em.src_on(x.device), em.fills_on(x.device, word)
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
@@ -243,8 +242,8 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
             (cdiv(em.n_out, bm) * nc, cnt, 1),
             (THREADS, 1, 1),
             [
-                (ptr, of.data_ptr() + e0 * em.out_bytes),
-                (ptr, xf.data_ptr() + e0 * em.in_bytes),
+                (ptr, out.data_ptr() + e0 * em.out_bytes),
+                (ptr, x.data_ptr() + e0 * em.in_bytes),
                 (ptr, src.data_ptr()),
                 (ptr, fills.data_ptr()),
                 (c_int, em.n_out),
@@ -289,27 +288,27 @@ def swizzle_tile(cw: int) -> tuple[int, int, int]:
     return kw_shift, TILE_WORDS >> kw_shift, cdiv(cw, 1 << kw_shift)
 
 
-def _swizzle(em: ExecMap, xf: torch.Tensor, of: torch.Tensor) -> None:
+def _swizzle(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     """:func:`gather` of a ``swizzled_rows`` map (tiles: :func:`swizzle_tile`), loading words of ``W`` bytes, the
     widest of 4, 2, 1 dividing ``C_in`` and the input's alignment."""
     _, c_in, cw, rows_n, column = em.swizzled_rows
-    word = next(w for w in (4, 2, 1) if c_in % w == 0 and em.in_bytes % w == 0 and xf.data_ptr() % w == 0)
+    word = next(w for w in (4, 2, 1) if c_in % w == 0 and em.in_bytes % w == 0 and x.data_ptr() % w == 0)
     column_fill = em.fills[-1 - column] if em.fills else 0
     kw_shift, nb, nk = swizzle_tile(cw)
     n_bands = rows_n // BAND_ROWS
-    table = swizzle_rows_table(em, xf.device)
+    table = swizzle_rows_table(em, x.device)
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    for e0 in range(0, xf.shape[0], MAX_GRID_Y):
-        cnt = min(MAX_GRID_Y, xf.shape[0] - e0)
+    for e0 in range(0, x.shape[0], MAX_GRID_Y):
+        cnt = min(MAX_GRID_Y, x.shape[0] - e0)
         cuda_driver.launch(
             SWIZZLE_SOURCE,
             _SWIZZLES[word],
-            xf.device,
+            x.device,
             (cdiv(n_bands, nb) * nk, cnt, 1),
             (THREADS, 1, 1),
             [
-                (ptr, of.data_ptr() + e0 * em.out_bytes),
-                (ptr, xf.data_ptr() + e0 * em.in_bytes),
+                (ptr, out.data_ptr() + e0 * em.out_bytes),
+                (ptr, x.data_ptr() + e0 * em.in_bytes),
                 (ptr, table.data_ptr()),
                 (c_int, c_in),
                 (c_int, cw),
