@@ -449,6 +449,7 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
                     rec["layer_start_unix"]["copy"] = base["layer_start_unix"]["copy"]
                     rec["copy_first_strided_copy_s"] = base["first_strided_copy_s"]
                     rec["copy_host_calibration_ms"] = base["host_calibration_ms"]
+                    rec["copy_attempts"] = base["attempts"]
                 rec.update(model=model, fmt=fmt, path=label, mode=mode, process_wall_s=time.perf_counter() - t)
                 rec["summary"] = summarise(rec)
                 records.append(rec)
