@@ -622,6 +622,15 @@ class IndexMap:
             raise LayoutError(found)
         return cast(torch.Tensor, found).clone()
 
+    def row_sources_on(self, device: torch.device | str) -> torch.Tensor:
+        """:meth:`row_sources` copied to ``device`` once, then kept on the map: one read-only tensor that every
+        caller shares (a drop-in hands it to each layer's permute-index dict; a copy from host memory per layer
+        would make the host wait for it)."""
+        key = ("row_sources", str(device))
+        if key not in self._cache:
+            self._cache[key] = self.row_sources().to(device)
+        return cast(torch.Tensor, self._cache[key])
+
     def _find_row_sources(self) -> torch.Tensor:
         if len(self.in_shape) != 2 or len(self.out_shape) != 2:
             raise LayoutError(

@@ -611,20 +611,6 @@ def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(
     )
 
 
-_ROW_SOURCES_ON_DEVICE: dict[tuple[str, str], torch.Tensor] = {}
-"""The row indices the drop-ins put in a caller's permute-index dict, per map name and device: found and copied
-to the device once per process, then the same read-only tensor goes into every layer's dict (an engine gives
-each layer a dict of its own; a copy from host memory per layer makes the host wait for it, ~0.2 ms)."""
-
-
-def _row_sources_on(m: IndexMap, device: torch.device) -> torch.Tensor:
-    """``m.row_sources()`` on ``device``, from :data:`_ROW_SOURCES_ON_DEVICE`."""
-    key = (m.name, str(device))
-    if key not in _ROW_SOURCES_ON_DEVICE:
-        _ROW_SOURCES_ON_DEVICE[key] = m.row_sources().to(device)
-    return _ROW_SOURCES_ON_DEVICE[key]
-
-
 def permute_cache_keys(
     w13_shape: tuple[int, int],
     w2_shape: tuple[int, int],
@@ -670,7 +656,7 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
     ``cache_permute_indices`` receives what FlashInfer's own helpers would cache there
     (gated interleave + shuffle for W13, shuffle for W2), so a caller sharing the dict with
     FlashInfer stays consistent; our maps are cached by shape anyway. Every dict gets the same read-only device
-    tensor for one map and device (found and copied once per process: :data:`_ROW_SOURCES_ON_DEVICE`). The keys follow the
+    tensor for one map and device (found and copied once, kept on the map: :meth:`IndexMap.row_sources_on`). The keys follow the
     FlashInfer of ``engine`` (:mod:`fimoe_lab.engines`; None: the default engine):
     ``("w3_w1" | "w2", uint8 shape)`` before 0.6.17, five parts from 0.6.17 on (see
     :func:`permute_cache_keys`).
@@ -697,9 +683,9 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
             steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
             steps.shuffle_rows_for_epilogue(m13, k13, builders.TRTLLM_EPILOGUE_TILE_M),
         )  # no W31 swap
-        cache_permute_indices[key13] = _row_sources_on(flashinfer_w13_rows, w13_weight.device)
+        cache_permute_indices[key13] = flashinfer_w13_rows.row_sources_on(w13_weight.device)
     if key2 not in cache_permute_indices:
-        cache_permute_indices[key2] = _row_sources_on(plan.w2.row_steps(), w13_weight.device)
+        cache_permute_indices[key2] = plan.w2.row_steps().row_sources_on(w13_weight.device)
     o13, o2 = _apply_in_place(
         [(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts
     )
