@@ -30,7 +30,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from whole_model import MODELS  # noqa: E402  (the models' sizes, one table)
+from whole_model import MODELS, drop_in_shapes, run_drop_in  # noqa: E402  (the models and drop-ins, one table)
 
 STEPS = ("alloc", "map_into", "apply_map", "copy_alloc", "copy")
 
@@ -129,22 +129,11 @@ def drop_in_call(fmt: str, hidden: int, inter: int, experts: int, dev, gen):
     """The format's drop-in on a fresh layer of the sizes an engine passes it (``whole_model.py``'s drop-in path)."""
     import torch
 
-    from fimoe_lab import prepare
-    from fimoe_lab.shapes import padded_shape
-
-    inter_p, hidden_p = padded_shape(fmt, "trtllm", inter, hidden)
-    kind = {"fp8": torch.float8_e4m3fn, "fp8-block": torch.float8_e4m3fn, "bf16": torch.bfloat16}[fmt]
-    item = torch.empty((), dtype=kind).element_size()
     w13, w2 = (
-        torch.randint(0, 256, (experts, rows, cols * item), dtype=torch.uint8, device=dev, generator=gen).view(kind)
-        for rows, cols in ((2 * inter_p, hidden_p), (hidden_p, inter_p))
+        torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
+        for shape in drop_in_shapes(fmt, experts, hidden, inter).values()
     )
-    calls = {
-        "fp8": lambda: prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True),
-        "fp8-block": lambda: prepare.shuffle_deepseek_fp8_moe_weights(w13, w2),
-        "bf16": lambda: prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, w13, w2),
-    }
-    return calls[fmt]
+    return lambda: run_drop_in(fmt, w13, w2)
 
 
 def timeline(run, dev, kept: list) -> None:

@@ -75,7 +75,7 @@ def child(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     import torch
 
-    from fimoe_lab import prepare
+    from fimoe_lab import prepare  # noqa: F401 - imported untimed, as an engine has it before its first layer
     from fimoe_lab.recipes import plan_layer
 
     t_import = time.perf_counter() - t0
@@ -93,16 +93,7 @@ def child(args: argparse.Namespace) -> dict:
         return torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
 
     # shapes from the plans' maps (bytes), without building any plan in this process's timed part
-    if args.path == "drop-in":
-        # the engines pass the drop-ins aligned sizes: the plan's padded ones (Qwen3 TP8: 192 -> 256),
-        # from the torch-free table
-        from fimoe_lab.shapes import padded_shape
-
-        inter_p, hidden_p = padded_shape(fmt, "trtllm", inter, hidden)
-        rows, item = 2 * inter_p, (2 if fmt == "bf16" else 1)
-        shapes = {"w13": (experts, rows, hidden_p * item), "w2": (experts, hidden_p, inter_p * item)}
-    else:
-        shapes = None
+    shapes = drop_in_shapes(fmt, experts, hidden, inter) if args.path == "drop-in" else None
 
     def make_layer() -> dict[str, torch.Tensor]:
         if shapes is not None:
@@ -113,15 +104,7 @@ def child(args: argparse.Namespace) -> dict:
         if args.path == "layer":
             plan = plan_layer(fmt, "trtllm", inter, hidden)
             return [o for o in plan.apply(t["w13"], t["w2"], t.get("w13_scale"), t.get("w2_scale")) if o is not None]
-        if fmt == "fp8":
-            w13, w2 = t["w13"].view(torch.float8_e4m3fn), t["w2"].view(torch.float8_e4m3fn)
-            prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)
-            return [w13, w2]
-        if fmt == "fp8-block":
-            w13, w2 = t["w13"].view(torch.float8_e4m3fn), t["w2"].view(torch.float8_e4m3fn)
-            return list(prepare.shuffle_deepseek_fp8_moe_weights(w13, w2))
-        w13, w2 = t["w13"].view(torch.bfloat16), t["w2"].view(torch.bfloat16)
-        return list(prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, w13, w2))
+        return run_drop_in(fmt, t["w13"], t["w2"])
 
     def run_copy(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         outs = []
@@ -221,6 +204,35 @@ def child(args: argparse.Namespace) -> dict:
         "numba_imported": "numba" in sys.modules,
         "triton_imported": "triton" in sys.modules,
     }
+
+
+def drop_in_shapes(fmt: str, experts: int, hidden: int, inter: int) -> dict[str, tuple[int, int, int]]:
+    """The ``(experts, rows, bytes)`` of the ``w13`` and ``w2`` an engine passes ``fmt``'s drop-in: the plan's padded
+    sizes (Qwen3 TP8: 192 -> 256), from the torch-free table."""
+    from fimoe_lab.shapes import padded_shape
+
+    inter_p, hidden_p = padded_shape(fmt, "trtllm", inter, hidden)
+    item = 2 if fmt == "bf16" else 1
+    return {"w13": (experts, 2 * inter_p, hidden_p * item), "w2": (experts, hidden_p, inter_p * item)}
+
+
+def run_drop_in(fmt: str, w13, w2) -> list:
+    """``fmt``'s drop-in (:data:`DROP_INS`) on the uint8 bytes ``w13`` and ``w2`` (:func:`drop_in_shapes`): the tensors
+    it returns, or the ones it permuted in place."""
+    import torch
+
+    from fimoe_lab import prepare
+
+    if fmt == "fp8":
+        w13, w2 = w13.view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn)
+        prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)
+        return [w13, w2]
+    if fmt == "fp8-block":
+        return list(
+            prepare.shuffle_deepseek_fp8_moe_weights(w13.view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn))
+        )
+    w13, w2 = w13.view(torch.bfloat16), w2.view(torch.bfloat16)
+    return list(prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, w13, w2))
 
 
 def host_calibration_ms() -> float:
@@ -396,10 +408,16 @@ slowed host thread (on a shared host the loop's time moved 3.5x between processe
 ``--slow-host-retries`` times."""
 
 
+def use_caches(env: dict[str, str], caches: str) -> None:
+    """Point a child's Triton and numba kernel caches (``env``) into the folder ``caches``."""
+    env["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
+    env["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
+
+
 def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
     """Every model, path and cache mode of ``args`` measured in fresh child processes; one record each."""
     records = []
-    fastest = [host_calibration_ms()]  # the parent's own loop seeds the fastest seen
+    fastest = host_calibration_ms()  # the parent's own loop seeds the fastest seen
     for model in args.models:
         fmt, experts, hidden, inter, layers, paths = MODELS[model]
         shapes = json.dumps(layer_shapes_of(fmt, hidden, inter))
@@ -412,8 +430,7 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
                 e = dict(env, **extra)
                 if mode == "empty":
                     caches = tempfile.mkdtemp(prefix="fimoe_whole_")
-                e["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
-                e["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
+                use_caches(e, caches)
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--path", path]
                 cmd += ["--device", args.device, "--layers", str(args.layers), "--experts", str(args.experts)]
                 cmd += ["--shapes", shapes, "--busy-ms", str(args.busy_ms)]
@@ -422,9 +439,7 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
                 for order in ("ours", "copy") if args.order == "separate" else (args.order,):
                     for attempt in range(1 + args.slow_host_retries):
                         if attempt and mode == "empty":  # a run again starts from empty caches again
-                            caches = tempfile.mkdtemp(prefix="fimoe_whole_")
-                            e["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
-                            e["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
+                            use_caches(e, tempfile.mkdtemp(prefix="fimoe_whole_"))
                         p = subprocess.run(cmd + ["--order", order], env=e, capture_output=True, text=True, cwd=ROOT)
                         if p.returncode:
                             raise SystemExit(f"child failed ({model} {label} {mode}):\n{p.stderr[-3000:]}")
@@ -432,11 +447,11 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
                             sys.stderr.write(f"--- first layer of {model} {label} {mode}\n{p.stderr}")
                         part = json.loads(p.stdout.strip().splitlines()[-1])
                         loop = part["host_calibration_ms"]
-                        fastest[0] = min(fastest[0], loop)
-                        if loop <= SLOW_HOST * fastest[0]:
+                        fastest = min(fastest, loop)
+                        if loop <= SLOW_HOST * fastest:
                             break
                         print(
-                            f"{model} {label} {mode} ({order}): host loop {loop:.2f} ms, {loop / fastest[0]:.1f}x "
+                            f"{model} {label} {mode} ({order}): host loop {loop:.2f} ms, {loop / fastest:.1f}x "
                             f"the fastest seen{'; run again' if attempt < args.slow_host_retries else ''}",
                             flush=True,
                         )
