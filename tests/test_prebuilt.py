@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -81,6 +82,7 @@ def _defines(source: str) -> dict[str, int]:
         ("cycles.cu", "CYCLE_KERNEL", prebuilt._FUNCTIONS),
         ("gather.cu", "GATHER_KERNEL", prebuilt._GATHERS),
         ("swizzle.cu", "SWIZZLE_KERNEL", prebuilt._SWIZZLES),
+        ("strided.cu", "STRIDED_KERNEL", prebuilt._STRIDEDS),
     ],
 )
 def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, functions):
@@ -89,6 +91,11 @@ def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, fu
     if source == "swizzle.cu":
         got = (defines["BAND_ROWS"], defines["TILE_WORDS"], defines["MIN_KW"])
         assert got == (prebuilt.BAND_ROWS, prebuilt.TILE_WORDS, prebuilt.MIN_KW)
+    if source == "strided.cu":
+        assert defines["MAX_DIGITS"] == prebuilt.MAX_DIGITS
+        got = [defines[k] for k in ("FORM_DIGITS", "FORM_OFFSET", "FORM_FILL", "FORM_HEAD", "FORM_PER_DIGIT")]
+        assert got == [0, 1, 2, 3, 5]  # strided_form_table's layout
+        assert defines["FORM_HEAD"] + defines["FORM_PER_DIGIT"] * defines["MAX_DIGITS"] <= prebuilt.THREADS
     text = (CUDA / source).read_text()
     for name in functions.values():
         assert f"{macro}({name}," in text
@@ -136,7 +143,8 @@ def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
 
 def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     """A map's first default call loads no fatbin: the planner thread loads the ones that map needs (in place the
-    cycle kernel's, a gather the gather kernel's and, for a map that ends in the swizzle, the swizzle kernel's)
+    cycle kernel's, a gather of the strided form the strided kernel's, another the gather kernel's and, for a map that
+    ends in the swizzle, the swizzle kernel's too)
     on the caller's device and gets their kernels, then the map is planned there. A fatbin that does not load is remembered, and the
     prebuilt kernels stop standing in for the maps that need it. The driver's load is played by a recorder here
     (no GPU); tests/test_kernels_gpu.py checks the same in a fresh process on a device."""
@@ -184,8 +192,9 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "torch"  # and the planner asked
     prebuilt.plan_in_background(permuted, True, dev)
     prebuilt.wait_for_plans()
-    assert loads == [("gather", 5, planner), ("swizzle", 5, planner), ("cycles", 5, planner)]
-    words = {"gather": (16, 4, 1), "swizzle": (4, 2, 1), "cycles": (16, 4, 1)}
+    assert prebuilt.runs_strided(swizzled)  # the 128x4 swizzle alone is a strided view
+    assert loads == [("strided", 5, planner), ("swizzle", 5, planner), ("cycles", 5, planner)]
+    words = {"strided": (16, 4, 1), "swizzle": (4, 2, 1), "cycles": (16, 4, 1)}
     assert got == {(src, f"fimoe_{src}_w{w}", 5, planner) for src, ws in words.items() for w in ws}
     assert prebuilt.planned(swizzled, False, dev) and prebuilt.planned(permuted, True, dev)
     assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "prebuilt"
@@ -195,7 +204,7 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     for em in (swizzled, rows):
         prebuilt.plan_in_background(em, False, "cuda:6")
     prebuilt.wait_for_plans()
-    assert loads == [("gather", 6, planner), ("swizzle", 6, planner)]  # the gather kernel's loads once
+    assert loads == [("strided", 6, planner), ("swizzle", 6, planner)]  # the strided kernel's loads once
     assert cuda_driver.tried("swizzle", "cuda:6") is False and cuda_driver.tried("cycles", "cuda:6") is None
     assert not prebuilt.may_run(swizzled, False, "cuda:6") and not prebuilt.planned(swizzled, False, "cuda:6")
     assert not registry._prebuilt_stands_in(triton, torch.device("cuda:6"), swizzled, False)
@@ -221,7 +230,7 @@ def emulated(tmp_path_factory):
     launched: list[str] = []
 
     def launch(source, name, device, grid, block, args):
-        assert source in (prebuilt.SOURCE, prebuilt.GATHER_SOURCE, prebuilt.SWIZZLE_SOURCE)
+        assert source in prebuilt._KERNELS
         assert grid[2] == 1 and block[1:] == (1, 1)
         launched.append(name)
         fn = getattr(lib, f"emulate_{name}")
@@ -362,6 +371,87 @@ def test_the_gather_source_runs_every_engine_map(emulated, m, shift):
         assert torch.equal(out, byte_gather(m, x).reshape(3, -1))
         swizzled = em.ends_swizzled and em.swizzled_rows is not None
         assert all((name in prebuilt._SWIZZLES.values()) == swizzled for name in emulated)
+        if not swizzled:  # one launch of the kernel its form takes
+            kernels = prebuilt._STRIDEDS if prebuilt.runs_strided(em) else prebuilt._GATHERS
+            assert len(emulated) == 1 and emulated[0] in kernels.values()
+
+
+def strided_exec_map(shape, live, strides, offset, fill, cell_bytes, extra):
+    """An :class:`ExecMap` of the strided form ``(shape, live, strides, offset, fill code)`` (fill code -1: byte 0xA7,
+    None: no fill) whose sources are found here
+    from the form's definition (every output cell's digits, row-major), over ``extra`` more input cells than
+    the form reads."""
+    from fimoe_lab.kernels.compiled import ExecMap, Strided
+
+    digits = np.indices(shape).reshape(len(shape), -1)
+    inside = np.all(digits < np.array(live)[:, None], axis=0)
+    src = np.where(inside, offset + np.array(strides) @ digits, -1 if fill is not None else 0).astype(np.int32)
+    n_in = max(int(src.max(initial=-1)) + 1, 1) + extra
+    return ExecMap(
+        name="random strided form",
+        cell_bytes=cell_bytes,
+        word=next(w for w in (8, 4, 2, 1) if cell_bytes % w == 0),
+        n_in=n_in,
+        n_out=src.size,
+        src=src,
+        fills=(0xA7,) if fill is not None else (),
+        has_fill=bool((src < 0).any()),
+        in_bytes=n_in * cell_bytes,
+        out_bytes=src.size * cell_bytes,
+        is_permutation=False,
+        strided=Strided(tuple(shape), tuple(live), tuple(strides), offset, fill),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dims=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6), st.integers(-9, 9)), min_size=1, max_size=8),
+    cell_bytes=st.sampled_from([1, 2, 3, 4, 12, 16, 48, 128]),
+    padded=st.booleans(),
+    extra=st.integers(0, 3),
+    experts=st.integers(1, 3),
+    shift=st.sampled_from([0, 4, 1]),
+)
+@example(dims=[(4, 0, 1)] * 8, cell_bytes=16, padded=False, extra=0, experts=2, shift=0)  # MAX_DIGITS digits
+@example(dims=[(3, 0, -5), (5, 2, 1)], cell_bytes=128, padded=True, extra=1, experts=3, shift=0)  # a negative stride
+def test_the_strided_source_runs_any_strided_form(emulated, dims, cell_bytes, padded, extra, experts, shift):
+    """Random strided forms (up to :data:`~fimoe_lab.kernels.prebuilt.MAX_DIGITS` digits, negative and zero strides,
+    a box with fill or none) through the launcher, its form table and the strided kernel's source: each output cell
+    the input cell its digits name, or the fill byte, as the numpy definition gives; words of 16, 4 and 1 bytes."""
+    shape = [size for size, _, _ in dims]
+    live = [max(0, size - cut) for size, cut, _ in dims] if padded else shape
+    strides = [stride for _, _, stride in dims]
+    low = sum(min(0, s * (n - 1)) for s, n in zip(strides, live) if n)
+    em = strided_exec_map(shape, live, strides, -low, -1 if live != shape else None, cell_bytes, extra)
+    assert prebuilt.runs_strided(em)
+    x = torch.randint(0, 256, (experts, em.in_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    cells = x.view(experts, em.n_in, cell_bytes)
+    want = cells[:, np.maximum(em.src, 0)].clone()
+    want[:, em.src < 0] = 0xA7
+    out = torch.full((experts, em.out_bytes), 0x5A, dtype=torch.uint8)
+    emulated.clear()
+    prebuilt.gather(em, shifted_copy(x, shift), out)
+    assert torch.equal(out.view(experts, em.n_out, cell_bytes), want)
+    word = next(w for w in (16, 4, 1) if cell_bytes % w == 0 and shift % w == 0)
+    assert emulated == [prebuilt._STRIDEDS[word]]
+
+
+def test_a_form_over_the_kernels_digits_runs_elsewhere():
+    em = strided_exec_map([2] * (prebuilt.MAX_DIGITS + 1), [2] * (prebuilt.MAX_DIGITS + 1), [1] * 9, 0, None, 16, 0)
+    assert not prebuilt.runs_strided(em) and prebuilt.sources_for(em, False) == (prebuilt.GATHER_SOURCE,)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(radix=st.integers(1, (1 << 31) - 1), c=st.integers(0, (1 << 31) - 1))
+@example(radix=(1 << 31) - 1, c=(1 << 31) - 1)
+@example(radix=3, c=(1 << 31) - 1)
+@example(radix=(1 << 30) + 1, c=(1 << 31) - 2)
+def test_the_form_tables_division_by_multiplying_is_exact_below_two_to_the_31(radix, c):
+    """The strided kernel's digit division: ``(umulhi(c, magic) + c) >> shift`` with the form table's magic and
+    shift is ``c // radix`` for every cell index the kernel divides (``c < 2**31``)."""
+    magic, shift = prebuilt.division_by_multiplying(radix)
+    assert 0 <= magic < 1 << 32 and ((c * magic >> 32) + c) < 1 << 32
+    assert ((c * magic >> 32) + c) >> shift == c // radix
 
 
 def padded_rows_then_swizzled(rows: int, c_in: int, cols: int, fill: int, seed: int):

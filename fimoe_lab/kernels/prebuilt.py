@@ -4,6 +4,9 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
 
 - gather (``kernels/cuda/gather.cu``): a block writes ``BM`` output cells x ``BW`` words of each, every
   word loaded from its source cell (or its fill) and stored once;
+- strided (``kernels/cuda/strided.cu``): a map of the strided form (:class:`~fimoe_lab.kernels.compiled.Strided`)
+  as the gather's tiles, each cell's source found from its digits (:func:`strided_form_table`), not read from an
+  index: one launch per map, fill included;
 - swizzled rows (``kernels/cuda/swizzle.cu``): a map of the ``swizzled_rows`` form (rows of 1-byte scales
   padded on the right, then the 128x4 swizzle): a block stages :data:`TILE_WORDS` words of each of
   :data:`BAND_ROWS` rows in shared memory (``KW`` words of ``TILE_WORDS / KW`` bands' rows where rows are
@@ -40,6 +43,8 @@ __all__ = [
     "SOURCE",
     "GATHER_SOURCE",
     "SWIZZLE_SOURCE",
+    "STRIDED_SOURCE",
+    "MAX_DIGITS",
     "BAND_ROWS",
     "TILE_WORDS",
     "MIN_KW",
@@ -59,6 +64,10 @@ __all__ = [
     "sources_for",
     "swizzle_tile",
     "swizzles",
+    "strided",
+    "strided_form_table",
+    "runs_strided",
+    "division_by_multiplying",
     "plan_in_background",
     "wait_for_plans",
 ]
@@ -69,6 +78,10 @@ GATHER_SOURCE = "gather"
 """The fatbin of ``kernels/cuda/gather.cu``."""
 SWIZZLE_SOURCE = "swizzle"
 """The fatbin of ``kernels/cuda/swizzle.cu``."""
+STRIDED_SOURCE = "strided"
+"""The fatbin of ``kernels/cuda/strided.cu``."""
+MAX_DIGITS = 8
+"""Most digits of a strided form the strided kernel takes (``MAX_DIGITS`` of ``strided.cu``)."""
 BAND_ROWS = 128
 TILE_WORDS = 32
 MIN_KW = 4
@@ -82,7 +95,8 @@ MAX_BW = 64
 _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"}
 _GATHERS = {16: "fimoe_gather_w16", 4: "fimoe_gather_w4", 1: "fimoe_gather_w1"}
 _SWIZZLES = {4: "fimoe_swizzle_w4", 2: "fimoe_swizzle_w2", 1: "fimoe_swizzle_w1"}
-_KERNELS = {SOURCE: _FUNCTIONS, GATHER_SOURCE: _GATHERS, SWIZZLE_SOURCE: _SWIZZLES}
+_STRIDEDS = {16: "fimoe_strided_w16", 4: "fimoe_strided_w4", 1: "fimoe_strided_w1"}
+_KERNELS = {SOURCE: _FUNCTIONS, GATHER_SOURCE: _GATHERS, SWIZZLE_SOURCE: _SWIZZLES, STRIDED_SOURCE: _STRIDEDS}
 """Each fatbin's kernels, by the word (bytes) they move."""
 MAX_GRID_Y = 65535
 """Most experts one launch covers (CUDA's grid y limit)."""
@@ -91,15 +105,24 @@ MAX_GRID_Y = 65535
 def available(device: torch.device | str) -> bool:
     """Whether the kernels load on ``device`` (a CUDA device whose driver takes the fatbins): loads every fatbin
     not loaded yet, in the calling thread."""
-    return all(cuda_driver.available(source, device) for source in (SOURCE, GATHER_SOURCE, SWIZZLE_SOURCE))
+    return all(cuda_driver.available(source, device) for source in _KERNELS)
 
 
 def sources_for(em: ExecMap, in_place: bool) -> tuple[str, ...]:
-    """The fatbins a run of ``em`` may launch: in place the cycle kernel's; a gather the gather kernel's, and the
-    swizzle kernel's too for a map that ends in the 128x4 swizzle (an output off 16 bytes goes to the gather)."""
+    """The fatbins a run of ``em`` may launch: in place the cycle kernel's; out of place the strided kernel's for a
+    map of the strided form (:func:`runs_strided`), else the gather kernel's, and the swizzle kernel's too for a map
+    that ends in the 128x4 swizzle (an output off 16 bytes goes to the other)."""
     if in_place:
         return (SOURCE,)
-    return (GATHER_SOURCE, SWIZZLE_SOURCE) if em.ends_swizzled else (GATHER_SOURCE,)
+    first = STRIDED_SOURCE if runs_strided(em) else GATHER_SOURCE
+    return (first, SWIZZLE_SOURCE) if em.ends_swizzled else (first,)
+
+
+def runs_strided(em: ExecMap) -> bool:
+    """Whether the strided kernel runs ``em`` out of place: a map of the strided form of at most
+    :data:`MAX_DIGITS` digits and fewer than ``2**31`` cells an expert (the kernel's 32-bit digit division)."""
+    st = em.strided
+    return st is not None and len(st.shape) <= MAX_DIGITS and em.n_out < 1 << 31
 
 
 def may_run(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
@@ -148,6 +171,8 @@ def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = Non
         return False
     if in_place:
         return cycle_plan_built(em, _tile_slots(em))
+    if runs_strided(em) and not em.ends_swizzled:
+        return True
     return em.sources_found() and (em.row_forms_found() or not em.ends_swizzled)
 
 
@@ -156,6 +181,8 @@ def build_plan(em: ExecMap, in_place: bool) -> None:
     an aligned buffer); a gather its sources, and its ``swizzled_rows`` form where it ends in the 128x4 swizzle."""
     if in_place:
         cycle_plan(em, _tile_slots(em))
+        return
+    if runs_strided(em) and not em.ends_swizzled:
         return
     if em.ends_swizzled:
         em.swizzled_rows  # noqa: B018 - found (with the sources it is checked against) and kept
@@ -223,11 +250,14 @@ def wait_for_plans() -> None:
 def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     """``out[e, i] = x[e, src[i]]`` for every expert (fill cells: their fill byte), ``x`` and ``out`` contiguous
     CUDA tensors of ``(E, in_bytes)`` and ``(E, out_bytes)`` bytes; one launch per :data:`MAX_GRID_Y` experts.
-    A map of the ``swizzled_rows`` form runs on the swizzle kernel (where ``out`` is 16-byte aligned), any
-    other on the gather kernel."""
+    A map of the ``swizzled_rows`` form runs on the swizzle kernel (where ``out`` is 16-byte aligned), a map of the
+    strided form on the strided kernel (:func:`runs_strided`), any other on the gather kernel."""
     experts = x.shape[0]  # the kernels read addresses only: no views of x and out are made
     if swizzles(em) and out.data_ptr() % 16 == 0:
         _swizzle(em, x, out)
+        return
+    if runs_strided(em):
+        strided(em, x, out)
         return
     word = _word(em, x, out)
     bm, bw, nc = cycle_tile(em.cell_bytes, word)
@@ -245,6 +275,60 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
                 (ptr, out.data_ptr() + e0 * em.out_bytes),
                 (ptr, x.data_ptr() + e0 * em.in_bytes),
                 (ptr, src.data_ptr()),
+                (ptr, fills.data_ptr()),
+                (c_int, em.n_out),
+                (c_int, bm),
+                (c_int, bw),
+                (c_int, nc),
+                (c_ll, em.cell_bytes // word),
+                (c_ll, em.in_bytes // word),
+                (c_ll, em.out_bytes // word),
+            ],
+        )
+
+
+def division_by_multiplying(radix: int) -> tuple[int, int]:
+    """``(magic, shift)`` with ``c // radix == (umulhi(c, magic) + c) >> shift`` for every ``0 <= c < 2**31``
+    (``umulhi``: the high 32 bits of the 64-bit product; ``1 <= radix < 2**31``): ``shift = ceil(log2 radix)``,
+    ``magic = ceil(2**(32 + shift) / radix) - 2**32``, a 32-bit value, and the sum stays below ``2**32``."""
+    shift = (radix - 1).bit_length()
+    return -(-(1 << (32 + shift)) // radix) - (1 << 32), shift
+
+
+def strided_form_table(em: ExecMap, device: torch.device) -> torch.Tensor:
+    """``em``'s strided form as the strided kernel reads it, on ``device`` (cached on ``em``): int64 ``[digits,
+    offset, fill index or -1]``, then per digit, innermost first, ``[radix, live, stride, magic, shift]``
+    (:func:`division_by_multiplying`)."""
+    key = ("strided form", str(device))
+    if key not in em._dev:
+        st = em.strided
+        assert st is not None and runs_strided(em)
+        table = [len(st.shape), st.offset, -1 if st.fill is None else -1 - st.fill]
+        for radix, live, stride in reversed(list(zip(st.shape, st.live, st.strides))):
+            table += [radix, live, stride, *division_by_multiplying(radix)]
+        em._dev[key] = torch.tensor(table, dtype=torch.int64).to(device)
+    return em._dev[key]
+
+
+def strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`gather` of a map of the strided form (:func:`runs_strided`) on the strided kernel: each output cell's
+    source from its digits (:func:`strided_form_table`), the box's complement filled in the same launch."""
+    word = _word(em, x, out)
+    bm, bw, nc = cycle_tile(em.cell_bytes, word)
+    form, fills = strided_form_table(em, x.device), em.fills_on(x.device, word)
+    c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+    for e0 in range(0, x.shape[0], MAX_GRID_Y):
+        cnt = min(MAX_GRID_Y, x.shape[0] - e0)
+        cuda_driver.launch(
+            STRIDED_SOURCE,
+            _STRIDEDS[word],
+            x.device,
+            (cdiv(em.n_out, bm) * nc, cnt, 1),
+            (THREADS, 1, 1),
+            [
+                (ptr, out.data_ptr() + e0 * em.out_bytes),
+                (ptr, x.data_ptr() + e0 * em.in_bytes),
+                (ptr, form.data_ptr()),
                 (ptr, fills.data_ptr()),
                 (c_int, em.n_out),
                 (c_int, bm),

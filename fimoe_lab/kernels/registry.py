@@ -172,14 +172,15 @@ def _strided_on_cuda(em: ExecMap, kind: str, in_place: bool = False) -> bool:
 
 def kernel_gathers(em: ExecMap) -> bool:
     """Whether the prebuilt kernels may run ``em`` out of place: a map that ends in the 128x4 scale swizzle (the
-    swizzle kernel, when the map has the ``swizzled_rows`` form), or any map but one strided view, which torch's
-    strided copies run faster than the gather kernel (benchmarks/RESULTS.md). Decided without finding a form."""
-    return em.strided is None or em.ends_swizzled
+    swizzle kernel, when the map has the ``swizzled_rows`` form), a map of the strided form the strided kernel
+    takes (one launch where torch makes a copy per piece and per fill slab), or any other map (the gather kernel).
+    Decided without finding a form."""
+    return em.strided is None or em.ends_swizzled or _module("prebuilt").runs_strided(em)
 
 
 def _gather_prebuilt(em, x, out):
     pre = _module("prebuilt")
-    if em.strided is None or pre.swizzles(em):
+    if em.strided is None or pre.swizzles(em) or pre.runs_strided(em):
         pre.gather(em, x, out)
     else:
         _gather_torch(em, x, out)

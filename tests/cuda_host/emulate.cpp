@@ -5,6 +5,7 @@
 
 #include "cycles.cu"
 #include "gather.cu"
+#include "strided.cu"
 #include "swizzle.cu"
 
 // separate_blocks: every thread waits for the block's others before the next block (kernels with shared memory)
@@ -63,3 +64,15 @@ EMULATE_GATHER(fimoe_gather_w1, word1)
 EMULATE_SWIZZLE(fimoe_swizzle_w4)
 EMULATE_SWIZZLE(fimoe_swizzle_w2)
 EMULATE_SWIZZLE(fimoe_swizzle_w1)
+
+#define EMULATE_STRIDED(NAME, W)                                                                                \
+    extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, W* out, const W* x,               \
+                                   const long long* form, const W* fills, int n_out, int bm, int bw, int nc,     \
+                                   long long cell_words, long long in_words, long long out_words) {              \
+        run_grid([&] { NAME(out, x, form, fills, n_out, bm, bw, nc, cell_words, in_words, out_words); }, gx, gy, \
+                 threads, true);                                                                                \
+    }
+
+EMULATE_STRIDED(fimoe_strided_w16, word16)
+EMULATE_STRIDED(fimoe_strided_w4, word4)
+EMULATE_STRIDED(fimoe_strided_w1, word1)

@@ -29,6 +29,8 @@ inline void __syncthreads() { fimoe_block_barrier->arrive_and_wait(); }
 struct alignas(16) uint4 {
     unsigned int x, y, z, w;
 };
+// The high 32 bits of a 32 x 32-bit product.
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 template <typename T>
 inline T __ldcs(const T* p) {
     return *p;
