@@ -196,11 +196,11 @@ def launch(
     args: list[tuple[type, int]],
 ) -> None:
     """Launch function ``name`` of ``source``'s fatbin on ``device``'s current torch stream."""
-    kinds = tuple(kind for kind, _ in args)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (source, name, index, kinds)
+    key = (source, name, index)
     prepared = _LAUNCHES.get(key)
     if prepared is None:
+        kinds = tuple(kind for kind, _ in args)  # a kernel's parameter types are its own: fixed per function
         prepared = _LAUNCHES.setdefault(key, _Launch(*kernel(source, name, torch.device("cuda", index)), kinds))
     stream = _current_stream(index)
     with prepared.lock, prepared.module.current():

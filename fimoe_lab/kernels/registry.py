@@ -419,6 +419,11 @@ def _prebuilt_stands_in(ex: Executor, device: torch.device, em: Optional[ExecMap
     )
 
 
+_READY = "prebuilt ready"
+"""``ExecMap._dev`` key: the ``(in_place, device)`` on which the prebuilt kernels were found ready to run the map
+(fatbins loaded, plan built: both stay), so its later calls there skip the checks."""
+
+
 def _loaded_or_stand_in(
     ex: Executor, em: Optional[ExecMap] = None, device: torch.device | str | None = None, in_place: bool = False
 ) -> Executor:
@@ -434,6 +439,9 @@ def _loaded_or_stand_in(
     do not load, the default path below goes on."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
+    if em is not None and ex.stand_in == "torch" and (in_place, device) in em._dev.get(_READY, ()):
+        if env.value(PREBUILT_ENV, True):  # ready on this device before: the checks below answered prebuilt
+            return EXECUTORS["prebuilt"]
     device = torch.device(device if device is not None else "cpu")
     if _prebuilt_stands_in(ex, device, em, in_place):
         assert em is not None
@@ -442,6 +450,8 @@ def _loaded_or_stand_in(
             if pre.loads_for(em, in_place, device):
                 return EXECUTORS["prebuilt"]
         elif pre.planned(em, in_place, device):
+            if device.index is not None:  # "cuda" alone names whichever device is current
+                em._dev.setdefault(_READY, set()).add((in_place, device))
             return EXECUTORS["prebuilt"]
         else:
             pre.plan_in_background(em, in_place, device)
