@@ -4,9 +4,9 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
 
 - gather (``kernels/cuda/gather.cu``): a block writes ``BM`` output cells x ``BW`` words of each, every
   word loaded from its source cell (or its fill) and stored once;
-- strided (``kernels/cuda/strided.cu``): a map of the strided form (:class:`~fimoe_lab.kernels.compiled.Strided`)
-  as the gather's tiles, each cell's source found from its digits (:func:`strided_form_table`), not read from an
-  index: one launch per map, fill included;
+- strided (``kernels/cuda/strided.cu``): a map of the strided form (:class:`~fimoe_lab.kernels.compiled.Strided`),
+  a block moving consecutive output words, each word's source found from its digits (:func:`strided_form_table`),
+  not read from an index: one launch per map, fill included;
 - swizzled rows (``kernels/cuda/swizzle.cu``): a map of the ``swizzled_rows`` form (rows of 1-byte scales
   padded on the right, then the 128x4 swizzle): a block stages :data:`TILE_WORDS` words of each of
   :data:`BAND_ROWS` rows in shared memory (``KW`` words of ``TILE_WORDS / KW`` bands' rows where rows are
@@ -81,7 +81,8 @@ SWIZZLE_SOURCE = "swizzle"
 STRIDED_SOURCE = "strided"
 """The fatbin of ``kernels/cuda/strided.cu``."""
 MAX_DIGITS = 8
-"""Most digits of a strided form the strided kernel takes (``MAX_DIGITS`` of ``strided.cu``)."""
+"""Most digits the strided kernel divides a word's index into (``MAX_DIGITS`` of ``strided.cu``): the word within
+its cell and the form's."""
 BAND_ROWS = 128
 TILE_WORDS = 32
 MIN_KW = 4
@@ -119,10 +120,11 @@ def sources_for(em: ExecMap, in_place: bool) -> tuple[str, ...]:
 
 
 def runs_strided(em: ExecMap) -> bool:
-    """Whether the strided kernel runs ``em`` out of place: a map of the strided form of at most
-    :data:`MAX_DIGITS` digits and fewer than ``2**31`` cells an expert (the kernel's 32-bit digit division)."""
+    """Whether the strided kernel runs ``em`` out of place: a map of the strided form of fewer than
+    :data:`MAX_DIGITS` digits (the word within a cell is one more) and fewer than ``2**31`` output bytes an expert
+    (the kernel's 32-bit digit division)."""
     st = em.strided
-    return st is not None and len(st.shape) <= MAX_DIGITS and em.n_out < 1 << 31
+    return st is not None and len(st.shape) < MAX_DIGITS and em.out_bytes < 1 << 31
 
 
 def may_run(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
@@ -295,48 +297,51 @@ def division_by_multiplying(radix: int) -> tuple[int, int]:
     return -(-(1 << (32 + shift)) // radix) - (1 << 32), shift
 
 
-def strided_form_table(em: ExecMap, device: torch.device) -> torch.Tensor:
-    """``em``'s strided form as the strided kernel reads it, on ``device`` (cached on ``em``): int64 ``[digits,
-    offset, fill index or -1]``, then per digit, innermost first, ``[radix, live, stride, magic, shift]``
-    (:func:`division_by_multiplying`)."""
-    key = ("strided form", str(device))
+def strided_form_table(em: ExecMap, device: torch.device, word: int) -> torch.Tensor:
+    """``em``'s strided form over ``word``-byte words as the strided kernel reads it, on ``device`` (cached on
+    ``em``): int64 ``[digits, offset, fill index or -1]``, then per digit, innermost first, ``[radix, live, stride,
+    magic, shift]`` (:func:`division_by_multiplying`): the word within its cell (where a cell holds more than one),
+    then the form's digits, strides and offset in words."""
+    key = ("strided form", str(device), word)
     if key not in em._dev:
         st = em.strided
         assert st is not None and runs_strided(em)
-        table = [len(st.shape), st.offset, -1 if st.fill is None else -1 - st.fill]
-        for radix, live, stride in reversed(list(zip(st.shape, st.live, st.strides))):
+        cell_words = em.cell_bytes // word
+        table = [0, st.offset * cell_words, -1 if st.fill is None else -1 - st.fill]
+        digits = [(cell_words, cell_words, 1)] if cell_words > 1 else []
+        digits += [(radix, live, stride * cell_words) for radix, live, stride in zip(st.shape, st.live, st.strides)][
+            ::-1
+        ]
+        for radix, live, stride in digits:
             table += [radix, live, stride, *division_by_multiplying(radix)]
+        table[0] = len(digits)
         em._dev[key] = torch.tensor(table, dtype=torch.int64).to(device)
     return em._dev[key]
 
 
 def strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
-    """:func:`gather` of a map of the strided form (:func:`runs_strided`) on the strided kernel: each output cell's
+    """:func:`gather` of a map of the strided form (:func:`runs_strided`) on the strided kernel: each output word's
     source from its digits (:func:`strided_form_table`), the box's complement filled in the same launch."""
     word = _word(em, x, out)
-    bm, bw, nc = cycle_tile(em.cell_bytes, word)
-    form, fills = strided_form_table(em, x.device), em.fills_on(x.device, word)
-    c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+    n_words = em.out_bytes // word
+    form, fills = strided_form_table(em, x.device, word), em.fills_on(x.device, word)
+    ptr = ctypes.c_void_p
     for e0 in range(0, x.shape[0], MAX_GRID_Y):
         cnt = min(MAX_GRID_Y, x.shape[0] - e0)
         cuda_driver.launch(
             STRIDED_SOURCE,
             _STRIDEDS[word],
             x.device,
-            (cdiv(em.n_out, bm) * nc, cnt, 1),
+            (cdiv(n_words, THREADS * ITEMS), cnt, 1),
             (THREADS, 1, 1),
             [
                 (ptr, out.data_ptr() + e0 * em.out_bytes),
                 (ptr, x.data_ptr() + e0 * em.in_bytes),
                 (ptr, form.data_ptr()),
                 (ptr, fills.data_ptr()),
-                (c_int, em.n_out),
-                (c_int, bm),
-                (c_int, bw),
-                (c_int, nc),
-                (c_ll, em.cell_bytes // word),
-                (c_ll, em.in_bytes // word),
-                (c_ll, em.out_bytes // word),
+                (ctypes.c_int, n_words),
+                (ctypes.c_longlong, em.in_bytes // word),
+                (ctypes.c_longlong, n_words),
             ],
         )
 

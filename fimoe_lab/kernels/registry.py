@@ -439,9 +439,9 @@ def _loaded_or_stand_in(
     do not load, the default path below goes on."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
-    if em is not None and ex.stand_in == "torch" and (in_place, device) in em._dev.get(_READY, ()):
-        if env.value(PREBUILT_ENV, True):  # ready on this device before: the checks below answered prebuilt
-            return EXECUTORS["prebuilt"]
+    ready = em is not None and ex.stand_in == "torch" and (in_place, device) in em._dev.get(_READY, ())
+    if ready and env.value(PREBUILT_ENV, True):  # ready on this device before: the checks below answered prebuilt
+        return EXECUTORS["prebuilt"]
     device = torch.device(device if device is not None else "cpu")
     if _prebuilt_stands_in(ex, device, em, in_place):
         assert em is not None

@@ -1,20 +1,20 @@
 // Out-of-place maps of the strided form (fimoe_lab/kernels/compiled.py, Strided), built ahead of time: one
 // launch per map, with the form's digits as data instead of a source index per cell.
 //
-// Per expert, output cell c (0 <= c < n_out) has the mixed-radix digits of c over the form's shape; inside the
-// box (every digit below its live extent) it is input cell offset + sum(digit[d] * stride[d]) (strides may be
-// negative), outside it every word is the fill word. The form is an int64 table (FORM_* below), its digits
-// innermost first; a block copies it to shared memory, and a digit is c mod radix after c / radix by a multiply
-// (Granlund-Montgomery: q = (umulhi(c, magic) + c) >> shift, exact for c < 2^31).
+// Per expert, output word w (0 <= w < n_words) has mixed-radix digits over the form's shape, the word within its
+// cell the innermost; inside the box (every digit below its live extent) it is input word offset + sum(digit[d] *
+// stride[d]) (strides in words, possibly negative), outside it the fill word. The form is an int64 table (layout
+// below); a block copies it to shared memory, and a digit is w mod radix after w / radix by a multiply
+// (Granlund-Montgomery: q = (umulhi(w, magic) + w) >> shift, exact for w < 2^31).
 //
-// Tiles as gather.cu: a block moves BM cells x BW words of each (consecutive threads, consecutive words), every
-// thread loading its ITEMS words into registers before storing any, so ITEMS loads are in flight per thread.
-// Grid: x = tile * NC + column chunk (NC = cell words / BW), y = expert of the launch.
+// A block moves THREADS * ITEMS consecutive output words of one expert, consecutive threads consecutive words (whole
+// lines stored, a cell's words loaded together), every thread loading its ITEMS words into registers before storing
+// any, so ITEMS loads are in flight per thread. Grid: x = chunk of words, y = expert of the launch.
 
 #include "tile.cuh"
 
-// The form table: the number of digits, the source cell of all digits 0, the fill word's index in fills (-1:
-// every cell is in the box), then per digit, innermost first: radix, live, stride, magic, shift.
+// The form table: the number of digits, the source word of all digits 0, the fill word's index in fills (-1: every
+// word is in the box), then per digit, innermost first: radix, live, stride, magic, shift.
 #define MAX_DIGITS 8
 #define FORM_DIGITS 0
 #define FORM_OFFSET 1
@@ -23,30 +23,26 @@
 #define FORM_PER_DIGIT 5
 
 template <typename W>
-__device__ __forceinline__ void strided_tile(W* __restrict__ out, const W* __restrict__ x,
-                                             const long long* __restrict__ form, const W* __restrict__ fills,
-                                             int n_out, int bm, int bw, int nc, long long cell_words,
-                                             long long in_words, long long out_words) {
+__device__ __forceinline__ void strided_words(W* __restrict__ out, const W* __restrict__ x,
+                                              const long long* __restrict__ form, const W* __restrict__ fills,
+                                              int n_words, long long in_words, long long out_words) {
     __shared__ long long f[FORM_HEAD + FORM_PER_DIGIT * MAX_DIGITS];
     const int nd = (int)form[FORM_DIGITS];
     if ((int)threadIdx.x < FORM_HEAD + FORM_PER_DIGIT * nd) f[threadIdx.x] = form[threadIdx.x];
     __syncthreads();
-    const int tile = blockIdx.x / nc;
-    const long long col0 = (long long)(blockIdx.x % nc) * bw;
     const long long e = blockIdx.y;
     const W* xe = x + e * in_words;
     W* oe = out + e * out_words;
     const long long fill = f[FORM_FILL];
+    const int base = (int)blockIdx.x * (THREADS * ITEMS) + (int)threadIdx.x;
     W v[ITEMS];
-    long long to[ITEMS];  // output word of item k, or -1 past the map
+    int to[ITEMS];  // the output word of item k, or -1 past the expert
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-        const int i = k * THREADS + (int)threadIdx.x;
-        const int cell = tile * bm + i / bw;
+        const int word = base + k * THREADS;
         to[k] = -1;
-        if (cell < n_out) {
-            const long long col = col0 + i % bw;
-            unsigned c = (unsigned)cell;
+        if (word < n_words) {
+            unsigned c = (unsigned)word;
             long long s = f[FORM_OFFSET];
             bool live = true;
 #pragma unroll
@@ -60,8 +56,8 @@ __device__ __forceinline__ void strided_tile(W* __restrict__ out, const W* __res
                     c = q;
                 }
             }
-            v[k] = live ? __ldcs(xe + s * cell_words + col) : fills[fill];
-            to[k] = (long long)cell * cell_words + col;
+            v[k] = live ? __ldcs(xe + s) : fills[fill];
+            to[k] = word;
         }
     }
 #pragma unroll
@@ -72,9 +68,9 @@ __device__ __forceinline__ void strided_tile(W* __restrict__ out, const W* __res
 
 #define STRIDED_KERNEL(NAME, W)                                                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                      \
-        NAME(W* out, const W* x, const long long* form, const W* fills, int n_out, int bm, int bw, int nc,     \
-             long long cell_words, long long in_words, long long out_words) {                                   \
-        strided_tile<W>(out, x, form, fills, n_out, bm, bw, nc, cell_words, in_words, out_words);              \
+        NAME(W* out, const W* x, const long long* form, const W* fills, int n_words, long long in_words,       \
+             long long out_words) {                                                                             \
+        strided_words<W>(out, x, form, fills, n_words, in_words, out_words);                                    \
     }
 
 STRIDED_KERNEL(fimoe_strided_w16, word16)
