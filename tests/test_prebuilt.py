@@ -142,9 +142,10 @@ def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
 
 
 def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
-    """A map's first default call loads no fatbin: the planner thread loads the ones that map needs (in place the
-    cycle kernel's, a gather of the strided form the strided kernel's, another the gather kernel's and, for a map that
-    ends in the swizzle, the swizzle kernel's too)
+    """A map's first default call loads no fatbin but the strided kernel's, which runs a map of the strided form at
+    once: the planner thread loads the ones a map needs (in place the cycle kernel's, a gather of the strided form
+    the strided kernel's, another the gather kernel's and, for a map that ends in the swizzle, the swizzle kernel's
+    too)
     on the caller's device and gets their kernels, then the map is planned there. A fatbin that does not load is remembered, and the
     prebuilt kernels stop standing in for the maps that need it. The driver's load is played by a recorder here
     (no GPU); tests/test_kernels_gpu.py checks the same in a fresh process on a device."""
@@ -188,13 +189,16 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     planner = prebuilt.PLANNER_THREAD
 
     dev = torch.device("cuda")  # the current device, 5: the caller's, not the planner thread's
+    caller = threading.current_thread().name
     assert registry._prebuilt_stands_in(triton, dev, swizzled, False) and not prebuilt.planned(swizzled, False, dev)
-    assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "torch"  # and the planner asked
+    assert prebuilt.runs_strided(swizzled)  # the 128x4 swizzle alone is a strided view
+    # its first call loads the strided kernel (no plan needed) and runs on it; the planner asked for the rest
+    assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "prebuilt"
+    assert loads[0] == ("strided", 5, caller)
     prebuilt.plan_in_background(permuted, True, dev)
     prebuilt.wait_for_plans()
-    assert prebuilt.runs_strided(swizzled)  # the 128x4 swizzle alone is a strided view
-    assert loads == [("strided", 5, planner), ("swizzle", 5, planner), ("cycles", 5, planner)]
-    words = {"strided": (16, 4, 1), "swizzle": (4, 2, 1), "cycles": (16, 4, 1)}
+    assert loads == [("strided", 5, caller), ("swizzle", 5, planner), ("cycles", 5, planner)]
+    words = {"strided": (16, 4, 1), "swizzle": (4, 2, 1), "cycles": (16, 4, 1)}  # their kernels got by the planner
     assert got == {(src, f"fimoe_{src}_w{w}", 5, planner) for src, ws in words.items() for w in ws}
     assert prebuilt.planned(swizzled, False, dev) and prebuilt.planned(permuted, True, dev)
     assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "prebuilt"
@@ -205,6 +209,7 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
         prebuilt.plan_in_background(em, False, "cuda:6")
     prebuilt.wait_for_plans()
     assert loads == [("strided", 6, planner), ("swizzle", 6, planner)]  # the strided kernel's loads once
+    assert ("strided", "fimoe_strided_w16", 6, planner) in got
     assert cuda_driver.tried("swizzle", "cuda:6") is False and cuda_driver.tried("cycles", "cuda:6") is None
     assert not prebuilt.may_run(swizzled, False, "cuda:6") and not prebuilt.planned(swizzled, False, "cuda:6")
     assert not registry._prebuilt_stands_in(triton, torch.device("cuda:6"), swizzled, False)
@@ -364,12 +369,16 @@ def test_the_gather_source_runs_every_engine_map(emulated, m, shift):
     from reference_loops import byte_gather
 
     em = m.compiled()
-    for x in host_inputs(m, 3):
+    for x, find in zip(host_inputs(m, 3), (False, True)):
+        if find:  # as the planner thread does
+            em.swizzled_rows  # noqa: B018
+        forms = em.row_forms_found()  # an earlier test of the same map may have found them
         out = torch.full((3, m.out_bytes), 0x5A, dtype=torch.uint8)
         emulated.clear()
         prebuilt.gather(em, shifted_copy(x, shift), out)
         assert torch.equal(out, byte_gather(m, x).reshape(3, -1))
-        swizzled = em.ends_swizzled and em.swizzled_rows is not None
+        # a strided map takes the swizzle kernel only once its row forms are found, any other at once
+        swizzled = em.ends_swizzled and (forms or not prebuilt.runs_strided(em)) and em.swizzled_rows is not None
         assert all((name in prebuilt._SWIZZLES.values()) == swizzled for name in emulated)
         if not swizzled:  # one launch of the kernel its form takes
             kernels = prebuilt._STRIDEDS if prebuilt.runs_strided(em) else prebuilt._GATHERS

@@ -67,6 +67,7 @@ __all__ = [
     "strided",
     "strided_form_table",
     "runs_strided",
+    "strided_now",
     "division_by_multiplying",
     "plan_in_background",
     "wait_for_plans",
@@ -125,6 +126,13 @@ def runs_strided(em: ExecMap) -> bool:
     (the kernel's 32-bit digit division)."""
     st = em.strided
     return st is not None and len(st.shape) < MAX_DIGITS and em.out_bytes < 1 << 31
+
+
+def strided_now(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
+    """Whether the strided kernel runs ``em`` out of place on ``device`` now, before any plan (:func:`runs_strided`):
+    its fatbin is loaded there, by this call where no call loaded it before (about a millisecond, once a process and
+    device)."""
+    return not in_place and runs_strided(em) and cuda_driver.available(STRIDED_SOURCE, device)
 
 
 def may_run(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
@@ -252,10 +260,13 @@ def wait_for_plans() -> None:
 def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     """``out[e, i] = x[e, src[i]]`` for every expert (fill cells: their fill byte), ``x`` and ``out`` contiguous
     CUDA tensors of ``(E, in_bytes)`` and ``(E, out_bytes)`` bytes; one launch per :data:`MAX_GRID_Y` experts.
-    A map of the ``swizzled_rows`` form runs on the swizzle kernel (where ``out`` is 16-byte aligned), a map of the
-    strided form on the strided kernel (:func:`runs_strided`), any other on the gather kernel."""
+    A map of the ``swizzled_rows`` form runs on the swizzle kernel (where ``out`` is 16-byte aligned; a map of the
+    strided form too only once that form is found), a map of the strided form on the strided kernel
+    (:func:`runs_strided`), any other on the gather kernel."""
     experts = x.shape[0]  # the kernels read addresses only: no views of x and out are made
-    if swizzles(em) and out.data_ptr() % 16 == 0:
+    # a strided map that ends in the swizzle takes the swizzle kernel once its row forms are found, and the strided
+    # kernel before (finding them is the planner thread's)
+    if (em.row_forms_found() or not runs_strided(em)) and swizzles(em) and out.data_ptr() % 16 == 0:
         _swizzle(em, x, out)
         return
     if runs_strided(em):

@@ -434,7 +434,9 @@ def _loaded_or_stand_in(
     Where ``prebuilt`` stands in (:func:`_prebuilt_stands_in`) no other load is started, and ``prebuilt`` runs
     once the map is ready for it (its fatbins loaded on the device; in place its cycle plan, a gather its
     sources: :func:`.prebuilt.planned`): the first call of a map asks for that on a background thread and runs
-    on torch, so a model's first layer waits neither for the fatbins nor for the plans. With
+    on torch, so a model's first layer waits neither for the fatbins nor for the plans; but a map of the strided
+    form runs on the strided kernel from its first call, whose fatbin the first such call loads
+    (:func:`.prebuilt.strided_now`). With
     :data:`BACKGROUND_ENV` off the call loads the fatbins itself (and builds the plan when it runs); where they
     do not load, the default path below goes on."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
@@ -449,11 +451,17 @@ def _loaded_or_stand_in(
         if not env.value(BACKGROUND_ENV, True):
             if pre.loads_for(em, in_place, device):
                 return EXECUTORS["prebuilt"]
-        elif pre.planned(em, in_place, device):
-            if device.index is not None:  # "cuda" alone names whichever device is current
-                em._dev.setdefault(_READY, set()).add((in_place, device))
-            return EXECUTORS["prebuilt"]
         else:
+            ready = pre.planned(em, in_place, device)
+            if not ready and pre.strided_now(em, in_place, device):  # loads the strided kernel here, once
+                ready = pre.planned(em, in_place, device)
+                if not ready:  # ends in the swizzle: the strided kernel runs it until its row forms are found
+                    pre.plan_in_background(em, in_place, device)
+                    return EXECUTORS["prebuilt"]
+            if ready:
+                if device.index is not None:  # "cuda" alone names whichever device is current
+                    em._dev.setdefault(_READY, set()).add((in_place, device))
+                return EXECUTORS["prebuilt"]
             pre.plan_in_background(em, in_place, device)
             return EXECUTORS["torch"]
     stand = EXECUTORS[ex.stand_in] if ex.stand_in is not None else None
