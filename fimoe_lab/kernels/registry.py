@@ -355,9 +355,11 @@ PREBUILT_ENV = "FIMOE_PREBUILT_KERNELS"
 """Set to a false value to keep torch as the stand-in of an executor that stands in with torch. By default
 ``prebuilt`` stands in on the devices it loads on (:func:`_prebuilt_stands_in`): in place its cycle kernel
 moves each byte once where torch moves it twice (a DeepSeek-V3 FP8 rotate's median layer in a whole model:
-1.25-1.28 ms against 2.20-2.33 ms on an H100, benchmarks/RESULTS.md), it gathers the maps torch runs as
-two strided stages or an ``index_select``, and its swizzle kernel runs scale maps that end in the 128x4 swizzle
-(DeepSeek-R1 NVFP4's W13 scales at 0.82 of a copy against torch's 0.49, gpt-oss's at 0.55 against 0.13)."""
+1.25-1.28 ms against 2.20-2.33 ms on an H100, benchmarks/RESULTS.md), its strided kernel runs a map of the
+strided form in one launch (0.88-1.10 of a copy on an H100 where torch's copies, one per piece and fill slab,
+reach 0.87-1.10), it gathers the maps torch runs as two strided stages or an ``index_select``, and its swizzle
+kernel runs scale maps that end in the 128x4 swizzle (DeepSeek-R1 NVFP4's W13 scales at 0.82 of a copy against
+torch's 0.49, gpt-oss's at 0.55 against 0.13)."""
 
 
 class _Loads:
