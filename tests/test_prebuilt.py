@@ -385,6 +385,26 @@ def test_the_gather_source_runs_every_engine_map(emulated, m, shift):
             assert len(emulated) == 1 and emulated[0] in kernels.values()
 
 
+def test_a_strided_map_that_ends_swizzled_runs_strided_until_its_row_forms_are_found(emulated):
+    """The default executor's call of a strided map ending in the 128x4 swizzle (DeepSeek-R1's scales) finds no row
+    form in the caller's thread (that is the planner thread's work): it launches the strided kernel, and the swizzle
+    kernel once the forms are found; the bytes of the reference loop both times."""
+    from reference_loops import byte_gather
+
+    m = plan_layer("nvfp4", "trtllm", 192, 768).w13_scale  # shapes no other test plans: its forms not yet found
+    em = m.compiled()
+    assert prebuilt.runs_strided(em) and em.ends_swizzled and not em.row_forms_found()
+    x = next(host_inputs(m, 2))
+    for found in (False, True):
+        out = torch.full((2, m.out_bytes), 0x5A, dtype=torch.uint8)
+        emulated.clear()
+        registry.EXECUTORS["prebuilt"].gather(em, x, out)
+        assert torch.equal(out, byte_gather(m, x).reshape(2, -1))
+        assert em.row_forms_found() == found
+        assert emulated == [(prebuilt._SWIZZLES if found else prebuilt._STRIDEDS)[4]]
+        em.swizzled_rows  # noqa: B018 - found, as the planner thread does
+
+
 def strided_exec_map(shape, live, strides, offset, fill, cell_bytes, extra):
     """An :class:`ExecMap` of the strided form ``(shape, live, strides, offset, fill code)`` (fill code -1: byte 0xA7,
     None: no fill) whose sources are found here

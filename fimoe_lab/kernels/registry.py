@@ -180,7 +180,7 @@ def kernel_gathers(em: ExecMap) -> bool:
 
 def _gather_prebuilt(em, x, out):
     pre = _module("prebuilt")
-    if em.strided is None or pre.swizzles(em) or pre.runs_strided(em):
+    if em.strided is None or pre.runs_strided(em) or pre.swizzles(em):  # runs_strided first: swizzles finds forms
         pre.gather(em, x, out)
     else:
         _gather_torch(em, x, out)
