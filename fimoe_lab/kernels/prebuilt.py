@@ -263,9 +263,8 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     A map of the ``swizzled_rows`` form runs on the swizzle kernel (where ``out`` is 16-byte aligned; a map of the
     strided form too only once that form is found), a map of the strided form on the strided kernel
     (:func:`runs_strided`), any other on the gather kernel."""
-    experts = x.shape[0]  # the kernels read addresses only: no views of x and out are made
-    # a strided map that ends in the swizzle takes the swizzle kernel once its row forms are found, and the strided
-    # kernel before (finding them is the planner thread's)
+    # the kernels read addresses only: no views of x and out are made. A strided map that ends in the swizzle
+    # takes the swizzle kernel once its row forms are found, and the strided kernel before (the planner finds them)
     if (em.row_forms_found() or not runs_strided(em)) and swizzles(em) and out.data_ptr() % 16 == 0:
         _swizzle(em, x, out)
         return
@@ -276,28 +275,38 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     bm, bw, nc = cycle_tile(em.cell_bytes, word)
     src, fills = em.src_on(x.device), em.fills_on(x.device, word)
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    for e0 in range(0, experts, MAX_GRID_Y):
-        cnt = min(MAX_GRID_Y, experts - e0)
-        cuda_driver.launch(
-            GATHER_SOURCE,
-            _GATHERS[word],
-            x.device,
-            (cdiv(em.n_out, bm) * nc, cnt, 1),
-            (THREADS, 1, 1),
-            [
-                (ptr, out.data_ptr() + e0 * em.out_bytes),
-                (ptr, x.data_ptr() + e0 * em.in_bytes),
-                (ptr, src.data_ptr()),
-                (ptr, fills.data_ptr()),
-                (c_int, em.n_out),
-                (c_int, bm),
-                (c_int, bw),
-                (c_int, nc),
-                (c_ll, em.cell_bytes // word),
-                (c_ll, em.in_bytes // word),
-                (c_ll, em.out_bytes // word),
-            ],
-        )
+    _launch_per_experts(
+        GATHER_SOURCE,
+        _GATHERS[word],
+        em,
+        x,
+        out,
+        cdiv(em.n_out, bm) * nc,
+        [
+            (ptr, src.data_ptr()),
+            (ptr, fills.data_ptr()),
+            (c_int, em.n_out),
+            (c_int, bm),
+            (c_int, bw),
+            (c_int, nc),
+            (c_ll, em.cell_bytes // word),
+            (c_ll, em.in_bytes // word),
+            (c_ll, em.out_bytes // word),
+        ],
+    )
+
+
+def _launch_per_experts(
+    source: str, name: str, em: ExecMap, x: torch.Tensor, out: torch.Tensor, blocks: int, args: list
+) -> None:
+    """Launch kernel ``name`` of ``source`` over every expert of ``x`` and ``out``, :data:`MAX_GRID_Y` experts at most
+    a launch (grid: ``blocks`` x the launch's experts): its arguments the launch's first output and input addresses,
+    then ``args``."""
+    ptr = ctypes.c_void_p
+    for e0 in range(0, x.shape[0], MAX_GRID_Y):
+        cnt = min(MAX_GRID_Y, x.shape[0] - e0)
+        where = [(ptr, out.data_ptr() + e0 * em.out_bytes), (ptr, x.data_ptr() + e0 * em.in_bytes)]
+        cuda_driver.launch(source, name, x.device, (blocks, cnt, 1), (THREADS, 1, 1), where + args)
 
 
 def division_by_multiplying(radix: int) -> tuple[int, int]:
@@ -337,24 +346,21 @@ def strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     n_words = em.out_bytes // word
     form, fills = strided_form_table(em, x.device, word), em.fills_on(x.device, word)
     ptr = ctypes.c_void_p
-    for e0 in range(0, x.shape[0], MAX_GRID_Y):
-        cnt = min(MAX_GRID_Y, x.shape[0] - e0)
-        cuda_driver.launch(
-            STRIDED_SOURCE,
-            _STRIDEDS[word],
-            x.device,
-            (cdiv(n_words, THREADS * ITEMS), cnt, 1),
-            (THREADS, 1, 1),
-            [
-                (ptr, out.data_ptr() + e0 * em.out_bytes),
-                (ptr, x.data_ptr() + e0 * em.in_bytes),
-                (ptr, form.data_ptr()),
-                (ptr, fills.data_ptr()),
-                (ctypes.c_int, n_words),
-                (ctypes.c_longlong, em.in_bytes // word),
-                (ctypes.c_longlong, n_words),
-            ],
-        )
+    _launch_per_experts(
+        STRIDED_SOURCE,
+        _STRIDEDS[word],
+        em,
+        x,
+        out,
+        cdiv(n_words, THREADS * ITEMS),
+        [
+            (ptr, form.data_ptr()),
+            (ptr, fills.data_ptr()),
+            (ctypes.c_int, n_words),
+            (ctypes.c_longlong, em.in_bytes // word),
+            (ctypes.c_longlong, n_words),
+        ],
+    )
 
 
 def swizzles(em: ExecMap) -> bool:
@@ -397,29 +403,26 @@ def _swizzle(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     kw_shift, nb, nk = swizzle_tile(cw)
     n_bands = rows_n // BAND_ROWS
     table = swizzle_rows_table(em, x.device)
-    c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    for e0 in range(0, x.shape[0], MAX_GRID_Y):
-        cnt = min(MAX_GRID_Y, x.shape[0] - e0)
-        cuda_driver.launch(
-            SWIZZLE_SOURCE,
-            _SWIZZLES[word],
-            x.device,
-            (cdiv(n_bands, nb) * nk, cnt, 1),
-            (THREADS, 1, 1),
-            [
-                (ptr, out.data_ptr() + e0 * em.out_bytes),
-                (ptr, x.data_ptr() + e0 * em.in_bytes),
-                (ptr, table.data_ptr()),
-                (c_int, c_in),
-                (c_int, cw),
-                (c_int, n_bands),
-                (c_int, nk),
-                (c_int, kw_shift),
-                (c_int, column_fill),
-                (c_ll, em.in_bytes),
-                (c_ll, em.out_bytes // 16),
-            ],
-        )
+    c_int, c_ll = ctypes.c_int, ctypes.c_longlong
+    _launch_per_experts(
+        SWIZZLE_SOURCE,
+        _SWIZZLES[word],
+        em,
+        x,
+        out,
+        cdiv(n_bands, nb) * nk,
+        [
+            (ctypes.c_void_p, table.data_ptr()),
+            (c_int, c_in),
+            (c_int, cw),
+            (c_int, n_bands),
+            (c_int, nk),
+            (c_int, kw_shift),
+            (c_int, column_fill),
+            (c_ll, em.in_bytes),
+            (c_ll, em.out_bytes // 16),
+        ],
+    )
 
 
 def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
