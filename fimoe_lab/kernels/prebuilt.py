@@ -128,6 +128,12 @@ def runs_strided(em: ExecMap) -> bool:
     return st is not None and len(st.shape) < MAX_DIGITS and em.out_bytes < 1 << 31
 
 
+def _needs_no_plan(em: ExecMap) -> bool:
+    """A gather of ``em`` needs nothing built ahead: the strided kernel runs it from its form, and it does not end in
+    the swizzle (whose kernel needs the row forms)."""
+    return runs_strided(em) and not em.ends_swizzled
+
+
 def strided_now(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
     """Whether the strided kernel runs ``em`` out of place on ``device`` now, before any plan (:func:`runs_strided`):
     its fatbin is loaded there, by this call where no call loaded it before (once a process and device: on an H100
@@ -181,7 +187,7 @@ def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = Non
         return False
     if in_place:
         return cycle_plan_built(em, _tile_slots(em))
-    if runs_strided(em) and not em.ends_swizzled:
+    if _needs_no_plan(em):
         return True
     return em.sources_found() and (em.row_forms_found() or not em.ends_swizzled)
 
@@ -192,7 +198,7 @@ def build_plan(em: ExecMap, in_place: bool) -> None:
     if in_place:
         cycle_plan(em, _tile_slots(em))
         return
-    if runs_strided(em) and not em.ends_swizzled:
+    if _needs_no_plan(em):
         return
     if em.ends_swizzled:
         em.swizzled_rows  # noqa: B018 - found (with the sources it is checked against) and kept

@@ -454,18 +454,13 @@ def _loaded_or_stand_in(
             if pre.loads_for(em, in_place, device):
                 return EXECUTORS["prebuilt"]
         else:
-            ready = pre.planned(em, in_place, device)
-            if not ready and pre.strided_now(em, in_place, device):  # loads the strided kernel here, once
-                ready = pre.planned(em, in_place, device)
-                if not ready:  # ends in the swizzle: the strided kernel runs it until its row forms are found
-                    pre.plan_in_background(em, in_place, device)
-                    return EXECUTORS["prebuilt"]
-            if ready:
+            strided = pre.strided_now(em, in_place, device)  # loads the strided kernel here, once
+            if pre.planned(em, in_place, device):
                 if device.index is not None:  # "cuda" alone names whichever device is current
                     em._dev.setdefault(_READY, set()).add((in_place, device))
                 return EXECUTORS["prebuilt"]
-            pre.plan_in_background(em, in_place, device)
-            return EXECUTORS["torch"]
+            pre.plan_in_background(em, in_place, device)  # a strided map ending in the swizzle: its row forms
+            return EXECUTORS["prebuilt" if strided else "torch"]
     stand = EXECUTORS[ex.stand_in] if ex.stand_in is not None else None
     if stand is not None and em is not None and stand.at_bandwidth(em, device.type, in_place):
         return stand
