@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from fimoe_lab.checkpoints import convert_checkpoint, read_kernel_metadata, restore, restore_checkpoint, safe_io
 from fimoe_lab.cli import main
+from fimoe_lab.cli._common import report_error
 from fimoe_lab.errors import CheckpointError
 from fimoe_lab.resources import sample_names, sample_path
 
@@ -127,6 +128,37 @@ def test_signal_handlers_are_installed_only_while_writing(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"] and (tmp_path / "f").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_that_an_extension_turns_into_another_error_is_reported_as_the_signal(sig, tmp_path, capsys):
+    import torch
+
+    class SignalledWhileIndexed:  # torch reads it as a sequence; the handler raises inside its __getitem__
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int) -> int:
+            os.kill(os.getpid(), sig)
+            for _ in range(10**6):  # the handler runs between bytecodes
+                pass
+            return i
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(ValueError, match="could not determine the shape"):  # what torch makes of it unguarded
+        previous = signal.signal(sig, interrupt)
+        try:
+            torch.tensor(SignalledWhileIndexed())
+        finally:
+            signal.signal(sig, previous)
+    with pytest.raises(KeyboardInterrupt) as caught, safe_io.atomic_file(tmp_path / "f") as handle:
+        handle.write(b"x")
+        torch.tensor(SignalledWhileIndexed())
+    assert isinstance(caught.value.__cause__, ValueError) and list(tmp_path.iterdir()) == []
+    assert report_error(caught.value) == 128 + sig
+    assert capsys.readouterr().err.strip() == ("interrupted" if sig == signal.SIGINT else f"terminated by signal {sig}")
 
 
 def test_temporaries_are_never_followed_through_a_planted_link(tmp_path, monkeypatch):

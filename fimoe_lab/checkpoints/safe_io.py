@@ -522,19 +522,30 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def signals_raise() -> Iterator[None]:
-    """While writing: SIGINT raises KeyboardInterrupt, SIGTERM :class:`Terminated`; previous handlers restored."""
+    """While writing: SIGINT raises KeyboardInterrupt, SIGTERM :class:`Terminated`; previous handlers restored.
+
+    A signal's exception raised inside a C extension can come back out of it as another error (torch turns an
+    exception in a sequence's ``__getitem__`` into ``ValueError: could not determine the shape ...``): an error
+    that leaves this block after a signal arrived is re-raised as that signal's exception, chained to it.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    arrived: list[int] = []
 
-    def on_term(signum: int, frame: object) -> None:
-        raise Terminated(signum)
+    def raise_signal(signum: int, frame: object) -> None:
+        arrived.append(signum)
+        raise Terminated(signum) if signum == signal.SIGTERM else KeyboardInterrupt
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, on_term)
+    for s in previous:
+        signal.signal(s, raise_signal)
     try:
         yield
+    except Exception as exc:
+        if arrived:
+            raise (Terminated(arrived[0]) if arrived[0] == signal.SIGTERM else KeyboardInterrupt()) from exc
+        raise
     finally:
         for s, h in previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
