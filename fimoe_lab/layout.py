@@ -612,6 +612,20 @@ class IndexMap:
         does not, and raises :class:`LayoutError`). Found once per map (a pass over its
         byte index: milliseconds for a full expert), then cached; each call returns a copy.
         """
+        return self._row_sources_found().clone()
+
+    def row_sources_on(self, device: torch.device | str) -> torch.Tensor:
+        """:meth:`row_sources` copied to ``device`` once, then kept on the map: one read-only tensor that every
+        caller shares (a drop-in hands it to each layer's permute-index dict; a copy from host memory per layer
+        would make the host wait for it). Copied straight from the found rows: no CPU tensor operation (a process's
+        first one starts torch's CPU thread pool, milliseconds on a drop-in's first call)."""
+        key = ("row_sources", str(device))
+        if key not in self._cache:
+            self._cache[key] = self._row_sources_found().to(device, copy=True)
+        return cast(torch.Tensor, self._cache[key])
+
+    def _row_sources_found(self) -> torch.Tensor:
+        """The cached :meth:`row_sources` (not a copy: callers copy it), found on the first call."""
         if "row_sources" not in self._cache:
             try:
                 self._cache["row_sources"] = self._find_row_sources()
@@ -620,16 +634,7 @@ class IndexMap:
         found = self._cache["row_sources"]
         if isinstance(found, str):
             raise LayoutError(found)
-        return cast(torch.Tensor, found).clone()
-
-    def row_sources_on(self, device: torch.device | str) -> torch.Tensor:
-        """:meth:`row_sources` copied to ``device`` once, then kept on the map: one read-only tensor that every
-        caller shares (a drop-in hands it to each layer's permute-index dict; a copy from host memory per layer
-        would make the host wait for it)."""
-        key = ("row_sources", str(device))
-        if key not in self._cache:
-            self._cache[key] = self.row_sources().to(device)
-        return cast(torch.Tensor, self._cache[key])
+        return cast(torch.Tensor, found)
 
     def _find_row_sources(self) -> torch.Tensor:
         if len(self.in_shape) != 2 or len(self.out_shape) != 2:
