@@ -141,6 +141,51 @@ def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
         assert not registry._prebuilt_stands_in(registry.EXECUTORS["triton"], torch.device("cuda"), em, True)
 
 
+def test_the_planner_shortens_the_switch_interval_while_it_has_work_then_puts_it_back(monkeypatch):
+    """While the planner thread has maps to plan, Python's switch interval is at most
+    ``PLANNER_SWITCH_INTERVAL_S`` (the caller, giving up the GIL on every torch call, waits at most that for it);
+    once its queue is empty the interval is the caller's again, unless the caller changed it meanwhile."""
+    import sys
+    import threading
+    import time
+
+    seen: list[float] = []
+    release = threading.Event()
+
+    def build(em, in_place):  # a plan that takes a while, like a real cycle plan of a full expert
+        seen.append(sys.getswitchinterval())
+        release.wait(5)
+
+    def settled(what) -> None:  # the planner thread ends its job just after join() returns
+        deadline = time.monotonic() + 5
+        while not what() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    monkeypatch.setattr(prebuilt, "build_plan", build)
+    planner = prebuilt._Planner()
+    maps = [plan_layer("bf16", "trtllm", inter, 1536).w2.compiled() for inter in (384, 512, 640)]
+    before = sys.getswitchinterval()
+    assert before > prebuilt.PLANNER_SWITCH_INTERVAL_S  # Python's default, 5 ms
+    try:
+        for em in maps[:2]:
+            planner.submit(em, True, None)
+        release.set()
+        planner.jobs.join()
+        settled(lambda: sys.getswitchinterval() == before)
+        assert seen == [pytest.approx(prebuilt.PLANNER_SWITCH_INTERVAL_S)] * 2 and sys.getswitchinterval() == before
+
+        release.clear()
+        planner.submit(maps[2], True, None)
+        settled(lambda: len(seen) == 3)
+        sys.setswitchinterval(0.001)  # the caller's own choice while the planner works: kept
+        release.set()
+        planner.jobs.join()
+        time.sleep(0.05)
+        assert len(seen) == 3 and sys.getswitchinterval() == pytest.approx(0.001)
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     """A map's first default call loads no fatbin but the strided kernel's, which runs a map of the strided form at
     once: the planner thread loads the ones a map needs (in place the cycle kernel's, a gather of the strided form

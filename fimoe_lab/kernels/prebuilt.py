@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import queue
+import sys
 import threading
 import weakref
 from typing import Optional
@@ -205,9 +206,16 @@ def build_plan(em: ExecMap, in_place: bool) -> None:
     em.src  # noqa: B018 - read once: found and kept on the map
 
 
+PLANNER_SWITCH_INTERVAL_S = 2e-4
+"""Python's thread switch interval while the planner has work (the default is 5 ms): the caller's thread, which
+gives up the GIL on every torch call and launch, gets it back within this time instead of waiting up to 5 ms
+behind the planner on each (measured on an H100 host: a BF16 drop-in's first layer 32 -> 12 ms)."""
+
+
 class _Planner:
     """One daemon thread getting maps ready for :func:`planned` (fatbins loaded, sources, cycle plans), in the
-    order asked."""
+    order asked. While it has work, Python's switch interval is at most :data:`PLANNER_SWITCH_INTERVAL_S`; the
+    previous interval comes back when its queue is empty (unless someone else changed it meanwhile)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -229,14 +237,29 @@ class _Planner:
     def _run(self) -> None:
         while True:
             em, in_place, device = self.jobs.get()
+            previous = sys.getswitchinterval()
+            sys.setswitchinterval(min(previous, PLANNER_SWITCH_INTERVAL_S))
+            ours = sys.getswitchinterval()  # as Python holds it (in microseconds)
             try:
-                if device is not None and not loads_for(em, in_place, device):
-                    continue  # the kernels do not load there: may_run now says so
-                build_plan(em, in_place)
-            except Exception:  # a map the kernel cannot run: its own call raises it, in the caller's thread
-                pass
+                while True:
+                    self._build(em, in_place, device)
+                    try:
+                        em, in_place, device = self.jobs.get_nowait()
+                    except queue.Empty:
+                        break
             finally:
-                self.jobs.task_done()
+                if sys.getswitchinterval() == ours:
+                    sys.setswitchinterval(previous)
+
+    def _build(self, em: ExecMap, in_place: bool, device: Optional[torch.device]) -> None:
+        try:
+            if device is not None and not loads_for(em, in_place, device):
+                return  # the kernels do not load there: may_run now says so
+            build_plan(em, in_place)
+        except Exception:  # a map the kernel cannot run: its own call raises it, in the caller's thread
+            pass
+        finally:
+            self.jobs.task_done()
 
 
 PLANNER_THREAD = "fimoe-lab-prebuilt-plans"
