@@ -627,10 +627,10 @@ print(json.dumps([gathers, first, after, "triton" not in sys.modules, torch.equa
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 def test_gpu_fresh_process_prebuilt_stand_in():
     """By default a fresh process rotates FP8 weights in place on torch's strided copies while the map's cycle
-    plan is built in the background, then on the prebuilt kernel; a gather of one strided view runs on the strided
-    kernel from its first call (its fatbin loaded by that call, in the caller's thread), one of two stages on torch
-    until the gather and swizzle kernels are loaded and its sources and row forms found in the background; no
-    Triton import; the bytes of torch's gather; the other three fatbins are loaded by the planner thread."""
+    plan is built in the background, then on the prebuilt kernel; a gather of one strided view or of two strided
+    stages runs on the strided kernel from its first call (its fatbin loaded by that call, in the caller's thread),
+    and on the swizzle kernel once its row forms are found in the background; no Triton import; the bytes of
+    torch's gather; the other three fatbins are loaded by the planner thread."""
     import json
     import os
     import pathlib
@@ -643,7 +643,7 @@ def test_gpu_fresh_process_prebuilt_stand_in():
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got == [
-        ["prebuilt", "torch", "prebuilt"] + ["prebuilt"] * 3,
+        ["prebuilt"] * 6,
         "torch",
         "prebuilt",
         True,

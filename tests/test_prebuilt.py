@@ -425,9 +425,10 @@ def test_the_gather_source_runs_every_engine_map(emulated, m, shift):
         # a strided map takes the swizzle kernel only once its row forms are found, any other at once
         swizzled = em.ends_swizzled and (forms or not prebuilt.runs_strided(em)) and em.swizzled_rows is not None
         assert all((name in prebuilt._SWIZZLES.values()) == swizzled for name in emulated)
-        if not swizzled:  # one launch of the kernel its form takes
+        if not swizzled:  # one launch of the kernel its form takes (two stages: one each)
             kernels = prebuilt._STRIDEDS if prebuilt.runs_strided(em) else prebuilt._GATHERS
-            assert len(emulated) == 1 and emulated[0] in kernels.values()
+            assert len(emulated) == (2 if em.strided is None and em.stages else 1)
+            assert all(name in kernels.values() for name in emulated)
 
 
 def test_a_strided_map_that_ends_swizzled_runs_strided_until_its_row_forms_are_found(emulated):
@@ -448,6 +449,37 @@ def test_a_strided_map_that_ends_swizzled_runs_strided_until_its_row_forms_are_f
         assert em.row_forms_found() == found
         assert emulated == [(prebuilt._SWIZZLES if found else prebuilt._STRIDEDS)[4]]
         em.swizzled_rows  # noqa: B018 - found, as the planner thread does
+
+
+@pytest.mark.parametrize("stage_bytes,inter", [(1 << 28, 1600), (1, 1728)], ids=["one-chunk", "expert-by-expert"])
+def test_a_map_of_two_strided_stages_runs_strided_from_its_first_call(emulated, monkeypatch, stage_bytes, inter):
+    """gpt-oss's MXFP4 scales (rows padded, row steps, then the 128x4 swizzle: two strided stages) run on the strided
+    kernel from their first default call, one launch per stage and chunk of experts through an intermediate,
+    without their cell sources found in the caller's thread; the swizzle kernel takes them once the planner has
+    found their row forms. The reference loop's bytes every time."""
+    from reference_loops import byte_gather
+
+    monkeypatch.setattr(prebuilt, "STAGE_BYTES", stage_bytes)
+    m = plan_layer("mxfp4", "trtllm", inter, 2880).w2_scale  # shapes no other test plans: nothing found yet
+    em = m.compiled()
+    assert em.strided is None and em.stages is not None and prebuilt.runs_strided(em) and not em.sources_found()
+    assert prebuilt.sources_for(em, False) == (prebuilt.STRIDED_SOURCE, prebuilt.SWIZZLE_SOURCE)
+    experts = 3
+    for x in host_inputs(m, experts):
+        out = torch.full((experts, m.out_bytes), 0x5A, dtype=torch.uint8)
+        emulated.clear()
+        registry.EXECUTORS["prebuilt"].gather(em, shifted_copy(x, 0), out)
+        assert torch.equal(out, byte_gather(m, x).reshape(experts, -1))
+        chunks = experts if stage_bytes == 1 else 1
+        assert len(emulated) == 2 * chunks and set(emulated) <= set(prebuilt._STRIDEDS.values())
+        assert not em.sources_found() and not em.row_forms_found()
+    em.swizzled_rows  # noqa: B018 - found, as the planner thread does
+    x = next(host_inputs(m, experts))
+    out = torch.full((experts, m.out_bytes), 0x5A, dtype=torch.uint8)
+    emulated.clear()
+    registry.EXECUTORS["prebuilt"].gather(em, x, out)
+    assert torch.equal(out, byte_gather(m, x).reshape(experts, -1))
+    assert len(emulated) == 1 and emulated[0] in prebuilt._SWIZZLES.values()
 
 
 def strided_exec_map(shape, live, strides, offset, fill, cell_bytes, extra):

@@ -124,7 +124,14 @@ def sources_for(em: ExecMap, in_place: bool) -> tuple[str, ...]:
 def runs_strided(em: ExecMap) -> bool:
     """Whether the strided kernel runs ``em`` out of place: a map of the strided form of fewer than
     :data:`MAX_DIGITS` digits (the word within a cell is one more) and fewer than ``2**31`` output bytes an expert
-    (the kernel's 32-bit digit division)."""
+    (the kernel's 32-bit digit division), or a map run as two such stages (``em.stages``: one launch each, through
+    an intermediate, :func:`strided`)."""
+    if em.strided is None:
+        return em.stages is not None and all(_one_strided(stage) for stage in em.stages)
+    return _one_strided(em)
+
+
+def _one_strided(em: ExecMap) -> bool:
     st = em.strided
     return st is not None and len(st.shape) < MAX_DIGITS and em.out_bytes < 1 << 31
 
@@ -368,9 +375,26 @@ def strided_form_table(em: ExecMap, device: torch.device, word: int) -> torch.Te
     return em._dev[key]
 
 
+STAGE_BYTES = 1 << 28
+"""Most bytes of the intermediate of a map run as two strided stages (:func:`strided`): whole experts, at least one
+(gpt-oss's MXFP4 scales, 72 MB for 128 experts, in one)."""
+
+
 def strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     """:func:`gather` of a map of the strided form (:func:`runs_strided`) on the strided kernel: each output word's
-    source from its digits (:func:`strided_form_table`), the box's complement filled in the same launch."""
+    source from its digits (:func:`strided_form_table`), the box's complement filled in the same launch. A map of
+    two strided stages: ``mid = first(x)``, ``out = second(mid)``, two launches per :data:`STAGE_BYTES` of ``mid``
+    (a new buffer, freed in stream order)."""
+    if em.strided is None:
+        assert em.stages is not None
+        first, second = em.stages
+        per = max(1, STAGE_BYTES // max(first.out_bytes, 1))
+        mid = torch.empty((min(per, x.shape[0]), first.out_bytes), dtype=torch.uint8, device=x.device)
+        for start in range(0, x.shape[0], per):
+            stop = min(start + per, x.shape[0])
+            strided(first, x[start:stop], mid[: stop - start])
+            strided(second, mid[: stop - start], out[start:stop])
+        return
     word = _word(em, x, out)
     n_words = em.out_bytes // word
     form, fills = strided_form_table(em, x.device, word), em.fills_on(x.device, word)

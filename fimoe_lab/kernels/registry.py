@@ -357,7 +357,8 @@ PREBUILT_ENV = "FIMOE_PREBUILT_KERNELS"
 moves each byte once where torch moves it twice (a DeepSeek-V3 FP8 rotate's median layer in a whole model:
 1.25-1.28 ms against 2.20-2.33 ms on an H100, benchmarks/RESULTS.md), its strided kernel runs a map of the
 strided form in one launch (0.88-1.10 of a copy on an H100 where torch's copies, one per piece and fill slab,
-reach 0.87-1.10), it gathers the maps torch runs as two strided stages or an ``index_select``, and its swizzle
+reach 0.87-1.10; a map of two strided stages with two, through an intermediate), it gathers the maps torch runs
+as an ``index_select``, and its swizzle
 kernel runs scale maps that end in the 128x4 swizzle (DeepSeek-R1 NVFP4's W13 scales at 0.82 of a copy against
 torch's 0.49, gpt-oss's at 0.55 against 0.13)."""
 
@@ -437,7 +438,7 @@ def _loaded_or_stand_in(
     once the map is ready for it (its fatbins loaded on the device; in place its cycle plan, a gather its
     sources: :func:`.prebuilt.planned`): the first call of a map asks for that on a background thread and runs
     on torch, so a model's first layer waits neither for the fatbins nor for the plans; but a map of the strided
-    form runs on the strided kernel from its first call, whose fatbin the first such call loads
+    form (or of two strided stages) runs on the strided kernel from its first call, whose fatbin the first such call loads
     (:func:`.prebuilt.strided_now`). With
     :data:`BACKGROUND_ENV` off the call loads the fatbins itself (and builds the plan when it runs); where they
     do not load, the default path below goes on."""
