@@ -144,8 +144,8 @@ VARIABLES = {
             "bool",
             "a false value keeps CUDA transforms on torch while Triton is not loaded (default on: the kernels built "
             "ahead of time stand in, in place, where they move each byte once and torch twice, and out of place: a "
-            "strided map (or one of two strided stages) on the strided kernel from its first call, any other map once "
-            "its plan is built on a thread, on torch until then)",
+            "strided map (or one of two strided stages) on the strided kernel from its first call, in place too until "
+            "its cycle plan is built on a thread, any other map once its plan is built, on torch until then)",
         ),
         Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
         Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),

@@ -610,7 +610,7 @@ def gathers_of(*ems):
 gathers = gathers_of(em, stages, swizzled)  # before their sources and row forms
 prebuilt.wait_for_plans()
 gathers += gathers_of(em, stages, swizzled)
-first = chosen()  # no cycle plan yet: torch now, the plan asked for in the background
+first = chosen()  # no cycle plan yet: the strided kernel now, the plan asked for in the background
 prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)  # the first layer
 prebuilt.wait_for_plans()
 after = chosen()
@@ -626,8 +626,8 @@ print(json.dumps([gathers, first, after, "triton" not in sys.modules, torch.equa
 
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 def test_gpu_fresh_process_prebuilt_stand_in():
-    """By default a fresh process rotates FP8 weights in place on torch's strided copies while the map's cycle
-    plan is built in the background, then on the prebuilt kernel; a gather of one strided view or of two strided
+    """By default a fresh process rotates FP8 weights in place on the strided kernel (each chunk copied aside and
+    gathered back) while the map's cycle plan is built in the background, then on the cycle kernel; a gather of one strided view or of two strided
     stages runs on the strided kernel from its first call (its fatbin loaded by that call, in the caller's thread),
     and on the swizzle kernel once its row forms are found in the background; no Triton import; the bytes of
     torch's gather; the planner thread loads the swizzle and cycle kernels' fatbins (no map here needs the gather
@@ -645,7 +645,7 @@ def test_gpu_fresh_process_prebuilt_stand_in():
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got == [
         ["prebuilt"] * 6,
-        "torch",
+        "prebuilt",
         "prebuilt",
         True,
         True,

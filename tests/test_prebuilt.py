@@ -482,6 +482,29 @@ def test_a_map_of_two_strided_stages_runs_strided_from_its_first_call(emulated, 
     assert len(emulated) == 1 and emulated[0] in prebuilt._SWIZZLES.values()
 
 
+def test_an_in_place_strided_map_runs_on_the_strided_kernel_until_its_cycle_plan_is_built(emulated):
+    """In place, the prebuilt executor's default strategy for a map of the strided form copies each chunk of
+    experts aside and gathers it back on the strided kernel while its cycle plan is not built (its first calls in
+    a process, the planner building the plan), then runs the cycle plan: the reference loop's bytes both ways."""
+    from reference_loops import byte_gather
+
+    m = plan_layer("fp8", "trtllm", 224, 640).w13  # a permutation of shapes no other test plans
+    em = m.compiled()
+    assert em.is_permutation and prebuilt.runs_strided(em) and not prebuilt.planned(em, True)
+    executor = registry.EXECUTORS["prebuilt"]
+    for built in (False, True):
+        assert executor.strategy(em).name == ("cycles" if built else "copy-then-gather")
+        for x in host_inputs(m, 5):
+            y = x.clone()
+            emulated.clear()
+            for _ in executor.strategy(em).run(em, y, 2, None):
+                pass
+            assert torch.equal(y, byte_gather(m, x).reshape(5, -1))
+            kernels = prebuilt._FUNCTIONS if built else prebuilt._STRIDEDS
+            assert emulated and set(emulated) <= set(kernels.values())
+        prebuilt.build_plan(em, True)  # as the planner thread does
+
+
 def strided_exec_map(shape, live, strides, offset, fill, cell_bytes, extra):
     """An :class:`ExecMap` of the strided form ``(shape, live, strides, offset, fill code)`` (fill code -1: byte 0xA7,
     None: no fill) whose sources are found here

@@ -143,10 +143,11 @@ def _needs_no_plan(em: ExecMap) -> bool:
 
 
 def strided_now(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
-    """Whether the strided kernel runs ``em`` out of place on ``device`` now, before any plan (:func:`runs_strided`):
-    its fatbin is loaded there, by this call where no call loaded it before (once a process and device: on an H100
-    all four fatbins and a first 0.9 GB map took 3.9 ms, benchmarks/RESULTS.md)."""
-    return not in_place and runs_strided(em) and cuda_driver.available(STRIDED_SOURCE, device)
+    """Whether the strided kernel runs ``em`` on ``device`` now, before any plan (:func:`runs_strided`; in place: each
+    chunk copied aside and gathered back on it until the cycle plan is built): its fatbin is loaded there, by this
+    call where no call loaded it before (once a process and device: on an H100 all four fatbins and a first 0.9 GB
+    map took 3.9 ms, benchmarks/RESULTS.md)."""
+    return runs_strided(em) and cuda_driver.available(STRIDED_SOURCE, device)
 
 
 def may_run(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:

@@ -190,6 +190,13 @@ def _cycles_prebuilt(em, flat, scratch_experts, config):
     return _module("prebuilt").inplace_cycles(em, flat, scratch_experts)
 
 
+def _cycles_planned_or_not_strided(em: ExecMap) -> bool:
+    """``auto`` runs a map's cycle plan once it is built; a map of the strided form copies each chunk aside and
+    gathers it back on the strided kernel until then (its first calls, while the planner builds the plan)."""
+    pre = _module("prebuilt")
+    return not pre.runs_strided(em) or pre.planned(em, True)
+
+
 def _prebuilt_loads(device: torch.device) -> bool:
     return _module("prebuilt").available(device)
 
@@ -290,7 +297,10 @@ EXECUTORS: dict[str, Executor] = {
             None,
             0,
             _gather_prebuilt,
-            (InPlace("cycles", _cycles_prebuilt), _copy_then_gather(_gather_prebuilt)),
+            (
+                InPlace("cycles", _cycles_prebuilt, prefers=_cycles_planned_or_not_strided),
+                _copy_then_gather(_gather_prebuilt),
+            ),
             loads_on=_prebuilt_loads,
             loads_needs="a driver that loads its fatbin (CUDA 13: driver 580 or newer)",
         ),
@@ -438,7 +448,8 @@ def _loaded_or_stand_in(
     once the map is ready for it (its fatbins loaded on the device; in place its cycle plan, a gather its
     sources: :func:`.prebuilt.planned`): the first call of a map asks for that on a background thread and runs
     on torch, so a model's first layer waits neither for the fatbins nor for the plans; but a map of the strided
-    form (or of two strided stages) runs on the strided kernel from its first call, whose fatbin the first such call loads
+    form (or of two strided stages) runs on the strided kernel from its first call (in place: each chunk copied
+    aside and gathered back on it until the cycle plan is built), whose fatbin the first such call loads
     (:func:`.prebuilt.strided_now`). With
     :data:`BACKGROUND_ENV` off the call loads the fatbins itself (and builds the plan when it runs); where they
     do not load, the default path below goes on."""
