@@ -217,7 +217,8 @@ def build_plan(em: ExecMap, in_place: bool) -> None:
 PLANNER_SWITCH_INTERVAL_S = 2e-4
 """Python's thread switch interval while the planner has work (the default is 5 ms): the caller's thread, which
 gives up the GIL on every torch call and launch, gets it back within this time instead of waiting up to 5 ms
-behind the planner on each (measured on an H100 host: a BF16 drop-in's first layer 32 -> 12 ms)."""
+behind the planner on each (on an H100 host, with the interval set for the whole process: a BF16 drop-in's first
+layer 32 -> 12 ms, benchmarks/RESULTS.md)."""
 
 
 class _Planner:
