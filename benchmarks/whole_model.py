@@ -37,6 +37,7 @@ before it, or both), and the medians of each side's first and last quarter of la
     PYTHONPATH=. python3 benchmarks/whole_model.py --torch-stand-in ...  # every path also without the prebuilt kernels
     PYTHONPATH=. python3 benchmarks/whole_model.py --order copy-ours-copy ...  # the baseline before and after
     PYTHONPATH=. python3 benchmarks/whole_model.py --clock-log clocks.csv ...  # each side's clocks (nvidia-smi)
+    PYTHONPATH=. python3 benchmarks/whole_model.py --repeat 3 ...  # each figure's median and range over 3 runs
     PYTHONPATH=. python3 benchmarks/whole_model.py --device cpu --layers 3 --experts 8   # CPU smoke run
 """
 
@@ -340,6 +341,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{SLOW_HOST}x the fastest seen): host times compare only between equally fast processes (default 2)",
     )
     ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure each model, path and cache mode this many times (fresh processes each time; an empty cache "
+        "empty again) and print each figure's median and range over them: one run's share moves by about 0.1 "
+        "between processes (benchmarks/RESULTS.md)",
+    )
+    ap.add_argument(
         "--torch-stand-in",
         action="store_true",
         help="also run every path with FIMOE_PREBUILT_KERNELS=0 (paths 'drop-in torch', 'layer torch')",
@@ -397,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     print(table(records))
+    if args.repeat > 1:
+        print(repeats_table(records))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "env": env_info, "records": records}, f, indent=1)
@@ -426,7 +437,7 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
             runs += [(f"{path} torch", path, {"FIMOE_PREBUILT_KERNELS": "0"}) for path in paths]
         for label, path, extra in runs:
             caches = tempfile.mkdtemp(prefix="fimoe_whole_")
-            for mode in args.modes:
+            for repeat, mode in [(r, m) for m in args.modes for r in range(args.repeat)]:
                 e = dict(env, **extra)
                 if mode == "empty":
                     caches = tempfile.mkdtemp(prefix="fimoe_whole_")
@@ -465,7 +476,8 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
                     rec["copy_first_strided_copy_s"] = base["first_strided_copy_s"]
                     rec["copy_host_calibration_ms"] = base["host_calibration_ms"]
                     rec["copy_attempts"] = base["attempts"]
-                rec.update(model=model, fmt=fmt, path=label, mode=mode, process_wall_s=time.perf_counter() - t)
+                rec.update(model=model, fmt=fmt, path=label, mode=mode, repeat=repeat)
+                rec["process_wall_s"] = time.perf_counter() - t
                 rec["summary"] = summarise(rec)
                 records.append(rec)
                 s = rec["summary"]
@@ -557,6 +569,30 @@ def table(records: list[dict]) -> str:
             f"| {r['model']} | {r['path']} | {r['mode']} | {s['all_layers_s']:.3f} | {s['copy_all_layers_s']:.3f} | "
             f"{s['share_of_copy']:.2f} | {s['first_layer_ms']:.1f} | {s['first_layer_overhead_ms']:.1f} | "
             f"{s['median_layer_ms']:.2f} ({s['copy_median_layer_ms']:.2f}) | {_loops(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def repeats_table(records: list[dict]) -> str:
+    """Per model, path and cache mode: the median and range over its repeats of the share of copy, the first layer
+    and the median layer (``--repeat``)."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["model"], r["path"], r["mode"]), []).append(r["summary"])
+    lines = [
+        "| model | path | cache | runs | share of copy | first layer ms | median layer ms (copy) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def spread(runs: list[dict], key: str, digits: int) -> str:
+        values = [s[key] for s in runs]
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+    for (model, path, mode), runs in groups.items():
+        lines.append(
+            f"| {model} | {path} | {mode} | {len(runs)} | {spread(runs, 'share_of_copy', 2)} | "
+            f"{spread(runs, 'first_layer_ms', 1)} | {spread(runs, 'median_layer_ms', 2)} "
+            f"({spread(runs, 'copy_median_layer_ms', 2)}) |"
         )
     return "\n".join(lines)
 
