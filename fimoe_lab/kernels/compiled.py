@@ -20,7 +20,7 @@ import torch
 
 from fimoe_lab.errors import LayoutError
 
-__all__ = ["ExecMap", "Strided", "word_dtype", "fill_word", "byte_views", "aligned_word"]
+__all__ = ["ExecMap", "Strided", "word_dtype", "fill_word", "byte_views", "aligned_word", "through_stages"]
 
 _TORCH_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -279,3 +279,23 @@ def aligned_word(word: int, *tensors: torch.Tensor) -> int:
     while word > 1 and any(t.data_ptr() % word for t in tensors):
         word //= 2
     return word
+
+
+def through_stages(
+    em: ExecMap,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    run: Callable[[ExecMap, torch.Tensor, torch.Tensor], None],
+    stage_bytes: int,
+) -> None:
+    """A map of two stages (``em.stages``) over ``(E, bytes)`` uint8 ``x`` and ``out``: ``mid = first(x)``, ``out =
+    second(mid)``, each stage by ``run(stage, src, dst)``, per chunk of whole experts whose intermediate holds at most
+    ``stage_bytes`` (at least one expert; the intermediate a new buffer, reused by every chunk)."""
+    assert em.stages is not None
+    first, second = em.stages
+    per = max(1, stage_bytes // max(first.out_bytes, 1))
+    mid = torch.empty((min(per, x.shape[0]), first.out_bytes), dtype=torch.uint8, device=x.device)
+    for start in range(0, x.shape[0], per):
+        stop = min(start + per, x.shape[0])
+        run(first, x[start:stop], mid[: stop - start])
+        run(second, mid[: stop - start], out[start:stop])

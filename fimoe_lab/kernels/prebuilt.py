@@ -36,7 +36,7 @@ import torch
 
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels import cuda_driver
-from fimoe_lab.kernels.compiled import ExecMap, aligned_word
+from fimoe_lab.kernels.compiled import ExecMap, aligned_word, through_stages
 from fimoe_lab.kernels.cycles import cycle_plan, cycle_plan_built
 from fimoe_lab.kernels.tiles import cdiv, pow2_divisor
 
@@ -303,10 +303,11 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     (:func:`runs_strided`), any other on the gather kernel."""
     # the kernels read addresses only: no views of x and out are made. A strided map that ends in the swizzle
     # takes the swizzle kernel once its row forms are found, and the strided kernel before (the planner finds them)
-    if (em.row_forms_found() or not runs_strided(em)) and swizzles(em) and out.data_ptr() % 16 == 0:
+    strided_form = runs_strided(em)
+    if (em.row_forms_found() or not strided_form) and swizzles(em) and out.data_ptr() % 16 == 0:
         _swizzle(em, x, out)
         return
-    if runs_strided(em):
+    if strided_form:
         strided(em, x, out)
         return
     word = _word(em, x, out)
@@ -388,14 +389,7 @@ def strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     two strided stages: ``mid = first(x)``, ``out = second(mid)``, two launches per :data:`STAGE_BYTES` of ``mid``
     (a new buffer, freed in stream order)."""
     if em.strided is None:
-        assert em.stages is not None
-        first, second = em.stages
-        per = max(1, STAGE_BYTES // max(first.out_bytes, 1))
-        mid = torch.empty((min(per, x.shape[0]), first.out_bytes), dtype=torch.uint8, device=x.device)
-        for start in range(0, x.shape[0], per):
-            stop = min(start + per, x.shape[0])
-            strided(first, x[start:stop], mid[: stop - start])
-            strided(second, mid[: stop - start], out[start:stop])
+        through_stages(em, x, out, strided, STAGE_BYTES)
         return
     word = _word(em, x, out)
     n_words = em.out_bytes // word

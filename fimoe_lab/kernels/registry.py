@@ -368,9 +368,8 @@ moves each byte once where torch moves it twice (a DeepSeek-V3 FP8 rotate's medi
 1.25-1.28 ms against 2.20-2.33 ms on an H100, benchmarks/RESULTS.md), its strided kernel runs a map of the
 strided form in one launch (0.88-1.10 of a copy on an H100 where torch's copies, one per piece and fill slab,
 reach 0.87-1.10; a map of two strided stages with two, through an intermediate), it gathers the maps torch runs
-as an ``index_select``, and its swizzle
-kernel runs scale maps that end in the 128x4 swizzle (DeepSeek-R1 NVFP4's W13 scales at 0.82 of a copy against
-torch's 0.49, gpt-oss's at 0.55 against 0.13)."""
+as an ``index_select``, and its swizzle kernel runs scale maps that end in the 128x4 swizzle (DeepSeek-R1 NVFP4's
+W13 scales at 0.82 of a copy against torch's 0.49, gpt-oss's at 0.55 against 0.13)."""
 
 
 class _Loads:
@@ -471,7 +470,7 @@ def _loaded_or_stand_in(
                 if device.index is not None:  # "cuda" alone names whichever device is current
                     em._dev.setdefault(_READY, set()).add((in_place, device))
                 return EXECUTORS["prebuilt"]
-            pre.plan_in_background(em, in_place, device)  # a strided map ending in the swizzle: its row forms
+            pre.plan_in_background(em, in_place, device)  # its plan: cycles, sources, a swizzled map's row forms
             return EXECUTORS["prebuilt" if strided else "torch"]
     stand = EXECUTORS[ex.stand_in] if ex.stand_in is not None else None
     if stand is not None and em is not None and stand.at_bandwidth(em, device.type, in_place):

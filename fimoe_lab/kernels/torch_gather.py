@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from fimoe_lab.kernels.compiled import ExecMap, Strided, aligned_word, fill_word, word_dtype
+from fimoe_lab.kernels.compiled import ExecMap, Strided, aligned_word, fill_word, through_stages, word_dtype
 
 __all__ = ["gather_torch", "cell_views", "inplace_strided", "strided_word"]
 
@@ -57,14 +57,8 @@ def gather_torch(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
         _gather_strided(em, x, out)
         return
     if em.stages is not None:
-        first, second = em.stages
-        per = max(1, STAGE_BYTES // max(first.out_bytes, 1))
-        mid = torch.empty((min(per, x.shape[0]), first.out_bytes), dtype=torch.uint8, device=x.device)
         xf, of = x.reshape(x.shape[0], -1).view(torch.uint8), out.reshape(out.shape[0], -1).view(torch.uint8)
-        for start in range(0, x.shape[0], per):
-            stop = min(start + per, x.shape[0])
-            _gather_strided(first, xf[start:stop], mid[: stop - start])
-            _gather_strided(second, mid[: stop - start], of[start:stop])
+        through_stages(em, xf, of, _gather_strided, STAGE_BYTES)
         return
     xin, xout = cell_views(em, x, out)
     src = _index(em, ("gather_idx",), lambda: np.maximum(em.src, 0), x.device)
