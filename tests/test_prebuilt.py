@@ -25,7 +25,8 @@ from fimoe_lab.errors import FimoeError, FormatError
 from fimoe_lab.kernels import available_backends, execute_in_place, prebuilt, registry
 from fimoe_lab.prepare import plan_layer
 
-REAL_LAUNCH = prebuilt.cuda_driver.launch  # the driver's, kept before the emulation stands in for it
+REAL_LAUNCH, REAL_RUN = prebuilt.cuda_driver.launch, prebuilt.cuda_driver.run  # the driver's, kept before the
+# emulation stands in for them
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = ROOT / "fimoe_lab" / "kernels" / "cuda"
 BUILD = json.loads((CUDA / "BUILD.json").read_text())
@@ -266,8 +267,9 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     """``kernels/cuda/cycles.cu`` compiled for the host (``tests/cuda_host``: threads and a barrier for a block),
-    put where :func:`fimoe_lab.kernels.cuda_driver.launch` would start the GPU kernel: the launcher's own
-    geometry, plan and arguments drive the kernel's own source, on CPU memory. Yields the names launched."""
+    put where :func:`fimoe_lab.kernels.cuda_driver.launch` and :func:`~fimoe_lab.kernels.cuda_driver.run` would start
+    the GPU kernel: the launcher's own geometry, plan and arguments drive the kernel's own source, on CPU memory.
+    Yields the names launched."""
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
     lib_path = tmp_path_factory.mktemp("emulated") / "prebuilt.so"
@@ -288,10 +290,14 @@ def emulated(tmp_path_factory):
         fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint] + [kind for kind, _ in args]
         fn(grid[0], grid[1], block[0], *[value for _, value in args])
 
-    saved = prebuilt.cuda_driver.launch
-    prebuilt.cuda_driver.launch = launch
+    def run(bound, *addresses):  # a bound launch: its own arguments, the call's addresses first
+        args = [(kind, a) for (kind, _), a in zip(bound.args, addresses)] + bound.args[len(addresses) :]
+        launch(bound.source, bound.name, bound.index, bound.grid, bound.block, args)
+
+    saved = prebuilt.cuda_driver.launch, prebuilt.cuda_driver.run
+    prebuilt.cuda_driver.launch, prebuilt.cuda_driver.run = launch, run
     yield launched
-    prebuilt.cuda_driver.launch = saved
+    prebuilt.cuda_driver.launch, prebuilt.cuda_driver.run = saved
 
 
 def run_emulated(m, x: torch.Tensor, scratch: int) -> None:
@@ -631,6 +637,49 @@ def test_the_swizzle_source_runs_any_padded_rows_then_the_swizzle(
     assert torch.equal(out, want)
 
 
+def _gather_kernels():
+    from fimoe_lab.layout import IndexMap
+
+    perm = torch.randperm(300, generator=torch.Generator().manual_seed(3))
+    yield pytest.param(lambda: IndexMap(perm, 12, (3600,), (3600,)), prebuilt._GATHERS, id="gather")
+    yield pytest.param(lambda: plan_layer("fp8-block", "trtllm", 384, 256).w2, prebuilt._STRIDEDS, id="strided")
+    yield pytest.param(lambda: plan_layer("nvfp4", "trtllm", 176, 256).w13_scale, prebuilt._SWIZZLES, id="swizzle")
+
+
+@pytest.mark.parametrize("make,kernels", list(_gather_kernels()))
+def test_a_later_call_runs_the_first_calls_launches_at_its_own_addresses(emulated, monkeypatch, make, kernels):
+    """A map's gather keeps its launches once its kernel stays (gather, strided, and swizzle once the row forms are
+    found): a later call with other buffers of the same experts and alignment runs them at its own addresses and
+    looks no form or table up (each lookup made to raise); other buffer alignments or expert counts get launches of
+    their own. The reference loop's bytes every time, on coordinate-coded and random inputs."""
+    from reference_loops import byte_gather
+
+    m = make()
+    em = m.compiled()
+    em.swizzled_rows  # noqa: B018 - found, as the planner thread does
+    experts = 3
+
+    def call(x: torch.Tensor, shift: int = 0) -> None:
+        out = torch.full((x.shape[0], m.out_bytes), 0x5A, dtype=torch.uint8)
+        emulated.clear()
+        prebuilt.gather(em, shifted_copy(x, shift), out)
+        assert torch.equal(out, byte_gather(m, x).reshape(x.shape[0], -1))
+        assert emulated and set(emulated) <= set(kernels.values())
+
+    first, second = host_inputs(m, experts)
+    call(first)
+    kept = {k: v for k, v in em._dev.items() if k[0] == prebuilt._LAUNCHES}
+    assert len(kept) == 1
+    with monkeypatch.context() as mp:
+        for name in ("strided_form_table", "swizzle_rows_table", "_word", "runs_strided", "swizzles"):
+            mp.setattr(prebuilt, name, lambda *a: pytest.fail("a form was looked up again"))
+        call(second)
+    assert {k: v for k, v in em._dev.items() if k[0] == prebuilt._LAUNCHES} == kept
+    call(second, 1)
+    call(second[:2])
+    assert len([k for k in em._dev if k[0] == prebuilt._LAUNCHES]) == 3
+
+
 def test_a_swizzled_map_into_a_buffer_off_16_bytes_takes_the_gather_kernel(emulated):
     from reference_loops import byte_gather
 
@@ -689,11 +738,11 @@ def test_the_kernel_source_follows_any_cycles(emulated, cells, cell_bytes, exper
     assert torch.equal(y, byte_gather(m, x))
 
 
-def test_a_launch_passes_each_call_its_own_arguments(monkeypatch):
-    """Launches of one function reuse its ctypes arguments (built once, refilled per call): what the driver reads
-    through the pointer array is each call's own values, in order, also from several threads at once."""
+@pytest.fixture
+def driver_seen(monkeypatch):
+    """The driver's launch call faked: each launch's grid, block, stream and argument values as the driver reads them
+    (the configuration struct and the pointer array), in order. Arguments: a pointer, an int, a long long."""
     import contextlib
-    import threading
     import types
 
     from fimoe_lab.kernels import cuda_driver
@@ -701,22 +750,36 @@ def test_a_launch_passes_each_call_its_own_arguments(monkeypatch):
     seen: list[tuple] = []
     kinds = (ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong)
 
-    def fake_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        seen.append(
-            ((gx, gy), tuple(ctypes.cast(params[i], ctypes.POINTER(k)).contents.value for i, k in enumerate(kinds)))
-        )
+    def fake_launch(config, fn, params, extra):
+        c = config._obj
+        values = tuple(ctypes.cast(params[i], ctypes.POINTER(k)).contents.value for i, k in enumerate(kinds))
+        seen.append((tuple(c.grid), tuple(c.block), c.stream, fn, values))
         return 0
 
     module = types.SimpleNamespace(current=contextlib.nullcontext)
     monkeypatch.setattr(cuda_driver, "kernel", lambda source, name, device: (module, 7))
-    monkeypatch.setattr(cuda_driver, "_lib", lambda: types.SimpleNamespace(cuLaunchKernel=fake_launch))
-    monkeypatch.setattr(cuda_driver, "_current_stream", lambda index: 0)
+    monkeypatch.setattr(cuda_driver, "_lib", lambda: types.SimpleNamespace(cuLaunchKernelEx=fake_launch))
+    monkeypatch.setattr(cuda_driver, "_current_stream", lambda index: 1000 + index)
     monkeypatch.setattr(cuda_driver, "_LAUNCHES", {})
+    return seen
+
+
+def _args(k: int) -> list:
+    return [(ctypes.c_void_p, 4096 * (k + 1)), (ctypes.c_int, -k), (ctypes.c_longlong, (1 << 40) + k)]
+
+
+def test_a_launch_passes_each_call_its_own_arguments(driver_seen):
+    """Launches of one function reuse its ctypes arguments (built once, refilled per call): what the driver reads
+    through the pointer array and the configuration is each call's own values, in order, also from several threads
+    at once."""
+    import threading
+
+    from fimoe_lab.kernels import cuda_driver
+
     device = torch.device("cuda", 0)
 
     def go(k: int) -> None:
-        args = [(ctypes.c_void_p, 4096 * (k + 1)), (ctypes.c_int, -k), (ctypes.c_longlong, (1 << 40) + k)]
-        REAL_LAUNCH("src", "fn", device, (k + 1, 1, 1), (256, 1, 1), args)
+        REAL_LAUNCH("src", "fn", device, (k + 1, 1, 1), (256, 1, 1), _args(k))
 
     for k in range(3):
         go(k)
@@ -725,7 +788,46 @@ def test_a_launch_passes_each_call_its_own_arguments(monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    assert len(cuda_driver._LAUNCHES) == 1 and len(seen) == 3 + 4 * 50
-    for (gx, _), (ptr, neg, big) in seen:
-        k = gx - 1
+    assert len(cuda_driver._LAUNCHES) == 1 and len(driver_seen) == 3 + 4 * 50
+    for grid, block, stream, fn, (ptr, neg, big) in driver_seen:
+        k = grid[0] - 1
         assert (ptr, neg, big) == (4096 * (k + 1), -k, (1 << 40) + k)
+        assert (grid, block, stream, fn) == ((k + 1, 1, 1), (256, 1, 1), 1000, 7)
+
+
+def test_a_bound_launch_keeps_its_arguments_and_takes_each_runs_addresses(driver_seen):
+    """Bound launches of one function (a map's launches kept for its later calls) each keep their own grid, block and
+    arguments, between one another's runs and plain launches of that function, also from several threads at once;
+    a run sets only its leading addresses, on the bound device's current stream."""
+    import threading
+
+    from fimoe_lab.kernels import cuda_driver
+
+    bounds = [cuda_driver.Bound("src", "fn", k % 2, (k + 1, 2, 1), (128, 1, 1), _args(k)) for k in range(4)]
+    device = torch.device("cuda", 1)
+
+    def go(k: int, address: int) -> None:
+        if k == 4:
+            REAL_LAUNCH("src", "fn", device, (9, 9, 1), (64, 1, 1), _args(8))
+        else:
+            REAL_RUN(bounds[k], address)
+
+    go(0, 123)
+    go(4, 0)
+    go(0, 456)
+    threads = [
+        threading.Thread(target=lambda k=k: [go(k, 16 * (k + 1) * (i + 1)) for i in range(50)]) for k in range(5)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(driver_seen) == 3 + 5 * 50
+    assert driver_seen[0][4][0] == 123 and driver_seen[2][4][0] == 456
+    for grid, block, stream, _, (ptr, neg, big) in driver_seen:
+        if grid == (9, 9, 1):  # the plain launch
+            assert (block, stream, ptr, neg, big) == ((64, 1, 1), 1001, *[v for _, v in _args(8)])
+            continue
+        k = grid[0] - 1
+        assert (grid, block, stream) == ((k + 1, 2, 1), (128, 1, 1), 1000 + k % 2)
+        assert (neg, big) == (-k, (1 << 40) + k) and (ptr % (16 * (k + 1)) == 0 or (k == 0 and ptr in (123, 456)))

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CudaDriverError", "available", "cuda_index", "kernel", "launch", "tried"]
+__all__ = ["Bound", "CudaDriverError", "available", "cuda_index", "kernel", "launch", "run", "tried"]
 
 _SUCCESS = 0
 
@@ -34,7 +34,7 @@ class CudaDriverError(RuntimeError):
 @functools.cache
 def _lib() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
-    p, i, u = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+    p, i = ctypes.c_void_p, ctypes.c_int
     signatures: dict[str, list[Any]] = {
         "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)],
         "cuDeviceGet": [ctypes.POINTER(i), i],
@@ -43,10 +43,13 @@ def _lib() -> ctypes.CDLL:
         "cuCtxSetCurrent": [p],
         "cuModuleLoadData": [ctypes.POINTER(p), p],
         "cuModuleGetFunction": [ctypes.POINTER(p), p, ctypes.c_char_p],
-        "cuLaunchKernel": [p, u, u, u, u, u, u, u, p, ctypes.POINTER(p), ctypes.POINTER(p)],
+        "cuLaunchKernelEx": [p, p, p, p],
     }
     for name, args in signatures.items():
-        fn = getattr(lib, name)
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:  # a driver older than CUDA 12: it loads no fatbin of ours either
+            raise CudaDriverError(f"libcuda has no {name}: the driver is older than CUDA 12") from None
         fn.argtypes, fn.restype = args, i
     return lib
 
@@ -162,17 +165,42 @@ def kernel(source: str, name: str, device: torch.device) -> tuple[_Module, int]:
     return module, module.function(name)
 
 
+class _LaunchConfig(ctypes.Structure):
+    """The driver's ``CUlaunchConfig``: grid, block, dynamic shared memory, stream and no launch attributes."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.c_void_p),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
 class _Launch:
-    """One function's launches with its argument types fixed: the ctypes values and the pointer array the driver
-    reads are built once, then refilled per launch (under a lock: the driver copies them during the call). A
-    launch then costs the host a few microseconds where building them cost ~15."""
+    """One function's launches: its ctypes argument values, the pointer array the driver reads and a launch
+    configuration, built once and refilled per launch under a lock (the driver copies them during the call).
+    ``cuLaunchKernelEx`` reads the configuration from one struct: a launch costs the host a few microseconds
+    (~15 where the values were built per call, ~2 more where grid, block and stream went as separate arguments)."""
 
     def __init__(self, module: _Module, fn: int, kinds: tuple[type, ...]):
         self.module, self.fn = module, fn
         self.values = [kind() for kind in kinds]
         pointers = [ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in self.values]
         self.params = (ctypes.c_void_p * len(kinds))(*pointers)
+        self.config = _LaunchConfig()
+        self.config_ref = ctypes.byref(self.config)
         self.lock = threading.Lock()
+
+    def fire(self, index: int, name: str) -> None:
+        """Launch with the values and grid as set, on torch's current stream of device ``index`` (caller holds
+        :attr:`lock`), in the module's context (made current for the call where another one is)."""
+        self.config.stream = _current_stream(index)
+        with self.module.current():
+            result = _lib().cuLaunchKernelEx(self.config_ref, self.fn, self.params, None)
+        if result != _SUCCESS:
+            _check(result, f"cuLaunchKernelEx({name})")
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -202,10 +230,48 @@ def launch(
     if prepared is None:
         kinds = tuple(kind for kind, _ in args)  # a kernel's parameter types are its own: fixed per function
         prepared = _LAUNCHES.setdefault(key, _Launch(*kernel(source, name, torch.device("cuda", index)), kinds))
-    stream = _current_stream(index)
-    with prepared.lock, prepared.module.current():
+    with prepared.lock:
+        prepared.config.grid[:] = grid
+        prepared.config.block[:] = block
         for value, (_, arg) in zip(prepared.values, args):
             value.value = arg
-        result = _lib().cuLaunchKernel(prepared.fn, *grid, *block, 0, stream, prepared.params, None)
-    if result != _SUCCESS:
-        _check(result, f"cuLaunchKernel({name})")
+        prepared.fire(index, name)
+
+
+class Bound:
+    """A launch of function ``name`` of ``source``'s fatbin on CUDA device ``index`` with its grid, block and
+    arguments fixed, but for the first ones: the device addresses each :func:`run` gives (``args``: ``(ctypes type,
+    value)`` pairs, those first values placeholders). Its ctypes arguments are its own, built by its first run, so
+    a run sets only the addresses: the steady calls of a map (a model's every layer) pay a few microseconds."""
+
+    def __init__(
+        self,
+        source: str,
+        name: str,
+        index: int,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: list[tuple[type, int]],
+    ):
+        self.source, self.name, self.index, self.grid, self.block, self.args = source, name, index, grid, block, args
+        self._launch: _Launch | None = None
+
+    def _built(self) -> _Launch:
+        if self._launch is None:
+            module, fn = kernel(self.source, self.name, torch.device("cuda", self.index))
+            built = _Launch(module, fn, tuple(kind for kind, _ in self.args))
+            built.config.grid[:] = self.grid
+            built.config.block[:] = self.block
+            for value, (_, arg) in zip(built.values, self.args):
+                value.value = arg
+            self._launch = built
+        return self._launch
+
+
+def run(bound: Bound, *addresses: int) -> None:
+    """Launch ``bound`` on its device's current torch stream, its first arguments set to ``addresses``."""
+    built = bound._launch or bound._built()
+    with built.lock:
+        for value, address in zip(built.values, addresses):
+            value.value = address
+        built.fire(bound.index, bound.name)

@@ -65,7 +65,6 @@ __all__ = [
     "sources_for",
     "swizzle_tile",
     "swizzles",
-    "strided",
     "strided_form_table",
     "runs_strided",
     "strided_now",
@@ -125,7 +124,7 @@ def runs_strided(em: ExecMap) -> bool:
     """Whether the strided kernel runs ``em`` out of place: a map of the strided form of fewer than
     :data:`MAX_DIGITS` digits (the word within a cell is one more) and fewer than ``2**31`` output bytes an expert
     (the kernel's 32-bit digit division), or a map run as two such stages (``em.stages``: one launch each, through
-    an intermediate, :func:`strided`)."""
+    an intermediate, :func:`gather`)."""
     if em.strided is None:
         return em.stages is not None and all(_one_strided(stage) for stage in em.stages)
     return _one_strided(em)
@@ -295,31 +294,52 @@ def wait_for_plans() -> None:
     _PLANNER.jobs.join()
 
 
+_LAUNCHES = "prebuilt launches"
+"""``ExecMap._dev`` key, with the device index, the experts and both buffers' addresses modulo 16: the launches
+:func:`gather` made for such a call (:class:`.cuda_driver.Bound`, run again at each call's addresses), kept once the
+kernel they launch is the one the map keeps."""
+
+
 def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     """``out[e, i] = x[e, src[i]]`` for every expert (fill cells: their fill byte), ``x`` and ``out`` contiguous
     CUDA tensors of ``(E, in_bytes)`` and ``(E, out_bytes)`` bytes; one launch per :data:`MAX_GRID_Y` experts.
     A map of the ``swizzled_rows`` form runs on the swizzle kernel (where ``out`` is 16-byte aligned; a map of the
     strided form too only once that form is found), a map of the strided form on the strided kernel
-    (:func:`runs_strided`), any other on the gather kernel."""
-    # the kernels read addresses only: no views of x and out are made. A strided map that ends in the swizzle
-    # takes the swizzle kernel once its row forms are found, and the strided kernel before (the planner finds them)
+    (:func:`runs_strided`; one of two strided stages: a launch per stage through an intermediate of at most
+    :data:`STAGE_BYTES`), any other on the gather kernel. A call like an earlier one (device, experts, addresses
+    modulo 16) runs that call's launches at its own addresses: no form is looked up again."""
+    x_at, out_at = x.data_ptr(), out.data_ptr()
+    key = (_LAUNCHES, x.get_device(), x.shape[0], x_at & 15, out_at & 15)
+    launches = em._dev.get(key)
+    if launches is None:
+        launches = _launches(em, x, out)
+        if launches is None:
+            through_stages(em, x, out, gather, STAGE_BYTES)
+            return
+        if em.row_forms_found() or not (em.ends_swizzled and runs_strided(em)):  # the kernel stays this one
+            em._dev[key] = launches
+    for bound, out_offset, in_offset in launches:
+        cuda_driver.run(bound, out_at + out_offset, x_at + in_offset)
+
+
+def _launches(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> list | None:
+    """:func:`gather`'s launches of ``em`` from ``x`` into ``out`` (None: a map of two strided stages). A strided map
+    that ends in the swizzle takes the swizzle kernel once its row forms are found (the planner finds them), the
+    strided kernel before. The kernels read addresses only: no views of ``x`` and ``out`` are made."""
     strided_form = runs_strided(em)
     if (em.row_forms_found() or not strided_form) and swizzles(em) and out.data_ptr() % 16 == 0:
-        _swizzle(em, x, out)
-        return
+        return _swizzle(em, x)
     if strided_form:
-        strided(em, x, out)
-        return
+        return None if em.strided is None else _strided(em, x, out)
     word = _word(em, x, out)
     bm, bw, nc = cycle_tile(em.cell_bytes, word)
     src, fills = em.src_on(x.device), em.fills_on(x.device, word)
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    _launch_per_experts(
+    return _per_experts(
         GATHER_SOURCE,
         _GATHERS[word],
         em,
         x,
-        out,
         cdiv(em.n_out, bm) * nc,
         [
             (ptr, src.data_ptr()),
@@ -335,17 +355,17 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     )
 
 
-def _launch_per_experts(
-    source: str, name: str, em: ExecMap, x: torch.Tensor, out: torch.Tensor, blocks: int, args: list
-) -> None:
-    """Launch kernel ``name`` of ``source`` over every expert of ``x`` and ``out``, :data:`MAX_GRID_Y` experts at most
-    a launch (grid: ``blocks`` x the launch's experts): its arguments the launch's first output and input addresses,
-    then ``args``."""
-    ptr = ctypes.c_void_p
+def _per_experts(source: str, name: str, em: ExecMap, x: torch.Tensor, blocks: int, args: list) -> list:
+    """Launches of kernel ``name`` of ``source`` over every expert of ``x``, :data:`MAX_GRID_Y` experts at most a
+    launch (grid: ``blocks`` x the launch's experts), as ``(bound, output offset, input offset)``: its arguments the
+    launch's first output and input addresses, then ``args``."""
+    ptr, index = ctypes.c_void_p, x.get_device()
+    launches = []
     for e0 in range(0, x.shape[0], MAX_GRID_Y):
         cnt = min(MAX_GRID_Y, x.shape[0] - e0)
-        where = [(ptr, out.data_ptr() + e0 * em.out_bytes), (ptr, x.data_ptr() + e0 * em.in_bytes)]
-        cuda_driver.launch(source, name, x.device, (blocks, cnt, 1), (THREADS, 1, 1), where + args)
+        bound = cuda_driver.Bound(source, name, index, (blocks, cnt, 1), (THREADS, 1, 1), [(ptr, 0), (ptr, 0)] + args)
+        launches.append((bound, e0 * em.out_bytes, e0 * em.in_bytes))
+    return launches
 
 
 def division_by_multiplying(radix: int) -> tuple[int, int]:
@@ -379,28 +399,23 @@ def strided_form_table(em: ExecMap, device: torch.device, word: int) -> torch.Te
 
 
 STAGE_BYTES = 1 << 28
-"""Most bytes of the intermediate of a map run as two strided stages (:func:`strided`): whole experts, at least one
+"""Most bytes of the intermediate of a map run as two strided stages (:func:`gather`): whole experts, at least one
 (gpt-oss's MXFP4 scales, 72 MB for 128 experts, in one)."""
 
 
-def strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
-    """:func:`gather` of a map of the strided form (:func:`runs_strided`) on the strided kernel: each output word's
-    source from its digits (:func:`strided_form_table`), the box's complement filled in the same launch. A map of
-    two strided stages: ``mid = first(x)``, ``out = second(mid)``, two launches per :data:`STAGE_BYTES` of ``mid``
-    (a new buffer, freed in stream order)."""
-    if em.strided is None:
-        through_stages(em, x, out, strided, STAGE_BYTES)
-        return
+def _strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> list:
+    """:func:`gather`'s launches of a map of the strided form (:func:`runs_strided`) on the strided kernel: each
+    output word's source from its digits (:func:`strided_form_table`), the box's complement filled in the same
+    launch."""
     word = _word(em, x, out)
     n_words = em.out_bytes // word
     form, fills = strided_form_table(em, x.device, word), em.fills_on(x.device, word)
     ptr = ctypes.c_void_p
-    _launch_per_experts(
+    return _per_experts(
         STRIDED_SOURCE,
         _STRIDEDS[word],
         em,
         x,
-        out,
         cdiv(n_words, THREADS * ITEMS),
         [
             (ptr, form.data_ptr()),
@@ -443,9 +458,9 @@ def swizzle_tile(cw: int) -> tuple[int, int, int]:
     return kw_shift, TILE_WORDS >> kw_shift, cdiv(cw, 1 << kw_shift)
 
 
-def _swizzle(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
-    """:func:`gather` of a ``swizzled_rows`` map (tiles: :func:`swizzle_tile`), loading words of ``W`` bytes, the
-    widest of 4, 2, 1 dividing ``C_in`` and the input's alignment."""
+def _swizzle(em: ExecMap, x: torch.Tensor) -> list:
+    """:func:`gather`'s launches of a ``swizzled_rows`` map (tiles: :func:`swizzle_tile`), loading words of ``W``
+    bytes, the widest of 4, 2, 1 dividing ``C_in`` and the input's alignment."""
     _, c_in, cw, rows_n, column = em.swizzled_rows
     word = next(w for w in (4, 2, 1) if c_in % w == 0 and em.in_bytes % w == 0 and x.data_ptr() % w == 0)
     column_fill = em.fills[-1 - column] if em.fills else 0
@@ -453,12 +468,11 @@ def _swizzle(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     n_bands = rows_n // BAND_ROWS
     table = swizzle_rows_table(em, x.device)
     c_int, c_ll = ctypes.c_int, ctypes.c_longlong
-    _launch_per_experts(
+    return _per_experts(
         SWIZZLE_SOURCE,
         _SWIZZLES[word],
         em,
         x,
-        out,
         cdiv(n_bands, nb) * nk,
         [
             (ctypes.c_void_p, table.data_ptr()),
