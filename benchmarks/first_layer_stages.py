@@ -6,7 +6,8 @@ and after each. The main thread's time in each stage (plan building, compiling a
 loading a fatbin, a form table, a launch, torch's stand-in...) is summed per layer by wrapping those functions
 (calls from other threads, the background planner's, are not counted); a stage's time includes the stages it
 calls. Printed per layer: its host time (until the calls return), its wall time (until the device is done) and the
-stages over 20 us, longest first, as ``stage=ms/calls``.
+stages over 20 us, longest first, as ``stage=ms/calls``; the garbage collector's pauses (any thread: every
+thread waits for them) as ``gc.genN``.
 
 ``--switch-interval S`` sets Python's thread switch interval for the whole process first (the default is Python's
 5 ms; the background planner sets 0.2 ms while it has work): an A/B of what the caller waits for the GIL.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import importlib
 import os
 import sys
@@ -39,7 +41,7 @@ STAGES = {  # module -> functions whose main-thread time is summed
     "fimoe_lab.prepare": ("_apply_in_place",),
     "fimoe_lab.kernels": ("execute", "execute_in_place"),
     "fimoe_lab.kernels.registry": ("get_executor", "_loaded_or_stand_in"),
-    "fimoe_lab.kernels.prebuilt": ("strided_now", "gather", "strided", "strided_form_table", "plan_in_background"),
+    "fimoe_lab.kernels.prebuilt": ("strided_now", "gather", "_launches", "strided_form_table", "plan_in_background"),
     "fimoe_lab.kernels.cuda_driver": ("available", "_module", "launch"),
     "fimoe_lab.kernels.torch_gather": ("gather_torch", "inplace_strided"),
     "fimoe_lab.kernels.copy_then_gather": ("copy_then_gather",),
@@ -99,6 +101,17 @@ def main(argv: list[str] | None = None) -> None:
                     setattr(other, name, wrapped)
     for name in METHODS:
         setattr(IndexMap, name, timed(f"IndexMap.{name}", getattr(IndexMap, name)))
+    collecting: dict[str, float] = {}
+
+    def garbage(phase: str, info: dict[str, int]) -> None:  # the collector's pauses, in whichever thread
+        if phase == "start":
+            collecting["since"] = time.perf_counter()
+        elif "since" in collecting:
+            name = f"gc.gen{info['generation']}"
+            spent[name] += time.perf_counter() - collecting.pop("since")
+            calls[name] += 1
+
+    gc.callbacks.append(garbage)
     plan_layer = importlib.import_module("fimoe_lab.recipes").plan_layer
 
     dev = torch.device(args.device)

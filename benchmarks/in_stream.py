@@ -8,7 +8,11 @@ gap between consecutive kernels, and the ratio of the copy's to ours
 samples of about 2 ms, so the first call's host path counts once a sample) and the same with samples
 of about ``--long-ms``.
 
+``--backend`` names the executor (default ``triton``; ``prebuilt``: the kernels built ahead of time that stand in
+for Triton, run as a model's steady layers run them: the map's plan and row forms built first).
+
     PYTHONPATH=. python3 benchmarks/in_stream.py --only mxfp8/w2_scale --out results.json
+    PYTHONPATH=. python3 benchmarks/in_stream.py --backend prebuilt --out results.json
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ from bench_transforms import ratio_to_copy, save_results  # noqa: E402
 from probe_tiles import maps  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from fimoe_lab.kernels import default_scratch_experts, execute_in_place  # noqa: E402
-from fimoe_lab.kernels import triton_gather as tg  # noqa: E402
+from fimoe_lab.kernels import default_scratch_experts, execute, execute_in_place, prebuilt  # noqa: E402
 
 
 def stream(fn, calls: int) -> dict:
@@ -80,6 +83,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--long-ms", type=float, default=20.0, help="sample length of the second timeit column")
     ap.add_argument("--no-in-place", action="store_true", help="skip the in-place runs of the permutations")
+    ap.add_argument("--backend", choices=("triton", "prebuilt"), default="triton", help="the executor measured")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -88,12 +92,16 @@ def main() -> None:
         if args.only and not any(s in label for s in args.only):
             continue
         em = m.compiled()
+        if args.backend == "prebuilt":  # as the planner thread has them by a model's steady layers
+            em.swizzled_rows  # noqa: B018
+            if m.is_permutation and not args.no_in_place:
+                prebuilt.build_plan(em, True)
         x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device=dev)
         out = torch.empty((experts, m.out_bytes), dtype=torch.uint8, device=dev)
         dst = torch.empty_like(x)
 
         def ours():
-            tg.gather_triton(em, x, out)
+            execute(em, x, out, args.backend)
 
         def copy():
             dst.copy_(x)
@@ -101,7 +109,7 @@ def main() -> None:
         for _ in range(3):
             ours(), copy()
         torch.cuda.synchronize()
-        rec = {"transform": label, "in_place": False}
+        rec = {"transform": label, "in_place": False, "backend": args.backend}
         rec |= compare(ours, copy, (x.numel() + out.numel()) / (2 * x.numel()), args, dev)
         records.append(rec)
         show(label, rec, args.long_ms)
@@ -109,10 +117,10 @@ def main() -> None:
             y, sc = x.clone(), default_scratch_experts(experts)
 
             def ours_in_place(y=y, sc=sc):
-                execute_in_place(em, y, sc)
+                execute_in_place(em, y, sc, args.backend)
 
             ours_in_place()
-            rec = {"transform": label, "in_place": True} | compare(ours_in_place, copy, 1.0, args, dev)
+            rec = {"transform": label, "in_place": True, "backend": args.backend} | compare(ours_in_place, copy, 1.0, args, dev)
             records.append(rec)
             show(label + " in place", rec, args.long_ms)
             del y
