@@ -66,6 +66,8 @@ __all__ = [
     "swizzle_tile",
     "swizzles",
     "strided_form_table",
+    "FormTable",
+    "FORM_WORDS",
     "runs_strided",
     "strided_now",
     "division_by_multiplying",
@@ -84,6 +86,8 @@ STRIDED_SOURCE = "strided"
 MAX_DIGITS = 8
 """Most digits the strided kernel divides a word's index into (``MAX_DIGITS`` of ``strided.cu``): the word within
 its cell and the form's."""
+FORM_WORDS = 3 + 5 * MAX_DIGITS
+"""int64 entries of the strided kernel's form table (``FORM_WORDS`` of ``strided.cu``: a head of 3, 5 a digit)."""
 BAND_ROWS = 128
 TILE_WORDS = 32
 MIN_KW = 4
@@ -376,17 +380,34 @@ def division_by_multiplying(radix: int) -> tuple[int, int]:
     return -(-(1 << (32 + shift)) // radix) - (1 << 32), shift
 
 
-def strided_form_table(em: ExecMap, device: torch.device, word: int) -> torch.Tensor:
-    """``em``'s strided form over ``word``-byte words as the strided kernel reads it, on ``device`` (cached on
-    ``em``): int64 ``[digits, offset, fill index or -1]``, then per digit, innermost first, ``[radix, live, stride,
-    magic, shift]`` (:func:`division_by_multiplying`): the word within its cell (where a cell holds more than one),
-    then the form's digits, strides and offset in words."""
-    key = ("strided form", str(device), word)
+class FormTable(ctypes.Structure):
+    """The strided kernel's form table as its by-value parameter (``Form`` of ``strided.cu``): :data:`FORM_WORDS`
+    int64, set from :func:`strided_form_table`'s entries (the rest zero) through ``value``, as a launch sets every
+    argument."""
+
+    _fields_ = [("words", ctypes.c_longlong * FORM_WORDS)]
+
+    @property
+    def value(self) -> tuple[int, ...]:
+        return tuple(self.words)
+
+    @value.setter
+    def value(self, table: tuple[int, ...]) -> None:
+        self.words[:] = tuple(table) + (0,) * (FORM_WORDS - len(table))
+
+
+def strided_form_table(em: ExecMap, word: int) -> tuple[int, ...]:
+    """``em``'s strided form over ``word``-byte words as the strided kernel reads it (cached on ``em``): int64
+    ``[digits, offset, fill byte or -1]``, then per digit, innermost first, ``[radix, live, stride, magic, shift]``
+    (:func:`division_by_multiplying`): the word within its cell (where a cell holds more than one), then the form's
+    digits, strides and offset in words. At most :data:`FORM_WORDS` entries: it goes with the launch (no device
+    copy)."""
+    key = ("strided form", word)
     if key not in em._dev:
         st = em.strided
         assert st is not None and runs_strided(em)
         cell_words = em.cell_bytes // word
-        table = [0, st.offset * cell_words, -1 if st.fill is None else -1 - st.fill]
+        table = [0, st.offset * cell_words, -1 if st.fill is None else em.fills[-1 - st.fill]]
         digits = [(cell_words, cell_words, 1)] if cell_words > 1 else []
         digits += [(radix, live, stride * cell_words) for radix, live, stride in zip(st.shape, st.live, st.strides)][
             ::-1
@@ -394,7 +415,8 @@ def strided_form_table(em: ExecMap, device: torch.device, word: int) -> torch.Te
         for radix, live, stride in digits:
             table += [radix, live, stride, *division_by_multiplying(radix)]
         table[0] = len(digits)
-        em._dev[key] = torch.tensor(table, dtype=torch.int64).to(device)
+        assert len(table) <= FORM_WORDS
+        em._dev[key] = tuple(table)
     return em._dev[key]
 
 
@@ -409,8 +431,6 @@ def _strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> list:
     launch."""
     word = _word(em, x, out)
     n_words = em.out_bytes // word
-    form, fills = strided_form_table(em, x.device, word), em.fills_on(x.device, word)
-    ptr = ctypes.c_void_p
     return _per_experts(
         STRIDED_SOURCE,
         _STRIDEDS[word],
@@ -418,8 +438,7 @@ def _strided(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> list:
         x,
         cdiv(n_words, THREADS * ITEMS),
         [
-            (ptr, form.data_ptr()),
-            (ptr, fills.data_ptr()),
+            (FormTable, strided_form_table(em, word)),
             (ctypes.c_int, n_words),
             (ctypes.c_longlong, em.in_bytes // word),
             (ctypes.c_longlong, n_words),

@@ -66,10 +66,9 @@ EMULATE_SWIZZLE(fimoe_swizzle_w2)
 EMULATE_SWIZZLE(fimoe_swizzle_w1)
 
 #define EMULATE_STRIDED(NAME, W)                                                                                \
-    extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, W* out, const W* x,               \
-                                   const long long* form, const W* fills, int n_words, long long in_words,       \
-                                   long long out_words) {                                                       \
-        run_grid([&] { NAME(out, x, form, fills, n_words, in_words, out_words); }, gx, gy, threads, true);      \
+    extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, W* out, const W* x, Form form,    \
+                                   int n_words, long long in_words, long long out_words) {                       \
+        run_grid([&] { NAME(out, x, form, n_words, in_words, out_words); }, gx, gy, threads);                   \
     }
 
 EMULATE_STRIDED(fimoe_strided_w16, word16)

@@ -13,27 +13,35 @@
 
 #include "tile.cuh"
 
-// The form table: the number of digits, the source word of all digits 0, the fill word's index in fills (-1: every
-// word is in the box), then per digit, innermost first: radix, live, stride, magic, shift.
+// The form table: the number of digits, the source word of all digits 0, the fill byte (-1: every word is in the
+// box), then per digit, innermost first: radix, live, stride, magic, shift; FORM_WORDS entries in all (the digits
+// past the form's unread).
 #define MAX_DIGITS 8
 #define FORM_DIGITS 0
 #define FORM_OFFSET 1
 #define FORM_FILL 2
 #define FORM_HEAD 3
 #define FORM_PER_DIGIT 5
+#define FORM_WORDS 43
+
+struct Form {
+    long long w[FORM_WORDS];
+};
+
+// A word of byte b repeated.
+__device__ __forceinline__ void splat(word1& w, unsigned b) { w = (word1)b; }
+__device__ __forceinline__ void splat(word4& w, unsigned b) { w = b * 0x01010101u; }
+__device__ __forceinline__ void splat(word16& w, unsigned b) { w.x = w.y = w.z = w.w = b * 0x01010101u; }
 
 template <typename W>
-__device__ __forceinline__ void strided_words(W* __restrict__ out, const W* __restrict__ x,
-                                              const long long* __restrict__ form, const W* __restrict__ fills,
-                                              int n_words, long long in_words, long long out_words) {
-    __shared__ long long f[FORM_HEAD + FORM_PER_DIGIT * MAX_DIGITS];
-    const int nd = (int)form[FORM_DIGITS];
-    if ((int)threadIdx.x < FORM_HEAD + FORM_PER_DIGIT * nd) f[threadIdx.x] = form[threadIdx.x];
-    __syncthreads();
+__device__ __forceinline__ void strided_words(W* __restrict__ out, const W* __restrict__ x, const Form& f, int n_words,
+                                              long long in_words, long long out_words) {
+    const int nd = (int)f.w[FORM_DIGITS];
     const long long e = blockIdx.y;
     const W* xe = x + e * in_words;
     W* oe = out + e * out_words;
-    const long long fill = f[FORM_FILL];
+    W fill;
+    splat(fill, (unsigned)(f.w[FORM_FILL] & 0xff));
     const int base = (int)blockIdx.x * (THREADS * ITEMS) + (int)threadIdx.x;
     W v[ITEMS];
     int to[ITEMS];  // the output word of item k, or -1 past the expert
@@ -43,12 +51,12 @@ __device__ __forceinline__ void strided_words(W* __restrict__ out, const W* __re
         to[k] = -1;
         if (word < n_words) {
             unsigned c = (unsigned)word;
-            long long s = f[FORM_OFFSET];
+            long long s = f.w[FORM_OFFSET];
             bool live = true;
 #pragma unroll
             for (int d = 0; d < MAX_DIGITS; ++d) {
                 if (d < nd) {
-                    const long long* g = f + FORM_HEAD + FORM_PER_DIGIT * d;
+                    const long long* g = f.w + FORM_HEAD + FORM_PER_DIGIT * d;
                     const unsigned q = (__umulhi(c, (unsigned)g[3]) + c) >> (unsigned)g[4];
                     const unsigned digit = c - q * (unsigned)g[0];
                     live = live && digit < (unsigned)g[1];
@@ -56,7 +64,7 @@ __device__ __forceinline__ void strided_words(W* __restrict__ out, const W* __re
                     c = q;
                 }
             }
-            v[k] = live ? __ldcs(xe + s) : fills[fill];
+            v[k] = live ? __ldcs(xe + s) : fill;
             to[k] = word;
         }
     }
@@ -68,9 +76,9 @@ __device__ __forceinline__ void strided_words(W* __restrict__ out, const W* __re
 
 #define STRIDED_KERNEL(NAME, W)                                                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                      \
-        NAME(W* out, const W* x, const long long* form, const W* fills, int n_words, long long in_words,       \
+        NAME(W* out, const W* x, const __grid_constant__ Form form, int n_words, long long in_words,            \
              long long out_words) {                                                                             \
-        strided_words<W>(out, x, form, fills, n_words, in_words, out_words);                                    \
+        strided_words<W>(out, x, form, n_words, in_words, out_words);                                           \
     }
 
 STRIDED_KERNEL(fimoe_strided_w16, word16)
