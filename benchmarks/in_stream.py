@@ -120,7 +120,9 @@ def main() -> None:
                 execute_in_place(em, y, sc, args.backend)
 
             ours_in_place()
-            rec = {"transform": label, "in_place": True, "backend": args.backend} | compare(ours_in_place, copy, 1.0, args, dev)
+            rec = {"transform": label, "in_place": True, "backend": args.backend} | compare(
+                ours_in_place, copy, 1.0, args, dev
+            )
             records.append(rec)
             show(label + " in place", rec, args.long_ms)
             del y
