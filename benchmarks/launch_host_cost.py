@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     from fimoe_lab.kernels import cuda_driver, prebuilt, registry
     from fimoe_lab.recipes import plan_layer
 
+    if not torch.cuda.is_available():
+        raise SystemExit("launch_host_cost.py times CUDA launches: run it on a machine with a CUDA device")
     dev = torch.device("cuda")
     m = plan_layer("nvfp4", "trtllm", 256, 7168).w2
     em = m.compiled()
