@@ -533,9 +533,12 @@ def signals_raise() -> Iterator[None]:
         return
     arrived: list[int] = []
 
+    def signal_error(signum: int) -> BaseException:
+        return Terminated(signum) if signum == signal.SIGTERM else KeyboardInterrupt()
+
     def raise_signal(signum: int, frame: object) -> None:
         arrived.append(signum)
-        raise Terminated(signum) if signum == signal.SIGTERM else KeyboardInterrupt
+        raise signal_error(signum)
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for s in previous:
@@ -544,7 +547,7 @@ def signals_raise() -> Iterator[None]:
         yield
     except Exception as exc:
         if arrived:
-            raise (Terminated(arrived[0]) if arrived[0] == signal.SIGTERM else KeyboardInterrupt()) from exc
+            raise signal_error(arrived[0]) from exc
         raise
     finally:
         for s, h in previous.items():
