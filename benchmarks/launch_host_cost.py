@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     prebuilt.wait_for_plans()
     m.apply(x, out=out)
     torch.cuda.synchronize()
-    kept = [v for k, v in em._dev.items() if k[0] == prebuilt._LAUNCHES]
+    kept = [v for k, v in em._dev.items() if k[0] == prebuilt._KEPT_LAUNCHES]
     if len(kept) != 1 or len(kept[0]) != 1:
         raise SystemExit(f"expected one kept launch of {em.name}, found {kept}")
     bound, _, _ = kept[0][0]

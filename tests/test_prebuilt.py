@@ -679,16 +679,16 @@ def test_a_later_call_runs_the_first_calls_launches_at_its_own_addresses(emulate
 
     first, second = host_inputs(m, experts)
     call(first)
-    kept = {k: v for k, v in em._dev.items() if k[0] == prebuilt._LAUNCHES}
+    kept = {k: v for k, v in em._dev.items() if k[0] == prebuilt._KEPT_LAUNCHES}
     assert len(kept) == 1
     with monkeypatch.context() as mp:
         for name in ("strided_form_table", "swizzle_rows_table", "_word", "runs_strided", "swizzles"):
             mp.setattr(prebuilt, name, lambda *a: pytest.fail("a form was looked up again"))
         call(second)
-    assert {k: v for k, v in em._dev.items() if k[0] == prebuilt._LAUNCHES} == kept
+    assert {k: v for k, v in em._dev.items() if k[0] == prebuilt._KEPT_LAUNCHES} == kept
     call(second, 1)
     call(second[:2])
-    assert len([k for k in em._dev if k[0] == prebuilt._LAUNCHES]) == 3
+    assert len([k for k in em._dev if k[0] == prebuilt._KEPT_LAUNCHES]) == 3
 
 
 def test_a_swizzled_map_into_a_buffer_off_16_bytes_takes_the_gather_kernel(emulated):

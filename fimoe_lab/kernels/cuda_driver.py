@@ -194,6 +194,13 @@ class _Launch:
         self.config_ref = ctypes.byref(self.config)
         self.lock = threading.Lock()
 
+    def set(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list[tuple[type, int]]) -> None:
+        """Set the grid, the block and every argument's value (``(ctypes type, value)`` pairs, in order)."""
+        self.config.grid[:] = grid
+        self.config.block[:] = block
+        for value, (_, arg) in zip(self.values, args):
+            value.value = arg
+
     def fire(self, index: int, name: str) -> None:
         """Launch with the values and grid as set, on torch's current stream of device ``index`` (caller holds
         :attr:`lock`), in the module's context (made current for the call where another one is)."""
@@ -232,10 +239,7 @@ def launch(
         kinds = tuple(kind for kind, _ in args)  # a kernel's parameter types are its own: fixed per function
         prepared = _LAUNCHES.setdefault(key, _Launch(*kernel(source, name, torch.device("cuda", index)), kinds))
     with prepared.lock:
-        prepared.config.grid[:] = grid
-        prepared.config.block[:] = block
-        for value, (_, arg) in zip(prepared.values, args):
-            value.value = arg
+        prepared.set(grid, block, args)
         prepared.fire(index, name)
 
 
@@ -261,10 +265,7 @@ class Bound:
         if self._launch is None:
             module, fn = kernel(self.source, self.name, torch.device("cuda", self.index))
             built = _Launch(module, fn, tuple(kind for kind, _ in self.args))
-            built.config.grid[:] = self.grid
-            built.config.block[:] = self.block
-            for value, (_, arg) in zip(built.values, self.args):
-                value.value = arg
+            built.set(self.grid, self.block, self.args)
             self._launch = built
         return self._launch
 

@@ -298,7 +298,7 @@ def wait_for_plans() -> None:
     _PLANNER.jobs.join()
 
 
-_LAUNCHES = "prebuilt launches"
+_KEPT_LAUNCHES = "prebuilt launches"
 """``ExecMap._dev`` key, with the device index, the experts and both buffers' addresses modulo 16: the launches
 :func:`gather` made for such a call (:class:`.cuda_driver.Bound`, run again at each call's addresses), kept once the
 kernel they launch is the one the map keeps."""
@@ -313,7 +313,7 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     :data:`STAGE_BYTES`), any other on the gather kernel. A call like an earlier one (device, experts, addresses
     modulo 16) runs that call's launches at its own addresses: no form is looked up again."""
     x_at, out_at = x.data_ptr(), out.data_ptr()
-    key = (_LAUNCHES, x.get_device(), x.shape[0], x_at & 15, out_at & 15)
+    key = (_KEPT_LAUNCHES, x.get_device(), x.shape[0], x_at & 15, out_at & 15)
     launches = em._dev.get(key)
     if launches is None:
         launches = _launches(em, x, out)
