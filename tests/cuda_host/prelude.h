@@ -17,7 +17,7 @@ inline thread_local std::barrier<>* fimoe_block_barrier;
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __grid_constant__
 // A block's shared memory: one array for all of its threads. Blocks of a kernel that uses it run one after
