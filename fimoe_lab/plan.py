@@ -28,6 +28,7 @@ import torch
 from fimoe_lab import value_rules
 from fimoe_lab.engines import ValueRule
 from fimoe_lab.errors import LayoutError
+from fimoe_lab.kernels import plans_after_the_call
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.steps import apply_word_bits
 
@@ -158,11 +159,12 @@ class LayerPlan:
         w2_scale: Optional[torch.Tensor] = None,
     ) -> tuple[Optional[torch.Tensor], ...]:
         """Return ``(w13, w2, w13_scale, w2_scale)`` in the kernel layout (new tensors): the value rule, if any,
-        then each tensor's map."""
+        then each tensor's map (the background planner asked after all four: :data:`.kernels.plans_after_the_call`)."""
         given: dict[str, Optional[torch.Tensor]] = dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
         self.check(**given)
         given = value_rules.apply(self.value_rule, given)
-        return tuple(self.apply_tensor(n, x) if x is not None else x for n, x in given.items())
+        with plans_after_the_call:
+            return tuple(self.apply_tensor(n, x) if x is not None else x for n, x in given.items())
 
     def bias_map(self, name: str, itemsize: int) -> Optional[IndexMap]:
         """The map of a per-row bias: ``w13_bias (E, P*I)`` follows w13's rows, ``w2_bias (E, H)`` w2's.

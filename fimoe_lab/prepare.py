@@ -36,6 +36,8 @@ from fimoe_lab.builders import (
 from fimoe_lab.caches import cached
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
+from fimoe_lab.kernels import copy_then_gather as _copy_then_gather  # noqa: F401 - likewise (~1 ms)
+from fimoe_lab.kernels import plans_after_the_call
 from fimoe_lab.kernels import prebuilt as _prebuilt  # noqa: F401 - likewise (its imports cost a first call ~5 ms)
 from fimoe_lab.kernels import torch_gather as _torch_gather  # noqa: F401 - likewise
 from fimoe_lab.layout import IndexMap
@@ -140,12 +142,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _boundary(fn: F) -> F:
-    """Public drop-in: a :class:`FimoeError` raised anywhere below gets this function's name as context."""
+    """Public drop-in: a :class:`FimoeError` raised anywhere below gets this function's name as context; the
+    background planner is asked for the maps' plans after the call (:data:`~fimoe_lab.kernels.plans_after_the_call`)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with plans_after_the_call:  # the planner starts once the whole layer's launches are queued
+                return fn(*args, **kwargs)
         except FimoeError as exc:
             raise exc.within(fn.__name__) from None
 

@@ -349,7 +349,7 @@ def in_place_maps():
 
 @pytest.mark.parametrize(
     "fmt,inter,hidden,tensor",
-    [("fp8", 160, 384, "w13"), ("bf16", 384, 640, "w2"), ("nvfp4", 512, 1024, "w13_scale")],
+    [("fp8", 160, 384, "w13"), ("bf16", 384, 640, "w2"), ("fp8-block", 384, 640, "w13")],
 )
 def test_cycle_plans_built_in_the_background_are_the_ones_a_launch_uses(
     emulated, monkeypatch, fmt, inter, hidden, tensor
@@ -842,3 +842,76 @@ def test_a_bound_launch_keeps_its_arguments_and_takes_each_runs_addresses(driver
         k = grid[0] - 1
         assert (grid, block, stream) == ((k + 1, 2, 1), (128, 1, 1), 1000 + k % 2)
         assert (neg, big) == (-k, (1 << 40) + k) and (ptr % (16 * (k + 1)) == 0 or (k == 0 and ptr in (123, 456)))
+
+
+def test_in_place_cells_under_a_sector_copy_aside_and_gather_back(emulated):
+    """In place, the prebuilt executor moves cells of at least :data:`MIN_CYCLE_CELL` bytes along the cycle plan and
+    runs smaller ones (swizzled scales' 4-byte words) as copy-then-gather on the out-of-place kernels, whose plan
+    (sources, row forms) is what ``planned``/``build_plan`` then ask for: the reference loop's bytes either way."""
+    from reference_loops import byte_gather
+
+    executor = registry.EXECUTORS["prebuilt"]
+    for m, cycles in (
+        (plan_layer("nvfp4", "trtllm", 256, 512).w13_scale, False),  # 4-byte cells of the 128x4 swizzle
+        (plan_layer("fp8-block", "trtllm", 128, 384).w13, True),  # 128-byte blocks
+    ):
+        em = m.compiled()
+        assert em.is_permutation and prebuilt.runs_cycles(em) is cycles
+        assert (em.cell_bytes >= prebuilt.MIN_CYCLE_CELL) is cycles
+        assert prebuilt.sources_for(em, True) == ((prebuilt.SOURCE,) if cycles else prebuilt.sources_for(em, False))
+        prebuilt.build_plan(em, True)  # as the planner thread does
+        assert prebuilt.planned(em, True)
+        assert executor.strategy(em).name == ("cycles" if cycles else "copy-then-gather")
+        for x in host_inputs(m, 3):
+            y = x.clone()
+            emulated.clear()
+            for _ in executor.strategy(em).run(em, y, 2, None):
+                pass
+            assert torch.equal(y, byte_gather(m, x).reshape(3, -1))
+            cycle_kernels = set(prebuilt._FUNCTIONS.values())
+            assert emulated and (set(emulated) <= cycle_kernels if cycles else not set(emulated) & cycle_kernels)
+
+
+def test_the_planner_is_asked_when_the_outermost_call_ends(monkeypatch):
+    """Inside ``plans_after_the_call`` (nested, per thread) the maps a call needs planned wait until the outermost
+    block ends, even one left by an exception; outside any block they go to the planner at once. The public calls
+    that run a layer hold the block while they pick each map's executor (where the planner is asked)."""
+    import threading
+
+    from fimoe_lab import kernels, prepare
+
+    asked: list[tuple[str, object]] = []
+    monkeypatch.setattr(prebuilt, "plan_in_background", lambda em, in_place, device: asked.append((em, in_place)))
+    ems = [plan_layer("fp8", "trtllm", 256, 512).w13.compiled(), plan_layer("fp8", "trtllm", 256, 512).w2.compiled()]
+    after = registry.plans_after_the_call
+    registry._plan_after_the_call(ems[0], True, torch.device("cuda"))
+    assert asked == [(ems[0], True)]
+    asked.clear()
+    other: list[int] = []
+    with pytest.raises(KeyError):
+        with after:
+            registry._plan_after_the_call(ems[0], False, torch.device("cuda"))
+            with after:
+                registry._plan_after_the_call(ems[1], True, torch.device("cuda"))
+            assert asked == []  # the inner block ended: still waiting for the outer one
+            worker = threading.Thread(target=lambda: other.append(getattr(registry._CALL, "depth", 0)))
+            worker.start()
+            worker.join()
+            raise KeyError("midway")
+    assert asked == [(ems[0], False), (ems[1], True)] and other == [0]  # another thread is in no block
+
+    depths: list[int] = []
+    real = kernels.get_executor
+    monkeypatch.setattr(kernels, "get_executor", lambda *a, **k: depths.append(registry._CALL.depth) or real(*a, **k))
+    plan = plan_layer("fp8", "trtllm", 256, 512)
+    w13 = torch.randint(0, 256, (2,) + plan.w13.in_shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w2 = torch.randint(0, 256, (2,) + plan.w2.in_shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    plan.apply(w13, w2)
+    assert depths == [2, 2]  # LayerPlan.apply, then execute
+    depths.clear()
+    kernels.execute(plan.w2.compiled(), w2.view(torch.uint8), torch.empty_like(w2.view(torch.uint8)))
+    assert depths == [1]
+    depths.clear()
+    prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13.clone(), w2.clone(), True)
+    assert depths == [2, 2]  # the drop-in, then execute_in_place
+    assert registry._CALL.depth == 0

@@ -35,10 +35,12 @@ from fimoe_lab.kernels.registry import (
     get_executor,
     load_executor,
     pick_backend,
+    plans_after_the_call,
 )
 
 __all__ = [
     "execute",
+    "plans_after_the_call",
     "execute_in_place",
     "default_scratch_experts",
     "SCRATCH_MIN_BYTES",
@@ -115,11 +117,12 @@ def execute(em: ExecMap, x: torch.Tensor, out: torch.Tensor, backend: Optional[s
     an executor of :data:`EXECUTORS` (default: :func:`pick_backend`).
     """
     _check_exec_map(em)
-    ex = get_executor(backend, x.device, out.nbytes, em=em)
-    _check_gather(em, x, out)
-    if x.shape[0] == 0:
-        return
-    ex.gather(em, x, out)
+    with plans_after_the_call:
+        ex = get_executor(backend, x.device, out.nbytes, em=em)
+        _check_gather(em, x, out)
+        if x.shape[0] == 0:
+            return
+        ex.gather(em, x, out)
 
 
 SCRATCH_MIN_BYTES = 1 << 26
@@ -207,17 +210,18 @@ def execute_in_place(
         return
     chunk = _check_in_place(em, x, scratch_experts)
     flat, _ = byte_views(x, x)
-    ex = get_executor(backend, x.device, flat.numel(), wait=bool(config), em=em, in_place=True)  # tuned: its own
-    strategy = ex.strategy(em, (config or {}).get("inplace", "auto"))
-    start = 0
-    try:
-        for start, _ in strategy.run(em, flat, chunk, config):  # noqa: B007 - start is read after a failure
-            pass
-        start = num_experts
-    except BaseException as exc:
-        if not _undo:
-            raise
-        _undo_and_raise(em, x, flat, start, chunk, ex.name, exc)
+    with plans_after_the_call:
+        ex = get_executor(backend, x.device, flat.numel(), wait=bool(config), em=em, in_place=True)  # tuned: its own
+        strategy = ex.strategy(em, (config or {}).get("inplace", "auto"))
+        start = 0
+        try:
+            for start, _ in strategy.run(em, flat, chunk, config):  # noqa: B007 - start is read after a failure
+                pass
+            start = num_experts
+        except BaseException as exc:
+            if not _undo:
+                raise
+            _undo_and_raise(em, x, flat, start, chunk, ex.name, exc)
 
 
 def _undo_and_raise(

@@ -14,7 +14,7 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
 - in place (``kernels/cuda/cycles.cu``): a block moves one tile of a
   :class:`~fimoe_lab.kernels.cycles.CyclePlan`, ``BM`` slots x ``BW`` words of their cells, every source
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
-  kernel does.
+  kernel does; cells under :data:`MIN_CYCLE_CELL` bytes are copied aside and gathered back instead.
 
 Tile shape (the gather and cycle kernels): ``THREADS * ITEMS`` words a block (the constants of the ``.cu`` files); the
 word is 16 bytes where the cell and the buffers allow it, else 4, else 1; ``BW`` is the largest power of
@@ -50,6 +50,7 @@ __all__ = [
     "TILE_WORDS",
     "MIN_KW",
     "MAX_GRID_Y",
+    "MIN_CYCLE_CELL",
     "THREADS",
     "ITEMS",
     "MAX_BW",
@@ -68,6 +69,7 @@ __all__ = [
     "strided_form_table",
     "FormTable",
     "FORM_WORDS",
+    "runs_cycles",
     "runs_strided",
     "strided_now",
     "division_by_multiplying",
@@ -106,6 +108,11 @@ _KERNELS = {SOURCE: _FUNCTIONS, GATHER_SOURCE: _GATHERS, SWIZZLE_SOURCE: _SWIZZL
 """Each fatbin's kernels, by the word (bytes) they move."""
 MAX_GRID_Y = 65535
 """Most experts one launch covers (CUDA's grid y limit)."""
+MIN_CYCLE_CELL = 32
+"""In place, cells of at least a memory sector (32 bytes) move along the map's cycle plan; smaller ones (the
+4-byte words of swizzled scales) run as copy-then-gather, each chunk of experts copied aside and gathered back by
+the out-of-place kernels: along the cycles each 4-byte cell costs a whole sector both ways (NVFP4 W13 scales on an
+H100: 0.10 of a copy, benchmarks/RESULTS.md)."""
 
 
 def available(device: torch.device | str) -> bool:
@@ -118,10 +125,17 @@ def sources_for(em: ExecMap, in_place: bool) -> tuple[str, ...]:
     """The fatbins a run of ``em`` may launch: in place the cycle kernel's; out of place the strided kernel's for a
     map of the strided form (:func:`runs_strided`), else the gather kernel's, and the swizzle kernel's too for a map
     that ends in the 128x4 swizzle (an output off 16 bytes goes to the other)."""
-    if in_place:
+    if in_place and runs_cycles(em):
         return (SOURCE,)
     first = STRIDED_SOURCE if runs_strided(em) else GATHER_SOURCE
     return (first, SWIZZLE_SOURCE) if em.ends_swizzled else (first,)
+
+
+def runs_cycles(em: ExecMap) -> bool:
+    """Whether ``em`` runs in place along its cycle plan: cells of at least :data:`MIN_CYCLE_CELL` bytes (else in
+    place is copy-then-gather on the out-of-place kernels, which :func:`planned` and :func:`build_plan` then ask
+    for)."""
+    return em.cell_bytes >= MIN_CYCLE_CELL
 
 
 def runs_strided(em: ExecMap) -> bool:
@@ -197,7 +211,7 @@ def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = Non
     and, given a ``device``, the fatbins it needs are loaded there."""
     if device is not None and not all(cuda_driver.tried(source, device) for source in sources_for(em, in_place)):
         return False
-    if in_place:
+    if in_place and runs_cycles(em):
         return cycle_plan_built(em, _tile_slots(em))
     if _needs_no_plan(em):
         return True
@@ -207,7 +221,7 @@ def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = Non
 def build_plan(em: ExecMap, in_place: bool) -> None:
     """Build what :func:`planned` asks of ``em`` beyond the fatbins, kept on the map: in place its cycle plan (for
     an aligned buffer); a gather its sources, and its ``swizzled_rows`` form where it ends in the 128x4 swizzle."""
-    if in_place:
+    if in_place and runs_cycles(em):
         cycle_plan(em, _tile_slots(em))
         return
     if _needs_no_plan(em):

@@ -64,6 +64,7 @@ __all__ = [
     "load_executor",
     "executor_ready",
     "kernel_gathers",
+    "plans_after_the_call",
 ]
 
 NUMBA_MIN_BYTES = 1 << 20
@@ -192,9 +193,10 @@ def _cycles_prebuilt(em, flat, scratch_experts, config):
 
 def _cycles_planned_or_not_strided(em: ExecMap) -> bool:
     """``auto`` runs a map's cycle plan once it is built; a map of the strided form copies each chunk aside and
-    gathers it back on the strided kernel until then (its first calls, while the planner builds the plan)."""
+    gathers it back on the strided kernel until then (its first calls, while the planner builds the plan). Cells
+    under a sector (:data:`.prebuilt.MIN_CYCLE_CELL`) always copy aside and gather back."""
     pre = _module("prebuilt")
-    return not pre.runs_strided(em) or pre.planned(em, True)
+    return (not pre.runs_strided(em) or pre.planned(em, True)) and pre.runs_cycles(em)
 
 
 def _prebuilt_loads(device: torch.device) -> bool:
@@ -431,6 +433,47 @@ def _prebuilt_stands_in(ex: Executor, device: torch.device, em: Optional[ExecMap
     )
 
 
+_CALL = threading.local()
+"""This thread's :data:`plans_after_the_call` depth and the plans its calls asked for meanwhile."""
+
+
+class _PlansAfterTheCall:
+    """``with plans_after_the_call:`` asks the background planner (:func:`.prebuilt.plan_in_background`) for the
+    maps this thread's calls inside the block need planned only when the outermost such block ends, after those
+    calls queued their launches (one instance serves every thread and nesting: the state is the thread's).
+
+    The planner is Python on another thread: started mid-call, it takes the GIL from the caller at each torch call
+    and launch the caller makes, and a model's first layer (the calls that compile each map and ask for its plan)
+    ran 1.5-5 ms longer on an H100 host than with no planner (benchmarks/RESULTS.md). Started after the call, it
+    plans while the device runs the layer and the caller loads the next one. The public calls that run a layer
+    (the drop-ins, ``LayerPlan.apply``, :func:`~fimoe_lab.kernels.execute` and ``execute_in_place``) hold it."""
+
+    def __enter__(self) -> None:
+        depth = getattr(_CALL, "depth", 0)
+        if not depth:
+            _CALL.asked = []
+        _CALL.depth = depth + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _CALL.depth -= 1
+        if not _CALL.depth and _CALL.asked:
+            asked, _CALL.asked = _CALL.asked, []
+            for em, in_place, device in asked:
+                _module("prebuilt").plan_in_background(em, in_place, device)
+
+
+plans_after_the_call = _PlansAfterTheCall()
+
+
+def _plan_after_the_call(em: ExecMap, in_place: bool, device: torch.device) -> None:
+    """``em``'s plan from the background planner: now, or when this thread's outermost
+    :data:`plans_after_the_call` block ends."""
+    if getattr(_CALL, "depth", 0):
+        _CALL.asked.append((em, in_place, device))
+    else:
+        _module("prebuilt").plan_in_background(em, in_place, device)
+
+
 _READY = "prebuilt ready"
 """``ExecMap._dev`` key: the ``(in_place, device)`` on which the prebuilt kernels were found ready to run the map
 (fatbins loaded, plan built: both stay), so its later calls there skip the checks."""
@@ -470,7 +513,7 @@ def _loaded_or_stand_in(
                 if device.index is not None:  # "cuda" alone names whichever device is current
                     em._dev.setdefault(_READY, set()).add((in_place, device))
                 return EXECUTORS["prebuilt"]
-            pre.plan_in_background(em, in_place, device)  # its plan: cycles, sources, a swizzled map's row forms
+            _plan_after_the_call(em, in_place, device)  # its plan: cycles, sources, a swizzled map's row forms
             return EXECUTORS["prebuilt" if strided else "torch"]
     stand = EXECUTORS[ex.stand_in] if ex.stand_in is not None else None
     if stand is not None and em is not None and stand.at_bandwidth(em, device.type, in_place):
