@@ -888,16 +888,15 @@ def test_the_planner_is_asked_when_the_outermost_call_ends(monkeypatch):
     assert asked == [(ems[0], True)]
     asked.clear()
     other: list[int] = []
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError), after:
+        registry._plan_after_the_call(ems[0], False, torch.device("cuda"))
         with after:
-            registry._plan_after_the_call(ems[0], False, torch.device("cuda"))
-            with after:
-                registry._plan_after_the_call(ems[1], True, torch.device("cuda"))
-            assert asked == []  # the inner block ended: still waiting for the outer one
-            worker = threading.Thread(target=lambda: other.append(getattr(registry._CALL, "depth", 0)))
-            worker.start()
-            worker.join()
-            raise KeyError("midway")
+            registry._plan_after_the_call(ems[1], True, torch.device("cuda"))
+        assert asked == []  # the inner block ended: still waiting for the outer one
+        worker = threading.Thread(target=lambda: other.append(getattr(registry._CALL, "depth", 0)))
+        worker.start()
+        worker.join()
+        raise KeyError("midway")
     assert asked == [(ems[0], False), (ems[1], True)] and other == [0]  # another thread is in no block
 
     depths: list[int] = []
