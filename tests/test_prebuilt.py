@@ -503,23 +503,30 @@ def test_an_in_place_strided_map_runs_on_the_strided_kernel_until_its_cycle_plan
     """In place, the prebuilt executor's default strategy for a map of the strided form copies each chunk of
     experts aside and gathers it back on the strided kernel while its cycle plan is not built (its first calls in
     a process, the planner building the plan), then runs the cycle plan: the reference loop's bytes both ways."""
-    from reference_loops import byte_gather
-
     m = plan_layer("fp8", "trtllm", 224, 640).w13  # a permutation of shapes no other test plans
     em = m.compiled()
     assert em.is_permutation and prebuilt.runs_strided(em) and not prebuilt.planned(em, True)
-    executor = registry.EXECUTORS["prebuilt"]
     for built in (False, True):
-        assert executor.strategy(em).name == ("cycles" if built else "copy-then-gather")
-        for x in host_inputs(m, 5):
-            y = x.clone()
-            emulated.clear()
-            for _ in executor.strategy(em).run(em, y, 2, None):
-                pass
-            assert torch.equal(y, byte_gather(m, x).reshape(5, -1))
-            kernels = prebuilt._FUNCTIONS if built else prebuilt._STRIDEDS
-            assert emulated and set(emulated) <= set(kernels.values())
+        assert registry.EXECUTORS["prebuilt"].strategy(em).name == ("cycles" if built else "copy-then-gather")
+        kernels = prebuilt._FUNCTIONS if built else prebuilt._STRIDEDS
+        assert in_place_launches(emulated, m, em, 5) <= set(kernels.values())
         prebuilt.build_plan(em, True)  # as the planner thread does
+
+
+def in_place_launches(emulated, m, em, experts: int) -> set[str]:
+    """The prebuilt executor's default in-place strategy for ``em`` run on :func:`host_inputs` of ``experts``
+    experts (chunks of 2), each result checked against the reference loop's bytes: the kernels it launched."""
+    from reference_loops import byte_gather
+
+    launched: set[str] = set()
+    for x in host_inputs(m, experts):
+        y = x.clone()
+        emulated.clear()
+        for _ in registry.EXECUTORS["prebuilt"].strategy(em).run(em, y, 2, None):
+            pass
+        assert torch.equal(y, byte_gather(m, x).reshape(experts, -1)) and emulated
+        launched |= set(emulated)
+    return launched
 
 
 def strided_exec_map(shape, live, strides, offset, fill, cell_bytes, extra):
@@ -848,8 +855,6 @@ def test_in_place_cells_under_a_sector_copy_aside_and_gather_back(emulated):
     """In place, the prebuilt executor moves cells of at least :data:`MIN_CYCLE_CELL` bytes along the cycle plan and
     runs smaller ones (swizzled scales' 4-byte words) as copy-then-gather on the out-of-place kernels, whose plan
     (sources, row forms) is what ``planned``/``build_plan`` then ask for: the reference loop's bytes either way."""
-    from reference_loops import byte_gather
-
     executor = registry.EXECUTORS["prebuilt"]
     for m, cycles in (
         (plan_layer("nvfp4", "trtllm", 256, 512).w13_scale, False),  # 4-byte cells of the 128x4 swizzle
@@ -862,14 +867,8 @@ def test_in_place_cells_under_a_sector_copy_aside_and_gather_back(emulated):
         prebuilt.build_plan(em, True)  # as the planner thread does
         assert prebuilt.planned(em, True)
         assert executor.strategy(em).name == ("cycles" if cycles else "copy-then-gather")
-        for x in host_inputs(m, 3):
-            y = x.clone()
-            emulated.clear()
-            for _ in executor.strategy(em).run(em, y, 2, None):
-                pass
-            assert torch.equal(y, byte_gather(m, x).reshape(3, -1))
-            cycle_kernels = set(prebuilt._FUNCTIONS.values())
-            assert emulated and (set(emulated) <= cycle_kernels if cycles else not set(emulated) & cycle_kernels)
+        launched, cycle_kernels = in_place_launches(emulated, m, em, 3), set(prebuilt._FUNCTIONS.values())
+        assert launched <= cycle_kernels if cycles else not launched & cycle_kernels
 
 
 def test_the_planner_is_asked_when_the_outermost_call_ends(monkeypatch):
