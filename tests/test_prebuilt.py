@@ -411,6 +411,19 @@ def test_the_kernel_source_permutes_every_engine_map_in_place(emulated, m, shift
         assert torch.equal(y, byte_gather(m, x))
 
 
+@pytest.mark.parametrize("m", list(in_place_maps()))
+def test_the_default_in_place_strategy_of_every_engine_map(emulated, m):
+    """Once planned (as the planner thread leaves a map), the prebuilt executor's ``auto`` strategy runs every
+    engine permutation along its cycle plan when its cells span a sector and as copy-then-gather when they do not:
+    the byte-loop reference's bytes either way."""
+    em = m.compiled()
+    prebuilt.build_plan(em, True)
+    cycles = em.cell_bytes >= prebuilt.MIN_CYCLE_CELL
+    assert registry.EXECUTORS["prebuilt"].strategy(em).name == ("cycles" if cycles else "copy-then-gather")
+    launched, cycle_kernels = in_place_launches(emulated, m, em, 3), set(prebuilt._FUNCTIONS.values())
+    assert launched <= cycle_kernels if cycles else not launched & cycle_kernels
+
+
 def all_engine_maps():
     from fimoe_lab.prepare import drop_in_maps
 
@@ -851,24 +864,23 @@ def test_a_bound_launch_keeps_its_arguments_and_takes_each_runs_addresses(driver
         assert (neg, big) == (-k, (1 << 40) + k) and (ptr % (16 * (k + 1)) == 0 or (k == 0 and ptr in (123, 456)))
 
 
-def test_in_place_cells_under_a_sector_copy_aside_and_gather_back(emulated):
-    """In place, the prebuilt executor moves cells of at least :data:`MIN_CYCLE_CELL` bytes along the cycle plan and
-    runs smaller ones (swizzled scales' 4-byte words) as copy-then-gather on the out-of-place kernels, whose plan
-    (sources, row forms) is what ``planned``/``build_plan`` then ask for: the reference loop's bytes either way."""
-    executor = registry.EXECUTORS["prebuilt"]
-    for m, cycles in (
-        (plan_layer("nvfp4", "trtllm", 256, 512).w13_scale, False),  # 4-byte cells of the 128x4 swizzle
-        (plan_layer("fp8-block", "trtllm", 128, 384).w13, True),  # 128-byte blocks
+def test_in_place_cells_under_a_sector_plan_as_a_gather():
+    """In place, cells of fewer than :data:`MIN_CYCLE_CELL` bytes (swizzled scales' 4-byte words) run as
+    copy-then-gather on the out-of-place kernels, so their fatbins and their plan (sources, row forms) are what
+    ``sources_for``, ``planned`` and ``build_plan`` ask for; wider cells keep the cycle kernel and the cycle plan."""
+    for m, cycles in (  # shapes no other test plans: nothing planned yet
+        (plan_layer("nvfp4", "trtllm", 384, 768).w13_scale, False),  # 4-byte cells of the 128x4 swizzle
+        (plan_layer("fp8-block", "trtllm", 256, 640).w13, True),  # 128-byte blocks
     ):
         em = m.compiled()
         assert em.is_permutation and prebuilt.runs_cycles(em) is cycles
         assert (em.cell_bytes >= prebuilt.MIN_CYCLE_CELL) is cycles
         assert prebuilt.sources_for(em, True) == ((prebuilt.SOURCE,) if cycles else prebuilt.sources_for(em, False))
+        assert not prebuilt.planned(em, True)
         prebuilt.build_plan(em, True)  # as the planner thread does
         assert prebuilt.planned(em, True)
-        assert executor.strategy(em).name == ("cycles" if cycles else "copy-then-gather")
-        launched, cycle_kernels = in_place_launches(emulated, m, em, 3), set(prebuilt._FUNCTIONS.values())
-        assert launched <= cycle_kernels if cycles else not launched & cycle_kernels
+        assert prebuilt.cycle_plan_built(em, prebuilt._tile_slots(em)) is cycles
+        assert cycles or prebuilt.planned(em, False)  # the gather's plan: sources and row forms found
 
 
 def test_the_planner_is_asked_when_the_outermost_call_ends(monkeypatch):
