@@ -28,11 +28,6 @@ struct Form {
     long long w[FORM_WORDS];
 };
 
-// A word of byte b repeated.
-__device__ __forceinline__ void splat(word1& w, unsigned b) { w = (word1)b; }
-__device__ __forceinline__ void splat(word4& w, unsigned b) { w = b * 0x01010101u; }
-__device__ __forceinline__ void splat(word16& w, unsigned b) { w.x = w.y = w.z = w.w = b * 0x01010101u; }
-
 template <typename W>
 __device__ __forceinline__ void strided_words(W* __restrict__ out, const W* __restrict__ x, const Form& f, int n_words,
                                               long long in_words, long long out_words) {

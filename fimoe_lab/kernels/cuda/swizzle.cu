@@ -23,11 +23,6 @@
 #define MAX_TILE_ROWS (BAND_ROWS * TILE_WORDS / MIN_KW)
 
 template <typename W>
-__device__ __forceinline__ W fill_word(unsigned int byte) {
-    return (W)(byte * 0x01010101u);
-}
-
-template <typename W>
 __device__ __forceinline__ void swizzle_tile(word16* __restrict__ out, const unsigned char* __restrict__ x,
                                              const int* __restrict__ rows, int c_in, int cw, int n_bands, int nk,
                                              int kw_shift, int column_fill, long long in_bytes, long long out_words) {
@@ -64,11 +59,11 @@ __device__ __forceinline__ void swizzle_tile(word16* __restrict__ out, const uns
             if (j < live_words && r < live_rows) {
                 const int s = tile_rows[r];
                 if (s < 0) {
-                    v[k] = fill_word<W>((unsigned int)(-1 - s));
+                    splat(v[k], (unsigned int)(-1 - s));
                 } else if (col < c_in) {
                     v[k] = __ldcs(reinterpret_cast<const W*>(xe + (long long)s * c_in + col));
                 } else {
-                    v[k] = fill_word<W>((unsigned int)column_fill);
+                    splat(v[k], (unsigned int)column_fill);
                 }
             }
         }
