@@ -191,7 +191,7 @@ def _cycles_prebuilt(em, flat, scratch_experts, config):
     return _module("prebuilt").inplace_cycles(em, flat, scratch_experts)
 
 
-def _cycles_planned_or_not_strided(em: ExecMap) -> bool:
+def _cycles_now(em: ExecMap) -> bool:
     """``auto`` runs a map's cycle plan once it is built; a map of the strided form copies each chunk aside and
     gathers it back on the strided kernel until then (its first calls, while the planner builds the plan). Cells
     under a sector (:data:`.prebuilt.MIN_CYCLE_CELL`) always copy aside and gather back."""
@@ -300,7 +300,7 @@ EXECUTORS: dict[str, Executor] = {
             0,
             _gather_prebuilt,
             (
-                InPlace("cycles", _cycles_prebuilt, prefers=_cycles_planned_or_not_strided),
+                InPlace("cycles", _cycles_prebuilt, prefers=_cycles_now),
                 _copy_then_gather(_gather_prebuilt),
             ),
             loads_on=_prebuilt_loads,
@@ -449,14 +449,11 @@ class _PlansAfterTheCall:
     (the drop-ins, ``LayerPlan.apply``, :func:`~fimoe_lab.kernels.execute` and ``execute_in_place``) hold it."""
 
     def __enter__(self) -> None:
-        depth = getattr(_CALL, "depth", 0)
-        if not depth:
-            _CALL.asked = []
-        _CALL.depth = depth + 1
+        _CALL.depth = getattr(_CALL, "depth", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
         _CALL.depth -= 1
-        if not _CALL.depth and _CALL.asked:
+        if not _CALL.depth and getattr(_CALL, "asked", None):  # emptied here: outside every block it is empty
             asked, _CALL.asked = _CALL.asked, []
             for em, in_place, device in asked:
                 _module("prebuilt").plan_in_background(em, in_place, device)
@@ -469,7 +466,7 @@ def _plan_after_the_call(em: ExecMap, in_place: bool, device: torch.device) -> N
     """``em``'s plan from the background planner: now, or when this thread's outermost
     :data:`plans_after_the_call` block ends."""
     if getattr(_CALL, "depth", 0):
-        _CALL.asked.append((em, in_place, device))
+        _CALL.__dict__.setdefault("asked", []).append((em, in_place, device))
     else:
         _module("prebuilt").plan_in_background(em, in_place, device)
 
