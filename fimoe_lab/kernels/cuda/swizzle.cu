@@ -9,9 +9,9 @@
 // A block stages one tile in shared memory: NB = TILE_WORDS / KW bands of KW words of each of their rows
 // (KW = 2^kw_shift, a power of two from MIN_KW to TILE_WORDS: the row's words where they are fewer, so short
 // rows still fill a tile), loading along each row (consecutive threads read consecutive W-byte words; each
-// thread issues BATCH loads before it stages them: all of its 4-byte words, 8 narrower ones). It then stores 16-byte words (band, kk, p): the words kk
-// of rows p, p + 32, p + 64, p + 96 of a band, so a warp writes 512 contiguous bytes. Each byte is read and
-// written once: streaming loads and stores.
+// thread issues BATCH loads before it stages them: all of its 4-byte words, 8 narrower ones). It then stores
+// 16-byte words (band, kk, p): the words kk of rows p, p + 32, p + 64, p + 96 of a band, so a warp writes 512
+// contiguous bytes. Each byte is read and written once: streaming loads and stores.
 //
 // Grid: x = tile of NB bands * NK + column chunk (NK = ceil(cw / KW)), y = expert of the launch. Block: THREADS.
 
