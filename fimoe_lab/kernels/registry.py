@@ -196,7 +196,7 @@ def _cycles_now(em: ExecMap) -> bool:
     gathers it back on the strided kernel until then (its first calls, while the planner builds the plan). Cells
     under a sector (:data:`.prebuilt.MIN_CYCLE_CELL`) always copy aside and gather back."""
     pre = _module("prebuilt")
-    return (not pre.runs_strided(em) or pre.planned(em, True)) and pre.runs_cycles(em)
+    return pre.runs_cycles(em) and (not pre.runs_strided(em) or pre.planned(em, True))
 
 
 def _prebuilt_loads(device: torch.device) -> bool:
