@@ -19,9 +19,9 @@ Paths (per model):
   (``plan_layer(fmt, "trtllm", ...)`` applied to the layer's weights and scales: padding, swap,
   interleave, shuffle, block layout and scale swizzle composed; new tensors).
 
-Cache modes: ``empty`` points ``TRITON_CACHE_DIR`` and ``NUMBA_CACHE_DIR`` at new empty
-directories; ``warm`` reuses the directories a previous process of the same model and path
-filled. Per model and path: all layers, the baseline's all layers, their ratio (share of
+Cache modes: ``empty`` points ``TRITON_CACHE_DIR``, ``NUMBA_CACHE_DIR`` and ``FIMOE_LAB_CACHE`` (the
+layer plans kept on disk, :mod:`fimoe_lab.plan_store`) at new empty directories; ``warm`` reuses the
+directories a previous process of the same model and path filled. Per model and path: all layers, the baseline's all layers, their ratio (share of
 copy), the first layer, the median layer (and the baseline's), the first-layer overhead
 (first minus median), and the median host time of a layer on each side (until the calls return,
 before the second synchronisation: where it nears the layer's time, the device waits for the host).
@@ -420,9 +420,10 @@ slowed host thread (on a shared host the loop's time moved 3.5x between processe
 
 
 def use_caches(env: dict[str, str], caches: str) -> None:
-    """Point a child's Triton and numba kernel caches (``env``) into the folder ``caches``."""
+    """Point a child's Triton and numba kernel caches and fimoe_lab's plan store (``env``) into the folder ``caches``."""
     env["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
     env["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
+    env["FIMOE_LAB_CACHE"] = os.path.join(caches, "fimoe_lab")
 
 
 def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:

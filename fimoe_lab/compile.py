@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "compile_map",
+    "compiled_from",
+    "form_record",
     "swizzle_form",
     "swizzled_rows_form",
     "padded_rows_form",
@@ -96,6 +98,74 @@ def compile_map(m: IndexMap) -> ExecMap:
     em.strided = strided_form(em.src)
     if em.strided is None:
         em.stages = strided_stages(m)
+    return em
+
+
+def form_record(em: ExecMap) -> dict[str, Any] | None:
+    """What :func:`compiled_from` needs to rebuild ``em`` without its map's index, as JSON values: its name, fills,
+    sizes, whether it ends in the 128x4 swizzle, the cell fields and permutation flag known so far, and its strided
+    form or its two strided stages (each a record; ``split``: how many of the map's steps the first runs). None for
+    a form that is neither (its first call reads the index anyway)."""
+    record: dict[str, Any] = dict(
+        name=em.name,
+        fills=list(em.fills),
+        in_bytes=em.in_bytes,
+        out_bytes=em.out_bytes,
+        ends_swizzled=em.ends_swizzled,
+        cells=em.known_cells(),
+        is_permutation=em.known_permutation(),
+        strided=None,
+        stages=None,
+    )
+    if em.strided is not None:
+        s = em.strided
+        record["strided"] = dict(shape=s.shape, live=s.live, strides=s.strides, offset=s.offset, fill=s.fill)
+        return record
+    if em.stages is None:
+        return None
+    stages = [form_record(stage) for stage in em.stages]
+    if stages[0] is None or stages[1] is None or stages[0]["strided"] is None or stages[1]["strided"] is None:
+        return None
+    record["stages"] = stages
+    record["split"] = em.stages[0].name.count(" >> ") + 1
+    return record
+
+
+def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
+    """The :class:`ExecMap` of ``m`` from a :func:`form_record` of it, reading nothing of ``m``'s index: the forms
+    recorded are given, everything else (sources, cells not recorded, row forms, the inverse) is found from ``m``
+    when first read, as :func:`compile_map` leaves it. Raises :class:`LayoutError` when the record does not fit
+    ``m`` (its name, sizes or fills, or its stages' split of ``m``'s steps)."""
+    fills = tuple(int(f) for f in record["fills"])
+    if (record["name"], fills, record["in_bytes"], record["out_bytes"]) != (m.name, m.fills, m.in_bytes, m.out_bytes):
+        raise LayoutError(f"internal: a compiled form recorded for {record['name']} does not fit {m.name}")
+    em = ExecMap.on_read(
+        m.name,
+        fills,
+        m.in_bytes,
+        m.out_bytes,
+        lambda: _cells(m),
+        lambda: m.coarsened().is_permutation,
+        lambda: m.inverse().compiled(),
+    )
+    em.find_row_forms = lambda: _row_forms(m, em)
+    em.ends_swizzled = bool(record["ends_swizzled"])
+    if record["cells"] is not None:
+        em.preset_cells({k: (bool(v) if k == "has_fill" else int(v)) for k, v in record["cells"].items()})
+    if record["is_permutation"] is not None:
+        em.is_permutation = bool(record["is_permutation"])
+    if record["strided"] is not None:
+        s = record["strided"]
+        fill = None if s["fill"] is None else int(s["fill"])
+        em.strided = Strided(tuple(s["shape"]), tuple(s["live"]), tuple(s["strides"]), int(s["offset"]), fill)
+    else:
+        k = int(record["split"])
+        if not 0 < k < len(m.steps):
+            raise LayoutError(f"internal: {m.name} has no split of its steps at {k}")
+        first, second = (
+            compiled_from(_chain(part), r) for part, r in zip((m.steps[:k], m.steps[k:]), record["stages"])
+        )
+        em.stages = (first, second)
     return em
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "env_int",
     "env_path",
     "env_switch",
+    "cache_dir",
 ]
 
 TRUE = ("1", "true", "yes", "on")
@@ -162,7 +163,17 @@ VARIABLES = {
             "and 3/4 of the host's memory)",
         ),
         Variable(
-            "FIMOE_LAB_CACHE", "path", "where compiled TRTLLM-Gen modules are cached (default ~/.cache/fimoe_lab)"
+            "FIMOE_LAB_CACHE",
+            "path",
+            "where fimoe-lab caches what it builds: layer plans' compiled forms (plans/) and TRTLLM-Gen modules "
+            "(default ~/.cache/fimoe_lab)",
+        ),
+        Variable(
+            "FIMOE_LAB_PLAN_STORE",
+            "bool",
+            "a false value keeps layer plans in memory only (default on: a plan's compiled forms are written under "
+            "$FIMOE_LAB_CACHE/plans after its first apply, and a later process's first layer of that shape reads "
+            "them instead of building and compiling the plan)",
         ),
         Variable("FIMOE_LAB_TACTICS_DIR", "path", "where the tactic tables are read from (default: the shipped ones)"),
         Variable("FIMOE_GOLDENS", "path", "golden sets to check (a file or a folder)"),
@@ -176,6 +187,12 @@ HELP = "environment (booleans: 1/true/yes/on or 0/false/no/off):\n" + "\n".join(
     f"{v.name}: {v.doc}" for v in VARIABLES.values()
 )
 """The ``fimoe-lab --help`` section on the environment, from :data:`VARIABLES`."""
+
+
+def cache_dir() -> Path:
+    """Root of everything fimoe-lab caches on disk: ``$FIMOE_LAB_CACHE`` or ``~/.cache/fimoe_lab``."""
+    found: Optional[Path] = value("FIMOE_LAB_CACHE", None)
+    return found or Path.home() / ".cache" / "fimoe_lab"
 
 
 def value(name: str, default: Any) -> Any:

@@ -21,7 +21,7 @@ repeated (0 for padded weights, 127 = UE8M0 1.0 for padded MXFP8 scales).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from functools import reduce
 from typing import TYPE_CHECKING, Any, cast
@@ -289,8 +289,13 @@ class IndexMap:
     if not TYPE_CHECKING:  # at run time only: type checkers keep every other attribute checked
 
         def __getattr__(self, name: str) -> Any:
-            """``src`` of a map from :meth:`refined_on_read` or :meth:`composed_on_read`, built on this first read."""
+            """``src`` of a map from :meth:`refined_on_read`, :meth:`composed_on_read`, :meth:`rows_on_read` or
+            :meth:`built_on_read`, built on this first read."""
             cache = self.__dict__.get("_cache", {}) if name == "src" else {}
+            if "build" in cache:
+                src = self._built_index(cache["build"]())
+                object.__setattr__(self, "src", src)
+                return src
             if "rows" in cache:
                 src = torch.from_numpy(self._rows_index())
                 object.__setattr__(self, "src", src)
@@ -315,6 +320,62 @@ class IndexMap:
             src = wide.refined(self.cell_bytes).src
             object.__setattr__(self, "src", src)
             return src
+
+    @classmethod
+    def built_on_read(
+        cls,
+        build: Callable[[], IndexMap],
+        cell_bytes: int,
+        in_shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+        fills: tuple[int, ...],
+        kind: str,
+        params: Mapping[str, Any],
+        parts: tuple[IndexMap, ...] = (),
+        compiled: Callable[[IndexMap], ExecMap] | None = None,
+    ) -> IndexMap:
+        """A map declared by its fields, its index taken from ``build()`` (the same map, built again: e.g. from its
+        steps' kinds and parameters) when ``src`` is first read, over the ``cell_bytes`` declared here. For a map
+        whose compiled form is known without its index (``compiled(m)``, kept as :meth:`compiled`'s;
+        :mod:`fimoe_lab.plan_store`): its executors read that form, and only what needs the index (a cycle plan, a
+        row form, :meth:`inverse`) builds it."""
+        m = cls.__new__(cls)
+        declared = dict(
+            cell_bytes=cell_bytes,
+            in_shape=tuple(in_shape),
+            out_shape=tuple(out_shape),
+            fills=tuple(fills),
+            kind=kind,
+            params=params,
+            parts=tuple(parts),
+            _cache={"build": build},
+        )
+        for key, value in declared.items():
+            object.__setattr__(m, key, value)
+        if m.in_bytes % cell_bytes or m.out_bytes % cell_bytes:
+            raise LayoutError(
+                f"{m.name}: shapes {m.in_shape} -> {m.out_shape} do not tile into {cell_bytes}-byte cells"
+            )
+        if compiled is not None:
+            m._cache["exec"] = compiled(m)
+        return m
+
+    def _built_index(self, built: IndexMap) -> torch.Tensor:
+        """The index of a :meth:`built_on_read` map from the map ``built`` again: over the declared cells (refined
+        from ``built``'s cells, or from its widest ones where the declared cell is wider)."""
+        if built.in_shape != self.in_shape or built.out_shape != self.out_shape or built.fills != self.fills:
+            raise LayoutError(
+                f"internal: {self.name} was built again as {built.in_shape} -> {built.out_shape} bytes with fills "
+                f"{built.fills}, not the {self.in_shape} -> {self.out_shape} and {self.fills} it declared"
+            )
+        if built.cell_bytes % self.cell_bytes:
+            built = built.coarsened()
+            if built.cell_bytes % self.cell_bytes:
+                raise LayoutError(
+                    f"internal: {self.name} was built again over {built.cell_bytes}-byte cells at widest, "
+                    f"not the {self.cell_bytes} it declared"
+                )
+        return built.refined(self.cell_bytes).src
 
     @classmethod
     def rows_on_read(
@@ -803,6 +864,10 @@ class IndexMap:
 
             self._cache["exec"] = compile_map(self)
         return cast("ExecMap", self._cache["exec"])
+
+    def known_compiled(self) -> ExecMap | None:
+        """The executable form if :meth:`compiled` has built (or been given) it, else None; builds nothing."""
+        return cast("ExecMap | None", self._cache.get("exec"))
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
         """Gather all experts at once: ``(E, *in_shape) -> (E, *out_shape)`` (same dtype).

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import value_rules
+from fimoe_lab import plan_store, value_rules
 from fimoe_lab.engines import ValueRule
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels import plans_after_the_call
@@ -164,7 +164,17 @@ class LayerPlan:
         self.check(**given)
         given = value_rules.apply(self.value_rule, given)
         with plans_after_the_call:
-            return tuple(self.apply_tensor(n, x) if x is not None else x for n, x in given.items())
+            out = tuple(self.apply_tensor(n, x) if x is not None else x for n, x in given.items())
+        plan_store.applied(self)
+        return out
+
+    def stored_fields(self) -> dict[str, Any]:
+        """What rebuilds this plan besides its byte maps (``LayerPlan(**maps, **fields)``), as JSON values: its sizes
+        and description (:mod:`fimoe_lab.plan_store` keeps plans with no word bit step and no value rule)."""
+        if self.word_bits or self.value_rule is not None:
+            raise LayoutError(f"internal: {self.description} carries word bits or a value rule; it is not stored")
+        names = ("intermediate", "hidden", "padded_intermediate", "padded_hidden", "description")
+        return {n: getattr(self, n) for n in names}
 
     def bias_map(self, name: str, itemsize: int) -> Optional[IndexMap]:
         """The map of a per-row bias: ``w13_bias (E, P*I)`` follows w13's rows, ``w2_bias (E, H)`` w2's.

@@ -9,6 +9,10 @@ from collections import defaultdict
 import pytest
 import torch
 
+# Plans are built afresh in every test (and every process a test starts): the plan store's own tests turn it on in
+# folders of their own.
+os.environ["FIMOE_LAB_PLAN_STORE"] = "0"
+
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 HAS_CUDA = torch.cuda.is_available()
 

@@ -159,6 +159,16 @@ class ExecMap:
         """Whether ``src`` is known (given, or found by an earlier read): reading it then costs nothing."""
         return "src" in self.__dict__
 
+    def known_cells(self) -> dict | None:
+        """The cell fields but ``src`` when all are known (given ahead or found), else None; reads nothing."""
+        held = self.__dict__
+        keys = _CELL_FIELDS - {"src"}
+        return {k: held[k] for k in sorted(keys)} if keys <= held.keys() else None
+
+    def known_permutation(self) -> bool | None:
+        """``is_permutation`` when known (given or found), else None; reads nothing."""
+        return self.__dict__.get("is_permutation")
+
     def preset_cells(self, cells: dict) -> None:
         """Cell fields known without the map's index (not ``src``): read as given, checked when the index is."""
         if "src" in cells or not set(cells) <= _CELL_FIELDS:

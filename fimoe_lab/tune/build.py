@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from fimoe_lab import env, resources
+from fimoe_lab import resources
+from fimoe_lab.env import cache_dir
 
 MODULE_NAME = "fused_moe_trtllm_sm100"
 CUDA_ARCH_LIST = "10.0a"
@@ -64,11 +65,6 @@ class BuildError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- paths
-def cache_dir() -> Path:
-    """Root of everything this module writes: ``$FIMOE_LAB_CACHE`` or ``~/.cache/fimoe_lab``."""
-    return env.value("FIMOE_LAB_CACHE", None) or Path.home() / ".cache" / "fimoe_lab"
-
-
 def _version_dir(fi_version: str) -> Path:
     return cache_dir() / "trtllm_moe" / f"flashinfer-{fi_version}"
 

@@ -1,0 +1,204 @@
+"""Layer plans kept on disk in their compiled forms, so a later process's first layer neither composes nor compiles.
+
+A process's first MoE layer pays for building its plan (composing each map's steps) and compiling every map
+(:mod:`fimoe_lab.compile`) before the first byte moves: milliseconds of Python per layer shape, where a model's
+other layers take about one. After a plan's first :meth:`~fimoe_lab.plan.LayerPlan.apply` its maps' compiled forms
+are known; this module writes them as one JSON file (no pickle) under ``$FIMOE_LAB_CACHE/plans``, named by a digest
+of the plan's arguments, and a later process asking for the same plan reads it back: each map as
+:meth:`~fimoe_lab.layout.IndexMap.built_on_read` (its fields declared, its index built again from its steps' kinds
+and parameters only if something reads it) with its compiled form given (:func:`fimoe_lab.compile.compiled_from`).
+The executors read those forms (strided views, two strided stages), so such a first layer launches at once; what
+needs the index (a cycle plan, the row forms of the background planner, an inverse) builds it as before.
+
+A record is used only when its format, its key (the plan's arguments) and the fingerprint of the code that built it
+(the package version and the size and modification time of every module that defines maps, plans or their compiled
+forms) all match; else, or when it does not read, the plan is built as if it were absent, and written again after its
+first apply. Only plans whose every map runs from a strided form are written (their first call needs no index).
+Writing is one temporary file renamed into place; a folder that cannot be written is left alone for the rest of
+the process. ``FIMOE_LAB_PLAN_STORE=0`` turns reading and writing off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+from fimoe_lab import env
+from fimoe_lab.compile import compiled_from, form_record
+from fimoe_lab.errors import FimoeError
+from fimoe_lab.layout import IndexMap, compose
+from fimoe_lab.steps import STEPS, build
+
+__all__ = ["FORMAT", "PlanRecord", "enabled", "read", "remember", "applied", "record_path", "fingerprint"]
+
+FORMAT = 1
+"""The record layout; a record of another format is not read."""
+
+_FINGERPRINTED = ("", "kernels")
+"""Folders of the package (relative to it) whose modules' stats make the code fingerprint: every module that
+builds maps, plans or compiled forms lives in one of them."""
+
+_lock = threading.Lock()
+_pending: dict[int, tuple[weakref.ref, str, dict[str, Any], dict[str, Any]]] = {}  # id(plan) -> what to write
+_state: dict[str, Any] = {}  # "fingerprint": the code fingerprint, once computed
+_unwritable: set[Path] = set()  # folders a write failed in
+
+PlanRecord = dict[str, Any]
+"""What :func:`read` gives: the plan's fields (sizes, description) and its maps by tensor name."""
+
+
+def enabled() -> bool:
+    """Whether plans are read from and written to disk (``FIMOE_LAB_PLAN_STORE``, default on)."""
+    return bool(env.value("FIMOE_LAB_PLAN_STORE", True))
+
+
+def fingerprint() -> str:
+    """The code fingerprint records carry: the package version and, per module of :data:`_FINGERPRINTED`, its name,
+    size and modification time (computed once a process)."""
+    found = _state.get("fingerprint")
+    if found is None:
+        from fimoe_lab import __version__
+
+        root = os.path.dirname(os.path.abspath(__file__))
+        h = hashlib.sha256(__version__.encode())
+        for folder in _FINGERPRINTED:
+            with os.scandir(os.path.join(root, folder)) as entries:
+                modules = sorted((e.name, e.stat()) for e in entries if e.name.endswith(".py"))
+            for name, st in modules:
+                h.update(f"{folder}/{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        found = _state["fingerprint"] = h.hexdigest()
+    return str(found)
+
+
+def record_path(key: dict[str, Any]) -> Path:
+    """The file of the plan with arguments ``key`` (JSON values)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]
+    return env.cache_dir() / "plans" / f"{digest}.json"
+
+
+def read(key: dict[str, Any]) -> Optional[PlanRecord]:
+    """The stored plan of arguments ``key``: ``{"fields": {...}, "maps": {tensor: IndexMap}}``, or None when there is
+    none that fits (absent, unreadable, of another format, key or code fingerprint)."""
+    if not enabled():
+        return None
+    try:
+        with open(record_path(key), encoding="utf-8") as f:
+            record = json.load(f)
+        if record.get("format") != FORMAT or record.get("key") != key or record.get("fingerprint") != fingerprint():
+            return None
+        maps = {name: _map_from(entry) for name, entry in record["maps"].items()}
+        return {"fields": dict(record["fields"]), "maps": maps}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, FimoeError):
+        return None
+
+
+def remember(plan: Any, key: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Write ``plan`` (an object with ``maps()``) under ``key`` after its first apply (:func:`applied`), with
+    ``fields`` (JSON values: what rebuilds it besides its maps)."""
+    if enabled() and record_path(key).parent not in _unwritable:
+        with _lock:
+            _pending[id(plan)] = (weakref.ref(plan), fingerprint(), key, fields)
+
+
+def applied(plan: Any) -> None:
+    """Called after each apply of a plan: the first of a plan :func:`remember` holds writes its record, when every
+    map's compiled form is known and runs from a strided form."""
+    if not _pending:
+        return
+    with _lock:
+        held = _pending.pop(id(plan), None)
+    if held is None or held[0]() is not plan:
+        return
+    _, fp, key, fields = held
+    maps = {}
+    for name, m in plan.maps().items():
+        entry = _map_record(m)
+        if entry is None:
+            return
+        maps[name] = entry
+    _write(record_path(key), {"format": FORMAT, "fingerprint": fp, "key": key, "fields": fields, "maps": maps})
+
+
+def _map_record(m: IndexMap) -> Optional[dict[str, Any]]:
+    """A map's declared fields, its steps' and its compiled form (None: not compiled, not of a strided form, or of a
+    step that cannot be built from its parameters)."""
+    em = m.known_compiled()
+    if em is None or any(s.kind not in STEPS for s in m.steps):
+        return None
+    form = form_record(em)
+    if form is None:
+        return None
+    entry = _declared(m)
+    entry["parts"] = [_declared(p) for p in m.parts]
+    entry["exec"] = form
+    return entry
+
+
+def _declared(m: IndexMap) -> dict[str, Any]:
+    return dict(
+        kind=m.kind,
+        params=dict(m.params),
+        cell_bytes=m.cell_bytes,
+        in_shape=list(m.in_shape),
+        out_shape=list(m.out_shape),
+        fills=list(m.fills),
+    )
+
+
+def _map_from(entry: dict[str, Any]) -> IndexMap:
+    """The map of a record entry, its index built again from its steps when first read, its compiled form given."""
+    parts = tuple(_declared_map(p, (lambda p=p: build(p["kind"], p["params"]))) for p in entry["parts"])
+    form = entry["exec"]
+    if parts:
+        specs = [(p["kind"], p["params"]) for p in entry["parts"]]
+        return _declared_map(entry, lambda: compose(*(build(k, params) for k, params in specs)), parts, form)
+    return _declared_map(entry, lambda: build(entry["kind"], entry["params"]), (), form)
+
+
+def _declared_map(
+    entry: dict[str, Any],
+    again: Callable[[], IndexMap],
+    parts: tuple[IndexMap, ...] = (),
+    form: Optional[dict[str, Any]] = None,
+) -> IndexMap:
+    """One map of a record (its kind a step's, or a chain of ``parts``), built again by ``again()`` when read."""
+    if entry["kind"] not in STEPS and not parts:
+        raise KeyError(entry["kind"])
+    return IndexMap.built_on_read(
+        again,
+        int(entry["cell_bytes"]),
+        tuple(int(d) for d in entry["in_shape"]),
+        tuple(int(d) for d in entry["out_shape"]),
+        tuple(int(f) for f in entry["fills"]),
+        str(entry["kind"]),
+        dict(entry["params"]),
+        parts,
+        None if form is None else (lambda m: compiled_from(m, form)),
+    )
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    """``record`` to ``path`` through a temporary file of ours renamed into place; on any failure nothing is left
+    and no later write to that folder is tried."""
+    tmp: Optional[str] = None
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f, separators=(",", ":"))
+        os.replace(tmp, path)
+        tmp = None
+    except (OSError, TypeError, ValueError):
+        _unwritable.add(path.parent)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

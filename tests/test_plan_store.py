@@ -1,0 +1,260 @@
+"""Layer plans kept on disk (`fimoe_lab.plan_store`): a plan read back moves every byte as the plan built in the
+process does, its compiled forms are the built plan's, its index is built again only when read, and a record that
+does not fit (another fingerprint, key or format, a broken file) is never used."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import coords, random_bytes, same_bytes
+
+from fimoe_lab import plan_store
+from fimoe_lab.caches import clear_caches
+from fimoe_lab.recipes import plan_layer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (format, backend, I, H, gated): the recipes' layouts at model-like and unaligned sizes (90-byte scale rows,
+# paddings in both dimensions, non-gated layers)
+CASES = [
+    ("nvfp4", "trtllm", 256, 1024, True),
+    ("nvfp4", "trtllm", 208, 640, True),
+    ("mxfp4", "trtllm", 1440, 1440, True),
+    ("mxfp4", "trtllm", 2880, 736, True),
+    ("mxfp4", "cutlass", 416, 736, True),
+    ("nvfp4", "cutlass", 256, 512, False),
+    ("fp8", "trtllm", 256, 1024, True),
+    ("fp8", "cutlass", 192, 512, True),
+    ("fp8-block", "trtllm", 256, 1024, True),
+    ("mxfp8", "trtllm", 256, 512, True),
+    ("mxfp8", "cutlass", 128, 384, False),
+    ("bf16", "trtllm", 192, 512, True),
+    ("bf16", "cutlass", 96, 256, True),
+]
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """The plan store on, in a folder of this test's; every in-memory plan forgotten before and after."""
+    monkeypatch.setenv("FIMOE_LAB_CACHE", str(tmp_path))
+    monkeypatch.setenv("FIMOE_LAB_PLAN_STORE", "1")
+    clear_caches()
+    yield tmp_path / "plans"
+    clear_caches()
+
+
+def _inputs(plan, experts: int = 3) -> dict[str, torch.Tensor]:
+    """Each map's input bytes: coordinates where a row holds whole int32 words, else random bytes."""
+    out = {}
+    for k, (name, m) in enumerate(plan.maps().items()):
+        if len(m.in_shape) == 2 and m.in_shape[1] % 4 == 0:
+            out[name] = coords(experts, m.in_shape[0], m.in_shape[1] // 4).view(torch.uint8)
+        else:
+            out[name] = random_bytes((experts, *m.in_shape), torch.uint8, seed=k)
+    return out
+
+
+def _apply(plan, given: dict[str, torch.Tensor]) -> tuple:
+    """The plan on ``given``; a weight the plan leaves as it is gets a few bytes of its own (passed through)."""
+    experts = next(iter(given.values())).shape[0]
+    kept = {n: random_bytes((experts, 4), torch.uint8, seed=9) for n in ("w13", "w2") if n not in given}
+    given = {**kept, **given}
+    return plan.apply(given["w13"], given["w2"], given.get("w13_scale"), given.get("w2_scale"))
+
+
+def _row_forms(em) -> tuple:
+    return em.swizzle, em.padrows, em.swizzled_rows
+
+
+@pytest.mark.parametrize("fmt, backend, inter, hidden, gated", CASES)
+def test_a_stored_plan_moves_every_byte_as_the_plan_built_here(store, fmt, backend, inter, hidden, gated):
+    built = plan_layer(fmt, backend, inter, hidden, is_act_and_mul=gated)
+    given = _inputs(built)
+    want = _apply(built, given)
+    records = list(store.glob("*.json"))
+    forms = {n: m.compiled() for n, m in built.maps().items()}
+    if not all(f.strided is not None or f.stages is not None for f in forms.values()):
+        assert records == []  # a map whose first call reads its index is not stored
+        return
+    assert len(records) == 1
+    clear_caches()
+
+    stored = plan_layer(fmt, backend, inter, hidden, is_act_and_mul=gated)
+    assert stored is not built and stored.maps().keys() == built.maps().keys()
+    assert (stored.padded_intermediate, stored.padded_hidden, stored.description) == (
+        built.padded_intermediate,
+        built.padded_hidden,
+        built.description,
+    )
+    for name, m in stored.maps().items():
+        b = built.maps()[name]
+        assert (m.name, m.in_shape, m.out_shape, m.cell_bytes, m.fills) == (
+            b.name,
+            b.in_shape,
+            b.out_shape,
+            b.cell_bytes,
+            b.fills,
+        )
+        assert m.spec() == b.spec()
+    got = _apply(stored, given)  # (which executor runs it, and whether it reads the index, is the process's
+    # choice: numba on a CPU once loaded; a fresh process's first layer: the next test)
+    assert all(same_bytes(g, w) for g, w in zip(got, want))
+    for name, m in stored.maps().items():  # the compiled forms are the built ones
+        em, ref = m.compiled(), forms[name]
+        assert em.strided == ref.strided
+        assert (em.stages is None) == (ref.stages is None)
+        if ref.stages is not None:
+            assert [s.strided for s in em.stages] == [s.strided for s in ref.stages]
+        assert (em.cell_bytes, em.word, em.n_in, em.n_out, em.has_fill) == (
+            ref.cell_bytes,
+            ref.word,
+            ref.n_in,
+            ref.n_out,
+            ref.has_fill,
+        )
+        assert np.array_equal(em.src, ref.src)  # found from the map built again
+        assert em.is_permutation == ref.is_permutation and em.ends_swizzled == ref.ends_swizzled
+        for got_form, want_form in zip(_row_forms(em), _row_forms(ref)):
+            assert (got_form is None) == (want_form is None)
+            if want_form is not None:
+                assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got_form, want_form))
+        assert torch.equal(m.src, built.maps()[name].src)
+    back = stored.inverse().apply(*got)
+    for name, x in zip(("w13", "w2", "w13_scale", "w2_scale"), back):
+        if name in given:
+            assert same_bytes(x, given[name])
+
+
+LATER_PROCESS = """
+import hashlib, json, sys, torch
+from fimoe_lab.recipes import plan_layer
+fmt, inter, hidden, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+plan = plan_layer(fmt, "trtllm", inter, hidden)
+restored = [n for n, m in plan.maps().items() if m.known_compiled() is not None]
+g = torch.Generator().manual_seed(1)
+given = [torch.randint(0, 256, (3, *m.in_shape), dtype=torch.uint8, generator=g).to(device) for m in plan.maps().values()]
+out = plan.apply(*given)
+built = [n for n, m in plan.maps().items() if "src" in vars(m)]
+digest = [hashlib.sha256(o.cpu().numpy().tobytes()).hexdigest() for o in out]
+print(json.dumps({"restored": restored, "built": built, "out": digest}))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt, inter, hidden", [("nvfp4", 256, 1024), ("mxfp4", 1440, 736)])
+def test_a_later_process_reads_the_plan_and_builds_no_index_on_its_first_layer(tmp_path, device, fmt, inter, hidden):
+    """Two fresh processes (as an engine restarted): the first builds, applies and writes; the second reads the plan,
+    applies it without building any map's index (its first layer runs from the stored forms: torch's strided copies
+    on a CPU, the prebuilt strided kernels on a GPU), and gives the same bytes."""
+    env = dict(os.environ, FIMOE_LAB_CACHE=str(tmp_path), FIMOE_LAB_PLAN_STORE="1", PYTHONPATH=str(ROOT))
+
+    def run() -> dict:
+        cmd = [sys.executable, "-c", LATER_PROCESS, fmt, str(inter), str(hidden), device]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["restored"] == []
+    assert second["restored"] == ["w13", "w2", "w13_scale", "w2_scale"] and second["built"] == []
+    assert second["out"] == first["out"]
+
+
+def _record(store_dir: Path) -> Path:
+    (path,) = store_dir.glob("*.json")
+    return path
+
+
+def _written():
+    plan = plan_layer("mxfp4", "trtllm", 1440, 736)  # weights strided, scales in two strided stages
+    given = _inputs(plan, 2)
+    want = _apply(plan, given)
+    clear_caches()
+    return given, want
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        "fingerprint",
+        "format",
+        "key",
+        "not json",
+        "truncated",
+        "a map's name",
+        "a stage split",
+        "a step kind",
+        "an array for a number",
+    ],
+)
+def test_a_record_that_does_not_fit_is_not_used(store, spoil):
+    given, want = _written()
+    path = _record(store)
+    record = json.loads(path.read_text())
+    text = None
+    if spoil == "fingerprint":
+        record["fingerprint"] = "0" * 64
+    elif spoil == "format":
+        record["format"] = plan_store.FORMAT + 1
+    elif spoil == "key":
+        record["key"]["plan_for"]["layer"]["hidden"] = 1024  # the file of another plan, under this one's name
+    elif spoil == "not json":
+        text = "\x80\x04 not a record"
+    elif spoil == "truncated":
+        text = path.read_text()[: len(path.read_text()) // 2]
+    elif spoil == "a map's name":
+        record["maps"]["w13"]["exec"]["name"] = "swap_w13_to_w31_rows(rows=1)"
+    elif spoil == "a stage split":
+        record["maps"]["w13_scale"]["exec"]["split"] = 99
+    elif spoil == "a step kind":
+        record["maps"]["w2"]["parts"][0]["kind"] = "os.system"
+    elif spoil == "an array for a number":
+        record["maps"]["w2"]["cell_bytes"] = [1, 2]
+    path.write_text(text if text is not None else json.dumps(record))
+    plan = plan_layer("mxfp4", "trtllm", 1440, 736)
+    assert all(m.known_compiled() is None for m in plan.maps().values()), "a record that does not fit was read"
+    assert all(same_bytes(g, w) for g, w in zip(_apply(plan, given), want))
+
+
+def test_off_neither_reads_nor_writes(store, monkeypatch):
+    _written()
+    path = _record(store)
+    monkeypatch.setenv("FIMOE_LAB_PLAN_STORE", "0")
+    plan = plan_layer("mxfp4", "trtllm", 1440, 736)
+    assert all(m.known_compiled() is None for m in plan.maps().values())
+    path.unlink()
+    _apply(plan, _inputs(plan, 2))
+    assert list(store.glob("*")) == []
+
+
+def test_a_folder_that_cannot_be_written_is_left_alone(tmp_path, monkeypatch):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("FIMOE_LAB_CACHE", str(blocker))
+    monkeypatch.setenv("FIMOE_LAB_PLAN_STORE", "1")
+    clear_caches()
+    plan = plan_layer("nvfp4", "trtllm", 256, 512)
+    given = _inputs(plan, 2)
+    out = _apply(plan, given)
+    assert blocker.read_text() == "a file where the cache folder would be"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+    assert all(o is not None for o in out)
+    clear_caches()
+
+
+def test_a_plan_is_written_once_after_its_first_apply_and_not_before(store):
+    plan = plan_layer("mxfp4", "trtllm", 1440, 736)
+    assert list(store.glob("*.json")) == []  # built, not yet applied: nothing compiled to keep
+    given = _inputs(plan, 2)
+    _apply(plan, given)
+    path = _record(store)
+    stamp = path.stat().st_mtime_ns
+    _apply(plan, given)
+    assert path.stat().st_mtime_ns == stamp and [p.name for p in store.iterdir()] == [path.name]
