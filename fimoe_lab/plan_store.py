@@ -10,10 +10,10 @@ and parameters only if something reads it) with its compiled form given (:func:`
 The executors read those forms (strided views, two strided stages), so such a first layer launches at once; what
 needs the index (a cycle plan, the row forms of the background planner, an inverse) builds it as before.
 
-A record is used only when its format, its key (the plan's arguments) and the fingerprint of the code that built it
-(the package version and the size and modification time of every module that defines maps, plans or their compiled
-forms) all match; else, or when it does not read, the plan is built as if it were absent, and written again after its
-first apply. Only plans whose every map runs from a strided form are written (their first call needs no index).
+A record is used only when it and its folder are this user's and writable by no one else (not links), and its
+format, its key (the plan's arguments) and the fingerprint of the code that built it (the package version and the
+size and modification time of every module that defines maps, plans or their compiled forms) all match; else, or
+when it does not read, the plan is built as if it were absent, and written again after its first apply. Only plans whose every map runs from a strided form are written (their first call needs no index).
 Writing is one temporary file renamed into place; a folder that cannot be written is left alone for the rest of
 the process. ``FIMOE_LAB_PLAN_STORE=0`` turns reading and writing off.
 """
@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import threading
 import weakref
@@ -90,7 +91,10 @@ def read(key: dict[str, Any]) -> Optional[PlanRecord]:
     if not enabled():
         return None
     try:
-        with open(record_path(key), encoding="utf-8") as f:
+        path = record_path(key)
+        if not (_private(path.parent, stat.S_ISDIR) and _private(path, stat.S_ISREG)):
+            return None
+        with open(path, encoding="utf-8") as f:
             record = json.load(f)
         if record.get("format") != FORMAT or record.get("key") != key or record.get("fingerprint") != fingerprint():
             return None
@@ -98,6 +102,13 @@ def read(key: dict[str, Any]) -> Optional[PlanRecord]:
         return {"fields": dict(record["fields"]), "maps": maps}
     except (OSError, ValueError, KeyError, TypeError, AttributeError, FimoeError):
         return None
+
+
+def _private(path: Path, kind: Callable[[int], bool]) -> bool:
+    """Whether ``path`` itself (not a link) is of ``kind``, owned by this user and writable by no one else: a record
+    anyone else could have written is not read."""
+    st = os.lstat(path)
+    return kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def remember(plan: Any, key: dict[str, Any], fields: dict[str, Any]) -> None:

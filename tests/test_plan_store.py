@@ -223,6 +223,24 @@ def test_a_record_that_does_not_fit_is_not_used(store, spoil):
     assert all(same_bytes(g, w) for g, w in zip(_apply(plan, given), want))
 
 
+@pytest.mark.parametrize("how", ["group-writable file", "world-writable folder", "a link to a record"])
+def test_a_record_anyone_else_could_have_written_is_not_read(store, how):
+    given, want = _written()
+    path = _record(store)
+    if how == "group-writable file":
+        path.chmod(0o664)
+    elif how == "world-writable folder":
+        store.chmod(0o777)
+    else:
+        elsewhere = store.parent / "elsewhere.json"
+        path.rename(elsewhere)
+        path.symlink_to(elsewhere)
+    plan = plan_layer("mxfp4", "trtllm", 1440, 736)
+    assert all(m.known_compiled() is None for m in plan.maps().values())
+    assert all(same_bytes(g, w) for g, w in zip(_apply(plan, given), want))
+    store.chmod(0o700)
+
+
 def test_off_neither_reads_nor_writes(store, monkeypatch):
     _written()
     path = _record(store)
