@@ -69,16 +69,7 @@ def compile_map(m: IndexMap) -> ExecMap:
     The torch executor reads only those forms, so the whole map over its finest cells (gpt-oss's padded
     weights; the padding, row steps and 128x4 swizzle of its scales: 2-byte cells) is not built on a plan's
     first call."""
-    em = ExecMap.on_read(
-        m.name,
-        tuple(m.fills),
-        m.in_bytes,
-        m.out_bytes,
-        lambda: _cells(m),
-        lambda: m.coarsened().is_permutation,
-        lambda: m.inverse().compiled(),
-    )
-    em.find_row_forms = lambda: _row_forms(m, em)
+    em = _found_on_read(m)
     em.ends_swizzled = m.steps[-1].kind == "swizzle_scales_128x4"
     known = swizzle_strided(m)
     if known is not None:
@@ -98,6 +89,22 @@ def compile_map(m: IndexMap) -> ExecMap:
     em.strided = strided_form(em.src)
     if em.strided is None:
         em.stages = strided_stages(m)
+    return em
+
+
+def _found_on_read(m: IndexMap) -> ExecMap:
+    """``m``'s executable form with every field found from ``m`` when first read (:meth:`ExecMap.on_read`): cells,
+    sources, permutation flag, row forms and the inverse's form."""
+    em = ExecMap.on_read(
+        m.name,
+        tuple(m.fills),
+        m.in_bytes,
+        m.out_bytes,
+        lambda: _cells(m),
+        lambda: m.coarsened().is_permutation,
+        lambda: m.inverse().compiled(),
+    )
+    em.find_row_forms = lambda: _row_forms(m, em)
     return em
 
 
@@ -139,16 +146,7 @@ def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
     fills = tuple(int(f) for f in record["fills"])
     if (record["name"], fills, record["in_bytes"], record["out_bytes"]) != (m.name, m.fills, m.in_bytes, m.out_bytes):
         raise LayoutError(f"internal: a compiled form recorded for {record['name']} does not fit {m.name}")
-    em = ExecMap.on_read(
-        m.name,
-        fills,
-        m.in_bytes,
-        m.out_bytes,
-        lambda: _cells(m),
-        lambda: m.coarsened().is_permutation,
-        lambda: m.inverse().compiled(),
-    )
-    em.find_row_forms = lambda: _row_forms(m, em)
+    em = _found_on_read(m)
     em.ends_swizzled = bool(record["ends_swizzled"])
     if record["cells"] is not None:
         em.preset_cells({k: (bool(v) if k == "has_fill" else int(v)) for k, v in record["cells"].items()})
