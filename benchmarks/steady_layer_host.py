@@ -1,0 +1,95 @@
+"""The host time of a model's steady MoE layers on the layer path, against allocate+copy, with a profile of the calls.
+
+As ``benchmarks/whole_model.py``'s child does: for every layer fresh random inputs on the device, a synchronisation,
+the calls (timed until they return: what the host spends queueing the layer), a synchronisation; outputs kept. Sides
+(one process, in this order): ``ours`` (``plan_layer(...).apply``), ``ours_pre`` (the layer's outputs allocated
+first, then each map's ``IndexMap.apply(x, out=...)``), ``copy`` (``empty_like`` + ``copy_`` per tensor) and
+``copy_pre`` (every ``empty_like`` first). Prints each side's median over the odd layers from the fifth on, and a
+cProfile of the even ones of ``ours_pre`` (top functions by own time). Needs a CUDA device.
+
+    PYTHONPATH=. python3 benchmarks/steady_layer_host.py deepseek-r1-tp8-nvfp4 qwen3-235b-tp8-bf16
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import whole_model  # noqa: E402  (the models' sizes and input shapes, one table)
+
+from fimoe_lab import prepare  # noqa: E402, F401  (imported before the clock, as an engine has it)
+from fimoe_lab.recipes import plan_layer  # noqa: E402
+
+
+def sides(fmt: str, experts: int, hidden: int, inter: int, dev: torch.device) -> dict:
+    def ours(t: dict) -> list:
+        plan = plan_layer(fmt, "trtllm", inter, hidden)
+        return [o for o in plan.apply(t["w13"], t["w2"], t.get("w13_scale"), t.get("w2_scale")) if o is not None]
+
+    def ours_pre(t: dict) -> list:
+        maps = plan_layer(fmt, "trtllm", inter, hidden).maps()
+        outs = {n: torch.empty((experts, *m.out_shape), dtype=torch.uint8, device=dev) for n, m in maps.items()}
+        for n, m in maps.items():
+            m.apply(t[n], out=outs[n])
+        return list(outs.values())
+
+    def copy(t: dict) -> list:
+        outs = []
+        for x in t.values():
+            y = torch.empty_like(x)
+            y.copy_(x)
+            outs.append(y)
+        return outs
+
+    def copy_pre(t: dict) -> list:
+        outs = [torch.empty_like(x) for x in t.values()]
+        for x, y in zip(t.values(), outs):
+            y.copy_(x)
+        return outs
+
+    return {"ours": ours, "ours_pre": ours_pre, "copy": copy, "copy_pre": copy_pre}
+
+
+def main(models: list[str]) -> None:
+    dev = torch.device("cuda")
+    for model in models:
+        fmt, experts, hidden, inter, layers, _ = whole_model.MODELS[model]
+        shapes = whole_model.layer_shapes_of(fmt, hidden, inter)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for name, fn in sides(fmt, experts, hidden, inter, dev).items():
+            kept, host, prof = [], [], cProfile.Profile()
+            for i in range(layers):
+                t = {
+                    k: torch.randint(0, 256, (experts, *s), dtype=torch.uint8, device=dev, generator=gen)
+                    for k, s in shapes.items()
+                }
+                torch.cuda.synchronize()
+                profiled = i >= 5 and i % 2 == 0
+                a = time.perf_counter()
+                if profiled:
+                    prof.enable()
+                kept.append(fn(t))
+                if profiled:
+                    prof.disable()
+                host.append(time.perf_counter() - a)
+                torch.cuda.synchronize()
+                del t
+            plain = sorted(h for i, h in enumerate(host) if i >= 5 and i % 2 == 1)
+            print(f"{model} {name}: host median (unprofiled) {1e3 * plain[len(plain) // 2]:.3f} ms", flush=True)
+            if name == "ours_pre":
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+                print(out.getvalue()[:4000])
+            del kept
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["deepseek-r1-tp8-nvfp4"])
