@@ -115,8 +115,9 @@ def remember(plan: Any, key: dict[str, Any], fields: dict[str, Any]) -> None:
     """Write ``plan`` (an object with ``maps()``) under ``key`` after its first apply (:func:`applied`), with
     ``fields`` (JSON values: what rebuilds it besides its maps)."""
     if enabled() and record_path(key).parent not in _unwritable:
-        with _lock:
-            _pending[id(plan)] = (weakref.ref(plan), fingerprint(), key, fields)
+        at = id(plan)
+        with _lock:  # a plan freed unapplied leaves nothing behind
+            _pending[at] = (weakref.ref(plan, lambda _: _pending.pop(at, None)), fingerprint(), key, fields)
 
 
 def applied(plan: Any) -> None:
