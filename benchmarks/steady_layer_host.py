@@ -40,21 +40,13 @@ def sides(fmt: str, experts: int, hidden: int, inter: int, dev: torch.device) ->
             m.apply(t[n], out=outs[n])
         return list(outs.values())
 
-    def copy(t: dict) -> list:
-        outs = []
-        for x in t.values():
-            y = torch.empty_like(x)
-            y.copy_(x)
-            outs.append(y)
-        return outs
-
     def copy_pre(t: dict) -> list:
         outs = [torch.empty_like(x) for x in t.values()]
         for x, y in zip(t.values(), outs):
             y.copy_(x)
         return outs
 
-    return {"ours": ours, "ours_pre": ours_pre, "copy": copy, "copy_pre": copy_pre}
+    return {"ours": ours, "ours_pre": ours_pre, "copy": whole_model.copy_layer, "copy_pre": copy_pre}
 
 
 def main(models: list[str]) -> None:

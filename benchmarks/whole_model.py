@@ -72,6 +72,18 @@ DROP_INS = {
 }
 
 
+def copy_layer(t: dict) -> list:
+    """The baseline of one layer: each tensor allocated like its input (``empty_like``) and copied (``copy_``)."""
+    import torch  # (the parent process runs without torch: imported where a child first copies)
+
+    outs = []
+    for x in t.values():
+        y = torch.empty_like(x)
+        y.copy_(x)
+        outs.append(y)
+    return outs
+
+
 def child(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     import torch
@@ -106,14 +118,6 @@ def child(args: argparse.Namespace) -> dict:
             plan = plan_layer(fmt, "trtllm", inter, hidden)
             return [o for o in plan.apply(t["w13"], t["w2"], t.get("w13_scale"), t.get("w2_scale")) if o is not None]
         return run_drop_in(fmt, t["w13"], t["w2"])
-
-    def run_copy(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        outs = []
-        for x in t.values():
-            y = torch.empty_like(x)
-            y.copy_(x)
-            outs.append(y)
-        return outs
 
     if shapes is None:  # the layer path's input shapes: the plan's maps (built here untimed would warm it:
         # read them from a plan built in a throwaway process instead)
@@ -181,7 +185,7 @@ def child(args: argparse.Namespace) -> dict:
         if side == "ours":
             ours, ours_host, moved = phase(run_ours, "ours")
         else:
-            copies.append(phase(run_copy, "copy_after" if copies else "copy"))
+            copies.append(phase(copy_layer, "copy_after" if copies else "copy"))
             moved = copies[-1][2]
     base, base_host = (copies[0][0], copies[0][1]) if copies else (None, None)
     from fimoe_lab.kernels import registry
