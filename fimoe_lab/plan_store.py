@@ -48,7 +48,7 @@ _FINGERPRINTED = ("", "kernels")
 builds maps, plans or compiled forms lives in one of them."""
 
 _lock = threading.Lock()
-_pending: dict[int, tuple[weakref.ref, str, dict[str, Any], dict[str, Any]]] = {}  # id(plan) -> what to write
+_pending: dict[int, tuple[weakref.ref, str, Path, dict[str, Any], dict[str, Any]]] = {}  # id(plan) -> what to write
 _state: dict[str, Any] = {}  # "fingerprint": the code fingerprint, once computed
 _unwritable: set[Path] = set()  # folders a write failed in
 
@@ -79,10 +79,15 @@ def fingerprint() -> str:
     return str(found)
 
 
-def record_path(key: dict[str, Any]) -> Path:
-    """The file of the plan with arguments ``key`` (JSON values)."""
+def record_path(key: dict[str, Any]) -> Optional[Path]:
+    """The file of the plan with arguments ``key`` (JSON values); None where there is no cache folder (no
+    ``FIMOE_LAB_CACHE`` and no home directory)."""
+    try:
+        folder = env.cache_dir() / "plans"
+    except RuntimeError:  # Path.home() of a user without one
+        return None
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]
-    return env.cache_dir() / "plans" / f"{digest}.json"
+    return folder / f"{digest}.json"
 
 
 def read(key: dict[str, Any]) -> Optional[PlanRecord]:
@@ -92,7 +97,7 @@ def read(key: dict[str, Any]) -> Optional[PlanRecord]:
         return None
     try:
         path = record_path(key)
-        if not (_private(path.parent, stat.S_ISDIR) and _private(path, stat.S_ISREG)):
+        if path is None or not (_private(path.parent, stat.S_ISDIR) and _private(path, stat.S_ISREG)):
             return None
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
@@ -114,10 +119,11 @@ def _private(path: Path, kind: Callable[[int], bool]) -> bool:
 def remember(plan: Any, key: dict[str, Any], fields: dict[str, Any]) -> None:
     """Write ``plan`` (an object with ``maps()``) under ``key`` after its first apply (:func:`applied`), with
     ``fields`` (JSON values: what rebuilds it besides its maps)."""
-    if enabled() and record_path(key).parent not in _unwritable:
+    path = record_path(key) if enabled() else None
+    if path is not None and path.parent not in _unwritable:
         at = id(plan)
         with _lock:  # a plan freed unapplied leaves nothing behind
-            _pending[at] = (weakref.ref(plan, lambda _: _pending.pop(at, None)), fingerprint(), key, fields)
+            _pending[at] = (weakref.ref(plan, lambda _: _pending.pop(at, None)), fingerprint(), path, key, fields)
 
 
 def applied(plan: Any) -> None:
@@ -129,14 +135,14 @@ def applied(plan: Any) -> None:
         held = _pending.pop(id(plan), None)
     if held is None or held[0]() is not plan:
         return
-    _, fp, key, fields = held
+    _, fp, path, key, fields = held
     maps = {}
     for name, m in plan.maps().items():
         entry = _map_record(m)
         if entry is None:
             return
         maps[name] = entry
-    _write(record_path(key), {"format": FORMAT, "fingerprint": fp, "key": key, "fields": fields, "maps": maps})
+    _write(path, {"format": FORMAT, "fingerprint": fp, "key": key, "fields": fields, "maps": maps})
 
 
 def _map_record(m: IndexMap) -> Optional[dict[str, Any]]:
