@@ -48,6 +48,16 @@ def value_bytes(value: Any) -> int:
     return 0
 
 
+def _plain(arg: Any) -> bool:
+    """Whether a call may be remembered by ``arg`` as written: a scalar, or a frozen dataclass of scalars (the
+    :class:`~fimoe_lab.choice.LayerShape` and :class:`~fimoe_lab.choice.LayoutChoice` a plan is asked with)."""
+    kind = type(arg)
+    if kind in _SCALARS:
+        return True
+    params = getattr(kind, "__dataclass_params__", None)
+    return params is not None and params.frozen and all(type(v) in _SCALARS for v in vars(arg).values())
+
+
 def _evict_for(size: int) -> None:
     global _total
     while _entries and _total + size > _limit():
@@ -71,9 +81,9 @@ def cached(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         global _total
         written = (args, tuple(kwargs.items()))
-        plain = all(type(a) in _SCALARS for a in args) and all(type(v) in _SCALARS for v in kwargs.values())
+        plain = all(_plain(a) for a in args) and all(_plain(v) for v in kwargs.values())
         key = spelled.get(written) if plain else None
-        if key is None:  # binding costs a few us; calls of scalars (sizes, flags) remember it
+        if key is None:  # binding costs a few us; calls of scalars and such values remember it
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             key = (fn.__module__, fn.__qualname__, tuple(bound.arguments.items()))

@@ -283,11 +283,24 @@ def plan_layer(
     where needed (FP8 per-tensor experts whose gate and up scales differ); None: ``"engine"`` when ``engine`` is
     named, ``"lossless"`` for the default profile.
     """
-    layer = LayerShape(fmt, intermediate, hidden, is_act_and_mul, is_gated, quant_method)
-    choice = LayoutChoice(
-        backend, intermediate_alignment, hidden_alignment, engine, per_token_activation, activation_dtype, values
-    )
-    return plan_for(layer, choice)
+    args: tuple[object, ...] = (fmt, backend, intermediate, hidden, is_act_and_mul, is_gated, intermediate_alignment)
+    args += (hidden_alignment, engine, per_token_activation, activation_dtype, quant_method, values)
+    written = (args, tuple(map(type, args)))  # 256 and 256.0, True and 1: spellings of their own
+    asked = _ASKED.get(written)
+    if asked is None:  # an engine asks once a layer: the two values are made once a spelling
+        layer = LayerShape(fmt, intermediate, hidden, is_act_and_mul, is_gated, quant_method)
+        choice = LayoutChoice(
+            backend, intermediate_alignment, hidden_alignment, engine, per_token_activation, activation_dtype, values
+        )
+        asked = (layer, choice)
+        if len(_ASKED) < _ASKED_MOST:
+            _ASKED[written] = asked
+    return plan_for(*asked)
+
+
+_ASKED: dict[tuple[tuple[object, ...], tuple[type, ...]], tuple[LayerShape, LayoutChoice]] = {}
+""":func:`plan_layer`'s arguments as written -> its two values (a few hundred bytes each)."""
+_ASKED_MOST = 4096
 
 
 @cached

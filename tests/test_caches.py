@@ -75,6 +75,24 @@ def test_one_entry_however_the_call_is_spelled(budget):
     assert caches.cache_bytes()[0] >= 2
 
 
+def test_a_plan_asked_by_values_or_by_sizes_is_one_entry(budget):
+    """``plan_layer``'s spellings and ``plan_for`` of the two values (frozen dataclasses, remembered as written)
+    give one plan; another value, or the same number of another type, is its own call."""
+    from fimoe_lab.choice import LayerShape, LayoutChoice
+
+    caches.clear_caches()
+    plan = recipes.plan_layer("nvfp4", "trtllm", 256, 512)
+    assert recipes.plan_layer("nvfp4", "trtllm", 256, 512) is plan
+    assert recipes.plan_layer("nvfp4", "trtllm", intermediate=256, hidden=512, is_gated=True) is plan
+    assert recipes.plan_for(LayerShape("nvfp4", 256, 512), LayoutChoice("trtllm")) is plan
+    assert recipes.plan_for(LayerShape("nvfp4", 256, 512), LayoutChoice("trtllm")) is plan
+    other = recipes.plan_layer("nvfp4", "trtllm", 256, 512, hidden_alignment=1024)
+    assert other is not plan and other.padded_hidden == 1024
+    assert recipes.plan_layer("nvfp4", "trtllm", 256, 512, is_act_and_mul=False) is not plan
+    caches.clear_caches()
+    assert recipes.plan_layer("nvfp4", "trtllm", 256, 512) is not plan  # the values are kept, the plans not
+
+
 def test_warm_up_builds_what_each_drop_in_then_uses(budget, monkeypatch):
     """After ``warmup`` for a drop-in's format and sizes, the drop-in's first call compiles and
     plans no map: the warm-up's maps are the drop-in's own objects. (What it may still do: fill
