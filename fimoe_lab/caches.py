@@ -74,7 +74,7 @@ def cached(fn: F) -> F:
     (a drop-in, ``plan_layer``, the warm-up) spells the call.
     """
     signature = inspect.signature(fn)
-    spelled: dict[tuple[Hashable, ...], tuple[Hashable, ...]] = {}  # a call of scalars as written -> its key
+    spelled: dict[tuple[Hashable, ...], tuple[Hashable, ...]] = {}  # a call of plain values as written -> its key
     _spellings.append(spelled)
 
     @functools.wraps(fn)
