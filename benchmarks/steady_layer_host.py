@@ -32,13 +32,16 @@ from fimoe_lab.recipes import plan_layer  # noqa: E402
 
 
 def sides(fmt: str, experts: int, hidden: int, inter: int, dev: torch.device) -> dict:
+    def new_out(m) -> torch.Tensor:
+        return torch.empty((experts, *m.out_shape), dtype=torch.uint8, device=dev)
+
     def ours(t: dict) -> list:
         plan = plan_layer(fmt, "trtllm", inter, hidden)
         return [o for o in plan.apply(t["w13"], t["w2"], t.get("w13_scale"), t.get("w2_scale")) if o is not None]
 
     def ours_pre(t: dict) -> list:
         maps = plan_layer(fmt, "trtllm", inter, hidden).maps()
-        outs = {n: torch.empty((experts, *m.out_shape), dtype=torch.uint8, device=dev) for n, m in maps.items()}
+        outs = {n: new_out(m) for n, m in maps.items()}
         for n, m in maps.items():
             m.apply(t[n], out=outs[n])
         return list(outs.values())
@@ -46,9 +49,9 @@ def sides(fmt: str, experts: int, hidden: int, inter: int, dev: torch.device) ->
     def ours_first(t: dict) -> list:
         maps = plan_layer(fmt, "trtllm", inter, hidden).maps()
         names = list(maps)
-        outs = {names[0]: torch.empty((experts, *maps[names[0]].out_shape), dtype=torch.uint8, device=dev)}
+        outs = {names[0]: new_out(maps[names[0]])}
         maps[names[0]].apply(t[names[0]], out=outs[names[0]])
-        outs.update({n: torch.empty((experts, *maps[n].out_shape), dtype=torch.uint8, device=dev) for n in names[1:]})
+        outs.update({n: new_out(maps[n]) for n in names[1:]})
         for n in names[1:]:
             maps[n].apply(t[n], out=outs[n])
         return list(outs.values())
@@ -61,7 +64,7 @@ def sides(fmt: str, experts: int, hidden: int, inter: int, dev: torch.device) ->
         stamp.append(time.perf_counter())
         outs = []
         for n, m in plan.maps().items():
-            out = torch.empty((experts, *m.out_shape), dtype=torch.uint8, device=dev)
+            out = new_out(m)
             stamp.append(time.perf_counter())
             execute(m.compiled(), t[n], out)
             stamp.append(time.perf_counter())

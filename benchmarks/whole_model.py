@@ -21,10 +21,11 @@ Paths (per model):
 
 Cache modes: ``empty`` points ``TRITON_CACHE_DIR``, ``NUMBA_CACHE_DIR`` and ``FIMOE_LAB_CACHE`` (the
 layer plans kept on disk, :mod:`fimoe_lab.plan_store`) at new empty directories; ``warm`` reuses the
-directories a previous process of the same model and path filled. Per model and path: all layers, the baseline's all layers, their ratio (share of
-copy), the first layer, the median layer (and the baseline's), the first-layer overhead
-(first minus median), and the median host time of a layer on each side (until the calls return,
-before the second synchronisation: where it nears the layer's time, the device waits for the host).
+directories a previous process of the same model and path filled. Per model and path: all layers,
+the baseline's all layers, their ratio (share of copy), the first layer, the median layer (and the
+baseline's), the first-layer overhead (first minus median), and the median host time of a layer on
+each side (until the calls return, before the second synchronisation: where it nears the layer's
+time, the device waits for the host).
 
 Each side gets its own process because a side that runs after another side's memory was freed in the same
 process (``empty_cache``) runs its first layers slower, its copies too (benchmarks/RESULTS.md, "The baseline

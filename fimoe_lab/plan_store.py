@@ -13,9 +13,10 @@ needs the index (a cycle plan, the row forms of the background planner, an inver
 A record is used only when it and its folder are this user's and writable by no one else (not links), and its
 format, its key (the plan's arguments) and the fingerprint of the code that built it (the package version and the
 size and modification time of every module that defines maps, plans or their compiled forms) all match; else, or
-when it does not read, the plan is built as if it were absent, and written again after its first apply. Only plans whose every map runs from a strided form are written (their first call needs no index).
-Writing is one temporary file renamed into place; a folder that cannot be written is left alone for the rest of
-the process. ``FIMOE_LAB_PLAN_STORE=0`` turns reading and writing off.
+when it does not read, the plan is built as if it were absent, and written again after its first apply. Only plans
+whose every map runs from a strided form are written (their first call needs no index). Writing is one temporary
+file renamed into place; a folder that cannot be written is left alone for the rest of the process.
+``FIMOE_LAB_PLAN_STORE=0`` turns reading and writing off.
 """
 
 from __future__ import annotations
