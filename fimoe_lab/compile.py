@@ -110,9 +110,10 @@ def _found_on_read(m: IndexMap) -> ExecMap:
 
 def form_record(em: ExecMap) -> dict[str, Any] | None:
     """What :func:`compiled_from` needs to rebuild ``em`` without its map's index, as JSON values: its name, fills,
-    sizes, whether it ends in the 128x4 swizzle, the cell fields and permutation flag known so far, and its strided
-    form or its two strided stages (each a record; ``split``: how many of the map's steps the first runs). None for
-    a form that is neither (its first call reads the index anyway)."""
+    sizes, whether it ends in the 128x4 swizzle, the cell fields and permutation flag known so far, its row forms
+    where found (each ``[rows, *sizes]``; None before), and its strided form or its two strided stages (each a
+    record; ``split``: how many of the map's steps the first runs). None for a form that is neither (its first call
+    reads the index anyway)."""
     record: dict[str, Any] = dict(
         name=em.name,
         fills=list(em.fills),
@@ -121,6 +122,7 @@ def form_record(em: ExecMap) -> dict[str, Any] | None:
         ends_swizzled=em.ends_swizzled,
         cells=em.known_cells(),
         is_permutation=em.known_permutation(),
+        row_forms=None if em.row_forms is None else [_row_form_record(f) for f in em.row_forms],
         strided=None,
         stages=None,
     )
@@ -138,9 +140,19 @@ def form_record(em: ExecMap) -> dict[str, Any] | None:
     return record
 
 
+def _row_form_record(form: tuple[Any, ...] | None) -> list[Any] | None:
+    """A row form (:class:`ExecMap`: an int32 row table, then sizes) as JSON values."""
+    return None if form is None else [form[0].tolist(), *(int(v) for v in form[1:])]
+
+
+def _row_form_of(record: list[Any] | None) -> tuple[Any, ...] | None:
+    """The row form of a :func:`_row_form_record`."""
+    return None if record is None else (np.asarray(record[0], dtype=np.int32), *(int(v) for v in record[1:]))
+
+
 def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
     """The :class:`ExecMap` of ``m`` from a :func:`form_record` of it, reading nothing of ``m``'s index: the forms
-    recorded are given, everything else (sources, cells not recorded, row forms, the inverse) is found from ``m``
+    recorded are given, everything else (sources, cells or row forms not recorded, the inverse) is found from ``m``
     when first read, as :func:`compile_map` leaves it. Raises :class:`LayoutError` when the record does not fit
     ``m`` (its name, sizes or fills, or its stages' split of ``m``'s steps)."""
     fills = tuple(int(f) for f in record["fills"])
@@ -148,6 +160,9 @@ def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
         raise LayoutError(f"internal: a compiled form recorded for {record['name']} does not fit {m.name}")
     em = _found_on_read(m)
     em.ends_swizzled = bool(record["ends_swizzled"])
+    if record.get("row_forms") is not None:
+        swizzle, padrows, swizzled_rows = (_row_form_of(f) for f in record["row_forms"])
+        em.row_forms = (swizzle, padrows, swizzled_rows)
     if record["cells"] is not None:
         em.preset_cells({k: (bool(v) if k == "has_fill" else int(v)) for k, v in record["cells"].items()})
     if record["is_permutation"] is not None:

@@ -20,6 +20,7 @@ maps. It changes values, so the inverse plan cannot undo it: :meth:`LayerPlan.in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -28,14 +29,16 @@ import torch
 from fimoe_lab import plan_store, value_rules
 from fimoe_lab.engines import ValueRule
 from fimoe_lab.errors import LayoutError
-from fimoe_lab.kernels import plans_after_the_call
+from fimoe_lab.kernels import ExecMap, execute, plans_after_the_call
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.steps import apply_word_bits
 
-__all__ = ["BIAS_ROWS", "LayerPlan", "apply_map", "check_same_device"]
+__all__ = ["BIAS_ROWS", "LayerPlan", "MapCall", "apply_map", "check_same_device", "map_call"]
 
 TENSOR_NAMES = ("w13", "w2", "w13_scale", "w2_scale")
 BIAS_ROWS = {"w13_bias": "w13", "w2_bias": "w2"}
+KEPT_CALLS = 64
+"""The kinds of input (shapes, dtypes, devices) a plan keeps its checked map calls for (:meth:`LayerPlan.apply`)."""
 """Per-row biases and the weight whose rows each follows (gpt-oss carries them)."""
 
 
@@ -53,17 +56,47 @@ def apply_map(m: IndexMap, x: torch.Tensor, what: str, keep_flat: bool = True) -
     A 2-D ``x`` of shape ``(E, rows*cols)`` (flattened scales) is read as the map's
     matrix, and the result is flattened back to ``(E, -1)`` when ``keep_flat``.
     """
+    return map_call(m, x, what, keep_flat).run(x)
+
+
+@dataclass(frozen=True)
+class MapCall:
+    """One map's call on inputs of one shape, dtype and device, checked once (:func:`map_call`): ``x`` read as
+    ``as_shape`` (its bytes when ``as_bytes``; ``None``: as it is), the output ``(E, *out_elements)`` allocated, the
+    map's executable form run into it, and the result reshaped to ``flat_shape`` (``None``: kept)."""
+
+    em: ExecMap
+    as_bytes: bool
+    as_shape: Optional[tuple[int, ...]]
+    out_shape: tuple[int, ...]
+    flat_shape: Optional[tuple[int, ...]]
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The map on ``x``, of the shape, dtype and device this call was made for (the executor checks the bytes
+        again: a tensor of another size is refused, never read past)."""
+        if self.as_bytes:
+            x = x.view(torch.uint8)
+        if self.as_shape is not None:
+            x = x.reshape(self.as_shape)
+        out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        execute(self.em, x, out)
+        return out if self.flat_shape is None else out.reshape(self.flat_shape)
+
+
+def map_call(m: IndexMap, x: torch.Tensor, what: str, keep_flat: bool = True) -> MapCall:
+    """The :class:`MapCall` of ``m`` on tensors like ``x`` (:func:`apply_map`), after checking ``x``: contiguous
+    ``(E, ...)`` with ``m.in_bytes`` per expert (read in elements of its dtype where they divide the map's rows,
+    else as bytes)."""
     m.check_experts(x, what)
     size = x.element_size()
-    if m.in_shape[-1] % size:
-        x = x.view(torch.uint8)
-        size = 1
-    per_expert = m.in_shape[:-1] + (m.in_shape[-1] // size,)
-    shaped = x if x.shape[1:] == per_expert else x.reshape((x.shape[0],) + per_expert)
-    out = m.apply(shaped)
-    if x.ndim == 2 and keep_flat and len(m.out_shape) > 1:
-        out = out.reshape(x.shape[0], -1)
-    return out
+    as_bytes = bool(m.in_shape[-1] % size)
+    given = tuple(x.shape)
+    if as_bytes:
+        given, size = given[:-1] + (given[-1] * size,), 1
+    shape = given[:1] + m.in_shape[:-1] + (m.in_shape[-1] // size,)
+    out_shape = given[:1] + m.out_elements(size)
+    flat = (given[0], math.prod(out_shape[1:])) if x.ndim == 2 and keep_flat and len(m.out_shape) > 1 else None
+    return MapCall(m.compiled(), as_bytes, None if given == shape else shape, out_shape, flat)
 
 
 @dataclass(frozen=True)
@@ -159,14 +192,36 @@ class LayerPlan:
         w2_scale: Optional[torch.Tensor] = None,
     ) -> tuple[Optional[torch.Tensor], ...]:
         """Return ``(w13, w2, w13_scale, w2_scale)`` in the kernel layout (new tensors): the value rule, if any,
-        then each tensor's map (the background planner asked after all four: :data:`.kernels.plans_after_the_call`)."""
+        then each tensor's map (the background planner asked after all four: :data:`.kernels.plans_after_the_call`).
+
+        The tensors are checked (:meth:`check`) and each map's call made (:func:`map_call`) once per shape, dtype,
+        device and contiguity of the four: a model's later layers of the same shapes go straight to their
+        launches."""
         given: dict[str, Optional[torch.Tensor]] = dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
-        self.check(**given)
+        calls = self._checked_calls(given)
         given = value_rules.apply(self.value_rule, given)
         with plans_after_the_call:
-            out = tuple(self.apply_tensor(n, x) if x is not None else x for n, x in given.items())
+            out = tuple(
+                x if x is None else calls[n].run(x) if n in calls else self.apply_tensor(n, x) for n, x in given.items()
+            )
         plan_store.applied(self)
         return out
+
+    def _checked_calls(self, given: dict[str, Optional[torch.Tensor]]) -> dict[str, MapCall]:
+        """The byte maps' calls (tensors without a word bit step) for tensors like ``given``, :meth:`check` ed when
+        first seen: kept on the plan by the tensors' shapes, dtypes, devices and contiguity (at most
+        :data:`KEPT_CALLS` such kinds of input)."""
+        kind = tuple(None if x is None else (x.shape, x.dtype, x.device, x.is_contiguous()) for x in given.values())
+        kept: dict[tuple[Any, ...], dict[str, MapCall]] = self.__dict__.setdefault("_calls", {})
+        calls = kept.get(kind)
+        if calls is None:
+            self.check(**given)  # every mapped tensor is given
+            maps = self.maps().items()
+            calls = {n: map_call(m, x, n) for n, m in maps if n not in self.word_bits and (x := given[n]) is not None}
+            if len(kept) >= KEPT_CALLS:
+                kept.clear()
+            kept[kind] = calls
+        return calls
 
     def stored_fields(self) -> dict[str, Any]:
         """What rebuilds this plan besides its byte maps (``LayerPlan(**maps, **fields)``), as JSON values: its sizes

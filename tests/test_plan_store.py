@@ -163,18 +163,67 @@ def test_any_stored_shape_reads_back_as_the_plan_built_here(tmp_path_factory, re
         clear_caches()
 
 
+@pytest.mark.parametrize("fmt, inter, hidden", [("nvfp4", 256, 1024), ("mxfp4", 1440, 736), ("mxfp8", 256, 512)])
+def test_row_forms_found_after_the_first_apply_are_kept_and_read_back(store, fmt, inter, hidden):
+    """A scale map's row forms, found after the plan's first apply (by the background planner on a GPU; read here),
+    go into the record at the next apply, and a later plan has them without building its index: the swizzle kernel
+    needs nothing built before its first call. A record whose row forms do not read is not used."""
+    from fimoe_lab.kernels import prebuilt
+
+    built = plan_layer(fmt, "trtllm", inter, hidden)
+    given = _inputs(built)
+    want = _apply(built, given)
+    swizzled = {n: m.compiled() for n, m in built.maps().items() if m.compiled().ends_swizzled}
+    assert swizzled
+    before = {n: _row_forms(em) if em.row_forms_found() else None for n, em in swizzled.items()}
+    first = json.loads(_record(store).read_text())
+    found = {n: _row_forms(em) for n, em in swizzled.items()}
+    for n, forms in before.items():
+        assert (first["maps"][n]["exec"]["row_forms"] is None) == (forms is None)
+    _apply(built, given)
+    second = json.loads(_record(store).read_text())
+    assert all(second["maps"][n]["exec"]["row_forms"] is not None for n in found)
+    clear_caches()
+
+    stored = plan_layer(fmt, "trtllm", inter, hidden)
+    for n, want_forms in found.items():
+        m = stored.maps()[n]
+        em = m.known_compiled()
+        assert em is not None and em.row_forms_found() and "src" not in vars(m) and not em.sources_found()
+        assert prebuilt.planned(em, False)
+        for got_form, want_form in zip(_row_forms(em), want_forms):
+            assert (got_form is None) == (want_form is None)
+            if want_form is not None:
+                assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got_form, want_form))
+    assert all(same_bytes(g, w) for g, w in zip(_apply(stored, given), want))
+    clear_caches()
+
+    for spoil in ([[0, 1]], [["a row"], None, None]):
+        record = json.loads(json.dumps(second))
+        record["maps"][next(iter(found))]["exec"]["row_forms"] = spoil
+        _record(store).write_text(json.dumps(record))
+        again = plan_layer(fmt, "trtllm", inter, hidden)
+        assert all(m.known_compiled() is None for m in again.maps().values()), spoil
+        clear_caches()
+
+
 LATER_PROCESS = """
 import hashlib, json, sys, torch
 from fimoe_lab.recipes import plan_layer
 fmt, inter, hidden, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 plan = plan_layer(fmt, "trtllm", inter, hidden)
 restored = [n for n, m in plan.maps().items() if m.known_compiled() is not None]
+rows = [n for n, m in plan.maps().items() if m.known_compiled() is not None and m.known_compiled().row_forms_found()]
 g = torch.Generator().manual_seed(1)
 given = [torch.randint(0, 256, (3, *m.in_shape), dtype=torch.uint8, generator=g).to(device) for m in plan.maps().values()]
 out = plan.apply(*given)
+if device == "cuda":  # the planner finds the scale maps' row forms after the call; the next apply keeps them
+    from fimoe_lab.kernels import prebuilt
+    prebuilt.wait_for_plans()
+    plan.apply(*given)
 built = [n for n, m in plan.maps().items() if "src" in vars(m)]
 digest = [hashlib.sha256(o.cpu().numpy().tobytes()).hexdigest() for o in out]
-print(json.dumps({"restored": restored, "built": built, "out": digest}))
+print(json.dumps({"restored": restored, "rows": rows, "built": built, "out": digest}))
 """
 
 
@@ -183,7 +232,8 @@ print(json.dumps({"restored": restored, "built": built, "out": digest}))
 def test_a_later_process_reads_the_plan_and_builds_no_index_on_its_first_layer(tmp_path, device, fmt, inter, hidden):
     """Two fresh processes (as an engine restarted): the first builds, applies and writes; the second reads the plan,
     applies it without building any map's index (its first layer runs from the stored forms: torch's strided copies
-    on a CPU, the prebuilt strided kernels on a GPU), and gives the same bytes."""
+    on a CPU, the prebuilt strided and swizzle kernels on a GPU, the scale maps' row forms found by the first
+    process's planner kept), and gives the same bytes."""
     env = dict(os.environ, FIMOE_LAB_CACHE=str(tmp_path), FIMOE_LAB_PLAN_STORE="1", PYTHONPATH=str(ROOT))
 
     def run() -> dict:
@@ -195,6 +245,7 @@ def test_a_later_process_reads_the_plan_and_builds_no_index_on_its_first_layer(t
     first, second = run(), run()
     assert first["restored"] == []
     assert second["restored"] == ["w13", "w2", "w13_scale", "w2_scale"] and second["built"] == []
+    assert first["rows"] == [] and second["rows"] == (["w13_scale", "w2_scale"] if device == "cuda" else [])
     assert second["out"] == first["out"]
 
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fimoe_lab import prepare
+from fimoe_lab.caches import clear_caches
 from fimoe_lab.layout import LayoutError
 from fimoe_lab.prepare import MoELayerSpec
 
@@ -116,6 +117,50 @@ def test_nvfp4_plan_matches_loop():
     expected = ref.nvfp4_trtllm(w13, w2, s13, s2, True)
     got = prepare.plan_fp4_trtllm_weights(i, h).apply(w13, w2, s13, s2)
     assert all(same_bytes(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_plan_checks_each_kind_of_input_once_and_every_new_kind_again(device, monkeypatch):
+    """A layer plan keeps its checked calls per shape, dtype, device and contiguity of its inputs: a second layer like
+    the first is not checked again and matches the loop; another expert count, dtype spelling (flattened scales) or a
+    non-contiguous tensor of the same shape is a new kind, checked (and refused) before anything runs."""
+    i, h = 128, 256
+    clear_caches()  # a plan of its own: none of its calls kept by an earlier test
+    plan = prepare.plan_fp4_trtllm_weights(i, h)
+    seen = spy_calls(monkeypatch, [(type(plan), "check")])
+
+    def layer(experts, seed, flat=False):
+        s13 = random_bytes((experts, 2 * i, h // 16), FP8, seed=seed + 2)
+        s2 = random_bytes((experts, h, i // 16), FP8, seed=seed + 3)
+        if flat:
+            s13, s2 = s13.reshape(experts, -1), s2.reshape(experts, -1)
+        return (
+            random_bytes((experts, 2 * i, h // 2), torch.uint8, seed=seed),
+            coords(experts, h, i // 8, "cpu").view(torch.uint8),  # bytes that encode their own coordinates
+            s13,
+            s2,
+        )
+
+    for n, (experts, seed, flat) in enumerate([(2, 1, False), (2, 5, False), (3, 9, False), (3, 13, True)]):
+        given_ = layer(experts, seed, flat)
+        expected = ref.nvfp4_trtllm(*(t.reshape(experts, *r) for t, r in zip(given_, _nvfp4_rows(i, h))), True)
+        got = plan.apply(*(t.to(device) for t in given_))
+        if flat:
+            expected = [e.reshape(experts, -1) if k >= 2 else e for k, e in enumerate(expected)]
+        assert all(same_bytes(a.cpu(), b) for a, b in zip(got, expected))
+        assert len(seen) == [1, 1, 2, 3][n]
+    w13, w2, s13, s2 = (t.to(device) for t in layer(3, 17))
+    bad = w13.transpose(1, 2).contiguous().transpose(1, 2)  # the same shape and dtype, not contiguous
+    with pytest.raises(LayoutError, match="not contiguous"):
+        plan.apply(bad, w2, s13, s2)
+    with pytest.raises(LayoutError, match="expert counts differ"):
+        plan.apply(w13, w2[:2], s13, s2)
+    assert len(seen) == 5
+
+
+def _nvfp4_rows(i: int, h: int) -> list[tuple[int, ...]]:
+    """The per-expert shapes of an NVFP4 layer's weights and scales (bytes of packed FP4, FP8 scales)."""
+    return [(2 * i, h // 2), (h, i // 2), (2 * i, h // 16), (h, i // 16)]
 
 
 @settings(max_examples=25, deadline=None)

@@ -155,8 +155,8 @@ def _one_strided(em: ExecMap) -> bool:
 
 def _needs_no_plan(em: ExecMap) -> bool:
     """A gather of ``em`` needs nothing built ahead: the strided kernel runs it from its form, and it does not end in
-    the swizzle (whose kernel needs the row forms)."""
-    return runs_strided(em) and not em.ends_swizzled
+    the swizzle or its row forms are known (the swizzle kernel reads its ``swizzled_rows`` form, not its sources)."""
+    return runs_strided(em) and (not em.ends_swizzled or em.row_forms_found())
 
 
 def strided_now(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
