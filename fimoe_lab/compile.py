@@ -21,6 +21,7 @@ module reads the map only through its public methods (``coarsened``, ``steps``, 
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
@@ -141,13 +142,23 @@ def form_record(em: ExecMap) -> dict[str, Any] | None:
 
 
 def _row_form_record(form: tuple[Any, ...] | None) -> list[Any] | None:
-    """A row form (:class:`ExecMap`: an int32 row table, then sizes) as JSON values."""
-    return None if form is None else [form[0].tolist(), *(int(v) for v in form[1:])]
+    """A row form (:class:`ExecMap`: an int32 row table, then sizes) as JSON values: the table as the base64 of its
+    little-endian bytes (thousands of rows read and written in microseconds), then the sizes."""
+    if form is None:
+        return None
+    return [base64.b64encode(np.asarray(form[0], dtype="<i4").tobytes()).decode("ascii"), *(int(v) for v in form[1:])]
 
 
-def _row_form_of(record: list[Any] | None) -> tuple[Any, ...] | None:
-    """The row form of a :func:`_row_form_record`."""
-    return None if record is None else (np.asarray(record[0], dtype=np.int32), *(int(v) for v in record[1:]))
+def _row_form_of(record: list[Any] | None, rows: Callable[[tuple[int, ...]], int]) -> tuple[Any, ...] | None:
+    """The row form of a :func:`_row_form_record`; its table must hold ``rows(sizes)`` rows (a kernel reads that
+    many), else :class:`LayoutError`."""
+    if record is None:
+        return None
+    table = np.frombuffer(base64.b64decode(record[0], validate=True), dtype="<i4").astype(np.int32)
+    sizes = tuple(int(v) for v in record[1:])
+    if table.size != rows(sizes):
+        raise LayoutError(f"internal: a row table of {table.size} rows where its form {sizes} reads {rows(sizes)}")
+    return (table, *sizes)
 
 
 def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
@@ -161,8 +172,12 @@ def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
     em = _found_on_read(m)
     em.ends_swizzled = bool(record["ends_swizzled"])
     if record.get("row_forms") is not None:
-        swizzle, padrows, swizzled_rows = (_row_form_of(f) for f in record["row_forms"])
-        em.row_forms = (swizzle, padrows, swizzled_rows)
+        swizzle, padrows, swizzled_rows = record["row_forms"]
+        em.row_forms = (
+            _row_form_of(swizzle, lambda sizes: sizes[1]),  # (cw, R)
+            _row_form_of(padrows, lambda sizes: m.out_bytes // sizes[1]),  # (C_in, C_out, column fill)
+            _row_form_of(swizzled_rows, lambda sizes: sizes[2] if 4 * sizes[1] * sizes[2] == m.out_bytes else -1),
+        )
     if record["cells"] is not None:
         em.preset_cells({k: (bool(v) if k == "has_fill" else int(v)) for k, v in record["cells"].items()})
     if record["is_permutation"] is not None:

@@ -231,7 +231,7 @@ def _write(path: Path, record: dict[str, Any]) -> None:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(record, f, separators=(",", ":"))
+            f.write(json.dumps(record, separators=(",", ":")))  # the C encoder (json.dump streams in Python)
         os.replace(tmp, path)
         tmp = None
     except (OSError, TypeError, ValueError):

@@ -90,8 +90,8 @@ def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, fu
     defines = _defines(source)
     assert (defines["THREADS"], defines["ITEMS"]) == (prebuilt.THREADS, prebuilt.ITEMS)
     if source == "swizzle.cu":
-        got = (defines["BAND_ROWS"], defines["TILE_WORDS"], defines["MIN_KW"])
-        assert got == (prebuilt.BAND_ROWS, prebuilt.TILE_WORDS, prebuilt.MIN_KW)
+        got = (defines["BAND_ROWS"], defines["TILE_WORDS"], defines["MIN_KW"], defines["CHUNK"])
+        assert got == (prebuilt.BAND_ROWS, prebuilt.TILE_WORDS, prebuilt.MIN_KW, prebuilt.CHUNK)
     if source == "strided.cu":
         assert defines["MAX_DIGITS"] == prebuilt.MAX_DIGITS
         got = [defines[k] for k in ("FORM_DIGITS", "FORM_OFFSET", "FORM_FILL", "FORM_HEAD", "FORM_PER_DIGIT")]
@@ -103,7 +103,7 @@ def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, fu
         )
     text = (CUDA / source).read_text()
     for name in functions.values():
-        assert f"{macro}({name}," in text
+        assert re.search(rf"^{macro}\({name}[,)]", text, flags=re.M)
 
 
 @settings(max_examples=200, deadline=None)
@@ -248,8 +248,9 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     prebuilt.plan_in_background(permuted, True, dev)
     prebuilt.wait_for_plans()
     assert loads == [("strided", 5, caller), ("swizzle", 5, planner), ("cycles", 5, planner)]
-    words = {"strided": (16, 4, 1), "swizzle": (4, 2, 1), "cycles": (16, 4, 1)}  # their kernels got by the planner
-    assert got == {(src, f"fimoe_{src}_w{w}", 5, planner) for src, ws in words.items() for w in ws}
+    kernels = {"strided": prebuilt._STRIDEDS, "swizzle": prebuilt._SWIZZLES, "cycles": prebuilt._FUNCTIONS}
+    assert got == {(src, name, 5, planner) for src, names in kernels.items() for name in names.values()}  # the
+    # planner got them all
     assert prebuilt.planned(swizzled, False, dev) and prebuilt.planned(permuted, True, dev)
     assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "prebuilt"
     assert prebuilt.planned(swizzled, False) and not prebuilt.planned(swizzled, False, "cuda:6")  # not loaded there
@@ -477,7 +478,7 @@ def test_a_strided_map_that_ends_swizzled_runs_strided_until_its_row_forms_are_f
         registry.EXECUTORS["prebuilt"].gather(em, x, out)
         assert torch.equal(out, byte_gather(m, x).reshape(2, -1))
         assert em.row_forms_found() == found
-        assert emulated == [(prebuilt._SWIZZLES if found else prebuilt._STRIDEDS)[4]]
+        assert emulated == [prebuilt._SWIZZLES[16] if found else prebuilt._STRIDEDS[4]]
         em.swizzled_rows  # noqa: B018 - found, as the planner thread does
 
 
@@ -639,7 +640,7 @@ def padded_rows_then_swizzled(rows: int, c_in: int, cols: int, fill: int, seed: 
     c_in=st.integers(1, 150),
     extra=st.integers(0, 9),
     experts=st.integers(1, 3),
-    shift=st.sampled_from([0, 1, 2, 4]),
+    shift=st.sampled_from([0, 1, 2, 4, 6, 13]),
     fill=st.integers(0, 255),
     seed=st.integers(0, 2**16),
 )
@@ -651,8 +652,8 @@ def test_the_swizzle_source_runs_any_padded_rows_then_the_swizzle(
 ):
     """Random scale matrices (rows and columns padded with a random byte, rows shuffled, then the 128x4
     swizzle; tiles of several bands where rows are short, several tiles a row where it has more than 128
-    bytes) through the launcher and the swizzle kernel's source: the per-expert reference loops' bytes, for
-    4-, 2- and 1-byte loads."""
+    bytes) through the launcher and the swizzle kernel's source: the per-expert reference loops' bytes, for rows
+    and inputs at any offset into a 16-byte chunk (an expert's first and last chunks read bytewise)."""
     from reference_loops import pad, swizzle
 
     cols = -(-(c_in + extra) // 4) * 4
@@ -664,8 +665,32 @@ def test_the_swizzle_source_runs_any_padded_rows_then_the_swizzle(
     out = torch.full((experts, m.out_bytes), 0x5A, dtype=torch.uint8)
     emulated.clear()
     prebuilt.gather(em, shifted_copy(x.reshape(experts, -1), shift), out)
-    assert set(emulated) == {prebuilt._SWIZZLES[next(w for w in (4, 2, 1) if (c_in % w, shift % w) == (0, 0))]}
+    assert emulated == [prebuilt._SWIZZLES[16]] * -(-experts // prebuilt.MAX_GRID_Y)
     assert torch.equal(out, want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    c_in=st.integers(1, 600),
+    extra=st.integers(0, 40),
+    rows=st.integers(1, 64),
+    offset=st.integers(0, 15),
+)
+def test_a_rows_chunks_hold_its_tile_bytes_wherever_it_starts(c_in, extra, rows, offset):
+    """The swizzle kernel's chunks a row (``CH = 2**swizzle_chunk_shift``, one warp at most) cover the bytes of a
+    row's tile from wherever the row starts in a 16-byte chunk: every row of every expert, every column tile."""
+    cw = -(-(c_in + extra) // 4)
+    in_bytes = rows * c_in
+    shift = prebuilt.swizzle_chunk_shift(c_in, cw, in_bytes, offset)
+    kw = 1 << prebuilt.swizzle_tile(cw)[0]
+    assert 0 <= shift <= 4
+    for e in range(3):
+        for s in range(min(rows, 20)):
+            for kk0 in range(0, cw, kw):
+                n = min(4 * min(kw, cw - kk0), c_in - 4 * kk0)
+                if n > 0:
+                    o = (offset + e * in_bytes + s * c_in + 4 * kk0) % prebuilt.CHUNK
+                    assert o + n <= prebuilt.CHUNK << shift
 
 
 def _gather_kernels():

@@ -10,7 +10,8 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
 - swizzled rows (``kernels/cuda/swizzle.cu``): a map of the ``swizzled_rows`` form (rows of 1-byte scales
   padded on the right, then the 128x4 swizzle): a block stages :data:`TILE_WORDS` words of each of
   :data:`BAND_ROWS` rows in shared memory (``KW`` words of ``TILE_WORDS / KW`` bands' rows where rows are
-  shorter: :func:`swizzle_tile`), loading along the rows, then stores whole 16-byte words of the swizzle;
+  shorter: :func:`swizzle_tile`), loading the aligned 16-byte chunks that hold each row's bytes (rows at any
+  alignment: :func:`swizzle_chunk_shift`), then stores whole 16-byte words of the swizzle;
 - in place (``kernels/cuda/cycles.cu``): a block moves one tile of a
   :class:`~fimoe_lab.kernels.cycles.CyclePlan`, ``BM`` slots x ``BW`` words of their cells, every source
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
@@ -25,6 +26,7 @@ at least 32).
 from __future__ import annotations
 
 import ctypes
+import math
 import queue
 import sys
 import threading
@@ -64,6 +66,7 @@ __all__ = [
     "loads_for",
     "may_run",
     "sources_for",
+    "swizzle_chunk_shift",
     "swizzle_tile",
     "swizzles",
     "strided_form_table",
@@ -93,8 +96,10 @@ FORM_WORDS = 3 + 5 * MAX_DIGITS
 BAND_ROWS = 128
 TILE_WORDS = 32
 MIN_KW = 4
-"""The swizzle kernel's band (128 rows), its tile (``TILE_WORDS`` 4-byte words of each of a band's rows) and the
-fewest words of a row a tile holds (``BAND_ROWS``, ``TILE_WORDS`` and ``MIN_KW`` of ``swizzle.cu``)."""
+CHUNK = 16
+"""The swizzle kernel's band (128 rows), its tile (``TILE_WORDS`` 4-byte words of each of a band's rows), the
+fewest words of a row a tile holds and the bytes of an aligned load (``BAND_ROWS``, ``TILE_WORDS``, ``MIN_KW`` and
+``CHUNK`` of ``swizzle.cu``)."""
 THREADS = 256
 ITEMS = 8
 """Threads a block and words a thread holds (``THREADS`` and ``ITEMS`` of ``cycles.cu`` and ``gather.cu``)."""
@@ -102,10 +107,10 @@ MAX_BW = 64
 """Most words of a cell one block moves (so a tile holds at least 32 slots: few cycles cut at its edges)."""
 _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"}
 _GATHERS = {16: "fimoe_gather_w16", 4: "fimoe_gather_w4", 1: "fimoe_gather_w1"}
-_SWIZZLES = {4: "fimoe_swizzle_w4", 2: "fimoe_swizzle_w2", 1: "fimoe_swizzle_w1"}
+_SWIZZLES = {16: "fimoe_swizzle"}
 _STRIDEDS = {16: "fimoe_strided_w16", 4: "fimoe_strided_w4", 1: "fimoe_strided_w1"}
 _KERNELS = {SOURCE: _FUNCTIONS, GATHER_SOURCE: _GATHERS, SWIZZLE_SOURCE: _SWIZZLES, STRIDED_SOURCE: _STRIDEDS}
-"""Each fatbin's kernels, by the word (bytes) they move."""
+"""Each fatbin's kernels, by the word (bytes) they move (the swizzle kernel: loads and stores)."""
 MAX_GRID_Y = 65535
 """Most experts one launch covers (CUDA's grid y limit)."""
 MIN_CYCLE_CELL = 32
@@ -491,11 +496,24 @@ def swizzle_tile(cw: int) -> tuple[int, int, int]:
     return kw_shift, TILE_WORDS >> kw_shift, cdiv(cw, 1 << kw_shift)
 
 
+def swizzle_chunk_shift(c_in: int, cw: int, in_bytes: int, x_at: int) -> int:
+    """``log2 CH``: the 16-byte chunks the swizzle kernel loads for each row of a tile (``CH`` threads of a warp a
+    row, each one aligned chunk), for rows of ``c_in`` input bytes in experts of ``in_bytes`` from address ``x_at``.
+
+    A row's tile bytes (at most ``4 min(KW, cw)``) start at most ``o_max = 16 - gcd(16, c_in, in_bytes, x_at %
+    16)`` bytes into a chunk, so ``CH = ceil((o_max + 4 min(KW, cw)) / 16)`` chunks hold them, rounded up to a power
+    of two (at most 16: 15 + 128 bytes). The same for every launch of one call (experts step by ``in_bytes``), and
+    the kept launches' key holds ``x_at % 16``."""
+    kw_shift = swizzle_tile(cw)[0]
+    o_max = CHUNK - math.gcd(CHUNK, c_in, in_bytes, x_at % CHUNK)
+    chunks = (o_max + 4 * min(1 << kw_shift, cw) - 1) // CHUNK + 1
+    return (chunks - 1).bit_length()
+
+
 def _swizzle(em: ExecMap, x: torch.Tensor) -> list:
-    """:func:`gather`'s launches of a ``swizzled_rows`` map (tiles: :func:`swizzle_tile`), loading words of ``W``
-    bytes, the widest of 4, 2, 1 dividing ``C_in`` and the input's alignment."""
+    """:func:`gather`'s launches of a ``swizzled_rows`` map (tiles: :func:`swizzle_tile`; chunks a row:
+    :func:`swizzle_chunk_shift`)."""
     _, c_in, cw, rows_n, column = em.swizzled_rows
-    word = next(w for w in (4, 2, 1) if c_in % w == 0 and em.in_bytes % w == 0 and x.data_ptr() % w == 0)
     column_fill = em.fills[-1 - column] if em.fills else 0
     kw_shift, nb, nk = swizzle_tile(cw)
     n_bands = rows_n // BAND_ROWS
@@ -503,7 +521,7 @@ def _swizzle(em: ExecMap, x: torch.Tensor) -> list:
     c_int, c_ll = ctypes.c_int, ctypes.c_longlong
     return _per_experts(
         SWIZZLE_SOURCE,
-        _SWIZZLES[word],
+        _SWIZZLES[16],
         em,
         x,
         cdiv(n_bands, nb) * nk,
@@ -514,6 +532,7 @@ def _swizzle(em: ExecMap, x: torch.Tensor) -> list:
             (c_int, n_bands),
             (c_int, nk),
             (c_int, kw_shift),
+            (c_int, swizzle_chunk_shift(c_in, cw, em.in_bytes, x.data_ptr())),
             (c_int, column_fill),
             (c_ll, em.in_bytes),
             (c_ll, em.out_bytes // 16),

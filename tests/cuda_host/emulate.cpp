@@ -56,14 +56,13 @@ EMULATE_GATHER(fimoe_gather_w1, word1)
 #define EMULATE_SWIZZLE(NAME)                                                                                   \
     extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, word16* out, const unsigned char* x, \
                                    const int* rows, int c_in, int cw, int n_bands, int nk, int kw_shift,          \
-                                   int column_fill, long long in_bytes, long long out_words) {                   \
-        run_grid([&] { NAME(out, x, rows, c_in, cw, n_bands, nk, kw_shift, column_fill, in_bytes, out_words); }, gx, \
-                 gy, threads, true);                                                                            \
+                                   int ch_shift, int column_fill, long long in_bytes, long long out_words) {     \
+        run_grid([&] { NAME(out, x, rows, c_in, cw, n_bands, nk, kw_shift, ch_shift, column_fill, in_bytes,       \
+                            out_words); },                                                                      \
+                 gx, gy, threads, true);                                                                        \
     }
 
-EMULATE_SWIZZLE(fimoe_swizzle_w4)
-EMULATE_SWIZZLE(fimoe_swizzle_w2)
-EMULATE_SWIZZLE(fimoe_swizzle_w1)
+EMULATE_SWIZZLE(fimoe_swizzle)
 
 #define EMULATE_STRIDED(NAME, W)                                                                                \
     extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, W* out, const W* x, Form form,    \

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <barrier>
 
+using std::max;
 using std::min;
 
 struct fimoe_dim3 {
@@ -39,4 +40,26 @@ inline T __ldcs(const T* p) {
 template <typename T>
 inline void __stcs(T* p, T v) {
     *p = v;
+}
+// The read-only cached load: a plain load.
+template <typename T>
+inline T __ldg(const T* p) {
+    return *p;
+}
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+// The low 32 bits of (hi:lo) >> (shift % 32).
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+    return (unsigned)((((unsigned long long)hi << 32) | lo) >> (shift & 31));
+}
+// A warp's shuffle down, for a call every thread of the block makes (the kernels call it in block-uniform loops):
+// each thread posts its value, the block meets, each reads lane + delta of its own warp (its own value past the
+// warp's last lane, as on a GPU), and the block meets again before the slots are reused.
+inline unsigned fimoe_shuffle_slots[1024];
+inline unsigned __shfl_down_sync(unsigned, unsigned v, unsigned delta) {
+    const unsigned t = threadIdx.x;
+    fimoe_shuffle_slots[t] = v;
+    __syncthreads();
+    const unsigned got = (t % 32) + delta < 32 ? fimoe_shuffle_slots[t + delta] : v;
+    __syncthreads();
+    return got;
 }

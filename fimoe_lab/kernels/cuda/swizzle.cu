@@ -1,19 +1,32 @@
 // Out-of-place rows of 1-byte scales, padded on the right, then the 128x4 scale swizzle (the swizzled-rows
-// form of an executable map, fimoe_lab/kernels/compiled.py), built ahead of time.
+// form of an executable map, fimoe_lab/kernels/compiled.py), built ahead of time, for rows at any byte alignment.
 //
 // Per expert: the swizzle's input is R rows (R % 128 == 0, n_bands = R / 128) of C = 4 cw bytes. Its row r is
 // input row rows[r]'s c_in bytes (c_in <= C) then column_fill, or, for rows[r] < 0, every byte -1 - rows[r]
 // (the table holds fill bytes, not fill codes). Output word (band * cw + kk) * 128 + 4 p + q is bytes
 // 4 kk .. 4 kk + 3 of row band * 128 + 32 q + p.
 //
-// A block stages one tile in shared memory: NB = TILE_WORDS / KW bands of KW words of each of their rows
-// (KW = 2^kw_shift, a power of two from MIN_KW to TILE_WORDS: the row's words where they are fewer, so short
-// rows still fill a tile), loading along each row (consecutive threads read consecutive W-byte words; each
-// thread issues BATCH loads before it stages them: all of its 4-byte words, 8 narrower ones). It then stores
-// 16-byte words (band, kk, p): the words kk of rows p, p + 32, p + 64, p + 96 of a band, so a warp writes 512
-// contiguous bytes. Each byte is read and written once: streaming loads and stores.
+// A block stages one tile in shared memory: NB = TILE_WORDS / KW bands of KW words of each of their rows (KW =
+// 2^kw_shift, a power of two from MIN_KW to TILE_WORDS: the row's words where they are fewer, so short rows still
+// fill a tile), at a pitch of KW + 1 words, then stores 16-byte words (band, kk, p): the words kk of rows p, p + 32,
+// p + 64, p + 96 of a band, so a warp writes 512 contiguous bytes. Each byte is stored once: streaming stores.
+//
+// Loads: a tile row's input bytes [a, a + n), a = x_e + rows[r] * c_in + 4 kk0, n = min(4 KW, c_in - 4 kk0), start
+// o = a % 16 bytes into a 16-byte aligned chunk. Each row has CH = 2^ch_shift slots (consecutive threads of one
+// warp): slot j loads the aligned chunk at a - o + 16 j (where it holds one of the n bytes) as one 16-byte
+// streaming load, takes the next slot's first word by a warp shuffle and funnel-shifts its four 4-byte words into
+// row words k = 4 j + m - o / 4 (m = 0..3: bytes a + 4 k .. a + 4 k + 3), each staged where 0 <= k < kc (kc =
+// min(KW, cw - kk0); bytes past c_in: column_fill; a fill row: its byte). The host picks CH with 16 CH >= o_max +
+// 4 min(KW, cw), o_max = 16 - gcd(16, c_in, in_bytes, x % 16) the largest offset a row can start at, so every row
+// word lies in its row's slots. A chunk that does not lie whole in the expert's in_bytes (at an expert's first and
+// last bytes, when x or in_bytes is off 16 bytes) is read bytewise, the row's bytes only: no byte outside the expert
+// is read. Each thread issues BATCH loads before it stages any. Chunks also hold bytes of the neighbouring rows (a
+// 90-byte row reads 96 or 112 bytes), mostly rows of the same tile: on an H100 gpt-oss's 90-byte rows ran 0.88-0.90
+// of a copy (2-byte loads before: 0.56-0.58), DeepSeek-R1's 448- and 16-byte rows 0.93-0.95.
 //
 // Grid: x = tile of NB bands * NK + column chunk (NK = ceil(cw / KW)), y = expert of the launch. Block: THREADS.
+
+#include <climits>
 
 #include "tile.cuh"
 
@@ -21,12 +34,39 @@
 #define TILE_WORDS 32
 #define MIN_KW 4
 #define MAX_TILE_ROWS (BAND_ROWS * TILE_WORDS / MIN_KW)
+#define CHUNK 16
+#define BATCH 4  // slots a thread loads before it stages them (16-byte loads in flight)
 
-template <typename W>
+// The aligned chunk at c, bytewise: its bytes in [a, b) (the row's, inside the expert), the others 0. For a chunk
+// that does not lie whole in the expert's bytes.
+__device__ __forceinline__ uint4 chunk_bytes(const unsigned char* c, const unsigned char* a, const unsigned char* b) {
+    unsigned w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll 1  // a rare path: kept small (unrolled, it held 25 more registers over the whole kernel)
+    for (int t = 0; t < CHUNK; ++t) {
+        if (c + t >= a && c + t < b) {
+            const unsigned byte = (unsigned)c[t] << (8 * (t & 3));
+            if (t < 4) w[0] |= byte;
+            else if (t < 8) w[1] |= byte;
+            else if (t < 12) w[2] |= byte;
+            else w[3] |= byte;
+        }
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Row word u whose first byte lies `valid` bytes before the end of the row's input (c_in): bytes past it are the
+// column fill.
+__device__ __forceinline__ word4 column_filled(word4 u, int valid, word4 fill) {
+    if (valid >= 4) return u;
+    if (valid <= 0) return fill;
+    const word4 mask = 0xffffffffu >> (32 - 8 * valid);
+    return (u & mask) | (fill & ~mask);
+}
+
 __device__ __forceinline__ void swizzle_tile(word16* __restrict__ out, const unsigned char* __restrict__ x,
                                              const int* __restrict__ rows, int c_in, int cw, int n_bands, int nk,
-                                             int kw_shift, int column_fill, long long in_bytes, long long out_words) {
-    __shared__ int tile_rows[MAX_TILE_ROWS];
+                                             int kw_shift, int ch_shift, int column_fill, long long in_bytes,
+                                             long long out_words) {
     __shared__ word4 tile[MAX_TILE_ROWS * (MIN_KW + 1)];  // rows of KW + 1 words: a store's 32 rows in 32 banks
     const int kw = 1 << kw_shift, pitch = kw + 1;
     const int nb_shift = 5 - kw_shift;  // log2(TILE_WORDS / KW)
@@ -36,42 +76,71 @@ __device__ __forceinline__ void swizzle_tile(word16* __restrict__ out, const uns
     const int live_rows = min(BAND_ROWS << nb_shift, (n_bands - band0) * BAND_ROWS);
     const long long e = blockIdx.y;
     const unsigned char* xe = x + e * in_bytes;
-    for (int r = threadIdx.x; r < live_rows; r += THREADS) tile_rows[r] = rows[band0 * BAND_ROWS + r];
-    __syncthreads();
-
-    // each row's W-byte words in the tile: 2^rw_shift; every thread loads the same share of the tile's
-    constexpr int PER_THREAD = BAND_ROWS * TILE_WORDS * 4 / (int)sizeof(W) / THREADS;
-    const int rw_shift = kw_shift + 2 - (sizeof(W) == 4 ? 2 : sizeof(W) == 2 ? 1 : 0);
-    const int live_words = kc * 4 / (int)sizeof(W);
+    const unsigned char* xe_end = xe + in_bytes;
     const int c0 = kk0 * 4;
-    unsigned char* staged = reinterpret_cast<unsigned char*>(tile);
-    // loads in flight a thread: all 16 of 4-byte words (on an H100 the 4-byte maps ran 0.86-0.93 -> 0.91-0.95 of a
-    // copy, 40 registers); 8 at a time of narrower ones (2-byte words 32 at once: 0.56 -> 0.43, 63 registers)
-    constexpr int BATCH = sizeof(W) == 4 ? PER_THREAD : 8;
-    for (int k0 = 0; k0 < PER_THREAD; k0 += BATCH) {
-        W v[BATCH];
+    const int n = min(4 * kc, c_in - c0);  // input bytes of a row in the tile (<= 0: column fill only)
+    const word4 col_fill = (unsigned)column_fill * 0x01010101u;
+    const int* tile_rows = rows + band0 * BAND_ROWS;
+    const int slots = live_rows << ch_shift;
+    const int ch_mask = (1 << ch_shift) - 1;
+
+    for (int k0 = 0; k0 * THREADS < slots; k0 += BATCH) {  // uniform over the block: every lane shuffles
+        uint4 v[BATCH];
+        int slot[BATCH];  // the slot's row: its offset o (0 .. 15), or 16 + its fill byte; -1: no slot
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {  // every row of the batch asked for before any chunk
+            const int i = (k0 + k) * THREADS + (int)threadIdx.x;
+            slot[k] = i < slots ? __ldg(tile_rows + (i >> ch_shift)) : INT_MIN;
+        }
+        // every whole chunk's load issued before any is used (no other value merges into v: no wait between them)
+        unsigned edges = 0;  // bit k: slot k's chunk is read bytewise
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             const int i = (k0 + k) * THREADS + (int)threadIdx.x;
-            const int r = i >> rw_shift, j = i & ((1 << rw_shift) - 1);
-            const int col = c0 + j * (int)sizeof(W);
-            v[k] = 0;  // past the tile's last live word or row: never stored
-            if (j < live_words && r < live_rows) {
-                const int s = tile_rows[r];
-                if (s < 0) {
-                    splat(v[k], (unsigned int)(-1 - s));
-                } else if (col < c_in) {
-                    v[k] = __ldcs(reinterpret_cast<const W*>(xe + (long long)s * c_in + col));
-                } else {
-                    splat(v[k], (unsigned int)column_fill);
+            const int s = slot[k];
+            const unsigned char* a = xe + (long long)max(s, 0) * c_in + c0;
+            const int o = (int)(reinterpret_cast<unsigned long long>(a) & (CHUNK - 1));
+            const unsigned char* c = a - o + (i & ch_mask) * CHUNK;
+            const bool read = s >= 0 && c < a + n;
+            const bool whole = c >= xe && c + CHUNK <= xe_end;
+            v[k] = make_uint4(0u, 0u, 0u, 0u);
+            if (read && whole) v[k] = __ldcs(reinterpret_cast<const uint4*>(c));
+            edges |= (read && !whole) ? 1u << k : 0u;
+            slot[k] = s >= 0 ? o : s == INT_MIN ? -1 : 15 - s;  // 15 - s = 16 + (-1 - s)
+        }
+        if (edges) {
+#pragma unroll  // v stays in registers
+            for (int k = 0; k < BATCH; ++k) {
+                if (edges >> k & 1) {
+                    const int i = (k0 + k) * THREADS + (int)threadIdx.x;
+                    const unsigned char* a = xe + (long long)__ldg(tile_rows + (i >> ch_shift)) * c_in + c0;
+                    v[k] = chunk_bytes(a - slot[k] + (i & ch_mask) * CHUNK, a, a + n);
                 }
             }
         }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             const int i = (k0 + k) * THREADS + (int)threadIdx.x;
-            const int r = i >> rw_shift, j = i & ((1 << rw_shift) - 1);
-            *reinterpret_cast<W*>(staged + r * pitch * 4 + j * (int)sizeof(W)) = v[k];
+            const int r = i >> ch_shift, j = i & ch_mask;
+            const int o = slot[k] & 15;  // fill rows: unused
+            const unsigned next = __shfl_down_sync(0xffffffffu, v[k].x, 1);  // the next slot's chunk, first word
+            const int sh = 8 * (o & 3);
+            const word4 u[4] = {__funnelshift_r(v[k].x, v[k].y, sh), __funnelshift_r(v[k].y, v[k].z, sh),
+                                __funnelshift_r(v[k].z, v[k].w, sh), __funnelshift_r(v[k].w, next, sh)};
+            if (slot[k] >= 16) {
+                const word4 row_fill = (unsigned)(slot[k] - 16) * 0x01010101u;
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    const int kk = 4 * j + m;
+                    if (kk < kc) tile[r * pitch + kk] = row_fill;
+                }
+            } else if (slot[k] >= 0) {
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    const int kk = 4 * j + m - (o >> 2);
+                    if (kk >= 0 && kk < kc) tile[r * pitch + kk] = column_filled(u[m], n - 4 * kk, col_fill);
+                }
+            }
         }
     }
     __syncthreads();
@@ -81,23 +150,21 @@ __device__ __forceinline__ void swizzle_tile(word16* __restrict__ out, const uns
         const int b = u >> (kw_shift + 5), kk = (u >> 5) & (kw - 1), p = u & 31;
         if (kk < kc && b * BAND_ROWS < live_rows) {
             const int row = b * BAND_ROWS + p;
-            word16 v;
-            v.x = tile[row * pitch + kk];
-            v.y = tile[(row + 32) * pitch + kk];
-            v.z = tile[(row + 64) * pitch + kk];
-            v.w = tile[(row + 96) * pitch + kk];
-            __stcs(out + e * out_words + ((long long)(band0 + b) * cw + kk0 + kk) * 32 + p, v);
+            word16 w;
+            w.x = tile[row * pitch + kk];
+            w.y = tile[(row + 32) * pitch + kk];
+            w.z = tile[(row + 64) * pitch + kk];
+            w.w = tile[(row + 96) * pitch + kk];
+            __stcs(out + e * out_words + ((long long)(band0 + b) * cw + kk0 + kk) * 32 + p, w);
         }
     }
 }
 
-#define SWIZZLE_KERNEL(NAME, W)                                                                                  \
+#define SWIZZLE_KERNEL(NAME)                                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                       \
         NAME(word16* out, const unsigned char* x, const int* rows, int c_in, int cw, int n_bands, int nk,        \
-             int kw_shift, int column_fill, long long in_bytes, long long out_words) {                           \
-        swizzle_tile<W>(out, x, rows, c_in, cw, n_bands, nk, kw_shift, column_fill, in_bytes, out_words);       \
+             int kw_shift, int ch_shift, int column_fill, long long in_bytes, long long out_words) {             \
+        swizzle_tile(out, x, rows, c_in, cw, n_bands, nk, kw_shift, ch_shift, column_fill, in_bytes, out_words); \
     }
 
-SWIZZLE_KERNEL(fimoe_swizzle_w4, word4)
-SWIZZLE_KERNEL(fimoe_swizzle_w2, word2)
-SWIZZLE_KERNEL(fimoe_swizzle_w1, word1)
+SWIZZLE_KERNEL(fimoe_swizzle)

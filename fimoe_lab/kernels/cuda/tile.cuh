@@ -3,19 +3,17 @@
 // tests/test_prebuilt.py).
 //
 // One kernel per word: 16 bytes (cells and addresses 16-byte aligned), 4 bytes, 1 byte (the swizzle kernel loads
-// 4, 2 or 1 byte and stores 16).
+// and stores 16).
 #pragma once
 
 #define THREADS 256
 #define ITEMS 8
 
 typedef unsigned char word1;
-typedef unsigned short word2;
 typedef unsigned int word4;
 typedef uint4 word16;
 
 // A word of byte b repeated (a fill).
 __device__ __forceinline__ void splat(word1& w, unsigned b) { w = (word1)b; }
-__device__ __forceinline__ void splat(word2& w, unsigned b) { w = (word2)(b * 0x0101u); }
 __device__ __forceinline__ void splat(word4& w, unsigned b) { w = b * 0x01010101u; }
 __device__ __forceinline__ void splat(word16& w, unsigned b) { w.x = w.y = w.z = w.w = b * 0x01010101u; }
