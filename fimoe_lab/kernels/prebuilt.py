@@ -474,7 +474,10 @@ def swizzles(em: ExecMap) -> bool:
 def swizzle_rows_table(em: ExecMap, device: torch.device) -> torch.Tensor:
     """The ``swizzled_rows`` form's row table as the swizzle kernel reads it, on ``device`` (cached on ``em``):
     int32, a source row, or ``-1 - b`` for a row of fill byte ``b``. Every source row is checked to lie in the
-    input (a row past it would be read outside the expert's bytes)."""
+    input (a row past it would be read outside the expert's bytes).
+
+    The copy does not wait for the stream (a layer's first call of such a map comes after its weights' launches: a
+    waiting copy would hold the host until they end); the pageable table is staged before the call returns."""
     key = ("swizzle rows", str(device))
     if key not in em._dev:
         rows, c_in, _, _, _ = em.swizzled_rows
@@ -484,7 +487,7 @@ def swizzle_rows_table(em: ExecMap, device: torch.device) -> torch.Tensor:
         if rows.size and -1 - int(rows.min()) >= len(fills):
             raise LayoutError(f"{em.name}: a swizzled row has fill code {int(rows.min())} of {len(fills)}")
         table = np.where(rows >= 0, rows, -1 - fills[np.maximum(-1 - rows, 0)]).astype(np.int32)
-        em._dev[key] = torch.from_numpy(table).to(device)
+        em._dev[key] = torch.from_numpy(table).to(device, non_blocking=True)
     return em._dev[key]
 
 
