@@ -1,0 +1,89 @@
+"""The prebuilt swizzle kernel on the scale maps of gpt-oss (90-byte rows: not 4-byte aligned) and DeepSeek-R1 (448
+and 16 bytes), all experts, against a copy of the input's bytes; bit-exact against the torch executor.
+
+Per map: a random and a coordinate-coded input (``(7 e + 13 i) % 251 + 1``), the kernel's bytes compared with
+``m.apply(x, backend="torch")`` (also for 3 experts read from 2, 1 and 14 bytes past a 16-byte boundary: an expert's
+first and last chunks read bytewise); then the median of 30 back-to-back calls after 5 (CUDA events, queued behind
+a ~10 ms device sleep so the host stays ahead) of the kernel (its row forms found first, as a steady layer has them)
+and of ``copy_`` of the input, printed as the kernel's bytes read and written a second over the copy's. Needs CUDA.
+
+    PYTHONPATH=. python3 benchmarks/swizzle_maps.py
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from fimoe_lab.recipes import plan_layer
+
+WARMUP, REPS = 5, 30
+SLEEP_CYCLES = 20_000_000
+"""A device sleep (about 10 ms) queued ahead of the timed calls."""
+CASES = [  # (label, format, intermediate, hidden, map, experts)
+    ("gpt-oss w13_scale", "mxfp4", 2880, 2880, "w13_scale", 128),
+    ("gpt-oss w2_scale", "mxfp4", 2880, 2880, "w2_scale", 128),
+    ("DeepSeek-R1 w13_scale", "nvfp4", 256, 7168, "w13_scale", 256),
+    ("DeepSeek-R1 w2_scale", "nvfp4", 256, 7168, "w2_scale", 256),
+]
+
+
+def median_seconds(fn) -> float:
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(REPS + 1)]
+    torch.cuda._sleep(SLEEP_CYCLES)
+    events[0].record()
+    for k in range(REPS):
+        fn()
+        events[k + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(events[k].elapsed_time(events[k + 1]) for k in range(REPS)) * 1e-3
+
+
+def coded(experts: int, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+    e = torch.arange(experts, device=dev, dtype=torch.int32)[:, None]
+    i = torch.arange(math.prod(shape), device=dev, dtype=torch.int32)[None, :]
+    return ((e * 7 + i * 13) % 251 + 1).to(torch.uint8).view((experts, *shape))
+
+
+def main() -> int:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(0)
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
+    failures = []
+    for label, fmt, inter, hidden, name, experts in CASES:
+        m = plan_layer(fmt, "trtllm", inter, hidden).maps()[name]
+        m.compiled().swizzled_rows  # noqa: B018 - found, as a steady layer has them
+        x = torch.randint(0, 256, (experts, *m.in_shape), dtype=torch.uint8, device=dev, generator=gen)
+        for kind, given in (("random", x), ("coded", coded(experts, m.in_shape, dev))):
+            if not torch.equal(m.apply(given, backend="prebuilt"), m.apply(given, backend="torch")):
+                failures.append(f"{label} {kind}")
+        for offset in (2, 1, 14):
+            n = 3 * m.in_bytes
+            buf = torch.randint(0, 256, (n + 64,), dtype=torch.uint8, device=dev, generator=gen)
+            start = (-buf.data_ptr()) % 16 + offset
+            few = buf[start : start + n].view((3, *m.in_shape))
+            if not torch.equal(m.apply(few, backend="prebuilt"), m.apply(few, backend="torch")):
+                failures.append(f"{label} 3 experts at {offset} bytes past 16")
+        out = torch.empty((experts, *m.out_shape), dtype=torch.uint8, device=dev)
+        copy = torch.empty_like(x)
+        t_copy = median_seconds(lambda: copy.copy_(x))  # noqa: B023 - called here
+        t = median_seconds(lambda: m.apply(x, out=out, backend="prebuilt"))  # noqa: B023
+        in_b, out_b = x.numel(), out.numel()
+        share = ((in_b + out_b) / t) / (2 * in_b / t_copy)
+        print(f"{label:22s} {share:.3f} of a copy ({t * 1e6:.1f} us; copy {t_copy * 1e6:.1f} us)", flush=True)
+    print("bit-exact" if not failures else f"MISMATCH: {failures}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    code = main()
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    sys.exit(code)
