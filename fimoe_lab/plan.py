@@ -37,9 +37,9 @@ __all__ = ["BIAS_ROWS", "LayerPlan", "MapCall", "apply_map", "check_same_device"
 
 TENSOR_NAMES = ("w13", "w2", "w13_scale", "w2_scale")
 BIAS_ROWS = {"w13_bias": "w13", "w2_bias": "w2"}
+"""Per-row biases and the weight whose rows each follows (gpt-oss carries them)."""
 KEPT_CALLS = 64
 """The kinds of input (shapes, dtypes, devices) a plan keeps its checked map calls for (:meth:`LayerPlan.apply`)."""
-"""Per-row biases and the weight whose rows each follows (gpt-oss carries them)."""
 
 
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
