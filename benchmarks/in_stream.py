@@ -93,7 +93,7 @@ def main() -> None:
             continue
         em = m.compiled()
         if args.backend == "prebuilt":  # as the planner thread has them by a model's steady layers
-            em.swizzled_rows  # noqa: B018
+            prebuilt.build_plan(em, False, dev)
             if m.is_permutation and not args.no_in_place:
                 prebuilt.build_plan(em, True)
         x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, device=dev)

@@ -4,7 +4,7 @@ and 16 bytes), all experts, against a copy of the input's bytes; bit-exact again
 Per map: a random and a coordinate-coded input (``(7 e + 13 i) % 251 + 1``), the kernel's bytes compared with
 ``m.apply(x, backend="torch")`` (also for 3 experts read from 2, 1 and 14 bytes past a 16-byte boundary: an expert's
 first and last chunks read bytewise); then the median of 30 back-to-back calls after 5 (CUDA events, queued behind
-a ~10 ms device sleep so the host stays ahead) of the kernel (its row forms found first, as a steady layer has them)
+a ~10 ms device sleep so the host stays ahead) of the kernel (readied first, as the planner has it for a steady layer)
 and of ``copy_`` of the input, printed as the kernel's bytes read and written a second over the copy's. Needs CUDA.
 
     PYTHONPATH=. python3 benchmarks/swizzle_maps.py
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from fimoe_lab.kernels import prebuilt
 from fimoe_lab.recipes import plan_layer
 
 WARMUP, REPS = 5, 30
@@ -59,7 +60,7 @@ def main() -> int:
     failures = []
     for label, fmt, inter, hidden, name, experts in CASES:
         m = plan_layer(fmt, "trtllm", inter, hidden).maps()[name]
-        m.compiled().swizzled_rows  # noqa: B018 - found, as a steady layer has them
+        prebuilt.build_plan(m.compiled(), False, dev)  # as the planner has it by a steady layer: row table placed
         x = torch.randint(0, 256, (experts, *m.in_shape), dtype=torch.uint8, device=dev, generator=gen)
         for kind, given in (("random", x), ("coded", coded(experts, m.in_shape, dev))):
             if not torch.equal(m.apply(given, backend="prebuilt"), m.apply(given, backend="torch")):

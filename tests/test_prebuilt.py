@@ -157,7 +157,7 @@ def test_the_planner_shortens_the_switch_interval_while_it_has_work_then_puts_it
     seen: list[float] = []
     release = threading.Event()
 
-    def build(em, in_place):  # a plan that takes a while, like a real cycle plan of a full expert
+    def build(em, in_place, device=None):  # a plan that takes a while, like a real cycle plan of a full expert
         seen.append(sys.getswitchinterval())
         release.wait(5)
 
@@ -224,8 +224,15 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
             modules[source, index] = Module(source, index)
         return modules[source, index]
 
+    tables: list[tuple[str, str, bool, str]] = []  # (map, device, waited, thread)
+
+    def table(em, device, wait=False):  # the row table's copy to the device (none here): recorded, then kept
+        tables.append((em.name, str(device), wait, threading.current_thread().name))
+        em._dev[("swizzle rows", str(device))] = torch.zeros(1, dtype=torch.int32)
+
     monkeypatch.setattr(cuda_driver, "_OUTCOMES", {})
     monkeypatch.setattr(cuda_driver, "_module", load)
+    monkeypatch.setattr(prebuilt, "swizzle_rows_table", table)
     # Triton not loaded, as in a fresh process, whatever earlier tests on a GPU machine loaded
     monkeypatch.setattr(registry._LOADS, "ready", set())
     monkeypatch.setattr(registry._LOADS, "failed", set())
@@ -251,6 +258,7 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     kernels = {"strided": prebuilt._STRIDEDS, "swizzle": prebuilt._SWIZZLES, "cycles": prebuilt._FUNCTIONS}
     assert got == {(src, name, 5, planner) for src, names in kernels.items() for name in names.values()}  # the
     # planner got them all
+    assert tables == [(swizzled.name, "cuda:5", True, planner)]  # its row table put there by the planner, waited for
     assert prebuilt.planned(swizzled, False, dev) and prebuilt.planned(permuted, True, dev)
     assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "prebuilt"
     assert prebuilt.planned(swizzled, False) and not prebuilt.planned(swizzled, False, "cuda:6")  # not loaded there
@@ -446,15 +454,15 @@ def test_the_gather_source_runs_every_engine_map(emulated, m, shift):
 
     em = m.compiled()
     for x, find in zip(host_inputs(m, 3), (False, True)):
-        if find:  # as the planner thread does
-            em.swizzled_rows  # noqa: B018
-        forms = em.row_forms_found()  # an earlier test of the same map may have found them
+        if find:  # as the planner thread does (the row table "on the device": this host's memory)
+            prebuilt.build_plan(em, False, x.device)
+        ready = prebuilt.swizzle_ready(em, x.device)  # an earlier test of the same map may have readied it
         out = torch.full((3, m.out_bytes), 0x5A, dtype=torch.uint8)
         emulated.clear()
         prebuilt.gather(em, shifted_copy(x, shift), out)
         assert torch.equal(out, byte_gather(m, x).reshape(3, -1))
-        # a strided map takes the swizzle kernel only once its row forms are found, any other at once
-        swizzled = em.ends_swizzled and (forms or not prebuilt.runs_strided(em)) and em.swizzled_rows is not None
+        # a strided map takes the swizzle kernel only once the planner readied it, any other at once
+        swizzled = em.ends_swizzled and (ready or not prebuilt.runs_strided(em)) and em.swizzled_rows is not None
         assert all((name in prebuilt._SWIZZLES.values()) == swizzled for name in emulated)
         if not swizzled:  # one launch of the kernel its form takes (two stages: one each)
             kernels = prebuilt._STRIDEDS if prebuilt.runs_strided(em) else prebuilt._GATHERS
@@ -462,24 +470,28 @@ def test_the_gather_source_runs_every_engine_map(emulated, m, shift):
             assert all(name in kernels.values() for name in emulated)
 
 
-def test_a_strided_map_that_ends_swizzled_runs_strided_until_its_row_forms_are_found(emulated):
+def test_a_strided_map_that_ends_swizzled_runs_strided_until_the_planner_readies_it(emulated):
     """The default executor's call of a strided map ending in the 128x4 swizzle (DeepSeek-R1's scales) finds no row
-    form in the caller's thread (that is the planner thread's work): it launches the strided kernel, and the swizzle
-    kernel once the forms are found; the bytes of the reference loop both times."""
+    form, loads no fatbin and copies no table in the caller's thread (that is the planner thread's work): it launches
+    the strided kernel, also once the forms are found (as a plan read from disk has them) until the row table is on
+    the device, then the swizzle kernel; the bytes of the reference loop every time."""
     from reference_loops import byte_gather
 
     m = plan_layer("nvfp4", "trtllm", 192, 768).w13_scale  # shapes no other test plans: its forms not yet found
     em = m.compiled()
     assert prebuilt.runs_strided(em) and em.ends_swizzled and not em.row_forms_found()
     x = next(host_inputs(m, 2))
-    for found in (False, True):
+    for step in ("nothing", "row forms", "readied"):
         out = torch.full((2, m.out_bytes), 0x5A, dtype=torch.uint8)
         emulated.clear()
         registry.EXECUTORS["prebuilt"].gather(em, x, out)
         assert torch.equal(out, byte_gather(m, x).reshape(2, -1))
-        assert em.row_forms_found() == found
-        assert emulated == [prebuilt._SWIZZLES[16] if found else prebuilt._STRIDEDS[4]]
-        em.swizzled_rows  # noqa: B018 - found, as the planner thread does
+        assert em.row_forms_found() == (step != "nothing") and prebuilt.swizzle_ready(em, x.device) == (step == "readied")
+        assert emulated == [prebuilt._SWIZZLES[16] if step == "readied" else prebuilt._STRIDEDS[4]]
+        if step == "nothing":
+            em.swizzled_rows  # noqa: B018 - found, as a record read from disk gives them
+        else:
+            prebuilt.build_plan(em, False, x.device)  # as the planner thread does: the row table put on the device
 
 
 @pytest.mark.parametrize("stage_bytes,inter", [(1 << 28, 1600), (1, 1728)], ids=["one-chunk", "expert-by-expert"])
@@ -487,7 +499,7 @@ def test_a_map_of_two_strided_stages_runs_strided_from_its_first_call(emulated, 
     """gpt-oss's MXFP4 scales (rows padded, row steps, then the 128x4 swizzle: two strided stages) run on the strided
     kernel from their first default call, one launch per stage and chunk of experts through an intermediate,
     without their cell sources found in the caller's thread; the swizzle kernel takes them once the planner has
-    found their row forms. The reference loop's bytes every time."""
+    found their row forms and put their row table on the device. The reference loop's bytes every time."""
     from reference_loops import byte_gather
 
     monkeypatch.setattr(prebuilt, "STAGE_BYTES", stage_bytes)
@@ -504,7 +516,7 @@ def test_a_map_of_two_strided_stages_runs_strided_from_its_first_call(emulated, 
         chunks = experts if stage_bytes == 1 else 1
         assert len(emulated) == 2 * chunks and set(emulated) <= set(prebuilt._STRIDEDS.values())
         assert not em.sources_found() and not em.row_forms_found()
-    em.swizzled_rows  # noqa: B018 - found, as the planner thread does
+    prebuilt.build_plan(em, False, torch.device("cpu"))  # as the planner thread does: row forms, the table placed
     x = next(host_inputs(m, experts))
     out = torch.full((experts, m.out_bytes), 0x5A, dtype=torch.uint8)
     emulated.clear()
@@ -704,15 +716,15 @@ def _gather_kernels():
 
 @pytest.mark.parametrize("make,kernels", list(_gather_kernels()))
 def test_a_later_call_runs_the_first_calls_launches_at_its_own_addresses(emulated, monkeypatch, make, kernels):
-    """A map's gather keeps its launches once its kernel stays (gather, strided, and swizzle once the row forms are
-    found): a later call with other buffers of the same experts and alignment runs them at its own addresses and
+    """A map's gather keeps its launches once its kernel stays (gather, strided, and swizzle once the planner has
+    readied it): a later call with other buffers of the same experts and alignment runs them at its own addresses and
     looks no form or table up (each lookup made to raise); other buffer alignments or expert counts get launches of
     their own. The reference loop's bytes every time, on coordinate-coded and random inputs."""
     from reference_loops import byte_gather
 
     m = make()
     em = m.compiled()
-    em.swizzled_rows  # noqa: B018 - found, as the planner thread does
+    prebuilt.build_plan(em, False, torch.device("cpu"))  # as the planner thread does
     experts = 3
 
     def call(x: torch.Tensor, shift: int = 0) -> None:

@@ -67,6 +67,7 @@ __all__ = [
     "may_run",
     "sources_for",
     "swizzle_chunk_shift",
+    "swizzle_ready",
     "swizzle_tile",
     "swizzles",
     "strided_form_table",
@@ -213,27 +214,33 @@ def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = Non
     """Whether ``em`` is ready to launch at once: in place, its cycle plan (for an aligned buffer) is built; a
     gather, its cells' sources are known (a map run as strided copies finds them only when first read; a map
     that ends in the 128x4 swizzle finds them, and its ``swizzled_rows`` form, when that form is first read);
-    and, given a ``device``, the fatbins it needs are loaded there."""
+    and, given a ``device``, the fatbins it needs are loaded there and, for a gather of the strided form that the
+    swizzle kernel takes, its row table (:func:`swizzle_ready`)."""
     if device is not None and not all(cuda_driver.tried(source, device) for source in sources_for(em, in_place)):
         return False
     if in_place and runs_cycles(em):
         return cycle_plan_built(em, _tile_slots(em))
-    if _needs_no_plan(em):
-        return True
-    return em.sources_found() and (em.row_forms_found() or not em.ends_swizzled)
+    if not (_needs_no_plan(em) or (em.sources_found() and (em.row_forms_found() or not em.ends_swizzled))):
+        return False
+    # a gather of the strided form that the swizzle kernel takes: its row table on the device too
+    swizzled = not in_place and runs_strided(em) and em.row_forms_found() and swizzles(em)
+    return device is None or not swizzled or swizzle_ready(em, _normal(device))
 
 
-def build_plan(em: ExecMap, in_place: bool) -> None:
+def build_plan(em: ExecMap, in_place: bool, device: torch.device | None = None) -> None:
     """Build what :func:`planned` asks of ``em`` beyond the fatbins, kept on the map: in place its cycle plan (for
-    an aligned buffer); a gather its sources, and its ``swizzled_rows`` form where it ends in the 128x4 swizzle."""
+    an aligned buffer); a gather its sources, and its ``swizzled_rows`` form where it ends in the 128x4 swizzle;
+    given a ``device``, a gather of the strided form that has that form gets its row table there
+    (:func:`swizzle_ready`: its calls there go to the swizzle kernel from then on)."""
     if in_place and runs_cycles(em):
         cycle_plan(em, _tile_slots(em))
         return
-    if _needs_no_plan(em):
-        return
-    if em.ends_swizzled:
-        em.swizzled_rows  # noqa: B018 - found (with the sources it is checked against) and kept
-    em.src  # noqa: B018 - read once: found and kept on the map
+    if not _needs_no_plan(em):
+        if em.ends_swizzled:
+            em.swizzled_rows  # noqa: B018 - found (with the sources it is checked against) and kept
+        em.src  # noqa: B018 - read once: found and kept on the map
+    if device is not None and not in_place and runs_strided(em) and swizzles(em):
+        swizzle_rows_table(em, device, wait=True)
 
 
 PLANNER_SWITCH_INTERVAL_S = 2e-4
@@ -286,7 +293,7 @@ class _Planner:
         try:
             if device is not None and not loads_for(em, in_place, device):
                 return  # the kernels do not load there: may_run now says so
-            build_plan(em, in_place)
+            build_plan(em, in_place, device)
         except Exception:  # a map the kernel cannot run: its own call raises it, in the caller's thread
             pass
         finally:
@@ -327,38 +334,43 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     """``out[e, i] = x[e, src[i]]`` for every expert (fill cells: their fill byte), ``x`` and ``out`` contiguous
     CUDA tensors of ``(E, in_bytes)`` and ``(E, out_bytes)`` bytes; one launch per :data:`MAX_GRID_Y` experts.
     A map of the ``swizzled_rows`` form runs on the swizzle kernel (where ``out`` is 16-byte aligned; a map of the
-    strided form too only once that form is found), a map of the strided form on the strided kernel
-    (:func:`runs_strided`; one of two strided stages: a launch per stage through an intermediate of at most
-    :data:`STAGE_BYTES`), any other on the gather kernel. A call like an earlier one (device, experts, addresses
-    modulo 16) runs that call's launches at its own addresses: no form is looked up again."""
+    strided form, or of two strided stages, only once the planner has readied it for that kernel on the device:
+    :func:`swizzle_ready`), a map of the strided form on the strided kernel (:func:`runs_strided`; one of two strided
+    stages: a launch per stage through an intermediate of at most :data:`STAGE_BYTES`), any other on the gather
+    kernel. A call like an earlier one (device, experts, addresses modulo 16) runs that call's launches at its own
+    addresses once its kernel is the one the map keeps: no form is looked up again."""
     x_at, out_at = x.data_ptr(), out.data_ptr()
     key = (_KEPT_LAUNCHES, x.get_device(), x.shape[0], x_at & 15, out_at & 15)
     launches = em._dev.get(key)
     if launches is None:
-        launches = _launches(em, x, out)
+        launches, final = _launches(em, x, out)
         if launches is None:
             through_stages(em, x, out, gather, STAGE_BYTES)
             return
-        if em.row_forms_found() or not (em.ends_swizzled and runs_strided(em)):  # the kernel stays this one
+        if final:
             em._dev[key] = launches
     for bound, out_offset, in_offset in launches:
         cuda_driver.run(bound, out_at + out_offset, x_at + in_offset)
 
 
-def _launches(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> list | None:
-    """:func:`gather`'s launches of ``em`` from ``x`` into ``out`` (None: a map of two strided stages). A strided map
-    that ends in the swizzle takes the swizzle kernel once its row forms are found (the planner finds them), the
-    strided kernel before. The kernels read addresses only: no views of ``x`` and ``out`` are made."""
-    strided_form = runs_strided(em)
-    if (em.row_forms_found() or not strided_form) and swizzles(em) and out.data_ptr() % 16 == 0:
-        return _swizzle(em, x)
+def _launches(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> tuple[list | None, bool]:
+    """:func:`gather`'s launches of ``em`` from ``x`` into ``out`` (None: a map of two strided stages), and whether
+    they are final: the kernel the map keeps for such buffers. A map of the strided form (or stages) that ends in the
+    swizzle takes the swizzle kernel once the planner has readied it on the device (:func:`swizzle_ready`: the
+    caller neither finds row forms, nor loads that fatbin, nor copies a table), the strided kernel before. The kernels
+    read addresses only: no views of ``x`` and ``out`` are made."""
+    strided_form, aligned = runs_strided(em), out.data_ptr() % 16 == 0
+    if (not strided_form or swizzle_ready(em, x.device)) and swizzles(em) and aligned:
+        return _swizzle(em, x), True
     if strided_form:
-        return None if em.strided is None else _strided(em, x, out)
+        # final unless the swizzle kernel may take these buffers later (row forms not found, or not readied yet)
+        final = not em.ends_swizzled or not aligned or (em.row_forms_found() and em.swizzled_rows is None)
+        return (None if em.strided is None else _strided(em, x, out)), final
     word = _word(em, x, out)
     bm, bw, nc = cycle_tile(em.cell_bytes, word)
     src, fills = em.src_on(x.device), em.fills_on(x.device, word)
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    return _per_experts(
+    gathers = _per_experts(
         GATHER_SOURCE,
         _GATHERS[word],
         em,
@@ -376,6 +388,7 @@ def _launches(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> list | None:
             (c_ll, em.out_bytes // word),
         ],
     )
+    return gathers, True
 
 
 def _per_experts(source: str, name: str, em: ExecMap, x: torch.Tensor, blocks: int, args: list) -> list:
@@ -471,13 +484,19 @@ def swizzles(em: ExecMap) -> bool:
     return em.ends_swizzled and em.swizzled_rows is not None
 
 
-def swizzle_rows_table(em: ExecMap, device: torch.device) -> torch.Tensor:
+def swizzle_ready(em: ExecMap, device: torch.device) -> bool:
+    """Whether ``em``'s swizzle row table is on ``device`` (:func:`swizzle_rows_table`; the planner puts it there for
+    a map of the strided form, :func:`build_plan`): the swizzle kernel then takes the map's calls there."""
+    return ("swizzle rows", str(device)) in em._dev
+
+
+def swizzle_rows_table(em: ExecMap, device: torch.device, wait: bool = False) -> torch.Tensor:
     """The ``swizzled_rows`` form's row table as the swizzle kernel reads it, on ``device`` (cached on ``em``):
     int32, a source row, or ``-1 - b`` for a row of fill byte ``b``. Every source row is checked to lie in the
     input (a row past it would be read outside the expert's bytes).
 
-    The copy does not wait for the stream (a layer's first call of such a map comes after its weights' launches: a
-    waiting copy would hold the host until they end); the pageable table is staged before the call returns."""
+    The copy does not wait for the stream (the caller's launch after it, on the same stream, reads it in order), or,
+    with ``wait`` (the planner's thread, whose stream is not the caller's), is complete when this returns."""
     key = ("swizzle rows", str(device))
     if key not in em._dev:
         rows, c_in, _, _, _ = em.swizzled_rows
@@ -487,7 +506,7 @@ def swizzle_rows_table(em: ExecMap, device: torch.device) -> torch.Tensor:
         if rows.size and -1 - int(rows.min()) >= len(fills):
             raise LayoutError(f"{em.name}: a swizzled row has fill code {int(rows.min())} of {len(fills)}")
         table = np.where(rows >= 0, rows, -1 - fills[np.maximum(-1 - rows, 0)]).astype(np.int32)
-        em._dev[key] = torch.from_numpy(table).to(device, non_blocking=True)
+        em._dev[key] = torch.from_numpy(table).to(device, non_blocking=not wait)
     return em._dev[key]
 
 
