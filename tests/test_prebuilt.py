@@ -196,12 +196,13 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     once: the planner thread loads the ones a map needs (in place the cycle kernel's, a gather of the strided form
     the strided kernel's, another the gather kernel's and, for a map that ends in the swizzle, the swizzle kernel's
     too)
-    on the caller's device and gets their kernels, then the map is planned there. A fatbin that does not load is remembered, and the
+    on the caller's device and gets their kernels, then the map is planned there (its cycle plan or row table
+    copied there on the planner's thread). A fatbin that does not load is remembered, and the
     prebuilt kernels stop standing in for the maps that need it. The driver's load is played by a recorder here
     (no GPU); tests/test_kernels_gpu.py checks the same in a fresh process on a device."""
     import threading
 
-    from fimoe_lab.kernels import cuda_driver
+    from fimoe_lab.kernels import cuda_driver, cycles
 
     loads: list[tuple[str, int, str]] = []
     got: set[tuple[str, str, int, str]] = set()  # (source, kernel, device, thread)
@@ -230,9 +231,15 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
         tables.append((em.name, str(device), wait, threading.current_thread().name))
         em._dev[("swizzle rows", str(device))] = torch.zeros(1, dtype=torch.int32)
 
+    def cycles_on(plan, device, wait=False):  # the cycle plan's copy to the device: recorded, then kept
+        tables.append(("cycle plan", str(device), wait, threading.current_thread().name))
+        plan._dev[str(device)] = (torch.zeros(1, dtype=torch.int32),) * 3
+        return plan._dev[str(device)]
+
     monkeypatch.setattr(cuda_driver, "_OUTCOMES", {})
     monkeypatch.setattr(cuda_driver, "_module", load)
     monkeypatch.setattr(prebuilt, "swizzle_rows_table", table)
+    monkeypatch.setattr(cycles.CyclePlan, "on", cycles_on)
     # Triton not loaded, as in a fresh process, whatever earlier tests on a GPU machine loaded
     monkeypatch.setattr(registry._LOADS, "ready", set())
     monkeypatch.setattr(registry._LOADS, "failed", set())
@@ -258,7 +265,8 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     kernels = {"strided": prebuilt._STRIDEDS, "swizzle": prebuilt._SWIZZLES, "cycles": prebuilt._FUNCTIONS}
     assert got == {(src, name, 5, planner) for src, names in kernels.items() for name in names.values()}  # the
     # planner got them all
-    assert tables == [(swizzled.name, "cuda:5", True, planner)]  # its row table put there by the planner, waited for
+    # the row table and the cycle plan put there by the planner, each waited for
+    assert tables == [(swizzled.name, "cuda:5", True, planner), ("cycle plan", "cuda:5", True, planner)]
     assert prebuilt.planned(swizzled, False, dev) and prebuilt.planned(permuted, True, dev)
     assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "prebuilt"
     assert prebuilt.planned(swizzled, False) and not prebuilt.planned(swizzled, False, "cuda:6")  # not loaded there

@@ -41,12 +41,19 @@ class CyclePlan:
     saved: np.ndarray  # int32 (n_saved,)
     _dev: dict = field(default_factory=dict, repr=False)
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dst, src, saved)`` on ``device`` (copied once, then cached on the plan)."""
+    def on(self, device: torch.device, wait: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dst, src, saved)`` on ``device`` (copied once, then cached on the plan). The copies do not wait for the
+        stream (the caller's launches after them, on the same stream, read them in order), or, with ``wait`` (a
+        thread other than the caller's: the background planner), are complete when this returns."""
         key = str(device)
         if key not in self._dev:
-            self._dev[key] = tuple(torch.from_numpy(a).to(device) for a in (self.dst, self.src, self.saved))
+            arrays = (self.dst, self.src, self.saved)
+            self._dev[key] = tuple(torch.from_numpy(a).to(device, non_blocking=not wait) for a in arrays)
         return self._dev[key]
+
+    def is_on(self, device: torch.device) -> bool:
+        """Whether :meth:`on` has put the plan on ``device`` (a call returns it at once)."""
+        return str(device) in self._dev
 
     def experts_per_chunk(self, cell_bytes: int, scratch_bytes: int, experts: int) -> int:
         """Experts whose saved cells (``cell_bytes`` each) fit in ``scratch_bytes`` at once

@@ -214,12 +214,13 @@ def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = Non
     """Whether ``em`` is ready to launch at once: in place, its cycle plan (for an aligned buffer) is built; a
     gather, its cells' sources are known (a map run as strided copies finds them only when first read; a map
     that ends in the 128x4 swizzle finds them, and its ``swizzled_rows`` form, when that form is first read);
-    and, given a ``device``, the fatbins it needs are loaded there and, for a gather of the strided form that the
-    swizzle kernel takes, its row table (:func:`swizzle_ready`)."""
+    and, given a ``device``, the fatbins it needs are loaded there and the cycle plan or, for a gather of the strided
+    form that the swizzle kernel takes, its row table (:func:`swizzle_ready`) are on it."""
     if device is not None and not all(cuda_driver.tried(source, device) for source in sources_for(em, in_place)):
         return False
     if in_place and runs_cycles(em):
-        return cycle_plan_built(em, _tile_slots(em))
+        slots = _tile_slots(em)
+        return cycle_plan_built(em, slots) and (device is None or cycle_plan(em, slots).is_on(_normal(device)))
     if not (_needs_no_plan(em) or (em.sources_found() and (em.row_forms_found() or not em.ends_swizzled))):
         return False
     # a gather of the strided form that the swizzle kernel takes: its row table on the device too
@@ -229,11 +230,14 @@ def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = Non
 
 def build_plan(em: ExecMap, in_place: bool, device: torch.device | None = None) -> None:
     """Build what :func:`planned` asks of ``em`` beyond the fatbins, kept on the map: in place its cycle plan (for
-    an aligned buffer); a gather its sources, and its ``swizzled_rows`` form where it ends in the 128x4 swizzle;
-    given a ``device``, a gather of the strided form that has that form gets its row table there
-    (:func:`swizzle_ready`: its calls there go to the swizzle kernel from then on)."""
+    an aligned buffer); a gather its sources, and its ``swizzled_rows`` form where it ends in the 128x4 swizzle.
+    Given a ``device``, the cycle plan is copied there, and a gather of the strided form that has that form gets its
+    row table there (:func:`swizzle_ready`: its calls there go to the swizzle kernel from then on), each copy complete
+    before this returns (the planner's thread: the caller's stream never waits on it)."""
     if in_place and runs_cycles(em):
-        cycle_plan(em, _tile_slots(em))
+        plan = cycle_plan(em, _tile_slots(em))
+        if device is not None:
+            plan.on(device, wait=True)
         return
     if not _needs_no_plan(em):
         if em.ends_swizzled:
