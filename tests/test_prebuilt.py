@@ -494,7 +494,9 @@ def test_a_strided_map_that_ends_swizzled_runs_strided_until_the_planner_readies
         emulated.clear()
         registry.EXECUTORS["prebuilt"].gather(em, x, out)
         assert torch.equal(out, byte_gather(m, x).reshape(2, -1))
-        assert em.row_forms_found() == (step != "nothing") and prebuilt.swizzle_ready(em, x.device) == (step == "readied")
+        assert em.row_forms_found() == (step != "nothing") and prebuilt.swizzle_ready(em, x.device) == (
+            step == "readied"
+        )
         assert emulated == [prebuilt._SWIZZLES[16] if step == "readied" else prebuilt._STRIDEDS[4]]
         if step == "nothing":
             em.swizzled_rows  # noqa: B018 - found, as a record read from disk gives them
