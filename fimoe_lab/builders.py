@@ -30,7 +30,7 @@ from fimoe_lab import steps
 from fimoe_lab.caches import cached
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap, compose
-from fimoe_lab.plan import LayerPlan
+from fimoe_lab.plan import LayerPlan, kept_on_disk
 from fimoe_lab.shapes import FI_MOE_INTERMEDIATE_MULTIPLE, default_alignments, projections, round_up
 from fimoe_lab.specs import FORMATS
 
@@ -333,6 +333,7 @@ def plan_pad_trtllm_moe_weights(
 
 # ----------------------------------------------------------------------------- row shuffles
 @cached
+@kept_on_disk  # a drop-in's plan: a restarted engine's first layer reads it
 def plan_rotate_fp8_per_tensor(w13_rows: int, hidden: int, intermediate: int, is_gated: bool) -> LayerPlan:
     """Gated interleave (if gated) and epilogue shuffle (tile 128) of both FP8 weights."""
     etm = TRTLLM_EPILOGUE_TILE_M
@@ -343,6 +344,7 @@ def plan_rotate_fp8_per_tensor(w13_rows: int, hidden: int, intermediate: int, is
 
 
 @cached
+@kept_on_disk  # a drop-in's plan: a restarted engine's first layer reads it
 def plan_shuffle_deepseek_fp8(w13_rows: int, hidden: int, intermediate: int) -> LayerPlan:
     """Epilogue shuffle (tile 64) then BlockMajorK (128 B) for both FP8 weights, no swap."""
 
@@ -445,6 +447,7 @@ def plan_fp4_trtllm_weights(
 
 
 @cached
+@kept_on_disk  # a drop-in's plan: a restarted engine's first layer reads it
 def plan_trtllm_bf16_block_layout(
     w13_rows: int,
     hidden: int,

@@ -218,10 +218,15 @@ class IndexMap:
 
     @property
     def is_permutation(self) -> bool:
-        """True when the map moves every byte exactly once (no fill, same size)."""
+        """True when the map moves every byte exactly once (no fill, same size); where its compiled form already
+        knows (found, or read with a stored plan: :meth:`built_on_read`), without reading the index."""
         if "is_permutation" not in self._cache:
+            em = self._cache.get("exec")
+            known = em.known_permutation() if em is not None else None
             self._cache["is_permutation"] = (
-                self.in_bytes == self.out_bytes
+                known
+                if known is not None
+                else self.in_bytes == self.out_bytes
                 and not self._has_fill
                 and bool((np.bincount(self.src.numpy(), minlength=self.n_out_cells) == 1).all())
             )

@@ -20,7 +20,10 @@ maps. It changes values, so the inverse plan cannot undo it: :meth:`LayerPlan.in
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -33,13 +36,55 @@ from fimoe_lab.kernels import ExecMap, execute, plans_after_the_call
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.steps import apply_word_bits
 
-__all__ = ["BIAS_ROWS", "LayerPlan", "MapCall", "apply_map", "check_same_device", "map_call"]
+__all__ = [
+    "BIAS_ROWS",
+    "LayerPlan",
+    "MapCall",
+    "apply_map",
+    "check_same_device",
+    "kept_on_disk",
+    "kept_plan",
+    "map_call",
+]
 
 TENSOR_NAMES = ("w13", "w2", "w13_scale", "w2_scale")
 BIAS_ROWS = {"w13_bias": "w13", "w2_bias": "w2"}
 """Per-row biases and the weight whose rows each follows (gpt-oss carries them)."""
 KEPT_CALLS = 64
 """The kinds of input (shapes, dtypes, devices) a plan keeps its checked map calls for (:meth:`LayerPlan.apply`)."""
+
+
+def kept_plan(
+    key: dict[str, Any], build: Callable[[], LayerPlan], finish: Callable[[LayerPlan], LayerPlan] = lambda p: p
+) -> LayerPlan:
+    """The plan of ``key`` (JSON values: what it was asked with) read from the plan store (:mod:`fimoe_lab.plan_store`)
+    where a record fits, else ``build()``; ``finish`` applied to either (an engine's value rule). A plan built here
+    with no word bit step or value rule is remembered, to be written after its first apply."""
+    stored = plan_store.read(key)
+    if stored is not None:
+        return finish(LayerPlan(**{n: stored["maps"].get(n) for n in TENSOR_NAMES}, **stored["fields"]))
+    plan = build()
+    final = finish(plan)
+    if not plan.word_bits and plan.value_rule is None:
+        plan_store.remember(final, key, plan.stored_fields())
+    return final
+
+
+def kept_on_disk(build: Callable[..., LayerPlan]) -> Callable[..., LayerPlan]:
+    """``build`` (a function of JSON scalars returning a plan, under :func:`~fimoe_lab.caches.cached`) through
+    :func:`kept_plan`, keyed by its name and its arguments bound to its signature: a later process's first call
+    reads the plan instead of building and compiling it (a call with other arguments builds it as before)."""
+    signature = inspect.signature(build)
+
+    @functools.wraps(build)
+    def wrapper(*args: Any, **kwargs: Any) -> LayerPlan:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if not all(type(v) in (bool, int, float, str) for v in bound.arguments.values()):
+            return build(*args, **kwargs)
+        return kept_plan({"builder": build.__qualname__, "args": dict(bound.arguments)}, lambda: build(*args, **kwargs))
+
+    return wrapper
 
 
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:

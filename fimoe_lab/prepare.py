@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Optional, TypeVar
 
 import torch
 
-from fimoe_lab import builders, engines, recipes, steps, value_rules
+from fimoe_lab import builders, engines, plan_store, recipes, steps, value_rules
 from fimoe_lab import compile as _compile  # noqa: F401 - loaded with the drop-ins, not on their first call
 from fimoe_lab.builders import (
     plan_fp4_trtllm_weights,
@@ -613,6 +613,7 @@ def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(
     _apply_in_place(
         [(plan.w13, gemm1_weights, "gemm1_weights"), (plan.w2, gemm2_weights, "gemm2_weights")], scratch_experts
     )
+    plan_store.applied(plan)
 
 
 def permute_cache_keys(
@@ -693,6 +694,7 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
     o13, o2 = _apply_in_place(
         [(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts
     )
+    plan_store.applied(plan)
     return o13, o2
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-from fimoe_lab import plan_store, steps
+from fimoe_lab import steps
 from fimoe_lab.builders import (
     chain,
     plan_fp4_trtllm_weights,
@@ -35,7 +35,7 @@ from fimoe_lab.choice import LayerShape, LayoutChoice
 from fimoe_lab.engines import VALUES, check_quant_method, get_engine
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.layout import IndexMap
-from fimoe_lab.plan import TENSOR_NAMES, LayerPlan
+from fimoe_lab.plan import LayerPlan, kept_plan
 from fimoe_lab.shapes import (
     FI_MOE_INTERMEDIATE_MULTIPLE,
     default_alignments,
@@ -316,17 +316,12 @@ def plan_for(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:
         return _plan_sm90_mixed(layer, choice)
     if fmt == "mxint4":  # its own rule (no padding, TRT-LLM only): plan_mxint4
         return plan_mxint4(layer, choice)
-    key = {"plan_for": {"layer": asdict(layer), "choice": asdict(choice)}}
-    stored = plan_store.read(key)
-    if stored is not None:
-        plan = LayerPlan(**{n: stored["maps"].get(n) for n in TENSOR_NAMES}, **stored["fields"])
-    else:
-        plan = _build_layer_plan(layer, choice, layer_shape(layer, choice))
     rule = get_engine(choice.engine).value_rule(fmt, backend, layer.quant_method, choice.value_form == "lossless")
-    final = plan if rule is None else replace(plan, value_rule=rule)
-    if stored is None and not plan.word_bits:
-        plan_store.remember(final, key, plan.stored_fields())
-    return final
+    return kept_plan(
+        {"plan_for": {"layer": asdict(layer), "choice": asdict(choice)}},
+        lambda: _build_layer_plan(layer, choice, layer_shape(layer, choice)),
+        lambda plan: plan if rule is None else replace(plan, value_rule=rule),
+    )
 
 
 def _plan_sm90_mixed(layer: LayerShape, choice: LayoutChoice) -> LayerPlan:

@@ -362,3 +362,89 @@ def test_a_plan_is_written_once_after_its_first_apply_and_not_before(store):
     stamp = path.stat().st_mtime_ns
     _apply(plan, given)
     assert path.stat().st_mtime_ns == stamp and [p.name for p in store.iterdir()] == [path.name]
+
+
+DROP_INS = [  # (drop-in, its builder, w13 shape, w2 shape, dtype, the drop-in's arguments after the weights)
+    ("rotate", "plan_rotate_fp8_per_tensor", (3, 128, 64), (3, 64, 32), torch.float8_e4m3fn, (True,)),
+    ("rotate", "plan_rotate_fp8_per_tensor", (3, 64, 64), (3, 64, 64), torch.float8_e4m3fn, (False,)),
+    ("bf16 block", "plan_trtllm_bf16_block_layout", (2, 256, 128), (2, 128, 128), torch.bfloat16, (True,)),
+    ("deepseek", "plan_shuffle_deepseek_fp8", (2, 256, 256), (2, 256, 128), torch.float8_e4m3fn, ()),
+]
+
+
+def _drop_in(kind: str, w13: torch.Tensor, w2: torch.Tensor, extra: tuple) -> tuple[torch.Tensor, ...]:
+    """The drop-in on copies of ``w13``/``w2``: its outputs (in place: the copies), and the BF16 one's index dict."""
+    from fimoe_lab import prepare
+
+    a, b = w13.clone(), w2.clone()
+    if kind == "rotate":
+        prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(a, b, *extra)
+        return a, b
+    if kind == "bf16 block":
+        cache: dict = {}
+        o13, o2 = prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(cache, a, b, *extra)
+        return (o13, o2, *(cache[k] for k in sorted(cache, key=str)))
+    return prepare.shuffle_deepseek_fp8_moe_weights(a, b)
+
+
+@pytest.mark.parametrize("kind, builder, s13, s2, dtype, extra", DROP_INS)
+def test_a_drop_ins_plan_is_kept_and_read_back_without_its_index(store, kind, builder, s13, s2, dtype, extra):
+    """A drop-in's plan (the in-place FP8 rotate and BF16 block layout, the DeepSeek FP8 shuffle) is written after its
+    first call; a later process's first call reads it and moves the same bytes (the reference loop's), reading no
+    map's index for the call itself (its permutation flag from the record)."""
+    import reference_loops as ref
+
+    from fimoe_lab import builders
+
+    w13 = random_bytes(s13, dtype, seed=1)
+    w2 = coords(s2[0], s2[1], s2[2] * dtype.itemsize // 4).view(dtype)  # bytes that encode their coordinates
+    first = _drop_in(kind, w13, w2, extra)
+    loop = {
+        "rotate": lambda: ref.rotate_fp8(w13.clone(), w2.clone(), *extra),
+        "bf16 block": lambda: ref.bf16_block_layout(w13.clone(), w2.clone(), *extra),
+        "deepseek": lambda: ref.deepseek_shuffle(w13.clone(), w2.clone()),
+    }[kind]()
+    assert all(same_bytes(a, b) for a, b in zip(first, loop))
+    assert len(list(store.glob("*.json"))) == 1
+    clear_caches()
+
+    plan = getattr(builders, builder)(s13[1], s13[2], s2[2], *extra)
+    assert all(m.known_compiled() is not None for m in plan.maps().values()), "the record was not read"
+    again = _drop_in(kind, w13, w2, extra)
+    assert all(same_bytes(a, b) for a, b in zip(again, first))
+    if kind != "bf16 block":  # (its FlashInfer index dict reads the rows of its steps)
+        assert not any("src" in vars(m) for m in plan.maps().values()), "a map's index was built for the call"
+
+
+@pytest.mark.parametrize(
+    "fmt, inter, hidden", [("bf16", 128, 128), ("bf16", 96, 128), ("fp8", 64, 64), ("fp8", 48, 64)]
+)
+def test_a_layer_plan_built_on_a_drop_ins_plan_read_back_moves_the_same_bytes(store, fmt, inter, hidden):
+    """``plan_layer`` composes the drop-ins' builders (BF16 block layout, FP8 rotate) after its padding: where a
+    drop-in's plan was read from disk, the layer plan built on it (padded or not) moves the bytes of one built here."""
+    from fimoe_lab import prepare
+
+    clear_caches()
+    built = plan_layer(fmt, "trtllm", inter, hidden)
+    given = _inputs(built, 2)
+    want = _apply(built, given)
+    for path in store.glob("*.json"):
+        path.unlink()
+    clear_caches()
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
+    rows, padded_inter = 2 * built.padded_intermediate, built.padded_intermediate
+    w13 = random_bytes((2, rows, hidden), dtype, seed=3)
+    w2 = random_bytes((2, hidden, padded_inter), dtype, seed=4)
+    if fmt == "bf16":
+        prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, w13, w2, True)
+    else:
+        prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)
+    assert len(list(store.glob("*.json"))) == 1  # the drop-in's plan
+    clear_caches()
+    from fimoe_lab import builders
+
+    make = builders.plan_trtllm_bf16_block_layout if fmt == "bf16" else builders.plan_rotate_fp8_per_tensor
+    inner = make(rows, hidden, padded_inter, True)  # what plan_layer composes: read back
+    assert all(m.known_compiled() is not None for m in inner.maps().values())
+    on_read = plan_layer(fmt, "trtllm", inter, hidden)
+    assert all(same_bytes(g, w) for g, w in zip(_apply(on_read, given), want))
