@@ -30,6 +30,7 @@ import numpy as np
 
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import ExecMap, Strided
+from fimoe_lab.kernels.cycles import CyclePlan, cycle_plans_of, preset_cycle_plan
 
 if TYPE_CHECKING:
     from fimoe_lab.layout import IndexMap
@@ -112,7 +113,7 @@ def _found_on_read(m: IndexMap) -> ExecMap:
 def form_record(em: ExecMap) -> dict[str, Any] | None:
     """What :func:`compiled_from` needs to rebuild ``em`` without its map's index, as JSON values: its name, fills,
     sizes, whether it ends in the 128x4 swizzle, the cell fields and permutation flag known so far, its row forms
-    where found (each ``[rows, *sizes]``; None before), and its strided form or its two strided stages (each a
+    where found (each ``[rows, *sizes]``; None before), the cycle plans built for it (in place), and its strided form or its two strided stages (each a
     record; ``split``: how many of the map's steps the first runs). None for a form that is neither (its first call
     reads the index anyway)."""
     record: dict[str, Any] = dict(
@@ -124,6 +125,7 @@ def form_record(em: ExecMap) -> dict[str, Any] | None:
         cells=em.known_cells(),
         is_permutation=em.known_permutation(),
         row_forms=None if em.row_forms is None else [_row_form_record(f) for f in em.row_forms],
+        cycles=[_cycles_record(plan) for plan in cycle_plans_of(em).values()],
         strided=None,
         stages=None,
     )
@@ -144,9 +146,22 @@ def form_record(em: ExecMap) -> dict[str, Any] | None:
 def _row_form_record(form: tuple[Any, ...] | None) -> list[Any] | None:
     """A row form (:class:`ExecMap`: an int32 row table, then sizes) as JSON values: the table as the base64 of its
     little-endian bytes (thousands of rows read and written in microseconds), then the sizes."""
-    if form is None:
-        return None
-    return [base64.b64encode(np.asarray(form[0], dtype="<i4").tobytes()).decode("ascii"), *(int(v) for v in form[1:])]
+    return None if form is None else [_int32s(form[0]), *(int(v) for v in form[1:])]
+
+
+def _int32s(table: np.ndarray) -> str:
+    """An int32 table as the base64 of its little-endian bytes (JSON; thousands of entries in microseconds)."""
+    return base64.b64encode(np.asarray(table, dtype="<i4").tobytes()).decode("ascii")
+
+
+def _int32s_of(text: str) -> np.ndarray:
+    """The table of :func:`_int32s`."""
+    return np.frombuffer(base64.b64decode(text, validate=True), dtype="<i4").astype(np.int32)
+
+
+def _cycles_record(plan: CyclePlan) -> dict[str, Any]:
+    """A cycle plan (:class:`~fimoe_lab.kernels.cycles.CyclePlan`) as JSON values."""
+    return dict(tile_slots=plan.tile_slots, dst=_int32s(plan.dst), src=_int32s(plan.src), saved=_int32s(plan.saved))
 
 
 def _row_form_of(record: list[Any] | None, rows: Callable[[tuple[int, ...]], int]) -> tuple[Any, ...] | None:
@@ -154,7 +169,7 @@ def _row_form_of(record: list[Any] | None, rows: Callable[[tuple[int, ...]], int
     many), else :class:`LayoutError`."""
     if record is None:
         return None
-    table = np.frombuffer(base64.b64decode(record[0], validate=True), dtype="<i4").astype(np.int32)
+    table = _int32s_of(record[0])
     sizes = tuple(int(v) for v in record[1:])
     if table.size != rows(sizes):
         raise LayoutError(f"internal: a row table of {table.size} rows where its form {sizes} reads {rows(sizes)}")
@@ -180,6 +195,9 @@ def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
         )
     if record["cells"] is not None:
         em.preset_cells({k: (bool(v) if k == "has_fill" else int(v)) for k, v in record["cells"].items()})
+        for plan in record.get("cycles", ()):  # cycle plans over those cells (an in-place call's, found by the planner)
+            dst, src, saved = (_int32s_of(plan[k]) for k in ("dst", "src", "saved"))
+            preset_cycle_plan(em, CyclePlan(int(plan["tile_slots"]), dst, src, saved), int(record["cells"]["n_in"]))
     if record["is_permutation"] is not None:
         em.is_permutation = bool(record["is_permutation"])
     if record["strided"] is not None:

@@ -8,10 +8,10 @@ of the plan's arguments (:func:`fimoe_lab.plan.kept_plan`: ``recipes.plan_for``'
 later process asking for the same plan reads it back: each map as
 :meth:`~fimoe_lab.layout.IndexMap.built_on_read` (its fields declared, its index built again from its steps' kinds
 and parameters only if something reads it) with its compiled form given (:func:`fimoe_lab.compile.compiled_from`).
-The executors read those forms (strided views, two strided stages, and the row table the swizzle kernel reads for a
-scale map, kept once the background planner found it), so such a first layer launches at once, its scale maps on
-the swizzle kernel, and the planner has nothing to build; what needs the index (a cycle plan, an inverse, row forms
-not kept) builds it as before.
+The executors read those forms (strided views, two strided stages, the row table the swizzle kernel reads for a
+scale map and the cycle plan an in-place map runs along, each kept once the background planner found it), so such a
+first layer launches at once, and the planner has nothing to build but copies; what needs the index (an inverse, a
+row form or cycle plan not kept) builds it as before.
 
 A record is used only when it and its folder are this user's and writable by no one else (not links), and its
 format, its key (the plan's arguments) and the fingerprint of the code that built it (the package version and the
@@ -39,6 +39,7 @@ from typing import Any, Optional
 from fimoe_lab import env
 from fimoe_lab.compile import compiled_from, form_record
 from fimoe_lab.errors import FimoeError
+from fimoe_lab.kernels.cycles import cycle_plans_of
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.steps import STEPS, build
 
@@ -47,17 +48,18 @@ __all__ = ["FORMAT", "PlanRecord", "enabled", "read", "remember", "applied", "re
 FORMAT = 2
 """The record layout; a record of another format is not read."""
 
-ROW_FORMS_WAIT = 8
-"""Applies of a plan after its first that may still write its record again, once its swizzled maps' row forms are
-found (:func:`applied`): a later process then runs those maps on the swizzle kernel from its first call."""
+PLANNER_WAIT = 8
+"""Applies of a plan after its first that write its record again where the background planner has found more
+(:func:`applied`): a later process then runs its scale maps on the swizzle kernel and its in-place maps along their
+cycle plans from its first call."""
 
 _FINGERPRINTED = ("", "kernels")
 """Folders of the package (relative to it) whose modules' stats make the code fingerprint: every module that
 builds maps, plans or compiled forms lives in one of them."""
 
 _lock = threading.Lock()
-_pending: dict[int, tuple[weakref.ref, str, Path, dict[str, Any], dict[str, Any], int]] = {}  # id(plan) -> what to
-# write, and how many more applies may find row forms still missing (ROW_FORMS_WAIT + 1: not written yet)
+_pending: dict[int, tuple[weakref.ref, str, Path, dict[str, Any], dict[str, Any], int, Any]] = {}  # id(plan) -> what
+# to write, how many more applies may write it again, and what the planner had found when it was last written
 _state: dict[str, Any] = {}  # "fingerprint": the code fingerprint, once computed
 _unwritable: set[Path] = set()  # folders a write failed in
 
@@ -133,37 +135,37 @@ def remember(plan: Any, key: dict[str, Any], fields: dict[str, Any]) -> None:
         at = id(plan)
         with _lock:  # a plan freed unapplied leaves nothing behind
             ref = weakref.ref(plan, lambda _: _pending.pop(at, None))
-            _pending[at] = (ref, fingerprint(), path, key, fields, ROW_FORMS_WAIT + 1)
+            _pending[at] = (ref, fingerprint(), path, key, fields, PLANNER_WAIT, None)
 
 
 def applied(plan: Any) -> None:
     """Called after each apply of a plan: the first of a plan :func:`remember` holds writes its record, when every
-    map's compiled form is known and runs from a strided form; where a map that ends in the 128x4 swizzle has no
-    row forms yet (the background planner finds them after the first calls), the record is written again at the
-    first of the next :data:`ROW_FORMS_WAIT` applies that finds them all."""
+    map's compiled form is known and runs from a strided form; the next :data:`PLANNER_WAIT` applies write it again
+    where the background planner has found more since (a swizzled map's row forms, an in-place map's cycle plan)."""
     if not _pending:
         return
     with _lock:
         held = _pending.pop(id(plan), None)
     if held is None or held[0]() is not plan:
         return
-    ref, fp, path, key, fields, left = held
+    ref, fp, path, key, fields, left, written = held
     maps = plan.maps()
-    complete = all(_row_forms_known(m) for m in maps.values())
-    if complete or left > ROW_FORMS_WAIT:
+    found = tuple(_found_by_planner(m) for m in maps.values())
+    if found != written:
         entries = {name: _map_record(m) for name, m in maps.items()}
         if any(entry is None for entry in entries.values()):
             return
         _write(path, {"format": FORMAT, "fingerprint": fp, "key": key, "fields": fields, "maps": entries})
-    if not complete and left > 1:
+    if left > 0:
         with _lock:
-            _pending[id(plan)] = (ref, fp, path, key, fields, left - 1)
+            _pending[id(plan)] = (ref, fp, path, key, fields, left - 1, found)
 
 
-def _row_forms_known(m: IndexMap) -> bool:
-    """Whether ``m``'s compiled form needs no row forms (it does not end in the 128x4 swizzle) or has found them."""
+def _found_by_planner(m: IndexMap) -> tuple[bool, tuple[int, ...]] | None:
+    """What the background planner has found for ``m``'s compiled form so far: whether its row forms, and the tile
+    sizes of its cycle plans (None: not compiled)."""
     em = m.known_compiled()
-    return em is not None and (not em.ends_swizzled or em.row_forms_found())
+    return None if em is None else (em.row_forms_found(), tuple(sorted(cycle_plans_of(em))))
 
 
 def _map_record(m: IndexMap) -> Optional[dict[str, Any]]:

@@ -448,3 +448,51 @@ def test_a_layer_plan_built_on_a_drop_ins_plan_read_back_moves_the_same_bytes(st
     assert all(m.known_compiled() is not None for m in inner.maps().values())
     on_read = plan_layer(fmt, "trtllm", inter, hidden)
     assert all(same_bytes(g, w) for g, w in zip(_apply(on_read, given), want))
+
+
+@pytest.mark.parametrize("kind, builder, s13, s2, dtype, extra", [d for d in DROP_INS if d[0] != "deepseek"])
+def test_an_in_place_maps_cycle_plan_is_kept_and_read_back(store, kind, builder, s13, s2, dtype, extra):
+    """An in-place drop-in's cycle plans, built after its first call (by the background planner; here as it does),
+    go into the record at its next call; a later process has them without building any index, and an in-place run
+    along them (the CPU cycle executor, which checks its map's sources first) moves the bytes of the first call. A
+    plan that reads outside the map's cells is not used."""
+    numba_gather = pytest.importorskip("fimoe_lab.kernels.numba_gather")
+    from fimoe_lab import builders
+    from fimoe_lab.kernels import cycles
+
+    def slots(em) -> int:  # the CPU cycle executor's tile
+        return max(1, numba_gather.CYCLES_TILE_BYTES // em.cell_bytes)
+
+    w13 = random_bytes(s13, dtype, seed=5)
+    w2 = coords(s2[0], s2[1], s2[2] * dtype.itemsize // 4).view(dtype)
+    first = _drop_in(kind, w13, w2, extra)
+    plan = getattr(builders, builder)(s13[1], s13[2], s2[2], *extra)
+    built = {n: cycles.cycle_plan(m.compiled(), slots(m.compiled())) for n, m in plan.maps().items()}  # as the
+    # planner does
+    _drop_in(kind, w13, w2, extra)
+    record = json.loads(_record(store).read_text())
+    for name, want in built.items():
+        assert [c["tile_slots"] for c in record["maps"][name]["exec"]["cycles"]] == [want.tile_slots]
+    clear_caches()
+
+    again = getattr(builders, builder)(s13[1], s13[2], s2[2], *extra)
+    for k, (name, m) in enumerate(again.maps().items()):
+        em = m.known_compiled()
+        assert em is not None and cycles.cycle_plan_built(em, slots(em)) and "src" not in vars(m)
+        got, want = cycles.cycle_plan(em, slots(em)), built[name]
+        assert all(np.array_equal(getattr(got, a), getattr(want, a)) for a in ("dst", "src", "saved"))
+        x = (w13, w2)[k]
+        flat = x.clone().view(x.shape[0], -1).view(torch.uint8)
+        for _ in numba_gather.inplace_cycles_numba(em, flat, 1):
+            pass
+        assert same_bytes(flat, first[k].reshape(x.shape[0], -1).view(torch.uint8))
+        assert cycles.cycle_plan(em, slots(em)) is got  # the run went along the plan read back
+    clear_caches()
+
+    spoiled = json.loads(json.dumps(record))
+    entry = spoiled["maps"]["w2"]["exec"]["cycles"][0]
+    entry["dst"] = base64.b64encode(np.full(4, 1 << 30, dtype="<i4").tobytes()).decode()  # far past the expert
+    entry["src"] = base64.b64encode(np.zeros(4, dtype="<i4").tobytes()).decode()
+    _record(store).write_text(json.dumps(spoiled))
+    spoilt = getattr(builders, builder)(s13[1], s13[2], s2[2], *extra)
+    assert all(m.known_compiled() is None for m in spoilt.maps().values())

@@ -22,7 +22,15 @@ import torch
 
 from fimoe_lab.errors import LayoutError
 
-__all__ = ["CyclePlan", "cycle_plan", "cycle_plan_built", "plan_permutation", "cycle_order"]
+__all__ = [
+    "CyclePlan",
+    "cycle_plan",
+    "cycle_plan_built",
+    "cycle_plans_of",
+    "preset_cycle_plan",
+    "plan_permutation",
+    "cycle_order",
+]
 
 
 @dataclass(eq=False)
@@ -112,6 +120,25 @@ def cycle_plan(em, tile_slots: int) -> CyclePlan:
 def cycle_plan_built(em, tile_slots: int) -> bool:
     """Whether :func:`cycle_plan` of ``em`` for ``tile_slots`` is cached (a call returns it at once)."""
     return _cache_key(tile_slots) in em._dev
+
+
+def cycle_plans_of(em) -> dict[int, CyclePlan]:
+    """The cycle plans built for ``em`` so far, by their tile slots (reads nothing else)."""
+    return {key[1]: plan for key, plan in list(em._dev.items()) if isinstance(key, tuple) and key[:1] == ("cycles",)}
+
+
+def preset_cycle_plan(em, plan: CyclePlan, n_cells: int) -> None:
+    """Give ``em`` a cycle plan built elsewhere (a stored plan) for its ``plan.tile_slots``, after checking that every
+    index lies in an expert of ``n_cells`` cells and every tile holds ``tile_slots`` slots but the last: a plan that
+    does not is refused (:class:`LayoutError`), never launched."""
+    moved, saved = plan.dst.size, plan.saved.size
+    if plan.tile_slots < 1 or plan.src.size != moved or (moved and not 0 <= plan.dst.min() <= plan.dst.max() < n_cells):
+        raise LayoutError(f"internal: a cycle plan of {moved} slots does not fit {n_cells} cells")
+    if (moved and not -saved <= plan.src.min() <= plan.src.max() < n_cells) or (
+        saved and not 0 <= plan.saved.min() <= plan.saved.max() < n_cells
+    ):
+        raise LayoutError(f"internal: a cycle plan reads outside {n_cells} cells or {saved} saved ones")
+    em._dev[_cache_key(plan.tile_slots)] = plan
 
 
 def _cache_key(tile_slots: int) -> tuple[str, int]:
