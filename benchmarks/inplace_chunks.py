@@ -42,7 +42,8 @@ def main() -> None:
             y = x.clone()
             scratch = default_scratch_experts(experts, m.in_bytes)
             cycles = stream(lambda: execute_in_place(em, y, scratch, "prebuilt"), 8)["kernel_us"]
-            line = f"{label} {tensor}: {m.in_bytes / 2**20:.2f} MB/expert, copy {copy:7.1f} us | cycles {copy / cycles:.3f}"
+            line = f"{label} {tensor}: {m.in_bytes / 2**20:.2f} MB/expert, copy {copy:7.1f} us"
+            line += f" | cycles {copy / cycles:.3f}"
             for k in CHUNKS:
                 y = x.clone()
                 config = {"inplace": "copy-then-gather"}

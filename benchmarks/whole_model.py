@@ -425,7 +425,8 @@ slowed host thread (on a shared host the loop's time moved 3.5x between processe
 
 
 def use_caches(env: dict[str, str], caches: str) -> None:
-    """Point a child's Triton and numba kernel caches and fimoe_lab's plan store (``env``) into the folder ``caches``."""
+    """Point a child's Triton and numba kernel caches and fimoe_lab's plan store (``env``) into the folder
+    ``caches``."""
     env["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
     env["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
     env["FIMOE_LAB_CACHE"] = os.path.join(caches, "fimoe_lab")

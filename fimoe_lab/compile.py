@@ -113,9 +113,9 @@ def _found_on_read(m: IndexMap) -> ExecMap:
 def form_record(em: ExecMap) -> dict[str, Any] | None:
     """What :func:`compiled_from` needs to rebuild ``em`` without its map's index, as JSON values: its name, fills,
     sizes, whether it ends in the 128x4 swizzle, the cell fields and permutation flag known so far, its row forms
-    where found (each ``[rows, *sizes]``; None before), the cycle plans built for it (in place), and its strided form or its two strided stages (each a
-    record; ``split``: how many of the map's steps the first runs). None for a form that is neither (its first call
-    reads the index anyway)."""
+    where found (each ``[rows, *sizes]``; None before), the cycle plans built for it (in place), and its strided form
+    or its two strided stages (each a record; ``split``: how many of the map's steps the first runs). None for a form
+    that is neither (its first call reads the index anyway)."""
     record: dict[str, Any] = dict(
         name=em.name,
         fills=list(em.fills),
@@ -144,8 +144,8 @@ def form_record(em: ExecMap) -> dict[str, Any] | None:
 
 
 def _row_form_record(form: tuple[Any, ...] | None) -> list[Any] | None:
-    """A row form (:class:`ExecMap`: an int32 row table, then sizes) as JSON values: the table as the base64 of its
-    little-endian bytes (thousands of rows read and written in microseconds), then the sizes."""
+    """A row form (:class:`ExecMap`: an int32 row table, then sizes) as JSON values: the table (:func:`_int32s`),
+    then the sizes."""
     return None if form is None else [_int32s(form[0]), *(int(v) for v in form[1:])]
 
 

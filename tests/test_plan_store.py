@@ -219,7 +219,8 @@ plan = plan_layer(fmt, "trtllm", inter, hidden)
 restored = [n for n, m in plan.maps().items() if m.known_compiled() is not None]
 rows = [n for n, m in plan.maps().items() if m.known_compiled() is not None and m.known_compiled().row_forms_found()]
 g = torch.Generator().manual_seed(1)
-given = [torch.randint(0, 256, (3, *m.in_shape), dtype=torch.uint8, generator=g).to(device) for m in plan.maps().values()]
+shapes = [(3, *m.in_shape) for m in plan.maps().values()]
+given = [torch.randint(0, 256, s, dtype=torch.uint8, generator=g).to(device) for s in shapes]
 out = plan.apply(*given)
 if device == "cuda":  # the planner finds the scale maps' row forms after the call; the next apply keeps them
     from fimoe_lab.kernels import prebuilt

@@ -128,9 +128,9 @@ def cycle_plans_of(em) -> dict[int, CyclePlan]:
 
 
 def preset_cycle_plan(em, plan: CyclePlan, n_cells: int) -> None:
-    """Give ``em`` a cycle plan built elsewhere (a stored plan) for its ``plan.tile_slots``, after checking that every
-    index lies in an expert of ``n_cells`` cells and every tile holds ``tile_slots`` slots but the last: a plan that
-    does not is refused (:class:`LayoutError`), never launched."""
+    """Give ``em`` a cycle plan built elsewhere (a stored plan) for its ``plan.tile_slots``, after checking that it
+    has a source per slot and that every index lies in an expert of ``n_cells`` cells (a source in the saved cells
+    too): a plan that does not is refused (:class:`LayoutError`), never launched."""
     moved, saved = plan.dst.size, plan.saved.size
     if plan.tile_slots < 1 or plan.src.size != moved or (moved and not 0 <= plan.dst.min() <= plan.dst.max() < n_cells):
         raise LayoutError(f"internal: a cycle plan of {moved} slots does not fit {n_cells} cells")
