@@ -3,9 +3,9 @@ and 16 bytes), all experts, against a copy of the input's bytes; bit-exact again
 
 Per map: a random and a coordinate-coded input (``(7 e + 13 i) % 251 + 1``), the kernel's bytes compared with
 ``m.apply(x, backend="torch")`` (also for 3 experts read from 2, 1 and 14 bytes past a 16-byte boundary: an expert's
-first and last chunks read bytewise); then the median of 30 back-to-back calls after 5 (CUDA events, queued behind
-a ~10 ms device sleep so the host stays ahead) of the kernel (readied first, as the planner has it for a steady layer)
-and of ``copy_`` of the input, printed as the kernel's bytes read and written a second over the copy's. Needs CUDA.
+first and last chunks read bytewise); then the kernel time of the median of 30 back-to-back calls
+(``in_stream.stream``) of the kernel (readied first, as the planner has it for a steady layer) and of ``copy_`` of the
+input, printed as the kernel's bytes read and written a second over the copy's. Needs CUDA.
 
     PYTHONPATH=. python3 benchmarks/swizzle_maps.py
 """
@@ -13,38 +13,27 @@ and of ``copy_`` of the input, printed as the kernel's bytes read and written a 
 from __future__ import annotations
 
 import math
-import statistics
+import os
 import sys
 import time
 
 import torch
 
-from fimoe_lab.kernels import prebuilt
-from fimoe_lab.recipes import plan_layer
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from in_stream import stream  # noqa: E402  (the kernel-time measure every kernel figure uses)
 
-WARMUP, REPS = 5, 30
-SLEEP_CYCLES = 20_000_000
-"""A device sleep (about 10 ms) queued ahead of the timed calls."""
+from fimoe_lab.kernels import prebuilt  # noqa: E402
+from fimoe_lab.recipes import plan_layer  # noqa: E402
+
+CALLS = 30
+"""Back-to-back calls a figure's median kernel time is taken over."""
+
 CASES = [  # (label, format, intermediate, hidden, map, experts)
     ("gpt-oss w13_scale", "mxfp4", 2880, 2880, "w13_scale", 128),
     ("gpt-oss w2_scale", "mxfp4", 2880, 2880, "w2_scale", 128),
     ("DeepSeek-R1 w13_scale", "nvfp4", 256, 7168, "w13_scale", 256),
     ("DeepSeek-R1 w2_scale", "nvfp4", 256, 7168, "w2_scale", 256),
 ]
-
-
-def median_seconds(fn) -> float:
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(REPS + 1)]
-    torch.cuda._sleep(SLEEP_CYCLES)
-    events[0].record()
-    for k in range(REPS):
-        fn()
-        events[k + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[k].elapsed_time(events[k + 1]) for k in range(REPS)) * 1e-3
 
 
 def coded(experts: int, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:
@@ -74,11 +63,11 @@ def main() -> int:
                 failures.append(f"{label} 3 experts at {offset} bytes past 16")
         out = torch.empty((experts, *m.out_shape), dtype=torch.uint8, device=dev)
         copy = torch.empty_like(x)
-        t_copy = median_seconds(lambda: copy.copy_(x))  # noqa: B023 - called here
-        t = median_seconds(lambda: m.apply(x, out=out, backend="prebuilt"))  # noqa: B023
+        t_copy = stream(lambda: copy.copy_(x), CALLS)["kernel_us"]  # noqa: B023 - called here
+        t = stream(lambda: m.apply(x, out=out, backend="prebuilt"), CALLS)["kernel_us"]  # noqa: B023
         in_b, out_b = x.numel(), out.numel()
         share = ((in_b + out_b) / t) / (2 * in_b / t_copy)
-        print(f"{label:22s} {share:.3f} of a copy ({t * 1e6:.1f} us; copy {t_copy * 1e6:.1f} us)", flush=True)
+        print(f"{label:22s} {share:.3f} of a copy ({t:.1f} us; copy {t_copy:.1f} us)", flush=True)
     print("bit-exact" if not failures else f"MISMATCH: {failures}")
     return 1 if failures else 0
 
