@@ -60,13 +60,14 @@ def kept_plan(
     """The plan of ``key`` (JSON values: what it was asked with) read from the plan store (:mod:`fimoe_lab.plan_store`)
     where a record fits, else ``build()``; ``finish`` applied to either (an engine's value rule). A plan built here
     with no word bit step or value rule is remembered, to be written after its first apply."""
-    stored = plan_store.read(key)
+    path = plan_store.place(key)
+    stored = plan_store.read(key, path)
     if stored is not None:
         return finish(LayerPlan(**{n: stored["maps"].get(n) for n in TENSOR_NAMES}, **stored["fields"]))
     plan = build()
     final = finish(plan)
     if not plan.word_bits and plan.value_rule is None:
-        plan_store.remember(final, key, plan.stored_fields())
+        plan_store.remember(final, key, plan.stored_fields(), path)
     return final
 
 

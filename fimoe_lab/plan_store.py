@@ -43,7 +43,7 @@ from fimoe_lab.kernels.cycles import cycle_plans_of
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.steps import STEPS, build
 
-__all__ = ["FORMAT", "PlanRecord", "enabled", "read", "remember", "applied", "record_path", "fingerprint"]
+__all__ = ["FORMAT", "PlanRecord", "enabled", "place", "read", "remember", "applied", "record_path", "fingerprint"]
 
 FORMAT = 2
 """The record layout; a record of another format is not read."""
@@ -101,13 +101,17 @@ def record_path(key: dict[str, Any]) -> Optional[Path]:
     return folder / f"{digest}.json"
 
 
-def read(key: dict[str, Any]) -> Optional[PlanRecord]:
-    """The stored plan of arguments ``key``: ``{"fields": {...}, "maps": {tensor: IndexMap}}``, or None when there is
-    none that fits (absent, unreadable, of another format, key or code fingerprint)."""
-    if not enabled():
-        return None
+def place(key: dict[str, Any]) -> Optional[Path]:
+    """Where the plan of arguments ``key`` is read from and written to (:func:`record_path`); None when the store is
+    off (:func:`enabled`) or there is no cache folder."""
+    return record_path(key) if enabled() else None
+
+
+def read(key: dict[str, Any], path: Optional[Path]) -> Optional[PlanRecord]:
+    """The stored plan of arguments ``key`` at ``path`` (:func:`place`): ``{"fields": {...}, "maps": {tensor:
+    IndexMap}}``, or None when there is none that fits (no path, absent, unreadable, of another format, key or code
+    fingerprint)."""
     try:
-        path = record_path(key)
         if path is None or not (_private(path.parent, stat.S_ISDIR) and _private(path, stat.S_ISREG)):
             return None
         with open(path, encoding="utf-8") as f:
@@ -127,10 +131,9 @@ def _private(path: Path, kind: Callable[[int], bool]) -> bool:
     return kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
-def remember(plan: Any, key: dict[str, Any], fields: dict[str, Any]) -> None:
-    """Write ``plan`` (an object with ``maps()``) under ``key`` after its first apply (:func:`applied`), with
-    ``fields`` (JSON values: what rebuilds it besides its maps)."""
-    path = record_path(key) if enabled() else None
+def remember(plan: Any, key: dict[str, Any], fields: dict[str, Any], path: Optional[Path]) -> None:
+    """Write ``plan`` (an object with ``maps()``) under ``key`` to ``path`` (:func:`place`; None: nowhere) after its
+    first apply (:func:`applied`), with ``fields`` (JSON values: what rebuilds it besides its maps)."""
     if path is not None and path.parent not in _unwritable:
         at = id(plan)
         with _lock:  # a plan freed unapplied leaves nothing behind
