@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     y = torch.empty_like(x)
 
     def raw() -> None:
-        built.config.stream = cuda_driver.current_stream(bound.index)
+        built.config.stream = cuda_driver._current_stream(bound.index)
         lib.cuLaunchKernelEx(built.config_ref, built.fn, built.params, None)
 
     steps = {

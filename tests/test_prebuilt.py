@@ -84,18 +84,11 @@ def _defines(source: str) -> dict[str, int]:
         ("gather.cu", "GATHER_KERNEL", prebuilt._GATHERS),
         ("swizzle.cu", "SWIZZLE_KERNEL", prebuilt._SWIZZLES),
         ("strided.cu", "STRIDED_KERNEL", prebuilt._STRIDEDS),
-        ("inplace_l2.cu", "INPLACE_L2_KERNEL", prebuilt._L2S),
     ],
 )
 def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, functions):
     defines = _defines(source)
     assert (defines["THREADS"], defines["ITEMS"]) == (prebuilt.THREADS, prebuilt.ITEMS)
-    if source == "inplace_l2.cu":  # a tile is whole steps of either function (NI words a thread)
-        text = (CUDA / source).read_text()
-        for ni, name in functions.items():
-            assert re.search(rf"^{macro}\({name}, {ni}, \d+\)", text, flags=re.M)
-            assert prebuilt.L2_TILE_WORDS % (prebuilt.THREADS * ni) == 0
-        assert prebuilt.L2_ITEMS in functions
     if source == "swizzle.cu":
         got = (defines["BAND_ROWS"], defines["TILE_WORDS"], defines["MIN_KW"], defines["CHUNK"])
         assert got == (prebuilt.BAND_ROWS, prebuilt.TILE_WORDS, prebuilt.MIN_KW, prebuilt.CHUNK)
@@ -203,14 +196,13 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     once: the planner thread loads the ones a map needs (in place the cycle kernel's, a gather of the strided form
     the strided kernel's, another the gather kernel's and, for a map that ends in the swizzle, the swizzle kernel's
     too)
-    on the caller's device and gets their kernels, then the map is planned there (its cycle plan, sources or row
-    table copied there on the planner's thread; in place through the L2: that kernel's fatbin too). A fatbin that does not load is remembered, and the
+    on the caller's device and gets their kernels, then the map is planned there (its cycle plan or row table
+    copied there on the planner's thread). A fatbin that does not load is remembered, and the
     prebuilt kernels stop standing in for the maps that need it. The driver's load is played by a recorder here
     (no GPU); tests/test_kernels_gpu.py checks the same in a fresh process on a device."""
     import threading
 
     from fimoe_lab.kernels import cuda_driver, cycles
-    from fimoe_lab.kernels.compiled import ExecMap
 
     loads: list[tuple[str, int, str]] = []
     got: set[tuple[str, str, int, str]] = set()  # (source, kernel, device, thread)
@@ -244,16 +236,10 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
         plan._dev[str(device)] = (torch.zeros(1, dtype=torch.int32),) * 3
         return plan._dev[str(device)]
 
-    def src_on(em, device, wait=False):  # the sources' copy to the device: recorded, then kept
-        tables.append(("sources", str(device), wait, threading.current_thread().name))
-        em._dev[("src", str(device))] = torch.zeros(1, dtype=torch.int32)
-        return em._dev[("src", str(device))]
-
     monkeypatch.setattr(cuda_driver, "_OUTCOMES", {})
     monkeypatch.setattr(cuda_driver, "_module", load)
     monkeypatch.setattr(prebuilt, "swizzle_rows_table", table)
     monkeypatch.setattr(cycles.CyclePlan, "on", cycles_on)
-    monkeypatch.setattr(ExecMap, "src_on", src_on)
     # Triton not loaded, as in a fresh process, whatever earlier tests on a GPU machine loaded
     monkeypatch.setattr(registry._LOADS, "ready", set())
     monkeypatch.setattr(registry._LOADS, "failed", set())
@@ -262,9 +248,6 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     swizzled = plan_layer("nvfp4", "trtllm", 384, 1536).w13_scale.compiled()  # shapes no other test plans
     rows = plan_layer("bf16", "trtllm", 384, 1536).w2.compiled()  # no swizzle
     permuted = plan_layer("fp8", "trtllm", 384, 1536).w13.compiled()
-    small = plan_layer("fp8", "trtllm", 128, 1536).w13.compiled()  # its experts a third of permuted's
-    monkeypatch.setattr(prebuilt, "L2_RING_BYTES", 2 * small.in_bytes)  # permuted: along its cycles
-    assert prebuilt.runs_l2(small) and not prebuilt.runs_l2(permuted)
     assert swizzled.ends_swizzled and not rows.ends_swizzled and permuted.is_permutation
     triton = registry.EXECUTORS["triton"]
     planner = prebuilt.PLANNER_THREAD
@@ -277,20 +260,14 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
     assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "prebuilt"
     assert loads[0] == ("strided", 5, caller)
     prebuilt.plan_in_background(permuted, True, dev)
-    prebuilt.plan_in_background(small, True, dev)
     prebuilt.wait_for_plans()
-    want = [("strided", 5, caller), ("swizzle", 5, planner), ("cycles", 5, planner), ("inplace_l2", 5, planner)]
-    assert loads == want
+    assert loads == [("strided", 5, caller), ("swizzle", 5, planner), ("cycles", 5, planner)]
     kernels = {"strided": prebuilt._STRIDEDS, "swizzle": prebuilt._SWIZZLES, "cycles": prebuilt._FUNCTIONS}
-    kernels["inplace_l2"] = prebuilt._L2S
     assert got == {(src, name, 5, planner) for src, names in kernels.items() for name in names.values()}  # the
     # planner got them all
-    # the row table, the cycle plan and the sources put there by the planner, each waited for
-    assert tables == [(swizzled.name, "cuda:5", True, planner)] + [
-        (t, "cuda:5", True, planner) for t in ("cycle plan", "sources")
-    ]
+    # the row table and the cycle plan put there by the planner, each waited for
+    assert tables == [(swizzled.name, "cuda:5", True, planner), ("cycle plan", "cuda:5", True, planner)]
     assert prebuilt.planned(swizzled, False, dev) and prebuilt.planned(permuted, True, dev)
-    assert prebuilt.planned(small, True, dev)
     assert registry._loaded_or_stand_in(triton, swizzled, dev).name == "prebuilt"
     assert prebuilt.planned(swizzled, False) and not prebuilt.planned(swizzled, False, "cuda:6")  # not loaded there
 
@@ -323,10 +300,7 @@ def emulated(tmp_path_factory):
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     lib = ctypes.CDLL(str(lib_path))
 
-    class Launched(list):  # the names launched, and where the library is
-        library = ""
-
-    launched = Launched()
+    launched: list[str] = []
 
     def by_value(kind, value):  # a structure (the strided kernel's form table) set as the driver's launch sets it
         if not issubclass(kind, ctypes.Structure):
@@ -350,33 +324,8 @@ def emulated(tmp_path_factory):
 
     saved = prebuilt.cuda_driver.launch, prebuilt.cuda_driver.run
     prebuilt.cuda_driver.launch, prebuilt.cuda_driver.run = launch, run
-    launched.library = str(lib_path)
     yield launched
     prebuilt.cuda_driver.launch, prebuilt.cuda_driver.run = saved
-
-
-@pytest.fixture
-def l2_host(monkeypatch):
-    """What the through-L2 launch asks of the device, answered for the host: ``grid`` blocks (1 an SM x 3 SMs unless
-    set), one stream, fresh counters. Its ``sleeps()``: the kernel's waits that slept so far."""
-    from fimoe_lab.kernels import cuda_driver
-
-    monkeypatch.setattr(cuda_driver, "occupancy", lambda source, name, index, threads: 1)
-    monkeypatch.setattr(cuda_driver, "multiprocessors", lambda index: 3)
-    monkeypatch.setattr(cuda_driver, "current_stream", lambda index: 0)
-    monkeypatch.setattr(prebuilt, "_L2_COUNTERS", {})
-    return monkeypatch
-
-
-def run_emulated_l2(m, x: torch.Tensor) -> tuple[set[str], torch.Tensor]:
-    """``m`` in place on ``x`` through :func:`prebuilt.inplace_l2` (the kernel source on the host): the kernels
-    launched and the counters it used."""
-    flat = x.view(x.shape[0], -1).view(torch.uint8)
-    em = m.compiled()
-    em._dev.pop(("l2 launch", flat.get_device(), flat.shape[0]), None)  # its grid and ring as this test sets them
-    for _ in prebuilt.inplace_l2(em, flat, 1):
-        pass
-    return prebuilt._L2_COUNTERS[(flat.get_device(), 0)] if prebuilt._L2_COUNTERS else None
 
 
 def run_emulated(m, x: torch.Tensor, scratch: int) -> None:
@@ -426,10 +375,9 @@ def test_cycle_plans_built_in_the_background_are_the_ones_a_launch_uses(
     gather's bytes; asking twice queues once; a map no cycle plan fits leaves nothing and no hang."""
     from fimoe_lab.kernels import cycles
 
-    monkeypatch.setattr(prebuilt, "L2_RING_BYTES", 0)  # along their cycles, not through the L2
     m = getattr(plan_layer(fmt, "trtllm", inter, hidden), tensor)  # permutations of shapes no other test plans
     em = m.compiled()
-    assert not prebuilt.runs_l2(em) and not prebuilt.planned(em, True)
+    assert not prebuilt.planned(em, True)
     prebuilt.plan_in_background(em, True)
     prebuilt.plan_in_background(em, True)
     prebuilt.wait_for_plans()
@@ -481,22 +429,16 @@ def test_the_kernel_source_permutes_every_engine_map_in_place(emulated, m, shift
 
 
 @pytest.mark.parametrize("m", list(in_place_maps()))
-def test_the_default_in_place_strategy_of_every_engine_map(emulated, l2_host, m):
+def test_the_default_in_place_strategy_of_every_engine_map(emulated, m):
     """Once planned (as the planner thread leaves a map), the prebuilt executor's ``auto`` strategy runs every
-    engine permutation through the L2 when its cells and experts are whole 16-byte words, else along its cycle plan
-    when its cells span a sector, else as copy-then-gather: the byte-loop reference's bytes each way."""
+    engine permutation along its cycle plan when its cells span a sector and as copy-then-gather when they do not:
+    the byte-loop reference's bytes either way."""
     em = m.compiled()
     prebuilt.build_plan(em, True)
-    in_l2, cycles = prebuilt.runs_l2(em), em.cell_bytes >= prebuilt.MIN_CYCLE_CELL
-    assert in_l2 is (em.cell_bytes % 16 == 0 and em.in_bytes % 16 == 0)  # engine experts: well inside the ring
-    want = "l2" if in_l2 else "cycles" if cycles else "copy-then-gather"
-    assert registry.EXECUTORS["prebuilt"].strategy(em).name == want
-    launched = in_place_launches(emulated, m, em, 3)
-    l2_kernels, cycle_kernels = set(prebuilt._L2S.values()), set(prebuilt._FUNCTIONS.values())
-    if in_l2:
-        assert launched == {prebuilt._L2S[prebuilt.L2_ITEMS]}
-    else:
-        assert launched <= cycle_kernels if cycles else not launched & (cycle_kernels | l2_kernels)
+    cycles = em.cell_bytes >= prebuilt.MIN_CYCLE_CELL
+    assert registry.EXECUTORS["prebuilt"].strategy(em).name == ("cycles" if cycles else "copy-then-gather")
+    launched, cycle_kernels = in_place_launches(emulated, m, em, 3), set(prebuilt._FUNCTIONS.values())
+    assert launched <= cycle_kernels if cycles else not launched & cycle_kernels
 
 
 def all_engine_maps():
@@ -593,28 +535,16 @@ def test_a_map_of_two_strided_stages_runs_strided_from_its_first_call(emulated, 
     assert len(emulated) == 1 and emulated[0] in prebuilt._SWIZZLES.values()
 
 
-@pytest.mark.parametrize("inter,in_l2", [(224, True), (240, False)])
-def test_an_in_place_strided_map_runs_on_the_strided_kernel_until_its_plan_is_built(emulated, l2_host, inter, in_l2):
-    """In place, the prebuilt executor's default strategy for a map of the strided form read back from its record
-    (sources not found) copies each chunk of experts aside and gathers it back on the strided kernel while its plan
-    is not built (its first calls in a process, the planner building the plan), then runs through the L2 (its plan:
-    the map's sources) or, for experts too large for the L2 ring, along its cycle plan: the reference loop's bytes
-    each way. A map compiled in the process knows its sources: through the L2 it needs nothing more."""
-    from fimoe_lab.compile import compiled_from, form_record
-
-    m = plan_layer("fp8", "trtllm", inter, 640).w13  # permutations of shapes no other test plans
-    compiled = m.compiled()
-    if not in_l2:  # a ring smaller than two of its experts
-        l2_host.setattr(prebuilt, "L2_RING_BYTES", compiled.in_bytes)
-    assert prebuilt.runs_l2(compiled) is in_l2 and compiled.sources_found()
-    assert prebuilt.planned(compiled, True) is in_l2
-    em = compiled_from(m, form_record(compiled))
-    assert em.is_permutation and prebuilt.runs_strided(em) and not em.sources_found()
-    assert not prebuilt.planned(em, True)
+def test_an_in_place_strided_map_runs_on_the_strided_kernel_until_its_cycle_plan_is_built(emulated):
+    """In place, the prebuilt executor's default strategy for a map of the strided form copies each chunk of
+    experts aside and gathers it back on the strided kernel while its cycle plan is not built (its first calls in
+    a process, the planner building the plan), then runs the cycle plan: the reference loop's bytes both ways."""
+    m = plan_layer("fp8", "trtllm", 224, 640).w13  # a permutation of shapes no other test plans
+    em = m.compiled()
+    assert em.is_permutation and prebuilt.runs_strided(em) and not prebuilt.planned(em, True)
     for built in (False, True):
-        name = ("l2" if in_l2 else "cycles") if built else "copy-then-gather"
-        assert registry.EXECUTORS["prebuilt"].strategy(em).name == name
-        kernels = (prebuilt._L2S if in_l2 else prebuilt._FUNCTIONS) if built else prebuilt._STRIDEDS
+        assert registry.EXECUTORS["prebuilt"].strategy(em).name == ("cycles" if built else "copy-then-gather")
+        kernels = prebuilt._FUNCTIONS if built else prebuilt._STRIDEDS
         assert in_place_launches(emulated, m, em, 5) <= set(kernels.values())
         prebuilt.build_plan(em, True)  # as the planner thread does
 
@@ -886,69 +816,6 @@ def test_the_kernel_source_follows_any_cycles(emulated, cells, cell_bytes, exper
     assert torch.equal(y, byte_gather(m, x))
 
 
-def l2_sleeps(emulated) -> int:
-    """The through-L2 kernel's waits that slept in this process's emulation so far."""
-    lib = ctypes.CDLL(emulated.library)
-    lib.emulate_sleeps.restype = ctypes.c_longlong
-    return lib.emulate_sleeps()
-
-
-@pytest.mark.parametrize("ring", [2, 3, 5])
-@pytest.mark.parametrize("m", [p for p in in_place_maps() if p.values[0].compiled().cell_bytes % 16 == 0])
-def test_the_through_l2_kernel_source_permutes_every_engine_map_in_place(emulated, l2_host, m, ring):
-    """Every engine permutation of whole 16-byte cells through :func:`prebuilt.inplace_l2` and the kernel's source:
-    the byte-loop reference's bytes for 1, 3 and 7 experts through rings of 2, 3 and 5 slots (experts gathered into
-    slots that earlier experts left); blocks one after another never wait (the work items come in an order whose
-    waits are already met); the last block leaves the counters zero for the next launch. A buffer off 16 bytes runs
-    the cycle kernel instead."""
-    from reference_loops import byte_gather
-
-    l2_host.setattr(prebuilt, "L2_MAX_RING", ring)
-    slept = l2_sleeps(emulated)
-    for experts in (1, 3, 7):
-        for x in host_inputs(m, experts):
-            y = x.clone()
-            emulated.clear()
-            ctl = run_emulated_l2(m, y)
-            assert torch.equal(y, byte_gather(m, x).reshape(experts, -1))
-            assert emulated == [prebuilt._L2S[prebuilt.L2_ITEMS]] and not ctl.any()
-    assert l2_sleeps(emulated) == slept
-    y = shifted_copy(x, 4)
-    emulated.clear()
-    run_emulated_l2(m, y)
-    assert torch.equal(y, byte_gather(m, x)) and set(emulated) <= set(prebuilt._FUNCTIONS.values())
-
-
-@settings(max_examples=20, deadline=None)
-@given(
-    cells=st.integers(1, 700),
-    cell_bytes=st.sampled_from([16, 32, 48, 128, 1040]),
-    experts=st.integers(1, 6),
-    ring=st.integers(2, 5),
-    seed=st.integers(0, 2**16),
-)
-def test_the_through_l2_kernel_source_follows_any_permutation(emulated, cells, cell_bytes, experts, ring, seed):
-    """Random permutations of cells of whole 16-byte words (experts of one or several tiles, any ring), against the
-    byte-loop reference, counters zero after."""
-    from reference_loops import byte_gather
-
-    from fimoe_lab.kernels import cuda_driver
-    from fimoe_lab.layout import IndexMap
-
-    g = torch.Generator().manual_seed(seed)
-    m = IndexMap(torch.randperm(cells, generator=g), cell_bytes, (cells * cell_bytes,), (cells * cell_bytes,))
-    x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, generator=g)
-    y = x.clone()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cuda_driver, "occupancy", lambda source, name, index, threads: 1)
-        patch.setattr(cuda_driver, "multiprocessors", lambda index: 1 + seed % 4)
-        patch.setattr(cuda_driver, "current_stream", lambda index: 0)
-        patch.setattr(prebuilt, "_L2_COUNTERS", {})
-        patch.setattr(prebuilt, "L2_MAX_RING", ring)
-        ctl = run_emulated_l2(m, y)
-    assert torch.equal(y, byte_gather(m, x)) and not ctl.any()
-
-
 @pytest.fixture
 def driver_seen(monkeypatch):
     """The driver's launch call faked: each launch's grid, block, stream and argument values as the driver reads them
@@ -970,7 +837,7 @@ def driver_seen(monkeypatch):
     module = types.SimpleNamespace(current=contextlib.nullcontext)
     monkeypatch.setattr(cuda_driver, "kernel", lambda source, name, device: (module, 7))
     monkeypatch.setattr(cuda_driver, "_lib", lambda: types.SimpleNamespace(cuLaunchKernelEx=fake_launch))
-    monkeypatch.setattr(cuda_driver, "current_stream", lambda index: 1000 + index)
+    monkeypatch.setattr(cuda_driver, "_current_stream", lambda index: 1000 + index)
     monkeypatch.setattr(cuda_driver, "_LAUNCHES", {})
     return seen
 
@@ -1055,14 +922,11 @@ def test_in_place_cells_under_a_sector_plan_as_a_gather():
         em = m.compiled()
         assert em.is_permutation and prebuilt.runs_cycles(em) is cycles
         assert (em.cell_bytes >= prebuilt.MIN_CYCLE_CELL) is cycles
-        in_l2 = prebuilt.runs_l2(em)  # the 128-byte blocks: through the L2, whose plan is the map's sources
-        assert in_l2 is cycles
-        wants = (prebuilt.L2_SOURCE, prebuilt.SOURCE) if in_l2 else prebuilt.sources_for(em, False)
-        assert prebuilt.sources_for(em, True) == wants
-        assert prebuilt.planned(em, True) is in_l2  # a compiled map knows its sources: the L2 path's plan
+        assert prebuilt.sources_for(em, True) == ((prebuilt.SOURCE,) if cycles else prebuilt.sources_for(em, False))
+        assert not prebuilt.planned(em, True)
         prebuilt.build_plan(em, True)  # as the planner thread does
         assert prebuilt.planned(em, True)
-        assert em.sources_found() and not prebuilt.cycle_plan_built(em, prebuilt._tile_slots(em))
+        assert prebuilt.cycle_plan_built(em, prebuilt._tile_slots(em)) is cycles
         assert cycles or prebuilt.planned(em, False)  # the gather's plan: sources and row forms found
 
 

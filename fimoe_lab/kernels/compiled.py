@@ -265,20 +265,16 @@ class ExecMap:
         vals = [fill_word(b, word) for b in self.fills] or [0]
         return np.array(vals, dtype=dt)
 
-    def src_on(self, device: torch.device, wait: bool = False) -> torch.Tensor:
-        """:attr:`src` on ``device``, copied once and kept. The copy does not wait for the stream (launches after it,
-        on the same stream, read it in order), or, with ``wait`` (for another thread's stream: the background
-        planner), is complete when this returns."""
+    def src_on(self, device: torch.device) -> torch.Tensor:
         key = ("src", str(device))
         if key not in self._dev:
-            self._dev[key] = torch.from_numpy(self.src).to(device, non_blocking=not wait)
+            self._dev[key] = torch.from_numpy(self.src).to(device)
         return self._dev[key]
 
     def fills_on(self, device: torch.device, word: int) -> torch.Tensor:
-        """:meth:`fill_words` on ``device``, copied once and kept, as :meth:`src_on` copies."""
         key = ("fills", str(device), word)
         if key not in self._dev:
-            self._dev[key] = torch.from_numpy(self.fill_words(word)).to(device, non_blocking=True)
+            self._dev[key] = torch.from_numpy(self.fill_words(word)).to(device)
         return self._dev[key]
 
 

@@ -22,19 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "Bound",
-    "CudaDriverError",
-    "available",
-    "cuda_index",
-    "current_stream",
-    "kernel",
-    "launch",
-    "multiprocessors",
-    "occupancy",
-    "run",
-    "tried",
-]
+__all__ = ["Bound", "CudaDriverError", "available", "cuda_index", "kernel", "launch", "run", "tried"]
 
 _SUCCESS = 0
 
@@ -56,7 +44,6 @@ def _lib() -> ctypes.CDLL:
         "cuModuleLoadData": [ctypes.POINTER(p), p],
         "cuModuleGetFunction": [ctypes.POINTER(p), p, ctypes.c_char_p],
         "cuLaunchKernelEx": [p, p, p, p],
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(i), p, i, ctypes.c_size_t],
     }
     for name, args in signatures.items():
         try:
@@ -217,7 +204,7 @@ class _Launch:
     def fire(self, index: int, name: str) -> None:
         """Launch with the values and grid as set, on torch's current stream of device ``index`` (caller holds
         :attr:`lock`), in the module's context (made current for the call where another one is)."""
-        self.config.stream = current_stream(index)
+        self.config.stream = _current_stream(index)
         with self.module.current():
             result = _lib().cuLaunchKernelEx(self.config_ref, self.fn, self.params, None)
         if result != _SUCCESS:
@@ -228,32 +215,12 @@ _LAUNCHES: dict[tuple, _Launch] = {}
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def current_stream(index: int) -> int:
+def _current_stream(index: int) -> int:
     """The handle of torch's current stream on CUDA device ``index``: read directly where torch offers it (a
     ``torch.cuda.Stream`` object built per launch costs more than the launch)."""
     if _RAW_STREAM is not None:
         return _RAW_STREAM(index)
     return torch.cuda.current_stream(index).cuda_stream
-
-
-@functools.cache  # per function and block size: what the device holds does not change
-def occupancy(source: str, name: str, index: int, threads: int) -> int:
-    """Blocks of ``threads`` threads of function ``name`` of ``source`` that one multiprocessor of CUDA device
-    ``index`` runs at once (its registers and shared memory, no dynamic shared memory)."""
-    module, fn = kernel(source, name, torch.device("cuda", index))
-    blocks = ctypes.c_int()
-    with module.current():
-        _check(
-            _lib().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), fn, threads, 0),
-            f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})",
-        )
-    return blocks.value
-
-
-@functools.cache
-def multiprocessors(index: int) -> int:
-    """The multiprocessors (SMs) of CUDA device ``index``."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def launch(

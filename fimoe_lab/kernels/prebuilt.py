@@ -15,10 +15,7 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
 - in place (``kernels/cuda/cycles.cu``): a block moves one tile of a
   :class:`~fimoe_lab.kernels.cycles.CyclePlan`, ``BM`` slots x ``BW`` words of their cells, every source
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
-  kernel does; cells under :data:`MIN_CYCLE_CELL` bytes are copied aside and gathered back instead;
-- in place through the L2 (``kernels/cuda/inplace_l2.cu``): for experts small enough that a ring of a few of them
-  stays in the L2 (:func:`runs_l2`), one persistent launch gathers each expert into a ring slot and copies the
-  slot back over the expert, so each byte is read from and written to memory once, as a gather out of place.
+  kernel does; cells under :data:`MIN_CYCLE_CELL` bytes are copied aside and gathered back instead.
 
 Tile shape (the gather and cycle kernels): ``THREADS * ITEMS`` words a block (the constants of the ``.cu`` files); the
 word is 16 bytes where the cell and the buffers allow it, else 4, else 1; ``BW`` is the largest power of
@@ -92,8 +89,6 @@ SWIZZLE_SOURCE = "swizzle"
 """The fatbin of ``kernels/cuda/swizzle.cu``."""
 STRIDED_SOURCE = "strided"
 """The fatbin of ``kernels/cuda/strided.cu``."""
-L2_SOURCE = "inplace_l2"
-"""The fatbin of ``kernels/cuda/inplace_l2.cu`` (in place through a ring of expert slots in the L2)."""
 MAX_DIGITS = 8
 """Most digits the strided kernel divides a word's index into (``MAX_DIGITS`` of ``strided.cu``): the word within
 its cell and the form's."""
@@ -115,28 +110,8 @@ _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"
 _GATHERS = {16: "fimoe_gather_w16", 4: "fimoe_gather_w4", 1: "fimoe_gather_w1"}
 _SWIZZLES = {16: "fimoe_swizzle"}
 _STRIDEDS = {16: "fimoe_strided_w16", 4: "fimoe_strided_w4", 1: "fimoe_strided_w1"}
-_L2S = {8: "fimoe_inplace_l2_i8", 4: "fimoe_inplace_l2_i4"}
-_KERNELS = {
-    SOURCE: _FUNCTIONS,
-    GATHER_SOURCE: _GATHERS,
-    SWIZZLE_SOURCE: _SWIZZLES,
-    STRIDED_SOURCE: _STRIDEDS,
-    L2_SOURCE: _L2S,
-}
-"""Each fatbin's kernels, by the word (bytes) they move (the swizzle kernel: loads and stores; the through-L2
-kernel: by the 16-byte words a thread moves a step)."""
-L2_ITEMS = 8
-"""16-byte words a thread of the through-L2 kernel moves a step (its ``_i8`` or ``_i4`` function)."""
-L2_TILE_WORDS = THREADS * 8
-"""16-byte words of one work item of the through-L2 kernel (a tile of an expert; a multiple of ``THREADS * NI`` for
-both of its functions)."""
-L2_RING_BYTES = 24 << 20
-"""Most bytes the through-L2 kernel's ring of expert slots takes (about half of an H100's or H200's 50 MB L2): an
-expert runs through the L2 when two slots fit (:func:`runs_l2`)."""
-L2_MAX_RING = 5
-"""Most expert slots in the through-L2 kernel's ring: the experts gathered ahead of the one copied back, plus one."""
-L2_DISCARD = 2
-"""The through-L2 kernel's flag that drops each copied-back scratch line from the L2 (no write-back to memory)."""
+_KERNELS = {SOURCE: _FUNCTIONS, GATHER_SOURCE: _GATHERS, SWIZZLE_SOURCE: _SWIZZLES, STRIDED_SOURCE: _STRIDEDS}
+"""Each fatbin's kernels, by the word (bytes) they move (the swizzle kernel: loads and stores)."""
 MAX_GRID_Y = 65535
 """Most experts one launch covers (CUDA's grid y limit)."""
 MIN_CYCLE_CELL = 32
@@ -153,12 +128,9 @@ def available(device: torch.device | str) -> bool:
 
 
 def sources_for(em: ExecMap, in_place: bool) -> tuple[str, ...]:
-    """The fatbins a run of ``em`` may launch: in place the through-L2 kernel's (:func:`runs_l2`; the cycle kernel's
-    too, for a buffer off 16 bytes) or the cycle kernel's; out of place the strided kernel's for a map of the strided
-    form (:func:`runs_strided`), else the gather kernel's, and the swizzle kernel's too for a map that ends in the
-    128x4 swizzle (an output off 16 bytes goes to the other)."""
-    if in_place and runs_l2(em):
-        return (L2_SOURCE, SOURCE)
+    """The fatbins a run of ``em`` may launch: in place the cycle kernel's; out of place the strided kernel's for a
+    map of the strided form (:func:`runs_strided`), else the gather kernel's, and the swizzle kernel's too for a map
+    that ends in the 128x4 swizzle (an output off 16 bytes goes to the other)."""
     if in_place and runs_cycles(em):
         return (SOURCE,)
     first = STRIDED_SOURCE if runs_strided(em) else GATHER_SOURCE
@@ -170,17 +142,6 @@ def runs_cycles(em: ExecMap) -> bool:
     place is copy-then-gather on the out-of-place kernels, which :func:`planned` and :func:`build_plan` then ask
     for)."""
     return em.cell_bytes >= MIN_CYCLE_CELL
-
-
-def runs_l2(em: ExecMap) -> bool:
-    """Whether ``em`` runs in place through the L2 (:func:`inplace_l2`): cells and experts of whole 16-byte words,
-    and experts small enough that two ring slots fit :data:`L2_RING_BYTES`."""
-    return em.cell_bytes % 16 == 0 and em.in_bytes % 16 == 0 and 2 * _l2_slot_bytes(em) <= L2_RING_BYTES
-
-
-def _l2_slot_bytes(em: ExecMap) -> int:
-    """An expert's ring slot: its bytes rounded up to a 128-byte line (so a tile's lines are whole)."""
-    return cdiv(em.in_bytes, 128) * 128
 
 
 def runs_strided(em: ExecMap) -> bool:
@@ -250,16 +211,13 @@ def _tile_slots(em: ExecMap) -> int:
 
 
 def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = None) -> bool:
-    """Whether ``em`` is ready to launch at once: in place, its cycle plan (for an aligned buffer) is built, or for a
-    map that runs through the L2 (:func:`runs_l2`) its sources are known (and on the ``device``, if given); a
+    """Whether ``em`` is ready to launch at once: in place, its cycle plan (for an aligned buffer) is built; a
     gather, its cells' sources are known (a map run as strided copies finds them only when first read; a map
     that ends in the 128x4 swizzle finds them, and its ``swizzled_rows`` form, when that form is first read);
     and, given a ``device``, the fatbins it needs are loaded there and the cycle plan or, for a gather of the strided
     form that the swizzle kernel takes, its row table (:func:`swizzle_ready`) are on it."""
     if device is not None and not all(cuda_driver.tried(source, device) for source in sources_for(em, in_place)):
         return False
-    if in_place and runs_l2(em):
-        return em.sources_found() and (device is None or ("src", str(_normal(device))) in em._dev)
     if in_place and runs_cycles(em):
         slots = _tile_slots(em)
         return cycle_plan_built(em, slots) and (device is None or cycle_plan(em, slots).is_on(_normal(device)))
@@ -275,13 +233,7 @@ def build_plan(em: ExecMap, in_place: bool, device: torch.device | None = None) 
     an aligned buffer); a gather its sources, and its ``swizzled_rows`` form where it ends in the 128x4 swizzle.
     Given a ``device``, the cycle plan is copied there, and a gather of the strided form that has that form gets its
     row table there (:func:`swizzle_ready`: its calls there go to the swizzle kernel from then on), each copy complete
-    before this returns (the planner's thread: the caller's stream never waits on it). In place through the L2
-    (:func:`runs_l2`) the plan is the map's sources, copied to the device likewise."""
-    if in_place and runs_l2(em):
-        em.src  # noqa: B018 - found and kept on the map
-        if device is not None:
-            em.src_on(device, wait=True)
-        return
+    before this returns (the planner's thread: the caller's stream never waits on it)."""
     if in_place and runs_cycles(em):
         plan = cycle_plan(em, _tile_slots(em))
         if device is not None:
@@ -640,77 +592,6 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
             _launch(name, part, scratch, saved, saved, n_saved, shape, cdiv(n_saved, bm) * nc, save=1)
         _launch(name, part, scratch, dst, src, plan.moved, shape, plan.n_tiles * nc, save=0)
         yield s0 + cnt, scratch
-
-
-def inplace_l2(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
-    """Permute every expert of ``flat`` ``(E, bytes)`` (CUDA, 16-byte aligned; else :func:`inplace_cycles`) in place
-    in one launch of the through-L2 kernel: each expert gathered into a ring slot of ``S`` (:func:`l2_ring`), then
-    copied back over itself, while later experts are gathered into the other slots. The scratch is the ring (at most
-    :data:`L2_RING_BYTES`); ``scratch_experts`` is not used.
-
-    Yields ``E`` once, after the launch (one launch: nothing moves before it, and all of it is queued after)."""
-    if flat.data_ptr() % 16:
-        yield from inplace_cycles(em, flat, scratch_experts)
-        return
-    experts, device, index = flat.shape[0], flat.device, flat.get_device()
-    key = ("l2 launch", index, experts)
-    bound = em._dev.get(key)
-    if bound is None:
-        bound = em._dev[key] = _l2_launch(em, index, experts)
-    ring = bound.args[5][1]
-    scratch = torch.empty((min(ring, experts) * _l2_slot_bytes(em),), dtype=torch.uint8, device=device)
-    src = em.src_on(device)
-    ctl = _l2_counters(device, index, experts)
-    cuda_driver.run(bound, flat.data_ptr(), scratch.data_ptr(), src.data_ptr(), ctl.data_ptr())
-    yield experts, scratch
-
-
-def l2_ring(em: ExecMap) -> int:
-    """Expert slots in the through-L2 kernel's ring for ``em``: as many as :data:`L2_RING_BYTES` holds, from 2 to
-    :data:`L2_MAX_RING`."""
-    return max(2, min(L2_MAX_RING, L2_RING_BYTES // _l2_slot_bytes(em)))
-
-
-def _l2_launch(em: ExecMap, index: int, experts: int) -> cuda_driver.Bound:
-    """The through-L2 kernel's launch of ``em`` over ``experts`` experts on device ``index``, its four addresses
-    (buffer, scratch, sources, counters) given at each run: a persistent grid of as many blocks as the device holds
-    at once, ``2 E T`` work items (a gather and a copy back of each of an expert's ``T`` tiles)."""
-    words = em.in_bytes // 16
-    tiles = cdiv(words, L2_TILE_WORDS)
-    if words >= 1 << 31 or 2 * experts * tiles >= 1 << 31:
-        raise LayoutError(f"{em.name}: {experts} experts of {words} words are more than the through-L2 kernel counts")
-    cell_words = em.cell_bytes // 16
-    shift = cell_words.bit_length() - 1
-    name = _L2S[L2_ITEMS]
-    blocks = cuda_driver.occupancy(L2_SOURCE, name, index, THREADS) * cuda_driver.multiprocessors(index)
-    c_int, ptr = ctypes.c_int, ctypes.c_void_p
-    args = [(ptr, 0)] * 4 + [
-        (c_int, experts),
-        (c_int, l2_ring(em)),
-        (c_int, tiles),
-        (c_int, L2_TILE_WORDS),
-        (c_int, cell_words),
-        (c_int, shift if cell_words == 1 << shift else -1),
-        (c_int, words),
-        (ctypes.c_longlong, _l2_slot_bytes(em) // 16),
-        (c_int, L2_DISCARD),
-    ]
-    return cuda_driver.Bound(L2_SOURCE, name, index, (max(1, blocks), 1, 1), (THREADS, 1, 1), args)
-
-
-_L2_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-"""The through-L2 kernel's counters per device and stream (``2 + 2 E`` int32, zero between launches: the kernel's
-last block zeroes them; launches on one stream take turns, two streams have their own)."""
-
-
-def _l2_counters(device: torch.device, index: int, experts: int) -> torch.Tensor:
-    """Zeroed counters for a launch of ``experts`` experts on torch's current stream of ``device`` (index
-    ``index``)."""
-    key = (index, cuda_driver.current_stream(index))
-    ctl = _L2_COUNTERS.get(key)
-    if ctl is None or ctl.numel() < 2 + 2 * experts:
-        ctl = _L2_COUNTERS[key] = torch.zeros(2 + 2 * experts, dtype=torch.int32, device=device)
-    return ctl
 
 
 def _launch(

@@ -187,22 +187,6 @@ def _gather_prebuilt(em, x, out):
         _gather_torch(em, x, out)
 
 
-def _l2_prebuilt(em, flat, scratch_experts, config):
-    return _module("prebuilt").inplace_l2(em, flat, scratch_experts)
-
-
-def _runs_l2(em: ExecMap) -> bool:
-    return _module("prebuilt").runs_l2(em)
-
-
-def _l2_now(em: ExecMap) -> bool:
-    """``auto`` runs a map through the L2 (:func:`.prebuilt.runs_l2`) once its sources are known: a map of the
-    strided form copies each chunk aside and gathers it back on the strided kernel until the planner has found them
-    (its first calls)."""
-    pre = _module("prebuilt")
-    return pre.runs_l2(em) and (not pre.runs_strided(em) or pre.planned(em, True))
-
-
 def _cycles_prebuilt(em, flat, scratch_experts, config):
     return _module("prebuilt").inplace_cycles(em, flat, scratch_experts)
 
@@ -316,13 +300,6 @@ EXECUTORS: dict[str, Executor] = {
             0,
             _gather_prebuilt,
             (
-                InPlace(
-                    "l2",
-                    _l2_prebuilt,
-                    fits=_runs_l2,
-                    prefers=_l2_now,
-                    requirement="cells and experts of whole 16-byte words, two experts within the L2 ring's bytes",
-                ),
                 InPlace("cycles", _cycles_prebuilt, prefers=_cycles_now),
                 _copy_then_gather(_gather_prebuilt),
             ),

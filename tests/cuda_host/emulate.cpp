@@ -5,7 +5,6 @@
 
 #include "cycles.cu"
 #include "gather.cu"
-#include "inplace_l2.cu"
 #include "strided.cu"
 #include "swizzle.cu"
 
@@ -18,7 +17,6 @@ static void run_grid(Body body, unsigned gx, unsigned gy, unsigned threads, bool
         pool.emplace_back([&, t] {
             fimoe_block_barrier = &bar;
             threadIdx = {t, 0, 0};
-            gridDim = {gx, gy, 1};
             for (unsigned y = 0; y < gy; ++y) {
                 for (unsigned x = 0; x < gx; ++x) {
                     blockIdx = {x, y, 0};
@@ -75,20 +73,3 @@ EMULATE_SWIZZLE(fimoe_swizzle)
 EMULATE_STRIDED(fimoe_strided_w16, word16)
 EMULATE_STRIDED(fimoe_strided_w4, word4)
 EMULATE_STRIDED(fimoe_strided_w1, word1)
-
-// Blocks one after another (the first takes every ticket, in an order that never waits; the others find the tickets
-// spent, the last out zeroes the counters). emulate_sleeps: the waits that slept, over the process so far.
-#define EMULATE_L2(NAME)                                                                                        \
-    extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, word16* x, word16* scratch,       \
-                                   const int* src, int* ctl, int n_experts, int ring, int n_tiles, int tile_words, \
-                                   int cell_words, int cell_shift, int expert_words, long long slot_words,       \
-                                   int flags) {                                                                 \
-        run_grid([&] { NAME(x, scratch, src, ctl, n_experts, ring, n_tiles, tile_words, cell_words, cell_shift,  \
-                            expert_words, slot_words, flags); },                                                \
-                 gx, gy, threads, true);                                                                        \
-    }
-
-EMULATE_L2(fimoe_inplace_l2_i8)
-EMULATE_L2(fimoe_inplace_l2_i4)
-
-extern "C" long long emulate_sleeps() { return fimoe_sleeps.load(); }

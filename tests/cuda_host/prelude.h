@@ -4,15 +4,7 @@
 // next block as soon as it leaves this one, so neighbouring blocks overlap as they may on a GPU).
 #pragma once
 #include <algorithm>
-#include <atomic>
 #include <barrier>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <thread>
-
-#define FIMOE_HOST 1  // kernels keep their inline PTX (L2 hints, acquire loads) out of the host build
 
 using std::max;
 using std::min;
@@ -20,7 +12,7 @@ using std::min;
 struct fimoe_dim3 {
     unsigned x, y, z;
 };
-inline thread_local fimoe_dim3 blockIdx, threadIdx, gridDim;
+inline thread_local fimoe_dim3 blockIdx, threadIdx;
 inline thread_local std::barrier<>* fimoe_block_barrier;
 
 #define __global__
@@ -71,32 +63,3 @@ inline unsigned __shfl_down_sync(unsigned, unsigned v, unsigned delta) {
     __syncthreads();
     return got;
 }
-
-// Device-wide atomics and fences: sequentially consistent host atomics.
-inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_seq_cst); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-// The acquire load a wait spins on, and its sleep: every sleep counted (fimoe_sleeps); a wait of more than 20 s (a
-// deadlock) aborts the process.
-inline std::atomic<long long> fimoe_sleeps{0};
-inline int l2_load_acquire(const int* p) {
-    return std::atomic_ref<int>(*const_cast<int*>(p)).load(std::memory_order_acquire);
-}
-inline void __nanosleep(unsigned) {
-    static thread_local std::chrono::steady_clock::time_point since;
-    static thread_local long long mine = 0;
-    const auto now = std::chrono::steady_clock::now();
-    if (mine++ == 0) since = now;
-    if (now - since > std::chrono::seconds(20)) {
-        std::fprintf(stderr, "emulation: a wait lasted 20 s (deadlock)\n");
-        std::abort();
-    }
-    fimoe_sleeps.fetch_add(1);
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-}
-// The L2-only load: a plain load.
-template <typename T>
-inline T __ldcg(const T* p) {
-    return *p;
-}
-// discard.global.L2 of a 128-byte line: its bytes become undefined; here 0xA5, so that a later read of them shows.
-inline void l2_discard_line(uint4* p) { std::memset((void*)p, 0xA5, 128); }
