@@ -266,18 +266,15 @@ class ExecMap:
         return np.array(vals, dtype=dt)
 
     def src_on(self, device: torch.device) -> torch.Tensor:
-        """:attr:`src` on ``device``, copied once and kept. The copy does not wait for the stream: launches after
-        it, on the same stream, read it in order."""
         key = ("src", str(device))
         if key not in self._dev:
-            self._dev[key] = torch.from_numpy(self.src).to(device, non_blocking=True)
+            self._dev[key] = torch.from_numpy(self.src).to(device)
         return self._dev[key]
 
     def fills_on(self, device: torch.device, word: int) -> torch.Tensor:
-        """:meth:`fill_words` on ``device``, copied once and kept, as :meth:`src_on` copies."""
         key = ("fills", str(device), word)
         if key not in self._dev:
-            self._dev[key] = torch.from_numpy(self.fill_words(word)).to(device, non_blocking=True)
+            self._dev[key] = torch.from_numpy(self.fill_words(word)).to(device)
         return self._dev[key]
 
 
