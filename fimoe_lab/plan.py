@@ -240,12 +240,21 @@ class LayerPlan:
         """Return ``(w13, w2, w13_scale, w2_scale)`` in the kernel layout (new tensors): the value rule, if any,
         then each tensor's map (the background planner asked after all four: :data:`.kernels.plans_after_the_call`).
 
-        The tensors are checked (:meth:`check`) and each map's call made (:func:`map_call`) once per shape, dtype,
-        device and contiguity of the four: a model's later layers of the same shapes go straight to their
-        launches."""
+        The tensors are checked (:meth:`check`) and each map's call made (:func:`map_call`, from the tensors after the
+        value rule) once per shape, dtype, device and contiguity of the four: a model's later layers of the same
+        shapes go straight to their launches."""
         given: dict[str, Optional[torch.Tensor]] = dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
-        calls = self._checked_calls(given)
+        kind = tuple(None if x is None else (x.shape, x.dtype, x.device, x.is_contiguous()) for x in given.values())
+        kept: dict[tuple[Any, ...], dict[str, MapCall]] = self.__dict__.setdefault("_calls", {})
+        calls = kept.get(kind)
+        if calls is None:
+            self.check(**given)  # the checkpoint's tensors, before the value rule reads them
         given = value_rules.apply(self.value_rule, given)
+        if calls is None:
+            calls = self._map_calls(given)
+            if len(kept) >= KEPT_CALLS:
+                kept.clear()
+            kept[kind] = calls
         with plans_after_the_call:
             out = tuple(
                 x if x is None else calls[n].run(x) if n in calls else self.apply_tensor(n, x) for n, x in given.items()
@@ -253,21 +262,12 @@ class LayerPlan:
         plan_store.applied(self)
         return out
 
-    def _checked_calls(self, given: dict[str, Optional[torch.Tensor]]) -> dict[str, MapCall]:
-        """The byte maps' calls (tensors without a word bit step) for tensors like ``given``, :meth:`check` ed when
-        first seen: kept on the plan by the tensors' shapes, dtypes, devices and contiguity (at most
-        :data:`KEPT_CALLS` such kinds of input)."""
-        kind = tuple(None if x is None else (x.shape, x.dtype, x.device, x.is_contiguous()) for x in given.values())
-        kept: dict[tuple[Any, ...], dict[str, MapCall]] = self.__dict__.setdefault("_calls", {})
-        calls = kept.get(kind)
-        if calls is None:
-            self.check(**given)  # every mapped tensor is given
-            maps = self.maps().items()
-            calls = {n: map_call(m, x, n) for n, m in maps if n not in self.word_bits and (x := given[n]) is not None}
-            if len(kept) >= KEPT_CALLS:
-                kept.clear()
-            kept[kind] = calls
-        return calls
+    def _map_calls(self, given: dict[str, Optional[torch.Tensor]]) -> dict[str, MapCall]:
+        """The byte maps' calls (tensors without a word bit step) made for the tensors they run on (after the value
+        rule, which keeps each tensor's kind for one kind of checkpoint tensors): :meth:`apply` keeps them by the
+        checkpoint tensors' shapes, dtypes, devices and contiguity (at most :data:`KEPT_CALLS` such kinds)."""
+        maps = self.maps().items()
+        return {n: map_call(m, x, n) for n, m in maps if n not in self.word_bits and (x := given[n]) is not None}
 
     def stored_fields(self) -> dict[str, Any]:
         """What rebuilds this plan besides its byte maps (``LayerPlan(**maps, **fields)``), as JSON values: its sizes
