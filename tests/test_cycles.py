@@ -91,3 +91,18 @@ def test_cycle_order_lists_each_cycle_source_after_cell():
 def test_not_a_permutation_is_refused(src, n_in, fill):
     with pytest.raises(ValueError, match="not a permutation"):
         plan_permutation(np.array(src, dtype=np.int32), n_in, fill, 4)
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_a_plan_on_a_device_is_its_arrays_kept(wait):
+    """``CyclePlan.on`` copies ``(dst, src, saved)`` once and returns the same tensors after (here on the CPU; the
+    copy queued without waiting, read from another stream, is tested on a GPU in test_kernels_gpu.py)."""
+    import torch
+
+    p = np.random.default_rng(3).permutation(500).astype(np.int32)
+    plan = plan_permutation(p, p.size, False, 16)
+    got = plan.on(torch.device("cpu"), wait=wait)
+    assert plan.is_on(torch.device("cpu"))
+    for t, a in zip(got, (plan.dst, plan.src, plan.saved)):
+        assert t.dtype == torch.int32 and np.array_equal(t.numpy(), a)
+    assert all(a is b for a, b in zip(plan.on(torch.device("cpu")), got))

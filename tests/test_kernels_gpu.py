@@ -624,6 +624,36 @@ print(json.dumps([gathers, first, after, "triton" not in sys.modules, torch.equa
 """
 
 
+@pytest.mark.parametrize("user", ["tables", "cycle plan"])
+def test_gpu_tables_copied_without_waiting_are_read_in_order_from_another_stream(user):
+    """A table copied to the device without waiting for its stream (queued behind 0.1 s of work on stream ``a``) and
+    used next on stream ``b`` holds its values there: ``b`` waits for the copy; after it has landed, the same tensors
+    come back with nothing left to wait for."""
+    import numpy as np
+
+    from fimoe_lab.kernels.cycles import plan_permutation
+    from fimoe_lab.kernels.device_tables import DeviceTables
+
+    dev = torch.device("cuda")
+    p = np.random.default_rng(5).permutation(1 << 20).astype(np.int32)
+    plan = plan_permutation(p, p.size, False, 64)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(2_000_000_000 // 10)  # about 0.1 s of device work at 2 GHz: the copies land after it
+        made = DeviceTables((p,), dev, wait=False) if user == "tables" else None
+        want = (p,) if user == "tables" else (plan.dst, plan.src, plan.saved)
+        got = made.ready() if made is not None else plan.on(dev)
+    with torch.cuda.stream(b):
+        seen = [t.clone() for t in (made.ready() if made is not None else plan.on(dev))]
+    torch.cuda.synchronize()
+    for t, w in zip(seen, want):
+        assert np.array_equal(t.cpu().numpy(), w)
+    again = made.ready() if made is not None else plan.on(dev)
+    assert all(x is y for x, y in zip(again, got))
+    if made is not None:
+        assert made._done is None  # landed: later uses wait for nothing
+
+
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 def test_gpu_fresh_process_prebuilt_stand_in():
     """By default a fresh process rotates FP8 weights in place on the strided kernel (each chunk copied aside and

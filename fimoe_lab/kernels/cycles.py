@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from fimoe_lab.errors import LayoutError
+from fimoe_lab.kernels.device_tables import DeviceTables
 
 __all__ = [
     "CyclePlan",
@@ -50,14 +51,15 @@ class CyclePlan:
     _dev: dict = field(default_factory=dict, repr=False)
 
     def on(self, device: torch.device, wait: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dst, src, saved)`` on ``device`` (copied once, then cached on the plan). The copies do not wait for the
-        stream (the caller's launches after them, on the same stream, read them in order), or, with ``wait`` (a
-        thread other than the caller's: the background planner), are complete when this returns."""
+        """``(dst, src, saved)`` on ``device`` (copied once, then cached on the plan), readable by the current
+        stream's next launches (:class:`~fimoe_lab.kernels.device_tables.DeviceTables`). The copies do not wait for
+        the stream, or, with ``wait`` (a thread other than the caller's: the background planner), are complete when
+        this returns."""
         key = str(device)
         if key not in self._dev:
-            arrays = (self.dst, self.src, self.saved)
-            self._dev[key] = tuple(torch.from_numpy(a).to(device, non_blocking=not wait) for a in arrays)
-        return self._dev[key]
+            self._dev[key] = DeviceTables((self.dst, self.src, self.saved), device, wait)
+        dst, src, saved = self._dev[key].ready()
+        return dst, src, saved
 
     def is_on(self, device: torch.device) -> bool:
         """Whether :meth:`on` has put the plan on ``device`` (a call returns it at once)."""

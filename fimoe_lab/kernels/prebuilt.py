@@ -40,6 +40,7 @@ from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels import cuda_driver
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, through_stages
 from fimoe_lab.kernels.cycles import cycle_plan, cycle_plan_built
+from fimoe_lab.kernels.device_tables import DeviceTables
 from fimoe_lab.kernels.tiles import cdiv, pow2_divisor
 
 __all__ = [
@@ -499,8 +500,9 @@ def swizzle_rows_table(em: ExecMap, device: torch.device, wait: bool = False) ->
     int32, a source row, or ``-1 - b`` for a row of fill byte ``b``. Every source row is checked to lie in the
     input (a row past it would be read outside the expert's bytes).
 
-    The copy does not wait for the stream (the caller's launch after it, on the same stream, reads it in order), or,
-    with ``wait`` (the planner's thread, whose stream is not the caller's), is complete when this returns."""
+    The copy does not wait for the stream (:class:`~fimoe_lab.kernels.device_tables.DeviceTables`: readable by the
+    current stream's next launch, whichever stream first used it), or, with ``wait`` (the planner's thread, whose
+    stream is not the caller's), is complete when this returns."""
     key = ("swizzle rows", str(device))
     if key not in em._dev:
         rows, c_in, _, _, _ = em.swizzled_rows
@@ -510,8 +512,8 @@ def swizzle_rows_table(em: ExecMap, device: torch.device, wait: bool = False) ->
         if rows.size and -1 - int(rows.min()) >= len(fills):
             raise LayoutError(f"{em.name}: a swizzled row has fill code {int(rows.min())} of {len(fills)}")
         table = np.where(rows >= 0, rows, -1 - fills[np.maximum(-1 - rows, 0)]).astype(np.int32)
-        em._dev[key] = torch.from_numpy(table).to(device, non_blocking=not wait)
-    return em._dev[key]
+        em._dev[key] = DeviceTables((table,), device, wait)
+    return em._dev[key].ready()[0]
 
 
 def swizzle_tile(cw: int) -> tuple[int, int, int]:
