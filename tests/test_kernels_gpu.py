@@ -655,6 +655,32 @@ def test_gpu_tables_copied_without_waiting_are_read_in_order_from_another_stream
 
 
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
+def test_gpu_kept_swizzle_launches_wait_for_their_row_table_on_another_stream():
+    """A scale map's row table copied to the device without waiting, queued behind 0.1 s of work on stream ``a``;
+    the map's first call on ``a`` runs the swizzle kernel and keeps its launches; the next call, on stream ``b``,
+    runs the kept launches, which wait for the table there: both outputs are the torch executor's bytes."""
+    em = plan_layer("mxfp4", "trtllm", 384, 512).w13_scale.compiled()
+    em._dev.clear()  # no table on the device yet, no kept launches
+    assert prebuilt.swizzles(em)
+    x = torch.randint(0, 256, (8, em.in_bytes), dtype=torch.uint8, device="cuda")
+    want = torch.empty((8, em.out_bytes), dtype=torch.uint8, device="cuda")
+    execute(em, x, out=want, backend="torch")
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(2_000_000_000 // 10)
+        prebuilt.swizzle_rows_table(em, x.device)  # as a caller's first call copies it
+        assert prebuilt.swizzle_ready(em, x.device)
+        first = torch.full_like(want, 0x5A)
+        prebuilt.gather(em, x, first)
+    with torch.cuda.stream(b):
+        second = torch.full_like(want, 0x5A)
+        prebuilt.gather(em, x, second)
+    torch.cuda.synchronize()
+    assert torch.equal(first, want) and torch.equal(second, want)
+
+
+@pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 def test_gpu_fresh_process_prebuilt_stand_in():
     """By default a fresh process rotates FP8 weights in place on the strided kernel (each chunk copied aside and
     gathered back) while the map's cycle plan is built in the background, then on the cycle kernel; a gather of one

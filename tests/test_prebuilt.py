@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from fimoe_lab import env
 from fimoe_lab.errors import FimoeError, FormatError
 from fimoe_lab.kernels import available_backends, execute_in_place, prebuilt, registry
+from fimoe_lab.kernels.device_tables import DeviceTables
 from fimoe_lab.prepare import plan_layer
 
 REAL_LAUNCH, REAL_RUN = prebuilt.cuda_driver.launch, prebuilt.cuda_driver.run  # the driver's, kept before the
@@ -229,7 +230,8 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
 
     def table(em, device, wait=False):  # the row table's copy to the device (none here): recorded, then kept
         tables.append((em.name, str(device), wait, threading.current_thread().name))
-        em._dev[("swizzle rows", str(device))] = torch.zeros(1, dtype=torch.int32)
+        em._dev[("swizzle rows", str(device))] = DeviceTables((np.zeros(1, np.int32),), torch.device("cpu"), True)
+        return em._dev[("swizzle rows", str(device))]
 
     def cycles_on(plan, device, wait=False):  # the cycle plan's copy to the device: recorded, then kept
         tables.append(("cycle plan", str(device), wait, threading.current_thread().name))

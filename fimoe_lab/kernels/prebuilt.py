@@ -331,8 +331,9 @@ def wait_for_plans() -> None:
 
 _KEPT_LAUNCHES = "prebuilt launches"
 """``ExecMap._dev`` key, with the device index, the experts and both buffers' addresses modulo 16: the launches
-:func:`gather` made for such a call (:class:`.cuda_driver.Bound`, run again at each call's addresses), kept once the
-kernel they launch is the one the map keeps."""
+:func:`gather` made for such a call (:class:`.cuda_driver.Bound`, run again at each call's addresses) and the device
+table they read (:class:`~.device_tables.DeviceTables`, or None), kept once the kernel they launch is the one the
+map keeps."""
 
 
 def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -346,31 +347,37 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     addresses once its kernel is the one the map keeps: no form is looked up again."""
     x_at, out_at = x.data_ptr(), out.data_ptr()
     key = (_KEPT_LAUNCHES, x.get_device(), x.shape[0], x_at & 15, out_at & 15)
-    launches = em._dev.get(key)
-    if launches is None:
-        launches, final = _launches(em, x, out)
+    kept = em._dev.get(key)
+    if kept is None:
+        launches, final, tables = _launches(em, x, out)
         if launches is None:
             through_stages(em, x, out, gather, STAGE_BYTES)
             return
         if final:
-            em._dev[key] = launches
+            em._dev[key] = (launches, tables)
+    else:
+        launches, tables = kept
+        if tables is not None:
+            tables.ready()  # a table copied without waiting, read on this stream after it lands
     for bound, out_offset, in_offset in launches:
         cuda_driver.run(bound, out_at + out_offset, x_at + in_offset)
 
 
-def _launches(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> tuple[list | None, bool]:
-    """:func:`gather`'s launches of ``em`` from ``x`` into ``out`` (None: a map of two strided stages), and whether
-    they are final: the kernel the map keeps for such buffers. A map of the strided form (or stages) that ends in the
+def _launches(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> tuple[list | None, bool, DeviceTables | None]:
+    """:func:`gather`'s launches of ``em`` from ``x`` into ``out`` (None: a map of two strided stages), whether
+    they are final (the kernel the map keeps for such buffers) and the device table they read where it was copied
+    without waiting (the swizzle kernel's rows: each later run of the launches makes its stream wait for it). A map of the strided form (or stages) that ends in the
     swizzle takes the swizzle kernel once the planner has readied it on the device (:func:`swizzle_ready`: the
     caller neither finds row forms, nor loads that fatbin, nor copies a table), the strided kernel before. The kernels
     read addresses only: no views of ``x`` and ``out`` are made."""
     strided_form, aligned = runs_strided(em), out.data_ptr() % 16 == 0
     if (not strided_form or swizzle_ready(em, x.device)) and swizzles(em) and aligned:
-        return _swizzle(em, x), True
+        tables = swizzle_rows_table(em, x.device)
+        return _swizzle(em, x, tables.ready()[0]), True, tables
     if strided_form:
         # final unless the swizzle kernel may take these buffers later (row forms not found, or not readied yet)
         final = not em.ends_swizzled or not aligned or (em.row_forms_found() and em.swizzled_rows is None)
-        return (None if em.strided is None else _strided(em, x, out)), final
+        return (None if em.strided is None else _strided(em, x, out)), final, None
     word = _word(em, x, out)
     bm, bw, nc = cycle_tile(em.cell_bytes, word)
     src, fills = em.src_on(x.device), em.fills_on(x.device, word)
@@ -393,7 +400,7 @@ def _launches(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> tuple[list | N
             (c_ll, em.out_bytes // word),
         ],
     )
-    return gathers, True
+    return gathers, True, None
 
 
 def _per_experts(source: str, name: str, em: ExecMap, x: torch.Tensor, blocks: int, args: list) -> list:
@@ -495,14 +502,14 @@ def swizzle_ready(em: ExecMap, device: torch.device) -> bool:
     return ("swizzle rows", str(device)) in em._dev
 
 
-def swizzle_rows_table(em: ExecMap, device: torch.device, wait: bool = False) -> torch.Tensor:
-    """The ``swizzled_rows`` form's row table as the swizzle kernel reads it, on ``device`` (cached on ``em``):
-    int32, a source row, or ``-1 - b`` for a row of fill byte ``b``. Every source row is checked to lie in the
-    input (a row past it would be read outside the expert's bytes).
+def swizzle_rows_table(em: ExecMap, device: torch.device, wait: bool = False) -> DeviceTables:
+    """The ``swizzled_rows`` form's row table as the swizzle kernel reads it, on ``device`` (cached on ``em``;
+    ``.ready()[0]``): int32, a source row, or ``-1 - b`` for a row of fill byte ``b``. Every source row is checked to
+    lie in the input (a row past it would be read outside the expert's bytes).
 
-    The copy does not wait for the stream (:class:`~fimoe_lab.kernels.device_tables.DeviceTables`: readable by the
-    current stream's next launch, whichever stream first used it), or, with ``wait`` (the planner's thread, whose
-    stream is not the caller's), is complete when this returns."""
+    The copy does not wait for the stream (:class:`~fimoe_lab.kernels.device_tables.DeviceTables`: each use through
+    ``ready`` makes its stream wait until it lands), or, with ``wait`` (the planner's thread, whose stream is not the
+    caller's), is complete when this returns."""
     key = ("swizzle rows", str(device))
     if key not in em._dev:
         rows, c_in, _, _, _ = em.swizzled_rows
@@ -513,7 +520,7 @@ def swizzle_rows_table(em: ExecMap, device: torch.device, wait: bool = False) ->
             raise LayoutError(f"{em.name}: a swizzled row has fill code {int(rows.min())} of {len(fills)}")
         table = np.where(rows >= 0, rows, -1 - fills[np.maximum(-1 - rows, 0)]).astype(np.int32)
         em._dev[key] = DeviceTables((table,), device, wait)
-    return em._dev[key].ready()[0]
+    return em._dev[key]
 
 
 def swizzle_tile(cw: int) -> tuple[int, int, int]:
@@ -538,14 +545,13 @@ def swizzle_chunk_shift(c_in: int, cw: int, in_bytes: int, x_at: int) -> int:
     return (chunks - 1).bit_length()
 
 
-def _swizzle(em: ExecMap, x: torch.Tensor) -> list:
-    """:func:`gather`'s launches of a ``swizzled_rows`` map (tiles: :func:`swizzle_tile`; chunks a row:
-    :func:`swizzle_chunk_shift`)."""
+def _swizzle(em: ExecMap, x: torch.Tensor, table: torch.Tensor) -> list:
+    """:func:`gather`'s launches of a ``swizzled_rows`` map reading its row ``table`` on ``x``'s device (tiles:
+    :func:`swizzle_tile`; chunks a row: :func:`swizzle_chunk_shift`)."""
     _, c_in, cw, rows_n, column = em.swizzled_rows
     column_fill = em.fills[-1 - column] if em.fills else 0
     kw_shift, nb, nk = swizzle_tile(cw)
     n_bands = rows_n // BAND_ROWS
-    table = swizzle_rows_table(em, x.device)
     c_int, c_ll = ctypes.c_int, ctypes.c_longlong
     return _per_experts(
         SWIZZLE_SOURCE,
