@@ -22,7 +22,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["Bound", "CudaDriverError", "available", "cuda_index", "kernel", "launch", "run", "tried"]
+__all__ = [
+    "Bound",
+    "CudaDriverError",
+    "allow_clusters",
+    "available",
+    "cuda_index",
+    "kernel",
+    "launch",
+    "max_active_clusters",
+    "run",
+    "tried",
+]
 
 _SUCCESS = 0
 
@@ -44,6 +55,8 @@ def _lib() -> ctypes.CDLL:
         "cuModuleLoadData": [ctypes.POINTER(p), p],
         "cuModuleGetFunction": [ctypes.POINTER(p), p, ctypes.c_char_p],
         "cuLaunchKernelEx": [p, p, p, p],
+        "cuFuncSetAttribute": [p, i, i],
+        "cuOccupancyMaxActiveClusters": [ctypes.POINTER(i), p, p],
     }
     for name, args in signatures.items():
         try:
@@ -166,7 +179,8 @@ def kernel(source: str, name: str, device: torch.device) -> tuple[_Module, int]:
 
 
 class _LaunchConfig(ctypes.Structure):
-    """The driver's ``CUlaunchConfig``: grid, block, dynamic shared memory, stream and no launch attributes."""
+    """The driver's ``CUlaunchConfig``: grid, block, dynamic shared memory, stream and launch attributes (none, or
+    one :class:`_ClusterDims`)."""
 
     _fields_ = [
         ("grid", ctypes.c_uint * 3),
@@ -176,6 +190,59 @@ class _LaunchConfig(ctypes.Structure):
         ("attrs", ctypes.c_void_p),
         ("num_attrs", ctypes.c_uint),
     ]
+
+
+class _ClusterDims(ctypes.Structure):
+    """The driver's ``CUlaunchAttribute`` that groups a launch's blocks into clusters
+    (``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION``: id, padding to 8 bytes, then a 64-byte value whose first three
+    words are the cluster's x, y, z)."""
+
+    _fields_ = [
+        ("id", ctypes.c_uint),
+        ("pad", ctypes.c_uint),
+        ("dims", ctypes.c_uint * 3),
+        ("rest", ctypes.c_char * 52),
+    ]
+
+
+_CLUSTER_DIMENSION = 4
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+
+
+def _configure(config: _LaunchConfig, dims: _ClusterDims, cluster: int, shared_bytes: int) -> None:
+    """Set ``config``'s dynamic shared memory and, for ``cluster`` > 1, point it at ``dims`` set to that cluster."""
+    config.shared_bytes = shared_bytes
+    if cluster > 1:
+        dims.id, dims.dims[:] = _CLUSTER_DIMENSION, (cluster, 1, 1)
+        config.attrs, config.num_attrs = ctypes.addressof(dims), 1
+    else:
+        config.attrs, config.num_attrs = None, 0
+
+
+def allow_clusters(source: str, name: str, device: torch.device, shared_bytes: int) -> None:
+    """Let function ``name`` of ``source`` on ``device`` take ``shared_bytes`` of dynamic shared memory a block and
+    clusters of more than 8 blocks (the driver refuses both by default)."""
+    module, fn = kernel(source, name, device)
+    with module.current():
+        lib = _lib()
+        _check(lib.cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes), "cuFuncSetAttribute")
+        _check(lib.cuFuncSetAttribute(fn, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1), "cuFuncSetAttribute")
+
+
+def max_active_clusters(
+    source: str, name: str, device: torch.device, block: tuple[int, int, int], shared_bytes: int, cluster: int
+) -> int:
+    """How many clusters of ``cluster`` blocks (``block`` threads, ``shared_bytes`` of dynamic shared memory each) of
+    function ``name`` run at once on ``device``: 0 where none can (:func:`allow_clusters` first)."""
+    module, fn = kernel(source, name, device)
+    config, dims = _LaunchConfig(), _ClusterDims()
+    config.grid[:], config.block[:] = (cluster, 1, 1), block
+    _configure(config, dims, cluster, shared_bytes)
+    count = ctypes.c_int()
+    with module.current():
+        result = _lib().cuOccupancyMaxActiveClusters(ctypes.byref(count), fn, ctypes.byref(config))
+    return count.value if result == _SUCCESS else 0
 
 
 class _Launch:
@@ -190,14 +257,23 @@ class _Launch:
         self.values = [kind() for kind in kinds]
         pointers = [ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in self.values]
         self.params = (ctypes.c_void_p * len(kinds))(*pointers)
-        self.config = _LaunchConfig()
+        self.config, self.dims = _LaunchConfig(), _ClusterDims()
         self.config_ref = ctypes.byref(self.config)
         self.lock = threading.Lock()
 
-    def set(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list[tuple[type, int]]) -> None:
-        """Set the grid, the block and every argument's value (``(ctypes type, value)`` pairs, in order)."""
+    def set(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: list[tuple[type, int]],
+        cluster: int = 1,
+        shared_bytes: int = 0,
+    ) -> None:
+        """Set the grid, the block, the cluster (blocks along x), the dynamic shared memory and every argument's
+        value (``(ctypes type, value)`` pairs, in order)."""
         self.config.grid[:] = grid
         self.config.block[:] = block
+        _configure(self.config, self.dims, cluster, shared_bytes)
         for value, (_, arg) in zip(self.values, args):
             value.value = arg
 
@@ -230,8 +306,11 @@ def launch(
     grid: tuple[int, int, int],
     block: tuple[int, int, int],
     args: list[tuple[type, int]],
+    cluster: int = 1,
+    shared_bytes: int = 0,
 ) -> None:
-    """Launch function ``name`` of ``source``'s fatbin on ``device``'s current torch stream."""
+    """Launch function ``name`` of ``source``'s fatbin on ``device``'s current torch stream (its blocks in clusters of
+    ``cluster`` along x, each with ``shared_bytes`` of dynamic shared memory: :func:`allow_clusters` first)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (source, name, index)
     prepared = _LAUNCHES.get(key)
@@ -239,7 +318,7 @@ def launch(
         kinds = tuple(kind for kind, _ in args)  # a kernel's parameter types are its own: fixed per function
         prepared = _LAUNCHES.setdefault(key, _Launch(*kernel(source, name, torch.device("cuda", index)), kinds))
     with prepared.lock:
-        prepared.set(grid, block, args)
+        prepared.set(grid, block, args, cluster, shared_bytes)
         prepared.fire(index, name)
 
 

@@ -12,7 +12,7 @@ using std::min;
 struct fimoe_dim3 {
     unsigned x, y, z;
 };
-inline thread_local fimoe_dim3 blockIdx, threadIdx;
+inline thread_local fimoe_dim3 blockIdx, threadIdx, blockDim;
 inline thread_local std::barrier<>* fimoe_block_barrier;
 
 #define __global__
@@ -63,3 +63,18 @@ inline unsigned __shfl_down_sync(unsigned, unsigned v, unsigned delta) {
     __syncthreads();
     return got;
 }
+
+// Clusters (cluster.cu): emulate.cpp runs the blocks of one cluster at once, each on threads of its own, and
+// clusters one after another; a block's rank, its cluster and the cluster count are the thread's, the cluster's
+// barrier holds every thread of its blocks, and each block has its own dynamic shared memory.
+#define FIMOE_HOST_CLUSTERS 1
+inline thread_local unsigned fimoe_cluster_rank, fimoe_cluster_id, fimoe_cluster_count;
+inline thread_local std::barrier<>* fimoe_cluster_barrier;
+inline thread_local void* fimoe_dynamic_shared;
+inline unsigned cluster_rank() { return fimoe_cluster_rank; }
+inline unsigned cluster_id() { return fimoe_cluster_id; }
+inline unsigned cluster_count() { return fimoe_cluster_count; }
+inline void cluster_wait() { fimoe_cluster_barrier->arrive_and_wait(); }
+inline void load_async(uint4* to, const uint4* from) { *to = *from; }
+inline void loads_done() {}
+#define DYNAMIC_SHARED(T, name) T* name = (T*)fimoe_dynamic_shared

@@ -17,3 +17,8 @@ typedef uint4 word16;
 __device__ __forceinline__ void splat(word1& w, unsigned b) { w = (word1)b; }
 __device__ __forceinline__ void splat(word4& w, unsigned b) { w = b * 0x01010101u; }
 __device__ __forceinline__ void splat(word16& w, unsigned b) { w.x = w.y = w.z = w.w = b * 0x01010101u; }
+
+// A block's dynamic shared memory as an array `name` of T (the host emulation defines its own).
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
