@@ -5,7 +5,8 @@ a cluster of C blocks loads the whole expert (into registers and shared memory),
 below (model sizes, TP8 ranks unless named) and each configuration (C, gather or scatter, threads, a persistent grid
 or a cluster per expert, streaming stores), the probe checks the result bit-exact against torch's gather and times
 it (CUDA events, median of 15 calls behind a device sleep) against ``copy_`` of the same bytes and the prebuilt
-executor's in-place path on the same map. Needs an sm_90 GPU and the kernels built first::
+executor's in-place paths on the same map (its default, and its ``clusters`` strategy: ``kernels/cuda/cluster.cu``,
+one of these designs). Needs an sm_90 GPU and the probe's kernels built first::
 
     nvcc -fatbin -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/cluster_inplace.fatbin \\
         benchmarks/cuda/cluster_inplace.cu
@@ -155,17 +156,22 @@ def probe(case: tuple, fns: dict[str, int]) -> dict:
     y, z = x.clone(), torch.empty_like(x)
     copy_us = timed(lambda: z.copy_(y))
     record["copy_us"] = copy_us
-    try:
-        kernels.execute_in_place(em, y, backend="prebuilt")
-        torch.cuda.synchronize()
-        record["prebuilt_ok"] = torch.equal(y, want)
-        record["prebuilt_us"] = timed(lambda: kernels.execute_in_place(em, y, backend="prebuilt"))
-    except Exception as err:  # a map the prebuilt executor does not take in place
-        record["prebuilt_error"] = str(err)[:200]
-    prebuilt_ratio = copy_us / record["prebuilt_us"] if "prebuilt_us" in record else float("nan")
+    shipped = {}
+    for strategy in ("auto", "clusters"):  # the prebuilt executor's default in place, and its cluster kernel
+        config = {"inplace": strategy}
+        try:
+            y.copy_(x)
+            kernels.execute_in_place(em, y, backend="prebuilt", config=config)
+            torch.cuda.synchronize()
+            record[f"{strategy}_ok"] = torch.equal(y, want)
+            record[f"{strategy}_us"] = timed(lambda: kernels.execute_in_place(em, y, backend="prebuilt", config=config))
+            shipped[strategy] = f"{copy_us / record[f'{strategy}_us']:.3f} ok={record[f'{strategy}_ok']}"
+        except Exception as err:  # a map the strategy does not take
+            record[f"{strategy}_error"] = str(err.__cause__ or err)[:200]
+            shipped[strategy] = "refused"
     print(
-        f"{label}: expert {em.in_bytes / 1e6:.2f} MB, {cells} cells of {cb} B; copy {copy_us:.0f} us; "
-        f"prebuilt in place {prebuilt_ratio:.3f}",
+        f"{label}: expert {em.in_bytes / 1e6:.2f} MB, {cells} cells of {cb} B; copy {copy_us:.0f} us; prebuilt in "
+        f"place {shipped['auto']}, its cluster kernel {shipped['clusters']}",
         flush=True,
     )
     for cluster in (2, 4, 8, 16):

@@ -540,6 +540,44 @@ def test_gpu_prebuilt_cycles_bit_exact(m, scratch):
             assert torch.equal(y, want), (shift, scratch)
 
 
+CLUSTERS = PREBUILT and torch.cuda.get_device_capability()[0] >= 9
+
+
+def cluster_maps():
+    """Engine maps in place (test sizes, and TP8 ranks of Qwen3-235B, DeepSeek-V3 and DeepSeek-R1) of 16-byte words."""
+    for param in in_place_maps():
+        if param.values[0].compiled().cell_bytes % 16 == 0:
+            yield param
+    for fmt, inter, hidden, name in (
+        ("bf16", 256, 4096, "w13"),
+        ("bf16", 256, 4096, "w2"),
+        ("fp8-block", 256, 7168, "w13"),
+        ("nvfp4", 256, 7168, "w2"),
+        ("fp8", 256, 7168, "w13"),
+    ):
+        yield pytest.param(getattr(plan_layer(fmt, "trtllm", inter, hidden), name), id=f"tp8-{fmt}-{name}")
+
+
+@pytest.mark.skipif(not CLUSTERS, reason="needs the prebuilt kernels and an sm_90 or newer GPU")
+@pytest.mark.parametrize("m", list(cluster_maps()))
+def test_gpu_prebuilt_clusters_bit_exact(m):
+    """The ``clusters`` strategy (asked for) against the byte-loop reference on coordinate-coded and random bytes;
+    a buffer off 16 bytes is refused before anything moved (the cluster kernel moves 16-byte words)."""
+    experts = 3 if m.in_bytes > (1 << 22) else 5
+    config = {"inplace": "clusters"}
+    for x in inputs(m, experts):
+        y, want = x.clone(), reference(m, x)
+        execute_in_place(m.compiled(), y, backend="prebuilt", config=config)
+        torch.cuda.synchronize()
+        assert torch.equal(y, want)
+    raw = torch.empty((x.numel() + 16,), dtype=torch.uint8, device="cuda")
+    y = raw[4 : 4 + x.numel()].view(x.shape)
+    y.copy_(x)
+    with pytest.raises(InPlaceError, match="failed after 0 of") as refused:
+        execute_in_place(m.compiled(), y, backend="prebuilt", config=config)
+    assert "16-byte aligned" in str(refused.value.__cause__) and torch.equal(y, x)
+
+
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 @pytest.mark.parametrize("cells,cell_bytes", [(1, 16), (7, 1), (4096, 4), (3000, 48), (517, 7168), (64, 1 << 16)])
 def test_gpu_prebuilt_cycles_random_permutations(cells, cell_bytes):

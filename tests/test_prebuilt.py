@@ -21,7 +21,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fimoe_lab import env
-from fimoe_lab.errors import FimoeError, FormatError
+from fimoe_lab.errors import FimoeError, FormatError, LayoutError
 from fimoe_lab.kernels import available_backends, execute_in_place, prebuilt, registry
 from fimoe_lab.kernels.device_tables import DeviceTables
 from fimoe_lab.prepare import plan_layer
@@ -311,14 +311,16 @@ def emulated(tmp_path_factory):
         made.value = value
         return made
 
-    def launch(source, name, device, grid, block, args):
+    def launch(source, name, device, grid, block, args, cluster=1, shared_bytes=0):
         assert source in prebuilt._KERNELS
         assert grid[2] == 1 and block[1:] == (1, 1)
+        assert grid[0] % cluster == 0 and (cluster == 1 or source == prebuilt.CLUSTER_SOURCE)
         launched.append(name)
         fn = getattr(lib, f"emulate_{name}")
         fn.restype = None
-        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint] + [kind for kind, _ in args]
-        fn(grid[0], grid[1], block[0], *[by_value(kind, value) for kind, value in args])
+        head = [grid[0], grid[1], block[0]] + ([cluster, shared_bytes] if source == prebuilt.CLUSTER_SOURCE else [])
+        fn.argtypes = [ctypes.c_uint] * len(head) + [kind for kind, _ in args]
+        fn(*head, *[by_value(kind, value) for kind, value in args])
 
     def run(bound, *addresses):  # a bound launch: its own arguments, the call's addresses first
         args = [(kind, a) for (kind, _), a in zip(bound.args, addresses)] + bound.args[len(addresses) :]
@@ -974,3 +976,113 @@ def test_the_planner_is_asked_when_the_outermost_call_ends(monkeypatch):
     prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13.clone(), w2.clone(), True)
     assert depths == [2, 2]  # the drop-in, then execute_in_place
     assert registry._CALL.depth == 0
+
+
+# ----------------------------------------------------------------------------- in place by clusters
+@pytest.fixture
+def clusters(emulated, monkeypatch):
+    """The cluster kernel's source on the host (:func:`emulated`), as on a device whose blocks have ``limit[0]``
+    bytes of shared memory (an H100's by default) and run ``active[0]`` clusters at once. Yields ``(limit,
+    active)``, lists a test may change."""
+    limit, active = [prebuilt.CLUSTER_SHARED_MAX], [2]
+    monkeypatch.setattr(prebuilt, "cluster_shared_limit", lambda index: limit[0])
+    monkeypatch.setattr(prebuilt, "_ACTIVE_CLUSTERS", {})
+    monkeypatch.setattr(prebuilt.cuda_driver, "allow_clusters", lambda *a: None)
+    monkeypatch.setattr(prebuilt.cuda_driver, "max_active_clusters", lambda *a: active[0])
+    yield limit, active
+
+
+def run_clusters(m, x: torch.Tensor) -> None:
+    flat = x.view(x.shape[0], -1).view(torch.uint8)
+    for _ in prebuilt.inplace_clusters(m.compiled(), flat, 0):
+        pass
+
+
+def cluster_maps():
+    for param in in_place_maps():
+        if param.values[0].compiled().cell_bytes % 16 == 0:
+            yield param
+
+
+@pytest.mark.parametrize("m", list(cluster_maps()))
+def test_the_cluster_kernel_source_permutes_every_engine_map_in_place(clusters, emulated, m):
+    """Every engine map of 16-byte words, in place by the cluster kernel's source (one block a cluster at these
+    sizes, two clusters taking alternate experts): the bytes of the per-expert loop, on coordinate-coded and random
+    inputs; a buffer off 16 bytes is refused with nothing moved."""
+    from reference_loops import byte_gather
+
+    em = m.compiled()
+    for x in host_inputs(m, 3):
+        want = byte_gather(m, x).reshape(3, -1)
+        y = x.clone()
+        emulated.clear()
+        run_clusters(m, y)
+        assert emulated == [prebuilt._CLUSTERS[16]]
+        assert torch.equal(y, want) and not torch.equal(x, want)
+    y = shifted_copy(x, 4)
+    with pytest.raises(LayoutError, match="16-byte aligned"):
+        run_clusters(m, y)
+    assert torch.equal(y, x) and prebuilt.cluster_geometry(em, prebuilt.CLUSTER_SHARED_MAX)[0] == 1
+
+
+@pytest.mark.parametrize(
+    "tensor,limit,blocks",
+    [
+        ("w13", prebuilt.CLUSTER_SHARED_MAX, 4),
+        ("w13", 16, 8),
+        ("w2", prebuilt.CLUSTER_SHARED_MAX, 2),
+        ("w2", 64 << 10, 2),
+        ("w2", (64 << 10) - 1, 4),
+    ],
+)
+@pytest.mark.parametrize("active", [1, 3])
+def test_clusters_of_several_blocks_hold_an_expert_in_registers_and_shared_memory(
+    clusters, tensor, limit, blocks, active
+):
+    """BF16 block layout maps of 768 KiB (W13) and 384 KiB (W2) experts: a block holds 8,192 words in registers and
+    up to the limit in shared memory (W13: four blocks of 4,096 staged words at 227 KiB, eight blocks in registers
+    alone with none; W2: two blocks of 4,096 staged words where 64 KiB fit, four where they do not). One or three
+    clusters at once: the bytes of the per-expert loop."""
+    from reference_loops import byte_gather
+
+    from fimoe_lab.prepare import drop_in_maps
+
+    clusters[0][0], clusters[1][0] = limit, active
+    m = drop_in_maps("bf16", 192, 1024)[f"trtllm_block_layout/{tensor}"][0]
+    em = m.compiled()
+    c, s, staged = prebuilt.cluster_geometry(em, limit)
+    assert c == blocks and c * s >= em.n_out and staged <= limit
+    assert s * em.cell_bytes // 16 <= prebuilt.CLUSTER_REGISTER_WORDS * prebuilt.CLUSTER_THREADS + staged // 16
+    x = next(host_inputs(m, 4))
+    y = x.clone()
+    run_clusters(m, y)
+    assert torch.equal(y, byte_gather(m, x).reshape(4, -1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fmt=st.sampled_from(["bf16", "fp8-block", "mxfp8", "nvfp4", "fp8"]),
+    inter=st.sampled_from([128, 256, 512, 2048]),
+    hidden=st.sampled_from([256, 1024, 2048, 7168]),
+    limit=st.integers(0, prebuilt.CLUSTER_SHARED_MAX),
+)
+def test_cluster_geometry_is_the_fewest_blocks_that_hold_an_expert(fmt, inter, hidden, limit):
+    """For every permutation of 16-byte words the geometry's C blocks cover the expert's cells, hold each block's
+    words in registers and at most ``limit`` bytes of shared memory, and no fewer blocks of :data:`CLUSTER_SIZES`
+    would; None where sixteen do not; every other map has none."""
+    held = prebuilt.CLUSTER_REGISTER_WORDS * prebuilt.CLUSTER_THREADS
+    for m in plan_layer(fmt, "trtllm", inter, hidden).maps().values():
+        em = m.compiled()
+        got = prebuilt.cluster_geometry(em, limit)
+        if em.cell_bytes % 16 or not em.is_permutation:
+            assert got is None
+            continue
+        words = [-(-em.n_out // c) * em.cell_bytes // 16 for c in prebuilt.CLUSTER_SIZES]
+        fits = [max(w - held, 1) * 16 <= limit for w in words]
+        if got is None:
+            assert not any(fits)
+            continue
+        c, s, staged = got
+        k = prebuilt.CLUSTER_SIZES.index(c)
+        assert fits[k] and not any(fits[:k]) and c * s >= em.n_out > (c - 1) * s
+        assert staged == max(words[k] - held, 1) * 16 <= limit

@@ -15,7 +15,10 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
 - in place (``kernels/cuda/cycles.cu``): a block moves one tile of a
   :class:`~fimoe_lab.kernels.cycles.CyclePlan`, ``BM`` slots x ``BW`` words of their cells, every source
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
-  kernel does; cells under :data:`MIN_CYCLE_CELL` bytes are copied aside and gathered back instead.
+  kernel does; cells under :data:`MIN_CYCLE_CELL` bytes are copied aside and gathered back instead;
+- in place by clusters (``kernels/cuda/cluster.cu``, sm_90 and newer, the ``clusters`` strategy on request): a
+  cluster of blocks holds a whole expert on chip (registers and shared memory, :func:`cluster_geometry`), meets at
+  its barrier, then stores it; one launch, each byte crossing memory once.
 
 Tile shape (the gather and cycle kernels): ``THREADS * ITEMS`` words a block (the constants of the ``.cu`` files); the
 word is 16 bytes where the cell and the buffers allow it, else 4, else 1; ``BW`` is the largest power of
@@ -61,6 +64,14 @@ __all__ = [
     "cycle_tile",
     "gather",
     "inplace_cycles",
+    "inplace_clusters",
+    "cluster_geometry",
+    "clusters_fit",
+    "CLUSTER_SOURCE",
+    "CLUSTER_THREADS",
+    "CLUSTER_REGISTER_WORDS",
+    "CLUSTER_SIZES",
+    "CLUSTER_SHARED_MAX",
     "planned",
     "build_plan",
     "PLANNER_THREAD",
@@ -90,6 +101,17 @@ SWIZZLE_SOURCE = "swizzle"
 """The fatbin of ``kernels/cuda/swizzle.cu``."""
 STRIDED_SOURCE = "strided"
 """The fatbin of ``kernels/cuda/strided.cu``."""
+CLUSTER_SOURCE = "cluster"
+"""The fatbin of ``kernels/cuda/cluster.cu`` (in place by clusters)."""
+CLUSTER_THREADS = 512
+CLUSTER_REGISTER_WORDS = 16
+"""Threads a block of the cluster kernel and 16-byte words each holds in registers (``CLUSTER_THREADS`` and
+``CLUSTER_REGISTER_WORDS`` of ``cluster.cu``)."""
+CLUSTER_SIZES = (1, 2, 4, 8, 16)
+"""Blocks a cluster may have, fewest first (16 is past CUDA's portable 8: :func:`.cuda_driver.allow_clusters`)."""
+CLUSTER_SHARED_MAX = 232448
+"""The most dynamic shared memory a block has on any GPU with clusters (227 KiB on sm_90 and sm_100): whether a map's
+experts fit a cluster at all (:func:`clusters_fit`); a device's own limit decides the launch."""
 MAX_DIGITS = 8
 """Most digits the strided kernel divides a word's index into (``MAX_DIGITS`` of ``strided.cu``): the word within
 its cell and the form's."""
@@ -111,7 +133,14 @@ _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"
 _GATHERS = {16: "fimoe_gather_w16", 4: "fimoe_gather_w4", 1: "fimoe_gather_w1"}
 _SWIZZLES = {16: "fimoe_swizzle"}
 _STRIDEDS = {16: "fimoe_strided_w16", 4: "fimoe_strided_w4", 1: "fimoe_strided_w1"}
-_KERNELS = {SOURCE: _FUNCTIONS, GATHER_SOURCE: _GATHERS, SWIZZLE_SOURCE: _SWIZZLES, STRIDED_SOURCE: _STRIDEDS}
+_CLUSTERS = {16: "fimoe_cluster_w16"}
+_KERNELS = {
+    SOURCE: _FUNCTIONS,
+    GATHER_SOURCE: _GATHERS,
+    SWIZZLE_SOURCE: _SWIZZLES,
+    STRIDED_SOURCE: _STRIDEDS,
+    CLUSTER_SOURCE: _CLUSTERS,
+}
 """Each fatbin's kernels, by the word (bytes) they move (the swizzle kernel: loads and stores)."""
 MAX_GRID_Y = 65535
 """Most experts one launch covers (CUDA's grid y limit)."""
@@ -600,6 +629,92 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
             _launch(name, part, scratch, saved, saved, n_saved, shape, cdiv(n_saved, bm) * nc, save=1)
         _launch(name, part, scratch, dst, src, plan.moved, shape, plan.n_tiles * nc, save=0)
         yield s0 + cnt, scratch
+
+
+def cluster_geometry(em: ExecMap, shared_limit: int) -> tuple[int, int, int] | None:
+    """``(C, S, staged)`` of the cluster kernel for ``em``: the fewest blocks ``C`` of :data:`CLUSTER_SIZES` that hold
+    one expert on chip, block ``r`` owning output cells ``[r S, (r + 1) S)`` with ``S = ceil(cells / C)``; of its
+    ``S * cell_bytes / 16`` words, ``CLUSTER_REGISTER_WORDS * CLUSTER_THREADS`` in registers and the rest in
+    ``staged`` bytes of shared memory (at least 16), at most ``shared_limit``. None for a map that is no permutation of
+    whole 16-byte words, or whose expert no cluster holds."""
+    if em.cell_bytes % 16 or not em.is_permutation:
+        return None
+    cw, held = em.cell_bytes // 16, CLUSTER_REGISTER_WORDS * CLUSTER_THREADS
+    for c in CLUSTER_SIZES:
+        s = cdiv(em.n_out, c)
+        staged = max(s * cw - held, 1) * 16
+        if staged <= shared_limit:
+            return c, s, staged
+    return None
+
+
+def clusters_fit(em: ExecMap) -> bool:
+    """Whether a cluster holds an expert of ``em`` on some GPU (:func:`cluster_geometry` at
+    :data:`CLUSTER_SHARED_MAX`)."""
+    return cluster_geometry(em, CLUSTER_SHARED_MAX) is not None
+
+
+_CLUSTER_LIMITS: dict[int, int] = {}
+_ACTIVE_CLUSTERS: dict[tuple[int, int, int], int] = {}
+
+
+def cluster_shared_limit(index: int) -> int:
+    """Dynamic shared memory a block of the cluster kernel may have on CUDA device ``index`` (0 before sm_90: no
+    clusters)."""
+    if index not in _CLUSTER_LIMITS:
+        props = torch.cuda.get_device_properties(index)
+        _CLUSTER_LIMITS[index] = props.shared_memory_per_block_optin if props.major >= 9 else 0
+    return _CLUSTER_LIMITS[index]
+
+
+def inplace_clusters(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
+    """Permute every expert of ``flat`` ``(E, bytes)`` (CUDA, 16-byte aligned) in place by clusters that each hold a
+    whole expert on chip (:func:`cluster_geometry` for the device's shared memory): one launch, as many clusters as
+    run at once, each taking every so many experts; no scratch. Refused (nothing moved) where the device has no
+    clusters or none holds an expert.
+
+    Yields the number of experts launched (all of them)."""
+    experts, index = flat.shape[0], flat.get_device()
+    geometry = cluster_geometry(em, cluster_shared_limit(index))
+    if geometry is None or _word(em, flat) != 16:
+        raise LayoutError(
+            f"{em.name}: no cluster of this device holds an expert of {em.in_bytes} bytes in cells of "
+            f"{em.cell_bytes} bytes at a 16-byte aligned address",
+            fix="use the in-place strategy 'cycles' (the default)",
+        )
+    c, s, staged = geometry
+    name = _CLUSTERS[16]
+    key = (index, c, staged)
+    if key not in _ACTIVE_CLUSTERS:
+        cuda_driver.allow_clusters(CLUSTER_SOURCE, name, flat.device, staged)
+        block = (CLUSTER_THREADS, 1, 1)
+        _ACTIVE_CLUSTERS[key] = cuda_driver.max_active_clusters(CLUSTER_SOURCE, name, flat.device, block, staged, c)
+    active = _ACTIVE_CLUSTERS[key]
+    if active < 1:
+        raise LayoutError(
+            f"{em.name}: clusters of {c} blocks with {staged} bytes of shared memory each do not run on this device",
+            fix="use the in-place strategy 'cycles' (the default)",
+        )
+    src, ptr, c_int, c_ll = em.src_on(flat.device), ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    cuda_driver.launch(
+        CLUSTER_SOURCE,
+        name,
+        flat.device,
+        (min(experts, active) * c, 1, 1),
+        (CLUSTER_THREADS, 1, 1),
+        [
+            (ptr, flat.data_ptr()),
+            (ptr, src.data_ptr()),
+            (c_int, em.n_out),
+            (c_int, em.cell_bytes // 16),
+            (c_ll, em.in_bytes // 16),
+            (c_int, s),
+            (c_int, experts),
+        ],
+        cluster=c,
+        shared_bytes=staged,
+    )
+    yield experts, None
 
 
 def _launch(

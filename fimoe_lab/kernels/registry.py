@@ -18,8 +18,9 @@ output size is the first one that is available there and wants that size:
 In-place strategies: ``bands`` (Triton, the 128x4 scale maps only: one cooperative
 launch, no scratch), ``cycles`` (along the map's cycles, :mod:`.cycles`; numba prefers
 it for cells of at least :data:`CYCLES_MIN_CELL` bytes; ``prebuilt`` runs it with nothing compiled), ``strided`` (torch, maps of the
-strided form: a chunk copied aside, then strided-copied back), ``copy-then-gather`` (every
-executor: :mod:`.copy_then_gather`). ``auto`` takes the first strategy that fits the
+strided form: a chunk copied aside, then strided-copied back), ``clusters`` (``prebuilt`` on sm_90 and newer, on
+request only: clusters of blocks that each hold a whole expert on chip, :func:`.prebuilt.inplace_clusters`),
+``copy-then-gather`` (every executor: :mod:`.copy_then_gather`). ``auto`` takes the first strategy that fits the
 map and prefers it. Implementations load on first call (numba and Triton import only
 when used) and are looked up on every call.
 
@@ -191,6 +192,18 @@ def _cycles_prebuilt(em, flat, scratch_experts, config):
     return _module("prebuilt").inplace_cycles(em, flat, scratch_experts)
 
 
+def _clusters_prebuilt(em, flat, scratch_experts, config):
+    return _module("prebuilt").inplace_clusters(em, flat, scratch_experts)
+
+
+def _clusters_fit(em: ExecMap) -> bool:
+    return _module("prebuilt").clusters_fit(em)
+
+
+def _never(em: ExecMap) -> bool:
+    return False
+
+
 def _cycles_now(em: ExecMap) -> bool:
     """``auto`` runs a map's cycle plan once it is built; a map of the strided form copies each chunk aside and
     gathers it back on the strided kernel until then (its first calls, while the planner builds the plan). Cells
@@ -301,6 +314,13 @@ EXECUTORS: dict[str, Executor] = {
             _gather_prebuilt,
             (
                 InPlace("cycles", _cycles_prebuilt, prefers=_cycles_now),
+                InPlace(
+                    "clusters",
+                    _clusters_prebuilt,
+                    fits=_clusters_fit,
+                    prefers=_never,
+                    requirement="a permutation of 16-byte words whose expert a cluster of blocks holds on chip",
+                ),
                 _copy_then_gather(_gather_prebuilt),
             ),
             loads_on=_prebuilt_loads,
