@@ -578,6 +578,20 @@ def test_gpu_prebuilt_clusters_bit_exact(m):
     assert "16-byte aligned" in str(refused.value.__cause__) and torch.equal(y, x)
 
 
+@pytest.mark.skipif(not CLUSTERS, reason="needs the prebuilt kernels and an sm_90 or newer GPU")
+def test_gpu_prebuilt_clusters_after_a_map_that_stages_less():
+    """A map that stages 128 KiB a block, then one that stages nothing, then the first again: each launch has the
+    shared memory it asks for."""
+    big = plan_layer("bf16", "trtllm", 256, 4096).w13
+    small = next(iter(cluster_maps())).values[0]
+    for m in (big, small, big):
+        x = next(iter(inputs(m, 3)))
+        want = reference(m, x)
+        execute_in_place(m.compiled(), x, backend="prebuilt", config={"inplace": "clusters"})
+        torch.cuda.synchronize()
+        assert torch.equal(x, want)
+
+
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 @pytest.mark.parametrize("cells,cell_bytes", [(1, 16), (7, 1), (4096, 4), (3000, 48), (517, 7168), (64, 1 << 16)])
 def test_gpu_prebuilt_cycles_random_permutations(cells, cell_bytes):

@@ -983,13 +983,13 @@ def test_the_planner_is_asked_when_the_outermost_call_ends(monkeypatch):
 def clusters(emulated, monkeypatch):
     """The cluster kernel's source on the host (:func:`emulated`), as on a device whose blocks have ``limit[0]``
     bytes of shared memory (an H100's by default) and run ``active[0]`` clusters at once. Yields ``(limit,
-    active)``, lists a test may change."""
-    limit, active = [prebuilt.CLUSTER_SHARED_MAX], [2]
+    active, allowed)``: lists a test may change, and the shared memory each ``allow_clusters`` call allowed."""
+    limit, active, allowed = [prebuilt.CLUSTER_SHARED_MAX], [2], []
     monkeypatch.setattr(prebuilt, "cluster_shared_limit", lambda index: limit[0])
     monkeypatch.setattr(prebuilt, "_ACTIVE_CLUSTERS", {})
-    monkeypatch.setattr(prebuilt.cuda_driver, "allow_clusters", lambda *a: None)
+    monkeypatch.setattr(prebuilt.cuda_driver, "allow_clusters", lambda source, name, dev, b: allowed.append(b))
     monkeypatch.setattr(prebuilt.cuda_driver, "max_active_clusters", lambda *a: active[0])
-    yield limit, active
+    yield limit, active, allowed
 
 
 def run_clusters(m, x: torch.Tensor) -> None:
@@ -1057,6 +1057,7 @@ def test_clusters_of_several_blocks_hold_an_expert_in_registers_and_shared_memor
     y = x.clone()
     run_clusters(m, y)
     assert torch.equal(y, byte_gather(m, x).reshape(4, -1))
+    assert clusters[2] == [limit]  # the device's whole limit, not this map's staging: a later map may need more
 
 
 @settings(max_examples=200, deadline=None)

@@ -663,7 +663,8 @@ def cluster_shared_limit(index: int) -> int:
     clusters)."""
     if index not in _CLUSTER_LIMITS:
         props = torch.cuda.get_device_properties(index)
-        _CLUSTER_LIMITS[index] = props.shared_memory_per_block_optin if props.major >= 9 else 0
+        limit = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+        _CLUSTER_LIMITS[index] = limit if props.major >= 9 else 0
     return _CLUSTER_LIMITS[index]
 
 
@@ -686,7 +687,8 @@ def inplace_clusters(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
     name = _CLUSTERS[16]
     key = (index, c, staged)
     if key not in _ACTIVE_CLUSTERS:
-        cuda_driver.allow_clusters(CLUSTER_SOURCE, name, flat.device, staged)
+        # the device's whole limit, once: a later map's smaller staging must not lower what an earlier one launches
+        cuda_driver.allow_clusters(CLUSTER_SOURCE, name, flat.device, cluster_shared_limit(index))
         block = (CLUSTER_THREADS, 1, 1)
         _ACTIVE_CLUSTERS[key] = cuda_driver.max_active_clusters(CLUSTER_SOURCE, name, flat.device, block, staged, c)
     active = _ACTIVE_CLUSTERS[key]
