@@ -107,6 +107,18 @@ def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, fu
         assert re.search(rf"^{macro}\({name}[,)]", text, flags=re.M)
 
 
+def test_the_launcher_and_the_cluster_kernel_agree_on_their_constants():
+    """``cluster.cu``'s threads a block and words a thread holds in registers are the geometry's; its function is the
+    one the launcher names, with the parameters it passes."""
+    defines = _defines("cluster.cu")
+    got = (defines["CLUSTER_THREADS"], defines["CLUSTER_REGISTER_WORDS"])
+    assert got == (prebuilt.CLUSTER_THREADS, prebuilt.CLUSTER_REGISTER_WORDS)
+    text = (CUDA / "cluster.cu").read_text()
+    for name in prebuilt._CLUSTERS.values():
+        params = r"word16\* x, const int\* __restrict__ src, int cells, int cw, long long expert_words, int slice,"
+        assert re.search(rf"^\s+{name}\({params}\s+int experts\)", text, flags=re.M)
+
+
 @settings(max_examples=200, deadline=None)
 @given(cell_words=st.integers(1, 1 << 14), word=st.sampled_from([1, 4, 16]))
 def test_a_tile_fills_the_block_and_covers_the_cell(cell_words, word):
