@@ -1001,6 +1001,7 @@ def clusters(emulated, monkeypatch):
     monkeypatch.setattr(prebuilt, "_ACTIVE_CLUSTERS", {})
     monkeypatch.setattr(prebuilt.cuda_driver, "allow_clusters", lambda source, name, dev, b: allowed.append(b))
     monkeypatch.setattr(prebuilt.cuda_driver, "max_active_clusters", lambda *a: active[0])
+    monkeypatch.setattr(prebuilt.cuda_driver, "available", lambda source, device: source == prebuilt.CLUSTER_SOURCE)
     yield limit, active, allowed
 
 

@@ -142,6 +142,8 @@ _KERNELS = {
     CLUSTER_SOURCE: _CLUSTERS,
 }
 """Each fatbin's kernels, by the word (bytes) they move (the swizzle kernel: loads and stores)."""
+ON_REQUEST = (CLUSTER_SOURCE,)
+"""Fatbins only a strategy asked for launches: loaded by its first call, not by :func:`available`."""
 MAX_GRID_Y = 65535
 """Most experts one launch covers (CUDA's grid y limit)."""
 MIN_CYCLE_CELL = 32
@@ -153,8 +155,8 @@ H100: 0.10 of a copy, benchmarks/RESULTS.md)."""
 
 def available(device: torch.device | str) -> bool:
     """Whether the kernels load on ``device`` (a CUDA device whose driver takes the fatbins): loads every fatbin
-    not loaded yet, in the calling thread."""
-    return all(cuda_driver.available(source, device) for source in _KERNELS)
+    not loaded yet, in the calling thread, but those of :data:`ON_REQUEST`."""
+    return all(cuda_driver.available(source, device) for source in _KERNELS if source not in ON_REQUEST)
 
 
 def sources_for(em: ExecMap, in_place: bool) -> tuple[str, ...]:
@@ -677,6 +679,11 @@ def inplace_clusters(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
     Yields the number of experts launched (all of them)."""
     experts, index = flat.shape[0], flat.get_device()
     geometry = cluster_geometry(em, cluster_shared_limit(index))
+    if not cuda_driver.available(CLUSTER_SOURCE, flat.device):
+        raise LayoutError(
+            f"{em.name}: the cluster kernel does not load on {flat.device}",
+            fix="use the in-place strategy 'cycles' (the default)",
+        )
     if geometry is None or _word(em, flat) != 16:
         raise LayoutError(
             f"{em.name}: no cluster of this device holds an expert of {em.in_bytes} bytes in cells of "
