@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from fimoe_lab import kernels
+from fimoe_lab.kernels import prebuilt
 from fimoe_lab.prepare import plan_layer
 
 CASES = [  # label, format, intermediate, hidden, experts, tensor
@@ -43,7 +44,7 @@ CASES = [  # label, format, intermediate, hidden, experts, tensor
     ("deepseek-r1 nvfp4 W2 scales", "nvfp4", 2048, 7168, 256, "w2_scale"),
     ("deepseek-r1-tp8 nvfp4 W13 scales", "nvfp4", 256, 7168, 256, "w13_scale"),
 ]
-SHARED_MAX = 232448  # an sm_90 block's dynamic shared memory at most (227 KiB)
+SHARED_MAX = prebuilt.CLUSTER_SHARED_MAX  # an sm_90 block's dynamic shared memory at most (227 KiB)
 HELD_WORDS = 16  # 16-byte words a thread holds in registers (the _r16 kernels, 512 threads)
 NAMES = [f"clu_{mode}_{kind}" for mode in ("gather", "scatter") for kind in ("any", "c8", "any_r16", "c8_r16", "w4")]
 
