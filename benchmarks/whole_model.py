@@ -40,6 +40,7 @@ before it, or both), and the medians of each side's first and last quarter of la
     PYTHONPATH=. python3 benchmarks/whole_model.py --clock-log clocks.csv ...  # each side's clocks (nvidia-smi)
     PYTHONPATH=. python3 benchmarks/whole_model.py --repeat 3 ...  # each figure's median and range over 3 runs
     PYTHONPATH=. python3 benchmarks/whole_model.py --device cpu --layers 3 --experts 8   # CPU smoke run
+    FIMOE_INPLACE_CLUSTERS=1 PYTHONPATH=. python3 benchmarks/whole_model.py ...  # in place on the cluster kernel
 """
 
 from __future__ import annotations
@@ -208,6 +209,7 @@ def child(args: argparse.Namespace) -> dict:
         "loaded_executors": sorted(registry._LOADS.ready),
         "started_loads": sorted(registry._LOADS.threads),
         "numba_imported": "numba" in sys.modules,
+        "inplace_clusters": os.environ.get("FIMOE_INPLACE_CLUSTERS"),  # in place on the cluster kernel where set
         "triton_imported": "triton" in sys.modules,
     }
 

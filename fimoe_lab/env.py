@@ -148,6 +148,13 @@ VARIABLES = {
             "strided map (or one of two strided stages) on the strided kernel from its first call, in place too until "
             "its cycle plan is built on a thread, any other map once its plan is built, on torch until then)",
         ),
+        Variable(
+            "FIMOE_INPLACE_CLUSTERS",
+            "bool",
+            "a true value makes the prebuilt executor permute in place with thread-block clusters that hold whole "
+            "experts on chip, where the GPU (sm_90 or newer) and the map allow it, else as by default (default off: "
+            "the cycle kernel)",
+        ),
         Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
         Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),
         Variable(

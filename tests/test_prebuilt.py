@@ -1100,3 +1100,34 @@ def test_cluster_geometry_is_the_fewest_blocks_that_hold_an_expert(fmt, inter, h
         k = prebuilt.CLUSTER_SIZES.index(c)
         assert fits[k] and not any(fits[:k]) and c * s >= em.n_out > (c - 1) * s
         assert staged == max(words[k] - held, 1) * 16 <= limit
+
+
+@pytest.mark.parametrize("value", ["1", "0", None])
+def test_the_clusters_variable_gives_auto_the_maps_a_cluster_holds(clusters, emulated, monkeypatch, value):
+    """With ``FIMOE_INPLACE_CLUSTERS`` true, ``auto`` gives a map of 16-byte words that a cluster holds to the cluster
+    kernel, and a call it cannot take (a buffer off 16 bytes) to what ``auto`` gives it otherwise; false or unset,
+    ``auto`` is as before. Every call: the bytes of the per-expert loop."""
+    from reference_loops import byte_gather
+
+    from fimoe_lab.prepare import drop_in_maps
+
+    if value is None:
+        monkeypatch.delenv(registry.CLUSTERS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(registry.CLUSTERS_ENV, value)
+    executor = registry.EXECUTORS["prebuilt"]
+    m = drop_in_maps("bf16", 64, 256)["trtllm_block_layout/w13"][0]
+    em = m.compiled()
+    assert (executor.strategy(em, "auto").name == "clusters") == (value == "1")
+    x = next(host_inputs(m, 3))
+    want = byte_gather(m, x).reshape(3, -1)
+    for shift, kernel in ((0, prebuilt._CLUSTERS[16]), (4, None)):
+        y = shifted_copy(x, shift)
+        emulated.clear()
+        for _ in executor.strategy(em, "auto").run(em, y, 1, None):
+            pass
+        assert torch.equal(y, want)
+        if value == "1":
+            assert (kernel in emulated) == (kernel is not None) and (kernel is not None or emulated)
+    rows = plan_layer("nvfp4", "trtllm", 128, 256).w13_scale  # 4-byte cells: no cluster
+    assert executor.strategy(rows.compiled(), "auto").name != "clusters"

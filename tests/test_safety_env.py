@@ -84,6 +84,7 @@ CLI_CASES = {
     "write-lanes-zero": ("FIMOE_WRITE_LANES", "0"),
     "write-lanes-huge": ("FIMOE_WRITE_LANES", "100000"),
     "background-word": ("FIMOE_BACKGROUND_LOAD", "sometimes"),
+    "inplace-clusters-word": ("FIMOE_INPLACE_CLUSTERS", "maybe"),
     "cache-bytes-word": ("FIMOE_LAB_CACHE_BYTES", "lots"),
     "cache-bytes-negative": ("FIMOE_LAB_CACHE_BYTES", "-5"),
     "install-typo": ("FIMOE_LAB_INSTALL", "offf"),

@@ -67,6 +67,7 @@ __all__ = [
     "inplace_clusters",
     "cluster_geometry",
     "clusters_fit",
+    "clusters_refuse",
     "CLUSTER_SOURCE",
     "CLUSTER_THREADS",
     "CLUSTER_REGISTER_WORDS",
@@ -670,40 +671,44 @@ def cluster_shared_limit(index: int) -> int:
     return _CLUSTER_LIMITS[index]
 
 
-def inplace_clusters(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
-    """Permute every expert of ``flat`` ``(E, bytes)`` (CUDA, 16-byte aligned) in place by clusters that each hold a
-    whole expert on chip (:func:`cluster_geometry` for the device's shared memory): one launch, as many clusters as
-    run at once, each taking every so many experts; no scratch. Refused (nothing moved) where the device has no
-    clusters or none holds an expert.
-
-    Yields the number of experts launched (all of them)."""
-    experts, index = flat.shape[0], flat.get_device()
-    geometry = cluster_geometry(em, cluster_shared_limit(index))
+def clusters_refuse(em: ExecMap, flat: torch.Tensor) -> str | None:
+    """Why the cluster kernel cannot permute ``flat`` ``(E, bytes)`` (CUDA) in place under ``em`` (None: it can): its
+    fatbin does not load there, no cluster of the device holds an expert (:func:`cluster_geometry`), the buffer is not
+    16-byte aligned, or the device runs no cluster of that geometry."""
     if not cuda_driver.available(CLUSTER_SOURCE, flat.device):
-        raise LayoutError(
-            f"{em.name}: the cluster kernel does not load on {flat.device}",
-            fix="use the in-place strategy 'cycles' (the default)",
-        )
+        return f"the cluster kernel does not load on {flat.device}"
+    index = flat.get_device()
+    geometry = cluster_geometry(em, cluster_shared_limit(index))
     if geometry is None or _word(em, flat) != 16:
-        raise LayoutError(
-            f"{em.name}: no cluster of this device holds an expert of {em.in_bytes} bytes in cells of "
-            f"{em.cell_bytes} bytes at a 16-byte aligned address",
-            fix="use the in-place strategy 'cycles' (the default)",
+        return (
+            f"no cluster of {flat.device} holds an expert of {em.in_bytes} bytes in cells of {em.cell_bytes} bytes "
+            "at a 16-byte aligned address"
         )
-    c, s, staged = geometry
-    name = _CLUSTERS[16]
+    c, _, staged = geometry
     key = (index, c, staged)
     if key not in _ACTIVE_CLUSTERS:
         # the device's whole limit, once: a later map's smaller staging must not lower what an earlier one launches
+        name, block = _CLUSTERS[16], (CLUSTER_THREADS, 1, 1)
         cuda_driver.allow_clusters(CLUSTER_SOURCE, name, flat.device, cluster_shared_limit(index))
-        block = (CLUSTER_THREADS, 1, 1)
         _ACTIVE_CLUSTERS[key] = cuda_driver.max_active_clusters(CLUSTER_SOURCE, name, flat.device, block, staged, c)
-    active = _ACTIVE_CLUSTERS[key]
-    if active < 1:
-        raise LayoutError(
-            f"{em.name}: clusters of {c} blocks with {staged} bytes of shared memory each do not run on this device",
-            fix="use the in-place strategy 'cycles' (the default)",
-        )
+    if _ACTIVE_CLUSTERS[key] < 1:
+        return f"clusters of {c} blocks with {staged} bytes of shared memory each do not run on {flat.device}"
+    return None
+
+
+def inplace_clusters(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
+    """Permute every expert of ``flat`` ``(E, bytes)`` (CUDA, 16-byte aligned) in place by clusters that each hold a
+    whole expert on chip (:func:`cluster_geometry` for the device's shared memory): one launch, as many clusters as
+    run at once, each taking every so many experts; no scratch. Refused (nothing moved) where
+    :func:`clusters_refuse` says why.
+
+    Yields the number of experts launched (all of them)."""
+    refused = clusters_refuse(em, flat)
+    if refused is not None:
+        raise LayoutError(f"{em.name}: {refused}", fix="use the in-place strategy 'cycles' (the default)")
+    experts, index = flat.shape[0], flat.get_device()
+    c, s, staged = cluster_geometry(em, cluster_shared_limit(index)) or (0, 0, 0)
+    active, name = _ACTIVE_CLUSTERS[index, c, staged], _CLUSTERS[16]
     src, ptr, c_int, c_ll = em.src_on(flat.device), ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     cuda_driver.launch(
         CLUSTER_SOURCE,

@@ -19,7 +19,8 @@ In-place strategies: ``bands`` (Triton, the 128x4 scale maps only: one cooperati
 launch, no scratch), ``cycles`` (along the map's cycles, :mod:`.cycles`; numba prefers
 it for cells of at least :data:`CYCLES_MIN_CELL` bytes; ``prebuilt`` runs it with nothing compiled), ``strided`` (torch, maps of the
 strided form: a chunk copied aside, then strided-copied back), ``clusters`` (``prebuilt`` on sm_90 and newer, on
-request only: clusters of blocks that each hold a whole expert on chip, :func:`.prebuilt.inplace_clusters`),
+request or with :data:`CLUSTERS_ENV` set: clusters of blocks that each hold a whole expert on chip,
+:func:`.prebuilt.inplace_clusters`),
 ``copy-then-gather`` (every executor: :mod:`.copy_then_gather`). ``auto`` takes the first strategy that fits the
 map and prefers it. Implementations load on first call (numba and Triton import only
 when used) and are looked up on every call.
@@ -192,16 +193,26 @@ def _cycles_prebuilt(em, flat, scratch_experts, config):
     return _module("prebuilt").inplace_cycles(em, flat, scratch_experts)
 
 
+CLUSTERS_ENV = "FIMOE_INPLACE_CLUSTERS"
+"""Set to a true value to make ``auto`` give the prebuilt executor's ``clusters`` strategy the maps it fits
+(:func:`fimoe_lab.env.env_bool`); a call it cannot take there (another GPU, an unaligned buffer) runs as by default."""
+
+
 def _clusters_prebuilt(em, flat, scratch_experts, config):
-    return _module("prebuilt").inplace_clusters(em, flat, scratch_experts)
+    pre = _module("prebuilt")
+    asked = (config or {}).get("inplace") == "clusters"
+    if asked or pre.clusters_refuse(em, flat) is None:
+        return pre.inplace_clusters(em, flat, scratch_experts)
+    fallback = _cycles_prebuilt if _cycles_now(em) else _ctg_prebuilt.run  # what auto gives it without the variable
+    return fallback(em, flat, scratch_experts, config)
 
 
 def _clusters_fit(em: ExecMap) -> bool:
     return _module("prebuilt").clusters_fit(em)
 
 
-def _never(em: ExecMap) -> bool:
-    return False
+def _clusters_asked(em: ExecMap) -> bool:
+    return env.value(CLUSTERS_ENV, False) and _clusters_fit(em)
 
 
 def _cycles_now(em: ExecMap) -> bool:
@@ -225,6 +236,9 @@ def _copy_then_gather(gather: Gather) -> InPlace:
         return _module("copy_then_gather").copy_then_gather(gather, em, flat, scratch_experts)
 
     return InPlace("copy-then-gather", run)
+
+
+_ctg_prebuilt = _copy_then_gather(_gather_prebuilt)
 
 
 def _gather_torch(em, x, out):
@@ -313,15 +327,15 @@ EXECUTORS: dict[str, Executor] = {
             0,
             _gather_prebuilt,
             (
-                InPlace("cycles", _cycles_prebuilt, prefers=_cycles_now),
                 InPlace(
                     "clusters",
                     _clusters_prebuilt,
                     fits=_clusters_fit,
-                    prefers=_never,
+                    prefers=_clusters_asked,
                     requirement="a permutation of 16-byte words whose expert a cluster of blocks holds on chip",
                 ),
-                _copy_then_gather(_gather_prebuilt),
+                InPlace("cycles", _cycles_prebuilt, prefers=_cycles_now),
+                _ctg_prebuilt,
             ),
             loads_on=_prebuilt_loads,
             loads_needs="a driver that loads its fatbin (CUDA 13: driver 580 or newer)",
