@@ -67,7 +67,7 @@ __all__ = [
     "inplace_clusters",
     "cluster_geometry",
     "clusters_fit",
-    "clusters_refuse",
+    "cluster_launch",
     "CLUSTER_SOURCE",
     "CLUSTER_THREADS",
     "CLUSTER_REGISTER_WORDS",
@@ -671,10 +671,11 @@ def cluster_shared_limit(index: int) -> int:
     return _CLUSTER_LIMITS[index]
 
 
-def clusters_refuse(em: ExecMap, flat: torch.Tensor) -> str | None:
-    """Why the cluster kernel cannot permute ``flat`` ``(E, bytes)`` (CUDA) in place under ``em`` (None: it can): its
-    fatbin does not load there, no cluster of the device holds an expert (:func:`cluster_geometry`), the buffer is not
-    16-byte aligned, or the device runs no cluster of that geometry."""
+def cluster_launch(em: ExecMap, flat: torch.Tensor) -> tuple[int, int, int, int] | str:
+    """How the cluster kernel permutes ``flat`` ``(E, bytes)`` (CUDA) in place under ``em``: ``(C, S, staged,
+    clusters at once)`` (:func:`cluster_geometry` for the device's shared memory), or why it cannot: its fatbin does
+    not load there, no cluster of the device holds an expert, the buffer is not 16-byte aligned, or the device runs no
+    cluster of that geometry."""
     if not cuda_driver.available(CLUSTER_SOURCE, flat.device):
         return f"the cluster kernel does not load on {flat.device}"
     index = flat.get_device()
@@ -684,7 +685,7 @@ def clusters_refuse(em: ExecMap, flat: torch.Tensor) -> str | None:
             f"no cluster of {flat.device} holds an expert of {em.in_bytes} bytes in cells of {em.cell_bytes} bytes "
             "at a 16-byte aligned address"
         )
-    c, _, staged = geometry
+    c, s, staged = geometry
     key = (index, c, staged)
     if key not in _ACTIVE_CLUSTERS:
         # the device's whole limit, once: a later map's smaller staging must not lower what an earlier one launches
@@ -693,22 +694,24 @@ def clusters_refuse(em: ExecMap, flat: torch.Tensor) -> str | None:
         _ACTIVE_CLUSTERS[key] = cuda_driver.max_active_clusters(CLUSTER_SOURCE, name, flat.device, block, staged, c)
     if _ACTIVE_CLUSTERS[key] < 1:
         return f"clusters of {c} blocks with {staged} bytes of shared memory each do not run on {flat.device}"
-    return None
+    return c, s, staged, _ACTIVE_CLUSTERS[key]
 
 
-def inplace_clusters(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
+def inplace_clusters(
+    em: ExecMap, flat: torch.Tensor, scratch_experts: int, launch: tuple[int, int, int, int] | str | None = None
+):
     """Permute every expert of ``flat`` ``(E, bytes)`` (CUDA, 16-byte aligned) in place by clusters that each hold a
-    whole expert on chip (:func:`cluster_geometry` for the device's shared memory): one launch, as many clusters as
-    run at once, each taking every so many experts; no scratch. Refused (nothing moved) where
-    :func:`clusters_refuse` says why.
+    whole expert on chip, as :func:`cluster_launch` says (``launch``: its answer where the caller has it): one launch,
+    as many clusters as run at once, each taking every so many experts; no scratch. Refused (nothing moved) where it
+    says why not.
 
     Yields the number of experts launched (all of them)."""
-    refused = clusters_refuse(em, flat)
-    if refused is not None:
-        raise LayoutError(f"{em.name}: {refused}", fix="use the in-place strategy 'cycles' (the default)")
-    experts, index = flat.shape[0], flat.get_device()
-    c, s, staged = cluster_geometry(em, cluster_shared_limit(index)) or (0, 0, 0)
-    active, name = _ACTIVE_CLUSTERS[index, c, staged], _CLUSTERS[16]
+    if launch is None:
+        launch = cluster_launch(em, flat)
+    if isinstance(launch, str):
+        raise LayoutError(f"{em.name}: {launch}", fix="use the in-place strategy 'cycles' (the default)")
+    c, s, staged, active = launch
+    experts, name = flat.shape[0], _CLUSTERS[16]
     src, ptr, c_int, c_ll = em.src_on(flat.device), ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     cuda_driver.launch(
         CLUSTER_SOURCE,

@@ -200,11 +200,11 @@ CLUSTERS_ENV = "FIMOE_INPLACE_CLUSTERS"
 
 def _clusters_prebuilt(em, flat, scratch_experts, config):
     pre = _module("prebuilt")
-    asked = (config or {}).get("inplace") == "clusters"
-    if asked or pre.clusters_refuse(em, flat) is None:
-        return pre.inplace_clusters(em, flat, scratch_experts)
-    fallback = _cycles_prebuilt if _cycles_now(em) else _ctg_prebuilt.run  # what auto gives it without the variable
-    return fallback(em, flat, scratch_experts, config)
+    launch = pre.cluster_launch(em, flat)
+    if isinstance(launch, str) and (config or {}).get("inplace") != "clusters":  # auto, by the variable: as without it
+        fallback = _cycles_prebuilt if _cycles_now(em) else _ctg_prebuilt.run
+        return fallback(em, flat, scratch_experts, config)
+    return pre.inplace_clusters(em, flat, scratch_experts, launch)
 
 
 def _clusters_fit(em: ExecMap) -> bool:
