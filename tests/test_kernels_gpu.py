@@ -544,9 +544,10 @@ CLUSTERS = PREBUILT and torch.cuda.get_device_capability()[0] >= 9
 
 
 def cluster_maps():
-    """Engine maps in place (test sizes, and TP8 ranks of Qwen3-235B, DeepSeek-V3 and DeepSeek-R1) of 16-byte words."""
+    """Engine maps in place whose expert a cluster holds (test sizes, and TP8 ranks of Qwen3-235B, DeepSeek-V3 and
+    DeepSeek-R1)."""
     for param in in_place_maps():
-        if param.values[0].compiled().cell_bytes % 16 == 0:
+        if prebuilt.clusters_fit(param.values[0].compiled()):
             yield param
     for fmt, inter, hidden, name in (
         ("bf16", 256, 4096, "w13"),

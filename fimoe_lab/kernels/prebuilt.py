@@ -108,8 +108,10 @@ CLUSTER_THREADS = 512
 CLUSTER_REGISTER_WORDS = 16
 """Threads a block of the cluster kernel and 16-byte words each holds in registers (``CLUSTER_THREADS`` and
 ``CLUSTER_REGISTER_WORDS`` of ``cluster.cu``)."""
-CLUSTER_SIZES = (1, 2, 4, 8, 16)
-"""Blocks a cluster may have, fewest first (16 is past CUDA's portable 8: :func:`.cuda_driver.allow_clusters`)."""
+CLUSTER_SIZES = (2, 4, 8, 16)
+"""Blocks a cluster may have, fewest first (16 is past CUDA's portable 8: :func:`.cuda_driver.allow_clusters`). No
+cluster of one block: on an H100 (driver 580) the occupancy query answers that none runs (measured), so an expert one
+block holds takes two."""
 CLUSTER_SHARED_MAX = 232448
 """The most dynamic shared memory a block has on any GPU with clusters (227 KiB on sm_90 and sm_100): whether a map's
 experts fit a cluster at all (:func:`clusters_fit`); a device's own limit decides the launch."""
