@@ -27,11 +27,11 @@ import torch
 
 from fimoe_lab import kernels
 from fimoe_lab.kernels import prebuilt
-from fimoe_lab.prepare import plan_layer
+from fimoe_lab.prepare import drop_in_maps, plan_layer
 
-CASES = [  # label, format, intermediate, hidden, experts, tensor
-    ("qwen3-235b-tp8 bf16 block W2", "bf16", 192, 4096, 128, "w2"),
-    ("qwen3-235b-tp8 bf16 block W13", "bf16", 192, 4096, 128, "w13"),
+CASES = [  # label, format, intermediate, hidden, experts, tensor (a layer plan's, or "drop-in/tensor")
+    ("qwen3-235b-tp8 bf16 block drop-in W2", "bf16", 192, 4096, 128, "trtllm_block_layout/w2"),
+    ("qwen3-235b-tp8 bf16 block drop-in W13", "bf16", 192, 4096, 128, "trtllm_block_layout/w13"),
     ("deepseek-v3-tp8 fp8 block W13", "fp8-block", 256, 7168, 256, "w13"),
     ("deepseek-v3-tp8 fp8 block W2", "fp8-block", 256, 7168, 256, "w2"),
     ("deepseek-r1-tp8 nvfp4 W13", "nvfp4", 256, 7168, 256, "w13"),
@@ -140,7 +140,10 @@ def timed(fn, reps: int = 15) -> float:
 
 def probe(case: tuple, fns: dict[str, int]) -> dict:
     label, fmt, inter, hidden, experts, tensor = case
-    em = getattr(plan_layer(fmt, "trtllm", inter, hidden), tensor).compiled()
+    if "/" in tensor:  # a drop-in's map
+        em = drop_in_maps(fmt, inter, hidden)[tensor][0].compiled()
+    else:
+        em = getattr(plan_layer(fmt, "trtllm", inter, hidden), tensor).compiled()
     record: dict = {"case": label, "expert_bytes": em.in_bytes, "cell_bytes": em.cell_bytes, "configs": []}
     if not em.is_permutation or em.cell_bytes % 4:
         print(f"{label}: not a permutation of 4-byte words, skipped", flush=True)

@@ -108,14 +108,17 @@ def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, fu
 
 
 def test_the_launcher_and_the_cluster_kernel_agree_on_their_constants():
-    """``cluster.cu``'s threads a block and words a thread holds in registers are the geometry's; its function is the
-    one the launcher names, with the parameters it passes."""
+    """``cluster.cu``'s threads a block and words a thread holds in registers are the geometry's; its functions are
+    the ones the launcher names, with the parameters it passes."""
     defines = _defines("cluster.cu")
-    got = (defines["CLUSTER_THREADS"], defines["CLUSTER_REGISTER_WORDS"])
-    assert got == (prebuilt.CLUSTER_THREADS, prebuilt.CLUSTER_REGISTER_WORDS)
+    got = (defines["CLUSTER_THREADS"], defines["CLUSTER_REGISTER_WORDS"], defines["SCATTER_THREADS"])
+    assert got == (prebuilt.CLUSTER_THREADS, prebuilt.CLUSTER_REGISTER_WORDS, prebuilt.SCATTER_THREADS)
     text = (CUDA / "cluster.cu").read_text()
-    for name in prebuilt._CLUSTERS.values():
-        params = r"word16\* x, const int\* __restrict__ src, int cells, int cw, long long expert_words, int slice,"
+    for mode, name in prebuilt._CLUSTERS.items():
+        table = "dst" if mode == "scatter" else "src"
+        params = (
+            rf"word16\* x, const int\* __restrict__ {table}, int cells, int cw, long long expert_words,\s+int slice,"
+        )
         assert re.search(rf"^\s+{name}\({params}\s+int experts\)", text, flags=re.M)
 
 
@@ -1019,8 +1022,8 @@ def cluster_maps():
 
 @pytest.mark.parametrize("m", list(cluster_maps()))
 def test_the_cluster_kernel_source_permutes_every_engine_map_in_place(clusters, emulated, m):
-    """Every engine map of 16-byte words, in place by the cluster kernel's source (two blocks a cluster at these
-    sizes, two clusters taking alternate experts): the bytes of the per-expert loop, on coordinate-coded and random
+    """Every engine map of 16-byte words, in place by the cluster kernels' source (the scattering kernel, two blocks a
+    cluster at these sizes, a cluster an expert): the bytes of the per-expert loop, on coordinate-coded and random
     inputs; a buffer off 16 bytes is refused with nothing moved."""
     from reference_loops import byte_gather
 
@@ -1030,32 +1033,34 @@ def test_the_cluster_kernel_source_permutes_every_engine_map_in_place(clusters, 
         y = x.clone()
         emulated.clear()
         run_clusters(m, y)
-        assert emulated == [prebuilt._CLUSTERS[16]]
+        assert emulated == [prebuilt._CLUSTERS["scatter"]]
         assert torch.equal(y, want) and not torch.equal(x, want)
     y = shifted_copy(x, 4)
     with pytest.raises(LayoutError, match="16-byte aligned"):
         run_clusters(m, y)
-    assert torch.equal(y, x) and prebuilt.cluster_geometry(em, prebuilt.CLUSTER_SHARED_MAX)[0] == 2
+    assert torch.equal(y, x) and prebuilt.cluster_geometry(em, prebuilt.CLUSTER_SHARED_MAX)[:2] == (True, 2)
 
 
 @pytest.mark.parametrize(
-    "tensor,limit,blocks",
+    "tensor,limit,scatter,blocks",
     [
-        ("w13", prebuilt.CLUSTER_SHARED_MAX, 4),
-        ("w13", 16, 8),
-        ("w2", prebuilt.CLUSTER_SHARED_MAX, 2),
-        ("w2", 64 << 10, 2),
-        ("w2", (64 << 10) - 1, 4),
+        ("w13", prebuilt.CLUSTER_SHARED_MAX, True, 8),
+        ("w13", 64 << 10, True, 16),
+        ("w13", 16, False, 8),
+        ("w2", prebuilt.CLUSTER_SHARED_MAX, True, 4),
+        ("w2", 64 << 10, True, 16),
+        ("w2", 16, False, 4),
+        ("w2", 15, False, 8),
     ],
 )
 @pytest.mark.parametrize("active", [1, 3])
-def test_clusters_of_several_blocks_hold_an_expert_in_registers_and_shared_memory(
-    clusters, tensor, limit, blocks, active
-):
-    """BF16 block layout maps of 768 KiB (W13) and 384 KiB (W2) experts: a block holds 8,192 words in registers and
-    up to the limit in shared memory (W13: four blocks of 4,096 staged words at 227 KiB, eight blocks in registers
-    alone with none; W2: two blocks of 4,096 staged words where 64 KiB fit, four where they do not). One or three
-    clusters at once: the bytes of the per-expert loop."""
+def test_clusters_of_several_blocks_hold_an_expert(clusters, emulated, tensor, limit, scatter, blocks, active):
+    """BF16 block layout maps of 768 KiB (W13) and 384 KiB (W2) experts: the scattering kernel where shared memory
+    holds a slice (two blocks a multiprocessor where they fit: W13 eight blocks of 96 KiB at 227 KiB; one where
+    only that fits: sixteen of 48 KiB at 64 KiB), else the gathering one with 8,192 words a block in registers (W13
+    eight blocks, W2 four, with the 16 bytes a block stages at least; eight where not even those fit, and none
+    fit in registers alone). One or three clusters running at once: a cluster an expert, the bytes of the
+    per-expert loop."""
     from reference_loops import byte_gather
 
     from fimoe_lab.prepare import drop_in_maps
@@ -1063,13 +1068,18 @@ def test_clusters_of_several_blocks_hold_an_expert_in_registers_and_shared_memor
     clusters[0][0], clusters[1][0] = limit, active
     m = drop_in_maps("bf16", 192, 1024)[f"trtllm_block_layout/{tensor}"][0]
     em = m.compiled()
-    c, s, staged = prebuilt.cluster_geometry(em, limit)
-    assert c == blocks and c * s >= em.n_out and staged <= limit
-    assert s * em.cell_bytes // 16 <= prebuilt.CLUSTER_REGISTER_WORDS * prebuilt.CLUSTER_THREADS + staged // 16
+    got = prebuilt.cluster_geometry(em, limit)
+    if limit == 15:
+        assert got is None
+        return
+    assert got.scatter == scatter and got.c == blocks and got.c * got.s >= em.n_out and got.staged <= limit
+    held = 0 if scatter else prebuilt.CLUSTER_REGISTER_WORDS * prebuilt.CLUSTER_THREADS
+    assert got.s * em.cell_bytes // 16 <= held + got.staged // 16
     x = next(host_inputs(m, 4))
     y = x.clone()
+    emulated.clear()
     run_clusters(m, y)
-    assert torch.equal(y, byte_gather(m, x).reshape(4, -1))
+    assert emulated == [got.kernel[0]] and torch.equal(y, byte_gather(m, x).reshape(4, -1))
     assert clusters[2] == [limit]  # the device's whole limit, not this map's staging: a later map may need more
 
 
@@ -1080,10 +1090,11 @@ def test_clusters_of_several_blocks_hold_an_expert_in_registers_and_shared_memor
     hidden=st.sampled_from([256, 1024, 2048, 7168]),
     limit=st.integers(0, prebuilt.CLUSTER_SHARED_MAX),
 )
-def test_cluster_geometry_is_the_fewest_blocks_that_hold_an_expert(fmt, inter, hidden, limit):
-    """For every permutation of 16-byte words the geometry's C blocks cover the expert's cells, hold each block's
-    words in registers and at most ``limit`` bytes of shared memory, and no fewer blocks of :data:`CLUSTER_SIZES`
-    would; None where sixteen do not; every other map has none."""
+def test_cluster_geometry_is_the_first_kernel_and_fewest_blocks_that_hold_an_expert(fmt, inter, hidden, limit):
+    """For every permutation of 16-byte words: the scattering kernel at the fewest blocks of :data:`CLUSTER_SIZES`
+    whose slices fit half the limit less 1 KiB, else the whole limit; else the gathering kernel at the fewest whose
+    slices, less the words held in registers, fit the limit (at least one word staged); None where none of these
+    does. Every block count covers the expert's cells; every other map has none."""
     held = prebuilt.CLUSTER_REGISTER_WORDS * prebuilt.CLUSTER_THREADS
     for m in plan_layer(fmt, "trtllm", inter, hidden).maps().values():
         em = m.compiled()
@@ -1091,15 +1102,16 @@ def test_cluster_geometry_is_the_fewest_blocks_that_hold_an_expert(fmt, inter, h
         if em.cell_bytes % 16 or not em.is_permutation:
             assert got is None
             continue
-        words = [-(-em.n_out // c) * em.cell_bytes // 16 for c in prebuilt.CLUSTER_SIZES]
-        fits = [max(w - held, 1) * 16 <= limit for w in words]
-        if got is None:
-            assert not any(fits)
+        words = {c: -(-em.n_out // c) * em.cell_bytes // 16 for c in prebuilt.CLUSTER_SIZES}
+        wanted = [
+            (True, c, 16 * w) for bound in ((limit - 1024) // 2, limit) for c, w in words.items() if 16 * w <= bound
+        ]
+        wanted += [(False, c, max(w - held, 1) * 16) for c, w in words.items() if max(w - held, 1) * 16 <= limit]
+        if not wanted:
+            assert got is None
             continue
-        c, s, staged = got
-        k = prebuilt.CLUSTER_SIZES.index(c)
-        assert fits[k] and not any(fits[:k]) and c * s >= em.n_out > (c - 1) * s
-        assert staged == max(words[k] - held, 1) * 16 <= limit
+        assert (got.scatter, got.c, got.staged) == wanted[0]
+        assert got.c * got.s >= em.n_out > (got.c - 1) * got.s
 
 
 @pytest.mark.parametrize("value", ["1", "0", None])
@@ -1121,7 +1133,7 @@ def test_the_clusters_variable_gives_auto_the_maps_a_cluster_holds(clusters, emu
     assert (executor.strategy(em, "auto").name == "clusters") == (value == "1")
     x = next(host_inputs(m, 3))
     want = byte_gather(m, x).reshape(3, -1)
-    for shift, kernel in ((0, prebuilt._CLUSTERS[16]), (4, None)):
+    for shift, kernel in ((0, prebuilt.cluster_geometry(em, prebuilt.CLUSTER_SHARED_MAX).kernel[0]), (4, None)):
         y = shifted_copy(x, shift)
         emulated.clear()
         for _ in executor.strategy(em, "auto").run(em, y, 1, None):

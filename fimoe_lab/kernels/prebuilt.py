@@ -17,8 +17,8 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
   kernel does; cells under :data:`MIN_CYCLE_CELL` bytes are copied aside and gathered back instead;
 - in place by clusters (``kernels/cuda/cluster.cu``, sm_90 and newer, the ``clusters`` strategy on request): a
-  cluster of blocks holds a whole expert on chip (registers and shared memory, :func:`cluster_geometry`), meets at
-  its barrier, then stores it; one launch, each byte crossing memory once.
+  cluster of blocks holds a whole expert on chip (shared memory, or registers too for the largest experts:
+  :func:`cluster_geometry`), meets at its barrier, then stores it; one launch, each byte crossing memory once.
 
 Tile shape (the gather and cycle kernels): ``THREADS * ITEMS`` words a block (the constants of the ``.cu`` files); the
 word is 16 bytes where the cell and the buffers allow it, else 4, else 1; ``BW`` is the largest power of
@@ -34,7 +34,7 @@ import queue
 import sys
 import threading
 import weakref
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -71,6 +71,9 @@ __all__ = [
     "CLUSTER_SOURCE",
     "CLUSTER_THREADS",
     "CLUSTER_REGISTER_WORDS",
+    "SCATTER_THREADS",
+    "ClusterGeometry",
+    "inverse_on",
     "CLUSTER_SIZES",
     "CLUSTER_SHARED_MAX",
     "planned",
@@ -106,8 +109,9 @@ CLUSTER_SOURCE = "cluster"
 """The fatbin of ``kernels/cuda/cluster.cu`` (in place by clusters)."""
 CLUSTER_THREADS = 512
 CLUSTER_REGISTER_WORDS = 16
-"""Threads a block of the cluster kernel and 16-byte words each holds in registers (``CLUSTER_THREADS`` and
-``CLUSTER_REGISTER_WORDS`` of ``cluster.cu``)."""
+SCATTER_THREADS = 1024
+"""Threads a block of the gathering cluster kernel and 16-byte words each holds in registers, threads a block of the
+scattering one (``CLUSTER_THREADS``, ``CLUSTER_REGISTER_WORDS`` and ``SCATTER_THREADS`` of ``cluster.cu``)."""
 CLUSTER_SIZES = (2, 4, 8, 16)
 """Blocks a cluster may have, fewest first (16 is past CUDA's portable 8: :func:`.cuda_driver.allow_clusters`). No
 cluster of one block: on an H100 (driver 580) the occupancy query answers that none runs (measured), so an expert one
@@ -136,7 +140,7 @@ _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"
 _GATHERS = {16: "fimoe_gather_w16", 4: "fimoe_gather_w4", 1: "fimoe_gather_w1"}
 _SWIZZLES = {16: "fimoe_swizzle"}
 _STRIDEDS = {16: "fimoe_strided_w16", 4: "fimoe_strided_w4", 1: "fimoe_strided_w1"}
-_CLUSTERS = {16: "fimoe_cluster_w16"}
+_CLUSTERS = {"gather": "fimoe_cluster_w16", "scatter": "fimoe_cluster_scatter_w16"}
 _KERNELS = {
     SOURCE: _FUNCTIONS,
     GATHER_SOURCE: _GATHERS,
@@ -636,20 +640,49 @@ def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
         yield s0 + cnt, scratch
 
 
-def cluster_geometry(em: ExecMap, shared_limit: int) -> tuple[int, int, int] | None:
-    """``(C, S, staged)`` of the cluster kernel for ``em``: the fewest blocks ``C`` of :data:`CLUSTER_SIZES` that hold
-    one expert on chip, block ``r`` owning output cells ``[r S, (r + 1) S)`` with ``S = ceil(cells / C)``; of its
-    ``S * cell_bytes / 16`` words, ``CLUSTER_REGISTER_WORDS * CLUSTER_THREADS`` in registers and the rest in
-    ``staged`` bytes of shared memory (at least 16), at most ``shared_limit``. None for a map that is no permutation of
-    whole 16-byte words, or whose expert no cluster holds."""
+class ClusterGeometry(NamedTuple):
+    """How the cluster kernels hold one expert: ``C`` blocks, block ``r`` owning cells ``[r S, (r + 1) S)``, each
+    staging ``staged`` bytes of shared memory; ``scatter``: the scattering kernel (its own run loaded, cells stored
+    by the inverse map), else the gathering one (16-byte words of registers a thread as well)."""
+
+    scatter: bool
+    c: int
+    s: int
+    staged: int
+
+    @property
+    def kernel(self) -> tuple[str, int]:
+        """The kernel's name and threads a block."""
+        return (_CLUSTERS["scatter"], SCATTER_THREADS) if self.scatter else (_CLUSTERS["gather"], CLUSTER_THREADS)
+
+
+def cluster_geometry(em: ExecMap, shared_limit: int) -> ClusterGeometry | None:
+    """The cluster kernel and blocks that hold one expert of ``em`` on chip, blocks of at most ``shared_limit`` bytes
+    of shared memory, ``S = ceil(cells / C)`` cells a block (``S * cell_bytes / 16`` words), first of these that
+    holds it:
+
+    1. the scattering kernel (shared memory only), the fewest ``C`` of :data:`CLUSTER_SIZES` whose blocks take at
+       most ``(shared_limit - 1024) / 2`` bytes: two blocks a multiprocessor, so one loads while another stores (each
+       block also takes the 1 KiB the system reserves);
+    2. the scattering kernel, the fewest ``C`` whose blocks take at most ``shared_limit``;
+    3. the gathering kernel, ``CLUSTER_REGISTER_WORDS * CLUSTER_THREADS`` words in registers and the rest (at least
+       one) staged, the fewest ``C`` whose staging fits.
+
+    On an H100 the scattering kernel ran DeepSeek TP8 maps at 0.90-0.96 of a copy where two blocks fit a
+    multiprocessor, 0.75-0.90 where one does; the gathering one 0.69-0.86 (benchmarks/RESULTS.md). None for a map
+    that is no permutation of whole 16-byte words, or whose expert no cluster holds."""
     if em.cell_bytes % 16 or not em.is_permutation:
         return None
     cw, held = em.cell_bytes // 16, CLUSTER_REGISTER_WORDS * CLUSTER_THREADS
-    for c in CLUSTER_SIZES:
-        s = cdiv(em.n_out, c)
+    slices = [(c, cdiv(em.n_out, c)) for c in CLUSTER_SIZES]
+    for limit in ((shared_limit - 1024) // 2, shared_limit):
+        for c, s in slices:
+            if s * cw * 16 <= limit:
+                return ClusterGeometry(True, c, s, s * cw * 16)
+    for c, s in slices:
         staged = max(s * cw - held, 1) * 16
         if staged <= shared_limit:
-            return c, s, staged
+            return ClusterGeometry(False, c, s, staged)
     return None
 
 
@@ -660,7 +693,7 @@ def clusters_fit(em: ExecMap) -> bool:
 
 
 _CLUSTER_LIMITS: dict[int, int] = {}
-_ACTIVE_CLUSTERS: dict[tuple[int, int, int], int] = {}
+_ACTIVE_CLUSTERS: dict[tuple[int, ClusterGeometry], int] = {}
 
 
 def cluster_shared_limit(index: int) -> int:
@@ -673,11 +706,11 @@ def cluster_shared_limit(index: int) -> int:
     return _CLUSTER_LIMITS[index]
 
 
-def cluster_launch(em: ExecMap, flat: torch.Tensor) -> tuple[int, int, int, int] | str:
-    """How the cluster kernel permutes ``flat`` ``(E, bytes)`` (CUDA) in place under ``em``: ``(C, S, staged,
-    clusters at once)`` (:func:`cluster_geometry` for the device's shared memory), or why it cannot: its fatbin does
-    not load there, no cluster of the device holds an expert, the buffer is not 16-byte aligned, or the device runs no
-    cluster of that geometry."""
+def cluster_launch(em: ExecMap, flat: torch.Tensor) -> ClusterGeometry | str:
+    """How the cluster kernels permute ``flat`` ``(E, bytes)`` (CUDA) in place under ``em``
+    (:func:`cluster_geometry` for the device's shared memory), or why they cannot: their fatbin does not load there,
+    no cluster of the device holds an expert, the buffer is not 16-byte aligned, or the device runs no cluster of that
+    geometry."""
     if not cuda_driver.available(CLUSTER_SOURCE, flat.device):
         return f"the cluster kernel does not load on {flat.device}"
     index = flat.get_device()
@@ -687,51 +720,65 @@ def cluster_launch(em: ExecMap, flat: torch.Tensor) -> tuple[int, int, int, int]
             f"no cluster of {flat.device} holds an expert of {em.in_bytes} bytes in cells of {em.cell_bytes} bytes "
             "at a 16-byte aligned address"
         )
-    c, s, staged = geometry
-    key = (index, c, staged)
+    key = (index, geometry)
     if key not in _ACTIVE_CLUSTERS:
         # the device's whole limit, once: a later map's smaller staging must not lower what an earlier one launches
-        name, block = _CLUSTERS[16], (CLUSTER_THREADS, 1, 1)
+        name, threads = geometry.kernel
         cuda_driver.allow_clusters(CLUSTER_SOURCE, name, flat.device, cluster_shared_limit(index))
-        _ACTIVE_CLUSTERS[key] = cuda_driver.max_active_clusters(CLUSTER_SOURCE, name, flat.device, block, staged, c)
+        _ACTIVE_CLUSTERS[key] = cuda_driver.max_active_clusters(
+            CLUSTER_SOURCE, name, flat.device, (threads, 1, 1), geometry.staged, geometry.c
+        )
     if _ACTIVE_CLUSTERS[key] < 1:
-        return f"clusters of {c} blocks with {staged} bytes of shared memory each do not run on {flat.device}"
-    return c, s, staged, _ACTIVE_CLUSTERS[key]
+        return (
+            f"clusters of {geometry.c} blocks with {geometry.staged} bytes of shared memory each do not run on "
+            f"{flat.device}"
+        )
+    return geometry
+
+
+def inverse_on(em: ExecMap, device: torch.device) -> torch.Tensor:
+    """``dst`` (int32, on ``device``, cached on ``em``): the inverse of the permutation ``em.src``, ``dst[src[k]] =
+    k``, as the scattering cluster kernel reads it."""
+    key = ("dst", str(device))
+    if key not in em._dev:
+        dst = np.empty(em.n_out, dtype=np.int32)
+        dst[em.src] = np.arange(em.n_out, dtype=np.int32)
+        em._dev[key] = torch.from_numpy(dst).to(device)
+    return em._dev[key]
 
 
 def inplace_clusters(
-    em: ExecMap, flat: torch.Tensor, scratch_experts: int, launch: tuple[int, int, int, int] | str | None = None
+    em: ExecMap, flat: torch.Tensor, scratch_experts: int, launch: ClusterGeometry | str | None = None
 ):
     """Permute every expert of ``flat`` ``(E, bytes)`` (CUDA, 16-byte aligned) in place by clusters that each hold a
     whole expert on chip, as :func:`cluster_launch` says (``launch``: its answer where the caller has it): one launch,
-    as many clusters as run at once, each taking every so many experts; no scratch. Refused (nothing moved) where it
-    says why not.
+    a cluster an expert; no scratch. Refused (nothing moved) where it says why not.
 
     Yields the number of experts launched (all of them)."""
     if launch is None:
         launch = cluster_launch(em, flat)
     if isinstance(launch, str):
         raise LayoutError(f"{em.name}: {launch}", fix="use the in-place strategy 'cycles' (the default)")
-    c, s, staged, active = launch
-    experts, name = flat.shape[0], _CLUSTERS[16]
-    src, ptr, c_int, c_ll = em.src_on(flat.device), ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    experts, (name, threads) = flat.shape[0], launch.kernel
+    table = inverse_on(em, flat.device) if launch.scatter else em.src_on(flat.device)
+    ptr, c_int, c_ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     cuda_driver.launch(
         CLUSTER_SOURCE,
         name,
         flat.device,
-        (min(experts, active) * c, 1, 1),
-        (CLUSTER_THREADS, 1, 1),
+        (experts * launch.c, 1, 1),
+        (threads, 1, 1),
         [
             (ptr, flat.data_ptr()),
-            (ptr, src.data_ptr()),
+            (ptr, table.data_ptr()),
             (c_int, em.n_out),
             (c_int, em.cell_bytes // 16),
             (c_ll, em.in_bytes // 16),
-            (c_int, s),
+            (c_int, launch.s),
             (c_int, experts),
         ],
-        cluster=c,
-        shared_bytes=staged,
+        cluster=launch.c,
+        shared_bytes=launch.staged,
     )
     yield experts, None
 

@@ -77,35 +77,39 @@ EMULATE_STRIDED(fimoe_strided_w16, word16)
 EMULATE_STRIDED(fimoe_strided_w4, word4)
 EMULATE_STRIDED(fimoe_strided_w1, word1)
 
-// The cluster kernel: the `cluster` blocks of one cluster at once, `threads` threads each, clusters one after
+// The cluster kernels: the `cluster` blocks of one cluster at once, `threads` threads each, clusters one after
 // another (each takes its own experts); a block's dynamic shared memory is its own `shared_bytes`.
-extern "C" void emulate_fimoe_cluster_w16(unsigned gx, unsigned gy, unsigned threads, unsigned cluster,
-                                          unsigned shared_bytes, word16* x, const int* src, int cells, int cw,
-                                          long long expert_words, int slice, int experts) {
-    const unsigned clusters = gx / cluster;
-    for (unsigned c = 0; c < clusters; ++c) {
-        std::barrier<> whole(cluster * threads);
-        std::vector<std::unique_ptr<std::barrier<>>> blocks;
-        for (unsigned r = 0; r < cluster; ++r) blocks.push_back(std::make_unique<std::barrier<>>(threads));
-        std::vector<std::vector<word16>> shared(cluster, std::vector<word16>((shared_bytes + 15) / 16));
-        std::vector<std::thread> pool;
-        for (unsigned r = 0; r < cluster; ++r) {
-            for (unsigned t = 0; t < threads; ++t) {
-                pool.emplace_back([&, r, t] {
-                    fimoe_block_barrier = blocks[r].get();
-                    fimoe_cluster_barrier = &whole;
-                    fimoe_cluster_rank = r;
-                    fimoe_cluster_id = c;
-                    fimoe_cluster_count = clusters;
-                    fimoe_dynamic_shared = shared[r].data();
-                    blockIdx = {c * cluster + r, 0, 0};
-                    threadIdx = {t, 0, 0};
-                    blockDim = {threads, 1, 1};
-                    fimoe_cluster_w16(x, src, cells, cw, expert_words, slice, experts);
-                });
-            }
-        }
-        for (auto& th : pool) th.join();
+#define EMULATE_CLUSTER(NAME)                                                                                     \
+    extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, unsigned cluster,                  \
+                                   unsigned shared_bytes, word16* x, const int* table, int cells, int cw,         \
+                                   long long expert_words, int slice, int experts) {                              \
+        const unsigned clusters = gx / cluster;                                                                   \
+        for (unsigned c = 0; c < clusters; ++c) {                                                                 \
+            std::barrier<> whole(cluster * threads);                                                              \
+            std::vector<std::unique_ptr<std::barrier<>>> blocks;                                                  \
+            for (unsigned r = 0; r < cluster; ++r) blocks.push_back(std::make_unique<std::barrier<>>(threads));   \
+            std::vector<std::vector<word16>> shared(cluster, std::vector<word16>((shared_bytes + 15) / 16));     \
+            std::vector<std::thread> pool;                                                                        \
+            for (unsigned r = 0; r < cluster; ++r) {                                                              \
+                for (unsigned t = 0; t < threads; ++t) {                                                          \
+                    pool.emplace_back([&, r, t] {                                                                 \
+                        fimoe_block_barrier = blocks[r].get();                                                    \
+                        fimoe_cluster_barrier = &whole;                                                           \
+                        fimoe_cluster_rank = r;                                                                   \
+                        fimoe_cluster_id = c;                                                                     \
+                        fimoe_cluster_count = clusters;                                                           \
+                        fimoe_dynamic_shared = shared[r].data();                                                  \
+                        blockIdx = {c * cluster + r, 0, 0};                                                       \
+                        threadIdx = {t, 0, 0};                                                                    \
+                        blockDim = {threads, 1, 1};                                                               \
+                        NAME(x, table, cells, cw, expert_words, slice, experts);                                  \
+                    });                                                                                           \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (auto& th : pool) th.join();                                                                      \
+        }                                                                                                         \
+        (void)gy;                                                                                                 \
     }
-    (void)gy;
-}
+
+EMULATE_CLUSTER(fimoe_cluster_w16)
+EMULATE_CLUSTER(fimoe_cluster_scatter_w16)
