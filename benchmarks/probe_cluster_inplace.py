@@ -5,8 +5,9 @@ a cluster of C blocks loads the whole expert (into registers and shared memory),
 below (model sizes, TP8 ranks unless named) and each configuration (C, gather or scatter, threads, a persistent grid
 or a cluster per expert, streaming stores), the probe checks the result bit-exact against torch's gather and times
 it (CUDA events, median of 15 calls behind a device sleep) against ``copy_`` of the same bytes and the prebuilt
-executor's in-place paths on the same map (its default, and its ``clusters`` strategy: ``kernels/cuda/cluster.cu``,
-one of these designs). Needs an sm_90 GPU and the probe's kernels built first::
+executor's in-place kernels on the same map (its cycle kernel, the map's plan built, and its ``clusters`` strategy:
+``kernels/cuda/cluster.cu``, two of these designs; ``--shipped``: those alone). Needs an sm_90 GPU and the probe's
+kernels built first::
 
     nvcc -fatbin -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/cluster_inplace.fatbin \\
         benchmarks/cuda/cluster_inplace.cu
@@ -138,7 +139,7 @@ def timed(fn, reps: int = 15) -> float:
     return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(reps)) * 1e3
 
 
-def probe(case: tuple, fns: dict[str, int]) -> dict:
+def probe(case: tuple, fns: dict[str, int], variants: bool = True) -> dict:
     label, fmt, inter, hidden, experts, tensor = case
     if "/" in tensor:  # a drop-in's map
         em = drop_in_maps(fmt, inter, hidden)[tensor][0].compiled()
@@ -161,11 +162,10 @@ def probe(case: tuple, fns: dict[str, int]) -> dict:
     copy_us = timed(lambda: z.copy_(y))
     record["copy_us"] = copy_us
     shipped = {}
-    for strategy in ("auto", "clusters"):  # the prebuilt executor's default in place, and its cluster kernel
+    prebuilt.build_plan(em, True, y.device)  # the cycle plan, as a steady layer has it
+    for strategy in ("cycles", "clusters"):  # the prebuilt executor's in-place kernels
         config = {"inplace": strategy}
         try:
-            kernels.execute_in_place(em, y, backend="prebuilt", config=config)  # its first call starts the planner
-            prebuilt.wait_for_plans()  # timed as a steady layer runs it: with the map's plan built
             y.copy_(x)
             kernels.execute_in_place(em, y, backend="prebuilt", config=config)
             torch.cuda.synchronize()
@@ -176,11 +176,11 @@ def probe(case: tuple, fns: dict[str, int]) -> dict:
             record[f"{strategy}_error"] = str(err.__cause__ or err)[:200]
             shipped[strategy] = "refused"
     print(
-        f"{label}: expert {em.in_bytes / 1e6:.2f} MB, {cells} cells of {cb} B; copy {copy_us:.0f} us; prebuilt in "
-        f"place {shipped['auto']}, its cluster kernel {shipped['clusters']}",
+        f"{label}: expert {em.in_bytes / 1e6:.2f} MB, {cells} cells of {cb} B; copy {copy_us:.0f} us; the cycle "
+        f"kernel {shipped['cycles']}, the cluster kernel {shipped['clusters']}",
         flush=True,
     )
-    for cluster in (2, 4, 8, 16):
+    for cluster in (2, 4, 8, 16) if variants else ():
         slice_cells = -(-cells // cluster)
         for held in (0, HELD_WORDS) if wb == 16 else (0,):
             shared = slice_cells * cb - (held * 512 * wb)
@@ -223,9 +223,10 @@ def main() -> None:
     ap.add_argument("--fatbin", required=True, help="benchmarks/cuda/cluster_inplace.cu built for sm_90")
     ap.add_argument("--cases", nargs="*", help="labels to run (default: all)")
     ap.add_argument("--out", help="write the records here as JSON")
+    ap.add_argument("--shipped", action="store_true", help="time the prebuilt executor's kernels alone")
     args = ap.parse_args()
     fns = functions(args.fatbin)
-    records = [probe(case, fns) for case in CASES if not args.cases or case[0] in args.cases]
+    records = [probe(case, fns, not args.shipped) for case in CASES if not args.cases or case[0] in args.cases]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f)
