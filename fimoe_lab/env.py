@@ -151,9 +151,9 @@ VARIABLES = {
         Variable(
             "FIMOE_INPLACE_CLUSTERS",
             "bool",
-            "a true value makes the prebuilt executor permute in place with thread-block clusters that hold whole "
-            "experts on chip, where the GPU (sm_90 or newer) and the map allow it, else as by default (default off: "
-            "the cycle kernel)",
+            "true: the prebuilt executor permutes every in-place map a cluster of thread blocks holds whole on chip "
+            "with the cluster kernels, false: none (the cycle kernel), unset: maps of cells of at least 256 bytes "
+            "(where the GPU is sm_90 or newer and the buffer 16-byte aligned; else as without them)",
         ),
         Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
         Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),

@@ -736,11 +736,12 @@ def test_gpu_kept_swizzle_launches_wait_for_their_row_table_on_another_stream():
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 def test_gpu_fresh_process_prebuilt_stand_in():
     """By default a fresh process rotates FP8 weights in place on the strided kernel (each chunk copied aside and
-    gathered back) while the map's cycle plan is built in the background, then on the cycle kernel; a gather of one
-    strided view or of two strided stages runs on the strided kernel from its first call (its fatbin loaded by that
-    call, in the caller's thread), and on the swizzle kernel once its row forms are found in the background; no
-    Triton import; the bytes of torch's gather; the planner thread loads the swizzle and cycle kernels' fatbins (no
-    map here needs the gather kernel's)."""
+    gathered back) while the map is planned in the background, then on the cluster kernel (sm_90 and newer: cells of
+    7,168 bytes) or the cycle kernel; a gather of one strided view or of two strided stages runs on the strided
+    kernel from its first call (its fatbin loaded by that call, in the caller's thread), and on the swizzle kernel
+    once its row forms are found in the background; no Triton import; the bytes of torch's gather; the planner
+    thread loads the swizzle and cycle kernels' fatbins, and the cluster kernels' where they run (no map here needs
+    the gather kernel's)."""
     import json
     import os
     import pathlib
@@ -759,5 +760,5 @@ def test_gpu_fresh_process_prebuilt_stand_in():
         True,
         True,
         True,
-        ["MainThread"] + ["fimoe-lab-prebuilt-plans"] * 2,
+        ["MainThread"] + ["fimoe-lab-prebuilt-plans"] * (3 if CLUSTERS else 2),  # the cluster fatbin where it runs
     ]

@@ -5,6 +5,7 @@ without a GPU the executor says so. The kernels themselves run in tests/test_ker
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -255,6 +256,7 @@ def test_the_fatbins_a_map_needs_load_on_the_planner_thread(monkeypatch):
 
     monkeypatch.setattr(cuda_driver, "_OUTCOMES", {})
     monkeypatch.setattr(cuda_driver, "_module", load)
+    monkeypatch.setenv(prebuilt.CLUSTERS_ENV, "0")  # the cycle plan (the cluster kernels' own planning: below)
     monkeypatch.setattr(prebuilt, "swizzle_rows_table", table)
     monkeypatch.setattr(cycles.CyclePlan, "on", cycles_on)
     # Triton not loaded, as in a fresh process, whatever earlier tests on a GPU machine loaded
@@ -448,16 +450,70 @@ def test_the_kernel_source_permutes_every_engine_map_in_place(emulated, m, shift
 
 
 @pytest.mark.parametrize("m", list(in_place_maps()))
-def test_the_default_in_place_strategy_of_every_engine_map(emulated, m):
+def test_the_default_in_place_strategy_of_every_engine_map(emulated, clusters, monkeypatch, m):
     """Once planned (as the planner thread leaves a map), the prebuilt executor's ``auto`` strategy runs every
-    engine permutation along its cycle plan when its cells span a sector and as copy-then-gather when they do not:
-    the byte-loop reference's bytes either way."""
+    engine permutation on the scattering cluster kernel where its cells have at least ``CLUSTER_MIN_CELL`` bytes and
+    that kernel holds an expert, else along its cycle plan when its cells span a sector, else as copy-then-gather:
+    the byte-loop reference's bytes each way."""
+    monkeypatch.delenv(prebuilt.CLUSTERS_ENV, raising=False)
     em = m.compiled()
     prebuilt.build_plan(em, True)
+    geometry = prebuilt.cluster_geometry(em, prebuilt.CLUSTER_SHARED_MAX)
+    by_clusters = geometry is not None and geometry.scatter and em.cell_bytes >= prebuilt.CLUSTER_MIN_CELL
     cycles = em.cell_bytes >= prebuilt.MIN_CYCLE_CELL
-    assert registry.EXECUTORS["prebuilt"].strategy(em).name == ("cycles" if cycles else "copy-then-gather")
+    want = "clusters" if by_clusters else "cycles" if cycles else "copy-then-gather"
+    assert registry.EXECUTORS["prebuilt"].strategy(em).name == want and prebuilt.clusters_in_place(em) == by_clusters
     launched, cycle_kernels = in_place_launches(emulated, m, em, 3), set(prebuilt._FUNCTIONS.values())
-    assert launched <= cycle_kernels if cycles else not launched & cycle_kernels
+    if by_clusters:
+        assert launched == {prebuilt._CLUSTERS["scatter"]}
+    else:
+        assert launched <= cycle_kernels if cycles else not launched & cycle_kernels
+
+
+def test_the_planner_readies_the_cluster_kernels_for_the_maps_they_take(clusters, monkeypatch):
+    """A map the cluster kernels take in place by default (a DeepSeek-V3 TP8 FP8 rotate's W13, cells of 7,168 bytes):
+    the planner loads their fatbin and puts their table on the device, the inverse permutation (int32), waited for,
+    and builds no cycle plan; the map is planned then. With ``FIMOE_INPLACE_CLUSTERS=0``, or on a device without
+    clusters, the cycle plan instead and no table."""
+    from fimoe_lab.kernels import cuda_driver, cycles
+
+    copies: list[tuple[str, bool]] = []
+
+    class Tables:  # DeviceTables without a device: the copy recorded, the array kept
+        def __init__(self, arrays, device, wait):
+            copies.append((str(device), wait))
+            self.arrays = arrays
+
+        def ready(self):
+            return tuple(torch.from_numpy(a) for a in self.arrays)
+
+    monkeypatch.setattr(prebuilt, "DeviceTables", Tables)
+    monkeypatch.setattr(cycles.CyclePlan, "on", lambda plan, device, wait=False: copies.append(("cycle plan", wait)))
+    monkeypatch.setattr(cycles.CyclePlan, "is_on", lambda plan, device: True)
+    monkeypatch.setattr(cuda_driver, "_OUTCOMES", {(prebuilt.SOURCE, 0): True})
+    monkeypatch.setattr(
+        cuda_driver, "available", lambda source, device: cuda_driver._OUTCOMES.setdefault((source, 0), True)
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # device 0 as a CUDA device, no memory touched
+    dev = torch.device("cuda", 0)
+    for value, limit in ((None, prebuilt.CLUSTER_SHARED_MAX), ("0", prebuilt.CLUSTER_SHARED_MAX), (None, 0)):
+        if value is not None:
+            monkeypatch.setenv(prebuilt.CLUSTERS_ENV, value)
+        else:
+            monkeypatch.delenv(prebuilt.CLUSTERS_ENV, raising=False)
+        clusters[0][0] = limit  # 0: a device without clusters
+        em = dataclasses.replace(plan_layer("fp8", "trtllm", 256, 7168).w13.compiled(), _dev={})  # nothing built
+        by_clusters = value is None and limit > 0
+        copies.clear()
+        assert prebuilt.clusters_in_place(em, dev) == by_clusters and prebuilt.clusters_in_place(em) == (value is None)
+        assert not prebuilt.planned(em, True, dev)
+        prebuilt.build_plan(em, True, dev)
+        if by_clusters:
+            assert copies == [("cuda:0", True)] and prebuilt.planned(em, True, dev)
+            dst = em._dev[("cluster table", "cuda:0", True)].arrays[0]
+            assert dst.dtype == np.int32 and np.array_equal(dst[em.src], np.arange(em.n_out))
+        else:
+            assert copies == [("cycle plan", True)]
 
 
 def all_engine_maps():
@@ -554,10 +610,12 @@ def test_a_map_of_two_strided_stages_runs_strided_from_its_first_call(emulated, 
     assert len(emulated) == 1 and emulated[0] in prebuilt._SWIZZLES.values()
 
 
-def test_an_in_place_strided_map_runs_on_the_strided_kernel_until_its_cycle_plan_is_built(emulated):
+def test_an_in_place_strided_map_runs_on_the_strided_kernel_until_its_cycle_plan_is_built(emulated, monkeypatch):
     """In place, the prebuilt executor's default strategy for a map of the strided form copies each chunk of
     experts aside and gathers it back on the strided kernel while its cycle plan is not built (its first calls in
-    a process, the planner building the plan), then runs the cycle plan: the reference loop's bytes both ways."""
+    a process, the planner building the plan), then runs the cycle plan: the reference loop's bytes both ways
+    (the cluster kernels off: they would take these 640-byte cells)."""
+    monkeypatch.setenv(prebuilt.CLUSTERS_ENV, "0")
     m = plan_layer("fp8", "trtllm", 224, 640).w13  # a permutation of shapes no other test plans
     em = m.compiled()
     assert em.is_permutation and prebuilt.runs_strided(em) and not prebuilt.planned(em, True)
@@ -1124,9 +1182,9 @@ def test_the_clusters_variable_gives_auto_the_maps_a_cluster_holds(clusters, emu
     from fimoe_lab.prepare import drop_in_maps
 
     if value is None:
-        monkeypatch.delenv(registry.CLUSTERS_ENV, raising=False)
+        monkeypatch.delenv(prebuilt.CLUSTERS_ENV, raising=False)
     else:
-        monkeypatch.setenv(registry.CLUSTERS_ENV, value)
+        monkeypatch.setenv(prebuilt.CLUSTERS_ENV, value)
     executor = registry.EXECUTORS["prebuilt"]
     m = drop_in_maps("bf16", 64, 256)["trtllm_block_layout/w13"][0]
     em = m.compiled()

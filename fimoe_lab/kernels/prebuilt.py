@@ -39,6 +39,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
+from fimoe_lab import env
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels import cuda_driver
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, through_stages
@@ -73,7 +74,10 @@ __all__ = [
     "CLUSTER_REGISTER_WORDS",
     "SCATTER_THREADS",
     "ClusterGeometry",
-    "inverse_on",
+    "cluster_table",
+    "clusters_in_place",
+    "CLUSTERS_ENV",
+    "CLUSTER_MIN_CELL",
     "CLUSTER_SIZES",
     "CLUSTER_SHARED_MAX",
     "planned",
@@ -116,6 +120,15 @@ CLUSTER_SIZES = (2, 4, 8, 16)
 """Blocks a cluster may have, fewest first (16 is past CUDA's portable 8: :func:`.cuda_driver.allow_clusters`). No
 cluster of one block: on an H100 (driver 580) the occupancy query answers that none runs (measured), so an expert one
 block holds takes two."""
+CLUSTERS_ENV = "FIMOE_INPLACE_CLUSTERS"
+"""True: ``auto`` gives the cluster kernels every in-place map a cluster holds; false: none; unset: the maps
+:data:`CLUSTER_MIN_CELL` says (:func:`clusters_in_place`). A call they cannot take there (a GPU before sm_90, a buffer
+off 16 bytes) runs as without them."""
+CLUSTER_MIN_CELL = 256
+"""Cells (bytes) from which ``auto`` permutes in place with the scattering cluster kernel, where it holds an expert.
+On an H100 a DeepSeek-V3 TP8 FP8 rotate layer in place (cells of 7,168 and 256 bytes) took a median 1.16 ms on it
+against 1.22 ms on the cycle kernel (copy 1.06-1.08 ms); a Qwen3-235B TP8 BF16 block layer (cells of 128 bytes)
+0.89 ms against 0.86 ms (benchmarks/RESULTS.md): such cells stay on the cycle kernel."""
 CLUSTER_SHARED_MAX = 232448
 """The most dynamic shared memory a block has on any GPU with clusters (227 KiB on sm_90 and sm_100): whether a map's
 experts fit a cluster at all (:func:`clusters_fit`); a device's own limit decides the launch."""
@@ -257,6 +270,8 @@ def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = Non
     form that the swizzle kernel takes, its row table (:func:`swizzle_ready`) are on it."""
     if device is not None and not all(cuda_driver.tried(source, device) for source in sources_for(em, in_place)):
         return False
+    if in_place and device is not None and clusters_in_place(em, device):
+        return cuda_driver.tried(CLUSTER_SOURCE, device) is True and _cluster_table_on(em, _normal(device))
     if in_place and runs_cycles(em):
         slots = _tile_slots(em)
         return cycle_plan_built(em, slots) and (device is None or cycle_plan(em, slots).is_on(_normal(device)))
@@ -272,7 +287,16 @@ def build_plan(em: ExecMap, in_place: bool, device: torch.device | None = None) 
     an aligned buffer); a gather its sources, and its ``swizzled_rows`` form where it ends in the 128x4 swizzle.
     Given a ``device``, the cycle plan is copied there, and a gather of the strided form that has that form gets its
     row table there (:func:`swizzle_ready`: its calls there go to the swizzle kernel from then on), each copy complete
-    before this returns (the planner's thread: the caller's stream never waits on it)."""
+    before this returns (the planner's thread: the caller's stream never waits on it). A map the cluster kernels
+    permute in place there (:func:`clusters_in_place`) gets their fatbin loaded and their table on the device instead
+    (the cycle plan where the fatbin does not load)."""
+    if in_place and device is not None and clusters_in_place(em, device):
+        dev = _normal(device)
+        if cuda_driver.available(CLUSTER_SOURCE, dev):
+            geometry = cluster_geometry(em, cluster_shared_limit(dev.index))
+            if geometry is not None:
+                cluster_table(em, dev, geometry.scatter, wait=True)
+                return
     if in_place and runs_cycles(em):
         plan = cycle_plan(em, _tile_slots(em))
         if device is not None:
@@ -692,6 +716,47 @@ def clusters_fit(em: ExecMap) -> bool:
     return cluster_geometry(em, CLUSTER_SHARED_MAX) is not None
 
 
+def clusters_in_place(em: ExecMap, device: torch.device | str | None = None) -> bool:
+    """Whether ``auto`` permutes ``em`` in place with the cluster kernels (:data:`CLUSTERS_ENV`; unset: cells of at
+    least :data:`CLUSTER_MIN_CELL` bytes whose expert the scattering kernel holds), on ``device`` where given: a
+    CUDA device with clusters (sm_90 and newer) whose cluster fatbin has not failed to load. Elsewhere the planner
+    builds the map's cycle plan, as for any other map."""
+    asked = env.value(CLUSTERS_ENV, None)
+    geometry = cluster_geometry(em, CLUSTER_SHARED_MAX)
+    if not (
+        asked if asked is not None else geometry is not None and geometry.scatter and em.cell_bytes >= CLUSTER_MIN_CELL
+    ):
+        return False
+    if geometry is None or device is None:
+        return geometry is not None
+    dev = _normal(device)
+    return (
+        dev.type == "cuda"
+        and cluster_shared_limit(dev.index) > 0
+        and cuda_driver.tried(CLUSTER_SOURCE, dev) is not False
+    )
+
+
+def cluster_table(em: ExecMap, device: torch.device, scatter: bool, wait: bool = False) -> torch.Tensor:
+    """The table a cluster kernel reads for ``em`` on ``device`` (int32, cached on ``em``): ``scatter``, the inverse
+    permutation ``dst`` (``dst[src[k]] = k``), else ``em.src``; copied as :class:`DeviceTables` does (``wait``: from
+    the planner's thread)."""
+    key = ("cluster table", str(device), scatter)
+    if key not in em._dev:
+        src = np.asarray(em.src, dtype=np.int32)
+        table = src
+        if scatter:
+            table = np.empty_like(src)
+            table[src] = np.arange(src.size, dtype=np.int32)
+        em._dev[key] = DeviceTables((table,), device, wait)
+    return em._dev[key].ready()[0]
+
+
+def _cluster_table_on(em: ExecMap, device: torch.device) -> bool:
+    geometry = cluster_geometry(em, cluster_shared_limit(device.index))
+    return geometry is not None and ("cluster table", str(device), geometry.scatter) in em._dev
+
+
 _CLUSTER_LIMITS: dict[int, int] = {}
 _ACTIVE_CLUSTERS: dict[tuple[int, ClusterGeometry], int] = {}
 
@@ -736,17 +801,6 @@ def cluster_launch(em: ExecMap, flat: torch.Tensor) -> ClusterGeometry | str:
     return geometry
 
 
-def inverse_on(em: ExecMap, device: torch.device) -> torch.Tensor:
-    """``dst`` (int32, on ``device``, cached on ``em``): the inverse of the permutation ``em.src``, ``dst[src[k]] =
-    k``, as the scattering cluster kernel reads it."""
-    key = ("dst", str(device))
-    if key not in em._dev:
-        dst = np.empty(em.n_out, dtype=np.int32)
-        dst[em.src] = np.arange(em.n_out, dtype=np.int32)
-        em._dev[key] = torch.from_numpy(dst).to(device)
-    return em._dev[key]
-
-
 def inplace_clusters(
     em: ExecMap, flat: torch.Tensor, scratch_experts: int, launch: ClusterGeometry | str | None = None
 ):
@@ -760,7 +814,7 @@ def inplace_clusters(
     if isinstance(launch, str):
         raise LayoutError(f"{em.name}: {launch}", fix="use the in-place strategy 'cycles' (the default)")
     experts, (name, threads) = flat.shape[0], launch.kernel
-    table = inverse_on(em, flat.device) if launch.scatter else em.src_on(flat.device)
+    table = cluster_table(em, flat.device, launch.scatter)
     ptr, c_int, c_ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     cuda_driver.launch(
         CLUSTER_SOURCE,

@@ -18,9 +18,9 @@ output size is the first one that is available there and wants that size:
 In-place strategies: ``bands`` (Triton, the 128x4 scale maps only: one cooperative
 launch, no scratch), ``cycles`` (along the map's cycles, :mod:`.cycles`; numba prefers
 it for cells of at least :data:`CYCLES_MIN_CELL` bytes; ``prebuilt`` runs it with nothing compiled), ``strided`` (torch, maps of the
-strided form: a chunk copied aside, then strided-copied back), ``clusters`` (``prebuilt`` on sm_90 and newer, on
-request or with :data:`CLUSTERS_ENV` set: clusters of blocks that each hold a whole expert on chip,
-:func:`.prebuilt.inplace_clusters`),
+strided form: a chunk copied aside, then strided-copied back), ``clusters`` (``prebuilt`` on sm_90 and newer: clusters of blocks that each
+hold a whole expert on chip, :func:`.prebuilt.inplace_clusters`; ``auto`` prefers it for the maps
+:func:`.prebuilt.clusters_in_place` names),
 ``copy-then-gather`` (every executor: :mod:`.copy_then_gather`). ``auto`` takes the first strategy that fits the
 map and prefers it. Implementations load on first call (numba and Triton import only
 when used) and are looked up on every call.
@@ -193,15 +193,10 @@ def _cycles_prebuilt(em, flat, scratch_experts, config):
     return _module("prebuilt").inplace_cycles(em, flat, scratch_experts)
 
 
-CLUSTERS_ENV = "FIMOE_INPLACE_CLUSTERS"
-"""Set to a true value to make ``auto`` give the prebuilt executor's ``clusters`` strategy the maps it fits
-(:func:`fimoe_lab.env.env_bool`); a call it cannot take there (another GPU, an unaligned buffer) runs as by default."""
-
-
 def _clusters_prebuilt(em, flat, scratch_experts, config):
     pre = _module("prebuilt")
     launch = pre.cluster_launch(em, flat)
-    if isinstance(launch, str) and (config or {}).get("inplace") != "clusters":  # auto, by the variable: as without it
+    if isinstance(launch, str) and (config or {}).get("inplace") != "clusters":  # auto: as without the clusters
         fallback = _cycles_prebuilt if _cycles_now(em) else _ctg_prebuilt.run
         return fallback(em, flat, scratch_experts, config)
     return pre.inplace_clusters(em, flat, scratch_experts, launch)
@@ -211,8 +206,8 @@ def _clusters_fit(em: ExecMap) -> bool:
     return _module("prebuilt").clusters_fit(em)
 
 
-def _clusters_asked(em: ExecMap) -> bool:
-    return env.value(CLUSTERS_ENV, False) and _clusters_fit(em)
+def _clusters_in_place(em: ExecMap) -> bool:
+    return _module("prebuilt").clusters_in_place(em)
 
 
 def _cycles_now(em: ExecMap) -> bool:
@@ -331,7 +326,7 @@ EXECUTORS: dict[str, Executor] = {
                     "clusters",
                     _clusters_prebuilt,
                     fits=_clusters_fit,
-                    prefers=_clusters_asked,
+                    prefers=_clusters_in_place,
                     requirement="a permutation of 16-byte words whose expert a cluster of blocks holds on chip",
                 ),
                 InPlace("cycles", _cycles_prebuilt, prefers=_cycles_now),
