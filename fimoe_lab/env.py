@@ -152,8 +152,9 @@ VARIABLES = {
             "FIMOE_INPLACE_CLUSTERS",
             "bool",
             "true: the prebuilt executor permutes every in-place map a cluster of thread blocks holds whole on chip "
-            "with the cluster kernels, false: none (the cycle kernel), unset: maps of cells of at least 256 bytes "
-            "(where the GPU is sm_90 or newer and the buffer 16-byte aligned; else as without them)",
+            "with the cluster kernels, false: none (the cycle kernel), unset: where two blocks of the scattering kernel "
+            "share a multiprocessor, or cells have at least 256 bytes (where the GPU is sm_90 or newer and the buffer "
+            "16-byte aligned; else as without them)",
         ),
         Variable("FIMOE_WRITE_LANES", "int", "convert's writer threads (default from the CPU count)", 1, 256),
         Variable("FIMOE_LAB_CACHE_BYTES", "size", "the in-memory plan cache budget (default 2 GiB)"),

@@ -640,11 +640,11 @@ PREBUILT_CHILD = """
 import json, sys, threading, torch
 from fimoe_lab import prepare
 from fimoe_lab.kernels import cuda_driver, prebuilt, registry
-loaded_by = []  # the thread that loads each fatbin
+loaded_by = []  # each fatbin and the thread that loads it
 real_module = cuda_driver._module
 def recording_module(source, device):
     if (source, device) not in cuda_driver._MODULES:
-        loaded_by.append(threading.current_thread().name)
+        loaded_by.append([source, threading.current_thread().name])
     return real_module(source, device)
 cuda_driver._module = recording_module
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -752,7 +752,7 @@ def test_gpu_fresh_process_prebuilt_stand_in():
     env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, "-c", PREBUILT_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got, planner = json.loads(done.stdout.strip().splitlines()[-1]), "fimoe-lab-prebuilt-plans"
     assert got == [
         ["prebuilt"] * 6,
         "prebuilt",
@@ -760,5 +760,6 @@ def test_gpu_fresh_process_prebuilt_stand_in():
         True,
         True,
         True,
-        ["MainThread"] + ["fimoe-lab-prebuilt-plans"] * (3 if CLUSTERS else 2),  # the cluster fatbin where it runs
+        [["strided", "MainThread"], ["swizzle", planner], ["cycles", planner]]
+        + ([["cluster", "MainThread"]] if CLUSTERS else []),  # the rotate's first call runs the cluster kernel
     ]

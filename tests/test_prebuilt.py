@@ -452,14 +452,16 @@ def test_the_kernel_source_permutes_every_engine_map_in_place(emulated, m, shift
 @pytest.mark.parametrize("m", list(in_place_maps()))
 def test_the_default_in_place_strategy_of_every_engine_map(emulated, clusters, monkeypatch, m):
     """Once planned (as the planner thread leaves a map), the prebuilt executor's ``auto`` strategy runs every
-    engine permutation on the scattering cluster kernel where its cells have at least ``CLUSTER_MIN_CELL`` bytes and
-    that kernel holds an expert, else along its cycle plan when its cells span a sector, else as copy-then-gather:
-    the byte-loop reference's bytes each way."""
+    engine permutation on the scattering cluster kernel where that kernel holds an expert with two blocks a
+    multiprocessor (half the shared memory less 1 KiB each), or with one and cells of at least ``CLUSTER_MIN_CELL``
+    bytes; else along its cycle plan when its cells span a sector, else as copy-then-gather: the byte-loop reference's
+    bytes each way."""
     monkeypatch.delenv(prebuilt.CLUSTERS_ENV, raising=False)
     em = m.compiled()
     prebuilt.build_plan(em, True)
     geometry = prebuilt.cluster_geometry(em, prebuilt.CLUSTER_SHARED_MAX)
-    by_clusters = geometry is not None and geometry.scatter and em.cell_bytes >= prebuilt.CLUSTER_MIN_CELL
+    two = geometry is not None and geometry.staged <= (prebuilt.CLUSTER_SHARED_MAX - 1024) // 2
+    by_clusters = geometry is not None and geometry.scatter and (two or em.cell_bytes >= prebuilt.CLUSTER_MIN_CELL)
     cycles = em.cell_bytes >= prebuilt.MIN_CYCLE_CELL
     want = "clusters" if by_clusters else "cycles" if cycles else "copy-then-gather"
     assert registry.EXECUTORS["prebuilt"].strategy(em).name == want and prebuilt.clusters_in_place(em) == by_clusters
@@ -1174,9 +1176,10 @@ def test_cluster_geometry_is_the_first_kernel_and_fewest_blocks_that_hold_an_exp
 
 @pytest.mark.parametrize("value", ["1", "0", None])
 def test_the_clusters_variable_gives_auto_the_maps_a_cluster_holds(clusters, emulated, monkeypatch, value):
-    """With ``FIMOE_INPLACE_CLUSTERS`` true, ``auto`` gives a map of 16-byte words that a cluster holds to the cluster
-    kernel, and a call it cannot take (a buffer off 16 bytes) to what ``auto`` gives it otherwise; false or unset,
-    ``auto`` is as before. Every call: the bytes of the per-expert loop."""
+    """``FIMOE_INPLACE_CLUSTERS`` true: ``auto`` gives every map of 16-byte words that a cluster holds to the cluster
+    kernels; false: none; unset: a small BF16 block map (two blocks a multiprocessor) but not Qwen3-235B's TP8 W13
+    (128-byte cells, one block a multiprocessor). A call they cannot take (a buffer off 16 bytes) runs as ``auto``
+    runs it otherwise. Every call: the bytes of the per-expert loop."""
     from reference_loops import byte_gather
 
     from fimoe_lab.prepare import drop_in_maps
@@ -1188,7 +1191,9 @@ def test_the_clusters_variable_gives_auto_the_maps_a_cluster_holds(clusters, emu
     executor = registry.EXECUTORS["prebuilt"]
     m = drop_in_maps("bf16", 64, 256)["trtllm_block_layout/w13"][0]
     em = m.compiled()
-    assert (executor.strategy(em, "auto").name == "clusters") == (value == "1")
+    assert (executor.strategy(em, "auto").name == "clusters") == (value != "0")
+    wide = drop_in_maps("bf16", 192, 4096)["trtllm_block_layout/w13"][0].compiled()
+    assert (executor.strategy(wide, "auto").name == "clusters") == (value == "1") and prebuilt.clusters_fit(wide)
     x = next(host_inputs(m, 3))
     want = byte_gather(m, x).reshape(3, -1)
     for shift, kernel in ((0, prebuilt.cluster_geometry(em, prebuilt.CLUSTER_SHARED_MAX).kernel[0]), (4, None)):
@@ -1197,7 +1202,7 @@ def test_the_clusters_variable_gives_auto_the_maps_a_cluster_holds(clusters, emu
         for _ in executor.strategy(em, "auto").run(em, y, 1, None):
             pass
         assert torch.equal(y, want)
-        if value == "1":
+        if value != "0":
             assert (kernel in emulated) == (kernel is not None) and (kernel is not None or emulated)
     rows = plan_layer("nvfp4", "trtllm", 128, 256).w13_scale  # 4-byte cells: no cluster
     assert executor.strategy(rows.compiled(), "auto").name != "clusters"

@@ -122,13 +122,14 @@ cluster of one block: on an H100 (driver 580) the occupancy query answers that n
 block holds takes two."""
 CLUSTERS_ENV = "FIMOE_INPLACE_CLUSTERS"
 """True: ``auto`` gives the cluster kernels every in-place map a cluster holds; false: none; unset: the maps
-:data:`CLUSTER_MIN_CELL` says (:func:`clusters_in_place`). A call they cannot take there (a GPU before sm_90, a buffer
-off 16 bytes) runs as without them."""
+:func:`clusters_in_place` names. A call they cannot take there (a GPU before sm_90, a buffer off 16 bytes) runs as
+without them."""
 CLUSTER_MIN_CELL = 256
-"""Cells (bytes) from which ``auto`` permutes in place with the scattering cluster kernel, where it holds an expert.
-On an H100 a DeepSeek-V3 TP8 FP8 rotate layer in place (cells of 7,168 and 256 bytes) took a median 1.16 ms on it
-against 1.22 ms on the cycle kernel (copy 1.06-1.08 ms); a Qwen3-235B TP8 BF16 block layer (cells of 128 bytes)
-0.89 ms against 0.86 ms (benchmarks/RESULTS.md): such cells stay on the cycle kernel."""
+"""Cells (bytes) from which ``auto`` takes the scattering cluster kernel in place even where one of its blocks fills a
+multiprocessor's shared memory. On an H100, against the cycle kernel (kernel time over a copy's): with two blocks a
+multiprocessor 0.88-0.96 against 0.82-0.89 (TP8 maps of 128- and 3,584-byte cells); with one, 0.89 against 0.87 for
+7,168-byte cells (an FP8 rotate's W13) but 0.74-0.76 against 0.80-0.81 for 128-byte cells (BF16 and FP8 block
+layouts' W13; benchmarks/RESULTS.md)."""
 CLUSTER_SHARED_MAX = 232448
 """The most dynamic shared memory a block has on any GPU with clusters (227 KiB on sm_90 and sm_100): whether a map's
 experts fit a cluster at all (:func:`clusters_fit`); a device's own limit decides the launch."""
@@ -699,7 +700,7 @@ def cluster_geometry(em: ExecMap, shared_limit: int) -> ClusterGeometry | None:
         return None
     cw, held = em.cell_bytes // 16, CLUSTER_REGISTER_WORDS * CLUSTER_THREADS
     slices = [(c, cdiv(em.n_out, c)) for c in CLUSTER_SIZES]
-    for limit in ((shared_limit - 1024) // 2, shared_limit):
+    for limit in (_two_a_multiprocessor(shared_limit), shared_limit):
         for c, s in slices:
             if s * cw * 16 <= limit:
                 return ClusterGeometry(True, c, s, s * cw * 16)
@@ -710,6 +711,15 @@ def cluster_geometry(em: ExecMap, shared_limit: int) -> ClusterGeometry | None:
     return None
 
 
+def _two_a_multiprocessor(shared_limit: int) -> int:
+    """Shared memory a block may take so that two share a multiprocessor (each also takes the 1 KiB the system
+    reserves)."""
+    return (shared_limit - 1024) // 2
+
+
+_TWO_A_MULTIPROCESSOR = _two_a_multiprocessor(CLUSTER_SHARED_MAX)
+
+
 def clusters_fit(em: ExecMap) -> bool:
     """Whether a cluster holds an expert of ``em`` on some GPU (:func:`cluster_geometry` at
     :data:`CLUSTER_SHARED_MAX`)."""
@@ -717,15 +727,16 @@ def clusters_fit(em: ExecMap) -> bool:
 
 
 def clusters_in_place(em: ExecMap, device: torch.device | str | None = None) -> bool:
-    """Whether ``auto`` permutes ``em`` in place with the cluster kernels (:data:`CLUSTERS_ENV`; unset: cells of at
-    least :data:`CLUSTER_MIN_CELL` bytes whose expert the scattering kernel holds), on ``device`` where given: a
-    CUDA device with clusters (sm_90 and newer) whose cluster fatbin has not failed to load. Elsewhere the planner
-    builds the map's cycle plan, as for any other map."""
+    """Whether ``auto`` permutes ``em`` in place with the cluster kernels (:data:`CLUSTERS_ENV`; unset: where the
+    scattering kernel holds an expert with two blocks a multiprocessor, or with one and cells of at least
+    :data:`CLUSTER_MIN_CELL` bytes), on ``device`` where given: a CUDA device with clusters (sm_90 and newer) whose
+    cluster fatbin has not failed to load. Elsewhere the planner builds the map's cycle plan, as for any other map."""
     asked = env.value(CLUSTERS_ENV, None)
     geometry = cluster_geometry(em, CLUSTER_SHARED_MAX)
-    if not (
-        asked if asked is not None else geometry is not None and geometry.scatter and em.cell_bytes >= CLUSTER_MIN_CELL
-    ):
+    if asked is None:
+        asked = geometry is not None and geometry.scatter
+        asked = asked and (geometry.staged <= _TWO_A_MULTIPROCESSOR or em.cell_bytes >= CLUSTER_MIN_CELL)
+    if not asked:
         return False
     if geometry is None or device is None:
         return geometry is not None
