@@ -753,13 +753,11 @@ def test_gpu_fresh_process_prebuilt_stand_in():
     done = subprocess.run([sys.executable, "-c", PREBUILT_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     got, planner = json.loads(done.stdout.strip().splitlines()[-1]), "fimoe-lab-prebuilt-plans"
-    assert got == [
-        ["prebuilt"] * 6,
-        "prebuilt",
-        "prebuilt",
-        True,
-        True,
-        True,
-        [["strided", "MainThread"], ["swizzle", planner], ["cycles", planner]]
-        + ([["cluster", "MainThread"]] if CLUSTERS else []),  # the rotate's first call runs the cluster kernel
-    ]
+    assert got[:6] == [["prebuilt"] * 6, "prebuilt", "prebuilt", True, True, True]
+    loads = [tuple(pair) for pair in got[6]]
+    assert loads[0] == ("strided", "MainThread")
+    # the cluster fatbin: by the rotate's first call or by the planner, whichever asks first (the recording wrapper
+    # may see both ask before either has it; the driver module loads it once, under its lock)
+    cluster = [thread for source, thread in loads[1:] if source == "cluster"]
+    assert sorted(pair for pair in loads[1:] if pair[0] != "cluster") == [("cycles", planner), ("swizzle", planner)]
+    assert bool(cluster) == CLUSTERS and set(cluster) <= {"MainThread", planner}
