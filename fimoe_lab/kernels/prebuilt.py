@@ -16,8 +16,8 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
   :class:`~fimoe_lab.kernels.cycles.CyclePlan`, ``BM`` slots x ``BW`` words of their cells, every source
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
   kernel does; cells under :data:`MIN_CYCLE_CELL` bytes are copied aside and gathered back instead;
-- in place by clusters (``kernels/cuda/cluster.cu``, sm_90 and newer, the ``clusters`` strategy on request): a
-  cluster of blocks holds a whole expert on chip (shared memory, or registers too for the largest experts:
+- in place by clusters (``kernels/cuda/cluster.cu``, sm_90 and newer, the ``clusters`` strategy, which ``auto`` takes
+  for the maps :func:`clusters_in_place` names): a cluster of blocks holds a whole expert on chip (shared memory, or registers too for the largest experts:
   :func:`cluster_geometry`), meets at its barrier, then stores it; one launch, each byte crossing memory once.
 
 Tile shape (the gather and cycle kernels): ``THREADS * ITEMS`` words a block (the constants of the ``.cu`` files); the
@@ -694,7 +694,7 @@ def cluster_geometry(em: ExecMap, shared_limit: int) -> ClusterGeometry | None:
        one) staged, the fewest ``C`` whose staging fits.
 
     On an H100 the scattering kernel ran DeepSeek TP8 maps at 0.90-0.96 of a copy where two blocks fit a
-    multiprocessor, 0.75-0.90 where one does; the gathering one 0.69-0.86 (benchmarks/RESULTS.md). None for a map
+    multiprocessor, 0.74-0.89 where one does; the gathering one 0.69-0.86 (benchmarks/RESULTS.md). None for a map
     that is no permutation of whole 16-byte words, or whose expert no cluster holds."""
     if em.cell_bytes % 16 or not em.is_permutation:
         return None
