@@ -17,8 +17,9 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
   kernel does; cells under :data:`MIN_CYCLE_CELL` bytes are copied aside and gathered back instead;
 - in place by clusters (``kernels/cuda/cluster.cu``, sm_90 and newer, the ``clusters`` strategy, which ``auto`` takes
-  for the maps :func:`clusters_in_place` names): a cluster of blocks holds a whole expert on chip (shared memory, or registers too for the largest experts:
-  :func:`cluster_geometry`), meets at its barrier, then stores it; one launch, each byte crossing memory once.
+  for the maps :func:`clusters_in_place` names): a cluster of blocks holds a whole expert on chip (shared memory, or
+  registers too for the largest experts: :func:`cluster_geometry`), meets at its barrier, then stores it; one
+  launch, each byte crossing memory once.
 
 Tile shape (the gather and cycle kernels): ``THREADS * ITEMS`` words a block (the constants of the ``.cu`` files); the
 word is 16 bytes where the cell and the buffers allow it, else 4, else 1; ``BW`` is the largest power of
