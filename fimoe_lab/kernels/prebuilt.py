@@ -696,7 +696,15 @@ def cluster_geometry(em: ExecMap, shared_limit: int) -> ClusterGeometry | None:
 
     On an H100 the scattering kernel ran DeepSeek TP8 maps at 0.90-0.96 of a copy where two blocks fit a
     multiprocessor, 0.74-0.89 where one does; the gathering one 0.69-0.86 (benchmarks/RESULTS.md). None for a map
-    that is no permutation of whole 16-byte words, or whose expert no cluster holds."""
+    that is no permutation of whole 16-byte words, or whose expert no cluster holds. Kept on ``em`` per limit: the
+    in-place calls ask on every call (whether ``auto`` prefers the clusters, and how they launch)."""
+    key = ("cluster geometry", shared_limit)
+    if key not in em._dev:
+        em._dev[key] = _cluster_geometry(em, shared_limit)
+    return em._dev[key]
+
+
+def _cluster_geometry(em: ExecMap, shared_limit: int) -> ClusterGeometry | None:
     if em.cell_bytes % 16 or not em.is_permutation:
         return None
     cw, held = em.cell_bytes // 16, CLUSTER_REGISTER_WORDS * CLUSTER_THREADS
