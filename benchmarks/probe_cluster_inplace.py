@@ -48,6 +48,7 @@ CASES = [  # label, format, intermediate, hidden, experts, tensor (a layer plan'
 SHARED_MAX = prebuilt.CLUSTER_SHARED_MAX  # an sm_90 block's dynamic shared memory at most (227 KiB)
 HELD_WORDS = 16  # 16-byte words a thread holds in registers (the _r16 kernels, 512 threads)
 NAMES = [f"clu_{mode}_{kind}" for mode in ("gather", "scatter") for kind in ("any", "c8", "any_r16", "c8_r16", "w4")]
+NAMES += ["clu_pipe_any", "clu_pipe_c8"]
 
 
 @functools.cache
@@ -139,7 +140,7 @@ def timed(fn, reps: int = 15) -> float:
     return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(reps)) * 1e3
 
 
-def probe(case: tuple, fns: dict[str, int], variants: bool = True) -> dict:
+def probe(case: tuple, fns: dict[str, int], variants: bool = True, pipelined: bool = False) -> dict:
     label, fmt, inter, hidden, experts, tensor = case
     if "/" in tensor:  # a drop-in's map
         em = drop_in_maps(fmt, inter, hidden)[tensor][0].compiled()
@@ -180,6 +181,32 @@ def probe(case: tuple, fns: dict[str, int], variants: bool = True) -> dict:
         f"kernel {shipped['cycles']}, the cluster kernel {shipped['clusters']}",
         flush=True,
     )
+    for cluster in (2, 4, 8, 16) if pipelined and wb == 16 else ():
+        slice_cells = -(-cells // cluster)
+        shared = slice_cells * cb
+        if shared > SHARED_MAX:
+            continue
+        fn = fns["clu_pipe_c8" if cw == 8 else "clu_pipe_any"]
+        active = max_clusters(fn, cluster, 1024, shared)
+        for grid in ("persistent", "per expert"):
+            clusters = experts if grid == "per expert" else max(1, min(experts, active))
+            for streaming in (0, 1):
+                args = (y.data_ptr(), tables["scatter"].data_ptr(), cells, cw, em.in_bytes // wb)
+                args += (slice_cells, experts, streaming)
+                y.copy_(x)
+                torch.cuda.synchronize()
+                launch(fn, cluster, 1024, shared, clusters * cluster, args)
+                torch.cuda.synchronize()
+                ok = torch.equal(y, want)
+                us = timed(lambda: launch(fn, cluster, 1024, shared, clusters * cluster, args))
+                row = dict(cluster=cluster, held=0, mode="pipelined", threads=1024, grid=grid, clusters=clusters)
+                row.update(active=active, shared=shared, streaming=streaming, us=us, ratio=copy_us / us, ok=ok)
+                record["configs"].append(row)
+                print(
+                    f"   C={cluster:2d} pipelined scatter {grid:10s} {clusters:3d}/{active:3d} clusters shared "
+                    f"{shared // 1024:3d} KiB streaming={streaming} {us:8.1f} us {copy_us / us:.3f} ok={ok}",
+                    flush=True,
+                )
     for cluster in (2, 4, 8, 16) if variants else ():
         slice_cells = -(-cells // cluster)
         for held in (0, HELD_WORDS) if wb == 16 else (0,):
@@ -224,9 +251,13 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*", help="labels to run (default: all)")
     ap.add_argument("--out", help="write the records here as JSON")
     ap.add_argument("--shipped", action="store_true", help="time the prebuilt executor's kernels alone")
+    ap.add_argument(
+        "--pipelined", action="store_true", help="with --shipped: also the pipelined scattering kernel (clu_pipe_*)"
+    )
     args = ap.parse_args()
     fns = functions(args.fatbin)
-    records = [probe(case, fns, not args.shipped) for case in CASES if not args.cases or case[0] in args.cases]
+    chosen = [case for case in CASES if not args.cases or case[0] in args.cases]
+    records = [probe(case, fns, not args.shipped, args.pipelined) for case in chosen]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f)

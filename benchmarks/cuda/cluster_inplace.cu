@@ -136,3 +136,39 @@ extern "C" __global__ void __launch_bounds__(1024, 1) clu_gather_w4(unsigned* x,
     long long ew, int slice, int experts, int stcs) { body4<true>(x, tab, cells, cw, ew, slice, experts, stcs); }
 extern "C" __global__ void __launch_bounds__(1024, 1) clu_scatter_w4(unsigned* x, const int* tab, int cells, int cw,
     long long ew, int slice, int experts, int stcs) { body4<false>(x, tab, cells, cw, ew, slice, experts, stcs); }
+
+// Pipelined scatter (a persistent grid: each cluster takes experts e, e + clusters, ...): right after a thread stores
+// word i of expert e from shared memory it loads word i of its next expert into the same slot (cp.async), so a
+// multiprocessor reads the next expert while it writes this one; the cluster meets once an expert, after its loads.
+// A slot is read into a register before its store is issued and only then loaded again, by the same thread.
+template <int CWS>
+__device__ __forceinline__ void body_pipe(w16* x, const int* __restrict__ tab, int cells, int cw, long long ew,
+                                          int slice, int experts, int stcs) {
+    extern __shared__ w16 buf[];
+    const int k0 = (int)cl_rank() * slice;
+    const int n = max(min(k0 + slice, cells) - k0, 0) * cw;
+    const int step = (int)cl_count();
+    int e = (int)cl_id();
+    if (e < experts) {
+        const w16* in = x + (long long)e * ew + (long long)k0 * cw;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) cp16(buf + i, in + i);
+    }
+    for (; e < experts; e += step) {
+        cp_wait();
+        cl_sync();  // every block holds its run of expert e
+        w16* xe = x + (long long)e * ew;
+        const bool more = e + step < experts;
+        const w16* next = x + (long long)(e + step) * ew + (long long)k0 * cw;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const int q = CWS >= 0 ? (i >> CWS) : i / cw;
+            int4* o = (int4*)(xe + (long long)__ldg(tab + k0 + q) * cw + (i - q * cw));
+            const int4 v = *(const int4*)(buf + i);
+            if (stcs) __stcs(o, v); else *o = v;
+            if (more) cp16(buf + i, next + i);
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(1024, 1) clu_pipe_any(w16* x, const int* tab, int cells, int cw,
+    long long ew, int slice, int experts, int stcs) { body_pipe<-1>(x, tab, cells, cw, ew, slice, experts, stcs); }
+extern "C" __global__ void __launch_bounds__(1024, 1) clu_pipe_c8(w16* x, const int* tab, int cells, int cw,
+    long long ew, int slice, int experts, int stcs) { body_pipe<3>(x, tab, cells, cw, ew, slice, experts, stcs); }
