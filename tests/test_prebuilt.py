@@ -472,6 +472,33 @@ def test_the_default_in_place_strategy_of_every_engine_map(emulated, clusters, m
         assert launched <= cycle_kernels if cycles else not launched & cycle_kernels
 
 
+@pytest.mark.parametrize("m", [p for p in in_place_maps() if prebuilt.clusters_in_place(p.values[0].compiled())])
+def test_auto_runs_without_the_clusters_where_the_device_runs_none(emulated, clusters, monkeypatch, m):
+    """A map ``auto`` gives the cluster kernels, on a device that runs no cluster of its geometry (the occupancy
+    query answers 0): ``auto`` permutes it as it would without the clusters (its cycle plan, built here, or
+    copy-then-gather), the byte-loop reference's bytes; asked for by name, the clusters are refused with nothing
+    moved."""
+    from reference_loops import byte_gather
+
+    monkeypatch.delenv(prebuilt.CLUSTERS_ENV, raising=False)
+    clusters[1][0] = 0
+    em = m.compiled()
+    prebuilt.build_plan(em, True)
+    executor = registry.EXECUTORS["prebuilt"]
+    assert executor.strategy(em).name == "clusters"
+    instead = executor.strategy(em, without="clusters").name
+    assert instead == ("cycles" if em.cell_bytes >= prebuilt.MIN_CYCLE_CELL else "copy-then-gather")
+    launched = in_place_launches(emulated, m, em, 3)
+    assert prebuilt._CLUSTERS["scatter"] not in launched
+    assert (launched <= set(prebuilt._FUNCTIONS.values())) == (instead == "cycles")
+    x = next(host_inputs(m, 3))
+    y = x.clone()
+    with pytest.raises(LayoutError, match="do not run on"):
+        for _ in executor.strategy(em, "clusters").run(em, y, 2, {"inplace": "clusters"}):
+            pass
+    assert torch.equal(y, x) and not torch.equal(x, byte_gather(m, x).reshape(3, -1))
+
+
 def test_the_planner_readies_the_cluster_kernels_for_the_maps_they_take(clusters, monkeypatch):
     """A map the cluster kernels take in place by default (a DeepSeek-V3 TP8 FP8 rotate's W13, cells of 7,168 bytes):
     the planner loads their fatbin and puts their table on the device, the inverse permutation (int32), waited for,

@@ -135,10 +135,11 @@ class Executor:
         """Whether this executor wants an output of ``out_bytes`` on ``device``."""
         return out_bytes >= self.min_bytes and self.available(device)
 
-    def strategy(self, em: ExecMap, name: str = "auto") -> InPlace:
-        """The in-place strategy ``name`` for ``em`` (``auto``: the first that fits and prefers it)."""
+    def strategy(self, em: ExecMap, name: str = "auto", without: str = "") -> InPlace:
+        """The in-place strategy ``name`` for ``em`` (``auto``: the first that fits and prefers it, other than the
+        one named ``without``)."""
         if name == "auto":
-            return next(s for s in self.in_place if s.fits(em) and s.prefers(em))
+            return next(s for s in self.in_place if s.name != without and s.fits(em) and s.prefers(em))
         chosen = next((s for s in self.in_place if s.name == name), None)
         if chosen is None:
             raise FormatError(
@@ -197,8 +198,7 @@ def _clusters_prebuilt(em, flat, scratch_experts, config):
     pre = _module("prebuilt")
     launch = pre.cluster_launch(em, flat)
     if isinstance(launch, str) and (config or {}).get("inplace") != "clusters":  # auto: as without the clusters
-        fallback = _cycles_prebuilt if _cycles_now(em) else _ctg_prebuilt.run
-        return fallback(em, flat, scratch_experts, config)
+        return EXECUTORS["prebuilt"].strategy(em, without="clusters").run(em, flat, scratch_experts, config)
     return pre.inplace_clusters(em, flat, scratch_experts, launch)
 
 
