@@ -143,26 +143,30 @@ def drop_in_call(fmt: str, hidden: int, inter: int, experts: int, dev, gen):
 
 def timeline(run, dev, kept: list) -> None:
     """``run()`` under ``torch.profiler``: each device kernel's start and duration, ms from the call's start
-    (``record_function`` around it; the host's return is printed too), and the device's idle time inside the call."""
+    (``record_function`` around it; the host's return is printed too), and the device's idle time from the call's
+    start to its last kernel's end."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    torch.cuda.synchronize(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda dev: None
+    sync(dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("timed_call"):
             kept.append(run())
-        torch.cuda.synchronize(dev)
-    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+        sync(dev)
+    on_device = (e for e in prof.events() if e.device_type.name == "CUDA" and e.name != "timed_call")  # no annotation
+    events = sorted(on_device, key=lambda e: e.time_range.start)
     if not events:
         print("  no device kernels recorded")
         return
-    call = next(e for e in prof.events() if e.name == "timed_call")
+    call = next(e for e in prof.events() if e.name == "timed_call" and e.device_type.name == "CPU")
     t0 = call.time_range.start
     busy = sum(e.time_range.end - e.time_range.start for e in events)
     end = events[-1].time_range.end
     print(
-        f"  device: {len(events)} kernels, busy {busy / 1e3:.3f} ms; first starts {(events[0].time_range.start - t0) / 1e3:.3f},"
-        f" last ends {(end - t0) / 1e3:.3f}, host returns {(call.time_range.end - t0) / 1e3:.3f} ms after the call"
+        f"  device: {len(events)} kernels, busy {busy / 1e3:.3f} ms, idle {(end - t0 - busy) / 1e3:.3f} ms; first "
+        f"starts {(events[0].time_range.start - t0) / 1e3:.3f}, last ends {(end - t0) / 1e3:.3f}, host returns "
+        f"{(call.time_range.end - t0) / 1e3:.3f} ms after the call"
     )
     for e in events:
         start, took = (e.time_range.start - t0) / 1e3, (e.time_range.end - e.time_range.start) / 1e3
