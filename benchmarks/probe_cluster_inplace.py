@@ -181,64 +181,43 @@ def probe(case: tuple, fns: dict[str, int], variants: bool = True, pipelined: bo
         f"kernel {shipped['cycles']}, the cluster kernel {shipped['clusters']}",
         flush=True,
     )
-    for cluster in (2, 4, 8, 16) if pipelined and wb == 16 else ():
+    configs = []  # (C, words held in registers, mode, function, threads, shared memory)
+    for cluster in (2, 4, 8, 16):
         slice_cells = -(-cells // cluster)
-        shared = slice_cells * cb
-        if shared > SHARED_MAX:
-            continue
-        fn = fns["clu_pipe_c8" if cw == 8 else "clu_pipe_any"]
-        active = max_clusters(fn, cluster, 1024, shared)
-        for grid in ("persistent", "per expert"):
-            clusters = experts if grid == "per expert" else max(1, min(experts, active))
-            for streaming in (0, 1):
-                args = (y.data_ptr(), tables["scatter"].data_ptr(), cells, cw, em.in_bytes // wb)
-                args += (slice_cells, experts, streaming)
-                y.copy_(x)
-                torch.cuda.synchronize()
-                launch(fn, cluster, 1024, shared, clusters * cluster, args)
-                torch.cuda.synchronize()
-                ok = torch.equal(y, want)
-                us = timed(lambda: launch(fn, cluster, 1024, shared, clusters * cluster, args))
-                row = dict(cluster=cluster, held=0, mode="pipelined", threads=1024, grid=grid, clusters=clusters)
-                row.update(active=active, shared=shared, streaming=streaming, us=us, ratio=copy_us / us, ok=ok)
-                record["configs"].append(row)
-                print(
-                    f"   C={cluster:2d} pipelined scatter {grid:10s} {clusters:3d}/{active:3d} clusters shared "
-                    f"{shared // 1024:3d} KiB streaming={streaming} {us:8.1f} us {copy_us / us:.3f} ok={ok}",
-                    flush=True,
-                )
-    for cluster in (2, 4, 8, 16) if variants else ():
-        slice_cells = -(-cells // cluster)
-        for held in (0, HELD_WORDS) if wb == 16 else (0,):
+        if pipelined and wb == 16 and slice_cells * cb <= SHARED_MAX:
+            configs.append((cluster, 0, "pipelined", f"clu_pipe_{'c8' if cw == 8 else 'any'}", 1024, slice_cells * cb))
+        for held in ((0, HELD_WORDS) if wb == 16 else (0,)) if variants else ():
             shared = slice_cells * cb - (held * 512 * wb)
             if shared > SHARED_MAX or (held and (shared <= 0 or slice_cells * cb <= SHARED_MAX)):
                 continue
             for mode in ("gather", "scatter"):
                 kind = "w4" if wb == 4 else ("c8" if cw == 8 else "any") + ("_r16" if held else "")
-                fn = fns[f"clu_{mode}_{kind}"]
                 for threads in (512,) if held else (512, 1024):
-                    active = max_clusters(fn, cluster, threads, shared)
-                    for grid in ("persistent", "per expert"):
-                        clusters = experts if grid == "per expert" else max(1, min(experts, active))
-                        for streaming in (0, 1):
-                            args = (y.data_ptr(), tables[mode].data_ptr(), cells, cw, em.in_bytes // wb)
-                            args += (slice_cells, experts, streaming)
-                            y.copy_(x)
-                            torch.cuda.synchronize()
-                            launch(fn, cluster, threads, shared, clusters * cluster, args)
-                            torch.cuda.synchronize()
-                            ok = torch.equal(y, want)
-                            us = timed(lambda: launch(fn, cluster, threads, shared, clusters * cluster, args))
-                            row = dict(cluster=cluster, held=held, mode=mode, threads=threads, grid=grid)
-                            row.update(clusters=clusters, active=active, shared=shared, streaming=streaming)
-                            row.update(us=us, ratio=copy_us / us, ok=ok)
-                            record["configs"].append(row)
-                            print(
-                                f"   C={cluster:2d} held={held:2d} {mode:7s} {threads:4d} threads {grid:10s} "
-                                f"{clusters:3d}/{active:3d} clusters shared {shared // 1024:3d} KiB streaming={streaming} "
-                                f"{us:8.1f} us {copy_us / us:.3f} ok={ok}",
-                                flush=True,
-                            )
+                    configs.append((cluster, held, mode, f"clu_{mode}_{kind}", threads, shared))
+    for cluster, held, mode, name, threads, shared in configs:
+        fn, slice_cells = fns[name], -(-cells // cluster)
+        table = tables["scatter" if mode == "pipelined" else mode]
+        active = max_clusters(fn, cluster, threads, shared)
+        for grid in ("persistent", "per expert"):
+            clusters = experts if grid == "per expert" else max(1, min(experts, active))
+            for streaming in (0, 1):
+                args = (y.data_ptr(), table.data_ptr(), cells, cw, em.in_bytes // wb, slice_cells, experts, streaming)
+                y.copy_(x)
+                torch.cuda.synchronize()
+                launch(fn, cluster, threads, shared, clusters * cluster, args)
+                torch.cuda.synchronize()
+                ok = torch.equal(y, want)
+                us = timed(lambda: launch(fn, cluster, threads, shared, clusters * cluster, args))
+                row = dict(cluster=cluster, held=held, mode=mode, threads=threads, grid=grid)
+                row.update(clusters=clusters, active=active, shared=shared, streaming=streaming)
+                row.update(us=us, ratio=copy_us / us, ok=ok)
+                record["configs"].append(row)
+                print(
+                    f"   C={cluster:2d} held={held:2d} {mode:9s} {threads:4d} threads {grid:10s} "
+                    f"{clusters:3d}/{active:3d} clusters shared {shared // 1024:3d} KiB streaming={streaming} "
+                    f"{us:8.1f} us {copy_us / us:.3f} ok={ok}",
+                    flush=True,
+                )
     best = max((r for r in record["configs"] if r["ok"]), key=lambda r: r["ratio"], default=None)
     if best:
         print(f"   best {best['ratio']:.3f}: {best}", flush=True)
