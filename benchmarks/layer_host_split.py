@@ -124,10 +124,10 @@ def main(argv: list[str] | None = None) -> None:
         sync()
         prebuilt.wait_for_plans()
         for _ in range(2):
-            timeline(drop_in_call(fmt, hidden, inter, experts, dev, gen), dev, kept)
+            timeline(drop_in_call(fmt, hidden, inter, experts, dev, gen), sync, kept)
     elif args.timeline:
         layer = make()
-        timeline(lambda: run_plan(layer), dev, kept)
+        timeline(lambda: run_plan(layer), sync, kept)
 
 
 def drop_in_call(fmt: str, hidden: int, inter: int, experts: int, dev, gen):
@@ -141,19 +141,17 @@ def drop_in_call(fmt: str, hidden: int, inter: int, experts: int, dev, gen):
     return lambda: run_drop_in(fmt, w13, w2)
 
 
-def timeline(run, dev, kept: list) -> None:
+def timeline(run, sync, kept: list) -> None:
     """``run()`` under ``torch.profiler``: each device kernel's start and duration, ms from the call's start
     (``record_function`` around it; the host's return is printed too), and the device's idle time from the call's
     start to its last kernel's end."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda dev: None
-    sync(dev)
+    sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("timed_call"):
             kept.append(run())
-        sync(dev)
+        sync()
     on_device = (e for e in prof.events() if e.device_type.name == "CUDA" and e.name != "timed_call")  # no annotation
     events = sorted(on_device, key=lambda e: e.time_range.start)
     if not events:
