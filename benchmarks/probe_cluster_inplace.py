@@ -33,6 +33,8 @@ from fimoe_lab.prepare import drop_in_maps, plan_layer
 CASES = [  # label, format, intermediate, hidden, experts, tensor (a layer plan's, or "drop-in/tensor")
     ("qwen3-235b-tp8 bf16 block drop-in W2", "bf16", 192, 4096, 128, "trtllm_block_layout/w2"),
     ("qwen3-235b-tp8 bf16 block drop-in W13", "bf16", 192, 4096, 128, "trtllm_block_layout/w13"),
+    ("qwen3-235b-tp8 bf16 block drop-in W2, padded 256", "bf16", 256, 4096, 128, "trtllm_block_layout/w2"),
+    ("qwen3-235b-tp8 bf16 block drop-in W13, padded 256", "bf16", 256, 4096, 128, "trtllm_block_layout/w13"),
     ("deepseek-v3-tp8 fp8 block W13", "fp8-block", 256, 7168, 256, "w13"),
     ("deepseek-v3-tp8 fp8 block W2", "fp8-block", 256, 7168, 256, "w2"),
     ("deepseek-r1-tp8 nvfp4 W13", "nvfp4", 256, 7168, 256, "w13"),
