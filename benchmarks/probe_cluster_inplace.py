@@ -50,7 +50,8 @@ CASES = [  # label, format, intermediate, hidden, experts, tensor (a layer plan'
 SHARED_MAX = prebuilt.CLUSTER_SHARED_MAX  # an sm_90 block's dynamic shared memory at most (227 KiB)
 HELD_WORDS = 16  # 16-byte words a thread holds in registers (the _r16 kernels, 512 threads)
 NAMES = [f"clu_{mode}_{kind}" for mode in ("gather", "scatter") for kind in ("any", "c8", "any_r16", "c8_r16", "w4")]
-NAMES += ["clu_pipe_any", "clu_pipe_c8"]
+NAMES += ["clu_pipe_any", "clu_pipe_c8", "clu_spill_any", "clu_spill_c8"]
+TWO_A_MULTIPROCESSOR = (SHARED_MAX - 1024) // 2  # the most shared memory a block may take for two to share one
 
 
 @functools.cache
@@ -121,9 +122,11 @@ def max_clusters(fn, cluster: int, threads: int, shared: int) -> int:
 
 
 def launch(fn, cluster: int, threads: int, shared: int, grid: int, args: tuple) -> None:
+    """``args``: the kernels' eight arguments, then the spilling kernels' scratch pointer and words in shared memory."""
     made, _attrs = config(cluster, threads, shared, grid)
     kinds = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong)
-    values = [k(v) for k, v in zip(kinds + (ctypes.c_int,) * 3, args)]
+    kinds += (ctypes.c_int,) * 3 + (ctypes.c_void_p, ctypes.c_int)
+    values = [k(v) for k, v in zip(kinds, args)]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
     check(lib().cuLaunchKernelEx(ctypes.byref(made), fn, params, None), "cuLaunchKernelEx")
 
@@ -184,10 +187,15 @@ def probe(case: tuple, fns: dict[str, int], variants: bool = True, pipelined: bo
         flush=True,
     )
     configs = []  # (C, words held in registers, mode, function, threads, shared memory)
+    kind = "c8" if cw == 8 else "any"
     for cluster in (2, 4, 8, 16):
         slice_cells = -(-cells // cluster)
         if pipelined and wb == 16 and slice_cells * cb <= SHARED_MAX:
-            configs.append((cluster, 0, "pipelined", f"clu_pipe_{'c8' if cw == 8 else 'any'}", 1024, slice_cells * cb))
+            configs.append((cluster, 0, "pipelined", f"clu_pipe_{kind}", 1024, slice_cells * cb))
+        for limit in (SHARED_MAX, TWO_A_MULTIPROCESSOR) if pipelined and wb == 16 else ():
+            # the spilling kernel: what shared memory does not hold goes to an L2-sized scratch, at most as much again
+            if limit < slice_cells * cb <= 2 * limit:
+                configs.append((cluster, 0, "spill", f"clu_spill_{kind}", 1024, limit // 16 * 16))
         for held in ((0, HELD_WORDS) if wb == 16 else (0,)) if variants else ():
             shared = slice_cells * cb - (held * 512 * wb)
             if shared > SHARED_MAX or (held and (shared <= 0 or slice_cells * cb <= SHARED_MAX)):
@@ -198,12 +206,15 @@ def probe(case: tuple, fns: dict[str, int], variants: bool = True, pipelined: bo
                     configs.append((cluster, held, mode, f"clu_{mode}_{kind}", threads, shared))
     for cluster, held, mode, name, threads, shared in configs:
         fn, slice_cells = fns[name], -(-cells // cluster)
-        table = tables["scatter" if mode == "pipelined" else mode]
+        table = tables["gather" if mode == "gather" else "scatter"]
         active = max_clusters(fn, cluster, threads, shared)
-        for grid in ("persistent", "per expert"):
+        for grid in ("persistent",) if mode == "spill" else ("persistent", "per expert"):
             clusters = experts if grid == "per expert" else max(1, min(experts, active))
+            spilled = slice_cells * cw - shared // wb if mode == "spill" else 0  # words a block keeps in the scratch
+            scratch = torch.empty((max(clusters * cluster * spilled, 1), wb), dtype=torch.uint8, device="cuda")
             for streaming in (0, 1):
                 args = (y.data_ptr(), table.data_ptr(), cells, cw, em.in_bytes // wb, slice_cells, experts, streaming)
+                args += (scratch.data_ptr(), shared // wb)
                 y.copy_(x)
                 torch.cuda.synchronize()
                 launch(fn, cluster, threads, shared, clusters * cluster, args)
@@ -211,12 +222,13 @@ def probe(case: tuple, fns: dict[str, int], variants: bool = True, pipelined: bo
                 ok = torch.equal(y, want)
                 us = timed(lambda: launch(fn, cluster, threads, shared, clusters * cluster, args))
                 row = dict(cluster=cluster, held=held, mode=mode, threads=threads, grid=grid)
-                row.update(clusters=clusters, active=active, shared=shared, streaming=streaming)
+                row.update(clusters=clusters, active=active, shared=shared, spilled=spilled * wb, streaming=streaming)
                 row.update(us=us, ratio=copy_us / us, ok=ok)
                 record["configs"].append(row)
                 print(
                     f"   C={cluster:2d} held={held:2d} {mode:9s} {threads:4d} threads {grid:10s} "
-                    f"{clusters:3d}/{active:3d} clusters shared {shared // 1024:3d} KiB streaming={streaming} "
+                    f"{clusters:3d}/{active:3d} clusters shared {shared // 1024:3d} KiB spilled {spilled * wb // 1024:3d} KiB "
+                    f"streaming={streaming} "
                     f"{us:8.1f} us {copy_us / us:.3f} ok={ok}",
                     flush=True,
                 )
@@ -233,7 +245,10 @@ def main() -> None:
     ap.add_argument("--out", help="write the records here as JSON")
     ap.add_argument("--shipped", action="store_true", help="time the prebuilt executor's kernels alone")
     ap.add_argument(
-        "--pipelined", action="store_true", help="with --shipped: also the pipelined scattering kernel (clu_pipe_*)"
+        "--pipelined",
+        action="store_true",
+        help="with --shipped: also the pipelined scattering kernel (clu_pipe_*) and its form that spills what shared "
+        "memory does not hold to an L2-sized scratch (clu_spill_*)",
     )
     args = ap.parse_args()
     fns = functions(args.fatbin)

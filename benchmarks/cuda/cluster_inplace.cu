@@ -172,3 +172,56 @@ extern "C" __global__ void __launch_bounds__(1024, 1) clu_pipe_any(w16* x, const
     long long ew, int slice, int experts, int stcs) { body_pipe<-1>(x, tab, cells, cw, ew, slice, experts, stcs); }
 extern "C" __global__ void __launch_bounds__(1024, 1) clu_pipe_c8(w16* x, const int* tab, int cells, int cw,
     long long ew, int slice, int experts, int stcs) { body_pipe<3>(x, tab, cells, cw, ew, slice, experts, stcs); }
+
+// Pipelined scatter with a spill: a block's first `in_shared` words of its run stay in shared memory as above, the
+// rest in its own region of a global scratch (block b: spill + b * (slice * cw - in_shared) words; small enough to
+// stay in L2), so an expert larger than a cluster's shared memory, or a block small enough for two a multiprocessor,
+// still crosses device memory once. A spilled word goes through a register: the thread reads the scratch word, stores
+// it, then loads its next expert's word into the same scratch word.
+template <int CWS>
+__device__ __forceinline__ void body_spill(w16* x, const int* __restrict__ tab, int cells, int cw, long long ew,
+                                           int slice, int experts, int stcs, w16* spill, int in_shared) {
+    extern __shared__ w16 buf[];
+    const int k0 = (int)cl_rank() * slice;
+    const int n = max(min(k0 + slice, cells) - k0, 0) * cw;
+    const int ns = min(n, in_shared);
+    int4* mine = (int4*)(spill + (long long)blockIdx.x * max(slice * cw - in_shared, 0));
+    const int step = (int)cl_count();
+    int e = (int)cl_id();
+    if (e < experts) {
+        const w16* in = x + (long long)e * ew + (long long)k0 * cw;
+        for (int i = threadIdx.x; i < ns; i += blockDim.x) cp16(buf + i, in + i);
+#pragma unroll 4
+        for (int i = ns + threadIdx.x; i < n; i += blockDim.x) mine[i - ns] = __ldcs((const int4*)(in + i));
+    }
+    for (; e < experts; e += step) {
+        cp_wait();
+        cl_sync();  // every block holds its run of expert e (shared memory and scratch)
+        w16* xe = x + (long long)e * ew;
+        const bool more = e + step < experts;
+        const w16* next = x + (long long)(e + step) * ew + (long long)k0 * cw;
+        for (int i = threadIdx.x; i < ns; i += blockDim.x) {
+            const int q = CWS >= 0 ? (i >> CWS) : i / cw;
+            int4* o = (int4*)(xe + (long long)__ldg(tab + k0 + q) * cw + (i - q * cw));
+            const int4 v = *(const int4*)(buf + i);
+            if (stcs) __stcs(o, v); else *o = v;
+            if (more) cp16(buf + i, next + i);
+        }
+#pragma unroll 4
+        for (int i = ns + threadIdx.x; i < n; i += blockDim.x) {
+            const int q = CWS >= 0 ? (i >> CWS) : i / cw;
+            int4* o = (int4*)(xe + (long long)__ldg(tab + k0 + q) * cw + (i - q * cw));
+            const int4 v = __ldcg(mine + (i - ns));
+            if (stcs) __stcs(o, v); else *o = v;
+            if (more) mine[i - ns] = __ldcs((const int4*)(next + i));
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(1024, 1) clu_spill_any(w16* x, const int* tab, int cells, int cw,
+    long long ew, int slice, int experts, int stcs, w16* spill, int in_shared) {
+    body_spill<-1>(x, tab, cells, cw, ew, slice, experts, stcs, spill, in_shared);
+}
+extern "C" __global__ void __launch_bounds__(1024, 1) clu_spill_c8(w16* x, const int* tab, int cells, int cw,
+    long long ew, int slice, int experts, int stcs, w16* spill, int in_shared) {
+    body_spill<3>(x, tab, cells, cw, ew, slice, experts, stcs, spill, in_shared);
+}
