@@ -14,10 +14,15 @@ Times are host wall times until the calls return (the device synchronised before
 The whole ``plan.apply`` of a layer is timed too. ``--timeline`` then profiles one more layer (``torch.profiler``,
 CUDA activity; ``--timeline drop-in`` runs the format's drop-in instead, as ``whole_model.py`` does) and prints
 each device kernel's start and duration: where the device waits between kernels, it waits for the host.
+``--launches`` times the same calls without a profiler (whose own cost moves every start): the host's time of each
+kernel launch from the call's start, and the device's end of each launch (an event recorded after it, against one
+recorded right before the call on the idle device), beside a copy of the tensors the call returned (``empty_like`` + ``copy_``).
 
     PYTHONPATH=. python3 benchmarks/layer_host_split.py --model deepseek-r1-tp8-nvfp4 --layers 12
     PYTHONPATH=. python3 benchmarks/layer_host_split.py --model gpt-oss-120b-mxfp4 --layers 6  # ~45 GB kept
     PYTHONPATH=. python3 benchmarks/layer_host_split.py --model qwen3-235b-tp8-bf16 --layers 4 --timeline drop-in
+    PYTHONPATH=. python3 benchmarks/layer_host_split.py --model qwen3-235b-tp8-bf16 --layers 2 --timeline drop-in \
+        --launches 5
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, default=0, help="experts (default: the model's)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeline", choices=("layer", "drop-in"), help="then profile one layer's device kernels")
+    ap.add_argument(
+        "--launches", type=int, default=0, help="then time this many calls' launches, host and device, unprofiled"
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -70,6 +78,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def run_plan(t: dict[str, torch.Tensor]):
         return plan.apply(t["w13"], t["w2"], t.get("w13_scale"), t.get("w2_scale"))
+
+    def plan_call():
+        layer = make()
+        return lambda: run_plan(layer)
 
     kept: list = []
     for _ in range(args.warm):
@@ -123,11 +135,13 @@ def main(argv: list[str] | None = None) -> None:
             kept.append(drop_in_call(fmt, hidden, inter, experts, dev, gen)())
         sync()
         prebuilt.wait_for_plans()
-        for _ in range(2):
-            timeline(drop_in_call(fmt, hidden, inter, experts, dev, gen), sync, kept)
-    elif args.timeline:
-        layer = make()
-        timeline(lambda: run_plan(layer), sync, kept)
+        calls = [drop_in_call(fmt, hidden, inter, experts, dev, gen) for _ in range(2 + args.launches)]
+    else:
+        calls = [plan_call() for _ in range(1 + args.launches)] if args.timeline else []
+    for call in calls[: len(calls) - args.launches]:
+        timeline(call, sync, kept)
+    if args.launches:
+        launch_offsets(calls[len(calls) - args.launches :], sync, kept, dev)
 
 
 def drop_in_call(fmt: str, hidden: int, inter: int, experts: int, dev, gen):
@@ -169,6 +183,72 @@ def timeline(run, sync, kept: list) -> None:
     for e in events:
         start, took = (e.time_range.start - t0) / 1e3, (e.time_range.end - e.time_range.start) / 1e3
         print(f"    {e.name[:60]:60s} start {start:7.3f} dur {took:6.3f}")
+
+
+def launch_offsets(calls: list, sync, kept: list, dev) -> None:
+    """Each of ``calls`` unprofiled: the host's time of each kernel launch from the call's start and the device's
+    end of each (an event recorded right after the launch; a first one right before the call, on the idle device),
+    then a copy of the tensors the last call returned, the same way (each ``copy_`` a launch); medians over the
+    calls, ms."""
+    import torch
+
+    from fimoe_lab.kernels import cuda_driver
+
+    if dev.type != "cuda":
+        print("  --launches: no kernel launches on a CPU device")
+        return
+    fire = cuda_driver._Launch.fire
+    seen: list[tuple[float, torch.cuda.Event]] = []
+
+    def timed_fire(self, index: int, name: str) -> None:
+        fire(self, index, name)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        seen.append((time.perf_counter(), event))
+
+    def copies(tensors: list) -> list:
+        outs = []
+        for x in tensors:
+            y = torch.empty_like(x)
+            y.copy_(x)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            seen.append((time.perf_counter(), event))
+            outs.append(y)
+        return outs
+
+    def one(run) -> tuple[list[float], list[float], float, float]:
+        seen.clear()
+        sync()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        a = time.perf_counter()
+        kept.append(run())
+        back = time.perf_counter() - a
+        sync()
+        host = [(t - a) * 1e3 for t, _ in seen]
+        ends = [start.elapsed_time(e) for _, e in seen]
+        return host, ends, back * 1e3, max(ends, default=0.0)
+
+    cuda_driver._Launch.fire = timed_fire
+    try:
+        ours = [one(call) for call in calls]
+    finally:
+        cuda_driver._Launch.fire = fire
+    inputs = [t for t in kept[-1] if isinstance(t, torch.Tensor)] if isinstance(kept[-1], (list, tuple)) else []
+    theirs = [one(lambda: copies(inputs)) for _ in calls] if inputs else []
+    for label, runs in (("ours", ours), ("copy", theirs)):
+        if not runs:
+            continue
+        n = min(len(r[0]) for r in runs)
+        med = statistics.median
+        host = "  ".join(f"{med(r[0][i] for r in runs):6.3f}" for i in range(n))
+        ends = "  ".join(f"{med(r[1][i] for r in runs):6.3f}" for i in range(n))
+        print(
+            f"  {label}: {n} launches; host launches at {host} ms; device ends at {ends} ms; host returns "
+            f"{med(r[2] for r in runs):.3f} ms, device done {med(r[3] for r in runs):.3f} ms after the call "
+            f"(medians of {len(runs)} calls)"
+        )
 
 
 if __name__ == "__main__":
