@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--launches", type=int, default=0, help="then time this many calls' launches, host and device, unprofiled"
     )
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        help="then run this many calls under cProfile: where their host time goes",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -135,13 +141,18 @@ def main(argv: list[str] | None = None) -> None:
             kept.append(drop_in_call(fmt, hidden, inter, experts, dev, gen)())
         sync()
         prebuilt.wait_for_plans()
-        calls = [drop_in_call(fmt, hidden, inter, experts, dev, gen) for _ in range(2 + args.launches)]
+        calls = [
+            drop_in_call(fmt, hidden, inter, experts, dev, gen) for _ in range(2 + args.launches + args.host_profile)
+        ]
     else:
-        calls = [plan_call() for _ in range(1 + args.launches)] if args.timeline else []
+        calls = [plan_call() for _ in range(1 + args.launches + args.host_profile)] if args.timeline else []
+    profiled = [calls.pop() for _ in range(args.host_profile)]
     for call in calls[: len(calls) - args.launches]:
         timeline(call, sync, kept)
     if args.launches:
         launch_offsets(calls[len(calls) - args.launches :], sync, kept, dev)
+    if profiled:
+        host_profile(profiled, sync, kept)
 
 
 def drop_in_call(fmt: str, hidden: int, inter: int, experts: int, dev, gen):
@@ -183,6 +194,29 @@ def timeline(run, sync, kept: list) -> None:
     for e in events:
         start, took = (e.time_range.start - t0) / 1e3, (e.time_range.end - e.time_range.start) / 1e3
         print(f"    {e.name[:60]:60s} start {start:7.3f} dur {took:6.3f}")
+
+
+def host_profile(calls: list, sync, kept: list) -> None:
+    """``calls`` under ``cProfile`` (the device synchronised between them, not profiled): the functions of most
+    own time and of most time with what they call, per call (cProfile's own cost included: compare the rows)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for call in calls:
+        sync()
+        profiler.enable()
+        kept.append(call())
+        profiler.disable()
+    sync()
+    stats = pstats.Stats(profiler)
+    print(f"  host profile of {len(calls)} calls (us a call):")
+    rows = [(key, value) for key, value in stats.stats.items()]  # type: ignore[attr-defined]
+    for label, index in (("own", 2), ("with callees", 3)):
+        print(f"   by time {label}:")
+        for (path, line, name), value in sorted(rows, key=lambda r: -r[1][index])[:22]:
+            where = f"{os.path.basename(path)}:{line}" if line else path
+            print(f"     {value[index] / len(calls) * 1e6:8.1f}  {value[1] / len(calls):5.1f} calls  {name} ({where})")
 
 
 def launch_offsets(calls: list, sync, kept: list, dev) -> None:
