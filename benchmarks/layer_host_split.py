@@ -16,7 +16,8 @@ CUDA activity; ``--timeline drop-in`` runs the format's drop-in instead, as ``wh
 each device kernel's start and duration: where the device waits between kernels, it waits for the host.
 ``--launches`` times the same calls without a profiler (whose own cost moves every start): the host's time of each
 kernel launch from the call's start, and the device's end of each launch (an event recorded after it, against one
-recorded right before the call on the idle device), beside a copy of the tensors the call returned (``empty_like`` + ``copy_``).
+recorded right before the call on the idle device), beside a copy of the tensors the call returned (``empty_like`` +
+``copy_``). ``--host-profile`` runs calls under cProfile and prints the functions of most time a call.
 
     PYTHONPATH=. python3 benchmarks/layer_host_split.py --model deepseek-r1-tp8-nvfp4 --layers 12
     PYTHONPATH=. python3 benchmarks/layer_host_split.py --model gpt-oss-120b-mxfp4 --layers 6  # ~45 GB kept
@@ -49,13 +50,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeline", choices=("layer", "drop-in"), help="then profile one layer's device kernels")
     ap.add_argument(
-        "--launches", type=int, default=0, help="then time this many calls' launches, host and device, unprofiled"
+        "--launches",
+        type=int,
+        default=0,
+        help="then time this many calls' launches, host and device, unprofiled (calls of --timeline's kind, else layers)",
     )
     ap.add_argument(
         "--host-profile",
         type=int,
         default=0,
-        help="then run this many calls under cProfile: where their host time goes",
+        help="then run this many calls under cProfile: where their host time goes (of --timeline's kind, else layers)",
     )
     args = ap.parse_args(argv)
 
@@ -85,7 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     def run_plan(t: dict[str, torch.Tensor]):
         return plan.apply(t["w13"], t["w2"], t.get("w13_scale"), t.get("w2_scale"))
 
-    def plan_call():
+    def call_of(kind: str | None):
+        """A call of ``kind`` (``--timeline``'s; None: the layer's) on a layer of its own, made now."""
+        if kind == "drop-in":
+            return drop_in_call(fmt, hidden, inter, experts, dev, gen)
         layer = make()
         return lambda: run_plan(layer)
 
@@ -141,16 +148,12 @@ def main(argv: list[str] | None = None) -> None:
             kept.append(drop_in_call(fmt, hidden, inter, experts, dev, gen)())
         sync()
         prebuilt.wait_for_plans()
-        calls = [
-            drop_in_call(fmt, hidden, inter, experts, dev, gen) for _ in range(2 + args.launches + args.host_profile)
-        ]
-    else:
-        calls = [plan_call() for _ in range(1 + args.launches + args.host_profile)] if args.timeline else []
-    profiled = [calls.pop() for _ in range(args.host_profile)]
-    for call in calls[: len(calls) - args.launches]:
-        timeline(call, sync, kept)
-    if args.launches:
-        launch_offsets(calls[len(calls) - args.launches :], sync, kept, dev)
+    profiled = [call_of(args.timeline) for _ in range(args.host_profile)]
+    timed = [call_of(args.timeline) for _ in range(args.launches)]
+    for _ in range((2 if args.timeline == "drop-in" else 1) if args.timeline else 0):
+        timeline(call_of(args.timeline), sync, kept)
+    if timed:
+        launch_offsets(timed, sync, kept, dev)
     if profiled:
         host_profile(profiled, sync, kept)
 
@@ -269,8 +272,9 @@ def launch_offsets(calls: list, sync, kept: list, dev) -> None:
         ours = [one(call) for call in calls]
     finally:
         cuda_driver._Launch.fire = fire
-    inputs = [t for t in kept[-1] if isinstance(t, torch.Tensor)] if isinstance(kept[-1], (list, tuple)) else []
-    theirs = [one(lambda: copies(inputs)) for _ in calls] if inputs else []
+    last = kept[-1] if isinstance(kept[-1], (list, tuple)) else []
+    returned = [t for t in last if isinstance(t, torch.Tensor)]
+    theirs = [one(lambda: copies(returned)) for _ in calls] if returned else []
     for label, runs in (("ours", ours), ("copy", theirs)):
         if not runs:
             continue
