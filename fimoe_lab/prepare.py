@@ -683,6 +683,10 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
     key13, key2 = permute_cache_keys(
         (m13, k13), (w2_weight.shape[1], w2_weight.shape[2] * 2), is_gated_act_gemm, engine=engine
     )
+    o13, o2 = _apply_in_place(
+        [(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts
+    )
+    # the dict after the launches: a steady layer's kernels do not wait for it (an engine passes a new dict a layer)
     if key13 not in cache_permute_indices:
         flashinfer_w13_rows = builders.chain(
             steps.interleave_rows_for_gated_act(m13, k13) if is_gated_act_gemm else None,
@@ -691,9 +695,6 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
         cache_permute_indices[key13] = flashinfer_w13_rows.row_sources_on(w13_weight.device)
     if key2 not in cache_permute_indices:
         cache_permute_indices[key2] = plan.w2.row_steps().row_sources_on(w13_weight.device)
-    o13, o2 = _apply_in_place(
-        [(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts
-    )
     plan_store.applied(plan)
     return o13, o2
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from fimoe_lab import prepare
 from fimoe_lab.caches import clear_caches
+from fimoe_lab.errors import FimoeError
 from fimoe_lab.layout import LayoutError
 from fimoe_lab.prepare import MoELayerSpec
 
@@ -69,6 +70,18 @@ def test_bf16_block_layout_fills_each_layers_permute_dict_from_one_device_copy(d
         assert second[k13] is i13 and second[k2] is i2
     (g13, _), (n13, _) = (list(dicts[g][0].values()) for g in (True, False))
     assert g13 is not n13 and not torch.equal(g13, n13)  # same shapes, other maps: not mixed up
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_block_layout_refuses_an_unknown_engine_before_moving_a_byte(device):
+    """The dict's keys follow ``engine``'s FlashInfer: an unknown one is refused before either weight is permuted
+    (the dict is filled after the permutation) and the dict stays empty."""
+    w13 = coords(2, 128, 64, device).view(torch.bfloat16)
+    w2 = random_bytes((2, 128, 64), torch.bfloat16, seed=5, device=device)
+    before13, before2, cache = w13.clone(), w2.clone(), {}
+    with pytest.raises(FimoeError, match="unknown engine 'vllm-9'"):
+        prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout(cache, w13, w2, engine="vllm-9")
+    assert same_bytes(w13, before13) and same_bytes(w2, before2) and cache == {}
 
 
 def test_bf16_block_layout_structured_rows():
