@@ -37,7 +37,7 @@ from fimoe_lab.caches import cached
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.formats.nvfp4_per_token import NVFP4_PER_TOKEN_BASE_GLOBAL_SCALE, quantize_nvfp4_per_token_input
 from fimoe_lab.kernels import copy_then_gather as _copy_then_gather  # noqa: F401 - likewise (~1 ms)
-from fimoe_lab.kernels import plans_after_the_call
+from fimoe_lab.kernels import execute_in_place, plans_after_the_call
 from fimoe_lab.kernels import prebuilt as _prebuilt  # noqa: F401 - likewise (its imports cost a first call ~5 ms)
 from fimoe_lab.kernels import torch_gather as _torch_gather  # noqa: F401 - likewise
 from fimoe_lab.layout import IndexMap
@@ -580,8 +580,8 @@ def _apply_in_place(
     done: list[tuple[IndexMap, torch.Tensor]] = []
     with torch.no_grad():
         try:
-            for m, t, _ in pairs:
-                m.apply_(t, scratch_experts)
+            for m, t, _ in pairs:  # checked above: straight to the executor (IndexMap.apply_ would check again)
+                execute_in_place(m.compiled(), t, scratch_experts)
                 done.append((m, t))
         except BaseException:
             for m, t in reversed(done):  # in the output layout: back to the input's
