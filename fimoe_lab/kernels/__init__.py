@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from fimoe_lab.errors import LayoutError
-from fimoe_lab.kernels.compiled import ExecMap
+from fimoe_lab.kernels.compiled import ExecMap, byte_view
 from fimoe_lab.kernels.registry import (
     CYCLES_MIN_CELL,
     EXECUTORS,
@@ -209,7 +209,7 @@ def execute_in_place(
     if num_experts == 0:
         return
     chunk = _check_in_place(em, x, scratch_experts)
-    flat = x.reshape(num_experts, -1).view(torch.uint8)  # (E, bytes)
+    flat = byte_view(x)
     with plans_after_the_call:
         ex = get_executor(backend, x.device, flat.numel(), wait=bool(config), em=em, in_place=True)  # tuned: its own
         strategy = ex.strategy(em, (config or {}).get("inplace", "auto"))

@@ -20,7 +20,7 @@ import torch
 
 from fimoe_lab.errors import LayoutError
 
-__all__ = ["ExecMap", "Strided", "word_dtype", "fill_word", "byte_views", "aligned_word", "through_stages"]
+__all__ = ["ExecMap", "Strided", "word_dtype", "fill_word", "byte_view", "aligned_word", "through_stages"]
 
 _TORCH_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -278,10 +278,9 @@ class ExecMap:
         return self._dev[key]
 
 
-def byte_views(x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` and ``out`` as ``(E, bytes per expert)`` uint8 views (no copy)."""
-    e = x.shape[0]
-    return x.reshape(e, -1).view(torch.uint8), out.reshape(e, -1).view(torch.uint8)
+def byte_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(E, ...)`` as an ``(E, bytes per expert)`` uint8 view (no copy)."""
+    return x.reshape(x.shape[0], -1).view(torch.uint8)
 
 
 def aligned_word(word: int, *tensors: torch.Tensor) -> int:

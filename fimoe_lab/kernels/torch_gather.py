@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from fimoe_lab.kernels.compiled import ExecMap, Strided, aligned_word, fill_word, through_stages, word_dtype
+from fimoe_lab.kernels.compiled import ExecMap, Strided, aligned_word, byte_view, fill_word, through_stages, word_dtype
 
 __all__ = ["gather_torch", "cell_views", "inplace_strided", "strided_word"]
 
@@ -57,8 +57,7 @@ def gather_torch(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
         _gather_strided(em, x, out)
         return
     if em.stages is not None:
-        xf, of = x.reshape(x.shape[0], -1).view(torch.uint8), out.reshape(out.shape[0], -1).view(torch.uint8)
-        through_stages(em, xf, of, _gather_strided, STAGE_BYTES)
+        through_stages(em, byte_view(x), byte_view(out), _gather_strided, STAGE_BYTES)
         return
     xin, xout = cell_views(em, x, out)
     src = _index(em, ("gather_idx",), lambda: np.maximum(em.src, 0), x.device)
