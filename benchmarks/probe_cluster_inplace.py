@@ -187,21 +187,21 @@ def probe(case: tuple, fns: dict[str, int], variants: bool = True, pipelined: bo
         flush=True,
     )
     configs = []  # (C, words held in registers, mode, function, threads, shared memory)
-    kind = "c8" if cw == 8 else "any"
+    words = "c8" if cw == 8 else "any"  # the kernels' form for these cells (8 words a cell, or any)
     for cluster in (2, 4, 8, 16):
         slice_cells = -(-cells // cluster)
         if pipelined and wb == 16 and slice_cells * cb <= SHARED_MAX:
-            configs.append((cluster, 0, "pipelined", f"clu_pipe_{kind}", 1024, slice_cells * cb))
+            configs.append((cluster, 0, "pipelined", f"clu_pipe_{words}", 1024, slice_cells * cb))
         for limit in (SHARED_MAX, TWO_A_MULTIPROCESSOR) if pipelined and wb == 16 else ():
             # the spilling kernel: what shared memory does not hold goes to an L2-sized scratch, at most as much again
             if limit < slice_cells * cb <= 2 * limit:
-                configs.append((cluster, 0, "spill", f"clu_spill_{kind}", 1024, limit // 16 * 16))
+                configs.append((cluster, 0, "spill", f"clu_spill_{words}", 1024, limit // 16 * 16))
         for held in ((0, HELD_WORDS) if wb == 16 else (0,)) if variants else ():
             shared = slice_cells * cb - (held * 512 * wb)
             if shared > SHARED_MAX or (held and (shared <= 0 or slice_cells * cb <= SHARED_MAX)):
                 continue
             for mode in ("gather", "scatter"):
-                kind = "w4" if wb == 4 else ("c8" if cw == 8 else "any") + ("_r16" if held else "")
+                kind = "w4" if wb == 4 else words + ("_r16" if held else "")
                 for threads in (512,) if held else (512, 1024):
                     configs.append((cluster, held, mode, f"clu_{mode}_{kind}", threads, shared))
     for cluster, held, mode, name, threads, shared in configs:
@@ -228,8 +228,7 @@ def probe(case: tuple, fns: dict[str, int], variants: bool = True, pipelined: bo
                 print(
                     f"   C={cluster:2d} held={held:2d} {mode:9s} {threads:4d} threads {grid:10s} "
                     f"{clusters:3d}/{active:3d} clusters shared {shared // 1024:3d} KiB spilled {spilled * wb // 1024:3d} KiB "
-                    f"streaming={streaming} "
-                    f"{us:8.1f} us {copy_us / us:.3f} ok={ok}",
+                    f"streaming={streaming} {us:8.1f} us {copy_us / us:.3f} ok={ok}",
                     flush=True,
                 )
     best = max((r for r in record["configs"] if r["ok"]), key=lambda r: r["ratio"], default=None)
