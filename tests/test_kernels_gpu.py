@@ -636,6 +636,51 @@ def test_gpu_prebuilt_error_midway_is_undone(monkeypatch):
     assert fired and info.value.restored and torch.equal(x, before)
 
 
+@pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
+@pytest.mark.parametrize(
+    "fmt,inter,hidden,tensor",
+    [
+        ("bf16", 256, 512, "trtllm_block_layout/w13"),
+        ("bf16", 256, 4096, "trtllm_block_layout/w13"),  # no cluster holds an expert: the cycle kernel
+        ("fp8", 128, 1024, "rotate/w13"),
+        ("fp8", 128, 1024, "rotate/w2"),
+    ],
+)
+def test_gpu_steady_in_place_calls_skip_the_choice_and_stay_exact(monkeypatch, fmt, inter, hidden, tensor):
+    """Default in-place calls of a drop-in map: once the map is ready for the prebuilt kernels, a call runs the
+    strategy ``auto`` chose there without asking the registry (its calls counted), bit-exact on coordinate-coded and
+    random bytes, on buffers at new addresses; with the prebuilt kernels turned off the next call asks again."""
+    from fimoe_lab.kernels import registry
+    from fimoe_lab.prepare import drop_in_maps
+
+    m = drop_in_maps(fmt, inter, hidden)[tensor][0]
+    em = m.compiled()
+    if registry.executor_ready(registry.pick_backend("cuda", 1)):
+        pytest.skip("the default executor is loaded in this process: the prebuilt kernels no longer stand in")
+    for _ in range(6):  # the first calls, until the planner has readied the map and a call kept auto's choice
+        y = torch.randint(0, 256, (5, m.in_bytes), dtype=torch.uint8, device="cuda")
+        execute_in_place(em, y)
+        torch.cuda.synchronize()
+        prebuilt.wait_for_plans()
+    device = y.device
+    assert registry.kept_in_place(em, device, y.numel()) is not None
+    asked = []
+    real = kernels.get_executor
+    monkeypatch.setattr(kernels, "get_executor", lambda *a, **k: asked.append(a) or real(*a, **k))
+    for x in inputs(m, 5):
+        y, want = x.clone(), reference(m, x)
+        execute_in_place(em, y)
+        torch.cuda.synchronize()
+        assert torch.equal(y, want) and not torch.equal(x, want)
+    assert asked == []
+    monkeypatch.setenv("FIMOE_PREBUILT_KERNELS", "0")
+    assert registry.kept_in_place(em, device, y.numel()) is None
+    y = x.clone()
+    execute_in_place(em, y)
+    torch.cuda.synchronize()
+    assert torch.equal(y, want) and asked
+
+
 PREBUILT_CHILD = """
 import json, sys, threading, torch
 from fimoe_lab import prepare

@@ -33,6 +33,8 @@ from fimoe_lab.kernels.registry import (
     available_backends,
     executor_ready,
     get_executor,
+    keep_in_place,
+    kept_in_place,
     load_executor,
     pick_backend,
     plans_after_the_call,
@@ -210,9 +212,15 @@ def execute_in_place(
         return
     chunk = _check_in_place(em, x, scratch_experts)
     flat = byte_view(x)
+    default = backend is None and not config
     with plans_after_the_call:
-        ex = get_executor(backend, x.device, flat.numel(), wait=bool(config), em=em, in_place=True)  # tuned: its own
-        strategy = ex.strategy(em, (config or {}).get("inplace", "auto"))
+        strategy = kept_in_place(em, x.device, flat.numel()) if default else None
+        name = "prebuilt"
+        if strategy is None:
+            ex = get_executor(backend, x.device, flat.numel(), wait=bool(config), em=em, in_place=True)  # tuned: own
+            strategy, name = ex.strategy(em, (config or {}).get("inplace", "auto")), ex.name
+            if default:
+                keep_in_place(em, x.device, ex, strategy)
         start = 0
         try:
             for start, _ in strategy.run(em, flat, chunk, config):  # noqa: B007 - start is read after a failure
@@ -221,7 +229,7 @@ def execute_in_place(
         except BaseException as exc:
             if not _undo:
                 raise
-            _undo_and_raise(em, x, flat, start, chunk, ex.name, exc)
+            _undo_and_raise(em, x, flat, start, chunk, name, exc)
 
 
 def _undo_and_raise(

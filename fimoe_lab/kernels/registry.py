@@ -66,6 +66,8 @@ __all__ = [
     "load_executor",
     "executor_ready",
     "kernel_gathers",
+    "keep_in_place",
+    "kept_in_place",
     "plans_after_the_call",
 ]
 
@@ -505,6 +507,40 @@ _READY = "prebuilt ready"
 (fatbins loaded, plan built: both stay), so its later calls there skip the checks."""
 
 
+def _prebuilt_was_ready(ex: Executor, em: Optional[ExecMap], device: object, in_place: bool) -> bool:
+    """Whether ``prebuilt`` stands in for ``ex`` (not loaded) on a map found ready for it on ``device`` before."""
+    ready = em is not None and ex.stand_in == "torch" and (in_place, device) in em._dev.get(_READY, ())
+    return ready and env.value(PREBUILT_ENV, True)
+
+
+_KEPT_IN_PLACE = "prebuilt in place"
+"""``ExecMap._dev`` key: per device, the in-place strategy of ``prebuilt`` that ``auto`` chose for the map once it was
+ready there (fatbins loaded, plan built: the choice no longer moves), so a default call skips the executor's and the
+strategy's choice (:func:`kept_in_place`)."""
+
+
+def keep_in_place(em: ExecMap, device: torch.device, ex: Executor, strategy: InPlace) -> None:
+    """Remember ``strategy`` as the in-place one of default calls of ``em`` on ``device`` where ``ex`` is
+    ``prebuilt`` and the map was ready for it there (:func:`kept_in_place`)."""
+    if ex.name == "prebuilt" and (True, device) in em._dev.get(_READY, ()):
+        em._dev.setdefault(_KEPT_IN_PLACE, {})[device] = strategy
+
+
+def kept_in_place(em: ExecMap, device: torch.device, out_bytes: int) -> Optional[InPlace]:
+    """The strategy :func:`keep_in_place` kept for default in-place calls of ``em`` on ``device``, while the default
+    executor for ``out_bytes`` there still leaves them to ``prebuilt`` (not loaded itself, :data:`PREBUILT_ENV` on);
+    else None (the caller asks :func:`get_executor` and the strategy). A steady layer's call then goes straight to
+    its launches (on an H100 host the choice cost about 40 us a map, before the first launch)."""
+    kept = em._dev.get(_KEPT_IN_PLACE)
+    strategy = kept.get(device) if kept is not None else None
+    if strategy is None:
+        return None
+    ex = EXECUTORS[pick_backend(device, out_bytes)]
+    if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
+        return None
+    return strategy if _prebuilt_was_ready(ex, em, device, True) else None
+
+
 def _loaded_or_stand_in(
     ex: Executor, em: Optional[ExecMap] = None, device: torch.device | str | None = None, in_place: bool = False
 ) -> Executor:
@@ -523,8 +559,7 @@ def _loaded_or_stand_in(
     do not load, the default path below goes on."""
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
         return ex
-    ready = em is not None and ex.stand_in == "torch" and (in_place, device) in em._dev.get(_READY, ())
-    if ready and env.value(PREBUILT_ENV, True):  # ready on this device before: the checks below answered prebuilt
+    if _prebuilt_was_ready(ex, em, device, in_place):  # ready on this device before: the checks below answered it
         return EXECUTORS["prebuilt"]
     device = torch.device(device if device is not None else "cpu")
     if _prebuilt_stands_in(ex, device, em, in_place):
