@@ -530,7 +530,8 @@ def kept_in_place(em: ExecMap, device: torch.device, out_bytes: int) -> Optional
     """The strategy :func:`keep_in_place` kept for default in-place calls of ``em`` on ``device``, while the default
     executor for ``out_bytes`` there still leaves them to ``prebuilt`` (not loaded itself, :data:`PREBUILT_ENV` on);
     else None (the caller asks :func:`get_executor` and the strategy). A steady layer's call then goes straight to
-    its launches (on an H100 host the choice cost about 40 us a map, before the first launch)."""
+    its launches (on an H100 host the choice cost about 40 us a map, before the first launch). The strategy stays as
+    chosen then: a later change of :data:`.prebuilt.CLUSTERS_ENV` does not move it."""
     kept = em._dev.get(_KEPT_IN_PLACE)
     strategy = kept.get(device) if kept is not None else None
     if strategy is None:
