@@ -612,6 +612,43 @@ def test_gpu_prebuilt_cycles_random_permutations(cells, cell_bytes):
 
 
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
+def test_gpu_prebuilt_cycles_kept_launches_run_at_new_addresses(monkeypatch):
+    """The cycle kernel's launches are made once per call kind (address modulo 16, experts, scratch) and run again at
+    later calls' addresses: chunks of two experts and a last one of one, buffers at new addresses 16-byte aligned and
+    4 and 1 bytes off, each call bit-exact against the byte-loop reference; no launch is made again for a kind seen."""
+    from fimoe_lab.kernels import cuda_driver
+    from fimoe_lab.kernels.cycles import CyclePlan
+    from fimoe_lab.layout import IndexMap
+
+    g = torch.Generator().manual_seed(11)
+    m = IndexMap(torch.randperm(3000, generator=g), 48, (3000 * 48,), (3000 * 48,))
+    em = m.compiled()
+    monkeypatch.setattr(CyclePlan, "experts_per_chunk", lambda self, cell_bytes, scratch_bytes, experts: 2)
+    made = []
+
+    class Counted(cuda_driver.Bound):
+        def __init__(self, *args, **kwargs):
+            made.append(args[1])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_driver, "Bound", Counted)
+    seen = set()
+    for shift in (0, 16, 4, 1, 0, 4, 1):
+        before = len(made)
+        for x in inputs(m, 5):
+            raw = torch.empty((x.numel() + 32,), dtype=torch.uint8, device="cuda")
+            y = raw[shift : shift + x.numel()].view(x.shape)
+            y.copy_(x)
+            execute_in_place(em, y, 2, backend="prebuilt", config={"inplace": "cycles"})
+            torch.cuda.synchronize()
+            assert torch.equal(y, reference(m, x)), shift
+        # a new kind: saves and tiles for the full chunks and for the last one; a kind seen (16 is 0 modulo 16): none
+        assert len(made) - before == (0 if shift % 16 in seen else 4), shift
+        seen.add(shift % 16)
+    assert len(set(made)) == 3  # the three kinds move 16-, 4- and 1-byte words: a kernel each
+
+
+@pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 def test_gpu_prebuilt_error_midway_is_undone(monkeypatch):
     from fimoe_lab.kernels import prebuilt as module
     from fimoe_lab.kernels.cycles import CyclePlan

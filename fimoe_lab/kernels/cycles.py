@@ -55,11 +55,15 @@ class CyclePlan:
         stream's next launches (:class:`~fimoe_lab.kernels.device_tables.DeviceTables`). The copies do not wait for
         the stream, or, with ``wait`` (a thread other than the caller's: the background planner), are complete when
         this returns."""
+        dst, src, saved = self.tables_on(device, wait).ready()
+        return dst, src, saved
+
+    def tables_on(self, device: torch.device, wait: bool = False) -> DeviceTables:
+        """The :class:`~fimoe_lab.kernels.device_tables.DeviceTables` behind :meth:`on` (copied once, as it says)."""
         key = str(device)
         if key not in self._dev:
             self._dev[key] = DeviceTables((self.dst, self.src, self.saved), device, wait)
-        dst, src, saved = self._dev[key].ready()
-        return dst, src, saved
+        return self._dev[key]
 
     def is_on(self, device: torch.device) -> bool:
         """Whether :meth:`on` has put the plan on ``device`` (a call returns it at once)."""

@@ -638,32 +638,81 @@ def _swizzle(em: ExecMap, x: torch.Tensor, table: torch.Tensor) -> list:
     )
 
 
+_KEPT_CYCLES = "prebuilt cycle launches"
+"""``ExecMap._dev`` key, with the device index, the experts, the bytes an expert, the buffer's address modulo 16 and the
+scratch experts: what :func:`inplace_cycles` launches for such a call (:class:`CycleLaunches`), kept from its first
+call: the later ones run the same launches at their own addresses."""
+
+
+class CycleLaunches(NamedTuple):
+    """The cycle kernel's launches over a buffer of ``(E, bytes)``: ``chunks`` holds, per chunk of experts, its
+    launches (:class:`.cuda_driver.Bound`: the saves where the plan saves cells, then the tiles; their first two
+    arguments the chunk's address and the scratch's), the chunk's offset in the buffer and the experts done after it;
+    ``scratch_bytes`` the scratch they share, ``tables`` the plan's device tables they read."""
+
+    chunks: tuple[tuple[tuple[cuda_driver.Bound, ...], int, int], ...]
+    scratch_bytes: int
+    tables: DeviceTables | None
+
+
 def inplace_cycles(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
     """Permute every expert of ``flat`` ``(E, bytes)`` (CUDA) in place along the map's cycle plan: per chunk of
     experts one launch copies the cells the tiles cut into the scratch, one runs every tile. The scratch holds
-    the saved cells of as many experts as fit in ``scratch_experts`` experts' bytes.
+    the saved cells of as many experts as fit in ``scratch_experts`` experts' bytes. A call like an earlier one
+    (device, experts, bytes, address modulo 16, scratch) runs that call's launches at its own addresses.
 
     Yields the number of leading experts whose tiles have been launched (the stream orders the launches)."""
+    experts, nbytes = flat.shape
+    at = flat.data_ptr()
+    key = (_KEPT_CYCLES, flat.get_device(), experts, nbytes, at & 15, scratch_experts)
+    kept = em._dev.get(key)
+    if kept is None:
+        kept = em._dev[key] = _cycle_launches(em, flat, scratch_experts)
+    if not kept.chunks:
+        yield experts, None
+        return
+    if kept.tables is not None:
+        kept.tables.ready()  # copied without waiting: this stream's launches read them after they land
+    scratch = torch.empty((kept.scratch_bytes,), dtype=torch.uint8, device=flat.device)
+    scratch_at = scratch.data_ptr()
+    for launches, offset, done in kept.chunks:
+        for bound in launches:
+            cuda_driver.run(bound, at + offset, scratch_at)
+        yield done, scratch
+
+
+def _cycle_launches(em: ExecMap, flat: torch.Tensor, scratch_experts: int) -> CycleLaunches:
+    """:func:`inplace_cycles`' launches for ``flat``: chunks of as many experts as the scratch serves (at most
+    :data:`MAX_GRID_Y`), a chunk's saves over ``ceil(saved / BM) * NC`` blocks, its tiles over ``tiles * NC``, per
+    expert of the chunk; every full chunk shares one pair of launches."""
     experts, nbytes = flat.shape
     word = _word(em, flat)
     bm, bw, nc = cycle_tile(em.cell_bytes, word)
     plan = cycle_plan(em, bm)
     if plan.moved == 0:
-        yield experts, None
-        return
-    dst, src, saved = plan.on(flat.device)
+        return CycleLaunches((), 0, None)
+    tables = plan.tables_on(flat.device)
+    dst, src, saved = tables.ready()
     n_saved, cell_words = int(plan.saved.size), em.cell_bytes // word
     per = min(plan.experts_per_chunk(em.cell_bytes, scratch_experts * nbytes, experts), MAX_GRID_Y)
-    scratch = torch.empty((max(per * n_saved * em.cell_bytes, word),), dtype=torch.uint8, device=flat.device)
-    name = _FUNCTIONS[word]
-    shape = [bm, bw, nc, cell_words, nbytes // word, n_saved * cell_words]
+    ptr, c_int, c_ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    shape = [(c_int, bm), (c_int, bw), (c_int, nc), (c_ll, cell_words), (c_ll, nbytes // word)]
+    shape.append((c_ll, n_saved * cell_words))
+    index, name = flat.get_device(), _FUNCTIONS[word]
+
+    def pass_(cnt: int, table: torch.Tensor, sources: torch.Tensor, slots: int, blocks: int, save: int):
+        args = [(ptr, 0), (ptr, 0), (ptr, table.data_ptr()), (ptr, sources.data_ptr()), (c_int, slots)]
+        return cuda_driver.Bound(SOURCE, name, index, (blocks, cnt, 1), (THREADS, 1, 1), [*args, *shape, (c_int, save)])
+
+    made: dict[int, tuple[cuda_driver.Bound, ...]] = {}
+    chunks = []
     for s0 in range(0, experts, per):
         cnt = min(per, experts - s0)
-        part = flat[s0 : s0 + cnt]
-        if n_saved:
-            _launch(name, part, scratch, saved, saved, n_saved, shape, cdiv(n_saved, bm) * nc, save=1)
-        _launch(name, part, scratch, dst, src, plan.moved, shape, plan.n_tiles * nc, save=0)
-        yield s0 + cnt, scratch
+        if cnt not in made:
+            tiles = pass_(cnt, dst, src, plan.moved, plan.n_tiles * nc, 0)
+            made[cnt] = (pass_(cnt, saved, saved, n_saved, cdiv(n_saved, bm) * nc, 1), tiles) if n_saved else (tiles,)
+        chunks.append((made[cnt], s0 * nbytes, s0 + cnt))
+    return CycleLaunches(tuple(chunks), max(per * n_saved * em.cell_bytes, word), tables)
 
 
 class ClusterGeometry(NamedTuple):
@@ -855,41 +904,3 @@ def inplace_clusters(
         shared_bytes=launch.staged,
     )
     yield experts, None
-
-
-def _launch(
-    name: str,
-    part: torch.Tensor,
-    scratch: torch.Tensor,
-    dst: torch.Tensor,
-    src: torch.Tensor,
-    n_slots: int,
-    shape: list[int],
-    blocks: int,
-    save: int,
-) -> None:
-    """One pass of the cycle kernel over the experts of ``part``: ``blocks`` blocks each (``shape``: BM, BW, NC,
-    cell words, expert words, scratch words an expert)."""
-    bm, bw, nc, cell_words, expert_words, scratch_words = shape
-    c_int, c_ll = ctypes.c_int, ctypes.c_longlong
-    cuda_driver.launch(
-        SOURCE,
-        name,
-        part.device,
-        (blocks, part.shape[0], 1),
-        (THREADS, 1, 1),
-        [
-            (ctypes.c_void_p, part.data_ptr()),
-            (ctypes.c_void_p, scratch.data_ptr()),
-            (ctypes.c_void_p, dst.data_ptr()),
-            (ctypes.c_void_p, src.data_ptr()),
-            (c_int, n_slots),
-            (c_int, bm),
-            (c_int, bw),
-            (c_int, nc),
-            (c_ll, cell_words),
-            (c_ll, expert_words),
-            (c_ll, scratch_words),
-            (c_int, save),
-        ],
-    )
