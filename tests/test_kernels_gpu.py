@@ -668,9 +668,45 @@ def test_gpu_prebuilt_error_midway_is_undone(monkeypatch):
                 raise RuntimeError("injected between launches")
 
     monkeypatch.setattr(module, "inplace_cycles", flaky)
-    with pytest.raises(InPlaceError) as info:
-        execute_in_place(m.compiled(), x, 1, backend="prebuilt")
+    with pytest.raises(InPlaceError) as info:  # the cycle kernel asked for: auto may take the clusters for this map
+        execute_in_place(m.compiled(), x, 1, backend="prebuilt", config={"inplace": "cycles"})
     assert fired and info.value.restored and torch.equal(x, before)
+
+
+STEADY_CHILD = """
+import json, os, sys, torch
+from reference_loops import byte_gather
+from fimoe_lab import kernels
+from fimoe_lab.kernels import prebuilt, registry
+from fimoe_lab.prepare import drop_in_maps
+fmt, inter, hidden, tensor = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+m = drop_in_maps(fmt, inter, hidden)[tensor][0]
+em = m.compiled()
+for _ in range(6):  # the first calls, until the planner has readied the map and a call kept auto's choice
+    y = torch.randint(0, 256, (5, m.in_bytes), dtype=torch.uint8, device="cuda")
+    kernels.execute_in_place(em, y)
+    torch.cuda.synchronize()
+    prebuilt.wait_for_plans()
+loaded = registry.executor_ready(registry.pick_backend("cuda", 1))
+kept = registry.kept_in_place(em, y.device, y.numel()) is not None
+asked, real = [], kernels.get_executor
+kernels.get_executor = lambda *a, **k: asked.append(1) or real(*a, **k)
+codes = torch.arange(5 * (m.in_bytes // 4), dtype=torch.int32, device="cuda").add_(1).view(torch.uint8).view(5, -1)
+exact = []
+for x in (codes, torch.randint(0, 256, (5, m.in_bytes), dtype=torch.uint8, device="cuda")):
+    y, want = x.clone(), byte_gather(m, x)
+    kernels.execute_in_place(em, y)
+    torch.cuda.synchronize()
+    exact.append(torch.equal(y, want) and not torch.equal(x, want))
+steady_asked = len(asked)
+os.environ["FIMOE_PREBUILT_KERNELS"] = "0"
+dropped = registry.kept_in_place(em, y.device, y.numel()) is None
+y = x.clone()
+kernels.execute_in_place(em, y)
+torch.cuda.synchronize()
+exact.append(torch.equal(y, want))
+print(json.dumps([loaded, kept, exact, steady_asked, dropped, len(asked) > steady_asked]))
+"""
 
 
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
@@ -683,39 +719,26 @@ def test_gpu_prebuilt_error_midway_is_undone(monkeypatch):
         ("fp8", 128, 1024, "rotate/w2"),
     ],
 )
-def test_gpu_steady_in_place_calls_skip_the_choice_and_stay_exact(monkeypatch, fmt, inter, hidden, tensor):
-    """Default in-place calls of a drop-in map: once the map is ready for the prebuilt kernels, a call runs the
-    strategy ``auto`` chose there without asking the registry (its calls counted), bit-exact on coordinate-coded and
-    random bytes, on buffers at new addresses; with the prebuilt kernels turned off the next call asks again."""
-    from fimoe_lab.kernels import registry
-    from fimoe_lab.prepare import drop_in_maps
+def test_gpu_steady_in_place_calls_skip_the_choice_and_stay_exact(fmt, inter, hidden, tensor):
+    """Default in-place calls of a drop-in map in a fresh process: once the map is ready for the prebuilt kernels, a
+    call runs the strategy ``auto`` chose there without asking the registry (its calls counted), bit-exact on
+    coordinate-coded and random bytes, on buffers at new addresses; with the prebuilt kernels turned off the next call
+    asks again."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
 
-    m = drop_in_maps(fmt, inter, hidden)[tensor][0]
-    em = m.compiled()
-    if registry.executor_ready(registry.pick_backend("cuda", 1)):
-        pytest.skip("the default executor is loaded in this process: the prebuilt kernels no longer stand in")
-    for _ in range(6):  # the first calls, until the planner has readied the map and a call kept auto's choice
-        y = torch.randint(0, 256, (5, m.in_bytes), dtype=torch.uint8, device="cuda")
-        execute_in_place(em, y)
-        torch.cuda.synchronize()
-        prebuilt.wait_for_plans()
-    device = y.device
-    assert registry.kept_in_place(em, device, y.numel()) is not None
-    asked = []
-    real = kernels.get_executor
-    monkeypatch.setattr(kernels, "get_executor", lambda *a, **k: asked.append(a) or real(*a, **k))
-    for x in inputs(m, 5):
-        y, want = x.clone(), reference(m, x)
-        execute_in_place(em, y)
-        torch.cuda.synchronize()
-        assert torch.equal(y, want) and not torch.equal(x, want)
-    assert asked == []
-    monkeypatch.setenv("FIMOE_PREBUILT_KERNELS", "0")
-    assert registry.kept_in_place(em, device, y.numel()) is None
-    y = x.clone()
-    execute_in_place(em, y)
-    torch.cuda.synchronize()
-    assert torch.equal(y, want) and asked
+    here = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), env.get("PYTHONPATH", "")])
+    args = [sys.executable, "-c", STEADY_CHILD, fmt, str(inter), str(hidden), tensor]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded, kept, exact, steady_asked, dropped, asked_again = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not loaded, "the default executor loaded in a fresh process: the prebuilt kernels no longer stand in"
+    assert kept and exact == [True, True, True] and steady_asked == 0 and dropped and asked_again
 
 
 PREBUILT_CHILD = """
