@@ -9,6 +9,9 @@ calls. Printed per layer: its host time (until the calls return), its wall time 
 stages over 20 us, longest first, as ``stage=ms/calls``; the garbage collector's pauses (any thread: every
 thread waits for them) as ``gc.genN``.
 
+Each layer's line ends with the background planner's builds that overlapped it (``planner: map=ms``, the part
+inside the layer's wall time; its thread's, beside the main thread's stages).
+
 ``--switch-interval S`` sets Python's thread switch interval for the whole process first (the default is Python's
 5 ms; the background planner sets 0.2 ms while it has work): an A/B of what the caller waits for the GIL.
 
@@ -112,6 +115,18 @@ def main(argv: list[str] | None = None) -> None:
             calls[name] += 1
 
     gc.callbacks.append(garbage)
+    prebuilt = importlib.import_module("fimoe_lab.kernels.prebuilt")
+    builds: list[tuple[float, float, str]] = []  # the planner thread's builds: start, end, map (and mode)
+    build = prebuilt._PLANNER._build
+
+    def build_logged(em: Any, in_place: bool, device: Any) -> None:
+        start = time.perf_counter()
+        try:
+            build(em, in_place, device)
+        finally:
+            builds.append((start, time.perf_counter(), em.name + (" in place" if in_place else "")))
+
+    prebuilt._PLANNER._build = build_logged
     plan_layer = importlib.import_module("fimoe_lab.recipes").plan_layer
 
     dev = torch.device(args.device)
@@ -145,7 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         stages = " ".join(
             f"{k}={v * 1e3:.2f}/{calls[k]}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 2e-5
         )
-        print(f"  layer {layer}: host {host * 1e3:.2f} ms, wall {wall * 1e3:.2f} ms | {stages}")
+        overlaps = [(name, min(b, start + wall) - max(a, start)) for a, b, name in list(builds)]
+        planner = " ".join(f"{name}={ms * 1e3:.2f}" for name, ms in overlaps if ms > 0)
+        print(
+            f"  layer {layer}: host {host * 1e3:.2f} ms, wall {wall * 1e3:.2f} ms | {stages}"
+            + (f" | planner: {planner}" if planner else "")
+        )
         del t
 
 

@@ -21,7 +21,8 @@ Paths (per model):
 
 Cache modes: ``empty`` points ``TRITON_CACHE_DIR``, ``NUMBA_CACHE_DIR`` and ``FIMOE_LAB_CACHE`` (the
 layer plans kept on disk, :mod:`fimoe_lab.plan_store`) at new empty directories; ``warm`` reuses the
-directories a previous process of the same model and path filled. Per model and path: all layers,
+directories a previous process of the same model and path filled (where none has, ``--modes warm`` alone, one
+untimed process fills them first). Per model and path: all layers,
 the baseline's all layers, their ratio (share of copy), the first layer, the median layer (and the
 baseline's), the first-layer overhead (first minus median), and the median host time of a layer on
 each side (until the calls return, before the second synchronisation: where it nears the layer's
@@ -445,7 +446,7 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
         if args.torch_stand_in:
             runs += [(f"{path} torch", path, {"FIMOE_PREBUILT_KERNELS": "0"}) for path in paths]
         for label, path, extra in runs:
-            caches = tempfile.mkdtemp(prefix="fimoe_whole_")
+            caches, filled = tempfile.mkdtemp(prefix="fimoe_whole_"), False
             for repeat, mode in [(r, m) for m in args.modes for r in range(args.repeat)]:
                 e = dict(env, **extra)
                 if mode == "empty":
@@ -454,6 +455,11 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--path", path]
                 cmd += ["--device", args.device, "--layers", str(args.layers), "--experts", str(args.experts)]
                 cmd += ["--shapes", shapes, "--busy-ms", str(args.busy_ms)]
+                if mode == "warm" and not filled:  # no run has filled these caches yet: one untimed run does
+                    p = subprocess.run(cmd + ["--order", "ours"], env=e, capture_output=True, text=True, cwd=ROOT)
+                    if p.returncode:
+                        raise SystemExit(f"child failed ({model} {label}, filling the caches):\n{p.stderr[-3000:]}")
+                filled = True
                 t = time.perf_counter()
                 parts = []
                 for order in ("ours", "copy") if args.order == "separate" else (args.order,):
