@@ -782,7 +782,7 @@ class IndexMap:
         keep: list[IndexMap] = []
         for step in self.steps:
             try:
-                step.row_sources()
+                step._row_sources_found()  # no copy: a process's first CPU tensor operation starts torch's threads
             except LayoutError as exc:
                 if not keep:
                     raise LayoutError(f"{self.name} starts with a step that does not keep rows as rows: {exc}") from exc

@@ -198,6 +198,36 @@ def test_row_sources_and_bias_maps_follow_the_weight_rows():
         steps.swizzle_scales_128x4(128, 8).row_sources()
 
 
+def test_row_steps_are_found_without_a_torch_cpu_operation():
+    """A drop-in's first call finds a map's row steps (for FlashInfer's index dict): numpy only, no torch CPU
+    operation (a process's first one starts torch's CPU threads: 23 ms of a BF16 drop-in's first layer on an H100
+    host, benchmarks/RESULTS.md). Every aten call is recorded while the steps are found on new maps: only wrapping
+    numpy arrays as tensors (``lift_fresh``, ``detach``: no data touched) may run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) not in ("aten.lift_fresh.default", "aten.detach.default"):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for rows, cols in ((4096, 512), (384, 8192), (144, 256)):
+        m = compose(
+            steps.swap_w13_to_w31_rows(rows, cols),
+            steps.interleave_rows_for_gated_act(rows, cols),
+            steps.shuffle_rows_for_epilogue(rows, cols, 8),
+            steps.block_major_k(rows, cols, 128),
+        )
+        with Record() as record:
+            found = m.row_steps()
+        assert record.ops == [] and found.out_shape == (rows, cols), (rows, cols, record.ops)
+        assert [s.kind for s in found.steps] == [s.kind for s in m.steps[:3]]
+
+
 def test_row_sources_are_found_once_per_map_and_handed_out_as_copies(monkeypatch):
     """A drop-in asks a map for its rows on every call; the pass over the byte index (ms for a
     full expert) runs once per map, a caller writing into the answer changes no later answer,
