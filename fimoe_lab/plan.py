@@ -32,7 +32,7 @@ import torch
 from fimoe_lab import plan_store, value_rules
 from fimoe_lab.engines import ValueRule
 from fimoe_lab.errors import LayoutError
-from fimoe_lab.kernels import ExecMap, execute, plans_after_the_call
+from fimoe_lab.kernels import ExecMap, execute, execute_kept, plans_after_the_call
 from fimoe_lab.layout import IndexMap
 from fimoe_lab.steps import apply_word_bits
 
@@ -118,14 +118,19 @@ class MapCall:
     flat_shape: Optional[tuple[int, ...]]
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        """The map on ``x``, of the shape, dtype and device this call was made for (the executor checks the bytes
-        again: a tensor of another size is refused, never read past)."""
+        """The map on ``x``, of the shape, dtype and device this call was made for (a tensor of another size is
+        refused, never read past). A contiguous ``x`` of the map's bytes whose launches the prebuilt kernels kept
+        goes straight to them (:func:`~fimoe_lab.kernels.execute_kept`: ``out`` is this call's own), any other to
+        :func:`~fimoe_lab.kernels.execute`, which checks both."""
         if self.as_bytes:
             x = x.view(torch.uint8)
         if self.as_shape is not None:
             x = x.reshape(self.as_shape)
         out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-        execute(self.em, x, out)
+        e = self.out_shape[0]
+        checked = x.is_contiguous() and x.shape[0] == e and x.nbytes == e * self.em.in_bytes
+        if not (checked and execute_kept(self.em, x, out)):
+            execute(self.em, x, out)
         return out if self.flat_shape is None else out.reshape(self.flat_shape)
 
 

@@ -741,6 +741,79 @@ def test_gpu_steady_in_place_calls_skip_the_choice_and_stay_exact(fmt, inter, hi
     assert kept and exact == [True, True, True] and steady_asked == 0 and dropped and asked_again
 
 
+LAYER_KEPT_CHILD = """
+import json, os, torch
+from reference_loops import byte_gather
+from fimoe_lab import plan as plan_module
+from fimoe_lab.kernels import prebuilt
+from fimoe_lab.recipes import plan_layer
+NAMES = ("w13", "w2", "w13_scale", "w2_scale")
+rows = []
+for fmt, inter, hidden in (("nvfp4", 256, 512), ("mxfp4", 96, 320), ("fp8-block", 256, 512), ("bf16", 96, 160)):
+    plan = plan_layer(fmt, "trtllm", inter, hidden)
+    maps = {n: m for n, m in plan.maps().items() if n not in plan.word_bits}
+
+    def layer(seed, structured=False):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        t = {}
+        for n, m in plan.maps().items():
+            if structured and m.in_bytes % 4 == 0:
+                codes = torch.arange(5 * m.in_bytes // 4, dtype=torch.int32, device="cuda").add_(seed)
+                t[n] = codes.view(torch.uint8).view(5, *m.in_shape)
+            else:
+                t[n] = torch.randint(0, 256, (5, *m.in_shape), dtype=torch.uint8, device="cuda", generator=g)
+        return t
+
+    def run(t):
+        out = dict(zip(NAMES, plan.apply(*(t.get(n) for n in NAMES))))
+        torch.cuda.synchronize()
+        return all(torch.equal(out[n].view(torch.uint8).reshape(5, -1), byte_gather(m, t[n].reshape(5, -1)))
+                   for n, m in maps.items())
+
+    for seed in range(6):  # the first layers, until the planner has readied the maps
+        run(layer(seed))
+        prebuilt.wait_for_plans()
+    kept = sorted(n for n, m in maps.items()
+                  if any(isinstance(k, tuple) and k[:1] == (prebuilt._KEPT_LAUNCHES,) for k in m.compiled()._dev))
+    executed, real = [], plan_module.execute
+    plan_module.execute = lambda em, x, out: executed.append(em) or real(em, x, out)
+    exact = [run(layer(100)), run(layer(101, structured=True))]
+    steady = len(executed)
+    os.environ["FIMOE_PREBUILT_KERNELS"] = "0"
+    exact.append(run(layer(102)))
+    del os.environ["FIMOE_PREBUILT_KERNELS"]
+    plan_module.execute = real
+    rows.append([fmt, len(maps), kept, exact, steady, len(executed) - steady])
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
+def test_gpu_steady_layers_run_kept_launches_and_stay_exact():
+    """A layer plan's steady calls in a fresh process: each map whose launches the prebuilt kernels kept runs them
+    without the executor's choice or checks (``kernels.execute`` is not called for it), the others go through
+    ``execute``; every output bit-exact against the byte-loop reference on random and coordinate-coded layers;
+    with the prebuilt kernels turned off every map goes through ``execute`` again."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", LAYER_KEPT_CHILD], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for fmt, n_maps, kept, exact, steady, after in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert exact == [True, True, True], fmt
+        assert kept, f"{fmt}: no map kept its launches"
+        assert steady == 2 * (n_maps - len(kept)), (fmt, kept, steady)
+        assert after == n_maps, (fmt, after)
+
+
 PREBUILT_CHILD = """
 import json, sys, threading, torch
 from fimoe_lab import prepare

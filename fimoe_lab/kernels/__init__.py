@@ -31,6 +31,7 @@ from fimoe_lab.kernels.registry import (
     EXECUTORS,
     NUMBA_MIN_BYTES,
     available_backends,
+    execute_kept,
     executor_ready,
     get_executor,
     keep_in_place,
@@ -42,6 +43,7 @@ from fimoe_lab.kernels.registry import (
 
 __all__ = [
     "execute",
+    "execute_kept",
     "plans_after_the_call",
     "execute_in_place",
     "default_scratch_experts",

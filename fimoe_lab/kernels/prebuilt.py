@@ -409,20 +409,37 @@ def gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     stages: a launch per stage through an intermediate of at most :data:`STAGE_BYTES`), any other on the gather
     kernel. A call like an earlier one (device, experts, addresses modulo 16) runs that call's launches at its own
     addresses once its kernel is the one the map keeps: no form is looked up again."""
-    x_at, out_at = x.data_ptr(), out.data_ptr()
-    key = (_KEPT_LAUNCHES, x.get_device(), x.shape[0], x_at & 15, out_at & 15)
-    kept = em._dev.get(key)
+    if kept_gather(em, x, out):
+        return
+    launches, final, tables = _launches(em, x, out)
+    if launches is None:
+        through_stages(em, x, out, gather, STAGE_BYTES)
+        return
+    if final:
+        em._dev[_kept_key(x, out)] = (launches, tables)
+    _run(launches, x, out)
+
+
+def _kept_key(x: torch.Tensor, out: torch.Tensor) -> tuple:
+    return (_KEPT_LAUNCHES, x.get_device(), x.shape[0], x.data_ptr() & 15, out.data_ptr() & 15)
+
+
+def kept_gather(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Run :func:`gather`'s kept launches of a call like this one (device, experts, addresses modulo 16) at this
+    call's addresses, where it kept them; False (nothing run) where it has not. Same contract as :func:`gather`:
+    ``x`` and ``out`` contiguous CUDA tensors of ``(E, in_bytes)`` and ``(E, out_bytes)`` bytes."""
+    kept = em._dev.get(_kept_key(x, out))
     if kept is None:
-        launches, final, tables = _launches(em, x, out)
-        if launches is None:
-            through_stages(em, x, out, gather, STAGE_BYTES)
-            return
-        if final:
-            em._dev[key] = (launches, tables)
-    else:
-        launches, tables = kept
-        if tables is not None:
-            tables.ready()  # a table copied without waiting, read on this stream after it lands
+        return False
+    launches, tables = kept
+    if tables is not None:
+        tables.ready()  # a table copied without waiting, read on this stream after it lands
+    _run(launches, x, out)
+    return True
+
+
+def _run(launches: list, x: torch.Tensor, out: torch.Tensor) -> None:
+    x_at, out_at = x.data_ptr(), out.data_ptr()
     for bound, out_offset, in_offset in launches:
         cuda_driver.run(bound, out_at + out_offset, x_at + in_offset)
 

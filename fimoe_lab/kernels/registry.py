@@ -68,6 +68,8 @@ __all__ = [
     "kernel_gathers",
     "keep_in_place",
     "kept_in_place",
+    "prebuilt_stands_in",
+    "execute_kept",
     "plans_after_the_call",
 ]
 
@@ -534,12 +536,29 @@ def kept_in_place(em: ExecMap, device: torch.device, out_bytes: int) -> Optional
     chosen then: a later change of :data:`.prebuilt.CLUSTERS_ENV` does not move it."""
     kept = em._dev.get(_KEPT_IN_PLACE)
     strategy = kept.get(device) if kept is not None else None
-    if strategy is None:
-        return None
+    return strategy if strategy is not None and prebuilt_stands_in(em, device, out_bytes, True) else None
+
+
+def prebuilt_stands_in(em: ExecMap, device: torch.device, out_bytes: int, in_place: bool) -> bool:
+    """Whether a default call of ``em`` on ``device`` (an output of ``out_bytes``; ``in_place``: permuted in place)
+    goes to ``prebuilt`` as :func:`get_executor` would answer it, without asking it: the default executor for that
+    output loads (not loaded yet, nor failed) and the map was found ready for ``prebuilt`` there before
+    (:data:`_READY`, :data:`PREBUILT_ENV` on)."""
     ex = EXECUTORS[pick_backend(device, out_bytes)]
     if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
-        return None
-    return strategy if _prebuilt_was_ready(ex, em, device, True) else None
+        return False
+    return _prebuilt_was_ready(ex, em, device, in_place)
+
+
+def execute_kept(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """A default :func:`execute` of ``em`` from ``x`` into ``out`` that the ``prebuilt`` executor would serve from
+    the launches it kept for such a call (:func:`.prebuilt.kept_gather`), run without the executor's choice and the
+    gather's checks; False where it would not (nothing run: call :func:`execute`). For a caller that made ``out``
+    itself, ``(E, out_bytes)`` contiguous on ``x``'s device, and checked ``x`` (contiguous ``(E, in_bytes)``): a
+    layer plan's kept map call (:class:`~fimoe_lab.plan.MapCall`)."""
+    if not x.is_cuda or not prebuilt_stands_in(em, x.device, out.nbytes, False):
+        return False
+    return _module("prebuilt").kept_gather(em, x, out)
 
 
 def _loaded_or_stand_in(
