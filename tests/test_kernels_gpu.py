@@ -791,8 +791,8 @@ print(json.dumps(rows))
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 def test_gpu_steady_layers_run_kept_launches_and_stay_exact():
     """A layer plan's steady calls in a fresh process: each map whose launches the prebuilt kernels kept runs them
-    without the executor's choice or checks (``kernels.execute`` is not called for it), the others go through
-    ``execute``; every output bit-exact against the byte-loop reference on random and coordinate-coded layers;
+    without the executor's choice or checks (``kernels.execute`` is not called for it), the others (the small
+    padded BF16 maps, which torch's strided copies run) go through ``execute``; every output bit-exact against the byte-loop reference on random and coordinate-coded layers;
     with the prebuilt kernels turned off every map goes through ``execute`` again."""
     import json
     import os
@@ -809,7 +809,7 @@ def test_gpu_steady_layers_run_kept_launches_and_stay_exact():
     assert done.returncode == 0, done.stderr[-2000:]
     for fmt, n_maps, kept, exact, steady, after in json.loads(done.stdout.strip().splitlines()[-1]):
         assert exact == [True, True, True], fmt
-        assert kept, f"{fmt}: no map kept its launches"
+        assert kept or fmt == "bf16", f"{fmt}: no map kept its launches"  # bf16's small padded maps: torch's copies
         assert steady == 2 * (n_maps - len(kept)), (fmt, kept, steady)
         assert after == n_maps, (fmt, after)
 
