@@ -545,9 +545,12 @@ def prebuilt_stands_in(em: ExecMap, device: torch.device, out_bytes: int, in_pla
     output loads (not loaded yet, nor failed) and the map was found ready for ``prebuilt`` there before
     (:data:`_READY`, :data:`PREBUILT_ENV` on)."""
     ex = EXECUTORS[pick_backend(device, out_bytes)]
-    if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
-        return False
-    return _prebuilt_was_ready(ex, em, device, in_place)
+    return _loads_pending(ex) and _prebuilt_was_ready(ex, em, device, in_place)
+
+
+def _loads_pending(ex: Executor) -> bool:
+    """Whether ``ex`` loads and has neither loaded nor failed to yet: while it is, another executor stands in."""
+    return ex.load is not None and ex.name not in _LOADS.ready and ex.name not in _LOADS.failed
 
 
 def execute_kept(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -577,7 +580,7 @@ def _loaded_or_stand_in(
     (:func:`.prebuilt.strided_now`). With
     :data:`BACKGROUND_ENV` off the call loads the fatbins itself (and builds the plan when it runs); where they
     do not load, the default path below goes on."""
-    if ex.load is None or ex.name in _LOADS.ready or ex.name in _LOADS.failed:
+    if not _loads_pending(ex):
         return ex
     if _prebuilt_was_ready(ex, em, device, in_place):  # ready on this device before: the checks below answered it
         return EXECUTORS["prebuilt"]
