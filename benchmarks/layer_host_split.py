@@ -237,20 +237,21 @@ def launch_offsets(calls: list, sync, kept: list, dev) -> None:
     fire = cuda_driver._Launch.fire
     seen: list[tuple[float, torch.cuda.Event]] = []
 
-    def timed_fire(self, index: int, name: str) -> None:
-        fire(self, index, name)
+    def stamp() -> None:  # a launch just queued: the host's time now, and an event after it on the device
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         seen.append((time.perf_counter(), event))
+
+    def timed_fire(self, index: int, name: str) -> None:
+        fire(self, index, name)
+        stamp()
 
     def copies(tensors: list) -> list:
         outs = []
         for x in tensors:
             y = torch.empty_like(x)
             y.copy_(x)
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            seen.append((time.perf_counter(), event))
+            stamp()
             outs.append(y)
         return outs
 

@@ -51,7 +51,7 @@ SHARED_MAX = prebuilt.CLUSTER_SHARED_MAX  # an sm_90 block's dynamic shared memo
 HELD_WORDS = 16  # 16-byte words a thread holds in registers (the _r16 kernels, 512 threads)
 NAMES = [f"clu_{mode}_{kind}" for mode in ("gather", "scatter") for kind in ("any", "c8", "any_r16", "c8_r16", "w4")]
 NAMES += ["clu_pipe_any", "clu_pipe_c8", "clu_spill_any", "clu_spill_c8"]
-TWO_A_MULTIPROCESSOR = (SHARED_MAX - 1024) // 2  # the most shared memory a block may take for two to share one
+TWO_A_MULTIPROCESSOR = prebuilt._TWO_A_MULTIPROCESSOR  # the most shared memory a block may take for two to share one
 
 
 @functools.cache
