@@ -41,15 +41,35 @@ STAGES = {  # module -> functions whose main-thread time is summed
     "fimoe_lab.recipes": ("plan_layer",),
     "fimoe_lab.compile": ("compile_map",),
     "fimoe_lab.plan": ("apply_map",),
-    "fimoe_lab.prepare": ("_apply_in_place",),
+    "fimoe_lab.prepare": (
+        "_apply_in_place",
+        "permute_cache_keys",
+        "plan_trtllm_bf16_block_layout",
+        "plan_shuffle_deepseek_fp8",
+        "plan_rotate_fp8_per_tensor",
+    ),
+    "fimoe_lab.plan_store": ("read", "applied"),
     "fimoe_lab.kernels": ("execute", "execute_in_place"),
-    "fimoe_lab.kernels.registry": ("get_executor", "_loaded_or_stand_in"),
-    "fimoe_lab.kernels.prebuilt": ("strided_now", "gather", "_launches", "strided_form_table", "plan_in_background"),
+    "fimoe_lab.kernels.registry": ("get_executor", "_loaded_or_stand_in", "kept_in_place"),
+    "fimoe_lab.kernels.prebuilt": (
+        "strided_now",
+        "gather",
+        "_launches",
+        "strided_form_table",
+        "plan_in_background",
+        "inplace_cycles",
+        "_cycle_launches",
+        "inplace_clusters",
+    ),
     "fimoe_lab.kernels.cuda_driver": ("available", "_module", "launch"),
     "fimoe_lab.kernels.torch_gather": ("gather_torch", "inplace_strided"),
     "fimoe_lab.kernels.copy_then_gather": ("copy_then_gather",),
+    "torch": ("empty",),  # allocations (a new block of the caching allocator: the driver's)
 }
-METHODS = ("compiled", "apply", "apply_", "row_sources_on")  # of IndexMap
+METHODS = {  # (module, class) -> methods whose main-thread time is summed
+    ("fimoe_lab.layout", "IndexMap"): ("compiled", "apply", "apply_", "row_sources_on"),
+    ("fimoe_lab.plan", "MapCall"): ("run",),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,7 +95,6 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from fimoe_lab import prepare  # noqa: F401 - imported untimed, as an engine has it before its first layer
-    from fimoe_lab.layout import IndexMap
 
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
@@ -99,11 +118,15 @@ def main(argv: list[str] | None = None) -> None:
         for name in names:
             fn = getattr(module, name)
             wrapped = timed(f"{module_name.rsplit('.', 1)[-1]}.{name}", fn)
+            if not module_name.startswith("fimoe_lab"):  # read as an attribute of its module
+                setattr(module, name, wrapped)
             for other in list(sys.modules.values()):  # every module that imported it by name
                 if getattr(other, "__name__", "").startswith("fimoe_lab") and getattr(other, name, None) is fn:
                     setattr(other, name, wrapped)
-    for name in METHODS:
-        setattr(IndexMap, name, timed(f"IndexMap.{name}", getattr(IndexMap, name)))
+    for (module_name, class_name), names in METHODS.items():
+        cls = getattr(importlib.import_module(module_name), class_name)
+        for name in names:
+            setattr(cls, name, timed(f"{class_name}.{name}", getattr(cls, name)))
     collecting: dict[str, float] = {}
 
     def garbage(phase: str, info: dict[str, int]) -> None:  # the collector's pauses, in whichever thread

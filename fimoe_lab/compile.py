@@ -21,7 +21,6 @@ module reads the map only through its public methods (``coarsened``, ``steps``, 
 
 from __future__ import annotations
 
-import base64
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
@@ -111,7 +110,8 @@ def _found_on_read(m: IndexMap) -> ExecMap:
 
 
 def form_record(em: ExecMap) -> dict[str, Any] | None:
-    """What :func:`compiled_from` needs to rebuild ``em`` without its map's index, as JSON values: its name, fills,
+    """What :func:`compiled_from` needs to rebuild ``em`` without its map's index, as JSON values and 1-D int32 tables
+    (numpy arrays: :mod:`fimoe_lab.plan_store` writes them as raw bytes beside the JSON): its name, fills,
     sizes, whether it ends in the 128x4 swizzle, the cell fields and permutation flag known so far, its row forms
     where found (each ``[rows, *sizes]``; None before), the cycle plans built for it (in place), and its strided form
     or its two strided stages (each a record; ``split``: how many of the map's steps the first runs). None for a form
@@ -144,24 +144,22 @@ def form_record(em: ExecMap) -> dict[str, Any] | None:
 
 
 def _row_form_record(form: tuple[Any, ...] | None) -> list[Any] | None:
-    """A row form (:class:`ExecMap`: an int32 row table, then sizes) as JSON values: the table (:func:`_int32s`),
-    then the sizes."""
-    return None if form is None else [_int32s(form[0]), *(int(v) for v in form[1:])]
+    """A row form (:class:`ExecMap`: an int32 row table, then sizes) as the table (1-D int32) and the sizes."""
+    return (
+        None if form is None else [np.ascontiguousarray(form[0], dtype=np.int32).ravel(), *(int(v) for v in form[1:])]
+    )
 
 
-def _int32s(table: np.ndarray) -> str:
-    """An int32 table as the base64 of its little-endian bytes (JSON; thousands of entries in microseconds)."""
-    return base64.b64encode(np.asarray(table, dtype="<i4").tobytes()).decode("ascii")
-
-
-def _int32s_of(text: str) -> np.ndarray:
-    """The table of :func:`_int32s`."""
-    return np.frombuffer(base64.b64decode(text, validate=True), dtype="<i4").astype(np.int32)
+def _int32_table(table: Any) -> np.ndarray:
+    """A recorded table: a 1-D int32 array, else :class:`LayoutError` (a record that does not fit is not used)."""
+    if not (isinstance(table, np.ndarray) and table.dtype == np.int32 and table.ndim == 1):
+        raise LayoutError(f"internal: a recorded table is {type(table).__name__}, not a 1-D int32 array")
+    return table
 
 
 def _cycles_record(plan: CyclePlan) -> dict[str, Any]:
-    """A cycle plan (:class:`~fimoe_lab.kernels.cycles.CyclePlan`) as JSON values."""
-    return dict(tile_slots=plan.tile_slots, dst=_int32s(plan.dst), src=_int32s(plan.src), saved=_int32s(plan.saved))
+    """A cycle plan (:class:`~fimoe_lab.kernels.cycles.CyclePlan`) as JSON values and its three int32 tables."""
+    return dict(tile_slots=plan.tile_slots, dst=plan.dst, src=plan.src, saved=plan.saved)
 
 
 def _row_form_of(record: list[Any] | None, rows: Callable[[tuple[int, ...]], int]) -> tuple[Any, ...] | None:
@@ -169,7 +167,7 @@ def _row_form_of(record: list[Any] | None, rows: Callable[[tuple[int, ...]], int
     many), else :class:`LayoutError`."""
     if record is None:
         return None
-    table = _int32s_of(record[0])
+    table = _int32_table(record[0])
     sizes = tuple(int(v) for v in record[1:])
     if table.size != rows(sizes):
         raise LayoutError(f"internal: a row table of {table.size} rows where its form {sizes} reads {rows(sizes)}")
@@ -196,7 +194,7 @@ def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
     if record["cells"] is not None:
         em.preset_cells({k: (bool(v) if k == "has_fill" else int(v)) for k, v in record["cells"].items()})
         for plan in record.get("cycles", ()):  # cycle plans over those cells (an in-place call's, found by the planner)
-            dst, src, saved = (_int32s_of(plan[k]) for k in ("dst", "src", "saved"))
+            dst, src, saved = (_int32_table(plan[k]) for k in ("dst", "src", "saved"))
             preset_cycle_plan(em, CyclePlan(int(plan["tile_slots"]), dst, src, saved), int(record["cells"]["n_in"]))
     if record["is_permutation"] is not None:
         em.is_permutation = bool(record["is_permutation"])

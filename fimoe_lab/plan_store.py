@@ -3,8 +3,8 @@
 A process's first MoE layer pays for building its plan (composing each map's steps) and compiling every map
 (:mod:`fimoe_lab.compile`) before the first byte moves: milliseconds of Python per layer shape, where a model's
 other layers take about one. After a plan's first :meth:`~fimoe_lab.plan.LayerPlan.apply` its maps' compiled forms
-are known; this module writes them as one JSON file (no pickle) under ``$FIMOE_LAB_CACHE/plans``, named by a digest
-of the plan's arguments (:func:`fimoe_lab.plan.kept_plan`: ``recipes.plan_for``'s, and the drop-ins' builders'), and a
+are known; this module writes them as one file under ``$FIMOE_LAB_CACHE/plans`` (:func:`dumps`: a line of JSON, then
+the raw bytes of the int32 tables it names; no pickle), named by a digest of the plan's arguments (:func:`fimoe_lab.plan.kept_plan`: ``recipes.plan_for``'s, and the drop-ins' builders'), and a
 later process asking for the same plan reads it back: each map as
 :meth:`~fimoe_lab.layout.IndexMap.built_on_read` (its fields declared, its index built again from its steps' kinds
 and parameters only if something reads it) with its compiled form given (:func:`fimoe_lab.compile.compiled_from`).
@@ -36,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from fimoe_lab import env
 from fimoe_lab.compile import compiled_from, form_record
 from fimoe_lab.errors import FimoeError
@@ -43,10 +45,25 @@ from fimoe_lab.kernels.cycles import cycle_plans_of
 from fimoe_lab.layout import IndexMap, compose
 from fimoe_lab.steps import STEPS, build
 
-__all__ = ["FORMAT", "PlanRecord", "enabled", "place", "read", "remember", "applied", "record_path", "fingerprint"]
+__all__ = [
+    "FORMAT",
+    "PlanRecord",
+    "enabled",
+    "place",
+    "read",
+    "remember",
+    "applied",
+    "record_path",
+    "fingerprint",
+    "dumps",
+    "loads",
+]
 
-FORMAT = 2
+FORMAT = 3
 """The record layout; a record of another format is not read."""
+
+SUFFIX = ".plan"
+"""A record's file name: the digest of its key, then this."""
 
 PLANNER_WAIT = 8
 """Applies of a plan after its first that write its record again where the background planner has found more
@@ -98,7 +115,7 @@ def record_path(key: dict[str, Any]) -> Optional[Path]:
     except RuntimeError:  # Path.home() of a user without one
         return None
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]
-    return folder / f"{digest}.json"
+    return folder / f"{digest}{SUFFIX}"
 
 
 def place(key: dict[str, Any]) -> Optional[Path]:
@@ -114,14 +131,66 @@ def read(key: dict[str, Any], path: Optional[Path]) -> Optional[PlanRecord]:
     try:
         if path is None or not (_private(path.parent, stat.S_ISDIR) and _private(path, stat.S_ISREG)):
             return None
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
+        with open(path, "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)  # read once, the tables views of it
+            if f.readinto(data) != len(data):
+                return None
+            record = loads(data)
         if record.get("format") != FORMAT or record.get("key") != key or record.get("fingerprint") != fingerprint():
             return None
         maps = {name: _map_from(entry) for name, entry in record["maps"].items()}
         return {"fields": dict(record["fields"]), "maps": maps}
     except (OSError, ValueError, KeyError, TypeError, AttributeError, FimoeError):
         return None
+
+
+def dumps(record: dict[str, Any]) -> bytes:
+    """``record`` (JSON values and 1-D int32 numpy tables, :func:`fimoe_lab.compile.form_record`'s) as one line of
+    JSON in which each table is ``{"int32": [offset, count]}`` (in 4-byte words), then ``\\n``, then the tables'
+    little-endian bytes: a table reads back at memory speed, where text (base64 in JSON) decoded at about 0.5 GB/s
+    and was most of a stored cycle plan's read."""
+    tables: list[bytes] = []
+    words = 0
+
+    def table(value: Any) -> dict[str, list[int]]:
+        nonlocal words
+        if not (isinstance(value, np.ndarray) and value.dtype == np.int32 and value.ndim == 1):
+            raise TypeError(f"a record holds {type(value).__name__}, neither a JSON value nor a 1-D int32 table")
+        tables.append(value.astype("<i4", copy=False).tobytes())
+        words += value.size
+        return {"int32": [words - value.size, int(value.size)]}
+
+    header = json.dumps(record, separators=(",", ":"), default=table)  # the C encoder (json.dump streams in Python)
+    header += " " * (-(len(header) + 1) % 8)  # the tables start 8-byte aligned in the file
+    return header.encode("ascii") + b"\n" + b"".join(tables)
+
+
+def loads(data: bytes | bytearray) -> dict[str, Any]:
+    """The record of :func:`dumps`, its tables as writable 1-D int32 arrays (views of ``data`` where it is a
+    ``bytearray`` and they are aligned); :class:`ValueError` where ``data`` is not one (no header line, not JSON, a
+    table outside the bytes that follow)."""
+    cut = data.index(b"\n")
+    body = memoryview(data)[cut + 1 :]
+    if len(body) % 4:
+        raise ValueError("a record's tables are not whole 4-byte words")
+    words = len(body) // 4
+
+    def table(fields: dict[str, Any]) -> Any:
+        span = fields.get("int32") if len(fields) == 1 else None
+        if span is None:
+            return fields
+        if not (isinstance(span, list) and len(span) == 2 and all(type(v) is int and v >= 0 for v in span)):
+            raise ValueError(f"a record's table is named by {span!r}, not [offset, count]")
+        offset, count = span
+        if offset + count > words:
+            raise ValueError(f"a record's table of {count} words at {offset} ends past its {words} words")
+        found = np.frombuffer(body, dtype="<i4", count=count, offset=4 * offset).astype(np.int32, copy=False)
+        return found if found.flags.writeable and found.flags.aligned else found.copy()
+
+    record = json.loads(bytes(data[:cut]), object_hook=table)
+    if not isinstance(record, dict):
+        raise ValueError("a record is not a JSON object")
+    return record
 
 
 def _private(path: Path, kind: Callable[[int], bool]) -> bool:
@@ -236,8 +305,8 @@ def _write(path: Path, record: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(record, separators=(",", ":")))  # the C encoder (json.dump streams in Python)
+        with os.fdopen(fd, "wb") as f:
+            f.write(dumps(record))
         os.replace(tmp, path)
         tmp = None
     except (OSError, TypeError, ValueError):

@@ -741,6 +741,73 @@ def test_gpu_steady_in_place_calls_skip_the_choice_and_stay_exact(fmt, inter, hi
     assert kept and exact == [True, True, True] and steady_asked == 0 and dropped and asked_again
 
 
+READ_BACK_CYCLES_CHILD = """
+import json, sys, threading, torch
+from reference_loops import bf16_block_layout
+from fimoe_lab import prepare
+from fimoe_lab.kernels import cuda_driver, prebuilt
+loaded_by = []  # each fatbin and the thread that loads it
+real_module = cuda_driver._module
+def recording_module(source, device):
+    if (source, device) not in cuda_driver._MODULES:
+        loaded_by.append([source, threading.current_thread().name])
+    return real_module(source, device)
+cuda_driver._module = recording_module
+launches = []
+real_launches = prebuilt._cycle_launches
+prebuilt._cycle_launches = lambda *a: launches.append(threading.current_thread().name) or real_launches(*a)
+rows, hidden, inter = 512, 4096, 256
+def layer(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randint(0, 256, (6, rows, 2 * hidden), dtype=torch.uint8, device="cuda", generator=g)
+    w2 = torch.randint(0, 256, (6, hidden, 2 * inter), dtype=torch.uint8, device="cuda", generator=g)
+    return w13.view(torch.bfloat16), w2.view(torch.bfloat16)
+calls = int(sys.argv[1])
+exact = []
+for k in range(calls):
+    w13, w2 = layer(k)
+    want = bf16_block_layout(w13.clone(), w2.clone(), True)
+    got = prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, w13, w2)
+    torch.cuda.synchronize()
+    exact.append(all(torch.equal(a.reshape(-1), b.reshape(-1)) for a, b in zip(got, want)))
+    prebuilt.wait_for_plans()
+print(json.dumps([exact, loaded_by, launches]))
+"""
+
+
+@pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
+def test_gpu_an_in_place_first_call_along_a_cycle_plan_read_back_loads_no_strided_kernel(tmp_path):
+    """Two fresh processes sharing a plan store: the first runs the BF16 block layout drop-in (its maps permuted in
+    place by the cycle kernel once the planner built their cycle plans, which its later calls write to the store); the
+    second reads the plan with those cycle plans, and its first call runs the cycle kernel at once: the caller loads
+    the cycle kernel's fatbin and not the strided kernel's (which stands in only until a cycle plan is built), and
+    the bytes are the reference loop's."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != "FIMOE_PREBUILT_KERNELS"}
+    env.update(FIMOE_LAB_CACHE=str(tmp_path), FIMOE_LAB_PLAN_STORE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), env.get("PYTHONPATH", "")])
+
+    def run(calls: int) -> list:
+        args = [sys.executable, "-c", READ_BACK_CYCLES_CHILD, str(calls)]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    exact, first_loads, _ = run(4)
+    assert exact == [True] * 4 and ["strided", "MainThread"] in first_loads  # no cycle plan yet: strided stands in
+    exact, loads, launches = run(1)
+    assert exact == [True]
+    main = [source for source, thread in loads if thread == "MainThread"]
+    assert "strided" not in main and "cycles" in main, loads
+    assert launches[:2] == ["MainThread", "MainThread"], launches  # W13's and W2's launches, in the first call
+
+
 LAYER_KEPT_CHILD = """
 import json, os, torch
 from reference_loops import byte_gather

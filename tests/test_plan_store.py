@@ -4,7 +4,6 @@ does not fit (another fingerprint, key or format, a broken file) is never used."
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import subprocess
@@ -82,7 +81,7 @@ def test_a_stored_plan_moves_every_byte_as_the_plan_built_here(store, fmt, backe
     built = plan_layer(fmt, backend, inter, hidden, is_act_and_mul=gated)
     given = _inputs(built)
     want = _apply(built, given)
-    records = list(store.glob("*.json"))
+    records = list(store.glob("*.plan"))
     forms = {n: m.compiled() for n, m in built.maps().items()}
     if not all(f.strided is not None or f.stages is not None for f in forms.values()):
         assert records == []  # a map whose first call reads its index is not stored
@@ -177,12 +176,12 @@ def test_row_forms_found_after_the_first_apply_are_kept_and_read_back(store, fmt
     swizzled = {n: m.compiled() for n, m in built.maps().items() if m.compiled().ends_swizzled}
     assert swizzled
     before = {n: _row_forms(em) if em.row_forms_found() else None for n, em in swizzled.items()}
-    first = json.loads(_record(store).read_text())
+    first = plan_store.loads(_record(store).read_bytes())
     found = {n: _row_forms(em) for n, em in swizzled.items()}
     for n, forms in before.items():
         assert (first["maps"][n]["exec"]["row_forms"] is None) == (forms is None)
     _apply(built, given)
-    second = json.loads(_record(store).read_text())
+    second = plan_store.loads(_record(store).read_bytes())
     assert all(second["maps"][n]["exec"]["row_forms"] is not None for n in found)
     clear_caches()
 
@@ -201,11 +200,11 @@ def test_row_forms_found_after_the_first_apply_are_kept_and_read_back(store, fmt
 
     name = next(iter(found))
     swizzled_rows = second["maps"][name]["exec"]["row_forms"][2]
-    short = base64.b64encode(base64.b64decode(swizzled_rows[0])[:-4]).decode()  # one row short: a kernel reads past
+    short = swizzled_rows[0][:-1]  # one row short: a kernel reads past
     for spoil in ([[0, 1]], [["a row"], None, None], [None, None, [short, *swizzled_rows[1:]]]):
-        record = json.loads(json.dumps(second))
+        record = plan_store.loads(plan_store.dumps(second))
         record["maps"][name]["exec"]["row_forms"] = spoil
-        _record(store).write_text(json.dumps(record))
+        _record(store).write_bytes(plan_store.dumps(record))
         again = plan_layer(fmt, "trtllm", inter, hidden)
         assert all(m.known_compiled() is None for m in again.maps().values()), spoil
         clear_caches()
@@ -255,7 +254,7 @@ def test_a_later_process_reads_the_plan_and_builds_no_index_on_its_first_layer(t
 
 
 def _record(store_dir: Path) -> Path:
-    (path,) = store_dir.glob("*.json")
+    (path,) = store_dir.glob("*" + plan_store.SUFFIX)
     return path
 
 
@@ -284,8 +283,8 @@ def _written():
 def test_a_record_that_does_not_fit_is_not_used(store, spoil):
     given, want = _written()
     path = _record(store)
-    record = json.loads(path.read_text())
-    text = None
+    record = plan_store.loads(path.read_bytes())
+    data = None
     if spoil == "fingerprint":
         record["fingerprint"] = "0" * 64
     elif spoil == "format":
@@ -293,9 +292,9 @@ def test_a_record_that_does_not_fit_is_not_used(store, spoil):
     elif spoil == "key":
         record["key"]["plan_for"]["layer"]["hidden"] = 1024  # the file of another plan, under this one's name
     elif spoil == "not json":
-        text = "\x80\x04 not a record"
+        data = b"\x80\x04 not a record"
     elif spoil == "truncated":
-        text = path.read_text()[: len(path.read_text()) // 2]
+        data = path.read_bytes()[: len(path.read_bytes()) // 2]
     elif spoil == "a map's name":
         record["maps"]["w13"]["exec"]["name"] = "swap_w13_to_w31_rows(rows=1)"
     elif spoil == "a stage split":
@@ -304,7 +303,7 @@ def test_a_record_that_does_not_fit_is_not_used(store, spoil):
         record["maps"]["w2"]["parts"][0]["kind"] = "os.system"
     elif spoil == "an array for a number":
         record["maps"]["w2"]["cell_bytes"] = [1, 2]
-    path.write_text(text if text is not None else json.dumps(record))
+    path.write_bytes(data if data is not None else plan_store.dumps(record))
     plan = plan_layer("mxfp4", "trtllm", 1440, 736)
     assert all(m.known_compiled() is None for m in plan.maps().values()), "a record that does not fit was read"
     assert all(same_bytes(g, w) for g, w in zip(_apply(plan, given), want))
@@ -319,7 +318,7 @@ def test_a_record_anyone_else_could_have_written_is_not_read(store, how):
     elif how == "world-writable folder":
         store.chmod(0o777)
     else:
-        elsewhere = store.parent / "elsewhere.json"
+        elsewhere = store.parent / "elsewhere.plan"
         path.rename(elsewhere)
         path.symlink_to(elsewhere)
     plan = plan_layer("mxfp4", "trtllm", 1440, 736)
@@ -356,7 +355,7 @@ def test_a_folder_that_cannot_be_written_is_left_alone(tmp_path, monkeypatch):
 
 def test_a_plan_is_written_once_after_its_first_apply_and_not_before(store):
     plan = plan_layer("mxfp4", "trtllm", 1440, 736)
-    assert list(store.glob("*.json")) == []  # built, not yet applied: nothing compiled to keep
+    assert list(store.glob("*.plan")) == []  # built, not yet applied: nothing compiled to keep
     given = _inputs(plan, 2)
     _apply(plan, given)
     path = _record(store)
@@ -406,7 +405,7 @@ def test_a_drop_ins_plan_is_kept_and_read_back_without_its_index(store, kind, bu
         "deepseek": lambda: ref.deepseek_shuffle(w13.clone(), w2.clone()),
     }[kind]()
     assert all(same_bytes(a, b) for a, b in zip(first, loop))
-    assert len(list(store.glob("*.json"))) == 1
+    assert len(list(store.glob("*.plan"))) == 1
     clear_caches()
 
     plan = getattr(builders, builder)(s13[1], s13[2], s2[2], *extra)
@@ -429,7 +428,7 @@ def test_a_layer_plan_built_on_a_drop_ins_plan_read_back_moves_the_same_bytes(st
     built = plan_layer(fmt, "trtllm", inter, hidden)
     given = _inputs(built, 2)
     want = _apply(built, given)
-    for path in store.glob("*.json"):
+    for path in store.glob("*.plan"):
         path.unlink()
     clear_caches()
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
@@ -440,7 +439,7 @@ def test_a_layer_plan_built_on_a_drop_ins_plan_read_back_moves_the_same_bytes(st
         prepare.convert_moe_weights_to_flashinfer_trtllm_block_layout({}, w13, w2, True)
     else:
         prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(w13, w2, True)
-    assert len(list(store.glob("*.json"))) == 1  # the drop-in's plan
+    assert len(list(store.glob("*.plan"))) == 1  # the drop-in's plan
     clear_caches()
     from fimoe_lab import builders
 
@@ -471,7 +470,7 @@ def test_an_in_place_maps_cycle_plan_is_kept_and_read_back(store, kind, builder,
     built = {n: cycles.cycle_plan(m.compiled(), slots(m.compiled())) for n, m in plan.maps().items()}  # as the
     # planner does
     _drop_in(kind, w13, w2, extra)
-    record = json.loads(_record(store).read_text())
+    record = plan_store.loads(_record(store).read_bytes())
     for name, want in built.items():
         assert [c["tile_slots"] for c in record["maps"][name]["exec"]["cycles"]] == [want.tile_slots]
     clear_caches()
@@ -490,10 +489,69 @@ def test_an_in_place_maps_cycle_plan_is_kept_and_read_back(store, kind, builder,
         assert cycles.cycle_plan(em, slots(em)) is got  # the run went along the plan read back
     clear_caches()
 
-    spoiled = json.loads(json.dumps(record))
+    spoiled = plan_store.loads(plan_store.dumps(record))
     entry = spoiled["maps"]["w2"]["exec"]["cycles"][0]
-    entry["dst"] = base64.b64encode(np.full(4, 1 << 30, dtype="<i4").tobytes()).decode()  # far past the expert
-    entry["src"] = base64.b64encode(np.zeros(4, dtype="<i4").tobytes()).decode()
-    _record(store).write_text(json.dumps(spoiled))
+    entry["dst"] = np.full(4, 1 << 30, dtype=np.int32)  # far past the expert
+    entry["src"] = np.zeros(4, dtype=np.int32)
+    _record(store).write_bytes(plan_store.dumps(spoiled))
     spoilt = getattr(builders, builder)(s13[1], s13[2], s2[2], *extra)
     assert all(m.known_compiled() is None for m in spoilt.maps().values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=0, max_size=6),
+    seed=st.integers(0, 2**31 - 1),
+    nested=st.booleans(),
+)
+def test_a_record_with_tables_reads_back_as_written(sizes, seed, nested):
+    """:func:`plan_store.dumps` / :func:`plan_store.loads`: JSON values and int32 tables of any sizes (random values,
+    negatives and the extremes included) read back equal, the tables as writable int32 arrays of their own values;
+    the file holds the tables' raw bytes (4 a value) after one line of JSON."""
+    rng = np.random.default_rng(seed)
+    tables = [rng.integers(-(2**31), 2**31, size=n, dtype=np.int64).astype(np.int32) for n in sizes]
+    record = {"format": 3, "name": "a >> b", "fills": [0, 255], "none": None, "flag": True}
+    if nested:
+        record["maps"] = {f"m{k}": {"exec": {"cycles": [{"dst": t, "tile_slots": k}]}} for k, t in enumerate(tables)}
+    else:
+        record["row_forms"] = [[t, k, 7] for k, t in enumerate(tables)]
+    data = plan_store.dumps(record)
+    header, body = data.split(b"\n", 1)
+    assert len(body) == 4 * sum(sizes) and b"\n" not in header and json.loads(header)["name"] == "a >> b"
+    back = plan_store.loads(data)
+    got = (
+        [back["maps"][f"m{k}"]["exec"]["cycles"][0]["dst"] for k in range(len(tables))]
+        if nested
+        else [entry[0] for entry in back["row_forms"]]
+    )
+    for t, g in zip(tables, got):
+        assert g.dtype == np.int32 and g.ndim == 1 and g.flags.writeable and np.array_equal(g, t)
+    assert {k: v for k, v in back.items() if k not in ("maps", "row_forms")} == {
+        k: v for k, v in record.items() if k not in ("maps", "row_forms")
+    }
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"t":{"int32":[0,3]}}\n' + np.arange(2, dtype="<i4").tobytes(),  # a table past the bytes that follow
+        b'{"t":{"int32":[0,1]}}\n\x00\x00\x00',  # not whole words
+        b'{"t":{"int32":[-1,1]}}\n' + np.arange(2, dtype="<i4").tobytes(),  # a negative offset
+        b'{"t":{"int32":["0",1]}}\n' + np.arange(2, dtype="<i4").tobytes(),  # not numbers
+        b'{"t":1}',  # no line of JSON before the tables
+        b"[1, 2]\n",  # not an object
+        b"{not json}\n",
+    ],
+)
+def test_bytes_that_are_not_a_record_do_not_read(data):
+    with pytest.raises(ValueError):
+        plan_store.loads(data)
+
+
+@pytest.mark.parametrize("table", [np.arange(4, dtype=np.int64), np.zeros((2, 2), dtype=np.int32), [1, 2]])
+def test_a_record_of_a_table_other_than_1d_int32_is_not_written(table):
+    if isinstance(table, list):  # a list is a JSON value: written as one
+        assert plan_store.loads(plan_store.dumps({"t": table})) == {"t": table}
+        return
+    with pytest.raises(TypeError):
+        plan_store.dumps({"t": table})

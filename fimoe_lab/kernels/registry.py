@@ -577,7 +577,7 @@ def _loaded_or_stand_in(
     on torch, so a model's first layer waits neither for the fatbins nor for the plans; but a map of the strided
     form (or of two strided stages) runs on the strided kernel from its first call (in place: each chunk copied
     aside and gathered back on it until the cycle plan is built), whose fatbin the first such call loads
-    (:func:`.prebuilt.strided_now`). With
+    (:func:`.prebuilt.strided_now`), unless it runs in place along a cycle plan built already. With
     :data:`BACKGROUND_ENV` off the call loads the fatbins itself (and builds the plan when it runs); where they
     do not load, the default path below goes on."""
     if not _loads_pending(ex):
@@ -592,7 +592,10 @@ def _loaded_or_stand_in(
             if pre.loads_for(em, in_place, device):
                 return EXECUTORS["prebuilt"]
         else:
-            strided = pre.strided_now(em, in_place, device)  # loads the strided kernel here, once
+            # in place along a cycle plan already built (read back with its layer plan), the cycle kernel runs the
+            # call (its fatbin loaded by it): the strided kernel, which would stand in until then, is not loaded
+            cycles = in_place and pre.planned(em, True)
+            strided = cycles or pre.strided_now(em, in_place, device)  # loads the strided kernel here, once
             if pre.planned(em, in_place, device):
                 if device.index is not None:  # "cuda" alone names whichever device is current
                     em._dev.setdefault(_READY, set()).add((in_place, device))
