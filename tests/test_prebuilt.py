@@ -165,8 +165,8 @@ def test_the_prebuilt_stand_in_is_asked_for_by_a_checked_variable(monkeypatch):
 
 def test_the_planner_shortens_the_switch_interval_while_it_has_work_then_puts_it_back(monkeypatch):
     """While the planner thread has maps to plan, Python's switch interval is at most
-    ``PLANNER_SWITCH_INTERVAL_S`` (the caller, giving up the GIL on every torch call, waits at most that for it), set
-    by the submitting thread before the job is queued; once its queue is empty the interval is the caller's again, unless the caller changed it meanwhile."""
+    ``PLANNER_SWITCH_INTERVAL_S`` (the caller, giving up the GIL on every torch call, waits at most that for it);
+    once its queue is empty the interval is the caller's again, unless the caller changed it meanwhile."""
     import sys
     import threading
     import time
@@ -197,10 +197,7 @@ def test_the_planner_shortens_the_switch_interval_while_it_has_work_then_puts_it
         assert seen == [pytest.approx(prebuilt.PLANNER_SWITCH_INTERVAL_S)] * 2 and sys.getswitchinterval() == before
 
         release.clear()
-        put, at_put = planner.jobs.put, []
-        monkeypatch.setattr(planner.jobs, "put", lambda job: (at_put.append(sys.getswitchinterval()), put(job)))
-        planner.submit(maps[2], True, None)  # shortened in this thread before the planner can see the job
-        assert at_put == [pytest.approx(prebuilt.PLANNER_SWITCH_INTERVAL_S)]
+        planner.submit(maps[2], True, None)
         settled(lambda: len(seen) == 3)
         sys.setswitchinterval(0.001)  # the caller's own choice while the planner works: kept
         release.set()

@@ -321,17 +321,14 @@ layer 32 -> 12 ms, benchmarks/RESULTS.md)."""
 
 class _Planner:
     """One daemon thread getting maps ready for :func:`planned` (fatbins loaded, sources, cycle plans), in the
-    order asked. From the submit that gives it work until its queue is empty, Python's switch interval is at most
-    :data:`PLANNER_SWITCH_INTERVAL_S`, set in the submitting thread before the planner may take the GIL (set in the
-    planner's thread, the caller could already be waiting the previous interval for the GIL); the previous interval
-    comes back when the queue is empty (unless someone else changed it meanwhile)."""
+    order asked. While it has work, Python's switch interval is at most :data:`PLANNER_SWITCH_INTERVAL_S`; the
+    previous interval comes back when its queue is empty (unless someone else changed it meanwhile)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.jobs: queue.Queue[tuple[ExecMap, bool, Optional[torch.device]]] = queue.Queue()
         self.asked: dict[tuple[bool, Optional[torch.device]], weakref.WeakSet[ExecMap]] = {}
         self.thread: Optional[threading.Thread] = None
-        self.intervals: Optional[tuple[float, float]] = None  # (the previous, ours as Python holds it) while busy
 
     def submit(self, em: ExecMap, in_place: bool, device: Optional[torch.device]) -> None:
         with self.lock:
@@ -339,24 +336,27 @@ class _Planner:
             if em in asked:
                 return
             asked.add(em)  # queued or done (what it builds lives on the map and in cuda_driver)
-            if self.thread is None:  # started idle: the caller goes on before it takes a job
+            if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name=PLANNER_THREAD, daemon=True)
                 self.thread.start()
-            if self.intervals is None:
-                previous = sys.getswitchinterval()
-                sys.setswitchinterval(min(previous, PLANNER_SWITCH_INTERVAL_S))
-                self.intervals = (previous, sys.getswitchinterval())
-            self.jobs.put((em, in_place, device))
+        self.jobs.put((em, in_place, device))
 
     def _run(self) -> None:
         while True:
-            self._build(*self.jobs.get())
-            with self.lock:  # a submit puts its job under this lock: an empty queue here stays empty until then
-                if self.jobs.empty() and self.intervals is not None:
-                    previous, ours = self.intervals
-                    if sys.getswitchinterval() == ours:
-                        sys.setswitchinterval(previous)
-                    self.intervals = None
+            em, in_place, device = self.jobs.get()
+            previous = sys.getswitchinterval()
+            sys.setswitchinterval(min(previous, PLANNER_SWITCH_INTERVAL_S))
+            ours = sys.getswitchinterval()  # as Python holds it (in microseconds)
+            try:
+                while True:
+                    self._build(em, in_place, device)
+                    try:
+                        em, in_place, device = self.jobs.get_nowait()
+                    except queue.Empty:
+                        break
+            finally:
+                if sys.getswitchinterval() == ours:
+                    sys.setswitchinterval(previous)
 
     def _build(self, em: ExecMap, in_place: bool, device: Optional[torch.device]) -> None:
         try:
