@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from fimoe_lab import env
@@ -788,6 +788,7 @@ def test_the_swizzle_source_runs_any_padded_rows_then_the_swizzle(
     m, perm = padded_rows_then_swizzled(rows, c_in, cols, fill, seed)
     em = m.compiled()
     assert em.ends_swizzled and em.swizzled_rows is not None
+    assume(not prebuilt.runs_strided(em))  # (one live row of one byte is a strided view: the strided kernel runs it)
     x = torch.randint(0, 256, (experts, rows, c_in), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     want = torch.stack([swizzle(p[perm]) for p in pad(x, 1, perm.numel(), cols, fill)])
     out = torch.full((experts, m.out_bytes), 0x5A, dtype=torch.uint8)
