@@ -3,9 +3,10 @@
 A process's first MoE layer pays for building its plan (composing each map's steps) and compiling every map
 (:mod:`fimoe_lab.compile`) before the first byte moves: milliseconds of Python per layer shape, where a model's
 other layers take about one. After a plan's first :meth:`~fimoe_lab.plan.LayerPlan.apply` its maps' compiled forms
-are known; this module writes them as one file under ``$FIMOE_LAB_CACHE/plans`` (:func:`dumps`: a line of JSON, then
-the raw bytes of the int32 tables it names; no pickle), named by a digest of the plan's arguments (:func:`fimoe_lab.plan.kept_plan`: ``recipes.plan_for``'s, and the drop-ins' builders'), and a
-later process asking for the same plan reads it back: each map as
+are known; this module writes them as one file under ``$FIMOE_LAB_CACHE/plans`` (:func:`dumps`: a line of JSON,
+then the raw bytes of the int32 tables it names; no pickle), named by a digest of the plan's arguments
+(:func:`fimoe_lab.plan.kept_plan`: ``recipes.plan_for``'s, and the drop-ins' builders'), and a later process asking
+for the same plan reads it back: each map as
 :meth:`~fimoe_lab.layout.IndexMap.built_on_read` (its fields declared, its index built again from its steps' kinds
 and parameters only if something reads it) with its compiled form given (:func:`fimoe_lab.compile.compiled_from`).
 The executors read those forms (strided views, two strided stages, the row table the swizzle kernel reads for a
