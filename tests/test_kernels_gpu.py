@@ -741,11 +741,9 @@ def test_gpu_steady_in_place_calls_skip_the_choice_and_stay_exact(fmt, inter, hi
     assert kept and exact == [True, True, True] and steady_asked == 0 and dropped and asked_again
 
 
-READ_BACK_CYCLES_CHILD = """
-import json, sys, threading, torch
-from reference_loops import bf16_block_layout
-from fimoe_lab import prepare
-from fimoe_lab.kernels import cuda_driver, prebuilt
+RECORD_FATBIN_LOADS = """
+import threading
+from fimoe_lab.kernels import cuda_driver
 loaded_by = []  # each fatbin and the thread that loads it
 real_module = cuda_driver._module
 def recording_module(source, device):
@@ -753,6 +751,17 @@ def recording_module(source, device):
         loaded_by.append([source, threading.current_thread().name])
     return real_module(source, device)
 cuda_driver._module = recording_module
+"""
+"""A child script's prologue: every fatbin the process loads, and the thread that loads it, into ``loaded_by``."""
+
+
+READ_BACK_CYCLES_CHILD = (
+    RECORD_FATBIN_LOADS
+    + """
+import json, sys, threading, torch
+from reference_loops import bf16_block_layout
+from fimoe_lab import prepare
+from fimoe_lab.kernels import cuda_driver, prebuilt
 launches = []
 real_launches = prebuilt._cycle_launches
 prebuilt._cycle_launches = lambda *a: launches.append(threading.current_thread().name) or real_launches(*a)
@@ -773,6 +782,7 @@ for k in range(calls):
     prebuilt.wait_for_plans()
 print(json.dumps([exact, loaded_by, launches]))
 """
+)
 
 
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
@@ -881,17 +891,12 @@ def test_gpu_steady_layers_run_kept_launches_and_stay_exact():
         assert after == n_maps, (fmt, after)
 
 
-PREBUILT_CHILD = """
+PREBUILT_CHILD = (
+    RECORD_FATBIN_LOADS
+    + """
 import json, sys, threading, torch
 from fimoe_lab import prepare
 from fimoe_lab.kernels import cuda_driver, prebuilt, registry
-loaded_by = []  # each fatbin and the thread that loads it
-real_module = cuda_driver._module
-def recording_module(source, device):
-    if (source, device) not in cuda_driver._MODULES:
-        loaded_by.append([source, threading.current_thread().name])
-    return real_module(source, device)
-cuda_driver._module = recording_module
 g = torch.Generator(device="cuda").manual_seed(0)
 w13 = torch.randint(0, 256, (16, 512, 7168), dtype=torch.uint8, device="cuda", generator=g)
 w2 = torch.randint(0, 256, (16, 7168, 256), dtype=torch.uint8, device="cuda", generator=g)
@@ -920,6 +925,7 @@ assert stages.stages is not None and em.strided is not None
 print(json.dumps([gathers, first, after, "triton" not in sys.modules, torch.equal(w13, twice13), torch.equal(w2, twice2),
                   loaded_by]))
 """
+)
 
 
 @pytest.mark.parametrize("user", ["tables", "cycle plan"])
