@@ -4,14 +4,21 @@ An engine prepares its first MoE layer in a process that has built no plan: :fun
 composes the maps (index arrays of up to a few hundred thousand cells per expert) and each map's first
 ``compiled()`` coarsens it and finds its fast forms (:mod:`fimoe_lab.compile`). Nothing here touches a device:
 this is the part of ``benchmarks/whole_model.py``'s first-layer overhead that runs on the host before the first
-copy. For each model of its ``MODELS`` (the ``layer`` path's ``plan_layer(fmt, "trtllm", I, H)``), ``--repeats``
-fresh processes (``--child``) import torch and fimoe_lab (untimed), then time the plan and each map's compile;
-the minimum and median over the processes are printed (wall ms; the host is shared, the minimum is the cost).
-Each process also times, apart, the work the background planner does for the maps the prebuilt kernels gather
-on a GPU (:func:`fimoe_lab.kernels.prebuilt.build_plan`: sources, the swizzled-rows form). In a model it runs
-beside the first layers, which use torch's copies until it is done.
+copy. For each model of its ``MODELS`` (``--path layer``: ``plan_layer(fmt, "trtllm", I, H)``; ``--path drop-in``:
+the drop-in's plan builder at the sizes an engine passes it), ``--repeats`` fresh processes (``--child``) import
+torch and fimoe_lab (untimed), then time the plan and each map's compile; the minimum and median over the processes
+are printed (wall ms; the host is shared, the minimum is the cost).
+
+``--store off`` (the default) builds every plan (``FIMOE_LAB_PLAN_STORE=0``); ``--store filled`` reads it from a plan
+store (:mod:`fimoe_lab.plan_store`) that one process filled first, as a restarted engine's first layer does: that
+process applies the plan to a few experts on the CPU, does what the background planner does on a GPU
+(:func:`fimoe_lab.kernels.prebuilt.build_plan`: sources, row forms, in place the cycle plans) and applies it again,
+so the record holds what a GPU's does where its in-place maps run along cycle plans (on sm_90 and newer those the
+cluster kernel runs keep none); the record's size is printed. Each process also times, apart, the planner's
+work for the maps the prebuilt kernels gather on a GPU (none left to do where the store held it).
 
     PYTHONPATH=. python3 benchmarks/first_call.py [--models gpt-oss-120b-mxfp4 deepseek-r1-tp8-nvfp4] [--repeats 7]
+    PYTHONPATH=. python3 benchmarks/first_call.py --models qwen3-235b-tp8-bf16 --path drop-in --store filled
 """
 
 from __future__ import annotations
@@ -22,23 +29,73 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from whole_model import MODELS, ROOT  # noqa: E402  (the models' sizes, one table)
+from whole_model import MODELS, ROOT, drop_in_shapes, run_drop_in  # noqa: E402  (the models' sizes, one table)
+
+DROP_IN_BUILDERS = {  # weight format -> the drop-in's plan builder (prepare) and whether it runs in place
+    "fp8": ("plan_rotate_fp8_per_tensor", True),
+    "fp8-block": ("plan_shuffle_deepseek_fp8", False),
+    "bf16": ("plan_trtllm_bf16_block_layout", True),
+}
 
 
-def child(model: str) -> dict:
+def build(model: str, path: str):
+    """The plan ``model``'s first layer asks for on ``path`` (read from the plan store where it holds it)."""
+    from fimoe_lab import prepare
+    from fimoe_lab.recipes import plan_layer
+    from fimoe_lab.shapes import padded_shape
+
+    fmt, _, hidden, inter, _, _ = MODELS[model]
+    if path == "layer":
+        return plan_layer(fmt, "trtllm", inter, hidden)
+    name, _ = DROP_IN_BUILDERS[fmt]
+    inter_p, hidden_p = padded_shape(fmt, "trtllm", inter, hidden)
+    extra = () if fmt == "fp8-block" else (True,)  # gated
+    return getattr(prepare, name)(2 * inter_p, hidden_p, inter_p, *extra)
+
+
+def fill(model: str, path: str) -> None:
+    """Apply ``model``'s plan on ``path`` to two experts on the CPU, do the background planner's work for each map
+    and apply it again: the plan store (``FIMOE_LAB_CACHE``) then holds its record as a GPU process leaves it."""
+    import torch
+
+    from fimoe_lab import plan_store
+    from fimoe_lab.kernels import prebuilt
+
+    fmt, _, hidden, inter, _, _ = MODELS[model]
+    plan = build(model, path)
+    in_place = path == "drop-in" and DROP_IN_BUILDERS[fmt][1]
+    if path == "layer":
+        t = [torch.randint(0, 256, (2, *m.in_shape), dtype=torch.uint8) for m in plan.maps().values()]
+
+        def apply() -> None:
+            plan.apply(*t)
+    else:
+        shapes = drop_in_shapes(fmt, 2, hidden, inter)
+
+        def apply() -> None:
+            run_drop_in(fmt, *(torch.randint(0, 256, shapes[k], dtype=torch.uint8) for k in ("w13", "w2")))
+
+    apply()
+    for m in plan.maps().values():
+        prebuilt.build_plan(m.compiled(), in_place)
+    for _ in range(plan_store.PLANNER_WAIT):
+        apply()
+
+
+def child(model: str, path: str) -> dict:
     import torch  # noqa: F401  (imported before the clock, as an engine has it)
 
     from fimoe_lab import prepare  # noqa: F401  (imports the compiler and the executors, as whole_model does)
     from fimoe_lab.kernels import prebuilt, registry
-    from fimoe_lab.recipes import plan_layer
 
-    fmt, _, hidden, inter, _, _ = MODELS[model]
     start = time.perf_counter()
-    plan = plan_layer(fmt, "trtllm", inter, hidden)
+    plan = build(model, path)
     planned = time.perf_counter()
     maps = {}
     for name, m in plan.maps().items():
@@ -59,20 +116,34 @@ def child(model: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--fill", help=argparse.SUPPRESS)
     ap.add_argument("--models", nargs="*", default=["gpt-oss-120b-mxfp4", "deepseek-r1-tp8-nvfp4"])
+    ap.add_argument("--path", choices=("layer", "drop-in"), default="layer")
+    ap.add_argument("--store", choices=("off", "filled"), default="off")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child)))
+        print(json.dumps(child(args.child, args.path)))
+        return
+    if args.fill:
+        fill(args.fill, args.path)
         return
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for model in args.models:
-        runs = []
-        for _ in range(args.repeats):
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", model], env=env, capture_output=True, text=True, check=True
-            )
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        if args.path not in MODELS[model][5]:
+            ap.error(f"{model} has no {args.path} path (it has {', '.join(MODELS[model][5])})")
+        with tempfile.TemporaryDirectory(prefix="fimoe_first_call_") as cache:
+            env.update(FIMOE_LAB_CACHE=cache, FIMOE_LAB_PLAN_STORE="1" if args.store == "filled" else "0")
+            command = [sys.executable, __file__, "--path", args.path]
+            kept = ""
+            if args.store == "filled":
+                subprocess.run(command + ["--fill", model], env=env, capture_output=True, text=True, check=True)
+                records = list(Path(cache, "plans").glob("*"))
+                kept = f"; record {sum(r.stat().st_size for r in records) / 1e3:.0f} kB"
+            runs = []
+            for _ in range(args.repeats):
+                out = subprocess.run(command + ["--child", model], env=env, capture_output=True, text=True, check=True)
+                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         best = min(runs, key=lambda r: r["total_ms"])
         plan = min(r["plan_ms"] for r in runs)
         total = [r["total_ms"] for r in runs]
@@ -80,9 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         ready = [sum(r["planner_ms"].values()) for r in runs]
         each = ", ".join(f"{k} {min(r['planner_ms'][k] for r in runs):.1f}" for k in best["planner_ms"])
         print(
-            f"{model:26s} plan + compile {min(total):6.1f} ms (median {statistics.median(total):6.1f}); "
-            f"plan {plan:.1f} ms; compile, fastest run: {maps}; "
+            f"{model:26s} {args.path} store {args.store}: plan + compile {min(total):6.2f} ms (median "
+            f"{statistics.median(total):6.2f}); plan {plan:.2f} ms; compile, fastest run: {maps}; "
             f"planner {min(ready):.1f} ms (median {statistics.median(ready):.1f}; fastest per map: {each or 'none'})"
+            f"{kept}"
         )
 
 
