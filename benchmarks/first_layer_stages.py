@@ -2,8 +2,9 @@
 
 One fresh process per run (this one): imports torch and ``fimoe_lab``, then prepares ``--layers`` MoE layers of
 a model (``whole_model.py``'s ``MODELS``, its ``layer`` or ``drop-in`` path) on random bytes, synchronising before
-and after each. The main thread's time in each stage (plan building, compiling a map, picking the executor,
-loading a fatbin, a form table, a launch, torch's stand-in...) is summed per layer by wrapping those functions
+and after each. The main thread's time in each stage (plan building, reading or writing the plan store, compiling a
+map, picking the executor, loading a fatbin, a form table, an allocation, a launch, torch's stand-in...; the table
+``STAGES``) is summed per layer by wrapping those functions
 (calls from other threads, the background planner's, are not counted); a stage's time includes the stages it
 calls. Printed per layer: its host time (until the calls return), its wall time (until the device is done) and the
 stages over 20 us, longest first, as ``stage=ms/calls``; the garbage collector's pauses (any thread: every
