@@ -141,7 +141,7 @@ def read(key: dict[str, Any], path: Optional[Path]) -> Optional[PlanRecord]:
             return None
         maps = {name: _map_from(entry) for name, entry in record["maps"].items()}
         return {"fields": dict(record["fields"]), "maps": maps}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, FimoeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, FimoeError):
         return None
 
 

@@ -278,6 +278,8 @@ def _written():
         "a stage split",
         "a step kind",
         "an array for a number",
+        "nested past the parser",
+        "a table past the file",
     ],
 )
 def test_a_record_that_does_not_fit_is_not_used(store, spoil):
@@ -303,6 +305,12 @@ def test_a_record_that_does_not_fit_is_not_used(store, spoil):
         record["maps"]["w2"]["parts"][0]["kind"] = "os.system"
     elif spoil == "an array for a number":
         record["maps"]["w2"]["cell_bytes"] = [1, 2]
+    elif spoil == "nested past the parser":
+        data = b"[" * 100_000 + b"\n"
+    elif spoil == "a table past the file":
+        whole = path.read_bytes()
+        header, tables = whole.split(b"\n", 1)
+        data = header + b"\n" + tables[: len(tables) // 8 * 4]  # whole words, fewer than the header names
     path.write_bytes(data if data is not None else plan_store.dumps(record))
     plan = plan_layer("mxfp4", "trtllm", 1440, 736)
     assert all(m.known_compiled() is None for m in plan.maps().values()), "a record that does not fit was read"
