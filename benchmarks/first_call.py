@@ -11,10 +11,11 @@ are printed (wall ms; the host is shared, the minimum is the cost).
 
 ``--store off`` (the default) builds every plan (``FIMOE_LAB_PLAN_STORE=0``); ``--store filled`` reads it from a plan
 store (:mod:`fimoe_lab.plan_store`) that one process filled first, as a restarted engine's first layer does: that
-process applies the plan to a few experts on the CPU, does what the background planner does on a GPU
-(:func:`fimoe_lab.kernels.prebuilt.build_plan`: sources, row forms, in place the cycle plans) and applies it again,
-so the record holds what a GPU's does where its in-place maps run along cycle plans (on sm_90 and newer those the
-cluster kernel runs keep none); the record's size is printed. Each process also times, apart, the planner's
+process applies the plan to a few experts on the CPU, waits for the executor loading in the background (numba,
+whose calls find the weights' row forms too), does what the background planner does on a GPU
+(:func:`fimoe_lab.kernels.prebuilt.build_plan`: sources, row forms, in place the cycle plans) and applies it again:
+the record holds what a CPU process leaves and a GPU process's cycle plans (on sm_90 and newer the maps the cluster
+kernel runs keep none, and a GPU's record has no row forms of the weights); the record's size is printed. Each process also times, apart, the planner's
 work for the maps the prebuilt kernels gather on a GPU (none left to do where the store held it).
 
     PYTHONPATH=. python3 benchmarks/first_call.py [--models gpt-oss-120b-mxfp4 deepseek-r1-tp8-nvfp4] [--repeats 7]
@@ -65,7 +66,7 @@ def fill(model: str, path: str) -> None:
     import torch
 
     from fimoe_lab import plan_store
-    from fimoe_lab.kernels import prebuilt
+    from fimoe_lab.kernels import prebuilt, registry
 
     fmt, _, hidden, inter, _, _ = MODELS[model]
     plan = build(model, path)
@@ -82,6 +83,8 @@ def fill(model: str, path: str) -> None:
             run_drop_in(fmt, *(torch.randint(0, 256, shapes[k], dtype=torch.uint8) for k in ("w13", "w2")))
 
     apply()
+    for thread in list(registry._LOADS.threads.values()):  # the executor torch stood in for (numba), loaded: what it
+        thread.join()  # finds on its calls (row forms) goes into the record as in a process that ran long enough
     for m in plan.maps().values():
         prebuilt.build_plan(m.compiled(), in_place)
     for _ in range(plan_store.PLANNER_WAIT):

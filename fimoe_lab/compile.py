@@ -192,16 +192,15 @@ def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
             _row_form_of(swizzled_rows, lambda sizes: sizes[2] if 4 * sizes[1] * sizes[2] == m.out_bytes else -1),
         )
     if record["cells"] is not None:
-        em.preset_cells({k: (bool(v) if k == "has_fill" else int(v)) for k, v in record["cells"].items()})
+        em.preset_cells(_recorded_cells(record["cells"], m))
         for plan in record.get("cycles", ()):  # cycle plans over those cells (an in-place call's, found by the planner)
             dst, src, saved = (_int32_table(plan[k]) for k in ("dst", "src", "saved"))
             preset_cycle_plan(em, CyclePlan(int(plan["tile_slots"]), dst, src, saved), int(record["cells"]["n_in"]))
     if record["is_permutation"] is not None:
         em.is_permutation = bool(record["is_permutation"])
     if record["strided"] is not None:
-        s = record["strided"]
-        fill = None if s["fill"] is None else int(s["fill"])
-        em.strided = Strided(tuple(s["shape"]), tuple(s["live"]), tuple(s["strides"]), int(s["offset"]), fill)
+        cells = record["cells"]
+        em.strided = _recorded_strided(record["strided"], len(m.fills), None if cells is None else (em.n_in, em.n_out))
     else:
         k = int(record["split"])
         if not 0 < k < len(m.steps):
@@ -211,6 +210,50 @@ def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
         )
         em.stages = (first, second)
     return em
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    """``values``, a list of JSON integers (not booleans), as a tuple; else :class:`LayoutError`."""
+    if not (isinstance(values, list) and all(type(v) is int for v in values)):
+        raise LayoutError(f"internal: a recorded {what} is {values!r}, not a list of integers")
+    return tuple(values)
+
+
+def _recorded_cells(cells: dict[str, Any], m: IndexMap) -> dict[str, Any]:
+    """The cell fields of a :func:`form_record` of ``m``, checked: ``cell_bytes`` a multiple of ``m``'s declared cells,
+    moved as its widest word (:func:`_widest_word`), ``n_in * cell_bytes == in_bytes`` and ``n_out * cell_bytes ==
+    out_bytes``; else :class:`LayoutError`."""
+    if set(cells) != {"cell_bytes", "word", "n_in", "n_out", "has_fill"} or type(cells["has_fill"]) is not bool:
+        raise LayoutError(f"internal: recorded cell fields {sorted(cells)} are not a form's")
+    cell_bytes, word, n_in, n_out = _ints([cells[k] for k in ("cell_bytes", "word", "n_in", "n_out")], "cell field")
+    if cell_bytes <= 0 or cell_bytes % m.cell_bytes or word != _widest_word(cell_bytes):
+        raise LayoutError(f"internal: recorded {cell_bytes}-byte cells moved as {word}-byte words for {m.name}")
+    in_bytes, out_bytes = m.in_bytes, m.out_bytes
+    if (n_in * cell_bytes, n_out * cell_bytes) != (in_bytes, out_bytes):
+        raise LayoutError(f"internal: recorded cells ({n_in}, {n_out}) of {cell_bytes} bytes do not tile the map")
+    return dict(cell_bytes=cell_bytes, word=word, n_in=n_in, n_out=n_out, has_fill=cells["has_fill"])
+
+
+def _recorded_strided(s: dict[str, Any], fills: int, cells: tuple[int, int] | None) -> Strided:
+    """The :class:`Strided` form of a :func:`form_record`, checked: a box ``0 < live[d] <= shape[d]`` whose complement
+    has a fill code of the map's ``fills`` (``-fills <= fill <= -1``), and, where the cells ``(n_in, n_out)`` are
+    known, ``prod(shape) == n_out`` and every cell of the box reads an input cell, ``0 <= offset + sum(digit[d] *
+    strides[d]) < n_in``; else :class:`LayoutError` (the record is not used)."""
+    shape, live, strides = (_ints(s[k], f"strided {k}") for k in ("shape", "live", "strides"))
+    offset, fill = s["offset"], s["fill"]
+    if type(offset) is not int or not (fill is None or type(fill) is int):
+        raise LayoutError(f"internal: a recorded strided offset {offset!r} or fill {fill!r} is not an integer")
+    if not len(shape) == len(live) == len(strides) > 0 or any(not 0 < n <= d for n, d in zip(live, shape)):
+        raise LayoutError(f"internal: a recorded strided box {live} does not fit its shape {shape}")
+    if (fill is None and live != shape) or (fill is not None and not -fills <= fill <= -1):
+        raise LayoutError(f"internal: a recorded strided fill {fill!r} for a box {live} of {shape} and {fills} fills")
+    if cells is not None:
+        n_in, n_out = cells
+        low = offset + sum((n - 1) * st for n, st in zip(live, strides) if st < 0)
+        high = offset + sum((n - 1) * st for n, st in zip(live, strides) if st > 0)
+        if math.prod(shape) != n_out or low < 0 or high >= n_in:
+            raise LayoutError(f"internal: a recorded strided form reads cells {low}..{high} of {n_in}")
+    return Strided(shape, live, strides, offset, fill)
 
 
 def _row_forms(m: IndexMap, em: ExecMap) -> tuple[Any, Any, Any]:

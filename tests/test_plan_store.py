@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -280,6 +281,13 @@ def _written():
         "an array for a number",
         "nested past the parser",
         "a table past the file",
+        "a byte changed in a table",
+        "cells of no bytes",
+        "cells of half a byte",
+        "cells moved as a word they are not",
+        "a strided box past its shape",
+        "a strided view past the input",
+        "a fill code the map has not",
     ],
 )
 def test_a_record_that_does_not_fit_is_not_used(store, spoil):
@@ -306,11 +314,28 @@ def test_a_record_that_does_not_fit_is_not_used(store, spoil):
     elif spoil == "an array for a number":
         record["maps"]["w2"]["cell_bytes"] = [1, 2]
     elif spoil == "nested past the parser":
-        data = b"[" * 100_000 + b"\n"
+        data = _checked(b"[" * 100_000 + b"\n")
     elif spoil == "a table past the file":
-        whole = path.read_bytes()
-        header, tables = whole.split(b"\n", 1)
-        data = header + b"\n" + tables[: len(tables) // 8 * 4]  # whole words, fewer than the header names
+        _, header, tables = path.read_bytes().split(b"\n", 2)
+        data = _checked(header + b"\n" + tables[: len(tables) // 8 * 4])  # whole words, fewer than the header names
+    elif spoil == "cells of no bytes":
+        record["maps"]["w2"]["cell_bytes"] = 0
+    elif spoil == "cells of half a byte":
+        record["maps"]["w2"]["cell_bytes"] = 0.5
+    elif spoil == "cells moved as a word they are not":
+        record["maps"]["w2"]["exec"]["cells"]["word"] = 3
+    elif spoil == "a strided box past its shape":
+        strided = record["maps"]["w2"]["exec"]["strided"]
+        strided["live"][0] = strided["shape"][0] + 1
+    elif spoil == "a strided view past the input":
+        record["maps"]["w2"]["exec"]["strided"]["offset"] = 1 << 40
+    elif spoil == "a fill code the map has not":
+        record["maps"]["w2"]["exec"]["strided"]["fill"] = 5
+    elif spoil == "a byte changed in a table":
+        whole = bytearray(path.read_bytes())
+        assert whole.count(b"\n") >= 2 and len(whole) > whole.index(b"\n", 9) + 1  # a record with tables
+        whole[-1] ^= 0x40
+        data = bytes(whole)
     path.write_bytes(data if data is not None else plan_store.dumps(record))
     plan = plan_layer("mxfp4", "trtllm", 1440, 736)
     assert all(m.known_compiled() is None for m in plan.maps().values()), "a record that does not fit was read"
@@ -524,8 +549,9 @@ def test_a_record_with_tables_reads_back_as_written(sizes, seed, nested):
     else:
         record["row_forms"] = [[t, k, 7] for k, t in enumerate(tables)]
     data = plan_store.dumps(record)
-    header, body = data.split(b"\n", 1)
+    checksum, header, body = data.split(b"\n", 2)
     assert len(body) == 4 * sum(sizes) and b"\n" not in header and json.loads(header)["name"] == "a >> b"
+    assert int(checksum, 16) == zlib.crc32(data[len(checksum) + 1 :]) and (len(data) - len(body)) % 8 == 0
     back = plan_store.loads(data)
     got = (
         [back["maps"][f"m{k}"]["exec"]["cycles"][0]["dst"] for k in range(len(tables))]
@@ -539,21 +565,42 @@ def test_a_record_with_tables_reads_back_as_written(sizes, seed, nested):
     }
 
 
+def _checked(body: bytes) -> bytes:
+    """``body`` after the checksum line :func:`plan_store.dumps` writes."""
+    return b"%08x\n" % zlib.crc32(body) + body
+
+
 @pytest.mark.parametrize(
     "data",
     [
-        b'{"t":{"int32":[0,3]}}\n' + np.arange(2, dtype="<i4").tobytes(),  # a table past the bytes that follow
-        b'{"t":{"int32":[0,1]}}\n\x00\x00\x00',  # not whole words
-        b'{"t":{"int32":[-1,1]}}\n' + np.arange(2, dtype="<i4").tobytes(),  # a negative offset
-        b'{"t":{"int32":["0",1]}}\n' + np.arange(2, dtype="<i4").tobytes(),  # not numbers
-        b'{"t":1}',  # no line of JSON before the tables
-        b"[1, 2]\n",  # not an object
-        b"{not json}\n",
+        _checked(b'{"t":{"int32":[0,3]}}\n' + np.arange(2, dtype="<i4").tobytes()),  # a table past the bytes after
+        _checked(b'{"t":{"int32":[0,1]}}\n\x00\x00\x00'),  # not whole words
+        _checked(b'{"t":{"int32":[-1,1]}}\n' + np.arange(2, dtype="<i4").tobytes()),  # a negative offset
+        _checked(b'{"t":{"int32":["0",1]}}\n' + np.arange(2, dtype="<i4").tobytes()),  # not numbers
+        _checked(b'{"t":1}'),  # no line of JSON before the tables
+        _checked(b"[1, 2]\n"),  # not an object
+        _checked(b"{not json}\n"),
+        b'{"t":1}\n',  # no checksum
+        b"00000000\n" + b'{"t":1}\n',  # a checksum of other bytes
+        b"0000",  # shorter than a checksum line
     ],
 )
 def test_bytes_that_are_not_a_record_do_not_read(data):
     with pytest.raises(ValueError):
         plan_store.loads(data)
+
+
+@settings(max_examples=80, deadline=None)
+@given(where=st.floats(0, 1, exclude_max=True), flip=st.integers(1, 255))
+def test_a_record_with_any_byte_changed_does_not_read(where, flip):
+    """Any one byte of a record changed (its checksum line, its JSON or its tables) and :func:`plan_store.loads`
+    refuses it: a damaged file is never used (a change inside a table would still parse)."""
+    record = {"name": "m", "row_forms": [[np.arange(-50, 50, dtype=np.int32), 3, 4]], "fills": [7]}
+    data = bytearray(plan_store.dumps(record))
+    at = int(where * len(data))
+    data[at] ^= flip
+    with pytest.raises(ValueError):
+        plan_store.loads(bytes(data))
 
 
 @pytest.mark.parametrize("table", [np.arange(4, dtype=np.int64), np.zeros((2, 2), dtype=np.int32), [1, 2]])
@@ -563,3 +610,40 @@ def test_a_record_of_a_table_other_than_1d_int32_is_not_written(table):
         return
     with pytest.raises(TypeError):
         plan_store.dumps({"t": table})
+
+
+def _leaves(node, at=()):
+    """Every JSON number, string and null of a record, with its path."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, at + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _leaves(v, at + (i,))
+    elif node is None or isinstance(node, (int, float, str)):
+        yield at, node
+
+
+def test_a_record_with_any_field_edited_is_built_again_or_runs(store):
+    """Fields of a map's stored record set to other values, one at a time (80 seeded draws of a field and a value:
+    zero, negatives, huge numbers, a string, null, a fraction, a boolean, a list, an object; its checksum written
+    again, as an edit would): each time the plan is read or built again, and applying it raises nothing. (An edit
+    that keeps within the checked bounds may still change the bytes it moves: the checksum is what catches damage.)"""
+    import random
+
+    given_, _ = _written()
+    path = _record(store)
+    original = path.read_bytes()
+    spots = [p for p, _ in _leaves(plan_store.loads(original)["maps"], ("maps",))]
+    values = [0, -1, 1, 2, 3, 7, 1 << 40, -(1 << 40), "x", None, 0.5, True, [], {}]
+    rng = random.Random(0)
+    for _ in range(80):
+        record = plan_store.loads(original)
+        spot, value = rng.choice(spots), rng.choice(values)
+        node = record
+        for key in spot[:-1]:
+            node = node[key]
+        node[spot[-1]] = value
+        path.write_bytes(plan_store.dumps(record))
+        clear_caches()
+        _apply(plan_layer("mxfp4", "trtllm", 1440, 736), given_)
