@@ -162,16 +162,39 @@ def _cycles_record(plan: CyclePlan) -> dict[str, Any]:
     return dict(tile_slots=plan.tile_slots, dst=plan.dst, src=plan.src, saved=plan.saved)
 
 
-def _row_form_of(record: list[Any] | None, rows: Callable[[tuple[int, ...]], int]) -> tuple[Any, ...] | None:
-    """The row form of a :func:`_row_form_record`; its table must hold ``rows(sizes)`` rows (a kernel reads that
-    many), else :class:`LayoutError`."""
-    if record is None:
-        return None
-    table = _int32_table(record[0])
-    sizes = tuple(int(v) for v in record[1:])
-    if table.size != rows(sizes):
-        raise LayoutError(f"internal: a row table of {table.size} rows where its form {sizes} reads {rows(sizes)}")
-    return (table, *sizes)
+def _recorded_row_forms(forms: Any, m: IndexMap) -> tuple[Any, Any, Any]:
+    """The row forms ``(swizzle, padrows, swizzled_rows)`` of a :func:`form_record` of ``m`` (:class:`ExecMap`), each
+    checked to cover ``m``'s output exactly and to read rows of its input or fill codes only (a kernel reads what its
+    table says); else :class:`LayoutError`."""
+    if not (isinstance(forms, list) and len(forms) == 3):
+        raise LayoutError(f"internal: recorded row forms {forms!r} are not three")
+    fill, in_bytes, out_bytes = -max(1, len(m.fills)), m.in_bytes, m.out_bytes
+
+    def rows(record: Any, sizes: int, fits: Callable[..., bool], row_bytes: Callable[..., int]) -> tuple[Any, ...]:
+        if not (isinstance(record, list) and len(record) == 1 + sizes):
+            raise LayoutError(f"internal: a recorded row form {record!r} is not a table and {sizes} sizes")
+        table, given = _int32_table(record[0]), _ints(record[1:], "row form size")
+        if not fits(table.size, *given):
+            raise LayoutError(f"internal: a recorded row form of {table.size} rows, {given}, does not cover {m.name}")
+        if table.size and (int(table.min()) < fill or int(table.max()) >= in_bytes // row_bytes(*given)):
+            raise LayoutError(f"internal: a recorded row form of {m.name} reads rows outside its input")
+        return (table, *given)
+
+    def whole(n: int, cw: int, r: int) -> bool:  # swizzle: (cw, R) of whole rows of 4 cw bytes
+        return cw > 0 and n == r and 4 * cw * r == out_bytes
+
+    def padded(n: int, c_in: int, c_out: int, code: int) -> bool:  # padrows: (C_in, C_out, column fill code)
+        return 0 < c_in <= c_out and n * c_out == out_bytes and fill <= code < 0
+
+    def swizzled(n: int, c_in: int, cw: int, r: int, code: int) -> bool:  # swizzled_rows: (C_in, cw, R, column fill)
+        return 0 < c_in <= 4 * cw and n == r and 4 * cw * r == out_bytes and fill <= code < 0
+
+    swizzle, padrows, swizzled_rows = forms
+    return (
+        None if swizzle is None else rows(swizzle, 2, whole, lambda cw, r: 4 * cw),
+        None if padrows is None else rows(padrows, 3, padded, lambda c_in, c_out, code: c_in),
+        None if swizzled_rows is None else rows(swizzled_rows, 4, swizzled, lambda c_in, cw, r, code: c_in),
+    )
 
 
 def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
@@ -185,12 +208,7 @@ def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:
     em = _found_on_read(m)
     em.ends_swizzled = bool(record["ends_swizzled"])
     if record.get("row_forms") is not None:
-        swizzle, padrows, swizzled_rows = record["row_forms"]
-        em.row_forms = (
-            _row_form_of(swizzle, lambda sizes: sizes[1]),  # (cw, R)
-            _row_form_of(padrows, lambda sizes: m.out_bytes // sizes[1]),  # (C_in, C_out, column fill)
-            _row_form_of(swizzled_rows, lambda sizes: sizes[2] if 4 * sizes[1] * sizes[2] == m.out_bytes else -1),
-        )
+        em.row_forms = _recorded_row_forms(record["row_forms"], m)
     if record["cells"] is not None:
         em.preset_cells(_recorded_cells(record["cells"], m))
         for plan in record.get("cycles", ()):  # cycle plans over those cells (an in-place call's, found by the planner)
