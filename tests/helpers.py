@@ -107,3 +107,15 @@ def rewrite_metadata(src: Path, dst: Path, edit) -> Path:
     new += b" " * (-len(new) % 8)
     dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
     return dst
+
+
+def json_paths(node, at=()):
+    """Every node of a JSON value (dicts and lists walked in order) with its path of keys and indices, the root
+    first: ``(path, node)``."""
+    yield at, node
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from json_paths(v, at + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from json_paths(v, at + (i,))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import json_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -264,16 +265,6 @@ def _json_values():
     )
 
 
-def _paths(obj, prefix=()):
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _paths(v, prefix + (i,))
-
-
 def _fuzz_case(kernels, restored, tmp_path, capsys, mutate) -> None:
     k = tmp_path / f"in-{os.urandom(4).hex()}.safetensors"
     out = tmp_path / f"out-{os.urandom(4).hex()}"
@@ -304,7 +295,7 @@ def test_fuzzed_metadata_is_refused_or_restores_exactly(kernels, restored, tmp_p
 
     def mutate(k: Path) -> None:
         def edit(meta):
-            paths = [p for p in _paths(meta) if p]
+            paths = [p for p, _ in json_paths(meta) if p]
             path = data.draw(st.sampled_from(paths))
             node = meta
             for key in path[:-1]:
