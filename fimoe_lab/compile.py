@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from fimoe_lab.errors import LayoutError
-from fimoe_lab.kernels.compiled import ExecMap, Strided
+from fimoe_lab.kernels.compiled import ExecMap, Strided, row_form_fault
 from fimoe_lab.kernels.cycles import CyclePlan, cycle_plans_of, preset_cycle_plan
 
 if TYPE_CHECKING:
@@ -164,37 +164,25 @@ def _cycles_record(plan: CyclePlan) -> dict[str, Any]:
 
 def _recorded_row_forms(forms: Any, m: IndexMap) -> tuple[Any, Any, Any]:
     """The row forms ``(swizzle, padrows, swizzled_rows)`` of a :func:`form_record` of ``m`` (:class:`ExecMap`), each
-    checked to cover ``m``'s output exactly and to read rows of its input or fill codes only (a kernel reads what its
-    table says); else :class:`LayoutError`."""
+    a table and its sizes that cover ``m``'s output exactly and read rows of its input or fill codes only
+    (:func:`~fimoe_lab.kernels.compiled.row_form_fault`: a kernel reads what its table says); else
+    :class:`LayoutError`."""
     if not (isinstance(forms, list) and len(forms) == 3):
         raise LayoutError(f"internal: recorded row forms {forms!r} are not three")
-    fill, in_bytes, out_bytes = -max(1, len(m.fills)), m.in_bytes, m.out_bytes
 
-    def rows(record: Any, sizes: int, fits: Callable[..., bool], row_bytes: Callable[..., int]) -> tuple[Any, ...]:
+    def form(kind: str, record: Any, sizes: int) -> tuple[Any, ...] | None:
+        if record is None:
+            return None
         if not (isinstance(record, list) and len(record) == 1 + sizes):
             raise LayoutError(f"internal: a recorded row form {record!r} is not a table and {sizes} sizes")
-        table, given = _int32_table(record[0]), _ints(record[1:], "row form size")
-        if not fits(table.size, *given):
-            raise LayoutError(f"internal: a recorded row form of {table.size} rows, {given}, does not cover {m.name}")
-        if table.size and (int(table.min()) < fill or int(table.max()) >= in_bytes // row_bytes(*given)):
-            raise LayoutError(f"internal: a recorded row form of {m.name} reads rows outside its input")
-        return (table, *given)
-
-    def whole(n: int, cw: int, r: int) -> bool:  # swizzle: (cw, R) of whole rows of 4 cw bytes
-        return cw > 0 and n == r and 4 * cw * r == out_bytes
-
-    def padded(n: int, c_in: int, c_out: int, code: int) -> bool:  # padrows: (C_in, C_out, column fill code)
-        return 0 < c_in <= c_out and n * c_out == out_bytes and fill <= code < 0
-
-    def swizzled(n: int, c_in: int, cw: int, r: int, code: int) -> bool:  # swizzled_rows: (C_in, cw, R, column fill)
-        return 0 < c_in <= 4 * cw and n == r and 4 * cw * r == out_bytes and fill <= code < 0
+        found = (_int32_table(record[0]), *_ints(record[1:], "row form size"))
+        fault = row_form_fault(kind, found, len(m.fills), m.in_bytes, m.out_bytes)
+        if fault is not None:
+            raise LayoutError(f"internal: a recorded row form of {m.name}: {fault}")
+        return found
 
     swizzle, padrows, swizzled_rows = forms
-    return (
-        None if swizzle is None else rows(swizzle, 2, whole, lambda cw, r: 4 * cw),
-        None if padrows is None else rows(padrows, 3, padded, lambda c_in, c_out, code: c_in),
-        None if swizzled_rows is None else rows(swizzled_rows, 4, swizzled, lambda c_in, cw, r, code: c_in),
-    )
+    return form("swizzle", swizzle, 2), form("padrows", padrows, 3), form("swizzled_rows", swizzled_rows, 4)
 
 
 def compiled_from(m: IndexMap, record: dict[str, Any]) -> ExecMap:

@@ -20,7 +20,16 @@ import torch
 
 from fimoe_lab.errors import LayoutError
 
-__all__ = ["ExecMap", "Strided", "word_dtype", "fill_word", "byte_view", "aligned_word", "through_stages"]
+__all__ = [
+    "ExecMap",
+    "Strided",
+    "word_dtype",
+    "fill_word",
+    "byte_view",
+    "aligned_word",
+    "through_stages",
+    "row_form_fault",
+]
 
 _TORCH_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -276,6 +285,40 @@ class ExecMap:
         if key not in self._dev:
             self._dev[key] = torch.from_numpy(self.fill_words(word)).to(device)
         return self._dev[key]
+
+
+_ROW_FORMS = {"swizzle": "swizzle rows", "padrows": "padded rows", "swizzled_rows": "swizzled rows"}
+"""The row forms of :class:`ExecMap` and what their messages call them."""
+
+
+def row_form_fault(kind: str, form: tuple, fills: int, in_bytes: int, out_bytes: int) -> Optional[str]:
+    """Why the row form ``kind`` (:class:`ExecMap`) of a map with ``fills`` fill bytes, ``in_bytes -> out_bytes`` an
+    expert, would have a kernel read or write outside its buffers, or None where its int32 ``rows`` cover the output
+    exactly and each is a row of the input or a fill code ``-max(1, fills) <= rows[r] < 0``:
+
+    - ``swizzle`` ``(rows, cw, R)``: ``cw >= 1``, ``R`` rows, ``4 cw R == out_bytes``, input rows of ``4 cw`` bytes;
+    - ``padrows`` ``(rows, C_in, C_out, column fill code)``: ``0 < C_in <= C_out``, ``rows * C_out == out_bytes``,
+      input rows of ``C_in`` bytes, the column fill code a fill code;
+    - ``swizzled_rows`` ``(rows, C_in, cw, R, column fill code)``: ``0 < C_in <= 4 cw``, ``R`` rows, ``4 cw R ==
+      out_bytes``, input rows of ``C_in`` bytes, the column fill code a fill code."""
+    label, rows, sizes, fill = _ROW_FORMS[kind], np.asarray(form[0]), tuple(form[1:]), -max(1, fills)
+    if rows.dtype != np.int32 or rows.ndim != 1:
+        return f"{label} {rows.dtype} {rows.shape} are not one int32 row each"
+    n = rows.size
+    if kind == "swizzle":
+        cw, r = sizes
+        covers, row_bytes = cw > 0 and n == r and 4 * cw * r == out_bytes, 4 * cw
+    elif kind == "padrows":
+        c_in, c_out, code = sizes
+        covers, row_bytes = 0 < c_in <= c_out and n * c_out == out_bytes and fill <= code < 0, c_in
+    else:
+        c_in, cw, r, code = sizes
+        covers, row_bytes = 0 < c_in <= 4 * cw and n == r and 4 * cw * r == out_bytes and fill <= code < 0, c_in
+    if not covers:
+        return f"{label} {rows.dtype} {rows.shape} of {sizes} do not cover the output"
+    if n and (int(rows.min()) < fill or int(rows.max()) >= in_bytes // row_bytes):
+        return f"{label} span [{int(rows.min())}, {int(rows.max())}], outside [{fill}, {in_bytes // row_bytes})"
+    return None
 
 
 def byte_view(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fimoe_lab.errors import LayoutError
-from fimoe_lab.kernels.compiled import ExecMap, aligned_word, word_dtype
+from fimoe_lab.kernels.compiled import ExecMap, aligned_word, row_form_fault, word_dtype
 
 __all__ = [
     "preload",
@@ -436,12 +436,9 @@ def check_map(em: ExecMap) -> None:
     """Refuse (LayoutError) a map whose indices would make the loops read or write out of bounds.
 
     Must hold: ``src`` int32 ``(n_out,)`` with ``-max(1, len(fills)) <= src[i] < n_in``;
-    ``n_in * cell_bytes <= in_bytes`` and ``n_out * cell_bytes == out_bytes``; for the
-    swizzle, ``rows`` int32 of at least ``out_bytes / (4 * cw)`` entries, each
-    ``-max(1, len(fills)) <= rows[r] < in_bytes / (4 * cw)``; for padded rows, ``rows`` int32
-    ``(out_bytes / c_out,)``, ``0 < c_in <= c_out``, each row ``-max(1, len(fills)) <= rows[r]``
-    and ``(rows[r] + 1) * c_in <= in_bytes``, the column fill code in ``[-max(1, len(fills)), -1]``.
-    Checked once per map (cached on it).
+    ``n_in * cell_bytes <= in_bytes`` and ``n_out * cell_bytes == out_bytes``; the swizzle and
+    padded-rows forms as :func:`~fimoe_lab.kernels.compiled.row_form_fault` states (their rows cover
+    the output exactly and read rows of the input or fill codes). Checked once per map (cached on it).
     """
     if em._dev.get("bounds_ok"):
         return
@@ -459,27 +456,10 @@ def check_map(em: ExecMap) -> None:
         raise bad(f"src is {src.dtype} {src.shape}, expected int32 ({em.n_out},)")
     if src.size and (int(src.min()) < -n_fill or int(src.max()) >= em.n_in):
         raise bad(f"src spans [{int(src.min())}, {int(src.max())}], outside [-{n_fill}, {em.n_in})")
-    if em.swizzle is not None:
-        rows, cw, _ = em.swizzle
-        rows = np.asarray(rows)
-        n_rows_in = em.in_bytes // (4 * cw) if cw > 0 else 0
-        if cw < 1 or rows.dtype != np.int32 or rows.ndim != 1 or rows.size * 4 * cw < em.out_bytes:
-            raise bad(f"swizzle rows {rows.dtype} {rows.shape} with {cw} words per row do not cover the output")
-        if rows.size and (int(rows.min()) < -n_fill or int(rows.max()) >= n_rows_in):
-            raise bad(f"swizzle rows span [{int(rows.min())}, {int(rows.max())}], outside [-{n_fill}, {n_rows_in})")
-    if em.padrows is not None:
-        rows, c_in, c_out, col_code = em.padrows
-        rows = np.asarray(rows)
-        if (
-            rows.dtype != np.int32
-            or rows.ndim != 1
-            or not 0 < c_in <= c_out
-            or rows.size * c_out != em.out_bytes
-            or not -n_fill <= col_code < 0
-        ):
-            raise bad(f"padded rows {rows.dtype} {rows.shape} of {c_in} -> {c_out} B do not cover the output")
-        if rows.size and (int(rows.min()) < -n_fill or (int(rows.max()) + 1) * c_in > em.in_bytes):
-            raise bad(f"padded rows span [{int(rows.min())}, {int(rows.max())}], outside the input")
+    for kind, form in (("swizzle", em.swizzle), ("padrows", em.padrows)):
+        fault = None if form is None else row_form_fault(kind, form, len(em.fills), em.in_bytes, em.out_bytes)
+        if fault is not None:
+            raise bad(fault)
     em._dev["bounds_ok"] = True
 
 

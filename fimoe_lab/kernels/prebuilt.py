@@ -43,7 +43,7 @@ import torch
 from fimoe_lab import env
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels import cuda_driver
-from fimoe_lab.kernels.compiled import ExecMap, aligned_word, through_stages
+from fimoe_lab.kernels.compiled import ExecMap, aligned_word, row_form_fault, through_stages
 from fimoe_lab.kernels.cycles import cycle_plan, cycle_plan_built
 from fimoe_lab.kernels.device_tables import DeviceTables
 from fimoe_lab.kernels.tiles import cdiv, pow2_divisor
@@ -585,20 +585,20 @@ def swizzle_ready(em: ExecMap, device: torch.device) -> bool:
 
 def swizzle_rows_table(em: ExecMap, device: torch.device, wait: bool = False) -> DeviceTables:
     """The ``swizzled_rows`` form's row table as the swizzle kernel reads it, on ``device`` (cached on ``em``;
-    ``.ready()[0]``): int32, a source row, or ``-1 - b`` for a row of fill byte ``b``. Every source row is checked to
-    lie in the input (a row past it would be read outside the expert's bytes).
+    ``.ready()[0]``): int32, a source row, or ``-1 - b`` for a row of fill byte ``b``. The form is checked first
+    (:func:`.compiled.row_form_fault`: every source row lies in the input, every fill code is one of the map's; a row
+    past the input would be read outside the expert's bytes).
 
     The copy does not wait for the stream (:class:`~fimoe_lab.kernels.device_tables.DeviceTables`: each use through
     ``ready`` makes its stream wait until it lands), or, with ``wait`` (the planner's thread, whose stream is not the
     caller's), is complete when this returns."""
     key = ("swizzle rows", str(device))
     if key not in em._dev:
-        rows, c_in, _, _, _ = em.swizzled_rows
-        if rows.size and int(rows.max()) >= em.in_bytes // c_in:
-            raise LayoutError(f"{em.name}: a swizzled row reads row {int(rows.max())} of {em.in_bytes // c_in}")
-        fills = np.array(em.fills or (0,), dtype=np.int64)
-        if rows.size and -1 - int(rows.min()) >= len(fills):
-            raise LayoutError(f"{em.name}: a swizzled row has fill code {int(rows.min())} of {len(fills)}")
+        form = em.swizzled_rows
+        fault = row_form_fault("swizzled_rows", form, len(em.fills), em.in_bytes, em.out_bytes)
+        if fault is not None:
+            raise LayoutError(f"{em.name}: {fault}")
+        rows, fills = form[0], np.array(em.fills or (0,), dtype=np.int64)
         table = np.where(rows >= 0, rows, -1 - fills[np.maximum(-1 - rows, 0)]).astype(np.int32)
         em._dev[key] = DeviceTables((table,), device, wait)
     return em._dev[key]
