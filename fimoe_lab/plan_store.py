@@ -178,8 +178,7 @@ def loads(data: bytes | bytearray) -> dict[str, Any]:
     ``bytearray`` and they are aligned); :class:`ValueError` where ``data`` is not one (its checksum does not match, no
     line of JSON, not JSON, a table outside the bytes that follow)."""
     view = memoryview(data)
-    first = bytes(view[:_CHECKSUM_LINE])
-    if len(first) < _CHECKSUM_LINE or first[-1:] != b"\n" or int(first[:-1], 16) != zlib.crc32(view[_CHECKSUM_LINE:]):
+    if bytes(view[:_CHECKSUM_LINE]) != b"%08x\n" % zlib.crc32(view[_CHECKSUM_LINE:]):  # the line dumps writes
         raise ValueError("a record's checksum does not match its bytes: a damaged or foreign file")
     cut = data.index(b"\n", _CHECKSUM_LINE)
     body = view[cut + 1 :]
