@@ -5,7 +5,7 @@ composes the maps (index arrays of up to a few hundred thousand cells per expert
 ``compiled()`` coarsens it and finds its fast forms (:mod:`fimoe_lab.compile`). Nothing here touches a device:
 this is the part of ``benchmarks/whole_model.py``'s first-layer overhead that runs on the host before the first
 copy. For each model of its ``MODELS`` (``--path layer``: ``plan_layer(fmt, "trtllm", I, H)``; ``--path drop-in``:
-the drop-in's plan builder at the sizes an engine passes it), ``--repeats`` fresh processes (``--child``) import
+the drop-ins' maps at the sizes an engine passes them, ``prepare.drop_in_maps``), ``--repeats`` fresh processes (``--child``) import
 torch and fimoe_lab (untimed), then time the plan and each map's compile; the minimum and median over the processes
 are printed (wall ms; the host is shared, the minimum is the cost).
 
@@ -38,40 +38,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from whole_model import MODELS, ROOT, drop_in_shapes, run_drop_in  # noqa: E402  (the models' sizes, one table)
 
-DROP_IN_BUILDERS = {  # weight format -> the drop-in's plan builder (prepare) and whether it runs in place
-    "fp8": ("plan_rotate_fp8_per_tensor", True),
-    "fp8-block": ("plan_shuffle_deepseek_fp8", False),
-    "bf16": ("plan_trtllm_bf16_block_layout", True),
-}
 
-
-def build(model: str, path: str):
-    """The plan ``model``'s first layer asks for on ``path`` (read from the plan store where it holds it)."""
+def maps_of(model: str, path: str) -> dict:
+    """The maps ``model``'s first layer builds on ``path``, each with whether it runs in place: ``plan_layer``'s
+    (``layer``), or the drop-ins' own at the sizes an engine passes them (``drop-in``:
+    :func:`fimoe_lab.prepare.drop_in_maps`); read from the plan store where it holds their plan."""
     from fimoe_lab import prepare
     from fimoe_lab.recipes import plan_layer
     from fimoe_lab.shapes import padded_shape
 
     fmt, _, hidden, inter, _, _ = MODELS[model]
     if path == "layer":
-        return plan_layer(fmt, "trtllm", inter, hidden)
-    name, _ = DROP_IN_BUILDERS[fmt]
-    inter_p, hidden_p = padded_shape(fmt, "trtllm", inter, hidden)
-    extra = () if fmt == "fp8-block" else (True,)  # gated
-    return getattr(prepare, name)(2 * inter_p, hidden_p, inter_p, *extra)
+        return {name: (m, False) for name, m in plan_layer(fmt, "trtllm", inter, hidden).maps().items()}
+    return prepare.drop_in_maps(fmt, *padded_shape(fmt, "trtllm", inter, hidden))
 
 
 def fill(model: str, path: str) -> None:
-    """Apply ``model``'s plan on ``path`` to two experts on the CPU, do the background planner's work for each map
-    and apply it again: the plan store (``FIMOE_LAB_CACHE``) then holds its record as a GPU process leaves it."""
+    """Apply ``model``'s maps on ``path`` to two experts on the CPU (the layer plan, or the drop-in), wait for the
+    executor loading in the background, do the background planner's work for each map and apply them again: the plan
+    store (``FIMOE_LAB_CACHE``) then holds the record the module docstring describes."""
     import torch
 
     from fimoe_lab import plan_store
     from fimoe_lab.kernels import prebuilt, registry
+    from fimoe_lab.recipes import plan_layer
 
     fmt, _, hidden, inter, _, _ = MODELS[model]
-    plan = build(model, path)
-    in_place = path == "drop-in" and DROP_IN_BUILDERS[fmt][1]
+    maps = maps_of(model, path)
     if path == "layer":
+        plan = plan_layer(fmt, "trtllm", inter, hidden)
         t = [torch.randint(0, 256, (2, *m.in_shape), dtype=torch.uint8) for m in plan.maps().values()]
 
         def apply() -> None:
@@ -85,7 +80,7 @@ def fill(model: str, path: str) -> None:
     apply()
     for thread in list(registry._LOADS.threads.values()):  # the executor torch stood in for (numba), loaded: what it
         thread.join()  # finds on its calls (row forms) goes into the record as in a process that ran long enough
-    for m in plan.maps().values():
+    for m, in_place in maps.values():
         prebuilt.build_plan(m.compiled(), in_place)
     for _ in range(plan_store.PLANNER_WAIT):
         apply()
@@ -98,22 +93,22 @@ def child(model: str, path: str) -> dict:
     from fimoe_lab.kernels import prebuilt, registry
 
     start = time.perf_counter()
-    plan = build(model, path)
+    maps = {name: m for name, (m, _) in maps_of(model, path).items()}
     planned = time.perf_counter()
-    maps = {}
-    for name, m in plan.maps().items():
+    compiled = {}
+    for name, m in maps.items():
         t = time.perf_counter()
         m.compiled()
-        maps[name] = (time.perf_counter() - t) * 1e3
+        compiled[name] = (time.perf_counter() - t) * 1e3
     total = (time.perf_counter() - start) * 1e3
     ready = {}
-    for name, m in plan.maps().items():
+    for name, m in maps.items():
         em = m.compiled()
         if registry.kernel_gathers(em):
             t = time.perf_counter()
             prebuilt.build_plan(em, in_place=False)
             ready[name] = (time.perf_counter() - t) * 1e3
-    return {"plan_ms": (planned - start) * 1e3, "compile_ms": maps, "total_ms": total, "planner_ms": ready}
+    return {"plan_ms": (planned - start) * 1e3, "compile_ms": compiled, "total_ms": total, "planner_ms": ready}
 
 
 def main(argv: list[str] | None = None) -> None:
