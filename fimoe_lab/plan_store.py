@@ -15,11 +15,11 @@ first layer launches at once, and the planner has nothing to build but copies; w
 row form or cycle plan not kept) builds it as before.
 
 A record is used only when it and its folder are this user's and writable by no one else (not links), its checksum
-matches its bytes, and its format, its key (the plan's arguments) and the fingerprint of the code that built it (the package version and the
-size and modification time of every module that defines maps, plans or their compiled forms) all match; else, or
-when it does not read, the plan is built as if it were absent, and written again after its first apply. Only plans
-whose every map runs from a strided form are written (their first call needs no index). Writing is one temporary
-file renamed into place; a folder that cannot be written is left alone for the rest of the process.
+matches its bytes, and its format, its key (the plan's arguments) and the fingerprint of the code that built it (the
+package version and the size and modification time of every module that defines maps, plans or their compiled forms)
+all match; else, or when it does not read, the plan is built as if it were absent, and written again after its first
+apply. Only plans whose every map runs from a strided form are written (their first call needs no index). Writing is
+one temporary file renamed into place; a folder that cannot be written is left alone for the rest of the process.
 ``FIMOE_LAB_PLAN_STORE=0`` turns reading and writing off.
 """
 
@@ -166,11 +166,16 @@ def dumps(record: dict[str, Any]) -> bytes:
     header = json.dumps(record, separators=(",", ":"), default=table)  # the C encoder (json.dump streams in Python)
     header += " " * (-(_CHECKSUM_LINE + len(header) + 1) % 8)
     body = header.encode("ascii") + b"\n" + b"".join(tables)
-    return b"%08x\n" % zlib.crc32(body) + body
+    return _checksum_line(body) + body
 
 
-_CHECKSUM_LINE = 9
-"""Bytes of a record's first line: its checksum's 8 hex digits and the newline."""
+def _checksum_line(body: bytes | memoryview) -> bytes:
+    """A record's first line: the CRC-32 of the rest as 8 lowercase hex digits, then a newline."""
+    return b"%08x\n" % zlib.crc32(body)
+
+
+_CHECKSUM_LINE = len(_checksum_line(b""))
+"""Bytes of a record's first line."""
 
 
 def loads(data: bytes | bytearray) -> dict[str, Any]:
@@ -178,7 +183,7 @@ def loads(data: bytes | bytearray) -> dict[str, Any]:
     ``bytearray`` and they are aligned); :class:`ValueError` where ``data`` is not one (its checksum does not match, no
     line of JSON, not JSON, a table outside the bytes that follow)."""
     view = memoryview(data)
-    if bytes(view[:_CHECKSUM_LINE]) != b"%08x\n" % zlib.crc32(view[_CHECKSUM_LINE:]):  # the line dumps writes
+    if bytes(view[:_CHECKSUM_LINE]) != _checksum_line(view[_CHECKSUM_LINE:]):  # byte for byte, as dumps wrote it
         raise ValueError("a record's checksum does not match its bytes: a damaged or foreign file")
     cut = data.index(b"\n", _CHECKSUM_LINE)
     body = view[cut + 1 :]
