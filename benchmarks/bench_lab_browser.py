@@ -31,7 +31,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from checkout import on_path  # noqa: E402  (PYTHONPATH=TREE measures TREE)
+
+on_path()
 
 from scripts import lab_screenshots as shots  # noqa: E402
 

@@ -38,6 +38,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from checkout import child_env  # noqa: E402  (a child runs the PYTHONPATH given, then this checkout)
 
 # drop-in -> (weight format the warm-up is told, description)
 DROPINS = {
@@ -141,8 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env()
     run_child(args, "warm-cache", env)  # prime the on-disk caches
     results = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "dropin": args.dropin, "modes": {}}
     all_runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}

@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from checkout import child_env, on_path  # noqa: E402  (PYTHONPATH=TREE measures TREE)
+
 HIDDEN, INTERMEDIATE, BLOCK = 7168, 2048, 128
 """DeepSeek-V3's hidden size, MoE intermediate size and FP8 scale block."""
 
@@ -155,7 +158,7 @@ def child(args: argparse.Namespace) -> None:
 def run_child(kind: str, src: Path, dst: Path, a: argparse.Namespace, device: str, lanes: str = "") -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--src", str(src), "--dst", str(dst)]
     cmd += ["--backend", a.backend, "--device", device, "--shard-size", str(a.shard_size)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = child_env()
     if lanes:
         env["FIMOE_WRITE_LANES"] = lanes
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
@@ -228,7 +231,7 @@ def main() -> int:
     if a.child:
         child(a)
         return 0
-    sys.path.insert(0, str(ROOT))
+    on_path()
     work = Path(tempfile.mkdtemp(prefix="convert-stream-", dir=a.dir))
     try:
         src = work / "src"

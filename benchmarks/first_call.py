@@ -36,7 +36,8 @@ from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from whole_model import MODELS, ROOT, drop_in_shapes, run_drop_in  # noqa: E402  (the models' sizes, one table)
+from checkout import child_env  # noqa: E402  (a child runs the PYTHONPATH given, then this checkout)
+from whole_model import MODELS, drop_in_shapes, run_drop_in  # noqa: E402  (the models' sizes, one table)
 
 
 def maps_of(model: str, path: str) -> dict:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.fill:
         fill(args.fill, args.path)
         return
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env()
     for model in args.models:
         if args.path not in MODELS[model][5]:
             ap.error(f"{model} has no {args.path} path (it has {', '.join(MODELS[model][5])})")

@@ -23,7 +23,9 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from checkout import on_path  # noqa: E402  (PYTHONPATH=TREE measures TREE)
+
+on_path()
 
 import torch  # noqa: E402
 from bench_transforms import ratio_to_copy, save_results  # noqa: E402

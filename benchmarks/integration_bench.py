@@ -57,7 +57,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from checkout import on_path  # noqa: E402  (PYTHONPATH=TREE measures TREE)
+
+on_path()
 STAGE_ROOT = ROOT / "build" / "engine_src"
 
 import torch  # noqa: E402

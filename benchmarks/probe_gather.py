@@ -23,7 +23,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+from checkout import on_path  # noqa: E402  (PYTHONPATH=TREE measures TREE)
+
+on_path()
 
 import torch  # noqa: E402
 from probe_strided_copies import event_ms  # noqa: E402  (the same event timing)

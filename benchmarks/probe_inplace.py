@@ -17,7 +17,10 @@ import itertools
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checkout import on_path  # noqa: E402  (PYTHONPATH=TREE measures TREE)
+
+on_path()
 
 import torch  # noqa: E402
 from bench_transforms import peak_extra, timeit  # noqa: E402  (same timing rule as the benchmark)

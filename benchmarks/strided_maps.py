@@ -19,15 +19,16 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checkout import on_path  # noqa: E402  (PYTHONPATH=TREE measures TREE)
+
+on_path()
 
 import torch  # noqa: E402
+from whole_model import MODELS  # noqa: E402
 
 from fimoe_lab.kernels import execute, execute_in_place  # noqa: E402
 from fimoe_lab.prepare import drop_in_maps, plan_layer  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from whole_model import MODELS  # noqa: E402
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:

@@ -58,7 +58,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from checkout import ROOT, child_env  # noqa: E402  (a child runs the PYTHONPATH given, then this checkout)
 
 # model -> (weight format, experts, hidden, intermediate per rank, MoE layers, paths)
 MODELS = {
@@ -276,7 +277,7 @@ def layer_shapes_of(fmt: str, hidden: int, inter: int) -> dict[str, list[int]]:
         f"p = plan_layer({fmt!r}, 'trtllm', {inter}, {hidden}); "
         "print(json.dumps({k: list(m.in_shape) for k, m in p.maps().items()}))"
     )
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"a child runs one of the orders {', '.join(PHASES)}, not {args.order!r}")
         print(json.dumps(child(args)))
         return
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env()
     sampler = None
     if args.clock_log:
         query = "timestamp,clocks.sm,clocks.mem,power.draw"

@@ -464,6 +464,32 @@ def test_numba_cell_gathers_follow_sources_in_visit_order(monkeypatch, cell, str
         assert (raw[:off] == 0xAB).all() and (raw[off + 3 * m.out_bytes :] == 0xAB).all()
 
 
+@pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore reports unwritten anonymous pages on Linux")
+def test_numba_streams_only_into_pages_already_mapped(monkeypatch):
+    """A new 64 MB output (a fresh ``mmap``: no page mapped until written) takes the plain-store kernel and one
+    written before (every page mapped) the streaming one; pages written in the first quarter only still count as
+    new. The output is the map's either way, on structured and random bytes."""
+    from fimoe_lab.kernels import numba_gather
+
+    monkeypatch.setattr(numba_gather, "STREAM_MIN_BYTES", 1 << 20)
+    m = plan_layer("fp8", "trtllm", 256, 2048).w13  # rows of 2048 bytes: 64-byte aligned memcpy cells
+    em = m.compiled()
+    experts = (64 << 20) // m.out_bytes + 1
+    for x in (coords_bytes(experts, m.in_bytes), random_bytes((experts, m.in_bytes), torch.uint8, seed=7)):
+        want = reference(m, x)
+        for written in (0.0, 0.25, 1.0):
+            out = torch.empty((experts, m.out_bytes), dtype=torch.uint8)
+            flat = out.view(-1)
+            flat[: int(flat.numel() * written)].fill_(0xAB)
+            assert numba_gather.pages_mapped(out) == (written == 1.0)
+            em._dev.clear()
+            numba_gather.gather_numba(em, x, out)
+            (key,) = [k for k in em._dev if isinstance(k, tuple) and k[0] == "numba_run"]
+            assert key[-1] == (written == 1.0), (written, key)
+            assert torch.equal(out, want), written
+
+
 def coords_bytes(experts: int, nbytes: int) -> torch.Tensor:
     """Bytes that encode their position: 4-byte words (expert << 24 | word index)."""
     words = torch.arange(nbytes // 4, dtype=torch.int32)[None, :] + (

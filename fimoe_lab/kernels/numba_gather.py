@@ -9,11 +9,15 @@ scale swizzle has its own loop (:func:`_swizzle`: one task per 128-row band, 4x4
 transposes in vector registers, the source rows of a later band prefetched). Outputs of
 at least ``STREAM_MIN_BYTES`` are written with non-temporal (streaming) stores, which skip
 the read of each destination line that a plain store costs: 64-byte aligned cells of
-whole lines, and the swizzle's whole-line stores. Compiled on first use and cached on disk
+whole lines, and the swizzle's whole-line stores; an output whose pages are not mapped yet (a new
+tensor this large is a fresh ``mmap``) takes plain stores (:func:`pages_mapped`). Compiled on first use and cached on disk
 next to this module (``NUMBA_CACHE_DIR`` elsewhere); :mod:`fimoe_lab.warmup` compiles ahead.
 """
 
 from __future__ import annotations
+
+import ctypes
+import mmap
 
 import numpy as np
 import torch
@@ -30,6 +34,7 @@ __all__ = [
     "check_map",
     "gather_numba",
     "inplace_cycles_numba",
+    "pages_mapped",
     "parallel_copy",
     "visit_order",
     "visit_sources",
@@ -230,7 +235,41 @@ def _transpose16_lines(typingctx, dst, stride, addrs):
 STREAM_MIN_BYTES = 1 << 22
 """Outputs of at least this many bytes (more than a core's share of the last-level cache) are
 written with non-temporal stores where the kernel has them (64-byte aligned cells, the 128x4
-swizzle); smaller ones stay in cache for whoever reads them next."""
+swizzle) if their pages are mapped (:func:`pages_mapped`); smaller ones stay in cache for whoever
+reads them next."""
+
+
+def _mincore():
+    """libc's ``mincore(addr, length, vec)``, or None where the C library has none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int
+    return fn
+
+
+_MINCORE = _mincore()
+
+
+def pages_mapped(t: torch.Tensor) -> bool:
+    """Whether the memory pages at a quarter, half and three quarters of ``t``'s bytes are mapped
+    (``mincore``; True where that cannot be asked).
+
+    A large new CPU tensor is a fresh ``mmap`` whose pages are mapped by their first write; streaming
+    stores into such pages cost more than plain ones (DeepSeek-V3's 940 MB W13 rows on a 2-core CPU:
+    223 ms against 204, on pages already written 37-41 against 63; ``benchmarks/fresh_pages.py``)."""
+    if _MINCORE is None or t.nbytes == 0:
+        return True
+    page, base, vec = mmap.PAGESIZE, t.data_ptr(), ctypes.c_ubyte()
+    for k in (1, 2, 3):
+        addr = (base + t.nbytes * k // 4) & -page
+        if _MINCORE(addr, page, ctypes.byref(vec)) != 0:
+            return True
+        if not vec.value & 1:
+            return False
+    return True
+
 
 CYCLES_TILE_BYTES = 1 << 20
 """Bytes per cycle-plan tile on the CPU (a tile's sources are staged in a private buffer)."""
@@ -507,7 +546,7 @@ def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     check_map(em)
     _check_buffers(em, x, out)
     xp, op = x.data_ptr(), out.data_ptr()
-    key = ("numba_run", _alignment(xp | op), _alignment(op), out.nbytes >= STREAM_MIN_BYTES)
+    key = ("numba_run", _alignment(xp | op), _alignment(op), out.nbytes >= STREAM_MIN_BYTES and pages_mapped(out))
     run = em._dev.get(key)
     if run is None:
         run = em._dev[key] = _runner(em, *key[1:])
@@ -517,7 +556,7 @@ def gather_numba(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
 def _runner(em: ExecMap, both: int, out_align: int, big: bool):
     """``run(x, out, experts)`` over the checked tensors, for buffers whose addresses are both
     multiples of ``both`` and the output's of ``out_align`` (powers of two <= 64); ``big``:
-    streaming stores where the loop has them (:data:`STREAM_MIN_BYTES`)."""
+    streaming stores where the loop has them (:data:`STREAM_MIN_BYTES`, :func:`pages_mapped`)."""
     word = min(em.word, both)
     if em.swizzle is not None and word == 4 and both >= 16:
         rows, cw, _ = em.swizzle
