@@ -9,9 +9,10 @@ scale swizzle has its own loop (:func:`_swizzle`: one task per 128-row band, 4x4
 transposes in vector registers, the source rows of a later band prefetched). Outputs of
 at least ``STREAM_MIN_BYTES`` are written with non-temporal (streaming) stores, which skip
 the read of each destination line that a plain store costs: 64-byte aligned cells of
-whole lines, and the swizzle's whole-line stores; an output whose pages are not mapped yet (a new
-tensor this large is a fresh ``mmap``) takes plain stores (:func:`pages_mapped`). Compiled on first use and cached on disk
-next to this module (``NUMBA_CACHE_DIR`` elsewhere); :mod:`fimoe_lab.warmup` compiles ahead.
+whole lines, and the swizzle's whole-line stores; an output whose pages are not mapped yet
+(a new tensor this large is a fresh ``mmap``) takes plain stores (:func:`pages_mapped`).
+Compiled on first use and cached on disk next to this module (``NUMBA_CACHE_DIR``
+elsewhere); :mod:`fimoe_lab.warmup` compiles ahead.
 """
 
 from __future__ import annotations
