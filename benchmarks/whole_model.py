@@ -313,9 +313,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shapes", help=argparse.SUPPRESS)
-    ap.add_argument("--model", choices=sorted(MODELS))
-    ap.add_argument("--path", choices=("drop-in", "layer"))
-    ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--model", choices=sorted(MODELS), help=argparse.SUPPRESS)  # a child's model and path
+    ap.add_argument("--path", choices=("drop-in", "layer"), help=argparse.SUPPRESS)
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=sorted(MODELS), metavar="MODEL")
+    ap.add_argument(
+        "--paths",
+        nargs="*",
+        default=["drop-in", "layer"],
+        choices=("drop-in", "layer"),
+        help="paths to run, of those a model has",
+    )
     ap.add_argument("--modes", nargs="*", default=["empty", "warm"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=0, help="MoE layers (default: the model's)")
@@ -443,7 +450,7 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
     for model in args.models:
         fmt, experts, hidden, inter, layers, paths = MODELS[model]
         shapes = json.dumps(layer_shapes_of(fmt, hidden, inter))
-        runs = [(path, path, {}) for path in paths]
+        runs = [(path, path, {}) for path in paths if path in args.paths]
         if args.torch_stand_in:
             runs += [(f"{path} torch", path, {"FIMOE_PREBUILT_KERNELS": "0"}) for path in paths]
         for label, path, extra in runs:
