@@ -435,6 +435,36 @@ def test_numba_swizzle_prefetch_paths_bit_exact(monkeypatch, spread_min, fmt, in
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
+@pytest.mark.parametrize("offset", [0, 1, 3, 16])
+@pytest.mark.parametrize(
+    "fmt,inter,hidden",
+    [("mxfp4", 2880, 2880), ("mxfp4", 256, 1440), ("mxfp4", 192, 2880), ("mxfp4", 1440, 352), ("nvfp4", 256, 512)],
+)
+def test_numba_swizzled_rows_of_any_width_bit_exact(fmt, inter, hidden, offset):
+    """Scale maps of the ``swizzled_rows`` form (rows of 6-90 bytes, 1-3 past a whole word or whole words, fill rows
+    from the padding) run on their own loop wherever the vector swizzle does not take them (rows not whole words,
+    or buffers not 16-byte aligned), at any output alignment: the output is the map's on structured and random bytes,
+    and no byte beside it is written."""
+    from fimoe_lab.kernels import numba_gather
+
+    plan = plan_layer(fmt, "trtllm", inter, hidden)
+    for m in (plan.w13_scale, plan.w2_scale):
+        em = m.compiled()
+        assert em.swizzled_rows is not None
+        em._dev.clear()
+        for x in (coords_bytes(3, m.in_bytes), random_bytes((3, m.in_bytes), torch.uint8, seed=inter + hidden)):
+            raw = torch.full((3 * m.out_bytes + 64,), 0xAB, dtype=torch.uint8)
+            start = offset + (-raw.data_ptr()) % 16
+            out = raw[start : start + 3 * m.out_bytes].view(3, m.out_bytes)
+            numba_gather.gather_numba(em, x, out)
+            assert torch.equal(out, reference(m, x)), (m.name, offset)
+            assert (raw[:start] == 0xAB).all() and (raw[start + 3 * m.out_bytes :] == 0xAB).all()
+        (key,) = [k for k in em._dev if isinstance(k, tuple) and k[0] == "numba_run"]
+        vector = em.swizzle is not None and offset % 16 == 0
+        assert em._dev[key].__name__ == ("swizzle" if vector else "swizzled_rows"), (m.name, offset)
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("cell", [4, 8, 16, 64, 128])
 def test_numba_cell_gathers_follow_sources_in_visit_order(monkeypatch, cell, stream):

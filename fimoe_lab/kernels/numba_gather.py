@@ -6,7 +6,9 @@ front to back, and reads each cell's source from :func:`visit_sources` beside it
 than through the visit index); a cell of 16 bytes or more moves with one ``memcpy`` (fill: ``memset``),
 a smaller one as a run of 8-, 4-, 2- or 1-byte words. A row gather followed by the 128x4
 scale swizzle has its own loop (:func:`_swizzle`: one task per 128-row band, 4x4 word
-transposes in vector registers, the source rows of a later band prefetched). Outputs of
+transposes in vector registers, the source rows of a later band prefetched); rows of any
+width padded on the right, then swizzled (gpt-oss's 90-byte MXFP4 scale rows), have another
+(:func:`_swizzled_rows`: 4-byte moves, one task per band). Outputs of
 at least ``STREAM_MIN_BYTES`` are written with non-temporal (streaming) stores, which skip
 the read of each destination line that a plain store costs: 64-byte aligned cells of
 whole lines, and the swizzle's whole-line stores; an output whose pages are not mapped yet
@@ -343,6 +345,43 @@ def _pad_rows(x, out, rows, visit, fill_bytes, c_in, c_out, col_code, block, str
             _store_fence()
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _swizzled_rows(xa, oa, experts, rows, fill_bytes, c_in, cw, col_code, in_bytes):  # pragma: no cover - compiled
+    """xa, oa: addresses of ``experts`` experts' input (``in_bytes`` each) and output (``4 cw R`` bytes, ``R =
+    rows.size``); the ``swizzled_rows`` form: row ``r = 128 b + 32 q + p`` is input row ``rows[r]`` (``c_in``
+    bytes, then fill ``col_code`` up to ``4 cw``) or all fill ``rows[r]`` when negative, and its bytes ``4k ..
+    4k+3`` go to output bytes ``512 (b cw + k) + 16 p + 4 q``. One task per (expert, band of 128 rows), whose
+    output is one contiguous run of ``512 cw`` bytes; 4-byte moves at any alignment."""
+    n_rows = rows.size
+    bands = n_rows // 128
+    full = c_in // 4
+    rem = c_in - 4 * full
+    tail = fill_bytes[-1 - col_code]
+    for t in prange(experts * bands):
+        e = t // bands
+        b = t - e * bands
+        xb = xa + e * in_bytes
+        ob = oa + e * n_rows * 4 * cw + b * cw * 512
+        for rr in range(128):
+            s = rows[b * 128 + rr]
+            d = ob + 16 * (rr % 32) + 4 * (rr // 32)
+            if s < 0:
+                v = fill_bytes[-1 - s]
+                for k in range(cw):
+                    _fill_bytes(d + 512 * k, v, 4)
+                continue
+            src = xb + s * c_in
+            for k in range(full):
+                _copy_bytes(d + 512 * k, src + 4 * k, 4)
+            k = full
+            if rem:
+                _copy_bytes(d + 512 * k, src + 4 * k, rem)
+                _fill_bytes(d + 512 * k + rem, tail, 4 - rem)
+                k += 1
+            for kk in range(k, cw):
+                _fill_bytes(d + 512 * kk, tail, 4)
+
+
 SWIZZLE_PREFETCH_BANDS = 2
 """The 128x4 swizzle prefetches the source rows of the band this many bands ahead, all at the
 band's start, when its rows are short (under :data:`SWIZZLE_SPREAD_MIN_ROW_BYTES`); its rows
@@ -476,8 +515,8 @@ def check_map(em: ExecMap) -> None:
     """Refuse (LayoutError) a map whose indices would make the loops read or write out of bounds.
 
     Must hold: ``src`` int32 ``(n_out,)`` with ``-max(1, len(fills)) <= src[i] < n_in``;
-    ``n_in * cell_bytes <= in_bytes`` and ``n_out * cell_bytes == out_bytes``; the swizzle and
-    padded-rows forms as :func:`~fimoe_lab.kernels.compiled.row_form_fault` states (their rows cover
+    ``n_in * cell_bytes <= in_bytes`` and ``n_out * cell_bytes == out_bytes``; the swizzle, padded-rows
+    and swizzled-rows forms as :func:`~fimoe_lab.kernels.compiled.row_form_fault` states (their rows cover
     the output exactly and read rows of the input or fill codes). Checked once per map (cached on it).
     """
     if em._dev.get("bounds_ok"):
@@ -496,7 +535,7 @@ def check_map(em: ExecMap) -> None:
         raise bad(f"src is {src.dtype} {src.shape}, expected int32 ({em.n_out},)")
     if src.size and (int(src.min()) < -n_fill or int(src.max()) >= em.n_in):
         raise bad(f"src spans [{int(src.min())}, {int(src.max())}], outside [-{n_fill}, {em.n_in})")
-    for kind, form in (("swizzle", em.swizzle), ("padrows", em.padrows)):
+    for kind, form in (("swizzle", em.swizzle), ("padrows", em.padrows), ("swizzled_rows", em.swizzled_rows)):
         fault = None if form is None else row_form_fault(kind, form, len(em.fills), em.in_bytes, em.out_bytes)
         if fault is not None:
             raise bad(fault)
@@ -572,6 +611,14 @@ def _runner(em: ExecMap, both: int, out_align: int, big: bool):
 
         return swizzle
     fill_bytes = np.array(em.fills or (0,), dtype=np.int32)
+    if em.swizzled_rows is not None and em.swizzled_rows[3] % 128 == 0:  # whole bands of 128 rows
+        rows, c_in, cw, _, col_code = em.swizzled_rows
+        in_bytes = em.in_bytes
+
+        def swizzled_rows(x, out, experts):
+            _swizzled_rows(x.data_ptr(), out.data_ptr(), experts, rows, fill_bytes, c_in, cw, col_code, in_bytes)
+
+        return swizzled_rows
     if em.padrows is not None:
         rows, c_in, c_out, col_code = em.padrows
         visit = _source_order(em, "visit_rows", rows, c_in)
@@ -687,9 +734,9 @@ def inplace_cycles_numba(em: ExecMap, flat: torch.Tensor, scratch_experts: int):
 
 def preload() -> None:
     """Load the kernels most transforms run (numba's set-up, the threading layer, then the
-    parallel copy, the cell copy, the 128x4 swizzle and the in-place cycle tiles of 8-byte
-    words from the on-disk cache, compiling them when absent), each run once on a few bytes
-    with the argument types of the real calls."""
+    parallel copy, the cell copy, the 128x4 swizzle of whole words and of rows of any width, and the
+    in-place cycle tiles of 8-byte words from the on-disk cache, compiling them when absent), each
+    run once on a few bytes (or none) with the argument types of the real calls."""
     a = np.arange(256, dtype=np.uint8)
     b = np.empty_like(a)
     parallel_copy(a, b, False)
@@ -698,6 +745,7 @@ def preload() -> None:
     _gather_memcpy(a.ctypes.data, b.ctypes.data, 1, one, fill, one, 64, 64, 1, 1, False)
     words = a.view(np.int32).reshape(1, -1)  # one band of 128 rows of 1 word is 512 bytes: none here
     _swizzle(words[:, :0], b.view(np.int32).reshape(1, -1)[:, :0], np.zeros(128, dtype=np.int32), fill, 1, False)
+    _swizzled_rows(a.ctypes.data, b.ctypes.data, 0, np.zeros(128, dtype=np.int32), fill, 1, 1, -1, 1)
     rows = a.view(np.int64).reshape(1, -1, 1)  # in place along cycles, rows of 8-byte words (row permutations)
     saved = np.empty((1, 1, 1), dtype=np.int64)
     _save_cells(rows, saved, one)
