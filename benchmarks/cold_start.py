@@ -37,9 +37,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from checkout import child_env  # noqa: E402  (a child runs the PYTHONPATH given, then this checkout)
+from checkout import ROOT, child_env  # noqa: E402  (a child runs the PYTHONPATH given, then this checkout)
 
 # drop-in -> (weight format the warm-up is told, description)
 DROPINS = {
