@@ -459,9 +459,8 @@ def test_numba_swizzled_rows_of_any_width_bit_exact(fmt, inter, hidden, offset):
             numba_gather.gather_numba(em, x, out)
             assert torch.equal(out, reference(m, x)), (m.name, offset)
             assert (raw[:start] == 0xAB).all() and (raw[start + 3 * m.out_bytes :] == 0xAB).all()
-        (key,) = [k for k in em._dev if isinstance(k, tuple) and k[0] == "numba_run"]
         vector = em.swizzle is not None and offset % 16 == 0
-        assert em._dev[key].__name__ == ("swizzle" if vector else "swizzled_rows"), (m.name, offset)
+        assert em._dev[numba_run_key(em)].__name__ == ("swizzle" if vector else "swizzled_rows"), (m.name, offset)
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
@@ -515,9 +514,15 @@ def test_numba_streams_only_into_pages_already_mapped(monkeypatch):
             assert numba_gather.pages_mapped(out) == (written == 1.0)
             em._dev.clear()
             numba_gather.gather_numba(em, x, out)
-            (key,) = [k for k in em._dev if isinstance(k, tuple) and k[0] == "numba_run"]
+            key = numba_run_key(em)
             assert key[-1] == (written == 1.0), (written, key)
             assert torch.equal(out, want), written
+
+
+def numba_run_key(em) -> tuple:
+    """The one numba runner ``em`` has made (its key: alignments and whether it streams), after a single call."""
+    (key,) = [k for k in em._dev if isinstance(k, tuple) and k[0] == "numba_run"]
+    return key
 
 
 def coords_bytes(experts: int, nbytes: int) -> torch.Tensor:
