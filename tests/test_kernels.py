@@ -496,9 +496,12 @@ def test_numba_cell_gathers_follow_sources_in_visit_order(monkeypatch, cell, str
 @pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 @pytest.mark.skipif(sys.platform != "linux", reason="mincore reports unwritten anonymous pages on Linux")
 def test_numba_streams_only_into_pages_already_mapped(monkeypatch):
-    """A new 64 MB output (a fresh ``mmap``: no page mapped until written) takes the plain-store kernel and one
-    written before (every page mapped) the streaming one; pages written in the first quarter only still count as
-    new. The output is the map's either way, on structured and random bytes."""
+    """A 64 MB output in a fresh anonymous ``mmap`` (no page mapped until written) takes the plain-store kernel and
+    one written before (every page mapped) the streaming one; pages written in the first quarter only still count as
+    new. The output is the map's either way, on structured and random bytes. (``torch.empty`` of this size is
+    usually a fresh mapping too, but the C library may serve it from freed heap memory, whose pages are mapped.)"""
+    import mmap
+
     from fimoe_lab.kernels import numba_gather
 
     monkeypatch.setattr(numba_gather, "STREAM_MIN_BYTES", 1 << 20)
@@ -508,8 +511,8 @@ def test_numba_streams_only_into_pages_already_mapped(monkeypatch):
     for x in (coords_bytes(experts, m.in_bytes), random_bytes((experts, m.in_bytes), torch.uint8, seed=7)):
         want = reference(m, x)
         for written in (0.0, 0.25, 1.0):
-            out = torch.empty((experts, m.out_bytes), dtype=torch.uint8)
-            flat = out.view(-1)
+            flat = torch.frombuffer(mmap.mmap(-1, experts * m.out_bytes), dtype=torch.uint8)
+            out = flat.view(experts, m.out_bytes)
             flat[: int(flat.numel() * written)].fill_(0xAB)
             assert numba_gather.pages_mapped(out) == (written == 1.0)
             em._dev.clear()

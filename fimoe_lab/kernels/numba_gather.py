@@ -12,7 +12,7 @@ width padded on the right, then swizzled (gpt-oss's 90-byte MXFP4 scale rows), h
 at least ``STREAM_MIN_BYTES`` are written with non-temporal (streaming) stores, which skip
 the read of each destination line that a plain store costs: 64-byte aligned cells of
 whole lines, and the swizzle's whole-line stores; an output whose pages are not mapped yet
-(a new tensor this large is a fresh ``mmap``) takes plain stores (:func:`pages_mapped`).
+(a new tensor this large is usually a fresh ``mmap``) takes plain stores (:func:`pages_mapped`).
 Compiled on first use and cached on disk next to this module (``NUMBA_CACHE_DIR``
 elsewhere); :mod:`fimoe_lab.warmup` compiles ahead.
 """
@@ -259,7 +259,8 @@ def pages_mapped(t: torch.Tensor) -> bool:
     """Whether the memory pages at a quarter, half and three quarters of ``t``'s bytes are mapped
     (``mincore``; True where that cannot be asked).
 
-    A large new CPU tensor is a fresh ``mmap`` whose pages are mapped by their first write; streaming
+    A large new CPU tensor is usually a fresh ``mmap`` (the C library may also serve it from freed heap
+    memory, already mapped), whose pages are mapped by their first write; streaming
     stores into such pages cost more than plain ones (DeepSeek-V3's 940 MB W13 rows on a 2-core CPU:
     223 ms against 204, on pages already written 37-41 against 63; ``benchmarks/fresh_pages.py``)."""
     if _MINCORE is None or t.nbytes == 0:
