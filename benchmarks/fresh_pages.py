@@ -4,7 +4,7 @@ For each map of a model's ``layer`` plan (``plan_layer(fmt, "trtllm", ...)``, th
 ``whole_model.MODELS``), on the CPU executor (numba): the map into an output already written once
 (``touched``) and into a new one (``fresh``: ``torch.empty`` + the map), beside ``copy_`` of the input's
 bytes both ways and a first write of the new output alone (``fill``: ``fill_``). Tensors this large are
-fresh ``mmap``\\ s, so a new output's first write also maps its pages; ``fresh - touched`` is what that
+usually fresh ``mmap``\\ s, so a new output's first write also maps its pages; ``fresh - touched`` is what that
 costs each side. Median of ``--repeats`` calls after one untimed call; the output of the map is compared
 with its touched run's. Set ``THP_MEM_ALLOC_ENABLE=1`` to give torch's large CPU tensors huge pages.
 
