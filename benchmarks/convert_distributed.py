@@ -28,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkout import child_env  # noqa: E402  (PYTHONPATH=TREE measures TREE)
 from convert_stream import HIDDEN, INTERMEDIATE, _same_files, generate, timed_cp  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def launch(n: int, src: Path, dst: Path, report: Path, a: argparse.Namespace, de
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), __file__]
     cmd += ["--worker", "--src", str(src), "--dst", str(dst), "--report", str(report), "--device", device]
     cmd += ["--backend", a.backend, "--shard-size", str(a.shard_size)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = child_env()
     start = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start

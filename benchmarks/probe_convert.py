@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from checkout import on_path  # noqa: E402  (PYTHONPATH=TREE measures TREE)
 
+on_path()
 from convert_stream import generate, timed_cp  # noqa: E402
 
 BUSY: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])

@@ -42,6 +42,7 @@ __all__ = [
     "MapCall",
     "apply_map",
     "check_same_device",
+    "copy_bytes",
     "kept_on_disk",
     "kept_plan",
     "map_call",
@@ -96,13 +97,15 @@ def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
         raise LayoutError(f"tensors are on different devices ({listing}); move them to one device first")
 
 
-def apply_map(m: IndexMap, x: torch.Tensor, what: str, keep_flat: bool = True) -> torch.Tensor:
+def apply_map(
+    m: IndexMap, x: torch.Tensor, what: str, keep_flat: bool = True, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Apply ``m`` to ``x`` whose per-expert bytes match ``m.in_shape``, in any per-expert shape.
 
     A 2-D ``x`` of shape ``(E, rows*cols)`` (flattened scales) is read as the map's
-    matrix, and the result is flattened back to ``(E, -1)`` when ``keep_flat``.
+    matrix, and the result is flattened back to ``(E, -1)`` when ``keep_flat``. ``out``: as :meth:`MapCall.run`'s.
     """
-    return map_call(m, x, what, keep_flat).run(x)
+    return map_call(m, x, what, keep_flat).run(x, out)
 
 
 @dataclass(frozen=True)
@@ -117,21 +120,34 @@ class MapCall:
     out_shape: tuple[int, ...]
     flat_shape: Optional[tuple[int, ...]]
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The map on ``x``, of the shape, dtype and device this call was made for (a tensor of another size is
         refused, never read past). A contiguous ``x`` of the map's bytes whose launches the prebuilt kernels kept
-        goes straight to them (:func:`~fimoe_lab.kernels.execute_kept`: ``out`` is this call's own), any other to
-        :func:`~fimoe_lab.kernels.execute`, which checks both."""
+        goes straight to them (:func:`~fimoe_lab.kernels.execute_kept`), any other to
+        :func:`~fimoe_lab.kernels.execute`, which checks both. ``out``: a contiguous tensor of any dtype and shape
+        holding exactly the result's bytes, on ``x``'s device, written and returned as the result (a view of it);
+        None: a new one."""
         if self.as_bytes:
             x = x.view(torch.uint8)
         if self.as_shape is not None:
             x = x.reshape(self.as_shape)
-        out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device) if out is None else self._into(out, x)
         e = self.out_shape[0]
         checked = x.is_contiguous() and x.shape[0] == e and x.nbytes == e * self.em.in_bytes
         if not (checked and execute_kept(self.em, x, out)):
             execute(self.em, x, out)
         return out if self.flat_shape is None else out.reshape(self.flat_shape)
+
+    def _into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` (contiguous, the result's bytes, on ``x``'s device) as the result's dtype and shape."""
+        nbytes = math.prod(self.out_shape) * x.element_size()
+        if not out.is_contiguous() or out.nbytes != nbytes or out.device != x.device:
+            raise LayoutError(
+                f"out {tuple(out.shape)} {out.dtype} on {out.device}: the map writes {nbytes} contiguous bytes on "
+                f"{x.device}",
+                fix="pass a contiguous tensor of exactly the result's bytes on the input's device, or no out",
+            )
+        return out.reshape(-1).view(torch.uint8).view(x.dtype).view(self.out_shape)
 
 
 def map_call(m: IndexMap, x: torch.Tensor, what: str, keep_flat: bool = True) -> MapCall:
@@ -198,16 +214,20 @@ class LayerPlan:
         parts = [m.spec() if m is not None else [], bits.spec() if bits is not None else []]
         return [s for part in (parts[::-1] if self.word_bits_first else parts) for s in part]
 
-    def apply_tensor(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """Tensor ``name`` through its byte map and word bit step in plan order (``x`` itself when none)."""
+    def apply_tensor(self, name: str, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Tensor ``name`` through its byte map and word bit step in plan order (``x`` itself when none).
+        ``out``: a contiguous tensor of exactly the result's bytes (any dtype) that the last step writes (the
+        result is then a view of it); None: a new tensor."""
         m, bits = getattr(self, name), self.word_bits.get(name)
         if bits is not None and self.word_bits_first:
             x = _word_bits(bits, x)
         if m is not None:
-            x = apply_map(m, x, name)
+            x = apply_map(m, x, name, out=out if bits is None or self.word_bits_first else None)
+            if bits is None or self.word_bits_first:
+                return x
         if bits is not None and not self.word_bits_first:
             x = _word_bits(bits, x)
-        return x
+        return x if out is None else copy_bytes(out, x)
 
     def check(self, **tensors: Optional[torch.Tensor]) -> None:
         """Validate every given tensor against its map before any byte moves."""
@@ -308,6 +328,19 @@ class LayerPlan:
             description=f"inverse of {self.description}",
             value_rule=None,
         )
+
+
+def copy_bytes(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``x`` copied into ``out`` (contiguous, as many bytes, any dtype and shape); returns ``out`` as
+    ``x``'s dtype and shape."""
+    if not out.is_contiguous() or out.nbytes != x.nbytes or out.device != x.device:
+        raise LayoutError(
+            f"out {tuple(out.shape)} {out.dtype} on {out.device} cannot hold {tuple(x.shape)} {x.dtype} on {x.device}",
+            fix="pass a contiguous tensor of exactly the result's bytes on the input's device, or no out",
+        )
+    flat = out.reshape(-1).view(torch.uint8)
+    flat.copy_(x.contiguous().reshape(-1).view(torch.uint8))
+    return flat.view(x.dtype).view(x.shape)
 
 
 def _word_bits(bits: IndexMap, x: torch.Tensor) -> torch.Tensor:

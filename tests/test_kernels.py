@@ -23,6 +23,7 @@ from reference_loops import byte_gather as reference
 from fimoe_lab import kernels
 from fimoe_lab.errors import FormatError, LayoutError
 from fimoe_lab.kernels import EXECUTORS, InPlaceError, available_backends, execute, execute_in_place
+from fimoe_lab.plan import apply_map
 from fimoe_lab.prepare import MoELayerSpec, plan_fp4_trtllm_weights, plan_fp8_moe_layer, plan_layer
 
 HAS_NUMBA = importlib.util.find_spec("numba") is not None
@@ -86,6 +87,46 @@ def test_dtypes_and_apply(backend, dtype):
     y = m.apply(x, backend=backend)
     assert y.dtype == dtype
     assert torch.equal(y.reshape(2, -1).view(torch.uint8), reference(m, x))
+
+
+@pytest.mark.parametrize("m", all_maps())
+def test_apply_map_writes_into_a_given_out_of_any_dtype(m):
+    """``apply_map(..., out=buf)`` writes the result's bytes into ``buf`` (its own dtype and shape) and returns a
+    view of it; a ``buf`` of another size, device or a strided one is refused and left as it was."""
+    for x in (structured(m, 3), random_bytes((2, m.in_bytes), torch.uint8, seed=m.in_bytes % 997)):
+        want = reference(m, x)
+        e = x.shape[0]
+        buf = torch.full((e * m.out_bytes // 2,), -21555, dtype=torch.int16) if m.out_bytes % 2 == 0 else None
+        buf = torch.full((e, m.out_bytes), 0xAB, dtype=torch.uint8) if buf is None else buf
+        y = apply_map(m, x, "x", out=buf)
+        assert y.data_ptr() == buf.data_ptr()
+        assert torch.equal(buf.view(torch.uint8).reshape(e, -1), want)
+        assert torch.equal(y.reshape(e, -1).view(torch.uint8), want)
+    for bad in (
+        torch.full((e, m.out_bytes + 1), 7, dtype=torch.uint8),
+        torch.full((e, 2 * m.out_bytes), 7, dtype=torch.uint8)[:, ::2],
+    ):
+        before = bad.clone()
+        with pytest.raises(LayoutError, match="the map writes"):
+            apply_map(m, x, "x", out=bad)
+        assert torch.equal(bad, before)
+
+
+def test_apply_tensor_writes_into_out_whichever_step_comes_last():
+    """A plan with a word bit step after its byte map (forward) and before it (inverse) gives the same bytes into
+    ``out`` as without one, for every tensor."""
+    from fimoe_lab import recipes
+
+    plan = recipes.plan_layer("mxfp4", "cutlass", 96, 160, activation_dtype="bf16")
+    xs = [random_bytes((2, *s), torch.uint8, seed=i) for i, s in enumerate([(192, 80), (160, 48), (192, 5), (160, 3)])]
+    xs[0] = coords(2, 192, 20).view(torch.uint8)
+    for p, ins in ((plan, xs), (plan.inverse(), plan.apply(*xs))):
+        for n, x in zip(("w13", "w2", "w13_scale", "w2_scale"), ins):
+            want = p.apply_tensor(n, x)
+            buf = torch.full((want.nbytes,), 0x5A, dtype=torch.uint8)
+            got = p.apply_tensor(n, x, out=buf)
+            assert got.data_ptr() == buf.data_ptr() and got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(buf, want.contiguous().reshape(-1).view(torch.uint8)), n
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -48,7 +48,7 @@ from fimoe_lab.checkpoints.plan_choice import build_plan, layout_format
 from fimoe_lab.checkpoints.reader import CheckpointError, MoELayer
 from fimoe_lab.choice import LayoutChoice
 from fimoe_lab.engines import ValueRule
-from fimoe_lab.plan import LayerPlan, apply_map
+from fimoe_lab.plan import LayerPlan, apply_map, copy_bytes
 
 __all__ = [
     "shape_layer",
@@ -169,16 +169,10 @@ def _rule_of(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "kept"}
 
 
-def _as_checkpoint(t: torch.Tensor, spec: dict) -> torch.Tensor:
-    dtype = conventions.SAFETENSORS_DTYPES[spec["dtype"]]
-    shape = tuple(spec["shape"])
-    return t.contiguous().view(torch.uint8).reshape(shape[0], -1).view(dtype).reshape(shape)
-
-
 class _Back:
     """One kernel tensor being read back: ``name`` (kernel ``kspec``) into a new tensor ``out`` in the checkpoint
-    layout ``cspec``, a chunk of experts at a time (safetensors slices), each chunk mapped back by ``m`` (a
-    function of the chunk; None: unchanged) and hashed (its sha256 checked by :meth:`check` once every chunk is in); ``xor``: a byte every
+    layout ``cspec``, a chunk of experts at a time (safetensors slices), each chunk mapped back by ``m`` (``m(x,
+    out=...)`` writes the chunk ``x`` mapped back into ``out``'s bytes; None: copied unchanged) and hashed (its sha256 checked by :meth:`check` once every chunk is in); ``xor``: a byte every
     byte is XORed with after the map (:data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR`; 0: none)."""
 
     def __init__(
@@ -187,7 +181,7 @@ class _Back:
         name: str,
         kspec: dict,
         cspec: dict,
-        m: Optional[Callable[[torch.Tensor], torch.Tensor]],
+        m: Optional[Callable[..., torch.Tensor]],
         xor: int = 0,
     ):
         self.xor = xor
@@ -210,17 +204,21 @@ class _Back:
         self.digest = hashlib.sha256()
 
     def fetch(self, e0: int, e1: int) -> torch.Tensor:
-        """Experts ``[e0, e1)`` as the file holds them (read from the file, nothing mapped)."""
-        return self.sl[e0:e1].contiguous()
+        """Experts ``[e0, e1)`` as the file holds them (nothing mapped), their pages read in on the calling thread
+        (:func:`~fimoe_lab.checkpoints.stream.populate`: the file is memory-mapped)."""
+        return stream.populate(self.sl[e0:e1].contiguous())
 
     def place(self, e0: int, e1: int, x: torch.Tensor, hasher: ThreadPoolExecutor) -> Future:
         """Experts ``[e0, e1)`` (``x``, from :meth:`fetch`): hashed on ``hasher`` (in order) while they are mapped
-        back into ``out``."""
+        back straight into ``out`` (no temporary: the map's last step writes ``out[e0:e1]``)."""
         hashed = hasher.submit(self.digest.update, stream.byte_view(x))
-        back = x if self.m is None else self.m(x)
+        dst = self.out[e0:e1]
+        if self.m is None:
+            copy_bytes(dst, x)
+        else:
+            self.m(x, out=dst)
         if self.xor:
-            back = back.contiguous().view(torch.uint8) ^ self.xor
-        self.out[e0:e1] = _as_checkpoint(back, {**self.cspec, "shape": [e1 - e0, *self.cspec["shape"][1:]]})
+            dst.view(-1).view(torch.uint8).bitwise_xor_(self.xor)
         return hashed
 
     def check(self, meta: dict) -> None:
@@ -306,10 +304,12 @@ def _undo_rule(
     checkpoint_shape: tuple[int, ...],
     back: Optional[Callable[[torch.Tensor], torch.Tensor]],
     x: torch.Tensor,
+    out: torch.Tensor,
 ) -> torch.Tensor:
-    """A chunk of tensor ``name`` mapped back (``back``), then in the checkpoint's shape after ``rule``."""
+    """A chunk of tensor ``name`` mapped back (``back``), then in the checkpoint's shape after ``rule``, into
+    ``out``."""
     y = back(x) if back is not None else x
-    return value_rules.undo(rule, name, y, (y.shape[0], *checkpoint_shape[1:]))
+    return copy_bytes(out, value_rules.undo(rule, name, y, (y.shape[0], *checkpoint_shape[1:])))
 
 
 def value_rule_notes(path: str | os.PathLike) -> list[dict]:

@@ -31,9 +31,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import mmap
 import os
 import queue
 import struct
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -62,6 +64,7 @@ __all__ = [
     "spec_nbytes",
     "progress_bar",
     "start_writeback",
+    "populate",
 ]
 
 HASH_LANES = 2
@@ -240,6 +243,38 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     ``fsync``; durability still comes from that ``fsync``."""
     if _SYNC_FILE_RANGE is not None and nbytes > 0:
         _SYNC_FILE_RANGE(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
+
+
+MADV_POPULATE_READ = 22
+"""Linux ``madvise`` advice (5.14 and later): read a range's pages in and map them now, as read faults would."""
+
+
+def _madvise() -> Optional[Callable[[int, int, int], int]]:
+    """libc's ``madvise(addr, length, advice)`` on Linux, or None elsewhere (advice numbers differ by system)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise()
+
+
+def populate(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a CPU tensor, typically a memory-mapped file's slice) with its pages read in and mapped now, on the
+    calling thread (``madvise(MADV_POPULATE_READ)`` over its page-aligned bytes; nothing where the system has no
+    such call or refuses it). A reader thread that populates the next chunk saves the thread that maps it every
+    page fault: each fault maps a few pages at a time, populate maps the page cache's whole folios at once."""
+    if _MADVISE is not None and t.device.type == "cpu" and t.nbytes:
+        page = mmap.PAGESIZE
+        start = t.data_ptr() & -page
+        _MADVISE(start, t.data_ptr() + t.nbytes - start, MADV_POPULATE_READ)
+    return t
 
 
 # ============================================================================ one file
