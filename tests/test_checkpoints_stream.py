@@ -528,3 +528,32 @@ def test_the_next_layer_is_read_while_this_layer_is_converted(tmp_path, monkeypa
     monkeypatch.setattr(convert, "convert_layer", converting)
     convert_checkpoint(tmp_path / "ck", tmp_path / "k", "trtllm", shard_size=SHARD)
     assert overlapped == [True] * (layers - 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_READ is Linux's")
+def test_populate_reads_a_mapped_slice_in_and_leaves_its_bytes(tmp_path):
+    """``stream.populate`` of a memory-mapped slice (unaligned start) returns it, bytes unchanged, with its pages in
+    the page cache again after they were dropped (``mincore`` through ``numba_gather.pages_mapped``)."""
+    import mmap
+
+    import numpy as np
+
+    from fimoe_lab.kernels.numba_gather import pages_mapped
+
+    data = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
+        part = t[mmap.PAGESIZE // 2 + 7 :]
+        if pages_mapped(part):
+            pytest.skip("the file's pages stayed in the page cache after POSIX_FADV_DONTNEED")
+        assert stream.populate(part) is part
+        assert pages_mapped(part)
+        assert torch.equal(part, data[mmap.PAGESIZE // 2 + 7 :])
+        assert stream.populate(part[:0]) is not None  # empty: nothing to do
+    finally:
+        os.close(fd)
