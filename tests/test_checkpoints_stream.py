@@ -557,3 +557,32 @@ def test_populate_reads_a_mapped_slice_in_and_leaves_its_bytes(tmp_path):
         assert stream.populate(part[:0]) is not None  # empty: nothing to do
     finally:
         os.close(fd)
+
+
+def test_restore_hands_a_layers_buffers_to_the_next_and_gives_the_same_bytes(tmp_path):
+    """Each layer restored into the buffers the layer before it released (the same memory, mapped already) holds
+    the bytes a restore into new tensors gives; the layers' bytes differ (each encodes its layer), so a byte the
+    map left unwritten would show the layer before it."""
+    from fimoe_lab.checkpoints.fileformat import KernelFiles
+    from fimoe_lab.checkpoints.restore import LayerBuffers, restore_layer
+
+    _write_layers(tmp_path / "ck", 3, experts=4, inter=256, hidden=512)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "k", "trtllm")
+    buffers, where, previous = LayerBuffers(), [], None
+    with KernelFiles(tmp_path / "k") as kf:
+        for idx, rec in kf.meta["layers"].items():
+            got = restore_layer(kf, kf.meta, int(idx), rec, buffers=buffers)
+            want = restore_layer(kf, kf.meta, int(idx), rec)
+            names = [n for n, t in want.tensors().items() if t is not None]
+            assert names and all(same_tensor(got.tensors()[n], want.tensors()[n]) for n in names)
+            if previous is not None:
+                assert not torch.equal(previous.view(torch.uint8), want.w13.view(torch.uint8))
+            where.append({n: got.tensors()[n].data_ptr() for n in names})
+            previous = want.w13
+            del got
+            buffers.release()
+    assert where[0] == where[1] == where[2]
+    one, two = buffers.empty([64], torch.uint8), buffers.empty([64], torch.uint8)  # never one buffer twice
+    assert one.data_ptr() != two.data_ptr()
+    buffers.release()
+    assert {buffers.empty([64], torch.uint8).data_ptr() for _ in range(2)} == {one.data_ptr(), two.data_ptr()}

@@ -173,7 +173,8 @@ class _Back:
     """One kernel tensor being read back: ``name`` (kernel ``kspec``) into a new tensor ``out`` in the checkpoint
     layout ``cspec``, a chunk of experts at a time (safetensors slices), each chunk mapped back by ``m`` (``m(x,
     out=...)`` writes the chunk ``x`` mapped back into ``out``'s bytes; None: copied unchanged) and hashed (its sha256 checked by :meth:`check` once every chunk is in); ``xor``: a byte every
-    byte is XORed with after the map (:data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR`; 0: none)."""
+    byte is XORed with after the map (:data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR`; 0: none); ``buffers``:
+    where ``out`` comes from (None: a new tensor)."""
 
     def __init__(
         self,
@@ -183,6 +184,7 @@ class _Back:
         cspec: dict,
         m: Optional[Callable[..., torch.Tensor]],
         xor: int = 0,
+        buffers: Optional[LayerBuffers] = None,
     ):
         self.xor = xor
         if name not in kf.keys():
@@ -200,7 +202,10 @@ class _Back:
             )
         self.experts = shape[0]
         self.expert_bytes = math.prod(shape[1:]) * conventions.SAFETENSORS_DTYPES[kspec["dtype"]].itemsize
-        self.out = torch.empty(cspec["shape"], dtype=conventions.SAFETENSORS_DTYPES[cspec["dtype"]])
+        dtype = conventions.SAFETENSORS_DTYPES[cspec["dtype"]]
+        self.out = (
+            buffers.empty(cspec["shape"], dtype) if buffers is not None else torch.empty(cspec["shape"], dtype=dtype)
+        )
         self.digest = hashlib.sha256()
 
     def fetch(self, e0: int, e1: int) -> torch.Tensor:
@@ -225,12 +230,45 @@ class _Back:
         check_digest(meta, self.name, self.digest.hexdigest())
 
 
+class LayerBuffers:
+    """The output tensors of one restored layer handed to the next: a layer asks for tensors of the shapes and
+    dtypes the one before it did (a model's MoE layers) and gets that layer's memory, whose pages are mapped
+    already, instead of new memory that each page's first write maps (a page fault per page). :meth:`release`
+    says the last layer's tensors are written out and free; until then nothing is handed out twice, and only the
+    last layer's buffers are kept, so memory stays one layer."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._used: list[tuple[tuple, torch.Tensor]] = []
+
+    def empty(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` (contents undefined), the last layer's where it had one."""
+        key = (tuple(shape), dtype)
+        free = self._free.get(key)
+        t = free.pop() if free else torch.empty(key[0], dtype=dtype)
+        self._used.append((key, t))
+        return t
+
+    def release(self) -> None:
+        """Every tensor handed out since the last release is free again (the rest are dropped)."""
+        self._free = {}
+        for key, t in self._used:
+            self._free.setdefault(key, []).append(t)
+        self._used = []
+
+
 def restore_layer(
-    kf: KernelFiles, meta: dict, idx: int, rec: dict, ready: Optional[Callable[[MoELayer, int], None]] = None
+    kf: KernelFiles,
+    meta: dict,
+    idx: int,
+    rec: dict,
+    ready: Optional[Callable[[MoELayer, int], None]] = None,
+    buffers: Optional[LayerBuffers] = None,
 ) -> MoELayer:
     """Layer ``idx`` back in the checkpoint layout, read and mapped back a chunk of experts at a time, every
     tensor's sha256 checked at the end. ``ready(layer, e)`` is called when experts ``[0, e)`` of every tensor
-    are in place (their checksums not checked yet): restore writes them out while it reads the next chunk."""
+    are in place (their checksums not checked yet): restore writes them out while it reads the next chunk.
+    ``buffers``: where the layer's tensors come from (None: new ones, the caller's to keep)."""
     name = lambda n: out_name(meta["prefix"], meta["block"], idx, n)  # noqa: E731
     check_sizes(kf, rec, name)
     plan = build_plan(rec["plan"], meta["version"])
@@ -248,18 +286,18 @@ def restore_layer(
         xor = conventions.WEIGHT_XOR.get(_checkpoint_format(rec), 0) if n in ("w13", "w2") else 0
         back = partial(inverse.apply_tensor, n) if n in inverse.moved() else None  # word bits undone first
         if n in kept:  # the checkpoint's bytes, kept beside the ones a value rule changed
-            backs[n] = _Back(kf, name(kept[n]), trec["checkpoint"], trec["checkpoint"], None)
+            backs[n] = _Back(kf, name(kept[n]), trec["checkpoint"], trec["checkpoint"], None, buffers=buffers)
             continue
         if n in rule_tensors:  # a value rule's shape undone (its values stay: value_rules.undo)
             back = partial(_undo_rule, plan.value_rule, n, tuple(trec["checkpoint"]["shape"]), back)
-        backs[n] = _Back(kf, name(trec["name"]), trec["kernel"], trec["checkpoint"], back, xor)
+        backs[n] = _Back(kf, name(trec["name"]), trec["kernel"], trec["checkpoint"], back, xor, buffers)
     extras = {}
     for n, x in rec["extras"].items():
         dtype = conventions.SAFETENSORS_DTYPES[x["dtype"]]
         m = extra_map(plan, n, torch.empty((), dtype=dtype))
         kspec, cspec = {"dtype": x["dtype"], "shape": x["kernel_shape"]}, {"dtype": x["dtype"], "shape": x["shape"]}
         undo = None if m is None else partial(apply_map, m.inverse(), what=name(n))
-        extras[n] = _Back(kf, name(n), kspec, cspec, undo)
+        extras[n] = _Back(kf, name(n), kspec, cspec, undo, buffers=buffers)
     every = [*backs.values(), *extras.values()]
     counts = {b.experts for b in every}
     if len(counts) > 1:
@@ -522,15 +560,17 @@ def _restore_layers_into(
 ) -> None:
     """Restore every layer of ``kf`` into ``target``, one layer in memory; ``bar`` counts the bytes queued."""
     meta = kf.meta
+    buffers = LayerBuffers()
     with stream.workers_for(target, hashing=False) as workers:
         for idx, rec in meta["layers"].items():
             emit = _Emit(path, conv, meta["prefix"], specs, target, workers, layer_path(meta, idx))
             emit.bar = bar
             with layer_errors(path, idx):
-                layer = restore_layer(kf, meta, int(idx), rec, emit.ready)
+                layer = restore_layer(kf, meta, int(idx), rec, emit.ready, buffers)
                 emit.rest(layer)
             del layer, emit
-            workers.drain()  # this layer is out (and freed) before the next is read
+            workers.drain()  # this layer is out before the next is read, into its buffers
+            buffers.release()
         unchanged.put_back(kf, kept_names(kf), target, workers, partial(check_digest, meta), bar)
         target.finish(workers)
 
