@@ -123,17 +123,18 @@ class MapCall:
     def run(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The map on ``x``, of the shape, dtype and device this call was made for (a tensor of another size is
         refused, never read past). A contiguous ``x`` of the map's bytes whose launches the prebuilt kernels kept
-        goes straight to them (:func:`~fimoe_lab.kernels.execute_kept`), any other to
+        goes straight to them (:func:`~fimoe_lab.kernels.execute_kept`) into an output made here, any other to
         :func:`~fimoe_lab.kernels.execute`, which checks both. ``out``: a contiguous tensor of any dtype and shape
-        holding exactly the result's bytes, on ``x``'s device, written and returned as the result (a view of it);
-        None: a new one."""
+        holding exactly the result's bytes, on ``x``'s device, not overlapping ``x``, written and returned as the
+        result (a view of it); None: a new one."""
         if self.as_bytes:
             x = x.view(torch.uint8)
         if self.as_shape is not None:
             x = x.reshape(self.as_shape)
+        own = out is None  # a given out goes through execute's checks (it may overlap x)
         out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device) if out is None else self._into(out, x)
         e = self.out_shape[0]
-        checked = x.is_contiguous() and x.shape[0] == e and x.nbytes == e * self.em.in_bytes
+        checked = own and x.is_contiguous() and x.shape[0] == e and x.nbytes == e * self.em.in_bytes
         if not (checked and execute_kept(self.em, x, out)):
             execute(self.em, x, out)
         return out if self.flat_shape is None else out.reshape(self.flat_shape)

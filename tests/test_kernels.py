@@ -110,6 +110,11 @@ def test_apply_map_writes_into_a_given_out_of_any_dtype(m):
         with pytest.raises(LayoutError, match="the map writes"):
             apply_map(m, x, "x", out=bad)
         assert torch.equal(bad, before)
+    if m.out_bytes == m.in_bytes:  # the input as its own output: a gather cannot write over what it reads
+        before = x.clone()
+        with pytest.raises(LayoutError, match="overlaps"):
+            apply_map(m, x, "x", out=x)
+        assert torch.equal(x, before)
 
 
 def test_apply_tensor_writes_into_out_whichever_step_comes_last():

@@ -170,11 +170,11 @@ def _rule_of(record: dict) -> dict:
 
 
 class _Back:
-    """One kernel tensor being read back: ``name`` (kernel ``kspec``) into a new tensor ``out`` in the checkpoint
-    layout ``cspec``, a chunk of experts at a time (safetensors slices), each chunk mapped back by ``m`` (``m(x,
-    out=...)`` writes the chunk ``x`` mapped back into ``out``'s bytes; None: copied unchanged) and hashed (its sha256 checked by :meth:`check` once every chunk is in); ``xor``: a byte every
-    byte is XORed with after the map (:data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR`; 0: none); ``buffers``:
-    where ``out`` comes from (None: a new tensor)."""
+    """One kernel tensor being read back: ``name`` (kernel ``kspec``) into a tensor ``out`` in the checkpoint
+    layout ``cspec`` (from ``buffers``; None: a new one), a chunk of experts at a time (safetensors slices), each
+    chunk mapped back by ``m`` (``m(x, out=...)`` writes the chunk ``x`` mapped back into ``out``'s bytes; None:
+    copied unchanged) and hashed (its sha256 checked by :meth:`check` once every chunk is in); ``xor``: a byte
+    every byte is XORed with after the map (:data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR`; 0: none)."""
 
     def __init__(
         self,

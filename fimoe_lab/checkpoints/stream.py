@@ -268,8 +268,8 @@ _MADVISE = _madvise()
 def populate(t: torch.Tensor) -> torch.Tensor:
     """``t`` (a CPU tensor, typically a memory-mapped file's slice) with its pages read in and mapped now, on the
     calling thread (``madvise(MADV_POPULATE_READ)`` over its page-aligned bytes; nothing where the system has no
-    such call or refuses it). A reader thread that populates the next chunk saves the thread that maps it every
-    page fault: each fault maps a few pages at a time, populate maps the page cache's whole folios at once."""
+    such call or refuses it): a reader thread that populates the next chunk reads it from disk when it is not
+    cached, and the thread that then reads the tensor takes no page faults."""
     if _MADVISE is not None and t.device.type == "cpu" and t.nbytes:
         page = mmap.PAGESIZE
         start = t.data_ptr() & -page
