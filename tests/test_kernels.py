@@ -132,6 +132,10 @@ def test_apply_tensor_writes_into_out_whichever_step_comes_last():
             got = p.apply_tensor(n, x, out=buf)
             assert got.data_ptr() == buf.data_ptr() and got.dtype == want.dtype and got.shape == want.shape
             assert torch.equal(buf, want.contiguous().reshape(-1).view(torch.uint8)), n
+            short = torch.full((want.nbytes - 4,), 0x5A, dtype=torch.uint8)
+            with pytest.raises(LayoutError, match="cannot hold|the map writes"):
+                p.apply_tensor(n, x, out=short)
+            assert bool((short == 0x5A).all())
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
