@@ -586,3 +586,9 @@ def test_restore_hands_a_layers_buffers_to_the_next_and_gives_the_same_bytes(tmp
     assert one.data_ptr() != two.data_ptr()
     buffers.release()
     assert {buffers.empty([64], torch.uint8).data_ptr() for _ in range(2)} == {one.data_ptr(), two.data_ptr()}
+    buffers.release()
+    kept = buffers.empty([64], torch.uint8)  # one of the two, the other still free
+    assert kept.data_ptr() in {one.data_ptr(), two.data_ptr()}
+    del one, two
+    buffers.empty([32], torch.uint8)  # a shape it has none of: the layer differs, the free one is dropped
+    assert not any(buffers._free.values())

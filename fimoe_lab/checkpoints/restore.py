@@ -234,8 +234,9 @@ class LayerBuffers:
     """The output tensors of one restored layer handed to the next: a layer asks for tensors of the shapes and
     dtypes the one before it did (a model's MoE layers) and gets that layer's memory, whose pages are mapped
     already, instead of new memory that each page's first write maps (a page fault per page). :meth:`release`
-    says the last layer's tensors are written out and free; until then nothing is handed out twice, and only the
-    last layer's buffers are kept, so memory stays one layer."""
+    says the last layer's tensors are written out and free; until then nothing is handed out twice. Only the last
+    layer's buffers are kept, and a request that finds none of its shape drops them all (this layer differs from
+    the last), so memory stays one layer."""
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = {}
@@ -245,6 +246,8 @@ class LayerBuffers:
         """A tensor of ``shape`` and ``dtype`` (contents undefined), the last layer's where it had one."""
         key = (tuple(shape), dtype)
         free = self._free.get(key)
+        if not free:
+            self._free = {}
         t = free.pop() if free else torch.empty(key[0], dtype=dtype)
         self._used.append((key, t))
         return t
