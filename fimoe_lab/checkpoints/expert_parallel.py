@@ -172,17 +172,25 @@ def _check_ranks(path: Path, dirs: list[Path], metas: list[dict[str, Any]]) -> l
     return grid
 
 
-def _rank_layer(kf: Any, idx: str, shapes_only: bool) -> MoELayer:
-    """Rank ``kf``'s layer ``idx`` in the checkpoint layout: restored, or of meta tensors (``shapes_only``)."""
+def _rank_layer(kf: Any, idx: str, shapes_only: bool, buffers: Optional[restore.LayerBuffers] = None) -> MoELayer:
+    """Rank ``kf``'s layer ``idx`` in the checkpoint layout: restored (into ``buffers``' tensors, None: new ones),
+    or of meta tensors (``shapes_only``)."""
     rec = kf.meta["layers"][idx]
     if shapes_only:
         return replace(restore.shape_layer(rec), **fileformat.layer_where(kf.meta, int(idx), rec))
-    return restore.restore_layer(kf, kf.meta, int(idx), rec)
+    return restore.restore_layer(kf, kf.meta, int(idx), rec, buffers=buffers)
 
 
-def _full_layer(grid: list[list[Any]], scales: str, idx: str, shapes_only: bool = False) -> MoELayer:
-    """The whole layer ``idx`` from every rank: each EP rank's TP slices joined, then the experts."""
-    return cat_experts([join_tp([_rank_layer(kf, idx, shapes_only) for kf in row], scales) for row in grid])
+def _full_layer(
+    grid: list[list[Any]],
+    scales: str,
+    idx: str,
+    shapes_only: bool = False,
+    buffers: Optional[restore.LayerBuffers] = None,
+) -> MoELayer:
+    """The whole layer ``idx`` from every rank: each EP rank's TP slices joined, then the experts (the ranks'
+    layers restored into ``buffers``' tensors; the joined layer may hold them: one part is kept as it is)."""
+    return cat_experts([join_tp([_rank_layer(kf, idx, shapes_only, buffers) for kf in row], scales) for row in grid])
 
 
 def restore_ranks(
@@ -258,12 +266,13 @@ def _write(
         tmp, specs, {"format": "pt"}, single=False, shard_bytes=shard_size or stream.SHARD_BYTES
     )
     bar = stream.progress_bar(progress[0], specs, target, progress[1], "restore")
+    buffers = restore.LayerBuffers()
     with stream.workers_for(target, hashing=False) as workers, ExitStack() as closing:
         if bar is not None:
             closing.callback(bar.close)
         for idx in meta["layers"]:
             with fileformat.layer_errors(path, idx):
-                full = _full_layer(grid, conv.scales, idx)
+                full = _full_layer(grid, conv.scales, idx, buffers=buffers)
             tensors = conv.to_tensors(meta["prefix"], int(idx), full, fileformat.layer_path(meta, idx))
             del full
             for k in list(tensors):
@@ -275,7 +284,8 @@ def _write(
                 target.put(workers, k, t)
                 if bar is not None:
                     bar.update(t.nbytes)
-            workers.drain()  # this layer is out (and freed) before the next is read
+            workers.drain()  # this layer is out before the next is read, the ranks' parts into its buffers
+            buffers.release()
         for kf, names in kept:
             unchanged.put_back(kf, names, target, workers, partial(fileformat.check_digest, kf.meta), bar)
         target.finish(workers)

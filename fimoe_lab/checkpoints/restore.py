@@ -54,6 +54,7 @@ __all__ = [
     "shape_layer",
     "check_record",
     "restore_layer",
+    "LayerBuffers",
     "restore_layers",
     "value_rule_notes",
     "RESTORED_MARK",
