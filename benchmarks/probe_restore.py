@@ -1,7 +1,7 @@
 """Probe: where a restore's time goes, stage by stage, with the reader's read-ahead on and off.
 
     PYTHONPATH=. python benchmarks/probe_restore.py [--dir DIR] [--layers 4] [--experts 16] [--repeat 2] [--cold]
-        [--json OUT.json]
+        [--numba-threads N] [--copy-input] [--json OUT.json]
 
 Generates the DeepSeek-V3-dims FP8 block checkpoint of ``benchmarks/convert_stream.py``, converts it (TRT-LLM,
 1 GB shards), then restores it ``--repeat`` times with the reader thread's read-ahead
@@ -12,6 +12,10 @@ before every restore and its ``cp``, so the restore reads the disk. Every stage 
 (``probe_convert.timed``): the reader's fetches and its read-ahead, the main thread's placing of each chunk and
 the map inside it, the writers' ``pwrite`` calls, the per-layer drain. Prints one row per restore: seconds,
 its share of the paired ``cp`` + ``sync``, and each stage's busy seconds.
+
+Diagnostics for the map's pace: ``--numba-threads N`` runs the maps on N of numba's threads (fewer than the
+CPUs leaves cores to the writer and hashing threads); ``--copy-input`` hands the map a copy of each chunk in
+anonymous memory (made on the reader thread) instead of the memory-mapped file's pages.
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ STAGES = {
 READ_AHEAD = [True]
 
 
-def instrument() -> None:
+def instrument(copy_input: bool) -> None:
     from fimoe_lab import plan
     from fimoe_lab.checkpoints import restore, stream
 
     populate = timed(STAGES["populate"], stream.populate)
     stream.populate = lambda t: populate(t) if READ_AHEAD[0] else t
+    fetch = restore._Back.fetch
+    if copy_input:
+        restore._Back.fetch = lambda self, e0, e1: fetch(self, e0, e1).clone()
     restore._Back.fetch = timed(STAGES["fetch"], restore._Back.fetch)
     restore._Back.place = timed(STAGES["place"], restore._Back.place)
     plan.MapCall.run = timed(STAGES["map"], plan.MapCall.run)
@@ -74,6 +81,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--cold", action="store_true", help="drop the converted shards from the page cache first")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--numba-threads", type=int, default=0, help="numba threads for the maps (0: numba's default)")
+    ap.add_argument("--copy-input", action="store_true", help="map a copy of each chunk, not the mapped file")
     a = ap.parse_args()
     from fimoe_lab.checkpoints import convert_checkpoint, restore_checkpoint
 
@@ -84,9 +93,16 @@ def main() -> int:
         kernel = convert_checkpoint(work / "src", work / "k", "trtllm", shard_size=10**9)
         restore_checkpoint(kernel, work / "r")  # untimed: imports, numba loaded
         shutil.rmtree(work / "r")
-        instrument()
+        if a.numba_threads:
+            import numba
+
+            numba.set_num_threads(a.numba_threads)  # this thread's parallel regions: the maps
+        instrument(a.copy_input)
         total = sum(f.stat().st_size for f in Path(kernel).glob("*.safetensors"))
-        print(f"{total / 1e9:.2f} GB converted, {os.cpu_count()} CPUs, page cache {'dropped' if a.cold else 'warm'}")
+        print(
+            f"{total / 1e9:.2f} GB converted, {os.cpu_count()} CPUs, page cache {'dropped' if a.cold else 'warm'}, "
+            f"numba threads {a.numba_threads or 'default'}, input {'copied' if a.copy_input else 'mapped'}"
+        )
         print(f"{'read-ahead':<10} {'s':>6} {'cp+sync s':>9} {'x cp':>5}  " + "  ".join(STAGES))
         for rep in range(a.repeat):
             for ahead in (True, False):
@@ -109,7 +125,8 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"cpus": os.cpu_count(), "cold": a.cold, "rows": rows}, indent=1) + "\n")
+        about = {"cpus": os.cpu_count(), "cold": a.cold, "numba_threads": a.numba_threads, "copy_input": a.copy_input}
+        Path(a.json).write_text(json.dumps({**about, "rows": rows}, indent=1) + "\n")
     return 0
 
 
