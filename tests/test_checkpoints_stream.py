@@ -592,3 +592,25 @@ def test_restore_hands_a_layers_buffers_to_the_next_and_gives_the_same_bytes(tmp
     del one, two
     buffers.empty([32], torch.uint8)  # a shape it has none of: the layer differs, the free one is dropped
     assert not any(buffers._free.values())
+
+
+def test_restore_reads_each_chunk_in_on_its_reader_thread(tmp_path, monkeypatch):
+    """Every chunk restore maps is read in (``stream.populate``) on the reader thread, before the thread that maps
+    it touches it: the file's tensors are memory-mapped, so without it nothing is read ahead. The restore still
+    gives the source's bytes."""
+    _write_layers(tmp_path / "ck", 2, experts=4, inter=256, hidden=512)
+    kernel = convert_checkpoint(tmp_path / "ck", tmp_path / "k", "trtllm")
+    seen: list[tuple[str, int]] = []
+    real = stream.populate
+
+    def spy(t):
+        seen.append((threading.current_thread().name, t.nbytes))
+        return real(t)
+
+    monkeypatch.setattr(stream, "populate", spy)
+    restore_checkpoint(kernel, tmp_path / "back")
+    assert seen and all(name.startswith("fimoe-lab-reader") for name, _ in seen)
+    weights = sum(n for _, n in seen)
+    assert weights >= sum(f.stat().st_size for f in (tmp_path / "k").glob("*.safetensors")) * 0.9
+    original, back = all_tensors(tmp_path / "ck"), all_tensors(tmp_path / "back")
+    assert sorted(original) == sorted(back) and all(same_tensor(original[k], back[k]) for k in original)
