@@ -35,7 +35,6 @@ import mmap
 import os
 import queue
 import struct
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,7 +43,7 @@ from typing import Any, Optional
 
 import torch
 
-from fimoe_lab import env, untrusted
+from fimoe_lab import env, libc, untrusted
 from fimoe_lab.checkpoints import safe_io
 from fimoe_lab.checkpoints.conventions import dtype_name
 from fimoe_lab.errors import CheckpointError
@@ -222,18 +221,7 @@ SYNC_FILE_RANGE_WRITE = 2
 """Linux ``sync_file_range`` flag: start writeback of the dirty pages of a range, without waiting for it."""
 
 
-def _sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
-    """libc's ``sync_file_range(fd, offset, nbytes, flags)`` (Linux), or None where there is none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # the process's own symbols: libc's on Linux
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE = libc.function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
@@ -249,20 +237,7 @@ MADV_POPULATE_READ = 22
 """Linux ``madvise`` advice (5.14 and later): read a range's pages in and map them now, as read faults would."""
 
 
-def _madvise() -> Optional[Callable[[int, int, int], int]]:
-    """libc's ``madvise(addr, length, advice)`` on Linux, or None elsewhere (advice numbers differ by system)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _madvise()
+_MADVISE = libc.function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], linux_only=True)
 
 
 def populate(t: torch.Tensor) -> torch.Tensor:

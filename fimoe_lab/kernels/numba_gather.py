@@ -29,6 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from fimoe_lab import libc
 from fimoe_lab.errors import LayoutError
 from fimoe_lab.kernels.compiled import ExecMap, aligned_word, row_form_fault, word_dtype
 
@@ -242,17 +243,7 @@ swizzle) if their pages are mapped (:func:`pages_mapped`); smaller ones stay in 
 reads them next."""
 
 
-def _mincore():
-    """libc's ``mincore(addr, length, vec)``, or None where the C library has none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int
-    return fn
-
-
-_MINCORE = _mincore()
+_MINCORE = libc.function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
 
 
 def pages_mapped(t: torch.Tensor) -> bool:
