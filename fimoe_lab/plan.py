@@ -142,13 +142,8 @@ class MapCall:
     def _into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out`` (contiguous, the result's bytes, on ``x``'s device) as the result's dtype and shape."""
         nbytes = math.prod(self.out_shape) * x.element_size()
-        if not out.is_contiguous() or out.nbytes != nbytes or out.device != x.device:
-            raise LayoutError(
-                f"out {tuple(out.shape)} {out.dtype} on {out.device}: the map writes {nbytes} contiguous bytes on "
-                f"{x.device}",
-                fix="pass a contiguous tensor of exactly the result's bytes on the input's device, or no out",
-            )
-        return out.reshape(-1).view(torch.uint8).view(x.dtype).view(self.out_shape)
+        flat = _out_bytes(out, nbytes, x.device, f"the map writes {nbytes} contiguous bytes on {x.device}")
+        return flat.view(x.dtype).view(self.out_shape)
 
 
 def map_call(m: IndexMap, x: torch.Tensor, what: str, keep_flat: bool = True) -> MapCall:
@@ -334,14 +329,20 @@ class LayerPlan:
 def copy_bytes(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The bytes of ``x`` copied into ``out`` (contiguous, as many bytes, any dtype and shape); returns ``out`` as
     ``x``'s dtype and shape."""
-    if not out.is_contiguous() or out.nbytes != x.nbytes or out.device != x.device:
-        raise LayoutError(
-            f"out {tuple(out.shape)} {out.dtype} on {out.device} cannot hold {tuple(x.shape)} {x.dtype} on {x.device}",
-            fix="pass a contiguous tensor of exactly the result's bytes on the input's device, or no out",
-        )
-    flat = out.reshape(-1).view(torch.uint8)
+    flat = _out_bytes(out, x.nbytes, x.device, f"cannot hold {tuple(x.shape)} {x.dtype} on {x.device}")
     flat.copy_(x.contiguous().reshape(-1).view(torch.uint8))
     return flat.view(x.dtype).view(x.shape)
+
+
+def _out_bytes(out: torch.Tensor, nbytes: int, device: torch.device, why: str) -> torch.Tensor:
+    """``out`` as its ``nbytes`` bytes (uint8, 1-D), or one LayoutError saying ``why`` when it is not contiguous, of
+    ``nbytes`` bytes, on ``device`` (an ``out`` argument of :meth:`MapCall.run` or :func:`copy_bytes`)."""
+    if not out.is_contiguous() or out.nbytes != nbytes or out.device != device:
+        raise LayoutError(
+            f"out {tuple(out.shape)} {out.dtype} on {out.device}: {why}",
+            fix="pass a contiguous tensor of exactly the result's bytes on the input's device, or no out",
+        )
+    return out.reshape(-1).view(torch.uint8)
 
 
 def _word_bits(bits: IndexMap, x: torch.Tensor) -> torch.Tensor:

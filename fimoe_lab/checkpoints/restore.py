@@ -172,7 +172,7 @@ def _rule_of(record: dict) -> dict:
 
 class _Back:
     """One kernel tensor being read back: ``name`` (kernel ``kspec``) into a tensor ``out`` in the checkpoint
-    layout ``cspec`` (from ``buffers``; None: a new one), a chunk of experts at a time (safetensors slices), each
+    layout ``cspec`` (from ``buffers``), a chunk of experts at a time (safetensors slices), each
     chunk mapped back by ``m`` (``m(x, out=...)`` writes the chunk ``x`` mapped back into ``out``'s bytes; None:
     copied unchanged) and hashed (its sha256 checked by :meth:`check` once every chunk is in); ``xor``: a byte
     every byte is XORed with after the map (:data:`~fimoe_lab.checkpoints.conventions.WEIGHT_XOR`; 0: none)."""
@@ -184,8 +184,8 @@ class _Back:
         kspec: dict,
         cspec: dict,
         m: Optional[Callable[..., torch.Tensor]],
+        buffers: LayerBuffers,
         xor: int = 0,
-        buffers: Optional[LayerBuffers] = None,
     ):
         self.xor = xor
         if name not in kf.keys():
@@ -203,10 +203,7 @@ class _Back:
             )
         self.experts = shape[0]
         self.expert_bytes = math.prod(shape[1:]) * conventions.SAFETENSORS_DTYPES[kspec["dtype"]].itemsize
-        dtype = conventions.SAFETENSORS_DTYPES[cspec["dtype"]]
-        self.out = (
-            buffers.empty(cspec["shape"], dtype) if buffers is not None else torch.empty(cspec["shape"], dtype=dtype)
-        )
+        self.out = buffers.empty(cspec["shape"], conventions.SAFETENSORS_DTYPES[cspec["dtype"]])
         self.digest = hashlib.sha256()
 
     def fetch(self, e0: int, e1: int) -> torch.Tensor:
@@ -282,6 +279,7 @@ def restore_layer(
     if missing:
         raise CheckpointError(f"{plan.description}: {missing[0]} is required by the plan but not recorded", fix=EDITED)
     backs: dict[str, _Back] = {}
+    pool = buffers if buffers is not None else LayerBuffers()  # never released: new tensors, the caller's
     rule_tensors = plan.value_rule.tensors if "value_rule" in rec and plan.value_rule is not None else ()
     kept = kept_tensors(rec)
     for n, trec in rec["tensors"].items():
@@ -290,18 +288,18 @@ def restore_layer(
         xor = conventions.WEIGHT_XOR.get(_checkpoint_format(rec), 0) if n in ("w13", "w2") else 0
         back = partial(inverse.apply_tensor, n) if n in inverse.moved() else None  # word bits undone first
         if n in kept:  # the checkpoint's bytes, kept beside the ones a value rule changed
-            backs[n] = _Back(kf, name(kept[n]), trec["checkpoint"], trec["checkpoint"], None, buffers=buffers)
+            backs[n] = _Back(kf, name(kept[n]), trec["checkpoint"], trec["checkpoint"], None, pool)
             continue
         if n in rule_tensors:  # a value rule's shape undone (its values stay: value_rules.undo)
             back = partial(_undo_rule, plan.value_rule, n, tuple(trec["checkpoint"]["shape"]), back)
-        backs[n] = _Back(kf, name(trec["name"]), trec["kernel"], trec["checkpoint"], back, xor, buffers)
+        backs[n] = _Back(kf, name(trec["name"]), trec["kernel"], trec["checkpoint"], back, pool, xor)
     extras = {}
     for n, x in rec["extras"].items():
         dtype = conventions.SAFETENSORS_DTYPES[x["dtype"]]
         m = extra_map(plan, n, torch.empty((), dtype=dtype))
         kspec, cspec = {"dtype": x["dtype"], "shape": x["kernel_shape"]}, {"dtype": x["dtype"], "shape": x["shape"]}
         undo = None if m is None else partial(apply_map, m.inverse(), what=name(n))
-        extras[n] = _Back(kf, name(n), kspec, cspec, undo, buffers=buffers)
+        extras[n] = _Back(kf, name(n), kspec, cspec, undo, pool)
     every = [*backs.values(), *extras.values()]
     counts = {b.experts for b in every}
     if len(counts) > 1:
