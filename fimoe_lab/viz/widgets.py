@@ -50,7 +50,7 @@ import ipywidgets as W
 import numpy as np
 from matplotlib.figure import Figure
 
-from fimoe_lab import owned_files
+from fimoe_lab import libc, owned_files
 from fimoe_lab.choice import LayerShape, LayoutChoice
 from fimoe_lab.errors import FimoeError, LayoutError
 from fimoe_lab.specs import BACKENDS, get_format
@@ -121,12 +121,8 @@ def _collector_paused() -> Iterator[None]:
 def _malloc_trim() -> Optional[Any]:
     """glibc's ``malloc_trim``, None where the C library has none."""
     import ctypes
-    import ctypes.util
 
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
+    return libc.function("malloc_trim", [ctypes.c_size_t])
 
 
 _DROPPED = {"figures": 0}
