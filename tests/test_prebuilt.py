@@ -92,8 +92,10 @@ def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, fu
     defines = _defines(source)
     assert (defines["THREADS"], defines["ITEMS"]) == (prebuilt.THREADS, prebuilt.ITEMS)
     if source == "swizzle.cu":
-        got = (defines["BAND_ROWS"], defines["TILE_WORDS"], defines["MIN_KW"], defines["CHUNK"])
-        assert got == (prebuilt.BAND_ROWS, prebuilt.TILE_WORDS, prebuilt.MIN_KW, prebuilt.CHUNK)
+        got = (defines["BAND_ROWS"], defines["TILE_WORDS"], defines["MIN_KW"], defines["CHUNK"], defines["MAX_SPANS"])
+        assert got == (prebuilt.BAND_ROWS, prebuilt.TILE_WORDS, prebuilt.MIN_KW, prebuilt.CHUNK, prebuilt.MAX_SPANS)
+        stage = re.search(r"^#define STAGE_CHUNKS \((.*)\)$", (CUDA / source).read_text(), flags=re.M)
+        assert stage and eval(stage.group(1), {}, defines) == prebuilt.STAGE_CHUNKS  # noqa: S307 - our own source
     if source == "strided.cu":
         assert defines["MAX_DIGITS"] == prebuilt.MAX_DIGITS
         got = [defines[k] for k in ("FORM_DIGITS", "FORM_OFFSET", "FORM_FILL", "FORM_HEAD", "FORM_PER_DIGIT")]
@@ -104,8 +106,9 @@ def test_the_launcher_and_the_kernels_agree_on_their_constants(source, macro, fu
             and ctypes.sizeof(prebuilt.FormTable) == 8 * prebuilt.FORM_WORDS
         )
     text = (CUDA / source).read_text()
-    for name in functions.values():
-        assert re.search(rf"^{macro}\({name}[,)]", text, flags=re.M)
+    for key, name in functions.items():
+        kernel_macro = "SWIZZLE_SPANS_KERNEL" if key == "spans" else macro
+        assert re.search(rf"^{kernel_macro}\({name}[,)]", text, flags=re.M)
 
 
 def test_the_launcher_and_the_cluster_kernel_agree_on_their_constants():
@@ -601,7 +604,7 @@ def test_a_strided_map_that_ends_swizzled_runs_strided_until_the_planner_readies
         assert em.row_forms_found() == (step != "nothing") and prebuilt.swizzle_ready(em, x.device) == (
             step == "readied"
         )
-        assert emulated == [prebuilt._SWIZZLES[16] if step == "readied" else prebuilt._STRIDEDS[4]]
+        assert emulated == [prebuilt._SWIZZLES["spans"] if step == "readied" else prebuilt._STRIDEDS[4]]
         if step == "nothing":
             em.swizzled_rows  # noqa: B018 - found, as a record read from disk gives them
         else:
@@ -751,12 +754,17 @@ def test_the_form_tables_division_by_multiplying_is_exact_below_two_to_the_31(ra
     assert ((c * magic >> 32) + c) >> shift == c // radix
 
 
-def padded_rows_then_swizzled(rows: int, c_in: int, cols: int, fill: int, seed: int):
-    """``rows`` rows of ``c_in`` scales padded to ``R`` (128s) x ``cols`` with ``fill``, rows shuffled, swizzled."""
+def padded_rows_then_swizzled(rows: int, c_in: int, cols: int, fill: int, seed: int, window: int = 0):
+    """``rows`` rows of ``c_in`` scales padded to ``R`` (128s) x ``cols`` with ``fill``, rows shuffled (within
+    each ``window`` rows, all of them where 0), swizzled."""
     from fimoe_lab import steps
 
     padded_rows = -(-rows // 128) * 128
-    perm = torch.randperm(padded_rows, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    step = window or padded_rows
+    perm = torch.cat(
+        [a + torch.randperm(min(step, padded_rows - a), generator=gen) for a in range(0, padded_rows, step)]
+    )
     pad = steps.pad_projections(1, rows, padded_rows, c_in, cols, fill)
     shuffle = steps.permute_rows(perm, cols, "shuffled rows", {"seed": seed})
     return pad.then(shuffle).then(steps.swizzle_scales_128x4(padded_rows, cols)), perm
@@ -771,21 +779,25 @@ def padded_rows_then_swizzled(rows: int, c_in: int, cols: int, fill: int, seed: 
     shift=st.sampled_from([0, 1, 2, 4, 6, 13]),
     fill=st.integers(0, 255),
     seed=st.integers(0, 2**16),
+    window=st.sampled_from([0, 32, 128, 256]),
 )
-@example(rows=2200, c_in=6, extra=2, experts=2, shift=0, fill=0x11, seed=1)  # 8 bands a tile, the last tile 2
-@example(rows=1000, c_in=40, extra=0, experts=1, shift=2, fill=0xEE, seed=2)  # 2 bands a tile
-@example(rows=129, c_in=130, extra=3, experts=2, shift=1, fill=0x80, seed=3)  # a row over two tiles, the last 2 words
+@example(rows=2200, c_in=6, extra=2, experts=2, shift=0, fill=0x11, seed=1, window=0)  # 8 bands a tile, the last 2
+@example(rows=2200, c_in=6, extra=2, experts=2, shift=6, fill=0x11, seed=1, window=128)  # runs: 8 bands a tile
+@example(rows=1000, c_in=40, extra=0, experts=1, shift=2, fill=0xEE, seed=2, window=0)  # 2 bands a tile
+@example(rows=300, c_in=90, extra=2, experts=3, shift=2, fill=0x3C, seed=5, window=32)  # gpt-oss's rows, runs
+@example(rows=129, c_in=130, extra=3, experts=2, shift=1, fill=0x80, seed=3, window=0)  # a row over two tiles
 def test_the_swizzle_source_runs_any_padded_rows_then_the_swizzle(
-    emulated, rows, c_in, extra, experts, shift, fill, seed
+    emulated, rows, c_in, extra, experts, shift, fill, seed, window
 ):
-    """Random scale matrices (rows and columns padded with a random byte, rows shuffled, then the 128x4
-    swizzle; tiles of several bands where rows are short, several tiles a row where it has more than 128
-    bytes) through the launcher and the swizzle kernel's source: the per-expert reference loops' bytes, for rows
-    and inputs at any offset into a 16-byte chunk (an expert's first and last chunks read bytewise)."""
+    """Random scale matrices (rows and columns padded with a random byte, rows shuffled, within windows of rows or
+    all of them, then the 128x4 swizzle; tiles of several bands where rows are short, several tiles a row where it
+    has more than 128 bytes) through the launcher and the swizzle kernels' source, a row at a time or, where a tile's
+    sources are a few runs of rows, a run at a time: the per-expert reference loops' bytes, for rows and inputs at
+    any offset into a 16-byte chunk (an expert's first and last chunks read bytewise)."""
     from reference_loops import pad, swizzle
 
     cols = -(-(c_in + extra) // 4) * 4
-    m, perm = padded_rows_then_swizzled(rows, c_in, cols, fill, seed)
+    m, perm = padded_rows_then_swizzled(rows, c_in, cols, fill, seed, window)
     em = m.compiled()
     assert em.ends_swizzled and em.swizzled_rows is not None
     assume(not prebuilt.runs_strided(em))  # (one live row of one byte is a strided view: the strided kernel runs it)
@@ -794,8 +806,87 @@ def test_the_swizzle_source_runs_any_padded_rows_then_the_swizzle(
     out = torch.full((experts, m.out_bytes), 0x5A, dtype=torch.uint8)
     emulated.clear()
     prebuilt.gather(em, shifted_copy(x.reshape(experts, -1), shift), out)
-    assert emulated == [prebuilt._SWIZZLES[16]]  # one launch: every alignment on the one kernel
+    form = em.swizzled_rows
+    by_runs = prebuilt.swizzle_spans(form[0], form[1], form[2]) is not None
+    assert emulated == [prebuilt._SWIZZLES["spans" if by_runs else "rows"]]  # one launch, at every alignment
     assert torch.equal(out, want)
+
+
+def runs_of_rows(rows: np.ndarray, tile_rows: int) -> list[list[tuple[int, int]]]:
+    """Per tile of ``tile_rows`` rows, the runs of consecutive source rows its rows read (fill codes < 0 read
+    none), as ``(first, rows)``: a loop over each tile's sorted sources."""
+    tiles = []
+    for t in range(0, rows.size, tile_rows):
+        runs: list[list[int]] = []
+        for v in sorted({int(r) for r in rows[t : t + tile_rows] if r >= 0}):
+            if runs and v == runs[-1][0] + runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([v, 1])
+        tiles.append([(a, n) for a, n in runs])
+    return tiles
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bands=st.integers(1, 40),
+    c_in=st.integers(1, 160),
+    extra=st.integers(0, 9),
+    window=st.integers(1, 300),
+    fill_share=st.sampled_from([0.0, 0.1, 0.9]),
+    repeats=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_tiles_runs_of_rows_are_the_sorted_runs_of_its_sources(bands, c_in, extra, window, fill_share, repeats, seed):
+    """``swizzle_spans``: for row tables of rows shuffled within windows, some rows fill, some sources repeated,
+    each tile's runs are those a loop over its sorted sources finds, ``(0, 0)`` after them; None exactly where a
+    tile spans more than one column tile (``NK > 1``) or reads more than ``MAX_SPANS`` runs; the chunks staged at any
+    alignment fit the kernel's stage."""
+    rng = np.random.default_rng(seed)
+    n, cw = bands * prebuilt.BAND_ROWS, -(-(c_in + extra) // 4)
+    rows = np.concatenate([a + rng.permutation(min(window, n - a)) for a in range(0, n, window)]).astype(np.int32)
+    if repeats:
+        rows = np.maximum(rows - rng.integers(0, 3, n), 0).astype(np.int32)
+    rows[rng.random(n) < fill_share] = -1 - rng.integers(0, 3)
+    got = prebuilt.swizzle_spans(rows, c_in, cw)
+    _, nb, nk = prebuilt.swizzle_tile(cw)
+    want = runs_of_rows(rows, nb * prebuilt.BAND_ROWS)
+    if nk != 1 or max(len(t) for t in want) > prebuilt.MAX_SPANS:
+        assert got is None
+        return
+    assert got is not None and got.dtype == np.int32 and got.shape == (len(want), prebuilt.MAX_SPANS, 2)
+    for tile, runs in zip(got, want):
+        assert [tuple(r) for r in tile[: len(runs)]] == runs and not tile[len(runs) :].any()
+        assert sum(-(-(15 + k * c_in) // 16) for _, k in runs) <= prebuilt.STAGE_CHUNKS
+
+
+@pytest.mark.parametrize(
+    "fmt,inter,hidden,name,kernel",
+    [
+        ("mxfp4", 384, 2880, "w13_scale", "spans"),  # gpt-oss's 90-byte rows: gate and up, two runs a band
+        ("mxfp4", 384, 2880, "w2_scale", "spans"),
+        ("nvfp4", 256, 1024, "w2_scale", "spans"),  # 16-byte rows, 8 bands a tile
+        ("nvfp4", 256, 7168, "w13_scale", "rows"),  # 448-byte rows: four column tiles a row
+    ],
+)
+def test_engine_scale_maps_take_the_swizzle_kernel_that_loads_each_byte_once(
+    emulated, fmt, inter, hidden, name, kernel
+):
+    """The engines' scale maps that end in the swizzle: a tile of whole rows reads its sources as runs of rows
+    (the ``spans`` kernel), a row longer than a tile a row at a time; the reference loop's bytes from inputs at 0
+    and 6 bytes off 16, coordinate-coded and random."""
+    from reference_loops import byte_gather
+
+    m = getattr(plan_layer(fmt, "trtllm", inter, hidden), name)
+    em = m.compiled()
+    prebuilt.build_plan(em, False, torch.device("cpu"))  # as the planner thread does
+    for x in host_inputs(m, 3):
+        for shift in (0, 6):
+            out = torch.full((3, m.out_bytes), 0x5A, dtype=torch.uint8)
+            emulated.clear()
+            prebuilt.gather(em, shifted_copy(x, shift), out)
+            assert emulated == [prebuilt._SWIZZLES[kernel]]
+            assert torch.equal(out, byte_gather(m, x).reshape(3, -1))
 
 
 @settings(max_examples=300, deadline=None)

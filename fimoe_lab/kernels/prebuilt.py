@@ -11,7 +11,9 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
   padded on the right, then the 128x4 swizzle): a block stages :data:`TILE_WORDS` words of each of
   :data:`BAND_ROWS` rows in shared memory (``KW`` words of ``TILE_WORDS / KW`` bands' rows where rows are
   shorter: :func:`swizzle_tile`), loading the aligned 16-byte chunks that hold each row's bytes (rows at any
-  alignment: :func:`swizzle_chunk_shift`), then stores whole 16-byte words of the swizzle;
+  alignment: :func:`swizzle_chunk_shift`), then stores whole 16-byte words of the swizzle; where a tile holds whole
+  rows whose sources are a few runs of consecutive input rows (:func:`swizzle_spans`), each run's chunks are loaded
+  once instead (the ``spans`` kernel), so no byte is read twice;
 - in place (``kernels/cuda/cycles.cu``): a block moves one tile of a
   :class:`~fimoe_lab.kernels.cycles.CyclePlan`, ``BM`` slots x ``BW`` words of their cells, every source
   loaded into registers before any store, so each moved byte crosses memory once, as Triton's cycle
@@ -88,6 +90,7 @@ __all__ = [
     "may_run",
     "sources_for",
     "swizzle_chunk_shift",
+    "swizzle_spans",
     "swizzle_ready",
     "swizzle_tile",
     "swizzles",
@@ -143,9 +146,12 @@ BAND_ROWS = 128
 TILE_WORDS = 32
 MIN_KW = 4
 CHUNK = 16
+MAX_SPANS = 8
+STAGE_CHUNKS = BAND_ROWS * TILE_WORDS * 4 // CHUNK + 2 * MAX_SPANS
 """The swizzle kernel's band (128 rows), its tile (``TILE_WORDS`` 4-byte words of each of a band's rows), the
-fewest words of a row a tile holds and the bytes of an aligned load (``BAND_ROWS``, ``TILE_WORDS``, ``MIN_KW`` and
-``CHUNK`` of ``swizzle.cu``)."""
+fewest words of a row a tile holds, the bytes of an aligned load, the runs of input rows a tile of the ``spans``
+kernel reads and the chunks it stages (``BAND_ROWS``, ``TILE_WORDS``, ``MIN_KW``, ``CHUNK``, ``MAX_SPANS`` and
+``STAGE_CHUNKS`` of ``swizzle.cu``)."""
 THREADS = 256
 ITEMS = 8
 """Threads a block and words a thread holds (``THREADS`` and ``ITEMS`` of ``cycles.cu`` and ``gather.cu``)."""
@@ -153,7 +159,7 @@ MAX_BW = 64
 """Most words of a cell one block moves (so a tile holds at least 32 slots: few cycles cut at its edges)."""
 _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"}
 _GATHERS = {16: "fimoe_gather_w16", 4: "fimoe_gather_w4", 1: "fimoe_gather_w1"}
-_SWIZZLES = {16: "fimoe_swizzle"}
+_SWIZZLES = {"rows": "fimoe_swizzle", "spans": "fimoe_swizzle_spans"}
 _STRIDEDS = {16: "fimoe_strided_w16", 4: "fimoe_strided_w4", 1: "fimoe_strided_w1"}
 _CLUSTERS = {"gather": "fimoe_cluster_w16", "scatter": "fimoe_cluster_scatter_w16"}
 _KERNELS = {
@@ -163,7 +169,8 @@ _KERNELS = {
     STRIDED_SOURCE: _STRIDEDS,
     CLUSTER_SOURCE: _CLUSTERS,
 }
-"""Each fatbin's kernels, by the word (bytes) they move (the swizzle kernel: loads and stores)."""
+"""Each fatbin's kernels, by the word (bytes) they move (the swizzle kernels, 16-byte loads and stores: by how they
+load a tile's rows, a row at a time or a run of rows at a time)."""
 ON_REQUEST = (CLUSTER_SOURCE,)
 """Fatbins only a strategy asked for launches: loaded by its first call, not by :func:`available`."""
 MAX_GRID_Y = 65535
@@ -454,7 +461,7 @@ def _launches(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> tuple[list | N
     strided_form, aligned = runs_strided(em), out.data_ptr() % 16 == 0
     if (not strided_form or swizzle_ready(em, x.device)) and swizzles(em) and aligned:
         tables = swizzle_rows_table(em, x.device)
-        return _swizzle(em, x, tables.ready()[0]), True, tables
+        return _swizzle(em, x, *tables.ready()), True, tables
     if strided_form:
         # final unless the swizzle kernel may take these buffers later (row forms not found, or not readied yet)
         final = not em.ends_swizzled or not aligned or (em.row_forms_found() and em.swizzled_rows is None)
@@ -585,7 +592,8 @@ def swizzle_ready(em: ExecMap, device: torch.device) -> bool:
 
 def swizzle_rows_table(em: ExecMap, device: torch.device, wait: bool = False) -> DeviceTables:
     """The ``swizzled_rows`` form's row table as the swizzle kernel reads it, on ``device`` (cached on ``em``;
-    ``.ready()[0]``): int32, a source row, or ``-1 - b`` for a row of fill byte ``b``. The form is checked first
+    ``.ready()``): int32, a source row, or ``-1 - b`` for a row of fill byte ``b``; then the tiles' runs of rows
+    where the ``spans`` kernel takes the map (:func:`swizzle_spans`). The form is checked first
     (:func:`.compiled.row_form_fault`: every source row lies in the input, every fill code is one of the map's; a row
     past the input would be read outside the expert's bytes).
 
@@ -600,8 +608,42 @@ def swizzle_rows_table(em: ExecMap, device: torch.device, wait: bool = False) ->
             raise LayoutError(f"{em.name}: {fault}")
         rows, fills = form[0], np.array(em.fills or (0,), dtype=np.int64)
         table = np.where(rows >= 0, rows, -1 - fills[np.maximum(-1 - rows, 0)]).astype(np.int32)
-        em._dev[key] = DeviceTables((table,), device, wait)
+        spans = swizzle_spans(rows, form[1], form[2])
+        em._dev[key] = DeviceTables((table,) if spans is None else (table, spans), device, wait)
     return em._dev[key]
+
+
+def swizzle_spans(rows: np.ndarray, c_in: int, cw: int) -> np.ndarray | None:
+    """The runs of input rows each tile of the ``spans`` swizzle kernel reads, or None where it does not take the
+    map: int32 ``(tiles, MAX_SPANS, 2)``, per tile the sorted runs of consecutive input rows its rows read as
+    ``(first row, rows)``, ``(0, 0)`` past the last; the row table ``rows`` (a source row, or a fill code < 0 that
+    reads nothing) of rows of ``c_in`` input bytes and ``cw`` 4-byte output words.
+
+    The kernel takes the map where a tile holds whole rows (``NK == 1``: :func:`swizzle_tile`) and every tile's
+    sources form at most :data:`MAX_SPANS` runs (rows in any order, repeats allowed): it then stages each run's
+    aligned chunks once, at most ``ceil((15 + rows * c_in) / 16)`` a run, :data:`STAGE_CHUNKS` in all."""
+    kw_shift, nb, nk = swizzle_tile(cw)
+    if nk != 1:
+        return None
+    tile_rows = nb * BAND_ROWS
+    tiles = cdiv(rows.size, tile_rows)
+    by_tile = np.full(tiles * tile_rows, -1, dtype=np.int64)
+    by_tile[: rows.size] = rows
+    by_tile = np.sort(by_tile.reshape(tiles, tile_rows), axis=1)
+    before = np.concatenate([np.full((tiles, 1), -2, dtype=np.int64), by_tile[:, :-1]], axis=1)
+    starts = (by_tile >= 0) & ((before < 0) | ((by_tile != before) & (by_tile != before + 1)))
+    if (starts.sum(axis=1) > MAX_SPANS).any():
+        return None
+    ends = (by_tile >= 0) & np.concatenate([by_tile[:, 1:] > by_tile[:, :-1] + 1, np.ones((tiles, 1), bool)], axis=1)
+    spans = np.zeros((tiles, MAX_SPANS, 2), dtype=np.int32)
+    tile_of, at = np.nonzero(starts)
+    slot = np.arange(tile_of.size) - np.searchsorted(tile_of, tile_of)  # the run's place in its tile
+    spans[tile_of, slot, 0] = by_tile[tile_of, at]
+    spans[tile_of, slot, 1] = by_tile[ends] - by_tile[tile_of, at] + 1
+    staged = (CHUNK - 1 + spans[:, :, 1].astype(np.int64) * c_in + CHUNK - 1) // CHUNK
+    if (np.where(spans[:, :, 1] > 0, staged, 0).sum(axis=1) > STAGE_CHUNKS).any():
+        return None
+    return spans
 
 
 def swizzle_tile(cw: int) -> tuple[int, int, int]:
@@ -626,17 +668,37 @@ def swizzle_chunk_shift(c_in: int, cw: int, in_bytes: int, x_at: int) -> int:
     return (chunks - 1).bit_length()
 
 
-def _swizzle(em: ExecMap, x: torch.Tensor, table: torch.Tensor) -> list:
+def _swizzle(em: ExecMap, x: torch.Tensor, table: torch.Tensor, spans: torch.Tensor | None = None) -> list:
     """:func:`gather`'s launches of a ``swizzled_rows`` map reading its row ``table`` on ``x``'s device (tiles:
-    :func:`swizzle_tile`; chunks a row: :func:`swizzle_chunk_shift`)."""
+    :func:`swizzle_tile`; chunks a row: :func:`swizzle_chunk_shift`), or, given its tiles' runs of rows
+    (:func:`swizzle_spans`), the ``spans`` kernel's."""
     _, c_in, cw, rows_n, column = em.swizzled_rows
     column_fill = em.fills[-1 - column] if em.fills else 0
     kw_shift, nb, nk = swizzle_tile(cw)
     n_bands = rows_n // BAND_ROWS
     c_int, c_ll = ctypes.c_int, ctypes.c_longlong
+    if spans is not None:
+        return _per_experts(
+            SWIZZLE_SOURCE,
+            _SWIZZLES["spans"],
+            em,
+            x,
+            cdiv(n_bands, nb),
+            [
+                (ctypes.c_void_p, table.data_ptr()),
+                (ctypes.c_void_p, spans.data_ptr()),
+                (c_int, c_in),
+                (c_int, cw),
+                (c_int, n_bands),
+                (c_int, kw_shift),
+                (c_int, column_fill),
+                (c_ll, em.in_bytes),
+                (c_ll, em.out_bytes // 16),
+            ],
+        )
     return _per_experts(
         SWIZZLE_SOURCE,
-        _SWIZZLES[16],
+        _SWIZZLES["rows"],
         em,
         x,
         cdiv(n_bands, nb) * nk,

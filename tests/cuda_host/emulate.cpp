@@ -67,6 +67,16 @@ EMULATE_GATHER(fimoe_gather_w1, word1)
 
 EMULATE_SWIZZLE(fimoe_swizzle)
 
+#define EMULATE_SWIZZLE_SPANS(NAME)                                                                             \
+    extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, word16* out, const unsigned char* x, \
+                                   const int* rows, const int* spans, int c_in, int cw, int n_bands, int kw_shift, \
+                                   int column_fill, long long in_bytes, long long out_words) {                   \
+        run_grid([&] { NAME(out, x, rows, spans, c_in, cw, n_bands, kw_shift, column_fill, in_bytes, out_words); }, \
+                 gx, gy, threads, true);                                                                        \
+    }
+
+EMULATE_SWIZZLE_SPANS(fimoe_swizzle_spans)
+
 #define EMULATE_STRIDED(NAME, W)                                                                                \
     extern "C" void emulate_##NAME(unsigned gx, unsigned gy, unsigned threads, W* out, const W* x, Form form,    \
                                    int n_words, long long in_words, long long out_words) {                       \

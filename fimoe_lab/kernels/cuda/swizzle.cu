@@ -25,6 +25,13 @@
 // of a copy (2-byte loads before: 0.56-0.58), DeepSeek-R1's 448- and 16-byte rows 0.93-0.95.
 //
 // Grid: x = tile of NB bands * NK + column chunk (NK = ceil(cw / KW)), y = expert of the launch. Block: THREADS.
+//
+// Runs of rows (fimoe_swizzle_spans): where a tile holds whole rows (NK == 1) and its rows' sources form at most
+// MAX_SPANS runs of consecutive input rows (the order of the tile's rows and repeats aside), spans[tile] lists the
+// runs as (first input row, rows), rows 0 past the last. A run's bytes are contiguous: the block loads the aligned
+// 16-byte chunks that hold them, each once, into shared memory, run after run, and reads each row's words there at
+// the row's byte offset (two 4-byte words and a funnel shift). Every input byte of the tile is read once, where the
+// row slots above read a chunk for each row it touches (90-byte rows: 104 bytes a row on average).
 
 #include <climits>
 
@@ -36,6 +43,10 @@
 #define MAX_TILE_ROWS (BAND_ROWS * TILE_WORDS / MIN_KW)
 #define CHUNK 16
 #define BATCH 4  // slots a thread loads before it stages them (16-byte loads in flight)
+// fimoe_swizzle_spans: the runs of input rows a tile may read, and the chunks it stages (a tile's bytes, and two
+// chunks a run where runs start and end inside a chunk)
+#define MAX_SPANS 8
+#define STAGE_CHUNKS (BAND_ROWS * TILE_WORDS * 4 / CHUNK + 2 * MAX_SPANS)
 
 // The aligned chunk at c, bytewise: its bytes in [a, b) (the row's, inside the expert), the others 0. For a chunk
 // that does not lie whole in the expert's bytes.
@@ -160,6 +171,110 @@ __device__ __forceinline__ void swizzle_tile(word16* __restrict__ out, const uns
     }
 }
 
+// The tile's row r, word kk (bytes 4 kk .. 4 kk + 3) from the staged runs: `at` is the row's first byte in `staged`
+// or, for a fill row, -1 - its fill byte.
+__device__ __forceinline__ word4 staged_word(const word4* staged, int at, int kk, int c_in, word4 col_fill) {
+    if (at < 0) return (unsigned)(-1 - at) * 0x01010101u;
+    const int off = at + 4 * kk;
+    const word4 u = __funnelshift_r(staged[off >> 2], staged[(off >> 2) + 1], 8 * (off & 3));
+    return column_filled(u, c_in - 4 * kk, col_fill);
+}
+
+__device__ __forceinline__ void swizzle_spans_tile(word16* __restrict__ out, const unsigned char* __restrict__ x,
+                                                   const int* __restrict__ rows, const int* __restrict__ spans,
+                                                   int c_in, int cw, int n_bands, int kw_shift, int column_fill,
+                                                   long long in_bytes, long long out_words) {
+    __shared__ uint4 stage[STAGE_CHUNKS + 1];  // + 1: a row's last word may take its funnel's second word past the runs
+    __shared__ int row_at[MAX_TILE_ROWS];     // a tile row's first byte in stage, or -1 - its fill byte
+    __shared__ int span_first[MAX_SPANS], span_rows[MAX_SPANS], span_skew[MAX_SPANS], span_base[MAX_SPANS + 1];
+    const int kw = 1 << kw_shift;
+    const int nb_shift = 5 - kw_shift;
+    const int band0 = blockIdx.x << nb_shift;
+    const int live_rows = min(BAND_ROWS << nb_shift, (n_bands - band0) * BAND_ROWS);
+    const long long e = blockIdx.y;
+    const unsigned char* xe = x + e * in_bytes;
+    const unsigned char* xe_end = xe + in_bytes;
+    const int* tile_rows = rows + band0 * BAND_ROWS;
+    const word4 col_fill = (unsigned)column_fill * 0x01010101u;
+
+    if (threadIdx.x == 0) {  // each run's chunks: their first slot in stage, the run's first byte past its chunk
+        int base = 0;
+        for (int s = 0; s < MAX_SPANS; ++s) {
+            const int first = __ldg(spans + (blockIdx.x * MAX_SPANS + s) * 2);
+            const int n = __ldg(spans + (blockIdx.x * MAX_SPANS + s) * 2 + 1);
+            const unsigned char* a = xe + (long long)first * c_in;
+            const int skew = (int)(reinterpret_cast<unsigned long long>(a) & (CHUNK - 1));
+            span_first[s] = first;
+            span_rows[s] = n;
+            span_skew[s] = skew;
+            span_base[s] = base;
+            base += n > 0 ? (skew + n * c_in + CHUNK - 1) / CHUNK : 0;
+        }
+        span_base[MAX_SPANS] = base;
+    }
+    __syncthreads();
+
+    for (int r = threadIdx.x; r < live_rows; r += THREADS) {
+        const int v = __ldg(tile_rows + r);
+        int at = v;
+        for (int s = 0; s < MAX_SPANS; ++s) {
+            if (v >= span_first[s] && v < span_first[s] + span_rows[s]) {
+                at = span_base[s] * CHUNK + span_skew[s] + (v - span_first[s]) * c_in;
+            }
+        }
+        row_at[r] = at;
+    }
+
+    const int total = span_base[MAX_SPANS];
+    for (int i0 = threadIdx.x; i0 < total; i0 += BATCH * THREADS) {
+        uint4 v[BATCH];
+        const unsigned char* c[BATCH];
+        int span[BATCH];
+        unsigned edges = 0;  // bit k: chunk k is read bytewise (it does not lie whole in the expert)
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {  // every whole chunk's load issued before any is staged
+            const int i = i0 + k * THREADS;
+            int s = 0;
+#pragma unroll
+            for (int t = 1; t < MAX_SPANS; ++t) s += i >= span_base[t] ? 1 : 0;
+            span[k] = s;
+            c[k] = xe + (long long)span_first[s] * c_in - span_skew[s] + (long long)(i - span_base[s]) * CHUNK;
+            const bool whole = c[k] >= xe && c[k] + CHUNK <= xe_end;
+            v[k] = make_uint4(0u, 0u, 0u, 0u);
+            if (i < total && whole) v[k] = __ldcs(reinterpret_cast<const uint4*>(c[k]));
+            edges |= (i < total && !whole) ? 1u << k : 0u;
+        }
+        if (edges) {
+#pragma unroll
+            for (int k = 0; k < BATCH; ++k) {
+                if (edges >> k & 1) {
+                    const unsigned char* a = xe + (long long)span_first[span[k]] * c_in;
+                    v[k] = chunk_bytes(c[k], a, a + (long long)span_rows[span[k]] * c_in);
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            if (i0 + k * THREADS < total) stage[i0 + k * THREADS] = v[k];
+        }
+    }
+    __syncthreads();
+
+    const word4* staged = reinterpret_cast<const word4*>(stage);
+    for (int u = threadIdx.x; u < TILE_WORDS * 32; u += THREADS) {  // 16-byte words (band b, word kk, p)
+        const int b = u >> (kw_shift + 5), kk = (u >> 5) & (kw - 1), p = u & 31;
+        if (kk < cw && b * BAND_ROWS < live_rows) {
+            const int row = b * BAND_ROWS + p;
+            word16 w;
+            w.x = staged_word(staged, row_at[row], kk, c_in, col_fill);
+            w.y = staged_word(staged, row_at[row + 32], kk, c_in, col_fill);
+            w.z = staged_word(staged, row_at[row + 64], kk, c_in, col_fill);
+            w.w = staged_word(staged, row_at[row + 96], kk, c_in, col_fill);
+            __stcs(out + e * out_words + ((long long)(band0 + b) * cw + kk) * 32 + p, w);
+        }
+    }
+}
+
 #define SWIZZLE_KERNEL(NAME)                                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                       \
         NAME(word16* out, const unsigned char* x, const int* rows, int c_in, int cw, int n_bands, int nk,        \
@@ -168,3 +283,12 @@ __device__ __forceinline__ void swizzle_tile(word16* __restrict__ out, const uns
     }
 
 SWIZZLE_KERNEL(fimoe_swizzle)
+
+#define SWIZZLE_SPANS_KERNEL(NAME)                                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                        \
+        NAME(word16* out, const unsigned char* x, const int* rows, const int* spans, int c_in, int cw,           \
+             int n_bands, int kw_shift, int column_fill, long long in_bytes, long long out_words) {              \
+        swizzle_spans_tile(out, x, rows, spans, c_in, cw, n_bands, kw_shift, column_fill, in_bytes, out_words);   \
+    }
+
+SWIZZLE_SPANS_KERNEL(fimoe_swizzle_spans)
