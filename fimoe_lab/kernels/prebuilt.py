@@ -619,11 +619,13 @@ def swizzle_spans(rows: np.ndarray, c_in: int, cw: int) -> np.ndarray | None:
     ``(first row, rows)``, ``(0, 0)`` past the last; the row table ``rows`` (a source row, or a fill code < 0 that
     reads nothing) of rows of ``c_in`` input bytes and ``cw`` 4-byte output words.
 
-    The kernel takes the map where a tile holds whole rows (``NK == 1``: :func:`swizzle_tile`) and every tile's
-    sources form at most :data:`MAX_SPANS` runs (rows in any order, repeats allowed): it then stages each run's
-    aligned chunks once, at most ``ceil((15 + rows * c_in) / 16)`` a run, :data:`STAGE_CHUNKS` in all."""
+    The kernel takes the map where rows are not whole 16-byte chunks (``c_in % 16 != 0``: a row at a time reads
+    the chunks rows share twice; gpt-oss's 90-byte rows 6.5 chunks a row for 5.6 chunks of bytes), a tile holds
+    whole rows (``NK == 1``: :func:`swizzle_tile`) and every tile's sources form at most :data:`MAX_SPANS` runs
+    (rows in any order, repeats allowed): it then stages each run's aligned chunks once, at most ``ceil((15 + rows
+    * c_in) / 16)`` a run, :data:`STAGE_CHUNKS` in all."""
     kw_shift, nb, nk = swizzle_tile(cw)
-    if nk != 1:
+    if nk != 1 or c_in % CHUNK == 0:
         return None
     tile_rows = nb * BAND_ROWS
     tiles = cdiv(rows.size, tile_rows)
