@@ -959,13 +959,17 @@ def test_gpu_tables_copied_without_waiting_are_read_in_order_from_another_stream
 
 
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
-def test_gpu_kept_swizzle_launches_wait_for_their_row_table_on_another_stream():
-    """A scale map's row table copied to the device without waiting, queued behind 0.1 s of work on stream ``a``;
-    the map's first call on ``a`` runs the swizzle kernel and keeps its launches; the next call, on stream ``b``,
-    runs the kept launches, which wait for the table there: both outputs are the torch executor's bytes."""
-    em = plan_layer("mxfp4", "trtllm", 384, 512).w13_scale.compiled()
+@pytest.mark.parametrize("hidden,runs", [(512, False), (2880, True)], ids=["a-row-at-a-time", "runs-of-rows"])
+def test_gpu_kept_swizzle_launches_wait_for_their_row_table_on_another_stream(hidden, runs):
+    """A scale map's row table (and its tiles' runs of rows, for 90-byte rows) copied to the device without waiting,
+    queued behind 0.1 s of work on stream ``a``; the map's first call on ``a`` runs the swizzle kernel and keeps its
+    launches; the next call, on stream ``b``, runs the kept launches, which wait for the tables there: both outputs
+    are the torch executor's bytes."""
+    em = plan_layer("mxfp4", "trtllm", 384, hidden).w13_scale.compiled()
     em._dev.clear()  # no table on the device yet, no kept launches
     assert prebuilt.swizzles(em)
+    form = em.swizzled_rows
+    assert (prebuilt.swizzle_spans(form[0], form[1], form[2]) is not None) == runs
     x = torch.randint(0, 256, (8, em.in_bytes), dtype=torch.uint8, device="cuda")
     want = torch.empty((8, em.out_bytes), dtype=torch.uint8, device="cuda")
     execute(em, x, out=want, backend="torch")
