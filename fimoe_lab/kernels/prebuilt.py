@@ -624,7 +624,7 @@ def swizzle_spans(rows: np.ndarray, c_in: int, cw: int) -> np.ndarray | None:
     whole rows (``NK == 1``: :func:`swizzle_tile`) and every tile's sources form at most :data:`MAX_SPANS` runs
     (rows in any order, repeats allowed): it then stages each run's aligned chunks once, at most ``ceil((15 + rows
     * c_in) / 16)`` a run, :data:`STAGE_CHUNKS` in all."""
-    kw_shift, nb, nk = swizzle_tile(cw)
+    _, nb, nk = swizzle_tile(cw)
     if nk != 1 or c_in % CHUNK == 0:
         return None
     tile_rows = nb * BAND_ROWS
@@ -678,44 +678,20 @@ def _swizzle(em: ExecMap, x: torch.Tensor, table: torch.Tensor, spans: torch.Ten
     column_fill = em.fills[-1 - column] if em.fills else 0
     kw_shift, nb, nk = swizzle_tile(cw)
     n_bands = rows_n // BAND_ROWS
-    c_int, c_ll = ctypes.c_int, ctypes.c_longlong
-    if spans is not None:
-        return _per_experts(
-            SWIZZLE_SOURCE,
-            _SWIZZLES["spans"],
-            em,
-            x,
-            cdiv(n_bands, nb),
-            [
-                (ctypes.c_void_p, table.data_ptr()),
-                (ctypes.c_void_p, spans.data_ptr()),
-                (c_int, c_in),
-                (c_int, cw),
-                (c_int, n_bands),
-                (c_int, kw_shift),
-                (c_int, column_fill),
-                (c_ll, em.in_bytes),
-                (c_ll, em.out_bytes // 16),
-            ],
+    c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+    if spans is None:  # a row at a time: NK column tiles a row, CH chunks a row
+        chunk_shift = swizzle_chunk_shift(c_in, cw, em.in_bytes, x.data_ptr())
+        kernel, tables, tiling = (
+            "rows",
+            [(ptr, table.data_ptr())],
+            [(c_int, nk), (c_int, kw_shift), (c_int, chunk_shift)],
         )
+    else:  # runs of rows: whole rows a tile (NK == 1)
+        kernel, tables, tiling = "spans", [(ptr, table.data_ptr()), (ptr, spans.data_ptr())], [(c_int, kw_shift)]
+    shape = [(c_int, c_in), (c_int, cw), (c_int, n_bands)]
+    tail = [(c_int, column_fill), (c_ll, em.in_bytes), (c_ll, em.out_bytes // 16)]
     return _per_experts(
-        SWIZZLE_SOURCE,
-        _SWIZZLES["rows"],
-        em,
-        x,
-        cdiv(n_bands, nb) * nk,
-        [
-            (ctypes.c_void_p, table.data_ptr()),
-            (c_int, c_in),
-            (c_int, cw),
-            (c_int, n_bands),
-            (c_int, nk),
-            (c_int, kw_shift),
-            (c_int, swizzle_chunk_shift(c_in, cw, em.in_bytes, x.data_ptr())),
-            (c_int, column_fill),
-            (c_ll, em.in_bytes),
-            (c_ll, em.out_bytes // 16),
-        ],
+        SWIZZLE_SOURCE, _SWIZZLES[kernel], em, x, cdiv(n_bands, nb) * nk, tables + shape + tiling + tail
     )
 
 
