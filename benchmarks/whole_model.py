@@ -17,7 +17,15 @@ Paths (per model):
   ``convert_moe_weights_to_flashinfer_trtllm_block_layout`` (in place);
 - ``layer``: the layer entry point the integrations route an engine's preparation to
   (``plan_layer(fmt, "trtllm", ...)`` applied to the layer's weights and scales: padding, swap,
-  interleave, shuffle, block layout and scale swizzle composed; new tensors).
+  interleave, shuffle, block layout and scale swizzle composed; new tensors);
+- ``install``: vLLM 0.34's own load-time entry point for the format (the one its MoE method calls:
+  ``prepare_fp8_moe_layer_for_fi``, ``prepare_nvfp4_moe_layer_for_fi_or_cutlass``,
+  ``convert_gpt_oss_weight_to_mxfp4_moe_kernel_format``, BF16's ``align_moe_weights_for_fi`` +
+  ``convert_moe_weights_to_flashinfer_trtllm_block_layout``) after ``fimoe_lab.integrations.vllm.install()``,
+  on the layer's typed weights and scales at the model's unpadded sizes (what vLLM's loader hands it); ``vllm``:
+  the same entry point as vLLM ships it (not run unless named: vLLM's own per-expert loops take 0.1-0.2 s a
+  layer on a GPU). Both run vLLM's staged files (``benchmarks/integration_bench.py --stage VENV``, carried as
+  ``build/engine_src``); without them the default run leaves ``install`` out and says so.
 
 Cache modes: ``empty`` points ``TRITON_CACHE_DIR``, ``NUMBA_CACHE_DIR`` and ``FIMOE_LAB_CACHE`` (the
 layer plans kept on disk, :mod:`fimoe_lab.plan_store`) at new empty directories; ``warm`` reuses the
@@ -63,17 +71,49 @@ from checkout import ROOT, child_env  # noqa: E402  (a child runs the PYTHONPATH
 
 # model -> (weight format, experts, hidden, intermediate per rank, MoE layers, paths)
 MODELS = {
-    "deepseek-v3-tp8-fp8": ("fp8", 256, 7168, 256, 58, ("drop-in", "layer")),
-    "deepseek-v3-tp8-fp8-block": ("fp8-block", 256, 7168, 256, 58, ("drop-in", "layer")),
-    "qwen3-235b-tp8-bf16": ("bf16", 128, 4096, 192, 94, ("drop-in", "layer")),
-    "deepseek-r1-tp8-nvfp4": ("nvfp4", 256, 7168, 256, 58, ("layer",)),
-    "gpt-oss-120b-mxfp4": ("mxfp4", 128, 2880, 2880, 36, ("layer",)),
+    "deepseek-v3-tp8-fp8": ("fp8", 256, 7168, 256, 58, ("drop-in", "layer", "install", "vllm")),
+    "deepseek-v3-tp8-fp8-block": ("fp8-block", 256, 7168, 256, 58, ("drop-in", "layer", "install", "vllm")),
+    "qwen3-235b-tp8-bf16": ("bf16", 128, 4096, 192, 94, ("drop-in", "layer", "install", "vllm")),
+    "deepseek-r1-tp8-nvfp4": ("nvfp4", 256, 7168, 256, 58, ("layer", "install", "vllm")),
+    "gpt-oss-120b-mxfp4": ("mxfp4", 128, 2880, 2880, 36, ("layer", "install", "vllm")),
 }
+PATHS = ("drop-in", "layer", "install", "vllm")
+ENGINE_PATHS = ("install", "vllm")
+"""Paths that run vLLM's own entry point (``install``: with fimoe_lab installed into it)."""
+ENGINE_FORMATS = {
+    "fp8": "fp8-tensor",
+    "fp8-block": "fp8-block",
+    "bf16": "bf16",
+    "nvfp4": "nvfp4",
+    "mxfp4": "mxfp4-gptoss",
+}
+"""A model's weight format -> its format in ``integration_bench`` (inputs and vLLM entry point)."""
 DROP_INS = {
     "fp8": "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe (in place)",
     "fp8-block": "shuffle_deepseek_fp8_moe_weights",
     "bf16": "convert_moe_weights_to_flashinfer_trtllm_block_layout (in place)",
 }
+
+
+ENGINE_MISSING = (
+    "vLLM's files are not staged in build/engine_src/vllm: run python benchmarks/integration_bench.py --stage VENV "
+    "(a venv with vLLM 0.34 and FlashInfer, as tests/engine_envs.py makes it), and carry build/engine_src to the device"
+)
+
+
+def engine_sizes(fmt: str, hidden: int, inter: int) -> tuple[int, int]:
+    """``(hidden, intermediate)`` of the parameters vLLM creates for ``fmt``'s layer on its FlashInfer TRT-LLM
+    backend, what its entry point is handed: MXFP4 rounds the intermediate up to 128 and the hidden size to 256
+    (``mxfp4_round_up_hidden_size_and_intermediate_size``; gpt-oss 2880 x 2880 -> 3072 x 2944); the other
+    formats keep the model's sizes (BF16 pads inside its entry point)."""
+    if fmt == "mxfp4":
+        return -(-hidden // 256) * 256, -(-inter // 128) * 128
+    return hidden, inter
+
+
+def engine_staged() -> bool:
+    """Whether vLLM's preparation files are staged for the ``install`` and ``vllm`` paths."""
+    return os.path.exists(os.path.join(ROOT, "build", "engine_src", "vllm", "versions.json"))
 
 
 def copy_layer(t: dict) -> list:
@@ -111,20 +151,35 @@ def child(args: argparse.Namespace) -> dict:
 
     # shapes from the plans' maps (bytes), without building any plan in this process's timed part
     shapes = drop_in_shapes(fmt, experts, hidden, inter) if args.path == "drop-in" else None
+    engine_fmt = ENGINE_FORMATS[fmt] if args.path in ENGINE_PATHS else None
+    engine: dict = {}
+    engine_hidden, engine_inter = engine_sizes(fmt, hidden, inter)
+    if engine_fmt is not None:  # vLLM's files loaded and (install) fimoe_lab installed, untimed: an engine's start
+        import integration_bench
+
+        engine = integration_bench.load_engine("vllm")
+        if args.path == "install":
+            from fimoe_lab.integrations import vllm as integration
+
+            integration.install(force=True)
 
     def make_layer() -> dict[str, torch.Tensor]:
+        if engine_fmt is not None:  # typed weights and scales at the model's own sizes, as vLLM's loader has them
+            return integration_bench.make_inputs(engine_fmt, experts, engine_hidden, engine_inter, dev)
         if shapes is not None:
             return {k: rnd(s) for k, s in shapes.items()}
         return {k: rnd((experts, *s)) for k, s in layer_shapes.items()}
 
     def run_ours(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        if engine_fmt is not None:
+            return integration_bench.prepare("vllm", engine_fmt, engine, t, engine_hidden, engine_inter)
         if args.path == "layer":
             plan = plan_layer(fmt, "trtllm", inter, hidden)
             return [o for o in plan.apply(t["w13"], t["w2"], t.get("w13_scale"), t.get("w2_scale")) if o is not None]
         return run_drop_in(fmt, t["w13"], t["w2"])
 
-    if shapes is None:  # the layer path's input shapes: the plan's maps (built here untimed would warm it:
-        # read them from a plan built in a throwaway process instead)
+    if shapes is None and engine_fmt is None:  # the layer path's input shapes: the plan's maps (built here
+        # untimed would warm it: read them from a plan built in a throwaway process instead)
         layer_shapes = json.loads(args.shapes)
 
     starts: dict[str, list[float]] = {}  # each phase's layers' wall-clock starts (lined up with a clock log)
@@ -134,7 +189,7 @@ def child(args: argparse.Namespace) -> dict:
         stamps = starts.setdefault(name, [])
         for _ in range(layers):
             t = make_layer()
-            moved += sum(x.numel() for x in t.values())
+            moved += sum(x.numel() * x.element_size() for x in t.values())
             sync()
             stamps.append(time.time())
             a = time.perf_counter()
@@ -192,6 +247,7 @@ def child(args: argparse.Namespace) -> dict:
             copies.append(phase(copy_layer, "copy_after" if copies else "copy"))
             moved = copies[-1][2]
     base, base_host = (copies[0][0], copies[0][1]) if copies else (None, None)
+    from fimoe_lab.integrations import FALLBACKS
     from fimoe_lab.kernels import registry
 
     return {
@@ -213,6 +269,8 @@ def child(args: argparse.Namespace) -> dict:
         "numba_imported": "numba" in sys.modules,
         "inplace_clusters": os.environ.get("FIMOE_INPLACE_CLUSTERS"),  # in place on the cluster kernel where set
         "triton_imported": "triton" in sys.modules,
+        "engine_versions": engine.get("versions"),
+        "fallbacks": dict(FALLBACKS),  # installed replacements that ran vLLM's own code instead (install: none)
     }
 
 
@@ -314,14 +372,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shapes", help=argparse.SUPPRESS)
     ap.add_argument("--model", choices=sorted(MODELS), help=argparse.SUPPRESS)  # a child's model and path
-    ap.add_argument("--path", choices=("drop-in", "layer"), help=argparse.SUPPRESS)
+    ap.add_argument("--path", choices=PATHS, help=argparse.SUPPRESS)
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=sorted(MODELS), metavar="MODEL")
     ap.add_argument(
         "--paths",
         nargs="*",
-        default=["drop-in", "layer"],
-        choices=("drop-in", "layer"),
-        help="paths to run, of those a model has",
+        choices=PATHS,
+        help="paths to run, of those a model has (default: drop-in, layer and, where vLLM's files are staged, install)",
     )
     ap.add_argument("--modes", nargs="*", default=["empty", "warm"])
     ap.add_argument("--device", default="cuda")
@@ -386,6 +443,13 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"a child runs one of the orders {', '.join(PHASES)}, not {args.order!r}")
         print(json.dumps(child(args)))
         return
+    if args.paths is None:
+        args.paths = ["drop-in", "layer", "install"]
+        if not engine_staged():
+            args.paths.remove("install")
+            print(f"install path not run: {ENGINE_MISSING}", flush=True)
+    elif set(args.paths) & set(ENGINE_PATHS) and not engine_staged():
+        raise SystemExit(f"--paths {' '.join(sorted(set(args.paths) & set(ENGINE_PATHS)))}: {ENGINE_MISSING}")
     env = child_env()
     sampler = None
     if args.clock_log:
@@ -503,6 +567,8 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
                 rec["process_wall_s"] = time.perf_counter() - t
                 rec["summary"] = summarise(rec)
                 records.append(rec)
+                if rec.get("fallbacks"):
+                    print(f"{model} {label} {mode}: vLLM's own code ran for {rec['fallbacks']}", flush=True)
                 s = rec["summary"]
                 print(
                     f"{model:28s} {label:8s} {mode:5s} all {s['all_layers_s']:.3f} s copy {s['copy_all_layers_s']:.3f} s "
