@@ -62,6 +62,7 @@ __all__ = [
     "convert_moe_weights_to_flashinfer_trtllm_block_layout",
     "drop_in_maps",
     "permute_cache_keys",
+    "permute_in_place",
     "prepare_fp8_moe_layer_for_fi",
     "quantize_nvfp4_per_token_input",
     "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe",
@@ -559,10 +560,12 @@ _shuffle_mxfp8_moe_weights = shuffle_mxfp8_moe_weights
 
 
 # --------------------------------------------------------------------------- in-place converters
-def _apply_in_place(
-    pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_experts: Optional[int]
+def permute_in_place(
+    pairs: list[tuple[IndexMap, torch.Tensor, str]], scratch_experts: Optional[int] = None
 ) -> list[torch.Tensor]:
-    """Permute each tensor in place, all or nothing.
+    """Permute each tensor ``(E, ...)`` of ``pairs`` ``(map, tensor, name)`` in place by its map (a permutation of
+    the expert's bytes: ``t[e]`` becomes ``map(t[e])``), all or nothing; returns each as a view in its map's output
+    shape. ``scratch_experts``: as the in-place drop-ins'.
 
     Every tensor is checked before any byte moves (and two that share memory are refused).
     If a later tensor fails midway, its own transform undoes itself
@@ -610,7 +613,7 @@ def rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(
     plan = plan_rotate_fp8_per_tensor(
         gemm1_weights.shape[1], gemm1_weights.shape[2], gemm2_weights.shape[2], is_gated_activation
     )
-    _apply_in_place(
+    permute_in_place(
         [(plan.w13, gemm1_weights, "gemm1_weights"), (plan.w2, gemm2_weights, "gemm2_weights")], scratch_experts
     )
     plan_store.applied(plan)
@@ -683,7 +686,7 @@ def convert_moe_weights_to_flashinfer_trtllm_block_layout(
     key13, key2 = permute_cache_keys(
         (m13, k13), (w2_weight.shape[1], w2_weight.shape[2] * 2), is_gated_act_gemm, engine=engine
     )
-    o13, o2 = _apply_in_place(
+    o13, o2 = permute_in_place(
         [(plan.w13, w13_weight, "w13_weight"), (plan.w2, w2_weight, "w2_weight")], scratch_experts
     )
     # the dict after the launches: a steady layer's kernels do not wait for it (an engine passes a new dict a layer)

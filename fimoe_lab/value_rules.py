@@ -70,13 +70,18 @@ def applies(rule: Optional[ValueRule], tensors: dict[str, Optional[torch.Tensor]
     return any(tensors.get(name) is not None for name in rule.tensors)
 
 
-def apply(rule: Optional[ValueRule], tensors: dict[str, Optional[torch.Tensor]]) -> dict[str, Optional[torch.Tensor]]:
+def apply(
+    rule: Optional[ValueRule], tensors: dict[str, Optional[torch.Tensor]], in_place: bool = False
+) -> dict[str, Optional[torch.Tensor]]:
     """``tensors`` (``w13``, ``w2``, ``w13_scale``, ``w2_scale``, checkpoint layout) with ``rule`` applied (new
     tensors where it changes them; the dict itself when ``rule`` is None or finds nothing to change: a W13 with
-    one scale per expert already)."""
+    one scale per expert already). ``in_place``: the clamp writes the given tensors, as vLLM's ``clamp_`` does
+    (``fp8_requantize_max`` has no in-place form)."""
     if rule is None or not applies(rule, tensors):
         return tensors
     out = dict(tensors)
+    if in_place and rule.kind != "clamp_block_scales":
+        raise LayoutError(f"value rule {rule.kind!r} has no in-place form")
     if rule.kind == "fp8_requantize_max":
         w13, s13 = tensors["w13"], tensors["w13_scale"]
         assert w13 is not None and s13 is not None  # applies() checked
@@ -91,7 +96,7 @@ def apply(rule: Optional[ValueRule], tensors: dict[str, Optional[torch.Tensor]])
         for name in rule.tensors:
             t = tensors.get(name)
             if t is not None and t.is_floating_point():  # exponent bytes (UE8M0) have no values below the floor
-                out[name] = t.clamp(min=rule.floor)
+                out[name] = t.clamp_(min=rule.floor) if in_place else t.clamp(min=rule.floor)
         return out
     raise LayoutError(f"unknown value rule {rule.kind!r}")
 

@@ -32,7 +32,7 @@ def fixed_cases() -> list[dict]:
     """Odd sizes and TP shards through every path; fills alternate random / structured."""
     c: list[dict] = []
     for trt in (True, False):
-        for i, h, am in ((232, 256, True), (256, 384, True), (96, 256, False), (200, 128, False)):
+        for i, h, am in ((232, 256, True), (256, 384, True), (96, 256, False), (200, 128, False), (128, 256, False)):
             c.append(dict(op="fp8", inter=i, hidden=h, act_and_mul=am, gated=am, trtllm=trt))
         for i, h in ((256, 512), (384, 256), (2048 // 16, 7168 // 28)):
             c.append(dict(op="fp8", inter=i, hidden=h, act_and_mul=True, gated=True, trtllm=trt, block=[128, 128]))
@@ -159,7 +159,7 @@ def test_install_replaces_every_lookup_and_uninstall_restores(report):
         "vllm.model_executor.layers.quantization.utils.flashinfer_utils",
         "vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe",
     )
-    assert f"{fu}.prepare_fp8_moe_layer_for_fi" not in r["changed"]  # vLLM's orchestration stays vLLM's
+    assert f"{fu}.prepare_fp8_moe_layer_for_fi" in r["changed"]  # its TRT-LLM FP8 paths: one map a tensor
     assert {f"{fp4}.align_fp4_moe_weights_for_fi", f"{fp4}.prepare_static_weights_for_trtllm_fp4_moe"} <= set(
         r["changed"]
     )

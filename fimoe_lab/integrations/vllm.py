@@ -9,11 +9,12 @@ Replaced (profile ``vllm-0.34``), each where vLLM looks it up (see :mod:`fimoe_l
   ``align_moe_weights_for_fi``, ``align_fp4_moe_weights_for_fi``,
   ``align_fp4_moe_hidden_dim_for_fi``, ``align_mxfp8_moe_weights_for_fi_trtllm``,
   ``_shuffle_deepseek_fp8_moe_weights``, ``_shuffle_mxfp8_moe_weights`` (3-D scales; flattened
-  ones stay with vLLM's code, which mis-indexes them: replacing it would change the result).
-  vLLM's own
-  ``prepare_fp8_moe_layer_for_fi`` keeps running (its in-place scale clamp and parameter
-  aliasing stay vLLM's) and calls these by module lookup, so FP8 per-tensor, DeepSeek FP8
-  block and MXFP8 get fast with it.
+  ones stay with vLLM's code, which mis-indexes them: replacing it would change the result),
+  and ``prepare_fp8_moe_layer_for_fi`` on its TRT-LLM FP8 per-tensor and DeepSeek FP8 block
+  paths: each tensor's padding, swap and shuffles as one map (vLLM copies the tensor once a
+  step), with vLLM's in-place effects kept (the per-tensor rotate of the caller's W2, the
+  block scales' clamp) and the layer's sizes set as vLLM sets them. Its MXFP8 and CUTLASS
+  paths stay vLLM's, calling the replaced steps by module lookup.
 - ``quantization/utils/flashinfer_fp4_moe``: ``prepare_static_weights_for_trtllm_fp4_moe``
   (NVFP4 TRT-LLM: W13 gated interleave + epilogue shuffle, W2 shuffle, scales the same rows
   then the 128x4 swizzle: :func:`fimoe_lab.builders.plan_fp4_trtllm_weights` without the W31
@@ -65,6 +66,61 @@ def _rotate(original: Callable[..., Any]) -> Callable[..., Any]:
         prepare.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe(gemm1_weights, gemm2_weights, is_gated_activation)
 
     return guarded(ours, original, f"{FLASHINFER_UTILS}.rotate_weights_for_fi_trtllm_fp8_per_tensor_moe")
+
+
+def _fp8_layer(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``prepare_fp8_moe_layer_for_fi`` on its TRT-LLM FP8 per-tensor and DeepSeek FP8 block paths: each tensor's
+    steps (padding, the W13/W31 swap, then the gated interleave and shuffle, or the shuffle and BlockMajorK) run as
+    one map of :func:`fimoe_lab.prepare.plan_fp8_moe_layer`, where vLLM's calls copy the tensor once a step.
+
+    What the caller sees is vLLM's: a tensor vLLM permutes in place stays the caller's and is permuted in place
+    (the per-tensor W2, and W13 without the swap, when nothing is padded), one it replaces is new, the block
+    scales are clamped in place where vLLM clamps them (after the swap, W13's copy; W2's own), and the layer's
+    intermediate size is set as vLLM sets it. MXFP8 and the CUTLASS paths run vLLM's code, whose steps are
+    replaced one by one.
+    """
+    import torch
+
+    from fimoe_lab import builders, engines, prepare, value_rules
+
+    def ours(
+        layer: Any,
+        w13: Any,
+        w2: Any,
+        w13_scale: Any,
+        w13_input_scale: Any,
+        w2_scale: Any,
+        w2_input_scale: Any,
+        is_trtllm: bool = False,
+    ) -> Any:
+        args = (layer, w13, w2, w13_scale, w13_input_scale, w2_scale, w2_input_scale, is_trtllm)
+        block = getattr(layer, "weight_block_size", None) is not None
+        if not is_trtllm or (block and w13_scale.dtype == torch.uint8):
+            return original(*args)  # MXFP8, CUTLASS: vLLM's steps, each replaced
+        if not block and (w13_input_scale is None or w2_input_scale is None):
+            return original(*args)  # vLLM's own assertion
+        plan = prepare.plan_fp8_moe_layer(layer, w13, w2, w13_scale, w2_scale, is_trtllm=True)
+        if block:
+            o13, o2, o13s, o2s = plan.apply(w13, w2, w13_scale, w2_scale)  # no map on a scale: the caller's tensor
+            assert o13 is not None and o2 is not None
+            rule = engines.get_engine(PROFILE).value_rule("fp8-block", "trtllm")
+            value_rules.apply(rule, {"w13_scale": o13s, "w2_scale": o2s}, in_place=True)
+            return o13.view(w13.dtype), o2.view(w2.dtype), o13s, o2s
+        if plan.padded_intermediate != plan.intermediate:  # vLLM's alignment made new tensors of both
+            p13, p2, _, _ = plan.apply(w13, w2)
+            assert p13 is not None and p2 is not None
+            o13, o2 = p13.view(w13.dtype), p2.view(w2.dtype)
+        else:
+            in_place, o13, o2 = [(builders.present(plan.w2), w2, "w2")], w13, w2
+            if layer.moe_config.is_act_and_mul:  # vLLM's swap made W13 new
+                o13 = plan.apply_tensor("w13", w13).view(w13.dtype)
+            else:
+                in_place.insert(0, (builders.present(plan.w13), w13, "w13"))
+            prepare.permute_in_place(in_place)
+        layer.moe_config.intermediate_size_per_partition = plan.padded_intermediate
+        return o13, o2, w13_scale, w2_scale
+
+    return guarded(ours, original, f"{FLASHINFER_UTILS}.prepare_fp8_moe_layer_for_fi")
 
 
 def _bf16_block_layout(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -202,6 +258,7 @@ INTEGRATION = Integration(
         *(Patch(FLASHINFER_UTILS, name, _drop_in(name)) for name in _FU_DROP_INS),
         Patch(FLASHINFER_UTILS, "_shuffle_mxfp8_moe_weights", _shuffle_mxfp8),
         Patch(FLASHINFER_UTILS, "rotate_weights_for_fi_trtllm_fp8_per_tensor_moe", _rotate),
+        Patch(FLASHINFER_UTILS, "prepare_fp8_moe_layer_for_fi", _fp8_layer),
         Patch(FLASHINFER_UTILS, "convert_moe_weights_to_flashinfer_trtllm_block_layout", _bf16_block_layout),
         Patch(FLASHINFER_FP4_MOE, "prepare_static_weights_for_trtllm_fp4_moe", _fp4_trtllm),
         Patch(ORACLE_MXFP4, "convert_gpt_oss_weight_to_mxfp4_moe_kernel_format", _gpt_oss_mxfp4),
