@@ -989,6 +989,25 @@ def test_gpu_kept_swizzle_launches_wait_for_their_row_table_on_another_stream(hi
 
 
 @pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
+def test_gpu_plan_built_for_a_device_without_index_serves_calls_on_it():
+    """``build_plan`` given ``"cuda"`` (no index) readies the map for the current device's calls: a scale map of the
+    strided form then runs on the swizzle kernel for tensors on ``cuda:N`` (its table is ready there), not on two
+    strided stages; the bytes are the torch executor's."""
+    em = plan_layer("nvfp4", "trtllm", 256, 1024).w13_scale.compiled()
+    em._dev.clear()
+    assert prebuilt.runs_strided(em) and prebuilt.swizzles(em)
+    prebuilt.build_plan(em, False, torch.device("cuda"))
+    x = torch.randint(0, 256, (4, em.in_bytes), dtype=torch.uint8, device="cuda")
+    assert x.device.index is not None and prebuilt.swizzle_ready(em, x.device)
+    want = torch.empty((4, em.out_bytes), dtype=torch.uint8, device="cuda")
+    execute(em, x, out=want, backend="torch")
+    got = torch.full_like(want, 0x5A)
+    prebuilt.gather(em, x, got)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not PREBUILT, reason="needs the prebuilt kernels to load here")
 def test_gpu_fresh_process_prebuilt_stand_in():
     """By default a fresh process rotates FP8 weights in place on the strided kernel (each chunk copied aside and
     gathered back) while the map is planned in the background, then on the cluster kernel (sm_90 and newer: cells of

@@ -298,14 +298,19 @@ def build_plan(em: ExecMap, in_place: bool, device: torch.device | None = None) 
     row table there (:func:`swizzle_ready`: its calls there go to the swizzle kernel from then on), each copy complete
     before this returns (the planner's thread: the caller's stream never waits on it). A map the cluster kernels
     permute in place there (:func:`clusters_in_place`) gets their fatbin loaded and their table on the device instead
-    (the cycle plan where the fatbin does not load)."""
-    if in_place and device is not None and clusters_in_place(em, device):
-        dev = _normal(device)
-        if cuda_driver.available(CLUSTER_SOURCE, dev):
-            geometry = cluster_geometry(em, cluster_shared_limit(dev.index))
-            if geometry is not None:
-                cluster_table(em, dev, geometry.scatter, wait=True)
-                return
+    (the cycle plan where the fatbin does not load). A device that names no index (``"cuda"``) is the current one's:
+    the tables are kept under the index the calls' tensors carry."""
+    device = None if device is None else _normal(device)
+    if (
+        in_place
+        and device is not None
+        and clusters_in_place(em, device)
+        and cuda_driver.available(CLUSTER_SOURCE, device)
+    ):
+        geometry = cluster_geometry(em, cluster_shared_limit(device.index))
+        if geometry is not None:
+            cluster_table(em, device, geometry.scatter, wait=True)
+            return
     if in_place and runs_cycles(em):
         plan = cycle_plan(em, _tile_slots(em))
         if device is not None:
