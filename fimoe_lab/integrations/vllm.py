@@ -38,6 +38,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Optional
 
+from fimoe_lab.caches import cached
 from fimoe_lab.integrations import Integration, Patch, guarded
 
 __all__ = ["INTEGRATION", "PROFILE", "install", "uninstall", "installed", "register"]
@@ -161,7 +162,7 @@ def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
     """
     import torch
 
-    from fimoe_lab import builders, steps
+    from fimoe_lab import builders
     from fimoe_lab.errors import LayoutError
 
     oracle = importlib.import_module(ORACLE_MXFP4)
@@ -208,19 +209,14 @@ def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
             get_w2_permute_indices_with_cache(
                 _cache_permute_indices, one, builders.TRTLLM_EPILOGUE_TILE_M, num_elts_per_sf=sf
             )
-        plan = builders.plan_fp4_trtllm_weights(inter, hidden, True, True, scale_block=32)
-
-        def pairs(cols_bytes: int) -> Any:
-            return steps.interleave_rows_for_gated_act(rows, cols_bytes).inverse()
-
-        w13_map = pairs(w13.shape[2]) >> builders.present(plan.w13)
+        m13, m13s, m2, m2s, mb13, mb2 = _gpt_oss_trtllm_maps(inter, hidden)
         maps = (
-            (w13_map, w13),
-            (pairs(s13.shape[2]) >> builders.present(plan.w13_scale), s13),
-            (builders.present(plan.w2), w2),
-            (builders.present(plan.w2_scale), s2),
-            (w13_map.for_row_vectors(4), b13.reshape(experts, rows, 1).contiguous()),
-            (builders.present(plan.w2).for_row_vectors(4), b2.reshape(experts, -1, 1).contiguous()),
+            (m13, w13),
+            (m13s, s13),
+            (m2, w2),
+            (m2s, s2),
+            (mb13, b13.reshape(experts, rows, 1).contiguous()),
+            (mb2, b2.reshape(experts, -1, 1).contiguous()),
         )
         o13, o13s, o2, o2s, ob13, ob2 = (m.apply(x.contiguous()) for m, x in maps)
         return (
@@ -233,6 +229,27 @@ def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
         )
 
     return guarded(ours, original, f"{ORACLE_MXFP4}.convert_gpt_oss_weight_to_mxfp4_moe_kernel_format")
+
+
+@cached
+def _gpt_oss_trtllm_maps(intermediate: int, hidden: int) -> tuple[Any, ...]:
+    """The maps of a gpt-oss MXFP4 layer ``(E, 2I, H/2)`` weights, ``(E, 2I, H/32)`` UE8M0 scales, float32 biases
+    (one 4-byte cell a row) into vLLM's TRT-LLM layout, built once per shape (a model's layers share them, and with
+    them their executable forms and device tables): W13, its scales and bias take the inverse gated interleave
+    (``g0, u0, g1, u1, ...`` back to ``[gate; up]``) then :func:`fimoe_lab.builders.plan_fp4_trtllm_weights`'
+    W13 maps (``scale_block`` 32: swap, interleave, shuffle); W2, its scales and bias that plan's W2 maps."""
+    from fimoe_lab import builders, steps
+
+    plan = builders.plan_fp4_trtllm_weights(intermediate, hidden, True, True, scale_block=32)
+    rows = 2 * intermediate
+
+    def pairs(cols_bytes: int) -> Any:
+        return steps.interleave_rows_for_gated_act(rows, cols_bytes).inverse()
+
+    w13 = pairs(hidden // 2) >> builders.present(plan.w13)
+    w2 = builders.present(plan.w2)
+    w13_scale = pairs(hidden // 32) >> builders.present(plan.w13_scale)
+    return w13, w13_scale, w2, builders.present(plan.w2_scale), w13.for_row_vectors(4), w2.for_row_vectors(4)
 
 
 def _fp4_trtllm(original: Callable[..., Any]) -> Callable[..., Any]:
