@@ -160,9 +160,11 @@ def test_install_replaces_every_lookup_and_uninstall_restores(report):
         "vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe",
     )
     assert f"{fu}.prepare_fp8_moe_layer_for_fi" in r["changed"]  # its TRT-LLM FP8 paths: one map a tensor
-    assert {f"{fp4}.align_fp4_moe_weights_for_fi", f"{fp4}.prepare_static_weights_for_trtllm_fp4_moe"} <= set(
-        r["changed"]
-    )
+    assert {
+        f"{fp4}.align_fp4_moe_weights_for_fi",
+        f"{fp4}.prepare_static_weights_for_trtllm_fp4_moe",
+        f"{fp4}.reorder_w1w3_to_w3w1",
+    } <= set(r["changed"])
     assert r["mxfp4_swap_replaced"] and r["late_import_replaced"]
     assert r["restored"] and r["late_import_restored"] and r["plugin_installed"]
     assert r["forced_changes"] >= 12 and r["forced_restored"]

@@ -15,7 +15,8 @@ Replaced (profile ``vllm-0.34``), each where vLLM looks it up (see :mod:`fimoe_l
   step), with vLLM's in-place effects kept (the per-tensor rotate of the caller's W2, the
   block scales' clamp) and the layer's sizes set as vLLM sets them. Its MXFP8 and CUTLASS
   paths stay vLLM's, calling the replaced steps by module lookup.
-- ``quantization/utils/flashinfer_fp4_moe``: ``prepare_static_weights_for_trtllm_fp4_moe``
+- ``quantization/utils/flashinfer_fp4_moe``: ``reorder_w1w3_to_w3w1`` (3-D, in place, one pass a tensor),
+  ``prepare_static_weights_for_trtllm_fp4_moe``
   (NVFP4 TRT-LLM: W13 gated interleave + epilogue shuffle, W2 shuffle, scales the same rows
   then the 128x4 swizzle: :func:`fimoe_lab.builders.plan_fp4_trtllm_weights` without the W31
   swap, which vLLM's ``reorder_w1w3_to_w3w1`` did before), and the two ``align_fp4_*`` names
@@ -252,6 +253,26 @@ def _gpt_oss_trtllm_maps(intermediate: int, hidden: int) -> tuple[Any, ...]:
     return w13, w13_scale, w2, builders.present(plan.w2_scale), w13.for_row_vectors(4), w2.for_row_vectors(4)
 
 
+def _reorder_w1w3(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``reorder_w1w3_to_w3w1(weight, scale, dim=-2)``: each expert's two halves of rows swapped in place, one pass
+    of each 3-D tensor (vLLM copies each chunk of a half aside and back: three copies of half the bytes). Other
+    ``dim``s and shapes run vLLM's code."""
+    from fimoe_lab import prepare, steps
+
+    def ours(weight: Any, scale: Any, dim: int = -2) -> Any:
+        if weight.dim() != 3 or scale.dim() != 3 or dim % 3 != 1:
+            return original(weight, scale, dim)
+        prepare.permute_in_place(
+            [
+                (steps.swap_w13_to_w31_rows(t.shape[1], t.shape[2] * t.element_size()), t, name)
+                for t, name in ((weight, "weight"), (scale, "scale"))
+            ]
+        )
+        return weight, scale
+
+    return guarded(ours, original, f"{FLASHINFER_FP4_MOE}.reorder_w1w3_to_w3w1")
+
+
 def _fp4_trtllm(original: Callable[..., Any]) -> Callable[..., Any]:
     from fimoe_lab.integrations import fp4
 
@@ -278,6 +299,7 @@ INTEGRATION = Integration(
         Patch(FLASHINFER_UTILS, "prepare_fp8_moe_layer_for_fi", _fp8_layer),
         Patch(FLASHINFER_UTILS, "convert_moe_weights_to_flashinfer_trtllm_block_layout", _bf16_block_layout),
         Patch(FLASHINFER_FP4_MOE, "prepare_static_weights_for_trtllm_fp4_moe", _fp4_trtllm),
+        Patch(FLASHINFER_FP4_MOE, "reorder_w1w3_to_w3w1", _reorder_w1w3),
         Patch(ORACLE_MXFP4, "convert_gpt_oss_weight_to_mxfp4_moe_kernel_format", _gpt_oss_mxfp4),
     ),
     # The pin 0.7.3 is not on the package index: the tests ran with 0.7.4. FlashInfer's index
