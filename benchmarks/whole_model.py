@@ -104,10 +104,13 @@ ENGINE_MISSING = (
 def engine_sizes(fmt: str, hidden: int, inter: int) -> tuple[int, int]:
     """``(hidden, intermediate)`` of the parameters vLLM creates for ``fmt``'s layer on its FlashInfer TRT-LLM
     backend, what its entry point is handed: MXFP4 rounds the intermediate up to 128 and the hidden size to 256
-    (``mxfp4_round_up_hidden_size_and_intermediate_size``; gpt-oss 2880 x 2880 -> 3072 x 2944); the other
-    formats keep the model's sizes (BF16 pads inside its entry point)."""
+    (``mxfp4_round_up_hidden_size_and_intermediate_size``; gpt-oss 2880 x 2880 -> 3072 x 2944), BF16 the
+    intermediate to 128 (``unquantized_round_up_hidden_size_and_intermediate_size``; Qwen3-235B TP8 192 -> 256,
+    so its entry point's alignment has nothing left to pad); the other formats keep the model's sizes."""
     if fmt == "mxfp4":
         return -(-hidden // 256) * 256, -(-inter // 128) * 128
+    if fmt == "bf16":
+        return hidden, -(-inter // 128) * 128
     return hidden, inter
 
 
