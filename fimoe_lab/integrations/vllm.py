@@ -159,7 +159,10 @@ def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
     Here: the inverse gated interleave (back to ``[gate; up]``) composed with
     :func:`fimoe_lab.builders.plan_fp4_trtllm_weights` (``scale_block`` 32: swap, interleave,
     shuffle); W2 and its scale and bias the plan's shuffle. vLLM's permute-index cache gets
-    the entries its loop would add (FlashInfer's own helper, one expert per tensor).
+    the entries its loop would add (FlashInfer's own helper, one expert per tensor), computed for
+    a model's first layer of a shape and given to the later ones (vLLM's cache lives one layer:
+    each layer's helper calls recompute them on the host and copy them to the device, about
+    1 ms a gpt-oss layer on an H100 host).
     """
     import torch
 
@@ -167,6 +170,7 @@ def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
     from fimoe_lab.errors import LayoutError
 
     oracle = importlib.import_module(ORACLE_MXFP4)
+    indices: dict[tuple[Any, ...], dict[Any, Any]] = {}  # the helper's entries for a layer's shapes and device
 
     def ours(
         mxfp4_backend: Any,
@@ -205,11 +209,16 @@ def _gpt_oss_mxfp4(original: Callable[..., Any]) -> Callable[..., Any]:
             raise LayoutError(
                 f"MXFP4 scales {tuple(s13.shape)}, {tuple(s2.shape)}: the 128x4 swizzle keeps the shape only for columns % 4 == 0"
             )
-        for t, sf in ((w13, None), (s13, 16), (b13, None), (w2, None), (s2, 16), (b2, None)):
-            one = t[0].reshape(-1, 1) if t.ndim == 2 else t[0]  # a bias: (rows, 1), as vLLM passes it
-            get_w2_permute_indices_with_cache(
-                _cache_permute_indices, one, builders.TRTLLM_EPILOGUE_TILE_M, num_elts_per_sf=sf
-            )
+        key = (w13.shape[1:], s13.shape[1:], w2.shape[1:], s2.shape[1:], str(w13.device))
+        entries = indices.get(key)
+        if entries is None:  # the first layer of a shape: FlashInfer's helper, as vLLM's loop calls it
+            entries = {}
+            for t, sf in ((w13, None), (s13, 16), (b13, None), (w2, None), (s2, 16), (b2, None)):
+                one = t[0].reshape(-1, 1) if t.ndim == 2 else t[0]  # a bias: (rows, 1), as vLLM passes it
+                get_w2_permute_indices_with_cache(entries, one, builders.TRTLLM_EPILOGUE_TILE_M, num_elts_per_sf=sf)
+            indices[key] = entries
+        for k, v in entries.items():  # what the helper would add; an entry the caller has stays the caller's
+            _cache_permute_indices.setdefault(k, v)
         m13, m13s, m2, m2s, mb13, mb2 = _gpt_oss_trtllm_maps(inter, hidden)
         maps = (
             (m13, w13),
