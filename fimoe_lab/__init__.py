@@ -19,7 +19,7 @@ from typing import Any
 
 from fimoe_lab.errors import CheckpointError, FimoeError, FormatError, LayoutError, OracleError
 
-__version__ = "0.3.22"
+__version__ = "0.3.23"
 
 _LAZY = {
     "IndexMap": "fimoe_lab.layout",
