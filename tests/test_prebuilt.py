@@ -126,15 +126,25 @@ def test_the_launcher_and_the_cluster_kernel_agree_on_their_constants():
         assert re.search(rf"^\s+{name}\({params}\s+int experts\)", text, flags=re.M)
 
 
-@settings(max_examples=200, deadline=None)
-@given(cell_words=st.integers(1, 1 << 14), word=st.sampled_from([1, 4, 16]))
-def test_a_tile_fills_the_block_and_covers_the_cell(cell_words, word):
+@settings(max_examples=300, deadline=None)
+@given(cell_words=st.integers(1, 1 << 16), word=st.sampled_from([1, 4, 16]), cells=st.integers(1, 5000))
+def test_a_tile_fills_the_block_and_covers_the_cell(cell_words, word, cells):
     """``BM * BW`` is exactly the block's words, ``BW`` divides the cell, ``NC * BW`` covers it, and a tile holds
-    at least 32 slots (so the plan's tiles cut few cycles)."""
-    bm, bw, nc = prebuilt.cycle_tile(cell_words * word, word)
-    assert bm * bw == prebuilt.THREADS * prebuilt.ITEMS
+    at least 32 slots (so the plan's tiles cut few cycles) or, for an expert of fewer cells, all of them; ``BW`` is
+    the widest power of two that allows it."""
+    bm, bw, nc = prebuilt.cycle_tile(cell_words * word, word, cells)
+    block = prebuilt.THREADS * prebuilt.ITEMS
+    assert bm * bw == block
     assert cell_words % bw == 0 and nc * bw == cell_words and bw & (bw - 1) == 0
-    assert bw <= prebuilt.MAX_BW and bm >= prebuilt.THREADS * prebuilt.ITEMS // prebuilt.MAX_BW
+    least = min(block // prebuilt.MAX_BW, cells)
+    assert bm >= least and (bm // 2 < least or cell_words % (2 * bw))  # the widest BW that keeps bm >= least
+
+
+def test_an_expert_of_two_cells_takes_two_slots_of_a_thousand_words():
+    """A swap of an expert's halves (two 917,504-byte cells of 16-byte words, DeepSeek-R1's NVFP4 W13): tiles of 2
+    slots x 1,024 words, 56 blocks a tile, where 32 slots x 64 words used 2 of every block's 32 slots."""
+    assert prebuilt.cycle_tile(917_504, 16, 2) == (2, 1024, 56)
+    assert prebuilt.cycle_tile(7168, 16, 512) == (32, 64, 7)  # an FP8 rotate's rows: as before
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
@@ -994,9 +1004,11 @@ def test_a_swizzled_row_table_that_reads_past_the_input_is_refused_before_any_la
 
 
 @settings(max_examples=25, deadline=None)
+@example(cells=2, cell_bytes=4096, experts=3, scratch=1, seed=1)  # two cells: a tile of 8 slots x 256 words
+@example(cells=5, cell_bytes=4096, experts=2, scratch=2, seed=2)
 @given(
     cells=st.integers(1, 700),
-    cell_bytes=st.sampled_from([1, 3, 4, 16, 48, 1040]),
+    cell_bytes=st.sampled_from([1, 3, 4, 16, 48, 1040, 4096]),
     experts=st.integers(1, 5),
     scratch=st.integers(1, 5),
     seed=st.integers(0, 2**16),

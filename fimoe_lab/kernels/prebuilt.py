@@ -26,7 +26,8 @@ Nothing is compiled in the process (the kernels ship as fatbins, loaded by :mod:
 Tile shape (the gather and cycle kernels): ``THREADS * ITEMS`` words a block (the constants of the ``.cu`` files); the
 word is 16 bytes where the cell and the buffers allow it, else 4, else 1; ``BW`` is the largest power of
 two dividing the cell's words up to :data:`MAX_BW`, ``BM = THREADS * ITEMS / BW`` cells (a power of two,
-at least 32).
+at least 32); an expert of fewer cells takes tiles of as many slots as hold them all and wider ``BW``
+(:func:`cycle_tile`).
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ THREADS = 256
 ITEMS = 8
 """Threads a block and words a thread holds (``THREADS`` and ``ITEMS`` of ``cycles.cu`` and ``gather.cu``)."""
 MAX_BW = 64
-"""Most words of a cell one block moves (so a tile holds at least 32 slots: few cycles cut at its edges)."""
+"""Most words of a cell one block moves (so a tile holds at least 32 slots: few cycles cut at its edges), where an
+expert has 32 cells or more (:func:`cycle_tile`)."""
 _FUNCTIONS = {16: "fimoe_cycles_w16", 4: "fimoe_cycles_w4", 1: "fimoe_cycles_w1"}
 _GATHERS = {16: "fimoe_gather_w16", 4: "fimoe_gather_w4", 1: "fimoe_gather_w1"}
 _SWIZZLES = {"rows": "fimoe_swizzle", "spans": "fimoe_swizzle_spans"}
@@ -253,12 +255,22 @@ def loads_for(em: ExecMap, in_place: bool, device: torch.device | str) -> bool:
     return True
 
 
-def cycle_tile(cell_bytes: int, word: int) -> tuple[int, int, int]:
-    """``(BM, BW, NC)`` for cells of ``cell_bytes`` moved as ``word``-byte words: slots a tile, words of a cell
-    a block, blocks a tile (``NC * BW`` = the cell's words)."""
+def cycle_tile(cell_bytes: int, word: int, cells: int) -> tuple[int, int, int]:
+    """``(BM, BW, NC)`` for an expert of ``cells`` cells of ``cell_bytes`` moved as ``word``-byte words: slots a
+    tile, words of a cell a block, blocks a tile (``BM * BW = THREADS * ITEMS``, ``NC * BW`` = the cell's words).
+    A tile holds at least ``THREADS * ITEMS / MAX_BW`` (32) slots, so few cycles are cut at its edges, or, where the
+    expert has fewer cells, the power of two that holds them all, its block's other words going to the cells'
+    words: a swap of two halves of an expert takes tiles of 2 slots x 1,024 words, where 32 slots x 64 words left
+    30 slots of every block idle."""
     words = cell_bytes // word
-    bw = pow2_divisor(words, MAX_BW)
+    slots = min(THREADS * ITEMS // MAX_BW, 1 << (max(cells, 1) - 1).bit_length())
+    bw = pow2_divisor(words, THREADS * ITEMS // slots)
     return THREADS * ITEMS // bw, bw, words // bw
+
+
+def _cells(em: ExecMap) -> int:
+    """Output cells of an expert of ``em`` (in place, also its input's)."""
+    return em.out_bytes // em.cell_bytes
 
 
 def _word(em: ExecMap, *buffers: torch.Tensor) -> int:
@@ -268,7 +280,7 @@ def _word(em: ExecMap, *buffers: torch.Tensor) -> int:
 
 
 def _tile_slots(em: ExecMap) -> int:
-    return cycle_tile(em.cell_bytes, _word(em))[0]
+    return cycle_tile(em.cell_bytes, _word(em), _cells(em))[0]
 
 
 def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = None) -> bool:
@@ -472,7 +484,7 @@ def _launches(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> tuple[list | N
         final = not em.ends_swizzled or not aligned or (em.row_forms_found() and em.swizzled_rows is None)
         return (None if em.strided is None else _strided(em, x, out)), final, None
     word = _word(em, x, out)
-    bm, bw, nc = cycle_tile(em.cell_bytes, word)
+    bm, bw, nc = cycle_tile(em.cell_bytes, word, _cells(em))
     src, fills = em.src_on(x.device), em.fills_on(x.device, word)
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     gathers = _per_experts(
@@ -749,7 +761,7 @@ def _cycle_launches(em: ExecMap, flat: torch.Tensor, scratch_experts: int) -> Cy
     expert of the chunk; every full chunk shares one pair of launches."""
     experts, nbytes = flat.shape
     word = _word(em, flat)
-    bm, bw, nc = cycle_tile(em.cell_bytes, word)
+    bm, bw, nc = cycle_tile(em.cell_bytes, word, _cells(em))
     plan = cycle_plan(em, bm)
     if plan.moved == 0:
         return CycleLaunches((), 0, None)
