@@ -462,3 +462,31 @@ def test_warm_drop_in_call_builds_and_scans_no_map(name, monkeypatch):
     seen.clear()
     WARM_DROP_INS[name]()
     assert seen == [], f"a warm {name} call reached {sorted(set(seen))}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    experts=st.integers(1, 4),
+    half=st.integers(1, 40),
+    cols=st.integers(1, 9),
+    dtype=st.sampled_from([torch.int32, torch.bfloat16, torch.uint8, torch.float32]),
+    structured=st.booleans(),
+)
+def test_permute_in_place_swaps_halves_of_any_dtype(experts, half, cols, dtype, structured):
+    """``permute_in_place`` with the W13/W31 swap on tensors of any element size (vLLM's MXINT4 reorder passes int32
+    weights and bfloat16 scales): each expert's two halves of rows swapped, against ``torch.cat`` of the halves,
+    the tensor itself changed (same storage, dtype and shape)."""
+    from fimoe_lab import steps
+
+    item = torch.empty((), dtype=dtype).element_size()
+    # each row 4 * cols * item bytes: the structured rows' int32 codes name their expert, row and column
+    shape = (experts, 2 * half, 4 * cols)
+    if structured:
+        t = coords(experts, 2 * half, cols * item).view(dtype).reshape(shape)
+    else:
+        t = random_bytes(shape, dtype, seed=half)
+    want = torch.cat([t[:, half:], t[:, :half]], dim=1).clone()
+    ptr = t.data_ptr()
+    prepare.permute_in_place([(steps.swap_w13_to_w31_rows(2 * half, 4 * cols * item), t, "t")])
+    assert t.data_ptr() == ptr and t.dtype == dtype and t.shape == shape
+    assert same_bytes(t, want)
