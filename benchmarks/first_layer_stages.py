@@ -43,7 +43,7 @@ STAGES = {  # module -> functions whose main-thread time is summed
     "fimoe_lab.compile": ("compile_map",),
     "fimoe_lab.plan": ("apply_map",),
     "fimoe_lab.prepare": (
-        "_apply_in_place",
+        "permute_in_place",
         "permute_cache_keys",
         "plan_trtllm_bf16_block_layout",
         "plan_shuffle_deepseek_fp8",
