@@ -1027,6 +1027,36 @@ def test_the_kernel_source_follows_any_cycles(emulated, cells, cell_bytes, exper
     assert torch.equal(y, byte_gather(m, x))
 
 
+@settings(max_examples=25, deadline=None)
+@example(cells=2, cell_bytes=4096, experts=3, seed=1, shift=0)  # two cells: tiles of 8 slots x 256 words
+@given(
+    cells=st.integers(1, 70),
+    cell_bytes=st.sampled_from([4, 16, 48, 1040, 4096]),
+    experts=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    shift=st.sampled_from([0, 4, 1]),
+)
+def test_the_gather_source_runs_any_map_of_few_cells(emulated, cells, cell_bytes, experts, seed, shift):
+    """Random cell maps (repeats and fills included) of experts of few cells, where the gather kernel's tiles hold
+    every cell of an expert and wider blocks of words: the byte-loop reference's bytes, for each word the buffers'
+    alignment allows."""
+    from reference_loops import byte_gather
+
+    from fimoe_lab.layout import IndexMap
+
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(-1, cells, (cells,), generator=g)  # -1: a cell of fill bytes
+    m = IndexMap(src, cell_bytes, (cells * cell_bytes,), (cells * cell_bytes,))
+    em = m.compiled()
+    x = torch.randint(0, 256, (experts, m.in_bytes), dtype=torch.uint8, generator=g)
+    out = torch.full((experts, m.out_bytes), 0x5A, dtype=torch.uint8)
+    emulated.clear()
+    prebuilt.gather(em, shifted_copy(x, shift), out)
+    assert torch.equal(out, byte_gather(m, x).reshape(experts, -1))
+    kernels = prebuilt._STRIDEDS if prebuilt.runs_strided(em) else prebuilt._GATHERS
+    assert emulated and all(name in kernels.values() for name in emulated)
+
+
 @pytest.fixture
 def driver_seen(monkeypatch):
     """The driver's launch call faked: each launch's grid, block, stream and argument values as the driver reads them
