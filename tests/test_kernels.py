@@ -638,3 +638,21 @@ def test_numba_gather_refuses_a_strided_output_and_leaves_it_untouched():
     with pytest.raises(LayoutError, match="contiguous"):
         numba_gather.gather_numba(m.compiled(), x, out)
     assert bool((wide == 0xAB).all())
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("cells,cell_bytes", [(2, 4), (6, 16), (33, 1), (5, 3)])
+def test_a_map_that_lists_no_fill_bytes_fills_with_zero_on_every_executor(backend, cells, cell_bytes):
+    """``IndexMap(src, ...)`` with fill cells (``src < 0``) and no ``fills``: those cells are zeros on every executor
+    and in every form the map compiles to (a strided box with a fill, a gather), as the byte-loop reference has them;
+    the first cell of the output reads the last input cell, the second is a fill (so the form has a fill)."""
+    from fimoe_lab.layout import IndexMap
+
+    g = torch.Generator().manual_seed(cells)
+    src = torch.randint(-1, cells, (cells,), generator=g)
+    src[0], src[1] = cells - 1, -1
+    m = IndexMap(src, cell_bytes, (cells * cell_bytes,), (cells * cell_bytes,))
+    x = random_bytes((3, m.in_bytes), torch.uint8, seed=cells)
+    out = torch.full((3, m.out_bytes), 0x5A, dtype=torch.uint8)
+    execute(m.compiled(), x, out, backend)
+    assert torch.equal(out, reference(m, x).reshape(3, -1))

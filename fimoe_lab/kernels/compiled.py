@@ -73,9 +73,9 @@ class ExecMap:
     """What an executor needs to run one map (per expert; identical for every expert).
 
     Per expert: ``out_cell[i] = in_cell[src[i]]`` for ``src[i] >= 0``, else every byte of
-    output cell ``i`` is ``fills[-1 - src[i]]``; cells are ``cell_bytes`` wide, ``n_in``
-    of them in the ``in_bytes`` of an expert's input, ``n_out`` in its ``out_bytes`` of
-    output (``n_out * cell_bytes == out_bytes``).
+    output cell ``i`` is ``fills[-1 - src[i]]`` (0 where ``fills`` is empty: :attr:`fill_bytes`); cells are
+    ``cell_bytes`` wide, ``n_in`` of them in the ``in_bytes`` of an expert's input, ``n_out`` in its ``out_bytes``
+    of output (``n_out * cell_bytes == out_bytes``).
 
     ``swizzled_rows``: ``(source row or fill code per row int32, input row bytes C_in, 4-byte words per row
     cw, rows R, column fill code or -1)`` when the map is rows of 1-byte scales padded on the right (``C_in <=
@@ -266,13 +266,22 @@ class ExecMap:
             self._dev["band step"] = step
         return self._dev["band step"]
 
+    @property
+    def fill_bytes(self) -> tuple[int, ...]:
+        """The byte of each fill code ``-1 - k``: ``fills``, or ``(0,)`` for a map that lists none (its fill cells
+        are zeros)."""
+        return self.fills or (0,)
+
+    def fill_byte(self, code: int) -> int:
+        """The byte of fill code ``code`` (``-1 - k``: :attr:`fill_bytes` ``[k]``)."""
+        return self.fill_bytes[-1 - code]
+
     def fill_words(self, word: int) -> np.ndarray:
         """One ``word``-byte word per fill code (its byte repeated); a 16-byte word as its 16 bytes."""
         if word == 16:
-            return np.repeat(np.array(self.fills or (0,), dtype=np.uint8), 16)
+            return np.repeat(np.array(self.fill_bytes, dtype=np.uint8), 16)
         dt = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}[word]
-        vals = [fill_word(b, word) for b in self.fills] or [0]
-        return np.array(vals, dtype=dt)
+        return np.array([fill_word(b, word) for b in self.fill_bytes], dtype=dt)
 
     def src_on(self, device: torch.device) -> torch.Tensor:
         key = ("src", str(device))

@@ -556,7 +556,7 @@ def strided_form_table(em: ExecMap, word: int) -> tuple[int, ...]:
         st = em.strided
         assert st is not None and runs_strided(em)
         cell_words = em.cell_bytes // word
-        table = [0, st.offset * cell_words, -1 if st.fill is None else em.fills[-1 - st.fill]]
+        table = [0, st.offset * cell_words, -1 if st.fill is None else em.fill_byte(st.fill)]
         digits = [(cell_words, cell_words, 1)] if cell_words > 1 else []
         digits += [(radix, live, stride * cell_words) for radix, live, stride in zip(st.shape, st.live, st.strides)][
             ::-1
@@ -623,7 +623,7 @@ def swizzle_rows_table(em: ExecMap, device: torch.device, wait: bool = False) ->
         fault = row_form_fault("swizzled_rows", form, len(em.fills), em.in_bytes, em.out_bytes)
         if fault is not None:
             raise LayoutError(f"{em.name}: {fault}")
-        rows, fills = form[0], np.array(em.fills or (0,), dtype=np.int64)
+        rows, fills = form[0], np.array(em.fill_bytes, dtype=np.int64)
         table = np.where(rows >= 0, rows, -1 - fills[np.maximum(-1 - rows, 0)]).astype(np.int32)
         spans = swizzle_spans(rows, form[1], form[2])
         em._dev[key] = DeviceTables((table,) if spans is None else (table, spans), device, wait)
@@ -692,7 +692,7 @@ def _swizzle(em: ExecMap, x: torch.Tensor, table: torch.Tensor, spans: torch.Ten
     :func:`swizzle_tile`; chunks a row: :func:`swizzle_chunk_shift`), or, given its tiles' runs of rows
     (:func:`swizzle_spans`), the ``spans`` kernel's."""
     _, c_in, cw, rows_n, column = em.swizzled_rows
-    column_fill = em.fills[-1 - column] if em.fills else 0
+    column_fill = em.fill_byte(column)
     kw_shift, nb, nk = swizzle_tile(cw)
     n_bands = rows_n // BAND_ROWS
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p

@@ -62,7 +62,7 @@ def gather_torch(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> None:
     xin, xout = cell_views(em, x, out)
     src = _index(em, ("gather_idx",), lambda: np.maximum(em.src, 0), x.device)
     torch.index_select(xin, 1, src, out=xout)
-    for k, byte in enumerate(em.fills):
+    for k, byte in enumerate(em.fill_bytes if em.has_fill else ()):
         idx = _index(em, ("fill_idx", k), lambda k=k: np.flatnonzero(em.src == -1 - k), x.device)
         if idx.numel():
             xout.index_fill_(1, idx, fill_word(byte, xout.element_size()))
@@ -164,7 +164,7 @@ def _fill_box_complement(em: ExecMap, out: torch.Tensor, word: int) -> None:
     # copy kernel the strided copies have loaded; the word reaches the device by a host copy, not a fill
     key = ("fill word", fw, str(out.device))
     if key not in em._dev:
-        word_t = torch.tensor([fill_word(em.fills[-1 - st.fill], fw)], dtype=ow.dtype)
+        word_t = torch.tensor([fill_word(em.fill_byte(st.fill), fw)], dtype=ow.dtype)
         em._dev[key] = word_t.to(out.device)
     one = em._dev[key]
     for sizes, strides, offset in p.slabs:
