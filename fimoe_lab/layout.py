@@ -135,10 +135,11 @@ class IndexMap:
     Attributes:
         src: int64 CPU tensor of shape ``(n_out_cells,)``; ``src[i] >= 0`` is an input
             cell, ``src[i] = -1 - k`` fills the cell with byte ``fills[k]``.
+        fills: fill byte values referenced by negative codes; a map with fill cells given none
+            fills with zeros (``fills`` becomes ``(0,)``).
         cell_bytes: bytes per cell.
         in_shape / out_shape: the per-expert matrix shapes in **bytes** (last dim in
             bytes). A tensor of dtype with itemsize ``s`` has last dim ``shape[-1] / s``.
-        fills: fill byte values referenced by negative codes.
         kind: what the step is (a constructor name in :mod:`fimoe_lab.steps` for a
             primitive step, ``"chain"`` for a composition, ``"inverse"`` for an inverse).
         params: the arguments that rebuild the step (``steps.build(kind, **params)``),
@@ -193,6 +194,8 @@ class IndexMap:
                 f"{self.name}: shapes {self.in_shape} -> {self.out_shape} bytes do not tile into "
                 f"{self.src.numel()} cells of {self.cell_bytes} bytes"
             )
+        if not self.fills and self._has_fill:  # fill cells and no fill bytes listed: zeros, named as such, so that
+            object.__setattr__(self, "fills", (0,))  # a composition's renumbered codes keep meaning zero
 
     # ---------------------------------------------------------------- sizes
     @property

@@ -345,3 +345,29 @@ def test_scale_swizzles_match_the_formula_at_every_scale(rows, cols, itemsize):
             for c in range(cols):
                 want[(r // atom) * (cp // 4) * 4 * atom + (c // 4) * 4 * atom + within(r % atom, c % 4)] = r * cols + c
         assert m.src.tolist() == want and m.cell_bytes == itemsize
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    m_out=st.integers(1, 12),
+    cell=st.sampled_from([1, 2, 4]),
+    fill=st.integers(1, 255),
+    seed=st.integers(0, 2**16),
+)
+def test_a_map_that_lists_no_fill_bytes_fills_zeros_also_composed(n, m_out, cell, fill, seed):
+    """A map with fill cells and no ``fills`` fills them with zeros (its ``fills`` become ``(0,)``), also composed
+    before and after a map whose fill byte is not zero: ``(a >> b)(x) == b(a(x))`` and ``(b2 >> a2)(x) ==
+    a2(b2(x))``, against the byte-loop reference on random bytes."""
+    from reference_loops import byte_gather
+
+    g = torch.Generator().manual_seed(seed)
+    a_src = torch.randint(-1, n, (n,), generator=g)
+    a_src[0] = -1  # at least one fill cell
+    a = IndexMap(a_src, cell, (n * cell,), (n * cell,))
+    b = IndexMap(torch.randint(-1, n, (m_out,), generator=g), cell, (n * cell,), (m_out * cell,), fills=(fill,))
+    assert a.fills == (0,)
+    x = torch.randint(0, 256, (2, n * cell), dtype=torch.uint8, generator=g)
+    assert torch.equal(byte_gather(a >> b, x), byte_gather(b, byte_gather(a, x).reshape(2, -1)))
+    b2 = IndexMap(torch.randint(-1, n, (n,), generator=g), cell, (n * cell,), (n * cell,), fills=(fill,))
+    assert torch.equal(byte_gather(b2 >> a, x), byte_gather(a, byte_gather(b2, x).reshape(2, -1)))
