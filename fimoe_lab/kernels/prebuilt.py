@@ -268,11 +268,6 @@ def cycle_tile(cell_bytes: int, word: int, cells: int) -> tuple[int, int, int]:
     return THREADS * ITEMS // bw, bw, words // bw
 
 
-def _cells(em: ExecMap) -> int:
-    """Output cells of an expert of ``em`` (in place, also its input's)."""
-    return em.out_bytes // em.cell_bytes
-
-
 def _word(em: ExecMap, *buffers: torch.Tensor) -> int:
     """The word ``em``'s cells move as in ``buffers`` (none: buffers the allocator aligned, 16 bytes or more)."""
     widest = aligned_word(16, *buffers) if buffers else 16
@@ -280,7 +275,7 @@ def _word(em: ExecMap, *buffers: torch.Tensor) -> int:
 
 
 def _tile_slots(em: ExecMap) -> int:
-    return cycle_tile(em.cell_bytes, _word(em), _cells(em))[0]
+    return cycle_tile(em.cell_bytes, _word(em), em.n_out)[0]
 
 
 def planned(em: ExecMap, in_place: bool, device: torch.device | str | None = None) -> bool:
@@ -484,7 +479,7 @@ def _launches(em: ExecMap, x: torch.Tensor, out: torch.Tensor) -> tuple[list | N
         final = not em.ends_swizzled or not aligned or (em.row_forms_found() and em.swizzled_rows is None)
         return (None if em.strided is None else _strided(em, x, out)), final, None
     word = _word(em, x, out)
-    bm, bw, nc = cycle_tile(em.cell_bytes, word, _cells(em))
+    bm, bw, nc = cycle_tile(em.cell_bytes, word, em.n_out)
     src, fills = em.src_on(x.device), em.fills_on(x.device, word)
     c_int, c_ll, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     gathers = _per_experts(
@@ -761,7 +756,7 @@ def _cycle_launches(em: ExecMap, flat: torch.Tensor, scratch_experts: int) -> Cy
     expert of the chunk; every full chunk shares one pair of launches."""
     experts, nbytes = flat.shape
     word = _word(em, flat)
-    bm, bw, nc = cycle_tile(em.cell_bytes, word, _cells(em))
+    bm, bw, nc = cycle_tile(em.cell_bytes, word, em.n_out)
     plan = cycle_plan(em, bm)
     if plan.moved == 0:
         return CycleLaunches((), 0, None)
