@@ -22,7 +22,7 @@ Paths (per model):
   ``prepare_fp8_moe_layer_for_fi``, ``prepare_nvfp4_moe_layer_for_fi_or_cutlass``,
   ``convert_gpt_oss_weight_to_mxfp4_moe_kernel_format``, BF16's ``align_moe_weights_for_fi`` +
   ``convert_moe_weights_to_flashinfer_trtllm_block_layout``) after ``fimoe_lab.integrations.vllm.install()``,
-  on the layer's typed weights and scales at the model's unpadded sizes (what vLLM's loader hands it); ``vllm``:
+  on the layer's typed weights and scales at the sizes vLLM allocates for them (:func:`engine_sizes`); ``vllm``:
   the same entry point as vLLM ships it (not run unless named: vLLM's own per-expert loops take 0.1-0.2 s a
   layer on a GPU). Both run vLLM's staged files (``benchmarks/integration_bench.py --stage VENV``, carried as
   ``build/engine_src``); without them the default run leaves ``install`` out and says so.
@@ -71,15 +71,16 @@ from checkout import ROOT, child_env  # noqa: E402  (a child runs the PYTHONPATH
 
 # model -> (weight format, experts, hidden, intermediate per rank, MoE layers, paths)
 MODELS = {
-    "deepseek-v3-tp8-fp8": ("fp8", 256, 7168, 256, 58, ("drop-in", "layer", "install", "vllm")),
-    "deepseek-v3-tp8-fp8-block": ("fp8-block", 256, 7168, 256, 58, ("drop-in", "layer", "install", "vllm")),
-    "qwen3-235b-tp8-bf16": ("bf16", 128, 4096, 192, 94, ("drop-in", "layer", "install", "vllm")),
-    "deepseek-r1-tp8-nvfp4": ("nvfp4", 256, 7168, 256, 58, ("layer", "install", "vllm")),
-    "gpt-oss-120b-mxfp4": ("mxfp4", 128, 2880, 2880, 36, ("layer", "install", "vllm")),
+    "deepseek-v3-tp8-fp8": ("fp8", 256, 7168, 256, 58, ("drop-in", "layer")),
+    "deepseek-v3-tp8-fp8-block": ("fp8-block", 256, 7168, 256, 58, ("drop-in", "layer")),
+    "qwen3-235b-tp8-bf16": ("bf16", 128, 4096, 192, 94, ("drop-in", "layer")),
+    "deepseek-r1-tp8-nvfp4": ("nvfp4", 256, 7168, 256, 58, ("layer",)),
+    "gpt-oss-120b-mxfp4": ("mxfp4", 128, 2880, 2880, 36, ("layer",)),
 }
-PATHS = ("drop-in", "layer", "install", "vllm")
 ENGINE_PATHS = ("install", "vllm")
-"""Paths that run vLLM's own entry point (``install``: with fimoe_lab installed into it)."""
+"""Paths every model has besides its own: vLLM's entry point for its format (``install``: with fimoe_lab installed
+into it)."""
+PATHS = ("drop-in", "layer", *ENGINE_PATHS)
 ENGINE_FORMATS = {
     "fp8": "fp8-tensor",
     "fp8-block": "fp8-block",
@@ -167,7 +168,7 @@ def child(args: argparse.Namespace) -> dict:
             integration.install(force=True)
 
     def make_layer() -> dict[str, torch.Tensor]:
-        if engine_fmt is not None:  # typed weights and scales at the model's own sizes, as vLLM's loader has them
+        if engine_fmt is not None:  # typed weights and scales at the sizes vLLM allocates, as its loader has them
             return integration_bench.make_inputs(engine_fmt, experts, engine_hidden, engine_inter, dev)
         if shapes is not None:
             return {k: rnd(s) for k, s in shapes.items()}
@@ -517,7 +518,7 @@ def run_children(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
     for model in args.models:
         fmt, experts, hidden, inter, layers, paths = MODELS[model]
         shapes = json.dumps(layer_shapes_of(fmt, hidden, inter))
-        runs = [(path, path, {}) for path in paths if path in args.paths]
+        runs = [(path, path, {}) for path in (*paths, *ENGINE_PATHS) if path in args.paths]
         if args.torch_stand_in:
             runs += [(f"{path} torch", path, {"FIMOE_PREBUILT_KERNELS": "0"}) for path in paths]
         for label, path, extra in runs:
